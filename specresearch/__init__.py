@@ -1,0 +1,10 @@
+"""specresearch: a research toolkit for speculative decoding with exact twins and machine-checked proofs.
+
+Notation (fixed once for the whole package, following Leviathan et al. 2023):
+p = target model (``target_probs``), q = draft model (``draft_probs``), gamma = draft block length,
+alpha = E[sum_x min(p, q)]. Reference 002 swaps p and q; the code never does.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,5 @@
+import sys
+
+from specresearch.cli import main
+
+sys.exit(main())
