@@ -1,0 +1,244 @@
+"""Tests for specresearch.sampling (logits -> probabilities) and its exact twin specresearch.exact_sampling."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from specresearch.sampling import (
+    PRESETS,
+    SamplingConfig,
+    apply_temperature,
+    epsilon_filter,
+    logits_to_probs,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+def _logits(*probs, dtype=torch.float64):
+    return torch.tensor(probs, dtype=dtype).log()
+
+
+def _kept(filtered):
+    return set(torch.nonzero(torch.isfinite(filtered)).flatten().tolist())
+
+
+# --- SamplingConfig validation -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"epsilon": 1.0}, "epsilon"),
+        ({"epsilon": -0.01}, "epsilon"),
+        ({"epsilon": float("nan")}, "epsilon"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingConfig(**kwargs)
+
+
+def test_config_is_frozen_and_presets():
+    config = SamplingConfig(top_p=0.9)
+    with pytest.raises(Exception):
+        config.top_p = 0.5
+    assert SamplingConfig.from_name("greedy").greedy
+    assert not SamplingConfig.from_name("default").greedy
+    assert SamplingConfig(top_k=1).greedy
+    assert SamplingConfig.from_name("nucleus") == SamplingConfig(top_p=0.9)
+    assert set(PRESETS) >= {"greedy", "default", "nucleus"}
+    with pytest.raises(ValueError, match="name"):
+        SamplingConfig.from_name("no-such-preset")
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.tensor([0.0, float("nan")]), "NaN"),
+        (torch.tensor([0.0, float("inf")]), r"\+inf"),
+        (torch.tensor([[0.0, 1.0], [-math.inf, -math.inf]]), "every entry is -inf"),
+        (torch.tensor([1, 2]), "floating"),
+        (torch.zeros(2, 0), "V >= 1"),
+    ],
+)
+def test_bad_logits_raise(bad, message):
+    with pytest.raises(ValueError, match=message):
+        logits_to_probs(bad, SamplingConfig())
+
+
+def test_config_type_checked():
+    with pytest.raises(ValueError, match="config"):
+        logits_to_probs(torch.zeros(3), {"temperature": 1.0})
+
+
+# --- logits_to_probs -----------------------------------------------------------------------------
+
+
+def test_default_is_softmax_and_dtype_kept():
+    logits = torch.randn(3, 4, 7, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.float64):
+        out = logits_to_probs(logits.to(dtype), SamplingConfig())
+        assert out.dtype == dtype and out.shape == (3, 4, 7)
+        torch.testing.assert_close(out, torch.softmax(logits.to(dtype), -1))
+    assert logits_to_probs(logits.half(), SamplingConfig()).dtype == torch.float32
+
+
+def test_masked_tokens_stay_zero():
+    logits = torch.tensor([1.0, -math.inf, 0.5, -math.inf])
+    for config in (SamplingConfig(), SamplingConfig(temperature=2.0), SamplingConfig(top_p=0.99)):
+        probs = logits_to_probs(logits, config)
+        assert probs[1] == 0 and probs[3] == 0
+
+
+def test_temperature_zero_is_first_argmax_one_hot():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, -1.0, 2.0, 5.0]])
+    probs = logits_to_probs(logits, SamplingConfig(temperature=0.0))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    # filters cannot change a greedy config
+    assert torch.equal(logits_to_probs(logits, SamplingConfig(temperature=0.0, top_p=0.1, top_k=3)), probs)
+
+
+def test_small_temperature_tends_to_greedy():
+    logits = torch.randn(50, 10, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    probs = logits_to_probs(logits, SamplingConfig(temperature=1e-3))
+    greedy = logits_to_probs(logits, SamplingConfig(temperature=0.0))
+    assert torch.equal(probs.argmax(-1), greedy.argmax(-1))
+    # softmax(l / T) puts >= 1 / (1 + (V - 1) exp(-gap / T)) on the argmax, gap = best - second best logit
+    top2 = logits.topk(2).values
+    bound = 1 / (1 + 9 * torch.exp(-(top2[:, 0] - top2[:, 1]) / 1e-3))
+    assert (probs.max(-1).values >= bound - 1e-12).all()
+    assert (probs.max(-1).values > 0.99).all()
+
+
+def test_temperature_formula():
+    logits = torch.tensor([2.0, 1.0, -1.0], dtype=torch.float64)
+    for t in (0.5, 1.0, 1.5):
+        torch.testing.assert_close(logits_to_probs(logits, SamplingConfig(temperature=t)), torch.softmax(logits / t, -1))
+    torch.testing.assert_close(apply_temperature(logits, 2.0), logits / 2.0)
+
+
+# --- top-k ---------------------------------------------------------------------------------------
+
+
+def test_top_k_keeps_exactly_k_lower_id_at_ties():
+    logits = _logits(0.4, 0.2, 0.2, 0.2)
+    assert _kept(top_k_filter(logits, 2)) == {0, 1}
+    assert _kept(top_k_filter(logits, 3)) == {0, 1, 2}
+    # transformers keeps every token tied with the k-th: that is why we do not reuse it
+    assert _kept(TopKLogitsWarper(2)(None, logits[None])[0]) == {0, 1, 2, 3}
+    assert _kept(top_k_filter(logits, 10)) == {0, 1, 2, 3}
+
+
+def test_top_k_matches_transformers_without_ties():
+    logits = torch.randn(20, 30, generator=torch.Generator().manual_seed(2))
+    for k in (1, 5, 29):
+        assert torch.equal(top_k_filter(logits, k), TopKLogitsWarper(k)(None, logits))
+
+
+def test_top_k_renormalises():
+    probs = logits_to_probs(_logits(0.5, 0.3, 0.15, 0.05), SamplingConfig(top_k=2))
+    torch.testing.assert_close(probs, torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64))
+
+
+# --- top-p ---------------------------------------------------------------------------------------
+
+
+def _smallest_set_brute_force(probs, top_p):
+    """All minimum-size subsets with mass >= top_p (exact on dyadic probabilities)."""
+    v = len(probs)
+    for size in range(1, v + 1):
+        sets = [set(c) for c in itertools.combinations(range(v), size) if sum(probs[i] for i in c) >= top_p]
+        if sets:
+            return sets
+    raise AssertionError("unreachable: the full set has mass 1")
+
+
+@pytest.mark.parametrize(
+    "probs, top_p, expected",
+    [
+        ((0.5, 0.25, 0.125, 0.125), 0.5, {0}),  # mass exactly p: one token suffices
+        ((0.5, 0.25, 0.125, 0.125), 0.5 + 2**-20, {0, 1}),
+        ((0.5, 0.25, 0.125, 0.125), 0.75, {0, 1}),
+        ((0.5, 0.25, 0.125, 0.125), 0.8, {0, 1, 2}),  # tie between 2 and 3: lower id kept
+        ((0.125, 0.125, 0.25, 0.5), 0.8, {3, 2, 0}),
+        ((0.25, 0.25, 0.25, 0.25), 0.5, {0, 1}),
+        ((0.25, 0.25, 0.25, 0.25), 1.0, {0, 1, 2, 3}),
+        ((0.5, 0.25, 0.25, 0.0), 1.0, {0, 1, 2}),  # top_p = 1 is the identity (log 0 = -inf stays)
+        ((1.0, 0.0, 0.0, 0.0), 0.3, {0}),
+    ],
+)
+def test_top_p_smallest_set(probs, top_p, expected):
+    kept = _kept(top_p_filter(torch.tensor(probs, dtype=torch.float64).log(), top_p))
+    assert kept == expected
+    if top_p < 1:
+        assert kept in _smallest_set_brute_force(probs, top_p)
+
+
+def test_top_p_is_a_smallest_set_on_random_dyadic_rows():
+    """Brute force on exactly representable probabilities (multiples of 1/32): no rounding at boundaries."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        counts = torch.multinomial(torch.ones(5), 32, replacement=True, generator=gen).bincount(minlength=5)
+        probs = [c / 32 for c in counts.tolist()]
+        top_p = int(torch.randint(1, 33, (1,), generator=gen)) / 32
+        kept = _kept(top_p_filter(torch.tensor(probs, dtype=torch.float64).log(), top_p))
+        if top_p < 1:
+            assert kept in _smallest_set_brute_force(probs, top_p), (probs, top_p, kept)
+        # among tied probabilities, the kept ones are the lowest ids
+        for i, j in itertools.combinations(range(5), 2):
+            if probs[i] == probs[j] and j in kept:
+                assert i in kept
+
+
+def test_top_p_ties_differ_from_transformers():
+    logits = _logits(0.5, 0.2, 0.2, 0.1)
+    assert _kept(top_p_filter(logits, 0.7)) == {0, 1}
+    hf = _kept(TopPLogitsWarper(0.7)(None, logits[None])[0])
+    assert len(hf) == 2 and 0 in hf  # same size; which tied token it keeps is up to torch.sort
+
+
+def test_top_p_matches_transformers_without_ties():
+    logits = torch.randn(40, 25, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        assert torch.equal(top_p_filter(logits, top_p), TopPLogitsWarper(top_p)(None, logits))
+
+
+def test_top_p_batched_shapes():
+    logits = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(5))
+    out = top_p_filter(logits, 0.6)
+    for idx in itertools.product(range(2), range(3)):
+        assert torch.equal(out[idx], top_p_filter(logits[idx], 0.6))
+
+
+# --- epsilon -------------------------------------------------------------------------------------
+
+
+def test_epsilon_drops_below_threshold_but_never_the_argmax():
+    logits = _logits(0.5, 0.3, 0.15, 0.05)
+    assert _kept(epsilon_filter(logits, 0.1)) == {0, 1, 2}
+    assert _kept(epsilon_filter(logits, 0.15)) == {0, 1, 2}  # prob == epsilon is kept
+    assert _kept(epsilon_filter(logits, 0.9)) == {0}
+    assert torch.equal(epsilon_filter(logits, 0.0), logits)
+
+
+def test_chain_order_temperature_then_filters():
+    logits = _logits(0.4, 0.3, 0.2, 0.1)
+    config = SamplingConfig(temperature=0.5, top_k=3, top_p=0.8, epsilon=0.2)
+    # T = 0.5 squares probabilities: (16, 9, 4, 1)/30; top-3 -> (16, 9, 4)/29; top-p 0.8 -> {0, 1}
+    # (16/29 < 0.8 <= 25/29); renormalised (16, 9)/25, both >= 0.2.
+    expected = torch.tensor([16 / 25, 9 / 25, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(logits_to_probs(logits, config), expected)
