@@ -199,7 +199,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs = torch.softmax(sorted_logits.double(), dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumulative mass
     mass_before[..., 0] = 0.0  # exact, so the most likely token is always kept
-    keep = _unsort(mass_before < top_p, order)
+    keep = _unsort(mass_before < float(top_p), order)
     return logits.masked_fill(~keep, -math.inf)
 
 

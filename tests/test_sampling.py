@@ -242,3 +242,115 @@ def test_chain_order_temperature_then_filters():
     # (16/29 < 0.8 <= 25/29); renormalised (16, 9)/25, both >= 0.2.
     expected = torch.tensor([16 / 25, 9 / 25, 0.0, 0.0], dtype=torch.float64)
     torch.testing.assert_close(logits_to_probs(logits, config), expected)
+
+
+# --- exact twins (specresearch.exact_sampling) ---------------------------------------------------
+
+from fractions import Fraction  # noqa: E402
+import random  # noqa: E402
+
+from specresearch import exact  # noqa: E402
+from specresearch.exact_sampling import (  # noqa: E402
+    exact_epsilon,
+    exact_temperature,
+    exact_top_k,
+    exact_top_p,
+    exact_transform,
+    transformed_model,
+)
+
+F = Fraction
+TWIN_CONFIGS = [
+    SamplingConfig(),
+    SamplingConfig(temperature=0.0),
+    SamplingConfig(temperature=0.5),
+    SamplingConfig(temperature=F(1, 3)),
+    SamplingConfig(top_k=2),
+    SamplingConfig(top_p=0.55),
+    SamplingConfig(top_p=0.9, temperature=0.5),
+    SamplingConfig(epsilon=0.15),
+    SamplingConfig(temperature=0.5, top_k=4, top_p=0.8, epsilon=0.07),
+]
+
+
+def test_exact_transforms_by_hand():
+    row = (F(1, 2), F(1, 4), F(1, 8), F(1, 8))
+    assert exact_temperature(row, 0) == (1, 0, 0, 0)
+    assert exact_temperature(row, 1) == row
+    assert exact_temperature(row, 0.5) == (F(16, 22), F(4, 22), F(1, 22), F(1, 22))  # squares, renormalised
+    assert exact_top_k(row, 3) == (F(4, 7), F(2, 7), F(1, 7), 0)  # tie 2/3: lower id kept
+    assert exact_top_p(row, 0.75) == (F(2, 3), F(1, 3), 0, 0)  # mass exactly 3/4 suffices
+    assert exact_top_p(row, 0.8) == (F(4, 7), F(2, 7), F(1, 7), 0)
+    assert exact_epsilon(row, 0.2) == (F(2, 3), F(1, 3), 0, 0)
+    assert exact_epsilon(row, 0.9) == (1, 0, 0, 0)
+    with pytest.raises(ValueError, match="temperature"):
+        exact_temperature(row, 1.5)
+    with pytest.raises(ValueError, match="exact rationals"):
+        exact_top_k((0.5, 0.5), 1)
+
+
+def _near_boundary(row, config):
+    """True if a top-p cumulative mass or an epsilon comparison is within 1e-9 of its threshold: float
+    rounding may then legitimately fall on either side, so the twin comparison is skipped."""
+    from specresearch.exact_sampling import exact_param
+
+    staged = exact_transform(row, SamplingConfig(temperature=config.temperature, top_k=config.top_k))
+    if config.top_p is not None:
+        p, mass = exact_param(config.top_p, "top_p"), F(0)
+        for x in sorted(staged, reverse=True):
+            mass += x
+            if abs(mass - p) < 1e-9:
+                return True
+        staged = exact_top_p(staged, config.top_p)
+    if config.epsilon is not None:
+        eps = exact_param(config.epsilon, "epsilon")
+        return any(abs(x - eps) < 1e-9 for x in staged)
+    return False
+
+
+def test_torch_transforms_match_exact_twins():
+    """logits_to_probs(log(row)) in float64 equals exact_transform(row) to 1e-12 on random rational rows."""
+    model = exact.random_rational_model(6, random.Random(0), zero_prob=0.2, denominator=24)
+    checked = 0
+    for prefix in itertools.product(range(6), repeat=2):
+        row = model(prefix)
+        logits = torch.tensor([float(x) for x in row], dtype=torch.float64).log()
+        for config in TWIN_CONFIGS:
+            if _near_boundary(row, config):
+                continue
+            want = torch.tensor([float(x) for x in exact_transform(row, config)], dtype=torch.float64)
+            torch.testing.assert_close(logits_to_probs(logits, config), want, rtol=0, atol=1e-12)
+            checked += 1
+    assert checked > 0.9 * 36 * len(TWIN_CONFIGS)
+
+
+@pytest.mark.parametrize("config", TWIN_CONFIGS, ids=str)
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_speculative_decoding_is_lossless_for_the_transformed_target(config, method):
+    """Exact: with target and draft transformed by the same config, the speculative loop's law of the
+    first 3 tokens equals the transformed target's law (V = 3, gamma = 2)."""
+    rng = random.Random(f"{config}/{method}")
+    target = exact.random_rational_model(3, rng, zero_prob=0.2)
+    draft = exact.random_rational_model(3, rng, zero_prob=0.2)
+    t_target, t_draft = transformed_model(target, config), transformed_model(draft, config)
+    spec = exact.speculative_distribution(t_target, t_draft, 2, method, 3)
+    want = exact.target_distribution(t_target, 3)
+    assert {k: v for k, v in spec.items() if v} == want
+    assert sum(want.values()) == 1
+
+
+def test_transform_changes_the_law_so_losslessness_is_not_vacuous():
+    target = exact.random_rational_model(3, random.Random(7), zero_prob=0.0)
+    plain = exact.target_distribution(target, 2)
+    for config in TWIN_CONFIGS[1:]:
+        assert exact.target_distribution(transformed_model(target, config), 2) != plain
+
+
+def test_greedy_config_gives_the_greedy_target_path():
+    target = exact.random_rational_model(4, random.Random(8))
+    draft = exact.random_rational_model(4, random.Random(9))
+    greedy = SamplingConfig.from_name("greedy")
+    law = exact.target_distribution(transformed_model(target, greedy), 3)
+    assert law == exact.target_distribution(target, 3, greedy=True)
+    spec = exact.speculative_distribution(transformed_model(target, greedy), transformed_model(draft, greedy), 2, "token", 3)
+    assert {k: v for k, v in spec.items() if v} == law
