@@ -1,0 +1,302 @@
+"""Language-model wrappers with one narrow interface: prefill, score a block, roll back.
+
+Every model the generation engine drives -- a transformers model (:class:`CausalLM`), a toy table
+(:class:`ToyLM`) or an n-gram draft (``drafts.NGramDraft``) -- exposes the same methods:
+
+* ``prefill(input_ids [B, L], attention_mask [B, L]) -> logits [B, V]``: start a new batch from a
+  left-padded prompt; returns the next-token logits after the prompt (``L >= 1``).
+* ``reset(batch_size)``: start a new batch with an empty context (what ``prefill`` of 0 tokens would be).
+* ``score(tokens [B, k], valid=None [B, k] bool) -> logits [B, k, V]``: append ``k`` tokens and return
+  the next-token logits after each of them. A slot with ``valid[b, j] = False`` is appended but masked
+  out, as if it were never there (its logits row is meaningless).
+* ``rollback(n)``: forget the last ``n`` appended slots (``int``, or ``[B]`` int for per-row counts).
+* ``cache_length`` (physical slots, shared by all rows), ``valid_lengths [B]``, ``vocab_size``, ``device``.
+
+Ragged batches (the design choice): rows of a batch accept different numbers of draft tokens, but all
+rows share ONE physical cache length. ``rollback(n)`` with per-row ``n`` crops the suffix common to all
+rows from the KV cache (``DynamicCache.crop``) and masks out (attention mask 0) the extra slots of rows
+that drop more. Position ids are the number of valid slots before each token, so every row sees the
+positions of its compacted sequence, and its logits equal those of a plain uncached forward of that
+compacted sequence (``tests/test_models.py`` checks it with atol 1e-4 in float32, B = 1 and B > 1 with
+left padding). The cost is up to gamma dead slots per step in a batch whose rows disagree; with B = 1
+there are never any. The validity mask lives in one object (``_Slots``): it is the only record of the
+cache length, and the KV cache is asserted to agree with it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "LanguageModel",
+    "CausalLM",
+    "ToyLM",
+    "resolve_device",
+    "tiny_llama_config",
+    "tiny_llama",
+]
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """The narrow interface the generation engine uses (see the module docstring)."""
+
+    vocab_size: int
+    device: torch.device
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+    def reset(self, batch_size: int) -> None: ...
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor: ...
+    def rollback(self, n) -> None: ...
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` -> cuda if available, else mps, else cpu; anything else is passed to ``torch.device``."""
+    if str(device) != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+class _Slots:
+    """Validity mask over the physical cache slots: the one place the cache length is tracked."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask.bool()  # [B, L]
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def counts(self) -> torch.Tensor:
+        """Valid slots per row. -> [B] int64."""
+        return self.mask.sum(-1)
+
+    def prompt_positions(self) -> torch.Tensor:
+        """Position ids of a left-padded prompt: valid slots count 0, 1, ...; pads get 0. -> [B, L]."""
+        return (self.mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    def append(self, valid: torch.Tensor) -> torch.Tensor:
+        """Append slots ``valid [B, k]``; return their position ids ``[B, k]`` (valid slots before each)."""
+        valid = valid.bool()
+        before = self.counts()[:, None] + valid.long().cumsum(-1) - valid.long()  # [B, k]
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        return before
+
+    def drop(self, n: torch.Tensor) -> int:
+        """Forget the last ``n[b]`` slots of row b; return how many trailing slots every row lost."""
+        if n.shape != (self.mask.shape[0],) or bool((n < 0).any()) or int(n.max()) > self.length:
+            raise ValueError(
+                f"n must be between 0 and cache_length={self.length} for each of the {self.mask.shape[0]} rows, "
+                f"got {n.tolist()}"
+            )
+        columns = torch.arange(self.length, device=self.mask.device)
+        self.mask = self.mask & (columns[None, :] < self.length - n[:, None])
+        common = int(n.min())
+        self.mask = self.mask[:, : self.length - common]
+        return common
+
+
+def _as_counts(n, batch: int, device) -> torch.Tensor:
+    """``int`` or ``[B]`` tensor/sequence of rollback counts -> ``[B]`` int64."""
+    counts = torch.as_tensor(n, dtype=torch.long, device=device)
+    return counts.expand(batch).clone() if counts.ndim == 0 else counts
+
+
+def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [B, L] with L >= 1, got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
+    if not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError("attention_mask must be left-padded: the last column must be 1 for every row")
+
+
+class CausalLM:
+    """A transformers ``AutoModelForCausalLM`` behind the narrow prefill / score / rollback interface.
+
+    Uses transformers' own ``DynamicCache`` (``crop`` for rollback); keeps no state on the HF model object
+    and never branches on the model class. Logits are returned in float32.
+
+    Args:
+        model: a model name or local path (loaded with ``AutoModelForCausalLM.from_pretrained``), or an instance.
+        device: ``"auto"`` (cuda > mps > cpu) or a torch device; ignored when ``device_map`` is given.
+        dtype: e.g. ``torch.float32`` / ``torch.bfloat16``; ``None`` keeps the checkpoint's (or instance's) dtype.
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"``: accelerate shards a large target across
+            the available GPUs, then CPU). Only with a name or path.
+    """
+
+    def __init__(self, model, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
+                 device_map: str | dict | None = None):
+        if isinstance(model, (str, os.PathLike)):
+            model = _from_pretrained(model, dtype, device_map)
+        elif device_map is not None:
+            raise ValueError("device_map needs a model name or path (it is applied by from_pretrained); got an instance")
+        if device_map is None:
+            model = model.to(device=resolve_device(device), dtype=dtype)
+        self.model = model.eval()
+        self._cache = None
+        self._slots: _Slots | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the device of the input embeddings (the first shard under a device_map)."""
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the logits' last dimension (may exceed ``len(tokenizer)``)."""
+        head = self.model.get_output_embeddings()
+        return int(head.weight.shape[0]) if head is not None else int(self.model.config.get_text_config().vocab_size)
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._slots is None else self._slots.length
+
+    @property
+    def valid_lengths(self) -> torch.Tensor:
+        """Number of valid (unmasked) tokens in the context of each row. -> [B]."""
+        return self._slots.counts()
+
+    def reset(self, batch_size: int) -> None:
+        self._cache = _new_cache(self.model)
+        self._slots = _Slots(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run the left-padded prompt ``[B, L]`` through the model; return the last next-token logits ``[B, V]``."""
+        _check_prompt(input_ids, attention_mask)
+        self.reset(input_ids.shape[0])
+        self._slots.append(attention_mask.to(self.device).bool())
+        positions = self._slots.prompt_positions()
+        return self._forward(input_ids, positions, logits_to_keep=1)[:, -1]
+
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``tokens [B, k]`` (slots with ``valid = False`` masked out); return logits ``[B, k, V]``."""
+        if self._slots is None:
+            raise ValueError("score called before prefill/reset: start a batch first")
+        if valid is None:
+            valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
+        positions = self._slots.append(valid.to(self.device))
+        return self._forward(tokens, positions, logits_to_keep=0)
+
+    def rollback(self, n) -> None:
+        """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
+        counts = _as_counts(n, self._slots.mask.shape[0], self.device)
+        common = self._slots.drop(counts)
+        if common:
+            self._cache.crop(-common)
+        assert self._cache.get_seq_length() == self._slots.length
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.model(
+                input_ids=tokens.to(self.device),
+                attention_mask=self._slots.mask.long(),
+                position_ids=positions,
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        assert self._cache.get_seq_length() == self._slots.length
+        return out.logits.float()
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _from_pretrained(name_or_path, dtype, device_map):
+    from transformers import AutoModelForCausalLM
+
+    local = os.path.isdir(name_or_path)
+    return AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=dtype if dtype is not None else "auto", device_map=device_map, local_files_only=local
+    )
+
+
+class ToyLM:
+    """A toy language model from a fixed table, behind the same interface as :class:`CausalLM`.
+
+    ``table [V]``: i.i.d. tokens with next-token logits ``table`` whatever the context.
+    ``table [V, V]``: a Markov chain; the logits after token ``t`` are ``table[t]``.
+    Entries are logits (use ``probs.log()`` for a probability table; ``-inf`` gives exact zeros).
+    """
+
+    def __init__(self, table: torch.Tensor):
+        if table.ndim not in (1, 2) or (table.ndim == 2 and table.shape[0] != table.shape[1]):
+            raise ValueError(f"table must be [V] (i.i.d.) or [V, V] (Markov), got shape {tuple(table.shape)}")
+        self.table = table.float()
+        self.vocab_size = table.shape[-1]
+        self.device = table.device
+        self._slots: _Slots | None = None
+
+    @classmethod
+    def random(cls, vocab_size: int, *, markov: bool = True, concentration: float = 1.0,
+               generator: torch.Generator | None = None) -> "ToyLM":
+        """A random table: logits ~ N(0, 1) / concentration (lower concentration = peakier rows)."""
+        shape = (vocab_size, vocab_size) if markov else (vocab_size,)
+        return cls(torch.randn(shape, generator=generator) / concentration)
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._slots is None else self._slots.length
+
+    def reset(self, batch_size: int) -> None:
+        self._slots = _Slots(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        _check_prompt(input_ids, attention_mask)
+        self.reset(input_ids.shape[0])
+        self._slots.append(attention_mask.bool())
+        return self._logits(input_ids[:, -1:])[:, -1]  # left padding: the last column is real
+
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        self._slots.append(torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
+        return self._logits(tokens)
+
+    def rollback(self, n) -> None:
+        self._slots.drop(_as_counts(n, self._slots.mask.shape[0], self.device))
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits after each token. [B, k] -> [B, k, V]."""
+        if self.table.ndim == 1:
+            return self.table.expand(*tokens.shape, self.vocab_size)
+        return self.table[tokens]
+
+
+def tiny_llama_config(vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2, **overrides):
+    """A ``LlamaConfig`` for a tiny random-weight model (tests, simulations)."""
+    from transformers import LlamaConfig
+
+    settings = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def tiny_llama(vocab_size: int = 64, *, seed: int = 0, init_std: float = 0.02, **config) -> CausalLM:
+    """A tiny random Llama wrapped in :class:`CausalLM` on the CPU, reproducible from ``seed``.
+
+    ``init_std`` sets the weight scale: the default 0.02 gives nearly uniform next-token distributions;
+    ~0.3-1.0 gives peaked, context-dependent ones (more interesting for speculative decoding).
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_llama_config(vocab_size, initializer_range=init_std, **config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return CausalLM(model, device="cpu")

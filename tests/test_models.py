@@ -1,0 +1,123 @@
+"""Wrapper parity: cached, block-scored and rolled-back logits equal a plain uncached forward.
+
+Tolerance: atol 1e-4 in float32 (the same arithmetic in a different order: cache concatenation,
+masked slots and left padding change summation order only).
+"""
+
+import pytest
+import torch
+
+from specresearch.models import CausalLM, ToyLM, tiny_llama
+
+ATOL = 1e-4
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_llama(VOCAB, seed=0, init_std=0.5)
+
+
+def _reference(lm, sequence):
+    """Plain uncached forward of one unpadded sequence. [L] -> [L, V]."""
+    with torch.no_grad():
+        return lm.model(input_ids=torch.tensor([sequence])).logits[0].float()
+
+
+def _left_pad(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def test_random_model_is_not_degenerate(lm):
+    """Guard: parity on a model whose logits ignore the context would prove nothing."""
+    ref = _reference(lm, [3, 4, 5, 6])
+    assert (ref[1:] - ref[:-1]).abs().max() > 0.1
+
+
+def test_single_row_prefill_score_rollback_match_uncached(lm):
+    prompt, block = [5, 9, 2, 33, 7], [11, 12, 13]
+    logits = lm.prefill(torch.tensor([prompt]), torch.ones(1, 5, dtype=torch.long))
+    ref = _reference(lm, prompt + block)
+    torch.testing.assert_close(logits[0], ref[4], atol=ATOL, rtol=0)
+    scored = lm.score(torch.tensor([block]))
+    torch.testing.assert_close(scored[0], ref[5:8], atol=ATOL, rtol=0)
+    assert lm.cache_length == 8
+    lm.rollback(2)  # keep prompt + [11]
+    assert lm.cache_length == 6
+    scored = lm.score(torch.tensor([[40, 41]]))
+    torch.testing.assert_close(scored[0], _reference(lm, prompt + [11, 40, 41])[6:8], atol=ATOL, rtol=0)
+
+
+def test_batch_left_padding_per_row_rollback_and_masked_slots_match_uncached(lm):
+    rows = [[7], [4, 8, 15], [16, 23, 42, 3, 9]]
+    ids, mask = _left_pad(rows)
+    first = lm.prefill(ids, mask)
+    for b, row in enumerate(rows):
+        torch.testing.assert_close(first[b], _reference(lm, row)[-1], atol=ATOL, rtol=0)
+    block = torch.tensor([[20, 21, 22], [30, 31, 32], [50, 51, 52]])
+    lm.score(block)
+    lm.rollback(torch.tensor([1, 3, 2]))  # rows keep 2, 0 and 1 of the block
+    kept = [rows[0] + [20, 21], rows[1], rows[2] + [50]]
+    assert lm.cache_length == 5 + 3 - 1
+    assert lm.valid_lengths.tolist() == [len(k) for k in kept]
+    nxt = torch.tensor([[60, 61], [62, 63], [10, 11]])
+    valid = torch.tensor([[True, True], [False, True], [True, True]])  # row 1: a masked slot (never seen)
+    out = lm.score(nxt, valid)
+    appended = [[60, 61], [63], [10, 11]]
+    for b in range(3):
+        ref = _reference(lm, kept[b] + appended[b])
+        torch.testing.assert_close(out[b, -1], ref[-1], atol=ATOL, rtol=0)
+        if valid[b, 0]:
+            torch.testing.assert_close(out[b, 0], ref[-2], atol=ATOL, rtol=0)
+
+
+def test_rollback_out_of_range_raises(lm):
+    lm.prefill(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="n must be between 0 and cache_length"):
+        lm.rollback(4)
+    with pytest.raises(ValueError, match="n must be between"):
+        lm.rollback(-1)
+
+
+def test_prefill_rejects_right_padding_and_empty_prompt(lm):
+    with pytest.raises(ValueError, match="left-padded"):
+        lm.prefill(torch.tensor([[1, 2, 0]]), torch.tensor([[1, 1, 0]]))
+    with pytest.raises(ValueError, match="L >= 1"):
+        lm.prefill(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_reset_then_score_matches_uncached(lm):
+    lm.reset(1)
+    out = lm.score(torch.tensor([[3, 4, 5]]))
+    torch.testing.assert_close(out[0], _reference(lm, [3, 4, 5]), atol=ATOL, rtol=0)
+
+
+def test_device_map_auto_loads_from_path_and_matches(lm, tmp_path):
+    """device_map="auto" is passed to from_pretrained (accelerate); on this CPU-only machine every layer lands on cpu."""
+    lm.model.save_pretrained(tmp_path)
+    sharded = CausalLM(str(tmp_path), device_map="auto")
+    assert {p.device.type for p in sharded.model.parameters()} == {"cpu"}
+    ids, mask = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
+    torch.testing.assert_close(sharded.prefill(ids, mask), lm.prefill(ids, mask), atol=ATOL, rtol=0)
+
+
+def test_device_map_with_an_instance_is_rejected(lm):
+    with pytest.raises(ValueError, match="device_map"):
+        CausalLM(lm.model, device_map="auto")
+
+
+def test_toy_markov_and_iid_tables():
+    table = torch.randn(5, 5, generator=torch.Generator().manual_seed(0))
+    markov = ToyLM(table)
+    first = markov.prefill(torch.tensor([[0, 3], [2, 4]]), torch.tensor([[0, 1], [1, 1]]))
+    torch.testing.assert_close(first, table[[3, 4]])
+    torch.testing.assert_close(markov.score(torch.tensor([[1, 2], [0, 0]])), table[torch.tensor([[1, 2], [0, 0]])])
+    markov.rollback(torch.tensor([1, 2]))
+    assert markov.cache_length == 3
+    iid = ToyLM(table[0])
+    torch.testing.assert_close(iid.prefill(torch.tensor([[4]]), torch.ones(1, 1)), table[0][None])
+    with pytest.raises(ValueError, match="table must be"):
+        ToyLM(torch.zeros(3, 4))
