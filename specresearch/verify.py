@@ -1,0 +1,344 @@
+"""Batched speculative-decoding verifiers: token, block and greedy verification.
+
+Notation (fixed here for the whole package; reference 002 swaps the letters, the code never does):
+
+* p = the target (large) model, passed as ``target_probs``; q = the draft (small) model, ``draft_probs``.
+* gamma = the draft block length; x_1..x_gamma = the drafted tokens (``draft_tokens``), x_{i+1} ~ q(. | X^i)
+  where X^i = prefix + x_1..x_i.
+* alpha = E[sum_x min(p(x), q(x))], the expected per-token acceptance rate (reference 004).
+* eta_1..eta_gamma = acceptance uniforms; one more uniform drives the sample of ``next_token``.
+
+Shapes (every verifier):
+
+* ``target_probs``  ``[B, gamma+1, V]``: row i is p(. | X^i), i = 0..gamma.
+* ``draft_probs``   ``[B, gamma, V]``:   row i is q(. | X^i), the law x_{i+1} was drawn from.
+* ``draft_tokens``  ``[B, gamma]`` int64.
+* ``uniforms``      ``[B, gamma+1]`` in [0, 1): column i-1 is eta_i, column gamma the inverse-CDF uniform.
+  Feeding the same uniforms to two verifiers couples them with common random numbers.
+* Output: ``VerifyResult(num_accepted [B], next_token [B])``; row b emits
+  ``draft_tokens[b, :num_accepted[b]]`` followed by ``next_token[b]``.
+
+Token verification (Leviathan et al. 2023, Algorithm 1; reference 004): x_i is accepted iff
+eta_i * q(x_i) < p(x_i) and q(x_i) > 0; n = number accepted before the first rejection; next_token ~
+norm(max(p(.|X^n) - q(.|X^n), 0)) if n < gamma, else the bonus token ~ p(.|X^gamma).
+
+Block verification (Sun et al., ICLR 2025, Algorithm 2; reference 003) in its BACKWARD form:
+p_0 = 1, p_i = min(p_{i-1} p(x_i|X^{i-1}) / q(x_i|X^{i-1}), 1) (p_i = 0 when q(x_i) = 0);
+w_i(x) = max(p_i p(x|X^i) - q(x|X^i), 0); h_i = sum w_i / (sum w_i + 1 - p_i) for i < gamma (0 when
+sum w_i = 0) and h_gamma = p_gamma; tau = the LAST i in 1..gamma with eta_i < h_i (tau = 0 if none) --
+not the first failure: a failed eta_1 followed by a passed eta_2 accepts both tokens.
+next_token ~ p(.|X^gamma) if tau = gamma, else ~ norm(w_tau).
+Reference 000 writes the same rule FORWARD: walking i = 0..gamma it keeps a candidate block and replaces
+it by X^i + (t ~ norm(w_i)) with probability sum w_i / (sum w_i + 1 - p_i) = h_i (weight 1 - p_i on
+keeping the old one; at i = gamma, q is the zero row so w_gamma = p_gamma p and the replacement
+probability is p_gamma). The final candidate is the one from the last replacement, i.e. the last i
+whose coin came up "replace": with coin i driven by eta_i the two forms return the same block.
+Two facts make our implementation cheap and are exact identities, not approximations:
+sum w_i <= p_i, hence h_i <= p_i (we clamp h_i to p_i so float rounding cannot break it), so eta_i >= p_i
+cannot pass; and tau = gamma whenever eta_gamma < p_gamma. Only the remaining (b, i) pairs need the
+O(V) residual mass; p_i itself is computed loop-free in log space, log p_i = S_i - max_{j<=i} S_j with
+S_i = sum_{k<=i} log(p(x_k)/q(x_k)), S_0 = 0 (the Lindley recursion of log p_i = min(log p_{i-1} + l_i, 0)).
+
+Greedy verification: accept while x_i equals argmax p(.|X^{i-1}) (first maximal index, as
+``torch.argmax``); next_token = argmax p(.|X^n). Lossless only with respect to greedy decoding.
+
+Numerics: everything is computed in the dtype of ``target_probs`` (float32 or float64) on its device.
+Uniforms are cast to that dtype and clamped to the largest float below 1, so a rounding to 1.0 can
+never reject a token with p(x) >= q(x). Tests compare float32 and float64 on instances away from the
+acceptance boundaries; exactly at a boundary float32 may decide differently (e.g. p_i computed in log
+space as 0.99999994 rather than 1). The inverse-CDF sampler never returns a zero-weight token. When a
+residual has zero mass (p == q on that row) the sample falls back to p, never NaN.
+
+Validation (``validate=True``, the default) raises ``ValueError`` naming the argument for: non-tensor or
+wrong-rank inputs, disagreeing B / gamma / V, gamma < 1, dtype other than float32/float64 (or
+target/draft dtypes differing), NaN/inf or negative probabilities, rows whose sum differs from 1 by
+more than 1e-4 (float32) or 1e-8 (float64), non-integer or out-of-range ``draft_tokens``, ``uniforms``
+of the wrong shape or outside [0, 1), and passing both ``generator`` and ``uniforms``. It costs two
+passes over the probabilities (a sum and a min); a hot loop that builds its inputs itself may pass
+``validate=False`` and skip it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "VERIFIERS",
+    "VerifyResult",
+    "block_verify",
+    "draw_uniforms",
+    "greedy_verify",
+    "token_verify",
+]
+
+_SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of one verification step for a batch of B draft blocks."""
+
+    num_accepted: torch.Tensor  # [B] int64 in 0..gamma
+    next_token: torch.Tensor  # [B] int64: residual sample, or the bonus token when all gamma are accepted
+
+
+def draw_uniforms(batch, gamma, generator=None, device=None, dtype=torch.float64):
+    """Draw the ``[batch, gamma+1]`` uniforms in [0, 1) a verifier consumes (eta_1..eta_gamma, then the
+    inverse-CDF uniform). Drawing once and passing them to several verifiers gives common random numbers.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1; got {batch}")
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1 (at least one drafted token); got {gamma}")
+    if device is None and generator is not None:
+        device = generator.device
+    return torch.rand(batch, gamma + 1, generator=generator, device=device, dtype=dtype)
+
+
+def token_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """Token verification (Leviathan et al. 2023, Algorithm 1; reference 004; reference 000 ``token_verify``).
+
+    Args:
+        target_probs: ``[B, gamma+1, V]`` p(. | X^i), i = 0..gamma.
+        draft_probs: ``[B, gamma, V]`` q(. | X^i), i = 0..gamma-1.
+        draft_tokens: ``[B, gamma]`` int64, x_{i+1} drawn from draft_probs[:, i].
+        generator: ``torch.Generator`` for the uniforms (default torch RNG if it and ``uniforms`` are None).
+        uniforms: ``[B, gamma+1]`` pre-drawn uniforms in [0, 1) (see ``draw_uniforms``).
+        validate: check the inputs (see the module docstring); False skips the checks.
+    Returns:
+        ``VerifyResult`` with ``num_accepted [B]`` and ``next_token [B]``.
+    """
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)  # [B, gamma+1]
+    p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma] each
+    accepted = (eta[:, :-1] * q_x < p_x) & (q_x > 0)  # strict: p(x) = 0 is never accepted, even at eta = 0
+    num_accepted = accepted.long().cumprod(-1).sum(-1)  # first rejection
+    scale = torch.ones_like(p_x[:, 0])
+    next_token = _sample_residual(target_probs, draft_probs, num_accepted, scale, eta[:, -1])
+    return VerifyResult(num_accepted=num_accepted, next_token=next_token)
+
+
+def block_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """Block verification (Sun et al., ICLR 2025, Algorithm 2, backward form; references 000 and 003).
+
+    tau = the last i with eta_i < h_i (see the module docstring for p_i, w_i, h_i and the equivalence
+    with the forward form of reference 000). Same arguments and return value as ``token_verify``.
+    """
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)  # [B, gamma+1]
+    p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma]
+    scale = _block_scales(p_x, q_x)  # [B, gamma]: p_1..p_gamma
+    tau = _block_tau(target_probs, draft_probs, scale, eta[:, :-1])  # [B]
+    scale_tau = torch.cat([torch.ones_like(scale[:, :1]), scale], 1).gather(1, tau[:, None]).squeeze(1)
+    next_token = _sample_residual(target_probs, draft_probs, tau, scale_tau, eta[:, -1])
+    return VerifyResult(num_accepted=tau, next_token=next_token)
+
+
+def greedy_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """Greedy verification: accept while x_i == argmax p(. | X^{i-1}); next token = argmax p(. | X^n).
+
+    Deterministic: ``generator`` and ``uniforms`` are accepted for a uniform signature and not used
+    (``uniforms`` is still validated). Same shapes as ``token_verify``; ``draft_probs`` is only validated.
+    """
+    if validate:
+        _validate(target_probs, draft_probs, draft_tokens, generator, uniforms)
+    best = target_probs.argmax(-1)  # [B, gamma+1], first maximal index
+    num_accepted = (draft_tokens == best[:, :-1]).long().cumprod(-1).sum(-1)  # [B]
+    next_token = best.gather(1, num_accepted[:, None]).squeeze(1)
+    return VerifyResult(num_accepted=num_accepted, next_token=next_token)
+
+
+VERIFIERS = {"token": token_verify, "block": block_verify, "greedy": greedy_verify}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared stages
+
+
+def _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate):
+    """Validate (optionally) and return the uniforms ``[B, gamma+1]`` in the probabilities' dtype, < 1."""
+    if validate:
+        _validate(target_probs, draft_probs, draft_tokens, generator, uniforms)
+    if uniforms is None:
+        uniforms = draw_uniforms(*draft_tokens.shape, generator, device=target_probs.device)
+    dtype = target_probs.dtype
+    below_one = 1.0 - torch.finfo(dtype).eps / 2  # largest float < 1: a cast must not round eta up to 1
+    return uniforms.to(device=target_probs.device, dtype=dtype).clamp(max=below_one)
+
+
+def _drafted_probs(target_probs, draft_probs, draft_tokens):
+    """p(x_i | X^{i-1}) and q(x_i | X^{i-1}) of the drafted tokens, both ``[B, gamma]``."""
+    gamma = draft_tokens.shape[1]
+    index = draft_tokens[..., None]  # [B, gamma, 1]
+    p_x = target_probs[:, :gamma].gather(-1, index).squeeze(-1)
+    q_x = draft_probs.gather(-1, index).squeeze(-1)
+    return p_x, q_x
+
+
+def _sample_residual(target_probs, draft_probs, index, scale, u):
+    """Sample from norm(max(scale * p(.|X^index) - q(.|X^index), 0)) per row, or from p(.|X^gamma) where
+    index == gamma; falls back to p(.|X^index) where the residual has zero mass. Returns ``[B]`` int64.
+
+    index: ``[B]`` in 0..gamma; scale: ``[B]``; u: ``[B]`` uniforms in [0, 1).
+    """
+    gamma = draft_probs.shape[1]
+    rows = torch.arange(index.shape[0], device=index.device)
+    has_draft = index < gamma  # [B]; where False q is the zero row and the scale 1, so the weights are p
+    target_row = _rows(target_probs, rows, index)  # [B, V]
+    draft_row = _rows(draft_probs, rows, index.clamp(max=gamma - 1)).mul_(has_draft[:, None])
+    scale = torch.where(has_draft, scale, torch.ones_like(scale))
+    weights = _positive_part_(draft_row, target_row, scale)  # reuses draft_row's memory
+    no_mass = (weights.sum(-1, keepdim=True) == 0).to(weights.dtype)  # [B, 1]
+    return _inverse_cdf(weights.addcmul_(target_row, no_mass), u)
+
+
+def _rows(probs, batch_index, row_index):
+    """``probs[batch_index, row_index]`` for ``probs [B, n, V]``, as a fresh ``[K, V]`` tensor (a row copy)."""
+    if not probs.is_contiguous():
+        return probs[batch_index, row_index]
+    flat = probs.view(-1, probs.shape[-1])  # index_select copies whole rows: far faster than advanced indexing
+    return flat.index_select(0, batch_index * probs.shape[1] + row_index)
+
+
+def _positive_part_(draft_rows, target_rows, scale):
+    """max(scale * target_rows - draft_rows, 0), written into ``draft_rows`` (in place: no new [K, V] buffer)."""
+    return draft_rows.neg_().addcmul_(target_rows, scale[..., None]).clamp_(min=0)
+
+
+def _inverse_cdf(weights, u):
+    """Index j with cdf[j-1] <= u * total < cdf[j] for unnormalised ``weights [B, V]`` and ``u [B]``.
+
+    ``right=True`` makes cdf[j] > cdf[j-1], so weights[j] > 0; if rounding puts u * total at or past the
+    last cdf value we clamp to the first index where the cdf reaches its total (the last positive weight).
+    """
+    cdf = weights.cumsum(-1)  # [B, V]
+    total = cdf[:, -1:].contiguous()  # [B, 1]
+    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last_positive = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(picked, last_positive).squeeze(1)
+
+
+def _block_scales(p_x, q_x):
+    """p_1..p_gamma of Sun et al. Algorithm 2 (``[B, gamma]``) without a loop over gamma.
+
+    With l_k = log(p(x_k)/q(x_k)) (-inf where p(x_k) = 0 or q(x_k) = 0) and S_0 = 0, S_i = l_1 + .. + l_i,
+    log p_i = S_i - max_{j <= i} S_j. S_0 = 0 keeps the running max finite, so no inf - inf.
+    """
+    log_ratio = torch.where(q_x > 0, p_x.log() - q_x.log(), float("-inf"))
+    cumulative = torch.nn.functional.pad(log_ratio.cumsum(-1), (1, 0))  # [B, gamma+1], S_0 = 0
+    return (cumulative - cumulative.cummax(-1).values).exp()[:, 1:]
+
+
+def _block_tau(target_probs, draft_probs, scale, eta):
+    """tau = last i in 1..gamma with eta_i < h_i (0 if none), ``[B]`` int64, computing h_i only where needed.
+
+    ``eta < scale`` is exact at i = gamma (h_gamma = p_gamma) and necessary at i < gamma (h_i <= p_i); once
+    i = gamma passes no earlier index matters, so h_i is computed only for the remaining (b, i) pairs.
+    """
+    passes = eta < scale  # [B, gamma]
+    passes[:, :-1] &= ~passes[:, -1:]
+    b, k = passes[:, :-1].nonzero(as_tuple=True)  # candidate position i = k + 1 < gamma
+    mass = _positive_part_(_rows(draft_probs, b, k + 1), _rows(target_probs, b, k + 1), scale[b, k]).sum(-1)
+    passes[b, k] = eta[b, k] < _residual_share(mass, scale[b, k])
+    return _last_true(passes)
+
+
+def _block_tau_dense(target_probs, draft_probs, scale, eta):
+    """Reference for ``_block_tau``: h_i for every (b, i), no pruning (tested equal; benchmarked)."""
+    draft_rows = draft_probs[:, 1:].clone()  # [B, gamma-1, V], consumed in place
+    mass = _positive_part_(draft_rows, target_probs[:, 1:-1], scale[:, :-1]).sum(-1)  # [B, gamma-1]
+    h = torch.cat([_residual_share(mass, scale[:, :-1]), scale[:, -1:]], 1)  # h_gamma = p_gamma
+    return _last_true(eta < h)
+
+
+def _residual_share(mass, scale):
+    """h_i = m / (m + 1 - p_i) for residual mass m = sum_x w_i(x), clamped to p_i (exact bound); 0 where m = 0."""
+    share = (mass / (mass + 1 - scale)).minimum(scale)
+    return torch.where(mass > 0, share, torch.zeros_like(share))
+
+
+def _last_true(mask):
+    """1-based index of the last True along dim 1 of ``mask [B, gamma]``, 0 if none; ``[B]`` int64."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask * positions).amax(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation (vectorised: a few reductions, one host sync each)
+
+
+def _validate(target_probs, draft_probs, draft_tokens, generator, uniforms):
+    _check_tensors(target_probs=target_probs, draft_probs=draft_probs, draft_tokens=draft_tokens)
+    _check_shapes(target_probs, draft_probs, draft_tokens)
+    for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
+        _check_distribution(name, probs)
+    _check_tokens(draft_tokens, target_probs.shape[-1])
+    if uniforms is not None:
+        if generator is not None:
+            raise ValueError("pass either generator or uniforms, not both (uniforms already fix the randomness)")
+        _check_uniforms(uniforms, draft_tokens.shape)
+
+
+def _check_tensors(**tensors):
+    ranks = {"target_probs": 3, "draft_probs": 3, "draft_tokens": 2}
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+        if value.dim() != ranks[name]:
+            raise ValueError(f"{name} must be {ranks[name]}-D; got shape {list(value.shape)}")
+        if value.device != tensors["target_probs"].device:
+            raise ValueError(f"{name} is on {value.device} but target_probs on {tensors['target_probs'].device}")
+
+
+def _check_shapes(target_probs, draft_probs, draft_tokens):
+    batch, gamma = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if batch < 1 or gamma < 1:
+        raise ValueError(f"draft_tokens must be [B, gamma] with B >= 1 and gamma >= 1; got {list(draft_tokens.shape)}")
+    if vocab < 1 or draft_probs.shape[-1] != vocab:
+        raise ValueError(
+            f"draft_probs has vocabulary size {draft_probs.shape[-1]} but target_probs has {vocab}; "
+            "both must share one non-empty vocabulary (slice or pad the logits to the same V)"
+        )
+    if tuple(target_probs.shape) != (batch, gamma + 1, vocab):
+        raise ValueError(
+            f"target_probs must be [B, gamma+1, V] = {[batch, gamma + 1, vocab]} to match draft_tokens "
+            f"{list(draft_tokens.shape)}; got {list(target_probs.shape)} (one row per draft token plus the bonus row)"
+        )
+    if tuple(draft_probs.shape) != (batch, gamma, vocab):
+        raise ValueError(f"draft_probs must be [B, gamma, V] = {[batch, gamma, vocab]}; got {list(draft_probs.shape)}")
+
+
+def _check_distribution(name, probs):
+    if probs.dtype not in _SUM_TOLERANCE:
+        raise ValueError(f"{name} must be float32 or float64; got {probs.dtype} (cast with .float() or .double())")
+    sums = probs.sum(-1)
+    if not bool(torch.isfinite(sums).all()):
+        raise ValueError(f"{name} contains NaN or inf; check the logits / temperature that produced it")
+    smallest = float(probs.min())
+    if smallest < 0:
+        raise ValueError(f"{name} has negative entries (min {smallest:.3g}); probabilities must be >= 0")
+    tolerance = _SUM_TOLERANCE[probs.dtype]
+    worst = float((sums - 1).abs().max())
+    if worst > tolerance:
+        raise ValueError(
+            f"{name} rows must sum to 1 within {tolerance:g} for {probs.dtype}; the worst row is off by "
+            f"{worst:.3g} (normalise it, e.g. softmax or divide by the row sum)"
+        )
+
+
+def _check_tokens(draft_tokens, vocab):
+    if draft_tokens.dtype.is_floating_point or draft_tokens.dtype.is_complex or draft_tokens.dtype == torch.bool:
+        raise ValueError(f"draft_tokens must be an integer tensor (int64); got {draft_tokens.dtype} (use .long())")
+    low, high = int(draft_tokens.min()), int(draft_tokens.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"draft_tokens must be token ids in [0, V) = [0, {vocab}); got values in [{low}, {high}]")
+
+
+def _check_uniforms(uniforms, token_shape):
+    batch, gamma = token_shape
+    if not isinstance(uniforms, torch.Tensor) or not uniforms.dtype.is_floating_point:
+        raise ValueError("uniforms must be a floating torch.Tensor of shape [B, gamma+1] (see draw_uniforms)")
+    if tuple(uniforms.shape) != (batch, gamma + 1):
+        raise ValueError(f"uniforms must be [B, gamma+1] = {[batch, gamma + 1]}; got {list(uniforms.shape)}")
+    inside = (uniforms >= 0) & (uniforms < 1)  # False for NaN too
+    if not bool(inside.all()):
+        raise ValueError(f"uniforms must lie in [0, 1); got values in [{float(uniforms.min())}, {float(uniforms.max())}]")
