@@ -1,0 +1,481 @@
+"""The classic decoding methods of reference 001 on any next-token logits function.
+
+Methods (reference 001, "Decoding From Language Models"):
+
+* greedy -- argmax at each step ("Greedy Decoding");
+* sampling -- ancestral, top-k, top-p, epsilon and temperature, all one loop over a
+  :class:`~specresearch.sampling.SamplingConfig` ("Sampling Based Decoding", "Temperature Scaling");
+* beam search -- width k, optional length normalisation ``score = log P / length^alpha``, EOS handling,
+  the k best hypotheses with their scores ("Beam Search Algorithm", steps 1-7);
+* n-gram blocking -- a token that would complete an n-gram already present in the sequence (prompt
+  included) is banned ("The issue with these approaches"); usable with every method;
+* contrastive decoding (Li et al. 2023; 001, "Contrastive Decoding") -- expert = target, amateur = draft:
+  among tokens passing the adaptive plausibility constraint ``p_exp(x) >= alpha * max_w p_exp(w)``,
+  pick ``argmax log p_exp(x) - log p_ama(x)``.
+
+Everything runs on a *logits function* ``logits_fn(input_ids [B, T], attention_mask [B, T]) -> [B, V]``
+(next-token logits after each full sequence). :func:`lm_logits_fn` adapts any model with the
+``prefill``/``score`` interface of :mod:`specresearch.models` (reusing its KV cache when the sequence
+grew by one token); a toy Markov table is ``lambda ids, mask: table[ids[:, -1]]``.
+
+One entry point: :func:`decode` with a frozen :class:`DecodingConfig` (named presets via ``from_name``).
+Randomness comes only from the ``torch.Generator`` passed in. The returned ``log_probs`` are always the
+model's own (untransformed, unblocked) log-probabilities of the generated tokens, so methods can be
+compared on likelihood.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+from specresearch.sampling import SamplingConfig, check_logits, logits_to_probs
+
+__all__ = [
+    "LogitsFn",
+    "METHODS",
+    "DecodingConfig",
+    "DECODING_PRESETS",
+    "DecodeResult",
+    "decode",
+    "sample",
+    "greedy",
+    "beam_search",
+    "contrastive",
+    "contrastive_scores",
+    "block_repeated_ngrams",
+    "lm_logits_fn",
+    "truncated_context",
+    "sequence_log_probs",
+]
+
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [B, T], mask [B, T]) -> logits [B, V]
+METHODS = ("greedy", "sample", "beam", "contrastive")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_real(name: str, value, low: float, high: float, high_open: bool = False) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    if not ok or value < low or value > high or (high_open and value == high):
+        bracket = ")" if high_open else "]"
+        raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    """What :func:`decode` does.
+
+    Attributes:
+        method: ``"greedy"``, ``"sample"`` (uses ``sampling``), ``"beam"`` or ``"contrastive"``.
+        sampling: the transform for ``"sample"`` (ancestral, top-k, top-p, epsilon, temperature).
+        max_new_tokens: tokens to generate per sequence (fewer if EOS comes first).
+        num_beams: beam width k for ``"beam"`` (also the number of hypotheses returned).
+        length_penalty: alpha of ``log P / length^alpha`` for ``"beam"`` (0 = raw log-probability).
+        no_repeat_ngram_size: ban tokens that would repeat an n-gram of this size (None = off).
+        contrastive_alpha: plausibility threshold for ``"contrastive"``, in (0, 1] (Li et al. use 0.1).
+    """
+
+    method: str = "sample"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_new_tokens: int = 32
+    num_beams: int = 4
+    length_penalty: float = 0.0
+    no_repeat_ngram_size: int | None = None
+    contrastive_alpha: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("num_beams", self.num_beams, 1)
+        _check_real("length_penalty", self.length_penalty, 0.0, 10.0)
+        if self.no_repeat_ngram_size is not None:
+            _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 1)
+        _check_real("contrastive_alpha", self.contrastive_alpha, 0.0, 1.0)
+        if self.contrastive_alpha == 0:
+            raise ValueError("contrastive_alpha must be > 0 (0 would let implausible tokens win); Li et al. use 0.1")
+
+    @classmethod
+    def from_name(cls, name: str, **changes) -> "DecodingConfig":
+        """A named preset (see ``DECODING_PRESETS``), optionally with fields replaced, e.g. ``max_new_tokens=20``."""
+        if name not in DECODING_PRESETS:
+            raise ValueError(f"name must be one of {sorted(DECODING_PRESETS)}, got {name!r}")
+        return dataclasses.replace(DECODING_PRESETS[name], **changes)
+
+
+DECODING_PRESETS: dict[str, DecodingConfig] = {
+    "greedy": DecodingConfig(method="greedy"),
+    "greedy_no_repeat_3": DecodingConfig(method="greedy", no_repeat_ngram_size=3),
+    "beam": DecodingConfig(method="beam", num_beams=4),
+    "beam_normalised": DecodingConfig(method="beam", num_beams=4, length_penalty=1.0),
+    "ancestral": DecodingConfig(method="sample"),
+    "top_k": DecodingConfig(method="sample", sampling=SamplingConfig(top_k=50)),
+    "top_p": DecodingConfig(method="sample", sampling=SamplingConfig(top_p=0.9)),
+    "epsilon": DecodingConfig(method="sample", sampling=SamplingConfig(epsilon=3e-4)),
+    "temperature_0.5": DecodingConfig(method="sample", sampling=SamplingConfig(temperature=0.5)),
+    "temperature_1.5": DecodingConfig(method="sample", sampling=SamplingConfig(temperature=1.5)),
+    "contrastive": DecodingConfig(method="contrastive", contrastive_alpha=0.1),
+}
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """Output of a decoding method.
+
+    Attributes:
+        sequences: ``[N, T + n]`` prompt followed by generated tokens, right-padded with ``pad_token_id``
+            after EOS (N = B, or num_beams hypotheses per prompt for beam search, best first).
+        num_generated: ``[N]`` int64, generated tokens per row, EOS included.
+        log_probs: ``[N]`` float64, sum of the model's log-probabilities (raw logits, no transform) of
+            the generated tokens.
+        scores: ``[N]`` float64, what the method ranks by: ``log_probs / num_generated^alpha`` for beam
+            search, ``log_probs`` otherwise.
+    """
+
+    sequences: torch.Tensor
+    num_generated: torch.Tensor
+    log_probs: torch.Tensor
+    scores: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def block_repeated_ngrams(input_ids: torch.Tensor, logits: torch.Tensor, ngram_size: int) -> torch.Tensor:
+    """Set to -inf every token that would complete an n-gram already in ``input_ids`` (prompt included).
+
+    Uses transformers' ``NoRepeatNGramLogitsProcessor`` as is (it does exactly this on ``[B, T]`` ids and
+    ``[B, V]`` scores). Raises ``ValueError`` if a row has every token banned (only possible when the
+    vocabulary is tiny compared with the sequence). ``[B, T], [B, V] -> [B, V]``.
+    """
+    _check_int("ngram_size", ngram_size, 1)
+    out = NoRepeatNGramLogitsProcessor(int(ngram_size))(input_ids, logits)
+    if not torch.isfinite(out).any(dim=-1).all():
+        raise ValueError(
+            f"no_repeat_ngram_size={ngram_size}: every token is banned for some row (each continuation "
+            "repeats an n-gram); use a larger n-gram size or fewer new tokens"
+        )
+    return out
+
+
+def contrastive_scores(expert_logits: torch.Tensor, amateur_logits: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Contrastive decoding scores (Li et al. 2023, eq. 3 / reference 001, "Contrastive Decoding").
+
+    ``score(x) = log p_exp(x) - log p_ama(x)`` for ``x`` in the plausible head
+    ``{x : p_exp(x) >= alpha * max_w p_exp(w)}``, ``-inf`` outside. A plausible token the amateur gives
+    probability 0 scores ``+inf``. Computed in float64. ``[..., V], [..., V] -> [..., V]``.
+    """
+    check_logits(expert_logits, "expert_logits")
+    check_logits(amateur_logits, "amateur_logits")
+    if expert_logits.shape != amateur_logits.shape:
+        raise ValueError(f"expert_logits {tuple(expert_logits.shape)} and amateur_logits "
+                         f"{tuple(amateur_logits.shape)} must have the same shape (same vocabulary)")
+    _check_real("alpha", alpha, 0.0, 1.0)
+    log_exp = torch.log_softmax(expert_logits.double(), dim=-1)
+    log_ama = torch.log_softmax(amateur_logits.double(), dim=-1)
+    if alpha > 0:
+        plausible = log_exp >= math.log(alpha) + log_exp.max(dim=-1, keepdim=True).values
+    else:
+        plausible = log_exp > -math.inf
+    return torch.where(plausible, log_exp - log_ama, -math.inf)
+
+
+def sequence_log_probs(logits_fn: LogitsFn, input_ids: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each token of ``continuation [B, n]`` after ``input_ids [B, T]`` (teacher forcing,
+    one ``logits_fn`` call per token). Returns ``[B, n]`` float64."""
+    out, ids = [], input_ids
+    for j in range(continuation.shape[1]):
+        logp = torch.log_softmax(logits_fn(ids, torch.ones_like(ids)).double(), dim=-1)
+        out.append(logp.gather(-1, continuation[:, j : j + 1]))
+        ids = torch.cat([ids, continuation[:, j : j + 1]], dim=1)
+    return torch.cat(out, dim=1)
+
+
+# ----------------------------------------------------------------------------- model adapters
+
+
+class _CachedLogitsFn:
+    """``logits_fn`` over a prefill/score model: one ``score`` call when the input grew by one token."""
+
+    def __init__(self, model):
+        self.model = model
+        self._ids: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        prev = self._ids
+        grew = (prev is not None and input_ids.shape[0] == prev.shape[0] and input_ids.shape[1] == prev.shape[1] + 1
+                and torch.equal(input_ids[:, :-1], prev) and bool(attention_mask[:, -1].all()))
+        if grew:
+            logits = self.model.score(input_ids[:, -1:])[:, -1]
+        else:
+            logits = self.model.prefill(input_ids, attention_mask)
+        self._ids = input_ids.clone()
+        return logits
+
+
+def lm_logits_fn(model) -> LogitsFn:
+    """Adapt a model with ``prefill(ids, mask) -> [B, V]`` and ``score(tokens [B, k]) -> [B, k, V]``
+    (``specresearch.models.CausalLM`` / ``ToyLM``) to a logits function.
+
+    The KV cache is reused when a call's ``input_ids`` extend the previous call's by exactly one column;
+    any other call (new prompt, beam reordering) re-prefills. The adapter owns the model's cache while
+    it is used: do not interleave calls to the model from elsewhere.
+    """
+    for name in ("prefill", "score"):
+        if not callable(getattr(model, name, None)):
+            raise ValueError(f"model must have a callable {name}() (the specresearch.models interface)")
+    return _CachedLogitsFn(model)
+
+
+def truncated_context(logits_fn: LogitsFn, window: int) -> LogitsFn:
+    """A weaker model made from ``logits_fn``: it only sees the last ``window`` tokens.
+
+    Useful as the amateur of contrastive decoding when no smaller model is at hand.
+    """
+    _check_int("window", window, 1)
+
+    def short(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return logits_fn(input_ids[:, -window:], attention_mask[:, -window:])
+
+    return short
+
+
+# ----------------------------------------------------------------------------- autoregressive loop
+
+
+def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a [B, T] tensor with T >= 1, got {getattr(input_ids, 'shape', input_ids)}")
+    if input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be int64 (torch.long), got {input_ids.dtype}")
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    return attention_mask.long()
+
+
+def _autoregressive(choose, logits_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
+    """The one loop: ``choose(ids, mask, model_logits, active) -> next tokens [B]``, appended until EOS/max.
+
+    Rows that emitted EOS are finished: they receive ``pad_token_id`` and their log-probs stop.
+    """
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    mask = _check_prompt(input_ids, attention_mask)
+    ids, batch = input_ids, input_ids.shape[0]
+    active = torch.ones(batch, dtype=torch.bool, device=ids.device)
+    log_probs = torch.zeros(batch, dtype=torch.float64, device=ids.device)
+    generated = torch.zeros(batch, dtype=torch.long, device=ids.device)
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    for _ in range(max_new_tokens):
+        logits = logits_fn(ids, mask)  # [B, V]
+        check_logits(logits)
+        token = torch.where(active, choose(ids, mask, logits, active), pad)  # [B]
+        logp = torch.log_softmax(logits.double(), dim=-1).gather(-1, token[:, None])[:, 0]
+        log_probs += torch.where(active, logp, 0.0)
+        generated += active.long()
+        ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(token)[:, None]], 1)
+        if eos_token_id is not None:
+            active &= token != eos_token_id
+        if not active.any():
+            break
+    return DecodeResult(ids, generated, log_probs, log_probs.clone())
+
+
+def _blocked(ids, logits, active, ngram_size):
+    """Apply n-gram blocking to the active rows; finished rows get uniform logits (their token is ignored)."""
+    logits = torch.where(active[:, None], logits, torch.zeros_like(logits))
+    if ngram_size is None:
+        return logits
+    out = logits.clone()
+    out[active] = block_repeated_ngrams(ids[active], logits[active], ngram_size)
+    return out
+
+
+def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfig, max_new_tokens: int, *,
+           generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
+           eos_token_id: int | None = None, pad_token_id: int | None = None,
+           no_repeat_ngram_size: int | None = None) -> DecodeResult:
+    """Sample ``max_new_tokens`` tokens per row from ``logits_to_probs(logits, sampling)`` (001, "Sampling").
+
+    Greedy configs take the argmax (first maximum) without drawing random numbers. n-gram blocking, if on,
+    is applied to the logits before the transform. ``input_ids [B, T]`` -> ``sequences [B, T + n]``.
+    """
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+
+    def choose(ids, mask, logits, active):
+        probs = logits_to_probs(_blocked(ids, logits, active, no_repeat_ngram_size), sampling)  # [B, V]
+        if sampling.greedy:
+            return probs.argmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    return _autoregressive(choose, logits_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+
+
+def greedy(logits_fn: LogitsFn, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> DecodeResult:
+    """Greedy decoding (001, "Greedy Decoding"): ``sample`` with temperature 0 (first argmax)."""
+    return sample(logits_fn, input_ids, SamplingConfig(temperature=0.0), max_new_tokens, **kwargs)
+
+
+def contrastive(expert_fn: LogitsFn, amateur_fn: LogitsFn, input_ids: torch.Tensor, max_new_tokens: int, *,
+                alpha: float = 0.1, attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+                pad_token_id: int | None = None, no_repeat_ngram_size: int | None = None) -> DecodeResult:
+    """Greedy contrastive decoding (Li et al. 2023): next token = argmax of :func:`contrastive_scores`.
+
+    ``expert_fn`` is the target model, ``amateur_fn`` the draft (same vocabulary). n-gram blocking, if on,
+    bans tokens in the expert's logits before the plausibility constraint. ``log_probs`` are the expert's.
+    """
+
+    def choose(ids, mask, logits, active):
+        expert = _blocked(ids, logits, active, no_repeat_ngram_size)
+        amateur = torch.where(active[:, None], amateur_fn(ids, mask), 0.0)
+        return contrastive_scores(expert, amateur, alpha).argmax(dim=-1)
+
+    return _autoregressive(choose, expert_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+@dataclass
+class _Hypotheses:
+    """The best ``size`` finished hypotheses: (score, log_prob, tokens), kept sorted best first."""
+
+    size: int
+    items: list = field(default_factory=list)
+
+    def add(self, score: float, log_prob: float, tokens: list[int]) -> None:
+        self.items.append((score, log_prob, tokens))
+        self.items.sort(key=lambda item: -item[0])  # stable: earlier hypotheses win ties
+        del self.items[self.size :]
+
+    def worst(self) -> float:
+        return self.items[-1][0] if len(self.items) == self.size else -math.inf
+
+
+def _normalised(log_prob: float, length: int, alpha: float) -> float:
+    return log_prob / length**alpha if alpha else log_prob
+
+
+def beam_search(logits_fn: LogitsFn, input_ids: torch.Tensor, num_beams: int, max_new_tokens: int, *,
+                length_penalty: float = 0.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
+                no_repeat_ngram_size: int | None = None) -> DecodeResult:
+    """Beam search (reference 001, "Beam Search Algorithm") for ONE prompt ``input_ids [1, T]``.
+
+    Each step extends every alive beam by every token, ranks candidates by cumulative log-probability and
+    walks them best first: a candidate ending in EOS becomes a finished hypothesis (scored
+    ``log P / length^alpha``, length = generated tokens incl. EOS), any other fills the next beam until
+    ``num_beams`` are alive. At ``max_new_tokens`` the alive beams finish too. Stops early only when no
+    alive beam can still beat the worst of ``num_beams`` finished hypotheses (log P never increases, so
+    ``log P / max_new_tokens^alpha`` bounds its future score): with ``num_beams >= V^(n-1)`` nothing is
+    ever pruned and the result is the exact top list. Returns ``num_beams`` hypotheses, best first.
+    """
+    _check_int("num_beams", num_beams, 1)
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    _check_real("length_penalty", length_penalty, 0.0, 10.0)
+    _check_prompt(input_ids, None)
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"beam_search takes one prompt, input_ids [1, T]; got batch {input_ids.shape[0]} "
+                         "(call decode(), which loops over prompts)")
+    prompt = input_ids[0].tolist()
+    alive, alive_logp = [[]], [0.0]  # generated tokens of each alive beam, their log P
+    finished = _Hypotheses(num_beams)
+    for step in range(1, max_new_tokens + 1):
+        bound = max(alive_logp) / (max_new_tokens**length_penalty if length_penalty else 1)
+        if len(finished.items) == num_beams and bound <= finished.worst():
+            break
+        alive, alive_logp = _beam_step(logits_fn, prompt, alive, alive_logp, finished, step, num_beams,
+                                       length_penalty, eos_token_id, no_repeat_ngram_size, last=step == max_new_tokens)
+        if not alive:
+            break
+    return _hypotheses_result(prompt, finished, pad_token_id if pad_token_id is not None else (eos_token_id or 0))
+
+
+def _beam_step(logits_fn, prompt, alive, alive_logp, finished, step, num_beams, alpha, eos, ngram, last):
+    """One expansion + pruning step; returns the new alive beams and their log-probabilities."""
+    ids = torch.tensor([prompt + beam for beam in alive], dtype=torch.long)  # [k, T + step - 1]
+    logits = logits_fn(ids, torch.ones_like(ids))
+    check_logits(logits)
+    logp = torch.log_softmax(logits.double(), dim=-1)  # [k, V]
+    if ngram is not None:
+        logp = block_repeated_ngrams(ids, logp, ngram)
+    cand = torch.tensor(alive_logp, dtype=torch.float64)[:, None] + logp  # [k, V]
+    scores, order = torch.sort(cand.flatten(), descending=True, stable=True)
+    vocab = logp.shape[-1]
+    new_alive, new_logp, ended = [], [], 0
+    for score, flat in zip(scores.tolist(), order.tolist()):
+        # in the last step every candidate has the same length, so after num_beams of them the rest lose
+        if score == -math.inf or len(new_alive) == num_beams or ended == num_beams and last:
+            break
+        tokens = alive[flat // vocab] + [flat % vocab]
+        if last or flat % vocab == eos:
+            finished.add(_normalised(score, step, alpha), score, tokens)
+            ended += 1
+        else:
+            new_alive.append(tokens)
+            new_logp.append(score)
+    return new_alive, new_logp
+
+
+def _hypotheses_result(prompt, finished: _Hypotheses, pad: int) -> DecodeResult:
+    width = max(len(tokens) for _, _, tokens in finished.items)
+    rows = [prompt + tokens + [pad] * (width - len(tokens)) for _, _, tokens in finished.items]
+    return DecodeResult(
+        sequences=torch.tensor(rows, dtype=torch.long),
+        num_generated=torch.tensor([len(t) for _, _, t in finished.items], dtype=torch.long),
+        log_probs=torch.tensor([lp for _, lp, _ in finished.items], dtype=torch.float64),
+        scores=torch.tensor([s for s, _, _ in finished.items], dtype=torch.float64),
+    )
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _concat(results: list[DecodeResult], pad: int) -> DecodeResult:
+    """Stack results of different widths, right-padding the sequences."""
+    width = max(r.sequences.shape[1] for r in results)
+    seqs = [torch.nn.functional.pad(r.sequences, (0, width - r.sequences.shape[1]), value=pad) for r in results]
+    return DecodeResult(torch.cat(seqs), *(torch.cat([getattr(r, f) for r in results])
+                                           for f in ("num_generated", "log_probs", "scores")))
+
+
+def decode(logits_fn: LogitsFn, input_ids: torch.Tensor, config: DecodingConfig, *,
+           amateur_fn: LogitsFn | None = None, generator: torch.Generator | None = None,
+           attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+           pad_token_id: int | None = None) -> DecodeResult:
+    """Decode ``input_ids [B, T]`` with ``config`` (see :class:`DecodingConfig`); the one entry point.
+
+    ``amateur_fn`` (the draft) is required for ``"contrastive"``. Beam search returns ``num_beams`` rows per
+    prompt (prompt-major, best first) and ignores ``attention_mask`` (prompts are run one at a time,
+    unpadded: pass unpadded prompts). ``generator`` seeds sampling.
+    """
+    if not isinstance(config, DecodingConfig):
+        raise ValueError(f"config must be a DecodingConfig, got {type(config).__name__}")
+    _check_prompt(input_ids, attention_mask)
+    common = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, no_repeat_ngram_size=config.no_repeat_ngram_size)
+    if config.method == "contrastive":
+        if amateur_fn is None:
+            raise ValueError("amateur_fn is required for method='contrastive' (the draft model's logits function)")
+        return contrastive(logits_fn, amateur_fn, input_ids, config.max_new_tokens, alpha=config.contrastive_alpha,
+                           attention_mask=attention_mask, **common)
+    if config.method == "beam":
+        runs = [beam_search(logits_fn, row[None], config.num_beams, config.max_new_tokens,
+                            length_penalty=config.length_penalty, **common) for row in input_ids]
+        return _concat(runs, pad_token_id if pad_token_id is not None else (eos_token_id or 0))
+    sampling = SamplingConfig(temperature=0.0) if config.method == "greedy" else config.sampling
+    return sample(logits_fn, input_ids, sampling, config.max_new_tokens, generator=generator,
+                  attention_mask=attention_mask, **common)
