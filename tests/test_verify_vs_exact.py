@@ -8,9 +8,9 @@ TRIALS = 200_000 copies in ONE batched call with seeded float64 uniforms, count 
 * a Pearson chi-square goodness-of-fit test (cells with expected count < 5 merged) must not reject
   at level ALPHA = 1e-8.
 
-False-positive budget: this file runs K_STAT = 26 chi-square tests that a correct implementation
-should pass (16 single-row, 6 whole-step), so the family-wise false-positive rate is below
-K_STAT * ALPHA = 2.6e-7 < 1e-6 (the chi-square approximation is used in its tail; almost all cells
+False-positive budget: this file runs K_STAT = 28 level-ALPHA tests that a correct implementation
+should pass (20 single-row chi-square, 6 whole-step chi-square, 2 Monte Carlo means), so the
+family-wise false-positive rate is below K_STAT * ALPHA = 2.8e-7 < 1e-6 (the chi-square approximation is used in its tail; almost all cells
 have expected counts in the thousands). Seeds are fixed, so a run is deterministic.
 Power: the same test rejects token verification's output against the block twin on the two-symbol
 example of references/000, so these tests can fail.
@@ -31,7 +31,7 @@ from specresearch.exact import random_rational_model, step_distribution, two_sym
 from specresearch.verify import VERIFIERS, draw_uniforms
 
 ALPHA = 1e-8
-K_STAT = 26
+K_STAT = 28
 TRIALS = 200_000
 assert K_STAT * ALPHA < 1e-6
 
@@ -213,3 +213,24 @@ def test_test_rejects_token_output_against_block_twin():
     ps, qs = [target(())] * 3, [draft(())] * 2
     _, impossible = _goodness_of_fit(_run_rows("token", ps, qs, [0, 0], seed=3), verify_exact(ps, qs, [0, 0], "block"))
     assert impossible > 0
+
+
+# ----------------------------------------------------------------------------- Monte Carlo helper
+
+
+def test_simulate_accepted_recovers_two_symbol_values():
+    """specresearch.montecarlo (used by notebook 01) on TRIALS steps: the exact 10/9 and 11/9 lie within
+    z = norm.isf(ALPHA / 2) standard errors (two of the K_STAT level-ALPHA tests)."""
+    from scipy.stats import norm
+
+    from specresearch.montecarlo import simulate_accepted
+
+    target, draft = two_symbol_example()
+    for method, truth in (("token", F(10, 9)), ("block", F(11, 9))):
+        estimate = simulate_accepted(target, draft, 2, method, TRIALS, seed=1)
+        assert estimate.trials == TRIALS and estimate.contains(truth, norm.isf(ALPHA / 2)), (method, estimate)
+    assert not simulate_accepted(target, draft, 2, "token", TRIALS, seed=1).contains(F(11, 9), norm.isf(ALPHA / 2))
+    with pytest.raises(ValueError, match="method must be one of"):
+        simulate_accepted(target, draft, 2, "beam", 10, seed=0)
+    with pytest.raises(ValueError, match="gamma must be an integer >= 1"):
+        simulate_accepted(target, draft, 0, "token", 10, seed=0)
