@@ -10,8 +10,9 @@ TRIALS = 200_000 copies in ONE batched call with seeded float64 uniforms, count 
 
 False-positive budget: this file runs K_STAT = 28 level-ALPHA tests that a correct implementation
 should pass (20 single-row chi-square, 6 whole-step chi-square, 2 Monte Carlo means), so the
-family-wise false-positive rate is below K_STAT * ALPHA = 2.8e-7 < 1e-6 (the chi-square approximation is used in its tail; almost all cells
-have expected counts in the thousands). Seeds are fixed, so a run is deterministic.
+family-wise false-positive rate is below K_STAT * ALPHA = 2.8e-7 < 1e-6 (the chi-square
+approximation is used in its tail; almost all cells have expected counts in the thousands).
+Seeds are fixed, so a run is deterministic.
 Power: the same test rejects token verification's output against the block twin on the two-symbol
 example of references/000, so these tests can fail.
 """
