@@ -4,7 +4,8 @@ Every model the generation engine drives -- a transformers model (:class:`Causal
 (:class:`ToyLM`) or an n-gram draft (``drafts.NGramDraft``) -- exposes the same methods:
 
 * ``prefill(input_ids [B, L], attention_mask [B, L]) -> logits [B, V]``: start a new batch from a
-  left-padded prompt; returns the next-token logits after the prompt (``L >= 1``).
+  left-padded prompt; returns the next-token logits after the prompt (``L >= 1``; a row may be all
+  padding, i.e. an empty context, and then its returned logits are meaningless).
 * ``reset(batch_size)``: start a new batch with an empty context (what ``prefill`` of 0 tokens would be).
 * ``score(tokens [B, k], valid=None [B, k] bool) -> logits [B, k, V]``: append ``k`` tokens and return
   the next-token logits after each of them. A slot with ``valid[b, j] = False`` is appended but masked
@@ -116,8 +117,8 @@ def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None
         raise ValueError(
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
-    if not bool(attention_mask[:, -1].bool().all()):
-        raise ValueError("attention_mask must be left-padded: the last column must be 1 for every row")
+    if bool((attention_mask.long().diff(dim=1) < 0).any()):
+        raise ValueError("attention_mask must be left-padded: in each row, zeros (padding) and then ones")
 
 
 class CausalLM:
@@ -258,7 +259,7 @@ class ToyLM:
         _check_prompt(input_ids, attention_mask)
         self.reset(input_ids.shape[0])
         self._slots.append(attention_mask.bool())
-        return self._logits(input_ids[:, -1:])[:, -1]  # left padding: the last column is real
+        return self._logits(input_ids[:, -1:])[:, -1]  # left padding: the last column is the last token
 
     def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         self._slots.append(torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)

@@ -74,6 +74,17 @@ def test_batch_left_padding_per_row_rollback_and_masked_slots_match_uncached(lm)
             torch.testing.assert_close(out[b, 0], ref[-2], atol=ATOL, rtol=0)
 
 
+def test_fully_padded_row_is_an_empty_context(lm):
+    """A row of only padding at prefill (a 1-token prompt in a batch, as the engine prefills all but the
+    last token) must not poison the cache with NaN: later tokens see an empty context."""
+    ids, mask = _left_pad([[9, 10, 11], []])
+    lm.prefill(ids, mask)
+    out = lm.score(torch.tensor([[12, 13], [14, 15]]))
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out[0], _reference(lm, [9, 10, 11, 12, 13])[-2:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], _reference(lm, [14, 15]), atol=ATOL, rtol=0)
+
+
 def test_rollback_out_of_range_raises(lm):
     lm.prefill(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="n must be between 0 and cache_length"):

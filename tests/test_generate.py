@@ -1,0 +1,258 @@
+"""The generation engine on tiny models: lengths, EOS, greedy equality, seeds, q handed to the verifier,
+end-to-end losslessness of the sampled output, bad inputs."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from specresearch import generate as gen
+from specresearch.drafts import NGramDraft, truncated_draft
+from specresearch.generate import autoregressive_generate, encode_prompts, speculative_generate
+from specresearch.models import ToyLM, tiny_llama
+from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.verify import token_verify
+
+VOCAB = 48
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[5, 9, 2, 33, 7, 5, 9], [4, 8], [16, 23, 42, 3]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, init_std=0.6, num_layers=3)
+
+
+def _drafts(target):
+    return {
+        "truncated": truncated_draft(target, 1),
+        "other_llama": tiny_llama(VOCAB, seed=1, init_std=0.6),
+        "ngram": NGramDraft(VOCAB, max_ngram=2),
+    }
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "token", "block"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_speculative_equals_greedy_autoregressive(target, verifier, batch):
+    prompts = PROMPTS[:batch]
+    reference = autoregressive_generate(target, prompts, max_new_tokens=24, sampling=GREEDY)
+    for p, row in zip(prompts, reference.tokens):  # batching with left padding changes nothing
+        assert autoregressive_generate(target, [p], max_new_tokens=24, sampling=GREEDY).tokens[0] == row
+    ragged = False
+    for name, draft in _drafts(target).items():
+        out = speculative_generate(target, draft, prompts, verifier=verifier, gamma=3, max_new_tokens=24,
+                                   sampling=GREEDY, seed=1)
+        assert out.tokens == reference.tokens, name
+        ragged |= any(len(set(s.num_accepted)) > 1 for s in out.steps)
+    assert batch == 1 or ragged  # rows really did accept different numbers of drafts somewhere
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9, 13])
+def test_exactly_max_new_tokens_even_when_the_last_block_overshoots(target, max_new_tokens):
+    # a 3-of-3-layer truncation IS the target: every block is accepted and gamma + 1 = 5 tokens overshoot
+    out = speculative_generate(target, truncated_draft(target, 3), PROMPTS, gamma=4, max_new_tokens=max_new_tokens,
+                               seed=3)
+    assert [len(r) for r in out.tokens] == [max_new_tokens] * 3
+
+
+def _chain_table(vocab, successor):
+    """Markov logits: token t goes to successor[t] with probability ~1 (logit 20 vs 0)."""
+    table = torch.zeros(vocab, vocab)
+    for t, s in successor.items():
+        table[t, s] = 20.0
+    return table
+
+
+def test_eos_inside_an_accepted_block_ends_that_row_only():
+    vocab, eos = 10, 1
+    table = _chain_table(vocab, {2: 3, 3: 4, 4: eos, eos: 5, 5: 6, 6: 7, 7: 8, 8: 9, 9: 6, 0: 0})
+    toy = ToyLM(table)
+    out = speculative_generate(toy, ToyLM(table), [[2], [6]], verifier="block", gamma=4, max_new_tokens=7,
+                               sampling=GREEDY, eos_token_id=eos)
+    assert out.steps[0].num_accepted == (4, 4)  # the whole block [3, 4, EOS, 5] + bonus was accepted ...
+    assert out.tokens == ((3, 4, eos), (7, 8, 9, 6, 7, 8, 9))  # ... but row 0 stops at EOS, row 1 goes on
+    ar = autoregressive_generate(toy, [[2], [6]], max_new_tokens=7, sampling=GREEDY, eos_token_id=eos)
+    assert ar.tokens == out.tokens
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(target):
+    def run(seed):
+        return speculative_generate(target, truncated_draft(target, 1), PROMPTS, verifier="token", gamma=3,
+                                    max_new_tokens=20, seed=seed).tokens
+
+    assert run(7) == run(7)
+    # 60 tokens from distributions far from one-hot: equal outputs across seeds are (far) below 1e-6 likely
+    assert run(7) != run(8)
+
+
+def test_draft_probs_handed_to_verifier_are_the_sampling_distribution(monkeypatch):
+    vocab = 12
+    g = torch.Generator().manual_seed(0)
+    target_table, draft_table = torch.randn(vocab, vocab, generator=g), torch.randn(vocab, vocab, generator=g)
+    sampling = SamplingConfig(temperature=0.7, top_k=4)
+    calls = []
+
+    def spy(target_probs, draft_probs, draft_tokens, generator=None, **kwargs):
+        result = token_verify(target_probs, draft_probs, draft_tokens, generator, **kwargs)
+        calls.append((target_probs, draft_probs, draft_tokens, result))
+        return result
+
+    monkeypatch.setitem(gen.VERIFIERS, "spy", spy)
+    out = speculative_generate(ToyLM(target_table), ToyLM(draft_table), [[3], [4, 5]], verifier="spy", gamma=3,
+                               max_new_tokens=30, sampling=sampling, seed=0)
+    assert len(calls) == len(out.steps) > 1
+    last = torch.tensor([[3], [5]])  # Markov tables: the distribution depends on the last token only
+    for target_probs, draft_probs, draft_tokens, result in calls:
+        prev = torch.cat([last, draft_tokens], 1)  # [B, gamma+1]
+        torch.testing.assert_close(draft_probs, logits_to_probs(draft_table[prev[:, :-1]], sampling))
+        torch.testing.assert_close(target_probs, logits_to_probs(target_table[prev], sampling))
+        assert bool((draft_probs.gather(-1, draft_tokens[..., None]) > 0).all())  # drawn inside the top-k support
+        last = result.next_token[:, None]
+
+
+def _exact_law(lm, prompt, n_tokens, sampling):
+    """Exact law of the first n_tokens of the sampling-transformed target, by enumeration. -> {seq: prob}."""
+    law = {(): 1.0}
+    for _ in range(n_tokens):
+        longer = {}
+        for seq, prob in law.items():
+            with torch.no_grad():
+                logits = lm.model(input_ids=torch.tensor([prompt + list(seq)])).logits[0, -1]
+            probs = logits_to_probs(logits.double(), sampling).tolist()
+            longer.update({seq + (t,): prob * p for t, p in enumerate(probs)})
+        law = longer
+    return law
+
+
+def _chi_square(samples, law):
+    """Pearson statistic and its 1e-6 critical value; cells expected < 5 times are pooled into one."""
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    n = len(samples)
+    big = [s for s, p in law.items() if p * n >= 5]
+    observed = [counts.get(s, 0) for s in big] + [n - sum(counts.get(s, 0) for s in big)]
+    expected = [law[s] * n for s in big] + [n * (1 - sum(law[s] for s in big))]
+    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    return stat, chi2.isf(1e-6, len(cells) - 1)
+
+
+SMALL_V = 6
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    return tiny_llama(SMALL_V, seed=2, init_std=0.8), tiny_llama(SMALL_V, seed=3, init_std=0.8)
+
+
+@pytest.mark.parametrize(
+    "verifier, sampling",
+    [("token", SamplingConfig()), ("block", SamplingConfig()), ("block", SamplingConfig(temperature=0.8, top_k=4))],
+)
+def test_sampled_output_follows_the_target_law(small_pair, verifier, sampling):
+    """End-to-end losslessness (Leviathan et al. Thm 1; Sun et al. Thm 1) through the whole engine, with
+    3000 batch rows that accept different numbers of drafts (per-row rollback, masked slots).
+    Pearson chi-square at the 1e-6 critical value: a correct engine fails with probability < 1e-6."""
+    target, draft = small_pair
+    prompt, rows = [1, 4, 2], 3000
+    out = speculative_generate(target, draft, [prompt] * rows, verifier=verifier, gamma=2, max_new_tokens=3,
+                               sampling=sampling, seed=11)
+    stat, critical = _chi_square(list(out.tokens), _exact_law(target, prompt, 3, sampling))
+    assert stat < critical
+
+
+def test_the_law_test_has_power(small_pair, monkeypatch):
+    """A verifier that accepts every draft (not lossless) must fail the same test."""
+    target, draft = small_pair
+
+    def accept_all(target_probs, draft_probs, draft_tokens, generator=None, **kwargs):
+        b, gamma = draft_tokens.shape
+        nxt = torch.multinomial(target_probs[:, -1], 1, generator=generator)[:, 0]
+        return gen.VERIFIERS["greedy"](target_probs, draft_probs, draft_tokens, generator).__class__(
+            torch.full((b,), gamma), nxt)
+
+    monkeypatch.setitem(gen.VERIFIERS, "accept_all", accept_all)
+    prompt = [1, 4, 2]
+    out = speculative_generate(target, draft, [prompt] * 3000, verifier="accept_all", gamma=2, max_new_tokens=3,
+                               seed=11)
+    stat, critical = _chi_square(list(out.tokens), _exact_law(target, prompt, 3, SamplingConfig()))
+    assert stat > critical
+
+
+def test_result_statistics(target):
+    out = speculative_generate(target, truncated_draft(target, 1), PROMPTS, verifier="token", gamma=3,
+                               max_new_tokens=20, seed=0)
+    active_steps = [(n, a) for s in out.steps for n, a in zip(s.num_accepted, s.active) if a]
+    assert out.block_efficiency == pytest.approx(sum(n + 1 for n, _ in active_steps) / len(active_steps))
+    assert 0 <= out.acceptance_rate <= 1
+    assert out.target_calls == len(out.steps) and out.draft_calls == sum(s.gamma for s in out.steps)
+    ar = autoregressive_generate(target, PROMPTS, max_new_tokens=20)
+    assert ar.target_calls == 20 and ar.num_tokens == 60
+    assert out.speedup_over(ar) == pytest.approx(out.tokens_per_second / ar.tokens_per_second)
+
+
+def test_bad_inputs_raise_clear_errors(target):
+    draft = NGramDraft(VOCAB)
+    with pytest.raises(ValueError, match="must not be empty"):
+        speculative_generate(target, draft, [[]])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        speculative_generate(target, draft, [])
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            speculative_generate(target, draft, [[1, 2]], max_new_tokens=bad)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            autoregressive_generate(target, [[1, 2]], max_new_tokens=bad)
+    with pytest.raises(ValueError, match="gamma"):
+        speculative_generate(target, draft, [[1, 2]], gamma=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative_generate(target, NGramDraft(VOCAB + 1), [[1, 2]])
+    with pytest.raises(ValueError, match="verifier"):
+        speculative_generate(target, draft, [[1, 2]], verifier="typo")
+    with pytest.raises(ValueError, match="tokenizer"):
+        speculative_generate(target, draft, ["a string prompt"])
+
+
+def test_encode_prompts_left_pads():
+    ids, mask = encode_prompts([[1, 2, 3], [4]])
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert encode_prompts([7, 8])[0].tolist() == [[7, 8]]  # one prompt given as a flat list
+
+
+def test_ngram_draft_distribution():
+    from specresearch.drafts import ngram_probs
+
+    q = ngram_probs(torch.tensor([5, 6, 7, 5, 6, 8, 5, 6]), 10, max_ngram=2, floor=0.1)
+    # suffix (5, 6) was followed by 7 and by 8: each gets 0.9 / 2 + 0.1 / 10
+    torch.testing.assert_close(q[[7, 8]], torch.tensor([0.46, 0.46]))
+    assert q.sum().item() == pytest.approx(1.0) and bool((q > 0).all())
+    assert ngram_probs(torch.tensor([3]), 4, floor=0.2).tolist() == pytest.approx([0.05, 0.05, 0.05, 0.85])
+
+
+def test_probs_handed_to_verifier_equal_uncached_forwards_of_the_emitted_context(target, monkeypatch):
+    """Cache bookkeeping of both models (pending blocks, per-row rollback, masked x_gamma slots): every
+    target/draft row the verifier sees equals a plain forward of prompt + tokens emitted so far + drafts."""
+    draft = truncated_draft(target, 2)  # close to the target: some rows accept all drafts, others do not
+    calls = []
+
+    def spy(target_probs, draft_probs, draft_tokens, generator=None, **kwargs):
+        result = gen.VERIFIERS["block"](target_probs, draft_probs, draft_tokens, generator, **kwargs)
+        calls.append((target_probs, draft_probs, draft_tokens, result))
+        return result
+
+    monkeypatch.setitem(gen.VERIFIERS, "spy", spy)
+    speculative_generate(target, draft, PROMPTS, verifier="spy", gamma=2, max_new_tokens=24, seed=5)
+    contexts = [list(p) for p in PROMPTS]
+    for target_probs, draft_probs, draft_tokens, result in calls:
+        for b, context in enumerate(contexts):
+            drafts = draft_tokens[b].tolist()
+            with torch.no_grad():
+                p = target.model(input_ids=torch.tensor([context + drafts])).logits[0, len(context) - 1 :]
+                q = draft.model(input_ids=torch.tensor([context + drafts[:-1]])).logits[0, len(context) - 1 :]
+            torch.testing.assert_close(target_probs[b], p.softmax(-1), atol=1e-4, rtol=0)
+            torch.testing.assert_close(draft_probs[b], q.softmax(-1), atol=1e-4, rtol=0)
+            n = int(result.num_accepted[b])
+            context.extend(drafts[:n] + [int(result.next_token[b])])
+    # the masked x_gamma slot was exercised: a step where one row accepted all drafts and another did not
+    assert any(int(r.num_accepted.max()) == 2 and int(r.num_accepted.min()) < 2 for *_, r in calls)
