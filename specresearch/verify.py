@@ -250,9 +250,11 @@ def _block_tau_dense(target_probs, draft_probs, scale, eta):
 
 
 def _residual_share(mass, scale):
-    """h_i = m / (m + 1 - p_i) for residual mass m = sum_x w_i(x), clamped to p_i (exact bound); 0 where m = 0."""
-    share = (mass / (mass + 1 - scale)).minimum(scale)
-    return torch.where(mass > 0, share, torch.zeros_like(share))
+    """h_i = m / (m + 1 - p_i) for residual mass m = sum_x w_i(x), clamped to p_i (exact bound); 0 where m = 0.
+
+    m = 0 gives 0 / (1 - p_i) = 0, or 0 / 0 = nan when p_i = 1, which ``nan_to_num_`` turns into 0.
+    """
+    return (mass / (mass + 1 - scale)).nan_to_num_(0.0).minimum(scale)
 
 
 def _last_true(mask):

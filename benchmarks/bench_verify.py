@@ -1,0 +1,169 @@
+"""Time the verifiers of ``specresearch.verify`` against transformers' ``_speculative_sampling``.
+
+Usage (from the repository root):
+
+    .venv/bin/python benchmarks/bench_verify.py --threads 1 --repeats 50
+    .venv/bin/python benchmarks/bench_verify.py --quick
+
+Each cell is the median wall time of ``--repeats`` calls after warm-up (``time.perf_counter``), float32 on
+CPU, V = 49152 (SmolLM2's vocabulary). Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
+N(0, 1), probabilities by softmax, draft tokens sampled from the draft rows, so acceptance is realistic
+(not p == q, not independent). transformers' verifier takes logits and one row (B = 1), so it is timed
+on the logits (its softmax included) and, for B > 1, in a Python loop over the rows; we report ours both
+on probabilities and with the same softmax added. Rows are printed as a Markdown table; nothing is
+asserted about time.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers.generation.utils import _speculative_sampling
+
+from specresearch import verify
+
+VOCAB = 49152
+PROMPT_LENGTH = 16
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def make_inputs(batch, gamma, vocab, generator):
+    """Logits and probabilities for one verification step: a dict of tensors (see module docstring)."""
+    target_logits = 3 * torch.randn(batch, gamma + 1, vocab, generator=generator)
+    draft_logits = target_logits[:, :gamma] + torch.randn(batch, gamma, vocab, generator=generator)
+    draft_probs = draft_logits.softmax(-1)
+    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=generator).view(batch, gamma)
+    prompt = torch.randint(vocab, (batch, PROMPT_LENGTH), generator=generator)
+    return {
+        "target_logits": target_logits,
+        "draft_logits": draft_logits,
+        "target_probs": target_logits.softmax(-1),
+        "draft_probs": draft_probs,
+        "draft_tokens": draft_tokens,
+        "candidate_ids": torch.cat([prompt, draft_tokens], 1),
+    }
+
+
+def median_seconds(candidates, repeats, clock=time.perf_counter, warmup=3):
+    """Median time of each zero-argument callable over ``repeats`` calls, after ``warmup`` calls.
+
+    The candidates are timed round-robin (one call of each per repeat), so a load change on a shared
+    machine hits all of them alike and the ratios stay meaningful.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def transformers_verify(inputs):
+    """transformers' verifier on each batch row in turn (it handles B = 1)."""
+    gamma = inputs["draft_tokens"].shape[1]
+    for b in range(inputs["draft_tokens"].shape[0]):
+        _speculative_sampling(
+            inputs["candidate_ids"][b : b + 1],
+            inputs["draft_logits"][b : b + 1],
+            gamma,
+            inputs["target_logits"][b : b + 1],
+        )
+
+
+def candidates(inputs, generator):
+    """name -> zero-argument callable timed by ``median_seconds``."""
+    probs = (inputs["target_probs"], inputs["draft_probs"], inputs["draft_tokens"])
+
+    def ours(name, validate=False):
+        return lambda: verify.VERIFIERS[name](*probs, generator, validate=validate)
+
+    def with_softmax(name):
+        logits = (inputs["target_logits"], inputs["draft_logits"])
+        return lambda: verify.VERIFIERS[name](
+            logits[0].softmax(-1), logits[1].softmax(-1), inputs["draft_tokens"], generator, validate=False
+        )
+
+    return {
+        "token": ours("token"),
+        "block": ours("block"),
+        "greedy": ours("greedy"),
+        "token_validated": ours("token", validate=True),
+        "block_validated": ours("block", validate=True),
+        "block_dense": lambda: _block_dense(*probs, generator),
+        "token_softmax": with_softmax("token"),
+        "block_softmax": with_softmax("block"),
+        "transformers": lambda: transformers_verify(inputs),
+    }
+
+
+def _block_dense(target_probs, draft_probs, draft_tokens, generator):
+    """Block verification with h_i computed for every (b, i) (no pruning): the loop-free alternative."""
+    eta = verify.draw_uniforms(*draft_tokens.shape, generator).float()
+    p_x, q_x = verify._drafted_probs(target_probs, draft_probs, draft_tokens)
+    scale = verify._block_scales(p_x, q_x)
+    tau = verify._block_tau_dense(target_probs, draft_probs, scale, eta[:, :-1])
+    scale_tau = torch.cat([torch.ones_like(scale[:, :1]), scale], 1).gather(1, tau[:, None]).squeeze(1)
+    return verify._sample_residual(target_probs, draft_probs, tau, scale_tau, eta[:, -1])
+
+
+def run(batches, gammas, repeats, clock):
+    """One record per (B, gamma): median microseconds of each candidate."""
+    generator = torch.Generator().manual_seed(0)
+    records = []
+    for batch in batches:
+        for gamma in gammas:
+            inputs = make_inputs(batch, gamma, VOCAB, generator)
+            medians = median_seconds(candidates(inputs, generator), repeats, clock)
+            timings = {name: 1e6 * seconds for name, seconds in medians.items()}
+            records.append({"B": batch, "gamma": gamma, **timings})
+    return records
+
+
+def markdown(records):
+    """Markdown table of the records with the ratios side by side."""
+    header = (
+        "| B | gamma | token | block | greedy | token val. | block val. | block dense | transformers "
+        "| block/token | token/tf | token+softmax/tf | block+softmax/tf |"
+    )
+    lines = [header, "|" + "---|" * 13]
+    for r in records:
+        lines.append(
+            f"| {r['B']} | {r['gamma']} | {r['token']:.0f} | {r['block']:.0f} | {r['greedy']:.0f} "
+            f"| {r['token_validated']:.0f} | {r['block_validated']:.0f} | {r['block_dense']:.0f} "
+            f"| {r['transformers']:.0f} | {r['block'] / r['token']:.2f} | {r['token'] / r['transformers']:.2f} "
+            f"| {r['token_softmax'] / r['transformers']:.2f} | {r['block_softmax'] / r['transformers']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per cell (median reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall = time.perf_counter; cpu = time.thread_time (this thread's CPU time: robust on a loaded machine, "
+        "meaningful with --threads 1 only)",
+    )
+    parser.add_argument("--quick", action="store_true", help="B = 1 only, gamma = 4 only, 5 repeats")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches, gammas, repeats = ([1], [4], 5) if args.quick else ([1, 32], [4, 8], args.repeats)
+    records = run(batches, gammas, repeats, CLOCKS[args.clock])
+    print(
+        f"Median {args.clock}-clock microseconds per call; float32, CPU, V = {VOCAB}, "
+        f"threads = {args.threads}, repeats = {repeats}."
+    )
+    print("'val.' = validate=True; 'tf' = transformers._speculative_sampling (softmax included, loop over B).\n")
+    print(markdown(records))
+
+
+if __name__ == "__main__":
+    main()
