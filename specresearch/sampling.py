@@ -222,6 +222,11 @@ def transform_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tens
     if not isinstance(config, SamplingConfig):
         raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
     check_logits(logits)
+    return _transform(logits, config)
+
+
+def _transform(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """:func:`transform_logits` without the checks (callers have validated). [..., V] -> [..., V]."""
     if config.greedy:
         return _first_argmax_one_hot(logits)
     out = apply_temperature(logits, config.temperature)
@@ -241,7 +246,9 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     float32. Greedy configs give an exact one-hot at the first argmax. Raises ``ValueError`` for NaN,
     +inf, a row that is entirely -inf, or a non-floating tensor.
     """
+    if not isinstance(config, SamplingConfig):
+        raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
     check_logits(logits)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
-    return torch.softmax(transform_logits(logits, config), dim=-1)
+    return torch.softmax(_transform(logits, config), dim=-1)
