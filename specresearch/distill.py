@@ -144,7 +144,8 @@ class TrainConfig:
         steps: optimiser steps; batch_size: sequences per step; seq_len: sequences are cut to this length.
         lr, warmup_steps, weight_decay, grad_clip: AdamW settings (``grad_clip`` = max global grad norm).
         corpus_temperature: temperature of the target when sampling the corpus (> 0).
-        corpus_max_new_tokens: continuation length per prompt; corpus_samples_per_prompt: continuations per prompt.
+        corpus_max_new_tokens: continuation length per prompt; corpus_samples_per_prompt: continuations per prompt;
+            corpus_batch_size: rows sampled together (it fixes which random draw goes to which row).
         checkpoint_every: steps between checkpoints in the cache directory.
     """
 
@@ -159,10 +160,11 @@ class TrainConfig:
     corpus_temperature: float = 1.0
     corpus_max_new_tokens: int = 128
     corpus_samples_per_prompt: int = 2
+    corpus_batch_size: int = 16
     checkpoint_every: int = 25
 
     def __post_init__(self) -> None:
-        for field in ("steps", "batch_size", "seq_len", "corpus_max_new_tokens", "corpus_samples_per_prompt", "checkpoint_every"):
+        for field in ("steps", "batch_size", "seq_len", "corpus_max_new_tokens", "corpus_samples_per_prompt", "corpus_batch_size", "checkpoint_every"):
             value = getattr(self, field)
             _require(isinstance(value, int) and value >= 1, field, f"must be an int >= 1, got {value!r}")
         _require(isinstance(self.seed, int) and self.seed >= 0, "seed", f"must be an int >= 0, got {self.seed!r}")
@@ -367,17 +369,17 @@ def _cut_after_eos(row: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 
 
 def generate_corpus(target, prompt_ids: Sequence[torch.Tensor], config: TrainConfig, eos_token_ids: Sequence[int] = (),
-                    progress: bool = True, batch_size: int = 8) -> Corpus:
+                    progress: bool = True) -> Corpus:
     """Sample ``config.corpus_samples_per_prompt`` continuations of every prompt from the target.
 
-    Rows (prompt i, sample j) in order, ``batch_size`` rows per batch; one ``torch.Generator`` seeded with
-    ``config.seed`` drives all draws, so the corpus is a function of (target, prompts, config, batch_size).
+    Rows (prompt i, sample j) in order, ``config.corpus_batch_size`` rows per batch; one ``torch.Generator``
+    seeded with ``config.seed`` drives all draws, so the corpus is a function of (target, prompts, config).
     """
     generator = torch.Generator().manual_seed(config.seed)
     rows = [ids for ids in prompt_ids for _ in range(config.corpus_samples_per_prompt)]
     sequences = []
-    for start in tqdm(range(0, len(rows), batch_size), desc="corpus", disable=not progress):
-        chunk = rows[start : start + batch_size]
+    for start in tqdm(range(0, len(rows), config.corpus_batch_size), desc="corpus", disable=not progress):
+        chunk = rows[start : start + config.corpus_batch_size]
         temperatures = [config.corpus_temperature] * len(chunk)
         continuations = sample_continuations(target, chunk, temperatures, config.corpus_max_new_tokens, generator, eos_token_ids)
         sequences += [torch.cat([ids, cont]) for ids, cont in zip(chunk, continuations)]
@@ -713,7 +715,7 @@ def measure_cost_ratio(target, draft, context_length: int = 64, repeats: int = 3
 
 
 def _corpus_key(target, prompt_ids: Sequence[torch.Tensor], config: TrainConfig) -> str:
-    fields = {k: getattr(config, k) for k in ("seed", "corpus_temperature", "corpus_max_new_tokens", "corpus_samples_per_prompt")}
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k == "seed" or k.startswith("corpus_")}
     blob = json.dumps({"target": _embedding_fingerprint(target), "prompts": [p.tolist() for p in prompt_ids], **fields}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

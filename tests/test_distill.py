@@ -35,12 +35,12 @@ def prompts():
 @pytest.fixture(scope="module")
 def train_config():
     return D.TrainConfig(steps=40, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, corpus_max_new_tokens=20,
-                         corpus_samples_per_prompt=2, checkpoint_every=2)
+                         corpus_samples_per_prompt=2, corpus_batch_size=5, checkpoint_every=2)
 
 
 @pytest.fixture(scope="module")
 def corpus(target, prompts, train_config):
-    return D.generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False, batch_size=5)
+    return D.generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -175,7 +175,7 @@ def test_sampling_stops_after_eos(target, prompts):
 
 
 def test_corpus_is_reproducible_and_round_trips(target, prompts, train_config, corpus, tmp_path):
-    again = D.generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False, batch_size=5)
+    again = D.generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False)
     assert again.prompt_lengths == corpus.prompt_lengths
     assert all(torch.equal(a, b) for a, b in zip(again.sequences, corpus.sequences))
     assert len(corpus.sequences) == len(prompts) * train_config.corpus_samples_per_prompt
@@ -209,7 +209,7 @@ def test_bad_draft_config_names_the_field(field, kwargs):
 @pytest.mark.parametrize("field, value", [
     ("steps", 0), ("batch_size", 0), ("seq_len", 1), ("lr", 0.0), ("lr", float("nan")), ("warmup_steps", -1),
     ("grad_clip", 0.0), ("corpus_temperature", 0.0), ("corpus_max_new_tokens", 0), ("corpus_samples_per_prompt", 0),
-    ("seed", -1), ("checkpoint_every", 0), ("weight_decay", -0.1),
+    ("seed", -1), ("checkpoint_every", 0), ("corpus_batch_size", 0), ("weight_decay", -0.1),
 ])
 def test_bad_train_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
