@@ -2,11 +2,14 @@
 
 Usage (from the repository root):
 
-    .venv/bin/python benchmarks/bench_verify.py --threads 1 --repeats 50
+    .venv/bin/python benchmarks/bench_verify.py --threads 1 --repeats 50 --clock wall
+    .venv/bin/python benchmarks/bench_verify.py --threads 1 --repeats 50 --clock cpu
     .venv/bin/python benchmarks/bench_verify.py --quick
 
-Each cell is the median wall time of ``--repeats`` calls after warm-up (``time.perf_counter``), float32 on
-CPU, V = 49152 (SmolLM2's vocabulary). Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
+Each cell is the median time of ``--repeats`` calls after warm-up, float32 on CPU, V = 49152 (SmolLM2's
+vocabulary); the candidates are timed round-robin so load changes hit them alike. ``--clock wall`` uses
+``time.perf_counter``; ``--clock cpu`` uses this thread's CPU time, which is steadier on a shared machine.
+``block dense`` is block verification computing every h_i (no pruning), the loop-free alternative. Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
 N(0, 1), probabilities by softmax, draft tokens sampled from the draft rows, so acceptance is realistic
 (not p == q, not independent). transformers' verifier takes logits and one row (B = 1), so it is timed
 on the logits (its softmax included) and, for B > 1, in a Python loop over the rows; we report ours both
