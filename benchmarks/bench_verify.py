@@ -9,7 +9,8 @@ Usage (from the repository root):
 Each cell is the median time of ``--repeats`` calls after warm-up, float32 on CPU, V = 49152 (SmolLM2's
 vocabulary); the candidates are timed round-robin so load changes hit them alike. ``--clock wall`` uses
 ``time.perf_counter``; ``--clock cpu`` uses this thread's CPU time, which is steadier on a shared machine.
-``block dense`` is block verification computing every h_i (no pruning), the loop-free alternative. Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
+``block`` picks its tau rule by size; ``block pruned`` / ``block dense`` force one: h_i only where
+eta_i < p_i and eta_gamma >= p_gamma (pruned), or h_i for every i (dense). Neither loops over gamma. Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
 N(0, 1), probabilities by softmax, draft tokens sampled from the draft rows, so acceptance is realistic
 (not p == q, not independent). transformers' verifier takes logits and one row (B = 1), so it is timed
 on the logits (its softmax included) and, for B > 1, in a Python loop over the rows; we report ours both
@@ -97,19 +98,20 @@ def candidates(inputs, generator):
         "greedy": ours("greedy"),
         "token_validated": ours("token", validate=True),
         "block_validated": ours("block", validate=True),
-        "block_dense": lambda: _block_dense(*probs, generator),
+        "block_pruned": lambda: _block_with(verify._block_tau, *probs, generator),
+        "block_dense": lambda: _block_with(verify._block_tau_dense, *probs, generator),
         "token_softmax": with_softmax("token"),
         "block_softmax": with_softmax("block"),
         "transformers": lambda: transformers_verify(inputs),
     }
 
 
-def _block_dense(target_probs, draft_probs, draft_tokens, generator):
-    """Block verification with h_i computed for every (b, i) (no pruning): the loop-free alternative."""
-    eta = verify.draw_uniforms(*draft_tokens.shape, generator).float()
+def _block_with(tau_rule, target_probs, draft_probs, draft_tokens, generator):
+    """Block verification with a given tau rule (``verify._block_tau`` pruned or ``_block_tau_dense``)."""
+    eta = verify.draw_uniforms(*draft_tokens.shape, generator).to(target_probs.dtype)
     p_x, q_x = verify._drafted_probs(target_probs, draft_probs, draft_tokens)
     scale = verify._block_scales(p_x, q_x)
-    tau = verify._block_tau_dense(target_probs, draft_probs, scale, eta[:, :-1])
+    tau = tau_rule(target_probs, draft_probs, scale, eta[:, :-1])
     scale_tau = torch.cat([torch.ones_like(scale[:, :1]), scale], 1).gather(1, tau[:, None]).squeeze(1)
     return verify._sample_residual(target_probs, draft_probs, tau, scale_tau, eta[:, -1])
 
@@ -130,14 +132,14 @@ def run(batches, gammas, repeats, clock):
 def markdown(records):
     """Markdown table of the records with the ratios side by side."""
     header = (
-        "| B | gamma | token | block | greedy | token val. | block val. | block dense | transformers "
+        "| B | gamma | token | block | greedy | token val. | block val. | block pruned | block dense | transformers "
         "| block/token | token/tf | token+softmax/tf | block+softmax/tf |"
     )
-    lines = [header, "|" + "---|" * 13]
+    lines = [header, "|" + "---|" * 14]
     for r in records:
         lines.append(
             f"| {r['B']} | {r['gamma']} | {r['token']:.0f} | {r['block']:.0f} | {r['greedy']:.0f} "
-            f"| {r['token_validated']:.0f} | {r['block_validated']:.0f} | {r['block_dense']:.0f} "
+            f"| {r['token_validated']:.0f} | {r['block_validated']:.0f} | {r['block_pruned']:.0f} | {r['block_dense']:.0f} "
             f"| {r['transformers']:.0f} | {r['block'] / r['token']:.2f} | {r['token'] / r['transformers']:.2f} "
             f"| {r['token_softmax'] / r['transformers']:.2f} | {r['block_softmax'] / r['transformers']:.2f} |"
         )

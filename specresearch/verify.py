@@ -35,8 +35,9 @@ probability is p_gamma). The final candidate is the one from the last replacemen
 whose coin came up "replace": with coin i driven by eta_i the two forms return the same block.
 Two facts make our implementation cheap and are exact identities, not approximations:
 sum w_i <= p_i, hence h_i <= p_i (we clamp h_i to p_i so float rounding cannot break it), so eta_i >= p_i
-cannot pass; and tau = gamma whenever eta_gamma < p_gamma. Only the remaining (b, i) pairs need the
-O(V) residual mass; p_i itself is computed loop-free in log space, log p_i = S_i - max_{j<=i} S_j with
+cannot pass; and tau = gamma whenever eta_gamma < p_gamma. For large inputs only the remaining (b, i)
+pairs get the O(V) residual mass (small inputs compute all of them: fewer ops). p_i itself is computed
+loop-free in log space, log p_i = S_i - max_{j<=i} S_j with
 S_i = sum_{k<=i} log(p(x_k)/q(x_k)), S_0 = 0 (the Lindley recursion of log p_i = min(log p_{i-1} + l_i, 0)).
 
 Greedy verification: accept while x_i equals argmax p(.|X^{i-1}) (first maximal index, as
@@ -72,6 +73,10 @@ __all__ = [
 ]
 
 _SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+# Below this many draft-probability elements (B * (gamma-1) * V) computing every h_i is cheaper than
+# pruning (fewer ops, no host sync); above it pruning saves most rows (benchmarks/bench_verify.py).
+# Both paths return the same tau (tests/test_verify.py).
+_DENSE_TAU_MAX_ELEMENTS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,8 @@ def block_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uni
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)  # [B, gamma+1]
     p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma]
     scale = _block_scales(p_x, q_x)  # [B, gamma]: p_1..p_gamma
-    tau = _block_tau(target_probs, draft_probs, scale, eta[:, :-1])  # [B]
+    small = draft_probs[:, 1:].numel() <= _DENSE_TAU_MAX_ELEMENTS
+    tau = (_block_tau_dense if small else _block_tau)(target_probs, draft_probs, scale, eta[:, :-1])  # [B]
     scale_tau = torch.cat([torch.ones_like(scale[:, :1]), scale], 1).gather(1, tau[:, None]).squeeze(1)
     next_token = _sample_residual(target_probs, draft_probs, tau, scale_tau, eta[:, -1])
     return VerifyResult(num_accepted=tau, next_token=next_token)
@@ -242,7 +248,7 @@ def _block_tau(target_probs, draft_probs, scale, eta):
 
 
 def _block_tau_dense(target_probs, draft_probs, scale, eta):
-    """Reference for ``_block_tau``: h_i for every (b, i), no pruning (tested equal; benchmarked)."""
+    """``_block_tau`` computing h_i for every (b, i): no pruning, no host sync; used for small inputs."""
     draft_rows = draft_probs[:, 1:].clone()  # [B, gamma-1, V], consumed in place
     mass = _positive_part_(draft_rows, target_probs[:, 1:-1], scale[:, :-1]).sum(-1)  # [B, gamma-1]
     h = torch.cat([_residual_share(mass, scale[:, :-1]), scale[:, -1:]], 1)  # h_gamma = p_gamma

@@ -43,10 +43,19 @@ def _random_instance(batch, gamma, vocab, seed, dtype=torch.float64, zero_fracti
     return target_probs.to(dtype).contiguous(), draft_probs.to(dtype).contiguous(), tokens
 
 
+@pytest.fixture(params=["dense", "pruned"])
+def tau_rule(request, monkeypatch):
+    """Run a test through both of block verification's tau rules (chosen by input size in production)."""
+    threshold = 1 << 62 if request.param == "dense" else -1
+    monkeypatch.setattr(verify, "_DENSE_TAU_MAX_ELEMENTS", threshold)
+    return request.param
+
+
 # --------------------------------------------------------------------------------------------------
 # Hand-computed two-symbol example (reference 000): p = (1/3, 2/3), q = (2/3, 1/3), gamma = 2.
 
 
+@pytest.mark.usefixtures("tau_rule")
 def test_two_symbol_block_accepts_both_when_eta1_fails_but_eta2_passes():
     # Draft AB: p_1 = 1/2, h_1 = 0 (w_1 = max(p/2 - q, 0) = 0), p_2 = min(1/2 * 2, 1) = 1 = h_2.
     # eta_1 = 0.7 fails h_1 but eta_2 = 0.9 < h_2 = 1: tau is the LAST passing index, 2.
@@ -76,6 +85,7 @@ def test_two_symbol_block_accepts_both_when_eta1_fails_but_eta2_passes():
         ([A, A], (0.6, 0.1), (2, B), (0, B)),
     ],
 )
+@pytest.mark.usefixtures("tau_rule")
 def test_two_symbol_hand_computed(tokens, etas, block_expected, token_expected):
     instance = _iid(P_TWO, Q_TWO, [tokens])
     u = _uniforms([*etas, 0.5])
@@ -83,6 +93,18 @@ def test_two_symbol_hand_computed(tokens, etas, block_expected, token_expected):
     token = token_verify(*instance, uniforms=u)
     assert (block.num_accepted.item(), block.next_token.item()) == block_expected
     assert (token.num_accepted.item(), token.next_token.item()) == token_expected
+
+
+@pytest.mark.usefixtures("tau_rule")
+@pytest.mark.parametrize(("eta", "expected"), [(0.4, (1, B)), (0.6, (0, B))])
+def test_gamma_one_block_equals_token(eta, expected):
+    # gamma = 1, draft A: p_1 = h_1 = 1/2 and token accepts iff eta * 2/3 < 1/3: the two rules coincide.
+    # Bonus ~ p with u = 0.5 -> B; residual max(p - q, 0) -> B.
+    instance = _iid(P_TWO, Q_TWO, [[A]])
+    u = _uniforms([eta, 0.5])
+    for method in ("token", "block"):
+        result = VERIFIERS[method](*instance, uniforms=u)
+        assert (result.num_accepted.item(), result.next_token.item()) == expected
 
 
 def _grid_expectation(method, points=12):
@@ -105,6 +127,7 @@ def _grid_expectation(method, points=12):
     return mean_accepted, first_is_b
 
 
+@pytest.mark.usefixtures("tau_rule")
 def test_two_symbol_expected_accepted_is_exact():
     # Token: alpha + alpha^2 = 2/3 + 4/9 = 10/9. Block (Sun et al.): 11/9. Both emit B first w.p. p(B) = 2/3.
     token_mean, token_first = _grid_expectation("token")
@@ -120,6 +143,7 @@ def test_two_symbol_expected_accepted_is_exact():
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.usefixtures("tau_rule")
 def test_zero_draft_probability_is_rejected_without_nan(method):
     # q(x_1) = 0 (the token could not have been drafted): reject even at eta = 0, never divide by zero
     # (p(x)/q(x) would be inf; the log-space p_i of block verification would be nan for p = q = 0).
@@ -130,6 +154,7 @@ def test_zero_draft_probability_is_rejected_without_nan(method):
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.usefixtures("tau_rule")
 def test_zero_residual_mass_falls_back_to_target(method):
     # p == q and the drafted token has p = q = 0: rejected, max(p - q, 0) = 0, so sample p itself.
     instance = _iid((0.5, 0.5, 0.0), (0.5, 0.5, 0.0), [[2]])
@@ -146,6 +171,7 @@ def test_residual_share_zero_mass_with_unit_scale_is_zero_not_nan():
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.usefixtures("tau_rule")
 def test_zero_target_probability_never_accepted_even_with_zero_uniform(method):
     # p(x_2) = 0; uniforms of exactly 0.0 must not accept it (strict comparisons).
     target = (0.0, 0.5, 0.5)
@@ -158,6 +184,7 @@ def test_zero_target_probability_never_accepted_even_with_zero_uniform(method):
 
 @pytest.mark.parametrize("method", ["token", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.usefixtures("tau_rule")
 def test_one_hot_rows(method, dtype):
     agree = _iid((0, 0, 0, 1.0), (0, 0, 0, 1.0), [[3, 3, 3]], dtype)
     disagree = _iid((0, 0, 1.0, 0), (0, 0, 0, 1.0), [[3, 3, 3]], dtype)
@@ -169,6 +196,7 @@ def test_one_hot_rows(method, dtype):
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.usefixtures("tau_rule")
 def test_bonus_token_only_when_all_accepted(method):
     # Token 4 has mass only in the bonus row p(.|X^gamma): it can be emitted iff all gamma are accepted.
     gamma, vocab, batch = 3, 5, 400
@@ -240,6 +268,7 @@ def test_greedy_hand_computed():
 
 
 @pytest.mark.parametrize("method", ["token", "block", "greedy"])
+@pytest.mark.usefixtures("tau_rule")
 def test_float32_and_float64_agree_with_same_uniforms(method):
     # Uniforms are drawn at random, so a tie within float32 rounding of a threshold has probability ~1e-4;
     # the seed is fixed, so this test is deterministic.
@@ -252,6 +281,7 @@ def test_float32_and_float64_agree_with_same_uniforms(method):
 
 
 @pytest.mark.parametrize("method", ["token", "block", "greedy"])
+@pytest.mark.usefixtures("tau_rule")
 def test_batch_rows_are_independent(method):
     target_probs, draft_probs, tokens = _random_instance(16, 5, 9, seed=3)
     u = draw_uniforms(16, 5, torch.Generator().manual_seed(4))
@@ -273,6 +303,7 @@ def test_generator_reproducible_and_equal_to_drawn_uniforms(method):
         assert torch.equal(first.next_token, other.next_token)
 
 
+@pytest.mark.usefixtures("tau_rule")
 def test_common_random_numbers_on_equal_models_accept_everything():
     target_probs, _, _ = _random_instance(64, 4, 10, seed=6)
     draft_probs = target_probs[:, :4].contiguous()
