@@ -1,0 +1,268 @@
+"""The best any valid verifier can do: an exact linear program over one speculative step.
+
+Notation as in :mod:`specresearch`: p = target, q = draft, gamma = draft block length. One step draws a
+draft block X = x_1..x_gamma from q and a verifier emits Z = (accepted prefix of X) + one token, so
+|Z| is in 1..gamma+1 and Z[:-1] is a prefix of X. The number of accepted drafts is |Z| - 1.
+
+Validity (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", Definition 1 and the
+proof of Theorem 2; references/003): the speculative loop must reproduce the target's law from *every*
+prefix. Taking the first gamma+1 tokens of the loop from a prefix c, the loop emits Z and then continues
+from c + Z, which (by validity at the longer prefix) has the target's law. Hence a verifier is valid at c
+if and only if "Z, then tokens from the target" has the target's law on V^(gamma+1):
+
+    (L)  for every y in V^(gamma+1):  sum_{k=1}^{gamma+1} P(Z = y[:k]) p(y[k:] | c + y[:k]) = p(y | c).
+
+(Sufficiency is the induction over steps; necessity is the argument above.) The lower-length
+conditions follow by summing (L) over the last tokens.
+
+Two exact formulations of "maximise E[|Z| - 1] over valid verifiers" are provided:
+
+* ``"coupling"`` -- variables pi(x, z) = P(X = x, Z = z) >= 0 for every draft block x with q(x) > 0 and
+  every z with z[:-1] a prefix of x; constraints sum_z pi(x, z) = q(x) and (L) with
+  P(Z = z) = sum_x pi(x, z). This is literally "all joint laws of (draft, output)"; the verifier may
+  even look at the whole models, so its optimum upper-bounds every valid verifier.
+* ``"prefix"`` (default, much smaller) -- variables m(z) = P(Z = z) only, with (L) and, for every
+  prefix u of length 0..gamma, the Hall condition P(Z[:-1] extends u) <= q(u): the probability of
+  accepting at least the drafts u cannot exceed the probability of drafting u. The prefixes form a
+  laminar family (a tree), so by Hall's theorem for transportation problems these inequalities are
+  exactly the condition for a coupling pi with marginals q and m to exist: both formulations have
+  the same optimum (checked in tests/test_lp.py).
+
+Both are solved in exact rational arithmetic with sympy's simplex (``sympy.solvers.simplex.linprog``,
+the matrix form of ``lpmax``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+
+import sympy
+from sympy.solvers.simplex import linprog
+
+from specresearch.exact import as_model, verify_exact
+
+__all__ = [
+    "LPResult",
+    "VerifierCheck",
+    "check_joint",
+    "check_verifier",
+    "continuation_law",
+    "optimal_verifier_lp",
+    "verifier_joint",
+]
+
+FORMULATIONS = ("prefix", "coupling")
+
+
+@dataclass(frozen=True)
+class LPResult:
+    """Exact optimum of E[accepted drafts] over all valid verifiers for one step.
+
+    ``step_law`` is the law of the emitted sequence Z at an optimal vertex (one optimal verifier).
+    """
+
+    optimum: Fraction
+    step_law: dict
+    num_variables: int
+    num_constraints: int
+    formulation: str
+
+
+@dataclass(frozen=True)
+class VerifierCheck:
+    """Whether a verifier's joint law of (draft block, emitted sequence) is LP-feasible (i.e. valid)."""
+
+    feasible: bool
+    objective: Fraction  # E[accepted drafts] = E[|Z|] - 1 under the joint
+    violations: tuple[str, ...]  # human-readable failed constraints (empty iff feasible)
+
+
+def continuation_law(step_law: dict, target, gamma: int, prefix: tuple = ()) -> dict:
+    """Law on V^(gamma+1) of "emit Z, then sample the remaining tokens from the target" (condition (L)).
+
+    Works for any numbers closed under + and * (Fraction, sympy expressions).
+    Args:
+        step_law: {emitted sequence z (1 <= |z| <= gamma+1): P(Z = z)}.
+        target: callable ``prefix tuple -> row of V probabilities``.
+    Returns:
+        {y: sum_k P(Z = y[:k]) p(y[k:] | prefix + y[:k])} for every y in V^(gamma+1).
+    """
+    vocab = len(target(tuple(prefix)))
+    out = {}
+    for y in itertools.product(range(vocab), repeat=gamma + 1):
+        terms = [step_law[y[:k]] * _path_prob(target, tuple(prefix) + y[:k], y[k:]) for k in range(1, gamma + 2) if y[:k] in step_law]
+        out[y] = sum(terms[1:], terms[0]) if terms else 0
+    return out
+
+
+def _path_prob(target, context: tuple, tokens: tuple):
+    """p(tokens | context) as a product of target rows (1 for the empty continuation)."""
+    prob = 1
+    for i, token in enumerate(tokens):
+        prob = prob * target(context + tokens[:i])[token]
+    return prob
+
+
+def _blocks(draft, gamma: int, prefix: tuple) -> dict:
+    """{draft block x: q(x)} over blocks of positive probability."""
+    blocks = {(): Fraction(1)}
+    for _ in range(gamma):
+        blocks = {x + (t,): qx * qt for x, qx in blocks.items() for t, qt in enumerate(draft(prefix + x)) if qt}
+    return blocks
+
+
+def _prefix_masses(blocks: dict) -> dict:
+    """{u: q(u)} for every prefix u (length 0..gamma) of a positive-probability block."""
+    masses: dict = defaultdict(Fraction)
+    for x, qx in blocks.items():
+        for k in range(len(x) + 1):
+            masses[x[:k]] += qx
+    return dict(masses)
+
+
+def _check_args(gamma, formulation) -> None:
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+
+
+def optimal_verifier_lp(target, draft, gamma: int, prefix=(), *, formulation: str = "prefix") -> LPResult:
+    """Exact max of E[accepted drafts] over all valid verifiers of one step (Sun et al. 2025, Thm 2).
+
+    Args:
+        target, draft: models as accepted by :func:`specresearch.exact.as_model`.
+        gamma: draft block length >= 1.
+        prefix: the context of the step.
+        formulation: ``"prefix"`` (small, default) or ``"coupling"`` (joint pi(x, z)); see the module
+            docstring. Both give the same optimum.
+    Returns:
+        :class:`LPResult`; block verification attains ``optimum`` (tests/test_lp.py, proofs/t5).
+    """
+    _check_args(gamma, formulation)
+    target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
+    build = _prefix_lp if formulation == "prefix" else _coupling_lp
+    names, objective, eqs, ineqs = build(target, draft, gamma, prefix)
+    value, solution = _solve(objective, eqs, ineqs, len(names))
+    law: dict = defaultdict(Fraction)
+    for name, v in zip(names, solution):
+        if v:
+            law[name[-1]] += v
+    return LPResult(value, dict(law), len(names), len(eqs) + len(ineqs), formulation)
+
+
+def _emittable(target, gamma: int, prefix: tuple) -> list:
+    """Every z (1 <= |z| <= gamma+1) of positive target probability (others are forced to 0 by (L))."""
+    out, frontier = [], [()]
+    for _ in range(gamma + 1):
+        frontier = [z + (t,) for z in frontier for t, pt in enumerate(target(prefix + z)) if pt]
+        out += frontier
+    return out
+
+
+def _validity_rows(names: list, target, gamma: int, prefix: tuple) -> list:
+    """Condition (L) as sparse rows ({column: coefficient}, right-hand side); z = name[-1]."""
+    by_z: dict = defaultdict(list)
+    for col, name in enumerate(names):
+        by_z[name[-1]].append(col)
+    vocab = len(target(prefix))
+    rows = []
+    for y in itertools.product(range(vocab), repeat=gamma + 1):
+        row = {c: _path_prob(target, prefix + y[:k], y[k:]) for k in range(1, gamma + 2) for c in by_z.get(y[:k], ())}
+        row = {c: v for c, v in row.items() if v}
+        rhs = _path_prob(target, prefix, y)
+        if row or rhs:
+            rows.append((row, rhs))
+    return rows
+
+
+def _prefix_lp(target, draft, gamma: int, prefix: tuple):
+    """Variables m(z); (L) equalities; Hall inequalities P(Z[:-1] extends u) <= q(u)."""
+    names = [(z,) for z in _emittable(target, gamma, prefix)]
+    objective = {c: Fraction(len(n[0]) - 1) for c, n in enumerate(names)}
+    masses = _prefix_masses(_blocks(draft, gamma, prefix))
+    ineqs = []
+    for u in itertools.chain.from_iterable(itertools.product(range(len(target(prefix))), repeat=k) for k in range(gamma + 1)):
+        row = {c: Fraction(1) for c, (z,) in enumerate(names) if len(z) > len(u) and z[: len(u)] == u}
+        if row:
+            ineqs.append((row, masses.get(u, Fraction(0))))
+    return names, objective, _validity_rows(names, target, gamma, prefix), ineqs
+
+
+def _coupling_lp(target, draft, gamma: int, prefix: tuple):
+    """Variables pi(x, z) for z[:-1] a prefix of x; draft marginals and (L) as equalities."""
+    blocks, emittable = _blocks(draft, gamma, prefix), _emittable(target, gamma, prefix)
+    names = [(x, z) for x in blocks for z in emittable if x[: len(z) - 1] == z[:-1]]
+    objective = {c: Fraction(len(n[1]) - 1) for c, n in enumerate(names)}
+    marginals = [({c: Fraction(1) for c, n in enumerate(names) if n[0] == x}, qx) for x, qx in blocks.items()]
+    return names, objective, marginals + _validity_rows(names, target, gamma, prefix), []
+
+
+def _matrix(rows: list, n: int):
+    if not rows:
+        return None, None
+    a = sympy.zeros(len(rows), n)
+    for i, (row, _) in enumerate(rows):
+        for c, v in row.items():
+            a[i, c] = sympy.Rational(v.numerator, v.denominator) if isinstance(v, Fraction) else v
+    b = sympy.Matrix([sympy.Rational(r.numerator, r.denominator) for _, r in rows])
+    return a, b
+
+
+def _solve(objective: dict, eqs: list, ineqs: list, n: int):
+    """Maximise objective . v subject to eqs (=), ineqs (<=), v >= 0; exact rational simplex."""
+    cost = sympy.Matrix([-sympy.Rational(objective.get(c, 0)) for c in range(n)]).T
+    a_ub, b_ub = _matrix(ineqs or [({}, Fraction(1))], n)  # linprog needs an A_ub; 0 <= 1 is harmless
+    a_eq, b_eq = _matrix(eqs, n)
+    value, solution = linprog(cost, a_ub, b_ub, a_eq, b_eq)
+    return _to_fraction(-value), [_to_fraction(v) for v in solution]
+
+
+def _to_fraction(value) -> Fraction:
+    value = sympy.nsimplify(value) if not isinstance(value, sympy.Rational) else value
+    assert value.is_Rational, f"LP produced a non-rational value {value!r}"
+    return Fraction(int(value.p), int(value.q))
+
+
+def verifier_joint(target, draft, gamma: int, method, prefix=()) -> dict:
+    """Joint law {(draft block x, emitted z): P(X = x, Z = z)} of a verifier, from exact.verify_exact."""
+    target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
+    joint: dict = defaultdict(Fraction)
+    for x, qx in _blocks(draft, gamma, prefix).items():
+        ps = [target(prefix + x[:i]) for i in range(gamma + 1)]
+        qs = [draft(prefix + x[:i]) for i in range(gamma)]
+        for (n, token), prob in verify_exact(ps, qs, list(x), method).items():
+            if prob:
+                joint[(x, x[:n] + (token,))] += qx * prob
+    return dict(joint)
+
+
+def check_joint(target, draft, gamma: int, joint: dict, prefix=()) -> VerifierCheck:
+    """Check a joint law of (draft block, emitted sequence) against every LP constraint, exactly.
+
+    Constraints: non-negativity, z[:-1] a prefix of x, draft marginals q(x), and validity (L).
+    """
+    _check_args(gamma, "prefix")
+    target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
+    violations = [f"pi{k} = {v} < 0" for k, v in joint.items() if v < 0]
+    violations += [f"z = {z} is not (prefix of x = {x}) + token" for x, z in joint if not 1 <= len(z) <= gamma + 1 or x[: len(z) - 1] != z[:-1]]
+    marginal: dict = defaultdict(Fraction)
+    step: dict = defaultdict(Fraction)
+    for (x, z), v in joint.items():
+        marginal[x] += v
+        step[z] += v
+    blocks = _blocks(draft, gamma, prefix)
+    violations += [f"sum_z pi(x={x}, z) = {marginal.get(x, 0)} != q(x) = {qx}" for x, qx in blocks.items() if marginal.get(x, 0) != qx]
+    violations += [f"pi has mass on x = {x} with q(x) = 0" for x in marginal if x not in blocks]
+    law = continuation_law(dict(step), target, gamma, prefix)
+    violations += [f"(L) at y = {y}: {v} != p(y) = {_path_prob(target, prefix, y)}" for y, v in law.items() if v != _path_prob(target, prefix, y)]
+    objective = sum((v * (len(z) - 1) for (_, z), v in joint.items()), Fraction(0))
+    return VerifierCheck(not violations, objective, tuple(violations))
+
+
+def check_verifier(target, draft, gamma: int, method, prefix=()) -> VerifierCheck:
+    """:func:`check_joint` of :func:`verifier_joint`: is ``method`` a valid verifier on this instance?"""
+    return check_joint(target, draft, gamma, verifier_joint(target, draft, gamma, method, prefix), prefix)
