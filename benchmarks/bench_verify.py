@@ -7,7 +7,7 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/bench_verify.py --quick
 
 Each cell is the median time of ``--repeats`` calls after warm-up, float32 on CPU, V = 49152 (SmolLM2's
-vocabulary); the candidates are timed round-robin so load changes hit them alike. ``--clock wall`` uses
+vocabulary); the candidates are timed round-robin in shuffled order so load changes hit them alike. ``--clock wall`` uses
 ``time.perf_counter``; ``--clock cpu`` uses this thread's CPU time, which is steadier on a shared machine.
 ``block`` picks its tau rule by size; ``block pruned`` / ``block dense`` force one: h_i only where
 eta_i < p_i and eta_gamma >= p_gamma (pruned), or h_i for every i (dense). Neither loops over gamma. Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
@@ -19,6 +19,7 @@ asserted about time.
 """
 
 import argparse
+import random
 import statistics
 import time
 
@@ -52,17 +53,20 @@ def make_inputs(batch, gamma, vocab, generator):
 def median_seconds(candidates, repeats, clock=time.perf_counter, warmup=3):
     """Median time of each zero-argument callable over ``repeats`` calls, after ``warmup`` calls.
 
-    The candidates are timed round-robin (one call of each per repeat), so a load change on a shared
-    machine hits all of them alike and the ratios stay meaningful.
+    The candidates are timed round-robin in a shuffled order (one call of each per repeat), so a load
+    change on a shared machine hits all of them alike and the ratios stay meaningful.
     """
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in candidates}
+    order = list(candidates)
+    shuffler = random.Random(0)
     for _ in range(repeats):
-        for name, fn in candidates.items():
+        shuffler.shuffle(order)  # no candidate always follows the same one (allocator and cache state)
+        for name in order:
             start = clock()
-            fn()
+            candidates[name]()
             times[name].append(clock() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -157,10 +161,12 @@ def main(argv=None):
         help="wall = time.perf_counter; cpu = time.thread_time (this thread's CPU time: robust on a loaded machine, "
         "meaningful with --threads 1 only)",
     )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="batch sizes B")
+    parser.add_argument("--gammas", type=int, nargs="+", default=[4, 8], help="block lengths gamma")
     parser.add_argument("--quick", action="store_true", help="B = 1 only, gamma = 4 only, 5 repeats")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    batches, gammas, repeats = ([1], [4], 5) if args.quick else ([1, 32], [4, 8], args.repeats)
+    batches, gammas, repeats = ([1], [4], 5) if args.quick else (args.batches, args.gammas, args.repeats)
     records = run(batches, gammas, repeats, CLOCKS[args.clock])
     print(
         f"Median {args.clock}-clock microseconds per call; float32, CPU, V = {VOCAB}, "
