@@ -42,13 +42,14 @@ from fractions import Fraction
 import sympy
 from sympy.solvers.simplex import linprog
 
-from specresearch.exact import as_model, verify_exact
+from specresearch.exact import as_model, expected_accepted, verify_exact
 
 __all__ = [
     "LPResult",
     "VerifierCheck",
     "check_joint",
     "check_verifier",
+    "compare_with_lp",
     "continuation_law",
     "optimal_verifier_lp",
     "verifier_joint",
@@ -266,3 +267,14 @@ def check_joint(target, draft, gamma: int, joint: dict, prefix=()) -> VerifierCh
 def check_verifier(target, draft, gamma: int, method, prefix=()) -> VerifierCheck:
     """:func:`check_joint` of :func:`verifier_joint`: is ``method`` a valid verifier on this instance?"""
     return check_joint(target, draft, gamma, verifier_joint(target, draft, gamma, method, prefix), prefix)
+
+
+def compare_with_lp(target, draft, gamma: int, methods=("block", "token"), prefix=()) -> dict:
+    """{"lp": LP optimum, method: E[accepted drafts] of each method}, all exact Fractions.
+
+    Sun et al. 2025, Thm 2 (references/003): block verification attains the LP optimum; token
+    verification (Leviathan et al.) may fall strictly below it (references/000: 10/9 vs 11/9).
+    """
+    out = {"lp": optimal_verifier_lp(target, draft, gamma, prefix).optimum}
+    out.update({m: expected_accepted(target, draft, gamma, m, prefix) for m in methods})
+    return out

@@ -453,7 +453,7 @@ def _emptiness_certificate(facts: list, max_terms: int = 3) -> tuple:
     return ()
 
 
-def block_lossless_cases(vocab: int = 2, gamma: int = 2) -> tuple[BlockCase, ...]:
+def block_lossless_cases(vocab: int = 2, gamma: int = 2, step_law=None) -> tuple[BlockCase, ...]:
     """Theorem 1 of Sun et al. 2025 (references/003): block verification is lossless, symbolically.
 
     Target rows at depths 0..gamma and draft rows at depths 0..gamma-1 are free rational functions of
@@ -461,13 +461,14 @@ def block_lossless_cases(vocab: int = 2, gamma: int = 2) -> tuple[BlockCase, ...
     inequalities (boundary ties are covered by exact rational instances in proofs/t4). In each case
     the validity condition (L) of :mod:`specresearch.lp` (emit Z, then continue from the target =
     target law on V^(gamma+1)) is checked by exact rational-function arithmetic; a case where it fails
-    must be certified empty.
+    must be certified empty. ``step_law`` (default :func:`block_step_law`) lets a test substitute a
+    broken verifier and see the check fail.
     """
     from specresearch.lp import continuation_law
 
     target, draft = _symbolic_models(vocab, gamma)
-    cases = []
-    for oracle, law in _enumerate_cases(lambda oracle: block_step_law(target, draft, gamma, oracle)):
+    step_law, cases = step_law or block_step_law, []
+    for oracle, law in _enumerate_cases(lambda oracle: step_law(target, draft, gamma, oracle)):
         got = continuation_law(law, target, gamma)
         residuals = [v - _product(target(y[:i])[y[i]] for i in range(len(y))) for y, v in got.items()]
         conditions = tuple(c.as_expr() for c in oracle.conditions)
