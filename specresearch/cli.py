@@ -27,7 +27,81 @@ def _run_report(args) -> int:
     return 0
 
 
-_COMMANDS = [_add_report]
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative generation on a model (default: the embedded SmolLM2-135M)")
+    p.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
+    p.add_argument("--draft", default="ngram", help="ngram | truncated:N (first N target layers) | checkpoint path")
+    p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    p.add_argument("--device-map", default=None, help='e.g. "auto": shard a large --model across GPUs')
+    p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    p.add_argument("--autoregressive", action="store_true", help="plain decoding with the target (no draft)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    from specresearch.drafts import draft_from_name
+    from specresearch.embedded import load_model
+    from specresearch.generate import autoregressive_generate, speculative_generate
+    from specresearch.sampling import SamplingConfig
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    target, tokenizer = load_model(args.model, device=args.device, device_map=args.device_map)
+    prompt = args.prompt
+    if not args.raw and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=False)
+    stream = _Stream(tokenizer, args.max_new_tokens)
+    common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, tokenizer=tokenizer,
+                  on_step=stream)
+    if args.autoregressive:
+        result = autoregressive_generate(target, [prompt], **common)
+    else:
+        draft = draft_from_name(args.draft, target)
+        result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma, **common)
+    stream.close()
+    print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
+          f"{result.target_calls} target calls", end="")
+    if not args.autoregressive:
+        print(f"; block efficiency {result.block_efficiency:.2f}, acceptance rate {result.acceptance_rate:.2f}", end="")
+    print()
+    return 0
+
+
+class _Stream:
+    """Prints the text of row 0 as tokens are accepted (and a tqdm bar on stderr for long runs)."""
+
+    def __init__(self, tokenizer, total: int):
+        from tqdm.auto import tqdm
+
+        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+        self.bar = tqdm(total=total, unit="tok", file=sys.stderr, leave=False, disable=total < 256)
+
+    def __call__(self, kept: list[list[int]]) -> None:
+        self.tokens.extend(kept[0])
+        self.bar.update(len(kept[0]))
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.startswith(self.printed):  # hold back while a multi-byte character is incomplete
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+_COMMANDS = [_add_report, _add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import torch
 
 from specresearch.models import CausalLM, _as_counts, _check_prompt, _Slots
 
-__all__ = ["NGramDraft", "ngram_probs", "truncated_draft", "check_same_vocab"]
+__all__ = ["NGramDraft", "ngram_probs", "truncated_draft", "check_same_vocab", "draft_from_name"]
 
 
 def check_same_vocab(target, draft) -> None:
@@ -130,3 +130,12 @@ def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
         raise ValueError(f"target weights do not cover the truncated model: missing {missing[:5]}")
     draft.generation_config = copy.deepcopy(target.model.generation_config)
     return CausalLM(draft, device=target.device)
+
+
+def draft_from_name(name: str, target: CausalLM):
+    """A draft from a short description: ``"ngram"``, ``"truncated:N"`` (first N target layers) or a model path."""
+    if name == "ngram":
+        return NGramDraft(target.vocab_size, device=target.device)
+    if name.startswith("truncated:"):
+        return truncated_draft(target, int(name.split(":", 1)[1]))
+    return CausalLM(name, device=target.device)

@@ -20,7 +20,7 @@ import torch
 
 from specresearch.models import CausalLM
 
-__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded"]
+__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_model"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +102,18 @@ def _convert(spec: EmbeddedSpec, out: Path) -> None:
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.replace(out)  # atomic: a half-written cache is never mistaken for a finished one
+
+
+def load_model(name_or_path: str, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
+               device_map: str | dict | None = None):
+    """An embedded model by name (see ``EMBEDDED``) or a local transformers checkpoint directory.
+
+    Returns ``(CausalLM, tokenizer)``. ``device_map="auto"`` shards a checkpoint across GPUs (accelerate).
+    """
+    if name_or_path in EMBEDDED:
+        return load_embedded(name_or_path, device=device, dtype=dtype if dtype is not None else torch.float32)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=os.path.isdir(name_or_path))
+    tokenizer.padding_side = "left"
+    return CausalLM(name_or_path, device=device, dtype=dtype, device_map=device_map), tokenizer

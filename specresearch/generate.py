@@ -301,7 +301,8 @@ def speculative_generate(
         accepted = result.num_accepted.tolist()
         emitted = [d[:n] + [t] for d, n, t in zip(draft_tokens.tolist(), accepted, result.next_token.tolist())]
         kept = rows.add(emitted)
-        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, step_gamma, _clock(device) - t0, t2 - t1, t1 - t0))
+        seconds = _clock(device) - t0
+        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, step_gamma, seconds, t2 - t1, t1 - t0))
         if on_step is not None:
             on_step(kept)
     return _result(rows, steps, prefill_seconds, tokenizer, "speculative")

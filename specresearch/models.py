@@ -115,7 +115,8 @@ def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None
         raise ValueError(f"input_ids must be [B, L] with L >= 1, got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(attention_mask.shape)}"
         )
     if bool((attention_mask.long().diff(dim=1) < 0).any()):
         raise ValueError("attention_mask must be left-padded: in each row, zeros (padding) and then ones")
@@ -140,7 +141,7 @@ class CausalLM:
         if isinstance(model, (str, os.PathLike)):
             model = _from_pretrained(model, dtype, device_map)
         elif device_map is not None:
-            raise ValueError("device_map needs a model name or path (it is applied by from_pretrained); got an instance")
+            raise ValueError("device_map needs a model name or path (from_pretrained applies it); got an instance")
         if device_map is None:
             model = model.to(device=resolve_device(device), dtype=dtype)
         self.model = model.eval()

@@ -256,3 +256,12 @@ def test_probs_handed_to_verifier_equal_uncached_forwards_of_the_emitted_context
             context.extend(drafts[:n] + [int(result.next_token[b])])
     # the masked x_gamma slot was exercised: a step where one row accepted all drafts and another did not
     assert any(int(r.num_accepted.max()) == 2 and int(r.num_accepted.min()) < 2 for *_, r in calls)
+
+
+def test_cli_generate_parses_into_a_command():
+    from specresearch.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hello", "--verifier", "token", "--gamma", "3", "--top-k", "5",
+                                      "--draft", "truncated:4", "--temperature", "0"])
+    assert args.func.__name__ == "_run_generate" and (args.gamma, args.top_k, args.draft) == (3, 5, "truncated:4")
+    assert build_parser().parse_args(["report"]).command == "report"  # the existing command is intact

@@ -107,7 +107,7 @@ def test_reset_then_score_matches_uncached(lm):
 
 
 def test_device_map_auto_loads_from_path_and_matches(lm, tmp_path):
-    """device_map="auto" is passed to from_pretrained (accelerate); on this CPU-only machine every layer lands on cpu."""
+    """device_map="auto" goes to from_pretrained (accelerate); on this CPU-only machine every layer lands on cpu."""
     lm.model.save_pretrained(tmp_path)
     sharded = CausalLM(str(tmp_path), device_map="auto")
     assert {p.device.type for p in sharded.model.parameters()} == {"cpu"}

