@@ -76,7 +76,7 @@ _SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 # Below this many draft-probability elements (B * (gamma-1) * V) computing every h_i is cheaper than
 # pruning (fewer ops, no host sync); above it pruning saves most rows (benchmarks/bench_verify.py).
 # Both paths return the same tau (tests/test_verify.py).
-_DENSE_TAU_MAX_ELEMENTS = 1 << 19
+_DENSE_TAU_MAX_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
