@@ -50,6 +50,7 @@ __all__ = [
     "check_joint",
     "check_verifier",
     "compare_with_lp",
+    "two_symbol_grid",
     "continuation_law",
     "optimal_verifier_lp",
     "verifier_joint",
@@ -278,3 +279,15 @@ def compare_with_lp(target, draft, gamma: int, methods=("block", "token"), prefi
     out = {"lp": optimal_verifier_lp(target, draft, gamma, prefix).optimum}
     out.update({m: expected_accepted(target, draft, gamma, m, prefix) for m in methods})
     return out
+
+
+def two_symbol_grid(values, gamma: int) -> list[dict]:
+    """One record per (p(A), q(A)) in values x values with 0 < q(A) < 1: i.i.d. two-symbol target
+    (p(A), 1 - p(A)) and draft (q(A), 1 - q(A)); fields p_A, q_A, gamma, lp, block, token (Fractions).
+    The grid of references/000's counterexample, for notebook 03."""
+    rows = []
+    for p_a, q_a in itertools.product(values, values):
+        if 0 < q_a < 1:
+            values_ = compare_with_lp((p_a, 1 - p_a), (q_a, 1 - q_a), gamma)
+            rows.append({"p_A": p_a, "q_A": q_a, "gamma": gamma, **values_})
+    return rows

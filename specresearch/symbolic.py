@@ -32,6 +32,7 @@ __all__ = [
     "expected_tokens_checks",
     "identity",
     "run_checks",
+    "token_derivation",
     "token_lossless_checks",
     "walltime_checks",
 ]
@@ -182,6 +183,24 @@ def token_lossless_checks(max_n: int = 6) -> tuple[Check, ...]:
     for n in range(2, max_n + 1):
         checks += _normaliser_checks(n)
     return tuple(checks + _general_n_checks() + _degenerate_checks())
+
+
+def token_derivation() -> tuple[tuple[str, object], ...]:
+    """The steps of the proof of Theorem 1 (references/004 and 002, in this package's notation) as
+    (sentence, sympy equation) pairs for display (``sympy.latex``); each step is checked by
+    :func:`token_lossless_checks`."""
+    p, q, beta, z = sp.symbols("p(x) q(x) beta Z", positive=True)
+    accept, reject = sp.Symbol(r"P(\mathrm{accept}, x)"), sp.Symbol(r"P(\mathrm{reject})")
+    px = sp.Symbol("P(X = x)")
+    return (
+        ("Split on the draft being accepted", sp.Eq(px, accept + reject * sp.Max(0, p - q) / z, evaluate=False)),
+        ("Acceptance (multiply through the min)", sp.Eq(accept, q * sp.Min(1, p / q), evaluate=False)),
+        ("", sp.Eq(q * sp.Min(1, p / q), sp.Min(p, q), evaluate=False)),
+        ("Rejection: one minus the total acceptance", sp.Eq(reject, 1 - beta, evaluate=False)),
+        ("Normaliser, using max(0, a - b) = a - min(a, b) and sum p = 1", sp.Eq(z, 1 - beta, evaluate=False)),
+        ("Together", sp.Eq(px, sp.Min(p, q) + sp.Max(0, p - q), evaluate=False)),
+        ("", sp.Eq(sp.Min(p, q) + sp.Max(0, p - q), p, evaluate=False)),
+    )
 
 
 # ----------------------------------------------------------------------------- theorem 2 (beta = 1 - D_LK)

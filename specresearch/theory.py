@@ -14,7 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Sequence
 
-__all__ = ["acceptance_rate", "expected_tokens", "optimal_gamma", "walltime_improvement"]
+__all__ = ["acceptance_rate", "expected_tokens", "iid_example", "optimal_gamma", "walltime_improvement"]
 
 
 def _fraction(value, name: str) -> Fraction:
@@ -95,3 +95,11 @@ def _distribution(probs: Sequence, name: str) -> tuple[Fraction, ...]:
     if any(v < 0 for v in values) or sum(values) != 1:
         raise ValueError(f"{name} must be non-negative and sum to exactly 1, got sum {sum(values)}")
     return values
+
+
+def iid_example(alpha) -> tuple[tuple[Fraction, ...], tuple[Fraction, ...]]:
+    """A context-free (target_probs, draft_probs) pair over 3 tokens with acceptance rate exactly ``alpha``:
+    p = (alpha, 1 - alpha, 0), q = (alpha, 0, 1 - alpha). Used to check the closed forms against exact
+    enumeration (:mod:`specresearch.exact`) of i.i.d. models."""
+    alpha = _alpha(alpha)
+    return (alpha, 1 - alpha, Fraction(0)), (alpha, Fraction(0), 1 - alpha)
