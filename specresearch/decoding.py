@@ -53,6 +53,8 @@ __all__ = [
     "lm_logits_fn",
     "truncated_context",
     "sequence_log_probs",
+    "repeated_ngrams",
+    "phrase_repetition_log_probs",
 ]
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [B, T], mask [B, T]) -> logits [B, V]
@@ -201,6 +203,29 @@ def sequence_log_probs(logits_fn: LogitsFn, input_ids: torch.Tensor, continuatio
         out.append(logp.gather(-1, continuation[:, j : j + 1]))
         ids = torch.cat([ids, continuation[:, j : j + 1]], dim=1)
     return torch.cat(out, dim=1)
+
+
+def repeated_ngrams(tokens, ngram_size: int) -> int:
+    """Number of n-grams of ``tokens`` (a sequence of ints) that already occurred earlier in it."""
+    _check_int("ngram_size", ngram_size, 1)
+    tokens = [int(t) for t in tokens]
+    grams = [tuple(tokens[i : i + ngram_size]) for i in range(len(tokens) - ngram_size + 1)]
+    return len(grams) - len(set(grams))
+
+
+def phrase_repetition_log_probs(logits_fn: LogitsFn, prefix_ids: torch.Tensor, phrase_ids: torch.Tensor,
+                                repeats: int) -> torch.Tensor:
+    """log P(phrase at its k-th repetition | prefix + k - 1 copies), k = 1..repeats (teacher forcing).
+
+    The self-amplification measurement of reference 001 ("The issue with these approaches"): the
+    probability a model gives a phrase rises each time it has already been repeated.
+    ``prefix_ids [1, T]``, ``phrase_ids [m]`` -> ``[repeats]`` float64.
+    """
+    _check_int("repeats", repeats, 1)
+    _check_prompt(prefix_ids, None)
+    phrase = phrase_ids.reshape(1, -1)
+    per_token = sequence_log_probs(logits_fn, prefix_ids, phrase.repeat(1, repeats))  # [1, repeats * m]
+    return per_token.reshape(repeats, -1).sum(-1)
 
 
 # ----------------------------------------------------------------------------- model adapters
@@ -466,7 +491,8 @@ def decode(logits_fn: LogitsFn, input_ids: torch.Tensor, config: DecodingConfig,
     if not isinstance(config, DecodingConfig):
         raise ValueError(f"config must be a DecodingConfig, got {type(config).__name__}")
     _check_prompt(input_ids, attention_mask)
-    common = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, no_repeat_ngram_size=config.no_repeat_ngram_size)
+    common = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                  no_repeat_ngram_size=config.no_repeat_ngram_size)
     if config.method == "contrastive":
         if amateur_fn is None:
             raise ValueError("amateur_fn is required for method='contrastive' (the draft model's logits function)")

@@ -124,7 +124,7 @@ PRESETS: dict[str, SamplingConfig] = {
 
 
 def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
-    """Raise ``ValueError`` unless ``logits [..., V]`` is floating, NaN-free, without +inf, each row with a finite entry."""
+    """Raise ``ValueError`` unless ``logits [..., V]`` is floating, NaN-free, has no +inf and no all--inf row."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise ValueError(f"{name} must be a floating-point torch.Tensor [..., V], got {type(logits).__name__}"
                          f"{'' if not isinstance(logits, torch.Tensor) else ' of dtype ' + str(logits.dtype)}")

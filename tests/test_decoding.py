@@ -245,8 +245,8 @@ def test_contrastive_decoding_follows_the_formula_each_step():
     # after 2: head {p >= 0.225} = {0 (0.5), 1 (0.4)}; 0.5/0.2 > 0.4/0.6 -> 0 ; after 0 again -> 2
     assert out.sequences.tolist() == [[0, 2, 0, 2]]
     torch.testing.assert_close(out.log_probs, torch.tensor([math.log(0.3 * 0.5 * 0.3)], dtype=torch.float64))
-    same = decode(table_fn(expert.log()), torch.tensor([[0]]), DecodingConfig(method="contrastive", contrastive_alpha=0.45,
-                  max_new_tokens=3), amateur_fn=table_fn(amateur.log()))
+    config = DecodingConfig(method="contrastive", contrastive_alpha=0.45, max_new_tokens=3)
+    same = decode(table_fn(expert.log()), torch.tensor([[0]]), config, amateur_fn=table_fn(amateur.log()))
     assert torch.equal(same.sequences, out.sequences)
 
 
@@ -378,3 +378,17 @@ def test_decode_argument_errors():
         contrastive_scores(torch.zeros(3), torch.zeros(4), 0.1)
     with pytest.raises(ValueError, match="NaN"):
         greedy(lambda ids, mask: torch.full((1, 3), float("nan")), torch.tensor([[0]]), 1)
+
+
+def test_repeated_ngrams_and_phrase_repetition():
+    from specresearch.decoding import phrase_repetition_log_probs, repeated_ngrams
+
+    assert repeated_ngrams([1, 2, 3, 1, 2, 3, 1], 3) == 2 and repeated_ngrams([1, 2, 3], 1) == 0
+    # order-2 model: after (a, b) the phrase's next token; check against sequence_log_probs by hand
+    fn = markov2(5, seed=3)
+    prefix, phrase = torch.tensor([[0, 1]]), torch.tensor([2, 3, 4])
+    got = phrase_repetition_log_probs(fn, prefix, phrase, 3)
+    full = sequence_log_probs(fn, prefix, phrase.repeat(3)[None])[0]
+    torch.testing.assert_close(got, full.reshape(3, 3).sum(-1))
+    # a Markov chain of order 2 sees the same context from the 2nd repetition on
+    torch.testing.assert_close(got[1], got[2])

@@ -127,7 +127,8 @@ def test_small_temperature_tends_to_greedy():
 def test_temperature_formula():
     logits = torch.tensor([2.0, 1.0, -1.0], dtype=torch.float64)
     for t in (0.5, 1.0, 1.5):
-        torch.testing.assert_close(logits_to_probs(logits, SamplingConfig(temperature=t)), torch.softmax(logits / t, -1))
+        got = logits_to_probs(logits, SamplingConfig(temperature=t))
+        torch.testing.assert_close(got, torch.softmax(logits / t, -1))
     torch.testing.assert_close(apply_temperature(logits, 2.0), logits / 2.0)
 
 
@@ -352,5 +353,6 @@ def test_greedy_config_gives_the_greedy_target_path():
     greedy = SamplingConfig.from_name("greedy")
     law = exact.target_distribution(transformed_model(target, greedy), 3)
     assert law == exact.target_distribution(target, 3, greedy=True)
-    spec = exact.speculative_distribution(transformed_model(target, greedy), transformed_model(draft, greedy), 2, "token", 3)
+    t_target, t_draft = transformed_model(target, greedy), transformed_model(draft, greedy)
+    spec = exact.speculative_distribution(t_target, t_draft, 2, "token", 3)
     assert {k: v for k, v in spec.items() if v} == law
