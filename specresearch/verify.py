@@ -278,6 +278,8 @@ def _validate(target_probs, draft_probs, draft_tokens, generator, uniforms):
     _check_shapes(target_probs, draft_probs, draft_tokens)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
         _check_distribution(name, probs)
+    if draft_probs.dtype != target_probs.dtype:
+        raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs {target_probs.dtype}; cast both to one dtype")
     _check_tokens(draft_tokens, target_probs.shape[-1])
     if uniforms is not None:
         if generator is not None:

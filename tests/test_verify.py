@@ -371,6 +371,7 @@ def _bad_cases():
         "sum float64": ((unnormalised, draft, tokens), {}, "target_probs.*sum to 1 within 1e-08"),
         "sum float32": ((off_float32, draft.float(), tokens), {}, "target_probs.*sum to 1 within 0.0001"),
         "half": ((target.half(), draft.half(), tokens), {}, "target_probs.*float32 or float64"),
+        "mixed dtypes": ((target, draft.float(), tokens), {}, "draft_probs.*float32"),
         "tokens float": ((target, draft, tokens.double()), {}, "draft_tokens.*integer"),
         "tokens range": ((target, draft, tokens + 5), {}, "draft_tokens.*\\[0, 5\\)"),
         "tokens negative": ((target, draft, tokens - 5), {}, "draft_tokens"),
