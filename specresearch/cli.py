@@ -44,7 +44,44 @@ def _add_generate(sub) -> None:
     p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     p.add_argument("--autoregressive", action="store_true", help="plain decoding with the target (no draft)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
+    _add_decoding_arguments(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_decoding_arguments(p) -> None:
+    """Classic decoding methods (specresearch.decoding) instead of the speculative loop."""
+    # choices spelled out (importing decoding here would load torch for every command); = decoding.METHODS
+    methods = ["speculative", "greedy", "sample", "beam", "contrastive"]
+    p.add_argument("--method", default="speculative", choices=methods,
+                   help="speculative (default) or a plain decoding method of reference 001; "
+                        "sample uses --temperature/--top-k/--top-p/--epsilon, contrastive uses --draft as amateur")
+    p.add_argument("--epsilon", type=float, default=None, help="epsilon sampling: drop tokens with prob < epsilon")
+    p.add_argument("--num-beams", type=int, default=4, help="beam width (--method beam)")
+    p.add_argument("--length-penalty", type=float, default=0.0, help="beam score log P / length^alpha (alpha)")
+    p.add_argument("--no-repeat-ngram", type=int, default=None, help="ban repeating n-grams of this size")
+    p.add_argument("--contrastive-alpha", type=float, default=0.1, help="plausibility threshold (--method contrastive)")
+
+
+def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
+    import torch
+
+    from specresearch.decoding import DecodingConfig, decode, lm_logits_fn
+
+    config = DecodingConfig(method=args.method, sampling=sampling, max_new_tokens=args.max_new_tokens,
+                            num_beams=args.num_beams, length_penalty=args.length_penalty,
+                            no_repeat_ngram_size=args.no_repeat_ngram, contrastive_alpha=args.contrastive_alpha)
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=target.device)
+    amateur = None
+    if args.method == "contrastive":
+        from specresearch.drafts import draft_from_name
+
+        amateur = lm_logits_fn(draft_from_name(args.draft, target))
+    out = decode(lm_logits_fn(target), ids, config, amateur_fn=amateur, eos_token_id=tokenizer.eos_token_id,
+                 generator=torch.Generator(device=target.device).manual_seed(args.seed))
+    for row, n, score in zip(out.sequences.tolist(), out.num_generated.tolist(), out.scores.tolist()):
+        text = tokenizer.decode(row[ids.shape[1] : ids.shape[1] + n], skip_special_tokens=True)
+        print(f"{text}\n[{n} tokens, score {score:.3f}]\n")
+    return 0
 
 
 def _run_generate(args) -> int:
@@ -57,12 +94,14 @@ def _run_generate(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, epsilon=args.epsilon)
     target, tokenizer = load_model(args.model, device=args.device, device_map=args.device_map)
     prompt = args.prompt
     if not args.raw and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                tokenize=False)
+    if args.method != "speculative":
+        return _run_decoding(args, target, tokenizer, prompt, sampling)
     stream = _Stream(tokenizer, args.max_new_tokens)
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, tokenizer=tokenizer,
                   on_step=stream)

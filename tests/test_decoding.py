@@ -392,3 +392,13 @@ def test_repeated_ngrams_and_phrase_repetition():
     torch.testing.assert_close(got, full.reshape(3, 3).sum(-1))
     # a Markov chain of order 2 sees the same context from the 2nd repetition on
     torch.testing.assert_close(got[1], got[2])
+
+
+def test_cli_generate_accepts_every_decoding_method():
+    from specresearch.cli import build_parser
+    from specresearch.decoding import METHODS
+
+    for method in METHODS:
+        args = build_parser().parse_args(["generate", "hi", "--method", method, "--num-beams", "2",
+                                          "--no-repeat-ngram", "3", "--epsilon", "0.01"])
+        assert args.method == method and args.num_beams == 2 and args.no_repeat_ngram == 3
