@@ -140,7 +140,49 @@ class _Stream:
         self.bar.close()
 
 
-_COMMANDS = [_add_report, _add_generate]
+def _add_distill(sub) -> None:
+    p = sub.add_parser("distill", help="train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)")
+    p.add_argument("--preset", default="tiny-1l", help="draft preset (specresearch.distill.DRAFT_PRESETS)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
+    for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float),
+                       ("--warmup-steps", int), ("--corpus-temperature", float), ("--corpus-max-new-tokens", int),
+                       ("--corpus-samples-per-prompt", int), ("--corpus-batch-size", int), ("--checkpoint-every", int)]:
+        p.add_argument(flag, type=kind, help="TrainConfig field (default: the dataclass default)")
+    p.add_argument("--prompts", default="data/distill_prompts.jsonl", help="distillation prompts")
+    p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")
+    p.add_argument("--heldout-prompts", type=int, default=14, help="how many held-out prompts (evenly spaced)")
+    p.add_argument("--measure-tokens", type=int, default=64, help="continuation length in the measurement")
+    p.add_argument("--out", help="output directory (default data/drafts/<preset>)")
+    p.add_argument("--max-minutes", type=float, help="stop and checkpoint after this long; rerun the command to resume")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.set_defaults(func=_run_distill)
+
+
+def _run_distill(args) -> int:
+    import json
+
+    import torch
+
+    from specresearch.distill import DraftConfig, TrainConfig, run_distillation
+    from specresearch.embedded import load_embedded
+
+    torch.set_num_threads(args.threads)
+    fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
+    lm, tokenizer = load_embedded(args.target, device="cpu")
+    manifest = run_distillation(
+        lm.model, tokenizer, DraftConfig.from_name(args.preset), TrainConfig(**fields), prompts_path=args.prompts,
+        heldout_path=args.heldout, out_dir=args.out, heldout_prompts=args.heldout_prompts,
+        measure_tokens=args.measure_tokens, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+        command="specresearch " + " ".join(sys.argv[1:]),
+    )
+    if not manifest["finished"]:
+        print(f"stopped at step {manifest['training']['steps']}; rerun the same command to resume")
+        return 0
+    print(json.dumps({k: manifest[k] for k in ("measurement", "cost", "training")}, indent=2))
+    return 0
+
+
+_COMMANDS = [_add_report, _add_generate, _add_distill]
 
 
 def build_parser() -> argparse.ArgumentParser:
