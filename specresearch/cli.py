@@ -182,7 +182,21 @@ def _run_distill(args) -> int:
     return 0
 
 
-_COMMANDS = [_add_report, _add_generate, _add_distill]
+def _add_warm_cache(sub) -> None:
+    p = sub.add_parser("warm-cache", help="convert and cache the embedded model now (first use takes ~20-40 s)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name")
+    p.set_defaults(func=_run_warm_cache)
+
+
+def _run_warm_cache(args) -> int:
+    from specresearch.embedded import cache_dir, load_embedded
+
+    load_embedded(args.model, device="cpu")
+    print(f"{args.model} is cached in {cache_dir() / args.model}")
+    return 0
+
+
+_COMMANDS = [_add_report, _add_generate, _add_distill, _add_warm_cache]
 
 
 def build_parser() -> argparse.ArgumentParser:
