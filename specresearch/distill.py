@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
+import transformers
 from transformers import AutoModelForCausalLM
 
 from specresearch.sampling import SamplingConfig, logits_to_probs
@@ -691,7 +692,7 @@ def forward_seconds(models: Sequence, context_length: int = 64, repeats: int = 3
     cache is cropped back after every call, so each call sees the same context. A benchmark measurement,
     never asserted on in tests. Returns one median per model, in seconds.
     """
-    ids = torch.arange(context_length, dtype=torch.long)[None]  # [1, context_length]
+    ids = torch.arange(context_length, dtype=torch.long)[None] % models[0].config.vocab_size  # [1, context_length]
     caches = [m(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values for m in models]
     times = [[] for _ in models]
     for _ in range(warmup + repeats):
@@ -721,14 +722,15 @@ def _corpus_key(target, prompt_ids: Sequence[torch.Tensor], config: TrainConfig)
 
 
 def _cached_corpus(target, prompt_ids, config, eos_token_ids, progress) -> tuple[Corpus, str, float]:
+    """The corpus for (target, prompts, config) from the cache, generated once; also its generation time."""
     key = _corpus_key(target, prompt_ids, config)
-    path = cache_dir() / "corpus" / f"{key}.pt"
-    if path.exists():
-        return load_corpus(path), key, 0.0
-    started = time.perf_counter()
-    corpus = generate_corpus(target, prompt_ids, config, eos_token_ids, progress)
-    save_corpus(corpus, path)
-    return corpus, key, time.perf_counter() - started
+    path, info = cache_dir() / "corpus" / f"{key}.pt", cache_dir() / "corpus" / f"{key}.json"
+    if not path.exists():
+        started = time.perf_counter()
+        save_corpus(generate_corpus(target, prompt_ids, config, eos_token_ids, progress), path)
+        info.write_text(json.dumps({"generation_seconds": time.perf_counter() - started}))
+    seconds = json.loads(info.read_text())["generation_seconds"] if info.exists() else float("nan")
+    return load_corpus(path), key, seconds
 
 
 def run_distillation(target, tokenizer, draft_config: DraftConfig, train_config: TrainConfig, *, prompts_path,
@@ -747,9 +749,11 @@ def run_distillation(target, tokenizer, draft_config: DraftConfig, train_config:
     result = train_draft(target, draft, corpus, train_config, checkpoint_dir=run_dir, max_seconds=max_seconds, progress=progress)
     manifest = {"command": command, "seed": train_config.seed, "train_config": dataclasses.asdict(train_config), "finished": result.finished,
                 "corpus": {"prompts_file": Path(prompts_path).name, "sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens,
-                           "cache_key": key, "generation_seconds_this_call": round(corpus_seconds, 1)},
+                           "cache_key": key, "generation_seconds": round(corpus_seconds, 1)},
                 "training": {"steps": result.step, "seconds": round(result.seconds, 1), "first_kl": result.losses[0] if result.losses else None,
-                             "last_kl_mean10": statistics.fmean(result.losses[-10:]) if result.losses else None}}
+                             "last_kl_mean10": statistics.fmean(result.losses[-10:]) if result.losses else None,
+                             "kl_curve": [round(x, 4) for x in result.losses]},
+                "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     if not result.finished:
         return manifest
     manifest.update(_measurements(target, draft, tokenizer, heldout_path, heldout_prompts, measure_tokens, eos, progress))

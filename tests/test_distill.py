@@ -251,3 +251,30 @@ def test_shipped_draft_loads_offline_and_matches_its_manifest():
     for t, alpha in check["alpha"].items():
         assert measured.alpha[float(t)] == pytest.approx(alpha, abs=2e-3)
     assert measured.greedy_agreement == pytest.approx(check["greedy_agreement"], abs=2e-3)
+
+
+class _CharTokenizer:
+    """Stands in for a chat tokenizer: one token per character of the first 12 characters."""
+
+    eos_token_id = EOS
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        return [2 + ord(c) % (VOCAB - 2) for c in messages[0]["content"][:12]]
+
+
+def test_run_distillation_resumes_then_ships(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "c", "turns": [f"prompt number {i}"]}) + "\n" for i in range(4)))
+    config = D.TrainConfig(steps=4, batch_size=2, seq_len=64, corpus_max_new_tokens=6, corpus_samples_per_prompt=1)
+    kwargs = dict(prompts_path=prompts, heldout_path=prompts, out_dir=tmp_path / "out", heldout_prompts=2, measure_tokens=4, progress=False)
+
+    first = D.run_distillation(target, _CharTokenizer(), D.DraftConfig("t"), config, max_seconds=0.0, **kwargs)
+    assert not first["finished"] and first["training"]["steps"] == 0 and not (tmp_path / "out").exists()
+    second = D.run_distillation(target, _CharTokenizer(), D.DraftConfig("t"), config, command="test", **kwargs)
+    assert second["finished"] and second["training"]["steps"] == 4 and len(second["training"]["kl_curve"]) == 4
+    assert second["corpus"]["sequences"] == 4 and set(second["measurement"]["alpha"]) == {"0.2", "0.6", "1.0"}
+    assert 0 < second["cost"]["c"]
+    shipped = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert shipped["command"] == "test" and shipped["measurement"] == second["measurement"]
+    D.load_draft(target, tmp_path / "out")
