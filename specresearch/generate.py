@@ -24,7 +24,10 @@ Temperature 0: ``logits_to_probs`` gives one-hot distributions, drafts are argma
 verifier reduces to greedy verification, so the output equals greedy autoregressive decoding.
 
 Randomness: one ``torch.Generator`` seeded once from ``seed`` drives draft sampling and verification;
-the same seed and inputs reproduce the same tokens.
+the same seed and inputs reproduce the same tokens. ``seed`` may instead be one int per prompt: each row
+then has its own generator (per-row draft samples and per-row verification uniforms) and its gamma is
+never shortened, so every step consumes the same randomness per row and a row's tokens do not depend on
+the other rows of the batch (identical alone or batched, up to float differences of batched logits).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 
 from specresearch.drafts import check_same_vocab
 from specresearch.sampling import SamplingConfig, logits_to_probs
-from specresearch.verify import VERIFIERS
+from specresearch.verify import VERIFIERS, draw_uniforms
 
 __all__ = [
     "StepRecord",
@@ -170,13 +173,49 @@ def _encode_one(prompt, tokenizer) -> list[int]:
     return row
 
 
-def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier: str = "token") -> None:
+def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier="token") -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1 (draft tokens per step), got {gamma!r}")
-    if verifier not in VERIFIERS:
-        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
+    if not callable(verifier) and verifier not in VERIFIERS:
+        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r}")
+
+
+def _check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int = 0) -> None:
+    """Raise unless prompt + new tokens + lookahead fit the model's positions (``max_context``, if it has one)."""
+    limit = getattr(model, "max_context", None)
+    need = ids.shape[1] + max_new_tokens + lookahead
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + gamma lookahead {lookahead} "
+            f"needs {need} positions but the model's context is {limit}: shorten the prompt or lower max_new_tokens"
+        )
+
+
+def _generators(seed, batch: int, device) -> torch.Generator | list[torch.Generator]:
+    """One generator shared by the batch (``seed`` an int) or a list, one per row (one int per prompt)."""
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return torch.Generator(device=device).manual_seed(seed)
+    seeds = list(seed) if isinstance(seed, Sequence) else []
+    if len(seeds) != batch or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise ValueError(f"seed must be an int or a list of one int per prompt ({batch} prompts), got {seed!r}")
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
+def _uniforms(generators, gamma: int, device) -> dict:
+    """Verification randomness: the shared generator, or per-row uniforms ``[B, gamma+1]`` from per-row generators."""
+    if isinstance(generators, torch.Generator):
+        return {"generator": generators}
+    return {"uniforms": torch.stack([draw_uniforms(1, gamma, g, device=device)[0] for g in generators])}
+
+
+def _probs(logits: torch.Tensor, sampling: SamplingConfig, stage: str) -> torch.Tensor:
+    """``logits_to_probs``, with an error that names the model / stage whose logits were bad."""
+    try:
+        return logits_to_probs(logits, sampling)
+    except ValueError as error:
+        raise ValueError(f"{stage}: {error}") from error
 
 
 def _eos_set(eos_token_id, tokenizer) -> frozenset[int]:
@@ -194,11 +233,16 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _sample(probs: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from ``probs [B, V]`` -> ``[B]``; greedy configs take the (one-hot) argmax."""
+def _sample(probs: torch.Tensor, sampling: SamplingConfig, generators) -> torch.Tensor:
+    """One token per row from ``probs [B, V]`` -> ``[B]``; greedy configs take the (one-hot) argmax.
+
+    ``generators``: one shared ``torch.Generator``, or a list with one per row.
+    """
     if sampling.greedy:
         return probs.argmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    if isinstance(generators, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generators)[:, 0]
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
 
 
 def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -209,13 +253,13 @@ def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
         model.reset(ids.shape[0])
 
 
-def _draft(draft, pending, pending_valid, gamma, sampling, generator):
-    """Sample gamma tokens from the draft. -> (tokens [B, gamma], draft_probs [B, gamma, V])."""
+def _draft(draft, pending, pending_valid, gamma, sampling, generators, device):
+    """Sample gamma tokens from the draft on ``device``. -> (tokens [B, gamma], draft_probs [B, gamma, V])."""
     logits = draft.score(pending, pending_valid)[:, -1]
     tokens, probs = [], []
     for i in range(gamma):
-        q = logits_to_probs(logits.to(generator.device), sampling)  # [B, V]
-        tokens.append(_sample(q, sampling, generator))
+        q = _probs(logits.to(device), sampling, f"draft model logits (drafting token {i + 1})")  # [B, V]
+        tokens.append(_sample(q, sampling, generators))
         probs.append(q)
         if i < gamma - 1:
             logits = draft.score(tokens[-1][:, None])[:, -1]
@@ -225,7 +269,7 @@ def _draft(draft, pending, pending_valid, gamma, sampling, generator):
 def _score(target, pending, draft_tokens, sampling) -> torch.Tensor:
     """One target call on ``[pending, drafts]`` [B, 1+gamma] -> target_probs [B, gamma+1, V]."""
     logits = target.score(torch.cat([pending, draft_tokens], dim=1))
-    return logits_to_probs(logits.to(draft_tokens.device), sampling)
+    return _probs(logits.to(draft_tokens.device), sampling, "target model logits (scoring the drafts)")
 
 
 def _rollback(target, draft, num_accepted: torch.Tensor, gamma: int) -> None:
@@ -248,11 +292,11 @@ def speculative_generate(
     draft,
     prompts,
     *,
-    verifier: str = "block",
+    verifier: str | Callable = "block",
     gamma: int = 4,
     max_new_tokens: int = 64,
     sampling: SamplingConfig = SamplingConfig(),
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     tokenizer=None,
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
@@ -262,11 +306,13 @@ def speculative_generate(
     Args:
         target, draft: ``models.LanguageModel`` s with the same ``vocab_size``.
         prompts: strings (with ``tokenizer``) or token-id sequences; one prompt or a list (batched, left-padded).
-        verifier: ``"token"``, ``"block"`` or ``"greedy"`` (``verify.VERIFIERS``).
+        verifier: ``"token"``, ``"block"`` or ``"greedy"`` (``verify.VERIFIERS``), or a callable with the
+            verifier signature (it is called with ``validate=False``).
         gamma: draft tokens per step (>= 1).
         max_new_tokens: tokens produced per row (>= 1), fewer only when the row emits EOS.
         sampling: applied identically to target and draft logits (``sampling.logits_to_probs``).
-        seed: seeds the single ``torch.Generator`` used for all randomness.
+        seed: seeds the single ``torch.Generator`` used for all randomness; or one int per prompt for
+            per-row generators (batch-independent rows; see the module docstring).
         eos_token_id: int or ids ending a row (default: ``tokenizer.eos_token_id`` if a tokenizer is given).
         on_step: called after each step with the tokens each row kept (for streaming).
     Returns:
@@ -274,10 +320,12 @@ def speculative_generate(
     """
     _check_generation_args(max_new_tokens, gamma, verifier)
     check_same_vocab(target, draft)
-    verify = VERIFIERS[verifier]
+    verify = verifier if callable(verifier) else VERIFIERS[verifier]
     ids, mask = encode_prompts(prompts, tokenizer)
+    _check_context(target, ids, max_new_tokens, gamma)
+    _check_context(draft, ids, max_new_tokens, gamma)
     device = target.device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))
     t0 = _clock(device)
     _start(target, ids.to(device), mask.to(device))
@@ -286,15 +334,17 @@ def speculative_generate(
     target_pending = ids[:, -1:].to(device)
     draft_pending, draft_valid = target_pending, None
     steps = []
+    per_row = isinstance(generators, list)  # per-row seeds: never shorten gamma (module docstring)
     while not all(rows.done):
-        step_gamma = min(gamma, max(1, rows.remaining() - 1))
+        step_gamma = gamma if per_row else min(gamma, max(1, rows.remaining() - 1))
         active = tuple(not d for d in rows.done)
         t0 = _clock(device)
-        draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generator)
+        draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device)
         t1 = _clock(device)
         target_probs = _score(target, target_pending, draft_tokens, sampling)
         t2 = _clock(device)
-        result = verify(target_probs, draft_probs, draft_tokens, generator, validate=False)
+        randomness = _uniforms(generators, step_gamma, device)
+        result = verify(target_probs, draft_probs, draft_tokens, validate=False, **randomness)
         _rollback(target, draft, result.num_accepted, step_gamma)
         target_pending = result.next_token[:, None]
         draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma)
@@ -314,16 +364,20 @@ def autoregressive_generate(
     *,
     max_new_tokens: int = 64,
     sampling: SamplingConfig = SamplingConfig(),
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     tokenizer=None,
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
 ) -> GenerationResult:
-    """Plain decoding from ``target``: one target call per token, same sampling and stopping rules."""
+    """Plain decoding from ``target``: one target call per token, same sampling and stopping rules.
+
+    ``seed``: an int, or one int per prompt (per-row generators: a row's tokens do not depend on the batch).
+    """
     _check_generation_args(max_new_tokens)
     ids, mask = encode_prompts(prompts, tokenizer)
+    _check_context(target, ids, max_new_tokens)
     device = target.device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))
     t0 = _clock(device)
     _start(target, ids.to(device), mask.to(device))
@@ -335,7 +389,8 @@ def autoregressive_generate(
         t0 = _clock(device)
         logits = target.score(pending)[:, -1]
         t1 = _clock(device)
-        pending = _sample(logits_to_probs(logits, sampling), sampling, generator)[:, None]
+        probs = _probs(logits, sampling, "target model logits (autoregressive step)")
+        pending = _sample(probs, sampling, generators)[:, None]
         kept = rows.add(pending.tolist())
         steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, _clock(device) - t0, t1 - t0, 0.0))
         if on_step is not None:

@@ -160,6 +160,11 @@ class CausalLM:
         return int(head.weight.shape[0]) if head is not None else int(self.model.config.get_text_config().vocab_size)
 
     @property
+    def max_context(self) -> int | None:
+        """Positions the model supports (config ``max_position_embeddings``); None if the config does not say."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    @property
     def cache_length(self) -> int:
         return 0 if self._slots is None else self._slots.length
 
