@@ -1,0 +1,331 @@
+"""Statistical losslessness tests of the whole speculative engine on real models.
+
+The exact twins (``exact.py``) prove the verifiers lossless on small enumerable models. On a real model
+(V = 49152) the law of a generation cannot be enumerated, but it can be *tested*: run
+``generate.speculative_generate`` on ``num_samples`` copies of one prompt, keep the first ``k`` tokens
+of each row, and compare their empirical law with the target law of k-token continuations under the
+same sampling transform, p(x_1) p(x_2 | x_1) ... p(x_k | x_<k) with ``sampling.logits_to_probs``
+(Leviathan et al. 2023, Theorem 1, references/004; Sun et al. 2025, Theorem 1, references/003: the
+emitted sequence is distributed exactly as the target's).
+
+Cells (fixed by the target law and ``num_samples`` only, never by the observations). With
+``m = min_expected`` and N = ``num_samples``, a prefix s is *expanded* (one target forward gives its
+next-token row) when N P(s) >= m. The partition of all k-token sequences is
+
+* every full sequence s with N P(s) >= m (a leaf of the expanded tree);
+* for every expanded prefix s, "s then a token whose child is not big": mass P(s) - sum of its big
+  children, kept as its own cell if its expected count is >= m;
+* one pooled tail with everything else (merged into the smallest cell if its expected count is < m).
+
+This refines "most likely sequences + one tail" (deviations in rare continuations of likely prefixes
+stay visible) while keeping every expected count >= m. Observations that the expanded rows show to be
+IMPOSSIBLE (a token with target probability 0 after a known prefix, e.g. outside the top-k) make the
+p-value exactly 0.
+
+Tests reported:
+
+* Pearson chi-square with ``cells - 1`` degrees of freedom (``p_value``). Under H0 (the engine is
+  lossless) the p-value is asymptotically uniform, so rejecting when ``p_value < a`` has false-positive
+  rate ``a``; with expected counts >= 5 the approximation is good at the usual levels, and at tiny levels
+  (1e-6 and below) the true tail of the statistic is heavier than chi-square, which is why
+* an exact conservative test is reported too (``bonferroni_p_value``): the exact two-sided binomial
+  p-value of each cell, times the number of cells (union bound). Its false-positive rate is <= a at
+  every level and every sample size, with no large-sample approximation.
+
+The expected probabilities come from uncached float32 forwards of the target on ``prompt + prefix``;
+the engine uses cached forwards. They agree to ~1e-6 relative, far below what N <= 1e6 samples resolve.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from scipy import stats as scipy_stats
+
+from specresearch.generate import encode_prompts, speculative_generate
+from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.verify import VerifyResult, draw_uniforms, token_verify
+
+__all__ = [
+    "FPR_NOTE",
+    "Cell",
+    "SequenceLaw",
+    "LosslessTestResult",
+    "sequence_law",
+    "chi_square",
+    "lossless_test",
+    "wrong_residual_verify",
+    "describe_cell",
+]
+
+FPR_NOTE = (
+    "Under H0 (lossless engine) p_value is asymptotically uniform: rejecting at p_value < a has false-positive "
+    "rate a (chi-square approximation, expected counts >= min_expected). bonferroni_p_value is exact and "
+    "conservative: rejecting at bonferroni_p_value < a has false-positive rate <= a at any sample size."
+)
+
+# A cell of the partition: ("seq", tokens) one full k-token sequence; ("rest", prefix) the sequences
+# continuing an expanded prefix with a token that is not one of its big children; ("tail",) the rest.
+Cell = tuple
+
+_TAIL: Cell = ("tail",)
+_FORWARD_BATCH = 64  # prefixes per target forward when computing the law
+
+
+@dataclass(frozen=True)
+class SequenceLaw:
+    """Exact target probabilities of a partition of the k-token continuations of one prompt.
+
+    ``rows`` holds the next-token law (float64, [V]) after every expanded prefix; ``big`` the probability
+    of every prefix / sequence with expected count >= ``min_expected`` (the expanded tree).
+    """
+
+    prompt: tuple[int, ...]
+    k: int
+    sampling: SamplingConfig
+    num_samples: int
+    min_expected: float
+    rows: dict[tuple[int, ...], torch.Tensor]  # expanded prefix -> [V] float64 next-token probabilities
+    big: dict[tuple[int, ...], float]  # prefix or sequence -> probability, for N P >= min_expected
+    cells: tuple[Cell, ...]
+    probs: tuple[float, ...]  # [C] probability of each cell, summing to 1
+    lookup: dict[Cell, int]  # every atom ("seq"/"rest"/"tail") -> index of the cell it belongs to
+
+    def index(self, sequence: Sequence[int]) -> int | None:
+        """Cell index of one observed k-token sequence, or None if the law shows it is impossible."""
+        prefix: tuple[int, ...] = ()
+        for token in sequence[: self.k]:
+            row = self.rows[prefix]
+            if not 0 <= token < row.shape[0] or float(row[token]) == 0.0:
+                return None
+            if prefix + (token,) not in self.big:
+                return self.lookup[("rest", prefix)]
+            prefix = prefix + (token,)
+        return self.lookup[("seq", prefix)]
+
+
+@dataclass(frozen=True)
+class LosslessTestResult:
+    """Outcome of :func:`lossless_test`. See ``FPR_NOTE`` for the false-positive rate of each p-value."""
+
+    statistic: float  # Pearson chi-square (inf when an impossible sequence was observed)
+    dof: int  # cells - 1
+    p_value: float  # chi-square p-value; 0 when an impossible sequence was observed
+    bonferroni_p_value: float  # exact binomial per cell x number of cells (conservative)
+    counts: tuple[int, ...]  # [C] observed per cell
+    expected: tuple[float, ...]  # [C] expected per cell under the target law
+    cells: tuple[Cell, ...]
+    num_samples: int
+    impossible: int  # observed sequences with target probability 0
+    seconds: float  # generation time (the law computation excluded)
+    note: str = FPR_NOTE
+
+    def rejects(self, level: float) -> bool:
+        """True when the chi-square test rejects losslessness at ``level`` (false-positive rate ``level``)."""
+        return self.p_value < level
+
+
+def _prompt_ids(prompt, tokenizer) -> tuple[int, ...]:
+    ids, _ = encode_prompts([prompt] if isinstance(prompt, str) else [list(prompt)], tokenizer)
+    return tuple(ids[0].tolist())
+
+
+def _next_token_rows(target, prompt: tuple[int, ...], prefixes, sampling) -> torch.Tensor:
+    """Target law after ``prompt + prefix`` for each prefix (all of one length). -> [len(prefixes), V] float64."""
+    out = []
+    for start in range(0, len(prefixes), _FORWARD_BATCH):
+        ids = torch.tensor([prompt + p for p in prefixes[start : start + _FORWARD_BATCH]], dtype=torch.long)
+        logits = target.prefill(ids.to(target.device), torch.ones_like(ids).to(target.device))  # [b, V]
+        # float32 transform, as in the engine, so the kept set of top-k / top-p is decided identically
+        out.append(logits_to_probs(logits.float(), sampling).double().cpu())
+    return torch.cat(out)
+
+
+def _expand(target, prompt, k, sampling, threshold):
+    """Breadth-first expansion of every prefix with probability >= threshold. -> (rows, big)."""
+    rows, big, frontier = {}, {}, [()]
+    prob = {(): 1.0}
+    for _ in range(k):
+        if not frontier:
+            break
+        next_frontier = []
+        for prefix, row in zip(frontier, _next_token_rows(target, prompt, frontier, sampling)):
+            rows[prefix] = row
+            joint = row * prob[prefix]
+            for token in (joint >= threshold).nonzero()[:, 0].tolist():
+                child = prefix + (token,)
+                prob[child] = big[child] = float(joint[token])
+                next_frontier.append(child)
+        frontier = next_frontier
+    return rows, big
+
+
+def _partition(rows, big, k, threshold):
+    """Cells with probability >= threshold, plus the tail. -> (cells, probs, lookup)."""
+    cells = [("seq", s) for s in big if len(s) == k]
+    probs = [big[s] for s in big if len(s) == k]
+    merged = {}
+    for prefix in rows:
+        children = sum(p for s, p in big.items() if len(s) == len(prefix) + 1 and s[:-1] == prefix)
+        rest = (big[prefix] if prefix else 1.0) - children
+        if rest >= threshold:
+            cells.append(("rest", prefix))
+            probs.append(rest)
+        else:
+            merged[("rest", prefix)] = -1  # joins the tail
+    tail = max(1.0 - sum(probs), 0.0)
+    if tail >= threshold or not cells:
+        cells.append(_TAIL)
+        probs.append(tail)
+        tail_index = len(cells) - 1
+    else:  # too small to stand alone: pool it with the smallest cell
+        tail_index = int(np.argmin(probs))
+        probs[tail_index] += tail
+    lookup = {atom: tail_index for atom in merged} | {cell: i for i, cell in enumerate(cells)} | {_TAIL: tail_index}
+    return tuple(cells), tuple(probs), lookup
+
+
+def sequence_law(target, prompt, *, sampling: SamplingConfig, k: int, num_samples: int,
+                 min_expected: float = 5.0, tokenizer=None) -> SequenceLaw:
+    """The target law of the first ``k`` generated tokens on the cells of the module docstring.
+
+    Args:
+        target: a ``models.LanguageModel`` (``prefill`` is used, uncached, once per level of the tree).
+        prompt: token ids, or a string with ``tokenizer``.
+        sampling: the transform applied to the target logits (as in the engine).
+        k: number of generated tokens compared (>= 1).
+        num_samples: N, the number of generations the law will be compared with (sets the cells).
+        min_expected: minimum expected count of a cell (>= 1; 5 is the textbook rule).
+    """
+    _check_test_args(k, num_samples, min_expected)
+    ids = _prompt_ids(prompt, tokenizer)
+    threshold = min_expected / num_samples
+    rows, big = _expand(target, ids, k, sampling, threshold)
+    cells, probs, lookup = _partition(rows, big, k, threshold)
+    return SequenceLaw(ids, k, sampling, num_samples, float(min_expected), rows, big, cells, probs, lookup)
+
+
+def _check_test_args(k, num_samples, min_expected) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1 (number of generated tokens compared), got {k!r}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
+        raise ValueError(f"num_samples must be an integer >= 2, got {num_samples!r}")
+    if not 1 <= min_expected <= num_samples:
+        raise ValueError(f"min_expected must be in [1, num_samples], got {min_expected!r} (5 is the usual rule)")
+
+
+def chi_square(counts: Sequence[int], probs: Sequence[float]) -> tuple[float, int, float, float]:
+    """Pearson chi-square and exact Bonferroni-binomial tests of ``counts [C]`` against ``probs [C]``.
+
+    Returns ``(statistic, dof, p_value, bonferroni_p_value)``; dof = C - 1 (0 cells of freedom -> p = 1).
+    """
+    counts_arr, probs_arr = np.asarray(counts, dtype=float), np.asarray(probs, dtype=float)
+    n = counts_arr.sum()
+    expected = n * probs_arr
+    statistic = float(((counts_arr - expected) ** 2 / expected).sum())
+    dof = len(counts_arr) - 1
+    p_value = float(scipy_stats.chi2.sf(statistic, dof)) if dof > 0 else 1.0
+    binomial = [scipy_stats.binomtest(int(c), int(n), float(p)).pvalue for c, p in zip(counts_arr, probs_arr)]
+    return statistic, dof, p_value, float(min(1.0, len(binomial) * min(binomial)))
+
+
+def _batch_seeds(seed: int, batches: int) -> list[int]:
+    """Independent, non-overlapping generator seeds for the batches of one test (numpy SeedSequence)."""
+    return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(batches)]
+
+
+def _sample_sequences(target, draft, verifier, law: SequenceLaw, *, gamma, num_samples, seed, batch_size,
+                      max_new_tokens) -> tuple[list[tuple[int, ...]], float]:
+    """``num_samples`` speculative generations of ``law.prompt``, first ``k`` tokens each, and the seconds."""
+    sequences, seconds = [], 0.0
+    sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
+    for size, batch_seed in zip(sizes, _batch_seeds(seed, len(sizes))):
+        out = speculative_generate(target, draft, [list(law.prompt)] * size, verifier=verifier, gamma=gamma,
+                                   max_new_tokens=max_new_tokens, sampling=law.sampling, seed=batch_seed)
+        seconds += out.seconds
+        sequences.extend(tuple(row[: law.k]) for row in out.tokens)
+    return sequences, seconds
+
+
+def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: SamplingConfig, gamma: int,
+                  k: int, num_samples: int, seed: int, batch_size: int = 256, min_expected: float = 5.0,
+                  max_new_tokens: int | None = None, tokenizer=None, law: SequenceLaw | None = None
+                  ) -> LosslessTestResult:
+    """Test that speculative generation of ``prompt`` follows the target law (module docstring).
+
+    Args:
+        target, draft: ``models.LanguageModel`` s (as for ``speculative_generate``).
+        verifier: a name in ``verify.VERIFIERS`` or a callable with the verifier signature.
+        prompt: token ids, or a string with ``tokenizer``.
+        sampling, gamma: passed to the engine; the target law uses the same ``sampling``.
+        k: compare the first k generated tokens (the engine shortens gamma to ``max_new_tokens - 1``, so
+            block verification differs from token verification only when ``max_new_tokens >= 3``).
+        num_samples: generations, run as batches of ``batch_size`` copies of the prompt, each batch with
+            its own seed spawned from ``seed`` (numpy ``SeedSequence``).
+        max_new_tokens: tokens generated per row (default ``k``; must be >= k).
+        law: a precomputed :func:`sequence_law` for the same prompt / sampling / k / num_samples (reuse it
+            across verifiers to save the target forwards).
+    Returns:
+        ``LosslessTestResult``; see ``FPR_NOTE`` for the false-positive rates.
+    """
+    max_new_tokens = k if max_new_tokens is None else max_new_tokens
+    if max_new_tokens < k:
+        raise ValueError(f"max_new_tokens must be >= k = {k} (the rows must be k tokens long), got {max_new_tokens}")
+    if law is None:
+        law = sequence_law(target, prompt, sampling=sampling, k=k, num_samples=num_samples,
+                           min_expected=min_expected, tokenizer=tokenizer)
+    elif (law.k, law.num_samples, law.sampling, law.prompt) != (k, num_samples, sampling, _prompt_ids(prompt, tokenizer)):
+        raise ValueError("law was computed for another prompt, sampling, k or num_samples; recompute it")
+    sequences, seconds = _sample_sequences(target, draft, verifier, law, gamma=gamma, num_samples=num_samples,
+                                           seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    return _evaluate(law, sequences, seconds)
+
+
+def _evaluate(law: SequenceLaw, sequences, seconds) -> LosslessTestResult:
+    """Count the sequences per cell and run both tests."""
+    counts = [0] * len(law.cells)
+    impossible = 0
+    for sequence in sequences:
+        index = law.index(sequence)
+        if index is None:
+            impossible += 1
+        else:
+            counts[index] += 1
+    n = len(sequences)
+    statistic, dof, p_value, bonferroni = chi_square(counts, law.probs) if n > impossible else (0.0, 0, 1.0, 1.0)
+    if impossible:
+        statistic, p_value, bonferroni = float("inf"), 0.0, 0.0
+    expected = tuple(n * p for p in law.probs)
+    return LosslessTestResult(statistic, dof, p_value, bonferroni, tuple(counts), expected, law.cells, n,
+                              impossible, seconds)
+
+
+def wrong_residual_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None,
+                          validate=True) -> VerifyResult:
+    """A deliberately WRONG verifier: token verification whose rejection resamples from p instead of
+    norm(max(p - q, 0)). Not lossless: the first token's law becomes min(p, q) + (1 - alpha) p.
+
+    Same signature and shapes as ``verify.token_verify``; used to show the tests have power.
+    """
+    if uniforms is None:
+        uniforms = draw_uniforms(*draft_tokens.shape, generator, device=target_probs.device)
+    result = token_verify(target_probs, draft_probs, draft_tokens, uniforms=uniforms, validate=validate)
+    rows = target_probs[torch.arange(draft_tokens.shape[0]), result.num_accepted]  # [B, V] p after n accepted
+    cdf = rows.double().cumsum(-1)  # [B, V]
+    u = uniforms[:, -1:].to(cdf) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u, right=True)  # right=True: never a zero-probability token ...
+    last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)  # ... even when u * total rounds up
+    return VerifyResult(result.num_accepted, torch.minimum(picked, last_positive).squeeze(1))
+
+
+def describe_cell(cell: Cell, tokenizer=None) -> str:
+    """Readable label of a cell: tokens joined by '|', '*' for "any other token", 'other' for the tail."""
+    if cell == _TAIL:
+        return "other"
+    kind, tokens = cell
+    words = [repr(tokenizer.decode([t])) if tokenizer is not None else str(t) for t in tokens]
+    return "|".join(words + (["*"] if kind == "rest" else []))
