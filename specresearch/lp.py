@@ -4,9 +4,9 @@ Notation as in :mod:`specresearch`: p = target, q = draft, gamma = draft block l
 draft block X = x_1..x_gamma from q and a verifier emits Z = (accepted prefix of X) + one token, so
 |Z| is in 1..gamma+1 and Z[:-1] is a prefix of X. The number of accepted drafts is |Z| - 1.
 
-Validity (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", Definition 1 and the
-proof of Theorem 2; references/003): the speculative loop must reproduce the target's law from *every*
-prefix. Taking the first gamma+1 tokens of the loop from a prefix c, the loop emits Z and then continues
+Validity (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", references/003: a
+valid verifier keeps the target's output distribution; Theorem 2 is optimality among valid verifiers):
+the speculative loop must reproduce the target's law from *every* prefix. The derivation below is ours. Taking the first gamma+1 tokens of the loop from a prefix c, the loop emits Z and then continues
 from c + Z, which (by validity at the longer prefix) has the target's law. Hence a verifier is valid at c
 if and only if "Z, then tokens from the target" has the target's law on V^(gamma+1):
 
@@ -125,11 +125,13 @@ def _prefix_masses(blocks: dict) -> dict:
     return dict(masses)
 
 
-def _check_args(gamma, formulation) -> None:
+def _check_args(gamma, formulation, target=None, draft=None, prefix=()) -> None:
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if target is not None and len(target(prefix)) != len(draft(prefix)):
+        raise ValueError(f"target and draft must share a vocabulary, got rows of {len(target(prefix))} and {len(draft(prefix))} at prefix {prefix}")
 
 
 def optimal_verifier_lp(target, draft, gamma: int, prefix=(), *, formulation: str = "prefix") -> LPResult:
@@ -144,8 +146,8 @@ def optimal_verifier_lp(target, draft, gamma: int, prefix=(), *, formulation: st
     Returns:
         :class:`LPResult`; block verification attains ``optimum`` (tests/test_lp.py, proofs/t5).
     """
-    _check_args(gamma, formulation)
     target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
+    _check_args(gamma, formulation, target, draft, prefix)
     build = _prefix_lp if formulation == "prefix" else _coupling_lp
     names, objective, eqs, ineqs = build(target, draft, gamma, prefix)
     value, solution = _solve(objective, eqs, ineqs, len(names))
@@ -247,8 +249,8 @@ def check_joint(target, draft, gamma: int, joint: dict, prefix=()) -> VerifierCh
 
     Constraints: non-negativity, z[:-1] a prefix of x, draft marginals q(x), and validity (L).
     """
-    _check_args(gamma, "prefix")
     target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
+    _check_args(gamma, "prefix", target, draft, prefix)
     violations = [f"pi{k} = {v} < 0" for k, v in joint.items() if v < 0]
     violations += [f"z = {z} is not (prefix of x = {x}) + token" for x, z in joint if not 1 <= len(z) <= gamma + 1 or x[: len(z) - 1] != z[:-1]]
     marginal: dict = defaultdict(Fraction)

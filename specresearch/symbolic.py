@@ -363,7 +363,7 @@ class NumericOracle:
 
 
 def _enumerate_cases(compute):
-    """Run ``compute(oracle)`` on every consistent sign pattern (depth-first); yield (conditions, result)."""
+    """Run ``compute(oracle)`` on every consistent sign pattern (depth-first); yield (oracle, result)."""
     stack = [()]
     while stack:
         choices = stack.pop()

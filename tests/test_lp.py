@@ -113,3 +113,8 @@ def test_invalid_arguments(kwargs, match):
     target, draft = two_symbol_example()
     with pytest.raises(ValueError, match=match):
         optimal_verifier_lp(target, draft, **kwargs)
+
+
+def test_vocabulary_mismatch_is_rejected():
+    with pytest.raises(ValueError, match="vocabulary"):
+        optimal_verifier_lp((Fraction(1, 2), Fraction(1, 2)), (Fraction(1, 3),) * 3, 1)
