@@ -116,7 +116,8 @@ class DraftConfig:
         _require(self.intermediate_size is None or self.intermediate_size >= 1, "intermediate_size", f"must be None or >= 1, got {self.intermediate_size!r}")
         if self.init_layers is not None:
             object.__setattr__(self, "init_layers", tuple(int(i) for i in self.init_layers))
-            _require(len(self.init_layers) == self.num_layers, "init_layers", f"must list one target layer per draft layer ({self.num_layers}), got {self.init_layers!r}")
+            _require(len(self.init_layers) == self.num_layers, "init_layers",
+                     f"must list one target layer per draft layer ({self.num_layers}), got {self.init_layers!r}")
             _require(min(self.init_layers) >= 0, "init_layers", f"must be non-negative layer indices, got {self.init_layers!r}")
         _require(self.storage_dtype in _STORAGE_DTYPES, "storage_dtype", f"must be one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
 
@@ -165,7 +166,8 @@ class TrainConfig:
     checkpoint_every: int = 25
 
     def __post_init__(self) -> None:
-        for field in ("steps", "batch_size", "seq_len", "corpus_max_new_tokens", "corpus_samples_per_prompt", "corpus_batch_size", "checkpoint_every"):
+        positive = ("steps", "batch_size", "seq_len", "corpus_max_new_tokens", "corpus_samples_per_prompt", "corpus_batch_size", "checkpoint_every")
+        for field in positive:
             value = getattr(self, field)
             _require(isinstance(value, int) and value >= 1, field, f"must be an int >= 1, got {value!r}")
         _require(isinstance(self.seed, int) and self.seed >= 0, "seed", f"must be an int >= 0, got {self.seed!r}")
@@ -174,7 +176,8 @@ class TrainConfig:
         _require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps, "warmup_steps", f"must be an int >= 0, got {self.warmup_steps!r}")
         _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
         _require(self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip!r}")
-        _require(math.isfinite(self.corpus_temperature) and self.corpus_temperature > 0, "corpus_temperature", f"must be a finite number > 0, got {self.corpus_temperature!r}")
+        _require(math.isfinite(self.corpus_temperature) and self.corpus_temperature > 0, "corpus_temperature",
+                 f"must be a finite number > 0, got {self.corpus_temperature!r}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -516,7 +519,8 @@ def train_draft(target, draft, corpus: Corpus, config: TrainConfig, *, checkpoin
     started = time.perf_counter()
     bar = tqdm(total=end, initial=step, desc=f"distill {config.steps} steps", disable=not progress)
     while step < end and (max_seconds is None or time.perf_counter() - started < max_seconds):
-        losses.append(_train_step(target, draft, optimizer, _collate(corpus, schedule[step].tolist(), config.seq_len), _learning_rate(step, config), config.grad_clip))
+        batch = _collate(corpus, schedule[step].tolist(), config.seq_len)
+        losses.append(_train_step(target, draft, optimizer, batch, _learning_rate(step, config), config.grad_clip))
         step += 1
         bar.update(1)
         bar.set_postfix(kl=f"{losses[-1]:.3f}")
