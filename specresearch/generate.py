@@ -183,7 +183,14 @@ def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier="token"
 
 
 def _check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int = 0) -> None:
-    """Raise unless prompt + new tokens + lookahead fit the model's positions (``max_context``, if it has one)."""
+    """Raise unless the prompt ids are in the model's vocabulary and prompt + new tokens + lookahead fit its
+    positions (``max_context``, if it has one)."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= model.vocab_size:
+        raise ValueError(
+            f"prompt token ids must be in [0, vocab_size={model.vocab_size}), got values in [{low}, {high}]: "
+            "encode the prompt with this model's tokenizer (its tokenizer may be larger than its logits)"
+        )
     limit = getattr(model, "max_context", None)
     need = ids.shape[1] + max_new_tokens + lookahead
     if limit is not None and need > limit:

@@ -1,0 +1,158 @@
+"""Bad input to the engine, the sampling config and the verifiers: a ValueError that says what to change,
+never a silent token 0, a NaN, or an IndexError from deep inside torch."""
+
+import math
+
+import pytest
+import torch
+
+from specresearch.drafts import NGramDraft
+from specresearch.generate import autoregressive_generate, speculative_generate
+from specresearch.models import ToyLM, tiny_llama
+from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.verify import VERIFIERS, draw_uniforms
+
+VOCAB = 8
+
+
+def _toy(seed: int = 0, vocab: int = VOCAB) -> ToyLM:
+    return ToyLM(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)))
+
+
+def _poisoned(value: float, row: int = 3) -> ToyLM:
+    """A model whose logits after token ``row`` contain ``value`` (NaN or +inf)."""
+    table = _toy().table.clone()
+    table[row, 2] = value
+    return ToyLM(table)
+
+
+@pytest.mark.parametrize("value, word", [(math.nan, "NaN"), (math.inf, r"\+inf")])
+def test_bad_target_logits_name_the_target_and_the_step(value, word):
+    with pytest.raises(ValueError, match=rf"target model logits \(scoring the drafts\).*{word}"):
+        speculative_generate(_poisoned(value), _toy(1), [[3]], gamma=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match=rf"target model logits \(autoregressive step\).*{word}"):
+        autoregressive_generate(_poisoned(value), [[3]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("value, word", [(math.nan, "NaN"), (math.inf, r"\+inf")])
+def test_bad_draft_logits_name_the_draft_and_the_step(value, word):
+    with pytest.raises(ValueError, match=rf"draft model logits \(drafting token 1\).*{word}"):
+        speculative_generate(_toy(1), _poisoned(value), [[3]], gamma=2, max_new_tokens=4)
+
+
+def test_nan_even_under_greedy_sampling_is_an_error_not_token_0():
+    # argmax of a NaN row would silently be the NaN position; the check runs before any transform
+    with pytest.raises(ValueError, match="NaN"):
+        speculative_generate(_poisoned(math.nan), _toy(1), [[3]], gamma=2, max_new_tokens=4,
+                             sampling=SamplingConfig(temperature=0))
+
+
+def test_all_masked_row_is_an_error():
+    with pytest.raises(ValueError, match="every entry is -inf"):
+        logits_to_probs(torch.full((2, VOCAB), -math.inf), SamplingConfig())
+
+
+def test_mismatched_vocab_sizes():
+    with pytest.raises(ValueError, match=r"draft vocab_size 9 != target vocab_size 8.*same tokenizer"):
+        speculative_generate(_toy(), _toy(1, vocab=9), [[1, 2]])
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative_generate(_toy(), NGramDraft(VOCAB + 1), [[1, 2]])
+    with pytest.raises(ValueError, match="vocabulary size"):  # at the verifier boundary too
+        VERIFIERS["token"](torch.full((1, 2, 4), 0.25), torch.full((1, 1, 5), 0.2), torch.zeros(1, 1, dtype=torch.long))
+
+
+class _BigTokenizer:
+    """A tokenizer with more ids than the model has logits (ids up to 2 * VOCAB)."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [2 * VOCAB - 1, 1]}
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_tokenizer_larger_than_the_logits():
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, vocab_size=8\).*this model's tokenizer"):
+        speculative_generate(_toy(), _toy(1), ["hello"], tokenizer=_BigTokenizer())
+    with pytest.raises(ValueError, match="prompt token ids"):
+        autoregressive_generate(_toy(), [[1, -2]])
+
+
+def test_different_tokenizer_of_the_same_size_is_allowed_and_still_lossless():
+    """No error is possible (ids are just ids) and none is needed: verification is over the target's ids, so a
+    draft speaking another vocabulary of the same size only lowers acceptance. Greedy output = target's."""
+    target = _toy()
+    permuted = ToyLM(target.table[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))])
+    greedy = SamplingConfig(temperature=0)
+    spec = speculative_generate(target, permuted, [[1, 2]], gamma=3, max_new_tokens=12, sampling=greedy)
+    assert spec.tokens == autoregressive_generate(target, [[1, 2]], max_new_tokens=12, sampling=greedy).tokens
+
+
+def test_empty_prompts():
+    with pytest.raises(ValueError, match="must not be empty"):
+        speculative_generate(_toy(), _toy(1), [[]])
+    with pytest.raises(ValueError, match="must not be empty"):
+        autoregressive_generate(_toy(), [[1], []])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        speculative_generate(_toy(), _toy(1), [])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_max_new_tokens_must_be_a_positive_integer(bad):
+    """The engine's choice for max_new_tokens = 0: a ValueError (not an empty result)."""
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        speculative_generate(_toy(), _toy(1), [[1]], max_new_tokens=bad)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        autoregressive_generate(_toy(), [[1]], max_new_tokens=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0])
+def test_gamma_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match=r"gamma must be an integer >= 1 \(draft tokens per step\)"):
+        speculative_generate(_toy(), _toy(1), [[1]], gamma=bad)
+    if isinstance(bad, int):
+        with pytest.raises(ValueError, match="gamma must be >= 1"):
+            draw_uniforms(2, bad)
+
+
+def test_unknown_verifier():
+    with pytest.raises(ValueError, match=r"verifier must be one of \['block', 'greedy', 'token'\]"):
+        speculative_generate(_toy(), _toy(1), [[1]], verifier="Block")
+
+
+@pytest.mark.parametrize("field, bad, message", [
+    ("temperature", -0.1, "temperature must be a finite number >= 0"),
+    ("temperature", math.inf, "temperature must be a finite number >= 0"),
+    ("temperature", math.nan, "temperature must be a real number"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("top_p", -0.2, r"top_p must be in \(0, 1\]"),
+    ("top_k", 0, "top_k must be an integer >= 1"),
+    ("top_k", -3, "top_k must be an integer >= 1"),
+    ("top_k", 2.5, "top_k must be an integer >= 1"),
+    ("epsilon", 1.0, r"epsilon must be in \[0, 1\)"),
+])
+def test_sampling_config_rejects_out_of_range_values(field, bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**{field: bad})
+
+
+def test_prompt_longer_than_the_model_context():
+    lm = tiny_llama(VOCAB, max_position_embeddings=16)
+    assert lm.max_context == 16
+    long_prompt = [[1] * 20]
+    with pytest.raises(ValueError, match=r"needs 24 positions but the model's context is 16: shorten the prompt"):
+        autoregressive_generate(lm, long_prompt, max_new_tokens=4)
+    with pytest.raises(ValueError, match="model's context is 16"):
+        speculative_generate(lm, NGramDraft(VOCAB), [[1] * 10], gamma=4, max_new_tokens=4)  # 10 + 4 + 4 > 16
+    out = speculative_generate(lm, NGramDraft(VOCAB), [[1] * 8], gamma=4, max_new_tokens=4)  # 16 fits
+    assert len(out.tokens[0]) == 4
+
+
+def test_per_prompt_seeds_must_match_the_prompts():
+    with pytest.raises(ValueError, match="one int per prompt"):
+        speculative_generate(_toy(), _toy(1), [[1], [2]], seed=[1, 2, 3])
+    with pytest.raises(ValueError, match="one int per prompt"):
+        autoregressive_generate(_toy(), [[1], [2]], seed=[1, 2.0])
