@@ -60,6 +60,7 @@ __all__ = [
     "lossless_test",
     "wrong_residual_verify",
     "describe_cell",
+    "plot_cells",
 ]
 
 FPR_NOTE = (
@@ -329,3 +330,23 @@ def describe_cell(cell: Cell, tokenizer=None) -> str:
     kind, tokens = cell
     words = [repr(tokenizer.decode([t])) if tokenizer is not None else str(t) for t in tokens]
     return "|".join(words + (["*"] if kind == "rest" else []))
+
+
+def plot_cells(results: dict[str, LosslessTestResult], *, tokenizer=None, top: int = 12):
+    """Bar plot per result: exact target vs empirical probability of its ``top`` most likely cells. -> Figure."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4.2), sharey=True, squeeze=False)
+    for ax, (name, result) in zip(axes[0], results.items()):
+        order = np.argsort(result.expected)[::-1][:top]
+        x = np.arange(len(order))
+        ax.bar(x - 0.2, [result.expected[i] / result.num_samples for i in order], 0.4, label="target (exact)")
+        ax.bar(x + 0.2, [result.counts[i] / result.num_samples for i in order], 0.4, label="speculative (empirical)")
+        ax.set_xticks(x, [describe_cell(result.cells[i], tokenizer) for i in order], rotation=60, ha="right",
+                      fontsize=7)
+        ax.set_title(f"{name}\nchi-square p = {result.p_value:.2g}, N = {result.num_samples}", fontsize=9)
+        ax.set_xlabel("cell (first k tokens; * = any other token)")
+    axes[0][0].set_ylabel("probability")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
