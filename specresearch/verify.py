@@ -77,6 +77,8 @@ _SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 # pruning (fewer ops, no host sync); above it pruning saves most rows (benchmarks/bench_verify.py).
 # Both paths return the same tau (tests/test_verify.py).
 _DENSE_TAU_MAX_ELEMENTS = 1 << 18
+# From this batch size on, the pruned tau rule first tries each row's last candidate (benchmarks/bench_verify.py).
+_BACKWARD_MIN_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -237,22 +239,46 @@ def _block_tau(target_probs, draft_probs, scale, eta):
     """tau = last i in 1..gamma with eta_i < h_i (0 if none), ``[B]`` int64, computing h_i only where needed.
 
     ``eta < scale`` is exact at i = gamma (h_gamma = p_gamma) and necessary at i < gamma (h_i <= p_i); once
-    i = gamma passes no earlier index matters, so h_i is computed only for the remaining (b, i) pairs.
+    i = gamma passes no earlier index matters. For B >= ``_BACKWARD_MIN_BATCH`` a first round gets h_i for
+    each row's last candidate i only (if it passes, it is tau: the row is done); then h_i for all the rest.
     """
-    passes = eta < scale  # [B, gamma]
-    passes[:, :-1] &= ~passes[:, -1:]
-    b, k = passes[:, :-1].nonzero(as_tuple=True)  # candidate position i = k + 1 < gamma
-    mass = _positive_part_(_rows(draft_probs, b, k + 1), _rows(target_probs, b, k + 1), scale[b, k]).sum(-1)
-    passes[b, k] = eta[b, k] < _residual_share(mass, scale[b, k])
-    return _last_true(passes)
+    decided = eta[:, -1] < scale[:, -1]  # [B]: tau = gamma
+    candidates = (eta[:, :-1] < scale[:, :-1]) & ~decided[:, None]  # [B, gamma-1], column k is i = k + 1
+    passed = torch.zeros_like(candidates)
+    if candidates.shape[0] >= _BACKWARD_MIN_BATCH:  # round 1 saves rows, but costs ~10 ops (B = 1: not worth it)
+        last = _last_true(candidates)  # [B], 0 = no candidate
+        b = last.nonzero().squeeze(1)
+        k = last[b] - 1
+        passed[b, k] = _share_passes(target_probs, draft_probs, scale, eta, b, k)
+        candidates[b, k] = False
+        candidates[b] &= ~passed[b, k, None]  # a row whose last candidate passed is done
+    b, k = candidates.nonzero(as_tuple=True)
+    passed[b, k] = _share_passes(target_probs, draft_probs, scale, eta, b, k)
+    return torch.where(decided, scale.shape[1], _last_true(passed))
+
+
+def _share_passes(target_probs, draft_probs, scale, eta, b, k):
+    """eta_i < h_i at the pairs (b, i = k + 1), i < gamma; ``[K]`` bool."""
+    s = scale[b, k]
+    mass = _residual_mass(_rows(target_probs, b, k + 1), _rows(draft_probs, b, k + 1), s)
+    return eta[b, k] < _residual_share(mass, s)
 
 
 def _block_tau_dense(target_probs, draft_probs, scale, eta):
     """``_block_tau`` computing h_i for every (b, i): no pruning, no host sync; used for small inputs."""
-    draft_rows = draft_probs[:, 1:].clone()  # [B, gamma-1, V], consumed in place
-    mass = _positive_part_(draft_rows, target_probs[:, 1:-1], scale[:, :-1]).sum(-1)  # [B, gamma-1]
+    mass = _residual_mass(target_probs[:, 1:-1], draft_probs[:, 1:], scale[:, :-1])  # [B, gamma-1]
     h = torch.cat([_residual_share(mass, scale[:, :-1]), scale[:, -1:]], 1)  # h_gamma = p_gamma
     return _last_true(eta < h)
+
+
+def _residual_mass(target_rows, draft_rows, scale):
+    """sum_x max(scale * target_rows - draft_rows, 0) over the last dim (``[..., V]``, scale ``[...]``).
+
+    Computed as -sum(min(draft - scale * target, 0)): one fused ``addcmul`` (no copy of the inputs), a
+    clamp in place and a sum.
+    """
+    negative = torch.addcmul(draft_rows, target_rows, scale[..., None], value=-1)
+    return negative.clamp_(max=0).sum(-1).neg_()
 
 
 def _residual_share(mass, scale):
@@ -266,6 +292,8 @@ def _residual_share(mass, scale):
 def _last_true(mask):
     """1-based index of the last True along dim 1 of ``mask [B, gamma]``, 0 if none; ``[B]`` int64."""
     positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    if mask.shape[1] == 0:  # gamma = 1 leaves no candidate column; amax rejects an empty dimension
+        return positions.new_zeros(mask.shape[0])
     return (mask * positions).amax(-1)
 
 

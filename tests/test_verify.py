@@ -247,6 +247,22 @@ def test_pruned_block_tau_equals_dense_reference(seed):
     assert len(set(pruned.tolist())) > 2  # the instance exercises several outcomes
 
 
+@pytest.mark.parametrize("batch", [1, 3, verify._BACKWARD_MIN_BATCH])
+def test_pruned_block_tau_equals_dense_on_both_sides_of_the_backward_round(batch):
+    # Below _BACKWARD_MIN_BATCH the pruned rule computes every candidate h_i at once; from it on it first
+    # tries each row's last candidate. 200 seeds of uniforms cover both outcomes of that first try.
+    target_probs, draft_probs, tokens = _random_instance(batch, 5, 12, seed=11, zero_fraction=0.2)
+    p_x, q_x = verify._drafted_probs(target_probs, draft_probs, tokens)
+    scale = verify._block_scales(p_x, q_x)
+    outcomes = set()
+    for seed in range(200):
+        eta = draw_uniforms(batch, 5, torch.Generator().manual_seed(seed))[:, :-1]
+        pruned = verify._block_tau(target_probs, draft_probs, scale, eta)
+        assert torch.equal(pruned, verify._block_tau_dense(target_probs, draft_probs, scale, eta))
+        outcomes.update(pruned.tolist())
+    assert len(outcomes) > 2
+
+
 # --------------------------------------------------------------------------------------------------
 # Greedy verification
 
