@@ -38,7 +38,6 @@ the engine uses cached forwards. They agree to ~1e-6 relative, far below what N 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -279,7 +278,8 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
     if law is None:
         law = sequence_law(target, prompt, sampling=sampling, k=k, num_samples=num_samples,
                            min_expected=min_expected, tokenizer=tokenizer)
-    elif (law.k, law.num_samples, law.sampling, law.prompt) != (k, num_samples, sampling, _prompt_ids(prompt, tokenizer)):
+    elif (law.k, law.num_samples, law.sampling, law.prompt) != (k, num_samples, sampling,
+                                                                _prompt_ids(prompt, tokenizer)):
         raise ValueError("law was computed for another prompt, sampling, k or num_samples; recompute it")
     sequences, seconds = _sample_sequences(target, draft, verifier, law, gamma=gamma, num_samples=num_samples,
                                            seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens)

@@ -71,7 +71,8 @@ def test_per_prompt_seed_autoregressive(llamas):
     target, _ = llamas
     batched = autoregressive_generate(target, PROMPTS, max_new_tokens=14, sampling=SAMPLING, seed=SEEDS).tokens
     for prompt, seed, row in zip(PROMPTS, SEEDS, batched):
-        assert autoregressive_generate(target, [prompt], max_new_tokens=14, sampling=SAMPLING, seed=[seed]).tokens[0] == row
+        alone = autoregressive_generate(target, [prompt], max_new_tokens=14, sampling=SAMPLING, seed=[seed])
+        assert alone.tokens[0] == row
 
 
 def test_different_seeds_give_different_tokens(llamas):
