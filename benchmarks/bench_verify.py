@@ -12,7 +12,7 @@ vocabulary); the candidates are timed round-robin in shuffled order so load chan
 ``block`` picks its tau rule by size; ``block pruned`` / ``block dense`` force one: h_i only where
 eta_i < p_i and eta_gamma >= p_gamma (pruned), or h_i for every i (dense). Neither loops over gamma. Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
 N(0, 1), probabilities by softmax, draft tokens sampled from the draft rows, so acceptance is realistic
-(not p == q, not independent). transformers' verifier takes logits and one row (B = 1), so it is timed
+(alpha ~ 0.62; ``--regime independent`` draws unrelated draft logits instead, alpha ~ 0). transformers' verifier takes logits and one row (B = 1), so it is timed
 on the logits (its softmax included) and, for B > 1, in a Python loop over the rows; we report ours both
 on probabilities and with the same softmax added. Rows are printed as a Markdown table; nothing is
 asserted about time.
@@ -33,10 +33,15 @@ PROMPT_LENGTH = 16
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def make_inputs(batch, gamma, vocab, generator):
-    """Logits and probabilities for one verification step: a dict of tensors (see module docstring)."""
+def make_inputs(batch, gamma, vocab, generator, regime="correlated"):
+    """Logits and probabilities for one verification step: a dict of tensors (see module docstring).
+
+    ``regime="correlated"``: draft logits = target logits + N(0, 1) (alpha ~ 0.62); ``"independent"``:
+    independent draft logits ~ 3 N(0, 1) (alpha ~ 0: almost every token rejected).
+    """
     target_logits = 3 * torch.randn(batch, gamma + 1, vocab, generator=generator)
-    draft_logits = target_logits[:, :gamma] + torch.randn(batch, gamma, vocab, generator=generator)
+    noise = torch.randn(batch, gamma, vocab, generator=generator)
+    draft_logits = target_logits[:, :gamma] + noise if regime == "correlated" else 3 * noise
     draft_probs = draft_logits.softmax(-1)
     draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=generator).view(batch, gamma)
     prompt = torch.randint(vocab, (batch, PROMPT_LENGTH), generator=generator)
@@ -120,13 +125,13 @@ def _block_with(tau_rule, target_probs, draft_probs, draft_tokens, generator):
     return verify._sample_residual(target_probs, draft_probs, tau, scale_tau, eta[:, -1])
 
 
-def run(batches, gammas, repeats, clock):
+def run(batches, gammas, repeats, clock, regime="correlated"):
     """One record per (B, gamma): median microseconds of each candidate."""
     generator = torch.Generator().manual_seed(0)
     records = []
     for batch in batches:
         for gamma in gammas:
-            inputs = make_inputs(batch, gamma, VOCAB, generator)
+            inputs = make_inputs(batch, gamma, VOCAB, generator, regime)
             medians = median_seconds(candidates(inputs, generator), repeats, clock)
             timings = {name: 1e6 * seconds for name, seconds in medians.items()}
             records.append({"B": batch, "gamma": gamma, **timings})
@@ -163,14 +168,20 @@ def main(argv=None):
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="batch sizes B")
     parser.add_argument("--gammas", type=int, nargs="+", default=[4, 8], help="block lengths gamma")
+    parser.add_argument(
+        "--regime",
+        choices=["correlated", "independent"],
+        default="correlated",
+        help="correlated: draft logits = target logits + noise (realistic acceptance); independent: alpha ~ 0",
+    )
     parser.add_argument("--quick", action="store_true", help="B = 1 only, gamma = 4 only, 5 repeats")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches, gammas, repeats = ([1], [4], 5) if args.quick else (args.batches, args.gammas, args.repeats)
-    records = run(batches, gammas, repeats, CLOCKS[args.clock])
+    records = run(batches, gammas, repeats, CLOCKS[args.clock], args.regime)
     print(
         f"Median {args.clock}-clock microseconds per call; float32, CPU, V = {VOCAB}, "
-        f"threads = {args.threads}, repeats = {repeats}."
+        f"threads = {args.threads}, repeats = {repeats}, {args.regime} draft."
     )
     print("'val.' = validate=True; 'tf' = transformers._speculative_sampling (softmax included, loop over B).\n")
     print(markdown(records))
