@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,10 +100,18 @@ def _convert(spec: EmbeddedSpec, out: Path) -> None:
     plain.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
     plain.tie_weights()
     plain.generation_config = gguf_model.generation_config
-    partial = out.with_name(out.name + ".partial")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A private staging directory per process, renamed into place: a half-written cache is never
+    # mistaken for a finished one, and two processes converting at once do not collide.
+    partial = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.replace(out)  # atomic: a half-written cache is never mistaken for a finished one
+    try:
+        partial.rename(out)
+    except OSError:  # another process finished first: keep its copy
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def load_model(name_or_path: str, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
