@@ -9,8 +9,9 @@ Usage (from the repository root):
 Each cell is the median time of ``--repeats`` calls after warm-up, float32 on CPU, V = 49152 (SmolLM2's
 vocabulary); the candidates are timed round-robin in shuffled order so load changes hit them alike. ``--clock wall`` uses
 ``time.perf_counter``; ``--clock cpu`` uses this thread's CPU time, which is steadier on a shared machine.
-``block`` picks its tau rule by size; ``block pruned`` / ``block dense`` force one: h_i only where
-eta_i < p_i and eta_gamma >= p_gamma (pruned), or h_i for every i (dense). Neither loops over gamma. Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
+``block`` picks its tau rule by vocabulary size; ``block pruned`` / ``block dense`` force one: the backward
+scan (h_i only for candidates visited from the back until the first pass, whose weights are reused for the
+sample; Python scalars at B = 1, one column at a time at B >= 2), or h_i for every i at once (dense). Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
 N(0, 1), probabilities by softmax, draft tokens sampled from the draft rows, so acceptance is realistic
 (alpha ~ 0.62; ``--regime independent`` draws unrelated draft logits instead, alpha ~ 0). transformers' verifier takes logits and one row (B = 1), so it is timed
 on the logits (its softmax included) and, for B > 1, in a Python loop over the rows; we report ours both
@@ -107,22 +108,24 @@ def candidates(inputs, generator):
         "greedy": ours("greedy"),
         "token_validated": ours("token", validate=True),
         "block_validated": ours("block", validate=True),
-        "block_pruned": lambda: _block_with(verify._block_tau, *probs, generator),
-        "block_dense": lambda: _block_with(verify._block_tau_dense, *probs, generator),
+        "block_pruned": lambda: _block_with("pruned", *probs, generator),
+        "block_dense": lambda: _block_with("dense", *probs, generator),
         "token_softmax": with_softmax("token"),
         "block_softmax": with_softmax("block"),
         "transformers": lambda: transformers_verify(inputs),
     }
 
 
-def _block_with(tau_rule, target_probs, draft_probs, draft_tokens, generator):
-    """Block verification with a given tau rule (``verify._block_tau`` pruned or ``_block_tau_dense``)."""
+def _block_with(rule, target_probs, draft_probs, draft_tokens, generator):
+    """Block verification forcing one tau rule: "pruned" (``verify._block_backward``: backward scan, w_tau
+    reused for the sample) or "dense" (``verify._block_tau_dense``: every h_i, then a fresh residual sample)."""
     eta = verify.draw_uniforms(*draft_tokens.shape, generator).to(target_probs.dtype)
     p_x, q_x = verify._drafted_probs(target_probs, draft_probs, draft_tokens)
     scale = verify._block_scales(p_x, q_x)
-    tau = tau_rule(target_probs, draft_probs, scale, eta[:, :-1])
-    scale_tau = torch.cat([torch.ones_like(scale[:, :1]), scale], 1).gather(1, tau[:, None]).squeeze(1)
-    return verify._sample_residual(target_probs, draft_probs, tau, scale_tau, eta[:, -1])
+    if rule == "pruned":
+        return verify._block_backward(target_probs, draft_probs, scale, eta[:, :-1], eta[:, -1])[1]
+    tau = verify._block_tau_dense(target_probs, draft_probs, scale, eta[:, :-1])
+    return verify._sample_residual(target_probs, draft_probs, tau, verify._scale_at(scale, tau), eta[:, -1])
 
 
 def run(batches, gammas, repeats, clock, regime="correlated"):

@@ -35,8 +35,12 @@ probability is p_gamma). The final candidate is the one from the last replacemen
 whose coin came up "replace": with coin i driven by eta_i the two forms return the same block.
 Two facts make our implementation cheap and are exact identities, not approximations:
 sum w_i <= p_i, hence h_i <= p_i (we clamp h_i to p_i so float rounding cannot break it), so eta_i >= p_i
-cannot pass; and tau = gamma whenever eta_gamma < p_gamma. For large inputs only the remaining (b, i)
-pairs get the O(V) residual mass (small inputs compute all of them: fewer ops). p_i itself is computed
+cannot pass; and tau = gamma whenever eta_gamma < p_gamma. The remaining candidates are visited from the
+back (i = gamma-1 down to 1), each needing the O(V) residual mass sum w_i; the first pass is tau, so no
+earlier index of that row is computed, and the pass's weights w_tau are reused to sample ``next_token``.
+B = 1 runs this scan in Python on the gamma scalars (one host copy) and B >= 2 vectorised over rows, one
+column i at a time; tiny inputs compute every h_i at once (fewer ops). All give the same tau
+(tests/test_verify.py). p_i itself is computed
 loop-free in log space, log p_i = S_i - max_{j<=i} S_j with
 S_i = sum_{k<=i} log(p(x_k)/q(x_k)), S_0 = 0 (the Lindley recursion of log p_i = min(log p_{i-1} + l_i, 0)).
 
@@ -73,12 +77,12 @@ __all__ = [
 ]
 
 _SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
-# Below this many draft-probability elements (B * (gamma-1) * V) computing every h_i is cheaper than
-# pruning (fewer ops, no host sync); above it pruning saves most rows (benchmarks/bench_verify.py).
-# Both paths return the same tau (tests/test_verify.py).
-_DENSE_TAU_MAX_ELEMENTS = 1 << 18
-# From this batch size on, the pruned tau rule first tries each row's last candidate (benchmarks/bench_verify.py).
-_BACKWARD_MIN_BATCH = 8
+# Up to this vocabulary size (elements per row) computing every h_i at once is cheaper than the backward
+# scan, which issues a few kernels per visited row; above it the scan saves most rows and every gather copy
+# (benchmarks/bench_verify.py). All paths return the same tau (tests/test_verify.py).
+_DENSE_TAU_MAX_ELEMENTS = 1 << 12
+# From this batch size on the backward scan is vectorised over rows; below it (B = 1) it runs in Python.
+_BACKWARD_MIN_BATCH = 2
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,11 @@ def block_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uni
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)  # [B, gamma+1]
     p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma]
     scale = _block_scales(p_x, q_x)  # [B, gamma]: p_1..p_gamma
-    small = draft_probs[:, 1:].numel() <= _DENSE_TAU_MAX_ELEMENTS
-    tau = (_block_tau_dense if small else _block_tau)(target_probs, draft_probs, scale, eta[:, :-1])  # [B]
-    scale_tau = torch.cat([torch.ones_like(scale[:, :1]), scale], 1).gather(1, tau[:, None]).squeeze(1)
-    next_token = _sample_residual(target_probs, draft_probs, tau, scale_tau, eta[:, -1])
+    if target_probs.shape[-1] <= _DENSE_TAU_MAX_ELEMENTS:
+        tau = _block_tau_dense(target_probs, draft_probs, scale, eta[:, :-1])  # [B]
+        next_token = _sample_residual(target_probs, draft_probs, tau, _scale_at(scale, tau), eta[:, -1])
+    else:
+        tau, next_token = _block_backward(target_probs, draft_probs, scale, eta[:, :-1], eta[:, -1])
     return VerifyResult(num_accepted=tau, next_token=next_token)
 
 
@@ -181,20 +186,22 @@ def _drafted_probs(target_probs, draft_probs, draft_tokens):
     return p_x, q_x
 
 
-def _sample_residual(target_probs, draft_probs, index, scale, u):
+def _sample_residual(target_probs, draft_probs, index, scale, u, rows=None):
     """Sample from norm(max(scale * p(.|X^index) - q(.|X^index), 0)) per row, or from p(.|X^gamma) where
-    index == gamma; falls back to p(.|X^index) where the residual has zero mass. Returns ``[B]`` int64.
+    index == gamma; falls back to p(.|X^index) where the residual has zero mass. Returns ``[K]`` int64.
 
-    index: ``[B]`` in 0..gamma; scale: ``[B]``; u: ``[B]`` uniforms in [0, 1).
+    index: ``[K]`` in 0..gamma; scale: ``[K]``; u: ``[K]`` uniforms in [0, 1); rows: ``[K]`` batch rows
+    (default all B, K = B).
     """
     gamma = draft_probs.shape[1]
-    rows = torch.arange(index.shape[0], device=index.device)
-    has_draft = index < gamma  # [B]; where False q is the zero row and the scale 1, so the weights are p
-    target_row = _rows(target_probs, rows, index)  # [B, V]
+    if rows is None:
+        rows = torch.arange(index.shape[0], device=index.device)
+    has_draft = index < gamma  # [K]; where False q is the zero row and the scale 1, so the weights are p
+    target_row = _rows(target_probs, rows, index)  # [K, V]
     draft_row = _rows(draft_probs, rows, index.clamp(max=gamma - 1)).mul_(has_draft[:, None])
     scale = torch.where(has_draft, scale, torch.ones_like(scale))
-    weights = _positive_part_(draft_row, target_row, scale)  # reuses draft_row's memory
-    no_mass = (weights.sum(-1, keepdim=True) == 0).to(weights.dtype)  # [B, 1]
+    weights = _residual_weights(target_row, draft_row, scale, out=draft_row)  # reuses draft_row's memory
+    no_mass = (weights.sum(-1, keepdim=True) == 0).to(weights.dtype)  # [K, 1]
     return _inverse_cdf(weights.addcmul_(target_row, no_mass), u)
 
 
@@ -206,9 +213,13 @@ def _rows(probs, batch_index, row_index):
     return flat.index_select(0, batch_index * probs.shape[1] + row_index)
 
 
-def _positive_part_(draft_rows, target_rows, scale):
-    """max(scale * target_rows - draft_rows, 0), written into ``draft_rows`` (in place: no new [K, V] buffer)."""
-    return draft_rows.neg_().addcmul_(target_rows, scale[..., None]).clamp_(min=0)
+def _residual_weights(target_rows, draft_rows, scale, out=None):
+    """w = max(scale * target_rows - draft_rows, 0) (``[..., V]``, scale ``[...]``), as -min(draft - scale *
+    target, 0): one fused ``addcmul`` into ``out`` (e.g. ``draft_rows`` when it is a copy: no new buffer),
+    then a clamp and a negation in place. Every h_i and every residual sample uses these same weights.
+    """
+    negative = torch.addcmul(draft_rows, target_rows, scale[..., None], value=-1, out=out)
+    return negative.clamp_(max=0).neg_()
 
 
 def _inverse_cdf(weights, u):
@@ -235,50 +246,84 @@ def _block_scales(p_x, q_x):
     return (cumulative - cumulative.cummax(-1).values).exp()[:, 1:]
 
 
+def _scale_at(scale, tau):
+    """p_tau per row (p_0 = 1) from ``scale [B, gamma]`` and ``tau [B]``; ``[B]``."""
+    return torch.cat([torch.ones_like(scale[:, :1]), scale], 1).gather(1, tau[:, None]).squeeze(1)
+
+
 def _block_tau(target_probs, draft_probs, scale, eta):
-    """tau = last i in 1..gamma with eta_i < h_i (0 if none), ``[B]`` int64, computing h_i only where needed.
+    """tau of the backward scan (``_block_backward``) without the sample; for tests and benchmarks."""
+    return _block_backward(target_probs, draft_probs, scale, eta, torch.zeros_like(eta[:, 0]))[0]
 
-    ``eta < scale`` is exact at i = gamma (h_gamma = p_gamma) and necessary at i < gamma (h_i <= p_i); once
-    i = gamma passes no earlier index matters. For B >= ``_BACKWARD_MIN_BATCH`` a first round gets h_i for
-    each row's last candidate i only (if it passes, it is tau: the row is done); then h_i for all the rest.
+
+def _block_backward(target_probs, draft_probs, scale, eta, u):
+    """tau = last i in 1..gamma with eta_i < h_i (0 if none) and the next token, both ``[B]`` int64.
+
+    ``eta < scale`` is exact at i = gamma (h_gamma = p_gamma) and necessary at i < gamma (h_i <= p_i). The
+    other candidates are visited from the back, one column i at a time, and the first pass is tau. Each
+    visited row's weights w_i go straight from the input rows (views: no gather copy) into row b of one
+    ``[B, V]`` buffer, so at the end it holds w_tau of every row and one inverse CDF samples all rows.
+    The loop over a column's rows issues one O(V) kernel chain per row: cheaper than gathering the rows
+    (benchmarks/bench_verify.py). B = 1 runs the scan in Python instead (``_block_single``).
     """
-    decided = eta[:, -1] < scale[:, -1]  # [B]: tau = gamma
-    candidates = (eta[:, :-1] < scale[:, :-1]) & ~decided[:, None]  # [B, gamma-1], column k is i = k + 1
-    passed = torch.zeros_like(candidates)
-    if candidates.shape[0] >= _BACKWARD_MIN_BATCH:  # round 1 saves rows, but costs ~10 ops (B = 1: not worth it)
-        last = _last_true(candidates)  # [B], 0 = no candidate
-        b = last.nonzero().squeeze(1)
-        k = last[b] - 1
-        passed[b, k] = _share_passes(target_probs, draft_probs, scale, eta, b, k)
-        candidates[b, k] = False
-        candidates[b] &= ~passed[b, k, None]  # a row whose last candidate passed is done
-    b, k = candidates.nonzero(as_tuple=True)
-    passed[b, k] = _share_passes(target_probs, draft_probs, scale, eta, b, k)
-    return torch.where(decided, scale.shape[1], _last_true(passed))
+    if scale.shape[0] < _BACKWARD_MIN_BATCH:
+        return _block_single(target_probs, draft_probs, scale, eta, u)
+    gamma = scale.shape[1]
+    tau = torch.where(eta[:, -1] < scale[:, -1], gamma, 0)  # [B]
+    candidates = (eta[:, :-1] < scale[:, :-1]) & (tau == 0)[:, None]  # [B, gamma-1], column k is i = k + 1
+    weights = target_probs.new_empty(target_probs.shape[0], target_probs.shape[-1])  # [B, V]
+    for k in range(gamma - 2, -1, -1):
+        b = candidates[:, k].nonzero().squeeze(1)  # rows whose last open candidate is i = k + 1
+        if b.numel() == 0:
+            continue
+        rows = [_row_weights(target_probs, draft_probs, row, k + 1, scale[row, k], weights) for row in b.tolist()]
+        passed = eta[b, k] < _residual_share(torch.stack([w.sum() for w in rows]), scale[b, k])  # [K]
+        done = b[passed]
+        tau[done], candidates[done] = k + 1, False
+    for row, index in enumerate(tau.tolist()):
+        if index in (0, gamma):  # rows not ended by a pass: residual of row 0 (scale 1), or the bonus row
+            _final_row_weights(target_probs, draft_probs, row, index, weights)
+    return tau, _inverse_cdf(weights, u)
 
 
-def _share_passes(target_probs, draft_probs, scale, eta, b, k):
-    """eta_i < h_i at the pairs (b, i = k + 1), i < gamma; ``[K]`` bool."""
-    s = scale[b, k]
-    mass = _residual_mass(_rows(target_probs, b, k + 1), _rows(draft_probs, b, k + 1), s)
-    return eta[b, k] < _residual_share(mass, s)
+def _block_single(target_probs, draft_probs, scale, eta, u):
+    """``_block_backward`` for B = 1: the scan over the gamma scalars in Python after one host copy (exact:
+    float32 and float64 convert to Python floats without rounding), torch for the O(V) rows only.
+    """
+    gamma = scale.shape[1]
+    weights = target_probs.new_empty(1, target_probs.shape[-1])  # [1, V]
+    scales, etas = torch.stack([scale[0], eta[0]]).tolist()
+    tau = gamma if etas[-1] < scales[-1] else 0
+    for i in range(gamma - 1, 0, -1) if tau == 0 else ():
+        if etas[i - 1] >= scales[i - 1]:  # h_i <= p_i: cannot pass
+            continue
+        mass = _row_weights(target_probs, draft_probs, 0, i, scale[0, i - 1], weights).sum()
+        if bool(eta[0, i - 1] < _residual_share(mass, scale[0, i - 1])):
+            tau = i
+            break
+    else:
+        _final_row_weights(target_probs, draft_probs, 0, tau, weights)
+    return torch.full((1,), tau, dtype=torch.int64, device=u.device), _inverse_cdf(weights, u)
+
+
+def _row_weights(target_probs, draft_probs, row, i, scale, weights):
+    """w_i of batch row ``row`` (``scale`` 0-d: p_i) written into ``weights[row]``; returns that ``[V]`` row."""
+    return _residual_weights(target_probs[row, i], draft_probs[row, i], scale, out=weights[row])
+
+
+def _final_row_weights(target_probs, draft_probs, row, tau, weights):
+    """``weights[row]`` for tau = gamma (p(.|X^gamma)) or tau = 0 (max(p - q, 0) at X^0, p where it has no mass)."""
+    if tau == draft_probs.shape[1]:
+        weights[row].copy_(target_probs[row, tau])
+    elif float(_row_weights(target_probs, draft_probs, row, 0, target_probs.new_ones(()), weights).sum()) == 0:
+        weights[row].copy_(target_probs[row, 0])
 
 
 def _block_tau_dense(target_probs, draft_probs, scale, eta):
     """``_block_tau`` computing h_i for every (b, i): no pruning, no host sync; used for small inputs."""
-    mass = _residual_mass(target_probs[:, 1:-1], draft_probs[:, 1:], scale[:, :-1])  # [B, gamma-1]
-    h = torch.cat([_residual_share(mass, scale[:, :-1]), scale[:, -1:]], 1)  # h_gamma = p_gamma
+    weights = _residual_weights(target_probs[:, 1:-1], draft_probs[:, 1:], scale[:, :-1])  # [B, gamma-1, V]
+    h = torch.cat([_residual_share(weights.sum(-1), scale[:, :-1]), scale[:, -1:]], 1)  # h_gamma = p_gamma
     return _last_true(eta < h)
-
-
-def _residual_mass(target_rows, draft_rows, scale):
-    """sum_x max(scale * target_rows - draft_rows, 0) over the last dim (``[..., V]``, scale ``[...]``).
-
-    Computed as -sum(min(draft - scale * target, 0)): one fused ``addcmul`` (no copy of the inputs), a
-    clamp in place and a sum.
-    """
-    negative = torch.addcmul(draft_rows, target_rows, scale[..., None], value=-1)
-    return negative.clamp_(max=0).sum(-1).neg_()
 
 
 def _residual_share(mass, scale):

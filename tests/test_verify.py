@@ -249,8 +249,8 @@ def test_pruned_block_tau_equals_dense_reference(seed):
 
 @pytest.mark.parametrize("batch", [1, 3, verify._BACKWARD_MIN_BATCH])
 def test_pruned_block_tau_equals_dense_on_both_sides_of_the_backward_round(batch):
-    # Below _BACKWARD_MIN_BATCH the pruned rule computes every candidate h_i at once; from it on it first
-    # tries each row's last candidate. 200 seeds of uniforms cover both outcomes of that first try.
+    # Below _BACKWARD_MIN_BATCH (B = 1) the backward scan runs in Python on scalars; from it on it is
+    # vectorised per column. 200 seeds of uniforms cover passes and failures at several columns.
     target_probs, draft_probs, tokens = _random_instance(batch, 5, 12, seed=11, zero_fraction=0.2)
     p_x, q_x = verify._drafted_probs(target_probs, draft_probs, tokens)
     scale = verify._block_scales(p_x, q_x)
@@ -261,6 +261,24 @@ def test_pruned_block_tau_equals_dense_on_both_sides_of_the_backward_round(batch
         assert torch.equal(pruned, verify._block_tau_dense(target_probs, draft_probs, scale, eta))
         outcomes.update(pruned.tolist())
     assert len(outcomes) > 2
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_backward_scan_output_equals_dense_rule_with_its_sample(batch, monkeypatch):
+    # The backward scan (Python at B = 1, per column at B >= 2) reuses w_tau for the sample; the dense rule
+    # computes every h_i, then samples from a fresh residual row. Same uniforms: same tau AND same token.
+    target_probs, draft_probs, tokens = _random_instance(batch, 5, 12, seed=8, zero_fraction=0.2)  # seed 8: all taus
+    outcomes = set()
+    for seed in range(150):
+        u = draw_uniforms(batch, 5, torch.Generator().manual_seed(seed))
+        monkeypatch.setattr(verify, "_DENSE_TAU_MAX_ELEMENTS", 1 << 62)
+        dense = block_verify(target_probs, draft_probs, tokens, uniforms=u)
+        monkeypatch.setattr(verify, "_DENSE_TAU_MAX_ELEMENTS", -1)
+        scan = block_verify(target_probs, draft_probs, tokens, uniforms=u)
+        assert torch.equal(scan.num_accepted, dense.num_accepted)
+        assert torch.equal(scan.next_token, dense.next_token)
+        outcomes.update(scan.num_accepted.tolist())
+    assert outcomes == set(range(6))  # tau = 0 (row-0 residual), 1..4 (reused w_tau) and 5 (bonus row)
 
 
 # --------------------------------------------------------------------------------------------------
