@@ -276,7 +276,8 @@ def _block_backward(target_probs, draft_probs, scale, eta, u):
         b = candidates[:, k].nonzero().squeeze(1)  # rows whose last open candidate is i = k + 1
         if b.numel() == 0:
             continue
-        rows = [_row_weights(target_probs, draft_probs, row, k + 1, scale[row, k], weights) for row in b.tolist()]
+        column = (target_probs[:, k + 1], draft_probs[:, k + 1], scale[:, k])  # [B, V], [B, V], [B] views
+        rows = [_row_weights(*column, row, weights) for row in b.tolist()]
         passed = eta[b, k] < _residual_share(torch.stack([w.sum() for w in rows]), scale[b, k])  # [K]
         done = b[passed]
         tau[done], candidates[done] = k + 1, False
@@ -297,7 +298,7 @@ def _block_single(target_probs, draft_probs, scale, eta, u):
     for i in range(gamma - 1, 0, -1) if tau == 0 else ():
         if etas[i - 1] >= scales[i - 1]:  # h_i <= p_i: cannot pass
             continue
-        mass = _row_weights(target_probs, draft_probs, 0, i, scale[0, i - 1], weights).sum()
+        mass = _row_weights(target_probs[:, i], draft_probs[:, i], scale[:, i - 1], 0, weights).sum()
         if bool(eta[0, i - 1] < _residual_share(mass, scale[0, i - 1])):
             tau = i
             break
@@ -306,16 +307,20 @@ def _block_single(target_probs, draft_probs, scale, eta, u):
     return torch.full((1,), tau, dtype=torch.int64, device=u.device), _inverse_cdf(weights, u)
 
 
-def _row_weights(target_probs, draft_probs, row, i, scale, weights):
-    """w_i of batch row ``row`` (``scale`` 0-d: p_i) written into ``weights[row]``; returns that ``[V]`` row."""
-    return _residual_weights(target_probs[row, i], draft_probs[row, i], scale, out=weights[row])
+def _row_weights(target_rows, draft_rows, scale, row, weights):
+    """w = max(scale[row] * target_rows[row] - draft_rows[row], 0) written into ``weights[row]``; returns
+    that ``[V]`` row. ``target_rows``, ``draft_rows``: ``[B, V]`` (views of one i); ``scale``: ``[B]``.
+    """
+    return _residual_weights(target_rows[row], draft_rows[row], scale[row], out=weights[row])
 
 
 def _final_row_weights(target_probs, draft_probs, row, tau, weights):
     """``weights[row]`` for tau = gamma (p(.|X^gamma)) or tau = 0 (max(p - q, 0) at X^0, p where it has no mass)."""
     if tau == draft_probs.shape[1]:
         weights[row].copy_(target_probs[row, tau])
-    elif float(_row_weights(target_probs, draft_probs, row, 0, target_probs.new_ones(()), weights).sum()) == 0:
+        return
+    one = target_probs.new_ones(target_probs.shape[0])  # p_0 = 1
+    if float(_row_weights(target_probs[:, 0], draft_probs[:, 0], one, row, weights).sum()) == 0:
         weights[row].copy_(target_probs[row, 0])
 
 
