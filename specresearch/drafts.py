@@ -21,7 +21,14 @@ import torch
 
 from specresearch.models import CausalLM, _as_counts, _check_prompt, _Slots
 
-__all__ = ["NGramDraft", "ngram_probs", "truncated_draft", "check_same_vocab", "draft_from_name"]
+__all__ = [
+    "NGramDraft",
+    "ngram_probs",
+    "truncated_draft",
+    "check_same_vocab",
+    "check_same_tokenizer",
+    "draft_from_name",
+]
 
 
 def check_same_vocab(target, draft) -> None:
@@ -31,6 +38,25 @@ def check_same_vocab(target, draft) -> None:
             f"draft vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}: the draft must "
             "produce logits over the target's vocabulary (same tokenizer, same logits size)"
         )
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Raise ``ValueError`` unless both tokenizers map every token string to the same id.
+
+    The engine only sees ids, so a draft with another tokenizer of the same size would run (and stay
+    lossless: verification is over the target's ids) but draft nonsense; where both tokenizers are
+    known (loading a draft checkpoint) this catches it.
+    """
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: (item[1], item[0]))
+    token = differing[0][0]
+    raise ValueError(
+        f"draft tokenizer differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} tokens; e.g. "
+        f"{token!r} is id {draft_vocab.get(token)} in the draft and {target_vocab.get(token)} in the target): "
+        "use a draft trained with the target's tokenizer"
+    )
 
 
 def ngram_probs(context: torch.Tensor, vocab_size: int, max_ngram: int = 3, floor: float = 0.02) -> torch.Tensor:
@@ -132,10 +158,18 @@ def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
     return CausalLM(draft, device=target.device)
 
 
-def draft_from_name(name: str, target: CausalLM):
-    """A draft from a short description: ``"ngram"``, ``"truncated:N"`` (first N target layers) or a model path."""
+def draft_from_name(name: str, target: CausalLM, tokenizer=None):
+    """A draft from a short description: ``"ngram"``, ``"truncated:N"`` (first N target layers) or a model path.
+
+    ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
+    (``check_same_tokenizer``).
+    """
     if name == "ngram":
         return NGramDraft(target.vocab_size, device=target.device)
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(name, local_files_only=True))
     return CausalLM(name, device=target.device)

@@ -156,3 +156,42 @@ def test_per_prompt_seeds_must_match_the_prompts():
         speculative_generate(_toy(), _toy(1), [[1], [2]], seed=[1, 2, 3])
     with pytest.raises(ValueError, match="one int per prompt"):
         autoregressive_generate(_toy(), [[1], [2]], seed=[1, 2.0])
+
+
+class _VocabTokenizer:
+    def __init__(self, vocab):
+        self._vocab = dict(vocab)
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+
+def test_different_tokenizers_are_rejected_where_both_are_known():
+    from specresearch.drafts import check_same_tokenizer
+
+    same = {"a": 0, "b": 1, "c": 2}
+    check_same_tokenizer(_VocabTokenizer(same), _VocabTokenizer(same))  # no error
+    with pytest.raises(ValueError, match=r"draft tokenizer differs.*'a' is id 1 in the draft and 0 in the target"):
+        check_same_tokenizer(_VocabTokenizer(same), _VocabTokenizer({"a": 1, "b": 0, "c": 2}))
+    with pytest.raises(ValueError, match=r"draft tokenizer differs from the target.s \(2 vs 3 tokens"):
+        check_same_tokenizer(_VocabTokenizer(same), _VocabTokenizer({"a": 0, "b": 1}))
+
+
+def test_draft_checkpoint_with_another_tokenizer_is_rejected(tmp_path):
+    """A draft checkpoint whose saved tokenizer differs from the target's: clear error before any generation."""
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    from specresearch.drafts import draft_from_name
+
+    def tokenizer(vocab):
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+
+    target = tiny_llama(vocab_size=VOCAB, seed=0)
+    draft_dir = tmp_path / "draft"
+    tiny_llama(vocab_size=VOCAB, seed=1).model.save_pretrained(draft_dir)
+    tokenizer({"<unk>": 0, "x": 1, "y": 2}).save_pretrained(draft_dir)
+    with pytest.raises(ValueError, match="draft tokenizer differs"):
+        draft_from_name(str(draft_dir), target, tokenizer=tokenizer({"<unk>": 0, "y": 1, "x": 2}))
+    draft = draft_from_name(str(draft_dir), target, tokenizer=tokenizer({"<unk>": 0, "x": 1, "y": 2}))
+    assert draft.vocab_size == target.vocab_size
