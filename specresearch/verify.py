@@ -38,9 +38,10 @@ sum w_i <= p_i, hence h_i <= p_i (we clamp h_i to p_i so float rounding cannot b
 cannot pass; and tau = gamma whenever eta_gamma < p_gamma. The remaining candidates are visited from the
 back (i = gamma-1 down to 1), each needing the O(V) residual mass sum w_i; the first pass is tau, so no
 earlier index of that row is computed, and the pass's weights w_tau are reused to sample ``next_token``.
-B = 1 runs this scan in Python on the gamma scalars (one host copy) and B >= 2 vectorised over rows, one
-column i at a time; tiny inputs compute every h_i at once (fewer ops). All give the same tau
-(tests/test_verify.py). p_i itself is computed
+B = 1 runs this scan in Python on the gamma scalars (one host copy); B >= 2 goes one column i at a time,
+finding the column's open rows vectorised and computing each one's O(V) weights from views of the inputs
+(no gather copy). Small vocabularies (V <= 4096) compute every h_i at once instead (fewer ops). All give
+the same tau and token (tests/test_verify.py). p_i itself is computed
 loop-free in log space, log p_i = S_i - max_{j<=i} S_j with
 S_i = sum_{k<=i} log(p(x_k)/q(x_k)), S_0 = 0 (the Lindley recursion of log p_i = min(log p_{i-1} + l_i, 0)).
 
@@ -186,22 +187,20 @@ def _drafted_probs(target_probs, draft_probs, draft_tokens):
     return p_x, q_x
 
 
-def _sample_residual(target_probs, draft_probs, index, scale, u, rows=None):
+def _sample_residual(target_probs, draft_probs, index, scale, u):
     """Sample from norm(max(scale * p(.|X^index) - q(.|X^index), 0)) per row, or from p(.|X^gamma) where
-    index == gamma; falls back to p(.|X^index) where the residual has zero mass. Returns ``[K]`` int64.
+    index == gamma; falls back to p(.|X^index) where the residual has zero mass. Returns ``[B]`` int64.
 
-    index: ``[K]`` in 0..gamma; scale: ``[K]``; u: ``[K]`` uniforms in [0, 1); rows: ``[K]`` batch rows
-    (default all B, K = B).
+    index: ``[B]`` in 0..gamma; scale: ``[B]``; u: ``[B]`` uniforms in [0, 1).
     """
     gamma = draft_probs.shape[1]
-    if rows is None:
-        rows = torch.arange(index.shape[0], device=index.device)
-    has_draft = index < gamma  # [K]; where False q is the zero row and the scale 1, so the weights are p
-    target_row = _rows(target_probs, rows, index)  # [K, V]
+    rows = torch.arange(index.shape[0], device=index.device)
+    has_draft = index < gamma  # [B]; where False q is the zero row and the scale 1, so the weights are p
+    target_row = _rows(target_probs, rows, index)  # [B, V]
     draft_row = _rows(draft_probs, rows, index.clamp(max=gamma - 1)).mul_(has_draft[:, None])
     scale = torch.where(has_draft, scale, torch.ones_like(scale))
     weights = _residual_weights(target_row, draft_row, scale, out=draft_row)  # reuses draft_row's memory
-    no_mass = (weights.sum(-1, keepdim=True) == 0).to(weights.dtype)  # [K, 1]
+    no_mass = (weights.sum(-1, keepdim=True) == 0).to(weights.dtype)  # [B, 1]
     return _inverse_cdf(weights.addcmul_(target_row, no_mass), u)
 
 
@@ -295,7 +294,8 @@ def _block_single(target_probs, draft_probs, scale, eta, u):
     weights = target_probs.new_empty(1, target_probs.shape[-1])  # [1, V]
     scales, etas = torch.stack([scale[0], eta[0]]).tolist()
     tau = gamma if etas[-1] < scales[-1] else 0
-    for i in range(gamma - 1, 0, -1) if tau == 0 else ():
+    backward = range(gamma - 1, 0, -1) if tau == 0 else ()  # tau = gamma: no earlier index matters
+    for i in backward:
         if etas[i - 1] >= scales[i - 1]:  # h_i <= p_i: cannot pass
             continue
         mass = _row_weights(target_probs[:, i], draft_probs[:, i], scale[:, i - 1], 0, weights).sum()
