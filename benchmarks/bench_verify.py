@@ -11,7 +11,8 @@ vocabulary); the candidates are timed round-robin in shuffled order so load chan
 ``time.perf_counter``; ``--clock cpu`` uses this thread's CPU time, which is steadier on a shared machine.
 ``block`` picks its tau rule by vocabulary size; ``block pruned`` / ``block dense`` force one: the backward
 scan (h_i only for candidates visited from the back until the first pass, whose weights are reused for the
-sample; Python scalars at B = 1, one column at a time at B >= 2), or h_i for every i at once (dense). Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
+sample; Python scalars at B = 1; at B >= 2 a loop over the gamma columns only, each column vectorised over its
+open rows, gathered into slots of one preallocated work buffer), or h_i for every i at once (dense). Inputs: target logits ~ 3 N(0, 1), draft logits = target logits +
 N(0, 1), probabilities by softmax, draft tokens sampled from the draft rows, so acceptance is realistic
 (alpha ~ 0.62; ``--regime independent`` draws unrelated draft logits instead, alpha ~ 0). transformers' verifier takes logits and one row (B = 1), so it is timed
 on the logits (its softmax included) and, for B > 1, in a Python loop over the rows; we report ours both

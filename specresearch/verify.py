@@ -38,10 +38,15 @@ sum w_i <= p_i, hence h_i <= p_i (we clamp h_i to p_i so float rounding cannot b
 cannot pass; and tau = gamma whenever eta_gamma < p_gamma. The remaining candidates are visited from the
 back (i = gamma-1 down to 1), each needing the O(V) residual mass sum w_i; the first pass is tau, so no
 earlier index of that row is computed, and the pass's weights w_tau are reused to sample ``next_token``.
-B = 1 runs this scan in Python on the gamma scalars (one host copy); B >= 2 goes one column i at a time,
-finding the column's open rows vectorised and computing each one's O(V) weights from views of the inputs
-(no gather copy). Small vocabularies (V <= 4096) compute every h_i at once instead (fewer ops). All give
-the same tau and token (tests/test_verify.py). p_i itself is computed
+The only Python loop is over the gamma columns; none runs over B or V. B = 1 runs the scan on the gamma
+scalars (one host copy), with torch for the O(V) row. B >= 2 visits one column i at a time
+(i = gamma-1 .. 1), vectorised over that column's open rows: their p and q rows are gathered
+(``index_select`` with ``out=``) into preallocated slots of one [2, B, V] work buffer, w_i and sum w_i are
+computed for all of them at once, and the passing rows' w_i stay in the next free slots (compacted).
+After the loop, the bonus rows (tau = gamma) and the tau = 0 rows fill the remaining slots, and one
+inverse CDF samples every row; its cdf goes in the second half of the buffer. Small vocabularies
+(V <= 4096) compute every h_i at once instead (fewer ops). All give the same tau and token
+(tests/test_verify.py). p_i itself is computed
 loop-free in log space, log p_i = S_i - max_{j<=i} S_j with
 S_i = sum_{k<=i} log(p(x_k)/q(x_k)), S_0 = 0 (the Lindley recursion of log p_i = min(log p_{i-1} + l_i, 0)).
 
@@ -79,7 +84,7 @@ __all__ = [
 
 _SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 # Up to this vocabulary size (elements per row) computing every h_i at once is cheaper than the backward
-# scan, which issues a few kernels per visited row; above it the scan saves most rows and every gather copy
+# scan, which issues a few dozen small kernels per column; above it the scan saves most rows
 # (benchmarks/bench_verify.py). All paths return the same tau (tests/test_verify.py).
 _DENSE_TAU_MAX_ELEMENTS = 1 << 12
 # From this batch size on the backward scan is vectorised over rows; below it (B = 1) it runs in Python.
@@ -221,13 +226,14 @@ def _residual_weights(target_rows, draft_rows, scale, out=None):
     return negative.clamp_(max=0).neg_()
 
 
-def _inverse_cdf(weights, u):
-    """Index j with cdf[j-1] <= u * total < cdf[j] for unnormalised ``weights [B, V]`` and ``u [B]``.
+def _inverse_cdf(weights, u, out=None):
+    """Index j with cdf[j-1] <= u * total < cdf[j] for unnormalised ``weights [B, V]`` and ``u [B]``
+    (the cdf goes into ``out`` [B, V] when given, e.g. a free work buffer).
 
     ``right=True`` makes cdf[j] > cdf[j-1], so weights[j] > 0; if rounding puts u * total at or past the
     last cdf value we clamp to the first index where the cdf reaches its total (the last positive weight).
     """
-    cdf = weights.cumsum(-1)  # [B, V]
+    cdf = torch.cumsum(weights, -1, out=out)  # [B, V]
     total = cdf[:, -1:].contiguous()  # [B, 1]
     picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
     last_positive = torch.searchsorted(cdf, total, right=False)
@@ -259,31 +265,74 @@ def _block_backward(target_probs, draft_probs, scale, eta, u):
     """tau = last i in 1..gamma with eta_i < h_i (0 if none) and the next token, both ``[B]`` int64.
 
     ``eta < scale`` is exact at i = gamma (h_gamma = p_gamma) and necessary at i < gamma (h_i <= p_i). The
-    other candidates are visited from the back, one column i at a time, and the first pass is tau. Each
-    visited row's weights w_i go straight from the input rows (views: no gather copy) into row b of one
-    ``[B, V]`` buffer, so at the end it holds w_tau of every row and one inverse CDF samples all rows.
-    The loop over a column's rows issues one O(V) kernel chain per row: cheaper than gathering the rows
-    (benchmarks/bench_verify.py). B = 1 runs the scan in Python instead (``_block_single``).
+    other candidates are visited from the back, one column i at a time (the only Python loop: over gamma),
+    and the first pass is tau. A column's open rows are processed together (``_visit_column``): their
+    weights w_i fill the next free slots of one ``[B, V]`` buffer, whose slots [0, filled) hold w_tau of the
+    rows already decided, so at the end it holds every row's sampling weights (in slot order) and one
+    inverse CDF samples all rows. B = 1 runs the scan in Python instead (``_block_single``).
     """
     if scale.shape[0] < _BACKWARD_MIN_BATCH:
         return _block_single(target_probs, draft_probs, scale, eta, u)
     gamma = scale.shape[1]
     tau = torch.where(eta[:, -1] < scale[:, -1], gamma, 0)  # [B]
     candidates = (eta[:, :-1] < scale[:, :-1]) & (tau == 0)[:, None]  # [B, gamma-1], column k is i = k + 1
-    weights = target_probs.new_empty(target_probs.shape[0], target_probs.shape[-1])  # [B, V]
+    weights, scratch = target_probs.new_empty(2, target_probs.shape[0], target_probs.shape[-1]).unbind(0)  # [B, V] each
+    slot_rows, filled = torch.empty_like(tau), 0  # slot s of ``weights`` holds the weights of row slot_rows[s]
     for k in range(gamma - 2, -1, -1):
-        b = candidates[:, k].nonzero().squeeze(1)  # rows whose last open candidate is i = k + 1
-        if b.numel() == 0:
-            continue
-        column = (target_probs[:, k + 1], draft_probs[:, k + 1], scale[:, k])  # [B, V], [B, V], [B] views
-        rows = [_row_weights(*column, row, weights) for row in b.tolist()]
-        passed = eta[b, k] < _residual_share(torch.stack([w.sum() for w in rows]), scale[b, k])  # [K]
-        done = b[passed]
-        tau[done], candidates[done] = k + 1, False
-    for row, index in enumerate(tau.tolist()):
-        if index in (0, gamma):  # rows not ended by a pass: residual of row 0 (scale 1), or the bonus row
-            _final_row_weights(target_probs, draft_probs, row, index, weights)
-    return tau, _inverse_cdf(weights, u)
+        rows = candidates[:, k].nonzero().squeeze(1)  # [K]: rows whose last open candidate is i = k + 1
+        if rows.numel() > 0:
+            column = (scale[:, k].index_select(0, rows), eta[:, k].index_select(0, rows), rows, k + 1)
+            done = _visit_column(target_probs, draft_probs, *column, weights[filled:], scratch)  # [n]
+            slot_rows[filled : filled + done.numel()] = done
+            filled += done.numel()
+            tau.index_fill_(0, done, k + 1)
+            candidates.index_fill_(0, done, False)
+    filled = _fill_final_rows(target_probs, draft_probs, tau, weights, scratch, slot_rows, filled)
+    assert filled == tau.shape[0]
+    tokens = _inverse_cdf(weights, u[slot_rows], out=scratch)  # [B] in slot order
+    return tau, torch.empty_like(tokens).index_copy_(0, slot_rows, tokens)
+
+
+def _visit_column(target_probs, draft_probs, scale, eta, rows, i, free, scratch):
+    """h_i for ``rows`` [K] (scale, eta: their p_i and eta_i, ``[K]``); returns the rows that pass, ``[n]``,
+    with their w_i left in ``free[:n]`` (``free``: the unfilled slots, ``[>= K, V]``; ``scratch``: ``[>= K, V]``).
+    """
+    count = rows.numel()
+    weights = _gathered_weights(target_probs, draft_probs, i, rows, scale, free[:count], scratch[:count])
+    passed = eta < _residual_share(weights.sum(-1), scale)  # [K]
+    kept = int(passed.sum())
+    holes = (~passed[:kept]).nonzero().squeeze(1)  # failed slots among the first ``kept``
+    movers = passed[kept:].nonzero().squeeze(1) + kept  # passed slots past them: same count
+    if holes.numel() > 0:  # compact: passed rows' weights into free[:kept] (two row copies per mover)
+        weights.index_copy_(0, holes, torch.index_select(weights, 0, movers, out=scratch[: holes.numel()]))
+    order = torch.arange(count, device=rows.device).index_copy_(0, holes, movers)
+    return rows[order[:kept]]
+
+
+def _gathered_weights(target_probs, draft_probs, i, rows, scale, out, scratch):
+    """w_i = max(scale * p(.|X^i) - q(.|X^i), 0) of ``rows`` [K] written into ``out`` [K, V] (the q rows are
+    gathered there, the p rows into ``scratch`` [K, V]: preallocated, so no fresh buffer); returns ``out``.
+    """
+    torch.index_select(draft_probs[:, i], 0, rows, out=out)
+    torch.index_select(target_probs[:, i], 0, rows, out=scratch)
+    return _residual_weights(scratch, out, scale, out=out)
+
+
+def _fill_final_rows(target_probs, draft_probs, tau, weights, scratch, slot_rows, filled):
+    """Slots for the rows no pass decided, as ``_sample_residual`` computes them: p(.|X^gamma) where
+    tau = gamma; max(p - q, 0) at X^0 where tau = 0 (p where it has no mass). Returns the filled count.
+    """
+    bonus = (tau == draft_probs.shape[1]).nonzero().squeeze(1)  # [n]: weights = p exactly
+    torch.index_select(target_probs[:, -1], 0, bonus, out=weights[filled : filled + bonus.numel()])
+    slot_rows[filled : filled + bonus.numel()], filled = bonus, filled + bonus.numel()
+    first = (tau == 0).nonzero().squeeze(1)  # [m]
+    count = first.numel()
+    slots = weights[filled : filled + count]
+    residual = _gathered_weights(target_probs, draft_probs, 0, first, weights.new_ones(count), slots, scratch[:count])
+    empty = (residual.sum(-1) == 0).nonzero().squeeze(1)  # no residual mass: sample from p (0 + p, exact)
+    residual.index_copy_(0, empty, scratch[empty])
+    slot_rows[filled : filled + count] = first
+    return filled + count
 
 
 def _block_single(target_probs, draft_probs, scale, eta, u):
@@ -310,12 +359,14 @@ def _block_single(target_probs, draft_probs, scale, eta, u):
 def _row_weights(target_rows, draft_rows, scale, row, weights):
     """w = max(scale[row] * target_rows[row] - draft_rows[row], 0) written into ``weights[row]``; returns
     that ``[V]`` row. ``target_rows``, ``draft_rows``: ``[B, V]`` (views of one i); ``scale``: ``[B]``.
+    Used by the B = 1 scan (``_block_single``) only.
     """
     return _residual_weights(target_rows[row], draft_rows[row], scale[row], out=weights[row])
 
 
 def _final_row_weights(target_probs, draft_probs, row, tau, weights):
-    """``weights[row]`` for tau = gamma (p(.|X^gamma)) or tau = 0 (max(p - q, 0) at X^0, p where it has no mass)."""
+    """``weights[row]`` for tau = gamma (p(.|X^gamma)) or tau = 0 (max(p - q, 0) at X^0, p where it has no
+    mass); the B = 1 counterpart of ``_fill_final_rows``."""
     if tau == draft_probs.shape[1]:
         weights[row].copy_(target_probs[row, tau])
         return

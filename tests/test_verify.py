@@ -164,6 +164,19 @@ def test_zero_residual_mass_falls_back_to_target(method):
         assert result.next_token.tolist() == [expected]
 
 
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.usefixtures("tau_rule")
+def test_zero_residual_mass_falls_back_to_target_in_a_batch(method):
+    # As above with B = 3 (the batched scan fills the tau = 0 rows together): rows 0 and 2 have p == q and
+    # a rejected token, so they sample p; row 1 (q puts its mass on symbol 2) samples max(p - q, 0) = p.
+    target = torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64).expand(3, 2, 3).contiguous()
+    draft = torch.tensor([[[0.5, 0.5, 0.0]], [[0.0, 0.0, 1.0]], [[0.5, 0.5, 0.0]]], dtype=torch.float64)
+    tokens = torch.tensor([[2], [2], [2]])
+    result = VERIFIERS[method](target, draft, tokens, uniforms=_uniforms([0.1, 0.7], [0.1, 0.2], [0.1, 0.3]))
+    assert result.num_accepted.tolist() == [0, 0, 0]
+    assert result.next_token.tolist() == [1, 0, 0]
+
+
 def test_residual_share_zero_mass_with_unit_scale_is_zero_not_nan():
     # h_i = m / (m + 1 - p_i) is 0/0 when p == q (m = 0) and p_i = 1; the contract says h_i = 0.
     share = verify._residual_share(torch.tensor([0.0, 0.5]), torch.tensor([1.0, 1.0]))
