@@ -196,7 +196,52 @@ def _run_warm_cache(args) -> int:
     return 0
 
 
-_COMMANDS = [_add_report, _add_generate, _add_distill, _add_warm_cache]
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="block vs token verification sweep (reference 003): records to <out>/<run>.csv")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
+    p.add_argument("--draft", default="tiny-1l", help="tiny-1l (a shipped distilled draft) | ngram | truncated:N | path")
+    p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
+    p.add_argument("--verifiers", nargs="+", help="default: token block")
+    p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
+    p.add_argument("--gammas", nargs="+", type=int, help="default: 2 4 6 8")
+    p.add_argument("--seeds", nargs="+", type=int, help="default: 0")
+    p.add_argument("--max-new-tokens", type=int, help="default: 32")
+    p.add_argument("--prompts", type=int, help="number of prompts, evenly spaced (7 = one per category; default all)")
+    p.add_argument("--categories", nargs="+", help="keep only these prompt categories")
+    p.add_argument("--prompts-file", help="default: the repository's data/prompts.jsonl")
+    p.add_argument("--run", help="run id = file name (default: from the settings, so rerunning resumes)")
+    p.add_argument("--out", default="results", help="directory of the records")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, auto, ...")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    import torch
+
+    from specresearch import analysis, bench
+
+    torch.set_num_threads(args.threads)
+    fields = {"verifiers": args.verifiers, "temperatures": args.temperatures, "gammas": args.gammas,
+              "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
+              "categories": args.categories}
+    preset = bench.BenchConfig.from_name("quick" if args.quick else "full")
+    config = dataclasses.replace(preset, **{k: tuple(v) if isinstance(v, list) else v
+                                            for k, v in fields.items() if v is not None})
+    run = args.run or bench.default_run_id(args.target, args.draft, config, "quick-" if args.quick else "")
+    path = Path(args.out) / f"{run}.csv"
+    records = bench.run_named(args.target, args.draft, config, path, prompts_path=args.prompts_file, run_id=run,
+                              device=args.device, command="specresearch " + " ".join(sys.argv[1:]))
+    print(analysis.format_paper_table(analysis.paper_table(records)))
+    same, units = analysis.t0_agreement(records)
+    print(f"\nT = 0: token and block outputs identical in {same}/{units} units; records in {path}")
+    return 0
+
+
+_COMMANDS = [_add_report, _add_generate, _add_distill, _add_warm_cache, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,314 @@
+"""Tables, bootstrap intervals and figures from the records of ``specresearch.bench`` (reads CSV rows only).
+
+Metrics of a set of records are ratios of sums over its runs (so long runs weigh more than short ones):
+
+* BE, block efficiency (reference 003: tokens per target call) = (accepted drafts + target calls) /
+  target calls, i.e. the mean number of tokens a verification step emits (num_accepted + 1) before the
+  truncation at EOS / max_new_tokens. ``be_emitted`` = emitted tokens / target calls is the truncated
+  variant (lower by at most one block per run);
+* WS, wall-clock speed-up (reference 003) = (autoregressive seconds / autoregressive tokens) /
+  (speculative seconds / speculative tokens): the throughput ratio against the baseline run of the same
+  prompt, temperature and seed. Per token, because a run that meets EOS early produces fewer tokens;
+* alpha = accepted drafts / examined drafts (examined = accepted + steps with a rejection): the
+  maximum-likelihood acceptance rate when acceptances are i.i.d. Bernoulli(alpha) (Leviathan et al. 2023,
+  reference 004), exact for token verification of i.i.d. models, where then BE =
+  ``theory.expected_tokens(alpha, gamma)``. Read it from token-verification rows.
+
+Intervals: percentile bootstrap over prompts (Efron & Tibshirani 1993, ch. 13). A resample draws the
+prompts of the set with replacement (multinomial counts, ``numpy.random.default_rng(seed)``); each
+prompt brings all its runs (every seed), and a metric is recomputed from the reweighted sums. The gain
+of block over token verification, block / token - 1, uses a PAIRED bootstrap: one resample of prompts
+reweights both verifiers' runs, so the prompt-to-prompt variation common to both cancels.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from specresearch.bench import AUTOREGRESSIVE, read_records
+
+__all__ = [
+    "METRICS",
+    "PAPER_TABLE",
+    "bootstrap_weights",
+    "category_table",
+    "format_markdown",
+    "format_paper_table",
+    "gain_table",
+    "latest_run",
+    "metric_table",
+    "metric_value",
+    "paper_points",
+    "paper_table",
+    "plot_gain_vs_temperature",
+    "plot_metric_vs_gamma",
+    "prompt_sums",
+    "read_records",
+    "speculative_records",
+    "t0_agreement",
+]
+
+_SUM_COLUMNS = ["accepted_tokens", "examined_drafts", "target_calls", "new_tokens", "seconds", "ar_seconds",
+                "ar_tokens"]
+METRICS = ("be", "be_emitted", "ws", "alpha")
+
+# Reference 003 (rebuttal table): Vicuna-7B-v1.3 target + Vicuna-68M draft, Spec-Bench, gamma = 8, H100.
+PAPER_TABLE = pd.DataFrame({
+    "temperature": [0.2, 0.6, 1.0],
+    "be_token": [2.75, 2.75, 2.79], "be_block": [2.85, 2.90, 3.04], "be_gain": [0.0372, 0.0532, 0.0870],
+    "ws_token": [1.22, 1.23, 1.27], "ws_block": [1.24, 1.29, 1.34], "ws_gain": [0.0166, 0.0424, 0.0607],
+})
+
+
+def paper_points(metric: str = "be") -> pd.DataFrame:
+    """Reference 003's ``metric`` ("be" or "ws") as rows (temperature, gamma = 8, token, block) for plots."""
+    if metric not in ("be", "ws"):
+        raise ValueError(f"metric must be 'be' or 'ws' (the paper reports no other), got {metric!r}")
+    return pd.DataFrame({"temperature": PAPER_TABLE["temperature"], "gamma": 8,
+                         "token": PAPER_TABLE[f"{metric}_token"], "block": PAPER_TABLE[f"{metric}_block"]})
+
+
+def speculative_records(records: pd.DataFrame) -> pd.DataFrame:
+    """The speculative rows (baseline rows dropped)."""
+    return records[records["verifier"] != AUTOREGRESSIVE]
+
+
+def prompt_sums(records: pd.DataFrame) -> pd.DataFrame:
+    """Per-prompt sums of the columns the metrics need. -> DataFrame indexed by prompt_id, [P, 7]."""
+    return records.groupby("prompt_id")[_SUM_COLUMNS].sum().astype(float)
+
+
+def metric_value(sums, metric: str) -> np.ndarray:
+    """A metric from summed columns: ``sums`` a [..., 7] array or Series/DataFrame with ``_SUM_COLUMNS``."""
+    s = dict(zip(_SUM_COLUMNS, np.moveaxis(np.asarray(sums, dtype=float), -1, 0)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        values = {
+            "be": (s["accepted_tokens"] + s["target_calls"]) / s["target_calls"],
+            "be_emitted": s["new_tokens"] / s["target_calls"],
+            "ws": (s["ar_seconds"] / s["ar_tokens"]) / (s["seconds"] / s["new_tokens"]),
+            "alpha": s["accepted_tokens"] / s["examined_drafts"],
+        }
+    if metric not in values:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    return values[metric]
+
+
+def bootstrap_weights(num_prompts: int, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
+    """How often each prompt is drawn in each resample (multinomial, n = num_prompts). -> [n_boot, P]."""
+    if num_prompts < 1 or n_boot < 1:
+        raise ValueError(f"num_prompts and n_boot must be >= 1, got {num_prompts} and {n_boot}")
+    return np.random.default_rng(seed).multinomial(num_prompts, np.full(num_prompts, 1 / num_prompts), n_boot)
+
+
+def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
+    """Percentile interval of bootstrap ``samples [n_boot]`` (NaN resamples, e.g. 0/0, ignored)."""
+    tail = 100 * (1 - level) / 2
+    if np.isnan(samples).all():
+        return float("nan"), float("nan")
+    low, high = np.nanpercentile(samples, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def _estimate(sums: pd.DataFrame, metric: str, weights: np.ndarray, level: float) -> tuple[float, float, float]:
+    """Point estimate and bootstrap interval of ``metric`` from per-prompt ``sums [P, 7]``."""
+    point = float(metric_value(sums.sum().to_numpy(), metric))
+    return (point, *_interval(metric_value(weights @ sums.to_numpy(), metric), level))
+
+
+def metric_table(records: pd.DataFrame, by: Sequence[str] = ("verifier", "temperature", "gamma"),
+                 metrics: Sequence[str] = ("be", "ws", "alpha"), *, n_boot: int = 2000, seed: int = 0,
+                 level: float = 0.95) -> pd.DataFrame:
+    """``metrics`` with bootstrap intervals per group of speculative records.
+
+    Returns one row per group: the ``by`` columns, ``<metric>``, ``<metric>_lo``, ``<metric>_hi`` for each
+    metric, ``prompts`` and ``runs``.
+    """
+    rows = []
+    for keys, group in speculative_records(records).groupby(list(by), sort=True):
+        sums = prompt_sums(group)
+        weights = bootstrap_weights(len(sums), n_boot, seed)
+        row = dict(zip(by, keys if isinstance(keys, tuple) else (keys,)), prompts=len(sums), runs=len(group))
+        for metric in metrics:
+            row[metric], row[f"{metric}_lo"], row[f"{metric}_hi"] = _estimate(sums, metric, weights, level)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _paired_gain(base: pd.DataFrame, treated: pd.DataFrame, metric: str, weights: np.ndarray, level: float):
+    """treated / base - 1 of ``metric`` and its paired bootstrap interval (rows: the same prompts)."""
+    point = metric_value(treated.sum().to_numpy(), metric) / metric_value(base.sum().to_numpy(), metric) - 1
+    samples = metric_value(weights @ treated.to_numpy(), metric) / metric_value(weights @ base.to_numpy(), metric)
+    return (float(point), *_interval(samples - 1, level))
+
+
+def gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature", "gamma"), metrics: Sequence[str] = ("be", "ws"),
+               *, baseline: str = "token", treatment: str = "block", n_boot: int = 2000, seed: int = 0,
+               level: float = 0.95) -> pd.DataFrame:
+    """Relative gain ``treatment / baseline - 1`` per group, with a paired bootstrap over the shared prompts.
+
+    Returns per group: ``by``, then for each metric ``<metric>_<baseline>``, ``<metric>_<treatment>``,
+    ``<metric>_gain``, ``<metric>_gain_lo``, ``<metric>_gain_hi``; and ``prompts`` (those in both).
+    """
+    rows = []
+    for keys, group in speculative_records(records).groupby(list(by), sort=True):
+        base = prompt_sums(group[group["verifier"] == baseline])
+        treated = prompt_sums(group[group["verifier"] == treatment])
+        shared = base.index.intersection(treated.index)
+        if shared.empty:
+            continue
+        base, treated = base.loc[shared], treated.loc[shared]
+        weights = bootstrap_weights(len(shared), n_boot, seed)
+        row = dict(zip(by, keys if isinstance(keys, tuple) else (keys,)), prompts=len(shared))
+        for metric in metrics:
+            row[f"{metric}_{baseline}"] = float(metric_value(base.sum().to_numpy(), metric))
+            row[f"{metric}_{treatment}"] = float(metric_value(treated.sum().to_numpy(), metric))
+            row[f"{metric}_gain"], row[f"{metric}_gain_lo"], row[f"{metric}_gain_hi"] = _paired_gain(
+                base, treated, metric, weights, level)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def paper_table(records: pd.DataFrame, gamma: int | None = None, **bootstrap) -> pd.DataFrame:
+    """Reference 003's table on our records: one row per temperature at ``gamma`` (default: the largest).
+
+    Columns: temperature, gamma, be_token, be_block, be_gain (+ _lo/_hi), ws_token, ws_block, ws_gain
+    (+ _lo/_hi), alpha (token-verification rows, with _lo/_hi), prompts.
+    """
+    spec = speculative_records(records)
+    gamma = int(spec["gamma"].max()) if gamma is None else gamma
+    at_gamma = spec[spec["gamma"] == gamma]
+    gains = gain_table(at_gamma, by=("temperature",), **bootstrap)
+    if gains.empty:
+        raise ValueError(f"records: no (temperature, gamma={gamma}) with both token and block rows")
+    alpha = metric_table(at_gamma[at_gamma["verifier"] == "token"], by=("temperature",), metrics=("alpha",),
+                         **bootstrap)
+    table = gains.merge(alpha[["temperature", "alpha", "alpha_lo", "alpha_hi"]], on="temperature", how="left")
+    table.insert(1, "gamma", gamma)
+    return table
+
+
+def category_table(records: pd.DataFrame, gamma: int | None = None, temperature: float | None = None,
+                   **bootstrap) -> pd.DataFrame:
+    """Block-vs-token gain per category (rows category x temperature) at ``gamma`` (default: the largest);
+    optionally one ``temperature``. Intervals resample the category's own prompts (few: wide)."""
+    spec = speculative_records(records)
+    gamma = int(spec["gamma"].max()) if gamma is None else gamma
+    chosen = spec[spec["gamma"] == gamma]
+    if temperature is not None:
+        chosen = chosen[chosen["temperature"] == temperature]
+    return gain_table(chosen, by=("category", "temperature"), **bootstrap)
+
+
+def t0_agreement(records: pd.DataFrame) -> tuple[int, int]:
+    """At T = 0: (units whose verifiers produced identical tokens, units). Should be equal (greedy)."""
+    spec = speculative_records(records)
+    zero = spec[spec["temperature"] == 0]
+    hashes = zero.groupby(["prompt_id", "gamma", "seed"])["output_hash"].nunique()
+    return int((hashes == 1).sum()), int(len(hashes))
+
+
+def _format_cell(value, kind: str) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "-"
+    return f"{100 * value:+.1f}%" if kind == "percent" else f"{value:.3f}" if kind == "float" else str(value)
+
+
+def format_markdown(table: pd.DataFrame, percent: Sequence[str] = (), floatfmt: str = "float") -> str:
+    """A DataFrame as a Markdown table (floats to 3 decimals; ``percent`` columns as +x.x%)."""
+    header = "| " + " | ".join(map(str, table.columns)) + " |"
+    lines = [header, "|" + "---|" * len(table.columns)]
+    for row in table.itertuples(index=False):
+        cells = [_format_cell(v, "percent" if c in percent else (floatfmt if isinstance(v, float) else "other"))
+                 for c, v in zip(table.columns, row)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _with_interval(value, low, high, percent: bool) -> str:
+    if percent:
+        return f"{100 * value:+.1f}% [{100 * low:+.1f}, {100 * high:+.1f}]"
+    return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def format_paper_table(table: pd.DataFrame) -> str:
+    """``paper_table`` output as Markdown in the layout of reference 003 (gains with 95% intervals)."""
+    rows = []
+    for r in table.to_dict("records"):
+        rows.append({
+            "T": f"{r['temperature']:g}", "gamma": str(r["gamma"]),
+            "BE token": f"{r['be_token']:.3f}", "BE block": f"{r['be_block']:.3f}",
+            "BE gain [95% CI]": _with_interval(r["be_gain"], r["be_gain_lo"], r["be_gain_hi"], True),
+            "WS token": f"{r['ws_token']:.3f}", "WS block": f"{r['ws_block']:.3f}",
+            "WS gain [95% CI]": _with_interval(r["ws_gain"], r["ws_gain_lo"], r["ws_gain_hi"], True),
+            "alpha (token)": _with_interval(r["alpha"], r["alpha_lo"], r["alpha_hi"], False),
+            "prompts": str(r["prompts"]),
+        })
+    return format_markdown(pd.DataFrame(rows))
+
+
+def latest_run(results_dir: str | os.PathLike = "results", exclude_prefix: str = "quick-") -> Path | None:
+    """The most recently modified ``<results_dir>/*.csv`` whose name does not start with ``exclude_prefix``."""
+    runs = [p for p in Path(results_dir).glob("*.csv") if not p.name.startswith(exclude_prefix)]
+    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
+
+
+def plot_metric_vs_gamma(table: pd.DataFrame, metric: str, label: str, paper: pd.DataFrame | None = None):
+    """One panel per temperature: ``metric`` vs gamma, one line per verifier with its bootstrap interval.
+
+    ``table``: ``metric_table(records)`` output. ``paper``: optional rows (temperature, gamma, token,
+    block) drawn as open markers. Returns the matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted(table["temperature"].unique())
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(3.2 * len(temperatures), 3.2), sharey=True, squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        for verifier, rows in table[table["temperature"] == temperature].groupby("verifier"):
+            rows = rows.sort_values("gamma")
+            err = [rows[metric] - rows[f"{metric}_lo"], rows[f"{metric}_hi"] - rows[metric]]
+            ax.errorbar(rows["gamma"], rows[metric], yerr=err, marker="o", capsize=3, label=f"{verifier} (ours)")
+        if paper is not None:
+            for verifier, marker in (("token", "s"), ("block", "D")):
+                hit = paper[paper["temperature"] == temperature]
+                ax.plot(hit["gamma"], hit[verifier], marker, mfc="none", label=f"{verifier} (paper, Vicuna)")
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("gamma (draft tokens per step)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(label)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gain_vs_temperature(gains: pd.DataFrame, metric: str = "be", paper: bool = True):
+    """Relative gain of block over token verification vs temperature, one line per gamma, with intervals.
+
+    ``gains``: ``gain_table(records)`` output (by temperature and gamma). ``paper``: add reference 003's
+    gains (gamma = 8). Returns the matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    gammas = sorted(gains["gamma"].unique())
+    for offset, gamma in zip(np.linspace(-0.02, 0.02, len(gammas)), gammas):
+        rows = gains[gains["gamma"] == gamma].sort_values("temperature")
+        value, low, high = (100 * rows[f"{metric}_gain{s}"] for s in ("", "_lo", "_hi"))
+        ax.errorbar(rows["temperature"] + offset, value, yerr=[value - low, high - value], marker="o", capsize=3,
+                    label=f"gamma = {gamma} (ours)")
+    if paper:
+        ax.plot(PAPER_TABLE["temperature"], 100 * PAPER_TABLE[f"{metric}_gain"], "k*", ms=10,
+                label="paper (Vicuna-7B/68M, gamma = 8)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("temperature T")
+    ax.set_ylabel(f"{metric.upper()} gain of block over token (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,419 @@
+"""Block vs token verification on real models: the sweep that writes one record per run.
+
+Reproduces the experiment of reference 003 (Sun et al., ICLR 2025, rebuttal Table "BE/WS": Vicuna-7B
+target + Vicuna-68M draft on Spec-Bench, T in {0.2, 0.6, 1.0}, gamma = 8; BE = block efficiency, tokens
+per target call; WS = wall-clock speed-up over autoregressive decoding) on any target/draft pair, by
+default the embedded SmolLM2-135M-Instruct with the shipped distilled draft ``tiny-1l``.
+
+Sweep (``run_bench``): for every prompt x temperature x seed, one autoregressive baseline run, then for
+every gamma one run per verifier (``config.verifiers``, default token and block). Every run is written
+as one CSV row (``RECORD_COLUMNS``) to ``<results>/<run>.csv``; analysis (``specresearch.analysis``)
+reads the rows. The sweep is resumable: a (prompt, verifier, temperature, gamma, seed) already in the
+file is not run again (the baseline row of a (prompt, temperature, seed) is reused).
+
+Prompts: ``data/prompts.jsonl``, the FIRST user turn of each prompt in the model's chat template (the
+generation prompt added). Multi-turn prompts (category ``multi_turn_chat``) are cut to their first turn:
+a second turn would have to follow the model's own first answer, which differs between verifiers,
+temperatures and seeds, so the two verifiers would no longer see the same prompt.
+
+Seeds. The generator seed of a run is derived from (prompt id, ``seed``) by ``run_seed``, so different
+prompts get independent random streams (with i.i.d. toy models, identical prompts would otherwise give
+identical runs) while every verifier and the baseline of one (prompt, seed) use the same stream.
+
+Common random numbers. Each run gets ``seed=[run_seed(prompt, seed)]`` (a one-element list): the engine
+then uses one ``torch.Generator`` seeded with it for the row and never shortens gamma at the end
+(``specresearch.generate``). Per step it draws the gamma draft tokens (``torch.multinomial``, which
+advances the generator by an amount that depends only on V, not on the probabilities; checked in
+``tests/test_bench.py``) and then the gamma + 1 verification uniforms. So the verifiers of one unit
+consume the same random stream step by step, and they share:
+
+* the first step's draft block AND its uniforms, always;
+* every later step's draft block and uniforms, as long as all earlier steps had the same outcome
+  (accepted count and next token) in both runs, since the contexts are then equal too.
+
+From the first step whose outcome differs, the runs continue on different contexts: the streams stay
+aligned but drive different distributions, so the coupling is lost. The record column
+``shared_steps`` counts the steps that saw identical drafts and uniforms in both runs (the identical
+steps plus the first divergent one); ``common_prefix_tokens`` is the length of the common output
+prefix. At T = 0 nothing is random and the two verifiers give the same tokens.
+
+Timing: each unit's runs alternate their order (token first, then block first in the next unit) so a
+drift in machine load does not favour one verifier; ``load_avg`` records the 1-minute load average.
+A short untimed warm-up run precedes the sweep. ``seconds`` include the prefill of both models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from specresearch.generate import GenerationResult, autoregressive_generate, speculative_generate
+from specresearch.sampling import SamplingConfig
+from specresearch.verify import VERIFIERS
+
+__all__ = [
+    "AUTOREGRESSIVE",
+    "BENCH_PRESETS",
+    "RECORD_COLUMNS",
+    "BenchConfig",
+    "BenchPrompt",
+    "default_prompts_path",
+    "default_run_id",
+    "load_bench_draft",
+    "load_bench_prompts",
+    "read_records",
+    "run_bench",
+    "run_named",
+    "run_seed",
+    "select_prompts",
+    "write_run_info",
+]
+
+AUTOREGRESSIVE = "autoregressive"  # the ``verifier`` value of baseline rows (gamma 0, no draft)
+
+RECORD_COLUMNS = (
+    "run_id",
+    "prompt_id",
+    "category",
+    "verifier",  # token | block | greedy | autoregressive
+    "temperature",
+    "gamma",  # 0 for autoregressive rows
+    "seed",
+    "new_tokens",  # tokens emitted (after truncation at EOS / max_new_tokens)
+    "target_calls",  # verification steps (autoregressive: one per token); the prefill is not counted
+    "draft_calls",
+    "accepted_tokens",  # sum over steps of accepted drafts, before truncation
+    "examined_drafts",  # accepted + steps with a rejection: alpha estimate = accepted / examined
+    "seconds",  # wall time of the whole run, prefill included
+    "target_seconds",  # inside the target's forward passes (steps)
+    "draft_seconds",  # inside the draft's forward passes (steps)
+    "prefill_seconds",
+    "ar_seconds",  # the autoregressive baseline of the same prompt, temperature and seed
+    "ar_tokens",
+    "shared_steps",  # steps with the same drafts and uniforms as the other verifier(s) (module docstring)
+    "common_prefix_tokens",  # length of the output prefix shared with the other verifier(s)
+    "output_hash",  # sha1 of the output tokens (first 12 hex digits)
+    "order",  # position of the run within its unit (timing order)
+    "load_avg",  # 1-minute load average when the run finished
+)
+
+
+def _check_tuple(field: str, values, kind, low, message: str) -> None:
+    if not values or not all(isinstance(v, kind) and not isinstance(v, bool) and v >= low for v in values):
+        raise ValueError(f"{field} must be a non-empty tuple of {message}, got {values!r}")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What a sweep runs: the settings grid, the generation length and the prompt selection."""
+
+    verifiers: tuple[str, ...] = ("token", "block")
+    temperatures: tuple[float, ...] = (0.0, 0.2, 0.6, 1.0)
+    gammas: tuple[int, ...] = (2, 4, 6, 8)
+    seeds: tuple[int, ...] = (0,)
+    max_new_tokens: int = 32
+    num_prompts: int | None = None  # evenly spaced over the selected prompts; None = all of them
+    categories: tuple[str, ...] | None = None  # None = every category
+
+    def __post_init__(self) -> None:
+        if not self.verifiers or any(v not in VERIFIERS for v in self.verifiers):
+            raise ValueError(f"verifiers must be a non-empty tuple of {sorted(VERIFIERS)}, got {self.verifiers!r}")
+        if len(set(self.verifiers)) != len(self.verifiers):
+            raise ValueError(f"verifiers must not repeat, got {self.verifiers!r}")
+        _check_tuple("temperatures", self.temperatures, (int, float), 0, "numbers >= 0")
+        _check_tuple("gammas", self.gammas, int, 1, "integers >= 1")
+        _check_tuple("seeds", self.seeds, int, 0, "integers >= 0")
+        _check_tuple("max_new_tokens", (self.max_new_tokens,), int, 1, "an integer >= 1 (one value)")
+        if self.num_prompts is not None:
+            _check_tuple("num_prompts", (self.num_prompts,), int, 1, "an integer >= 1 or None (one value)")
+        if self.categories is not None and not self.categories:
+            raise ValueError("categories must be None (all) or a non-empty tuple of category names")
+
+    @classmethod
+    def from_name(cls, name: str) -> "BenchConfig":
+        """A named preset of ``BENCH_PRESETS`` (``"full"``, ``"quick"``, ``"paper"``)."""
+        if name not in BENCH_PRESETS:
+            raise ValueError(f"name must be one of {sorted(BENCH_PRESETS)}, got {name!r}")
+        return BENCH_PRESETS[name]
+
+
+BENCH_PRESETS: dict[str, BenchConfig] = {
+    "full": BenchConfig(),
+    # A few minutes on a 2-core CPU: 3 prompts (one per category) x T {0, 1} x gamma {2, 4}, 24 tokens.
+    "quick": BenchConfig(temperatures=(0.0, 1.0), gammas=(2, 4), max_new_tokens=24, num_prompts=3,
+                         categories=("translation", "question_answering", "code")),
+    # Reference 003's table: gamma = 8, T in {0, 0.2, 0.6, 1.0}.
+    "paper": BenchConfig(gammas=(8,)),
+}
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark prompt, already encoded."""
+
+    id: str
+    category: str
+    token_ids: tuple[int, ...]
+
+
+def default_prompts_path() -> Path:
+    """The repository's ``data/prompts.jsonl`` (next to the shipped drafts)."""
+    from specresearch.distill import drafts_dir
+
+    return drafts_dir().parent / "prompts.jsonl"
+
+
+def select_prompts(prompts: Sequence[dict], categories: Sequence[str] | None = None,
+                   num_prompts: int | None = None) -> list[dict]:
+    """Keep ``categories`` (all if None), then ``num_prompts`` evenly spaced ones (index round(i * n / k)).
+
+    With the 70-prompt set sorted by category, ``num_prompts`` = 7 takes one prompt per category and 14
+    takes two (the same held-out choice as ``benchmarks/bench_draft.py``).
+    """
+    known = sorted({p["category"] for p in prompts})
+    unknown = sorted(set(categories or ()) - set(known))
+    if unknown:
+        raise ValueError(f"categories {unknown} are not in the prompt set; known: {known}")
+    kept = [p for p in prompts if categories is None or p["category"] in categories]
+    if num_prompts is None or num_prompts >= len(kept):
+        return kept
+    return [kept[round(i * len(kept) / num_prompts)] for i in range(num_prompts)]
+
+
+def load_bench_prompts(tokenizer, config: BenchConfig, path: str | os.PathLike | None = None) -> list[BenchPrompt]:
+    """Read, select and encode the prompts: first user turn, chat template if the tokenizer has one."""
+    from specresearch.distill import encode_prompts, load_prompts
+
+    rows = select_prompts(load_prompts(path or default_prompts_path()), config.categories, config.num_prompts)
+    if getattr(tokenizer, "chat_template", None):
+        encoded = [tuple(t.tolist()) for t in encode_prompts(tokenizer, rows)]
+    else:
+        encoded = [tuple(tokenizer(r["turns"][0], add_special_tokens=False)["input_ids"]) for r in rows]
+    return [BenchPrompt(r["id"], r["category"], ids) for r, ids in zip(rows, encoded)]
+
+
+def load_bench_draft(name: str, target):
+    """A draft for ``target`` (a ``CausalLM``) from a short name.
+
+    ``tiny-1l`` (or any name shipped under ``data/drafts/``): the distilled draft rebuilt against the
+    target (``distill.load_trained_draft``) and wrapped in ``CausalLM``; otherwise
+    ``drafts.draft_from_name``: ``ngram``, ``truncated:N`` or a local checkpoint path.
+    """
+    from specresearch import distill
+    from specresearch.drafts import draft_from_name
+    from specresearch.models import CausalLM
+
+    if (distill.drafts_dir() / name / "manifest.json").exists():
+        return CausalLM(distill.load_trained_draft(target.model, name), device=target.device)
+    return draft_from_name(name, target)
+
+
+def default_run_id(target_name: str, draft_name: str, config: BenchConfig, prefix: str = "") -> str:
+    """``<prefix><draft>-<8 hex of the settings>``: the same command maps to the same file (resumes)."""
+    settings = json.dumps([target_name, draft_name, dataclasses.asdict(config)], sort_keys=True)
+    slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(draft_name).name or draft_name)
+    return f"{prefix}{slug}-{hashlib.sha1(settings.encode()).hexdigest()[:8]}"
+
+
+def write_run_info(path: str | os.PathLike, **info) -> Path:
+    """Append one session (``info`` + torch version, threads, CPU count, load average, time) to the JSON
+    file next to the records (``<run>.json``): what produced the rows, for the report."""
+    import torch
+
+    path = Path(path).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sessions = json.loads(path.read_text()) if path.exists() else []
+    sessions.append({**info, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                     "cpu_count": os.cpu_count(), "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    path.write_text(json.dumps(sessions, indent=2) + "\n")
+    return path
+
+
+def read_records(path: str | os.PathLike):
+    """The records of a sweep CSV as a pandas DataFrame (empty, with ``RECORD_COLUMNS``, if no file)."""
+    import pandas as pd
+
+    if not Path(path).exists():
+        return pd.DataFrame(columns=list(RECORD_COLUMNS))
+    return pd.read_csv(path, dtype={"prompt_id": str, "category": str, "verifier": str, "output_hash": str})
+
+
+def run_seed(prompt_id: str, seed: int) -> int:
+    """The generator seed of every run on (``prompt_id``, ``seed``): 31 bits of sha1("<prompt_id>:<seed>")."""
+    return int(hashlib.sha1(f"{prompt_id}:{seed}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+def _key(prompt_id, verifier, temperature, gamma, seed) -> tuple:
+    return (str(prompt_id), str(verifier), round(float(temperature), 9), int(gamma), int(seed))
+
+
+def _done(records) -> dict[tuple, dict]:
+    """Existing rows by key (``_key``)."""
+    rows = records.to_dict("records")
+    return {_key(r["prompt_id"], r["verifier"], r["temperature"], r["gamma"], r["seed"]): r for r in rows}
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    """Append rows to the CSV (header if the file is new); flushed at once so a crash loses one unit."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows, columns=list(RECORD_COLUMNS))
+    frame.to_csv(path, mode="a", header=not path.exists(), index=False)
+
+
+def _output_hash(tokens: Sequence[int]) -> str:
+    return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:12]
+
+
+def _step_blocks(result: GenerationResult) -> list[tuple[int, tuple[int, ...]]]:
+    """Per step of row 0: (accepted drafts, the tokens it kept). Speculative results only."""
+    tokens, start, blocks = result.tokens[0], 0, []
+    for step in result.steps:
+        n = step.num_accepted[0]
+        blocks.append((n, tuple(tokens[start : start + n + 1])))
+        start += n + 1
+    return blocks
+
+
+def _shared_steps(a: GenerationResult, b: GenerationResult) -> int:
+    """Steps that saw the same drafts and uniforms: the identical leading steps plus the first divergent one."""
+    blocks_a, blocks_b = _step_blocks(a), _step_blocks(b)
+    same = next((i for i, (x, y) in enumerate(zip(blocks_a, blocks_b)) if x != y), None)
+    return min(len(blocks_a), len(blocks_b)) if same is None else same + 1
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _record(result: GenerationResult, base: dict, verifier: str, gamma: int, order: int) -> dict:
+    """One CSV row of a run (row 0 of ``result``); CRN columns are filled in by the caller."""
+    steps = result.steps
+    accepted = sum(s.num_accepted[0] for s in steps)
+    rejections = sum(s.num_accepted[0] < s.gamma for s in steps if s.gamma)
+    return {
+        **base, "verifier": verifier, "gamma": gamma, "new_tokens": len(result.tokens[0]),
+        "target_calls": result.target_calls, "draft_calls": result.draft_calls, "accepted_tokens": accepted,
+        "examined_drafts": accepted + rejections, "seconds": result.seconds,
+        "target_seconds": sum(s.target_seconds for s in steps), "draft_seconds": sum(s.draft_seconds for s in steps),
+        "prefill_seconds": result.prefill_seconds, "output_hash": _output_hash(result.tokens[0]), "order": order,
+        "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"),
+    }
+
+
+def _run_baseline(target, prompt: BenchPrompt, base: dict, config: BenchConfig, eos) -> dict:
+    result = autoregressive_generate(target, [list(prompt.token_ids)], max_new_tokens=config.max_new_tokens,
+                                     sampling=SamplingConfig(temperature=base["temperature"]),
+                                     seed=[run_seed(prompt.id, base["seed"])], eos_token_id=eos)
+    row = _record(result, base, AUTOREGRESSIVE, 0, 0)
+    return {**row, "ar_seconds": row["seconds"], "ar_tokens": row["new_tokens"]}
+
+
+def _run_unit(target, draft, prompt: BenchPrompt, base: dict, gamma: int, order: Sequence[str],
+              config: BenchConfig, eos) -> list[dict]:
+    """Every verifier of ``order`` on one (prompt, temperature, seed, gamma), same seed (CRN)."""
+    results = {}
+    for verifier in order:
+        results[verifier] = speculative_generate(
+            target, draft, [list(prompt.token_ids)], verifier=verifier, gamma=gamma,
+            max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(temperature=base["temperature"]),
+            seed=[run_seed(prompt.id, base["seed"])], eos_token_id=eos)
+    rows = []
+    for position, verifier in enumerate(order):
+        row = _record(results[verifier], base, verifier, gamma, position)
+        others = [r for v, r in results.items() if v != verifier]
+        mine = results[verifier]
+        row["shared_steps"] = min((_shared_steps(mine, o) for o in others), default=float("nan"))
+        row["common_prefix_tokens"] = min((_common_prefix(mine.tokens[0], o.tokens[0]) for o in others),
+                                          default=float("nan"))
+        rows.append(row)
+    return rows
+
+
+def _warmup(target, draft, prompt: BenchPrompt, config: BenchConfig) -> None:
+    """Untimed: first forward passes allocate caches and pick kernels."""
+    ids = [list(prompt.token_ids)]
+    speculative_generate(target, draft, ids, verifier=config.verifiers[0], gamma=max(config.gammas),
+                         max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), seed=[0])
+    autoregressive_generate(target, ids, max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), seed=[0])
+
+
+def _units(prompts, config: BenchConfig):
+    """(prompt, temperature, seed) groups in sweep order, each with its gammas."""
+    for prompt in prompts:
+        for temperature in config.temperatures:
+            for seed in config.seeds:
+                yield prompt, float(temperature), seed
+
+
+def run_bench(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig, path: str | os.PathLike, *,
+              run_id: str | None = None, eos_token_id=None, progress: bool = True):
+    """Run the sweep (module docstring) and append its records to the CSV ``path``; skip rows already there.
+
+    Args:
+        target, draft: ``models.LanguageModel`` s with the same vocabulary (``CausalLM``, ``ToyLM``, ...).
+        prompts: encoded prompts (``load_bench_prompts``, or ``BenchPrompt`` s of token ids).
+        config: the grid; every verifier of ``config.verifiers`` runs at every (temperature, gamma, seed).
+        path: the CSV file (created with its parent directory if missing).
+        run_id: stored in every new row (default: the file name without ``.csv``).
+        eos_token_id: ends a row early (e.g. ``tokenizer.eos_token_id``); None = always max_new_tokens.
+    Returns:
+        every record in the file after the sweep (pandas DataFrame, ``RECORD_COLUMNS``).
+    """
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_id = run_id or path.stem
+    done = _done(read_records(path))
+    units = list(_units(prompts, config))
+    todo = [(u, g) for u in units for g in config.gammas
+            if any(_key(u[0].id, v, u[1], g, u[2]) not in done for v in config.verifiers)]
+    if todo:
+        _warmup(target, draft, todo[0][0][0], config)
+    bar = tqdm(total=len(todo), desc=f"bench {run_id}", unit="setting", disable=not progress)
+    for index, ((prompt, temperature, seed), gamma) in enumerate(todo):
+        base = {"run_id": run_id, "prompt_id": prompt.id, "category": prompt.category,
+                "temperature": temperature, "seed": seed}
+        baseline_key = _key(prompt.id, AUTOREGRESSIVE, temperature, 0, seed)
+        if baseline_key not in done:
+            done[baseline_key] = _run_baseline(target, prompt, base, config, eos_token_id)
+            _append(path, [done[baseline_key]])
+        baseline = done[baseline_key]
+        shift = index % len(config.verifiers)  # alternate which verifier runs first
+        order = config.verifiers[shift:] + config.verifiers[:shift]
+        rows = _run_unit(target, draft, prompt, base, gamma, order, config, eos_token_id)
+        new = [{**r, "ar_seconds": baseline["ar_seconds"], "ar_tokens": baseline["ar_tokens"]} for r in rows
+               if _key(prompt.id, r["verifier"], temperature, gamma, seed) not in done]
+        _append(path, new)
+        done.update({_key(prompt.id, r["verifier"], temperature, gamma, seed): r for r in new})
+        bar.update(1)
+        bar.set_postfix(prompt=prompt.id, T=temperature, gamma=gamma)
+    bar.close()
+    return read_records(path)
+
+
+def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str | os.PathLike, *,
+              prompts_path: str | os.PathLike | None = None, run_id: str | None = None, device: str = "cpu",
+              progress: bool = True, command: str | None = None):
+    """Load ``target_name`` (embedded name or checkpoint) and ``draft_name`` (``load_bench_draft``), encode
+    the prompts (``load_bench_prompts``), note the session (``write_run_info``) and ``run_bench`` into ``path``.
+
+    Returns every record in the file (pandas DataFrame).
+    """
+    from specresearch.embedded import load_model
+
+    target, tokenizer = load_model(target_name, device=device)
+    draft = load_bench_draft(draft_name, target)
+    prompts = load_bench_prompts(tokenizer, config, prompts_path)
+    write_run_info(path, command=command, target=target_name, draft=draft_name,
+                   config=dataclasses.asdict(config), prompts=[p.id for p in prompts])
+    return run_bench(target, draft, prompts, config, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
+                     progress=progress)

@@ -1,0 +1,220 @@
+"""The block-vs-token sweep (specresearch.bench) and its analysis (specresearch.analysis), on toy models.
+
+Statistical assertions use fixed seeds; each states its false-positive rate (probability that a correct
+implementation fails), always < 1e-6, from a normal approximation with an upper bound on the standard
+error. The sweeps on i.i.d. toy models run ~10 s in all (one torch thread, see conftest).
+"""
+
+from fractions import Fraction
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from specresearch import analysis, bench, exact, theory
+from specresearch.bench import BenchConfig, BenchPrompt, run_bench
+from specresearch.drafts import truncated_draft
+from specresearch.generate import speculative_generate
+from specresearch.models import ToyLM, tiny_llama
+from specresearch.sampling import SamplingConfig
+from specresearch.verify import VERIFIERS
+
+
+def _toy(probs) -> ToyLM:
+    """An i.i.d. ToyLM whose next-token law is ``probs`` (exact zeros allowed)."""
+    return ToyLM(torch.tensor([float(p) for p in probs]).log())
+
+
+def _prompts(count: int, token_ids=(0,)) -> list[BenchPrompt]:
+    return [BenchPrompt(f"toy-{i:02d}", "toy" if i % 2 else "toy-b", tuple(token_ids)) for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def two_symbol(tmp_path_factory):
+    """Token and block verification of reference 000's pair p = (1/3, 2/3), q = (2/3, 1/3) at T = 1, gamma = 4:
+    40 prompts x 240 tokens (~3700 token steps, ~3150 block steps)."""
+    target, draft = exact.two_symbol_example()
+    config = BenchConfig(temperatures=(1.0,), gammas=(4,), max_new_tokens=240)
+    path = tmp_path_factory.mktemp("bench") / "two_symbol.csv"
+    records = run_bench(_toy(target), _toy(draft), _prompts(40), config, path, progress=False)
+    return records, target, draft
+
+
+def test_multinomial_advances_the_generator_independently_of_the_probabilities():
+    """The CRN claim of bench's docstring: drafting consumes the same randomness whatever q is."""
+    for vocab in (2, 5, 64):
+        g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        for _ in range(4):
+            torch.multinomial(torch.softmax(torch.randn(vocab), -1), 1, generator=g1)
+            torch.multinomial(torch.softmax(3 * torch.randn(vocab), -1), 1, generator=g2)
+        assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def _tiny_pair():
+    """A 2-layer random tiny Llama and its first layer as draft (shared embeddings: they often agree)."""
+    target = tiny_llama(48, seed=0, init_std=0.5)
+    return target, truncated_draft(target, 1)
+
+
+def test_t0_token_and_block_give_identical_outputs(tmp_path):
+    target, draft = _tiny_pair()
+    prompts = [BenchPrompt(f"p{i}", "c", tuple(range(1 + i, 6 + 2 * i))) for i in range(4)]
+    config = BenchConfig(temperatures=(0.0,), gammas=(2, 3), max_new_tokens=12)
+    records = run_bench(target, draft, prompts, config, tmp_path / "t0.csv", progress=False)
+    spec = analysis.speculative_records(records)
+    assert analysis.t0_agreement(records) == (8, 8)
+    assert spec["accepted_tokens"].sum() > 0 and (spec["examined_drafts"] > spec["accepted_tokens"]).any()
+    assert (spec["shared_steps"] == spec["target_calls"]).all()
+    assert (spec["common_prefix_tokens"] == spec["new_tokens"]).all()
+    baseline = records[records["verifier"] == bench.AUTOREGRESSIVE].set_index("prompt_id")["output_hash"]
+    assert (spec["output_hash"].to_numpy() == baseline.loc[spec["prompt_id"]].to_numpy()).all()  # = greedy
+
+
+def _recording(name: str, log: list):
+    def verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+        log.append((draft_tokens.clone(), uniforms.clone()))
+        return VERIFIERS[name](target_probs, draft_probs, draft_tokens, generator, uniforms=uniforms, validate=validate)
+    return verify
+
+
+def test_common_random_numbers_are_shared_as_documented(tmp_path):
+    """Same (prompt, seed): uniforms equal at every step; drafts equal on the first ``shared_steps`` steps."""
+    target, draft = _tiny_pair()
+    prompts = [BenchPrompt(f"p{i}", "c", (3 + i, 7, 11)) for i in range(3)]
+    config = BenchConfig(temperatures=(1.0,), gammas=(3,), max_new_tokens=16)
+    records = analysis.speculative_records(run_bench(target, draft, prompts, config, tmp_path / "crn.csv",
+                                                     progress=False)).set_index(["prompt_id", "verifier"])
+    for prompt in prompts:
+        logs = {"token": [], "block": []}
+        for name, log in logs.items():
+            out = speculative_generate(target, draft, [list(prompt.token_ids)], verifier=_recording(name, log),
+                                       gamma=3, max_new_tokens=16, sampling=SamplingConfig(temperature=1.0),
+                                       seed=[bench.run_seed(prompt.id, 0)])
+            assert bench._output_hash(out.tokens[0]) == records.loc[(prompt.id, name), "output_hash"]
+        pairs = list(zip(logs["token"], logs["block"]))
+        assert all(torch.equal(a[1], b[1]) for a, b in pairs)  # the streams stay aligned
+        shared = int(records.loc[(prompt.id, "token"), "shared_steps"])
+        assert shared >= 1 and shared == int(records.loc[(prompt.id, "block"), "shared_steps"])
+        assert all(torch.equal(a[0], b[0]) for a, b in pairs[:shared])
+
+
+def test_block_gain_is_positive_at_t1(two_symbol):
+    """Exact BE: token 211/81 = 2.605, block 247/81 = 3.049, gain +17.06% (exact.block_efficiency).
+
+    Standard error of the BE difference <= sd_token / sqrt(steps_token) + sd_block / sqrt(steps_block)
+    (sd 1.51 and 1.74 from the exact step laws) = 0.056 tokens at ~9600 tokens per verifier, i.e. 2.2
+    points of relative gain. The interval's lower end is <= 0 only if the estimate falls more than 6 such
+    errors below its mean, and the estimate misses the exact gain by 12 points only at > 5.4 errors:
+    false-positive rate < 1e-7 (normal approximation).
+    """
+    records, target, draft = two_symbol
+    exact_gain = float(exact.block_efficiency(target, draft, 4, "block") / exact.block_efficiency(target, draft, 4, "token") - 1)
+    row = analysis.gain_table(records, metrics=("be",), n_boot=1000, seed=0).iloc[0]
+    message = f"BE gain {row.be_gain:+.2%} [{row.be_gain_lo:+.2%}, {row.be_gain_hi:+.2%}], exact {exact_gain:+.2%}"
+    print(message)
+    assert row.be_gain_lo > 0, message
+    assert abs(row.be_gain - exact_gain) < 0.12, message
+    assert row.be_gain_lo <= row.be_gain <= row.be_gain_hi
+
+
+def _check_closed_form(records, alpha: Fraction, gamma: int, tolerance: float, alpha_tolerance: float) -> None:
+    table = analysis.metric_table(records[records["verifier"] == "token"], metrics=("be", "alpha"), n_boot=10)
+    row = table.iloc[0]
+    assert abs(row.be - float(theory.expected_tokens(alpha, gamma))) < tolerance, row
+    assert abs(row.alpha - float(alpha)) < alpha_tolerance, row
+    assert abs(row.be - float(theory.expected_tokens(Fraction(row.alpha), gamma))) < 2 * tolerance, row
+
+
+def test_token_be_matches_closed_form_two_symbol(two_symbol):
+    """alpha = 2/3, gamma = 4: BE = 211/81. ~3700 steps, sd 1.51: SE 0.025, tolerance 0.15 = 6 SE; alpha SE
+    <= sqrt(2/9 / 8000) = 0.0053, tolerance 0.04 = 7.5 SE. False-positive rate < 1e-8."""
+    records, target, draft = two_symbol
+    alpha = theory.acceptance_rate(target, draft)
+    assert alpha == Fraction(2, 3)
+    _check_closed_form(records, alpha, 4, 0.15, 0.04)
+
+
+def test_token_be_matches_closed_form_with_zero_probabilities(tmp_path):
+    """theory.iid_example(1/2): p = (1/2, 1/2, 0), q = (1/2, 0, 1/2), gamma = 3, BE = 15/8. 40 x 150 tokens
+    = ~3200 steps, sd 1.05: SE 0.019, tolerance 0.12 = 6.4 SE; alpha SE <= sqrt(1/4 / 5000) = 0.0071,
+    tolerance 0.04 = 5.6 SE. False-positive rate < 1e-7."""
+    target, draft = theory.iid_example(Fraction(1, 2))
+    config = BenchConfig(verifiers=("token",), temperatures=(1.0,), gammas=(3,), max_new_tokens=150)
+    records = run_bench(_toy(target), _toy(draft), _prompts(40), config, tmp_path / "iid.csv", progress=False)
+    _check_closed_form(records, Fraction(1, 2), 3, 0.12, 0.04)
+
+
+def test_records_are_resumable(tmp_path):
+    config = BenchConfig(temperatures=(0.0, 1.0), gammas=(1, 2), max_new_tokens=10)
+    target, draft = _toy([0.5, 0.3, 0.2]), _toy([0.2, 0.3, 0.5])
+    path = tmp_path / "resume.csv"
+    first = run_bench(target, draft, _prompts(3), config, path, progress=False)
+    assert len(first) == 3 * 2 * (1 + 2 * 2) and list(first.columns) == list(bench.RECORD_COLUMNS)
+    content = path.read_text()
+    again = run_bench(target, draft, _prompts(3), config, path, progress=False)
+    assert path.read_text() == content and len(again) == len(first)
+    lines = content.splitlines()
+    path.write_text("\n".join(lines[:-3]) + "\n")  # lose the last rows, as a crash would
+    resumed = run_bench(target, draft, _prompts(3), config, path, progress=False)
+    keys = ["prompt_id", "verifier", "temperature", "gamma", "seed"]
+    assert len(resumed) == len(first) and not resumed.duplicated(keys).any()
+    assert set(map(tuple, resumed[keys].to_numpy())) == set(map(tuple, first[keys].to_numpy()))
+
+
+def _synthetic() -> pd.DataFrame:
+    """4 prompts, one (T, gamma): token BE = 36/16, block BE = 44/16; WS token 2, block 2.5 (block 0.8x time)."""
+    rows = []
+    for i, accepted in enumerate([2, 4, 6, 8]):
+        for verifier, extra, seconds in (("token", 0, 1.0 + i), ("block", 2, 0.8 * (1.0 + i))):
+            rows.append({"run_id": "s", "prompt_id": f"p{i}", "category": "c", "verifier": verifier,
+                         "temperature": 1.0, "gamma": 4, "seed": 0, "new_tokens": 10, "target_calls": 4,
+                         "draft_calls": 16, "accepted_tokens": accepted + extra, "examined_drafts": accepted + 2,
+                         "seconds": seconds, "ar_seconds": 2.0 * (1.0 + i), "ar_tokens": 10, "output_hash": "x"})
+    return pd.DataFrame(rows)
+
+
+def test_analysis_point_estimates_and_paired_bootstrap():
+    records = _synthetic()
+    table = analysis.metric_table(records, n_boot=500, seed=1).set_index("verifier")
+    assert table.loc["token", "be"] == pytest.approx(36 / 16) and table.loc["block", "be"] == pytest.approx(44 / 16)
+    assert table.loc["token", "ws"] == pytest.approx(2.0) and table.loc["block", "ws"] == pytest.approx(2.5)
+    assert table.loc["token", "alpha"] == pytest.approx(20 / 28)
+    assert (table["be_lo"] <= table["be"]).all() and (table["be"] <= table["be_hi"]).all()
+    assert table.loc["token", "be_lo"] < table.loc["token", "be_hi"]  # prompts differ: a real interval
+    gain = analysis.gain_table(records, n_boot=500, seed=1).iloc[0]
+    assert gain.be_gain == pytest.approx(44 / 36 - 1) and gain.ws_gain == pytest.approx(0.25)
+    # Block time is 0.8x token time on every prompt: every paired resample gives exactly +25%.
+    assert gain.ws_gain_lo == pytest.approx(0.25) and gain.ws_gain_hi == pytest.approx(0.25)
+    again = analysis.gain_table(records, n_boot=500, seed=1).iloc[0]
+    assert again.be_gain_lo == gain.be_gain_lo and again.be_gain_hi == gain.be_gain_hi  # seeded
+    paper = analysis.paper_table(records, n_boot=200)
+    assert paper.loc[0, "be_block"] == pytest.approx(44 / 16) and "BE gain" in analysis.format_paper_table(paper)
+
+
+def test_bootstrap_weights_resample_prompts():
+    weights = analysis.bootstrap_weights(7, n_boot=300, seed=2)
+    assert weights.shape == (300, 7) and (weights.sum(1) == 7).all()
+    assert np.array_equal(weights, analysis.bootstrap_weights(7, n_boot=300, seed=2))
+
+
+def test_config_and_prompt_selection_validate():
+    with pytest.raises(ValueError, match="gammas"):
+        BenchConfig(gammas=(0,))
+    with pytest.raises(ValueError, match="temperatures"):
+        BenchConfig(temperatures=(-0.1,))
+    with pytest.raises(ValueError, match="verifiers"):
+        BenchConfig(verifiers=("tokn",))
+    assert BenchConfig.from_name("quick").gammas == (2, 4)
+    prompts = [{"id": f"{c}-{i}", "category": c, "turns": ["x"]} for c in "abc" for i in range(4)]
+    assert [p["id"] for p in bench.select_prompts(prompts, num_prompts=3)] == ["a-0", "b-0", "c-0"]
+    assert [p["id"] for p in bench.select_prompts(prompts, ["b"], 2)] == ["b-0", "b-2"]
+    with pytest.raises(ValueError, match="categories"):
+        bench.select_prompts(prompts, ["z"])
+
+
+def test_cli_builds_the_bench_command():
+    from specresearch.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--quick", "--gammas", "2", "8", "--prompts", "7"])
+    assert args.func.__name__ == "_run_bench" and args.gammas == [2, 8] and args.prompts == 7
