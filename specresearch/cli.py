@@ -108,7 +108,7 @@ def _run_generate(args) -> int:
     if args.autoregressive:
         result = autoregressive_generate(target, [prompt], **common)
     else:
-        draft = draft_from_name(args.draft, target)
+        draft = draft_from_name(args.draft, target, tokenizer)
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma, **common)
     stream.close()
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
