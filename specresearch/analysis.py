@@ -146,8 +146,8 @@ def _paired_gain(base: pd.DataFrame, treated: pd.DataFrame, metric: str, weights
     return (float(point), *_interval(samples - 1, level))
 
 
-def gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature", "gamma"), metrics: Sequence[str] = ("be", "ws"),
-               *, baseline: str = "token", treatment: str = "block", n_boot: int = 2000, seed: int = 0,
+def gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature", "gamma"),
+               metrics: Sequence[str] = ("be", "ws"), *, baseline: str = "token", treatment: str = "block", n_boot: int = 2000, seed: int = 0,
                level: float = 0.95) -> pd.DataFrame:
     """Relative gain ``treatment / baseline - 1`` per group, with a paired bootstrap over the shared prompts.
 
@@ -259,6 +259,9 @@ def latest_run(results_dir: str | os.PathLike = "results", exclude_prefix: str =
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
+_STYLES = {"token": ("s", "--", -0.08), "block": ("D", "-", 0.08)}  # marker, line style, x offset
+
+
 def plot_metric_vs_gamma(table: pd.DataFrame, metric: str, label: str, paper: pd.DataFrame | None = None):
     """One panel per temperature: ``metric`` vs gamma, one line per verifier with its bootstrap interval.
 
@@ -273,7 +276,9 @@ def plot_metric_vs_gamma(table: pd.DataFrame, metric: str, label: str, paper: pd
         for verifier, rows in table[table["temperature"] == temperature].groupby("verifier"):
             rows = rows.sort_values("gamma")
             err = [rows[metric] - rows[f"{metric}_lo"], rows[f"{metric}_hi"] - rows[metric]]
-            ax.errorbar(rows["gamma"], rows[metric], yerr=err, marker="o", capsize=3, label=f"{verifier} (ours)")
+            style = _STYLES.get(verifier, ("o", "-", 0.0))  # token dashed and shifted: visible under block
+            ax.errorbar(rows["gamma"] + style[2], rows[metric], yerr=err, marker=style[0], ls=style[1], capsize=3,
+                        label=f"{verifier} (ours)")
         if paper is not None:
             for verifier, marker in (("token", "s"), ("block", "D")):
                 hit = paper[paper["temperature"] == temperature]

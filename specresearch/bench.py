@@ -230,7 +230,8 @@ def write_run_info(path: str | os.PathLike, **info) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     sessions = json.loads(path.read_text()) if path.exists() else []
     sessions.append({**info, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                     "cpu_count": os.cpu_count(), "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+                     "cpu_count": os.cpu_count(),
+                     "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     path.write_text(json.dumps(sessions, indent=2) + "\n")
     return path

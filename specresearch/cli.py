@@ -199,7 +199,8 @@ def _run_warm_cache(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="block vs token verification sweep (reference 003): records to <out>/<run>.csv")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
-    p.add_argument("--draft", default="tiny-1l", help="tiny-1l (a shipped distilled draft) | ngram | truncated:N | path")
+    p.add_argument("--draft", default="tiny-1l",
+                   help="tiny-1l (a shipped distilled draft) | ngram | truncated:N | checkpoint path")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
     p.add_argument("--verifiers", nargs="+", help="default: token block")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
