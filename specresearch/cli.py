@@ -146,7 +146,8 @@ def _add_distill(sub) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
     for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float),
                        ("--warmup-steps", int), ("--corpus-temperature", float), ("--corpus-max-new-tokens", int),
-                       ("--corpus-samples-per-prompt", int), ("--corpus-batch-size", int), ("--checkpoint-every", int)]:
+                       ("--corpus-samples-per-prompt", int), ("--corpus-batch-size", int), ("--checkpoint-every", int),
+                       ("--teacher-top-k", int), ("--weight-decay", float)]:
         p.add_argument(flag, type=kind, help="TrainConfig field (default: the dataclass default)")
     p.add_argument("--prompts", default="data/distill_prompts.jsonl", help="distillation prompts")
     p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")

@@ -193,6 +193,74 @@ def test_distill_kl_is_the_forward_kl():
     assert float(D.distill_kl(target_logits, target_logits)) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_sparse_kl_with_all_tokens_is_the_exact_kl(target, corpus, train_config):
+    """k >= V and a full head: the top-k teacher loss equals distill_kl on the full distributions."""
+    draft = D.build_draft(target, D.DraftConfig("t", num_layers=1), seed=0)
+    teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=VOCAB, progress=False)
+    indices = [0, 3, 5]
+    batch = D._collate(corpus, indices, train_config.seq_len)
+    with torch.no_grad():
+        exact = D.distill_kl(D._masked_logits(target, *batch), D._masked_logits(draft, *batch))
+        sparse = D.sparse_distill_kl(draft, batch, *teacher.batch(indices))
+    assert float(sparse) == pytest.approx(float(exact), rel=1e-5)
+
+
+def test_subset_head_puts_zero_mass_off_its_tokens(target):
+    ids = torch.tensor([1, 4, 9, 30])
+    head = D.SubsetHead(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), ids, VOCAB)
+    hidden = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    q = head(hidden).softmax(-1)  # [3, V]
+    off = torch.ones(VOCAB, dtype=torch.bool)
+    off[ids] = False
+    assert torch.all(q[:, off] == 0) and torch.allclose(q[:, ids], head.subset_logits(hidden).softmax(-1))
+    assert torch.equal(head.index_of[ids], torch.arange(4)) and int(head.index_of[0]) == -1
+    with pytest.raises(ValueError, match="token_ids"):
+        D.SubsetHead(torch.randn(2, 8), torch.tensor([3, 3]), VOCAB)
+    with pytest.raises(ValueError, match="token_ids"):
+        D.SubsetHead(torch.randn(2, 8), torch.tensor([3, VOCAB]), VOCAB)
+
+
+def test_head_token_ids_takes_the_most_teacher_mass(target, corpus, train_config):
+    teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=8, progress=False)
+    mass = torch.zeros(VOCAB, dtype=torch.float64)
+    mass.index_add_(0, torch.cat(teacher.ids).flatten(), torch.cat(teacher.probs).flatten().double())
+    chosen = D.head_token_ids(teacher, VOCAB, 10, required=[EOS])
+    assert len(chosen) == 10 and EOS in chosen.tolist() and torch.equal(chosen, chosen.sort().values)
+    others = [i for i in range(VOCAB) if i not in chosen.tolist()]
+    assert float(mass[[i for i in chosen.tolist() if i != EOS]].min()) >= float(mass[others].max())
+
+
+def test_subset_head_draft_trains_ships_and_reloads(target, corpus, train_config, tmp_path):
+    """A 20-token trained head: its KL falls, only layers/norm/head train, and the shipped copy (bfloat16,
+    token ids stored) rebuilds with the logits of the rounded in-memory draft."""
+    config = D.DraftConfig("s", num_layers=1, head_tokens=20, train_head=True, storage_dtype="bfloat16")
+    teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=train_config.teacher_top_k, progress=False)
+    ids = D.head_token_ids(teacher, VOCAB, 20, required=[EOS])
+    draft = D.build_draft(target, config, seed=0, head_token_ids=ids)
+    assert torch.equal(draft.get_output_embeddings().weight, target.get_output_embeddings().weight[ids])
+    indices = list(range(len(corpus.sequences)))
+    batch = D._collate(corpus, indices, train_config.seq_len)
+    with torch.no_grad():
+        before = float(D.sparse_distill_kl(draft, batch, *teacher.batch(indices)))
+    result = D.train_draft(target, draft, corpus, train_config, teacher=teacher, progress=False)
+    with torch.no_grad():
+        after = float(D.sparse_distill_kl(draft, batch, *teacher.batch(indices)))
+    assert result.finished and after < 0.7 * before, (before, after)
+    assert set(D.trainable_state(draft)) >= {"lm_head.weight"}
+    assert torch.equal(draft.get_input_embeddings().weight, target.get_input_embeddings().weight)
+
+    D.round_to_storage(draft, config)
+    D.save_draft(draft, target, config, tmp_path / "s")
+    loaded = D.load_draft(target, tmp_path / "s")
+    probe = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(draft(input_ids=probe).logits, loaded(input_ids=probe).logits)
+    with pytest.raises(ValueError, match="head_token_ids"):
+        D.build_draft(target, config, seed=0)
+    with pytest.raises(ValueError, match="teacher"):
+        D.train_draft(target, draft, corpus, dataclasses.replace(train_config, seq_len=32), teacher=teacher, progress=False)
+
+
 @pytest.mark.parametrize("field, kwargs", [
     ("num_layers", {"num_layers": 0}),
     ("intermediate_size", {"intermediate_size": 0}),
