@@ -3,8 +3,13 @@
 Usage (from the repository root; one thread, as on the shared reference machine):
 
     .venv/bin/python benchmarks/bench_draft.py --threads 1                 # every draft in data/drafts/
-    .venv/bin/python benchmarks/bench_draft.py --threads 1 --draft tiny-1l --prompts 14 --tokens 64
+    .venv/bin/python benchmarks/bench_draft.py --threads 1 --draft v8k-4l --prompts 14 --tokens 64
     .venv/bin/python benchmarks/bench_draft.py --threads 1 --baseline      # + untrained 1-layer baseline
+    .venv/bin/python benchmarks/bench_draft.py --threads 1 --alpha-from-manifest --draft v8k-4l path/to/v8k-2l
+
+``--draft`` takes shipped names or draft directories (``specresearch distill --out DIR``).
+``--alpha-from-manifest`` reuses the alpha and greedy agreement the training run recorded (the same
+seeded measurement on the same held-out prompts, so identical up to float rounding) and times c only.
 
 For each draft: alpha = E[sum_x min(p, q)] at T = 0.2, 0.6, 1.0 along continuations the target samples
 at that temperature, and the greedy agreement rate along its greedy continuations, on ``--prompts``
@@ -25,18 +30,24 @@ from pathlib import Path
 import torch
 
 from specresearch import distill
+from specresearch.drafts import shipped_drafts
 from specresearch.embedded import load_embedded
 from specresearch.theory import optimal_gamma, walltime_improvement
 
 TEMPERATURES = (0.2, 0.6, 1.0)
 
 
-def measure(target, draft, name, prompt_ids, eos, args) -> dict:
-    stats = distill.measure_draft(target, draft, prompt_ids, temperatures=TEMPERATURES, max_new_tokens=args.tokens,
-                                  eos_token_ids=eos, progress=False)
+def measure(target, draft, name, prompt_ids, eos, args, recorded=None) -> dict:
+    if recorded is None:
+        stats = distill.measure_draft(target, draft, prompt_ids, temperatures=TEMPERATURES, max_new_tokens=args.tokens,
+                                      eos_token_ids=eos, progress=False).as_dict()
+        prompts, tokens = len(prompt_ids), args.tokens
+    else:
+        stats = {k: recorded[k] for k in ("alpha", "greedy_agreement", "positions")}
+        prompts, tokens = len(recorded["prompt_ids"]), recorded["max_new_tokens"]
     cost = distill.measure_cost_ratio(target, draft, repeats=args.repeats)
-    row = {"draft": name, "prompts": len(prompt_ids), "tokens": args.tokens, **stats.as_dict(), **cost}
-    alpha = min(stats.alpha[1.0], 0.999)
+    row = {"draft": name, "prompts": prompts, "tokens": tokens, **stats, **cost}
+    alpha = min(stats["alpha"]["1.0"], 0.999)
     gamma = optimal_gamma(alpha, cost["c"])
     row.update({"best_gamma_T1": gamma, "speedup_T1": float(walltime_improvement(alpha, gamma, cost["c"]))})
     return row
@@ -54,7 +65,8 @@ def table(rows) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", nargs="*", help="names under data/drafts/ (default: all)")
+    parser.add_argument("--draft", nargs="*", help="names under data/drafts/ or draft directories (default: all shipped)")
+    parser.add_argument("--alpha-from-manifest", action="store_true", help="reuse the recorded alpha; time c only")
     parser.add_argument("--prompts", type=int, default=14, help="held-out prompts, evenly spaced")
     parser.add_argument("--tokens", type=int, default=64, help="continuation length per prompt and temperature")
     parser.add_argument("--repeats", type=int, default=30, help="timed forwards per model for c")
@@ -69,11 +81,13 @@ def main() -> None:
     heldout = distill.load_prompts(distill.drafts_dir().parent / "prompts.jsonl")
     chosen = [heldout[round(i * len(heldout) / args.prompts)] for i in range(min(args.prompts, len(heldout)))]
     prompt_ids = distill.encode_prompts(tokenizer, chosen)
-    names = args.draft or sorted(p.name for p in distill.drafts_dir().glob("*") if (p / "manifest.json").exists())
-    drafts = [(n, distill.load_trained_draft(target, n)) for n in names]
+    names = args.draft or shipped_drafts()
+    directories = [Path(n) if (Path(n) / "manifest.json").exists() else distill.drafts_dir() / n for n in names]
+    drafts = [(d.name, distill.load_draft(target, d), json.loads((d / "manifest.json").read_text())) for d in directories]
     if args.baseline:
-        drafts.append(("untrained tiny-1l", distill.build_draft(target, distill.DraftConfig.from_name("tiny-1l")).eval()))
-    rows = [measure(target, draft, name, prompt_ids, eos, args) for name, draft in drafts]
+        drafts.append(("untrained tiny-1l", distill.build_draft(target, distill.DraftConfig.from_name("tiny-1l")).eval(), None))
+    rows = [measure(target, draft, name, prompt_ids, eos, args, manifest["measurement"] if manifest and args.alpha_from_manifest else None)
+            for name, draft, manifest in drafts]
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:

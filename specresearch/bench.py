@@ -3,7 +3,7 @@
 Reproduces the experiment of reference 003 (Sun et al., ICLR 2025, rebuttal Table "BE/WS": Vicuna-7B
 target + Vicuna-68M draft on Spec-Bench, T in {0.2, 0.6, 1.0}, gamma = 8; BE = block efficiency, tokens
 per target call; WS = wall-clock speed-up over autoregressive decoding) on any target/draft pair, by
-default the embedded SmolLM2-135M-Instruct with the shipped distilled draft ``tiny-1l``.
+default the embedded SmolLM2-135M-Instruct with the shipped distilled draft ``v8k-4l``.
 
 Sweep (``run_bench``): for every prompt x temperature x seed, one autoregressive baseline run, then for
 every gamma one run per verifier (``config.verifiers``, default token and block). Every run is written
@@ -199,18 +199,10 @@ def load_bench_prompts(tokenizer, config: BenchConfig, path: str | os.PathLike |
 
 
 def load_bench_draft(name: str, target):
-    """A draft for ``target`` (a ``CausalLM``) from a short name.
-
-    ``tiny-1l`` (or any name shipped under ``data/drafts/``): the distilled draft rebuilt against the
-    target (``distill.load_trained_draft``) and wrapped in ``CausalLM``; otherwise
-    ``drafts.draft_from_name``: ``ngram``, ``truncated:N`` or a local checkpoint path.
-    """
-    from specresearch import distill
+    """A draft for ``target`` (a ``CausalLM``) from a short name (``drafts.draft_from_name``): a shipped
+    trained draft (``v8k-4l``, any name under ``data/drafts/``), ``ngram``, ``truncated:N`` or a path."""
     from specresearch.drafts import draft_from_name
-    from specresearch.models import CausalLM
 
-    if (distill.drafts_dir() / name / "manifest.json").exists():
-        return CausalLM(distill.load_trained_draft(target.model, name), device=target.device)
     return draft_from_name(name, target)
 
 

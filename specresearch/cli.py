@@ -31,7 +31,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="speculative generation on a model (default: the embedded SmolLM2-135M)")
     p.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
-    p.add_argument("--draft", default="ngram", help="ngram | truncated:N (first N target layers) | checkpoint path")
+    p.add_argument("--draft", default="v8k-4l",
+                   help="v8k-4l (the shipped distilled draft; any name under data/drafts/) | ngram | truncated:N | checkpoint path")
     p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -142,7 +143,7 @@ class _Stream:
 
 def _add_distill(sub) -> None:
     p = sub.add_parser("distill", help="train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)")
-    p.add_argument("--preset", default="tiny-1l", help="draft preset (specresearch.distill.DRAFT_PRESETS)")
+    p.add_argument("--preset", default="v8k-4l", help="draft preset (specresearch.drafts.DRAFT_PRESETS)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
     for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float),
                        ("--warmup-steps", int), ("--corpus-temperature", float), ("--corpus-max-new-tokens", int),
@@ -200,8 +201,8 @@ def _run_warm_cache(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="block vs token verification sweep (reference 003): records to <out>/<run>.csv")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
-    p.add_argument("--draft", default="tiny-1l",
-                   help="tiny-1l (a shipped distilled draft) | ngram | truncated:N | checkpoint path")
+    p.add_argument("--draft", default="v8k-4l",
+                   help="v8k-4l (a shipped distilled draft) | ngram | truncated:N | checkpoint path")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
     p.add_argument("--verifiers", nargs="+", help="default: token block")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")

@@ -22,7 +22,7 @@ import torch
 
 from specresearch.models import CausalLM
 
-__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_model"]
+__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_embedded_pair", "load_model"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,21 @@ def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.de
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype)
     return CausalLM(model, device=device), tokenizer
+
+
+def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, device: str | torch.device = "auto",
+                       dtype: torch.dtype | None = torch.float32):
+    """The embedded target, its shipped distilled draft and the tokenizer: ``(target, draft, tokenizer)``.
+
+    ``draft`` names a directory under ``data/drafts/`` (``drafts.shipped_drafts()``); the draft is
+    rebuilt against this target (its embedding is the target's) and checked to belong to it.
+    """
+    from specresearch.drafts import draft_from_name, shipped_drafts
+
+    if draft not in shipped_drafts():
+        raise ValueError(f"draft must be one of the shipped drafts {shipped_drafts()}, got {draft!r}")
+    target, tokenizer = load_embedded(name, device=device, dtype=dtype)
+    return target, draft_from_name(draft, target), tokenizer
 
 
 def _wheel_dir(spec: EmbeddedSpec) -> Path:
