@@ -302,7 +302,7 @@ class SubsetHead(torch.nn.Module):
         _require(token_ids.ndim == 1 and len(token_ids) == len(weight), "token_ids", f"must be [K] with K = {len(weight)} rows, got {tuple(token_ids.shape)}")
         _require(len(token_ids) == len(token_ids.unique()), "token_ids", "must not repeat a token")
         _require(0 <= int(token_ids.min()) and int(token_ids.max()) < vocab_size, "token_ids", f"must lie in [0, {vocab_size})")
-        self.vocab_size = vocab_size
+        self.vocab_size = self.out_features = vocab_size  # out_features: the logits' size, as for nn.Linear
         self.weight = torch.nn.Parameter(weight.detach().clone())
         self.register_buffer("token_ids", token_ids.clone())
         index_of = torch.full((vocab_size,), -1, dtype=torch.long)

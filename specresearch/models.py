@@ -156,8 +156,8 @@ class CausalLM:
     @property
     def vocab_size(self) -> int:
         """Size of the logits' last dimension (may exceed ``len(tokenizer)``)."""
-        head = self.model.get_output_embeddings()
-        return int(head.weight.shape[0]) if head is not None else int(self.model.config.get_text_config().vocab_size)
+        head = self.model.get_output_embeddings()  # out_features: nn.Linear, or a head over a token subset
+        return int(getattr(head, "out_features", head.weight.shape[0])) if head is not None else int(self.model.config.get_text_config().vocab_size)
 
     @property
     def max_context(self) -> int | None:

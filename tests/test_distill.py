@@ -255,6 +255,9 @@ def test_subset_head_draft_trains_ships_and_reloads(target, corpus, train_config
     probe = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(draft(input_ids=probe).logits, loaded(input_ids=probe).logits)
+    from specresearch.models import CausalLM
+
+    assert CausalLM(loaded, device="cpu").vocab_size == VOCAB  # the logits' size, not the head's 20 rows
     with pytest.raises(ValueError, match="head_token_ids"):
         D.build_draft(target, config, seed=0)
     with pytest.raises(ValueError, match="teacher"):
