@@ -45,12 +45,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 import transformers
 
-from specresearch.drafts import (_HEAD_IDS, _MANIFEST_FILE, _STORAGE_DTYPES, _WEIGHTS_FILE, DRAFT_PRESETS, DraftConfig, SubsetHead,
-                                 _embedding_fingerprint, build_draft, drafts_dir, load_draft, load_trained_draft, trainable_state)
+from specresearch.drafts import (DRAFT_PRESETS, DraftConfig, SubsetHead, _embedding_fingerprint, _require, build_draft, drafts_dir,
+                                 load_draft, load_trained_draft, round_to_storage, save_draft, trainable_state)
 from specresearch.sampling import SamplingConfig, logits_to_probs
 
 __all__ = [
@@ -93,11 +92,6 @@ _CHECKPOINT_FILE = "checkpoint.pt"
 
 # --------------------------------------------------------------------------------------------------
 # Configuration
-
-
-def _require(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"{field} {message}")
 
 
 @dataclass(frozen=True)
@@ -539,38 +533,6 @@ def _load_checkpoint(directory, draft, optimizer, config) -> tuple[int, list[flo
             p.copy_(payload["weights"][name])
     optimizer.load_state_dict(payload["optimizer"])
     return payload["step"], list(payload["losses"]), payload["seconds"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Shipping
-
-
-def save_draft(draft, target, config: DraftConfig, directory: str | os.PathLike, manifest: dict | None = None) -> Path:
-    """Write ``draft.safetensors`` (trained tensors only, in ``config.storage_dtype``) and ``manifest.json``.
-
-    The manifest records ``draft_config``, the target's embedding fingerprint and whatever ``manifest``
-    adds (command, seed, corpus size, training time, measurements).
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    dtype = _STORAGE_DTYPES[config.storage_dtype]
-    tensors = {name: p.detach().to(dtype).contiguous() for name, p in trainable_state(draft).items()}
-    head = draft.get_output_embeddings()
-    if isinstance(head, SubsetHead):
-        tensors[_HEAD_IDS] = head.token_ids.detach().clone()
-    save_file(tensors, str(directory / _WEIGHTS_FILE))
-    record = {"draft_config": dataclasses.asdict(config), "target": _embedding_fingerprint(target), **(manifest or {})}
-    (directory / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    return directory
-
-
-@torch.no_grad()
-def round_to_storage(draft, config: DraftConfig) -> None:
-    """Round the trained tensors through ``config.storage_dtype`` in place, so a measurement taken now is
-    the measurement of the shipped draft (which :func:`load_draft` rebuilds from the rounded tensors)."""
-    dtype = _STORAGE_DTYPES[config.storage_dtype]
-    for p in trainable_state(draft).values():
-        p.copy_(p.to(dtype).to(p.dtype))
 
 
 # --------------------------------------------------------------------------------------------------

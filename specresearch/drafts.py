@@ -23,12 +23,12 @@ import copy
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from specresearch.models import CausalLM, _as_counts, _check_prompt, _Slots
 
@@ -45,6 +45,8 @@ __all__ = [
     "build_draft",
     "trainable_state",
     "drafts_dir",
+    "save_draft",
+    "round_to_storage",
     "load_draft",
     "load_trained_draft",
     "shipped_drafts",
@@ -204,7 +206,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 
 
 # --------------------------------------------------------------------------------------------------
-# Trained drafts: configuration, construction, loading (training lives in specresearch.distill)
+# Trained drafts: configuration, construction, the on-disk format (save, load); training lives in specresearch.distill
 
 
 def _require(condition: bool, field: str, message: str) -> None:
@@ -401,6 +403,34 @@ def _check_fingerprint(target, expected: dict, where: Path) -> None:
     if not (same_shape and close):
         raise ValueError(f"target does not match the target the draft in {where} was trained on: {actual} vs {expected}")
 
+
+
+def save_draft(draft, target, config: DraftConfig, directory: str | os.PathLike, manifest: dict | None = None) -> Path:
+    """Write ``draft.safetensors`` (trained tensors only, in ``config.storage_dtype``) and ``manifest.json``.
+
+    The manifest records ``draft_config``, the target's embedding fingerprint and whatever ``manifest``
+    adds (command, seed, corpus size, training time, measurements).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = _STORAGE_DTYPES[config.storage_dtype]
+    tensors = {name: p.detach().to(dtype).contiguous() for name, p in trainable_state(draft).items()}
+    head = draft.get_output_embeddings()
+    if isinstance(head, SubsetHead):
+        tensors[_HEAD_IDS] = head.token_ids.detach().clone()
+    save_file(tensors, str(directory / _WEIGHTS_FILE))
+    record = {"draft_config": asdict(config), "target": _embedding_fingerprint(target), **(manifest or {})}
+    (directory / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+@torch.no_grad()
+def round_to_storage(draft, config: DraftConfig) -> None:
+    """Round the trained tensors through ``config.storage_dtype`` in place, so a measurement taken now is
+    the measurement of the shipped draft (which :func:`load_draft` rebuilds from the rounded tensors)."""
+    dtype = _STORAGE_DTYPES[config.storage_dtype]
+    for p in trainable_state(draft).values():
+        p.copy_(p.to(dtype).to(p.dtype))
 
 
 def load_draft(target, directory: str | os.PathLike):
