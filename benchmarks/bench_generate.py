@@ -6,8 +6,10 @@ One run, same prompts, same draft, same gamma, same sampling:
   * transformers' assisted generation (``generate(assistant_model=..., do_sample=True)``) with a constant
     number of assistant tokens = gamma (``num_assistant_tokens_schedule="constant"`` and the dynamic
     confidence threshold switched off, ``assistant_confidence_threshold=0``, so it drafts exactly gamma).
-The draft is ``truncated_draft(target, layers)``: the target's first layers + embeddings and head, a
-cheap stand-in until a distilled draft exists (same tokenizer, so transformers accepts it).
+The draft is ``--draft``, any name ``drafts.draft_from_name`` knows: by default the shipped distilled
+``v8k-4l`` (a transformers Llama with a trained 8192-token head that returns full-vocabulary logits, so
+transformers' assisted generation runs the very same model), or ``truncated:N`` (the target's first N
+layers), or a checkpoint path with the target's tokenizer.
 
 Prints a table (tokens/s, block efficiency, ratios) and the engine's overhead per step (all but the two
 models' forward passes) against one target forward; ``--out`` writes the rows as JSON lines.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specresearch.drafts import truncated_draft
+from specresearch.drafts import draft_from_name
 from specresearch.embedded import load_embedded
 from specresearch.generate import autoregressive_generate, speculative_generate
 from specresearch.sampling import SamplingConfig
@@ -128,7 +130,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=7, help="one per category of data/prompts.jsonl (<= 7)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--draft", default="v8k-4l", help="v8k-4l (shipped), truncated:N, or a checkpoint path")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared 2-core CPU)")
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
         args.prompts, args.max_new_tokens = 2, 24
     torch.set_num_threads(args.threads)
     target, tokenizer = load_embedded("smollm2-135m-instruct", device="cpu")
-    draft = truncated_draft(target, args.draft_layers)
+    draft = draft_from_name(args.draft, target, tokenizer)
     prompts = _prompts(tokenizer, args.prompts)
     sampling = SamplingConfig(temperature=args.temperature)
     _print(_run_all(target, draft, prompts, tokenizer, args, sampling), args)
@@ -148,7 +150,7 @@ def main(argv=None) -> None:
 def _print(rows, args) -> None:
     base = rows[0]["tokens"] / rows[0]["seconds"]
     assisted = rows[-1]["tokens"] / rows[-1]["seconds"]
-    print(f"\nSmolLM2-135M-Instruct target, draft = first {args.draft_layers} layers, gamma = {args.gamma}, "
+    print(f"\nSmolLM2-135M-Instruct target, draft = {args.draft}, gamma = {args.gamma}, "
           f"T = {args.temperature}, {args.prompts} prompts x {args.max_new_tokens} new tokens, "
           f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
     print("| method | tokens | seconds | tokens/s | block efficiency | vs autoregressive | vs HF assisted |")
