@@ -49,15 +49,25 @@ def _prompts(tokenizer, n: int) -> list[str]:
     return [tokenizer.apply_chat_template([m], add_generation_prompt=True, tokenize=False) for m in chat]
 
 
-class _CallCounter:
-    """Counts forward calls of an HF model through a forward hook (public torch API; nothing patched)."""
+class _ForwardMeter:
+    """Counts and times the forward calls of an HF model through forward pre/post hooks (public torch API;
+    nothing patched). The time inside the forwards bounds what any engine could gain with the same models:
+    an engine with zero overhead would take ``forward_seconds``."""
 
     def __init__(self, module):
-        self.calls = 0
-        self.handle = module.register_forward_hook(self._hook)
+        self.calls, self.seconds, self._start = 0, 0.0, 0.0
+        self.handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
-    def _hook(self, *_):
+    def _pre(self, *_):
+        self._start = time.perf_counter()
+
+    def _post(self, *_):
         self.calls += 1
+        self.seconds += time.perf_counter() - self._start
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
 
 
 def _ours(method, target, draft, prompt, seed, tokenizer, args, sampling) -> dict:
@@ -66,14 +76,16 @@ def _ours(method, target, draft, prompt, seed, tokenizer, args, sampling) -> dic
         result = autoregressive_generate(target, [prompt], **kwargs)
     else:
         result = speculative_generate(target, draft, [prompt], verifier=method, gamma=args.gamma, **kwargs)
-    return dict(tokens=result.num_tokens, seconds=result.seconds, target_calls=result.target_calls, result=result)
+    forward = sum(step.target_seconds + step.draft_seconds for step in result.steps)
+    return dict(tokens=result.num_tokens, seconds=result.seconds, target_calls=result.target_calls, result=result,
+                forward_seconds=forward + result.prefill_seconds)
 
 
 def _hf(assisted: bool, target, draft, prompt, seed, tokenizer, args, sampling) -> dict:
     draft.model.generation_config.num_assistant_tokens = args.gamma
     draft.model.generation_config.num_assistant_tokens_schedule = "constant"
     draft.model.generation_config.assistant_confidence_threshold = 0.0  # falsy: no early stop of drafting
-    counter = _CallCounter(target.model)
+    target_meter, draft_meter = _ForwardMeter(target.model), _ForwardMeter(draft.model)
     enc = tokenizer([prompt], return_tensors="pt")
     torch.manual_seed(seed)  # transformers' sampling draws from the global RNG
     start = time.perf_counter()
@@ -82,9 +94,11 @@ def _hf(assisted: bool, target, draft, prompt, seed, tokenizer, args, sampling) 
         top_p=1.0, assistant_model=draft.model if assisted else None, pad_token_id=tokenizer.pad_token_id,
     )
     seconds = time.perf_counter() - start
-    counter.handle.remove()
+    target_meter.remove()
+    draft_meter.remove()
     new_tokens = out.shape[1] - enc["input_ids"].shape[1]
-    return dict(tokens=new_tokens, seconds=seconds, target_calls=counter.calls)  # its prefill yields a token too
+    return dict(tokens=new_tokens, seconds=seconds, target_calls=target_meter.calls,  # its prefill yields a token too
+                forward_seconds=target_meter.seconds + draft_meter.seconds)
 
 
 METHODS = {
@@ -98,11 +112,12 @@ METHODS = {
 
 def _run_all(target, draft, prompts, tokenizer, args, sampling) -> list[dict]:
     """Methods interleaved prompt by prompt, so a load change on a shared machine hits all of them alike."""
-    rows = {name: dict(method=name, tokens=0, seconds=0.0, target_calls=0, results=[]) for name in METHODS}
+    rows = {name: dict(method=name, tokens=0, seconds=0.0, target_calls=0, forward_seconds=0.0, results=[])
+            for name in METHODS}
     for i, prompt in enumerate(prompts):
         for name, run in METHODS.items():
             record = run(target, draft, prompt, args.seed + i, tokenizer, args, sampling)
-            for key in ("tokens", "seconds", "target_calls"):
+            for key in ("tokens", "seconds", "target_calls", "forward_seconds"):
                 rows[name][key] += record[key]
             if "result" in record:
                 rows[name]["results"].append(record["result"])
@@ -153,13 +168,19 @@ def _print(rows, args) -> None:
     print(f"\nSmolLM2-135M-Instruct target, draft = {args.draft}, gamma = {args.gamma}, "
           f"T = {args.temperature}, {args.prompts} prompts x {args.max_new_tokens} new tokens, "
           f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
-    print("| method | tokens | seconds | tokens/s | block efficiency | vs autoregressive | vs HF assisted |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| method | tokens | seconds | tokens/s | block efficiency | in forward passes | vs autoregressive "
+          "| vs HF assisted |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         speed = row["tokens"] / row["seconds"]
         row.update(tokens_per_second=speed, block_efficiency=row["tokens"] / max(row["target_calls"], 1))
         print(f"| {row['method']} | {row['tokens']} | {row['seconds']:.1f} | {speed:.1f} | "
-              f"{row['block_efficiency']:.2f} | {speed / base:.2f}x | {speed / assisted:.2f}x |")
+              f"{row['block_efficiency']:.2f} | {100 * row['forward_seconds'] / row['seconds']:.1f}% | "
+              f"{speed / base:.2f}x | {speed / assisted:.2f}x |")
+    hf = rows[-1]
+    print(f"\nCeiling: transformers' assisted run spent {hf['forward_seconds']:.1f} of its {hf['seconds']:.1f} s inside "
+          f"the two models' forward passes; an engine with zero overhead making the same forward calls would be at "
+          f"most {hf['seconds'] / hf['forward_seconds']:.3f}x its tokens/s.")
     for row in rows:
         if row["results"] and row["method"] != "ours/autoregressive":
             rates = [r.acceptance_rate for r in row["results"]]
