@@ -16,8 +16,9 @@ open rows, gathered into slots of one preallocated work buffer), or h_i for ever
 N(0, 1), probabilities by softmax, draft tokens sampled from the draft rows, so acceptance is realistic
 (alpha ~ 0.62; ``--regime independent`` draws unrelated draft logits instead, alpha ~ 0). transformers' verifier takes logits and one row (B = 1), so it is timed
 on the logits (its softmax included) and, for B > 1, in a Python loop over the rows; we report ours both
-on probabilities and with the same softmax added. Rows are printed as a Markdown table; nothing is
-asserted about time.
+on probabilities and with the same softmax added. ``rows block/token`` counts the O(V) row pairs each
+verifier must read (``residual_rows``): the work the algorithm needs in that regime, whatever the kernels.
+Rows are printed as a Markdown table; nothing is asserted about time.
 """
 
 import argparse
@@ -129,6 +130,27 @@ def _block_with(rule, target_probs, draft_probs, draft_tokens, generator):
     return verify._sample_residual(target_probs, draft_probs, tau, verify._scale_at(scale, tau), eta[:, -1])
 
 
+def residual_rows(inputs, generator, draws=50):
+    """Mean (p, q) row pairs one call reads, block / token, over ``draws`` draws of the uniforms.
+
+    Token verification reads one pair per batch row (the residual at its first rejection, or the bonus p row).
+    Block verification's backward scan visits every candidate (eta_i < p_i) from gamma - 1 down to tau, each a
+    pair, plus the pair at X^0 when tau = 0; the bonus row (tau = gamma) is one p row, counted as half a pair.
+    Both counts follow from tau alone, so this measures the work the algorithm needs, whatever the kernels.
+    """
+    probs = (inputs["target_probs"], inputs["draft_probs"], inputs["draft_tokens"])
+    batch, gamma = inputs["draft_tokens"].shape
+    scale = verify._block_scales(*verify._drafted_probs(*probs))  # [B, gamma]: p_1..p_gamma
+    pairs = 0.0
+    for _ in range(draws):
+        uniforms = verify.draw_uniforms(batch, gamma, generator).to(scale.dtype)
+        tau = verify.block_verify(*probs, uniforms=uniforms, validate=False).num_accepted  # [B]
+        position = torch.arange(1, gamma, device=tau.device)  # candidates i = 1..gamma-1
+        visited = (uniforms[:, : gamma - 1] < scale[:, : gamma - 1]) & (position >= tau[:, None]) & (tau[:, None] < gamma)
+        pairs += float(visited.sum() + (tau == 0).sum() + 0.5 * (tau == gamma).sum())
+    return pairs / (draws * batch)
+
+
 def run(batches, gammas, repeats, clock, regime="correlated"):
     """One record per (B, gamma): median microseconds of each candidate."""
     generator = torch.Generator().manual_seed(0)
@@ -138,7 +160,7 @@ def run(batches, gammas, repeats, clock, regime="correlated"):
             inputs = make_inputs(batch, gamma, VOCAB, generator, regime)
             medians = median_seconds(candidates(inputs, generator), repeats, clock)
             timings = {name: 1e6 * seconds for name, seconds in medians.items()}
-            records.append({"B": batch, "gamma": gamma, **timings})
+            records.append({"B": batch, "gamma": gamma, **timings, "rows": residual_rows(inputs, generator)})
     return records
 
 
@@ -146,14 +168,14 @@ def markdown(records):
     """Markdown table of the records with the ratios side by side."""
     header = (
         "| B | gamma | token | block | greedy | token val. | block val. | block pruned | block dense | transformers "
-        "| block/token | token/tf | token+softmax/tf | block+softmax/tf |"
+        "| block/token | rows block/token | token/tf | token+softmax/tf | block+softmax/tf |"
     )
-    lines = [header, "|" + "---|" * 14]
+    lines = [header, "|" + "---|" * 15]
     for r in records:
         lines.append(
             f"| {r['B']} | {r['gamma']} | {r['token']:.0f} | {r['block']:.0f} | {r['greedy']:.0f} "
             f"| {r['token_validated']:.0f} | {r['block_validated']:.0f} | {r['block_pruned']:.0f} | {r['block_dense']:.0f} "
-            f"| {r['transformers']:.0f} | {r['block'] / r['token']:.2f} | {r['token'] / r['transformers']:.2f} "
+            f"| {r['transformers']:.0f} | {r['block'] / r['token']:.2f} | {r['rows']:.2f} | {r['token'] / r['transformers']:.2f} "
             f"| {r['token_softmax'] / r['transformers']:.2f} | {r['block_softmax'] / r['transformers']:.2f} |"
         )
     return "\n".join(lines)
@@ -187,7 +209,9 @@ def main(argv=None):
         f"Median {args.clock}-clock microseconds per call; float32, CPU, V = {VOCAB}, "
         f"threads = {args.threads}, repeats = {repeats}, {args.regime} draft."
     )
-    print("'val.' = validate=True; 'tf' = transformers._speculative_sampling (softmax included, loop over B).\n")
+    print("'val.' = validate=True; 'tf' = transformers._speculative_sampling (softmax included, loop over B); "
+          "'rows block/token' = (p, q) row pairs block verification must read per pair token reads "
+          "(``residual_rows``).\n")
     print(markdown(records))
 
 
