@@ -16,6 +16,7 @@ models' forward passes) against one target forward; ``--out`` writes the rows as
 
     .venv/bin/python benchmarks/bench_generate.py                  # ~4-6 min on 2 busy CPU cores
     .venv/bin/python benchmarks/bench_generate.py --quick          # 2 prompts x 24 tokens
+    .venv/bin/python benchmarks/bench_generate.py --device cuda    # on a GPU (same table)
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _prompts(tokenizer, n: int) -> list[str]:
 class _ForwardMeter:
     """Counts and times the forward calls of an HF model through forward pre/post hooks (public torch API;
     nothing patched). The time inside the forwards bounds what any engine could gain with the same models:
-    an engine with zero overhead would take ``forward_seconds``."""
+    an engine with zero overhead would take ``forward_seconds``. On an asynchronous device (cuda, mps) the
+    hooks see launch times only, so the forward share they give is a lower bound there."""
 
     def __init__(self, module):
         self.calls, self.seconds, self._start = 0, 0.0, 0.0
@@ -93,6 +95,8 @@ def _hf(assisted: bool, target, draft, prompt, seed, tokenizer, args, sampling) 
         **enc, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=sampling.temperature, top_k=0,
         top_p=1.0, assistant_model=draft.model if assisted else None, pad_token_id=tokenizer.pad_token_id,
     )
+    if out.device.type == "cuda":
+        torch.cuda.synchronize(out.device)
     seconds = time.perf_counter() - start
     target_meter.remove()
     draft_meter.remove()
@@ -149,13 +153,14 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared 2-core CPU)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (cuda > mps > cpu)")
     parser.add_argument("--quick", action="store_true", help="2 prompts x 24 tokens")
     parser.add_argument("--out", type=Path, default=None, help="write the table rows as JSON lines here")
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens = 2, 24
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_embedded("smollm2-135m-instruct", device="cpu")
+    target, tokenizer = load_embedded("smollm2-135m-instruct", device=args.device)
     draft = draft_from_name(args.draft, target, tokenizer)
     prompts = _prompts(tokenizer, args.prompts)
     sampling = SamplingConfig(temperature=args.temperature)

@@ -279,6 +279,9 @@ DRAFT_PRESETS = {
     "v8k-2l": DraftConfig("v8k-2l", num_layers=2, init_layers=(0, 29), head_tokens=8192, train_head=True, storage_dtype="bfloat16"),
     "v8k-4l": DraftConfig("v8k-4l", num_layers=4, init_layers=(0, 10, 20, 29), head_tokens=8192, train_head=True,
                           storage_dtype="bfloat16"),
+    # The capacity end of the alpha-vs-c trade-off: ~1.5 ms per layer, so 8 layers stay near c = 0.25.
+    "v8k-8l": DraftConfig("v8k-8l", num_layers=8, init_layers=(0, 4, 8, 12, 17, 21, 25, 29), head_tokens=8192,
+                          train_head=True, storage_dtype="bfloat16"),
 }
 
 
