@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 import transformers
 
-from specresearch.drafts import (DRAFT_PRESETS, DraftConfig, SubsetHead, _embedding_fingerprint, _require, build_draft, drafts_dir,
+from specresearch.drafts import (DRAFT_PRESETS, DraftConfig, SubsetHead, embedding_fingerprint, check_field, build_draft, drafts_dir,
                                  load_draft, load_trained_draft, round_to_storage, save_draft, trainable_state)
 from specresearch.sampling import SamplingConfig, logits_to_probs
 
@@ -131,14 +131,14 @@ class TrainConfig:
                     "teacher_top_k")
         for field in positive:
             value = getattr(self, field)
-            _require(isinstance(value, int) and value >= 1, field, f"must be an int >= 1, got {value!r}")
-        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", f"must be an int >= 0, got {self.seed!r}")
-        _require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len!r}")
-        _require(math.isfinite(self.lr) and self.lr > 0, "lr", f"must be a finite number > 0, got {self.lr!r}")
-        _require(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps, "warmup_steps", f"must be an int >= 0, got {self.warmup_steps!r}")
-        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
-        _require(self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip!r}")
-        _require(math.isfinite(self.corpus_temperature) and self.corpus_temperature > 0, "corpus_temperature",
+            check_field(isinstance(value, int) and value >= 1, field, f"must be an int >= 1, got {value!r}")
+        check_field(isinstance(self.seed, int) and self.seed >= 0, "seed", f"must be an int >= 0, got {self.seed!r}")
+        check_field(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len!r}")
+        check_field(math.isfinite(self.lr) and self.lr > 0, "lr", f"must be a finite number > 0, got {self.lr!r}")
+        check_field(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps, "warmup_steps", f"must be an int >= 0, got {self.warmup_steps!r}")
+        check_field(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+        check_field(self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip!r}")
+        check_field(math.isfinite(self.corpus_temperature) and self.corpus_temperature > 0, "corpus_temperature",
                  f"must be a finite number > 0, got {self.corpus_temperature!r}")
 
 
@@ -183,7 +183,7 @@ def head_token_ids(teacher: "TeacherTargets", vocab_size: int, size: int, requir
 
     ``required`` ids (EOS) are always included. Ties in mass are broken by the lower id.
     """
-    _require(0 < size <= vocab_size, "size", f"must be in [1, {vocab_size}], got {size}")
+    check_field(0 < size <= vocab_size, "size", f"must be in [1, {vocab_size}], got {size}")
     mass = torch.zeros(vocab_size, dtype=torch.float64)
     mass.index_add_(0, torch.cat(teacher.ids).flatten().long(), torch.cat(teacher.probs).flatten().double())
     mass[torch.as_tensor(list(required), dtype=torch.long)] = math.inf
@@ -208,9 +208,9 @@ class Corpus:
     prompt_lengths: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        _require(len(self.sequences) == len(self.prompt_lengths) > 0, "sequences", "and prompt_lengths must be non-empty and of equal length")
+        check_field(len(self.sequences) == len(self.prompt_lengths) > 0, "sequences", "and prompt_lengths must be non-empty and of equal length")
         for seq, plen in zip(self.sequences, self.prompt_lengths):
-            _require(1 <= plen < len(seq), "prompt_lengths", f"must leave >= 1 generated token per sequence, got {plen} of {len(seq)}")
+            check_field(1 <= plen < len(seq), "prompt_lengths", f"must leave >= 1 generated token per sequence, got {plen} of {len(seq)}")
 
     @property
     def num_generated_tokens(self) -> int:
@@ -231,7 +231,7 @@ def sample_continuations(model, prompts: Sequence[torch.Tensor], temperatures: S
     Returns:
         ``B`` tensors ``[n_b]`` int64 (EOS included when sampled).
     """
-    _require(len(prompts) == len(temperatures) > 0, "temperatures", f"must give one temperature per prompt ({len(prompts)}), got {len(temperatures)}")
+    check_field(len(prompts) == len(temperatures) > 0, "temperatures", f"must give one temperature per prompt ({len(prompts)}), got {len(temperatures)}")
     configs = [SamplingConfig(temperature=float(t)) for t in temperatures]
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long)
     input_ids, mask = _left_pad(prompts)  # [B, P], [B, P]
@@ -641,7 +641,7 @@ def measure_cost_ratio(target, draft, context_length: int = 64, repeats: int = 3
 
 def _corpus_key(target, prompt_ids: Sequence[torch.Tensor], config: TrainConfig) -> str:
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k == "seed" or k.startswith("corpus_")}
-    blob = json.dumps({"target": _embedding_fingerprint(target), "prompts": [p.tolist() for p in prompt_ids], **fields}, sort_keys=True)
+    blob = json.dumps({"target": embedding_fingerprint(target), "prompts": [p.tolist() for p in prompt_ids], **fields}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

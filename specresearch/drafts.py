@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specresearch.models import CausalLM, _as_counts, _check_prompt, _Slots
+from specresearch.models import CausalLM, rollback_counts, check_prompt, SlotMask
 
 __all__ = [
     "NGramDraft",
@@ -50,6 +50,8 @@ __all__ = [
     "load_draft",
     "load_trained_draft",
     "shipped_drafts",
+    "check_field",
+    "embedding_fingerprint",
 ]
 
 _STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,7 +124,7 @@ class NGramDraft:
         self.vocab_size, self.max_ngram, self.floor = vocab_size, max_ngram, floor
         self.device = torch.device(device)
         self._tokens = torch.zeros(0, 0, dtype=torch.long)
-        self._slots: _Slots | None = None
+        self._slots: SlotMask | None = None
 
     @property
     def cache_length(self) -> int:
@@ -130,10 +132,10 @@ class NGramDraft:
 
     def reset(self, batch_size: int) -> None:
         self._tokens = torch.zeros(batch_size, 0, dtype=torch.long)
-        self._slots = _Slots(torch.zeros(batch_size, 0, dtype=torch.bool))
+        self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool))
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        _check_prompt(input_ids, attention_mask)
+        check_prompt(input_ids, attention_mask)
         self.reset(input_ids.shape[0])
         self._append(input_ids.cpu(), attention_mask.bool().cpu())
         return self._row_logits()
@@ -147,7 +149,7 @@ class NGramDraft:
         return torch.stack(steps, dim=1).to(self.device)  # [B, k, V]
 
     def rollback(self, n) -> None:
-        common = self._slots.drop(_as_counts(n, self._tokens.shape[0], "cpu"))
+        common = self._slots.drop(rollback_counts(n, self._tokens.shape[0], "cpu"))
         self._tokens = self._tokens[:, : self._tokens.shape[1] - common]
 
     def _append(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
@@ -209,7 +211,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 # Trained drafts: configuration, construction, the on-disk format (save, load); training lives in specresearch.distill
 
 
-def _require(condition: bool, field: str, message: str) -> None:
+def check_field(condition: bool, field: str, message: str) -> None:
+    """Raise ``ValueError("<field> <message>")`` unless ``condition``: config validation that names the field."""
     if not condition:
         raise ValueError(f"{field} {message}")
 
@@ -247,18 +250,18 @@ class DraftConfig:
     train_head: bool = False
 
     def __post_init__(self) -> None:
-        _require(bool(self.name) and "/" not in self.name, "name", f"must be a bare directory name, got {self.name!r}")
-        _require(isinstance(self.num_layers, int) and self.num_layers >= 1, "num_layers", f"must be an int >= 1, got {self.num_layers!r}")
-        _require(self.intermediate_size is None or self.intermediate_size >= 1, "intermediate_size", f"must be None or >= 1, got {self.intermediate_size!r}")
+        check_field(bool(self.name) and "/" not in self.name, "name", f"must be a bare directory name, got {self.name!r}")
+        check_field(isinstance(self.num_layers, int) and self.num_layers >= 1, "num_layers", f"must be an int >= 1, got {self.num_layers!r}")
+        check_field(self.intermediate_size is None or self.intermediate_size >= 1, "intermediate_size", f"must be None or >= 1, got {self.intermediate_size!r}")
         if self.init_layers is not None:
             object.__setattr__(self, "init_layers", tuple(int(i) for i in self.init_layers))
-            _require(len(self.init_layers) == self.num_layers, "init_layers",
+            check_field(len(self.init_layers) == self.num_layers, "init_layers",
                      f"must list one target layer per draft layer ({self.num_layers}), got {self.init_layers!r}")
-            _require(min(self.init_layers) >= 0, "init_layers", f"must be non-negative layer indices, got {self.init_layers!r}")
-        _require(self.storage_dtype in _STORAGE_DTYPES, "storage_dtype", f"must be one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
-        _require(self.head_tokens is None or (isinstance(self.head_tokens, int) and self.head_tokens >= 1), "head_tokens",
+            check_field(min(self.init_layers) >= 0, "init_layers", f"must be non-negative layer indices, got {self.init_layers!r}")
+        check_field(self.storage_dtype in _STORAGE_DTYPES, "storage_dtype", f"must be one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        check_field(self.head_tokens is None or (isinstance(self.head_tokens, int) and self.head_tokens >= 1), "head_tokens",
                  f"must be None or an int >= 1, got {self.head_tokens!r}")
-        _require(isinstance(self.train_head, bool), "train_head", f"must be a bool, got {self.train_head!r}")
+        check_field(isinstance(self.train_head, bool), "train_head", f"must be a bool, got {self.train_head!r}")
 
     @classmethod
     def from_name(cls, name: str) -> "DraftConfig":
@@ -304,9 +307,9 @@ class SubsetHead(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
         super().__init__()
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
-        _require(token_ids.ndim == 1 and len(token_ids) == len(weight), "token_ids", f"must be [K] with K = {len(weight)} rows, got {tuple(token_ids.shape)}")
-        _require(len(token_ids) == len(token_ids.unique()), "token_ids", "must not repeat a token")
-        _require(0 <= int(token_ids.min()) and int(token_ids.max()) < vocab_size, "token_ids", f"must lie in [0, {vocab_size})")
+        check_field(token_ids.ndim == 1 and len(token_ids) == len(weight), "token_ids", f"must be [K] with K = {len(weight)} rows, got {tuple(token_ids.shape)}")
+        check_field(len(token_ids) == len(token_ids.unique()), "token_ids", "must not repeat a token")
+        check_field(0 <= int(token_ids.min()) and int(token_ids.max()) < vocab_size, "token_ids", f"must lie in [0, {vocab_size})")
         self.vocab_size = self.out_features = vocab_size  # out_features: the logits' size, as for nn.Linear
         self.weight = torch.nn.Parameter(weight.detach().clone())
         self.register_buffer("token_ids", token_ids.clone())
@@ -388,7 +391,7 @@ def trainable_state(draft) -> dict[str, torch.Tensor]:
 
 
 
-def _embedding_fingerprint(model) -> dict:
+def embedding_fingerprint(model) -> dict:
     """Sizes and float64 moments of the input embedding: identifies the target up to dtype rounding."""
     weight = model.get_input_embeddings().weight.detach().double()
     return {
@@ -400,7 +403,7 @@ def _embedding_fingerprint(model) -> dict:
 
 
 def _check_fingerprint(target, expected: dict, where: Path) -> None:
-    actual = _embedding_fingerprint(target)
+    actual = embedding_fingerprint(target)
     same_shape = all(actual[k] == expected[k] for k in ("vocab_size", "hidden_size"))
     close = all(math.isclose(actual[k], expected[k], rel_tol=1e-3, abs_tol=1e-3) for k in ("embedding_sum", "embedding_sq_sum"))
     if not (same_shape and close):
@@ -422,7 +425,7 @@ def save_draft(draft, target, config: DraftConfig, directory: str | os.PathLike,
     if isinstance(head, SubsetHead):
         tensors[_HEAD_IDS] = head.token_ids.detach().clone()
     save_file(tensors, str(directory / _WEIGHTS_FILE))
-    record = {"draft_config": asdict(config), "target": _embedding_fingerprint(target), **(manifest or {})}
+    record = {"draft_config": asdict(config), "target": embedding_fingerprint(target), **(manifest or {})}
     (directory / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return directory
 

@@ -20,7 +20,7 @@ that drop more. Position ids are the number of valid slots before each token, so
 positions of its compacted sequence, and its logits equal those of a plain uncached forward of that
 compacted sequence (``tests/test_models.py`` checks it with atol 1e-4 in float32, B = 1 and B > 1 with
 left padding). The cost is up to gamma dead slots per step in a batch whose rows disagree; with B = 1
-there are never any. The validity mask lives in one object (``_Slots``): it is the only record of the
+there are never any. The validity mask lives in one object (``SlotMask``): it is the only record of the
 cache length, and the KV cache is asserted to agree with it.
 """
 
@@ -34,6 +34,9 @@ import torch
 __all__ = [
     "LanguageModel",
     "CausalLM",
+    "SlotMask",
+    "rollback_counts",
+    "check_prompt",
     "ToyLM",
     "resolve_device",
     "tiny_llama_config",
@@ -65,8 +68,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-class _Slots:
-    """Validity mask over the physical cache slots: the one place the cache length is tracked."""
+class SlotMask:
+    """Validity mask over the physical cache slots: the one place the cache length is tracked (for
+    implementers of ``LanguageModel``: ``CausalLM``, ``ToyLM`` and ``drafts.NGramDraft`` share it)."""
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask.bool()  # [B, L]
@@ -104,13 +108,14 @@ class _Slots:
         return common
 
 
-def _as_counts(n, batch: int, device) -> torch.Tensor:
+def rollback_counts(n, batch: int, device) -> torch.Tensor:
     """``int`` or ``[B]`` tensor/sequence of rollback counts -> ``[B]`` int64."""
     counts = torch.as_tensor(n, dtype=torch.long, device=device)
     return counts.expand(batch).clone() if counts.ndim == 0 else counts
 
 
-def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``input_ids [B, L]`` (L >= 1) has a left-padded ``attention_mask`` of its shape."""
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, L] with L >= 1, got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
@@ -146,7 +151,7 @@ class CausalLM:
             model = model.to(device=resolve_device(device), dtype=dtype)
         self.model = model.eval()
         self._cache = None
-        self._slots: _Slots | None = None
+        self._slots: SlotMask | None = None
 
     @property
     def device(self) -> torch.device:
@@ -175,11 +180,11 @@ class CausalLM:
 
     def reset(self, batch_size: int) -> None:
         self._cache = _new_cache(self.model)
-        self._slots = _Slots(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
+        self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run the left-padded prompt ``[B, L]`` through the model; return the last next-token logits ``[B, V]``."""
-        _check_prompt(input_ids, attention_mask)
+        check_prompt(input_ids, attention_mask)
         self.reset(input_ids.shape[0])
         self._slots.append(attention_mask.to(self.device).bool())
         positions = self._slots.prompt_positions()
@@ -196,7 +201,7 @@ class CausalLM:
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
-        counts = _as_counts(n, self._slots.mask.shape[0], self.device)
+        counts = rollback_counts(n, self._slots.mask.shape[0], self.device)
         common = self._slots.drop(counts)
         if common:
             self._cache.crop(-common)
@@ -245,7 +250,7 @@ class ToyLM:
         self.table = table.float()
         self.vocab_size = table.shape[-1]
         self.device = table.device
-        self._slots: _Slots | None = None
+        self._slots: SlotMask | None = None
 
     @classmethod
     def random(cls, vocab_size: int, *, markov: bool = True, concentration: float = 1.0,
@@ -259,10 +264,10 @@ class ToyLM:
         return 0 if self._slots is None else self._slots.length
 
     def reset(self, batch_size: int) -> None:
-        self._slots = _Slots(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
+        self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        _check_prompt(input_ids, attention_mask)
+        check_prompt(input_ids, attention_mask)
         self.reset(input_ids.shape[0])
         self._slots.append(attention_mask.bool())
         return self._logits(input_ids[:, -1:])[:, -1]  # left padding: the last column is the last token
@@ -272,7 +277,7 @@ class ToyLM:
         return self._logits(tokens)
 
     def rollback(self, n) -> None:
-        self._slots.drop(_as_counts(n, self._slots.mask.shape[0], self.device))
+        self._slots.drop(rollback_counts(n, self._slots.mask.shape[0], self.device))
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token logits after each token. [B, k] -> [B, k, V]."""
