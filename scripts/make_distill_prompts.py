@@ -8,8 +8,10 @@ over chat, explanation, stories, code, math, summarisation, translation, questio
 answering from a given context. The held-out prompts are never used (checked below: no shared text).
 
     python3 scripts/make_distill_prompts.py            # rewrites data/distill_prompts_large.jsonl
+    python3 scripts/make_distill_prompts.py --per-category 200 --out /tmp/distill_prompts_xl.jsonl   # broader set
 """
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -93,7 +95,7 @@ def math_prompt(rng: random.Random) -> str:
     ])
 
 
-def build(rng: random.Random) -> list[dict]:
+def build(rng: random.Random, per_category: int = PER_CATEGORY) -> list[dict]:
     makers = {
         "explanation": lambda: rng.choice(EXPLAIN).format(t=rng.choice(TOPICS)),
         "chat": lambda: rng.choice(CHAT).format(e=rng.choice(EMOTIONS), s=rng.choice(SITUATIONS), d=rng.choice(DAYS),
@@ -110,8 +112,8 @@ def build(rng: random.Random) -> list[dict]:
     rows = []
     for category, make in makers.items():
         seen = set()
-        for _ in range(50 * PER_CATEGORY):  # some categories have fewer distinct prompts than PER_CATEGORY
-            if len(seen) == PER_CATEGORY:
+        for _ in range(50 * per_category):  # some categories have fewer distinct prompts than per_category
+            if len(seen) == per_category:
                 break
             text = make()
             if text not in seen:
@@ -121,12 +123,16 @@ def build(rng: random.Random) -> list[dict]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-category", type=int, default=PER_CATEGORY, help="templated prompts per category, at most")
+    parser.add_argument("--out", type=Path, default=ROOT / "data" / "distill_prompts_large.jsonl")
+    args = parser.parse_args()
     handwritten = [json.loads(line) for line in (ROOT / "data" / "distill_prompts.jsonl").read_text().splitlines() if line.strip()]
-    rows = handwritten + build(random.Random(0))
+    rows = handwritten + build(random.Random(0), args.per_category)
     heldout = {t for line in (ROOT / "data" / "prompts.jsonl").read_text().splitlines() if line.strip()
                for t in json.loads(line)["turns"]}
     assert not heldout & {r["turns"][0] for r in rows}, "a templated prompt equals a held-out prompt"
-    out = ROOT / "data" / "distill_prompts_large.jsonl"
+    out = args.out
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} prompts -> {out}")
 
