@@ -14,7 +14,7 @@ layers), or a checkpoint path with the target's tokenizer.
 Prints a table (tokens/s, block efficiency, ratios) and the engine's overhead per step (all but the two
 models' forward passes) against one target forward; ``--out`` writes the rows as JSON lines.
 
-    .venv/bin/python benchmarks/bench_generate.py                  # ~4-6 min on 2 busy CPU cores
+    .venv/bin/python benchmarks/bench_generate.py --max-new-tokens 48   # ~2 min (the README table)
     .venv/bin/python benchmarks/bench_generate.py --quick          # 2 prompts x 24 tokens
     .venv/bin/python benchmarks/bench_generate.py --device cuda    # on a GPU (same table)
 """

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 import transformers
 
-from specresearch.drafts import (DRAFT_PRESETS, DraftConfig, SubsetHead, embedding_fingerprint, check_field, build_draft, drafts_dir,
+from specresearch.drafts import (DRAFT_PRESETS, DraftConfig, SubsetHead, build_draft, check_field, drafts_dir, embedding_fingerprint,
                                  load_draft, load_trained_draft, round_to_storage, save_draft, trainable_state)
 from specresearch.sampling import SamplingConfig, logits_to_probs
 
@@ -139,7 +139,7 @@ class TrainConfig:
         check_field(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
         check_field(self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip!r}")
         check_field(math.isfinite(self.corpus_temperature) and self.corpus_temperature > 0, "corpus_temperature",
-                 f"must be a finite number > 0, got {self.corpus_temperature!r}")
+                    f"must be a finite number > 0, got {self.corpus_temperature!r}")
 
 
 # --------------------------------------------------------------------------------------------------
