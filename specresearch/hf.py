@@ -180,16 +180,17 @@ class SpeculativeGenerate:
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError(f"streamer takes one row, got a batch of {input_ids.shape[0]}: drop the streamer or "
                              "generate one prompt at a time")
-        target, draft = CausalLM(model, device=model.device), self.draft
+        target, draft = _as_language_model(model, "the target model"), self.draft
         if processors:
-            target, draft = _Processed(target, processors, input_ids, mask), _Processed(draft, processors, input_ids, mask)
+            target = _Processed(target, processors, input_ids, mask)
+            draft = _Processed(draft, processors, input_ids, mask)
         if own_streamer:
             streamer.put(input_ids.cpu())  # generate puts the prompt only into a streamer it was given itself
         result = speculative_generate(
             target, draft, [row[m.bool()].tolist() for row, m in zip(input_ids, mask)], verifier=self.verifier,
             gamma=self.gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=_seed(seed, generator),
             eos_token_id=eos, on_step=None if streamer is None else _streaming(streamer),
-            stop_when=None if not criteria else _stopper(criteria, input_ids, mask))
+            stop_when=None if not criteria else _stopper(criteria, input_ids))
         if streamer is not None:
             streamer.end()
         sequences = _sequences(input_ids, result, generation_config)
@@ -218,6 +219,9 @@ def _as_language_model(model, name: str) -> LanguageModel:
     if isinstance(model, LanguageModel):
         return model
     if isinstance(model, torch.nn.Module) and hasattr(model, "get_output_embeddings"):
+        if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+            raise ValueError(f"{name} is dispatched over several devices (device_map); speculative(...) keeps each "
+                             "model on one device: load it with device_map=None or a single device")
         return CausalLM(model, device=model.device)
     raise ValueError(f"{name} must be a transformers causal LM or a specresearch LanguageModel, "
                      f"got {type(model).__name__}")
@@ -322,7 +326,7 @@ def _streaming(streamer) -> Callable[[list[list[int]]], None]:
     return put
 
 
-def _stopper(criteria, input_ids, mask) -> Callable[[int, list[int]], bool]:
+def _stopper(criteria, input_ids) -> Callable[[int, list[int]], bool]:
     """``stop_when`` for the engine: the criteria on row b's full prefix (padded prompt + new tokens)."""
     def stop(b: int, tokens: list[int]) -> bool:
         ids = torch.tensor([input_ids[b].tolist() + tokens], dtype=torch.long, device=input_ids.device)

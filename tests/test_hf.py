@@ -18,6 +18,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from transformers.generation.streamers import BaseStreamer
 
 from specresearch import hf
+from specresearch.generate import speculative_generate
 from specresearch.models import CausalLM, tiny_llama
 from specresearch.sampling import SamplingConfig, logits_to_probs
 from specresearch.stats import chi_square, sequence_law, wrong_residual_verify
@@ -97,7 +98,8 @@ def small_pair():
 
 def _hf_sequences(target, draft, verifier, n, seed, **settings) -> list[tuple[int, ...]]:
     ids = torch.tensor([PROMPT] * n)  # token 1 is the pad id: without a mask generate would treat it as padding
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, eos_token_id=None, seed=seed,
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, eos_token_id=None,
+                                seed=seed,
                                 custom_generate=hf.speculative(draft.model, verifier=verifier, gamma=3), **settings)
     return [tuple(row) for row in out[:, len(PROMPT): len(PROMPT) + 3].tolist()]
 
@@ -215,7 +217,8 @@ def test_stopping_criterion_inside_a_block(models):
         def __call__(self, input_ids, scores, **kwargs):
             return input_ids[:, -1] == stop_token
 
-    settings = dict(do_sample=False, max_new_tokens=10, eos_token_id=None, stopping_criteria=StoppingCriteriaList([StopAt()]))
+    settings = dict(do_sample=False, max_new_tokens=10, eos_token_id=None,
+                    stopping_criteria=StoppingCriteriaList([StopAt()]))
     out = target.generate(ids, custom_generate=hf.speculative(target, gamma=4, allow=(StopAt,)), **settings)
     assert torch.equal(out, target.generate(ids, **settings)) and int(out[0, -1]) == stop_token
     with pytest.raises(ValueError, match="StopAt"):
@@ -244,6 +247,18 @@ def test_return_dict_has_sequences_and_step_metrics(models):
     assert out.target_calls == len(steps) and out.draft_calls == int(out.gamma.sum())
     efficiency = float((out.num_accepted + 1)[out.active].float().mean())
     assert out.block_efficiency == pytest.approx(efficiency) and out.block_efficiency >= 1.0
+
+
+def test_same_seed_same_tokens_as_the_engine(models):
+    """generate(custom_generate=speculative(...)) is the engine: same seed, same sampled tokens as
+    speculative_generate on the unpadded prompts (top-k 20 -> SamplingConfig(top_k=20))."""
+    target, draft = models
+    out = target.generate(IDS, attention_mask=MASK, do_sample=True, top_k=20, max_new_tokens=9, eos_token_id=None,
+                          seed=6, custom_generate=hf.speculative(draft, verifier="block", gamma=3))
+    prompts = [row[m.bool()].tolist() for row, m in zip(IDS, MASK)]
+    engine = speculative_generate(CausalLM(target), CausalLM(draft), prompts, verifier="block", gamma=3,
+                                  max_new_tokens=9, sampling=SamplingConfig(top_k=20), seed=6)
+    assert out[:, IDS.shape[1]:].tolist() == [list(row) for row in engine.tokens]
 
 
 def test_seed_and_generator_reproduce(models):
@@ -300,7 +315,8 @@ def test_bad_configurations_raise_clear_errors(models):
         run(do_sample=True, min_p=0.1)
     with pytest.raises(ValueError, match="_Shift.*allow"):
         run(logits_processor=LogitsProcessorList([_Shift()]))
-    assert run(logits_processor=LogitsProcessorList([_Shift()]), decode=hf.speculative(draft, allow=(_Shift,))).shape[1] > 5
+    vouched = run(logits_processor=LogitsProcessorList([_Shift()]), decode=hf.speculative(draft, allow=(_Shift,)))
+    assert vouched.shape == (3, IDS.shape[1] + 4)
     with pytest.raises(ValueError, match="left"):
         run(mask=MASK.flip(1))
     with pytest.raises(ValueError, match="streamer"):
