@@ -35,8 +35,11 @@ What ``generate`` users rely on, and how it maps:
   class of your own that is a deterministic function of (row prefix, logits row) can be vouched for with
   ``speculative(..., allow=(MyProcessor,))``.
 * Stopping criteria: ``MaxLengthCriteria`` and ``EosTokenCriteria`` as above; ``PREFIX_CRITERIA``
-  (``stop_strings``, ``max_time``) are asked after every new token with the row's prefix up to it, and end
-  the row after that token (inside an accepted block too). Others raise (e.g. criteria reading ``scores``).
+  (``StopStringCriteria``, ``max_time``) are asked after every new token with the row's prefix up to it, and
+  end the row after that token (inside an accepted block too). Others raise (e.g. criteria reading ``scores``).
+  transformers 5.23 drops ``generate``'s ``tokenizer=`` for a ``custom_generate`` callable, so ``stop_strings=``
+  raises there: pass ``stopping_criteria=[StopStringCriteria(tokenizer, strings)]``; the ``custom_generate/``
+  directory builds that criterion from ``stop_strings=`` and ``tokenizer=`` itself.
 * ``streamer``: gets the prompt, then each step's kept tokens (several at once), then ``end()``; one row
   only (transformers' streamers refuse batches too). transformers 5.23 does not forward ``generate``'s
   ``streamer`` argument to a ``custom_generate`` callable, so pass it as ``speculative(draft, streamer=s)``;
@@ -211,6 +214,11 @@ def generate(model, *args, assistant_model=None, verifier: str | Callable = "blo
         raise ValueError("assistant_model is required: pass the draft model, e.g. "
                          "target.generate(ids, assistant_model=draft, custom_generate=..., trust_remote_code=True)")
     decode = speculative(assistant_model, verifier=verifier, gamma=gamma, streamer=streamer, allow=allow)
+    if kwargs.get("stop_strings") is not None:  # generate would drop tokenizer= on the way to the callable
+        if kwargs.get("tokenizer") is None:
+            raise ValueError("stop_strings needs tokenizer=: pass the target's tokenizer to generate")
+        stop = _sc.StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))
+        kwargs["stopping_criteria"] = _sc.StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
     return type(model).generate(model, *args, custom_generate=decode, **kwargs)
 
 

@@ -88,6 +88,30 @@ def test_embedded_pair_greedy_equals_transformers_greedy():
         assert torch.equal(out, reference)
 
 
+@pytest.mark.slow
+def test_embedded_stop_strings_as_a_stopping_criterion():
+    """transformers 5.23 drops generate's tokenizer= for a custom_generate callable (so stop_strings= raises its
+    own error); a StopStringCriteria passed as stopping_criteria stops where generate(stop_strings=...) does, and
+    the custom_generate/ directory builds it from stop_strings= and tokenizer=."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from specresearch.embedded import load_embedded_pair
+
+    target, draft, tokenizer = load_embedded_pair(device="cpu")
+    batch = tokenizer(["The capital of France is"], return_tensors="pt")
+    reference = target.model.generate(**batch, do_sample=False, max_new_tokens=20, stop_strings=[" answer"],
+                                      tokenizer=tokenizer)
+    out = target.model.generate(**batch, do_sample=False, max_new_tokens=20,
+                                stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, [" answer"])]),
+                                custom_generate=hf.speculative(draft, gamma=4))
+    assert torch.equal(out, reference) and tokenizer.decode(out[0]).endswith(" answer")
+    assert out.shape[1] < batch["input_ids"].shape[1] + 20
+    directory = target.model.generate(**batch, do_sample=False, max_new_tokens=20, stop_strings=[" answer"],
+                                      tokenizer=tokenizer, custom_generate=str(REPO), trust_remote_code=True,
+                                      assistant_model=draft.model)
+    assert torch.equal(directory, reference)
+
+
 SMALL_V, PROMPT, SAMPLES = 6, [1, 4, 2], 3000
 
 
