@@ -239,8 +239,9 @@ def _check_config(config, synced_gpus: bool) -> None:
     """Raise for what speculative decoding here does not do: beams, group beams, scores, multi-GPU sync."""
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise ValueError(f"generation_config asks for {mode.value} (num_beams={config.num_beams}); speculative "
-                         "decoding samples (do_sample=True) or decodes greedily, one sequence per row: set num_beams=1")
+        raise ValueError(f"generation_config asks for {mode.value} (num_beams={config.num_beams}); speculative(...) "
+                         "samples (do_sample=True) or decodes greedily, one sequence per row: set num_beams=1 and "
+                         "leave out prompt_lookup_num_tokens, penalty_alpha and dola_layers")
     wanted = [f for f in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
               if getattr(config, f, False)]
     if wanted:
