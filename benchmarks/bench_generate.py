@@ -3,6 +3,9 @@
 One run, same prompts, same draft, same gamma, same sampling:
   * autoregressive decoding of the target (ours, and transformers' ``generate`` for reference);
   * our speculative generation with token and with block verification;
+  * the same block verification through transformers' own entry point,
+    ``target.generate(..., custom_generate=specresearch.hf.speculative(draft, verifier="block", gamma=gamma))``
+    (``hf/block``: generate's input preparation + our engine);
   * transformers' assisted generation (``generate(assistant_model=..., do_sample=True)``) with a constant
     number of assistant tokens = gamma (``num_assistant_tokens_schedule="constant"`` and the dynamic
     confidence threshold switched off, ``assistant_confidence_threshold=0``, so it drafts exactly gamma).
@@ -33,6 +36,7 @@ import torch
 from specresearch.drafts import draft_from_name
 from specresearch.embedded import load_embedded
 from specresearch.generate import autoregressive_generate, speculative_generate
+from specresearch.hf import speculative
 from specresearch.sampling import SamplingConfig
 
 _DATA = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
@@ -105,11 +109,28 @@ def _hf(assisted: bool, target, draft, prompt, seed, tokenizer, args, sampling) 
                 forward_seconds=target_meter.seconds + draft_meter.seconds)
 
 
+def _hf_custom(target, draft, prompt, seed, tokenizer, args, sampling) -> dict:
+    """Our block verification called as ``target.generate(..., custom_generate=speculative(draft))``."""
+    enc = tokenizer([prompt], return_tensors="pt")
+    start = time.perf_counter()
+    out = target.model.generate(
+        **enc, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=sampling.temperature, top_k=0,
+        top_p=1.0, pad_token_id=tokenizer.pad_token_id, seed=seed, return_dict_in_generate=True,
+        custom_generate=speculative(draft, verifier="block", gamma=args.gamma),
+    )
+    seconds = time.perf_counter() - start
+    result = out.result
+    forward = sum(step.target_seconds + step.draft_seconds for step in result.steps)
+    return dict(tokens=result.num_tokens, seconds=seconds, target_calls=result.target_calls, result=result,
+                forward_seconds=forward + result.prefill_seconds)
+
+
 METHODS = {
     "ours/autoregressive": lambda *a: _ours("autoregressive", *a),
     "transformers/autoregressive": lambda *a: _hf(False, *a),
     "ours/token": lambda *a: _ours("token", *a),
     "ours/block": lambda *a: _ours("block", *a),
+    "hf/block": _hf_custom,
     "transformers/assisted": lambda *a: _hf(True, *a),
 }
 

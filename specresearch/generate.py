@@ -132,18 +132,22 @@ class _Rows:
     eos: frozenset[int]
     tokens: list[list[int]] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
+    stop: Callable[[int, list[int]], bool] | None = None  # (row, its tokens so far) -> True ends it, like EOS
 
     def add(self, emitted: list[list[int]]) -> list[list[int]]:
         """Append each active row's emitted tokens, cut at EOS / the limit; return what was kept."""
         kept = []
         for b, new in enumerate(emitted):
             new = [] if self.done[b] else new[: self.limit - len(self.tokens[b])]
-            stop = next((i for i, t in enumerate(new) if t in self.eos), None)
+            stop = next((i for i, t in enumerate(new) if t in self.eos or self._stops(b, new[: i + 1])), None)
             new = new if stop is None else new[: stop + 1]
             self.tokens[b].extend(new)
             self.done[b] = self.done[b] or stop is not None or len(self.tokens[b]) >= self.limit
             kept.append(new)
         return kept
+
+    def _stops(self, b: int, head: list[int]) -> bool:
+        return self.stop is not None and self.stop(b, self.tokens[b] + head)
 
     def remaining(self) -> int:
         return max(self.limit - len(t) for t, d in zip(self.tokens, self.done) if not d)
@@ -307,6 +311,7 @@ def speculative_generate(
     tokenizer=None,
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
+    stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> GenerationResult:
     """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; ref. 004).
 
@@ -322,6 +327,8 @@ def speculative_generate(
             per-row generators (batch-independent rows; see the module docstring).
         eos_token_id: int or ids ending a row (default: ``tokenizer.eos_token_id`` if a tokenizer is given).
         on_step: called after each step with the tokens each row kept (for streaming).
+        stop_when: ``stop_when(b, tokens)`` is asked for each new token of row b with the row's new tokens up to
+            and including it; True ends the row after that token, as EOS does (inside an accepted block too).
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
@@ -333,7 +340,7 @@ def speculative_generate(
     _check_context(draft, ids, max_new_tokens, gamma)
     device = target.device
     generators = _generators(seed, len(ids), device)
-    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))
+    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids), stop_when)
     t0 = _clock(device)
     _start(target, ids.to(device), mask.to(device))
     _start(draft, ids.to(draft.device), mask.to(draft.device))
