@@ -44,15 +44,19 @@ def _check_prompts_file(flag: str, path: str | None) -> None:
         raise ValueError(f"{flag} {path}: no such file")
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         try:
-            json.loads(line) if line.strip() else None
+            row = json.loads(line) if line.strip() else {}
         except json.JSONDecodeError as exc:
             raise ValueError(f"{flag} {path}: line {number} is not JSON ({exc.msg}); "
                              "expected one object per line (JSON Lines, schema in data/README.md)") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{flag} {path}: line {number} is {type(row).__name__}, not an object with "
+                             "id, category and turns (schema in data/README.md)")
     try:
         rows = load_prompts(path)
     except ValueError as exc:
+        got = str(exc).split(", got ", 1)[-1]  # distill.load_prompts names the first offending row
         raise ValueError(f"{flag} {path}: every line needs the fields id, category and non-empty turns "
-                         f"(schema in data/README.md); {_shorten(str(exc).split(': ', 1)[-1])}") from None
+                         f"(schema in data/README.md); got {_shorten(got)}") from None
     if not rows:
         raise ValueError(f"{flag} {path}: the file holds no prompt")
 
@@ -236,9 +240,10 @@ def _run_distill(args) -> int:
     _check_prompts_file("--heldout", args.heldout)
     torch.set_num_threads(args.threads)
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
+    draft_config, train_config = DraftConfig.from_name(args.preset), TrainConfig(**fields)  # validated before loading
     lm, tokenizer = load_embedded(args.target, device="cpu")
     manifest = run_distillation(
-        lm.model, tokenizer, DraftConfig.from_name(args.preset), TrainConfig(**fields), prompts_path=args.prompts,
+        lm.model, tokenizer, draft_config, train_config, prompts_path=args.prompts,
         heldout_path=args.heldout, out_dir=args.out, heldout_prompts=args.heldout_prompts,
         measure_tokens=args.measure_tokens, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
         command="specresearch " + " ".join(sys.argv[1:]),

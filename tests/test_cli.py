@@ -56,6 +56,9 @@ def test_bench_missing_and_malformed_prompts_files(capsys, tmp_path):
     malformed = tmp_path / "bad.jsonl"
     malformed.write_text('{"id": "a", "category": "c", "turns": ["hi"]}\n{"id": "b", \n')
     _user_error(capsys, ["bench", "--prompts-file", str(malformed)], "line 2 is not JSON")
+    not_objects = tmp_path / "list.jsonl"
+    not_objects.write_text('["a", "b"]\n')
+    _user_error(capsys, ["bench", "--prompts-file", str(not_objects)], "line 1 is list")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     _user_error(capsys, ["bench", "--prompts-file", str(empty)], "holds no prompt")
@@ -78,8 +81,10 @@ def test_warm_cache_unknown_model(capsys):
     _user_error(capsys, ["warm-cache", "--model", "gpt-17"], "gpt-17", "smollm2-135m-instruct")
 
 
-def test_distill_missing_prompts_file_fails_before_loading_anything(capsys, tmp_path):
+def test_distill_user_errors_fail_before_loading_anything(capsys, tmp_path):
     _user_error(capsys, ["distill", "--prompts", str(tmp_path / "p.jsonl")], "--prompts", "no such file")
+    _user_error(capsys, ["distill", "--preset", "v8k-3l"], "v8k-3l")
+    _user_error(capsys, ["distill", "--steps", "0"], "steps")
 
 
 @pytest.mark.slow
