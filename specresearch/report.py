@@ -150,6 +150,7 @@ def run_report(notebooks_dir="notebooks", out_dir="reports", *, quick=False, onl
         runs.append(execute_notebook(path, out_dir, quick=quick))
         tqdm.write(f"{path.name}: {runs[-1].seconds:.1f} s -> {runs[-1].html}")
     if not quick and docs_figures is not None:
-        for copied in publish_figures(Path(out_dir) / "figures", docs_figures, since=start):
-            tqdm.write(f"figure -> {copied}")
+        copied = publish_figures(Path(out_dir) / "figures", docs_figures, since=start)
+        if copied:
+            tqdm.write(f"{len(copied)} figures -> {docs_figures}/: {', '.join(p.stem for p in copied)}")
     return runs
