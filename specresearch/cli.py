@@ -208,7 +208,8 @@ class _Stream:
 
 
 def _add_distill(sub) -> None:
-    p = _command(sub, "distill", "train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)",
+    p = _command(sub, "distill",
+                 "train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)",
                  "  specresearch distill --preset v8k-1l --prompts data/distill_prompts.jsonl --steps 40 "
                  "--out /tmp/my-draft --max-minutes 10")
     p.add_argument("--preset", default="v8k-4l", help="draft preset (specresearch.drafts.DRAFT_PRESETS)")
