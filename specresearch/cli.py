@@ -1,34 +1,100 @@
 """Command line: a thin argparse layer that builds configs and calls the package.
 
-Subcommands register themselves in ``_COMMANDS`` through ``_add_*`` functions, one per command.
+Subcommands register themselves in ``_COMMANDS`` through ``_add_*`` functions, one per command; each
+shows a worked example in its ``--help``. User errors -- a bad argument value, a missing or malformed
+file, an unknown model or draft name, i.e. the ``ValueError`` / ``OSError`` the package raises at its
+API boundary -- end in one line ``specresearch <command>: error: ...`` on stderr and exit code 2.
+Anything else is a bug and keeps its traceback (``SPECRESEARCH_TRACEBACK=1`` shows one for user errors too).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
+
+# What the package raises for bad input at its boundary (json.JSONDecodeError is a ValueError,
+# FileNotFoundError / IsADirectoryError / transformers' "not a model directory" are OSErrors).
+_USER_ERRORS = (ValueError, OSError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message> (see <prog> --help)``, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    """A subcommand parser whose ``--help`` ends with ``example`` (kept verbatim). No abbreviated flags:
+    ``bench --gamma 3`` would otherwise silently mean ``--gammas 3`` and start a different sweep."""
+    return sub.add_parser(name, help=help, description=help, epilog="example:\n" + example, allow_abbrev=False,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _check_prompts_file(flag: str, path: str | None) -> None:
+    """Read a prompts file now, before any model loads, so a wrong file fails in a second with its name."""
+    if path is None:
+        return
+    from specresearch.distill import load_prompts
+
+    if not Path(path).is_file():
+        raise ValueError(f"{flag} {path}: no such file")
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} {path}: line {number} is not JSON ({exc.msg}); "
+                             "expected one object per line (JSON Lines, schema in data/README.md)") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{flag} {path}: line {number} is {type(row).__name__}, not an object with "
+                             "id, category and turns (schema in data/README.md)")
+    try:
+        rows = load_prompts(path)
+    except ValueError as exc:
+        got = str(exc).split(", got ", 1)[-1]  # distill.load_prompts names the first offending row
+        raise ValueError(f"{flag} {path}: every line needs the fields id, category and non-empty turns "
+                         f"(schema in data/README.md); got {_shorten(got)}") from None
+    if not rows:
+        raise ValueError(f"{flag} {path}: the file holds no prompt")
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _add_report(sub) -> None:
-    p = sub.add_parser("report", help="execute the notebooks headless into reports/ (HTML, PNG figures)")
+    p = _command(sub, "report", "execute the notebooks headless into reports/ (HTML, PNG figures) and "
+                 "refresh the README figures in docs/figures/",
+                 "  specresearch report --quick --only 01 03   # two notebooks, small parameters (~30 s)\n"
+                 "  specresearch report                        # the main job: every notebook (a few minutes)")
     p.add_argument("--notebooks", default="notebooks", help="directory of numbered notebooks")
     p.add_argument("--out", default="reports", help="output directory")
     p.add_argument("--quick", action="store_true", help="small parameters (what the tests run)")
     p.add_argument("--only", nargs="*", help="run only notebooks whose file name contains one of these")
+    p.add_argument("--docs-figures", default="docs/figures",
+                   help="where a full run copies the README's figures (default docs/figures; '' = nowhere)")
     p.set_defaults(func=_run_report)
 
 
 def _run_report(args) -> int:
     from specresearch.report import run_report
 
-    runs = run_report(args.notebooks, args.out, quick=args.quick, only=args.only)
+    runs = run_report(args.notebooks, args.out, quick=args.quick, only=args.only,
+                      docs_figures=args.docs_figures or None)
     total = sum(r.seconds for r in runs)
     print(f"executed {len(runs)} notebooks in {total:.0f} s; report in {args.out}/")
     return 0
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="speculative generation on a model (default: the embedded SmolLM2-135M)")
+    p = _command(sub, "generate", "speculative generation on a model (default: the embedded SmolLM2-135M)",
+                 '  specresearch generate "Tell me a story" --verifier block --gamma 4 --temperature 1.0 '
+                 "--max-new-tokens 64\n"
+                 '  specresearch generate "Tell me a story" --method beam --num-beams 4')
     p.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default="v8k-4l",
@@ -142,7 +208,10 @@ class _Stream:
 
 
 def _add_distill(sub) -> None:
-    p = sub.add_parser("distill", help="train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)")
+    p = _command(sub, "distill",
+                 "train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)",
+                 "  specresearch distill --preset v8k-1l --prompts data/distill_prompts.jsonl --steps 40 "
+                 "--out /tmp/my-draft --max-minutes 10")
     p.add_argument("--preset", default="v8k-4l", help="draft preset (specresearch.drafts.DRAFT_PRESETS)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
     for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float),
@@ -168,11 +237,14 @@ def _run_distill(args) -> int:
     from specresearch.distill import DraftConfig, TrainConfig, run_distillation
     from specresearch.embedded import load_embedded
 
+    _check_prompts_file("--prompts", args.prompts)
+    _check_prompts_file("--heldout", args.heldout)
     torch.set_num_threads(args.threads)
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
+    draft_config, train_config = DraftConfig.from_name(args.preset), TrainConfig(**fields)  # validated before loading
     lm, tokenizer = load_embedded(args.target, device="cpu")
     manifest = run_distillation(
-        lm.model, tokenizer, DraftConfig.from_name(args.preset), TrainConfig(**fields), prompts_path=args.prompts,
+        lm.model, tokenizer, draft_config, train_config, prompts_path=args.prompts,
         heldout_path=args.heldout, out_dir=args.out, heldout_prompts=args.heldout_prompts,
         measure_tokens=args.measure_tokens, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
         command="specresearch " + " ".join(sys.argv[1:]),
@@ -185,7 +257,8 @@ def _run_distill(args) -> int:
 
 
 def _add_warm_cache(sub) -> None:
-    p = sub.add_parser("warm-cache", help="convert and cache the embedded model now (first use takes ~20-40 s)")
+    p = _command(sub, "warm-cache", "convert and cache the embedded model now (first use takes ~20-40 s)",
+                 "  specresearch warm-cache")
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name")
     p.set_defaults(func=_run_warm_cache)
 
@@ -199,7 +272,10 @@ def _run_warm_cache(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="block vs token verification sweep (reference 003): records to <out>/<run>.csv")
+    p = _command(sub, "bench", "block vs token verification sweep (reference 003): records to <out>/<run>.csv",
+                 "  specresearch bench --quick --draft v8k-4l                  # a few minutes\n"
+                 "  specresearch bench --draft v8k-4l --prompts 14 --max-new-tokens 32 --threads 2 "
+                 "--prompts-file data/prompts.jsonl")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default="v8k-4l",
                    help="v8k-4l (a shipped distilled draft) | ngram | truncated:N | checkpoint path")
@@ -227,6 +303,7 @@ def _run_bench(args) -> int:
 
     from specresearch import analysis, bench
 
+    _check_prompts_file("--prompts-file", args.prompts_file)
     torch.set_num_threads(args.threads)
     fields = {"verifiers": args.verifiers, "temperatures": args.temperatures, "gammas": args.gammas,
               "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
@@ -248,16 +325,68 @@ _COMMANDS = [_add_report, _add_generate, _add_distill, _add_warm_cache, _add_ben
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specresearch", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="specresearch", description=__doc__.splitlines()[0],
+                     epilog="`specresearch <command> --help` shows each command's options and an example.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for add in _COMMANDS:
         add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command; user errors become one line on stderr and exit code 2 (module docstring)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's parser, so the line names the command
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    _quiet_and_offline()
+    try:
+        return args.func(args)
+    except _USER_ERRORS as exc:
+        if os.environ.get("SPECRESEARCH_TRACEBACK") == "1":
+            raise
+        print(f"specresearch {args.command}: error: {_user_message(exc, args)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"specresearch {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_and_offline() -> None:
+    """No hub: a name that is neither embedded, shipped nor a directory fails at once instead of retrying
+    a download for a minute. No "Loading weights" bar per model load: the commands draw their own bars."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # imported before main() (tests, an interactive session): tell it too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def _user_message(exc: BaseException, args) -> str:
+    """One line for a user error; a model or draft that failed to load is named with the flag that gave it."""
+    message = _shorten(str(exc) or type(exc).__name__, 400)
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        message = f"{exc.filename}: {exc.strerror or 'no such file'}"
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+        # transformers' message for a name it cannot resolve offline does not say which name it was
+        for flag in ("model", "target", "draft"):
+            name, known = getattr(args, flag, None), _known_names(flag)
+            if name and not Path(name).exists() and name not in known and not name.startswith("truncated:"):
+                return (f"--{flag} {name!r} is neither a known name ({', '.join(known)}) "
+                        f"nor an existing checkpoint directory")
+    return message
+
+
+def _known_names(flag: str) -> list[str]:
+    if flag != "draft":
+        from specresearch.embedded import EMBEDDED
+
+        return sorted(EMBEDDED)
+    from specresearch.drafts import shipped_drafts
+
+    return ["ngram", "truncated:N", *shipped_drafts()]
 
 
 if __name__ == "__main__":

@@ -2,17 +2,32 @@
 
 This is the main job of the README: ``specresearch report`` runs every notebook in ``notebooks/``
 top to bottom in a fresh kernel and writes ``reports/<name>.ipynb``, ``reports/<name>.html`` and the
-figures the notebooks save under ``reports/figures/``.
+figures the notebooks save under ``reports/figures/``; a full (not ``--quick``) run then copies the
+figures the README and ``docs/`` show (``DOCS_FIGURES``) to ``docs/figures/``, which are committed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from specresearch.plotting import FIGURES_ENV
+
+__all__ = ["DOCS_FIGURES", "NotebookRun", "execute_notebook", "find_notebooks", "publish_figures", "run_report"]
+
+# Figures shown in README.md and docs/ (stems of reports/figures/*.png), refreshed by every full main job.
+DOCS_FIGURES = (
+    "01_two_symbol_counterexample",
+    "03_block_gain_heatmap",
+    "04_expected_tokens",
+    "05_be_vs_gamma",
+    "05_be_gain_vs_temperature",
+    "07_losslessness",
+)
 
 
 @dataclass(frozen=True)
@@ -60,14 +75,18 @@ def execute_notebook(
         raise ValueError(f"notebook {str(notebook)!r} does not exist")
     out_dir.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(notebook, as_version=4)
-    env_backup = {k: os.environ.get(k) for k in ("SPECRESEARCH_QUICK", FIGURES_ENV)}
-    os.environ["SPECRESEARCH_QUICK"] = "1" if quick else "0"
-    os.environ[FIGURES_ENV] = str((out_dir / "figures").resolve())
+    # The kernel inherits this process's environment. Nobody watches a headless kernel's stderr, so the
+    # per-model "Loading weights" bars of transformers stay out of the executed notebooks.
+    kernel_env = {"SPECRESEARCH_QUICK": "1" if quick else "0", FIGURES_ENV: str((out_dir / "figures").resolve()),
+                  "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env_backup = {k: os.environ.get(k) for k in kernel_env}
+    os.environ.update(kernel_env)
     start = time.perf_counter()
     try:
-        client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": str(Path.cwd())}})
-        client.execute()
+        with tempfile.TemporaryDirectory(prefix="specresearch-kernel-") as sockets:
+            client = NotebookClient(nb, timeout=timeout, kernel_name="python3", config=_kernel_config(sockets),
+                                    resources={"metadata": {"path": str(Path.cwd())}})
+            client.execute()
     finally:
         for key, value in env_backup.items():
             if value is None:
@@ -81,6 +100,14 @@ def execute_notebook(
     return NotebookRun(notebook, executed, html_path, seconds)
 
 
+def _kernel_config(socket_dir: str):
+    """Kernel over local IPC sockets in ``socket_dir``: the kernel talks to this process only, and the
+    plain-TCP transport (which makes ipykernel print an encryption warning per notebook) is not used."""
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(socket_dir, "kernel")}})
+
+
 def _export_html(nb, path: Path) -> Path:
     from nbconvert import HTMLExporter
 
@@ -89,8 +116,28 @@ def _export_html(nb, path: Path) -> Path:
     return path
 
 
-def run_report(notebooks_dir="notebooks", out_dir="reports", *, quick=False, only=None) -> list[NotebookRun]:
-    """Execute every numbered notebook (or those whose name contains one of ``only``) into ``out_dir``."""
+def publish_figures(figures_dir: str | os.PathLike, dest: str | os.PathLike, *, since: float = 0.0,
+                    names: tuple[str, ...] = DOCS_FIGURES) -> list[Path]:
+    """Copy ``<figures_dir>/<name>.png`` for each of ``names`` written at or after ``since`` (a
+    ``time.time()``) to ``dest``; figures not written by the run in question are left as they are.
+
+    Returns the paths written under ``dest``.
+    """
+    figures_dir, dest = Path(figures_dir), Path(dest)
+    fresh = [figures_dir / f"{n}.png" for n in names
+             if (figures_dir / f"{n}.png").is_file() and (figures_dir / f"{n}.png").stat().st_mtime >= since]
+    if fresh:
+        dest.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copyfile(src, dest / src.name)) for src in fresh]
+
+
+def run_report(notebooks_dir="notebooks", out_dir="reports", *, quick=False, only=None,
+               docs_figures: str | os.PathLike | None = "docs/figures") -> list[NotebookRun]:
+    """Execute every numbered notebook (or those whose name contains one of ``only``) into ``out_dir``.
+
+    Unless ``quick`` (small parameters) or ``docs_figures`` is None, the ``DOCS_FIGURES`` this run wrote
+    are then copied to ``docs_figures``.
+    """
     from tqdm.auto import tqdm
 
     paths = find_notebooks(notebooks_dir)
@@ -98,8 +145,12 @@ def run_report(notebooks_dir="notebooks", out_dir="reports", *, quick=False, onl
         paths = [p for p in paths if any(key in p.name for key in only)]
         if not paths:
             raise ValueError(f"only={only!r} matches no notebook in {notebooks_dir}")
-    runs = []
+    runs, start = [], time.time()
     for path in tqdm(paths, desc="notebooks", unit="nb"):
         runs.append(execute_notebook(path, out_dir, quick=quick))
         tqdm.write(f"{path.name}: {runs[-1].seconds:.1f} s -> {runs[-1].html}")
+    if not quick and docs_figures is not None:
+        copied = publish_figures(Path(out_dir) / "figures", docs_figures, since=start)
+        if copied:
+            tqdm.write(f"{len(copied)} figures -> {docs_figures}/: {', '.join(p.stem for p in copied)}")
     return runs

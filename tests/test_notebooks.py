@@ -1,26 +1,74 @@
-"""Every numbered notebook runs top to bottom headless (quick parameters) and writes its figures."""
+"""Every numbered notebook runs top to bottom headless (quick parameters), writes its figures, and runs
+quietly: no error, no stderr output in any cell, nothing from the kernel on this process's stderr."""
 
+import os
+import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
-from specresearch.report import execute_notebook, find_notebooks
+from specresearch.report import DOCS_FIGURES, execute_notebook, find_notebooks, publish_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = find_notebooks(ROOT / "notebooks")
 
 
+def _outputs(path: Path, kind: str) -> list:
+    nb = nbformat.read(path, as_version=4)
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if o.output_type == kind or o.get("name") == kind]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(notebook, tmp_path, monkeypatch):
+def test_notebook_executes(notebook, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(ROOT)
     run = execute_notebook(notebook, tmp_path, quick=True, timeout=900, html=False)
     assert run.executed.is_file()
-    import nbformat
+    assert not _outputs(run.executed, "error")
+    # quiet: no warnings or progress bars written by the cells, no transport warnings from the kernel
+    assert not _outputs(run.executed, "stderr"), [o.text[:300] for o in _outputs(run.executed, "stderr")]
+    assert capfd.readouterr().err == ""
 
-    nb = nbformat.read(run.executed, as_version=4)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
-    assert not errors, errors
+
+@pytest.mark.slow
+def test_kernel_runs_on_this_interpreter_quietly(tmp_path, capfd):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import os, sys\nprint(sys.executable)\nprint(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])")]
+    (tmp_path / "01_env.ipynb").write_text(nbformat.writes(nb))
+    before = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    run = execute_notebook(tmp_path / "01_env.ipynb", tmp_path / "out", quick=True, html=False)
+    executable, bars_off = _outputs(run.executed, "stdout")[0].text.split()
+    import sys
+
+    assert Path(executable).resolve().parent == Path(sys.executable).resolve().parent
+    assert bars_off == "1"
+    assert os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == before  # the runner restores its environment
+    assert capfd.readouterr().err == ""
+
+
+def test_publish_figures_copies_only_the_listed_figures_written_by_this_run(tmp_path):
+    src, dest = tmp_path / "figures", tmp_path / "docs" / "figures"
+    src.mkdir()
+    stale, fresh = DOCS_FIGURES[0], DOCS_FIGURES[1]
+    (src / f"{stale}.png").write_bytes(b"old")
+    os.utime(src / f"{stale}.png", (1e9, 1e9))
+    since = time.time() - 1
+    (src / f"{fresh}.png").write_bytes(b"new")
+    (src / "99_not_listed.png").write_bytes(b"new")
+    copied = publish_figures(src, dest, since=since)
+    assert copied == [dest / f"{fresh}.png"]
+    assert sorted(p.name for p in dest.iterdir()) == [f"{fresh}.png"]
+    assert (dest / f"{fresh}.png").read_bytes() == b"new"
+
+
+def test_docs_figures_are_written_by_a_notebook():
+    sources = "".join(p.read_text() for p in NOTEBOOKS)
+    for name in DOCS_FIGURES:
+        assert f"'{name}'" in sources or f'\\"{name}\\"' in sources, name
+        assert (ROOT / "docs" / "figures" / f"{name}.png").is_file(), f"docs/figures/{name}.png is not committed"
 
 
 def test_there_are_notebooks():

@@ -1,0 +1,133 @@
+"""The command line speaks to people: user errors are one line on stderr and exit code 2, real bugs keep
+their traceback, and every subcommand's --help shows a worked example."""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specresearch.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBCOMMANDS = sorted(next(a for a in build_parser()._actions if a.dest == "command").choices)
+
+
+def _user_error(capsys, argv: list[str], *needles: str) -> str:
+    """Run ``specresearch <argv>``; it must exit 2 with exactly one stderr line naming the command."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"specresearch {argv[0]}: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def other_schema(tmp_path) -> Path:
+    """A prompts file of another schema (Spec-Bench's question file uses question_id / turns)."""
+    path = tmp_path / "questions.jsonl"
+    path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem."]}) + "\n")
+    return path
+
+
+def test_bench_prompts_file_of_another_schema_is_one_line_through_the_installed_entry_point(other_schema):
+    proc = subprocess.run([sys.executable, "-m", "specresearch", "bench", "--prompts-file", str(other_schema)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"specresearch bench: error: --prompts-file {other_schema}: "), lines[0]
+    assert "id, category and non-empty turns" in lines[0] and "data/README.md" in lines[0]
+    assert proc.stdout == ""
+
+
+def test_bench_missing_and_malformed_prompts_files(capsys, tmp_path):
+    _user_error(capsys, ["bench", "--prompts-file", str(tmp_path / "nope.jsonl")], "nope.jsonl", "no such file")
+    malformed = tmp_path / "bad.jsonl"
+    malformed.write_text('{"id": "a", "category": "c", "turns": ["hi"]}\n{"id": "b", \n')
+    _user_error(capsys, ["bench", "--prompts-file", str(malformed)], "line 2 is not JSON")
+    not_objects = tmp_path / "list.jsonl"
+    not_objects.write_text('["a", "b"]\n')
+    _user_error(capsys, ["bench", "--prompts-file", str(not_objects)], "line 1 is list")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    _user_error(capsys, ["bench", "--prompts-file", str(empty)], "holds no prompt")
+
+
+def test_argparse_errors_are_one_line_too(capsys):
+    _user_error(capsys, ["bench", "--gammas", "four"], "--gammas", "invalid int value")
+    _user_error(capsys, ["generate", "hi", "--verifier", "tokn"], "--verifier", "invalid choice")
+    _user_error(capsys, ["report", "--no-such-flag"], "unrecognized arguments")
+    # an abbreviation is not a silent alias: --gamma is generate's flag, bench has --gammas
+    _user_error(capsys, ["bench", "--gamma", "3"], "unrecognized arguments: --gamma 3")
+
+
+def test_report_user_errors(capsys, tmp_path):
+    _user_error(capsys, ["report", "--only", "99_nothing", "--out", str(tmp_path)], "matches no notebook")
+    _user_error(capsys, ["report", "--notebooks", str(tmp_path / "missing")], "does not exist")
+
+
+def test_warm_cache_unknown_model(capsys):
+    _user_error(capsys, ["warm-cache", "--model", "gpt-17"], "gpt-17", "smollm2-135m-instruct")
+
+
+def test_distill_user_errors_fail_before_loading_anything(capsys, tmp_path):
+    _user_error(capsys, ["distill", "--prompts", str(tmp_path / "p.jsonl")], "--prompts", "no such file")
+    _user_error(capsys, ["distill", "--preset", "v8k-3l"], "v8k-3l")
+    _user_error(capsys, ["distill", "--steps", "0"], "steps")
+
+
+@pytest.mark.slow
+def test_generate_unknown_draft_and_model_names(capsys, tmp_path):
+    line = _user_error(capsys, ["generate", "hi", "--draft", "v9-nope", "--max-new-tokens", "2"], "--draft 'v9-nope'")
+    assert "ngram" in line and "truncated:N" in line and "v8k-4l" in line
+    _user_error(capsys, ["generate", "hi", "--model", str(tmp_path / "no-model")], "--model", "no-model")
+    _user_error(capsys, ["generate", "hi", "--gamma", "0", "--max-new-tokens", "2", "--draft", "ngram"], "gamma")
+
+
+@pytest.mark.slow
+def test_bench_unknown_draft_and_category(capsys, tmp_path):
+    _user_error(capsys, ["bench", "--draft", "v9-nope", "--out", str(tmp_path)], "--draft 'v9-nope'")
+    _user_error(capsys, ["bench", "--draft", "ngram", "--categories", "poetry", "--out", str(tmp_path)],
+                "poetry", "not in the prompt set")
+
+
+@pytest.mark.slow
+def test_a_real_bug_keeps_its_traceback(tmp_path):
+    """A notebook whose cell raises is a failure of the code, not of the command line: it propagates."""
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("raise ValueError('a bug inside the notebook')")]
+    (tmp_path / "nb").mkdir()
+    nbformat.write(nb, tmp_path / "nb" / "01_broken.ipynb")
+    with pytest.raises(CellExecutionError, match="a bug inside the notebook"):
+        main(["report", "--notebooks", str(tmp_path / "nb"), "--out", str(tmp_path / "out"), "--quick"])
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_help_shows_a_worked_example(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    example = out.split("example:\n", 1)[1]
+    assert f"specresearch {command}" in example
+    first = shlex.split(example.splitlines()[0], comments=True)
+    assert first[:2] == ["specresearch", command]
+    assert build_parser().parse_args(first[1:]).command == command
+
+
+def test_there_are_subcommands():
+    assert {"report", "generate", "distill", "warm-cache", "bench"} <= set(SUBCOMMANDS)
