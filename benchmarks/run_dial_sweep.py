@@ -24,31 +24,31 @@ from specresearch import bench
 from specresearch.drafts import draft_from_name
 from specresearch.embedded import load_embedded
 
-DRAFTS = ("v8k-4l", "dial-mix:0.5", "dial-mix:0.25", "dial-mix:0.75", "dial-mix:0.9")
-CONFIG = bench.BenchConfig(temperatures=(0.2, 0.6, 1.0), gammas=(8, 4), max_new_tokens=24, num_prompts=14)
+DRAFTS = ("v8k-4l", "dial-mix:0.5", "dial-mix:0.25", "dial-mix:0.75")
+CONFIG = bench.BenchConfig(temperatures=(0.2, 0.6, 1.0), gammas=(8, 4), max_new_tokens=20, num_prompts=7)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="data/sweeps/dial", help="directory of the per-draft record files")
     parser.add_argument("--drafts", nargs="+", default=list(DRAFTS))
-    parser.add_argument("--prompts", type=int, default=CONFIG.num_prompts, help="evenly spaced (14: two per category)")
+    parser.add_argument("--prompts", type=int, default=CONFIG.num_prompts, help="evenly spaced (7: one per category)")
     parser.add_argument("--max-new-tokens", type=int, default=CONFIG.max_new_tokens)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = bench.BenchConfig(temperatures=CONFIG.temperatures, gammas=CONFIG.gammas,
-                               max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
+    config = dataclasses.replace(CONFIG, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
     target, tokenizer = load_embedded(device="cpu")
     prompts = bench.load_bench_prompts(tokenizer, config)
-    for name in args.drafts:
-        path = Path(args.out) / f"{name.replace(':', '_')}.csv"
-        bench.write_run_info(path, command="python benchmarks/run_dial_sweep.py", draft=name, batched=True,
-                             config=dataclasses.asdict(config), prompts=[p.id for p in prompts])
-        start = time.perf_counter()
-        bench.run_batched(target, draft_from_name(name, target), prompts, config, path, run_id=name,
-                          eos_token_id=tokenizer.eos_token_id)
-        print(f"{name}: {time.perf_counter() - start:.0f} s -> {path}", flush=True)
+    for gamma in config.gammas:  # gamma = 8 (the paper's) for every draft first
+        for name in args.drafts:
+            path = Path(args.out) / f"{name.replace(':', '_')}.csv"
+            bench.write_run_info(path, command="python benchmarks/run_dial_sweep.py", draft=name, batched=True,
+                                 config=dataclasses.asdict(config), gamma=gamma, prompts=[p.id for p in prompts])
+            start = time.perf_counter()
+            bench.run_batched(target, draft_from_name(name, target), prompts, dataclasses.replace(config, gammas=(gamma,)),
+                              path, run_id=name, eos_token_id=tokenizer.eos_token_id)
+            print(f"{name}, gamma = {gamma}: {time.perf_counter() - start:.0f} s -> {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,23 @@ prompts of the set with replacement (multinomial counts, ``numpy.random.default_
 prompt brings all its runs (every seed), and a metric is recomputed from the reweighted sums. The gain
 of block over token verification, block / token - 1, uses a PAIRED bootstrap: one resample of prompts
 reweights both verifiers' runs, so the prompt-to-prompt variation common to both cancels.
+
+Expected counts (``expected_gain_table``). Every record also holds, summed over its steps, E[accepted |
+the step's drafted block] for BOTH verifiers (``verify.expected_num_accepted``: closed forms given the
+rows p_0..p_gamma, q_0..q_{gamma-1} of that block). For a step starting at context c, the expectation over
+the drafted block of that number is exactly the verifier's mean accepted count at c, g_m(c) =
+``exact.expected_accepted(target, draft, gamma, m, prefix=c)`` (``tests/test_expected.py`` checks this by
+enumeration). So on any run, sum_t E_m[accepted | block_t] has the same expectation as sum_t g_m(c_t) over
+the contexts c_t where the run's steps start: for the verifier that ran it is an unbiased stand-in for its
+realised count with the uniforms' noise removed; for the other verifier it is the counterfactual count at
+the same contexts. The expected BE of verifier m on a set of runs is (sum expected_m + steps) / steps and
+the expected gain is expected BE(block) / expected BE(token) - 1, both computed on the SAME steps, with a
+paired bootstrap over prompts. It estimates the gain at the contexts where steps start on the runs'
+trajectories (pooled over the runs included: by default those of every verifier); the paper's BE gain
+compares each verifier on its OWN trajectory. The two targets coincide for context-free models and differ
+only through where blocks start (the emitted text has the same law under both verifiers, both being
+lossless). Like BE, the ratio is consistent rather than unbiased; its numerator and denominator sums are
+unbiased.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ __all__ = [
     "PAPER_TABLE",
     "bootstrap_weights",
     "category_table",
+    "expected_gain_table",
     "format_markdown",
     "format_paper_table",
     "gain_table",
@@ -45,12 +63,16 @@ __all__ = [
     "metric_value",
     "paper_points",
     "paper_table",
+    "paper_alpha",
+    "plot_gain_vs_alpha",
     "plot_gain_vs_temperature",
     "plot_metric_vs_gamma",
     "prompt_sums",
     "read_records",
     "speculative_records",
+    "summary",
     "t0_agreement",
+    "two_symbol_gain",
 ]
 
 _SUM_COLUMNS = ["accepted_tokens", "examined_drafts", "target_calls", "new_tokens", "seconds", "ar_seconds",
@@ -192,6 +214,110 @@ def paper_table(records: pd.DataFrame, gamma: int | None = None, **bootstrap) ->
     return table
 
 
+_EXPECTED_COLUMNS = ["expected_token", "expected_block", "target_calls", "overlap_sum"]
+
+
+def _expected_be(sums: np.ndarray, method: str) -> np.ndarray:
+    """Expected BE of ``method`` from summed ``_EXPECTED_COLUMNS`` (``[..., 4]``)."""
+    index = _EXPECTED_COLUMNS.index(f"expected_{method}")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (sums[..., index] + sums[..., 2]) / sums[..., 2]
+
+
+def expected_gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature", "gamma"),
+                        trajectories: Sequence[str] | None = None, *, n_boot: int = 2000, seed: int = 0,
+                        level: float = 0.95) -> pd.DataFrame:
+    """Expected BE of token and block on the same steps and the paired expected gain (module docstring).
+
+    Args:
+        records: bench records with the ``expected_*`` columns (rows without them are dropped).
+        by: grouping columns.
+        trajectories: the verifiers whose runs supply the steps (default: every verifier in the records).
+    Returns one row per group: ``by``, ``be_token_exp``, ``be_block_exp``, ``exp_gain`` (+ ``_lo``/``_hi``:
+    paired percentile bootstrap over prompts), ``alpha_overlap`` (mean over steps of the block's mean
+    sum_x min(p_i, q_i)), ``steps`` and ``prompts``.
+    """
+    spec = speculative_records(records).dropna(subset=["expected_token", "expected_block"])
+    if trajectories is not None:
+        spec = spec[spec["verifier"].isin(list(trajectories))]
+    rows = []
+    for keys, group in spec.groupby(list(by), sort=True):
+        sums = group.groupby("prompt_id")[_EXPECTED_COLUMNS].sum().astype(float).to_numpy()  # [P, 4]
+        total, weights = sums.sum(0), bootstrap_weights(len(sums), n_boot, seed)
+        resampled = weights @ sums  # [n_boot, 4]
+        gain = _expected_be(resampled, "block") / _expected_be(resampled, "token") - 1
+        row = dict(zip(by, keys if isinstance(keys, tuple) else (keys,)))
+        row.update(be_token_exp=float(_expected_be(total, "token")), be_block_exp=float(_expected_be(total, "block")))
+        row["exp_gain"] = row["be_block_exp"] / row["be_token_exp"] - 1
+        row["exp_gain_lo"], row["exp_gain_hi"] = _interval(gain, level)
+        row.update(alpha_overlap=float(total[3] / total[2]), steps=int(total[2]), prompts=len(sums))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def summary(records: pd.DataFrame, **bootstrap) -> str:
+    """The Markdown tables that make sense for the verifiers present in ``records`` (what ``bench`` prints).
+
+    Token and block both present: ``paper_table`` at the largest gamma where both ran, then the realised
+    and expected gains per (temperature, gamma). Otherwise: BE and alpha per (verifier, temperature,
+    gamma) (WS too when timed), and the expected BE of token and block on those runs' steps.
+    """
+    spec = speculative_records(records)
+    if spec.empty:
+        return "no speculative records"
+    parts = []
+    timed = bool(spec["seconds"].notna().any())
+    both = spec.groupby("gamma")["verifier"].agg(lambda v: {"token", "block"} <= set(v))
+    if both.any():
+        parts.append(format_paper_table(paper_table(records, gamma=int(both[both].index.max()), **bootstrap)))
+    else:
+        metrics = ("be", "ws", "alpha") if timed else ("be", "alpha")
+        parts.append(format_markdown(metric_table(records, metrics=metrics, **bootstrap)))
+    if "expected_token" in spec and spec["expected_token"].notna().any():
+        table = expected_gain_table(records, **bootstrap)
+        parts.append("Expected BE given each drafted block (both verifiers on the same steps):\n"
+                     + format_markdown(table, percent=("exp_gain", "exp_gain_lo", "exp_gain_hi")))
+    return "\n\n".join(parts)
+
+
+def two_symbol_gain(alpha: float, gamma: int) -> tuple[float, float]:
+    """(token BE, block BE) of the i.i.d. two-symbol family p = (1 - alpha/2, alpha/2), q = (alpha/2,
+    1 - alpha/2), whose acceptance rate is alpha (reference 000's example is alpha = 2/3).
+
+    Exact up to float64: the mean over all 2^gamma draft blocks, weighted by q(block), of
+    ``verify.expected_num_accepted`` (the identity ``tests/test_expected.py`` proves by enumeration).
+    """
+    import itertools
+
+    import torch
+
+    from specresearch.verify import expected_num_accepted
+
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+    target = torch.tensor([1 - alpha / 2, alpha / 2], dtype=torch.float64)
+    draft = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64)
+    tokens = torch.tensor(list(itertools.product((0, 1), repeat=gamma)))  # [2^gamma, gamma]
+    weight = draft[tokens].prod(-1)  # [2^gamma]
+    rows = (len(tokens), gamma)
+    result = []
+    for method in ("token", "block"):
+        expected = expected_num_accepted(target.expand(rows[0], gamma + 1, 2), draft.expand(*rows, 2), tokens, method)
+        result.append(1 + float((weight * expected).sum()))
+    return result[0], result[1]
+
+
+def paper_alpha(gamma: int = 8) -> pd.Series:
+    """The alpha implied by reference 003's token BE at ``gamma`` under i.i.d. acceptances: the root of
+    (1 - alpha^(gamma+1)) / (1 - alpha) = BE (the paper reports no alpha). One value per temperature."""
+    from scipy.optimize import brentq
+
+    def implied(be):
+        return brentq(lambda a: sum(a**k for k in range(gamma + 1)) - be, 1e-9, 1 - 1e-9)
+
+    return PAPER_TABLE["be_token"].map(implied).rename("alpha")
+
+
 def category_table(records: pd.DataFrame, gamma: int | None = None, temperature: float | None = None,
                    **bootstrap) -> pd.DataFrame:
     """Block-vs-token gain per category (rows category x temperature) at ``gamma`` (default: the largest);
@@ -288,6 +414,42 @@ def plot_metric_vs_gamma(table: pd.DataFrame, metric: str, label: str, paper: pd
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(label)
     axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gain_vs_alpha(table: pd.DataFrame, theory: pd.DataFrame | None = None, paper: bool = True,
+                       column: str = "exp_gain"):
+    """BE gain of block over token (``column``: ``exp_gain`` or ``be_gain``, with ``_lo``/``_hi``) against the
+    measured alpha, one panel per gamma, one colour per temperature.
+
+    ``table``: rows with ``gamma``, ``temperature``, ``alpha_overlap`` and the gain columns (e.g.
+    ``expected_gain_table`` merged with ``gain_table``). ``theory``: rows (gamma, alpha, gain) drawn as a
+    line (e.g. ``two_symbol_gain``). ``paper``: reference 003's three gains (gamma = 8) at the alpha their
+    token BE implies (``paper_alpha``). Returns the matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    gammas = sorted(table["gamma"].unique())
+    fig, axes = plt.subplots(1, len(gammas), figsize=(5 * len(gammas), 3.8), sharey=True, squeeze=False)
+    for ax, gamma in zip(axes[0], gammas):
+        rows = table[table["gamma"] == gamma]
+        for temperature, group in rows.groupby("temperature"):
+            value, low, high = (100 * group[f"{column}{s}"] for s in ("", "_lo", "_hi"))
+            ax.errorbar(group["alpha_overlap"], value, yerr=[value - low, high - value], marker="o", ls="none",
+                        capsize=3, label=f"SmolLM2, T = {temperature:g}")
+        if theory is not None:
+            curve = theory[theory["gamma"] == gamma].sort_values("alpha")
+            ax.plot(curve["alpha"], 100 * curve["gain"], "k-", lw=1, label="i.i.d. two-symbol family (exact)")
+        if paper and gamma == 8:
+            ax.plot(paper_alpha(8), 100 * PAPER_TABLE["be_gain"], "k*", ms=11,
+                    label="paper, T = 0.2/0.6/1.0 (alpha implied by BE)")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_title(f"gamma = {gamma}")
+        ax.set_xlabel("alpha (measured mean sum_x min(p, q))")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("BE gain of block over token (%)")
     fig.tight_layout()
     return fig
 
