@@ -58,6 +58,7 @@ __all__ = [
     "format_markdown",
     "format_paper_table",
     "gain_table",
+    "gain_vs_alpha_table",
     "latest_run",
     "metric_table",
     "metric_value",
@@ -69,9 +70,11 @@ __all__ = [
     "plot_metric_vs_gamma",
     "prompt_sums",
     "read_records",
+    "read_sweep",
     "speculative_records",
     "summary",
     "t0_agreement",
+    "two_symbol_curve",
     "two_symbol_gain",
 ]
 
@@ -307,6 +310,35 @@ def two_symbol_gain(alpha: float, gamma: int) -> tuple[float, float]:
     return result[0], result[1]
 
 
+def two_symbol_curve(gammas: Sequence[int] = (4, 8), alphas: Sequence[float] | None = None) -> pd.DataFrame:
+    """``two_symbol_gain`` on a grid: rows (gamma, alpha, be_token, be_block, gain = block / token - 1)."""
+    alphas = np.linspace(0.05, 1.0, 39) if alphas is None else alphas
+    rows = []
+    for gamma in gammas:
+        for alpha in alphas:
+            token, block = two_symbol_gain(float(alpha), gamma)
+            rows.append({"gamma": gamma, "alpha": float(alpha), "be_token": token, "be_block": block,
+                         "gain": block / token - 1})
+    return pd.DataFrame(rows)
+
+
+def read_sweep(directory: str | os.PathLike) -> pd.DataFrame:
+    """Every ``*.csv`` of record files in ``directory`` (e.g. one per draft, ``run_id`` = the draft), concatenated."""
+    frames = [read_records(path) for path in sorted(Path(directory).glob("*.csv"))]
+    if not frames:
+        raise ValueError(f"directory {directory} holds no *.csv record files")
+    return pd.concat(frames, ignore_index=True)
+
+
+def gain_vs_alpha_table(records: pd.DataFrame, by: Sequence[str] = ("run_id", "temperature", "gamma"),
+                        **bootstrap) -> pd.DataFrame:
+    """Per group: the realised BE gain (``gain_table``, BE only) beside the expected gain on the same steps
+    (``expected_gain_table``) and the measured alpha (``alpha_overlap``): what ``plot_gain_vs_alpha`` draws."""
+    realised = gain_table(records, by=by, metrics=("be",), **bootstrap)
+    expected = expected_gain_table(records, by=by, **bootstrap).drop(columns="prompts")
+    return realised.merge(expected, on=list(by), how="inner")
+
+
 def paper_alpha(gamma: int = 8) -> pd.Series:
     """The alpha implied by reference 003's token BE at ``gamma`` under i.i.d. acceptances: the root of
     (1 - alpha^(gamma+1)) / (1 - alpha) = BE (the paper reports no alpha). One value per temperature."""
@@ -364,8 +396,10 @@ def _with_interval(value, low, high, percent: bool) -> str:
 
 
 def format_paper_table(table: pd.DataFrame) -> str:
-    """``paper_table`` output as Markdown in the layout of reference 003 (gains with 95% intervals)."""
+    """``paper_table`` output as Markdown in the layout of reference 003 (gains with 95% intervals); the WS
+    columns are left out when no run was timed (batched sweeps)."""
     rows = []
+    timed = bool(table["ws_token"].notna().any())
     for r in table.to_dict("records"):
         rows.append({
             "T": f"{r['temperature']:g}", "gamma": str(r["gamma"]),
@@ -376,7 +410,8 @@ def format_paper_table(table: pd.DataFrame) -> str:
             "alpha (token)": _with_interval(r["alpha"], r["alpha_lo"], r["alpha_hi"], False),
             "prompts": str(r["prompts"]),
         })
-    return format_markdown(pd.DataFrame(rows))
+    frame = pd.DataFrame(rows)
+    return format_markdown(frame if timed else frame.drop(columns=["WS token", "WS block", "WS gain [95% CI]"]))
 
 
 def latest_run(results_dir: str | os.PathLike = "results", exclude_prefix: str = "quick-") -> Path | None:

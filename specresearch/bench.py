@@ -37,6 +37,17 @@ aligned but drive different distributions, so the coupling is lost. The record c
 steps plus the first divergent one); ``common_prefix_tokens`` is the length of the common output
 prefix. At T = 0 nothing is random and the two verifiers give the same tokens.
 
+Expected counts. Every run also records, summed over its steps, E[accepted | the step's drafted block]
+of token AND block verification (``verify.expected_num_accepted`` on the same rows p_0..p_gamma,
+q_0..q_{gamma-1}: one is the expectation of the realised count, the other a counterfactual costing only
+its closed form; computed outside the timed part of the step) and the block's mean overlap
+sum_x min(p_i, q_i), the measured alpha. ``analysis.expected_gain_table`` turns them into a paired expected
+gain; ``docs/block_gain.md`` says what it estimates.
+
+Batched sweeps (``run_batched``): every prompt of a setting in one generate call, each row with its own
+seed as above (same tokens up to float differences of batched logits), no timings and no baseline: for
+drafts whose wall-clock means nothing, such as ``specresearch.dial_drafts`` (they run the target).
+
 Timing: each unit's runs alternate their order (token first, then block first in the next unit) so a
 drift in machine load does not favour one verifier; ``load_avg`` records the 1-minute load average.
 A short untimed warm-up run precedes the sweep. ``seconds`` include the prefill of both models.
@@ -109,7 +120,7 @@ RECORD_COLUMNS = (
     "expected_token",
     "expected_block",
     "overlap_sum",  # sum over steps of the block's mean sum_x min(p_i, q_i): / target_calls = measured alpha
-    "batch",  # prompts per generate call (1: timed one prompt at a time; > 1: batched, seconds are NaN)
+    "batch",  # prompts in the generate call (run_bench: 1, timed; run_batched: the batch, seconds are NaN)
 )
 EXPECTED_METHODS = ("token", "block")  # the verifiers whose per-step expectations every run records
 
@@ -304,14 +315,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _record(result: GenerationResult, base: dict, verifier: str, gamma: int, order: int, row: int = 0) -> dict:
+def _record(result: GenerationResult, base: dict, verifier: str, gamma: int, order: int, row: int = 0,
+            timed: bool = True) -> dict:
     """One CSV row of a run (``row`` of ``result``); CRN columns are filled in by the caller. Timings are
-    the run's when it holds one prompt, NaN when batched (no per-prompt wall time exists)."""
+    NaN unless ``timed`` (a batched run has no per-prompt wall time)."""
     steps = [s for s in result.steps if s.active[row]]
     accepted = sum(s.num_accepted[row] for s in steps)
     rejections = sum(s.num_accepted[row] < s.gamma for s in steps if s.gamma)
     batch = len(result.tokens)
-    timed = batch == 1
     nan = float("nan")
     return {
         **base, "verifier": verifier, "gamma": gamma, "new_tokens": len(result.tokens[row]),
@@ -429,8 +440,8 @@ def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConf
     common random numbers between verifiers are those of ``run_bench`` up to float differences of batched
     logits. No wall-clock exists per prompt: ``seconds`` columns are NaN and no autoregressive baseline is
     run, so only BE, alpha and the expected counts are measured (what drafts that run the target allow,
-    ``specresearch.dial_drafts``). Resumable per (temperature, seed, gamma): a setting with a row for every
-    prompt and verifier is skipped. Returns every record in the file.
+    ``specresearch.dial_drafts``). Resumable: only the prompts of a (temperature, seed, gamma) that lack a
+    row for some verifier are run (so adding prompts later runs just those). Returns every record in the file.
     """
     from tqdm.auto import tqdm
 
@@ -443,18 +454,19 @@ def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConf
                                        for p in prompts for v in config.verifiers)]
     bar = tqdm(total=len(todo), desc=f"bench {run_id} (batched)", unit="setting", disable=not progress)
     for temperature, seed, gamma in todo:
+        missing = [p for p in prompts if any(_key(p.id, v, temperature, gamma, seed) not in done for v in config.verifiers)]
         results = {v: speculative_generate(
-            target, draft, [list(p.token_ids) for p in prompts], verifier=v, gamma=gamma,
+            target, draft, [list(p.token_ids) for p in missing], verifier=v, gamma=gamma,
             max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(temperature=temperature),
-            seed=[run_seed(p.id, seed) for p in prompts], eos_token_id=eos_token_id, expectations=EXPECTED_METHODS)
+            seed=[run_seed(p.id, seed) for p in missing], eos_token_id=eos_token_id, expectations=EXPECTED_METHODS)
             for v in config.verifiers}
         rows = []
-        for b, prompt in enumerate(prompts):
+        for b, prompt in enumerate(missing):
             base = {"run_id": run_id, "prompt_id": prompt.id, "category": prompt.category,
                     "temperature": temperature, "seed": seed, "ar_seconds": float("nan"), "ar_tokens": float("nan")}
             for position, (verifier, mine) in enumerate(results.items()):
                 others = [r for v, r in results.items() if v != verifier]
-                row = _record(mine, base, verifier, gamma, position, row=b)
+                row = _record(mine, base, verifier, gamma, position, row=b, timed=False)
                 row["shared_steps"] = min((_shared_steps(mine, o, b) for o in others), default=float("nan"))
                 row["common_prefix_tokens"] = min((_common_prefix(mine.tokens[b], o.tokens[b]) for o in others),
                                                   default=float("nan"))
