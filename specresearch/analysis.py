@@ -466,13 +466,22 @@ def plot_gain_vs_alpha(table: pd.DataFrame, theory: pd.DataFrame | None = None, 
     import matplotlib.pyplot as plt
 
     gammas = sorted(table["gamma"].unique())
-    fig, axes = plt.subplots(1, len(gammas), figsize=(5 * len(gammas), 3.8), sharey=True, squeeze=False)
+    drafts = sorted(table["run_id"].unique()) if "run_id" in table else [None]
+    markers = dict(zip(drafts, "osD^v<>pP*"))
+    colours = {t: f"C{i}" for i, t in enumerate(sorted(table["temperature"].unique()))}
+    fig, axes = plt.subplots(1, len(gammas), figsize=(5.5 * len(gammas), 4.2), sharey=True, squeeze=False)
     for ax, gamma in zip(axes[0], gammas):
         rows = table[table["gamma"] == gamma]
-        for temperature, group in rows.groupby("temperature"):
+        for (draft, temperature), group in rows.groupby([rows.get("run_id", pd.Series(None, index=rows.index)),
+                                                         "temperature"], dropna=False):
             value, low, high = (100 * group[f"{column}{s}"] for s in ("", "_lo", "_hi"))
-            ax.errorbar(group["alpha_overlap"], value, yerr=[value - low, high - value], marker="o", ls="none",
-                        capsize=3, label=f"SmolLM2, T = {temperature:g}")
+            ax.errorbar(group["alpha_overlap"], value, yerr=[value - low, high - value], marker=markers.get(draft, "o"),
+                        color=colours[temperature], ls="none", capsize=3)
+        for temperature, colour in colours.items():
+            ax.plot([], [], "o", color=colour, label=f"SmolLM2, T = {temperature:g}")
+        for draft, marker in markers.items():
+            if draft is not None:
+                ax.plot([], [], marker, color="grey", mfc="none", label=f"draft {draft}")
         if theory is not None:
             curve = theory[theory["gamma"] == gamma].sort_values("alpha")
             ax.plot(curve["alpha"], 100 * curve["gain"], "k-", lw=1, label="i.i.d. two-symbol family (exact)")

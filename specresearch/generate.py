@@ -66,7 +66,7 @@ class StepRecord:
     # Opt-in (``speculative_generate(expectations=...)``): per method, E[num_accepted | this step's block]
     # per row ([B] each, ``verify.expected_num_accepted``), and per row the mean over the block's
     # positions i < gamma of sum_x min(p_i(x), q_i(x)) ([B]).
-    expected: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    expected: dict[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
     overlap: tuple[float, ...] = ()
 
     @property
