@@ -34,10 +34,12 @@ def main() -> None:
     parser.add_argument("--drafts", nargs="+", default=list(DRAFTS))
     parser.add_argument("--prompts", type=int, default=CONFIG.num_prompts, help="evenly spaced (7: one per category)")
     parser.add_argument("--max-new-tokens", type=int, default=CONFIG.max_new_tokens)
+    parser.add_argument("--gammas", nargs="+", type=int, default=list(CONFIG.gammas))
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = dataclasses.replace(CONFIG, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
+    config = dataclasses.replace(CONFIG, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts,
+                                 gammas=tuple(args.gammas))
     target, tokenizer = load_embedded(device="cpu")
     prompts = bench.load_bench_prompts(tokenizer, config)
     for gamma in config.gammas:  # gamma = 8 (the paper's) for every draft first
