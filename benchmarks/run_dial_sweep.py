@@ -2,11 +2,11 @@
 
 One batched ``bench.run_batched`` sweep per draft (``specresearch.dial_drafts``: the target mixed with the
 shipped draft v8k-4l at weight lam; lam = 0 is v8k-4l itself, run directly), T in {0.2, 0.6, 1.0},
-gamma in {4, 8}, token and block verification, records (with the per-step expected counts of both
-verifiers) in ``<out>/<draft>.csv``. Dial drafts run the target for every draft token: only BE is
+gamma in {8, 4}, token and block verification, 14 prompts (two per category) x 20 tokens, records (with
+the per-step expected counts of both verifiers) in ``<out>/<draft>.csv``. Dial drafts run the target for every draft token: only BE is
 meaningful with them, never wall-clock (no timings are recorded in batched runs).
 
-Resumable: rerun the same command and finished (draft, T, gamma) settings are skipped.
+Resumable: rerun the same command and only the (draft, T, gamma, prompt) rows still missing are run.
 
     nohup python benchmarks/run_dial_sweep.py --threads 1 > results/dial_sweep.log 2>&1 &
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
@@ -25,14 +26,14 @@ from specresearch.drafts import draft_from_name
 from specresearch.embedded import load_embedded
 
 DRAFTS = ("v8k-4l", "dial-mix:0.5", "dial-mix:0.25", "dial-mix:0.75")
-CONFIG = bench.BenchConfig(temperatures=(0.2, 0.6, 1.0), gammas=(8, 4), max_new_tokens=20, num_prompts=7)
+CONFIG = bench.BenchConfig(temperatures=(0.2, 0.6, 1.0), gammas=(8, 4), max_new_tokens=20, num_prompts=14)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="data/sweeps/dial", help="directory of the per-draft record files")
     parser.add_argument("--drafts", nargs="+", default=list(DRAFTS))
-    parser.add_argument("--prompts", type=int, default=CONFIG.num_prompts, help="evenly spaced (7: one per category)")
+    parser.add_argument("--prompts", type=int, default=CONFIG.num_prompts, help="evenly spaced (14: two per category; 7, one per category, is a subset)")
     parser.add_argument("--max-new-tokens", type=int, default=CONFIG.max_new_tokens)
     parser.add_argument("--gammas", nargs="+", type=int, default=list(CONFIG.gammas))
     parser.add_argument("--threads", type=int, default=1)
@@ -45,7 +46,7 @@ def main() -> None:
     for gamma in config.gammas:  # gamma = 8 (the paper's) for every draft first
         for name in args.drafts:
             path = Path(args.out) / f"{name.replace(':', '_')}.csv"
-            bench.write_run_info(path, command="python benchmarks/run_dial_sweep.py", draft=name, batched=True,
+            bench.write_run_info(path, command=" ".join(["python", *sys.argv]), draft=name, batched=True,
                                  config=dataclasses.asdict(config), gamma=gamma, prompts=[p.id for p in prompts])
             start = time.perf_counter()
             bench.run_batched(target, draft_from_name(name, target), prompts, dataclasses.replace(config, gammas=(gamma,)),

@@ -237,8 +237,10 @@ def expected_gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature
         by: grouping columns.
         trajectories: the verifiers whose runs supply the steps (default: every verifier in the records).
     Returns one row per group: ``by``, ``be_token_exp``, ``be_block_exp``, ``exp_gain`` (+ ``_lo``/``_hi``:
-    paired percentile bootstrap over prompts), ``alpha_overlap`` (mean over steps of the block's mean
-    sum_x min(p_i, q_i)), ``steps`` and ``prompts``.
+    paired percentile bootstrap over prompts); ``be_token_own``, ``be_block_own``, ``own_gain`` (+ ``_lo``/
+    ``_hi``): each verifier's expected BE on its own runs' steps only, i.e. the paper's comparison with the
+    coins' noise removed per step (NaN unless both verifiers ran on every prompt); ``alpha_overlap`` (mean
+    over steps of the block's mean sum_x min(p_i, q_i)), ``steps`` and ``prompts``.
     """
     spec = speculative_records(records).dropna(subset=["expected_token", "expected_block"])
     if trajectories is not None:
@@ -253,9 +255,30 @@ def expected_gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature
         row.update(be_token_exp=float(_expected_be(total, "token")), be_block_exp=float(_expected_be(total, "block")))
         row["exp_gain"] = row["be_block_exp"] / row["be_token_exp"] - 1
         row["exp_gain_lo"], row["exp_gain_hi"] = _interval(gain, level)
+        row.update(_own_trajectory_gain(group, weights, level))
         row.update(alpha_overlap=float(total[3] / total[2]), steps=int(total[2]), prompts=len(sums))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _own_trajectory_gain(group: pd.DataFrame, weights: np.ndarray, level: float) -> dict:
+    """Each verifier's expected BE on its OWN runs' steps (the paper's comparison, coins' noise removed per
+    step) and their ratio - 1 with the paired bootstrap ``weights``; NaN unless both verifiers ran on
+    every prompt of ``group``."""
+    prompts = sorted(group["prompt_id"].unique())
+    sums = {}
+    for method in ("token", "block"):
+        own = group[group["verifier"] == method].groupby("prompt_id")[[f"expected_{method}", "target_calls"]].sum()
+        if set(own.index) != set(prompts):
+            return {"be_token_own": float("nan"), "be_block_own": float("nan"), "own_gain": float("nan"),
+                    "own_gain_lo": float("nan"), "own_gain_hi": float("nan")}
+        sums[method] = own.loc[prompts].astype(float).to_numpy()  # [P, 2]
+    be = {m: (v.sum(0)[0] + v.sum(0)[1]) / v.sum(0)[1] for m, v in sums.items()}
+    resampled = {m: weights @ v for m, v in sums.items()}  # [n_boot, 2]
+    samples = {m: (r[:, 0] + r[:, 1]) / r[:, 1] for m, r in resampled.items()}
+    low, high = _interval(samples["block"] / samples["token"] - 1, level)
+    return {"be_token_own": float(be["token"]), "be_block_own": float(be["block"]),
+            "own_gain": float(be["block"] / be["token"] - 1), "own_gain_lo": low, "own_gain_hi": high}
 
 
 def summary(records: pd.DataFrame, **bootstrap) -> str:
