@@ -454,7 +454,8 @@ def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConf
                                        for p in prompts for v in config.verifiers)]
     bar = tqdm(total=len(todo), desc=f"bench {run_id} (batched)", unit="setting", disable=not progress)
     for temperature, seed, gamma in todo:
-        missing = [p for p in prompts if any(_key(p.id, v, temperature, gamma, seed) not in done for v in config.verifiers)]
+        missing = [p for p in prompts
+                   if any(_key(p.id, v, temperature, gamma, seed) not in done for v in config.verifiers)]
         results = {v: speculative_generate(
             target, draft, [list(p.token_ids) for p in missing], verifier=v, gamma=gamma,
             max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(temperature=temperature),
