@@ -19,6 +19,23 @@ prompts of the set with replacement (multinomial counts, ``numpy.random.default_
 prompt brings all its runs (every seed), and a metric is recomputed from the reweighted sums. The gain
 of block over token verification, block / token - 1, uses a PAIRED bootstrap: one resample of prompts
 reweights both verifiers' runs, so the prompt-to-prompt variation common to both cancels.
+
+Expected counts (``expected_gain_table``). Every record also holds, summed over its steps, E[accepted |
+the step's drafted block] for BOTH verifiers (``verify.expected_num_accepted``: closed forms given the
+rows p_0..p_gamma, q_0..q_{gamma-1} of that block). For a step starting at context c, the expectation over
+the drafted block of that number is exactly the verifier's mean accepted count at c, g_m(c) =
+``exact.expected_accepted(target, draft, gamma, m, prefix=c)`` (``tests/test_expected.py`` checks this by
+enumeration). So on any run, sum_t E_m[accepted | block_t] has the same expectation as sum_t g_m(c_t) over
+the contexts c_t where the run's steps start: for the verifier that ran it is an unbiased stand-in for its
+realised count with the uniforms' noise removed; for the other verifier it is the counterfactual count at
+the same contexts. The expected BE of verifier m on a set of runs is (sum expected_m + steps) / steps and
+the expected gain is expected BE(block) / expected BE(token) - 1, both computed on the SAME steps, with a
+paired bootstrap over prompts. It estimates the gain at the contexts where steps start on the runs'
+trajectories (pooled over the runs included: by default those of every verifier); the paper's BE gain
+compares each verifier on its OWN trajectory. The two targets coincide for context-free models and differ
+only through where blocks start (the emitted text has the same law under both verifiers, both being
+lossless). Like BE, the ratio is consistent rather than unbiased; its numerator and denominator sums are
+unbiased.
 """
 
 from __future__ import annotations
@@ -37,20 +54,28 @@ __all__ = [
     "PAPER_TABLE",
     "bootstrap_weights",
     "category_table",
+    "expected_gain_table",
     "format_markdown",
     "format_paper_table",
     "gain_table",
+    "gain_vs_alpha_table",
     "latest_run",
     "metric_table",
     "metric_value",
     "paper_points",
     "paper_table",
+    "paper_alpha",
+    "plot_gain_vs_alpha",
     "plot_gain_vs_temperature",
     "plot_metric_vs_gamma",
     "prompt_sums",
     "read_records",
+    "read_sweep",
     "speculative_records",
+    "summary",
     "t0_agreement",
+    "two_symbol_curve",
+    "two_symbol_gain",
 ]
 
 _SUM_COLUMNS = ["accepted_tokens", "examined_drafts", "target_calls", "new_tokens", "seconds", "ar_seconds",
@@ -192,6 +217,162 @@ def paper_table(records: pd.DataFrame, gamma: int | None = None, **bootstrap) ->
     return table
 
 
+_EXPECTED_COLUMNS = ["expected_token", "expected_block", "target_calls", "overlap_sum"]
+
+
+def _expected_be(sums: np.ndarray, method: str) -> np.ndarray:
+    """Expected BE of ``method`` from summed ``_EXPECTED_COLUMNS`` (``[..., 4]``)."""
+    index = _EXPECTED_COLUMNS.index(f"expected_{method}")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (sums[..., index] + sums[..., 2]) / sums[..., 2]
+
+
+def expected_gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature", "gamma"),
+                        trajectories: Sequence[str] | None = None, *, n_boot: int = 2000, seed: int = 0,
+                        level: float = 0.95) -> pd.DataFrame:
+    """Expected BE of token and block on the same steps and the paired expected gain (module docstring).
+
+    Args:
+        records: bench records with the ``expected_*`` columns (rows without them are dropped).
+        by: grouping columns.
+        trajectories: the verifiers whose runs supply the steps (default: every verifier in the records).
+    Returns one row per group: ``by``, ``be_token_exp``, ``be_block_exp``, ``exp_gain`` (+ ``_lo``/``_hi``:
+    paired percentile bootstrap over prompts); ``be_token_own``, ``be_block_own``, ``own_gain`` (+ ``_lo``/
+    ``_hi``): each verifier's expected BE on its own runs' steps only, i.e. the paper's comparison with the
+    coins' noise removed per step (NaN unless both verifiers ran on every prompt); ``alpha_overlap`` (mean
+    over steps of the block's mean sum_x min(p_i, q_i)), ``steps`` and ``prompts``.
+    """
+    spec = speculative_records(records).dropna(subset=["expected_token", "expected_block"])
+    if trajectories is not None:
+        spec = spec[spec["verifier"].isin(list(trajectories))]
+    rows = []
+    for keys, group in spec.groupby(list(by), sort=True):
+        sums = group.groupby("prompt_id")[_EXPECTED_COLUMNS].sum().astype(float).to_numpy()  # [P, 4]
+        total, weights = sums.sum(0), bootstrap_weights(len(sums), n_boot, seed)
+        resampled = weights @ sums  # [n_boot, 4]
+        gain = _expected_be(resampled, "block") / _expected_be(resampled, "token") - 1
+        row = dict(zip(by, keys if isinstance(keys, tuple) else (keys,)))
+        row.update(be_token_exp=float(_expected_be(total, "token")), be_block_exp=float(_expected_be(total, "block")))
+        row["exp_gain"] = row["be_block_exp"] / row["be_token_exp"] - 1
+        row["exp_gain_lo"], row["exp_gain_hi"] = _interval(gain, level)
+        row.update(_own_trajectory_gain(group, weights, level))
+        row.update(alpha_overlap=float(total[3] / total[2]), steps=int(total[2]), prompts=len(sums))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _own_trajectory_gain(group: pd.DataFrame, weights: np.ndarray, level: float) -> dict:
+    """Each verifier's expected BE on its OWN runs' steps (the paper's comparison, coins' noise removed per
+    step) and their ratio - 1 with the paired bootstrap ``weights``; NaN unless both verifiers ran on
+    every prompt of ``group``."""
+    prompts = sorted(group["prompt_id"].unique())
+    sums = {}
+    for method in ("token", "block"):
+        own = group[group["verifier"] == method].groupby("prompt_id")[[f"expected_{method}", "target_calls"]].sum()
+        if set(own.index) != set(prompts):
+            return {"be_token_own": float("nan"), "be_block_own": float("nan"), "own_gain": float("nan"),
+                    "own_gain_lo": float("nan"), "own_gain_hi": float("nan")}
+        sums[method] = own.loc[prompts].astype(float).to_numpy()  # [P, 2]
+    be = {m: (v.sum(0)[0] + v.sum(0)[1]) / v.sum(0)[1] for m, v in sums.items()}
+    resampled = {m: weights @ v for m, v in sums.items()}  # [n_boot, 2]
+    samples = {m: (r[:, 0] + r[:, 1]) / r[:, 1] for m, r in resampled.items()}
+    low, high = _interval(samples["block"] / samples["token"] - 1, level)
+    return {"be_token_own": float(be["token"]), "be_block_own": float(be["block"]),
+            "own_gain": float(be["block"] / be["token"] - 1), "own_gain_lo": low, "own_gain_hi": high}
+
+
+def summary(records: pd.DataFrame, **bootstrap) -> str:
+    """The Markdown tables that make sense for the verifiers present in ``records`` (what ``bench`` prints).
+
+    Token and block both present: ``paper_table`` at the largest gamma where both ran, then the realised
+    and expected gains per (temperature, gamma). Otherwise: BE and alpha per (verifier, temperature,
+    gamma) (WS too when timed), and the expected BE of token and block on those runs' steps.
+    """
+    spec = speculative_records(records)
+    if spec.empty:
+        return "no speculative records"
+    parts = []
+    timed = bool(spec["seconds"].notna().any())
+    both = spec.groupby("gamma")["verifier"].agg(lambda v: {"token", "block"} <= set(v))
+    if both.any():
+        parts.append(format_paper_table(paper_table(records, gamma=int(both[both].index.max()), **bootstrap)))
+    else:
+        metrics = ("be", "ws", "alpha") if timed else ("be", "alpha")
+        parts.append(format_markdown(metric_table(records, metrics=metrics, **bootstrap)))
+    if "expected_token" in spec and spec["expected_token"].notna().any():
+        table = expected_gain_table(records, **bootstrap)
+        parts.append("Expected BE given each drafted block (both verifiers on the same steps):\n"
+                     + format_markdown(table, percent=("exp_gain", "exp_gain_lo", "exp_gain_hi")))
+    return "\n\n".join(parts)
+
+
+def two_symbol_gain(alpha: float, gamma: int) -> tuple[float, float]:
+    """(token BE, block BE) of the i.i.d. two-symbol family p = (1 - alpha/2, alpha/2), q = (alpha/2,
+    1 - alpha/2), whose acceptance rate is alpha (reference 000's example is alpha = 2/3).
+
+    Exact up to float64: the mean over all 2^gamma draft blocks, weighted by q(block), of
+    ``verify.expected_num_accepted`` (the identity ``tests/test_expected.py`` proves by enumeration).
+    """
+    import itertools
+
+    import torch
+
+    from specresearch.verify import expected_num_accepted
+
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+    target = torch.tensor([1 - alpha / 2, alpha / 2], dtype=torch.float64)
+    draft = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64)
+    tokens = torch.tensor(list(itertools.product((0, 1), repeat=gamma)))  # [2^gamma, gamma]
+    weight = draft[tokens].prod(-1)  # [2^gamma]
+    rows = (len(tokens), gamma)
+    result = []
+    for method in ("token", "block"):
+        expected = expected_num_accepted(target.expand(rows[0], gamma + 1, 2), draft.expand(*rows, 2), tokens, method)
+        result.append(1 + float((weight * expected).sum()))
+    return result[0], result[1]
+
+
+def two_symbol_curve(gammas: Sequence[int] = (4, 8), alphas: Sequence[float] | None = None) -> pd.DataFrame:
+    """``two_symbol_gain`` on a grid: rows (gamma, alpha, be_token, be_block, gain = block / token - 1)."""
+    alphas = np.linspace(0.05, 1.0, 39) if alphas is None else alphas
+    rows = []
+    for gamma in gammas:
+        for alpha in alphas:
+            token, block = two_symbol_gain(float(alpha), gamma)
+            rows.append({"gamma": gamma, "alpha": float(alpha), "be_token": token, "be_block": block,
+                         "gain": block / token - 1})
+    return pd.DataFrame(rows)
+
+
+def read_sweep(directory: str | os.PathLike) -> pd.DataFrame:
+    """Every ``*.csv`` of record files in ``directory`` (e.g. one per draft, ``run_id`` = the draft), concatenated."""
+    frames = [read_records(path) for path in sorted(Path(directory).glob("*.csv"))]
+    if not frames:
+        raise ValueError(f"directory {directory} holds no *.csv record files")
+    return pd.concat(frames, ignore_index=True)
+
+
+def gain_vs_alpha_table(records: pd.DataFrame, by: Sequence[str] = ("run_id", "temperature", "gamma"),
+                        **bootstrap) -> pd.DataFrame:
+    """Per group: the realised BE gain (``gain_table``, BE only) beside the expected gain on the same steps
+    (``expected_gain_table``) and the measured alpha (``alpha_overlap``): what ``plot_gain_vs_alpha`` draws."""
+    realised = gain_table(records, by=by, metrics=("be",), **bootstrap)
+    expected = expected_gain_table(records, by=by, **bootstrap).drop(columns="prompts")
+    return realised.merge(expected, on=list(by), how="inner")
+
+
+def paper_alpha(gamma: int = 8) -> pd.Series:
+    """The alpha implied by reference 003's token BE at ``gamma`` under i.i.d. acceptances: the root of
+    (1 - alpha^(gamma+1)) / (1 - alpha) = BE (the paper reports no alpha). One value per temperature."""
+    from scipy.optimize import brentq
+
+    def implied(be):
+        return brentq(lambda a: sum(a**k for k in range(gamma + 1)) - be, 1e-9, 1 - 1e-9)
+
+    return PAPER_TABLE["be_token"].map(implied).rename("alpha")
+
+
 def category_table(records: pd.DataFrame, gamma: int | None = None, temperature: float | None = None,
                    **bootstrap) -> pd.DataFrame:
     """Block-vs-token gain per category (rows category x temperature) at ``gamma`` (default: the largest);
@@ -238,8 +419,10 @@ def _with_interval(value, low, high, percent: bool) -> str:
 
 
 def format_paper_table(table: pd.DataFrame) -> str:
-    """``paper_table`` output as Markdown in the layout of reference 003 (gains with 95% intervals)."""
+    """``paper_table`` output as Markdown in the layout of reference 003 (gains with 95% intervals); the WS
+    columns are left out when no run was timed (batched sweeps)."""
     rows = []
+    timed = bool(table["ws_token"].notna().any())
     for r in table.to_dict("records"):
         rows.append({
             "T": f"{r['temperature']:g}", "gamma": str(r["gamma"]),
@@ -250,7 +433,8 @@ def format_paper_table(table: pd.DataFrame) -> str:
             "alpha (token)": _with_interval(r["alpha"], r["alpha_lo"], r["alpha_hi"], False),
             "prompts": str(r["prompts"]),
         })
-    return format_markdown(pd.DataFrame(rows))
+    frame = pd.DataFrame(rows)
+    return format_markdown(frame if timed else frame.drop(columns=["WS token", "WS block", "WS gain [95% CI]"]))
 
 
 def latest_run(results_dir: str | os.PathLike = "results", exclude_prefix: str = "quick-") -> Path | None:
@@ -288,6 +472,51 @@ def plot_metric_vs_gamma(table: pd.DataFrame, metric: str, label: str, paper: pd
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(label)
     axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gain_vs_alpha(table: pd.DataFrame, theory: pd.DataFrame | None = None, paper: bool = True,
+                       column: str = "exp_gain"):
+    """BE gain of block over token (``column``: ``exp_gain`` or ``be_gain``, with ``_lo``/``_hi``) against the
+    measured alpha, one panel per gamma, one colour per temperature.
+
+    ``table``: rows with ``gamma``, ``temperature``, ``alpha_overlap`` and the gain columns (e.g.
+    ``expected_gain_table`` merged with ``gain_table``). ``theory``: rows (gamma, alpha, gain) drawn as a
+    line (e.g. ``two_symbol_gain``). ``paper``: reference 003's three gains (gamma = 8) at the alpha their
+    token BE implies (``paper_alpha``). Returns the matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    gammas = sorted(table["gamma"].unique())
+    drafts = sorted(table["run_id"].unique()) if "run_id" in table else [None]
+    markers = dict(zip(drafts, "osD^v<>pP*"))
+    colours = {t: f"C{i}" for i, t in enumerate(sorted(table["temperature"].unique()))}
+    fig, axes = plt.subplots(1, len(gammas), figsize=(5.5 * len(gammas), 4.2), sharey=True, squeeze=False)
+    for ax, gamma in zip(axes[0], gammas):
+        rows = table[table["gamma"] == gamma]
+        for (draft, temperature), group in rows.groupby([rows.get("run_id", pd.Series(None, index=rows.index)),
+                                                         "temperature"], dropna=False):
+            value, low, high = (100 * group[f"{column}{s}"] for s in ("", "_lo", "_hi"))
+            ax.errorbar(group["alpha_overlap"], value, yerr=[value - low, high - value], marker=markers.get(draft, "o"),
+                        color=colours[temperature], ls="none", capsize=3)
+        for temperature, colour in colours.items():
+            ax.plot([], [], "o", color=colour, label=f"SmolLM2, T = {temperature:g}")
+        for draft, marker in markers.items():
+            if draft is not None:
+                ax.plot([], [], marker, color="grey", mfc="none", label=f"draft {draft}")
+        if theory is not None:
+            curve = theory[theory["gamma"] == gamma].sort_values("alpha")
+            ax.plot(curve["alpha"], 100 * curve["gain"], "k-", lw=1, label="i.i.d. two-symbol family (exact)")
+        if paper and gamma == 8:
+            ax.plot(paper_alpha(8), 100 * PAPER_TABLE["be_gain"], "k*", ms=11,
+                    label="paper, T = 0.2/0.6/1.0 (alpha implied by BE)")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_title(f"gamma = {gamma}")
+        ax.set_xlabel("alpha (measured mean sum_x min(p, q))")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("BE gain of block over token (%)")
     fig.tight_layout()
     return fig
 

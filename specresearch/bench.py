@@ -37,6 +37,17 @@ aligned but drive different distributions, so the coupling is lost. The record c
 steps plus the first divergent one); ``common_prefix_tokens`` is the length of the common output
 prefix. At T = 0 nothing is random and the two verifiers give the same tokens.
 
+Expected counts. Every run also records, summed over its steps, E[accepted | the step's drafted block]
+of token AND block verification (``verify.expected_num_accepted`` on the same rows p_0..p_gamma,
+q_0..q_{gamma-1}: one is the expectation of the realised count, the other a counterfactual costing only
+its closed form; computed outside the timed part of the step) and the block's mean overlap
+sum_x min(p_i, q_i), the measured alpha. ``analysis.expected_gain_table`` turns them into a paired expected
+gain; ``docs/block_gain.md`` says what it estimates.
+
+Batched sweeps (``run_batched``): every prompt of a setting in one generate call, each row with its own
+seed as above (same tokens up to float differences of batched logits), no timings and no baseline: for
+drafts whose wall-clock means nothing, such as ``specresearch.dial_drafts`` (they run the target).
+
 Timing: each unit's runs alternate their order (token first, then block first in the next unit) so a
 drift in machine load does not favour one verifier; ``load_avg`` records the 1-minute load average.
 A short untimed warm-up run precedes the sweep. ``seconds`` include the prefill of both models.
@@ -60,6 +71,7 @@ from specresearch.verify import VERIFIERS
 __all__ = [
     "AUTOREGRESSIVE",
     "BENCH_PRESETS",
+    "EXPECTED_METHODS",
     "RECORD_COLUMNS",
     "BenchConfig",
     "BenchPrompt",
@@ -68,6 +80,7 @@ __all__ = [
     "load_bench_draft",
     "load_bench_prompts",
     "read_records",
+    "run_batched",
     "run_bench",
     "run_named",
     "run_seed",
@@ -101,7 +114,15 @@ RECORD_COLUMNS = (
     "output_hash",  # sha1 of the output tokens (first 12 hex digits)
     "order",  # position of the run within its unit (timing order)
     "load_avg",  # 1-minute load average when the run finished
+    # Per step, E[accepted | the drafted block] of each verifier on the SAME block (verify.expected_num_accepted),
+    # summed over the run's steps: the realised count's expectation for the verifier that ran, the
+    # counterfactual for the other (module docstring, "Expected counts").
+    "expected_token",
+    "expected_block",
+    "overlap_sum",  # sum over steps of the block's mean sum_x min(p_i, q_i): / target_calls = measured alpha
+    "batch",  # prompts in the generate call (run_bench: 1, timed; run_batched: the batch, seconds are NaN)
 )
+EXPECTED_METHODS = ("token", "block")  # the verifiers whose per-step expectations every run records
 
 
 def _check_tuple(field: str, values, kind, low, message: str) -> None:
@@ -257,6 +278,12 @@ def _append(path: Path, rows: list[dict]) -> None:
     """Append rows to the CSV (header if the file is new); flushed at once so a crash loses one unit."""
     import pandas as pd
 
+    if path.exists() and path.stat().st_size:
+        with open(path) as handle:
+            header = handle.readline().strip().split(",")
+        if header != list(RECORD_COLUMNS):
+            raise ValueError(f"path {path} holds records with other columns (an older format): pass a new --run "
+                             "or move the file away")
     frame = pd.DataFrame(rows, columns=list(RECORD_COLUMNS))
     frame.to_csv(path, mode="a", header=not path.exists(), index=False)
 
@@ -265,19 +292,21 @@ def _output_hash(tokens: Sequence[int]) -> str:
     return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:12]
 
 
-def _step_blocks(result: GenerationResult) -> list[tuple[int, tuple[int, ...]]]:
-    """Per step of row 0: (accepted drafts, the tokens it kept). Speculative results only."""
-    tokens, start, blocks = result.tokens[0], 0, []
+def _step_blocks(result: GenerationResult, row: int = 0) -> list[tuple[int, tuple[int, ...]]]:
+    """Per step of ``row`` (while active): (accepted drafts, the tokens it kept). Speculative results only."""
+    tokens, start, blocks = result.tokens[row], 0, []
     for step in result.steps:
-        n = step.num_accepted[0]
+        if not step.active[row]:
+            break
+        n = step.num_accepted[row]
         blocks.append((n, tuple(tokens[start : start + n + 1])))
         start += n + 1
     return blocks
 
 
-def _shared_steps(a: GenerationResult, b: GenerationResult) -> int:
+def _shared_steps(a: GenerationResult, b: GenerationResult, row: int = 0) -> int:
     """Steps that saw the same drafts and uniforms: the identical leading steps plus the first divergent one."""
-    blocks_a, blocks_b = _step_blocks(a), _step_blocks(b)
+    blocks_a, blocks_b = _step_blocks(a, row), _step_blocks(b, row)
     same = next((i for i, (x, y) in enumerate(zip(blocks_a, blocks_b)) if x != y), None)
     return min(len(blocks_a), len(blocks_b)) if same is None else same + 1
 
@@ -286,18 +315,28 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _record(result: GenerationResult, base: dict, verifier: str, gamma: int, order: int) -> dict:
-    """One CSV row of a run (row 0 of ``result``); CRN columns are filled in by the caller."""
-    steps = result.steps
-    accepted = sum(s.num_accepted[0] for s in steps)
-    rejections = sum(s.num_accepted[0] < s.gamma for s in steps if s.gamma)
+def _record(result: GenerationResult, base: dict, verifier: str, gamma: int, order: int, row: int = 0,
+            timed: bool = True) -> dict:
+    """One CSV row of a run (``row`` of ``result``); CRN columns are filled in by the caller. Timings are
+    NaN unless ``timed`` (a batched run has no per-prompt wall time)."""
+    steps = [s for s in result.steps if s.active[row]]
+    accepted = sum(s.num_accepted[row] for s in steps)
+    rejections = sum(s.num_accepted[row] < s.gamma for s in steps if s.gamma)
+    batch = len(result.tokens)
+    nan = float("nan")
     return {
-        **base, "verifier": verifier, "gamma": gamma, "new_tokens": len(result.tokens[0]),
-        "target_calls": result.target_calls, "draft_calls": result.draft_calls, "accepted_tokens": accepted,
-        "examined_drafts": accepted + rejections, "seconds": result.seconds,
-        "target_seconds": sum(s.target_seconds for s in steps), "draft_seconds": sum(s.draft_seconds for s in steps),
-        "prefill_seconds": result.prefill_seconds, "output_hash": _output_hash(result.tokens[0]), "order": order,
-        "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"),
+        **base, "verifier": verifier, "gamma": gamma, "new_tokens": len(result.tokens[row]),
+        "target_calls": sum(s.target_calls for s in steps), "draft_calls": sum(s.draft_calls for s in steps),
+        "accepted_tokens": accepted, "examined_drafts": accepted + rejections,
+        "seconds": result.seconds if timed else nan,
+        "target_seconds": sum(s.target_seconds for s in steps) if timed else nan,
+        "draft_seconds": sum(s.draft_seconds for s in steps) if timed else nan,
+        "prefill_seconds": result.prefill_seconds if timed else nan,
+        "output_hash": _output_hash(result.tokens[row]), "order": order,
+        "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else nan,
+        **{f"expected_{m}": sum(s.expected[m][row] for s in steps) if steps and steps[0].expected else nan
+           for m in EXPECTED_METHODS},
+        "overlap_sum": sum(s.overlap[row] for s in steps) if steps and steps[0].overlap else nan, "batch": batch,
     }
 
 
@@ -317,7 +356,7 @@ def _run_unit(target, draft, prompt: BenchPrompt, base: dict, gamma: int, order:
         results[verifier] = speculative_generate(
             target, draft, [list(prompt.token_ids)], verifier=verifier, gamma=gamma,
             max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(temperature=base["temperature"]),
-            seed=[run_seed(prompt.id, base["seed"])], eos_token_id=eos)
+            seed=[run_seed(prompt.id, base["seed"])], eos_token_id=eos, expectations=EXPECTED_METHODS)
     rows = []
     for position, verifier in enumerate(order):
         row = _record(results[verifier], base, verifier, gamma, position)
@@ -393,20 +432,71 @@ def run_bench(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig
     return read_records(path)
 
 
+def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig, path: str | os.PathLike, *,
+                run_id: str | None = None, eos_token_id=None, progress: bool = True):
+    """``run_bench`` with every prompt of a (temperature, seed, gamma, verifier) in ONE generate call.
+
+    Much cheaper per token on a CPU, and each row keeps its own seed (``run_seed``), so its tokens and the
+    common random numbers between verifiers are those of ``run_bench`` up to float differences of batched
+    logits. No wall-clock exists per prompt: ``seconds`` columns are NaN and no autoregressive baseline is
+    run, so only BE, alpha and the expected counts are measured (what drafts that run the target allow,
+    ``specresearch.dial_drafts``). Resumable: only the prompts of a (temperature, seed, gamma) that lack a
+    row for some verifier are run (so adding prompts later runs just those). Returns every record in the file.
+    """
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_id = run_id or path.stem
+    done = _done(read_records(path))
+    settings = [(t, s, g) for t in map(float, config.temperatures) for s in config.seeds for g in config.gammas]
+    todo = [x for x in settings if any(_key(p.id, v, x[0], x[2], x[1]) not in done
+                                       for p in prompts for v in config.verifiers)]
+    bar = tqdm(total=len(todo), desc=f"bench {run_id} (batched)", unit="setting", disable=not progress)
+    for temperature, seed, gamma in todo:
+        missing = [p for p in prompts
+                   if any(_key(p.id, v, temperature, gamma, seed) not in done for v in config.verifiers)]
+        results = {v: speculative_generate(
+            target, draft, [list(p.token_ids) for p in missing], verifier=v, gamma=gamma,
+            max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(temperature=temperature),
+            seed=[run_seed(p.id, seed) for p in missing], eos_token_id=eos_token_id, expectations=EXPECTED_METHODS)
+            for v in config.verifiers}
+        rows = []
+        for b, prompt in enumerate(missing):
+            base = {"run_id": run_id, "prompt_id": prompt.id, "category": prompt.category,
+                    "temperature": temperature, "seed": seed, "ar_seconds": float("nan"), "ar_tokens": float("nan")}
+            for position, (verifier, mine) in enumerate(results.items()):
+                others = [r for v, r in results.items() if v != verifier]
+                row = _record(mine, base, verifier, gamma, position, row=b, timed=False)
+                row["shared_steps"] = min((_shared_steps(mine, o, b) for o in others), default=float("nan"))
+                row["common_prefix_tokens"] = min((_common_prefix(mine.tokens[b], o.tokens[b]) for o in others),
+                                                  default=float("nan"))
+                if _key(prompt.id, verifier, temperature, gamma, seed) not in done:
+                    rows.append(row)
+        _append(path, rows)
+        done.update({_key(r["prompt_id"], r["verifier"], temperature, gamma, seed): r for r in rows})
+        bar.update(1)
+        bar.set_postfix(T=temperature, gamma=gamma)
+    bar.close()
+    return read_records(path)
+
+
 def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str | os.PathLike, *,
               prompts_path: str | os.PathLike | None = None, run_id: str | None = None, device: str = "cpu",
-              progress: bool = True, command: str | None = None):
+              progress: bool = True, command: str | None = None, batched: bool = False):
     """Load ``target_name`` (embedded name or checkpoint) and ``draft_name`` (``load_bench_draft``), encode
     the prompts (``load_bench_prompts``), note the session (``write_run_info``) and ``run_bench`` into ``path``.
 
-    Returns every record in the file (pandas DataFrame).
+    ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. Returns every
+    record in the file (pandas DataFrame).
     """
     from specresearch.embedded import load_model
 
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
     prompts = load_bench_prompts(tokenizer, config, prompts_path)
-    write_run_info(path, command=command, target=target_name, draft=draft_name,
+    write_run_info(path, command=command, target=target_name, draft=draft_name, batched=batched,
                    config=dataclasses.asdict(config), prompts=[p.id for p in prompts])
-    return run_bench(target, draft, prompts, config, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
-                     progress=progress)
+    run = run_batched if batched else run_bench
+    return run(target, draft, prompts, config, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
+               progress=progress)

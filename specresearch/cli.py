@@ -278,7 +278,7 @@ def _add_bench(sub) -> None:
                  "--prompts-file data/prompts.jsonl")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default="v8k-4l",
-                   help="v8k-4l (a shipped distilled draft) | ngram | truncated:N | checkpoint path")
+                   help="v8k-4l (a shipped distilled draft) | ngram | truncated:N | dial-mix:LAM (BE only) | checkpoint path")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
     p.add_argument("--verifiers", nargs="+", help="default: token block")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
@@ -292,6 +292,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--out", default="results", help="directory of the records")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="cpu, cuda, auto, ...")
+    p.add_argument("--batched", action="store_true",
+                   help="all prompts in one call per setting: cheaper, BE only (no wall-clock); for dial-* drafts")
     p.set_defaults(func=_run_bench)
 
 
@@ -314,10 +316,13 @@ def _run_bench(args) -> int:
     run = args.run or bench.default_run_id(args.target, args.draft, config, "quick-" if args.quick else "")
     path = Path(args.out) / f"{run}.csv"
     records = bench.run_named(args.target, args.draft, config, path, prompts_path=args.prompts_file, run_id=run,
-                              device=args.device, command="specresearch " + " ".join(sys.argv[1:]))
-    print(analysis.format_paper_table(analysis.paper_table(records)))
+                              device=args.device, command="specresearch " + " ".join(sys.argv[1:]),
+                              batched=args.batched)
+    print(analysis.summary(records))
     same, units = analysis.t0_agreement(records)
-    print(f"\nT = 0: token and block outputs identical in {same}/{units} units; records in {path}")
+    if units and len(config.verifiers) > 1:
+        print(f"\nT = 0: the verifiers' outputs identical in {same}/{units} units")
+    print(f"records in {path}")
     return 0
 
 

@@ -196,6 +196,10 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     """
     if name == "ngram":
         return NGramDraft(target.vocab_size, device=target.device)
+    if name.startswith("dial-"):  # the target perturbed (dial_drafts): dial-mix:LAM, dial-uniform:LAM, dial-temp:S
+        from specresearch.dial_drafts import dial_draft_from_name
+
+        return dial_draft_from_name(name, target)
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     if name in shipped_drafts():

@@ -37,6 +37,7 @@ __all__ = [
     "METHODS",
     "as_model",
     "verify_exact",
+    "expected_num_accepted_exact",
     "step_distribution",
     "expected_accepted",
     "block_efficiency",
@@ -281,6 +282,49 @@ def verify_exact(target_rows, draft_rows, draft_tokens, method) -> Law:
     law = {k: v for k, v in law_fn(ps, qs, xs).items() if v != 0}
     assert sum(law.values()) == 1, f"verifier law sums to {sum(law.values())}"
     return law
+
+
+def _token_expectation(ps: Sequence[Row], qs: Sequence[Row], xs: Sequence[int]) -> Fraction:
+    """sum_{k=1}^{gamma} prod_{i<=k} min(1, p(x_i)/q(x_i)): P(n >= k) summed over k."""
+    total, reach = _ZERO, _ONE
+    for i, x in enumerate(xs):
+        reach *= _accept_prob(ps[i][x], qs[i][x])
+        total += reach
+    return total
+
+
+def _block_expectation(ps: Sequence[Row], qs: Sequence[Row], xs: Sequence[int]) -> Fraction:
+    """sum_{i=1}^{gamma} i h_i prod_{j>i} (1 - h_j): tau = the last i with eta_i < h_i."""
+    gamma = len(xs)
+    ratios = _block_ratios(ps, qs, xs)
+    h = [_block_h(ps[i], qs[i], ratios[i]) for i in range(1, gamma)] + [ratios[gamma]]  # h_1..h_gamma
+    total, tail = _ZERO, _ONE  # tail = prod_{j > i} (1 - h_j)
+    for i in range(gamma, 0, -1):
+        total += i * h[i - 1] * tail
+        tail *= 1 - h[i - 1]
+    return total
+
+
+def _greedy_expectation(ps: Sequence[Row], qs: Sequence[Row], xs: Sequence[int]) -> Fraction:
+    (count, _token), = _greedy_law(ps, qs, xs)
+    return Fraction(count)
+
+
+_EXPECTATIONS = {"token": _token_expectation, "block": _block_expectation, "greedy": _greedy_expectation}
+
+
+def expected_num_accepted_exact(target_rows, draft_rows, draft_tokens, method) -> Fraction:
+    """E[num_accepted] of ``verify.<method>_verify`` for one drafted block, over the uniforms only.
+
+    The exact twin of ``verify.expected_num_accepted`` (one batch row), written as the closed forms
+    (token: sum_k prod_{i<=k} min(1, p/q); block: sum_i i h_i prod_{j>i} (1 - h_j)); it equals the mean
+    of :func:`verify_exact`'s law, which the tests check. Arguments as :func:`verify_exact`, with
+    ``method`` one of ``"token"``, ``"block"``, ``"greedy"``.
+    """
+    if method not in _EXPECTATIONS:
+        raise ValueError(f"method must be one of {sorted(_EXPECTATIONS)}, got {method!r}")
+    ps, qs, xs = _check_block(target_rows, draft_rows, draft_tokens)
+    return _EXPECTATIONS[method](ps, qs, xs)
 
 
 # ----------------------------------------------------------------------------- whole steps and loops

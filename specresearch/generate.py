@@ -40,7 +40,7 @@ import torch
 
 from specresearch.drafts import check_same_vocab
 from specresearch.sampling import SamplingConfig, logits_to_probs
-from specresearch.verify import VERIFIERS, draw_uniforms
+from specresearch.verify import VERIFIERS, draw_uniforms, expected_num_accepted
 
 __all__ = [
     "StepRecord",
@@ -63,6 +63,11 @@ class StepRecord:
     seconds: float  # wall time of the whole step
     target_seconds: float  # of which inside the target's forward passes
     draft_seconds: float  # of which inside the draft's forward passes
+    # Opt-in (``speculative_generate(expectations=...)``): per method, E[num_accepted | this step's block]
+    # per row ([B] each, ``verify.expected_num_accepted``), and per row the mean over the block's
+    # positions i < gamma of sum_x min(p_i(x), q_i(x)) ([B]).
+    expected: dict[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
+    overlap: tuple[float, ...] = ()
 
     @property
     def overhead_seconds(self) -> float:
@@ -312,6 +317,7 @@ def speculative_generate(
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
     stop_when: Callable[[int, list[int]], bool] | None = None,
+    expectations: Sequence[str] = (),
 ) -> GenerationResult:
     """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; ref. 004).
 
@@ -329,10 +335,15 @@ def speculative_generate(
         on_step: called after each step with the tokens each row kept (for streaming).
         stop_when: ``stop_when(b, tokens)`` is asked for each new token of row b with the row's new tokens up to
             and including it; True ends the row after that token, as EOS does (inside an accepted block too).
+        expectations: methods (``"token"``, ``"block"``, ``"greedy"``) whose expected accepted count given
+            each step's drafted block is stored in ``StepRecord.expected`` (with ``StepRecord.overlap``);
+            the verifier that did not run costs only its closed form. Does not change the tokens.
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
     _check_generation_args(max_new_tokens, gamma, verifier)
+    if isinstance(expectations, str) or any(m not in VERIFIERS for m in expectations):
+        raise ValueError(f"expectations must be a sequence of {sorted(VERIFIERS)}, got {expectations!r}")
     check_same_vocab(target, draft)
     verify = verifier if callable(verifier) else VERIFIERS[verifier]
     ids, mask = encode_prompts(prompts, tokenizer)
@@ -366,10 +377,21 @@ def speculative_generate(
         emitted = [d[:n] + [t] for d, n, t in zip(draft_tokens.tolist(), accepted, result.next_token.tolist())]
         kept = rows.add(emitted)
         seconds = _clock(device) - t0
-        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, step_gamma, seconds, t2 - t1, t1 - t0))
+        extra = _expectations(target_probs, draft_probs, draft_tokens, expectations)  # untimed: analysis only
+        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, step_gamma, seconds, t2 - t1, t1 - t0, **extra))
         if on_step is not None:
             on_step(kept)
     return _result(rows, steps, prefill_seconds, tokenizer, "speculative")
+
+
+def _expectations(target_probs, draft_probs, draft_tokens, methods) -> dict:
+    """``StepRecord`` fields ``expected`` and ``overlap`` for ``methods`` (none when it is empty)."""
+    if not methods:
+        return {}
+    expected = {m: tuple(expected_num_accepted(target_probs, draft_probs, draft_tokens, m, validate=False).tolist())
+                for m in methods}
+    overlap = torch.minimum(target_probs[:, :-1], draft_probs).sum(-1).mean(-1)  # [B]
+    return {"expected": expected, "overlap": tuple(overlap.tolist())}
 
 
 def autoregressive_generate(

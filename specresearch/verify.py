@@ -78,6 +78,7 @@ __all__ = [
     "VerifyResult",
     "block_verify",
     "draw_uniforms",
+    "expected_num_accepted",
     "greedy_verify",
     "token_verify",
 ]
@@ -166,6 +167,46 @@ def greedy_verify(target_probs, draft_probs, draft_tokens, generator=None, *, un
 
 
 VERIFIERS = {"token": token_verify, "block": block_verify, "greedy": greedy_verify}
+
+
+def expected_num_accepted(target_probs, draft_probs, draft_tokens, method, *, validate=True):
+    """E[num_accepted | drafted block] of ``method``: the verifier's mean over its uniforms, in closed form.
+
+    Given the block, the number of accepted drafts is random only through eta_1..eta_gamma:
+
+    * token (Leviathan et al. 2023, Algorithm 1): P(n >= k) = prod_{i<=k} a_i with a_i = min(1, p(x_i) /
+      q(x_i)) (0 when q(x_i) = 0), so E[n] = sum_{k=1}^{gamma} prod_{i<=k} a_i;
+    * block (Sun et al. 2025, Algorithm 2; tau = the last i with eta_i < h_i): P(tau = i) = h_i prod_{j>i}
+      (1 - h_j), so E[tau] = sum_{i=1}^{gamma} i h_i prod_{j>i} (1 - h_j), with the same h_i (and p_i)
+      ``block_verify`` compares its uniforms with;
+    * greedy: deterministic, the ``greedy_verify`` count.
+
+    Both closed forms hold for any block, so evaluating them on the block one verifier drew gives the
+    other verifier's expectation on that same block (a counterfactual that costs only the h_i).
+
+    Args:
+        target_probs, draft_probs, draft_tokens: as ``token_verify`` (``[B, gamma+1, V]``, ``[B, gamma, V]``,
+            ``[B, gamma]``).
+        method: ``"token"``, ``"block"`` or ``"greedy"``.
+        validate: check the inputs as the verifiers do; False skips the checks.
+    Returns:
+        ``[B]`` expected accepted drafts (in 0..gamma), in the dtype of ``target_probs``.
+    """
+    if method not in VERIFIERS:
+        raise ValueError(f"method must be one of {sorted(VERIFIERS)}, got {method!r}")
+    if validate:
+        _validate(target_probs, draft_probs, draft_tokens, None, None)
+    if method == "greedy":
+        return greedy_verify(target_probs, draft_probs, draft_tokens, validate=False).num_accepted.to(target_probs.dtype)
+    p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma]
+    if method == "token":
+        accept = torch.where(q_x > 0, (p_x / q_x).clamp(max=1), torch.zeros_like(p_x))  # [B, gamma]: a_i
+        return accept.cumprod(-1).sum(-1)
+    h = _block_h(target_probs, draft_probs, _block_scales(p_x, q_x))  # [B, gamma]
+    survive = (1 - h).flip(-1).cumprod(-1).flip(-1)  # [B, gamma]: prod_{j >= i} (1 - h_j)
+    later = torch.cat([survive[:, 1:], torch.ones_like(survive[:, :1])], 1)  # prod_{j > i} (1 - h_j)
+    positions = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)
+    return (positions * h * later).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -377,9 +418,13 @@ def _final_row_weights(target_probs, draft_probs, row, tau, weights):
 
 def _block_tau_dense(target_probs, draft_probs, scale, eta):
     """``_block_tau`` computing h_i for every (b, i): no pruning, no host sync; used for small inputs."""
+    return _last_true(eta < _block_h(target_probs, draft_probs, scale))
+
+
+def _block_h(target_probs, draft_probs, scale):
+    """h_1..h_gamma of Sun et al. Algorithm 2 (``[B, gamma]``; h_gamma = p_gamma) from ``scale`` = p_1..p_gamma."""
     weights = _residual_weights(target_probs[:, 1:-1], draft_probs[:, 1:], scale[:, :-1])  # [B, gamma-1, V]
-    h = torch.cat([_residual_share(weights.sum(-1), scale[:, :-1]), scale[:, -1:]], 1)  # h_gamma = p_gamma
-    return _last_true(eta < h)
+    return torch.cat([_residual_share(weights.sum(-1), scale[:, :-1]), scale[:, -1:]], 1)
 
 
 def _residual_share(mass, scale):

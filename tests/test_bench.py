@@ -219,3 +219,77 @@ def test_cli_builds_the_bench_command():
 
     args = build_parser().parse_args(["bench", "--quick", "--gammas", "2", "8", "--prompts", "7"])
     assert args.func.__name__ == "_run_bench" and args.gammas == [2, 8] and args.prompts == 7
+
+
+def test_expected_be_matches_exact_two_symbol(two_symbol):
+    """The per-step expected counts (both verifiers, on the steps of both runs) average to the exact BE.
+
+    The model is i.i.d., so each step's block is drawn afresh from q and its E[accepted | block] (in [0, 4])
+    are independent across steps: Hoeffding at 1e-8 per verifier gives the tolerance (false-positive rate
+    < 2e-8). The expected gain's interval is also narrower than the realised one (the uniforms' noise is
+    integrated out); that is checked on these seeded records, not as a probability statement.
+    """
+    records, target, draft = two_symbol
+    row = analysis.expected_gain_table(records, n_boot=1000, seed=0).iloc[0]
+    tolerance = 4 * np.sqrt(np.log(2 / 1e-8) / (2 * row.steps))
+    for method in ("token", "block"):
+        assert abs(row[f"be_{method}_exp"] - float(exact.block_efficiency(target, draft, 4, method))) < tolerance, row
+    assert row.alpha_overlap == pytest.approx(2 / 3)  # sum_x min(p, q) is the same at every position
+    realised = analysis.gain_table(records, metrics=("be",), n_boot=1000, seed=0).iloc[0]
+    assert row.exp_gain_hi - row.exp_gain_lo < realised.be_gain_hi - realised.be_gain_lo
+    assert row.exp_gain_lo > 0
+
+
+def test_two_symbol_gain_is_exact():
+    token, block = analysis.two_symbol_gain(2 / 3, 4)
+    target, draft = exact.two_symbol_example()  # p = (1/3, 2/3), q = (2/3, 1/3): the family at alpha = 2/3
+    assert token == pytest.approx(float(exact.block_efficiency(target, draft, 4, "token")), abs=1e-12)
+    assert block == pytest.approx(float(exact.block_efficiency(target, draft, 4, "block")), abs=1e-12)
+    assert analysis.two_symbol_gain(1.0, 8) == pytest.approx((9.0, 9.0))
+
+
+@pytest.mark.parametrize("verifiers", [("token",), ("block",), ("token", "block")])
+def test_summary_for_any_subset_of_verifiers(tmp_path, verifiers):
+    """What ``specresearch bench`` prints at the end: never a traceback for a subset of verifiers."""
+    config = BenchConfig(verifiers=verifiers, temperatures=(0.0, 1.0), gammas=(2, 3), max_new_tokens=12)
+    records = run_bench(_toy([0.5, 0.3, 0.2]), _toy([0.2, 0.3, 0.5]), _prompts(3), config, tmp_path / "s.csv",
+                        progress=False)
+    text = analysis.summary(records, n_boot=50)
+    assert "Expected BE given each drafted block" in text and "be_block_exp" in text
+    assert ("BE gain" in text) == (len(verifiers) == 2)
+    if len(verifiers) == 1:
+        assert f"| {verifiers[0]} |" in text and "ws" in text
+
+
+def test_batched_sweep_matches_one_prompt_at_a_time(tmp_path):
+    """Per-row seeds: the batched records equal the timed ones (tokens, counts, expectations up to float)."""
+    target, draft = _tiny_pair()
+    prompts = [BenchPrompt(f"p{i}", "c", tuple(range(i + 1, i + 5 + i))) for i in range(3)]
+    config = BenchConfig(temperatures=(1.0,), gammas=(3,), max_new_tokens=10)
+    batched = bench.run_batched(target, draft, prompts, config, tmp_path / "b.csv", progress=False)
+    records = run_bench(target, draft, prompts, config, tmp_path / "u.csv", progress=False)
+    single = records[records["verifier"] != bench.AUTOREGRESSIVE]
+    keys = ["prompt_id", "verifier"]
+    left, right = batched.set_index(keys).sort_index(), single.set_index(keys).sort_index()
+    assert len(left) == 6 and (left["batch"] == 3).all() and left["seconds"].isna().all()
+    for column in ("output_hash", "accepted_tokens", "target_calls", "shared_steps"):
+        assert (left[column] == right[column]).all(), column
+    for column in ("expected_token", "expected_block", "overlap_sum"):
+        np.testing.assert_allclose(left[column], right[column], rtol=1e-4)
+    again = bench.run_batched(target, draft, prompts, config, tmp_path / "b.csv", progress=False)
+    assert len(again) == 6  # resumed: nothing run twice
+
+
+def test_records_of_an_older_format_are_not_appended_to(tmp_path):
+    path = tmp_path / "old.csv"
+    path.write_text(",".join(bench.RECORD_COLUMNS[:-4]) + "\n")
+    with pytest.raises(ValueError, match="other columns"):
+        run_bench(_toy([0.5, 0.5]), _toy([0.5, 0.5]), _prompts(1), BenchConfig(temperatures=(1.0,), gammas=(1,),
+                  max_new_tokens=2), path, progress=False)
+
+
+def test_cli_bench_accepts_a_batched_dial_sweep():
+    from specresearch.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--draft", "dial-mix:0.5", "--verifiers", "token", "--batched"])
+    assert args.batched and args.draft == "dial-mix:0.5" and args.verifiers == ["token"]
