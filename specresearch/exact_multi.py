@@ -38,6 +38,24 @@ The contract shared with :mod:`specresearch.verify_multi` (the torch side)
   - with K = 1 only: ``"token"``, ``"block"``, ``"greedy"`` are the single-draft twins of
     :func:`specresearch.exact.verify_exact`.
 
+* Losslessness, established exactly with :func:`is_lossless_multi` (the full loop, n_tokens = 3) on
+  50 random context-dependent models with exact zeros per method and draft law (V = 2..3, K = 2..3,
+  L = 1..2; tests/test_exact_multi.py):
+
+  ==========================  =====  ===================  ==============================================
+  method                      iid    without_replacement  smallest counterexample (context-free, K = 2)
+  ==========================  =====  ===================  ==============================================
+  rrs                         yes    no                   V = 3: p = (0, 1/3, 2/3), q = (2/3, 0, 1/3)
+  rrs_without_replacement     yes    yes                  --
+  kseq                        yes    no                   the two-symbol example, p = (1/3, 2/3), q = (2/3, 1/3)
+  gbv                         yes    no                   p = q = (1/2, 1/2)
+  traversal                   yes    yes                  --
+  ==========================  =====  ===================  ==============================================
+
+  The two tree readers are lossless under both laws because the distinct children of a node, in
+  order of first appearance among i.i.d. draws, are themselves draws without replacement. The path
+  readers are lossless only for the law they were derived for (:func:`smallest_counterexample`).
+
 * Zero-mass conventions are those of ``verify``: a draft token with current q = 0 is rejected with
   probability 1; a token with p = 0 is never accepted; a residual of zero mass falls back to the
   current target row (as ``exact._residual``).
@@ -67,6 +85,7 @@ __all__ = [
     "is_lossless_multi",
     "kseq_rho",
     "gbv_draft_rows",
+    "smallest_counterexample",
 ]
 
 MULTI_METHODS = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal")
@@ -319,7 +338,8 @@ def gbv_draft_rows(target, draft, path, num_drafts, prefix=()) -> list[Row]:
     z(t) = Q_v q(t | v), y(t) = Q_v * q(tokens ranked below t | v).
 
     Returns:
-        L rows of V Fractions (row d is the conditional law of X*'s token d+1 given path[:d]).
+        L rows of V Fractions (row d is the conditional law of X*'s token d+1 given path[:d]); past a
+        prefix of draft probability 0 the rows are q's (block verification accepts nothing there).
     """
     target, draft, prefix = exact.as_model(target), exact.as_model(draft), tuple(prefix)
     k = _check_num_drafts(num_drafts)
@@ -331,7 +351,10 @@ def gbv_draft_rows(target, draft, path, num_drafts, prefix=()) -> list[Row]:
         for t in order:
             y[t], cum = cum, cum + mass * q_row[t]
         norm = (below + mass) ** k - below**k
-        rows.append(tuple(((below + y[t] + mass * q_row[t]) ** k - (below + y[t]) ** k) / norm for t in range(len(q_row))))
+        if norm == 0:  # a prefix the draft cannot produce: nothing below it is accepted; keep q
+            rows.append(tuple(q_row))
+        else:
+            rows.append(tuple(((below + y[t] + mass * q_row[t]) ** k - (below + y[t]) ** k) / norm for t in range(len(q_row))))
         below, mass = below + y[x], mass * q_row[x]
     return rows
 
@@ -697,3 +720,31 @@ def is_lossless_multi(target, draft, num_drafts, gamma, method, n_tokens, prefix
     spec = speculative_distribution_multi(target_m, draft_m, num_drafts, gamma, method, n_tokens, prefix, draft_law)
     want = exact.target_distribution(target_m, n_tokens, prefix, greedy=method == "greedy")
     return spec == want
+
+
+def _rational_rows(vocab: int, denominator: int):
+    """Every probability row over ``vocab`` tokens whose entries are multiples of 1 / denominator."""
+    for counts in itertools.product(range(denominator + 1), repeat=vocab - 1):
+        if sum(counts) <= denominator:
+            yield tuple(Fraction(c, denominator) for c in counts) + (Fraction(denominator - sum(counts), denominator),)
+
+
+def smallest_counterexample(method, draft_law, num_drafts=2, *, max_vocab=3, max_denominator=6, n_tokens=1):
+    """The first context-free (target, draft) pair on which ``method`` under ``draft_law`` is lossy.
+
+    Searched in the order (V, common denominator, target row, draft row), V = 2..max_vocab, every row
+    a multiple of 1 / denominator; a pair fails when :func:`is_lossless_multi` with paths of length 1
+    is False. So the answer is smallest in V first and denominator second.
+
+    Returns:
+        ``(target_row, draft_row)`` as tuples of Fractions, or None when every pair in range is lossless.
+    """
+    num_drafts, draft_law = _check_num_drafts(num_drafts), _check_draft_law(draft_law)
+    _check_method(method, num_drafts, 1)
+    for vocab in range(2, max_vocab + 1):
+        for denominator in range(2, max_denominator + 1):
+            for target in _rational_rows(vocab, denominator):
+                for draft in _rational_rows(vocab, denominator):
+                    if not is_lossless_multi(target, draft, num_drafts, 1, method, n_tokens, draft_law=draft_law):
+                        return target, draft
+    return None
