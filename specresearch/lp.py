@@ -224,9 +224,15 @@ def _coupling_lp(target, draft, gamma: int, prefix: tuple):
 
 
 def _multi_coupling_lp(target, paths_law: dict, gamma: int, prefix: tuple):
-    """Variables pi(paths, z) for z[:-1] a prefix of one of the K paths; draft marginals and (L)."""
+    """Variables pi(paths, z) for z[:-1] a prefix of one of the K paths; draft marginals and (L).
+
+    Only the set of drafted paths matters to what may be emitted, so drafts are merged by that set.
+    """
     emittable = _emittable(target, gamma, prefix)
-    names = []
+    merged: dict = defaultdict(Fraction)
+    for paths, prob in paths_law.items():
+        merged[frozenset(paths)] += prob
+    paths_law, names = dict(merged), []
     for paths in paths_law:
         prefixes = {path[:k] for path in paths for k in range(gamma + 1)}
         names += [(paths, z) for z in emittable if z[:-1] in prefixes]
@@ -261,12 +267,18 @@ def optimal_acceptance(target, draft, num_drafts: int = 1, draft_law: str = "iid
     """
     target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
     _check_args(1, "prefix", target, draft, prefix)
-    law, p_row = _first_token_law(draft, num_drafts, draft_law, prefix), target(prefix)
+    p_row = target(prefix)
+    # Only the set of drafted tokens matters to the objective: couple Y with that set (smaller LP).
+    sets: dict = defaultdict(Fraction)
+    for x, qx in _first_token_law(draft, num_drafts, draft_law, prefix).items():
+        sets[frozenset(x)] += qx
     ys = [y for y, py in enumerate(p_row) if py]
-    names = [(x, y) for x in law for y in ys]
-    objective = {c: Fraction(1) for c, (x, y) in enumerate(names) if y in x}
-    eqs = [({c: Fraction(1) for c, n in enumerate(names) if n[0] == x}, qx) for x, qx in law.items()]
-    eqs += [({c: Fraction(1) for c, n in enumerate(names) if n[1] == y}, p_row[y]) for y in ys]
+    names = [(s, y) for s in sets for y in ys]
+    objective = {c: Fraction(1) for c, (s, y) in enumerate(names) if y in s}
+    eqs = [({c: Fraction(1) for c, n in enumerate(names) if n[0] == s}, qs) for s, qs in sets.items()]
+    # the last target marginal is implied by the others (both sides sum to 1): dropping it keeps
+    # sympy's simplex away from the degenerate, oscillating case
+    eqs += [({c: Fraction(1) for c, n in enumerate(names) if n[1] == y}, p_row[y]) for y in ys[:-1]]
     value, _ = _solve(objective, eqs, [], len(names))
     return value
 
