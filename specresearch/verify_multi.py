@@ -56,8 +56,8 @@ K paths as B*K single drafts plus the multi-draft shape checks.
 Torch verifiers
 ---------------
 * Every verifier is vectorised over B; the Python loops run over depths and paths (RRS: L x K steps,
-  traversal: at most K L + 1 visited nodes, GBV: L columns for the selection and the rows q^G, K-SEQ: a
-  fixed 60-step bisection for rho*). Each step is a few O(B V) tensor ops; rows that are already decided
+  traversal: at most K L + 1 visited nodes, GBV: L columns for the selection and the rows q^G, K-SEQ:
+  fixed 16 regula-falsi steps for rho*). Each step is a few O(B V) tensor ops; rows that are already decided
   are carried through with ``torch.where`` rather than compacted.
 * Residual rows are kept unnormalised with their mass (p = r / Z), and the samplers sample the unnormalised
   weights, so the first candidate uses exactly ``token_verify``'s arithmetic (``eta * q(x) < p(x)``,
@@ -66,14 +66,18 @@ Torch verifiers
   output bit for bit, and ``gbv_verify`` (q^G = q exactly, see ``_gbv_draft_rows``) and
   ``traversal_verify`` (initial weights by ``verify.block_scales``, the same residual weights and
   h = Z / (Z + 1 - w) clamped to w) return ``block_verify``'s (tests/test_verify_multi.py).
-* K-SEQ's rho* is found per row by bisection of g(rho) = sum_{j<K} (1 - beta(rho))^j - rho (the SpecTr
-  equation divided by beta; strictly decreasing, g(1) >= 0 >= g(K)) in float64; the exact twin finds the
-  algebraic root with sympy. 60 halvings of [1, K] leave an error below 1e-17 K.
+* K-SEQ's rho* is found per row as the root of g(rho) = sum_{j<K} (1 - beta(rho))^j - rho (the SpecTr
+  equation divided by beta; strictly decreasing, g(1) >= 0 >= g(K)) in float64 by 16 steps of regula falsi
+  with the Illinois modification (each step one O(V) evaluation of beta); the exact twin finds the algebraic
+  root with sympy, and the two agree within 1e-12 (tests). Bisection would need ~50 evaluations.
 * GBV's rank order is decided on the float ratios p/q (computed in the probabilities' dtype, one division,
-  the same in the selection and in q^G's cumulative sums). q^G(t | v) is computed in float64 in the
+  the same in the selection, the masked sums and the sorts). q^G(t | v) is computed in float64 in the
   normalised form q(t | v) S(a, b) / S(1, c), S(a, b) = sum_{j<K} a^j b^(K-1-j), a = (r + y + q(t))/(r + 1),
   b = (r + y)/(r + 1), c = r/(r + 1), r = A_v / Q_v, y = q-mass ranked below t: the identity
   (a^K - b^K) = (a - b) S(a, b) divides out the q-mass of v, so nothing overflows and K = 1 gives q exactly.
+  A full row q^G(. | v) needs the cumulative q-mass in rank order, i.e. a sort of V ratios, which dominates
+  GBV's cost; it is computed only for the rows block verification reads in full (``_gbv_needed``: row 0 and
+  the candidates eta_i < p_i of rows with tau < L), the scales p_i from masked sums at the drafted tokens.
 * The traversal keeps, for the current node's ancestors only (one per depth), their current weight and,
   once a child was deleted, their residual target row and renormalised draft row: post-order visits a
   node's whole subtree before leaving it, so no other node is ever modified while it matters.
@@ -100,7 +104,7 @@ __all__ = [
 ]
 
 DRAFT_LAWS = ("iid", "without_replacement")
-_KSEQ_BISECTIONS = 60
+_KSEQ_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -192,9 +196,11 @@ def gbv_verify(target_probs, draft_probs, draft_tokens, generator=None, *, unifo
     batch, num_drafts, _ = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
     chosen = _gbv_select(target_probs, draft_probs, draft_tokens)  # [B]
-    target, tokens = target_probs[rows, chosen], draft_tokens[rows, chosen]  # [B, L+1, V], [B, L]
-    draft = _gbv_draft_rows(target, draft_probs[rows, chosen], tokens, num_drafts)  # [B, L, V]
-    result = block_verify(target, draft, tokens, uniforms=eta[:, :, 0], validate=False)
+    target, draft, tokens = target_probs[rows, chosen], draft_probs[rows, chosen], draft_tokens[rows, chosen]
+    along = _gbv_along(target, draft, tokens, num_drafts)  # r and q^G(x_d), [B, L] each
+    needed = _gbv_needed(target, draft, tokens, along[1], eta[:, :, 0])  # [B, L]
+    rows_g = _gbv_draft_rows(target, draft, tokens, num_drafts, needed, along)  # [B, L, V]
+    result = block_verify(target, rows_g, tokens, uniforms=eta[:, :, 0], validate=False)
     path_index = _lowest_path(draft_tokens, chosen, result.num_accepted)
     return MultiVerifyResult(result.num_accepted, path_index, result.next_token)
 
@@ -384,32 +390,59 @@ def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged):
 def _reject(residual, mass, draft, draft_mass, rejected):
     """After rejecting a candidate on the ``rejected`` rows: p <- norm(max(p - q, 0)) with p = residual / mass,
     q = draft / draft_mass, kept unnormalised (mass 1, draft_mass 1: exactly max(p - q, 0), as token_verify);
-    a zero-mass residual keeps the current row."""
-    scale = torch.where(draft_mass > 0, mass / draft_mass, torch.zeros_like(mass))  # q = 0 row: p unchanged
-    updated = (residual - scale[:, None] * draft).clamp(min=0)  # [B, V]
+    a zero-mass residual keeps the current row. Updates ``residual`` [B, V] and ``mass`` [B] in place."""
+    index = rejected.nonzero().squeeze(1)
+    if index.numel() == 0:
+        return residual, mass
+    current, current_mass, current_draft_mass = residual[index], mass[index], draft_mass[index]
+    scale = torch.where(current_draft_mass > 0, current_mass / current_draft_mass, torch.zeros_like(current_mass))
+    updated = (current - scale[:, None] * draft[index]).clamp_(min=0)  # [n, V]; q = 0 row: p unchanged
     updated_mass = updated.sum(-1)
-    keep = rejected & (updated_mass > 0)
-    return torch.where(keep[:, None], updated, residual), torch.where(keep, updated_mass, mass)
+    keep = updated_mass > 0
+    residual[index] = torch.where(keep[:, None], updated, current)
+    mass[index] = torch.where(keep, updated_mass, current_mass)
+    return residual, mass
 
 
 def _remove_token(draft, draft_mass, x, rejected):
-    """q <- q with token x zeroed (renormalised through ``draft_mass``) on the ``rejected`` rows."""
-    removed = draft.scatter(1, x, 0)
-    return torch.where(rejected[:, None], removed, draft), torch.where(rejected, removed.sum(-1), draft_mass)
+    """q <- q with token x zeroed (renormalised through ``draft_mass``) on the ``rejected`` rows, in place."""
+    index = rejected.nonzero().squeeze(1)
+    if index.numel() > 0:
+        draft[index, x[index, 0]] = 0
+        draft_mass[index] = draft[index].sum(-1)
+    return draft, draft_mass
 
 
 def _kseq_rho(target, draft, num_drafts):
-    """rho* per row (``[B]``, in the rows' dtype) by bisection of g on [1, K] (module docstring); 1 when K = 1."""
+    """rho* per row (``[B]``, in the rows' dtype), the root of g on [1, K] (module docstring); 1 when K = 1.
+
+    Regula falsi with the Illinois modification (a retained end's g is halved), which keeps a bracket
+    [low, high] with g(low) >= 0 >= g(high) and converges superlinearly; the last of ``_KSEQ_STEPS`` iterates
+    is returned (within 1e-12 of the exact root in tests/test_verify_multi.py).
+    """
     if num_drafts == 1:
         return target.new_ones(target.shape[0])
     p, q = target.double(), draft.double()
-    low, high = p.new_ones(p.shape[0]), p.new_full((p.shape[0],), float(num_drafts))
-    for _ in range(_KSEQ_BISECTIONS):
-        rho = (low + high) / 2
+
+    def g(rho):
         beta = torch.minimum(q, p / rho[:, None]).sum(-1)
-        g = sum((1 - beta) ** j for j in range(num_drafts)) - rho
-        low, high = torch.where(g > 0, rho, low), torch.where(g > 0, high, rho)
-    return ((low + high) / 2).to(target.dtype)
+        return sum((1 - beta) ** j for j in range(num_drafts)) - rho
+
+    low, high = p.new_ones(p.shape[0]), p.new_full((p.shape[0],), float(num_drafts))
+    g_low, g_high = g(low), g(high)  # >= 0 and <= 0 (exact facts; rounding may give tiny wrong signs)
+    side = torch.zeros_like(low)  # +1: the last step replaced low, -1: it replaced high
+    for _ in range(_KSEQ_STEPS):
+        span = g_low - g_high
+        rho = torch.where(span > 0, low + g_low * (high - low) / span.clamp(min=1e-300), (low + high) / 2)
+        rho = rho.clamp(min=low, max=high)
+        g_rho = g(rho)
+        above = g_rho > 0  # rho replaces low (else high)
+        g_high = torch.where(above & (side > 0), g_high / 2, g_high)  # Illinois: high kept twice in a row
+        g_low = torch.where(~above & (side < 0), g_low / 2, g_low)  # low kept twice in a row
+        low, g_low = torch.where(above, rho, low), torch.where(above, g_rho, g_low)
+        high, g_high = torch.where(above, high, rho), torch.where(above, g_high, g_rho)
+        side = torch.where(above, 1.0, -1.0)
+    return rho.to(target.dtype)
 
 
 def _rank_ratio(target, draft):
@@ -434,36 +467,81 @@ def _gbv_select(target_probs, draft_probs, draft_tokens):
     return tied.long().argmax(-1)
 
 
-def _gbv_draft_rows(target, draft, tokens, num_drafts):
-    """q^G rows ``[B, L, V]`` along X* (``target [B, L+1, V]``, ``draft [B, L, V]``, ``tokens [B, L]``),
-    in the normalised form of the module docstring; r = A_v / Q_v follows r <- (r + y(x)) / q(x)."""
-    batch, length, _ = draft.shape
-    rows = torch.arange(batch, device=tokens.device)
-    out = torch.empty_like(draft)
+def _gbv_along(target, draft, tokens, num_drafts):
+    """Along X* (``target [B, L+1, V]``, ``draft [B, L, V]``, ``tokens [B, L]``), without sorting: r = A_v / Q_v
+    at each depth and q^G(x_d | v), both ``[B, L]`` float64. y(x) is a masked sum over the tokens ranked below x
+    (p/q smaller, or equal with a smaller id), and r <- (r + y(x)) / q(x)."""
+    batch, length, vocab = draft.shape
+    ids = torch.arange(vocab, device=tokens.device)
     below = torch.zeros(batch, dtype=torch.float64, device=draft.device)  # r = A_v / Q_v, 0 at the root
+    ratios, drafted = [], []
     for d in range(length):
-        q = draft[:, d].double()
-        order = _rank_ratio(target[:, d], draft[:, d]).argsort(dim=-1, stable=True)  # ascending, ties by id
-        sorted_q = q.gather(1, order)
-        exclusive = torch.cat([torch.zeros_like(sorted_q[:, :1]), sorted_q.cumsum(-1)[:, :-1]], 1)
-        ranked_below = torch.empty_like(q).scatter_(1, order, exclusive)  # y(t) / Q_v
-        shrink = 1 / (1 + below)  # [B]
-        start = (below[:, None] + ranked_below) * shrink[:, None]
-        top = (below[:, None] + ranked_below + q) * shrink[:, None]
-        whole = _power_sum(torch.ones_like(below), below * shrink, num_drafts)  # [B]
-        out[:, d] = (q * _power_sum(top, start, num_drafts) / whole[:, None]).to(draft.dtype)
-        x = tokens[:, d]
-        q_x = q[rows, x]
-        below = torch.where(q_x > 0, (below + ranked_below[rows, x]) / q_x, torch.zeros_like(below))
+        q, x = draft[:, d].double(), tokens[:, d : d + 1]
+        ratio = _rank_ratio(target[:, d], draft[:, d])
+        ratio_x = ratio.gather(1, x)
+        ranked_below = ((ratio < ratio_x) | ((ratio == ratio_x) & (ids < x))).to(q.dtype)
+        y_x, q_x = (q * ranked_below).sum(-1), q.gather(1, x).squeeze(1)
+        ratios.append(below)
+        drafted.append(_gbv_conditional(q_x, y_x, below, num_drafts))
+        below = torch.where(q_x > 0, (below + y_x) / q_x, torch.zeros_like(below))
+    return torch.stack(ratios, 1), torch.stack(drafted, 1)
+
+
+def _gbv_conditional(q, y, below, num_drafts):
+    """q^G(t | v) = q(t) S(a, b) / S(1, c) (module docstring) for q = q(t | v), y = q-mass ranked below t
+    (both normalised by Q_v) and below = A_v / Q_v, broadcast; float64."""
+    shrink = 1 / (1 + below)
+    start = (below + y) * shrink
+    top = start + q * shrink
+    return q * _power_sum(top, start, num_drafts) / _power_sum(torch.ones_like(below), below * shrink, num_drafts)
+
+
+def _gbv_needed(target, draft, tokens, drafted, eta):
+    """Which q^G rows ``[B, L]`` block verification reads in full (``drafted [B, L]``: q^G(x_d) from
+    ``_gbv_along``; ``eta [B, L+1]``: block verification's uniforms): none when
+    eta_L < p_L (tau = L, bonus row); else row 0 (tau = 0 samples its residual) and every row i in 1..L-1 with
+    eta_i < p_i (the candidates of its backward scan; elsewhere h_i <= p_i <= eta_i, whatever the row). The
+    scales p_i need q^G at the drafted tokens only, which ``_gbv_along`` gives without sorting."""
+    length = tokens.shape[1]
+    p_x = target[:, :length].gather(-1, tokens[..., None]).squeeze(-1)  # [B, L]
+    q_x = drafted.to(draft.dtype)
+    scale = block_scales(p_x, q_x)  # [B, L]: p_1..p_L, as block_verify computes them from the rows
+    open_rows = eta[:, length - 1] >= scale[:, -1]  # [B]: tau < L possible
+    candidates = eta[:, : length - 1] < scale[:, : length - 1]  # [B, L-1]: i = 1..L-1
+    return torch.cat([open_rows[:, None], candidates & open_rows[:, None]], 1)
+
+
+def _gbv_draft_rows(target, draft, tokens, num_drafts, needed=None, along=None):
+    """q^G rows ``[B, L, V]`` along X* (``target [B, L+1, V]``, ``draft [B, L, V]``, ``tokens [B, L]``).
+
+    Rows where ``needed [B, L]`` is False (default: all True) keep the draft row, with q^G at the drafted token
+    only (block verification never reads the rest of them, ``_gbv_needed``); full rows cost one sort of the
+    ranks p/q (stable: ties by token id). Every row holds ``_gbv_along``'s q^G(x_d) at x_d, so the scales p_i
+    are the same whichever rows are full. ``along``: ``_gbv_along``'s output when already computed."""
+    batch, length, _ = draft.shape
+    needed = torch.ones(batch, length, dtype=torch.bool, device=tokens.device) if needed is None else needed
+    below, drafted = _gbv_along(target, draft, tokens, num_drafts) if along is None else along
+    out = draft.clone()
+    for d in range(length):
+        index = needed[:, d].nonzero().squeeze(1)  # [n]
+        if index.numel() > 0:
+            q = draft[index, d].double()
+            order = _rank_ratio(target[index, d], draft[index, d]).argsort(dim=-1, stable=True)  # ascending
+            sorted_q = q.gather(1, order)
+            exclusive = torch.cat([torch.zeros_like(sorted_q[:, :1]), sorted_q.cumsum(-1)[:, :-1]], 1)
+            ranked_below = torch.empty_like(q).scatter_(1, order, exclusive)  # y(t) / Q_v
+            out[index, d] = _gbv_conditional(q, ranked_below, below[index, d, None], num_drafts).to(draft.dtype)
+        out[:, d].scatter_(1, tokens[:, d : d + 1], drafted[:, d : d + 1].to(draft.dtype))
     return out
 
 
 def _power_sum(a, b, num_drafts):
-    """S(a, b) = sum_{j<K} a^j b^(K-1-j) = (a^K - b^K) / (a - b) elementwise; exactly 1 when K = 1."""
-    total, a_power = torch.zeros_like(a), torch.ones_like(a)
-    for j in range(num_drafts):
-        total = total + a_power * b ** (num_drafts - 1 - j)
-        a_power = a_power * a
+    """S(a, b) = sum_{j<K} a^j b^(K-1-j) = (a^K - b^K) / (a - b) elementwise, by S_1 = 1,
+    S_{n+1} = a S_n + b^n (no cancellation when a ~ b); exactly 1 when K = 1."""
+    total, b_power = torch.ones_like(a), torch.ones_like(b)
+    for _ in range(num_drafts - 1):
+        b_power = b_power * b
+        total = torch.addcmul(b_power, total, a)
     return total
 
 
@@ -533,10 +611,11 @@ def _traversal(target_probs, draft_probs, draft_tokens, eta):
         k, e = order_path[:, t], order_depth[:, t]
         parent = (e - 1).clamp(min=0)
         passed = ~done & ((e == 0) | (eta[rows, parent, k] < weight.gather(1, e[:, None]).squeeze(1)))
-        node_row = torch.where(
-            (e == length)[:, None], target_probs[rows, k, length], residual[rows, e.clamp(max=length - 1)]
-        )
-        weights = torch.where(passed[:, None], node_row, weights)
+        accepted = passed.nonzero().squeeze(1)  # [n]: a leaf emits from p, an inner node from its residual
+        if accepted.numel() > 0:
+            at, depth = k[accepted], e[accepted]
+            leaf_row, inner_row = target_probs[accepted, at, length], residual[accepted, depth.clamp(max=length - 1)]
+            weights[accepted] = torch.where((depth == length)[:, None], leaf_row, inner_row)
         num_accepted, path = torch.where(passed, e, num_accepted), torch.where(passed, k, path)
         rejected = ~done & ~passed
         done = done | passed

@@ -159,6 +159,30 @@ def test_one_path_is_the_single_draft_verifier_bit_for_bit(method, vocab, dtype)
         assert 0 < int((single.num_accepted > 0).sum()) < batch  # both outcomes occur: the check has teeth
 
 
+@pytest.mark.parametrize("vocab", [5, 5000])
+def test_gbv_reads_only_the_rows_it_computes_in_full(vocab):
+    """gbv_verify sorts only the q^G rows block verification reads in full (``_gbv_needed``); with the same
+    uniforms it must equal block verification of X* with every row q^G computed in full, bit for bit."""
+    from specresearch.verify import block_verify
+    from specresearch.verify_multi import _gbv_draft_rows, _gbv_select
+
+    batch, num_drafts, length = 64, 3, 3
+    target, draft, tokens = _random_single(batch * num_drafts, length, vocab, seed=vocab, dtype=torch.float32)
+    paths = (target.view(batch, num_drafts, length + 1, vocab), draft.view(batch, num_drafts, length, vocab),
+             tokens.view(batch, num_drafts, length))
+    uniforms = draw_multi_uniforms(batch, num_drafts, length, torch.Generator().manual_seed(5))
+    pruned = MULTI_VERIFIERS["gbv"](*paths, uniforms=uniforms)
+    rows = torch.arange(batch)
+    chosen = _gbv_select(*paths)
+    selected = [t[rows, chosen] for t in paths]
+    full = _gbv_draft_rows(selected[0], selected[1], selected[2], num_drafts)
+    assert torch.allclose(full.sum(-1), torch.ones(batch, length), atol=1e-5)  # q^G rows are distributions
+    reference = block_verify(selected[0], full, selected[2], uniforms=uniforms[:, :, 0])
+    assert torch.equal(pruned.num_accepted, reference.num_accepted)
+    assert torch.equal(pruned.next_token, reference.next_token)
+    assert len(set(reference.num_accepted.tolist())) == length + 1  # every tau occurs: the rows were read
+
+
 def test_multi_uniforms_with_one_path_are_the_single_draft_stream():
     from specresearch.verify import draw_uniforms
 
@@ -301,6 +325,19 @@ def test_zero_probability_drafts_are_never_accepted():
         result = verifier(target.expand(1, 2, 2, 3), draft.expand(1, 2, 1, 3), tokens, uniforms=uniforms)
         assert int(result.num_accepted) == 0, method
         assert int(result.next_token) != 0, method  # p(0) = 0: never emitted
+
+
+def test_kseq_rho_matches_the_exact_root():
+    """The float rho* (regula falsi, 16 steps) against exact_multi.kseq_rho on 40 random rows (K = 2..5)."""
+    from specresearch.exact_multi import kseq_rho
+    from specresearch.verify_multi import _kseq_rho
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        vocab, num_drafts = rng.randint(2, 6), rng.randint(2, 5)
+        p, q = (random_rational_model(vocab, rng, zero_prob=0.3, denominator=97)(()) for _ in range(2))
+        got = _kseq_rho(_rows(lambda _: p, [()]), _rows(lambda _: q, [()]), num_drafts)
+        assert abs(float(got[0]) - float(kseq_rho(p, q, num_drafts))) < 1e-12, (seed, p, q, num_drafts)
 
 
 # ----------------------------------------------------------------------------- bad input
