@@ -48,7 +48,7 @@ import sympy
 from sympy.solvers.simplex import linprog
 
 from specresearch.exact import as_model, expected_accepted, verify_exact
-from specresearch.exact_multi import DRAFT_LAWS, draft_paths_law
+from specresearch.exact_multi import DRAFT_LAWS, draft_paths_law, expected_accepted_multi
 
 __all__ = [
     "LPResult",
@@ -56,6 +56,7 @@ __all__ = [
     "check_joint",
     "check_verifier",
     "compare_with_lp",
+    "compare_multi",
     "two_symbol_grid",
     "continuation_law",
     "optimal_acceptance",
@@ -240,8 +241,12 @@ def _multi_coupling_lp(target, paths_law: dict, gamma: int, prefix: tuple):
     columns: dict = defaultdict(dict)
     for c, (paths, _) in enumerate(names):
         columns[paths][c] = Fraction(1)
+    # Written with inequalities only: marginals <= Q and (L) as >= p(y). Both families sum to 1 over
+    # their rows, so every row is tight at any feasible point (the same polytope); sympy's simplex
+    # oscillates on the equality form of these degenerate transportation problems.
     marginals = [(columns[paths], prob) for paths, prob in paths_law.items()]
-    return names, objective, marginals + _validity_rows(names, target, gamma, prefix), []
+    validity = [({c: -v for c, v in row.items()}, -rhs) for row, rhs in _validity_rows(names, target, gamma, prefix)]
+    return names, objective, [], marginals + validity
 
 
 def _first_token_law(draft, num_drafts: int, draft_law: str, prefix: tuple) -> dict:
@@ -380,6 +385,21 @@ def compare_with_lp(target, draft, gamma: int, methods=("block", "token"), prefi
     """
     out = {"lp": optimal_verifier_lp(target, draft, gamma, prefix).optimum}
     out.update({m: expected_accepted(target, draft, gamma, m, prefix) for m in methods})
+    return out
+
+
+def compare_multi(target, draft, num_drafts: int, gamma: int, methods, draft_law: str = "iid", prefix=()) -> dict:
+    """{"lp": optimum over all valid verifiers of K paths, method: E[accepted drafts]}, exact.
+
+    The optimum is :func:`optimal_acceptance` for gamma = 1 and :func:`optimal_verifier_lp` over K
+    paths otherwise; K-SEQ values may be sympy surds. Used for notebook 08's two-symbol table.
+    """
+    if gamma == 1:
+        optimum = optimal_acceptance(target, draft, num_drafts, draft_law, prefix)
+    else:
+        optimum = optimal_verifier_lp(target, draft, gamma, prefix, num_drafts=num_drafts, draft_law=draft_law).optimum
+    out = {"lp": optimum}
+    out.update({m: expected_accepted_multi(target, draft, num_drafts, gamma, m, prefix, draft_law) for m in methods})
     return out
 
 

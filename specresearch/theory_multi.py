@@ -28,6 +28,7 @@ __all__ = [
     "gbv_acceptance",
     "optimal_acceptance_iid",
     "rrs_without_replacement_acceptance_mc",
+    "single_step_acceptances",
 ]
 
 
@@ -66,7 +67,7 @@ def rrs_acceptance(target_probs, draft_probs, num_drafts) -> float:
         if residual.sum() <= 0:
             break
         p = residual / residual.sum()
-    return 1.0 - reject
+    return float(1.0 - reject)
 
 
 def _beta(p: np.ndarray, q: np.ndarray, rho: float) -> float:
@@ -172,3 +173,22 @@ def rrs_without_replacement_acceptance_mc(target_probs, draft_probs, num_drafts,
             q = q / q.sum()
         products[s] = prod
     return 1.0 - float(products.mean()), float(products.std(ddof=1) / np.sqrt(num_samples))
+
+
+def single_step_acceptances(target_probs, draft_probs, num_drafts, *, num_samples: int = 256,
+                            rng: np.random.Generator | None = None) -> dict[str, float]:
+    """Every single-step acceptance above for one (p, q) pair and K, as one record.
+
+    Keys: ``rrs``, ``kseq``, ``gbv``, ``optimum_iid`` (exact closed forms in float64, i.i.d. drafts),
+    ``rrs_without_replacement_mc`` and ``rrs_without_replacement_mc_stderr`` (Monte Carlo, drafts
+    without replacement; traversal verification has the same acceptance at L = 1).
+    """
+    estimate, stderr = rrs_without_replacement_acceptance_mc(target_probs, draft_probs, num_drafts, num_samples, rng)
+    return {
+        "rrs": rrs_acceptance(target_probs, draft_probs, num_drafts),
+        "kseq": kseq_acceptance(target_probs, draft_probs, num_drafts),
+        "gbv": gbv_acceptance(target_probs, draft_probs, num_drafts),
+        "optimum_iid": optimal_acceptance_iid(target_probs, draft_probs, num_drafts),
+        "rrs_without_replacement_mc": estimate,
+        "rrs_without_replacement_mc_stderr": stderr,
+    }
