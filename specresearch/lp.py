@@ -40,6 +40,7 @@ the matrix form of ``lpmax``).
 from __future__ import annotations
 
 import itertools
+import random
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -165,11 +166,12 @@ def optimal_verifier_lp(
     if num_drafts != 1 or draft_law != "iid":
         law = draft_paths_law(draft, num_drafts, gamma, draft_law, prefix)
         names, objective, eqs, ineqs = _multi_coupling_lp(target, law, gamma, prefix)
+        value, solution = _solve_robust(objective, eqs, ineqs, len(names))
         formulation = "coupling"
     else:
         build = _prefix_lp if formulation == "prefix" else _coupling_lp
         names, objective, eqs, ineqs = build(target, draft, gamma, prefix)
-    value, solution = _solve(objective, eqs, ineqs, len(names))
+        value, solution = _solve(objective, eqs, ineqs, len(names))
     law: dict = defaultdict(Fraction)
     for name, v in zip(names, solution):
         if v:
@@ -241,12 +243,8 @@ def _multi_coupling_lp(target, paths_law: dict, gamma: int, prefix: tuple):
     columns: dict = defaultdict(dict)
     for c, (paths, _) in enumerate(names):
         columns[paths][c] = Fraction(1)
-    # Written with inequalities only: marginals <= Q and (L) as >= p(y). Both families sum to 1 over
-    # their rows, so every row is tight at any feasible point (the same polytope); sympy's simplex
-    # oscillates on the equality form of these degenerate transportation problems.
     marginals = [(columns[paths], prob) for paths, prob in paths_law.items()]
-    validity = [({c: -v for c, v in row.items()}, -rhs) for row, rhs in _validity_rows(names, target, gamma, prefix)]
-    return names, objective, [], marginals + validity
+    return names, objective, marginals + _validity_rows(names, target, gamma, prefix), []
 
 
 def _first_token_law(draft, num_drafts: int, draft_law: str, prefix: tuple) -> dict:
@@ -284,7 +282,7 @@ def optimal_acceptance(target, draft, num_drafts: int = 1, draft_law: str = "iid
     # the last target marginal is implied by the others (both sides sum to 1): dropping it keeps
     # sympy's simplex away from the degenerate, oscillating case
     eqs += [({c: Fraction(1) for c, n in enumerate(names) if n[1] == y}, p_row[y]) for y in ys[:-1]]
-    value, _ = _solve(objective, eqs, [], len(names))
+    value, _ = _solve_robust(objective, eqs, [], len(names))
     return value
 
 
@@ -328,6 +326,40 @@ def _solve(objective: dict, eqs: list, ineqs: list, n: int):
     a_eq, b_eq = _matrix(eqs, n)
     value, solution = linprog(cost, a_ub, b_ub, a_eq, b_eq)
     return _to_fraction(-value), [_to_fraction(v) for v in solution]
+
+
+def _solve_robust(objective: dict, eqs: list, ineqs: list, n: int):
+    """:func:`_solve`, retried on sympy's "oscillating system" error of degenerate problems.
+
+    The multi-draft LPs are degenerate transportation problems on which sympy's simplex sometimes
+    stops with ``InfeasibleLPError("Oscillating system ...")`` although they are feasible. Retries, in
+    order: the same LP with every equality written as two inequalities, then the equality form with
+    the columns in a few fixed pseudo-random orders. An answer is returned only if its argmax satisfies
+    every constraint exactly and attains the returned value (sympy's argmax is sometimes inconsistent).
+    """
+    from sympy.solvers.simplex import InfeasibleLPError
+
+    split = ineqs + eqs + [({c: -v for c, v in row.items()}, -rhs) for row, rhs in eqs]
+    attempts = [(list(range(n)), eqs, ineqs), (list(range(n)), [], split)]
+    for seed in range(3):
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        attempts.append((order, eqs, ineqs))
+    for order, e, i in attempts:
+        where = {c: k for k, c in enumerate(order)}  # column c of the LP is variable where[c]
+        move = lambda rows: [({where[c]: v for c, v in row.items()}, rhs) for row, rhs in rows]
+        try:
+            value, moved = _solve({where[c]: v for c, v in objective.items()}, move(e), move(i), n)
+        except InfeasibleLPError:
+            continue
+        solution = [moved[where[c]] for c in range(n)]
+        feasible = all(v >= 0 for v in solution)
+        feasible = feasible and all(sum(row[c] * solution[c] for c in row) == rhs for row, rhs in eqs)
+        feasible = feasible and all(sum(row[c] * solution[c] for c in row) <= rhs for row, rhs in ineqs)
+        objective_value = sum((v * solution[c] for c, v in objective.items()), Fraction(0))
+        if feasible and objective_value == value:  # sympy sometimes returns a wrong argmax: retry
+            return value, solution
+    raise InfeasibleLPError("sympy's simplex gave no exactly feasible optimum on any reformulation of this LP")
 
 
 def _to_fraction(value) -> Fraction:
