@@ -57,8 +57,10 @@ Torch verifiers
 ---------------
 * Every verifier is vectorised over B; the Python loops run over depths and paths (RRS: L x K steps,
   traversal: at most K L + 1 visited nodes, GBV: L columns for the selection and the rows q^G, K-SEQ:
-  fixed 16 regula-falsi steps for rho*). Each step is a few O(B V) tensor ops; rows that are already decided
-  are carried through with ``torch.where`` rather than compacted.
+  fixed 16 regula-falsi steps for rho*). Each step is a few O(V) tensor ops on the rows it concerns (the
+  rejected rows of an RRS step, the visited rows of a traversal step, gathered with index tensors), so a
+  step costs O(n V) for n such rows; one host sync per step reads n. Timings beside block verification:
+  ``benchmarks/bench_verify.py`` (multi-draft table) and ``docs/multidraft.md``.
 * Residual rows are kept unnormalised with their mass (p = r / Z), and the samplers sample the unnormalised
   weights, so the first candidate uses exactly ``token_verify``'s arithmetic (``eta * q(x) < p(x)``,
   ``max(p - q, 0)``). With K = 1, and the same generator (or uniforms), ``rrs_verify``,
