@@ -25,6 +25,10 @@ Along gamma a task stops at the first run over budget (larger gammas only grow).
 wall and CPU seconds) go to ``--out``; a Markdown table is printed. Timings are not asserted anywhere.
 
     .venv/bin/python benchmarks/bench_exact.py --tasks lp_multi --vocab 2 3 --gammas 1 2 3 --num-drafts 2 3
+
+lp_multi on 2026-11-23 (2-core CPU shared with other jobs, no GPU): the largest sizes solved within a
+minute are V = 2 with (K = 2, L = 3: 55 s wall, 18 s CPU) and (K = 3, L = 2: 3.3 s); V = 3 only at L = 1
+(K = 2 or 3, 0.3 s); V = 3, L = 2 and V = 2, K = 3, L = 3 exceed 60 s. Table in docs/multidraft.md.
 """
 
 from __future__ import annotations
