@@ -69,7 +69,7 @@ Torch verifiers
   ``traversal_verify`` (initial weights by ``verify.block_scales``, the same residual weights and
   h = Z / (Z + 1 - w) clamped to w) return ``block_verify``'s (tests/test_verify_multi.py).
 * K-SEQ's rho* is found per row as the root of g(rho) = sum_{j<K} (1 - beta(rho))^j - rho (the SpecTr
-  equation divided by beta; strictly decreasing, g(1) >= 0 >= g(K)) in float64 by 16 steps of regula falsi
+  equation divided by beta; strictly decreasing, g(1) >= 0 >= g(K)) in the rows' dtype by 16 steps of regula falsi
   with the Illinois modification (each step one O(V) evaluation of beta); the exact twin finds the algebraic
   root with sympy, and the two agree within 1e-12 (tests). Bisection would need ~50 evaluations.
 * GBV's rank order is decided on the float ratios p/q (computed in the probabilities' dtype, one division,
@@ -416,7 +416,7 @@ def _remove_token(draft, draft_mass, x, rejected):
 
 
 def _kseq_rho(target, draft, num_drafts):
-    """rho* per row (``[B]``, in the rows' dtype), the root of g on [1, K] (module docstring); 1 when K = 1.
+    """rho* per row (``[B]``, computed in the rows' dtype), the root of g on [1, K] (module docstring); 1 when K = 1.
 
     Regula falsi with the Illinois modification (a retained end's g is halved), which keeps a bracket
     [low, high] with g(low) >= 0 >= g(high) and converges superlinearly; the last of ``_KSEQ_STEPS`` iterates
@@ -424,7 +424,7 @@ def _kseq_rho(target, draft, num_drafts):
     """
     if num_drafts == 1:
         return target.new_ones(target.shape[0])
-    p, q = target.double(), draft.double()
+    p, q = target, draft  # the rows' dtype, as every other computation here
 
     def g(rho):
         beta = torch.minimum(q, p / rho[:, None]).sum(-1)
@@ -435,7 +435,8 @@ def _kseq_rho(target, draft, num_drafts):
     side = torch.zeros_like(low)  # +1: the last step replaced low, -1: it replaced high
     for _ in range(_KSEQ_STEPS):
         span = g_low - g_high
-        rho = torch.where(span > 0, low + g_low * (high - low) / span.clamp(min=1e-300), (low + high) / 2)
+        secant = low + g_low * (high - low) / span.clamp(min=torch.finfo(span.dtype).tiny)
+        rho = torch.where(span > 0, secant, (low + high) / 2)
         rho = rho.clamp(min=low, max=high)
         g_rho = g(rho)
         above = g_rho > 0  # rho replaces low (else high)
@@ -444,7 +445,7 @@ def _kseq_rho(target, draft, num_drafts):
         low, g_low = torch.where(above, rho, low), torch.where(above, g_rho, g_low)
         high, g_high = torch.where(above, high, rho), torch.where(above, g_high, g_rho)
         side = torch.where(above, 1.0, -1.0)
-    return rho.to(target.dtype)
+    return rho
 
 
 def _rank_ratio(target, draft):
@@ -602,8 +603,8 @@ def _traversal(target_probs, draft_probs, draft_tokens, eta):
     fresh_ratio = torch.where(q_x > 0, p_x / q_x, torch.zeros_like(p_x))  # [B, K, L]
     first_chain = block_scales(p_x[:, 0], q_x[:, 0])  # [B, L]: path 0's weights, as block_verify's p_i
     weight = torch.cat([torch.ones_like(first_chain[:, :1]), first_chain], 1)  # [B, L+1]
-    residual = target_probs.new_zeros(batch, length, vocab)
-    draft = torch.zeros_like(residual)
+    residual = target_probs.new_empty(batch, length, vocab)  # read only where ``modified``
+    draft = torch.empty_like(residual)
     mass, draft_mass = residual.new_ones(batch, length), residual.new_ones(batch, length)
     modified = torch.zeros(batch, length, dtype=torch.bool, device=rows.device)
     done = torch.zeros(batch, dtype=torch.bool, device=rows.device)
@@ -638,8 +639,10 @@ def _delete_node(target_probs, draft_probs, draft_tokens, state, rows, k, e):
     residual, draft, mass, draft_mass, modified, weight = state
     slot = e - 1
     was_modified = modified[rows, slot]
-    cur_p = torch.where(was_modified[:, None], residual[rows, slot], target_probs[rows, k, slot])  # [n, V]
-    cur_q = torch.where(was_modified[:, None], draft[rows, slot], draft_probs[rows, k, slot])
+    cur_p, cur_q = target_probs[rows, k, slot], draft_probs[rows, k, slot]  # [n, V]: fresh rows, then
+    again = was_modified.nonzero().squeeze(1)  # the parents already updated read their current rows
+    if again.numel() > 0:
+        cur_p[again], cur_q[again] = residual[rows[again], slot[again]], draft[rows[again], slot[again]]
     cur_mass = torch.where(was_modified, mass[rows, slot], torch.ones_like(mass[rows, slot]))
     cur_draft_mass = torch.where(was_modified, draft_mass[rows, slot], torch.ones_like(cur_mass))
     w = weight[rows, slot]
@@ -713,6 +716,8 @@ def _validate(target_probs, draft_probs, draft_tokens, generator, uniforms):
         if not isinstance(uniforms, torch.Tensor) or not uniforms.dtype.is_floating_point:
             raise ValueError("uniforms must be a floating torch.Tensor of shape [B, L+1, K] (see draw_multi_uniforms)")
         if tuple(uniforms.shape) != (batch, length + 1, num_drafts):
-            raise ValueError(f"uniforms must be [B, L+1, K] = {[batch, length + 1, num_drafts]}; got {list(uniforms.shape)}")
+            expected = [batch, length + 1, num_drafts]
+            raise ValueError(f"uniforms must be [B, L+1, K] = {expected}; got {list(uniforms.shape)}")
         if not bool(((uniforms >= 0) & (uniforms < 1)).all()):
-            raise ValueError(f"uniforms must lie in [0, 1); got values in [{float(uniforms.min())}, {float(uniforms.max())}]")
+            low, high = float(uniforms.min()), float(uniforms.max())
+            raise ValueError(f"uniforms must lie in [0, 1); got values in [{low}, {high}]")

@@ -107,8 +107,9 @@ def _table_fn(model, vocab, max_length):
 
     def probs_fn(prefixes):
         t = prefixes.shape[1]
-        code = (prefixes * vocab ** torch.arange(t - 1, -1, -1)).sum(1) if t else torch.zeros(len(prefixes), dtype=torch.int64)
-        return tables[t][code]
+        if t == 0:
+            return tables[0][torch.zeros(len(prefixes), dtype=torch.int64)]
+        return tables[t][(prefixes * vocab ** torch.arange(t - 1, -1, -1)).sum(1)]
 
     return probs_fn
 
@@ -197,7 +198,11 @@ def test_multi_uniforms_with_one_path_are_the_single_draft_stream():
 # tokens (without replacement), L = 1 and L = 2.
 FIXED = {
     "rrs": [(16, 3, 3, 2, "iid"), (9, 4, 2, 2, "iid"), (7, 3, 3, 1, "iid")],
-    "rrs_without_replacement": [(1, 4, 3, 2, "without_replacement"), (26, 3, 2, 2, "without_replacement"), (25, 4, 3, 1, "without_replacement")],
+    "rrs_without_replacement": [
+        (1, 4, 3, 2, "without_replacement"),
+        (26, 3, 2, 2, "without_replacement"),
+        (25, 4, 3, 1, "without_replacement"),
+    ],
     "kseq": [(1, 4, 3, 1, "iid"), (7, 3, 3, 1, "iid"), (3, 4, 2, 1, "iid")],
     "gbv": [(16, 3, 3, 2, "iid"), (16, 4, 2, 2, "iid"), (16, 3, 2, 1, "iid")],
     "traversal": [(16, 3, 3, 2, "iid"), (3, 4, 3, 2, "without_replacement"), (3, 3, 2, 2, "iid")],
@@ -256,7 +261,8 @@ STEPS = [
 def test_whole_step_matches_step_distribution(method, draft_law, seed, vocab, num_drafts, length):
     target, draft = _models(seed, vocab)
     generator = torch.Generator().manual_seed(seed)
-    tokens, draft_probs = sample_draft_paths(_table_fn(draft, vocab, length), TRIALS, num_drafts, length, draft_law, generator)
+    draft_fn = _table_fn(draft, vocab, length)
+    tokens, draft_probs = sample_draft_paths(draft_fn, TRIALS, num_drafts, length, draft_law, generator)
     target_probs = path_target_probs(_table_fn(target, vocab, length), tokens)
     result = MULTI_VERIFIERS[method](target_probs, draft_probs, tokens, generator)
     law = step_distribution_multi(target, draft, num_drafts, length, method, draft_law=draft_law)
@@ -283,7 +289,8 @@ def test_sampler_matches_draft_paths_law(draft_law):
 def test_sampler_returns_the_rows_each_token_was_drawn_from():
     vocab, length = 3, 2
     target, draft = _models(40, vocab)
-    tokens, draft_probs = sample_draft_paths(_table_fn(draft, vocab, length), 4, 2, length, "iid", torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    tokens, draft_probs = sample_draft_paths(_table_fn(draft, vocab, length), 4, 2, length, "iid", generator)
     target_probs = path_target_probs(_table_fn(target, vocab, length), tokens)
     for b, k in product(range(4), range(2)):
         path = tuple(tokens[b, k].tolist())
@@ -328,7 +335,8 @@ def test_zero_probability_drafts_are_never_accepted():
 
 
 def test_kseq_rho_matches_the_exact_root():
-    """The float rho* (regula falsi, 16 steps) against exact_multi.kseq_rho on 40 random rows (K = 2..5)."""
+    """The float rho* (regula falsi, 16 steps) against exact_multi.kseq_rho on 40 random rows (K = 2..5):
+    within 1e-12 in float64, 1e-5 in float32."""
     from specresearch.exact_multi import kseq_rho
     from specresearch.verify_multi import _kseq_rho
 
@@ -336,8 +344,11 @@ def test_kseq_rho_matches_the_exact_root():
         rng = random.Random(seed)
         vocab, num_drafts = rng.randint(2, 6), rng.randint(2, 5)
         p, q = (random_rational_model(vocab, rng, zero_prob=0.3, denominator=97)(()) for _ in range(2))
+        exact_root = float(kseq_rho(p, q, num_drafts))
         got = _kseq_rho(_rows(lambda _: p, [()]), _rows(lambda _: q, [()]), num_drafts)
-        assert abs(float(got[0]) - float(kseq_rho(p, q, num_drafts))) < 1e-12, (seed, p, q, num_drafts)
+        assert abs(float(got[0]) - exact_root) < 1e-12, (seed, p, q, num_drafts)
+        single = _kseq_rho(_rows(lambda _: p, [()], torch.float32), _rows(lambda _: q, [()], torch.float32), num_drafts)
+        assert single.dtype == torch.float32 and abs(float(single[0]) - exact_root) < 1e-5, (seed, float(single[0]))
 
 
 # ----------------------------------------------------------------------------- bad input
