@@ -268,6 +268,10 @@ def _rrs_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     paths extending u, in path order, duplicates kept. Candidate x is accepted w.p. min(1, p(x)/q(x));
     on rejection p <- norm(max(p - q, 0)) with q unchanged. Lossless for i.i.d. paths: given the
     tokens above depth d, the d-th tokens of the paths through u are i.i.d. q(. | u).
+    Duplicates must stay separate occurrences (multidraft.md's "(check)"): the same rule on the
+    merged tree (each distinct child tried once, q unchanged) is lossy with i.i.d. drafts -- an
+    ad-hoc run of :func:`smallest_counterexample` on that variant finds V = 3, p = (0, 1/3, 2/3),
+    q = (2/3, 0, 1/3), K = 2. Dropping duplicates needs the q update of RRS without replacement.
     """
     law: dict = defaultdict(Fraction)
     length = len(paths[0])
@@ -388,6 +392,14 @@ def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     zeroed and renormalised; the weights below b are recomputed and the next node is b if it has no
     child left, else the first leaf below b's next child. On a chain this is block verification in
     its backward form (the h_i of Sun et al. Algorithm 2 are the updated w_b).
+
+    Source of the rule: ``references/multidraft.md``; the paper's algorithm text could not be read
+    from this machine (only its abstract), so each step above is the reference's, not checked line by
+    line against the paper. What is established exactly instead: the rule equals block verification
+    on every chain (K = 1), equals RRS without replacement at L = 1, and is lossless for both draft
+    laws on every tested model (tests/test_exact_multi.py). The sibling update zeroes the rejected
+    token in q, i.e. it treats siblings as drawn without replacement; reading the merged tree makes
+    i.i.d. drafts fine too (distinct children in order of first appearance are such draws).
     """
     children = {u: list(c) for u, c in _tree(paths).items()}
     p_rows = {u: target(prefix + u) for u in children}
