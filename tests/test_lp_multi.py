@@ -105,3 +105,19 @@ def test_multi_path_lp_with_one_path_is_the_single_draft_lp():
 def test_bad_draft_law_raises():
     with pytest.raises(ValueError, match="draft_law"):
         lp.optimal_acceptance(P2, Q2, 2, "sorted")
+
+
+@pytest.mark.parametrize("args,match", [
+    (([0.5, 0.5], [1.0]), "same vocabulary"),
+    (([0.5, 0.6], [0.5, 0.5]), "sum to 1"),
+    (([[0.5, 0.5]], [[0.5, 0.5]]), "1-D"),
+    (([0.5, float("nan")], [0.5, 0.5]), "finite"),
+])
+def test_float_forms_reject_bad_rows(args, match):
+    with pytest.raises(ValueError, match=match):
+        theory_multi.optimal_acceptance_iid(*args, 2)
+
+
+def test_float_forms_reject_bad_num_drafts():
+    with pytest.raises(ValueError, match="num_drafts"):
+        theory_multi.rrs_acceptance([0.5, 0.5], [0.5, 0.5], 0)
