@@ -18,6 +18,9 @@ Layers, from one verification to the whole decoding loop:
 * :func:`speculative_distribution` -- law of the first ``n_tokens`` of the full speculative loop,
   compared with :func:`target_distribution` by :func:`is_lossless`.
 
+Multi-draft steps (K paths, ``num_drafts=`` / ``draft_law=`` keywords of :func:`expected_accepted`,
+:func:`speculative_distribution`, :func:`is_lossless`) live in :mod:`specresearch.exact_multi`.
+
 References: token verification is Leviathan et al. 2023, Algorithm 1 (references/004, the
 "Speculative Decoding Step"); block verification is Sun et al. 2025, Algorithm 2 (references/003),
 backward form as in the shared contract, and the forward form of references/000 (``block_verify``).
