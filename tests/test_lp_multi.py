@@ -121,3 +121,14 @@ def test_float_forms_reject_bad_rows(args, match):
 def test_float_forms_reject_bad_num_drafts():
     with pytest.raises(ValueError, match="num_drafts"):
         theory_multi.rrs_acceptance([0.5, 0.5], [0.5, 0.5], 0)
+
+
+def test_gbv_is_not_monotone_in_k_on_the_two_symbol_example():
+    """Selecting the largest p/q concentrates q^G on B: acceptance (2/3)^K + 2/3 for K >= 3, below the
+    optimum 1 and falling, while RRS keeps rising."""
+    values = [expected_accepted_multi(P2, Q2, k, 1, "gbv") for k in range(2, 6)]
+    assert values == [F(8, 9)] + [F(2, 3) ** k + F(2, 3) for k in range(3, 6)]
+    assert values[1] > values[2] > values[3]
+    assert [lp.optimal_acceptance(P2, Q2, k) for k in (3, 4)] == [1, 1]
+    rrs = [expected_accepted_multi(P2, Q2, k, 1, "rrs") for k in range(2, 6)]
+    assert rrs == sorted(rrs) and rrs[-1] == F(227, 243)
