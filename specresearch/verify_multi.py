@@ -78,8 +78,10 @@ Torch verifiers
   b = (r + y)/(r + 1), c = r/(r + 1), r = A_v / Q_v, y = q-mass ranked below t: the identity
   (a^K - b^K) = (a - b) S(a, b) divides out the q-mass of v, so nothing overflows and K = 1 gives q exactly.
   A full row q^G(. | v) needs the cumulative q-mass in rank order, i.e. a sort of V ratios, which dominates
-  GBV's cost; it is computed only for the rows block verification reads in full (``_gbv_needed``: row 0 and
-  the candidates eta_i < p_i of rows with tau < L), the scales p_i from masked sums at the drafted tokens.
+  GBV's cost; it is computed only for the rows block verification reads in full (``_gbv_needed``: the
+  candidates eta_i < p_i of rows with tau < L) and, after it, row 0 of the rows with tau = 0, whose next
+  token is resampled from the full root residual (``_gbv_resample_root``); the scales p_i come from masked
+  sums at the drafted tokens.
 * The traversal keeps, for the current node's ancestors only (one per depth), their current weight and,
   once a child was deleted, their residual target row and renormalised draft row: post-order visits a
   node's whole subtree before leaving it, so no other node is ever modified while it matters.
@@ -203,8 +205,9 @@ def gbv_verify(target_probs, draft_probs, draft_tokens, generator=None, *, unifo
     needed = _gbv_needed(target, draft, tokens, along[1], eta[:, :, 0])  # [B, L]
     rows_g = _gbv_draft_rows(target, draft, tokens, num_drafts, needed, along)  # [B, L, V]
     result = block_verify(target, rows_g, tokens, uniforms=eta[:, :, 0], validate=False)
+    next_token = _gbv_resample_root(target, draft, tokens, num_drafts, along, result, eta[:, -1, 0])
     path_index = _lowest_path(draft_tokens, chosen, result.num_accepted)
-    return MultiVerifyResult(result.num_accepted, path_index, result.next_token)
+    return MultiVerifyResult(result.num_accepted, path_index, next_token)
 
 
 def traversal_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
@@ -500,18 +503,35 @@ def _gbv_conditional(q, y, below, num_drafts):
 
 
 def _gbv_needed(target, draft, tokens, drafted, eta):
-    """Which q^G rows ``[B, L]`` block verification reads in full (``drafted [B, L]``: q^G(x_d) from
-    ``_gbv_along``; ``eta [B, L+1]``: block verification's uniforms): none when
-    eta_L < p_L (tau = L, bonus row); else row 0 (tau = 0 samples its residual) and every row i in 1..L-1 with
-    eta_i < p_i (the candidates of its backward scan; elsewhere h_i <= p_i <= eta_i, whatever the row). The
-    scales p_i need q^G at the drafted tokens only, which ``_gbv_along`` gives without sorting."""
+    """Which q^G rows ``[B, L]`` block verification reads in full before it knows tau (``drafted [B, L]``:
+    q^G(x_d) from ``_gbv_along``; ``eta [B, L+1]``: block verification's uniforms): none when eta_L < p_L
+    (tau = L, bonus row); else every row i in 1..L-1 with eta_i < p_i (the candidates of its backward scan;
+    elsewhere h_i <= p_i <= eta_i, whatever the row). Row 0 only serves the sample when tau = 0
+    (``_gbv_resample_root``). The scales p_i need q^G at the drafted tokens only (no sort)."""
     length = tokens.shape[1]
     p_x = target[:, :length].gather(-1, tokens[..., None]).squeeze(-1)  # [B, L]
     q_x = drafted.to(draft.dtype)
     scale = block_scales(p_x, q_x)  # [B, L]: p_1..p_L, as block_verify computes them from the rows
     open_rows = eta[:, length - 1] >= scale[:, -1]  # [B]: tau < L possible
     candidates = eta[:, : length - 1] < scale[:, : length - 1]  # [B, L-1]: i = 1..L-1
-    return torch.cat([open_rows[:, None], candidates & open_rows[:, None]], 1)
+    return torch.cat([torch.zeros_like(open_rows[:, None]), candidates & open_rows[:, None]], 1)
+
+
+def _gbv_resample_root(target, draft, tokens, num_drafts, along, result, u):
+    """``result.next_token`` with the rows of tau = 0 resampled from norm(max(p - q^G, 0)) at the root, q^G's
+    row 0 now computed in full (block verification's residual at p_0 = 1, same arithmetic, same uniform
+    ``u [B]``; p where it has zero mass); ``[B]``."""
+    zero = (result.num_accepted == 0).nonzero().squeeze(1)  # [n]
+    if zero.numel() == 0:
+        return result.next_token
+    only_root = torch.zeros(zero.numel(), tokens.shape[1], dtype=torch.bool, device=zero.device)
+    only_root[:, 0] = True
+    selected = (target[zero], draft[zero], tokens[zero])
+    along_zero = (along[0][zero], along[1][zero])
+    root = _gbv_draft_rows(*selected, num_drafts, only_root, along_zero)[:, 0]  # [n, V]
+    target_root = target[zero, 0]
+    weights = _fallback((target_root - root).clamp_(min=0), target_root)
+    return result.next_token.index_copy(0, zero, sample_from_weights(weights, u[zero]))
 
 
 def _gbv_draft_rows(target, draft, tokens, num_drafts, needed=None, along=None):
