@@ -182,7 +182,7 @@ def kseq_verify(target_probs, draft_probs, draft_tokens, generator=None, *, unif
     accepted = passed.any(-1)
     first = passed.long().argmax(-1)  # [B]: first accepted path (0 when none)
     residual = _fallback((target - rho[:, None] * draft).clamp(min=0), target)
-    weights = torch.where(accepted[:, None], target_probs[rows, first, 1], residual)
+    weights = torch.where(accepted[:, None], _take_rows(target_probs, rows, first, 1), residual)
     next_token = sample_from_weights(weights, eta[:, 1, 0])
     num_accepted = accepted.long()
     return MultiVerifyResult(num_accepted, _lowest_path(draft_tokens, first, num_accepted), next_token)
@@ -330,6 +330,28 @@ def _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, valid
     return uniforms.to(device=target_probs.device, dtype=dtype).clamp(max=below_one)
 
 
+def _flat_index(shape, index):
+    """Row-major index into the leading dimensions ``shape`` of the rows ``index`` (one tensor or int per dim)."""
+    flat = index[0]
+    for size, i in zip(shape[1:], index[1:]):
+        flat = flat * size + i
+    return flat
+
+
+def _take_rows(probs, *index):
+    """``probs[index]`` for ``probs [..., V]`` and one index per leading dimension, a fresh ``[n, V]`` copy:
+    ``index_select`` on the flat view when ``probs`` is contiguous (far faster than advanced indexing, as in
+    ``verify``), advanced indexing otherwise."""
+    if not probs.is_contiguous():
+        return probs[index]
+    return probs.view(-1, probs.shape[-1]).index_select(0, _flat_index(probs.shape[:-1], index))
+
+
+def _put_rows(buffer, values, *index):
+    """``buffer[index] = values`` for a contiguous work buffer ``[..., V]`` (``values [n, V]``)."""
+    buffer.view(-1, buffer.shape[-1]).index_copy_(0, _flat_index(buffer.shape[:-1], index), values)
+
+
 def _fallback(weights, target):
     """``weights [B, V]``, or ``target`` on the rows where the weights have zero mass (``verify``'s rule)."""
     return torch.where((weights.sum(-1) == 0)[:, None], target, weights)
@@ -364,7 +386,7 @@ def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged):
     num_accepted = torch.zeros_like(rows)
     weights = target_probs.new_zeros(batch, target_probs.shape[-1])  # [B, V]: sampling weights of decided rows
     for d in range(length):
-        residual, draft = target_probs[rows, path, d], draft_probs[rows, path, d]  # [B, V] copies
+        residual, draft = _take_rows(target_probs, rows, path, d), _take_rows(draft_probs, rows, path, d)  # [B, V]
         mass, draft_mass = residual.new_ones(batch), residual.new_ones(batch)
         tokens = draft_tokens[:, :, d]  # [B, K]
         candidates = alive & searching[:, None]
@@ -387,7 +409,7 @@ def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged):
         num_accepted += searching.long()
         path = torch.where(searching, choice, path)
         alive = alive & (tokens == tokens.gather(1, path[:, None]))
-    weights = torch.where(searching[:, None], target_probs[rows, path, length], weights)  # bonus rows
+    weights = torch.where(searching[:, None], _take_rows(target_probs, rows, path, length), weights)  # bonus rows
     next_token = sample_from_weights(weights, eta[:, length, 0])
     return MultiVerifyResult(num_accepted, _lowest_path(draft_tokens, path, num_accepted), next_token)
 
@@ -637,7 +659,8 @@ def _traversal(target_probs, draft_probs, draft_tokens, eta):
         accepted = passed.nonzero().squeeze(1)  # [n]: a leaf emits from p, an inner node from its residual
         if accepted.numel() > 0:
             at, depth = k[accepted], e[accepted]
-            leaf_row, inner_row = target_probs[accepted, at, length], residual[accepted, depth.clamp(max=length - 1)]
+            leaf_row = _take_rows(target_probs, accepted, at, length)
+            inner_row = _take_rows(residual, accepted, depth.clamp(max=length - 1))
             weights[accepted] = torch.where((depth == length)[:, None], leaf_row, inner_row)
         num_accepted, path = torch.where(passed, e, num_accepted), torch.where(passed, k, path)
         rejected = ~done & ~passed
@@ -659,10 +682,11 @@ def _delete_node(target_probs, draft_probs, draft_tokens, state, rows, k, e):
     residual, draft, mass, draft_mass, modified, weight = state
     slot = e - 1
     was_modified = modified[rows, slot]
-    cur_p, cur_q = target_probs[rows, k, slot], draft_probs[rows, k, slot]  # [n, V]: fresh rows, then
+    cur_p, cur_q = _take_rows(target_probs, rows, k, slot), _take_rows(draft_probs, rows, k, slot)  # fresh rows, then
     again = was_modified.nonzero().squeeze(1)  # the parents already updated read their current rows
     if again.numel() > 0:
-        cur_p[again], cur_q[again] = residual[rows[again], slot[again]], draft[rows[again], slot[again]]
+        cur_p[again] = _take_rows(residual, rows[again], slot[again])
+        cur_q[again] = _take_rows(draft, rows[again], slot[again])
     cur_mass = torch.where(was_modified, mass[rows, slot], torch.ones_like(mass[rows, slot]))
     cur_draft_mass = torch.where(was_modified, draft_mass[rows, slot], torch.ones_like(cur_mass))
     w = weight[rows, slot]
@@ -672,10 +696,11 @@ def _delete_node(target_probs, draft_probs, draft_tokens, state, rows, k, e):
     total = r.sum(-1)
     weight[rows, slot] = (total / (total + 1 - w)).nan_to_num_(0.0).minimum(w)  # h, as verify's residual share
     has_mass = total > 0
-    residual[rows, slot] = torch.where(has_mass[:, None], r, cur_p)  # zero mass: keep the current target row
+    _put_rows(residual, torch.where(has_mass[:, None], r, cur_p), rows, slot)  # zero mass: keep the current p
     mass[rows, slot] = torch.where(has_mass, total, cur_mass)
     removed = cur_q.scatter(1, draft_tokens[rows, k, slot][:, None], 0)
-    draft[rows, slot], draft_mass[rows, slot] = removed, removed.sum(-1)
+    _put_rows(draft, removed, rows, slot)
+    draft_mass[rows, slot] = removed.sum(-1)
     modified[rows, slot] = True
     length = modified.shape[1]
     inner = e < length  # the deleted node's own slot is free again
