@@ -5,6 +5,7 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/bench_verify.py --threads 1 --repeats 50 --clock wall
     .venv/bin/python benchmarks/bench_verify.py --threads 1 --repeats 50 --clock cpu
     .venv/bin/python benchmarks/bench_verify.py --quick
+    .venv/bin/python benchmarks/bench_verify.py --threads 1 --repeats 20 --clock cpu --multi-only
 
 Each cell is the median time of ``--repeats`` calls after warm-up, float32 on CPU, V = 49152 (SmolLM2's
 vocabulary); the candidates are timed round-robin in shuffled order so load changes hit them alike. ``--clock wall`` uses
@@ -19,6 +20,15 @@ on the logits (its softmax included) and, for B > 1, in a Python loop over the r
 on probabilities and with the same softmax added. ``rows block/token`` counts the O(V) row pairs each
 verifier must read (``residual_rows``): the work the algorithm needs in that regime, whatever the kernels.
 Rows are printed as a Markdown table; nothing is asserted about time.
+
+Multi-draft table (``specresearch.verify_multi``; skip it with ``--no-multi``, or run it alone with
+``--multi-only``): per B in ``--multi-batches`` (default 32), K = ``--num-drafts`` (4) i.i.d. paths of length
+L = ``--multi-length`` (4) drawn by ``verify_multi.sample_draft_paths`` from a draft whose logits at every
+(row, prefix) are the target's + N(0, 1) (target logits ~ 3 N(0, 1), one fresh draw per distinct prefix,
+so paths sharing a prefix share its rows), V = 49152. Timed round-robin with ``token`` and ``block`` on path
+0 alone (the single-draft baseline of the same step); K-SEQ (L = 1 only) is timed on the paths' first
+tokens beside ``token`` and ``rrs`` at L = 1. ``tokens/step`` = 1 + mean accepted tokens over 200 draws
+of the uniforms on the same inputs (one input draw: a rough figure, not an estimate of E[tau]).
 """
 
 import argparse
@@ -29,7 +39,7 @@ import time
 import torch
 from transformers.generation.utils import _speculative_sampling
 
-from specresearch import verify
+from specresearch import verify, verify_multi
 
 VOCAB = 49152
 PROMPT_LENGTH = 16
@@ -181,6 +191,95 @@ def markdown(records):
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Multi-draft verifiers
+
+
+class _PrefixRows:
+    """Correlated (target, draft) logits per (batch row, prefix): one fresh draw per distinct prefix, so
+    paths that share a prefix read the same rows (the merged tree's contract)."""
+
+    def __init__(self, num_drafts, vocab, generator):
+        self.num_drafts, self.vocab, self.generator, self.rows = num_drafts, vocab, generator, {}
+
+    def _row(self, key):
+        if key not in self.rows:
+            target = 3 * torch.randn(self.vocab, generator=self.generator)
+            self.rows[key] = (target.softmax(-1), (target + torch.randn(self.vocab, generator=self.generator)).softmax(-1))
+        return self.rows[key]
+
+    def probs_fn(self, which):
+        def fn(prefixes):  # [N, t] -> [N, V], row n belongs to batch row n // K
+            keys = [(n // self.num_drafts, tuple(prefix)) for n, prefix in enumerate(prefixes.tolist())]
+            return torch.stack([self._row(key)[which] for key in keys])
+
+        return fn
+
+
+def make_multi_inputs(batch, num_drafts, length, vocab, generator):
+    """``(target_probs [B, K, L+1, V], draft_probs [B, K, L, V], draft_tokens [B, K, L])``, i.i.d. paths."""
+    rows = _PrefixRows(num_drafts, vocab, generator)
+    tokens, draft_probs = verify_multi.sample_draft_paths(rows.probs_fn(1), batch, num_drafts, length, "iid", generator)
+    return verify_multi.path_target_probs(rows.probs_fn(0), tokens), draft_probs, tokens
+
+
+def multi_candidates(inputs, generator):
+    """name -> (zero-argument callable, verifier, its inputs) for the multi-draft table."""
+    target_probs, draft_probs, tokens = inputs
+    paths = (target_probs, draft_probs, tokens)
+    first = (target_probs[:, :, :2].contiguous(), draft_probs[:, :, :1].contiguous(), tokens[:, :, :1].contiguous())
+    single = (target_probs[:, 0].contiguous(), draft_probs[:, 0].contiguous(), tokens[:, 0].contiguous())
+    single_first = tuple(t[:, 0].contiguous() for t in first)
+    table = {
+        "token": (verify.token_verify, single),
+        "block": (verify.block_verify, single),
+        "rrs": (verify_multi.rrs_verify, paths),
+        "rrs_without_replacement": (verify_multi.rrs_without_replacement_verify, paths),
+        "gbv": (verify_multi.gbv_verify, paths),
+        "traversal": (verify_multi.traversal_verify, paths),
+        "token L=1": (verify.token_verify, single_first),
+        "rrs L=1": (verify_multi.rrs_verify, first),
+        "kseq L=1": (verify_multi.kseq_verify, first),
+    }
+    return {name: (lambda fn=fn, args=args: fn(*args, generator, validate=False), fn, args) for name, (fn, args) in table.items()}
+
+
+def mean_accepted(fn, args, generator, draws=200):
+    """1 + mean num_accepted over ``draws`` calls (fresh uniforms each) on one input: tokens per step."""
+    return 1 + sum(float(fn(*args, generator, validate=False).num_accepted.double().mean()) for _ in range(draws)) / draws
+
+
+def run_multi(batches, num_drafts, length, repeats, clock):
+    """One record per (B, verifier): median microseconds and tokens per step."""
+    generator = torch.Generator().manual_seed(0)
+    records = []
+    for batch in batches:
+        inputs = make_multi_inputs(batch, num_drafts, length, VOCAB, generator)
+        table = multi_candidates(inputs, generator)
+        medians = median_seconds({name: entry[0] for name, entry in table.items()}, repeats, clock)
+        for name, (_, fn, args) in table.items():
+            records.append({"B": batch, "verifier": name, "us": 1e6 * medians[name],
+                            "tokens": mean_accepted(fn, args, generator)})
+    return records
+
+
+def multi_markdown(records, num_drafts, length):
+    """Markdown table of the multi-draft records, times relative to block (L rows) or token (L = 1 rows)."""
+    lines = ["| B | verifier | K | L | us | / block (same B, L) | / token (same B, L) | tokens/step |", "|" + "---|" * 8]
+    for r in records:
+        same = [x for x in records if x["B"] == r["B"]]
+        suffix = " L=1" if r["verifier"].endswith("L=1") else ""
+        block = next((x["us"] for x in same if x["verifier"] == "block"), None)
+        token = next(x["us"] for x in same if x["verifier"] == "token" + suffix)
+        single = r["verifier"] in ("token", "block", "token L=1")
+        block_ratio = f"{r['us'] / block:.2f}" if block and not suffix else "--"
+        lines.append(
+            f"| {r['B']} | {r['verifier']} | {1 if single else num_drafts} | {1 if suffix else length} | {r['us']:.0f} "
+            f"| {block_ratio} | {r['us'] / token:.2f} | {r['tokens']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per cell (median reported)")
@@ -201,18 +300,34 @@ def main(argv=None):
         help="correlated: draft logits = target logits + noise (realistic acceptance); independent: alpha ~ 0",
     )
     parser.add_argument("--quick", action="store_true", help="B = 1 only, gamma = 4 only, 5 repeats")
+    parser.add_argument("--multi-batches", type=int, nargs="+", default=[32], help="batch sizes B of the multi-draft table")
+    parser.add_argument("--num-drafts", type=int, default=4, help="K draft paths per row (multi-draft table)")
+    parser.add_argument("--multi-length", type=int, default=4, help="path length L (multi-draft table)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--no-multi", action="store_true", help="skip the multi-draft table")
+    which.add_argument("--multi-only", action="store_true", help="only the multi-draft table")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches, gammas, repeats = ([1], [4], 5) if args.quick else (args.batches, args.gammas, args.repeats)
-    records = run(batches, gammas, repeats, CLOCKS[args.clock], args.regime)
-    print(
-        f"Median {args.clock}-clock microseconds per call; float32, CPU, V = {VOCAB}, "
-        f"threads = {args.threads}, repeats = {repeats}, {args.regime} draft."
-    )
-    print("'val.' = validate=True; 'tf' = transformers._speculative_sampling (softmax included, loop over B); "
-          "'rows block/token' = (p, q) row pairs block verification must read per pair token reads "
-          "(``residual_rows``).\n")
-    print(markdown(records))
+    if not args.multi_only:
+        records = run(batches, gammas, repeats, CLOCKS[args.clock], args.regime)
+        print(
+            f"Median {args.clock}-clock microseconds per call; float32, CPU, V = {VOCAB}, "
+            f"threads = {args.threads}, repeats = {repeats}, {args.regime} draft."
+        )
+        print("'val.' = validate=True; 'tf' = transformers._speculative_sampling (softmax included, loop over B); "
+              "'rows block/token' = (p, q) row pairs block verification must read per pair token reads "
+              "(``residual_rows``).\n")
+        print(markdown(records))
+    if not args.no_multi:
+        multi_batches = [2] if args.quick else args.multi_batches
+        records = run_multi(multi_batches, args.num_drafts, args.multi_length, repeats, CLOCKS[args.clock])
+        print(
+            f"\nMulti-draft: median {args.clock}-clock microseconds per call; float32, CPU, V = {VOCAB}, "
+            f"threads = {args.threads}, repeats = {repeats}; K = {args.num_drafts} i.i.d. paths of length "
+            f"L = {args.multi_length}, correlated draft; token / block verify path 0 alone.\n"
+        )
+        print(multi_markdown(records, args.num_drafts, args.multi_length))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ Two exact formulations of "maximise E[|Z| - 1] over valid verifiers" are provide
   exactly the condition for a coupling pi with marginals q and m to exist: both formulations have
   the same optimum (checked in tests/test_lp.py).
 
+Multi-draft steps (``num_drafts`` = K paths drawn by a draft law of :mod:`specresearch.exact_multi`)
+use the coupling formulation with x = the K-tuple of paths and z[:-1] a prefix of one of them; the
+Hall inequalities of ``"prefix"`` are not enough there (the prefixes of K paths are not laminar).
+:func:`optimal_acceptance` is the single-step (L = 1) optimum, as an LP and in closed form.
+
 Both are solved in exact rational arithmetic with sympy's simplex (``sympy.solvers.simplex.linprog``,
 the matrix form of ``lpmax``).
 """
@@ -35,6 +40,7 @@ the matrix form of ``lpmax``).
 from __future__ import annotations
 
 import itertools
+import random
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -43,6 +49,7 @@ import sympy
 from sympy.solvers.simplex import linprog
 
 from specresearch.exact import as_model, expected_accepted, verify_exact
+from specresearch.exact_multi import DRAFT_LAWS, draft_paths_law, expected_accepted_multi
 
 __all__ = [
     "LPResult",
@@ -50,8 +57,11 @@ __all__ = [
     "check_joint",
     "check_verifier",
     "compare_with_lp",
+    "compare_multi",
     "two_symbol_grid",
     "continuation_law",
+    "optimal_acceptance",
+    "optimal_acceptance_closed_form",
     "optimal_verifier_lp",
     "verifier_joint",
 ]
@@ -134,23 +144,34 @@ def _check_args(gamma, formulation, target=None, draft=None, prefix=()) -> None:
         raise ValueError(f"target and draft must share a vocabulary, got rows of {len(target(prefix))} and {len(draft(prefix))} at prefix {prefix}")
 
 
-def optimal_verifier_lp(target, draft, gamma: int, prefix=(), *, formulation: str = "prefix") -> LPResult:
+def optimal_verifier_lp(
+    target, draft, gamma: int, prefix=(), *, formulation: str = "prefix", num_drafts: int = 1, draft_law: str = "iid"
+) -> LPResult:
     """Exact max of E[accepted drafts] over all valid verifiers of one step (Sun et al. 2025, Thm 2).
 
     Args:
         target, draft: models as accepted by :func:`specresearch.exact.as_model`.
-        gamma: draft block length >= 1.
+        gamma: draft block length (path length L) >= 1.
         prefix: the context of the step.
         formulation: ``"prefix"`` (small, default) or ``"coupling"`` (joint pi(x, z)); see the module
-            docstring. Both give the same optimum.
+            docstring. Both give the same optimum. Multi-draft steps always use ``"coupling"``.
+        num_drafts, draft_law: K paths drawn by ``draft_law`` (:func:`specresearch.exact_multi.draft_paths_law`);
+            the verifier may accept any prefix of any of them.
     Returns:
-        :class:`LPResult`; block verification attains ``optimum`` (tests/test_lp.py, proofs/t5).
+        :class:`LPResult`; block verification attains ``optimum`` for K = 1 (tests/test_lp.py, proofs/t5).
+        ``benchmarks/bench_exact.py`` (task ``lp_multi``) times the multi-draft sizes.
     """
     target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
     _check_args(gamma, formulation, target, draft, prefix)
-    build = _prefix_lp if formulation == "prefix" else _coupling_lp
-    names, objective, eqs, ineqs = build(target, draft, gamma, prefix)
-    value, solution = _solve(objective, eqs, ineqs, len(names))
+    if num_drafts != 1 or draft_law != "iid":
+        law = draft_paths_law(draft, num_drafts, gamma, draft_law, prefix)
+        names, objective, eqs, ineqs = _multi_coupling_lp(target, law, gamma, prefix)
+        value, solution = _solve_robust(objective, eqs, ineqs, len(names))
+        formulation = "coupling"
+    else:
+        build = _prefix_lp if formulation == "prefix" else _coupling_lp
+        names, objective, eqs, ineqs = build(target, draft, gamma, prefix)
+        value, solution = _solve(objective, eqs, ineqs, len(names))
     law: dict = defaultdict(Fraction)
     for name, v in zip(names, solution):
         if v:
@@ -205,6 +226,88 @@ def _coupling_lp(target, draft, gamma: int, prefix: tuple):
     return names, objective, marginals + _validity_rows(names, target, gamma, prefix), []
 
 
+def _multi_coupling_lp(target, paths_law: dict, gamma: int, prefix: tuple):
+    """Variables pi(paths, z) for z[:-1] a prefix of one of the K paths; draft marginals and (L).
+
+    Only the set of drafted paths matters to what may be emitted, so drafts are merged by that set.
+    """
+    emittable = _emittable(target, gamma, prefix)
+    merged: dict = defaultdict(Fraction)
+    for paths, prob in paths_law.items():
+        merged[frozenset(paths)] += prob
+    paths_law, names = dict(merged), []
+    for paths in paths_law:
+        prefixes = {path[:k] for path in paths for k in range(gamma + 1)}
+        names += [(paths, z) for z in emittable if z[:-1] in prefixes]
+    objective = {c: Fraction(len(n[1]) - 1) for c, n in enumerate(names)}
+    columns: dict = defaultdict(dict)
+    for c, (paths, _) in enumerate(names):
+        columns[paths][c] = Fraction(1)
+    marginals = [(columns[paths], prob) for paths, prob in paths_law.items()]
+    return names, objective, marginals + _validity_rows(names, target, gamma, prefix), []
+
+
+def _first_token_law(draft, num_drafts: int, draft_law: str, prefix: tuple) -> dict:
+    """{(X_1, ..., X_K): Q} for one step of length 1."""
+    if draft_law not in DRAFT_LAWS:
+        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}, got {draft_law!r}")
+    return {tuple(path[0] for path in paths): prob for paths, prob in draft_paths_law(draft, num_drafts, 1, draft_law, prefix).items()}
+
+
+def optimal_acceptance(target, draft, num_drafts: int = 1, draft_law: str = "iid", prefix=()) -> Fraction:
+    """The best single-step multi-draft acceptance, max P(Y in {X_1..X_K}), as an exact LP.
+
+    Sun et al., SpecTr (NeurIPS 2023, arXiv 2310.15141), optimal transport with cost 1{y not in x}:
+    maximise sum pi(x, y) 1{y in x} over couplings pi of the K-draft law Q (``draft_law``) and Y ~ p.
+    For K = 1 this is alpha = sum_x min(p, q). Equal to :func:`optimal_acceptance_closed_form`.
+
+    Args:
+        target, draft: models (:func:`specresearch.exact.as_model`); rows are read at ``prefix``.
+        num_drafts: K >= 1.
+        draft_law: ``"iid"`` or ``"without_replacement"``.
+    Returns:
+        The optimum, an exact Fraction (an LP with rational data has a rational optimum).
+    """
+    target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
+    _check_args(1, "prefix", target, draft, prefix)
+    p_row = target(prefix)
+    # Only the set of drafted tokens matters to the objective: couple Y with that set (smaller LP).
+    sets: dict = defaultdict(Fraction)
+    for x, qx in _first_token_law(draft, num_drafts, draft_law, prefix).items():
+        sets[frozenset(x)] += qx
+    ys = [y for y, py in enumerate(p_row) if py]
+    names = [(s, y) for s in sets for y in ys]
+    objective = {c: Fraction(1) for c, (s, y) in enumerate(names) if y in s}
+    eqs = [({c: Fraction(1) for c, n in enumerate(names) if n[0] == s}, qs) for s, qs in sets.items()]
+    # the last target marginal is implied by the others (both sides sum to 1): dropping it keeps
+    # sympy's simplex away from the degenerate, oscillating case
+    eqs += [({c: Fraction(1) for c, n in enumerate(names) if n[1] == y}, p_row[y]) for y in ys[:-1]]
+    value, _ = _solve_robust(objective, eqs, [], len(names))
+    return value
+
+
+def optimal_acceptance_closed_form(target, draft, num_drafts: int = 1, draft_law: str = "iid", prefix=()) -> Fraction:
+    """min over token sets H of [p(H) + 1 - Q(X_1..X_K all in H)], exactly, by enumerating the 2^V sets.
+
+    The min-cut / Hall form of :func:`optimal_acceptance` (SpecTr; Hu et al., ICLR 2025, arXiv
+    2502.18779). For every H, P(Y not in X) >= P(all X in H, Y not in H) >= Q(all X in H) - p(H), so
+    P(Y in X) <= p(H) + 1 - Q(all in H); max-flow = min-cut on the bipartite graph "x covers y" says
+    the smallest of these bounds is attained.
+    For i.i.d. drafts Q(all in H) = q(H)^K; the optimal H is then a prefix of the tokens sorted by
+    p/q (see :func:`specresearch.theory_multi.optimal_acceptance_iid`).
+    """
+    target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
+    _check_args(1, "prefix", target, draft, prefix)
+    law, p_row = _first_token_law(draft, num_drafts, draft_law, prefix), target(prefix)
+    best = Fraction(1)
+    for size in range(len(p_row) + 1):
+        for subset in itertools.combinations(range(len(p_row)), size):
+            inside = set(subset)
+            all_in = sum((qx for x, qx in law.items() if inside.issuperset(x)), Fraction(0))
+            best = min(best, sum((p_row[t] for t in subset), Fraction(0)) + 1 - all_in)
+    return best
+
+
 def _matrix(rows: list, n: int):
     if not rows:
         return None, None
@@ -223,6 +326,40 @@ def _solve(objective: dict, eqs: list, ineqs: list, n: int):
     a_eq, b_eq = _matrix(eqs, n)
     value, solution = linprog(cost, a_ub, b_ub, a_eq, b_eq)
     return _to_fraction(-value), [_to_fraction(v) for v in solution]
+
+
+def _solve_robust(objective: dict, eqs: list, ineqs: list, n: int):
+    """:func:`_solve`, retried on sympy's "oscillating system" error of degenerate problems.
+
+    The multi-draft LPs are degenerate transportation problems on which sympy's simplex sometimes
+    stops with ``InfeasibleLPError("Oscillating system ...")`` although they are feasible. Retries, in
+    order: the same LP with every equality written as two inequalities, then the equality form with
+    the columns in a few fixed pseudo-random orders. An answer is returned only if its argmax satisfies
+    every constraint exactly and attains the returned value (sympy's argmax is sometimes inconsistent).
+    """
+    from sympy.solvers.simplex import InfeasibleLPError
+
+    split = ineqs + eqs + [({c: -v for c, v in row.items()}, -rhs) for row, rhs in eqs]
+    attempts = [(list(range(n)), eqs, ineqs), (list(range(n)), [], split)]
+    for seed in range(3):
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        attempts.append((order, eqs, ineqs))
+    for order, e, i in attempts:
+        where = {c: k for k, c in enumerate(order)}  # column c of the LP is variable where[c]
+        move = lambda rows: [({where[c]: v for c, v in row.items()}, rhs) for row, rhs in rows]
+        try:
+            value, moved = _solve({where[c]: v for c, v in objective.items()}, move(e), move(i), n)
+        except InfeasibleLPError:
+            continue
+        solution = [moved[where[c]] for c in range(n)]
+        feasible = all(v >= 0 for v in solution)
+        feasible = feasible and all(sum(row[c] * solution[c] for c in row) == rhs for row, rhs in eqs)
+        feasible = feasible and all(sum(row[c] * solution[c] for c in row) <= rhs for row, rhs in ineqs)
+        objective_value = sum((v * solution[c] for c, v in objective.items()), Fraction(0))
+        if feasible and objective_value == value:  # sympy sometimes returns a wrong argmax: retry
+            return value, solution
+    raise InfeasibleLPError("sympy's simplex gave no exactly feasible optimum on any reformulation of this LP")
 
 
 def _to_fraction(value) -> Fraction:
@@ -280,6 +417,21 @@ def compare_with_lp(target, draft, gamma: int, methods=("block", "token"), prefi
     """
     out = {"lp": optimal_verifier_lp(target, draft, gamma, prefix).optimum}
     out.update({m: expected_accepted(target, draft, gamma, m, prefix) for m in methods})
+    return out
+
+
+def compare_multi(target, draft, num_drafts: int, gamma: int, methods, draft_law: str = "iid", prefix=()) -> dict:
+    """{"lp": optimum over all valid verifiers of K paths, method: E[accepted drafts]}, exact.
+
+    The optimum is :func:`optimal_acceptance` for gamma = 1 and :func:`optimal_verifier_lp` over K
+    paths otherwise; K-SEQ values may be sympy surds. Used for notebook 08's two-symbol table.
+    """
+    if gamma == 1:
+        optimum = optimal_acceptance(target, draft, num_drafts, draft_law, prefix)
+    else:
+        optimum = optimal_verifier_lp(target, draft, gamma, prefix, num_drafts=num_drafts, draft_law=draft_law).optimum
+    out = {"lp": optimum}
+    out.update({m: expected_accepted_multi(target, draft, num_drafts, gamma, m, prefix, draft_law) for m in methods})
     return out
 
 

@@ -76,11 +76,14 @@ import torch
 __all__ = [
     "VERIFIERS",
     "VerifyResult",
+    "block_scales",
     "block_verify",
     "draw_uniforms",
     "expected_num_accepted",
     "greedy_verify",
+    "sample_from_weights",
     "token_verify",
+    "validate_inputs",
 ]
 
 _SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
@@ -207,6 +210,30 @@ def expected_num_accepted(target_probs, draft_probs, draft_tokens, method, *, va
     later = torch.cat([survive[:, 1:], torch.ones_like(survive[:, :1])], 1)  # prod_{j > i} (1 - h_j)
     positions = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)
     return (positions * h * later).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building blocks shared with the multi-draft verifiers (``verify_multi``): the same arithmetic, so that
+# with one draft path they reproduce ``token_verify`` / ``block_verify`` bit for bit.
+
+
+def validate_inputs(target_probs, draft_probs, draft_tokens):
+    """Run the checks of ``validate=True`` (see the module docstring) on ``target_probs [B, gamma+1, V]``,
+    ``draft_probs [B, gamma, V]`` and ``draft_tokens [B, gamma]``; raises ``ValueError`` naming the argument."""
+    _validate(target_probs, draft_probs, draft_tokens, None, None)
+
+
+def sample_from_weights(weights, u):
+    """Inverse-CDF sample from unnormalised ``weights [B, V]`` with uniforms ``u [B]``; ``[B]`` int64.
+
+    Never returns a zero-weight token of a row with positive mass (the sampler of every verifier here)."""
+    return _inverse_cdf(weights, u)
+
+
+def block_scales(p_x, q_x):
+    """p_1..p_gamma of block verification (``[N, gamma]``) from the drafted tokens' p and q (``[N, gamma]``):
+    p_i = min(p_{i-1} p(x_i)/q(x_i), 1), p_0 = 1, and 0 once a q(x_i) = 0 (module docstring, log-space form)."""
+    return _block_scales(p_x, q_x)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,640 @@
+"""Exact rational twins of the multi-draft verifiers: the specification of ``verify_multi``.
+
+Notation as in :mod:`specresearch.exact`: p = target, q = draft, K = number of draft paths
+(``num_drafts``), L = path length (``gamma`` of the single-draft code). Probabilities are
+:class:`fractions.Fraction`; K-SEQ's acceptance threshold rho* is algebraic and is computed exactly
+with sympy (its laws are sympy numbers; :mod:`specresearch.exact_kseq`). Nothing here imports torch. The rules
+are those of ``references/multidraft.md``; each law function below says which paper and what was
+checked.
+
+The contract shared with :mod:`specresearch.verify_multi` (the torch side)
+-------------------------------------------------------------------------
+* A draft of one step is ``paths``: a tuple of K tuples of L token ids, in sampling order. Models are
+  exact models (:func:`specresearch.exact.as_model`) and rows are read at ``prefix + path[:i]``.
+* Draft laws (:func:`draft_paths_law`):
+
+  - ``"iid"``: the K paths are i.i.d., each drawn autoregressively from q.
+  - ``"without_replacement"``: the first tokens are drawn without replacement -- X_{k,1} from q(. |
+    prefix) with X_{1,1}..X_{k-1,1} removed and renormalised; every later token of a path is drawn
+    from q(. | its own prefix) as usual. **Fewer than K tokens of positive mass**: if only m < K
+    first tokens have q > 0, the first m paths are drawn as above and paths m+1..K are copies of path
+    m (the whole path). No error is raised; the verifiers below that read the merged tree never see
+    the copies, and the ones that read paths treat a copy as a draft of zero current q mass (see each).
+
+* ``verify_multi_exact(target, draft, paths, method, prefix=(), draft_law="iid")`` returns the exact
+  law ``{emitted tokens: probability}`` of one step given the drafted paths, where the emitted tokens
+  are the accepted draft tokens followed by the one token sampled from the target / residual. Which
+  object each method reads:
+
+  - ``"rrs"`` (SpecInfer) reads the **paths**: at depth d the candidates are the d-th tokens of every
+    path that extends the accepted prefix, in path order, duplicates kept as separate occurrences.
+  - ``"rrs_without_replacement"`` (recursive SD) reads the **merged tree**: the candidates at a node
+    are its distinct children in order of first appearance (a token equal to an earlier sibling is
+    skipped), and a rejected child is zeroed out of q.
+  - ``"kseq"`` (SpecTr, L = 1 only) reads the **paths** (the K first tokens, duplicates kept).
+  - ``"gbv"`` reads the **paths** (it selects one of them; duplicates do not matter).
+  - ``"traversal"`` reads the **merged tree** (siblings in order of first appearance, leaves visited in
+    depth-first post-order).
+  - with K = 1 only: ``"token"``, ``"block"``, ``"greedy"`` are the single-draft twins of
+    :func:`specresearch.exact.verify_exact`.
+
+* Losslessness, established exactly with :func:`is_lossless_multi` (the full loop, n_tokens = 3) on
+  50 random context-dependent models with exact zeros per method and draft law (V = 2..3, K = 2..3,
+  L = 1..2; tests/test_exact_multi.py):
+
+  ==========================  =====  ===================  ==============================================
+  method                      iid    without_replacement  smallest counterexample (context-free, K = 2)
+  ==========================  =====  ===================  ==============================================
+  rrs                         yes    no                   V = 3: p = (0, 1/3, 2/3), q = (2/3, 0, 1/3)
+  rrs_without_replacement     yes    yes                  --
+  kseq                        yes    no                   the two-symbol example, p = (1/3, 2/3), q = (2/3, 1/3)
+  gbv                         yes    no                   p = q = (1/2, 1/2)
+  traversal                   yes    yes                  --
+  ==========================  =====  ===================  ==============================================
+
+  The two tree readers are lossless under both laws because the distinct children of a node, in
+  order of first appearance among i.i.d. draws, are themselves draws without replacement. The path
+  readers are lossless only for the law they were derived for (:func:`smallest_counterexample`).
+
+* Zero-mass conventions are those of ``verify``: a draft token with current q = 0 is rejected with
+  probability 1; a token with p = 0 is never accepted; a residual of zero mass falls back to the
+  current target row (as ``exact._residual``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import numbers
+from collections import defaultdict
+from collections.abc import Sequence
+from fractions import Fraction
+
+import sympy
+
+from specresearch import exact
+from specresearch.exact_kseq import RhoField, kseq_law, kseq_public_law, kseq_rho
+
+__all__ = [
+    "MULTI_METHODS",
+    "DRAFT_LAWS",
+    "draft_paths_law",
+    "verify_multi_exact",
+    "step_distribution_multi",
+    "expected_accepted_multi",
+    "speculative_distribution_multi",
+    "is_lossless_multi",
+    "kseq_rho",
+    "gbv_draft_rows",
+    "smallest_counterexample",
+]
+
+MULTI_METHODS = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal")
+DRAFT_LAWS = ("iid", "without_replacement")
+
+Row = tuple[Fraction, ...]
+Paths = tuple[tuple[int, ...], ...]
+
+_ZERO = Fraction(0)
+_ONE = Fraction(1)
+_SINGLE = {"token", "block", "greedy"}
+
+
+# ----------------------------------------------------------------------------- input checking
+
+
+def _check_num_drafts(num_drafts) -> int:
+    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
+        raise ValueError(f"num_drafts must be an integer >= 1 (the number K of draft paths), got {num_drafts!r}")
+    return num_drafts
+
+
+def _check_length(length) -> int:
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length (gamma, the path length L) must be an integer >= 1, got {length!r}")
+    return length
+
+
+def _check_draft_law(draft_law) -> str:
+    if draft_law not in DRAFT_LAWS:
+        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}, got {draft_law!r}")
+    return draft_law
+
+
+def _check_method(method, num_drafts: int, length: int) -> str:
+    if method in _SINGLE:
+        if num_drafts != 1:
+            raise ValueError(f"method {method!r} is single-draft; use num_drafts=1 or one of {MULTI_METHODS}")
+        return method
+    if method not in MULTI_METHODS:
+        raise ValueError(f"method must be one of {MULTI_METHODS} (or token/block/greedy with K = 1), got {method!r}")
+    if method == "kseq" and length != 1:
+        raise ValueError(f"method 'kseq' (SpecTr K-SEQ) is single-step: the path length must be 1, got {length}")
+    return method
+
+
+def _check_paths(paths, vocab: int) -> Paths:
+    """K >= 1 tuples of L >= 1 token ids in [0, vocab), all of the same length."""
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
+        raise ValueError("paths must be a non-empty sequence of K token-id sequences (one per draft path)")
+    out = []
+    for k, path in enumerate(paths):
+        if isinstance(path, (str, bytes)) or not isinstance(path, Sequence) or not path:
+            raise ValueError(f"paths[{k}] must be a non-empty sequence of token ids")
+        for i, x in enumerate(path):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < vocab:
+                raise ValueError(f"paths[{k}][{i}] must be an integer in [0, {vocab}), got {x!r}")
+        out.append(tuple(int(x) for x in path))
+    if len({len(p) for p in out}) != 1:
+        raise ValueError(f"paths must all have the same length L, got lengths {[len(p) for p in out]}")
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- draft laws
+
+
+def _single_paths(draft, prefix: tuple, length: int) -> dict:
+    """{path: q(path | prefix)} over the paths of positive probability, drawn autoregressively."""
+    paths = {(): _ONE}
+    for _ in range(length):
+        paths = {u + (t,): qu * qt for u, qu in paths.items() for t, qt in enumerate(draft(prefix + u)) if qt}
+    return paths
+
+
+def _distinct_heads(row: Row, num: int):
+    """Yield (first tokens, probability) of ``num`` draws without replacement from ``row``.
+
+    When fewer than ``num`` tokens have positive mass the draws stop early (the caller pads).
+    """
+    if num == 0:
+        yield (), _ONE
+        return
+    left = sum(row, _ZERO)
+    if left == 0:
+        yield (), _ONE
+        return
+    for x, qx in enumerate(row):
+        if qx:
+            rest = tuple(_ZERO if t == x else v for t, v in enumerate(row))
+            for tail, prob in _distinct_heads(rest, num - 1):
+                yield (x,) + tail, qx / left * prob
+
+
+def draft_paths_law(draft, num_drafts, length, draft_law="iid", prefix=()) -> dict[Paths, Fraction]:
+    """Exact law of the K drafted paths of one step: ``{paths: probability}`` (positive entries only).
+
+    Args:
+        draft: the draft model q (anything :func:`specresearch.exact.as_model` accepts).
+        num_drafts: K >= 1 paths.
+        length: L >= 1 tokens per path.
+        draft_law: ``"iid"`` (K independent paths) or ``"without_replacement"`` (first tokens distinct,
+            later tokens from q as usual; with only m < K first tokens of positive mass, paths
+            m+1..K copy path m -- see the module docstring).
+        prefix: the context of the step.
+    Returns:
+        ``{paths: P}``, ``paths`` a tuple of K tuples of L token ids in sampling order; sums to 1.
+    """
+    num_drafts, length = _check_num_drafts(num_drafts), _check_length(length)
+    draft_law, draft, prefix = _check_draft_law(draft_law), exact.as_model(draft), tuple(prefix)
+    if draft_law == "iid":
+        singles = _single_paths(draft, prefix, length)
+        law = {}
+        for combo in itertools.product(singles.items(), repeat=num_drafts):
+            paths = tuple(path for path, _ in combo)
+            law[paths] = functools.reduce(lambda a, b: a * b, (prob for _, prob in combo), _ONE)
+        return law
+    law: dict = defaultdict(Fraction)
+    for heads, head_prob in _distinct_heads(draft(prefix), num_drafts):
+        tails = [_single_paths(draft, prefix + (x,), length - 1) for x in heads]
+        for combo in itertools.product(*(t.items() for t in tails)):
+            paths = tuple((x,) + tail for x, (tail, _) in zip(heads, combo))
+            paths += (paths[-1],) * (num_drafts - len(paths))
+            prob = head_prob
+            for _, tail_prob in combo:
+                prob *= tail_prob
+            law[paths] += prob
+    return dict(law)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _residual(target_row: Sequence, draft_row: Sequence, scale=_ONE) -> tuple:
+    """norm(max(scale * p - q, 0)), falling back to p when that has zero mass (as ``verify``)."""
+    weights = [max(scale * p - q, _ZERO) for p, q in zip(target_row, draft_row)]
+    total = sum(weights, _ZERO)
+    return tuple(target_row) if total == 0 else tuple(w / total for w in weights)
+
+
+def _without(row: Sequence, token: int) -> tuple:
+    """q with ``token`` zeroed and renormalised; all zeros when nothing is left."""
+    rest = [_ZERO if t == token else v for t, v in enumerate(row)]
+    total = sum(rest, _ZERO)
+    return tuple(rest) if total == 0 else tuple(v / total for v in rest)
+
+
+def _accept(p, q):
+    """min(1, p / q), and 0 when q = 0 (never accept a draft the draft model could not produce)."""
+    return min(_ONE, p / q) if q > 0 else _ZERO
+
+
+def _emit(law: dict, accepted: tuple, mass, token_law: Sequence) -> None:
+    """Add ``mass`` times "accepted tokens, then one token from token_law" to ``law``."""
+    if not mass:
+        return
+    for token, prob in enumerate(token_law):
+        if prob:
+            law[accepted + (token,)] += mass * prob
+
+
+def _tree(paths: Paths) -> dict:
+    """The merged tree: {node: distinct child tokens in order of first appearance} for every node."""
+    children: dict = defaultdict(list)
+    for path in paths:
+        for d in range(len(path) + 1):
+            children.setdefault(path[:d], [])
+            if d < len(path) and path[d] not in children[path[:d]]:
+                children[path[:d]].append(path[d])
+    return dict(children)
+
+
+# ----------------------------------------------------------------------------- the verifiers
+
+
+def _rrs_law(target, draft, paths: Paths, prefix: tuple) -> dict:
+    """Multi-step speculative sampling, SpecInfer (Miao et al., ASPLOS 2024, arXiv 2305.09781).
+
+    Reads the paths: at the accepted prefix u (depth d) the candidates are the d-th tokens of all
+    paths extending u, in path order, duplicates kept. Candidate x is accepted w.p. min(1, p(x)/q(x));
+    on rejection p <- norm(max(p - q, 0)) with q unchanged. Lossless for i.i.d. paths: given the
+    tokens above depth d, the d-th tokens of the paths through u are i.i.d. q(. | u).
+    Duplicates must stay separate occurrences (multidraft.md's "(check)"): the same rule on the
+    merged tree (each distinct child tried once, q unchanged) is lossy with i.i.d. drafts -- an
+    ad-hoc run of :func:`smallest_counterexample` on that variant finds V = 3, p = (0, 1/3, 2/3),
+    q = (2/3, 0, 1/3), K = 2. Dropping duplicates needs the q update of RRS without replacement.
+    """
+    law: dict = defaultdict(Fraction)
+    length = len(paths[0])
+
+    def descend(u: tuple, mass: Fraction) -> None:
+        p_row = target(prefix + u)
+        if len(u) == length:
+            _emit(law, u, mass, p_row)
+            return
+        q_row, below = draft(prefix + u), [path for path in paths if path[: len(u)] == u]
+        for path in below:
+            x = path[len(u)]
+            accept = _accept(p_row[x], q_row[x])
+            if accept:
+                descend(u + (x,), mass * accept)
+            mass *= 1 - accept
+            p_row = _residual(p_row, q_row)
+        _emit(law, u, mass, p_row)
+
+    descend((), _ONE)
+    return law
+
+
+def _rrs_without_replacement_law(target, draft, paths: Paths, prefix: tuple) -> dict:
+    """Recursive speculative decoding (Jeon et al. 2024, arXiv 2402.14160), on the merged tree.
+
+    At a node the distinct children are tried in order: accept x w.p. min(1, p(x)/q(x)); on
+    rejection p <- norm(max(p - q, 0)) and q <- q with x zeroed and renormalised (Jeon et al.'s
+    recursive rejection sampling, which assumes the siblings were drawn without replacement).
+    """
+    law: dict = defaultdict(Fraction)
+    children = _tree(paths)
+
+    def descend(u: tuple, mass: Fraction) -> None:
+        p_row, q_row = target(prefix + u), draft(prefix + u) if children[u] else None
+        for x in children[u]:
+            accept = _accept(p_row[x], q_row[x])
+            if accept:
+                descend(u + (x,), mass * accept)
+            mass *= 1 - accept
+            p_row, q_row = _residual(p_row, q_row), _without(q_row, x)
+        _emit(law, u, mass, p_row)
+
+    descend((), _ONE)
+    return law
+
+
+def _gbv_order_key(p_row: Row, q_row: Row, token: int):
+    """Rank of ``token`` at a node: by p/q ascending (q = 0 ranks last), ties by token id."""
+    q = q_row[token]
+    return (0, p_row[token] / q, token) if q > 0 else (1, _ZERO, token)
+
+
+def _gbv_selected(target, draft, paths: Paths, prefix: tuple) -> tuple:
+    """X*: the largest drafted path in the lexicographic order of per-node p/q ranks."""
+    def key(path):
+        return tuple(_gbv_order_key(target(prefix + path[:d]), draft(prefix + path[:d]), x) for d, x in enumerate(path))
+
+    return max(paths, key=key)
+
+
+def gbv_draft_rows(target, draft, path, num_drafts, prefix=()) -> list[Row]:
+    """Rows q^G(. | path[:d]) of the law of the selected path X* along ``path`` (i.i.d. drafts).
+
+    Thomas and Pal 2026 (arXiv 2602.16961): X* is the maximum of K i.i.d. paths in the
+    lexicographic order of per-node p/q ranks, so P(X* extends v) = (A_v + Q_v)^K - A_v^K with Q_v =
+    q(v) and A_v = the q-mass of the same-length prefixes ordered below v, and
+    q^G(t | v) = [(A_v + y(t) + z(t))^K - (A_v + y(t))^K] / [(A_v + Q_v)^K - A_v^K],
+    z(t) = Q_v q(t | v), y(t) = Q_v * q(tokens ranked below t | v).
+
+    Returns:
+        L rows of V Fractions (row d is the conditional law of X*'s token d+1 given path[:d]); past a
+        prefix of draft probability 0 the rows are q's (block verification accepts nothing there).
+    """
+    target, draft, prefix = exact.as_model(target), exact.as_model(draft), tuple(prefix)
+    k = _check_num_drafts(num_drafts)
+    rows, below, mass = [], _ZERO, _ONE  # A_v, Q_v
+    for d, x in enumerate(path):
+        p_row, q_row = target(prefix + tuple(path[:d])), draft(prefix + tuple(path[:d]))
+        order = sorted(range(len(q_row)), key=lambda t: _gbv_order_key(p_row, q_row, t))
+        cum, y = _ZERO, {}
+        for t in order:
+            y[t], cum = cum, cum + mass * q_row[t]
+        norm = (below + mass) ** k - below**k
+        if norm == 0:  # a prefix the draft cannot produce: nothing below it is accepted; keep q
+            rows.append(tuple(q_row))
+        else:
+            rows.append(tuple(((below + y[t] + mass * q_row[t]) ** k - (below + y[t]) ** k) / norm for t in range(len(q_row))))
+        below, mass = below + y[x], mass * q_row[x]
+    return rows
+
+
+def _gbv_law(target, draft, paths: Paths, prefix: tuple) -> dict:
+    """Greedy multi-path block verification (Thomas and Pal 2026, arXiv 2602.16961).
+
+    Select X* (see :func:`gbv_draft_rows`), then block verification (Sun et al. 2025, Algorithm 2,
+    :func:`specresearch.exact.verify_exact` with ``"block"``) of X* with target p and draft rows q^G.
+    Block verification is valid for any autoregressive draft law, so this is lossless exactly when
+    q^G is the law of X*, i.e. for i.i.d. paths.
+    """
+    best = _gbv_selected(target, draft, paths, prefix)
+    draft_rows = gbv_draft_rows(target, draft, best, len(paths), prefix)
+    target_rows = [target(prefix + best[:d]) for d in range(len(best) + 1)]
+    law: dict = defaultdict(Fraction)
+    for (n, token), prob in exact.verify_exact(target_rows, draft_rows, list(best), "block").items():
+        law[best[:n] + (token,)] += prob
+    return law
+
+
+def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
+    """Traversal verification (Weng et al., NeurIPS 2025, arXiv 2505.12398), on the merged tree.
+
+    Weights w_root = 1, w_(b, x) = min(1, w_b p(x | b) / q(x | b)) (0 when q = 0). Leaves are visited
+    in depth-first post-order, siblings in order of first appearance. At the current node a: accept
+    the path to a w.p. w_a (always at the root) and emit one token from the current p(. | a). Else
+    delete a and update its parent b: r = max(w_b p(. | b) - q(. | b), 0), Z = sum r,
+    w_b <- Z / (Z + 1 - w_b) (0 when Z = 0), p(. | b) <- r / Z (kept when Z = 0), q(. | b) <- q with x
+    zeroed and renormalised; the weights below b are recomputed and the next node is b if it has no
+    child left, else the first leaf below b's next child. On a chain this is block verification in
+    its backward form (the h_i of Sun et al. Algorithm 2 are the updated w_b).
+
+    Source of the rule: ``references/multidraft.md``; the paper's algorithm text could not be read
+    from this machine (only its abstract), so each step above is the reference's, not checked line by
+    line against the paper. What is established exactly instead: the rule equals block verification
+    on every chain (K = 1), equals RRS without replacement at L = 1, and is lossless for both draft
+    laws on every tested model (tests/test_exact_multi.py). The sibling update zeroes the rejected
+    token in q, i.e. it treats siblings as drawn without replacement; reading the merged tree makes
+    i.i.d. drafts fine too (distinct children in order of first appearance are such draws).
+    """
+    children = {u: list(c) for u, c in _tree(paths).items()}
+    p_rows = {u: target(prefix + u) for u in children}
+    q_rows = {u: draft(prefix + u) for u, c in children.items() if c}
+    weights = {(): _ONE}
+
+    def reweigh(b: tuple) -> None:
+        for x in children[b]:
+            weights[b + (x,)] = _accept(weights[b] * p_rows[b][x], q_rows[b][x])
+            reweigh(b + (x,))
+
+    def first_leaf(u: tuple) -> tuple:
+        while children[u]:
+            u = u + (children[u][0],)
+        return u
+
+    reweigh(())
+    law: dict = defaultdict(Fraction)
+    node, mass = first_leaf(()), _ONE
+    while mass:
+        accept = _ONE if node == () else weights[node]
+        _emit(law, node, mass * accept, p_rows[node])
+        mass *= 1 - accept
+        if not mass:
+            break
+        parent, x = node[:-1], node[-1]
+        w, p_row, q_row = weights[parent], p_rows[parent], q_rows[parent]
+        r = [max(w * p - q, _ZERO) for p, q in zip(p_row, q_row)]
+        z = sum(r, _ZERO)
+        weights[parent] = z / (z + 1 - w) if z > 0 else _ZERO
+        p_rows[parent] = tuple(v / z for v in r) if z > 0 else p_row
+        q_rows[parent] = _without(q_row, x)
+        children[parent].remove(x)
+        reweigh(parent)
+        node = first_leaf(parent)
+    return law
+
+
+# ----------------------------------------------------------------------------- one step, the loop
+
+_LAWS = {
+    "rrs": _rrs_law,
+    "rrs_without_replacement": _rrs_without_replacement_law,
+    "kseq": kseq_public_law,
+    "gbv": _gbv_law,
+    "traversal": _traversal_law,
+}
+
+
+def _single_law(method: str):
+    def law_fn(target, draft, paths: Paths, prefix: tuple) -> dict:
+        (path,) = paths
+        target_rows = [target(prefix + path[:d]) for d in range(len(path) + 1)]
+        draft_rows = [draft(prefix + path[:d]) for d in range(len(path))]
+        law: dict = defaultdict(Fraction)
+        for (n, token), prob in exact.verify_exact(target_rows, draft_rows, list(path), method).items():
+            law[path[:n] + (token,)] += prob
+        return law
+
+    return law_fn
+
+
+def _law_fn(method: str):
+    return _single_law(method) if method in _SINGLE else _LAWS[method]
+
+
+def verify_multi_exact(target, draft, paths, method, prefix=(), draft_law="iid") -> dict[tuple[int, ...], Fraction]:
+    """Exact law of the tokens one multi-draft step emits, given the drafted paths.
+
+    The exact twin of ``verify_multi.<method>`` for one batch row (see the module docstring for what
+    each method reads: the paths or the merged tree).
+
+    Args:
+        target, draft: exact models (:func:`specresearch.exact.as_model`), read at ``prefix + u``.
+        paths: K tuples of L token ids, in sampling order (``draft_paths_law`` gives their law).
+        method: one of ``MULTI_METHODS``; with K = 1 also ``"token"``, ``"block"``, ``"greedy"``.
+        prefix: the context of the step.
+        draft_law: the law the paths were drawn with; checked and recorded for the caller, but no
+            verifier reads it (a verifier run under the wrong law is exactly what the losslessness
+            checks look for).
+    Returns:
+        ``{accepted tokens + next token: probability}``, positive entries summing to 1. Fractions, except
+        K-SEQ with an irrational rho*, whose entries are exact sympy numbers.
+    """
+    target, draft, prefix = exact.as_model(target), exact.as_model(draft), tuple(prefix)
+    _check_draft_law(draft_law)
+    vocab = len(target(prefix))
+    paths = _check_paths(paths, vocab)
+    method = _check_method(method, len(paths), len(paths[0]))
+    if len(draft(prefix)) != vocab:
+        raise ValueError(f"target and draft must share a vocabulary: rows of {vocab} and {len(draft(prefix))} entries")
+    law = {seq: v for seq, v in _law_fn(method)(target, draft, paths, prefix).items() if v != 0}
+    assert sympy.simplify(sum(law.values()) - 1) == 0 if method == "kseq" else sum(law.values()) == 1
+    return law
+
+
+def _check_step_args(draft, num_drafts, gamma, method, draft_law):
+    num_drafts, gamma = _check_num_drafts(num_drafts), _check_length(gamma)
+    return num_drafts, gamma, _check_method(method, num_drafts, gamma), _check_draft_law(draft_law)
+
+
+def _step_law(target, draft, num_drafts: int, gamma: int, method: str, draft_law: str, prefix: tuple) -> dict:
+    """{emitted: P} of one step with Fractions (every method but K-SEQ)."""
+    law_fn, out = _law_fn(method), defaultdict(Fraction)
+    for paths, prob in draft_paths_law(draft, num_drafts, gamma, draft_law, prefix).items():
+        for seq, p in law_fn(target, draft, paths, prefix).items():
+            out[seq] += prob * p
+    return {seq: v for seq, v in out.items() if v}
+
+
+def _kseq_step_law(target, draft, num_drafts: int, draft_law: str, prefix: tuple):
+    """(field, {emitted: element of Q(rho*)}) of one K-SEQ step; rho* depends on the prefix only."""
+    field, out = RhoField(kseq_rho(target(prefix), draft(prefix), num_drafts)), {}
+    for paths, prob in draft_paths_law(draft, num_drafts, 1, draft_law, prefix).items():
+        _, law = kseq_law(target, draft, paths, prefix, field)
+        for seq, v in law.items():
+            out[seq] = out.get(seq, field.zero) + field.num(prob) * v
+    return field, out
+
+
+def step_distribution_multi(target, draft, num_drafts, gamma, method, prefix=(), draft_law="iid") -> dict:
+    """Law of one multi-draft step, ``{accepted tokens + next token: probability}``.
+
+    The K paths of length ``gamma`` (= L) are drawn by ``draft_law`` (:func:`draft_paths_law`) and
+    verified by ``method`` (:func:`verify_multi_exact`); the law is summed over all drafts.
+    """
+    num_drafts, gamma, method, draft_law = _check_step_args(draft, num_drafts, gamma, method, draft_law)
+    target, draft, prefix = exact.as_model(target), exact.as_model(draft), tuple(prefix)
+    if method == "kseq":
+        field, law = _kseq_step_law(target, draft, num_drafts, draft_law, prefix)
+        return {seq: field.public(v) for seq, v in law.items() if v != field.zero}
+    return _step_law(target, draft, num_drafts, gamma, method, draft_law, prefix)
+
+
+def expected_accepted_multi(target, draft, num_drafts, gamma, method, prefix=(), draft_law="iid"):
+    """E[accepted draft tokens] of one multi-draft step (0..gamma; the bonus token excluded).
+
+    A Fraction, or for K-SEQ with irrational rho* an exact sympy number (e.g. a quadratic surd).
+    """
+    law = step_distribution_multi(target, draft, num_drafts, gamma, method, prefix, draft_law)
+    total = sum(prob * (len(seq) - 1) for seq, prob in law.items())
+    return sympy.radsimp(sympy.expand(total)) if method == "kseq" and not isinstance(total, (int, Fraction)) else Fraction(total)
+
+
+def speculative_distribution_multi(target, draft, num_drafts, gamma, method, n_tokens, prefix=(), draft_law="iid") -> dict:
+    """Exact law of the first ``n_tokens`` tokens of the multi-draft speculative loop (Fractions).
+
+    As :func:`specresearch.exact.speculative_distribution`, one step = K paths drawn by ``draft_law``
+    and verified by ``method``. Not available for K-SEQ, whose step laws live in a different number
+    field Q(rho*) at every prefix; :func:`is_lossless_multi` checks K-SEQ step by step instead.
+    """
+    num_drafts, gamma, method, draft_law = _check_step_args(draft, num_drafts, gamma, method, draft_law)
+    if method == "kseq":
+        raise ValueError("method 'kseq' has irrational step laws; use is_lossless_multi, which checks it step by step")
+    target, draft = exact.as_model(target), exact.as_model(draft)
+    step = functools.lru_cache(maxsize=None)(
+        lambda pre: _step_law(target, draft, num_drafts, gamma, method, draft_law, pre)
+    )
+
+    @functools.lru_cache(maxsize=None)
+    def law(pre: tuple, needed: int) -> dict:
+        out: dict = defaultdict(Fraction)
+        for seq, prob in step(pre).items():
+            if len(seq) >= needed:
+                out[seq[:needed]] += prob
+                continue
+            for rest, rest_prob in law(pre + seq, needed - len(seq)).items():
+                out[seq + rest] += prob * rest_prob
+        return dict(out)
+
+    return law(tuple(prefix), _check_n_tokens(n_tokens))
+
+
+def _check_n_tokens(n_tokens) -> int:
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be an integer >= 1, got {n_tokens!r}")
+    return n_tokens
+
+
+def _kseq_lossless(target, draft, num_drafts: int, draft_law: str, n_tokens: int, prefix: tuple) -> bool:
+    """K-SEQ emits (x, y ~ p(. | x)) or (y,), so by condition (L) of :mod:`specresearch.lp` the loop
+    reproduces the target iff at every prefix the first emitted token has law p(. | prefix). Checked
+    exactly in Q(rho*) at every prefix of length < n_tokens (the loop's first n_tokens read no other)."""
+    frontier = [prefix]
+    for _ in range(n_tokens):
+        for pre in frontier:
+            field, law = _kseq_step_law(target, draft, num_drafts, draft_law, pre)
+            first: dict = defaultdict(lambda: field.zero)
+            for seq, v in law.items():
+                first[seq[0]] += v
+            if any(first[t] != field.num(pt) for t, pt in enumerate(target(pre))):
+                return False
+        frontier = [pre + (t,) for pre in frontier for t, pt in enumerate(target(pre)) if pt]
+    return True
+
+
+def is_lossless_multi(target, draft, num_drafts, gamma, method, n_tokens, prefix=(), draft_law="iid") -> bool:
+    """True iff the multi-draft loop's first ``n_tokens`` tokens have exactly the target's law.
+
+    Every method but K-SEQ: :func:`speculative_distribution_multi` against
+    :func:`specresearch.exact.target_distribution` (greedy compared with the argmax path). K-SEQ: the
+    equivalent step-by-step check in Q(rho*) (see ``_kseq_lossless``).
+    """
+    num_drafts, gamma, method, draft_law = _check_step_args(draft, num_drafts, gamma, method, draft_law)
+    target_m, draft_m, prefix = exact.as_model(target), exact.as_model(draft), tuple(prefix)
+    if method == "kseq":
+        return _kseq_lossless(target_m, draft_m, num_drafts, draft_law, _check_n_tokens(n_tokens), prefix)
+    spec = speculative_distribution_multi(target_m, draft_m, num_drafts, gamma, method, n_tokens, prefix, draft_law)
+    want = exact.target_distribution(target_m, n_tokens, prefix, greedy=method == "greedy")
+    return spec == want
+
+
+def _rational_rows(vocab: int, denominator: int):
+    """Every probability row over ``vocab`` tokens whose entries are multiples of 1 / denominator."""
+    for counts in itertools.product(range(denominator + 1), repeat=vocab - 1):
+        if sum(counts) <= denominator:
+            yield tuple(Fraction(c, denominator) for c in counts) + (Fraction(denominator - sum(counts), denominator),)
+
+
+def smallest_counterexample(method, draft_law, num_drafts=2, *, max_vocab=3, max_denominator=6, n_tokens=1):
+    """The first context-free (target, draft) pair on which ``method`` under ``draft_law`` is lossy.
+
+    Searched in the order (V, common denominator, target row, draft row), V = 2..max_vocab, every row
+    a multiple of 1 / denominator; a pair fails when :func:`is_lossless_multi` with paths of length 1
+    is False. So the answer is smallest in V first and denominator second.
+
+    Returns:
+        ``(target_row, draft_row)`` as tuples of Fractions, or None when every pair in range is lossless.
+    """
+    num_drafts, draft_law = _check_num_drafts(num_drafts), _check_draft_law(draft_law)
+    _check_method(method, num_drafts, 1)
+    for vocab in range(2, max_vocab + 1):
+        for denominator in range(2, max_denominator + 1):
+            for target in _rational_rows(vocab, denominator):
+                for draft in _rational_rows(vocab, denominator):
+                    if not is_lossless_multi(target, draft, num_drafts, 1, method, n_tokens, draft_law=draft_law):
+                        return target, draft
+    return None

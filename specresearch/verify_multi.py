@@ -1,0 +1,768 @@
+"""Batched multi-draft verifiers (K draft paths per row) and the draft-path samplers that feed them.
+
+Notation as in :mod:`specresearch.verify`: p = target (``target_probs``), q = draft (``draft_probs``),
+K = number of draft paths (``num_drafts``), L = path length (gamma of the single-draft code). A *path* is
+x_1..x_L drawn autoregressively from q; the K paths with equal prefixes merged form the *tree*. The exact
+twins (the specification) are in :mod:`specresearch.exact_multi`; the rules, with their sources, in
+``references/multidraft.md``.
+
+Shapes (every verifier):
+
+* ``target_probs`` ``[B, K, L+1, V]``: ``target_probs[b, k, i]`` = p(. | prefix, path k's first i tokens).
+* ``draft_probs``  ``[B, K, L, V]``:   ``draft_probs[b, k, i]`` = q(. | same), the law path k's token i+1
+  was drawn from (for i = 0 and for the later tokens of drafts without replacement see ``sample_draft_paths``).
+* ``draft_tokens`` ``[B, K, L]`` int64, the paths in sampling order.
+* ``uniforms``     ``[B, L+1, K]`` in [0, 1) (``draw_multi_uniforms``): ``uniforms[b, i, k]`` is the
+  acceptance uniform of path k's token i+1 (of the tree node that path k is the first to reach), and
+  ``uniforms[b, L, 0]`` drives the inverse-CDF sample of ``next_token``. With K = 1 this is exactly the
+  ``[B, L+1]`` layout of ``verify.draw_uniforms``, drawn from the same generator stream.
+* Output: ``MultiVerifyResult(num_accepted [B], path_index [B], next_token [B])``; row b emits
+  ``draft_tokens[b, path_index[b], :num_accepted[b]]`` followed by ``next_token[b]``. ``path_index`` is the
+  lowest path index whose first ``num_accepted`` tokens are the accepted ones.
+
+Rows of paths that share a prefix are duplicates (the same context); a verifier that reads the merged tree
+reads a node's rows from the lowest path through it, and never checks that the duplicates agree.
+
+Which object each verifier reads (the contract of ``exact_multi``):
+
+* ``rrs_verify`` (SpecInfer, Miao et al., ASPLOS 2024, "multi-step speculative sampling") reads the
+  **paths**: at depth d the candidates are the d-th tokens of every path that extends the accepted prefix,
+  in path order, duplicates kept. Accept x w.p. min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0)),
+  q unchanged; if every candidate is rejected, sample the residual; after an acceptance descend into x.
+  Lossless for i.i.d. paths.
+* ``rrs_without_replacement_verify`` (recursive speculative decoding, Jeon et al. 2024) reads the
+  **merged tree**: the distinct children of a node in order of first appearance; on rejection of x also
+  q <- q with x zeroed, renormalised. For first tokens drawn without replacement.
+* ``kseq_verify`` (SpecTr K-SEQ, Sun et al., NeurIPS 2023), L = 1 only, reads the **paths** (the K first
+  tokens, duplicates kept): rho* in [1, K] solves 1 - (1 - beta(rho))^K = rho beta(rho), beta(rho) =
+  sum_x min(q(x), p(x)/rho); accept X_i w.p. min(1, p(X_i)/(rho* q(X_i))) in order; if none, sample
+  norm(max(p - rho* q, 0)).
+* ``gbv_verify`` (greedy multi-path block verification, Thomas and Pal 2026) reads the **paths**: select
+  X* = the largest path in the lexicographic order of per-node ranks (p/q ascending, q = 0 ranked last,
+  ties by token id), compute q^G, the law of X* under i.i.d. paths, along X*, and run ``block_verify``
+  on X* with draft rows q^G.
+* ``traversal_verify`` (Weng et al., NeurIPS 2025) reads the **merged tree**: node weights w_root = 1,
+  w_a = min(1, w_b p(x | b) / q(x | b)) for a = child x of b (0 when q(x | b) = 0); nodes are visited in
+  depth-first post-order (siblings in order of first appearance). At node a: accept the path to a if
+  a is the root or eta_a < w_a, and emit one token from the current p(. | a). Otherwise delete a and
+  update its parent b: r = max(w_b p(. | b) - q(. | b), 0), Z = sum r, w_b <- Z / (Z + 1 - w_b),
+  p(. | b) <- r / Z, q(. | b) <- q(. | b) with x zeroed and renormalised; the weights below b follow.
+  On one chain (K = 1) this is block verification in its backward form (w_b after the update is h_i).
+
+Edge cases, as in ``verify``: a candidate with current q = 0 or p = 0 is never accepted; a residual of
+zero mass falls back to the current target row; ``validate=True`` runs ``verify.validate_inputs`` on the
+K paths as B*K single drafts plus the multi-draft shape checks.
+
+Torch verifiers
+---------------
+* Every verifier is vectorised over B; the Python loops run over depths and paths (RRS: L x K steps,
+  traversal: at most K L + 1 visited nodes, GBV: L columns for the selection and the rows q^G, K-SEQ:
+  fixed 16 regula-falsi steps for rho*). Each step is a few O(V) tensor ops on the rows it concerns (the
+  rejected rows of an RRS step, the visited rows of a traversal step, gathered with index tensors), so a
+  step costs O(n V) for n such rows; one host sync per step reads n. Timings beside block verification:
+  ``benchmarks/bench_verify.py`` (multi-draft table) and ``docs/multidraft.md``.
+* Residual rows are kept unnormalised with their mass (p = r / Z), and the samplers sample the unnormalised
+  weights, so the first candidate uses exactly ``token_verify``'s arithmetic (``eta * q(x) < p(x)``,
+  ``max(p - q, 0)``). With K = 1, and the same generator (or uniforms), ``rrs_verify``,
+  ``rrs_without_replacement_verify`` and ``kseq_verify`` (rho* = 1 exactly) return ``token_verify``'s
+  output bit for bit, and ``gbv_verify`` (q^G = q exactly, see ``_gbv_draft_rows``) and
+  ``traversal_verify`` (initial weights by ``verify.block_scales``, the same residual weights and
+  h = Z / (Z + 1 - w) clamped to w) return ``block_verify``'s (tests/test_verify_multi.py).
+* K-SEQ's rho* is found per row as the root of g(rho) = sum_{j<K} (1 - beta(rho))^j - rho (the SpecTr
+  equation divided by beta; strictly decreasing, g(1) >= 0 >= g(K)) in the rows' dtype by 16 steps of regula falsi
+  with the Illinois modification (each step one O(V) evaluation of beta); the exact twin finds the algebraic
+  root with sympy, and the two agree within 1e-12 (tests). Bisection would need ~50 evaluations.
+* GBV's rank order is decided on the float ratios p/q (computed in the probabilities' dtype, one division,
+  the same in the selection, the masked sums and the sorts). q^G(t | v) is computed in float64 in the
+  normalised form q(t | v) S(a, b) / S(1, c), S(a, b) = sum_{j<K} a^j b^(K-1-j), a = (r + y + q(t))/(r + 1),
+  b = (r + y)/(r + 1), c = r/(r + 1), r = A_v / Q_v, y = q-mass ranked below t: the identity
+  (a^K - b^K) = (a - b) S(a, b) divides out the q-mass of v, so nothing overflows and K = 1 gives q exactly.
+  A full row q^G(. | v) needs the cumulative q-mass in rank order, i.e. a sort of V ratios, which dominates
+  GBV's cost; it is computed only for the rows block verification reads in full (``_gbv_needed``: the
+  candidates eta_i < p_i of rows with tau < L) and, after it, row 0 of the rows with tau = 0, whose next
+  token is resampled from the full root residual (``_gbv_resample_root``); the scales p_i come from masked
+  sums at the drafted tokens.
+* The traversal keeps, for the current node's ancestors only (one per depth), their current weight and,
+  once a child was deleted, their residual target row and renormalised draft row: post-order visits a
+  node's whole subtree before leaving it, so no other node is ever modified while it matters.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from specresearch.verify import block_scales, block_verify, sample_from_weights, validate_inputs
+
+__all__ = [
+    "DRAFT_LAWS",
+    "MULTI_VERIFIERS",
+    "MultiVerifyResult",
+    "draw_multi_uniforms",
+    "gbv_verify",
+    "kseq_verify",
+    "path_target_probs",
+    "rrs_verify",
+    "rrs_without_replacement_verify",
+    "sample_draft_paths",
+    "traversal_verify",
+]
+
+DRAFT_LAWS = ("iid", "without_replacement")
+_KSEQ_STEPS = 16
+
+
+@dataclass(frozen=True)
+class MultiVerifyResult:
+    """Outcome of one multi-draft verification step for a batch of B rows of K paths."""
+
+    num_accepted: torch.Tensor  # [B] int64 in 0..L
+    path_index: torch.Tensor  # [B] int64: lowest path whose first num_accepted tokens were accepted
+    next_token: torch.Tensor  # [B] int64: residual sample, or the bonus token when a whole path was accepted
+
+
+def draw_multi_uniforms(batch, num_drafts, length, generator=None, device=None, dtype=torch.float64):
+    """The ``[batch, length+1, num_drafts]`` uniforms a multi-draft verifier consumes (module docstring).
+    With ``num_drafts = 1`` the stream equals ``verify.draw_uniforms(batch, length, generator)``."""
+    for name, value in (("batch", batch), ("num_drafts", num_drafts), ("length", length)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; got {value}")
+    if device is None and generator is not None:
+        device = generator.device
+    return torch.rand(batch, length + 1, num_drafts, generator=generator, device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The verifiers
+
+
+def rrs_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """Multi-step speculative sampling (SpecInfer; Miao et al., ASPLOS 2024, arXiv 2305.09781) on the paths.
+
+    Args:
+        target_probs: ``[B, K, L+1, V]``; draft_probs: ``[B, K, L, V]``; draft_tokens: ``[B, K, L]`` int64.
+        generator: ``torch.Generator`` for the uniforms (default RNG if it and ``uniforms`` are None).
+        uniforms: ``[B, L+1, K]`` pre-drawn uniforms in [0, 1) (``draw_multi_uniforms``).
+        validate: check the inputs (module docstring); False skips the checks.
+    Returns:
+        ``MultiVerifyResult`` (``num_accepted [B]``, ``path_index [B]``, ``next_token [B]``).
+    """
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
+    return _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged=False)
+
+
+def rrs_without_replacement_verify(
+    target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True
+):
+    """Recursive speculative decoding (Jeon et al. 2024, arXiv 2402.14160) on the merged tree: distinct
+    children in order of first appearance; a rejected child is zeroed out of q. Same arguments and result
+    as ``rrs_verify``."""
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
+    return _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged=True)
+
+
+def kseq_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """K-SEQ (SpecTr; Sun et al., NeurIPS 2023, arXiv 2310.15141), one step: L must be 1.
+
+    Accept X_i w.p. min(1, p(X_i) / (rho* q(X_i))) for i = 1..K in order; if none is accepted sample
+    norm(max(p - rho* q, 0)). Same arguments and result as ``rrs_verify`` (shapes with L = 1).
+    """
+    if validate and isinstance(draft_tokens, torch.Tensor) and draft_tokens.dim() == 3 and draft_tokens.shape[2] != 1:
+        raise ValueError(
+            f"kseq_verify verifies one token per draft (L = 1); got draft_tokens of shape {list(draft_tokens.shape)} "
+            "(use rrs_verify, gbv_verify or traversal_verify for longer paths)"
+        )
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
+    batch, num_drafts, _ = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    target, draft = target_probs[:, 0, 0], draft_probs[:, 0, 0]  # [B, V]: the shared root rows
+    rho = _kseq_rho(target, draft, num_drafts)  # [B]
+    tokens = draft_tokens[:, :, 0]  # [B, K]
+    p_x, q_x = target.gather(1, tokens), draft.gather(1, tokens)  # [B, K]
+    passed = (eta[:, 0, :] * rho[:, None] * q_x < p_x) & (q_x > 0)  # rho = 1 (K = 1): token_verify's test
+    accepted = passed.any(-1)
+    first = passed.long().argmax(-1)  # [B]: first accepted path (0 when none)
+    residual = _fallback((target - rho[:, None] * draft).clamp(min=0), target)
+    weights = torch.where(accepted[:, None], _take_rows(target_probs, rows, first, 1), residual)
+    next_token = sample_from_weights(weights, eta[:, 1, 0])
+    num_accepted = accepted.long()
+    return MultiVerifyResult(num_accepted, _lowest_path(draft_tokens, first, num_accepted), next_token)
+
+
+def gbv_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """Greedy multi-path block verification (Thomas and Pal 2026, arXiv 2602.16961) on the paths.
+
+    Select X* (largest path in the lexicographic order of per-node ranks p/q, q = 0 last, ties by token id),
+    then ``verify.block_verify`` (Sun et al. 2025, Algorithm 2) of X* with draft rows q^G ``[B, L, V]``, the law
+    of X* under i.i.d. paths (``references/multidraft.md``). It consumes ``uniforms[:, :, 0]`` only. Same
+    arguments and result as ``rrs_verify``.
+    """
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
+    batch, num_drafts, _ = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    chosen = _gbv_select(target_probs, draft_probs, draft_tokens)  # [B]
+    target, draft, tokens = target_probs[rows, chosen], draft_probs[rows, chosen], draft_tokens[rows, chosen]
+    along = _gbv_along(target, draft, tokens, num_drafts)  # r and q^G(x_d), [B, L] each
+    needed = _gbv_needed(target, draft, tokens, along[1], eta[:, :, 0])  # [B, L]
+    rows_g = _gbv_draft_rows(target, draft, tokens, num_drafts, needed, along)  # [B, L, V]
+    result = block_verify(target, rows_g, tokens, uniforms=eta[:, :, 0], validate=False)
+    next_token = _gbv_resample_root(target, draft, tokens, num_drafts, along, result, eta[:, -1, 0])
+    path_index = _lowest_path(draft_tokens, chosen, result.num_accepted)
+    return MultiVerifyResult(result.num_accepted, path_index, next_token)
+
+
+def traversal_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """Traversal verification (Weng et al., NeurIPS 2025, arXiv 2505.12398) on the merged tree.
+
+    Nodes are visited in depth-first post-order; node a (depth e, first reached by path k) is accepted iff
+    ``uniforms[b, e-1, k] < w_a`` (the root always), else deleted and its parent updated (module docstring).
+    Same arguments and result as ``rrs_verify``.
+    """
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
+    return _traversal(target_probs, draft_probs, draft_tokens, eta)
+
+
+MULTI_VERIFIERS = {
+    "rrs": rrs_verify,
+    "rrs_without_replacement": rrs_without_replacement_verify,
+    "kseq": kseq_verify,
+    "gbv": gbv_verify,
+    "traversal": traversal_verify,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Draft paths
+
+
+def sample_draft_paths(draft_probs_fn, batch, num_drafts, length, draft_law="iid", generator=None):
+    """Draw K draft paths of length L per batch row from a draft model (``exact_multi.draft_paths_law``).
+
+    Args:
+        draft_probs_fn: callable ``prefix_tokens [N, t] int64 -> [N, V]`` giving q(. | step start, prefix)
+            for t = 0..L-1, with N = B*K rows ordered (b, k) row-major (row n belongs to batch row n // K).
+        batch, num_drafts, length: B, K, L (each >= 1).
+        draft_law: ``"iid"`` (K independent paths) or ``"without_replacement"`` (the K first tokens drawn
+            without replacement, later tokens from q as usual). When a row's q has only m < K tokens of
+            positive mass, paths m+1..K are copies of path m, as in the exact twin.
+        generator: ``torch.Generator`` (its device is used for the prefixes).
+    Returns:
+        ``(draft_tokens [B, K, L] int64, draft_probs [B, K, L, V])``: the rows each token was drawn from
+        (for a first token without replacement: q itself, before removing the earlier draws).
+    """
+    _check_sizes(batch=batch, num_drafts=num_drafts, length=length)
+    if draft_law not in DRAFT_LAWS:
+        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}; got {draft_law!r}")
+    device = generator.device if generator is not None else torch.device("cpu")
+    tokens = torch.zeros(batch, num_drafts, 0, dtype=torch.int64, device=device)
+    source, rows = None, []  # source[b, k]: the path that path k copies (itself unless a copy)
+    for t in range(length):
+        probs = _call_probs_fn(draft_probs_fn, "draft_probs_fn", tokens, rows[0].shape[-1] if rows else None)
+        u = torch.rand(batch, num_drafts, generator=generator, device=device, dtype=torch.float64)
+        if t == 0 and draft_law == "without_replacement":
+            drawn, source = _first_tokens_without_replacement(probs[:, 0], u)
+        else:
+            flat = sample_from_weights(probs.reshape(batch * num_drafts, -1), u.reshape(-1).to(probs.dtype))
+            drawn = flat.view(batch, num_drafts)
+            drawn = drawn if source is None else drawn.gather(1, source)
+        tokens = torch.cat([tokens, drawn[..., None]], -1)
+        rows.append(probs)
+    return tokens, torch.stack(rows, 2)
+
+
+def path_target_probs(target_probs_fn, draft_tokens):
+    """``target_probs [B, K, L+1, V]`` along the paths: row i of path k is p(. | step start, path k[:i]).
+
+    Args:
+        target_probs_fn: callable ``prefix_tokens [N, t] -> [N, V]`` as ``draft_probs_fn`` of
+            ``sample_draft_paths`` (N = B*K rows ordered (b, k), t = 0..L).
+        draft_tokens: ``[B, K, L]`` int64.
+    """
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 3:
+        raise ValueError("draft_tokens must be a [B, K, L] int64 tensor")
+    rows = []
+    for t in range(draft_tokens.shape[2] + 1):
+        vocab = rows[0].shape[-1] if rows else None
+        rows.append(_call_probs_fn(target_probs_fn, "target_probs_fn", draft_tokens[:, :, :t], vocab))
+    return torch.stack(rows, 2)
+
+
+def _call_probs_fn(probs_fn, name, prefixes, vocab):
+    """``probs_fn`` on the ``[B, K, t]`` prefixes flattened to ``[B*K, t]``; returns ``[B, K, V]``."""
+    batch, num_drafts, t = prefixes.shape
+    probs = probs_fn(prefixes.reshape(batch * num_drafts, t))
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] != batch * num_drafts:
+        shape = list(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+        raise ValueError(f"{name} must return a [N, V] tensor for N = {batch * num_drafts} prefixes; got {shape}")
+    if vocab is not None and probs.shape[1] != vocab:
+        raise ValueError(f"{name} returned V = {probs.shape[1]} at prefix length {t}, but V = {vocab} before")
+    return probs.view(batch, num_drafts, -1)
+
+
+def _first_tokens_without_replacement(probs, u):
+    """K first tokens drawn without replacement from ``probs [B, V]`` with ``u [B, K]``; returns the tokens
+    ``[B, K]`` and ``source [B, K]`` (path k copies path source[b, k] once the positive mass ran out)."""
+    batch, num_drafts = u.shape
+    remaining = probs.clone()
+    tokens = torch.empty(batch, num_drafts, dtype=torch.int64, device=probs.device)
+    source = torch.empty_like(tokens)
+    for k in range(num_drafts):
+        has_mass = remaining.sum(-1) > 0
+        drawn = sample_from_weights(remaining, u[:, k].to(probs.dtype))
+        tokens[:, k] = drawn if k == 0 else torch.where(has_mass, drawn, tokens[:, k - 1])
+        source[:, k] = k if k == 0 else torch.where(has_mass, k, source[:, k - 1])
+        remaining.scatter_(1, tokens[:, k : k + 1], 0)
+    return tokens, source
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared stages
+
+
+def _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate):
+    """Validate (optionally) and return the uniforms ``[B, L+1, K]`` in the probabilities' dtype, < 1."""
+    if validate:
+        _validate(target_probs, draft_probs, draft_tokens, generator, uniforms)
+    if uniforms is None:
+        batch, num_drafts, length = draft_tokens.shape
+        uniforms = draw_multi_uniforms(batch, num_drafts, length, generator, device=target_probs.device)
+    dtype = target_probs.dtype
+    below_one = 1.0 - torch.finfo(dtype).eps / 2  # as verify: a cast must not round a uniform up to 1
+    return uniforms.to(device=target_probs.device, dtype=dtype).clamp(max=below_one)
+
+
+def _flat_index(shape, index):
+    """Row-major index into the leading dimensions ``shape`` of the rows ``index`` (one tensor or int per dim)."""
+    flat = index[0]
+    for size, i in zip(shape[1:], index[1:]):
+        flat = flat * size + i
+    return flat
+
+
+def _take_rows(probs, *index):
+    """``probs[index]`` for ``probs [..., V]`` and one index per leading dimension, a fresh ``[n, V]`` copy:
+    ``index_select`` on the flat view when ``probs`` is contiguous (far faster than advanced indexing, as in
+    ``verify``), advanced indexing otherwise."""
+    if not probs.is_contiguous():
+        return probs[index]
+    return probs.view(-1, probs.shape[-1]).index_select(0, _flat_index(probs.shape[:-1], index))
+
+
+def _put_rows(buffer, values, *index):
+    """``buffer[index] = values`` for a contiguous work buffer ``[..., V]`` (``values [n, V]``)."""
+    buffer.view(-1, buffer.shape[-1]).index_copy_(0, _flat_index(buffer.shape[:-1], index), values)
+
+
+def _fallback(weights, target):
+    """``weights [B, V]``, or ``target`` on the rows where the weights have zero mass (``verify``'s rule)."""
+    return torch.where((weights.sum(-1) == 0)[:, None], target, weights)
+
+
+def _lowest_path(draft_tokens, path, num_accepted):
+    """Lowest k whose first ``num_accepted`` tokens equal those of path ``path``; ``[B]`` int64."""
+    batch, _, length = draft_tokens.shape
+    chosen = draft_tokens[torch.arange(batch, device=path.device), path]  # [B, L]
+    inside = torch.arange(length, device=path.device) < num_accepted[:, None]  # [B, L]
+    agrees = (draft_tokens == chosen[:, None]) | ~inside[:, None]  # [B, K, L]
+    return agrees.all(-1).long().argmax(-1)
+
+
+def _first_occurrences(tokens, alive):
+    """``[B, K]``: path k is alive and no lower alive path has the same token (``tokens [B, K]``)."""
+    num_drafts = tokens.shape[1]
+    lower = torch.ones(num_drafts, num_drafts, dtype=torch.bool, device=tokens.device).tril(-1)  # [k, k'] k' < k
+    repeated = ((tokens[:, :, None] == tokens[:, None, :]) & alive[:, None, :] & lower).any(-1)
+    return alive & ~repeated
+
+
+def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged):
+    """RRS (``merged=False``: paths, duplicates kept) or RRS without replacement (``merged=True``: distinct
+    children, rejected tokens zeroed out of q). The current p is ``residual / mass`` and the current q
+    ``draft / draft_mass``; both start as the rows themselves with mass exactly 1."""
+    batch, num_drafts, length = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    alive = torch.ones(batch, num_drafts, dtype=torch.bool, device=rows.device)  # paths extending the accepted prefix
+    searching = torch.ones(batch, dtype=torch.bool, device=rows.device)
+    path = torch.zeros_like(rows)  # a path through the accepted prefix: its rows are the node's rows
+    num_accepted = torch.zeros_like(rows)
+    weights = target_probs.new_zeros(batch, target_probs.shape[-1])  # [B, V]: sampling weights of decided rows
+    for d in range(length):
+        residual, draft = _take_rows(target_probs, rows, path, d), _take_rows(draft_probs, rows, path, d)  # [B, V]
+        mass, draft_mass = residual.new_ones(batch), residual.new_ones(batch)
+        tokens = draft_tokens[:, :, d]  # [B, K]
+        candidates = alive & searching[:, None]
+        if merged:
+            candidates = _first_occurrences(tokens, candidates)
+        accepted, choice = torch.zeros_like(searching), path.clone()
+        for k in range(num_drafts):
+            trying = candidates[:, k] & ~accepted
+            x = tokens[:, k : k + 1]  # [B, 1]
+            p_x, q_x = residual.gather(1, x).squeeze(1), draft.gather(1, x).squeeze(1)
+            passed = trying & (eta[:, d, k] * q_x * mass < p_x * draft_mass) & (q_x > 0)
+            accepted, choice = accepted | passed, torch.where(passed, k, choice)
+            rejected = trying & ~passed
+            residual, mass = _reject(residual, mass, draft, draft_mass, rejected)
+            if merged:
+                draft, draft_mass = _remove_token(draft, draft_mass, x, rejected)
+        stopped = searching & ~accepted
+        weights = torch.where(stopped[:, None], residual, weights)
+        searching = searching & accepted
+        num_accepted += searching.long()
+        path = torch.where(searching, choice, path)
+        alive = alive & (tokens == tokens.gather(1, path[:, None]))
+    weights = torch.where(searching[:, None], _take_rows(target_probs, rows, path, length), weights)  # bonus rows
+    next_token = sample_from_weights(weights, eta[:, length, 0])
+    return MultiVerifyResult(num_accepted, _lowest_path(draft_tokens, path, num_accepted), next_token)
+
+
+def _reject(residual, mass, draft, draft_mass, rejected):
+    """After rejecting a candidate on the ``rejected`` rows: p <- norm(max(p - q, 0)) with p = residual / mass,
+    q = draft / draft_mass, kept unnormalised (mass 1, draft_mass 1: exactly max(p - q, 0), as token_verify);
+    a zero-mass residual keeps the current row. Updates ``residual`` [B, V] and ``mass`` [B] in place."""
+    index = rejected.nonzero().squeeze(1)
+    if index.numel() == 0:
+        return residual, mass
+    current, current_mass, current_draft_mass = residual[index], mass[index], draft_mass[index]
+    scale = torch.where(current_draft_mass > 0, current_mass / current_draft_mass, torch.zeros_like(current_mass))
+    updated = (current - scale[:, None] * draft[index]).clamp_(min=0)  # [n, V]; q = 0 row: p unchanged
+    updated_mass = updated.sum(-1)
+    keep = updated_mass > 0
+    residual[index] = torch.where(keep[:, None], updated, current)
+    mass[index] = torch.where(keep, updated_mass, current_mass)
+    return residual, mass
+
+
+def _remove_token(draft, draft_mass, x, rejected):
+    """q <- q with token x zeroed (renormalised through ``draft_mass``) on the ``rejected`` rows, in place."""
+    index = rejected.nonzero().squeeze(1)
+    if index.numel() > 0:
+        draft[index, x[index, 0]] = 0
+        draft_mass[index] = draft[index].sum(-1)
+    return draft, draft_mass
+
+
+def _kseq_rho(target, draft, num_drafts):
+    """rho* per row (``[B]``, computed in the rows' dtype), the root of g on [1, K] (module docstring); 1 when K = 1.
+
+    Regula falsi with the Illinois modification (a retained end's g is halved), which keeps a bracket
+    [low, high] with g(low) >= 0 >= g(high) and converges superlinearly; the last of ``_KSEQ_STEPS`` iterates
+    is returned (within 1e-12 of the exact root in tests/test_verify_multi.py).
+    """
+    if num_drafts == 1:
+        return target.new_ones(target.shape[0])
+    p, q = target, draft  # the rows' dtype, as every other computation here
+
+    def g(rho):
+        beta = torch.minimum(q, p / rho[:, None]).sum(-1)
+        return sum((1 - beta) ** j for j in range(num_drafts)) - rho
+
+    low, high = p.new_ones(p.shape[0]), p.new_full((p.shape[0],), float(num_drafts))
+    g_low, g_high = g(low), g(high)  # >= 0 and <= 0 (exact facts; rounding may give tiny wrong signs)
+    side = torch.zeros_like(low)  # +1: the last step replaced low, -1: it replaced high
+    for _ in range(_KSEQ_STEPS):
+        span = g_low - g_high
+        secant = low + g_low * (high - low) / span.clamp(min=torch.finfo(span.dtype).tiny)
+        rho = torch.where(span > 0, secant, (low + high) / 2)
+        rho = rho.clamp(min=low, max=high)
+        g_rho = g(rho)
+        above = g_rho > 0  # rho replaces low (else high)
+        g_high = torch.where(above & (side > 0), g_high / 2, g_high)  # Illinois: high kept twice in a row
+        g_low = torch.where(~above & (side < 0), g_low / 2, g_low)  # low kept twice in a row
+        low, g_low = torch.where(above, rho, low), torch.where(above, g_rho, g_low)
+        high, g_high = torch.where(above, high, rho), torch.where(above, g_high, g_rho)
+        side = torch.where(above, 1.0, -1.0)
+    return rho
+
+
+def _rank_ratio(target, draft):
+    """p/q where q > 0, +inf where q = 0 (ranked last), in the rows' dtype; any shape."""
+    return torch.where(draft > 0, target / draft, torch.full_like(target, float("inf")))
+
+
+def _gbv_select(target_probs, draft_probs, draft_tokens):
+    """X*: the index of the largest path (lexicographic in per-node (p/q, token id)); ``[B]`` int64.
+    Paths that are still tied share their prefix, hence their rows, so their ratios are the same floats."""
+    index = draft_tokens[..., None]  # [B, K, L, 1]
+    length = draft_tokens.shape[2]
+    p_x = target_probs[:, :, :length].gather(-1, index).squeeze(-1)  # [B, K, L]
+    q_x = draft_probs.gather(-1, index).squeeze(-1)
+    ratio = _rank_ratio(p_x, q_x)
+    tied = torch.ones_like(draft_tokens[:, :, 0], dtype=torch.bool)  # [B, K]
+    for d in range(length):
+        key = torch.where(tied, ratio[:, :, d], float("-inf"))
+        tied &= key == key.max(-1, keepdim=True).values
+        token = torch.where(tied, draft_tokens[:, :, d], -1)
+        tied &= token == token.max(-1, keepdim=True).values
+    return tied.long().argmax(-1)
+
+
+def _gbv_along(target, draft, tokens, num_drafts):
+    """Along X* (``target [B, L+1, V]``, ``draft [B, L, V]``, ``tokens [B, L]``), without sorting: r = A_v / Q_v
+    at each depth and q^G(x_d | v), both ``[B, L]`` float64. y(x) is a masked sum over the tokens ranked below x
+    (p/q smaller, or equal with a smaller id), and r <- (r + y(x)) / q(x)."""
+    batch, length, vocab = draft.shape
+    ids = torch.arange(vocab, device=tokens.device)
+    below = torch.zeros(batch, dtype=torch.float64, device=draft.device)  # r = A_v / Q_v, 0 at the root
+    ratios, drafted = [], []
+    for d in range(length):
+        q, x = draft[:, d].double(), tokens[:, d : d + 1]
+        ratio = _rank_ratio(target[:, d], draft[:, d])
+        ratio_x = ratio.gather(1, x)
+        ranked_below = ((ratio < ratio_x) | ((ratio == ratio_x) & (ids < x))).to(q.dtype)
+        y_x, q_x = (q * ranked_below).sum(-1), q.gather(1, x).squeeze(1)
+        ratios.append(below)
+        drafted.append(_gbv_conditional(q_x, y_x, below, num_drafts))
+        below = torch.where(q_x > 0, (below + y_x) / q_x, torch.zeros_like(below))
+    return torch.stack(ratios, 1), torch.stack(drafted, 1)
+
+
+def _gbv_conditional(q, y, below, num_drafts):
+    """q^G(t | v) = q(t) S(a, b) / S(1, c) (module docstring) for q = q(t | v), y = q-mass ranked below t
+    (both normalised by Q_v) and below = A_v / Q_v, broadcast; float64."""
+    shrink = 1 / (1 + below)
+    start = (below + y) * shrink
+    top = start + q * shrink
+    return q * _power_sum(top, start, num_drafts) / _power_sum(torch.ones_like(below), below * shrink, num_drafts)
+
+
+def _gbv_needed(target, draft, tokens, drafted, eta):
+    """Which q^G rows ``[B, L]`` block verification reads in full before it knows tau (``drafted [B, L]``:
+    q^G(x_d) from ``_gbv_along``; ``eta [B, L+1]``: block verification's uniforms): none when eta_L < p_L
+    (tau = L, bonus row); else every row i in 1..L-1 with eta_i < p_i (the candidates of its backward scan;
+    elsewhere h_i <= p_i <= eta_i, whatever the row). Row 0 only serves the sample when tau = 0
+    (``_gbv_resample_root``). The scales p_i need q^G at the drafted tokens only (no sort)."""
+    length = tokens.shape[1]
+    p_x = target[:, :length].gather(-1, tokens[..., None]).squeeze(-1)  # [B, L]
+    q_x = drafted.to(draft.dtype)
+    scale = block_scales(p_x, q_x)  # [B, L]: p_1..p_L, as block_verify computes them from the rows
+    open_rows = eta[:, length - 1] >= scale[:, -1]  # [B]: tau < L possible
+    candidates = eta[:, : length - 1] < scale[:, : length - 1]  # [B, L-1]: i = 1..L-1
+    return torch.cat([torch.zeros_like(open_rows[:, None]), candidates & open_rows[:, None]], 1)
+
+
+def _gbv_resample_root(target, draft, tokens, num_drafts, along, result, u):
+    """``result.next_token`` with the rows of tau = 0 resampled from norm(max(p - q^G, 0)) at the root, q^G's
+    row 0 now computed in full (block verification's residual at p_0 = 1, same arithmetic, same uniform
+    ``u [B]``; p where it has zero mass); ``[B]``."""
+    zero = (result.num_accepted == 0).nonzero().squeeze(1)  # [n]
+    if zero.numel() == 0:
+        return result.next_token
+    only_root = torch.zeros(zero.numel(), tokens.shape[1], dtype=torch.bool, device=zero.device)
+    only_root[:, 0] = True
+    selected = (target[zero], draft[zero], tokens[zero])
+    along_zero = (along[0][zero], along[1][zero])
+    root = _gbv_draft_rows(*selected, num_drafts, only_root, along_zero)[:, 0]  # [n, V]
+    target_root = target[zero, 0]
+    weights = _fallback((target_root - root).clamp_(min=0), target_root)
+    return result.next_token.index_copy(0, zero, sample_from_weights(weights, u[zero]))
+
+
+def _gbv_draft_rows(target, draft, tokens, num_drafts, needed=None, along=None):
+    """q^G rows ``[B, L, V]`` along X* (``target [B, L+1, V]``, ``draft [B, L, V]``, ``tokens [B, L]``).
+
+    Rows where ``needed [B, L]`` is False (default: all True) keep the draft row, with q^G at the drafted token
+    only (block verification never reads the rest of them, ``_gbv_needed``); full rows cost one sort of the
+    ranks p/q (stable: ties by token id). Every row holds ``_gbv_along``'s q^G(x_d) at x_d, so the scales p_i
+    are the same whichever rows are full. ``along``: ``_gbv_along``'s output when already computed."""
+    batch, length, _ = draft.shape
+    needed = torch.ones(batch, length, dtype=torch.bool, device=tokens.device) if needed is None else needed
+    below, drafted = _gbv_along(target, draft, tokens, num_drafts) if along is None else along
+    out = draft.clone()
+    for d in range(length):
+        index = needed[:, d].nonzero().squeeze(1)  # [n]
+        if index.numel() > 0:
+            q = draft[index, d].double()
+            order = _rank_ratio(target[index, d], draft[index, d]).argsort(dim=-1, stable=True)  # ascending
+            sorted_q = q.gather(1, order)
+            exclusive = torch.cat([torch.zeros_like(sorted_q[:, :1]), sorted_q.cumsum(-1)[:, :-1]], 1)
+            ranked_below = torch.empty_like(q).scatter_(1, order, exclusive)  # y(t) / Q_v
+            out[index, d] = _gbv_conditional(q, ranked_below, below[index, d, None], num_drafts).to(draft.dtype)
+        out[:, d].scatter_(1, tokens[:, d : d + 1], drafted[:, d : d + 1].to(draft.dtype))
+    return out
+
+
+def _power_sum(a, b, num_drafts):
+    """S(a, b) = sum_{j<K} a^j b^(K-1-j) = (a^K - b^K) / (a - b) elementwise, by S_1 = 1,
+    S_{n+1} = a S_n + b^n (no cancellation when a ~ b); exactly 1 when K = 1."""
+    total, b_power = torch.ones_like(a), torch.ones_like(b)
+    for _ in range(num_drafts - 1):
+        b_power = b_power * b
+        total = torch.addcmul(b_power, total, a)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------
+# Traversal verification
+
+
+def _owners(draft_tokens):
+    """``[B, K, L]``: the lowest path whose first e+1 tokens equal path k's (the owner of path k's node at
+    depth e+1)."""
+    same = draft_tokens[:, :, None, :] == draft_tokens[:, None, :, :]  # [B, K, K', L]
+    prefix_same = same.long().cumprod(-1)
+    return prefix_same.argmax(2)  # first k' (argmax returns the first maximum)
+
+
+def _post_order(owners):
+    """Depth-first post-order of every row's merged tree (siblings by first appearance), root last.
+
+    Node (k, e), e = 1..L, exists when path k owns it; its key is (owner at depth 1, .., owner at depth e,
+    K, .., K) and the root's is (K, .., K): lexicographic order of these keys is post-order. Slots that are
+    not nodes get K + 1 and sort after the root. Returns (path ``[B, S]``, depth ``[B, S]``), S = K L + 1.
+    """
+    batch, num_drafts, length = owners.shape
+    device = owners.device
+    depth = torch.arange(1, length + 1, device=device)  # node depths e
+    keep = torch.arange(length, device=device)[None, :] < depth[:, None]  # [e, j]: digit j is set when j < e
+    digits = torch.where(keep, owners[:, :, None, :], num_drafts)  # [B, K, L(e), L(j)]
+    is_node = owners == torch.arange(num_drafts, device=device)[None, :, None]  # [B, K, L]
+    digits[..., 0] = torch.where(is_node, digits[..., 0], num_drafts + 1)
+    root = torch.full((batch, 1, length), num_drafts, device=device, dtype=digits.dtype)
+    digits = torch.cat([digits.reshape(batch, num_drafts * length, length), root], 1)  # [B, S, L]
+    slot_path = torch.arange(num_drafts, device=device).repeat_interleave(length)
+    slot_path = torch.cat([slot_path, slot_path.new_zeros(1)]).expand(batch, -1)
+    slot_depth = torch.cat([depth.repeat(num_drafts), depth.new_zeros(1)]).expand(batch, -1)
+    order = torch.arange(digits.shape[1], device=device).expand(batch, -1)
+    for j in range(length - 1, -1, -1):  # least significant digit first, stable sorts
+        step = digits[:, :, j].gather(1, order).argsort(dim=-1, stable=True)
+        order = order.gather(1, step)
+    return slot_path.gather(1, order), slot_depth.gather(1, order)
+
+
+def _traversal(target_probs, draft_probs, draft_tokens, eta):
+    """Traversal verification, vectorised over B; one loop step visits one node of every undecided row.
+
+    State for the current node's ancestors (slot = depth 0..L-1): ``weight [B, L+1]`` (the chain's current
+    weights), and once a child was deleted ``modified``, ``residual`` / ``mass`` (p = residual / mass) and
+    ``draft`` / ``draft_mass`` (q with deleted children zeroed).
+    """
+    batch, num_drafts, length = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    rows = torch.arange(batch, device=draft_tokens.device)
+    order_path, order_depth = _post_order(_owners(draft_tokens))  # [B, S]
+    index = draft_tokens[..., None]
+    p_x = target_probs[:, :, :length].gather(-1, index).squeeze(-1)  # [B, K, L]
+    q_x = draft_probs.gather(-1, index).squeeze(-1)
+    fresh_ratio = torch.where(q_x > 0, p_x / q_x, torch.zeros_like(p_x))  # [B, K, L]
+    first_chain = block_scales(p_x[:, 0], q_x[:, 0])  # [B, L]: path 0's weights, as block_verify's p_i
+    weight = torch.cat([torch.ones_like(first_chain[:, :1]), first_chain], 1)  # [B, L+1]
+    residual = target_probs.new_empty(batch, length, vocab)  # read only where ``modified``
+    draft = torch.empty_like(residual)
+    mass, draft_mass = residual.new_ones(batch, length), residual.new_ones(batch, length)
+    modified = torch.zeros(batch, length, dtype=torch.bool, device=rows.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=rows.device)
+    num_accepted, path = torch.zeros_like(rows), torch.zeros_like(rows)
+    weights = target_probs.new_zeros(batch, vocab)  # sampling weights of the decided rows
+    for t in range(order_path.shape[1]):
+        k, e = order_path[:, t], order_depth[:, t]
+        parent = (e - 1).clamp(min=0)
+        passed = ~done & ((e == 0) | (eta[rows, parent, k] < weight.gather(1, e[:, None]).squeeze(1)))
+        accepted = passed.nonzero().squeeze(1)  # [n]: a leaf emits from p, an inner node from its residual
+        if accepted.numel() > 0:
+            at, depth = k[accepted], e[accepted]
+            leaf_row = _take_rows(target_probs, accepted, at, length)
+            inner_row = _take_rows(residual, accepted, depth.clamp(max=length - 1))
+            weights[accepted] = torch.where((depth == length)[:, None], leaf_row, inner_row)
+        num_accepted, path = torch.where(passed, e, num_accepted), torch.where(passed, k, path)
+        rejected = ~done & ~passed
+        done = done | passed
+        if bool(done.all()):
+            break
+        state = (residual, draft, mass, draft_mass, modified, weight)
+        _delete_node(target_probs, draft_probs, draft_tokens, state, rows[rejected], k[rejected], e[rejected])
+        nxt_k, nxt_e = order_path[:, t + 1], order_depth[:, t + 1]
+        descend = rejected & (nxt_e != parent)  # next node: first leaf below a remaining sibling
+        if bool(descend.any()):
+            _chain_weights(state, fresh_ratio, draft_tokens, rows[descend], nxt_k[descend], e[descend])
+    next_token = sample_from_weights(weights, eta[:, length, 0])
+    return MultiVerifyResult(num_accepted, _lowest_path(draft_tokens, path, num_accepted), next_token)
+
+
+def _delete_node(target_probs, draft_probs, draft_tokens, state, rows, k, e):
+    """Delete node (path k, depth e >= 1) of ``rows`` ``[n]`` and update its parent (slot e - 1) in ``state``."""
+    residual, draft, mass, draft_mass, modified, weight = state
+    slot = e - 1
+    was_modified = modified[rows, slot]
+    cur_p, cur_q = _take_rows(target_probs, rows, k, slot), _take_rows(draft_probs, rows, k, slot)  # fresh rows, then
+    again = was_modified.nonzero().squeeze(1)  # the parents already updated read their current rows
+    if again.numel() > 0:
+        cur_p[again] = _take_rows(residual, rows[again], slot[again])
+        cur_q[again] = _take_rows(draft, rows[again], slot[again])
+    cur_mass = torch.where(was_modified, mass[rows, slot], torch.ones_like(mass[rows, slot]))
+    cur_draft_mass = torch.where(was_modified, draft_mass[rows, slot], torch.ones_like(cur_mass))
+    w = weight[rows, slot]
+    # r = max(w p - q, 0) with p = cur_p / cur_mass, q = cur_q / cur_draft_mass; verify's arithmetic when both are 1
+    q_now = cur_q / torch.where(cur_draft_mass > 0, cur_draft_mass, torch.ones_like(cur_draft_mass))[:, None]
+    r = torch.addcmul(q_now, cur_p, (w / cur_mass)[:, None], value=-1).clamp_(max=0).neg_()
+    total = r.sum(-1)
+    weight[rows, slot] = (total / (total + 1 - w)).nan_to_num_(0.0).minimum(w)  # h, as verify's residual share
+    has_mass = total > 0
+    _put_rows(residual, torch.where(has_mass[:, None], r, cur_p), rows, slot)  # zero mass: keep the current p
+    mass[rows, slot] = torch.where(has_mass, total, cur_mass)
+    removed = cur_q.scatter(1, draft_tokens[rows, k, slot][:, None], 0)
+    _put_rows(draft, removed, rows, slot)
+    draft_mass[rows, slot] = removed.sum(-1)
+    modified[rows, slot] = True
+    length = modified.shape[1]
+    inner = e < length  # the deleted node's own slot is free again
+    modified[rows[inner], e[inner]] = False
+
+
+def _chain_weights(state, fresh_ratio, draft_tokens, rows, k, e):
+    """Weights of the chain from the updated parent (slot e - 1) down path k to depth L, for ``rows`` [n]:
+    the first node reads the parent's current rows, deeper nodes the fresh ratios p(x)/q(x) of path k."""
+    residual, draft, mass, draft_mass, _, weight = state
+    slot = e - 1
+    x = draft_tokens[rows, k, slot]
+    p_now = residual[rows, slot, x] / mass[rows, slot]
+    q_now = draft[rows, slot, x] / draft_mass[rows, slot]
+    top = torch.where(q_now > 0, weight[rows, slot] * p_now / q_now, torch.zeros_like(p_now)).clamp(max=1)
+    weight[rows, e] = top
+    length = draft_tokens.shape[2]
+    for depth in range(2, length + 1):
+        below = depth > e
+        w = (weight[rows, depth - 1] * fresh_ratio[rows, k, depth - 1]).clamp(max=1)
+        weight[rows, depth] = torch.where(below, w, weight[rows, depth])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_sizes(**sizes):
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+
+
+def _validate(target_probs, draft_probs, draft_tokens, generator, uniforms):
+    ranks = {"target_probs": (target_probs, 4), "draft_probs": (draft_probs, 4), "draft_tokens": (draft_tokens, 3)}
+    for name, (value, rank) in ranks.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+        if value.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D (multi-draft: a K axis after B); got shape {list(value.shape)}")
+    batch, num_drafts, length = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if batch < 1 or num_drafts < 1 or length < 1:
+        raise ValueError(f"draft_tokens must be [B, K, L] with B, K, L >= 1; got {list(draft_tokens.shape)}")
+    if tuple(target_probs.shape) != (batch, num_drafts, length + 1, vocab):
+        raise ValueError(
+            f"target_probs must be [B, K, L+1, V] = {[batch, num_drafts, length + 1, vocab]} to match draft_tokens "
+            f"{list(draft_tokens.shape)}; got {list(target_probs.shape)} (one row per path token plus the bonus row)"
+        )
+    if tuple(draft_probs.shape) != (batch, num_drafts, length, vocab):
+        raise ValueError(
+            f"draft_probs must be [B, K, L, V] = {[batch, num_drafts, length, vocab]}; got {list(draft_probs.shape)}"
+        )
+    validate_inputs(target_probs.flatten(0, 1), draft_probs.flatten(0, 1), draft_tokens.flatten(0, 1))
+    if uniforms is not None:
+        if generator is not None:
+            raise ValueError("pass either generator or uniforms, not both (uniforms already fix the randomness)")
+        if not isinstance(uniforms, torch.Tensor) or not uniforms.dtype.is_floating_point:
+            raise ValueError("uniforms must be a floating torch.Tensor of shape [B, L+1, K] (see draw_multi_uniforms)")
+        if tuple(uniforms.shape) != (batch, length + 1, num_drafts):
+            expected = [batch, length + 1, num_drafts]
+            raise ValueError(f"uniforms must be [B, L+1, K] = {expected}; got {list(uniforms.shape)}")
+        if not bool(((uniforms >= 0) & (uniforms < 1)).all()):
+            low, high = float(uniforms.min()), float(uniforms.max())
+            raise ValueError(f"uniforms must lie in [0, 1); got values in [{low}, {high}]")

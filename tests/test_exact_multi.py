@@ -1,0 +1,234 @@
+"""Exact twins of the multi-draft verifiers: draft laws, K = 1 reductions, losslessness, K-SEQ's rho*."""
+
+import itertools
+import random
+from fractions import Fraction as F
+
+import numpy as np
+import pytest
+import sympy
+
+from specresearch import exact, exact_multi, theory_multi
+from specresearch.exact_multi import (
+    DRAFT_LAWS,
+    MULTI_METHODS,
+    draft_paths_law,
+    expected_accepted_multi,
+    is_lossless_multi,
+    kseq_rho,
+    smallest_counterexample,
+    step_distribution_multi,
+    verify_multi_exact,
+)
+
+P2, Q2 = exact.two_symbol_example()
+
+
+def _models(seed, vocab, zero_prob=0.2):
+    rng = random.Random(seed)
+    return (exact.random_rational_model(vocab, rng, zero_prob=zero_prob),
+            exact.random_rational_model(vocab, rng, zero_prob=zero_prob))
+
+
+# ----------------------------------------------------------------------------- draft laws
+
+
+@pytest.mark.parametrize("draft_law", DRAFT_LAWS)
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_paths_law_sums_to_one_and_first_path_is_q(draft_law, seed):
+    _, draft = _models(seed, 3)
+    law = draft_paths_law(draft, 3, 2, draft_law)
+    assert sum(law.values()) == 1 and all(v > 0 for v in law.values())
+    assert all(len(paths) == 3 and all(len(p) == 2 for p in paths) for paths in law)
+    first: dict = {}
+    for paths, prob in law.items():
+        first[paths[0]] = first.get(paths[0], 0) + prob
+    want = {(a, b): draft(())[a] * draft((a,))[b] for a in range(3) for b in range(3) if draft(())[a] * draft((a,))[b]}
+    assert first == want  # path 1 is an ordinary draft path under both laws
+
+
+def test_iid_law_is_the_product():
+    law = draft_paths_law(Q2, 2, 1, "iid")
+    assert law == {((0,), (0,)): F(4, 9), ((0,), (1,)): F(2, 9), ((1,), (0,)): F(2, 9), ((1,), (1,)): F(1, 9)}
+
+
+def test_without_replacement_law_renormalises_and_pads_with_copies():
+    q = (F(1, 2), F(1, 3), F(1, 6))
+    law = draft_paths_law(q, 2, 1, "without_replacement")
+    assert law[((0,), (1,))] == F(1, 2) * F(1, 3) / F(1, 2)
+    assert law[((2,), (0,))] == F(1, 6) * F(1, 2) / F(5, 6)
+    assert all(paths[0] != paths[1] for paths in law)
+    # only two tokens of positive mass and K = 3: the third path copies the second
+    law = draft_paths_law((F(1, 4), 0, F(3, 4)), 3, 1, "without_replacement")
+    assert law == {((0,), (2,), (2,)): F(1, 4), ((2,), (0,), (0,)): F(3, 4)}
+
+
+# ----------------------------------------------------------------------------- K = 1 reductions
+
+
+def _chain_instances(count=25):
+    for seed in range(count):
+        target, draft = _models(seed, 2 + seed % 2, zero_prob=0.3)
+        rng = random.Random(seed)
+        path = (rng.randrange(2), rng.randrange(2), rng.randrange(2))[: 1 + seed % 3]
+        yield target, draft, path
+
+
+@pytest.mark.parametrize("method,single", [("rrs", "token"), ("rrs_without_replacement", "token"),
+                                           ("gbv", "block"), ("traversal", "block")])
+def test_single_path_reduces_to_single_draft_verifier(method, single):
+    """K = 1: RRS (both) = token verification, GBV = traversal = block verification, exactly."""
+    for target, draft, path in _chain_instances():
+        assert verify_multi_exact(target, draft, (path,), method) == verify_multi_exact(target, draft, (path,), single)
+
+
+def test_kseq_with_one_draft_is_token_verification():
+    for seed in range(10):
+        target, draft = _models(seed, 3)
+        for x in range(3):
+            assert verify_multi_exact(target, draft, ((x,),), "kseq") == verify_multi_exact(target, draft, ((x,),), "token")
+
+
+def test_num_drafts_one_keeps_single_draft_behaviour():
+    target, draft = _models(3, 3)
+    for method in exact.METHODS:
+        assert exact.expected_accepted(target, draft, 2, method, num_drafts=1) == exact.expected_accepted(target, draft, 2, method)
+    assert exact.expected_accepted(target, draft, 2, "gbv", num_drafts=1) == exact.expected_accepted(target, draft, 2, "block")
+    assert exact.expected_accepted(P2, Q2, 2, "block") == F(11, 9)
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+# Which draft law each verifier is lossless under (module docstring of exact_multi).
+LOSSLESS = {
+    ("rrs", "iid"): True, ("rrs", "without_replacement"): False,
+    ("rrs_without_replacement", "iid"): True, ("rrs_without_replacement", "without_replacement"): True,
+    ("kseq", "iid"): True, ("kseq", "without_replacement"): False,
+    ("gbv", "iid"): True, ("gbv", "without_replacement"): False,
+    ("traversal", "iid"): True, ("traversal", "without_replacement"): True,
+}
+
+
+def _sweep_instance(seed, method):
+    """V = 2..3, K = 2..3, L = 1..2 (L = 1 for K-SEQ), random context-dependent models with zeros."""
+    target, draft = _models(seed, 2 + seed % 2)
+    return target, draft, 2 + (seed // 2) % 2, 1 if method == "kseq" else 1 + (seed // 4) % 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,draft_law", sorted(LOSSLESS))
+def test_full_loop_losslessness_on_50_random_models(method, draft_law):
+    """The exact law of the loop's first 3 tokens is the target's for every one of 50 models (or, for
+    a lossy pair, not for at least one of them)."""
+    verdicts = []
+    for seed in range(50):
+        target, draft, k, length = _sweep_instance(seed, method)
+        verdicts.append(exact.is_lossless(target, draft, length, method, 3, num_drafts=k, draft_law=draft_law))
+    if LOSSLESS[(method, draft_law)]:
+        assert all(verdicts)
+    else:
+        assert not all(verdicts)
+
+
+@pytest.mark.parametrize("method,want", [
+    ("rrs", ((0, F(1, 3), F(2, 3)), (F(2, 3), 0, F(1, 3)))),
+    ("kseq", (P2, Q2)),
+    ("gbv", ((F(1, 2), F(1, 2)), (F(1, 2), F(1, 2)))),
+])
+def test_smallest_counterexample_under_draws_without_replacement(method, want):
+    target, draft = smallest_counterexample(method, "without_replacement", max_vocab=3, max_denominator=3)
+    assert (target, draft) == want
+    assert not exact.is_lossless(target, draft, 1, method, 1, num_drafts=2, draft_law="without_replacement")
+    assert exact.is_lossless(target, draft, 1, method, 2, num_drafts=2, draft_law="iid")
+    # and the first emitted token's law is visibly not p
+    law = step_distribution_multi(target, draft, 2, 1, method, draft_law="without_replacement")
+    first = [sympy.nsimplify(sum(v for s, v in law.items() if s[0] == t)) for t in range(len(target))]
+    assert first != [sympy.Rational(p.numerator, p.denominator) for p in target]
+
+
+def test_tree_readers_have_no_small_counterexample():
+    for method in ("rrs_without_replacement", "traversal"):
+        for law in DRAFT_LAWS:
+            assert smallest_counterexample(method, law, max_vocab=3, max_denominator=3) is None
+
+
+# ----------------------------------------------------------------------------- K-SEQ's rho*, exact
+
+
+def test_kseq_rho_is_a_quadratic_surd_on_the_two_symbol_example():
+    rho = kseq_rho(P2, Q2, 2)
+    assert sympy.simplify(rho - (5 + sympy.sqrt(13)) / 6) == 0
+    accepted = expected_accepted_multi(P2, Q2, 2, 1, "kseq")
+    assert sympy.simplify(accepted - (11 + sympy.sqrt(13)) / 18) == 0
+    beta = sum(sympy.Min(sympy.Rational(q), sympy.Rational(p) / rho) for p, q in zip(P2, Q2))
+    assert sympy.simplify(1 - (1 - beta) ** 2 - rho * beta) == 0
+
+
+def test_kseq_rho_solves_the_equation_exactly_for_three_drafts():
+    p, q = (F(1, 2), F(1, 3), F(1, 6)), (F(1, 6), F(1, 3), F(1, 2))
+    rho = kseq_rho(p, q, 3)
+    beta = sum(min(sympy.Rational(b.numerator, b.denominator), sympy.Rational(a.numerator, a.denominator) / rho) for a, b in zip(p, q))
+    assert 1 <= rho <= 3
+    x = sympy.Symbol("x")
+    assert isinstance(rho, sympy.CRootOf)  # a cubic root here, not a float
+    assert sympy.minimal_polynomial(1 - (1 - beta) ** 3 - rho * beta, x) == x  # the residual is exactly 0
+    assert abs(float(rho) - theory_multi.kseq_rho_float([float(v) for v in p], [float(v) for v in q], 3)) < 1e-10
+
+
+def test_kseq_rho_is_one_when_the_draft_is_the_target():
+    assert kseq_rho(P2, P2, 3) == 1
+
+
+# ----------------------------------------------------------------------------- float forms at full V
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_float_single_step_acceptances_match_the_exact_twins(seed):
+    rng = random.Random(seed)
+    p = exact.random_rational_model(4, rng, depth=0)(())
+    q = exact.random_rational_model(4, rng, depth=0)(())
+    pf, qf = np.array([float(v) for v in p]), np.array([float(v) for v in q])
+    for k in (2, 3):
+        assert abs(theory_multi.rrs_acceptance(pf, qf, k) - float(expected_accepted_multi(p, q, k, 1, "rrs"))) < 1e-12
+        assert abs(theory_multi.kseq_acceptance(pf, qf, k) - float(expected_accepted_multi(p, q, k, 1, "kseq"))) < 1e-10
+        assert abs(theory_multi.gbv_acceptance(pf, qf, k) - float(expected_accepted_multi(p, q, k, 1, "gbv"))) < 1e-12
+        exact_wor = float(expected_accepted_multi(p, q, k, 1, "rrs_without_replacement", draft_law="without_replacement"))
+        estimate, stderr = theory_multi.rrs_without_replacement_acceptance_mc(pf, qf, k, 400, np.random.default_rng(seed))
+        # |z| > 5.5 has probability < 1e-7 for a mean of 400 bounded draws (CLT; stderr 0 means exact)
+        assert abs(estimate - exact_wor) <= 5.5 * stderr + 1e-12
+
+
+def test_traversal_equals_rrs_without_replacement_at_length_one():
+    for seed in range(10):
+        target, draft = _models(seed, 3)
+        for paths in itertools.product([(0,), (1,), (2,)], repeat=2):
+            assert verify_multi_exact(target, draft, paths, "traversal") == verify_multi_exact(target, draft, paths, "rrs_without_replacement")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(paths=(), method="rrs"), "paths"),
+    (dict(paths=((0,), (0, 1)), method="rrs"), "same length"),
+    (dict(paths=((0,), (5,)), method="rrs"), r"paths\[1\]\[0\]"),
+    (dict(paths=((0,), (1,)), method="block"), "single-draft"),
+    (dict(paths=((0, 1), (1, 0)), method="kseq"), "length must be 1"),
+    (dict(paths=((0,),), method="nope"), "method"),
+    (dict(paths=((0,),), method="rrs", draft_law="with_replacement"), "draft_law"),
+])
+def test_bad_input_raises_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        verify_multi_exact(P2, Q2, **kwargs)
+
+
+def test_bad_num_drafts_raises():
+    with pytest.raises(ValueError, match="num_drafts"):
+        exact.expected_accepted(P2, Q2, 1, "rrs", num_drafts=0)
+    with pytest.raises(ValueError, match="num_drafts"):
+        draft_paths_law(Q2, 1.5, 1)
+
+
+def test_methods_are_named():
+    assert MULTI_METHODS == ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal")
+    assert set(exact_multi.__all__) >= {"draft_paths_law", "verify_multi_exact", "is_lossless_multi"}
