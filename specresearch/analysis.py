@@ -504,7 +504,8 @@ def plot_gain_vs_alpha(table: pd.DataFrame, theory: pd.DataFrame | None = None, 
             ax.plot([], [], "o", color=colour, label=f"SmolLM2, T = {temperature:g}")
         for draft, marker in markers.items():
             if draft is not None:
-                ax.plot([], [], marker, color="grey", mfc="none", label=f"draft {draft}")
+                label = f"draft {draft}" + (" (runs the target: BE only)" if str(draft).startswith("dial-") else "")
+                ax.plot([], [], marker, color="grey", mfc="none", label=label)
         if theory is not None:
             curve = theory[theory["gamma"] == gamma].sort_values("alpha")
             ax.plot(curve["alpha"], 100 * curve["gain"], "k-", lw=1, label="i.i.d. two-symbol family (exact)")

@@ -26,6 +26,7 @@ DOCS_FIGURES = (
     "04_expected_tokens",
     "05_be_vs_gamma",
     "05_be_gain_vs_temperature",
+    "05_gain_vs_alpha",
     "07_losslessness",
 )
 
