@@ -32,6 +32,7 @@ import torch
 from specresearch import distill
 from specresearch.drafts import shipped_drafts
 from specresearch.embedded import load_embedded
+from specresearch.feature_drafts import is_feature_draft_dir
 from specresearch.theory import optimal_gamma, walltime_improvement
 
 TEMPERATURES = (0.2, 0.6, 1.0)
@@ -81,7 +82,7 @@ def main() -> None:
     heldout = distill.load_prompts(distill.drafts_dir().parent / "prompts.jsonl")
     chosen = [heldout[round(i * len(heldout) / args.prompts)] for i in range(min(args.prompts, len(heldout)))]
     prompt_ids = distill.encode_prompts(tokenizer, chosen)
-    names = args.draft or shipped_drafts()
+    names = args.draft or [n for n in shipped_drafts() if not is_feature_draft_dir(distill.drafts_dir() / n)]  # feature heads: bench_feature_draft.py
     directories = [Path(n) if (Path(n) / "manifest.json").exists() else distill.drafts_dir() / n for n in names]
     drafts = [(d.name, distill.load_draft(target, d), json.loads((d / "manifest.json").read_text())) for d in directories]
     if args.baseline:

@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 import torch
 
-from specresearch.drafts import truncated_draft
+from specresearch.drafts import draft_from_name, truncated_draft
 from specresearch.embedded import load_embedded
 from specresearch.sampling import SamplingConfig
 from specresearch.stats import lossless_test, sequence_law, wrong_residual_verify
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=400, help="generations per (sampling, verifier)")
     parser.add_argument("--prompt", default="Hello")
     parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--draft", help="a draft name for drafts.draft_from_name instead (e.g. a shipped feature head)")
     parser.add_argument("--gamma", type=int, default=2)
     parser.add_argument("--k", type=int, default=3, help="generated tokens compared")
     parser.add_argument("--seed", type=int, default=0)
@@ -55,10 +56,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     target, tokenizer = load_embedded(device="cpu")
-    draft = truncated_draft(target, args.draft_layers)
+    draft = truncated_draft(target, args.draft_layers) if args.draft is None else draft_from_name(args.draft, target, tokenizer)
     prompt = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     records = []
-    print(f"prompt {args.prompt!r} ({len(prompt)} tokens), draft = first {args.draft_layers} layer(s), "
+    described = f"first {args.draft_layers} layer(s)" if args.draft is None else args.draft
+    print(f"prompt {args.prompt!r} ({len(prompt)} tokens), draft = {described}, "
           f"gamma = {args.gamma}, k = {args.k}, N = {args.num_samples} per row, seed = {args.seed}\n")
     print("| sampling | verifier | N | cells | chi-square p | exact Bonferroni p | rejected at 1e-3 | seconds |")
     print("|---|---|---|---|---|---|---|---|")

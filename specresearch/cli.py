@@ -256,6 +256,54 @@ def _run_distill(args) -> int:
     return 0
 
 
+def _add_feature_distill(sub) -> None:
+    p = _command(sub, "feature-distill",
+                 "train an EAGLE-style feature draft for the embedded target (resumable; ships to data/drafts/)",
+                 "  specresearch feature-distill --preset eagle3-v8k --chunks 1 --steps 20 --out /tmp/my-head "
+                 "--max-minutes 10")
+    p.add_argument("--preset", default="eagle3-v8k", help="feature head preset (specresearch.feature_drafts.FEATURE_PRESETS)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
+    for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float), ("--warmup-steps", int),
+                       ("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float), ("--checkpoint-every", int)]:
+        p.add_argument(flag, type=kind, help="FeatureTrainConfig field (default: the dataclass default)")
+    p.add_argument("--prompts", default="data/distill_prompts_xl.jsonl", help="corpus prompts")
+    p.add_argument("--chunks", type=int, default=5, help="corpus chunks (64 prompts each) to collect and train on")
+    p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")
+    p.add_argument("--heldout-prompts", type=int, default=14, help="how many held-out prompts (evenly spaced)")
+    p.add_argument("--out", help="output directory (default data/drafts/<preset>)")
+    p.add_argument("--max-minutes", type=float, help="stop and checkpoint after this long; rerun the command to resume")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.set_defaults(func=_run_feature_distill)
+
+
+def _run_feature_distill(args) -> int:
+    import json
+
+    import torch
+
+    from specresearch.embedded import load_embedded
+    from specresearch.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
+    from specresearch.feature_drafts import FeatureHeadConfig
+
+    _check_prompts_file("--prompts", args.prompts)
+    _check_prompts_file("--heldout", args.heldout)
+    torch.set_num_threads(args.threads)
+    fields = {f: getattr(args, f) for f in FeatureTrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
+    head_config, train_config = FeatureHeadConfig.from_name(args.preset), FeatureTrainConfig(**fields)  # before loading
+    lm, tokenizer = load_embedded(args.target, device="cpu")
+    manifest = run_feature_distillation(
+        lm, tokenizer, head_config, train_config, FeatureCorpusConfig(),
+        prompts_path=args.prompts, heldout_path=args.heldout, chunks=args.chunks, out_dir=args.out, heldout_prompts=args.heldout_prompts,
+        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, command="specresearch " + " ".join(sys.argv[1:]),
+    )
+    if not manifest["finished"]:
+        print(f"stopped ({manifest['corpus']['chunks_available']} of {args.chunks} chunks, "
+              f"{manifest.get('training', {}).get('steps', 0)} steps); rerun the same command to resume")
+        return 0
+    print(json.dumps({k: manifest[k] for k in ("measurement", "cost")}, indent=2))
+    return 0
+
+
 def _add_warm_cache(sub) -> None:
     p = _command(sub, "warm-cache", "convert and cache the embedded model now (first use takes ~20-40 s)",
                  "  specresearch warm-cache")
@@ -326,7 +374,7 @@ def _run_bench(args) -> int:
     return 0
 
 
-_COMMANDS = [_add_report, _add_generate, _add_distill, _add_warm_cache, _add_bench]
+_COMMANDS = [_add_report, _add_generate, _add_distill, _add_feature_distill, _add_warm_cache, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -391,7 +439,8 @@ def _known_names(flag: str) -> list[str]:
         return sorted(EMBEDDED)
     from specresearch.drafts import shipped_drafts
 
-    return ["ngram", "truncated:N", *shipped_drafts()]
+    return ["ngram", "ngram+NAME", "truncated:N", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
+            *shipped_drafts()]
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ __all__ = [
     "TeacherTargets",
     "teacher_targets",
     "sparse_distill_kl",
+    "sparse_kl",
     "round_to_storage",
     "sample_continuations",
     "generate_corpus",
@@ -402,7 +403,16 @@ def sparse_distill_kl(draft, batch, teacher_ids: torch.Tensor, teacher_probs: to
         logits, index = head.subset_logits(hidden), head.index_of[teacher_ids]  # [N, K], [N, k] (-1 off the subset)
     else:
         logits, index = head(hidden), teacher_ids
-    p = torch.where(index >= 0, teacher_probs, 0.0)
+    return sparse_kl(logits, index, teacher_probs)
+
+
+def sparse_kl(logits: torch.Tensor, index: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(p~ || q), q = softmax(``logits [N, K]``) over a support of K tokens,
+    p~ = ``teacher_probs [N, k]`` at support positions ``index [N, k]`` (-1: off the support), renormalised.
+
+    Positions with no teacher mass on the support are skipped. Differentiable in ``logits``.
+    """
+    p = torch.where(index >= 0, teacher_probs.float(), 0.0)
     mass = p.sum(-1)
     keep = mass > 0
     p, index = p[keep] / mass[keep, None], index[keep].clamp(min=0)

@@ -35,6 +35,8 @@ from specresearch.models import CausalLM, SlotMask, check_prompt, rollback_count
 __all__ = [
     "NGramDraft",
     "ngram_probs",
+    "ngram_match_length",
+    "LookupOrDraft",
     "truncated_draft",
     "check_same_vocab",
     "check_same_tokenizer",
@@ -162,6 +164,72 @@ class NGramDraft:
         probs = torch.stack([ngram_probs(r, self.vocab_size, self.max_ngram, self.floor) for r in rows])
         return probs.log().to(self.device)
 
+    def match_lengths(self) -> torch.Tensor:
+        """Longest suffix (<= ``max_ngram`` tokens) of each row's context that occurred earlier in it. -> [B] int64."""
+        rows = [self._tokens[b][self._slots.mask[b]] for b in range(self._tokens.shape[0])]
+        return torch.tensor([ngram_match_length(r, self.max_ngram) for r in rows], dtype=torch.long)
+
+
+def ngram_match_length(context: torch.Tensor, max_ngram: int = 3) -> int:
+    """The longest n <= ``max_ngram`` whose last-n-token suffix of ``context [L]`` occurred earlier in it; 0 if none."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        if bool((context[:-1].unfold(0, n, 1) == context[-n:]).all(-1).any()):
+            return n
+    return 0
+
+
+class LookupOrDraft:
+    """Prompt lookup where the context has a match, another draft elsewhere: a combined draft.
+
+    Per row and slot, the logits are the :class:`NGramDraft`'s ``log q`` when the context's suffix of
+    ``min_match`` or more tokens occurred earlier in it (:func:`ngram_match_length`), else the wrapped
+    draft's. The engine samples each draft token from ``logits_to_probs`` of exactly those logits and
+    hands that law to the verifier, so q is the law actually sampled from. Both parts see every token
+    (both keep their state); a wrapped feature draft keeps its feature channel (``feature_layers``,
+    ``observe`` are forwarded).
+    """
+
+    def __init__(self, draft, *, max_ngram: int = 3, min_match: int = 2, floor: float = 0.02):
+        if not 1 <= min_match <= max_ngram:
+            raise ValueError(f"min_match must be in 1..max_ngram={max_ngram}, got {min_match}")
+        self.draft, self.min_match = draft, min_match
+        self.lookup = NGramDraft(draft.vocab_size, max_ngram=max_ngram, floor=floor, device=draft.device)
+        self.vocab_size, self.device = draft.vocab_size, draft.device
+        self.max_context = getattr(draft, "max_context", None)
+        if hasattr(draft, "feature_layers"):  # the wrapped draft reads the target's features: forward the channel
+            self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
+
+    @property
+    def cache_length(self) -> int:
+        return self.draft.cache_length
+
+    def observe(self, features: torch.Tensor) -> None:
+        self.draft.observe(features)
+
+    def reset(self, batch_size: int) -> None:
+        self.lookup.reset(batch_size)
+        self.draft.reset(batch_size)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        looked = self.lookup.prefill(input_ids, attention_mask)
+        return self._choose(looked, self.draft.prefill(input_ids, attention_mask), self.lookup.match_lengths())
+
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        drafted = self.draft.score(tokens, valid)  # [B, k, V]
+        columns = []
+        for j in range(tokens.shape[1]):
+            looked = self.lookup.score(tokens[:, j : j + 1], None if valid is None else valid[:, j : j + 1])[:, 0]
+            columns.append(self._choose(looked, drafted[:, j], self.lookup.match_lengths()))
+        return torch.stack(columns, 1)
+
+    def rollback(self, n) -> None:
+        self.lookup.rollback(n)
+        self.draft.rollback(n)
+
+    def _choose(self, looked: torch.Tensor, drafted: torch.Tensor, matches: torch.Tensor) -> torch.Tensor:
+        use = (matches >= self.min_match).to(drafted.device)[:, None]  # [B, 1]
+        return torch.where(use, looked.to(drafted.device, drafted.dtype), drafted)
+
 
 def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
     """A draft made of the target's first ``num_layers`` decoder layers + its embeddings, final norm and head.
@@ -188,8 +256,10 @@ def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
 
 
 def draft_from_name(name: str, target: CausalLM, tokenizer=None):
-    """A draft from a short description: ``"ngram"``, ``"truncated:N"`` (first N target layers), the name
-    of a shipped trained draft (:func:`shipped_drafts`, e.g. ``"v8k-4l"``) or a model path.
+    """A draft from a short description: ``"ngram"``, ``"ngram+<name>"`` (:class:`LookupOrDraft`: prompt lookup
+    where the context matches, draft ``<name>`` elsewhere), ``"truncated:N"`` (first N target layers), the name
+    of a shipped trained draft (:func:`shipped_drafts`, e.g. ``"v8k-4l"``; a shipped feature head gives a
+    ``feature_drafts.FeatureDraft``) or a model path.
 
     ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
     (``check_same_tokenizer``).
@@ -200,9 +270,15 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         from specresearch.dial_drafts import dial_draft_from_name
 
         return dial_draft_from_name(name, target)
+    if name.startswith("ngram+"):
+        return LookupOrDraft(draft_from_name(name.split("+", 1)[1], target, tokenizer))
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     if name in shipped_drafts():
+        from specresearch.feature_drafts import is_feature_draft_dir, load_feature_draft  # imports this module
+
+        if is_feature_draft_dir(drafts_dir() / name):
+            return load_feature_draft(target, name)
         return CausalLM(load_trained_draft(target.model, name), device=target.device)
     if tokenizer is not None:
         from transformers import AutoTokenizer

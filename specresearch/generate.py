@@ -15,6 +15,12 @@ block is ``[x_gamma, next_token]`` where the x_gamma slot is valid only for rows
 gamma drafts (the draft never fed x_gamma, since it only sampled it). So each step costs exactly one
 target call and gamma draft calls.
 
+Feature-reading drafts (``feature_drafts.FeatureReader``, EAGLE-style): the target is asked for the
+draft's ``feature_layers`` at prefill and in the scoring call (the target wrapper only returns what it is
+asked for); after verification the draft drops every slot it drafted on its own predicted features and
+is re-fed the accepted tokens and the next token with the target's true features (``_refeed``), through
+``draft.observe``. Verifiers see nothing of this.
+
 Stopping: a row stops at its first EOS (kept in the output) or after exactly ``max_new_tokens``
 tokens; a block that overshoots is truncated. The last steps shorten gamma to the tokens still
 needed (gamma chosen from past lengths only, so the output law is unchanged). Finished rows ride along
@@ -39,6 +45,8 @@ from typing import Callable, Sequence
 import torch
 
 from specresearch.drafts import check_same_vocab
+from specresearch.feature_drafts import FeatureReader
+from specresearch.models import CausalLM
 from specresearch.sampling import SamplingConfig, logits_to_probs
 from specresearch.verify import VERIFIERS, draw_uniforms, expected_num_accepted
 
@@ -303,6 +311,40 @@ def _draft_pending(draft_tokens, result, gamma):
     return tokens, torch.stack([full, torch.ones_like(full)], 1)
 
 
+def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Prefill for a draft that reads the target's features (``feature_drafts.FeatureReader``): the target is
+    asked for ``draft.feature_layers``; each prompt slot and the pending token read the feature of the slot
+    before (zeros where that slot is padding or absent)."""
+    if not isinstance(target, CausalLM):
+        raise ValueError("draft reads the target's hidden states: target must be a models.CausalLM")
+    if ids.shape[1] == 1:
+        target.reset(len(ids))
+        draft.reset(len(ids))
+        draft.observe(torch.zeros(len(ids), 1, draft.feature_size, device=target.device))
+        return
+    _, features = target.prefill(ids[:, :-1], mask[:, :-1], hidden_layers=draft.feature_layers)  # [B, L-1, F]
+    before = torch.cat([torch.zeros_like(features[:, :1]), features], 1)  # [B, L, F]
+    before = before * torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], 1)[:, :, None]
+    draft.observe(before[:, :-1])
+    draft.prefill(ids[:, :-1], mask[:, :-1])
+    draft.observe(before[:, -1:])
+
+
+def _refeed(draft, draft_tokens, result, features):
+    """After verification, a reading draft is re-fed ``[x_1..x_n, next_token]`` (right-aligned, ``valid`` mask)
+    with the target's true features of the slots before them, ``[pending, x_1..x_n]`` (``features [B, gamma+1, F]``).
+    Returns the draft's pending block and its validity ``[B, max n + 1]``."""
+    n = result.num_accepted  # [B]
+    width = int(n.max()) + 1
+    source = torch.arange(width, device=n.device)[None] - (width - 1 - n[:, None])  # [B, width]
+    valid = source >= 0
+    source = source.clamp(min=0)
+    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], 1).scatter(1, n[:, None], result.next_token[:, None])
+    block_features = features.gather(1, source[:, :, None].expand(-1, -1, features.shape[-1])) * valid[:, :, None]
+    draft.observe(block_features)
+    return tokens.gather(1, source), valid
+
+
 def speculative_generate(
     target,
     draft,
@@ -353,8 +395,12 @@ def speculative_generate(
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids), stop_when)
     t0 = _clock(device)
-    _start(target, ids.to(device), mask.to(device))
-    _start(draft, ids.to(draft.device), mask.to(draft.device))
+    reads = isinstance(draft, FeatureReader)  # reads the target's hidden states: re-fed true features each step
+    if reads:
+        _start_reading(target, draft, ids.to(device), mask.to(device))
+    else:
+        _start(target, ids.to(device), mask.to(device))
+        _start(draft, ids.to(draft.device), mask.to(draft.device))
     prefill_seconds = _clock(device) - t0
     target_pending = ids[:, -1:].to(device)
     draft_pending, draft_valid = target_pending, None
@@ -366,13 +412,22 @@ def speculative_generate(
         t0 = _clock(device)
         draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device)
         t1 = _clock(device)
-        target_probs = _score(target, target_pending, draft_tokens, sampling)
+        if reads:
+            logits, features = target.score(torch.cat([target_pending, draft_tokens], 1), hidden_layers=draft.feature_layers)
+            target_probs = _probs(logits, sampling, "target model logits (scoring the drafts)")
+        else:
+            target_probs = _score(target, target_pending, draft_tokens, sampling)
         t2 = _clock(device)
         randomness = _uniforms(generators, step_gamma, device)
         result = verify(target_probs, draft_probs, draft_tokens, validate=False, **randomness)
-        _rollback(target, draft, result.num_accepted, step_gamma)
         target_pending = result.next_token[:, None]
-        draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma)
+        if reads:  # drop every slot drafted on the draft's own features; re-feed the accepted ones with true features
+            target.rollback(step_gamma - result.num_accepted)
+            draft.rollback(step_gamma - 1)
+            draft_pending, draft_valid = _refeed(draft, draft_tokens, result, features)
+        else:
+            _rollback(target, draft, result.num_accepted, step_gamma)
+            draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma)
         accepted = result.num_accepted.tolist()
         emitted = [d[:n] + [t] for d, n, t in zip(draft_tokens.tolist(), accepted, result.next_token.tolist())]
         kept = rows.add(emitted)

@@ -11,6 +11,9 @@ Every model the generation engine drives -- a transformers model (:class:`Causal
   the next-token logits after each of them. A slot with ``valid[b, j] = False`` is appended but masked
   out, as if it were never there (its logits row is meaningless).
 * ``rollback(n)``: forget the last ``n`` appended slots (``int``, or ``[B]`` int for per-row counts).
+* ``CausalLM`` only: ``prefill`` / ``score`` with ``hidden_layers=(i, ...)`` also return the hidden states
+  ``[B, k, len(hidden_layers) * H]`` of the slots just fed (``hidden_states`` indices, concatenated), for
+  drafts that read the target's features (``feature_drafts``); the wrapper does not know what reads them.
 * ``cache_length`` (physical slots, shared by all rows), ``valid_lengths [B]``, ``vocab_size``, ``device``.
 
 Ragged batches (the design choice): rows of a batch accept different numbers of draft tokens, but all
@@ -27,7 +30,7 @@ cache length, and the KV cache is asserted to agree with it.
 from __future__ import annotations
 
 import os
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -182,22 +185,26 @@ class CausalLM:
         self._cache = _new_cache(self.model)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Run the left-padded prompt ``[B, L]`` through the model; return the last next-token logits ``[B, V]``."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_layers: Sequence[int] | None = None):
+        """Run the left-padded prompt ``[B, L]`` through the model; return the last next-token logits ``[B, V]``
+        (and, with ``hidden_layers``, the hidden states ``[B, L, n * H]``)."""
         check_prompt(input_ids, attention_mask)
         self.reset(input_ids.shape[0])
         self._slots.append(attention_mask.to(self.device).bool())
         positions = self._slots.prompt_positions()
-        return self._forward(input_ids, positions, logits_to_keep=1)[:, -1]
+        logits, hidden = self._forward(input_ids, positions, logits_to_keep=1, hidden_layers=hidden_layers)
+        return logits[:, -1] if hidden_layers is None else (logits[:, -1], hidden)
 
-    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Append ``tokens [B, k]`` (slots with ``valid = False`` masked out); return logits ``[B, k, V]``."""
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, hidden_layers: Sequence[int] | None = None):
+        """Append ``tokens [B, k]`` (slots with ``valid = False`` masked out); return logits ``[B, k, V]``
+        (and, with ``hidden_layers``, the hidden states ``[B, k, n * H]``)."""
         if self._slots is None:
             raise ValueError("score called before prefill/reset: start a batch first")
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
         positions = self._slots.append(valid.to(self.device))
-        return self._forward(tokens, positions, logits_to_keep=0)
+        logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers)
+        return logits if hidden_layers is None else (logits, hidden)
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
@@ -207,7 +214,8 @@ class CausalLM:
             self._cache.crop(-common)
         assert self._cache.get_seq_length() == self._slots.length
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None):
+        """-> (logits float32, the requested hidden states concatenated float32 or None)."""
         with torch.no_grad():
             out = self.model(
                 input_ids=tokens.to(self.device),
@@ -216,9 +224,12 @@ class CausalLM:
                 past_key_values=self._cache,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
+                output_hidden_states=hidden_layers is not None,
             )
         assert self._cache.get_seq_length() == self._slots.length
-        return out.logits.float()
+        if hidden_layers is None:
+            return out.logits.float(), None
+        return out.logits.float(), torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1).float()
 
 
 def _new_cache(model):

@@ -1,0 +1,579 @@
+"""Training of feature drafts (:class:`specresearch.feature_drafts.FeatureHead`): corpus, loss, rollout.
+
+Notation as in the package docstring: p = target, q = draft, alpha = E[sum_x min(p, q)], c = cost of
+one draft step over one target step.
+
+Pipeline (``specresearch feature-distill`` runs it, resumably, from one seed):
+
+1. **Corpus, cached in chunks** (:func:`collect_feature_corpus`): the prompts are shuffled once
+   (seeded), cut into chunks of ``chunk_prompts``; each chunk is sampled from the target with
+   ``distill.generate_corpus`` (seed ``seed + chunk``), then ONE batched target forward computes, at
+   every position, the target's hidden states at ``store_layers`` (bfloat16) and, at each position
+   whose next token the target generated, the top ``teacher_top_k`` of p (the teacher). A chunk is one
+   file: an interrupted collection resumes at the first missing chunk, and training can start on the
+   chunks that exist (the data-scaling curve trains on prefixes of them).
+2. **Training** (:func:`train_feature_head`): AdamW on the head's layers (the target's embedding and
+   head rows stay frozen). The loss, averaged over rollout passes k = 0..``rollout``-1, is
+   ``KL(p~ || q_k) + feature_loss_weight * SmoothL1(h_k, f_next)``: p~ the teacher's top k renormalised
+   over the head's support, q_k the head's law at depth k+1, h_k its predicted (post-norm) feature,
+   f_next the target's true last feature at that position. Pass k feeds the head its own features of
+   pass k-1 (EAGLE-3's "training-time test", Li et al. 2025, arXiv 2503.01840): pass k at position j
+   attends to true-feature slots up to j-k and to the slots of passes 1..k on its own draft path, which
+   is exactly what the head sees when drafting the (k+1)-th token after the last verified one. So
+   drafting several tokens ahead is trained, not only the first (plain teacher forcing, EAGLE-1,
+   collapses after the first token); uniform noise on the true input features (EAGLE-1) is an option.
+3. Measurement (:func:`measure_feature_draft`) and shipping (``feature_drafts.save_feature_head``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from specresearch.distill import TrainConfig, cache_dir, generate_corpus, sparse_kl
+
+__all__ = [
+    "FeatureCorpusConfig",
+    "FeatureChunk",
+    "collect_feature_corpus",
+    "load_feature_chunks",
+    "target_features",
+    "FeatureTrainConfig",
+    "FeatureTrainResult",
+    "feature_loss",
+    "train_feature_head",
+    "FeatureMeasurement",
+    "measure_feature_draft",
+    "measure_feature_cost",
+    "run_feature_distillation",
+]
+
+
+@dataclass(frozen=True)
+class FeatureCorpusConfig:
+    """How the cached corpus is sampled and what is stored of the target at each position.
+
+    Attributes:
+        seed: shuffles the prompts and seeds chunk i's sampling with ``seed + i``.
+        store_layers: ``hidden_states`` indices stored (0 = embeddings, i = after decoder layer i, the
+            last index = after the final norm, i.e. the feature the LM head reads). Negative indices
+            count from the end. A head may read any subset of them.
+        chunk_prompts: prompts per cached chunk; temperature / max_new_tokens / batch_size: sampling.
+        teacher_top_k: teacher tokens kept per position.
+    """
+
+    seed: int = 0
+    store_layers: tuple[int, ...] = (4, 15, 26, -1)
+    chunk_prompts: int = 64
+    temperature: float = 1.0
+    max_new_tokens: int = 128
+    batch_size: int = 32
+    teacher_top_k: int = 64
+
+    def key(self, prompts_name: str) -> str:
+        """Cache directory name of this corpus for a prompt file."""
+        layers = "_".join(str(i) for i in self.store_layers)
+        return (f"{Path(prompts_name).stem}-s{self.seed}-L{layers}-c{self.chunk_prompts}-T{self.temperature}"
+                f"-n{self.max_new_tokens}-b{self.batch_size}-k{self.teacher_top_k}")
+
+
+@dataclass(frozen=True)
+class FeatureChunk:
+    """One cached chunk of the corpus.
+
+    Attributes:
+        sequences: ``[L_i]`` int64 token ids (prompt, then the target's continuation).
+        prompt_lengths: ``P_i``.
+        features: ``[L_i, len(store_layers) * H]`` bfloat16: the target's hidden states at every position.
+        teacher_ids / teacher_probs: ``[L_i - P_i, k]`` top-k of p at positions ``P_i - 1 .. L_i - 2``
+            (the positions whose next token the target generated), int32 / float16.
+    """
+
+    sequences: tuple[torch.Tensor, ...]
+    prompt_lengths: tuple[int, ...]
+    features: tuple[torch.Tensor, ...]
+    teacher_ids: tuple[torch.Tensor, ...]
+    teacher_probs: tuple[torch.Tensor, ...]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(s) - p for s, p in zip(self.sequences, self.prompt_lengths))
+
+
+def _resolve_layers(layers: Sequence[int], count: int) -> tuple[int, ...]:
+    resolved = tuple(i % count if i < 0 else i for i in layers)
+    if any(not 0 <= i < count for i in resolved):
+        raise ValueError(f"layers must be hidden_states indices in [-{count}, {count}), got {tuple(layers)}")
+    return resolved
+
+
+@torch.no_grad()
+def target_features(model, sequences: Sequence[torch.Tensor], layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One batched (right-padded) target forward: hidden states at ``layers`` and logits, per sequence.
+
+    Returns ``features`` (each ``[L_i, len(layers) * H]`` float32) and ``logits`` (each ``[L_i, V]`` float32).
+    """
+    length = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    mask = torch.zeros(len(sequences), length, dtype=torch.long)
+    for b, s in enumerate(sequences):
+        ids[b, : len(s)], mask[b, : len(s)] = s, 1
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    chosen = _resolve_layers(layers, len(out.hidden_states))
+    hidden = torch.cat([out.hidden_states[i] for i in chosen], dim=-1).float()  # [B, L, n*H]
+    return [hidden[b, : len(s)] for b, s in enumerate(sequences)], [out.logits[b, : len(s)].float() for b, s in enumerate(sequences)]
+
+
+def _chunk_path(directory: Path, index: int) -> Path:
+    return directory / f"chunk-{index:04d}.pt"
+
+
+def _collect_chunk(model, prompts: Sequence[torch.Tensor], config: FeatureCorpusConfig, index: int, eos) -> dict:
+    sampling = TrainConfig(seed=config.seed + index, corpus_temperature=config.temperature, corpus_max_new_tokens=config.max_new_tokens,
+                           corpus_samples_per_prompt=1, corpus_batch_size=config.batch_size)
+    corpus = generate_corpus(model, prompts, sampling, eos, progress=False)
+    out = {"sequences": [], "prompt_lengths": [], "features": [], "teacher_ids": [], "teacher_probs": []}
+    for start in range(0, len(corpus.sequences), 8):
+        sequences = corpus.sequences[start : start + 8]
+        features, logits = target_features(model, sequences, config.store_layers)
+        for seq, plen, feat, logit in zip(sequences, corpus.prompt_lengths[start : start + 8], features, logits):
+            top = logit[plen - 1 : len(seq) - 1].softmax(-1).topk(config.teacher_top_k, dim=-1)
+            out["sequences"].append(seq.clone())
+            out["prompt_lengths"].append(plen)
+            out["features"].append(feat.to(torch.bfloat16).clone())
+            out["teacher_ids"].append(top.indices.to(torch.int32).clone())
+            out["teacher_probs"].append(top.values.to(torch.float16).clone())
+    return out
+
+
+def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: FeatureCorpusConfig, directory: str | os.PathLike,
+                           *, eos_token_ids: Sequence[int] = (), max_chunks: int | None = None, max_seconds: float | None = None,
+                           progress: bool = True) -> int:
+    """Sample and cache the corpus chunk by chunk (resumable; see the module docstring). Returns the chunks on disk.
+
+    Args:
+        model: the target, a transformers causal LM.
+        prompt_ids: encoded prompts (``distill.encode_prompts``); shuffled with ``config.seed``.
+        directory: the chunk cache; chunks already there are kept.
+        max_chunks: collect at most this many chunks in total; max_seconds: stop starting new chunks after this.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    order = torch.randperm(len(prompt_ids), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    shuffled = [prompt_ids[i] for i in order]
+    total = -(-len(shuffled) // config.chunk_prompts)
+    total = total if max_chunks is None else min(total, max_chunks)
+    started = time.perf_counter()
+    for index in tqdm(range(total), desc="feature corpus chunks", disable=not progress):
+        path = _chunk_path(directory, index)
+        if path.exists():
+            continue
+        if max_seconds is not None and time.perf_counter() - started > max_seconds:
+            break
+        chunk_started = time.perf_counter()
+        payload = _collect_chunk(model, shuffled[index * config.chunk_prompts : (index + 1) * config.chunk_prompts], config, index, eos_token_ids)
+        payload["seconds"] = time.perf_counter() - chunk_started
+        tmp = path.with_suffix(".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    return sum(1 for i in range(total) if _chunk_path(directory, i).exists())
+
+
+def load_feature_chunks(directory: str | os.PathLike, count: int | None = None) -> FeatureChunk:
+    """The first ``count`` consecutive cached chunks (all consecutive ones if None), merged into one."""
+    directory = Path(directory)
+    merged = {"sequences": [], "prompt_lengths": [], "features": [], "teacher_ids": [], "teacher_probs": []}
+    index = 0
+    while _chunk_path(directory, index).exists() and (count is None or index < count):
+        payload = torch.load(_chunk_path(directory, index), weights_only=True)
+        for name in merged:
+            merged[name] += list(payload[name])
+        index += 1
+    if not merged["sequences"] or (count is not None and index < count):
+        raise ValueError(f"directory {directory} holds {index} consecutive chunks, {count or 1} needed: collect the corpus first")
+    return FeatureChunk(*(tuple(merged[name]) for name in ("sequences", "prompt_lengths", "features", "teacher_ids", "teacher_probs")))
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass(frozen=True)
+class FeatureTrainConfig:
+    """Optimisation settings (AdamW, linear warm-up then cosine decay to 10 %).
+
+    Attributes:
+        seed: batch order and noise. steps, batch_size (sequences), seq_len (sequences are cut), lr,
+            warmup_steps, weight_decay, grad_clip (max global grad norm): as for ``distill.TrainConfig``.
+        rollout: training-time-test passes D (depths 1..D are trained; 1 = teacher forcing only).
+        feature_loss_weight: weight of SmoothL1(predicted feature, the target's final feature) per pass.
+        feature_noise: half-width of uniform noise on the true input features.
+        checkpoint_every: steps between checkpoints.
+    """
+
+    seed: int = 0
+    steps: int = 400
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    rollout: int = 3
+    feature_loss_weight: float = 0.1
+    feature_noise: float = 0.0
+    checkpoint_every: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "rollout", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise ValueError(f"seq_len must be an int >= 2, got {self.seq_len!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        for name in ("weight_decay", "feature_loss_weight", "feature_noise", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class FeatureTrainResult:
+    """step: optimiser steps done; finished: ``step == config.steps``; losses / kls per step; seconds (summed over resumes)."""
+
+    step: int
+    finished: bool
+    losses: tuple[float, ...]
+    kls: tuple[float, ...]
+    seconds: float
+
+
+def _feature_columns(head, store_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of the stored features the head reads, and those of the final feature (regression target)."""
+    stored = _resolve_layers(store_layers, head.num_hidden_states)
+    final = head.num_hidden_states - 1
+    missing = [i for i in (*head.feature_layers, final) if i not in stored]
+    if missing:
+        raise ValueError(f"store_layers {tuple(store_layers)} lack hidden_states {missing} that the head needs (and the final one)")
+    H = head.hidden_size
+    columns = torch.cat([torch.arange(stored.index(i) * H, (stored.index(i) + 1) * H) for i in head.feature_layers])
+    return columns, torch.arange(stored.index(final) * H, (stored.index(final) + 1) * H)
+
+
+def _feature_batch(chunk: FeatureChunk, indices: Sequence[int], seq_len: int, columns, final_columns):
+    """Right-padded ``tokens [B, L]``, ``mask [B, L]``, ``features [B, L, F]``, ``final [B, L, H]``, and per row
+    ``(prompt length, teacher ids [n, k], teacher probs [n, k])`` cut to ``seq_len``."""
+    rows = [chunk.sequences[i][:seq_len] for i in indices]
+    L = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    features = torch.zeros(len(rows), L, len(columns))
+    final = torch.zeros(len(rows), L, len(final_columns))
+    teachers = []
+    for b, (row, i) in enumerate(zip(rows, indices)):
+        n, plen = len(row), chunk.prompt_lengths[i]
+        tokens[b, :n], mask[b, :n] = row, 1
+        stored = chunk.features[i][:n].float()
+        features[b, :n], final[b, :n] = stored[:, columns], stored[:, final_columns]
+        teachers.append((plen, chunk.teacher_ids[i][: n - plen].long(), chunk.teacher_probs[i][: n - plen].float()))
+    return tokens, mask, features, final, teachers
+
+
+def _positions(teachers, depth: int, L: int):
+    """Loss slots of draft depth ``depth`` (0-based): j in [P - 1 + depth, n - 2] per row, as (rows, cols,
+    teacher rows ids, probs); the draft path starts at a true slot at or after the last prompt token."""
+    rows, cols, ids, probs = [], [], [], []
+    for b, (plen, tid, tprob) in enumerate(teachers):
+        j = torch.arange(plen - 1 + depth, plen - 1 + len(tid))
+        rows.append(torch.full_like(j, b))
+        cols.append(j)
+        ids.append(tid[depth:])
+        probs.append(tprob[depth:])
+    return torch.cat(rows), torch.cat(cols), torch.cat(ids), torch.cat(probs)
+
+
+def feature_loss(head, batch, config: FeatureTrainConfig, generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
+    """The training loss of one batch (module docstring): mean over passes of KL + weight * SmoothL1.
+
+    Returns the differentiable loss and the KL of each pass (floats, for the logs).
+    """
+    tokens, mask, features, final, teachers = batch
+    hidden = head.rollout(features, tokens, mask, config.rollout, config.feature_noise, generator)
+    total, kls = 0.0, []
+    for depth, h in enumerate(hidden):
+        rows, cols, ids, probs = _positions(teachers, depth, tokens.shape[1])
+        if len(rows) == 0:
+            continue
+        predicted = h[rows, cols]  # [N, H]
+        logits, index_of = head.support_logits(predicted)
+        kl = sparse_kl(logits, ids if index_of is None else index_of[ids], probs)
+        regression = F.smooth_l1_loss(predicted, final[rows, cols]) if config.feature_loss_weight else 0.0
+        total = total + kl + config.feature_loss_weight * regression
+        kls.append(float(kl.detach()))
+    return total / len(hidden), kls
+
+
+def _learning_rate(step: int, config: FeatureTrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def _schedule(num_sequences: int, config: FeatureTrainConfig) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(config.seed)
+    needed = config.steps * config.batch_size
+    epochs = [torch.randperm(num_sequences, generator=generator) for _ in range(-(-needed // num_sequences))]
+    return torch.cat(epochs)[:needed].view(config.steps, config.batch_size)
+
+
+def train_feature_head(head, chunk: FeatureChunk, store_layers: Sequence[int], config: FeatureTrainConfig, *,
+                       checkpoint_dir: str | os.PathLike | None = None, max_seconds: float | None = None,
+                       progress: bool = True) -> FeatureTrainResult:
+    """Train ``head`` in place on the cached corpus ``chunk`` (features stored at ``store_layers``); resumable.
+
+    With ``checkpoint_dir`` training resumes from ``checkpoint.pt`` there and saves every
+    ``config.checkpoint_every`` steps and when it stops (``max_seconds`` of wall time in this call).
+    """
+    if any(len(s[: config.seq_len]) <= p for s, p in zip(chunk.sequences, chunk.prompt_lengths)):
+        raise ValueError(f"seq_len {config.seq_len} cuts some sequence before its first generated token; raise it")
+    columns, final_columns = _feature_columns(head, store_layers)
+    parameters = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    step, losses, kls, seconds = _load_checkpoint(checkpoint_dir, head, optimizer, config)
+    schedule = _schedule(len(chunk.sequences), config)
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    started = time.perf_counter()
+    bar = tqdm(total=config.steps, initial=step, desc="feature head", disable=not progress)
+    head.train()
+    while step < config.steps and (max_seconds is None or time.perf_counter() - started < max_seconds):
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(step, config)
+        generator.manual_seed(config.seed * 1_000_003 + step)  # noise depends on the step only: resumes reproduce it
+        batch = _feature_batch(chunk, schedule[step].tolist(), config.seq_len, columns, final_columns)
+        loss, pass_kls = feature_loss(head, batch, config, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        kls.append(pass_kls)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(kl="/".join(f"{k:.2f}" for k in pass_kls))
+        if checkpoint_dir is not None and step % config.checkpoint_every == 0:
+            _save_checkpoint(checkpoint_dir, head, optimizer, config, step, losses, kls, seconds + time.perf_counter() - started)
+    bar.close()
+    head.eval()
+    seconds += time.perf_counter() - started
+    if checkpoint_dir is not None:
+        _save_checkpoint(checkpoint_dir, head, optimizer, config, step, losses, kls, seconds)
+    return FeatureTrainResult(step, step == config.steps, tuple(losses), tuple(tuple(k) for k in kls), seconds)
+
+
+def _save_checkpoint(directory, head, optimizer, config, step, losses, kls, seconds) -> None:
+    state = {name: p.detach().clone() for name, p in head.named_parameters() if p.requires_grad}
+    payload = {"step": step, "weights": state, "optimizer": optimizer.state_dict(), "losses": list(losses), "kls": [list(k) for k in kls],
+               "seconds": seconds, "config": dataclasses.asdict(config)}
+    path = Path(directory) / "checkpoint.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(payload, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def _load_checkpoint(directory, head, optimizer, config):
+    path = None if directory is None else Path(directory) / "checkpoint.pt"
+    if path is None or not path.exists():
+        return 0, [], [], 0.0
+    payload = torch.load(path, weights_only=True)
+    if payload["config"] != dataclasses.asdict(config):
+        raise ValueError(f"checkpoint_dir {directory} holds a run with another FeatureTrainConfig ({payload['config']}); use another directory")
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.requires_grad:
+                p.copy_(payload["weights"][name])
+    optimizer.load_state_dict(payload["optimizer"])
+    return payload["step"], list(payload["losses"]), [list(k) for k in payload["kls"]], payload["seconds"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+
+
+@dataclass(frozen=True)
+class FeatureMeasurement:
+    """Acceptance of a feature head per draft depth on target-generated continuations of held-out prompts.
+
+    Attributes:
+        alpha: temperature -> [depth 1..D] mean over positions of sum_x min(p_T, q_T), q at depth d
+            computed on the head's own features for the d - 1 previous tokens (the tokens themselves are
+            the target's sample, i.e. given that the previous drafts were accepted: EAGLE's n-alpha).
+        greedy_agreement: [depth 1..D] fraction of positions of the greedy continuations with argmax q == argmax p.
+        positions: temperature (0.0 = greedy) -> positions at depth 1.
+    """
+
+    alpha: dict[float, list[float]]
+    greedy_agreement: list[float]
+    positions: dict[float, int]
+
+    def as_dict(self) -> dict:
+        return {"alpha_by_depth": {str(t): a for t, a in self.alpha.items()}, "greedy_agreement_by_depth": self.greedy_agreement,
+                "positions": {str(t): n for t, n in self.positions.items()}}
+
+
+@torch.no_grad()
+def measure_feature_draft(target, head, prompt_ids: Sequence[torch.Tensor], *, temperatures: Sequence[float] = (0.2, 0.6, 1.0),
+                          depths: int = 4, max_new_tokens: int = 64, seed: int = 0, eos_token_ids: Sequence[int] = (),
+                          prompts_per_batch: int = 2, progress: bool = True) -> FeatureMeasurement:
+    """alpha per depth at each temperature and greedy agreement per depth on held-out prompts.
+
+    The continuations are sampled exactly as ``distill.measure_draft`` samples them (same generator, row
+    order and batching), so depth 1 here and ``measure_draft`` of a distilled draft with the same
+    arguments are measured on the same token sequences.
+    """
+    from specresearch.distill import sample_continuations
+    from specresearch.sampling import SamplingConfig, logits_to_probs
+
+    if any(t <= 0 for t in temperatures):
+        raise ValueError(f"temperatures must all be > 0 (greedy agreement is always measured), got {temperatures}")
+    rows = (0.0, *temperatures)
+    generator = torch.Generator().manual_seed(seed)
+    sums = {t: [0.0] * depths for t in rows}
+    counts = {t: [0] * depths for t in rows}
+    for start in tqdm(range(0, len(prompt_ids), prompts_per_batch), desc="measure", disable=not progress):
+        prompts = [ids for ids in prompt_ids[start : start + prompts_per_batch] for _ in rows]
+        continuations = sample_continuations(target, prompts, rows * (len(prompts) // len(rows)), max_new_tokens, generator, eos_token_ids)
+        sequences = [torch.cat([ids, c]) for ids, c in zip(prompts, continuations)]
+        features, logits = target_features(target, sequences, head.feature_layers)
+        for b, (seq, prompt) in enumerate(zip(sequences, prompts)):
+            t = rows[b % len(rows)]
+            hidden = head.rollout(features[b][None], seq[None], torch.ones(1, len(seq), dtype=torch.long), depths)
+            for depth, h in enumerate(hidden):
+                slots = torch.arange(len(prompt) - 1 + depth, len(seq) - 1)
+                if len(slots) == 0:
+                    continue
+                p_logits, q_logits = logits[b][slots], head.logits(h[0, slots])
+                if t == 0:
+                    values = (p_logits.argmax(-1) == q_logits.argmax(-1)).double()
+                else:
+                    cfg = SamplingConfig(temperature=t)
+                    values = torch.minimum(logits_to_probs(p_logits, cfg), logits_to_probs(q_logits, cfg)).sum(-1).double()
+                sums[t][depth] += float(values.sum())
+                counts[t][depth] += len(values)
+    ratio = {t: [s / n if n else float("nan") for s, n in zip(sums[t], counts[t])] for t in rows}
+    return FeatureMeasurement({t: ratio[t] for t in temperatures}, ratio[0.0], {t: counts[t][0] for t in rows})
+
+
+@torch.no_grad()
+def measure_feature_cost(target_lm, draft, context_length: int = 64, repeats: int = 30, warmup: int = 5) -> dict:
+    """c = the feature draft's one-token drafting step / the target's one-token forward, both with a cache of
+    ``context_length`` tokens, B = 1, timed alternately (a benchmark figure, never asserted on)."""
+    ids = (torch.arange(context_length) % 1000 + 100)[None]
+    mask = torch.ones_like(ids)
+    _, features = target_lm.prefill(ids, mask, hidden_layers=draft.feature_layers)
+    draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-2]], 1))
+    draft.prefill(ids[:, :-1], mask[:, :-1])
+    target_times, draft_times = [], []
+    for _ in range(warmup + repeats):
+        start = time.perf_counter()
+        target_lm.score(ids[:, -1:])
+        target_times.append(time.perf_counter() - start)
+        target_lm.rollback(1)
+        draft.observe(features[:, -2:-1])
+        draft.score(ids[:, -1:])  # the pending token, on a true feature (untimed)
+        start = time.perf_counter()
+        draft.score(ids[:, -1:])  # a drafting step: on its own feature of the previous slot
+        draft_times.append(time.perf_counter() - start)
+        draft.rollback(2)
+    target_s, draft_s = statistics.median(target_times[warmup:]), statistics.median(draft_times[warmup:])
+    return {"c": draft_s / target_s, "draft_ms": 1e3 * draft_s, "target_ms": 1e3 * target_s, "context_length": context_length,
+            "torch_threads": torch.get_num_threads()}
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end
+
+
+def _run_key(head_config, train_config: FeatureTrainConfig, corpus_key: str, chunks: int) -> str:
+    import hashlib
+
+    blob = json.dumps([dataclasses.asdict(head_config), dataclasses.asdict(train_config), corpus_key, chunks], sort_keys=True)
+    return f"{head_config.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def run_feature_distillation(target_lm, tokenizer, head_config, train_config: FeatureTrainConfig, corpus_config: FeatureCorpusConfig, *,
+                             prompts_path, heldout_path, chunks: int, out_dir: str | os.PathLike | None = None, heldout_prompts: int = 14,
+                             measure_tokens: int = 64, depths: int = 4, max_seconds: float | None = None, command: str = "",
+                             progress: bool = True) -> dict:
+    """Corpus chunks (cached, resumable) -> head -> training (checkpointed) -> measurement -> ``save_feature_head``.
+
+    ``chunks``: how many corpus chunks (``corpus_config.chunk_prompts`` prompts each) to train on. Rerun the
+    same call to resume; the returned manifest has ``finished: False`` (nothing shipped) until training ends.
+    """
+    from specresearch.distill import TeacherTargets, encode_prompts, head_token_ids, load_prompts
+    from specresearch.drafts import drafts_dir
+    from specresearch.feature_drafts import FeatureDraft, FeatureHead, round_head_to_storage, save_feature_head
+
+    started = time.perf_counter()
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    target = target_lm.model
+    key = corpus_config.key(prompts_path)
+    directory = cache_dir() / "features" / key
+    available = collect_feature_corpus(target, encode_prompts(tokenizer, load_prompts(prompts_path)), corpus_config, directory,
+                                       eos_token_ids=eos, max_chunks=chunks, max_seconds=max_seconds, progress=progress)
+    manifest = {"command": command, "seed": train_config.seed, "finished": False, "train_config": dataclasses.asdict(train_config),
+                "corpus_config": dataclasses.asdict(corpus_config), "corpus": {"prompts_file": Path(prompts_path).name, "cache_key": key,
+                                                                              "chunks": chunks, "chunks_available": available}}
+    if available < chunks:
+        return manifest
+    corpus = load_feature_chunks(directory, chunks)
+    collection = [torch.load(directory / f"chunk-{i:04d}.pt", weights_only=True)["seconds"] for i in range(chunks)]
+    manifest["corpus"].update({"sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens,
+                               "collection_seconds": round(sum(collection), 1)})
+    head_ids = None
+    if head_config.head_tokens is not None:
+        teacher = TeacherTargets(tuple(t.long() for t in corpus.teacher_ids), tuple(t.float() for t in corpus.teacher_probs), train_config.seq_len)
+        head_ids = head_token_ids(teacher, target.config.get_text_config().vocab_size, head_config.head_tokens, required=eos)
+    head = FeatureHead(target, head_config, head_token_ids=head_ids, seed=train_config.seed)
+    budget = None if max_seconds is None else max(0.0, max_seconds - (time.perf_counter() - started))
+    result = train_feature_head(head, corpus, corpus_config.store_layers, train_config,
+                                checkpoint_dir=cache_dir() / "feature_runs" / _run_key(head_config, train_config, key, chunks),
+                                max_seconds=budget, progress=progress)
+    manifest["finished"] = result.finished
+    manifest["training"] = {"steps": result.step, "seconds": round(result.seconds, 1), "loss_curve": [round(x, 4) for x in result.losses],
+                            "kl_by_depth_last10": [round(statistics.fmean(k[d] for k in result.kls[-10:]), 4) for d in range(len(result.kls[-1]))]
+                            if result.kls else None}
+    if not result.finished:
+        return manifest
+    round_head_to_storage(head)
+    manifest.update(_feature_measurements(target_lm, head, tokenizer, heldout_path, heldout_prompts, measure_tokens, depths, eos, progress))
+    save_feature_head(head, target, Path(out_dir) if out_dir is not None else drafts_dir() / head_config.name, manifest)
+    return manifest
+
+
+def _feature_measurements(target_lm, head, tokenizer, heldout_path, count, max_new_tokens, depths, eos, progress) -> dict:
+    from specresearch.distill import encode_prompts, load_prompts
+    from specresearch.feature_drafts import FeatureDraft
+
+    prompts = load_prompts(heldout_path)
+    chosen = [prompts[round(i * len(prompts) / count)] for i in range(count)] if count < len(prompts) else prompts
+    ids = encode_prompts(tokenizer, chosen)
+    full = measure_feature_draft(target_lm.model, head, ids, depths=depths, max_new_tokens=max_new_tokens, eos_token_ids=eos, progress=progress)
+    check = measure_feature_draft(target_lm.model, head, ids[:3], depths=depths, max_new_tokens=16, eos_token_ids=eos, progress=False)
+    draft = FeatureDraft(head, max_context=target_lm.max_context, device=target_lm.device)
+    return {"measurement": {"heldout_file": Path(heldout_path).name, "prompt_ids": [p["id"] for p in chosen], "max_new_tokens": max_new_tokens,
+                            "seed": 0, **full.as_dict()},
+            "check_measurement": {"prompt_ids": [p["id"] for p in chosen[:3]], "max_new_tokens": 16, "seed": 0, **check.as_dict()},
+            "cost": measure_feature_cost(target_lm, draft)}

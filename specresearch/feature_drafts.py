@@ -1,0 +1,503 @@
+"""Feature drafts (EAGLE-style): a small head that reads the target's own hidden states.
+
+Notation as in the package docstring: p = target, q = draft. Index conventions: the target at slot j
+reads token x_j and emits the feature f_j (``hidden_states`` of the chosen layers), from which its LM
+head gives p(x_{j+1} | x_<=j). The head at slot j reads ``g_{j-1}`` and x_j and predicts the target's
+final (post-norm) feature h_j at slot j, read out by the target's own LM head (or a vocabulary-subset
+head) into q(x_{j+1}). ``g_{j-1}`` is the target's true feature of slot j-1 when it is known (fused to
+the hidden size when several layers are read, as EAGLE-3 fuses low, middle and high features) and the
+head's own prediction h_{j-1} when it is not (slots drafted since the last verification). Li et al.
+2024 (EAGLE, arXiv 2401.15077) and 2025 (EAGLE-3, arXiv 2503.01840).
+
+Architecture of :class:`FeatureHead` (built against any transformers causal LM that returns
+``hidden_states``; sizes, attention heads and RoPE base come from its config):
+
+``g = fuse(features)`` (a linear map ``len(feature_layers) * H -> H``; identity for one layer),
+``x = fc([g, embed(token)])`` (``2H -> H``), ``num_layers`` pre-norm decoder layers (attention with
+RoPE and grouped KV heads, SwiGLU MLP; named as Llama's so they can start as a copy of a target
+layer), a final RMSNorm (started as the target's), then the head. Its own KV cache makes drafting one
+token one small forward.
+
+:class:`FeatureDraft` puts the head behind the engine's ``LanguageModel`` interface plus
+:class:`FeatureReader`: ``feature_layers`` (what the engine must ask the target for) and ``observe``
+(the true features of the next slots it will be fed). ``generate.speculative_generate`` prefills the
+target asking for those layers, and after each verification rolls the draft back to its last slot with
+a true feature and re-feeds the accepted tokens with the target's true features.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specresearch.drafts import SubsetHead, check_field, drafts_dir, embedding_fingerprint
+from specresearch.models import SlotMask, check_prompt, rollback_counts
+
+__all__ = [
+    "FeatureReader",
+    "FeatureHeadConfig",
+    "FEATURE_PRESETS",
+    "FeatureHead",
+    "FeatureDraft",
+    "save_feature_head",
+    "load_feature_head",
+    "is_feature_draft_dir",
+    "trainable_tensors",
+    "round_head_to_storage",
+    "load_feature_draft",
+]
+
+_WEIGHTS_FILE = "feature_head.safetensors"
+_MANIFEST_FILE = "manifest.json"
+_HEAD_IDS = "head.token_ids"
+_STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@runtime_checkable
+class FeatureReader(Protocol):
+    """A draft that reads the target's hidden states (the engine checks for this interface).
+
+    ``feature_layers``: the target ``hidden_states`` indices the draft reads (concatenated in that order).
+    ``observe(features [B, k, F])``: the target's features of the slots BEFORE the next ``k`` slots the
+    draft will be fed (slot j of the next ``score`` call gets ``features[:, j]``).
+    """
+
+    feature_layers: tuple[int, ...]
+    feature_size: int  # F = len(feature_layers) * hidden size
+
+    def observe(self, features: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class FeatureHeadConfig:
+    """Shape of a feature head; everything else is the target's config.
+
+    Attributes:
+        name: preset / directory name under ``data/drafts/``.
+        feature_layers: target ``hidden_states`` indices read (negative from the end; -1 is the final,
+            post-norm feature the LM head reads). Several are fused by a trained linear map.
+        num_layers: decoder layers of the head.
+        init_layer: target decoder layer copied into every head layer before training (Llama-style
+            parameter names), or None for a seeded random init.
+        head_tokens: None reads q out through the target's full (frozen) LM head; K uses a
+            :class:`SubsetHead` over K tokens (q = 0 elsewhere), the target's rows, trained iff ``train_head``.
+        feature_loss_weight, rollout, feature_noise: training settings stored with the head
+            (``feature_distill`` explains them).
+        storage_dtype: dtype of the shipped tensors.
+    """
+
+    name: str
+    feature_layers: tuple[int, ...] = (-1,)
+    num_layers: int = 1
+    init_layer: int | None = -1
+    head_tokens: int | None = None
+    train_head: bool = False
+    storage_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        check_field(bool(self.name) and "/" not in self.name, "name", f"must be a bare directory name, got {self.name!r}")
+        check_field(len(self.feature_layers) >= 1 and len(set(self.feature_layers)) == len(self.feature_layers), "feature_layers",
+                    f"must list distinct hidden_states indices, got {self.feature_layers!r}")
+        check_field(isinstance(self.num_layers, int) and self.num_layers >= 1, "num_layers", f"must be an int >= 1, got {self.num_layers!r}")
+        check_field(self.head_tokens is None or (isinstance(self.head_tokens, int) and self.head_tokens >= 1), "head_tokens",
+                    f"must be None or an int >= 1, got {self.head_tokens!r}")
+        check_field(not self.train_head or self.head_tokens is not None, "train_head", "needs head_tokens (the full head stays the target's)")
+        check_field(self.storage_dtype in _STORAGE_DTYPES, "storage_dtype", f"must be one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+
+    @classmethod
+    def from_name(cls, name: str) -> "FeatureHeadConfig":
+        if name not in FEATURE_PRESETS:
+            raise ValueError(f"name must be one of {sorted(FEATURE_PRESETS)}, got {name!r}")
+        return FEATURE_PRESETS[name]
+
+
+FEATURE_PRESETS = {
+    # EAGLE-1: the final feature only, the target's full head (c is dominated by the 49k-row head).
+    "eagle1-full": FeatureHeadConfig("eagle1-full", feature_layers=(-1,)),
+    # EAGLE-1 feature with an 8192-token head (the target's rows, trained): the cheap readout.
+    "eagle1-v8k": FeatureHeadConfig("eagle1-v8k", feature_layers=(-1,), head_tokens=8192, train_head=True),
+    # EAGLE-3-style fused low / middle / high features + the final one, 8192-token trained head.
+    "eagle3-v8k": FeatureHeadConfig("eagle3-v8k", feature_layers=(4, 15, 26, -1), head_tokens=8192, train_head=True),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The head's decoder layer (Llama-style names so a target layer can be copied in)
+
+
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=bias)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x [B, k, H]`` -> queries ``[B, heads, k, d]``, keys and values ``[B, kv_heads, k, d]`` (RoPE applied)."""
+        B, k, _ = x.shape
+        q = self.q_proj(x).view(B, k, self.heads, self.head_dim).transpose(1, 2)
+        key = self.k_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, k, d]
+        return q * cos + _rotate_half(q) * sin, key * cos + _rotate_half(key) * sin, value
+
+    def attend(self, q, keys, values, allowed: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, h, k, d]`` over ``keys/values [B, kv, S, d]`` where ``allowed [B, k, S]`` -> ``[B, k, H]``."""
+        repeat = self.heads // self.kv_heads
+        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1),
+                                             attn_mask=allowed[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _DecoderLayer(torch.nn.Module):
+    def __init__(self, text_config) -> None:
+        super().__init__()
+        hidden, eps = text_config.hidden_size, text_config.rms_norm_eps
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        self.input_layernorm = _RMSNorm(hidden, eps)
+        self.self_attn = _Attention(hidden, heads, kv_heads, head_dim, bool(getattr(text_config, "attention_bias", False)))
+        self.post_attention_layernorm = _RMSNorm(hidden, eps)
+        self.mlp = _MLP(hidden, text_config.intermediate_size, bool(getattr(text_config, "mlp_bias", False)))
+
+    def forward(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]], allowed):
+        """``x [B, k, H]``; ``past``: earlier (keys, values) blocks attended to, in key order before this
+        block's own; ``allowed [B, k, S_past + k]``. Returns ``(out [B, k, H], (keys, values) of this block)``."""
+        q, key, value = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        keys = torch.cat([k for k, _ in past] + [key], dim=2)
+        values = torch.cat([v for _, v in past] + [value], dim=2)
+        x = x + self.self_attn.attend(q, keys, values, allowed)
+        return x + self.mlp(self.post_attention_layernorm(x)), (key, value)
+
+
+def _rope_base(text_config) -> float:
+    parameters = getattr(text_config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta", getattr(text_config, "rope_theta", 10000.0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# The head
+
+
+class FeatureHead(torch.nn.Module):
+    """The trained part of a feature draft over a frozen transformers target (module docstring).
+
+    Args:
+        target: a transformers causal LM (``get_input_embeddings``, ``get_output_embeddings``, a
+            ``config`` with hidden size / heads); its embedding (and full head) are read, never trained.
+        config: :class:`FeatureHeadConfig`.
+        head_token_ids: ``[K]`` token ids of the subset head, required iff ``config.head_tokens``.
+        seed: seeds the random initialisation (forked RNG; the global RNG is untouched).
+    """
+
+    def __init__(self, target, config: FeatureHeadConfig, head_token_ids: torch.Tensor | None = None, seed: int = 0) -> None:
+        super().__init__()
+        if (config.head_tokens is None) != (head_token_ids is None):
+            raise ValueError(f"head_token_ids must be given iff config.head_tokens is set (head_tokens={config.head_tokens})")
+        text = target.config.get_text_config()
+        self.config = config
+        self.hidden_size = H = text.hidden_size
+        self.num_hidden_states = text.num_hidden_layers + 1
+        self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
+        self.feature_layers = tuple(i % self.num_hidden_states for i in config.feature_layers)
+        self.feature_size = len(self.feature_layers) * H
+        head_dim = getattr(text, "head_dim", None) or H // text.num_attention_heads
+        self.register_buffer("inv_freq", 1.0 / _rope_base(text) ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+        self._frozen = {"embedding": target.get_input_embeddings(), "head": target.get_output_embeddings()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.fuse = torch.nn.Linear(self.feature_size, H, bias=False) if len(self.feature_layers) > 1 else None
+            self.fc = torch.nn.Linear(2 * H, H, bias=True)
+            self.layers = torch.nn.ModuleList(_DecoderLayer(text) for _ in range(config.num_layers))
+            self.norm = _RMSNorm(H, text.rms_norm_eps)
+        self.subset_head = None
+        if head_token_ids is not None:
+            rows = self._frozen["head"].weight.detach()[torch.as_tensor(head_token_ids, dtype=torch.long)]
+            self.subset_head = SubsetHead(rows.float(), head_token_ids, self.vocab_size)
+            self.subset_head.weight.requires_grad_(config.train_head)
+        self._init_from_target(target)
+
+    @torch.no_grad()
+    def _init_from_target(self, target) -> None:
+        """fc starts as ``g + embedding``; layers as a copy of the target's ``init_layer``; the norm as the target's."""
+        H = self.hidden_size
+        self.fc.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1))
+        self.fc.bias.zero_()
+        if self.fuse is not None:  # start by reading the last listed layer only
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, -H:] = torch.eye(H)
+        decoder = target.get_decoder()
+        if self.config.init_layer is not None and hasattr(decoder, "layers"):
+            source = decoder.layers[self.config.init_layer].state_dict()
+            for layer in self.layers:
+                layer.load_state_dict({k: v.float() for k, v in source.items()}, strict=True)
+        norm = getattr(decoder, "norm", None)
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(norm.weight.float())
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features ``[..., F]`` (``F = len(feature_layers) * H``) -> head inputs ``[..., H]``."""
+        return features if self.fuse is None else self.fuse(features)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position ids ``[B, k]`` -> cos, sin ``[B, k, d]``."""
+        angles = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted features ``[..., H]`` -> next-token logits ``[..., V]`` (lowest value off a subset head)."""
+        return self.subset_head(hidden) if self.subset_head is not None else self._frozen["head"](hidden.to(self._frozen["head"].weight.dtype)).float()
+
+    def support_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits over the head's support ``[..., K]`` and ``index_of [V]`` (None: the support is all of V)."""
+        if self.subset_head is not None:
+            return self.subset_head.subset_logits(hidden), self.subset_head.index_of
+        return self.logits(hidden), None
+
+    def block(self, inputs: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+              past: list[list[tuple[torch.Tensor, torch.Tensor]]], allowed: torch.Tensor):
+        """One forward of ``k`` slots: ``inputs [B, k, H]`` (g of the previous slot), ``tokens [B, k]``, ``positions [B, k]``.
+
+        ``past[l]``: layer l's earlier (keys, values) blocks; ``allowed [B, k, S]`` over them and this block.
+        Returns the predicted (post-norm) features ``[B, k, H]`` and each layer's new (keys, values).
+        """
+        embedding = self._frozen["embedding"](tokens).to(inputs.dtype)
+        x = self.fc(torch.cat([inputs, embedding], dim=-1))
+        cos, sin = self.rope(positions)
+        new = []
+        for layer, layer_past in zip(self.layers, past):
+            x, kv = layer(x, cos, sin, layer_past, allowed)
+            new.append(kv)
+        return self.norm(x), new
+
+    def rollout(self, features: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor, passes: int,
+                feature_noise: float = 0.0, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+        """Training-time test over right-padded sequences (EAGLE-3): the head's predictions at depths 1..passes.
+
+        Args:
+            features: ``[B, L, F]`` the target's features at every slot; tokens ``[B, L]``; attention_mask ``[B, L]``.
+            passes: rollout depth D. Pass k at slot j reads its own pass k-1 prediction of slot j-1 and
+                attends to true slots <= j-k plus its own path's slots j-k+1..j (as when drafting).
+            feature_noise: half-width of uniform noise added to the true input features (EAGLE-1).
+        Returns:
+            D tensors ``[B, L, H]``: pass k's predicted feature at slot j, whose logits give q for x_{j+1}
+            at draft depth k+1 (meaningful for j >= k).
+        """
+        B, L, _ = features.shape
+        true = F.pad(features[:, :-1], (0, 0, 1, 0))  # [B, L, F]: feature of slot j-1 (zeros before slot 0)
+        if feature_noise:
+            true = true + feature_noise * (2 * torch.rand(true.shape, generator=generator) - 1)
+        positions = torch.arange(L).expand(B, L)
+        valid = attention_mask.bool()  # [B, L]
+        index = torch.arange(L)
+        past = [[] for _ in self.layers]
+        outputs, inputs = [], self.fuse_features(true)
+        for k in range(passes):
+            old = (index[None, :] <= index[:, None] - k)[None] & valid[:, None, :]  # [B, L, L]: true slots <= j-k
+            blocks = [old] + [(index[None, :] == index[:, None] - k + i).expand(B, L, L) for i in range(1, k + 1)]
+            allowed = torch.cat(blocks, dim=2)
+            if k > 0:  # slots j < k have no path of length k: let them see themselves only (excluded from the loss)
+                allowed[:, :k] = False
+                allowed[:, torch.arange(min(k, L)), k * L + torch.arange(min(k, L))] = True
+            hidden, new = self.block(inputs, tokens, positions, past, allowed)
+            for layer_past, kv in zip(past, new):
+                layer_past.append(kv)
+            outputs.append(hidden)
+            inputs = F.pad(hidden[:, :-1], (0, 0, 1, 0))  # the next pass reads slot j-1's prediction
+        return outputs
+
+
+# --------------------------------------------------------------------------------------------------
+# The draft behind the engine's interface
+
+
+class FeatureDraft:
+    """A :class:`FeatureHead` behind the ``LanguageModel`` interface plus :class:`FeatureReader`.
+
+    Slots fed with a true feature (queued by :meth:`observe`) and slots fed with the head's own
+    prediction of the previous slot (drafting) share one KV cache per layer and one ``SlotMask`` (the
+    only record of the cache length), exactly as ``models.CausalLM``: per-row rollback masks slots out.
+    """
+
+    def __init__(self, head: FeatureHead, *, max_context: int | None = None, device="cpu") -> None:
+        self.head = head.eval()
+        self.vocab_size = head.vocab_size
+        self.feature_layers = head.feature_layers
+        self.feature_size = head.feature_size
+        self.max_context = max_context
+        self.device = torch.device(device)
+        self._slots: SlotMask | None = None
+        self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._queued: torch.Tensor | None = None  # [B, k, F] true features for the next k slots
+        self._last: torch.Tensor | None = None  # [B, H] the head's prediction at the last slot
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._slots is None else self._slots.length
+
+    @property
+    def valid_lengths(self) -> torch.Tensor:
+        return self._slots.counts()
+
+    def reset(self, batch_size: int) -> None:
+        self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
+        self._cache, self._last = [], None
+        self._queued = None
+
+    def observe(self, features: torch.Tensor) -> None:
+        """Queue the target's true features ``[B, k, F]`` of the slots before the next ``k`` slots fed."""
+        if features.ndim != 3 or features.shape[-1] != self.feature_size:
+            raise ValueError(f"features must be [B, k, {self.feature_size}] (target hidden states {self.feature_layers}), "
+                             f"got shape {tuple(features.shape)}")
+        self._queued = features.float()
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Start a batch from a left-padded prompt ``[B, L]``; needs ``observe`` of ``[B, L, F]`` first. -> ``[B, V]``."""
+        check_prompt(input_ids, attention_mask)
+        queued = self._queued
+        self.reset(input_ids.shape[0])
+        self._queued = queued
+        return self.score(input_ids, attention_mask.bool())[:, -1]
+
+    @torch.no_grad()
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``tokens [B, k]``; return logits ``[B, k, V]``. Inputs: the queued true features, else (k = 1)
+        the head's own prediction at the last slot."""
+        if self._slots is None:
+            raise ValueError("score called before prefill/reset: start a batch first")
+        k = tokens.shape[1]
+        if self._queued is not None:
+            if self._queued.shape[:2] != tokens.shape:
+                raise ValueError(f"observed features cover {tuple(self._queued.shape[:2])} slots but tokens are {tuple(tokens.shape)}")
+            inputs, self._queued = self.head.fuse_features(self._queued), None
+        elif k == 1 and self._last is not None:
+            inputs = self._last[:, None]
+        else:
+            raise ValueError("a feature draft needs the target's features (observe) before scoring these tokens")
+        valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if valid is None else valid.bool()
+        old = self._slots.length
+        positions = self._slots.append(valid)
+        columns = torch.arange(old + k, device=self.device)
+        allowed = self._slots.mask[:, None, :] & (columns[None, None, :] <= old + torch.arange(k)[None, :, None])
+        allowed[:, torch.arange(k), old + torch.arange(k)] = True  # a masked slot sees itself (no empty softmax)
+        past = [[kv] for kv in self._cache] if self._cache else [[] for _ in self.head.layers]
+        hidden, new = self.head.block(inputs, tokens, positions, past, allowed)
+        self._cache = [kv if not p else (torch.cat([p[0][0], kv[0]], 2), torch.cat([p[0][1], kv[1]], 2)) for p, kv in zip(past, new)]
+        self._last = hidden[:, -1]
+        return self.head.logits(hidden)
+
+    def rollback(self, n) -> None:
+        """Forget the last ``n`` slots (``int`` or ``[B]``); the next ``score`` needs freshly observed features."""
+        common = self._slots.drop(rollback_counts(n, self._slots.mask.shape[0], self.device))
+        if common:
+            self._cache = [(k[:, :, :-common], v[:, :, :-common]) for k, v in self._cache]
+        self._last = None
+
+
+# --------------------------------------------------------------------------------------------------
+# On disk
+
+
+def is_feature_draft_dir(directory: str | os.PathLike) -> bool:
+    """True if ``directory`` holds a shipped feature head (its manifest has ``feature_head_config``)."""
+    path = Path(directory) / _MANIFEST_FILE
+    return path.exists() and "feature_head_config" in json.loads(path.read_text())
+
+
+def trainable_tensors(head: FeatureHead) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in head.named_parameters() if p.requires_grad}
+
+
+def save_feature_head(head: FeatureHead, target, directory: str | os.PathLike, manifest: dict | None = None) -> Path:
+    """Write ``feature_head.safetensors`` (trained tensors in the storage dtype) and ``manifest.json``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = _STORAGE_DTYPES[head.config.storage_dtype]
+    tensors = {name: p.detach().to(dtype).contiguous() for name, p in trainable_tensors(head).items()}
+    if head.subset_head is not None:
+        tensors[_HEAD_IDS] = head.subset_head.token_ids.clone()
+    save_file(tensors, str(directory / _WEIGHTS_FILE))
+    record = {"feature_head_config": asdict(head.config), "target": embedding_fingerprint(target), **(manifest or {})}
+    (directory / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+@torch.no_grad()
+def round_head_to_storage(head: FeatureHead) -> None:
+    """Round the trained tensors through the storage dtype in place (a measurement now = the shipped head's)."""
+    dtype = _STORAGE_DTYPES[head.config.storage_dtype]
+    for p in trainable_tensors(head).values():
+        p.copy_(p.to(dtype).to(p.dtype))
+
+
+def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
+    """Rebuild a shipped feature head against ``target`` (checked to be the target it was trained on)."""
+    directory = Path(directory)
+    manifest = json.loads((directory / _MANIFEST_FILE).read_text())
+    expected_target = manifest["target"]
+    actual = embedding_fingerprint(target)
+    if any(actual[k] != expected_target[k] for k in ("vocab_size", "hidden_size")) or not all(
+            math.isclose(actual[k], expected_target[k], rel_tol=1e-3, abs_tol=1e-3) for k in ("embedding_sum", "embedding_sq_sum")):
+        raise ValueError(f"target does not match the target the feature head in {directory} was trained on")
+    config = FeatureHeadConfig(**{**manifest["feature_head_config"], "init_layer": None})
+    tensors = load_file(str(directory / _WEIGHTS_FILE))
+    head = FeatureHead(target, config, head_token_ids=tensors.pop(_HEAD_IDS, None))
+    expected = trainable_tensors(head)
+    if tensors.keys() != expected.keys():
+        raise ValueError(f"directory {directory}: stored tensors {sorted(tensors)} do not match the head's {sorted(expected)}")
+    with torch.no_grad():
+        for name, p in expected.items():
+            p.copy_(tensors[name].float())
+    return head.eval()
+
+
+def load_feature_draft(target_lm, name_or_dir: str | os.PathLike) -> FeatureDraft:
+    """A shipped feature draft (name under ``data/drafts/`` or a directory) beside ``target_lm`` (a ``models.CausalLM``)."""
+    directory = Path(name_or_dir)
+    if not directory.is_dir():
+        directory = drafts_dir() / str(name_or_dir)
+    if not is_feature_draft_dir(directory):
+        raise ValueError(f"name_or_dir {name_or_dir!r}: no feature head in {directory}")
+    head = load_feature_head(target_lm.model, directory)
+    return FeatureDraft(head, max_context=getattr(target_lm, "max_context", None), device=target_lm.device)

@@ -1,0 +1,271 @@
+"""Feature drafts (EAGLE-style) on tiny random models: the head's cached drafting equals its rollout
+forward, rollback and re-feeding of true features, the engine channel (greedy equality, B > 1 with left
+padding, EOS, max_new_tokens, seeds, losslessness), the target wrapper's hidden states, bad input."""
+
+import pytest
+import torch
+
+from specresearch.feature_drafts import FeatureDraft, FeatureHead, FeatureHeadConfig, FeatureReader
+from specresearch.generate import autoregressive_generate, speculative_generate
+from specresearch.models import ToyLM, tiny_llama
+from specresearch.sampling import SamplingConfig
+from specresearch.stats import lossless_test
+
+VOCAB = 48
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[5, 9, 2, 33, 7, 5, 9], [4, 8], [16, 23, 42, 3]]
+
+
+def _head(target, layers=(1, -1), seed=1, scale=0.05, head_tokens=None):
+    ids = None if head_tokens is None else torch.arange(head_tokens)
+    head = FeatureHead(target.model, FeatureHeadConfig("t", feature_layers=layers, head_tokens=head_tokens,
+                                                       train_head=head_tokens is not None), head_token_ids=ids, seed=seed)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn_like(p))  # away from the identity-like init: a draft that differs from the target
+    return head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, init_std=0.6, num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return FeatureDraft(_head(target))
+
+
+def _features(target, seq, layers):
+    with torch.no_grad():
+        out = target.model(input_ids=seq, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i] for i in layers], -1)  # [B, L, F]
+
+
+def test_cached_drafting_equals_the_rollout_forward(target, draft):
+    """Drafting with the KV cache (true features, then own predictions for 1, 2 tokens) gives the logits of
+    the uncached rollout passes 0, 1, 2 at the same slots (atol 1e-4, float32)."""
+    head = draft.head
+    seq = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    feats = _features(target, seq, head.feature_layers)
+    before = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], 1)
+    with torch.no_grad():
+        passes = [head.logits(h) for h in head.rollout(feats, seq, torch.ones_like(seq), passes=3)]
+    draft.observe(before[:, :4])
+    torch.testing.assert_close(draft.prefill(seq[:, :4], torch.ones(1, 4, dtype=torch.long)), passes[0][:, 3], atol=1e-4, rtol=0)
+    draft.observe(before[:, 4:6])
+    torch.testing.assert_close(draft.score(seq[:, 4:6]), passes[0][:, 4:6], atol=1e-4, rtol=0)
+    torch.testing.assert_close(draft.score(seq[:, 6:7])[:, 0], passes[1][:, 6], atol=1e-4, rtol=0)
+    torch.testing.assert_close(draft.score(seq[:, 7:8])[:, 0], passes[2][:, 7], atol=1e-4, rtol=0)
+
+
+def test_rollback_and_refeed_equal_a_fresh_draft_fed_true_features(target, draft):
+    """Draft 3 tokens on own features, roll back 2 per row (ragged: 2 and 1), re-feed true features: the
+    logits equal a draft that only ever saw true features. B = 2 with left padding."""
+    seqs = [[3, 4, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17]]
+    ids = torch.tensor([[0, 0] + seqs[0][:3], seqs[1][:5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    full = [_features(target, torch.tensor([s]), draft.feature_layers)[0] for s in seqs]
+    before = [torch.cat([torch.zeros_like(f[:1]), f[:-1]]) for f in full]
+    draft.observe(torch.stack([torch.cat([torch.zeros(2, full[0].shape[1]), before[0][:3]]), before[1][:5]]))
+    draft.prefill(ids, mask)
+    draft.observe(torch.stack([before[0][3:4], before[1][5:6]]))
+    draft.score(torch.tensor([[seqs[0][3]], [seqs[1][5]]]))
+    draft.score(torch.tensor([[40], [41]]))  # own-feature slots, then rolled back
+    draft.score(torch.tensor([[42], [43]]))
+    draft.rollback(torch.tensor([2, 3]))  # row 1 also drops its last true slot
+    draft.observe(torch.stack([before[0][4:6], torch.cat([torch.zeros(1, full[1].shape[1]), before[1][5:6]])]))
+    got = draft.score(torch.tensor([seqs[0][4:6], [0, seqs[1][5]]]), torch.tensor([[True, True], [False, True]]))[:, -1]
+    for b, (seq, length) in enumerate(zip(seqs, (6, 6))):
+        fresh = FeatureDraft(draft.head)
+        fresh.observe(before[b][None, :length])
+        expected = fresh.prefill(torch.tensor([seq[:length]]), torch.ones(1, length, dtype=torch.long))
+        torch.testing.assert_close(got[b], expected[0], atol=1e-4, rtol=0)
+
+
+def test_target_wrapper_returns_the_requested_hidden_states(target):
+    seq = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    expected = _features(target, seq, (1, -1))
+    _, prompt_hidden = target.prefill(seq[:, :4], torch.ones(1, 4, dtype=torch.long), hidden_layers=(1, -1))
+    logits, block_hidden = target.score(seq[:, 4:], hidden_layers=(1, -1))
+    assert logits.shape == (1, 2, VOCAB)
+    torch.testing.assert_close(torch.cat([prompt_hidden, block_hidden], 1), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "token", "block"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_equals_greedy_autoregressive(target, draft, verifier, gamma):
+    """B = 3 with left padding: the feature draft changes nothing at temperature 0 (and does accept some drafts)."""
+    reference = autoregressive_generate(target, PROMPTS, max_new_tokens=17, sampling=GREEDY)
+    out = speculative_generate(target, draft, PROMPTS, verifier=verifier, gamma=gamma, max_new_tokens=17, sampling=GREEDY)
+    assert out.tokens == reference.tokens
+    assert all(len(row) == 17 for row in out.tokens)
+
+
+def test_a_trained_like_draft_accepts_and_stays_exact(target):
+    """A head equal to the target's last layer reading its own final feature accepts often; output unchanged."""
+    head = FeatureHead(target.model, FeatureHeadConfig("t", feature_layers=(-1,), init_layer=-1))
+    out = speculative_generate(target, FeatureDraft(head), PROMPTS, verifier="token", gamma=3, max_new_tokens=20, sampling=GREEDY)
+    assert out.tokens == autoregressive_generate(target, PROMPTS, max_new_tokens=20, sampling=GREEDY).tokens
+
+
+def test_eos_and_seeds(target, draft):
+    sampling = SamplingConfig(temperature=1.0)
+    first = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=5)
+    again = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=5)
+    other = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=6)
+    assert first.tokens == again.tokens != other.tokens
+    eos = first.tokens[0][4]
+    cut = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=5, eos_token_id=eos)
+    assert cut.tokens[0] == first.tokens[0][: first.tokens[0].index(eos) + 1]
+    per_row = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=[1, 2, 3])
+    alone = speculative_generate(target, draft, PROMPTS[1:2], gamma=3, max_new_tokens=12, sampling=sampling, seed=[2])
+    assert per_row.tokens[1] == alone.tokens[0]  # per-row seeds: a row does not depend on the batch
+
+
+SMALL_V = 6
+
+
+@pytest.mark.parametrize("verifier, sampling", [("token", SamplingConfig()), ("block", SamplingConfig(temperature=0.8, top_k=4))])
+def test_sampled_output_follows_the_target_law(verifier, sampling):
+    """End-to-end losslessness with a feature draft (subset head: q = 0 off 5 of 6 tokens): chi-square over
+    3-token sequences, rejected at p < 1e-6, so a correct engine fails with probability < 1e-6."""
+    small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
+    draft = FeatureDraft(_head(small, layers=(-1,), scale=0.3, head_tokens=5))
+    result = lossless_test(small, draft, verifier, [1, 4, 2], sampling=sampling, gamma=3, k=3, max_new_tokens=4,
+                           num_samples=3000, seed=11, batch_size=500)
+    assert result.impossible == 0 and not result.rejects(1e-6)
+
+
+def test_engine_detects_a_reading_draft_and_bad_input_raises(target, draft):
+    assert isinstance(draft, FeatureReader)
+    with pytest.raises(ValueError, match="features must be"):
+        draft.observe(torch.zeros(1, 1, 3))
+    with pytest.raises(ValueError, match="target must be a models.CausalLM"):
+        speculative_generate(ToyLM.random(VOCAB), draft, PROMPTS, max_new_tokens=3)
+    fresh = FeatureDraft(draft.head)
+    fresh.reset(1)
+    with pytest.raises(ValueError, match="needs the target's features"):
+        fresh.score(torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="feature_layers"):
+        FeatureHeadConfig("x", feature_layers=(1, 1))
+
+
+def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
+    """A tiny target, a cached corpus of 8 sampled continuations, 40 steps (a few seconds): the loss on a fixed
+    batch falls at every depth and the measured depth-1 alpha on held-out prompts rises."""
+    from specresearch.feature_distill import (FeatureCorpusConfig, FeatureTrainConfig, _feature_batch, _feature_columns,
+                                              collect_feature_corpus, feature_loss, load_feature_chunks, measure_feature_draft,
+                                              train_feature_head)
+
+    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (10,), generator=g)]
+    corpus_config = FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=16, batch_size=4, teacher_top_k=8)
+    assert collect_feature_corpus(small.model, prompts[:8], corpus_config, tmp_path, eos_token_ids=[1], progress=False) == 2
+    corpus = load_feature_chunks(tmp_path)
+    head = FeatureHead(small.model, FeatureHeadConfig("t", feature_layers=(1, -1)), seed=0)
+    config = FeatureTrainConfig(steps=40, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2)
+    batch = _feature_batch(corpus, list(range(8)), config.seq_len, *_feature_columns(head, corpus_config.store_layers))
+    before_alpha = measure_feature_draft(small.model, head, prompts[8:], depths=2, max_new_tokens=12, progress=False)
+    with torch.no_grad():
+        _, before = feature_loss(head, batch, config)
+    result = train_feature_head(head, corpus, corpus_config.store_layers, config, checkpoint_dir=tmp_path / "run", progress=False)
+    with torch.no_grad():
+        _, after = feature_loss(head, batch, config)
+    after_alpha = measure_feature_draft(small.model, head, prompts[8:], depths=2, max_new_tokens=12, progress=False)
+    assert result.finished and (tmp_path / "run" / "checkpoint.pt").exists()
+    assert all(a < 0.7 * b for a, b in zip(after, before)), (before, after)
+    assert after_alpha.alpha[1.0][0] > before_alpha.alpha[1.0][0] + 0.05
+    assert all(0 <= a <= 1 for a in after_alpha.alpha[1.0] + after_alpha.greedy_agreement)
+
+
+def test_save_and_load_round_trip(target, tmp_path):
+    """The shipped format: trained tensors in the storage dtype + manifest; the loaded head gives the rounded head's
+    logits, and a head saved against another target is refused."""
+    from specresearch.feature_drafts import is_feature_draft_dir, load_feature_head, round_head_to_storage, save_feature_head
+
+    head = _head(target, head_tokens=40)
+    round_head_to_storage(head)
+    save_feature_head(head, target.model, tmp_path / "h", {"note": "test"})
+    assert is_feature_draft_dir(tmp_path / "h") and not is_feature_draft_dir(tmp_path)
+    loaded = load_feature_head(target.model, tmp_path / "h")
+    seq = torch.tensor([[3, 4, 5, 6, 7]])
+    feats = _features(target, seq, head.feature_layers)
+    with torch.no_grad():
+        expected = head.logits(head.rollout(feats, seq, torch.ones_like(seq), 2)[1])
+        got = loaded.logits(loaded.rollout(feats, seq, torch.ones_like(seq), 2)[1])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="does not match"):
+        load_feature_head(tiny_llama(VOCAB, seed=9, init_std=0.6, num_layers=3).model, tmp_path / "h")
+
+
+def _shipped_feature_heads():
+    from specresearch.drafts import drafts_dir, shipped_drafts
+    from specresearch.feature_drafts import is_feature_draft_dir
+
+    return [n for n in shipped_drafts() if is_feature_draft_dir(drafts_dir() / n)]
+
+
+@pytest.mark.parametrize("name", _shipped_feature_heads())
+def test_shipped_feature_head_loads_offline_and_reproduces_its_manifest(name):
+    """The shipped head, rebuilt against the embedded target in one call, reproduces the manifest's seeded
+    check measurement (3 held-out prompts x 16 tokens, alpha per depth and greedy agreement) within 2e-3
+    (float rounding of batched forwards only: the measurement is deterministic), and drafts losslessly
+    at temperature 0."""
+    import json
+    from pathlib import Path
+
+    from specresearch import distill as D
+    from specresearch.embedded import load_embedded_pair
+    from specresearch.feature_distill import measure_feature_draft
+
+    lm, draft, tokenizer = load_embedded_pair("smollm2-135m-instruct", name, device="cpu")
+    assert isinstance(draft, FeatureDraft)
+    manifest = json.loads((D.drafts_dir() / name / "manifest.json").read_text())
+    check = manifest["check_measurement"]
+    heldout = {p["id"]: p for p in D.load_prompts(Path(D.drafts_dir()).parent / "prompts.jsonl")}
+    ids = D.encode_prompts(tokenizer, [heldout[i] for i in check["prompt_ids"]])
+    depths = len(check["greedy_agreement_by_depth"])
+    measured = measure_feature_draft(lm.model, draft.head, ids, depths=depths, max_new_tokens=check["max_new_tokens"],
+                                     seed=check["seed"], eos_token_ids=[tokenizer.eos_token_id], progress=False)
+    for t, alphas in check["alpha_by_depth"].items():
+        assert measured.alpha[float(t)] == pytest.approx(alphas, abs=2e-3)
+    assert measured.greedy_agreement == pytest.approx(check["greedy_agreement_by_depth"], abs=2e-3)
+    prompt = [ids[0].tolist()]
+    fast = speculative_generate(lm, draft, prompt, gamma=3, max_new_tokens=12, sampling=GREEDY)
+    assert fast.tokens == autoregressive_generate(lm, prompt, max_new_tokens=12, sampling=GREEDY).tokens
+
+
+def test_lookup_or_draft_uses_lookup_where_the_context_matches_and_stays_exact(target, draft):
+    from specresearch.drafts import LookupOrDraft, NGramDraft
+
+    combined = LookupOrDraft(draft, min_match=2)
+    assert isinstance(combined, FeatureReader)  # the feature channel is forwarded
+    prompts = [[5, 9, 2, 33, 7, 5, 9], [4, 8, 16, 23]]  # row 0 ends in a repeated bigram, row 1 has no repeat
+    reference = autoregressive_generate(target, prompts, max_new_tokens=15, sampling=GREEDY)
+    for gamma in (1, 4):
+        out = speculative_generate(target, combined, prompts, verifier="token", gamma=gamma, max_new_tokens=15, sampling=GREEDY)
+        assert out.tokens == reference.tokens
+    lookup = NGramDraft(VOCAB)
+    ids, mask = torch.tensor([prompts[0], [0, 0, 0] + prompts[1]]), torch.tensor([[1] * 7, [0, 0, 0, 1, 1, 1, 1]])
+    feats = torch.stack([_features(target, torch.tensor([p]), draft.feature_layers)[0] for p in prompts[:1]] +
+                        [torch.cat([torch.zeros(3, draft.feature_size), _features(target, torch.tensor([prompts[1]]), draft.feature_layers)[0]])])
+    combined.observe(torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], 1))
+    got = combined.prefill(ids, mask)
+    draft.observe(torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], 1))
+    torch.testing.assert_close(got[0], lookup.prefill(ids, mask)[0])
+    torch.testing.assert_close(got[1], draft.prefill(ids, mask)[1])
+
+
+def test_lookup_or_feature_draft_is_lossless():
+    """Chi-square at p < 1e-6 (false-positive rate < 1e-6) over 3-token sequences of a prompt with repeats."""
+    from specresearch.drafts import LookupOrDraft
+
+    small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
+    combined = LookupOrDraft(FeatureDraft(_head(small, layers=(-1,), scale=0.3)), min_match=1)
+    result = lossless_test(small, combined, "block", [1, 4, 2, 1], sampling=SamplingConfig(), gamma=3, k=3, max_new_tokens=4,
+                           num_samples=2000, seed=13, batch_size=500)
+    assert result.impossible == 0 and not result.rejects(1e-6)
