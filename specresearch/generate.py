@@ -290,10 +290,17 @@ def _draft(draft, pending, pending_valid, gamma, sampling, generators, device):
     return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
-def _score(target, pending, draft_tokens, sampling) -> torch.Tensor:
-    """One target call on ``[pending, drafts]`` [B, 1+gamma] -> target_probs [B, gamma+1, V]."""
-    logits = target.score(torch.cat([pending, draft_tokens], dim=1))
-    return _probs(logits.to(draft_tokens.device), sampling, "target model logits (scoring the drafts)")
+def _score(target, pending, draft_tokens, sampling, hidden_layers=None):
+    """One target call on ``[pending, drafts]`` [B, 1+gamma] -> (target_probs [B, gamma+1, V], features).
+
+    ``features`` [B, gamma+1, F]: the target's hidden states of ``hidden_layers`` when a draft reads them,
+    else None."""
+    tokens = torch.cat([pending, draft_tokens], dim=1)
+    if hidden_layers is None:
+        logits, features = target.score(tokens), None
+    else:
+        logits, features = target.score(tokens, hidden_layers=hidden_layers)
+    return _probs(logits.to(draft_tokens.device), sampling, "target model logits (scoring the drafts)"), features
 
 
 def _rollback(target, draft, num_accepted: torch.Tensor, gamma: int) -> None:
@@ -412,11 +419,8 @@ def speculative_generate(
         t0 = _clock(device)
         draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device)
         t1 = _clock(device)
-        if reads:
-            logits, features = target.score(torch.cat([target_pending, draft_tokens], 1), hidden_layers=draft.feature_layers)
-            target_probs = _probs(logits, sampling, "target model logits (scoring the drafts)")
-        else:
-            target_probs = _score(target, target_pending, draft_tokens, sampling)
+        target_probs, features = _score(target, target_pending, draft_tokens, sampling,
+                                        draft.feature_layers if reads else None)
         t2 = _clock(device)
         randomness = _uniforms(generators, step_gamma, device)
         result = verify(target_probs, draft_probs, draft_tokens, validate=False, **randomness)
