@@ -17,7 +17,8 @@ from pathlib import Path
 
 from specresearch.plotting import FIGURES_ENV
 
-__all__ = ["DOCS_FIGURES", "NotebookRun", "execute_notebook", "find_notebooks", "publish_figures", "run_report"]
+__all__ = ["DOCS_FIGURES", "KERNEL_TEARDOWN_NOISE", "NotebookRun", "execute_notebook", "find_notebooks", "publish_figures",
+           "run_report"]
 
 # Figures shown in README.md and docs/ (stems of reports/figures/*.png), refreshed by every full main job.
 DOCS_FIGURES = (
@@ -31,6 +32,12 @@ DOCS_FIGURES = (
 )
 
 
+# libzmq can abort the kernel process while it terminates its context at shutdown, after every cell has
+# run and replied (zeromq/libzmq#1307, #3715: poll() reports POLLHUP on a closing signaler pipe). It says
+# nothing about the notebook; the run keeps the line in ``kernel_stderr`` but it is not a kernel message.
+KERNEL_TEARDOWN_NOISE = ("Assertion failed: pfd.revents & POLLIN",)
+
+
 @dataclass(frozen=True)
 class NotebookRun:
     """What executing one notebook produced."""
@@ -39,6 +46,13 @@ class NotebookRun:
     executed: Path
     html: Path | None
     seconds: float
+    kernel_stderr: str = ""
+    """What the kernel process wrote to its stderr (outside any cell's output), start to shutdown."""
+
+    def kernel_messages(self) -> list[str]:
+        """The lines of ``kernel_stderr`` other than ``KERNEL_TEARDOWN_NOISE``."""
+        return [line for line in self.kernel_stderr.splitlines()
+                if line.strip() and not any(noise in line for noise in KERNEL_TEARDOWN_NOISE)]
 
 
 def find_notebooks(directory: str | os.PathLike = "notebooks") -> list[Path]:
@@ -87,7 +101,14 @@ def execute_notebook(
         with tempfile.TemporaryDirectory(prefix="specresearch-kernel-") as sockets:
             client = NotebookClient(nb, timeout=timeout, kernel_name="python3", config=_kernel_config(sockets),
                                     resources={"metadata": {"path": str(Path.cwd())}})
-            client.execute()
+            # The kernel's own stderr (not its cells' output, which goes to the notebook) is kept with the
+            # run instead of being interleaved with this process's.
+            log = Path(sockets) / "kernel-stderr.txt"
+            try:
+                with log.open("wb") as stderr:
+                    client.execute(stderr=stderr)
+            finally:
+                kernel_stderr = log.read_text(errors="replace") if log.is_file() else ""
     finally:
         for key, value in env_backup.items():
             if value is None:
@@ -98,7 +119,7 @@ def execute_notebook(
     executed = out_dir / notebook.name
     nbformat.write(nb, executed)
     html_path = _export_html(nb, out_dir / f"{notebook.stem}.html") if html else None
-    return NotebookRun(notebook, executed, html_path, seconds)
+    return NotebookRun(notebook, executed, html_path, seconds, kernel_stderr)
 
 
 def _kernel_config(socket_dir: str):
@@ -150,6 +171,8 @@ def run_report(notebooks_dir="notebooks", out_dir="reports", *, quick=False, onl
     for path in tqdm(paths, desc="notebooks", unit="nb"):
         runs.append(execute_notebook(path, out_dir, quick=quick))
         tqdm.write(f"{path.name}: {runs[-1].seconds:.1f} s -> {runs[-1].html}")
+        for line in runs[-1].kernel_messages():
+            tqdm.write(f"  kernel stderr: {line}")
     if not quick and docs_figures is not None:
         copied = publish_figures(Path(out_dir) / "figures", docs_figures, since=start)
         if copied:

@@ -1,5 +1,6 @@
 """Every numbered notebook runs top to bottom headless (quick parameters), writes its figures, and runs
-quietly: no error, no stderr output in any cell, nothing from the kernel on this process's stderr."""
+quietly: no error, no stderr output in any cell, nothing from the kernel process on its own stderr (which
+the runner keeps with the run) or on this process's."""
 
 import os
 import time
@@ -8,7 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from specresearch.report import DOCS_FIGURES, execute_notebook, find_notebooks, publish_figures
+from specresearch.report import (DOCS_FIGURES, KERNEL_TEARDOWN_NOISE, NotebookRun, execute_notebook, find_notebooks,
+                                 publish_figures)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = find_notebooks(ROOT / "notebooks")
@@ -29,6 +31,7 @@ def test_notebook_executes(notebook, tmp_path, monkeypatch, capfd):
     assert not _outputs(run.executed, "error")
     # quiet: no warnings or progress bars written by the cells, no transport warnings from the kernel
     assert not _outputs(run.executed, "stderr"), [o.text[:300] for o in _outputs(run.executed, "stderr")]
+    assert run.kernel_messages() == []
     assert capfd.readouterr().err == ""
 
 
@@ -46,7 +49,25 @@ def test_kernel_runs_on_this_interpreter_quietly(tmp_path, capfd):
     assert Path(executable).resolve().parent == Path(sys.executable).resolve().parent
     assert bars_off == "1"
     assert os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == before  # the runner restores its environment
+    assert run.kernel_messages() == []
     assert capfd.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_the_kernels_own_stderr_is_kept_with_the_run_not_printed(tmp_path, capfd):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import atexit, os\natexit.register(os.write, 2, b'said at exit\\n')")]
+    (tmp_path / "01_exit.ipynb").write_text(nbformat.writes(nb))
+    run = execute_notebook(tmp_path / "01_exit.ipynb", tmp_path / "out", quick=True, html=False)
+    assert run.kernel_messages() == ["said at exit"]
+    assert capfd.readouterr().err == ""
+
+
+def test_kernel_messages_leave_out_only_the_known_teardown_abort(tmp_path):
+    noise = f"{KERNEL_TEARDOWN_NOISE[0]} (src/signaler.cpp:238)"
+    run = NotebookRun(tmp_path / "a.ipynb", tmp_path / "a.ipynb", None, 1.0, f"{noise}\nTraceback: boom\n\n")
+    assert run.kernel_messages() == ["Traceback: boom"]
+    assert NotebookRun(tmp_path / "a.ipynb", tmp_path / "a.ipynb", None, 1.0, noise).kernel_messages() == []
 
 
 def test_publish_figures_copies_only_the_listed_figures_written_by_this_run(tmp_path):
