@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from specresearch import distill
+from specresearch.draft_analysis import predicted_speedup
 from specresearch.embedded import load_embedded
 from specresearch.feature_distill import measure_feature_cost, measure_feature_draft
 from specresearch.feature_drafts import FeatureDraft, load_feature_head
@@ -38,16 +39,6 @@ TEMPERATURES = (0.2, 0.6, 1.0)
 
 def _directory(name: str) -> Path:
     return Path(name) if (Path(name) / "manifest.json").exists() else distill.drafts_dir() / name
-
-
-def predicted_speedup(alphas: list[float], c: float) -> tuple[int, float]:
-    """Best gamma <= len(alphas) and its speed-up E / (1 + gamma c), E = 1 + sum_k prod_{i<=k} alpha_i."""
-    best, expected, product = (0, 1.0), 1.0, 1.0
-    for gamma, alpha in enumerate(alphas, start=1):
-        product *= alpha
-        expected += product
-        best = max(best, (gamma, expected / (1 + gamma * c)), key=lambda x: x[1])
-    return best
 
 
 def feature_row(lm, tokenizer, directory: Path, prompt_ids, eos, args) -> dict:

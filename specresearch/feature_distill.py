@@ -48,6 +48,7 @@ __all__ = [
     "FeatureChunk",
     "collect_feature_corpus",
     "load_feature_chunks",
+    "as_distill_corpus",
     "target_features",
     "FeatureTrainConfig",
     "FeatureTrainResult",
@@ -203,6 +204,21 @@ def load_feature_chunks(directory: str | os.PathLike, count: int | None = None) 
     if not merged["sequences"] or (count is not None and index < count):
         raise ValueError(f"directory {directory} holds {index} consecutive chunks, {count or 1} needed: collect the corpus first")
     return FeatureChunk(*(tuple(merged[name]) for name in ("sequences", "prompt_lengths", "features", "teacher_ids", "teacher_probs")))
+
+
+def as_distill_corpus(chunk: FeatureChunk, seq_len: int):
+    """The same tokens and teacher as a ``distill.Corpus`` and ``distill.TeacherTargets`` cut to ``seq_len``, so a
+    separate small LM (``distill.train_draft``) trains on exactly the data a feature head trains on.
+
+    The chunk's teacher rows are positions ``P_i - 1 .. L_i - 2``; ``distill._collate`` keeps positions
+    ``P_i - 1 .. min(L_i, seq_len) - 2``, so the first ``min(L_i, seq_len) - P_i`` rows are kept.
+    """
+    from specresearch.distill import Corpus, TeacherTargets
+
+    keep = [max(0, min(len(s), seq_len) - p) for s, p in zip(chunk.sequences, chunk.prompt_lengths)]
+    teacher = TeacherTargets(tuple(t[:k].long() for t, k in zip(chunk.teacher_ids, keep)),
+                             tuple(t[:k].float() for t, k in zip(chunk.teacher_probs, keep)), seq_len)
+    return Corpus(chunk.sequences, chunk.prompt_lengths), teacher
 
 
 # --------------------------------------------------------------------------------------------------

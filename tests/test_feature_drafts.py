@@ -182,6 +182,33 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     assert all(0 <= a <= 1 for a in after_alpha.alpha[1.0] + after_alpha.greedy_agreement)
 
 
+def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
+    """as_distill_corpus: the cached chunks' teacher rows, cut to seq_len, are distill.teacher_targets of the same
+    tokens (recomputed by distill's own collate), so both kinds of draft train on identical data."""
+    from specresearch.distill import teacher_targets
+    from specresearch.feature_distill import FeatureCorpusConfig, as_distill_corpus, collect_feature_corpus, load_feature_chunks
+
+    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (6,), generator=g)]
+    config = FeatureCorpusConfig(store_layers=(-1,), chunk_prompts=3, max_new_tokens=12, batch_size=3, teacher_top_k=8)
+    collect_feature_corpus(small.model, prompts, config, tmp_path, progress=False)
+    chunk = load_feature_chunks(tmp_path)
+    for seq_len in (64, 10):  # 10 cuts every continuation short
+        corpus, teacher = as_distill_corpus(chunk, seq_len)
+        again = teacher_targets(small.model, corpus, seq_len, top_k=8, progress=False)
+        assert corpus.sequences == chunk.sequences and len(teacher.ids) == len(chunk.sequences) == 6
+        for ids, probs, ids2, probs2 in zip(teacher.ids, teacher.probs, again.ids, again.probs):
+            assert ids.shape == ids2.shape and ids.dtype == torch.long and probs.dtype == torch.float32
+            assert torch.equal(ids[:, :3], ids2[:, :3])  # the likeliest tokens (no near-ties at the top here)
+            torch.testing.assert_close(probs, probs2, atol=2e-3, rtol=0)  # float16 storage
+        kept = sum(len(t) for t in teacher.ids)
+        if seq_len == 64:
+            assert kept == chunk.num_generated_tokens
+        else:
+            assert 0 < kept < chunk.num_generated_tokens
+
+
 def test_save_and_load_round_trip(target, tmp_path):
     """The shipped format: trained tensors in the storage dtype + manifest; the loaded head gives the rounded head's
     logits, and a head saved against another target is refused."""

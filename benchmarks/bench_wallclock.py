@@ -1,0 +1,114 @@
+"""Wall clock of several drafts side by side, in one run: speed over autoregressive decoding, per category.
+
+For every prompt (first user turn of ``data/prompts.jsonl``, chat template; ``--per-category`` evenly
+spaced prompts of each of ``--categories``) and every temperature, in this order and timed one after
+the other: autoregressive decoding of the target, then speculative decoding (token verification) with
+each ``--drafts`` name (``drafts.draft_from_name``: ``ngram``, a shipped draft such as ``v8k-4l`` or
+``eagle3-v8k``, a combined ``ngram+NAME``) at each ``--gammas``. Same seed for every method of a prompt,
+EOS stops a row, ``--max-new-tokens`` at most. A speed-up is (tokens / seconds) of a method over that of
+the autoregressive runs of the same prompts, summed per category and over all prompts; the
+acceptance rate is the engine's (accepted / drafted). A benchmark: rows to ``--out`` (JSON lines) and
+Markdown tables; nothing asserted on time.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --threads 1 \\
+        --drafts ngram eagle3-v8k ngram+eagle3-v8k v8k-4l ngram+v8k-4l --gammas 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from specresearch import bench
+from specresearch.draft_analysis import wallclock_table
+from specresearch.drafts import draft_from_name
+from specresearch.embedded import load_embedded
+from specresearch.generate import autoregressive_generate, speculative_generate
+from specresearch.sampling import SamplingConfig
+
+CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
+              "translation")
+
+
+def run(lm, tokenizer, drafts: dict, args) -> list[dict]:
+    config = bench.BenchConfig(categories=tuple(args.categories), temperatures=tuple(args.temperatures), gammas=tuple(args.gammas),
+                               max_new_tokens=args.max_new_tokens)
+    prompts = []
+    for category in args.categories:
+        prompts += bench.load_bench_prompts(tokenizer, dataclasses.replace(config, categories=(category,), num_prompts=args.per_category))
+    eos = tokenizer.eos_token_id
+    warm = [list(prompts[0].token_ids)]
+    for draft in drafts.values():  # untimed: caches, kernels
+        speculative_generate(lm, draft, warm, gamma=max(args.gammas), max_new_tokens=4, seed=[0])
+    autoregressive_generate(lm, warm, max_new_tokens=4, seed=[0])
+    methods = [("autoregressive", None, 0)] + [(name, draft, g) for name, draft in drafts.items() for g in args.gammas]
+    rows = []
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        for temperature in args.temperatures:
+            common = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(temperature=temperature),
+                          seed=[bench.run_seed(prompt.id, args.seed)], eos_token_id=eos)
+            for name, draft, gamma in methods:
+                if draft is None:
+                    out = autoregressive_generate(lm, [list(prompt.token_ids)], **common)
+                else:
+                    out = speculative_generate(lm, draft, [list(prompt.token_ids)], verifier="token", gamma=gamma, **common)
+                rows.append({"prompt": prompt.id, "category": prompt.category, "temperature": temperature, "method": name, "gamma": gamma,
+                             "tokens": out.num_tokens, "seconds": out.seconds,
+                             "acceptance_rate": None if draft is None else out.acceptance_rate})
+        print(f"[{i + 1}/{len(prompts)}] {prompt.id} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return rows
+
+
+def table(summary, gammas) -> str:
+    """Markdown: one row per (prompts, T), one column per draft with its speed-ups at each gamma."""
+    methods = [m for m in dict.fromkeys(summary["method"]) if m != "autoregressive"]
+    lines = ["| prompts | T | autoregressive tok/s | " + " | ".join(f"{m} (gamma {'/'.join(map(str, gammas))})" for m in methods) + " |",
+             "|---|---|---|" + "---|" * len(methods)]
+    for (group, t), part in summary.groupby(["group", "temperature"], sort=False):
+        at = {(r.method, r.gamma): r for r in part.itertuples()}
+        cells = [" / ".join(f"{at[m, g].vs_autoregressive:.2f}" for g in gammas) for m in methods]
+        lines.append(f"| {group} | {t:g} | {at['autoregressive', 0].tokens_per_second:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--drafts", nargs="+", default=["ngram", "eagle3-v8k", "ngram+eagle3-v8k", "v8k-4l", "ngram+v8k-4l"])
+    parser.add_argument("--gammas", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
+    parser.add_argument("--per-category", type=int, default=2, help="prompts per category, evenly spaced")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="reports/bench_wallclock.jsonl")
+    args = parser.parse_args()
+    if any(g < 1 for g in args.gammas) or args.per_category < 1 or args.max_new_tokens < 1:
+        parser.error("--gammas, --per-category and --max-new-tokens must be >= 1")
+    torch.set_num_threads(args.threads)
+    lm, tokenizer = load_embedded(device="cpu")
+    drafts = {name: draft_from_name(name, lm, tokenizer) for name in args.drafts}
+    rows = run(lm, tokenizer, drafts, args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    frame = pd.DataFrame(rows)
+    by_category = wallclock_table(frame, by=("category", "temperature")).rename(columns={"category": "group"})
+    overall = wallclock_table(frame).assign(group="all")
+    print("\nspeed-up over autoregressive decoding (token verification), per gamma:\n")
+    print(table(pd.concat([by_category, overall], ignore_index=True), args.gammas))
+    print("\nacceptance rate (all prompts):\n")
+    for r in overall[overall["method"] != "autoregressive"].itertuples():
+        print(f"  T={r.temperature:g} {r.method} gamma {r.gamma}: {r.acceptance_rate:.3f}")
+    print(f"\n{len(rows)} runs, {args.threads} thread(s); rows in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

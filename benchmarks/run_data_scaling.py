@@ -1,0 +1,153 @@
+"""Data scaling: alpha vs corpus tokens for the feature head and the distilled LM, on the same data.
+
+Each point trains on the first N chunks of ONE cached feature corpus (``specresearch feature-distill``'s:
+``data/distill_prompts_xl.jsonl`` shuffled with seed 0, 64 prompts per chunk, 128 tokens sampled from the
+target at T = 1 per prompt) with the steps given for that point, so a point's training passes over its
+data ~4.6 times whatever N is (same recipe, more data). Two drafts per point:
+
+* ``feature``: the ``eagle3-v8k`` head, trained exactly as ``specresearch feature-distill --preset eagle3-v8k
+  --chunks N --steps S --batch-size 8 --lr 2e-3 --warmup-steps 10 --rollout 2 --checkpoint-every 10`` would
+  (same run key, so the two share checkpoints);
+* ``distill``: the 4-layer ``v8k-4l`` small LM (``specresearch distill``'s recipe: lr 1e-3, 20 warm-up
+  steps, batch 8, seq_len 256) trained on the very same tokens and teacher top-64
+  (``feature_distill.as_distill_corpus``).
+
+Both are measured on the same 14 held-out prompts of ``data/prompts.jsonl`` (64 tokens per temperature,
+seed 0; alpha at T = 0.2 / 0.6 / 1.0, and per depth for the feature head) with c timed at the end of the
+run. One manifest per (draft, N, S) in ``--out``; weights stay in the cache. Resumable: finished points
+are skipped, an interrupted training resumes from its checkpoint.
+
+    nohup python benchmarks/run_data_scaling.py --threads 1 --kinds feature > results/scaling_feature.log 2>&1 &
+    nohup python benchmarks/run_data_scaling.py --threads 1 --kinds distill > results/scaling_distill.log 2>&1 &
+    python benchmarks/run_data_scaling.py --table   # the table of the finished points (notebook 09 plots them)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+POINTS = ("2:74", "6:220", "17:640")  # chunks:steps, ~4.6 passes over the data each
+
+
+def _points(specs: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for spec in specs:
+        chunks, _, steps = spec.partition(":")
+        if not (chunks.isdigit() and steps.isdigit() and int(chunks) > 0 and int(steps) > 0):
+            raise SystemExit(f"error: --points takes CHUNKS:STEPS with both positive integers, got {spec!r}")
+        out.append((int(chunks), int(steps)))
+    return out
+
+
+def _manifest_path(out: Path, kind: str, chunks: int, steps: int) -> Path:
+    return out / f"{kind}_{chunks}chunks_{steps}steps.json"
+
+
+def run_feature(lm, tokenizer, chunks: int, steps: int, args) -> dict:
+    from specresearch.distill import cache_dir
+    from specresearch.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
+    from specresearch.feature_drafts import FeatureHeadConfig
+
+    config = FeatureTrainConfig(steps=steps, batch_size=8, lr=2e-3, warmup_steps=10, rollout=2, checkpoint_every=10)
+    command = (f"specresearch feature-distill --preset eagle3-v8k --prompts {args.prompts} --chunks {chunks} --steps {steps} "
+               f"--batch-size 8 --lr 2e-3 --warmup-steps 10 --rollout 2 --checkpoint-every 10 --threads {args.threads}")
+    return run_feature_distillation(lm, tokenizer, FeatureHeadConfig.from_name("eagle3-v8k"), config, FeatureCorpusConfig(),
+                                    prompts_path=args.prompts, heldout_path=args.heldout, chunks=chunks,
+                                    out_dir=cache_dir() / "scaling" / f"feature-{chunks}-{steps}",
+                                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, command=command)
+
+
+def run_distill(lm, tokenizer, chunks: int, steps: int, args) -> dict:
+    from specresearch.distill import (TrainConfig, cache_dir, encode_prompts, head_token_ids, load_prompts, measure_cost_ratio,
+                                      measure_draft, train_draft)
+    from specresearch.drafts import DraftConfig, build_draft, round_to_storage, save_draft
+    from specresearch.feature_distill import FeatureCorpusConfig, as_distill_corpus, load_feature_chunks
+
+    corpus_config = FeatureCorpusConfig()
+    key = corpus_config.key(args.prompts)
+    chunk = load_feature_chunks(cache_dir() / "features" / key, chunks)  # run the feature points first to collect it
+    config = TrainConfig(steps=steps, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=20, checkpoint_every=20)
+    corpus, teacher = as_distill_corpus(chunk, config.seq_len)
+    del chunk
+    eos = [tokenizer.eos_token_id]
+    draft_config = DraftConfig.from_name("v8k-4l")
+    head_ids = head_token_ids(teacher, lm.model.config.vocab_size, draft_config.head_tokens, required=eos)
+    draft = build_draft(lm.model, draft_config, seed=config.seed, head_token_ids=head_ids)
+    run_dir = cache_dir() / "scaling" / f"distill-{chunks}-{steps}-run"
+    result = train_draft(lm.model, draft, corpus, config, teacher=teacher, checkpoint_dir=run_dir,
+                         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+    manifest = {"command": " ".join(["python", *sys.argv]), "seed": config.seed, "finished": result.finished,
+                "train_config": dataclasses.asdict(config), "draft_config": dataclasses.asdict(draft_config),
+                "corpus": {"prompts_file": Path(args.prompts).name, "cache_key": key, "chunks": chunks,
+                           "sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens},
+                "training": {"steps": result.step, "seconds": round(result.seconds, 1),
+                             "kl_curve": [round(x, 4) for x in result.losses]}}
+    if not result.finished:
+        return manifest
+    round_to_storage(draft, draft_config)
+    prompts = load_prompts(args.heldout)
+    chosen = [prompts[round(i * len(prompts) / 14)] for i in range(14)]
+    full = measure_draft(lm.model, draft, encode_prompts(tokenizer, chosen), max_new_tokens=64, eos_token_ids=eos)
+    manifest["measurement"] = {"heldout_file": Path(args.heldout).name, "prompt_ids": [p["id"] for p in chosen],
+                               "max_new_tokens": 64, "seed": 0, **full.as_dict()}
+    manifest["cost"] = measure_cost_ratio(lm.model, draft)
+    save_draft(draft, lm.model, draft_config, cache_dir() / "scaling" / f"distill-{chunks}-{steps}", manifest)
+    return manifest
+
+
+def table(out: Path) -> None:
+    from specresearch.draft_analysis import read_scaling
+
+    rows = read_scaling(out)
+    print("| draft | corpus tokens | steps | alpha T = 0.2 | T = 0.6 | T = 1.0 | greedy agreement | c |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for _, r in rows.iterrows():
+        name = "eagle3-v8k (feature head)" if r["kind"] == "feature" else "v8k-4l (distilled LM)"
+        alphas = " | ".join(f"{r[f'alpha_T{t}']:.3f}" for t in ("0.2", "0.6", "1.0"))
+        print(f"| {name} | {r['tokens']:,} | {r['steps']} | {alphas} | {r['greedy']:.3f} | {r['c']:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--points", nargs="+", default=list(POINTS), help="CHUNKS:STEPS per point")
+    parser.add_argument("--kinds", nargs="+", choices=("feature", "distill"), default=["feature", "distill"])
+    parser.add_argument("--prompts", default="data/distill_prompts_xl.jsonl")
+    parser.add_argument("--heldout", default="data/prompts.jsonl")
+    parser.add_argument("--out", default="benchmarks/records/scaling", help="directory of the per-point manifests")
+    parser.add_argument("--max-minutes", type=float, help="per point: stop and checkpoint after this long (rerun to resume)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--table", action="store_true", help="only print the table of the finished points (manifests in --out)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.table:
+        table(out)
+        return
+    points = _points(args.points)
+    torch.set_num_threads(args.threads)
+    from specresearch.embedded import load_embedded
+
+    lm, tokenizer = load_embedded(device="cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    for chunks, steps in points:
+        for kind in args.kinds:
+            path = _manifest_path(out, kind, chunks, steps)
+            if path.exists() and json.loads(path.read_text()).get("finished"):
+                print(f"{path} exists, skipped", flush=True)
+                continue
+            start = time.perf_counter()
+            manifest = (run_feature if kind == "feature" else run_distill)(lm, tokenizer, chunks, steps, args)
+            if manifest.get("finished"):
+                path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            print(f"{kind} {chunks} chunks {steps} steps: finished={manifest.get('finished')} "
+                  f"({time.perf_counter() - start:.0f} s) -> {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Trained drafts compared: acceptance per depth, data scaling, predicted and measured speed-up.
+
+Records in, tables and figures out (the experiments layer of ``ARCHITECTURE.md``). The records are
+the manifests the training commands write (``specresearch distill`` / ``feature-distill``, shipped under
+``data/drafts/`` or kept by ``benchmarks/run_data_scaling.py``) and the JSON lines of
+``benchmarks/bench_wallclock.py``. Notation: alpha_d = acceptance rate of the d-th drafted token after
+the last verified one, c = one draft step / one target forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+__all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "read_scaling", "read_wallclock",
+           "wallclock_table", "plot_acceptance_by_depth", "plot_data_scaling", "plot_speedup_vs_gamma"]
+
+
+def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
+    """Tokens per target call with gamma drafted tokens: 1 + sum_{k<=gamma} prod_{i<=k} alpha_i (acceptance of
+    depth i given depths < i accepted; a distilled LM's one alpha at every depth gives Leviathan et al.'s formula)."""
+    if not 0 <= gamma <= len(alphas):
+        raise ValueError(f"gamma must be in [0, {len(alphas)}] (the depths measured), got {gamma}")
+    total, product = 1.0, 1.0
+    for alpha in alphas[:gamma]:
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alphas must lie in [0, 1], got {alpha}")
+        product *= alpha
+        total += product
+    return total
+
+
+def speedup_curve(alphas: Sequence[float], c: float) -> list[tuple[int, float, float]]:
+    """``(gamma, expected tokens per call, predicted speed-up E / (1 + gamma c))`` for gamma = 1..len(alphas)."""
+    if not c >= 0:
+        raise ValueError(f"c must be >= 0, got {c}")
+    return [(g, expected_tokens(alphas, g), expected_tokens(alphas, g) / (1 + g * c)) for g in range(1, len(alphas) + 1)]
+
+
+def predicted_speedup(alphas: Sequence[float], c: float) -> tuple[int, float]:
+    """The best gamma <= len(alphas) and its predicted speed-up (:func:`speedup_curve`)."""
+    gamma, _, speedup = max(speedup_curve(alphas, c), key=lambda row: row[2])
+    return gamma, speedup
+
+
+def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
+    """One trained draft's manifest (a draft directory or its ``manifest.json``), in one shape for both kinds.
+
+    Returns ``name``, ``kind`` ("feature" or "distilled LM"), ``alpha_by_depth`` (temperature string ->
+    alphas at depths 1..; a distilled LM's one alpha repeated ``depths`` times), ``greedy_by_depth``,
+    ``c``, ``tokens`` (corpus tokens) and ``steps``.
+    """
+    path = Path(path)
+    file = path / "manifest.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{str(file)!r} is not a draft manifest")
+    manifest = json.loads(file.read_text())
+    measurement = manifest.get("measurement")
+    if measurement is None:
+        raise ValueError(f"{file} has no measurement (training not finished?)")
+    if "alpha_by_depth" in measurement:
+        kind, by_depth, greedy = "feature", measurement["alpha_by_depth"], measurement["greedy_agreement_by_depth"]
+    else:
+        kind = "distilled LM"
+        by_depth = {t: [a] * depths for t, a in measurement["alpha"].items()}
+        greedy = [measurement["greedy_agreement"]] * depths
+    name = (manifest.get("feature_head_config") or manifest.get("draft_config") or {}).get("name", file.parent.name)
+    return {"name": name, "kind": kind, "alpha_by_depth": by_depth, "greedy_by_depth": greedy, "c": manifest["cost"]["c"],
+            "tokens": manifest["corpus"]["generated_tokens"], "steps": manifest["training"]["steps"], "file": str(file)}
+
+
+def read_scaling(directory: str | os.PathLike) -> pd.DataFrame:
+    """The finished points of a data-scaling run (``benchmarks/run_data_scaling.py --out``): one row per
+    (kind, corpus tokens, steps) with depth-1 alpha at each temperature, greedy agreement and c."""
+    rows = []
+    for file in sorted(Path(directory).glob("*.json")):
+        try:
+            m = read_draft_manifest(file)
+        except ValueError:
+            continue
+        rows.append({"kind": m["kind"], "tokens": m["tokens"], "steps": m["steps"],
+                     **{f"alpha_T{t}": a[0] for t, a in m["alpha_by_depth"].items()}, "greedy": m["greedy_by_depth"][0], "c": m["c"]})
+    if not rows:
+        raise ValueError(f"no finished scaling manifest in {str(directory)!r}")
+    return pd.DataFrame(rows).sort_values(["kind", "tokens"]).reset_index(drop=True)
+
+
+def read_wallclock(path: str | os.PathLike) -> pd.DataFrame:
+    """The per-run rows of ``benchmarks/bench_wallclock.py`` (JSON lines)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{str(path)!r} holds no rows")
+    return pd.DataFrame(rows)
+
+
+def wallclock_table(rows: pd.DataFrame, by: Sequence[str] = ("temperature",)) -> pd.DataFrame:
+    """Speed-up over autoregressive decoding per ``by`` group, method and gamma: (sum tokens / sum seconds) of
+    the method over that of the autoregressive runs of the same group, and the mean acceptance rate."""
+    by = list(by)
+    sums = rows.groupby(by + ["method", "gamma"], as_index=False).agg(tokens=("tokens", "sum"), seconds=("seconds", "sum"),
+                                                                     acceptance_rate=("acceptance_rate", "mean"))
+    sums["tokens_per_second"] = sums["tokens"] / sums["seconds"]
+    base = sums[sums["method"] == "autoregressive"][by + ["tokens_per_second"]].rename(columns={"tokens_per_second": "ar_tokens_per_second"})
+    if base.empty:
+        raise ValueError("the rows hold no autoregressive baseline")
+    out = sums.merge(base, on=by)
+    out["vs_autoregressive"] = out["tokens_per_second"] / out["ar_tokens_per_second"]
+    return out.drop(columns=["ar_tokens_per_second"])
+
+
+def plot_acceptance_by_depth(drafts: Sequence[dict], temperatures: Sequence[str] = ("0.2", "0.6", "1.0")):
+    """alpha per draft depth, one panel per temperature, one line per draft (:func:`read_draft_manifest` dicts);
+    a distilled LM is drawn flat (one alpha: its drafted tokens do not read anything of their own)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(4 * len(temperatures), 3.4), sharey=True)
+    for ax, t in zip(axes, temperatures):
+        for d in drafts:
+            alphas = d["alpha_by_depth"][t]
+            style = "-o" if d["kind"] == "feature" else "--s"
+            ax.plot(range(1, len(alphas) + 1), alphas, style, label=f"{d['name']} ({d['kind']}, c = {d['c']:.2f})")
+        ax.set_title(f"T = {t}")
+        ax.set_xlabel("draft depth d (tokens after the last verified one)")
+        ax.set_xticks(range(1, max(len(d["alpha_by_depth"][t]) for d in drafts) + 1))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out acceptance alpha_d")
+    axes[0].set_ylim(0, max(0.6, max(max(d["alpha_by_depth"][t]) for d in drafts for t in temperatures) + 0.05))
+    axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: float | None = 0.5):
+    """Depth-1 alpha at ``temperature`` against corpus tokens (log scale), one line per kind of draft."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, marker in (("feature", "o"), ("distilled LM", "s")):
+        part = table[table["kind"] == kind]
+        if len(part):
+            ax.plot(part["tokens"], part[f"alpha_T{temperature}"], marker=marker, label=kind)
+            for _, row in part.iterrows():
+                ax.annotate(f"{row['steps']} steps", (row["tokens"], row[f"alpha_T{temperature}"]), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"alpha = {target}")
+    ax.set_xscale("log")
+    ax.set_xlabel("corpus tokens (sampled from the target at T = 1; the same corpus for both kinds)")
+    ax.set_ylabel(f"held-out alpha, depth 1, T = {temperature}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None = None, temperature: str = "1.0"):
+    """Predicted speed-up E / (1 + gamma c) against gamma per draft (lines), and the measured wall-clock
+    speed-ups of :func:`wallclock_table` (``by=("temperature",)``) at that temperature (markers), if given."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in drafts:
+        curve = speedup_curve(d["alpha_by_depth"][temperature], d["c"])
+        line, = ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], "-", label=f"{d['name']} predicted")
+        if measured is not None:
+            rows = measured[(measured["method"] == d["name"]) & (measured["temperature"] == float(temperature))]
+            if len(rows):
+                ax.plot(rows["gamma"], rows["vs_autoregressive"], "o", color=line.get_color(), label=f"{d['name']} measured")
+    if measured is not None:
+        others = measured[(measured["temperature"] == float(temperature)) & ~measured["method"].isin([d["name"] for d in drafts] + ["autoregressive"])]
+        for method, rows in others.groupby("method"):
+            ax.plot(rows["gamma"], rows["vs_autoregressive"], "x--", label=f"{method} measured")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xlabel("gamma (drafted tokens per step)")
+    ax.set_ylabel("speed-up over autoregressive decoding")
+    ax.set_title(f"T = {temperature}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,108 @@
+"""draft_analysis: per-depth expected tokens and speed-ups, manifests of both kinds of draft, wall-clock tables."""
+
+import json
+from fractions import Fraction
+
+import matplotlib
+
+matplotlib.use("Agg")
+import pandas as pd
+import pytest
+
+from specresearch import theory
+from specresearch.distill import drafts_dir
+from specresearch.draft_analysis import (expected_tokens, plot_acceptance_by_depth, plot_data_scaling, plot_speedup_vs_gamma,
+                                         predicted_speedup, read_draft_manifest, read_scaling, wallclock_table)
+
+
+def test_expected_tokens_and_speedup_by_hand():
+    assert expected_tokens([0.5, 0.4], 2) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
+    assert expected_tokens([0.5, 0.4], 0) == 1.0
+    # gamma 1: 1.5 / 1.1 = 1.364; gamma 2: 1.7 / 1.2 = 1.417
+    gamma, speedup = predicted_speedup([0.5, 0.4], 0.1)
+    assert gamma == 2 and speedup == pytest.approx(1.7 / 1.2)
+    assert predicted_speedup([0.5, 0.1], 0.1)[0] == 1  # 1.55 / 1.2 < 1.5 / 1.1
+
+
+@pytest.mark.parametrize("alpha,c", [(0.3, 0.07), (0.8, 0.2)])
+def test_a_constant_alpha_gives_leviathans_formula(alpha, c):
+    for gamma in range(1, 6):
+        assert expected_tokens([alpha] * 5, gamma) == pytest.approx(float(theory.expected_tokens(Fraction(str(alpha)), gamma)))
+    best, speedup = predicted_speedup([alpha] * 5, c)
+    assert speedup == pytest.approx(float(theory.walltime_improvement(Fraction(str(alpha)), best, Fraction(str(c)))))
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="gamma"):
+        expected_tokens([0.5], 2)
+    with pytest.raises(ValueError, match="alphas"):
+        expected_tokens([1.5], 1)
+    with pytest.raises(ValueError, match="c must"):
+        predicted_speedup([0.5], -1.0)
+
+
+def _feature_manifest(tokens, alpha1):
+    return {"feature_head_config": {"name": "head"}, "corpus": {"generated_tokens": tokens}, "training": {"steps": 10},
+            "cost": {"c": 0.07}, "finished": True,
+            "measurement": {"alpha_by_depth": {t: [alpha1, alpha1 / 2] for t in ("0.2", "0.6", "1.0")},
+                            "greedy_agreement_by_depth": [0.3, 0.2]}}
+
+
+def _distilled_manifest(tokens, alpha):
+    return {"draft_config": {"name": "lm"}, "corpus": {"generated_tokens": tokens}, "training": {"steps": 20}, "cost": {"c": 0.16},
+            "finished": True, "measurement": {"alpha": {t: alpha for t in ("0.2", "0.6", "1.0")}, "greedy_agreement": 0.4}}
+
+
+def test_manifests_of_both_kinds_read_into_one_shape(tmp_path):
+    (tmp_path / "feature_2.json").write_text(json.dumps(_feature_manifest(2000, 0.2)))
+    (tmp_path / "feature_1.json").write_text(json.dumps(_feature_manifest(1000, 0.1)))
+    (tmp_path / "distill_1.json").write_text(json.dumps(_distilled_manifest(1000, 0.3)))
+    (tmp_path / "unfinished.json").write_text(json.dumps({"finished": False, "corpus": {}}))
+    lm = read_draft_manifest(tmp_path / "distill_1.json", depths=3)
+    assert lm["kind"] == "distilled LM" and lm["alpha_by_depth"]["1.0"] == [0.3] * 3 and lm["greedy_by_depth"] == [0.4] * 3
+    table = read_scaling(tmp_path)
+    assert list(table["kind"]) == ["distilled LM", "feature", "feature"]
+    assert list(table["tokens"]) == [1000, 1000, 2000] and list(table["alpha_T1.0"]) == [0.3, 0.1, 0.2]
+    with pytest.raises(ValueError, match="no finished"):
+        read_scaling(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="not a draft manifest"):
+        read_draft_manifest(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("name", ["eagle3-v8k", "v8k-4l"])
+def test_the_shipped_manifests_read(name):
+    m = read_draft_manifest(drafts_dir() / name)
+    assert m["name"] == name and 0 < m["c"] < 1 and m["tokens"] > 10_000
+    assert all(0 < a < 1 for alphas in m["alpha_by_depth"].values() for a in alphas)
+
+
+def test_wallclock_table_divides_summed_rates_by_the_baselines():
+    rows = pd.DataFrame([
+        {"temperature": 0.0, "method": "autoregressive", "gamma": 0, "tokens": 10, "seconds": 2.0, "acceptance_rate": None},
+        {"temperature": 0.0, "method": "autoregressive", "gamma": 0, "tokens": 10, "seconds": 3.0, "acceptance_rate": None},
+        {"temperature": 0.0, "method": "ngram", "gamma": 2, "tokens": 10, "seconds": 1.0, "acceptance_rate": 0.5},
+        {"temperature": 0.0, "method": "ngram", "gamma": 2, "tokens": 10, "seconds": 1.5, "acceptance_rate": 0.7},
+        {"temperature": 1.0, "method": "autoregressive", "gamma": 0, "tokens": 8, "seconds": 2.0, "acceptance_rate": None},
+        {"temperature": 1.0, "method": "ngram", "gamma": 2, "tokens": 8, "seconds": 4.0, "acceptance_rate": 0.1},
+    ])
+    table = wallclock_table(rows).set_index(["temperature", "method"])
+    assert table.loc[(0.0, "ngram"), "vs_autoregressive"] == pytest.approx((20 / 2.5) / (20 / 5.0))
+    assert table.loc[(0.0, "ngram"), "acceptance_rate"] == pytest.approx(0.6)
+    assert table.loc[(1.0, "ngram"), "vs_autoregressive"] == pytest.approx(0.5)
+    assert table.loc[(1.0, "autoregressive"), "vs_autoregressive"] == 1.0
+    with pytest.raises(ValueError, match="autoregressive baseline"):
+        wallclock_table(rows[rows["method"] != "autoregressive"])
+
+
+def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
+    drafts = [read_draft_manifest(drafts_dir() / n) for n in ("eagle3-v8k", "v8k-4l")]
+    fig = plot_acceptance_by_depth(drafts)
+    assert len(fig.axes) == 3 and all(len(ax.lines) == 2 for ax in fig.axes)
+    (tmp_path / "f.json").write_text(json.dumps(_feature_manifest(1000, 0.1)))
+    (tmp_path / "d.json").write_text(json.dumps(_distilled_manifest(1000, 0.3)))
+    fig = plot_data_scaling(read_scaling(tmp_path))
+    assert len(fig.axes[0].lines) == 3  # two kinds and the alpha = 0.5 line
+    measured = pd.DataFrame([{"temperature": 1.0, "method": "eagle3-v8k", "gamma": 1, "vs_autoregressive": 0.8},
+                             {"temperature": 1.0, "method": "ngram", "gamma": 1, "vs_autoregressive": 0.9}])
+    fig = plot_speedup_vs_gamma(drafts, measured)
+    assert len(fig.axes[0].lines) == 2 + 1 + 1 + 1  # two predicted curves, eagle3-v8k and ngram measured, the 1.0 line
