@@ -7,8 +7,10 @@ each ``--drafts`` name (``drafts.draft_from_name``: ``ngram``, a shipped draft s
 ``eagle3-v8k``, a combined ``ngram+NAME``) at each ``--gammas``. Same seed for every method of a prompt,
 EOS stops a row, ``--max-new-tokens`` at most. A speed-up is (tokens / seconds) of a method over that of
 the autoregressive runs of the same prompts, summed per category and over all prompts; the
-acceptance rate is the engine's (accepted / drafted). A benchmark: rows to ``--out`` (JSON lines) and
-Markdown tables; nothing asserted on time.
+acceptance rate is the engine's (accepted / drafted). Before and after the runs it times one cached target
+call scoring k = 1 and gamma + 1 tokens (``bench.score_seconds``): what verification costs in target
+forwards here. A benchmark: rows to ``--out`` (JSON lines; the score timings as ``method = target_score``
+rows) and Markdown tables; nothing asserted on time.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --threads 1 \\
         --drafts ngram eagle3-v8k ngram+eagle3-v8k v8k-4l ngram+v8k-4l --gammas 1 2 4
@@ -95,10 +97,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lm, tokenizer = load_embedded(device="cpu")
     drafts = {name: draft_from_name(name, lm, tokenizer) for name in args.drafts}
+    ks = sorted({1, *(g + 1 for g in args.gammas)})
+    costs = bench.score_seconds(lm, ks)  # before and after the runs: the machine's load may drift
     rows = run(lm, tokenizer, drafts, args)
+    after = bench.score_seconds(lm, ks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json.dumps({"method": "target_score", "k": k, "ms_before": 1e3 * costs[k], "ms_after": 1e3 * after[k]}) + "\n"
+                     for k in ks)
+    print("\none cached target call scoring k tokens (context 64, B = 1), before / after the runs:\n")
+    for k in ks:
+        print(f"  k = {k}: {1e3 * costs[k]:.1f} / {1e3 * after[k]:.1f} ms = {costs[k] / costs[1]:.2f} / {after[k] / after[1]:.2f} x k = 1")
     frame = pd.DataFrame(rows)
     by_category = wallclock_table(frame, by=("category", "temperature")).rename(columns={"category": "group"})
     overall = wallclock_table(frame).assign(group="all")

@@ -80,6 +80,7 @@ __all__ = [
     "load_bench_draft",
     "load_bench_prompts",
     "read_records",
+    "score_seconds",
     "run_batched",
     "run_bench",
     "run_named",
@@ -500,3 +501,33 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     run = run_batched if batched else run_bench
     return run(target, draft, prompts, config, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
                progress=progress)
+
+
+def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int = 64, repeats: int = 20,
+                  warmup: int = 3) -> dict[int, float]:
+    """Median wall time of one cached target call that scores k new tokens (B = 1), for each k of ``ks``.
+
+    A speculative step with gamma drafted tokens scores gamma + 1 tokens in one call, autoregressive
+    decoding one: ``score_seconds(...)[gamma + 1] / score_seconds(...)[1]`` is what verification costs in
+    target forwards on this machine (1 if the forward is bound by reading the weights, up to gamma + 1 if
+    it is bound by arithmetic). The ks are timed in turn within each repeat and the cache is rolled back
+    after every call. ``target``: a ``models.CausalLM``. A benchmark figure, never asserted on in tests.
+    """
+    import statistics
+
+    import torch
+
+    if not ks or any(k < 1 for k in ks) or context_length < 1 or repeats < 1:
+        raise ValueError(f"ks must be non-empty ints >= 1, context_length and repeats >= 1; got {ks}, {context_length}, {repeats}")
+    ids = (torch.arange(context_length + max(ks)) % 1000 + 100)[None].to(target.device)  # [1, n]
+    target.prefill(ids[:, :context_length], torch.ones_like(ids[:, :context_length]))
+    times = {k: [] for k in ks}
+    with torch.no_grad():
+        for _ in range(warmup + repeats):
+            for k in ks:
+                start = time.perf_counter()
+                target.score(ids[:, context_length : context_length + k])
+                times[k].append(time.perf_counter() - start)
+                target.rollback(k)
+    return {k: statistics.median(t[warmup:]) for k, t in times.items()}
+

@@ -34,16 +34,27 @@ def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
     return total
 
 
-def speedup_curve(alphas: Sequence[float], c: float) -> list[tuple[int, float, float]]:
-    """``(gamma, expected tokens per call, predicted speed-up E / (1 + gamma c))`` for gamma = 1..len(alphas)."""
+def speedup_curve(alphas: Sequence[float], c: float, score_cost: dict[int, float] | None = None) -> list[tuple[int, float, float]]:
+    """``(gamma, expected tokens per call E, predicted speed-up E / (r_{gamma+1} + gamma c))`` for gamma = 1..len(alphas).
+
+    ``score_cost``: r_k = one target call scoring k tokens / one scoring 1 token (``bench.score_seconds``);
+    None takes r_k = 1, Leviathan et al.'s model (verification costs one forward whatever gamma).
+    """
     if not c >= 0:
         raise ValueError(f"c must be >= 0, got {c}")
-    return [(g, expected_tokens(alphas, g), expected_tokens(alphas, g) / (1 + g * c)) for g in range(1, len(alphas) + 1)]
+    gammas = range(1, len(alphas) + 1)
+    if score_cost is not None and any(g + 1 not in score_cost for g in gammas):
+        raise ValueError(f"score_cost needs r_k for k = 2..{len(alphas) + 1}, has {sorted(score_cost)}")
+    rows = []
+    for g in gammas:
+        r = 1.0 if score_cost is None else score_cost[g + 1]
+        rows.append((g, expected_tokens(alphas, g), expected_tokens(alphas, g) / (r + g * c)))
+    return rows
 
 
-def predicted_speedup(alphas: Sequence[float], c: float) -> tuple[int, float]:
+def predicted_speedup(alphas: Sequence[float], c: float, score_cost: dict[int, float] | None = None) -> tuple[int, float]:
     """The best gamma <= len(alphas) and its predicted speed-up (:func:`speedup_curve`)."""
-    gamma, _, speedup = max(speedup_curve(alphas, c), key=lambda row: row[2])
+    gamma, _, speedup = max(speedup_curve(alphas, c, score_cost), key=lambda row: row[2])
     return gamma, speedup
 
 
@@ -89,12 +100,15 @@ def read_scaling(directory: str | os.PathLike) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values(["kind", "tokens"]).reset_index(drop=True)
 
 
-def read_wallclock(path: str | os.PathLike) -> pd.DataFrame:
-    """The per-run rows of ``benchmarks/bench_wallclock.py`` (JSON lines)."""
+def read_wallclock(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[int, float]]:
+    """The generation runs of ``benchmarks/bench_wallclock.py`` (JSON lines) and the target's score cost
+    r_k (the mean of its before / after timings of k tokens over those of 1 token; empty if not recorded)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{str(path)!r} holds no rows")
-    return pd.DataFrame(rows)
+    runs = [r for r in rows if r.get("method") != "target_score"]
+    if not runs:
+        raise ValueError(f"{str(path)!r} holds no generation runs")
+    ms = {r["k"]: (r["ms_before"] + r["ms_after"]) / 2 for r in rows if r.get("method") == "target_score"}
+    return pd.DataFrame(runs), ({k: v / ms[1] for k, v in ms.items()} if 1 in ms else {})
 
 
 def wallclock_table(rows: pd.DataFrame, by: Sequence[str] = ("temperature",)) -> pd.DataFrame:
@@ -157,15 +171,24 @@ def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: flo
     return fig
 
 
-def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None = None, temperature: str = "1.0"):
-    """Predicted speed-up E / (1 + gamma c) against gamma per draft (lines), and the measured wall-clock
-    speed-ups of :func:`wallclock_table` (``by=("temperature",)``) at that temperature (markers), if given."""
+def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None = None, temperature: str = "1.0",
+                          score_cost: dict[int, float] | None = None):
+    """Predicted speed-up against gamma per draft (lines: dotted E / (1 + gamma c), and solid with the
+    measured verification cost r_{gamma+1} if ``score_cost``), and the measured wall-clock speed-ups of
+    :func:`wallclock_table` (``by=("temperature",)``) at that temperature (markers), if given."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for d in drafts:
-        curve = speedup_curve(d["alpha_by_depth"][temperature], d["c"])
-        line, = ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], "-", label=f"{d['name']} predicted")
+        alphas = d["alpha_by_depth"][temperature]
+        curve = speedup_curve(alphas, d["c"])
+        line, = ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], ":", label=f"{d['name']} predicted, r = 1")
+        if score_cost is not None:
+            usable = alphas[: max((g for g in range(1, len(alphas) + 1) if g + 1 in score_cost), default=0)]
+            if usable:
+                curve = speedup_curve(usable, d["c"], score_cost)
+                ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], "-", color=line.get_color(),
+                        label=f"{d['name']} predicted, measured r")
         if measured is not None:
             rows = measured[(measured["method"] == d["name"]) & (measured["temperature"] == float(temperature))]
             if len(rows):

@@ -12,7 +12,8 @@ import pytest
 from specresearch import theory
 from specresearch.distill import drafts_dir
 from specresearch.draft_analysis import (expected_tokens, plot_acceptance_by_depth, plot_data_scaling, plot_speedup_vs_gamma,
-                                         predicted_speedup, read_draft_manifest, read_scaling, wallclock_table)
+                                         predicted_speedup, read_draft_manifest, read_scaling, read_wallclock, speedup_curve,
+                                         wallclock_table)
 
 
 def test_expected_tokens_and_speedup_by_hand():
@@ -30,6 +31,16 @@ def test_a_constant_alpha_gives_leviathans_formula(alpha, c):
         assert expected_tokens([alpha] * 5, gamma) == pytest.approx(float(theory.expected_tokens(Fraction(str(alpha)), gamma)))
     best, speedup = predicted_speedup([alpha] * 5, c)
     assert speedup == pytest.approx(float(theory.walltime_improvement(Fraction(str(alpha)), best, Fraction(str(c)))))
+
+
+def test_the_verification_cost_divides_the_prediction():
+    # r_2 = 1.3, r_3 = 1.6: gamma 1 -> 1.5 / (1.3 + 0.1), gamma 2 -> 1.7 / (1.6 + 0.2)
+    curve = speedup_curve([0.5, 0.4], 0.1, {1: 1.0, 2: 1.3, 3: 1.6})
+    assert [g for g, _, _ in curve] == [1, 2]
+    assert curve[0][2] == pytest.approx(1.5 / 1.4) and curve[1][2] == pytest.approx(1.7 / 1.8)
+    assert predicted_speedup([0.5, 0.4], 0.1, {2: 1.3, 3: 1.6}) == (1, pytest.approx(1.5 / 1.4))
+    with pytest.raises(ValueError, match="r_k for k = 2..3"):
+        speedup_curve([0.5, 0.4], 0.1, {2: 1.3})
 
 
 def test_bad_inputs_raise():
@@ -76,6 +87,20 @@ def test_the_shipped_manifests_read(name):
     assert all(0 < a < 1 for alphas in m["alpha_by_depth"].values() for a in alphas)
 
 
+def test_wallclock_records_split_into_runs_and_score_costs(tmp_path):
+    path = tmp_path / "w.jsonl"
+    rows = [{"prompt": "a", "category": "code", "temperature": 0.0, "method": "autoregressive", "gamma": 0, "tokens": 4, "seconds": 1.0,
+             "acceptance_rate": None},
+            {"method": "target_score", "k": 1, "ms_before": 80.0, "ms_after": 100.0},
+            {"method": "target_score", "k": 2, "ms_before": 120.0, "ms_after": 114.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs, cost = read_wallclock(path)
+    assert list(runs["method"]) == ["autoregressive"] and cost == {1: 1.0, 2: pytest.approx(117 / 90)}
+    path.write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match="no generation runs"):
+        read_wallclock(path)
+
+
 def test_wallclock_table_divides_summed_rates_by_the_baselines():
     rows = pd.DataFrame([
         {"temperature": 0.0, "method": "autoregressive", "gamma": 0, "tokens": 10, "seconds": 2.0, "acceptance_rate": None},
@@ -106,3 +131,6 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
                              {"temperature": 1.0, "method": "ngram", "gamma": 1, "vs_autoregressive": 0.9}])
     fig = plot_speedup_vs_gamma(drafts, measured)
     assert len(fig.axes[0].lines) == 2 + 1 + 1 + 1  # two predicted curves, eagle3-v8k and ngram measured, the 1.0 line
+    fig = plot_speedup_vs_gamma(drafts, measured, score_cost={1: 1.0, 2: 1.2, 3: 1.4})  # r known up to gamma 2
+    solid = [line for line in fig.axes[0].lines if line.get_label().endswith("predicted, measured r")]
+    assert len(solid) == 2 and all(list(line.get_xdata()) == [1, 2] for line in solid)
