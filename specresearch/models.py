@@ -16,6 +16,12 @@ Every model the generation engine drives -- a transformers model (:class:`Causal
   drafts that read the target's features (``feature_drafts``); the wrapper does not know what reads them.
 * ``cache_length`` (physical slots, shared by all rows), ``valid_lengths [B]``, ``vocab_size``, ``device``.
 
+Speed on CPUs: a speculative step scores gamma + 1 tokens in one call, so the target's linear layers
+multiply 2-9 rows by each weight. With MKL (PyTorch's CPU BLAS) a product ``x @ W^T`` with 2 or 3 rows
+reads W once per row, so a call scoring 2 tokens cost 1.6x a one-token call here (``benchmarks/
+bench_score_cost.py``), while ``(W @ x^T)^T`` reads W once. :class:`CausalLM` switches the model's
+``nn.Linear`` layers to :class:`SkinnyLinear` on CPU (same parameters; ``skinny_linear=False`` opts out).
+
 Ragged batches (the design choice): rows of a batch accept different numbers of draft tokens, but all
 rows share ONE physical cache length. ``rollback(n)`` with per-row ``n`` crops the suffix common to all
 rows from the KV cache (``DynamicCache.crop``) and masks out (attention mask 0) the extra slots of rows
@@ -37,6 +43,8 @@ import torch
 __all__ = [
     "LanguageModel",
     "CausalLM",
+    "SkinnyLinear",
+    "use_skinny_linears",
     "SlotMask",
     "rollback_counts",
     "check_prompt",
@@ -130,11 +138,45 @@ def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         raise ValueError("attention_mask must be left-padded: in each row, zeros (padding) and then ones")
 
 
+class SkinnyLinear(torch.nn.Linear):
+    """``nn.Linear`` that multiplies 2 or 3 rows as ``(W @ x^T)^T`` instead of ``x @ W^T``.
+
+    The same function (up to float rounding, ~1e-6 relative), parameters and state dict; any other number
+    of rows (1: a GEMV; >= 4: MKL's blocked GEMM) takes ``nn.Linear``'s path unchanged. Why: on CPU, MKL
+    computes ``x @ W^T`` with 2 or 3 rows as one matrix-vector product per row, streaming W from memory
+    2 or 3 times, while the transposed product streams it once; for a memory-bound model that is most
+    of a verification call's cost.
+    """
+
+    SKINNY_ROWS = (2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if rows not in self.SKINNY_ROWS or x.device.type != "cpu":
+            return super().forward(x)
+        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_skinny_linears(model: torch.nn.Module) -> int:
+    """Switch every plain ``nn.Linear`` of ``model`` to :class:`SkinnyLinear` in place (parameters and state
+    dict untouched); returns how many were switched. Subclasses of ``nn.Linear`` are left as they are."""
+    switched = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = SkinnyLinear
+            switched += 1
+    return switched
+
+
 class CausalLM:
     """A transformers ``AutoModelForCausalLM`` behind the narrow prefill / score / rollback interface.
 
     Uses transformers' own ``DynamicCache`` (``crop`` for rollback); keeps no state on the HF model object
-    and never branches on the model class. Logits are returned in float32.
+    and never branches on the model class (on CPU it switches the model's ``nn.Linear`` layers to
+    :class:`SkinnyLinear`, see ``skinny_linear``). Logits are returned in float32.
 
     Args:
         model: a model name or local path (loaded with ``AutoModelForCausalLM.from_pretrained``), or an instance.
@@ -142,10 +184,12 @@ class CausalLM:
         dtype: e.g. ``torch.float32`` / ``torch.bfloat16``; ``None`` keeps the checkpoint's (or instance's) dtype.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"``: accelerate shards a large target across
             the available GPUs, then CPU). Only with a name or path.
+        skinny_linear: switch the model's ``nn.Linear`` layers to :class:`SkinnyLinear` (module docstring:
+            cheaper verification calls on CPU). ``None``: when the model is on the CPU.
     """
 
     def __init__(self, model, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
-                 device_map: str | dict | None = None):
+                 device_map: str | dict | None = None, skinny_linear: bool | None = None):
         if isinstance(model, (str, os.PathLike)):
             model = _from_pretrained(model, dtype, device_map)
         elif device_map is not None:
@@ -153,6 +197,8 @@ class CausalLM:
         if device_map is None:
             model = model.to(device=resolve_device(device), dtype=dtype)
         self.model = model.eval()
+        if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
+            use_skinny_linears(self.model)
         self._cache = None
         self._slots: SlotMask | None = None
 

@@ -132,3 +132,49 @@ def test_toy_markov_and_iid_tables():
     torch.testing.assert_close(iid.prefill(torch.tensor([[4]]), torch.ones(1, 1)), table[0][None])
     with pytest.raises(ValueError, match="table must be"):
         ToyLM(torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_is_nn_linear_up_to_rounding(bias):
+    """SkinnyLinear: 2 or 3 rows through (W @ x^T)^T, every other row count through nn.Linear itself (bit for bit);
+    same parameters, same state dict, gradients flow."""
+    from specresearch.models import SkinnyLinear, use_skinny_linears
+
+    g = torch.Generator().manual_seed(0)
+    plain = torch.nn.Linear(48, 96, bias=bias)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 96, bias=bias))
+    model[0].load_state_dict(plain.state_dict())
+    assert use_skinny_linears(model) == 1 and type(model[0]) is SkinnyLinear and isinstance(model[0], torch.nn.Linear)
+    assert model.state_dict().keys() == {f"0.{k}" for k in plain.state_dict()}
+    for shape in [(1, 48), (2, 48), (3, 48), (1, 2, 48), (1, 3, 48), (3, 1, 48), (4, 48), (2, 5, 48)]:
+        x = torch.randn(shape, generator=g)
+        got, want = model(x), plain(x)
+        assert got.shape == want.shape
+        rows = x.numel() // 48
+        if rows in SkinnyLinear.SKINNY_ROWS:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(got, want)
+    model(torch.randn(2, 48, generator=g)).sum().backward()
+    assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
+
+
+def test_causal_lm_switches_to_skinny_linears_on_cpu_only_when_asked_or_auto():
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.models import SkinnyLinear, tiny_llama_config
+
+    def fresh():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB, initializer_range=0.5), dtype=torch.float32)
+
+    auto, off = CausalLM(fresh(), device="cpu"), CausalLM(fresh(), device="cpu", skinny_linear=False)
+    assert any(type(m) is SkinnyLinear for m in auto.model.modules())
+    assert not any(type(m) is SkinnyLinear for m in off.model.modules())
+    ids, mask = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
+    for lm in (auto, off):
+        lm.prefill(ids, mask)
+    for k in (1, 2, 3, 5):
+        tokens = torch.arange(9, 9 + k)[None]
+        torch.testing.assert_close(auto.score(tokens), off.score(tokens), atol=1e-5, rtol=1e-5)
