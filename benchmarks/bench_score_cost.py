@@ -5,7 +5,9 @@ decoding scores one per call. Leviathan et al.'s speed-up E / (1 + gamma c) take
 the same (a forward bound by reading the weights, as on a GPU at small batch). This times r_k =
 T(k) / T(1) for the embedded target (``bench.score_seconds``: B = 1, context ``--context`` tokens, the ks
 timed in turn, medians) at each ``--threads``, and the same for the target's output layer alone
-(49,152 x 576, the largest single matrix), so the two can be told apart. A benchmark: nothing asserted.
+(49,152 x 576, the largest single matrix), so the two can be told apart; each with the model's linear
+layers as ``models.SkinnyLinear`` (what ``CausalLM`` uses on CPU) and as plain ``nn.Linear`` (the peer),
+in the same run. A benchmark: nothing asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_score_cost.py --threads 1 2
 """
@@ -22,6 +24,15 @@ import torch
 
 from specresearch import bench
 from specresearch.embedded import load_embedded
+from specresearch.models import SkinnyLinear
+
+VARIANTS = {"skinny": SkinnyLinear, "plain": torch.nn.Linear}
+
+
+def _switch(model: torch.nn.Module, cls) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and type(module) in VARIANTS.values():
+            module.__class__ = cls
 
 
 def head_seconds(head: torch.nn.Module, hidden_size: int, ks, repeats: int = 20, warmup: int = 3) -> dict[int, float]:
@@ -52,16 +63,19 @@ def main() -> None:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        full = bench.score_seconds(lm, args.ks, context_length=args.context, repeats=args.repeats)
-        alone = head_seconds(head, hidden, args.ks, repeats=args.repeats)
-        for k in args.ks:
-            rows.append({"threads": threads, "k": k, "score_ms": 1e3 * full[k], "r_k": full[k] / full[1],
-                         "head_ms": 1e3 * alone[k], "head_r_k": alone[k] / alone[1]})
+        for variant, cls in VARIANTS.items():
+            _switch(lm.model, cls)
+            full = bench.score_seconds(lm, args.ks, context_length=args.context, repeats=args.repeats)
+            alone = head_seconds(head, hidden, args.ks, repeats=args.repeats)
+            for k in args.ks:
+                rows.append({"threads": threads, "linear": variant, "k": k, "score_ms": 1e3 * full[k], "r_k": full[k] / full[1],
+                             "head_ms": 1e3 * alone[k], "head_r_k": alone[k] / alone[1]})
+    _switch(lm.model, SkinnyLinear)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print("| threads | k | target call ms | r_k | output layer ms | its r_k |\n|---|---|---|---|---|---|")
+    print("| threads | linear layers | k | target call ms | r_k | output layer ms | its r_k |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['threads']} | {r['k']} | {r['score_ms']:.1f} | {r['r_k']:.2f} | {r['head_ms']:.1f} | {r['head_r_k']:.2f} |")
+        print(f"| {r['threads']} | {r['linear']} | {r['k']} | {r['score_ms']:.1f} | {r['r_k']:.2f} | {r['head_ms']:.1f} | {r['head_r_k']:.2f} |")
     print(f"\ncontext {args.context}, B = 1, medians of {args.repeats}; rows in {args.out}")
 
 

@@ -29,6 +29,9 @@ DOCS_FIGURES = (
     "05_be_gain_vs_temperature",
     "05_gain_vs_alpha",
     "07_losslessness",
+    "09_acceptance_by_depth",
+    "09_data_scaling",
+    "09_speedup_vs_gamma",
 )
 
 
