@@ -184,7 +184,10 @@ def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None 
         curve = speedup_curve(alphas, d["c"])
         line, = ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], ":", label=f"{d['name']} predicted, r = 1")
         if score_cost is not None:
-            usable = alphas[: max((g for g in range(1, len(alphas) + 1) if g + 1 in score_cost), default=0)]
+            depth = 0  # the gammas 1..depth whose r_{gamma+1} was timed
+            while depth < len(alphas) and depth + 2 in score_cost:
+                depth += 1
+            usable = alphas[:depth]
             if usable:
                 curve = speedup_curve(usable, d["c"], score_cost)
                 ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], "-", color=line.get_color(),

@@ -134,3 +134,6 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
     fig = plot_speedup_vs_gamma(drafts, measured, score_cost={1: 1.0, 2: 1.2, 3: 1.4})  # r known up to gamma 2
     solid = [line for line in fig.axes[0].lines if line.get_label().endswith("predicted, measured r")]
     assert len(solid) == 2 and all(list(line.get_xdata()) == [1, 2] for line in solid)
+    fig = plot_speedup_vs_gamma(drafts, measured, score_cost={1: 1.0, 2: 1.2, 3: 1.4, 5: 1.6})  # gammas 1, 2, 4 timed
+    solid = [line for line in fig.axes[0].lines if line.get_label().endswith("predicted, measured r")]
+    assert all(list(line.get_xdata()) == [1, 2] for line in solid)
