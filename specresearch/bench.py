@@ -517,17 +517,19 @@ def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int 
 
     import torch
 
+    from specresearch.generate import _clock  # synchronises CUDA before reading the clock
+
     if not ks or any(k < 1 for k in ks) or context_length < 1 or repeats < 1:
         raise ValueError(f"ks must be non-empty ints >= 1, context_length and repeats >= 1; got {ks}, {context_length}, {repeats}")
-    ids = (torch.arange(context_length + max(ks)) % 1000 + 100)[None].to(target.device)  # [1, n]
+    ids = ((torch.arange(context_length + max(ks)) % 1000 + 100) % target.vocab_size)[None].to(target.device)  # [1, n]
     target.prefill(ids[:, :context_length], torch.ones_like(ids[:, :context_length]))
     times = {k: [] for k in ks}
     with torch.no_grad():
         for _ in range(warmup + repeats):
             for k in ks:
-                start = time.perf_counter()
+                start = _clock(target.device)
                 target.score(ids[:, context_length : context_length + k])
-                times[k].append(time.perf_counter() - start)
+                times[k].append(_clock(target.device) - start)
                 target.rollback(k)
     return {k: statistics.median(t[warmup:]) for k, t in times.items()}
 

@@ -293,3 +293,15 @@ def test_cli_bench_accepts_a_batched_dial_sweep():
 
     args = build_parser().parse_args(["bench", "--draft", "dial-mix:0.5", "--verifiers", "token", "--batched"])
     assert args.batched and args.draft == "dial-mix:0.5" and args.verifiers == ["token"]
+
+
+def test_score_seconds_times_every_k_and_leaves_the_context_as_it_found_it():
+    """A benchmark helper: no timing is asserted, only that each k is timed and every call was rolled back."""
+    from specresearch.models import tiny_llama
+
+    lm = tiny_llama(32)
+    seconds = bench.score_seconds(lm, (1, 2, 3), context_length=8, repeats=2, warmup=1)
+    assert sorted(seconds) == [1, 2, 3] and all(s > 0 for s in seconds.values())
+    assert lm.cache_length == 8
+    with pytest.raises(ValueError, match="ks must be"):
+        bench.score_seconds(lm, (0, 1))
