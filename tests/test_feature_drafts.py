@@ -296,3 +296,45 @@ def test_lookup_or_feature_draft_is_lossless():
     result = lossless_test(small, combined, "block", [1, 4, 2, 1], sampling=SamplingConfig(), gamma=3, k=3, max_new_tokens=4,
                            num_samples=2000, seed=13, batch_size=500)
     assert result.impossible == 0 and not result.rejects(1e-6)
+
+
+class _Recorded:
+    """Records the logits every ``score`` of a combined draft returned (the engine's view of the draft)."""
+
+    def __init__(self, combined):
+        self.calls = []
+        original = combined.score
+
+        def score(tokens, valid=None):
+            out = original(tokens, valid)
+            self.calls.append(out.clone())
+            return out
+
+        combined.score = score
+
+
+@pytest.mark.parametrize("inner", ["feature", "lm"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lazy_lookup_or_draft_returns_what_feeding_every_slot_returns(target, inner, temperature):
+    """The wrapped draft fed only when its logits are needed (backlog, ragged rollbacks, own-feature slots)
+    returns the same logits at every engine call as feeding it every slot and computes fewer slots. B = 3, left
+    padding, gamma 3. Tolerance: float32 rounding of a wider call, which the random head's own-feature chain
+    amplifies ~10x per drafted token (differences 1e-5 at a flushed slot, up to 7e-4 two own slots later, on
+    logits of size ~10): atol 2e-3; a wrong slot, position or feature would differ by O(1)."""
+    from specresearch.drafts import LookupOrDraft
+
+    prompts = [[5, 9, 2, 33, 7, 5, 9, 2], [4, 8, 4, 8], [16, 23, 42, 3, 16]]
+    runs = {}
+    for lazy in (True, False):
+        wrapped = FeatureDraft(_head(target)) if inner == "feature" else tiny_llama(VOCAB, seed=7, init_std=0.6)
+        combined = LookupOrDraft(wrapped, min_match=1, lazy=lazy)
+        recorded = _Recorded(combined)
+        out = speculative_generate(target, combined, prompts, gamma=3, max_new_tokens=20,
+                                   sampling=SamplingConfig(temperature=temperature), seed=3)
+        runs[lazy] = out, recorded.calls, combined.draft_slots_fed
+    (lazy_out, lazy_calls, lazy_fed), (eager_out, eager_calls, eager_fed) = runs[True], runs[False]
+    assert lazy_out.tokens == eager_out.tokens
+    assert len(lazy_calls) == len(eager_calls)
+    for got, want in zip(lazy_calls, eager_calls):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    assert lazy_fed < eager_fed
