@@ -63,7 +63,9 @@ def run(lm, tokenizer, drafts: dict, args) -> list[dict]:
                 else:
                     out = speculative_generate(lm, draft, [list(prompt.token_ids)], verifier="token", gamma=gamma, **common)
                 rows.append({"prompt": prompt.id, "category": prompt.category, "temperature": temperature, "method": name, "gamma": gamma,
-                             "tokens": out.num_tokens, "seconds": out.seconds,
+                             "tokens": out.num_tokens, "seconds": out.seconds, "steps": len(out.steps),
+                             "target_seconds": sum(s.target_seconds for s in out.steps),
+                             "draft_seconds": sum(s.draft_seconds for s in out.steps),
                              "acceptance_rate": None if draft is None else out.acceptance_rate})
         print(f"[{i + 1}/{len(prompts)}] {prompt.id} ({time.perf_counter() - started:.0f} s)", flush=True)
     return rows

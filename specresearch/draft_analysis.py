@@ -17,7 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 __all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "read_scaling", "read_wallclock",
-           "wallclock_table", "plot_acceptance_by_depth", "plot_data_scaling", "plot_speedup_vs_gamma"]
+           "wallclock_table", "best_gammas", "plot_acceptance_by_depth", "plot_data_scaling", "plot_speedup_vs_gamma",
+           "plot_speedup_by_category"]
 
 
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
@@ -124,6 +125,48 @@ def wallclock_table(rows: pd.DataFrame, by: Sequence[str] = ("temperature",)) ->
     out = sums.merge(base, on=by)
     out["vs_autoregressive"] = out["tokens_per_second"] / out["ar_tokens_per_second"]
     return out.drop(columns=["ar_tokens_per_second"])
+
+
+def best_gammas(overall: pd.DataFrame, temperature: float) -> dict[str, int]:
+    """Per method, the gamma with the highest speed-up in ``overall`` (:func:`wallclock_table` over all prompts)
+    at ``temperature``: the one setting a user would pick for the whole prompt set."""
+    rows = overall[(overall["temperature"] == temperature) & (overall["method"] != "autoregressive")]
+    if rows.empty:
+        raise ValueError(f"no speculative runs at temperature {temperature} (have {sorted(overall['temperature'].unique())})")
+    best = rows.loc[rows.groupby("method", sort=False)["vs_autoregressive"].idxmax()]
+    return dict(zip(best["method"], best["gamma"].astype(int)))
+
+
+def plot_speedup_by_category(rows: pd.DataFrame, temperature: float, methods: Sequence[str] | None = None):
+    """Speed-up over autoregressive decoding per prompt category and over all prompts (bars), one bar per method at
+    its :func:`best_gammas` gamma on all prompts (default: every method, in the order they ran); ``rows``: the runs of
+    :func:`read_wallclock`."""
+    import matplotlib.pyplot as plt
+
+    overall = wallclock_table(rows)
+    gammas = best_gammas(overall, temperature)
+    methods = [m for m in dict.fromkeys(rows["method"]) if m in gammas] if methods is None else list(methods)  # run order
+    missing = [m for m in methods if m not in gammas]
+    if missing:
+        raise ValueError(f"methods {missing} have no runs at temperature {temperature} (have {sorted(gammas)})")
+    table = pd.concat([wallclock_table(rows, by=("category", "temperature")),
+                       overall.assign(category="all prompts")], ignore_index=True)
+    table = table[table["temperature"] == temperature]
+    groups = list(dict.fromkeys(table["category"]))
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(1.3 * len(groups) + 2, 4))
+    for i, method in enumerate(methods):
+        at = table[(table["method"] == method) & (table["gamma"] == gammas[method])].set_index("category")["vs_autoregressive"]
+        ax.bar([g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))], [at.get(c, float("nan")) for c in groups],
+               width, label=f"{method} (gamma {gammas[method]})")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xticks(range(len(groups)), [g.replace("_", " ") for g in groups], rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("speed-up over autoregressive decoding")
+    ax.set_title(f"T = {temperature:g}, each draft at its best gamma over all prompts")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def plot_acceptance_by_depth(drafts: Sequence[dict], temperatures: Sequence[str] = ("0.2", "0.6", "1.0")):

@@ -32,6 +32,7 @@ DOCS_FIGURES = (
     "09_acceptance_by_depth",
     "09_data_scaling",
     "09_speedup_vs_gamma",
+    "09_combined_draft",
 )
 
 

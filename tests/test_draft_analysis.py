@@ -11,9 +11,9 @@ import pytest
 
 from specresearch import theory
 from specresearch.distill import drafts_dir
-from specresearch.draft_analysis import (expected_tokens, plot_acceptance_by_depth, plot_data_scaling, plot_speedup_vs_gamma,
-                                         predicted_speedup, read_draft_manifest, read_scaling, read_wallclock, speedup_curve,
-                                         wallclock_table)
+from specresearch.draft_analysis import (best_gammas, expected_tokens, plot_acceptance_by_depth, plot_data_scaling,
+                                         plot_speedup_by_category, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
+                                         read_scaling, read_wallclock, speedup_curve, wallclock_table)
 
 
 def test_expected_tokens_and_speedup_by_hand():
@@ -137,3 +137,24 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
     fig = plot_speedup_vs_gamma(drafts, measured, score_cost={1: 1.0, 2: 1.2, 3: 1.4, 5: 1.6})  # gammas 1, 2, 4 timed
     solid = [line for line in fig.axes[0].lines if line.get_label().endswith("predicted, measured r")]
     assert all(list(line.get_xdata()) == [1, 2] for line in solid)
+
+
+def test_best_gammas_and_the_bars_per_category():
+    """Each method's gamma is the best over all prompts at that temperature; one bar per (method, category + all)."""
+    def run(category, method, gamma, seconds):
+        return {"category": category, "temperature": 0.0, "method": method, "gamma": gamma, "tokens": 10, "seconds": seconds,
+                "acceptance_rate": None if method == "autoregressive" else 0.5}
+
+    rows = pd.DataFrame([run("code", "autoregressive", 0, 2.0), run("rag", "autoregressive", 0, 2.0),
+                         run("code", "ngram", 1, 2.0), run("rag", "ngram", 1, 2.0),  # 1.0x over all prompts
+                         run("code", "ngram", 4, 4.0), run("rag", "ngram", 4, 1.0),  # 0.8x: 0.5x on code, 2x on rag
+                         run("code", "both", 1, 1.0), run("rag", "both", 1, 1.0)])
+    assert best_gammas(wallclock_table(rows), 0.0) == {"ngram": 1, "both": 1}
+    fig = plot_speedup_by_category(rows, 0.0)
+    heights = [bar.get_height() for bar in fig.axes[0].patches]
+    assert heights == pytest.approx([1.0, 1.0, 1.0, 2.0, 2.0, 2.0])  # ngram: code, rag, all; then both
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["ngram (gamma 1)", "both (gamma 1)"]
+    with pytest.raises(ValueError, match="no runs at temperature"):
+        plot_speedup_by_category(rows, 0.0, methods=["lookup"])
+    with pytest.raises(ValueError, match="no speculative runs"):
+        best_gammas(wallclock_table(rows), 1.0)
