@@ -4,8 +4,8 @@ For every prompt (first user turn of ``data/prompts.jsonl``, chat template; ``--
 spaced prompts of each of ``--categories``) and every temperature, in this order and timed one after
 the other: autoregressive decoding of the target, then speculative decoding (token verification) with
 each ``--drafts`` name (``drafts.draft_from_name``: ``ngram``, a shipped draft such as ``v8k-4l`` or
-``eagle3-v8k``, a combined ``ngram+NAME``; ``ngram+NAME@every-slot`` is the combined draft that feeds NAME
-every slot, ``LookupOrDraft(lazy=False)``, for the side-by-side ablation) at each ``--gammas``. Same seed for every method of a prompt,
+``eagle3-v8k``, a combined ``ngram+NAME`` and its ablations ``@draft-gamma=none`` and ``@every-slot``,
+``drafts.combined_draft``) at each ``--gammas``. Same seed for every method of a prompt,
 EOS stops a row, ``--max-new-tokens`` at most. A speed-up is (tokens / seconds) of a method over that of
 the autoregressive runs of the same prompts, summed per category and over all prompts; the
 acceptance rate is the engine's (accepted / drafted). Before and after the runs it times one cached target
@@ -30,7 +30,7 @@ import torch
 
 from specresearch import bench
 from specresearch.draft_analysis import wallclock_table
-from specresearch.drafts import LookupOrDraft, draft_from_name
+from specresearch.drafts import draft_from_name
 from specresearch.embedded import load_embedded
 from specresearch.generate import autoregressive_generate, speculative_generate
 from specresearch.sampling import SamplingConfig
@@ -71,13 +71,6 @@ def run(lm, tokenizer, drafts: dict, args) -> list[dict]:
     return rows
 
 
-def load_draft(name: str, lm, tokenizer):
-    """``drafts.draft_from_name``, plus ``ngram+NAME@every-slot``: the combined draft feeding NAME every slot."""
-    if name.startswith("ngram+") and name.endswith("@every-slot"):
-        return LookupOrDraft(draft_from_name(name[len("ngram+") : -len("@every-slot")], lm, tokenizer), lazy=False)
-    return draft_from_name(name, lm, tokenizer)
-
-
 def table(summary, gammas) -> str:
     """Markdown: one row per (prompts, T), one column per draft with its speed-ups at each gamma."""
     methods = [m for m in dict.fromkeys(summary["method"]) if m != "autoregressive"]
@@ -106,7 +99,7 @@ def main() -> None:
         parser.error("--gammas, --per-category and --max-new-tokens must be >= 1")
     torch.set_num_threads(args.threads)
     lm, tokenizer = load_embedded(device="cpu")
-    drafts = {name: load_draft(name, lm, tokenizer) for name in args.drafts}
+    drafts = {name: draft_from_name(name, lm, tokenizer) for name in args.drafts}
     ks = sorted({1, *(g + 1 for g in args.gammas)})
     costs = bench.score_seconds(lm, ks)  # before and after the runs: the machine's load may drift
     rows = run(lm, tokenizer, drafts, args)

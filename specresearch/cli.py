@@ -439,7 +439,7 @@ def _known_names(flag: str) -> list[str]:
         return sorted(EMBEDDED)
     from specresearch.drafts import shipped_drafts
 
-    return ["ngram", "ngram+NAME", "truncated:N", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
+    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
             *shipped_drafts()]
 
 

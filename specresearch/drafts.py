@@ -25,6 +25,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +38,12 @@ __all__ = [
     "ngram_probs",
     "ngram_match_length",
     "LookupOrDraft",
+    "PlansLength",
     "truncated_draft",
     "check_same_vocab",
     "check_same_tokenizer",
     "draft_from_name",
+    "combined_draft",
     "DraftConfig",
     "DRAFT_PRESETS",
     "SubsetHead",
@@ -97,18 +100,23 @@ def ngram_probs(context: torch.Tensor, vocab_size: int, max_ngram: int = 3, floo
     counts of the tokens that followed those occurrences; no match -> unigram counts of the context;
     empty context -> uniform. Then mixed with ``floor`` uniform mass.
     """
-    counts = torch.zeros(vocab_size)
+    return _lookup(context, vocab_size, max_ngram, floor)[0]
+
+
+def _lookup(context: torch.Tensor, vocab_size: int, max_ngram: int, floor: float) -> tuple[torch.Tensor, int]:
+    """One scan of ``context [L]``: (:func:`ngram_probs` ``[V]``, :func:`ngram_match_length`)."""
+    counts, matched = torch.zeros(vocab_size), 0
     for n in range(min(max_ngram, len(context) - 1), 0, -1):
         windows = context[:-1].unfold(0, n, 1)  # [L-n, n]: window i is followed by context[i+n]
         hits = (windows == context[-n:]).all(-1)
         if bool(hits.any()):
-            counts = torch.bincount(context[n:][hits], minlength=vocab_size).float()
+            counts, matched = torch.bincount(context[n:][hits], minlength=vocab_size).float(), n
             break
     else:
         if len(context):
             counts = torch.bincount(context, minlength=vocab_size).float()
     lookup = counts / counts.sum() if counts.sum() > 0 else torch.full((vocab_size,), 1.0 / vocab_size)
-    return (1 - floor) * lookup + floor / vocab_size
+    return (1 - floor) * lookup + floor / vocab_size, matched
 
 
 class NGramDraft:
@@ -127,6 +135,7 @@ class NGramDraft:
         self.device = torch.device(device)
         self._tokens = torch.zeros(0, 0, dtype=torch.long)
         self._slots: SlotMask | None = None
+        self._matches: torch.Tensor | None = None  # [B] match lengths of the current contexts, once scanned
 
     @property
     def cache_length(self) -> int:
@@ -135,6 +144,7 @@ class NGramDraft:
     def reset(self, batch_size: int) -> None:
         self._tokens = torch.zeros(batch_size, 0, dtype=torch.long)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool))
+        self._matches = None
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         check_prompt(input_ids, attention_mask)
@@ -153,21 +163,27 @@ class NGramDraft:
     def rollback(self, n) -> None:
         common = self._slots.drop(rollback_counts(n, self._tokens.shape[0], "cpu"))
         self._tokens = self._tokens[:, : self._tokens.shape[1] - common]
+        self._matches = None
 
     def _append(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self._slots.append(valid)
         self._tokens = torch.cat([self._tokens, tokens], dim=1)
+        self._matches = None
+
+    def _rows(self) -> list[torch.Tensor]:
+        return [self._tokens[b][self._slots.mask[b]] for b in range(self._tokens.shape[0])]
 
     def _row_logits(self) -> torch.Tensor:
-        """log q after the current context of each row. -> [B, V]."""
-        rows = [self._tokens[b][self._slots.mask[b]] for b in range(self._tokens.shape[0])]
-        probs = torch.stack([ngram_probs(r, self.vocab_size, self.max_ngram, self.floor) for r in rows])
-        return probs.log().to(self.device)
+        """log q after the current context of each row -> [B, V]; keeps the match lengths of the same scan."""
+        looked = [_lookup(r, self.vocab_size, self.max_ngram, self.floor) for r in self._rows()]
+        self._matches = torch.tensor([n for _, n in looked], dtype=torch.long)
+        return torch.stack([q for q, _ in looked]).log().to(self.device)
 
     def match_lengths(self) -> torch.Tensor:
         """Longest suffix (<= ``max_ngram`` tokens) of each row's context that occurred earlier in it. -> [B] int64."""
-        rows = [self._tokens[b][self._slots.mask[b]] for b in range(self._tokens.shape[0])]
-        return torch.tensor([ngram_match_length(r, self.max_ngram) for r in rows], dtype=torch.long)
+        if self._matches is None:
+            self._matches = torch.tensor([ngram_match_length(r, self.max_ngram) for r in self._rows()], dtype=torch.long)
+        return self._matches
 
 
 def ngram_match_length(context: torch.Tensor, max_ngram: int = 3) -> int:
@@ -176,6 +192,19 @@ def ngram_match_length(context: torch.Tensor, max_ngram: int = 3) -> int:
         if bool((context[:-1].unfold(0, n, 1) == context[-n:]).all(-1).any()):
             return n
     return 0
+
+
+@runtime_checkable
+class PlansLength(Protocol):
+    """A draft that chooses how many tokens to draft in each step (the engine checks for this interface).
+
+    ``plan_length(gamma)`` is asked once per step, after the draft has scored its pending block and
+    before any token of the step is sampled; it returns the step's draft length in ``1..gamma``. Since it
+    is a function of the context (never of the step's own drafts), every verifier stays lossless: given
+    the context, the step is an ordinary step with that length.
+    """
+
+    def plan_length(self, gamma: int) -> int: ...
 
 
 class LookupOrDraft:
@@ -193,12 +222,20 @@ class LookupOrDraft:
     then computes exactly what it would have computed slot by slot (up to float rounding of a wider
     call): a feature draft's own-prediction slots are fed one at a time after the true-feature slots
     before them. While lookup drafts, the wrapped draft costs nothing. ``lazy=False`` feeds it every slot.
+
+    ``draft_gamma`` (:class:`PlansLength`): a step whose first token no row can look up drafts at most
+    ``draft_gamma`` tokens; a step where some row has a match drafts the engine's full gamma. Lookup
+    drafts are cheap and, where they match, long runs of them are accepted; a trained draft's best length
+    is usually shorter. ``None`` (default) always drafts the engine's gamma.
     """
 
-    def __init__(self, draft, *, max_ngram: int = 3, min_match: int = 2, floor: float = 0.02, lazy: bool = True):
+    def __init__(self, draft, *, max_ngram: int = 3, min_match: int = 2, floor: float = 0.02, lazy: bool = True,
+                 draft_gamma: int | None = None):
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"min_match must be in 1..max_ngram={max_ngram}, got {min_match}")
-        self.draft, self.min_match, self.lazy = draft, min_match, lazy
+        if draft_gamma is not None and (isinstance(draft_gamma, bool) or not isinstance(draft_gamma, int) or draft_gamma < 1):
+            raise ValueError(f"draft_gamma must be None or an integer >= 1, got {draft_gamma!r}")
+        self.draft, self.min_match, self.lazy, self.draft_gamma = draft, min_match, lazy, draft_gamma
         self.lookup = NGramDraft(draft.vocab_size, max_ngram=max_ngram, floor=floor, device=draft.device)
         self.vocab_size, self.device = draft.vocab_size, draft.device
         self.max_context = getattr(draft, "max_context", None)
@@ -207,6 +244,7 @@ class LookupOrDraft:
             self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
         self._backlog: _Backlog | None = None
         self._observed: torch.Tensor | None = None  # [B, k, F] features for the next k slots scored
+        self._matched: torch.Tensor | None = None  # [B] whether the next token of each row is looked up
         self.draft_slots_fed = 0  # slots the wrapped draft computed (lazy: fewer than the slots scored)
 
     @property
@@ -225,7 +263,7 @@ class LookupOrDraft:
     def reset(self, batch_size: int) -> None:
         self.lookup.reset(batch_size)
         self.draft.reset(batch_size)
-        self._backlog, self._observed = _Backlog(batch_size), None
+        self._backlog, self._observed, self._matched = _Backlog(batch_size), None, None
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         looked = self.lookup.prefill(input_ids, attention_mask)
@@ -234,7 +272,15 @@ class LookupOrDraft:
             self.draft.observe(self._observed)
             self._observed = None
         self.draft_slots_fed += input_ids.shape[1]
-        return self._choose(looked, self.draft.prefill(input_ids, attention_mask), self.lookup.match_lengths())
+        matches = self.lookup.match_lengths()
+        self._matched = matches >= self.min_match
+        return self._choose(looked, self.draft.prefill(input_ids, attention_mask), matches)
+
+    def plan_length(self, gamma: int) -> int:
+        """``gamma`` if some row's next token is looked up (or ``draft_gamma`` is None), else ``min(gamma, draft_gamma)``."""
+        if self.draft_gamma is None or self._matched is None or bool(self._matched.any()):
+            return gamma
+        return min(gamma, self.draft_gamma)
 
     def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Append ``tokens [B, k]`` (``valid [B, k]``); return logits ``[B, k, V]``."""
@@ -249,6 +295,7 @@ class LookupOrDraft:
             if features is not None and features.shape[:2] != tokens.shape:
                 raise ValueError(f"observed features cover {tuple(features.shape[:2])} slots but tokens are {tuple(tokens.shape)}")
         looked, matches = self._look(tokens, valid)
+        self._matched = matches[:, -1] >= self.min_match
         slot_valid = torch.ones(tokens.shape, dtype=torch.bool) if valid is None else valid.bool().cpu()
         self._backlog.append(tokens, slot_valid, features)
         if not bool((slot_valid & (matches < self.min_match)).any()):  # lookup drafts every valid slot
@@ -258,6 +305,7 @@ class LookupOrDraft:
     def rollback(self, n) -> None:
         counts = rollback_counts(n, self._backlog.batch, "cpu")
         self.lookup.rollback(counts)
+        self._matched = None
         rest = counts if not self.lazy else self._backlog.drop(counts)  # [B] what the wrapped draft has to drop
         if not self.lazy or bool((rest > 0).any()):
             self.draft.rollback(rest.to(self.draft.device))
@@ -266,6 +314,7 @@ class LookupOrDraft:
         drafted = self.draft.score(tokens, valid)  # [B, k, V]
         self.draft_slots_fed += tokens.shape[1]
         looked, matches = self._look(tokens, valid)
+        self._matched = matches[:, -1] >= self.min_match
         return self._choose(looked, drafted, matches)
 
     def _look(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,9 +410,9 @@ def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
 
 def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     """A draft from a short description: ``"ngram"``, ``"ngram+<name>"`` (:class:`LookupOrDraft`: prompt lookup
-    where the context matches, draft ``<name>`` elsewhere), ``"truncated:N"`` (first N target layers), the name
-    of a shipped trained draft (:func:`shipped_drafts`, e.g. ``"v8k-4l"``; a shipped feature head gives a
-    ``feature_drafts.FeatureDraft``) or a model path.
+    where the context matches, draft ``<name>`` elsewhere; see :func:`combined_draft` for its ``@`` options),
+    ``"truncated:N"`` (first N target layers), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
+    ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``) or a model path.
 
     ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
     (``check_same_tokenizer``).
@@ -375,7 +424,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 
         return dial_draft_from_name(name, target)
     if name.startswith("ngram+"):
-        return LookupOrDraft(draft_from_name(name.split("+", 1)[1], target, tokenizer))
+        return combined_draft(name, target, tokenizer)
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     if name in shipped_drafts():
@@ -389,6 +438,27 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 
         check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(name, local_files_only=True))
     return CausalLM(name, device=target.device)
+
+
+def combined_draft(name: str, target: CausalLM, tokenizer=None) -> LookupOrDraft:
+    """``"ngram+<name>[@option]..."`` -> ``LookupOrDraft(draft_from_name(<name>), ...)``.
+
+    By default a step that starts without a lookup match drafts one token (``draft_gamma=1``: the trained
+    drafts' best length on this CPU, ``docs/feature_drafts.md``) and the wrapped draft is fed lazily.
+    Options: ``@draft-gamma=N`` (at most N tokens in such a step), ``@draft-gamma=none`` (always the
+    engine's gamma), ``@every-slot`` (feed the wrapped draft every slot, ``lazy=False``).
+    """
+    base, *options = name.split("@")
+    settings = {"draft_gamma": 1, "lazy": True}
+    for option in options:
+        key, _, value = option.partition("=")
+        if option == "every-slot":
+            settings["lazy"] = False
+        elif key == "draft-gamma" and (value == "none" or value.isdigit() and int(value) >= 1):
+            settings["draft_gamma"] = None if value == "none" else int(value)
+        else:
+            raise ValueError(f"draft {name!r}: unknown option @{option} (@draft-gamma=N, @draft-gamma=none, @every-slot)")
+    return LookupOrDraft(draft_from_name(base[len("ngram+") :], target, tokenizer), **settings)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,7 +23,10 @@ is re-fed the accepted tokens and the next token with the target's true features
 
 Stopping: a row stops at its first EOS (kept in the output) or after exactly ``max_new_tokens``
 tokens; a block that overshoots is truncated. The last steps shorten gamma to the tokens still
-needed (gamma chosen from past lengths only, so the output law is unchanged). Finished rows ride along
+needed (gamma chosen from past lengths only, so the output law is unchanged). A draft that plans its
+length (``drafts.PlansLength``, e.g. ``LookupOrDraft(draft_gamma=1)``) may shorten a step further; it is
+asked after scoring its pending block, before the step samples anything, so the length again depends on
+the context only. Finished rows ride along
 in the batch until every row is done; their tokens are ignored.
 
 Temperature 0: ``logits_to_probs`` gives one-hot distributions, drafts are argmaxes, and every
@@ -32,7 +35,8 @@ verifier reduces to greedy verification, so the output equals greedy autoregress
 Randomness: one ``torch.Generator`` seeded once from ``seed`` drives draft sampling and verification;
 the same seed and inputs reproduce the same tokens. ``seed`` may instead be one int per prompt: each row
 then has its own generator (per-row draft samples and per-row verification uniforms) and its gamma is
-never shortened, so every step consumes the same randomness per row and a row's tokens do not depend on
+never shortened (a draft's length plan, which is batch-wide, is followed only for a batch of one row, so
+with a planning draft a row's tokens alone and batched differ), so every step consumes the same randomness per row and a row's tokens do not depend on
 the other rows of the batch (identical alone or batched, up to float differences of batched logits).
 """
 
@@ -44,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specresearch.drafts import check_same_vocab
+from specresearch.drafts import PlansLength, check_same_vocab
 from specresearch.feature_drafts import FeatureReader
 from specresearch.models import CausalLM
 from specresearch.sampling import SamplingConfig, logits_to_probs
@@ -277,9 +281,12 @@ def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
         model.reset(ids.shape[0])
 
 
-def _draft(draft, pending, pending_valid, gamma, sampling, generators, device):
-    """Sample gamma tokens from the draft on ``device``. -> (tokens [B, gamma], draft_probs [B, gamma, V])."""
+def _draft(draft, pending, pending_valid, gamma, sampling, generators, device, plans=False):
+    """Sample gamma tokens from the draft on ``device`` (``plans``: as many as ``draft.plan_length(gamma)``
+    says, asked after the pending block is scored). -> (tokens [B, n], draft_probs [B, n, V])."""
     logits = draft.score(pending, pending_valid)[:, -1]
+    if plans:
+        gamma = _planned(draft, gamma)
     tokens, probs = [], []
     for i in range(gamma):
         q = _probs(logits.to(device), sampling, f"draft model logits (drafting token {i + 1})")  # [B, V]
@@ -288,6 +295,13 @@ def _draft(draft, pending, pending_valid, gamma, sampling, generators, device):
         if i < gamma - 1:
             logits = draft.score(tokens[-1][:, None])[:, -1]
     return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+
+def _planned(draft, gamma: int) -> int:
+    n = draft.plan_length(gamma)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= gamma:
+        raise ValueError(f"{type(draft).__name__}.plan_length({gamma}) must return an integer in 1..{gamma}, got {n!r}")
+    return n
 
 
 def _score(target, pending, draft_tokens, sampling, hidden_layers=None):
@@ -375,7 +389,8 @@ def speculative_generate(
         prompts: strings (with ``tokenizer``) or token-id sequences; one prompt or a list (batched, left-padded).
         verifier: ``"token"``, ``"block"`` or ``"greedy"`` (``verify.VERIFIERS``), or a callable with the
             verifier signature (it is called with ``validate=False``).
-        gamma: draft tokens per step (>= 1).
+        gamma: draft tokens per step (>= 1); a draft with ``plan_length`` (``drafts.PlansLength``) may draft
+            fewer in a step (with per-row seeds only when there is one prompt).
         max_new_tokens: tokens produced per row (>= 1), fewer only when the row emits EOS.
         sampling: applied identically to target and draft logits (``sampling.logits_to_probs``).
         seed: seeds the single ``torch.Generator`` used for all randomness; or one int per prompt for
@@ -413,11 +428,13 @@ def speculative_generate(
     draft_pending, draft_valid = target_pending, None
     steps = []
     per_row = isinstance(generators, list)  # per-row seeds: never shorten gamma (module docstring)
+    plans = isinstance(draft, PlansLength) and (not per_row or len(ids) == 1)  # a plan is batch-wide
     while not all(rows.done):
         step_gamma = gamma if per_row else min(gamma, max(1, rows.remaining() - 1))
         active = tuple(not d for d in rows.done)
         t0 = _clock(device)
-        draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device)
+        draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device, plans)
+        step_gamma = draft_tokens.shape[1]
         t1 = _clock(device)
         target_probs, features = _score(target, target_pending, draft_tokens, sampling,
                                         draft.feature_layers if reads else None)

@@ -287,15 +287,80 @@ def test_lookup_or_draft_uses_lookup_where_the_context_matches_and_stays_exact(t
     torch.testing.assert_close(got[1], draft.prefill(ids, mask)[1])
 
 
-def test_lookup_or_feature_draft_is_lossless():
-    """Chi-square at p < 1e-6 (false-positive rate < 1e-6) over 3-token sequences of a prompt with repeats."""
+@pytest.mark.parametrize("min_match, draft_gamma", [(1, None), (2, 1)])
+def test_lookup_or_feature_draft_is_lossless(min_match, draft_gamma):
+    """Chi-square at p < 1e-6 (false-positive rate < 1e-6) over 3-token sequences of a prompt with repeats;
+    with ``draft_gamma`` the steps without a match draft one token."""
     from specresearch.drafts import LookupOrDraft
 
     small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
-    combined = LookupOrDraft(FeatureDraft(_head(small, layers=(-1,), scale=0.3)), min_match=1)
+    combined = LookupOrDraft(FeatureDraft(_head(small, layers=(-1,), scale=0.3)), min_match=min_match, draft_gamma=draft_gamma)
     result = lossless_test(small, combined, "block", [1, 4, 2, 1], sampling=SamplingConfig(), gamma=3, k=3, max_new_tokens=4,
                            num_samples=2000, seed=13, batch_size=500)
     assert result.impossible == 0 and not result.rejects(1e-6)
+
+
+def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_elsewhere(target, draft):
+    """``draft_gamma=1``: a step drafts gamma tokens when the context before it ends in a match of
+    ``min_match`` tokens (``ngram_match_length``), else one; greedy output unchanged."""
+    from specresearch.drafts import LookupOrDraft, ngram_match_length
+
+    prompt, gamma, max_new = [5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9], 4, 30
+    reference = autoregressive_generate(target, [prompt], max_new_tokens=max_new, sampling=GREEDY)
+    combined = LookupOrDraft(draft, min_match=2, draft_gamma=1)
+    out = speculative_generate(target, combined, [prompt], gamma=gamma, max_new_tokens=max_new, sampling=GREEDY)
+    assert out.tokens == reference.tokens
+    context, emitted = list(prompt), 0
+    for step in out.steps:
+        cap = min(gamma, max(1, max_new - emitted - 1))
+        matched = ngram_match_length(torch.tensor(context), 3) >= 2
+        assert step.gamma == (cap if matched else 1), (context, step)
+        n = step.num_accepted[0] + 1
+        context += list(out.tokens[0][emitted : emitted + n])
+        emitted += n
+    assert {s.gamma for s in out.steps} >= {1, gamma}  # both kinds of step occurred
+    with pytest.raises(ValueError, match="draft_gamma"):
+        LookupOrDraft(draft, draft_gamma=0)
+
+
+def test_combined_draft_names_and_their_options(target):
+    from specresearch.drafts import LookupOrDraft, draft_from_name
+
+    def settings(name):
+        d = draft_from_name(name, target)
+        assert isinstance(d, LookupOrDraft) and d.draft.model.config.num_hidden_layers == 1
+        return d.draft_gamma, d.lazy
+
+    assert settings("ngram+truncated:1") == (1, True)  # the default: one token where lookup has no match
+    assert settings("ngram+truncated:1@draft-gamma=3") == (3, True)
+    assert settings("ngram+truncated:1@draft-gamma=none@every-slot") == (None, False)
+    for bad in ("@draft-gamma=0", "@draft-gamma=x", "@fast", "@"):
+        with pytest.raises(ValueError, match=f"unknown option {bad}"):
+            draft_from_name("ngram+truncated:1" + bad, target)
+
+
+def test_ngram_draft_match_lengths_are_those_of_its_contexts():
+    """The match lengths NGramDraft keeps from its logits' scan equal ``ngram_match_length`` of each row's
+    context, also after per-row rollbacks and with masked slots; its logits equal ``ngram_probs``."""
+    from specresearch.drafts import NGramDraft, ngram_match_length, ngram_probs
+
+    lookup = NGramDraft(VOCAB)
+    ids, mask = torch.tensor([[0, 0, 3, 4, 3], [7, 1, 7, 1, 2]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
+    contexts = [[3, 4, 3], [7, 1, 7, 1, 2]]
+
+    def check(logits):
+        for b, context in enumerate(contexts):
+            assert int(lookup.match_lengths()[b]) == ngram_match_length(torch.tensor(context), 3)
+            torch.testing.assert_close(logits[b], ngram_probs(torch.tensor(context), VOCAB).log())
+
+    check(lookup.prefill(ids, mask))
+    logits = lookup.score(torch.tensor([[4, 7], [7, 1]]), torch.tensor([[1, 1], [1, 0]]))
+    contexts = [[3, 4, 3, 4, 7], [7, 1, 7, 1, 2, 7]]
+    check(logits[:, -1])
+    lookup.rollback(torch.tensor([1, 2]))  # row 1 drops its masked slot too
+    assert lookup.match_lengths().tolist() == [2, 0]  # [3, 4, 3, 4] and [7, 1, 7, 1, 2], rescanned
+    contexts = [[3, 4, 3, 4, 3], [7, 1, 7, 1, 2, 1]]
+    check(lookup.score(torch.tensor([[3], [1]]))[:, -1])
 
 
 class _Recorded:

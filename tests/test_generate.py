@@ -181,6 +181,62 @@ def test_the_law_test_has_power(small_pair, monkeypatch):
     assert stat > critical
 
 
+class _Planned:
+    """Delegates to ``draft`` and plans each step's length from the past only (``drafts.PlansLength``):
+    1 draft token in odd steps, 2 in even ones."""
+
+    def __init__(self, draft, plan=None):
+        self.draft, self.vocab_size, self.device = draft, draft.vocab_size, draft.device
+        self.plan = plan or (lambda gamma: min(gamma, 1 + len(self.plans) % 2))
+        self.plans = []
+
+    def prefill(self, input_ids, attention_mask):
+        return self.draft.prefill(input_ids, attention_mask)
+
+    def reset(self, batch_size):
+        self.draft.reset(batch_size)
+
+    def score(self, tokens, valid=None):
+        return self.draft.score(tokens, valid)
+
+    def rollback(self, n):
+        self.draft.rollback(n)
+
+    def plan_length(self, gamma):
+        self.plans.append(self.plan(gamma))
+        return self.plans[-1]
+
+
+@pytest.mark.parametrize("verifier", ["token", "block"])
+def test_a_draft_that_plans_its_length_stays_lossless(small_pair, verifier):
+    """Step lengths chosen by the draft from the context (1 or 2 here) leave the output law the target's:
+    same chi-square at the 1e-6 critical value as above (false-positive rate < 1e-6), 3000 rows."""
+    target, draft = small_pair
+    planned = _Planned(draft)
+    prompt = [1, 4, 2]
+    out = speculative_generate(target, planned, [prompt] * 3000, verifier=verifier, gamma=2, max_new_tokens=4, seed=11)
+    assert [s.gamma for s in out.steps] == planned.plans and planned.plans[:2] == [1, 2]  # the first step shortened
+    assert out.draft_calls == sum(planned.plans)
+    stat, critical = _chi_square([row[:3] for row in out.tokens], _exact_law(target, prompt, 3, SamplingConfig()))
+    assert stat < critical
+
+
+def test_planned_lengths_keep_greedy_equality_and_per_row_seeds_follow_the_plan_for_one_row_only(target):
+    reference = autoregressive_generate(target, PROMPTS, max_new_tokens=20, sampling=GREEDY)
+    planned = _Planned(truncated_draft(target, 1))
+    out = speculative_generate(target, planned, PROMPTS, gamma=3, max_new_tokens=20, sampling=GREEDY)
+    assert out.tokens == reference.tokens and [s.gamma for s in out.steps] == planned.plans
+    assert {1, 2} <= set(planned.plans)
+    planned = _Planned(truncated_draft(target, 1))
+    out = speculative_generate(target, planned, PROMPTS, gamma=3, max_new_tokens=20, seed=[1, 2, 3])
+    assert planned.plans == [] and {s.gamma for s in out.steps} == {3}  # per-row seeds: batch-independent rows
+    out = speculative_generate(target, planned, PROMPTS[:1], gamma=3, max_new_tokens=20, seed=[1])
+    assert [s.gamma for s in out.steps] == planned.plans != []  # ... and a batch of one follows the plan
+    for bad in (0, 4, 2.0):
+        with pytest.raises(ValueError, match=r"plan_length\(3\) must return an integer in 1..3"):
+            speculative_generate(target, _Planned(truncated_draft(target, 1), lambda gamma: bad), PROMPTS, gamma=3)
+
+
 def test_result_statistics(target):
     out = speculative_generate(target, truncated_draft(target, 1), PROMPTS, verifier="token", gamma=3,
                                max_new_tokens=20, seed=0)
