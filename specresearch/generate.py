@@ -26,8 +26,8 @@ tokens; a block that overshoots is truncated. The last steps shorten gamma to th
 needed (gamma chosen from past lengths only, so the output law is unchanged). A draft that plans its
 length (``drafts.PlansLength``, e.g. ``LookupOrDraft(draft_gamma=1)``) may shorten a step further; it is
 asked after scoring its pending block, before the step samples anything, so the length again depends on
-the context only. Finished rows ride along
-in the batch until every row is done; their tokens are ignored.
+the context only. Finished rows ride along in the batch until every row is done; their tokens are
+ignored.
 
 Temperature 0: ``logits_to_probs`` gives one-hot distributions, drafts are argmaxes, and every
 verifier reduces to greedy verification, so the output equals greedy autoregressive decoding.
@@ -35,9 +35,10 @@ verifier reduces to greedy verification, so the output equals greedy autoregress
 Randomness: one ``torch.Generator`` seeded once from ``seed`` drives draft sampling and verification;
 the same seed and inputs reproduce the same tokens. ``seed`` may instead be one int per prompt: each row
 then has its own generator (per-row draft samples and per-row verification uniforms) and its gamma is
-never shortened (a draft's length plan, which is batch-wide, is followed only for a batch of one row, so
-with a planning draft a row's tokens alone and batched differ), so every step consumes the same randomness per row and a row's tokens do not depend on
+never shortened, so every step consumes the same randomness per row and a row's tokens do not depend on
 the other rows of the batch (identical alone or batched, up to float differences of batched logits).
+The one exception: a draft's length plan is batch-wide, so with per-row seeds it is followed only for a
+batch of one row, and a planning draft's row differs alone and batched.
 """
 
 from __future__ import annotations
