@@ -223,19 +223,24 @@ class LookupOrDraft:
     call): a feature draft's own-prediction slots are fed one at a time after the true-feature slots
     before them. While lookup drafts, the wrapped draft costs nothing. ``lazy=False`` feeds it every slot.
 
-    ``draft_gamma`` (:class:`PlansLength`): a step whose first token no row can look up drafts at most
-    ``draft_gamma`` tokens; a step where some row has a match drafts the engine's full gamma. Lookup
-    drafts are cheap and, where they match, long runs of them are accepted; a trained draft's best length
-    is usually shorter. ``None`` (default) always drafts the engine's gamma.
+    ``draft_gamma`` (:class:`PlansLength`): a step where some row's context ends in a match of ``plan_match``
+    tokens or more (default ``min_match``) drafts the engine's full gamma; any other step drafts at most
+    ``draft_gamma`` tokens. Lookup drafts are cheap and, where they match, long runs of them are accepted;
+    a trained draft's best length is usually shorter. ``None`` (default) always drafts the engine's gamma.
+    With ``plan_match < min_match`` a weaker match already plans a long step, whose first token the
+    wrapped draft may still propose.
     """
 
     def __init__(self, draft, *, max_ngram: int = 3, min_match: int = 2, floor: float = 0.02, lazy: bool = True,
-                 draft_gamma: int | None = None):
-        if not 1 <= min_match <= max_ngram:
-            raise ValueError(f"min_match must be in 1..max_ngram={max_ngram}, got {min_match}")
+                 draft_gamma: int | None = None, plan_match: int | None = None):
+        plan_match = min_match if plan_match is None else plan_match
+        for field, value in (("min_match", min_match), ("plan_match", plan_match)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_ngram:
+                raise ValueError(f"{field} must be an integer in 1..max_ngram={max_ngram}, got {value!r}")
         if draft_gamma is not None and (isinstance(draft_gamma, bool) or not isinstance(draft_gamma, int) or draft_gamma < 1):
             raise ValueError(f"draft_gamma must be None or an integer >= 1, got {draft_gamma!r}")
-        self.draft, self.min_match, self.lazy, self.draft_gamma = draft, min_match, lazy, draft_gamma
+        self.draft, self.min_match, self.plan_match = draft, min_match, plan_match
+        self.lazy, self.draft_gamma = lazy, draft_gamma
         self.lookup = NGramDraft(draft.vocab_size, max_ngram=max_ngram, floor=floor, device=draft.device)
         self.vocab_size, self.device = draft.vocab_size, draft.device
         self.max_context = getattr(draft, "max_context", None)
@@ -244,7 +249,7 @@ class LookupOrDraft:
             self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
         self._backlog: _Backlog | None = None
         self._observed: torch.Tensor | None = None  # [B, k, F] features for the next k slots scored
-        self._matched: torch.Tensor | None = None  # [B] whether the next token of each row is looked up
+        self._next_match: torch.Tensor | None = None  # [B] match length of each row's context, for the next token
         self.draft_slots_fed = 0  # slots the wrapped draft computed (lazy: fewer than the slots scored)
 
     @property
@@ -263,7 +268,7 @@ class LookupOrDraft:
     def reset(self, batch_size: int) -> None:
         self.lookup.reset(batch_size)
         self.draft.reset(batch_size)
-        self._backlog, self._observed, self._matched = _Backlog(batch_size), None, None
+        self._backlog, self._observed, self._next_match = _Backlog(batch_size), None, None
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         looked = self.lookup.prefill(input_ids, attention_mask)
@@ -273,12 +278,13 @@ class LookupOrDraft:
             self._observed = None
         self.draft_slots_fed += input_ids.shape[1]
         matches = self.lookup.match_lengths()
-        self._matched = matches >= self.min_match
+        self._next_match = matches
         return self._choose(looked, self.draft.prefill(input_ids, attention_mask), matches)
 
     def plan_length(self, gamma: int) -> int:
-        """``gamma`` if some row's next token is looked up (or ``draft_gamma`` is None), else ``min(gamma, draft_gamma)``."""
-        if self.draft_gamma is None or self._matched is None or bool(self._matched.any()):
+        """``gamma`` if some row's context ends in a match of ``plan_match`` tokens or more (or ``draft_gamma``
+        is None), else ``min(gamma, draft_gamma)``."""
+        if self.draft_gamma is None or self._next_match is None or bool((self._next_match >= self.plan_match).any()):
             return gamma
         return min(gamma, self.draft_gamma)
 
@@ -295,7 +301,7 @@ class LookupOrDraft:
             if features is not None and features.shape[:2] != tokens.shape:
                 raise ValueError(f"observed features cover {tuple(features.shape[:2])} slots but tokens are {tuple(tokens.shape)}")
         looked, matches = self._look(tokens, valid)
-        self._matched = matches[:, -1] >= self.min_match
+        self._next_match = matches[:, -1]
         slot_valid = torch.ones(tokens.shape, dtype=torch.bool) if valid is None else valid.bool().cpu()
         self._backlog.append(tokens, slot_valid, features)
         if not bool((slot_valid & (matches < self.min_match)).any()):  # lookup drafts every valid slot
@@ -305,7 +311,7 @@ class LookupOrDraft:
     def rollback(self, n) -> None:
         counts = rollback_counts(n, self._backlog.batch, "cpu")
         self.lookup.rollback(counts)
-        self._matched = None
+        self._next_match = None
         rest = counts if not self.lazy else self._backlog.drop(counts)  # [B] what the wrapped draft has to drop
         if not self.lazy or bool((rest > 0).any()):
             self.draft.rollback(rest.to(self.draft.device))
@@ -314,7 +320,7 @@ class LookupOrDraft:
         drafted = self.draft.score(tokens, valid)  # [B, k, V]
         self.draft_slots_fed += tokens.shape[1]
         looked, matches = self._look(tokens, valid)
-        self._matched = matches[:, -1] >= self.min_match
+        self._next_match = matches[:, -1]
         return self._choose(looked, drafted, matches)
 
     def _look(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,18 +452,24 @@ def combined_draft(name: str, target: CausalLM, tokenizer=None) -> LookupOrDraft
     By default a step that starts without a lookup match drafts one token (``draft_gamma=1``: the trained
     drafts' best length on this CPU, ``docs/feature_drafts.md``) and the wrapped draft is fed lazily.
     Options: ``@draft-gamma=N`` (at most N tokens in such a step), ``@draft-gamma=none`` (always the
-    engine's gamma), ``@every-slot`` (feed the wrapped draft every slot, ``lazy=False``).
+    engine's gamma), ``@every-slot`` (feed the wrapped draft every slot, ``lazy=False``), ``@min-match=N``
+    (lookup proposes a token after a match of N or more tokens; default 2) and ``@plan-match=N`` (such a
+    match plans a full step; default: min-match). Values out of range raise from :class:`LookupOrDraft`.
     """
     base, *options = name.split("@")
     settings = {"draft_gamma": 1, "lazy": True}
+    counts = {"min-match": "min_match", "plan-match": "plan_match"}
     for option in options:
         key, _, value = option.partition("=")
         if option == "every-slot":
             settings["lazy"] = False
         elif key == "draft-gamma" and (value == "none" or value.isdigit() and int(value) >= 1):
             settings["draft_gamma"] = None if value == "none" else int(value)
+        elif key in counts and value.isdigit():
+            settings[counts[key]] = int(value)
         else:
-            raise ValueError(f"draft {name!r}: unknown option @{option} (@draft-gamma=N, @draft-gamma=none, @every-slot)")
+            raise ValueError(f"draft {name!r}: unknown option @{option} "
+                             "(@draft-gamma=N, @draft-gamma=none, @every-slot, @min-match=N, @plan-match=N)")
     return LookupOrDraft(draft_from_name(base[len("ngram+") :], target, tokenizer), **settings)
 
 

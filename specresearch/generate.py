@@ -51,7 +51,6 @@ import torch
 
 from specresearch.drafts import PlansLength, check_same_vocab
 from specresearch.feature_drafts import FeatureReader
-from specresearch.models import CausalLM
 from specresearch.sampling import SamplingConfig, logits_to_probs
 from specresearch.verify import VERIFIERS, draw_uniforms, expected_num_accepted
 
@@ -337,8 +336,8 @@ def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None
     """Prefill for a draft that reads the target's features (``feature_drafts.FeatureReader``): the target is
     asked for ``draft.feature_layers``; each prompt slot and the pending token read the feature of the slot
     before (zeros where that slot is padding or absent)."""
-    if not isinstance(target, CausalLM):
-        raise ValueError("draft reads the target's hidden states: target must be a models.CausalLM")
+    if not getattr(target, "returns_hidden_states", False):
+        raise ValueError("draft reads the target's hidden states: target must return them (a models.CausalLM)")
     if ids.shape[1] == 1:
         target.reset(len(ids))
         draft.reset(len(ids))

@@ -27,7 +27,8 @@ What ``generate`` users rely on, and how it maps:
   scores, for the target and the draft alike, with that position's own prefix (prompt, accepted tokens and
   the drafts before it), before the sampling warpers, as ``generate`` orders them. The target law p at each
   position is then the law ``generate`` would sample from, so the verifiers stay lossless with respect to
-  it. ``LogitNormalization`` (``renormalize_logits``) is dropped: it does not change the law.
+  it. ``LogitNormalization`` (``renormalize_logits``) is dropped: it does not change the law. A draft that
+  reads the target's hidden states, or plans its step lengths, keeps doing so (``_Processed``).
 * Everything else raises ``ValueError`` naming it: warpers with no ``SamplingConfig`` counterpart (min_p,
   typical_p, eta_cutoff, top_h), processors that keep state across calls or run a model (classifier-free
   guidance, SynthID, watermarking, which transformers also applies after the warpers), beam search
@@ -379,11 +380,21 @@ class _Processed:
     with its prefix broadcast to the whole batch (``generate``'s batch size) and row b read back, so a
     processor holding per-row state (RepetitionPenalty's per-row prompt padding, PrefixConstrained's batch
     index) sees row b where it expects it.
+
+    The optional interfaces pass through untouched: a target's ``hidden_layers`` (features are returned
+    as the model computes them, only the logits are processed), a draft's feature channel
+    (``feature_layers``, ``feature_size``, ``observe``) and its length plan (``plan_length``). They are
+    instance attributes, set only when the wrapped model has them, so the engine's interface checks see
+    the wrapped model's.
     """
 
     def __init__(self, model: LanguageModel, processors, input_ids: torch.Tensor, mask: torch.Tensor):
         self.model, self.processors = model, processors
         self.vocab_size = model.vocab_size
+        self.returns_hidden_states = getattr(model, "returns_hidden_states", False)
+        for name in ("feature_layers", "feature_size", "observe", "plan_length"):
+            if hasattr(model, name):
+                setattr(self, name, getattr(model, name))
         self._pads = [row[: int((m == 0).sum())].tolist() for row, m in zip(input_ids, mask)]  # left pads per row
         self._slots: list[list[tuple[int, bool]]] = []
 
@@ -399,21 +410,25 @@ class _Processed:
         self._slots = [[] for _ in range(batch_size)]
         self.model.reset(batch_size)
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        logits = self.model.prefill(input_ids, attention_mask)
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **hidden):
+        """As the model's; ``hidden_layers=`` (a target that returns hidden states) -> ``(logits, features)``."""
+        out = self.model.prefill(input_ids, attention_mask, **hidden)
         self._slots = [list(zip(r.tolist(), m.bool().tolist())) for r, m in zip(input_ids, attention_mask)]
-        return logits
+        return out
 
-    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Append ``tokens [B, k]``; logits ``[B, k, V]`` after the processors (masked slots left raw)."""
-        logits = self.model.score(tokens, valid).clone()
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, **hidden):
+        """Append ``tokens [B, k]``; logits ``[B, k, V]`` after the processors (masked slots left raw);
+        with ``hidden_layers=`` also the model's features, unprocessed."""
+        out = self.model.score(tokens, valid, **hidden)
+        logits, features = out if hidden.get("hidden_layers") is not None else (out, None)
+        logits = logits.clone()
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool()
         for b in range(tokens.shape[0]):
             for j in range(tokens.shape[1]):
                 self._slots[b].append((int(tokens[b, j]), bool(valid[b, j])))
                 if valid[b, j]:
                     logits[b, j] = self._process(b, logits[b, j])
-        return logits
+        return logits if features is None else (logits, features)
 
     def rollback(self, n) -> None:
         counts = rollback_counts(n, len(self._slots), "cpu").tolist()

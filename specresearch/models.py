@@ -11,9 +11,10 @@ Every model the generation engine drives -- a transformers model (:class:`Causal
   the next-token logits after each of them. A slot with ``valid[b, j] = False`` is appended but masked
   out, as if it were never there (its logits row is meaningless).
 * ``rollback(n)``: forget the last ``n`` appended slots (``int``, or ``[B]`` int for per-row counts).
-* ``CausalLM`` only: ``prefill`` / ``score`` with ``hidden_layers=(i, ...)`` also return the hidden states
-  ``[B, k, len(hidden_layers) * H]`` of the slots just fed (``hidden_states`` indices, concatenated), for
-  drafts that read the target's features (``feature_drafts``); the wrapper does not know what reads them.
+* ``CausalLM`` (``returns_hidden_states = True``): ``prefill`` / ``score`` with ``hidden_layers=(i, ...)``
+  also return the hidden states ``[B, k, len(hidden_layers) * H]`` of the slots just fed (``hidden_states``
+  indices, concatenated), for drafts that read the target's features (``feature_drafts``); the wrapper
+  does not know what reads them.
 * ``cache_length`` (physical slots, shared by all rows), ``valid_lengths [B]``, ``vocab_size``, ``device``.
 
 Speed on CPUs: a speculative step scores gamma + 1 tokens in one call, so the target's linear layers
@@ -187,6 +188,8 @@ class CausalLM:
         skinny_linear: switch the model's ``nn.Linear`` layers to :class:`SkinnyLinear` (module docstring:
             cheaper verification calls on CPU). ``None``: when the model is on the CPU.
     """
+
+    returns_hidden_states = True  # prefill / score take hidden_layers= (module docstring)
 
     def __init__(self, model, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
                  device_map: str | dict | None = None, skinny_linear: bool | None = None):

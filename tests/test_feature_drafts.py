@@ -143,7 +143,7 @@ def test_engine_detects_a_reading_draft_and_bad_input_raises(target, draft):
     assert isinstance(draft, FeatureReader)
     with pytest.raises(ValueError, match="features must be"):
         draft.observe(torch.zeros(1, 1, 3))
-    with pytest.raises(ValueError, match="target must be a models.CausalLM"):
+    with pytest.raises(ValueError, match=r"target must return them \(a models.CausalLM\)"):
         speculative_generate(ToyLM.random(VOCAB), draft, PROMPTS, max_new_tokens=3)
     fresh = FeatureDraft(draft.head)
     fresh.reset(1)
@@ -287,33 +287,35 @@ def test_lookup_or_draft_uses_lookup_where_the_context_matches_and_stays_exact(t
     torch.testing.assert_close(got[1], draft.prefill(ids, mask)[1])
 
 
-@pytest.mark.parametrize("min_match, draft_gamma", [(1, None), (2, 1)])
-def test_lookup_or_feature_draft_is_lossless(min_match, draft_gamma):
+@pytest.mark.parametrize("min_match, plan_match, draft_gamma", [(1, None, None), (2, None, 1), (2, 1, 1)])
+def test_lookup_or_feature_draft_is_lossless(min_match, plan_match, draft_gamma):
     """Chi-square at p < 1e-6 (false-positive rate < 1e-6) over 3-token sequences of a prompt with repeats;
-    with ``draft_gamma`` the steps without a match draft one token."""
+    with ``draft_gamma`` the steps without a match (of ``plan_match`` tokens) draft one token."""
     from specresearch.drafts import LookupOrDraft
 
     small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
-    combined = LookupOrDraft(FeatureDraft(_head(small, layers=(-1,), scale=0.3)), min_match=min_match, draft_gamma=draft_gamma)
+    combined = LookupOrDraft(FeatureDraft(_head(small, layers=(-1,), scale=0.3)), min_match=min_match, draft_gamma=draft_gamma,
+                             plan_match=plan_match)
     result = lossless_test(small, combined, "block", [1, 4, 2, 1], sampling=SamplingConfig(), gamma=3, k=3, max_new_tokens=4,
                            num_samples=2000, seed=13, batch_size=500)
     assert result.impossible == 0 and not result.rejects(1e-6)
 
 
-def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_elsewhere(target, draft):
+@pytest.mark.parametrize("plan_match", [None, 1, 3])
+def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_elsewhere(target, draft, plan_match):
     """``draft_gamma=1``: a step drafts gamma tokens when the context before it ends in a match of
-    ``min_match`` tokens (``ngram_match_length``), else one; greedy output unchanged."""
+    ``plan_match`` tokens (default ``min_match``; ``ngram_match_length``), else one; greedy output unchanged."""
     from specresearch.drafts import LookupOrDraft, ngram_match_length
 
     prompt, gamma, max_new = [5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9], 4, 30
     reference = autoregressive_generate(target, [prompt], max_new_tokens=max_new, sampling=GREEDY)
-    combined = LookupOrDraft(draft, min_match=2, draft_gamma=1)
+    combined = LookupOrDraft(draft, min_match=2, draft_gamma=1, plan_match=plan_match)
     out = speculative_generate(target, combined, [prompt], gamma=gamma, max_new_tokens=max_new, sampling=GREEDY)
     assert out.tokens == reference.tokens
     context, emitted = list(prompt), 0
     for step in out.steps:
         cap = min(gamma, max(1, max_new - emitted - 1))
-        matched = ngram_match_length(torch.tensor(context), 3) >= 2
+        matched = ngram_match_length(torch.tensor(context), 3) >= (plan_match or 2)
         assert step.gamma == (cap if matched else 1), (context, step)
         n = step.num_accepted[0] + 1
         context += list(out.tokens[0][emitted : emitted + n])
@@ -321,6 +323,9 @@ def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_el
     assert {s.gamma for s in out.steps} >= {1, gamma}  # both kinds of step occurred
     with pytest.raises(ValueError, match="draft_gamma"):
         LookupOrDraft(draft, draft_gamma=0)
+    for bad in (0, 4, 1.0):
+        with pytest.raises(ValueError, match="plan_match must be an integer in 1..max_ngram=3"):
+            LookupOrDraft(draft, plan_match=bad)
 
 
 def test_combined_draft_names_and_their_options(target):
@@ -329,12 +334,16 @@ def test_combined_draft_names_and_their_options(target):
     def settings(name):
         d = draft_from_name(name, target)
         assert isinstance(d, LookupOrDraft) and d.draft.model.config.num_hidden_layers == 1
-        return d.draft_gamma, d.lazy
+        return d.draft_gamma, d.lazy, d.min_match, d.plan_match
 
-    assert settings("ngram+truncated:1") == (1, True)  # the default: one token where lookup has no match
-    assert settings("ngram+truncated:1@draft-gamma=3") == (3, True)
-    assert settings("ngram+truncated:1@draft-gamma=none@every-slot") == (None, False)
-    for bad in ("@draft-gamma=0", "@draft-gamma=x", "@fast", "@"):
+    assert settings("ngram+truncated:1") == (1, True, 2, 2)  # the default: one token where lookup has no match
+    assert settings("ngram+truncated:1@draft-gamma=3") == (3, True, 2, 2)
+    assert settings("ngram+truncated:1@draft-gamma=none@every-slot") == (None, False, 2, 2)
+    assert settings("ngram+truncated:1@plan-match=1") == (1, True, 2, 1)
+    assert settings("ngram+truncated:1@min-match=1@plan-match=3") == (1, True, 1, 3)
+    with pytest.raises(ValueError, match="min_match must be an integer in 1..max_ngram=3, got 4"):
+        draft_from_name("ngram+truncated:1@min-match=4", target)
+    for bad in ("@draft-gamma=0", "@draft-gamma=x", "@plan-match=", "@min-match=-1", "@fast", "@"):
         with pytest.raises(ValueError, match=f"unknown option {bad}"):
             draft_from_name("ngram+truncated:1" + bad, target)
 

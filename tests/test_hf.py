@@ -74,6 +74,31 @@ def test_greedy_with_prefix_processors_equals_transformers(models, verifier):
     assert not torch.equal(reference, target.generate(IDS, attention_mask=MASK, do_sample=False, max_new_tokens=14))
 
 
+@pytest.mark.parametrize("combined", [False, True])
+def test_feature_draft_with_prefix_processors_equals_transformers(models, combined):
+    """A draft that reads the target's hidden states keeps its feature channel through the logits
+    processors (the target returns features, only logits are processed), and the combined draft keeps its
+    length plan: greedy output equals generate's for B = 3; no row finds a lookup match here, so the
+    combined draft drafts one token per step where, without its plan, it would draft gamma."""
+    from specresearch.drafts import LookupOrDraft
+    from specresearch.feature_drafts import FeatureDraft, FeatureHead, FeatureHeadConfig
+
+    target, _ = models
+    head = FeatureHead(target, FeatureHeadConfig("t", feature_layers=(1, -1)), seed=1)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))  # a draft that differs from the target
+    draft = LookupOrDraft(FeatureDraft(head), draft_gamma=1) if combined else FeatureDraft(head)
+    settings = dict(do_sample=False, max_new_tokens=14, repetition_penalty=1.5, no_repeat_ngram_size=2,
+                    return_dict_in_generate=True)
+    reference = target.generate(IDS, attention_mask=MASK, **settings).sequences
+    out = target.generate(IDS, attention_mask=MASK, custom_generate=hf.speculative(draft, gamma=3), **settings)
+    assert torch.equal(out.sequences, reference)
+    assert set(out.gamma[:-3].tolist()) == ({1} if combined else {3})  # the last steps stop at max_new_tokens
+
+
 @pytest.mark.slow
 def test_embedded_pair_greedy_equals_transformers_greedy():
     """SmolLM2-135M-Instruct with the shipped v8k-4l draft (a LanguageModel) and as a raw transformers model."""
