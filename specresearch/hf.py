@@ -410,17 +410,20 @@ class _Processed:
         self._slots = [[] for _ in range(batch_size)]
         self.model.reset(batch_size)
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **hidden):
-        """As the model's; ``hidden_layers=`` (a target that returns hidden states) -> ``(logits, features)``."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_layers=None):
+        """As the model's; with ``hidden_layers`` (a target that returns hidden states) ``(logits, features)``."""
+        hidden = {} if hidden_layers is None else {"hidden_layers": hidden_layers}
         out = self.model.prefill(input_ids, attention_mask, **hidden)
         self._slots = [list(zip(r.tolist(), m.bool().tolist())) for r, m in zip(input_ids, attention_mask)]
         return out
 
-    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, **hidden):
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, hidden_layers=None):
         """Append ``tokens [B, k]``; logits ``[B, k, V]`` after the processors (masked slots left raw);
-        with ``hidden_layers=`` also the model's features, unprocessed."""
-        out = self.model.score(tokens, valid, **hidden)
-        logits, features = out if hidden.get("hidden_layers") is not None else (out, None)
+        with ``hidden_layers`` ``(logits, features)``, the model's features unprocessed."""
+        if hidden_layers is None:
+            logits, features = self.model.score(tokens, valid), None
+        else:
+            logits, features = self.model.score(tokens, valid, hidden_layers=hidden_layers)
         logits = logits.clone()
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool()
         for b in range(tokens.shape[0]):
