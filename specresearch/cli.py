@@ -98,7 +98,8 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default="v8k-4l",
-                   help="v8k-4l (the shipped distilled draft; any name under data/drafts/) | ngram | truncated:N | checkpoint path")
+                   help="v8k-4l (the shipped distilled draft; any name under data/drafts/, e.g. the feature head eagle3-v8k) | "
+                        "ngram | ngram+NAME[@OPTION] (prompt lookup, draft NAME elsewhere) | truncated:N | checkpoint path")
     p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -326,7 +327,8 @@ def _add_bench(sub) -> None:
                  "--prompts-file data/prompts.jsonl")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default="v8k-4l",
-                   help="v8k-4l (a shipped distilled draft) | ngram | truncated:N | dial-mix:LAM (BE only) | checkpoint path")
+                   help="v8k-4l (a shipped distilled draft; eagle3-v8k the feature head) | ngram | ngram+NAME[@OPTION] | "
+                        "truncated:N | dial-mix:LAM (BE only) | checkpoint path")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
     p.add_argument("--verifiers", nargs="+", help="default: token block")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
