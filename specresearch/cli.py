@@ -18,6 +18,10 @@ from pathlib import Path
 # What the package raises for bad input at its boundary (json.JSONDecodeError is a ValueError,
 # FileNotFoundError / IsADirectoryError / transformers' "not a model directory" are OSErrors).
 _USER_ERRORS = (ValueError, OSError)
+# specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
+# a plain language model for --method contrastive, which scores whole prefixes with it.
+GENERATE_DRAFT = "ngram+eagle3-v8k"
+CONTRASTIVE_AMATEUR = "v8k-4l"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,9 +101,11 @@ def _add_generate(sub) -> None:
                  '  specresearch generate "Tell me a story" --method beam --num-beams 4')
     p.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
-    p.add_argument("--draft", default="v8k-4l",
-                   help="v8k-4l (the shipped distilled draft; any name under data/drafts/, e.g. the feature head eagle3-v8k) | "
-                        "ngram | ngram+NAME[@OPTION] (prompt lookup, draft NAME elsewhere) | truncated:N | checkpoint path")
+    p.add_argument("--draft", default=None,
+                   help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head elsewhere; the fastest "
+                        f"draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, eagle3-v8k; any name under "
+                        f"data/drafts/) | ngram | truncated:N | checkpoint path. --method contrastive: the amateur "
+                        f"(default {CONTRASTIVE_AMATEUR})")
     p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -143,7 +149,7 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
     if args.method == "contrastive":
         from specresearch.drafts import draft_from_name
 
-        amateur = lm_logits_fn(draft_from_name(args.draft, target))
+        amateur = lm_logits_fn(draft_from_name(args.draft or CONTRASTIVE_AMATEUR, target))
     out = decode(lm_logits_fn(target), ids, config, amateur_fn=amateur, eos_token_id=tokenizer.eos_token_id,
                  generator=torch.Generator(device=target.device).manual_seed(args.seed))
     for row, n, score in zip(out.sequences.tolist(), out.num_generated.tolist(), out.scores.tolist()):
@@ -176,7 +182,7 @@ def _run_generate(args) -> int:
     if args.autoregressive:
         result = autoregressive_generate(target, [prompt], **common)
     else:
-        draft = draft_from_name(args.draft, target, tokenizer)
+        draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma, **common)
     stream.close()
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "

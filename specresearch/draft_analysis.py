@@ -217,7 +217,7 @@ def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: flo
 def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None = None, temperature: str = "1.0",
                           score_cost: dict[int, float] | None = None):
     """Predicted speed-up against gamma per draft (lines: dotted E / (1 + gamma c), and solid with the
-    measured verification cost r_{gamma+1} if ``score_cost``), and the measured wall-clock speed-ups of
+    measured verification cost r_{gamma+1} if ``score_cost``, at each gamma whose r_{gamma+1} it has), and the measured wall-clock speed-ups of
     :func:`wallclock_table` (``by=("temperature",)``) at that temperature (markers), if given."""
     import matplotlib.pyplot as plt
 
@@ -226,14 +226,11 @@ def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None 
         alphas = d["alpha_by_depth"][temperature]
         curve = speedup_curve(alphas, d["c"])
         line, = ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], ":", label=f"{d['name']} predicted, r = 1")
-        if score_cost is not None:
-            depth = 0  # the gammas 1..depth whose r_{gamma+1} was timed
-            while depth < len(alphas) and depth + 2 in score_cost:
-                depth += 1
-            usable = alphas[:depth]
-            if usable:
-                curve = speedup_curve(usable, d["c"], score_cost)
-                ax.plot([g for g, _, _ in curve], [s for _, _, s in curve], "-", color=line.get_color(),
+        if score_cost is not None:  # at each gamma whose r_{gamma+1} was timed
+            timed = [g for g in range(1, len(alphas) + 1) if g + 1 in score_cost]
+            if timed:
+                predicted = [expected_tokens(alphas, g) / (score_cost[g + 1] + g * d["c"]) for g in timed]
+                ax.plot(timed, predicted, "-s", markersize=4, fillstyle="none", color=line.get_color(),
                         label=f"{d['name']} predicted, measured r")
         if measured is not None:
             rows = measured[(measured["method"] == d["name"]) & (measured["temperature"] == float(temperature))]

@@ -96,6 +96,24 @@ def test_generate_unknown_draft_and_model_names(capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch):
+    """``generate`` without --draft uses GENERATE_DRAFT (its greedy text equals --autoregressive's), and
+    --method contrastive uses CONTRASTIVE_AMATEUR as the amateur."""
+    import specresearch.drafts as drafts
+    from specresearch.cli import CONTRASTIVE_AMATEUR, GENERATE_DRAFT
+
+    names, real = [], drafts.draft_from_name
+    monkeypatch.setattr(drafts, "draft_from_name", lambda name, *a, **k: names.append(name) or real(name, *a, **k))
+    texts = []
+    for extra in ([], ["--autoregressive"]):
+        assert main(["generate", "Name three rivers.", "--max-new-tokens", "12", "--temperature", "0", *extra]) == 0
+        texts.append(capsys.readouterr().out.split("\n\n12 tokens in ")[0])
+    assert texts[0] == texts[1] and len(texts[0]) > 10
+    assert main(["generate", "Name three rivers.", "--max-new-tokens", "3", "--method", "contrastive"]) == 0
+    assert names[0] == GENERATE_DRAFT and names[-1] == CONTRASTIVE_AMATEUR  # (the combined draft loads its head in between)
+
+
+@pytest.mark.slow
 def test_bench_unknown_draft_and_category(capsys, tmp_path):
     _user_error(capsys, ["bench", "--draft", "v9-nope", "--out", str(tmp_path)], "--draft 'v9-nope'")
     _user_error(capsys, ["bench", "--draft", "ngram", "--categories", "poetry", "--out", str(tmp_path)],

@@ -136,7 +136,10 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
     assert len(solid) == 2 and all(list(line.get_xdata()) == [1, 2] for line in solid)
     fig = plot_speedup_vs_gamma(drafts, measured, score_cost={1: 1.0, 2: 1.2, 3: 1.4, 5: 1.6})  # gammas 1, 2, 4 timed
     solid = [line for line in fig.axes[0].lines if line.get_label().endswith("predicted, measured r")]
-    assert all(list(line.get_xdata()) == [1, 2] for line in solid)
+    assert all(list(line.get_xdata()) == [1, 2, 4] for line in solid)
+    for d, line in zip(drafts, solid):  # E(4) / (r_5 + 4 c) at gamma 4, though r_4 was not timed
+        alphas = d["alpha_by_depth"]["1.0"]
+        assert line.get_ydata()[2] == pytest.approx(speedup_curve(alphas[:4], d["c"], {2: 1.6, 3: 1.6, 4: 1.6, 5: 1.6})[-1][2])
 
 
 def test_best_gammas_and_the_bars_per_category():
