@@ -102,10 +102,10 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default=None,
-                   help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head elsewhere; the fastest "
-                        f"draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, eagle3-v8k; any name under "
-                        f"data/drafts/) | ngram | truncated:N | checkpoint path. --method contrastive: the amateur "
-                        f"(default {CONTRASTIVE_AMATEUR})")
+                   help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head elsewhere; the "
+                        "fastest draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, "
+                        "eagle3-v8k; any name under data/drafts/) | ngram | truncated:N | checkpoint path. "
+                        f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
     p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")

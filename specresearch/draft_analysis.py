@@ -217,8 +217,9 @@ def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: flo
 def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None = None, temperature: str = "1.0",
                           score_cost: dict[int, float] | None = None):
     """Predicted speed-up against gamma per draft (lines: dotted E / (1 + gamma c), and solid with the
-    measured verification cost r_{gamma+1} if ``score_cost``, at each gamma whose r_{gamma+1} it has), and the measured wall-clock speed-ups of
-    :func:`wallclock_table` (``by=("temperature",)``) at that temperature (markers), if given."""
+    measured verification cost r_{gamma+1} if ``score_cost``, at each gamma whose r_{gamma+1} it has), and
+    the measured wall-clock speed-ups of :func:`wallclock_table` (``by=("temperature",)``) at that
+    temperature (markers), if given."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
