@@ -11,21 +11,11 @@ from specresearch.models import ToyLM, tiny_llama
 from specresearch.sampling import SamplingConfig
 from specresearch.stats import lossless_test
 
+from helpers import feature_head
+
 VOCAB = 48
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[5, 9, 2, 33, 7, 5, 9], [4, 8], [16, 23, 42, 3]]
-
-
-def _head(target, layers=(1, -1), seed=1, scale=0.05, head_tokens=None):
-    ids = None if head_tokens is None else torch.arange(head_tokens)
-    head = FeatureHead(target.model, FeatureHeadConfig("t", feature_layers=layers, head_tokens=head_tokens,
-                                                       train_head=head_tokens is not None), head_token_ids=ids, seed=seed)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(scale * torch.randn_like(p))  # away from the identity-like init: a draft that differs from the target
-    return head
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +25,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def draft(target):
-    return FeatureDraft(_head(target))
+    return FeatureDraft(feature_head(target.model))
 
 
 def _features(target, seq, layers):
@@ -133,7 +123,7 @@ def test_sampled_output_follows_the_target_law(verifier, sampling):
     """End-to-end losslessness with a feature draft (subset head: q = 0 off 5 of 6 tokens): chi-square over
     3-token sequences, rejected at p < 1e-6, so a correct engine fails with probability < 1e-6."""
     small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
-    draft = FeatureDraft(_head(small, layers=(-1,), scale=0.3, head_tokens=5))
+    draft = FeatureDraft(feature_head(small.model, layers=(-1,), scale=0.3, head_tokens=5))
     result = lossless_test(small, draft, verifier, [1, 4, 2], sampling=sampling, gamma=3, k=3, max_new_tokens=4,
                            num_samples=3000, seed=11, batch_size=500)
     assert result.impossible == 0 and not result.rejects(1e-6)
@@ -214,7 +204,7 @@ def test_save_and_load_round_trip(target, tmp_path):
     logits, and a head saved against another target is refused."""
     from specresearch.feature_drafts import is_feature_draft_dir, load_feature_head, round_head_to_storage, save_feature_head
 
-    head = _head(target, head_tokens=40)
+    head = feature_head(target.model, head_tokens=40)
     round_head_to_storage(head)
     save_feature_head(head, target.model, tmp_path / "h", {"note": "test"})
     assert is_feature_draft_dir(tmp_path / "h") and not is_feature_draft_dir(tmp_path)
@@ -294,8 +284,8 @@ def test_lookup_or_feature_draft_is_lossless(min_match, plan_match, draft_gamma)
     from specresearch.drafts import LookupOrDraft
 
     small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
-    combined = LookupOrDraft(FeatureDraft(_head(small, layers=(-1,), scale=0.3)), min_match=min_match, draft_gamma=draft_gamma,
-                             plan_match=plan_match)
+    combined = LookupOrDraft(FeatureDraft(feature_head(small.model, layers=(-1,), scale=0.3)), min_match=min_match,
+                             draft_gamma=draft_gamma, plan_match=plan_match)
     result = lossless_test(small, combined, "block", [1, 4, 2, 1], sampling=SamplingConfig(), gamma=3, k=3, max_new_tokens=4,
                            num_samples=2000, seed=13, batch_size=500)
     assert result.impossible == 0 and not result.rejects(1e-6)
@@ -400,7 +390,7 @@ def test_lazy_lookup_or_draft_returns_what_feeding_every_slot_returns(target, in
     prompts = [[5, 9, 2, 33, 7, 5, 9, 2], [4, 8, 4, 8], [16, 23, 42, 3, 16]]
     runs = {}
     for lazy in (True, False):
-        wrapped = FeatureDraft(_head(target)) if inner == "feature" else tiny_llama(VOCAB, seed=7, init_std=0.6)
+        wrapped = FeatureDraft(feature_head(target.model)) if inner == "feature" else tiny_llama(VOCAB, seed=7, init_std=0.6)
         combined = LookupOrDraft(wrapped, min_match=1, lazy=lazy)
         recorded = _Recorded(combined)
         out = speculative_generate(target, combined, prompts, gamma=3, max_new_tokens=20,

@@ -23,6 +23,8 @@ from specresearch.models import CausalLM, tiny_llama
 from specresearch.sampling import SamplingConfig, logits_to_probs
 from specresearch.stats import chi_square, sequence_law, wrong_residual_verify
 
+from helpers import feature_head
+
 REPO = Path(__file__).resolve().parent.parent
 LEVEL = 1e-7
 # Left-padded batch of 3 (pad id 1 = the tiny config's pad/eos) and its single first row.
@@ -81,15 +83,10 @@ def test_feature_draft_with_prefix_processors_equals_transformers(models, combin
     length plan: greedy output equals generate's for B = 3; no row finds a lookup match here, so the
     combined draft drafts one token per step where, without its plan, it would draft gamma."""
     from specresearch.drafts import LookupOrDraft
-    from specresearch.feature_drafts import FeatureDraft, FeatureHead, FeatureHeadConfig
+    from specresearch.feature_drafts import FeatureDraft
 
     target, _ = models
-    head = FeatureHead(target, FeatureHeadConfig("t", feature_layers=(1, -1)), seed=1)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))  # a draft that differs from the target
+    head = feature_head(target)
     draft = LookupOrDraft(FeatureDraft(head), draft_gamma=1) if combined else FeatureDraft(head)
     settings = dict(do_sample=False, max_new_tokens=14, repetition_penalty=1.5, no_repeat_ngram_size=2,
                     return_dict_in_generate=True)
