@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specresearch.models import CausalLM, SlotMask, check_prompt, rollback_counts
+from specresearch.models import CausalLM, SlotMask, check_prompt, rollback_counts, skinny_linear
 
 __all__ = [
     "NGramDraft",
@@ -584,7 +583,7 @@ class SubsetHead(torch.nn.Module):
         self.register_buffer("index_of", index_of, persistent=False)
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)  # [..., K]
+        return skinny_linear(hidden, self.weight)  # [..., K]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         subset = self.subset_logits(hidden)

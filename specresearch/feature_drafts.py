@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specresearch.drafts import SubsetHead, check_field, drafts_dir, embedding_fingerprint
-from specresearch.models import SlotMask, check_prompt, rollback_counts
+from specresearch.models import SlotMask, check_prompt, rollback_counts, use_skinny_linears
 
 __all__ = [
     "FeatureReader",
@@ -358,10 +358,14 @@ class FeatureDraft:
     Slots fed with a true feature (queued by :meth:`observe`) and slots fed with the head's own
     prediction of the previous slot (drafting) share one KV cache per layer and one ``SlotMask`` (the
     only record of the cache length), exactly as ``models.CausalLM``: per-row rollback masks slots out.
+    On CPU the head's ``nn.Linear`` layers are switched to ``models.SkinnyLinear`` in place, as ``CausalLM``
+    does (same parameters; its 1-8-row calls are the drafting ones).
     """
 
     def __init__(self, head: FeatureHead, *, max_context: int | None = None, device="cpu") -> None:
         self.head = head.eval()
+        if torch.device(device).type == "cpu":
+            use_skinny_linears(self.head)
         self.vocab_size = head.vocab_size
         self.feature_layers = head.feature_layers
         self.feature_size = head.feature_size

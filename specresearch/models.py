@@ -18,10 +18,14 @@ Every model the generation engine drives -- a transformers model (:class:`Causal
 * ``cache_length`` (physical slots, shared by all rows), ``valid_lengths [B]``, ``vocab_size``, ``device``.
 
 Speed on CPUs: a speculative step scores gamma + 1 tokens in one call, so the target's linear layers
-multiply 2-9 rows by each weight. With MKL (PyTorch's CPU BLAS) a product ``x @ W^T`` with 2 or 3 rows
-reads W once per row, so a call scoring 2 tokens cost 1.6x a one-token call here (``benchmarks/
-bench_score_cost.py``), while ``(W @ x^T)^T`` reads W once. :class:`CausalLM` switches the model's
-``nn.Linear`` layers to :class:`SkinnyLinear` on CPU (same parameters; ``skinny_linear=False`` opts out).
+multiply 2-9 rows by each weight, and autoregressive decoding 1. A forward of a small model is bound by
+streaming its weights from memory, but MKL (PyTorch's CPU BLAS) computes ``x @ W^T`` with 1 row as a GEMV
+that streams W at half the rate of a GEMM here, with 2 or 3 rows as one GEMV per row, and from 4 rows on as
+a blocked GEMM that packs W first. ``(W @ x^T)^T`` with ``x`` contiguous is a GEMM with N = rows that streams
+W once; with one row it is a GEMV again, so one row is padded to two. :class:`CausalLM` switches the
+model's ``nn.Linear`` layers to :class:`SkinnyLinear`, which does that for 1-8 rows on CPU (same
+parameters; ``skinny_linear=False`` opts out): a one-token call of the embedded target costs ~0.7 of
+``nn.Linear``'s and a two-token call ~0.5 (``benchmarks/bench_score_cost.py``, ``docs/benchmarks.md``).
 
 Ragged batches (the design choice): rows of a batch accept different numbers of draft tokens, but all
 rows share ONE physical cache length. ``rollback(n)`` with per-row ``n`` crops the suffix common to all
@@ -45,6 +49,7 @@ __all__ = [
     "LanguageModel",
     "CausalLM",
     "SkinnyLinear",
+    "skinny_linear",
     "use_skinny_linears",
     "SlotMask",
     "rollback_counts",
@@ -139,26 +144,39 @@ def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         raise ValueError("attention_mask must be left-padded: in each row, zeros (padding) and then ones")
 
 
-class SkinnyLinear(torch.nn.Linear):
-    """``nn.Linear`` that multiplies 2 or 3 rows as ``(W @ x^T)^T`` instead of ``x @ W^T``.
+SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
 
-    The same function (up to float rounding, ~1e-6 relative), parameters and state dict; any other number
-    of rows (1: a GEMV; >= 4: MKL's blocked GEMM) takes ``nn.Linear``'s path unchanged. Why: on CPU, MKL
-    computes ``x @ W^T`` with 2 or 3 rows as one matrix-vector product per row, streaming W from memory
-    2 or 3 times, while the transposed product streams it once; for a memory-bound model that is most
-    of a verification call's cost.
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; on CPU with 1-8 rows computed as ``(W @ x^T)^T`` (module docstring).
+
+    ``x``: ``[..., in]``; rows = ``x.numel() / in``. The product takes ``x`` contiguous (a column-major ``x``,
+    such as the previous layer's transposed output, sends MKL down a path ~3x slower) and one row padded
+    to two (MKL's one-column product is a GEMV). The same function up to float rounding (~1e-6 relative);
+    any other row count, device or an empty input takes ``F.linear`` unchanged.
+    """
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows not in SKINNY_ROWS or x.device.type != "cpu":
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    flat = (flat.expand(2, -1) if rows == 1 else flat).contiguous()
+    y = torch.mm(weight, flat.t()).t()[:rows]  # [rows, out]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class SkinnyLinear(torch.nn.Linear):
+    """``nn.Linear`` whose forward is :func:`skinny_linear`: 1-8 rows on CPU as ``(W @ x^T)^T``.
+
+    The same function (up to float rounding), parameters and state dict; any other number of rows (>= 9:
+    MKL's blocked GEMM wins again) or device takes ``nn.Linear``'s path unchanged.
     """
 
-    SKINNY_ROWS = (2, 3)
+    SKINNY_ROWS = SKINNY_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if rows not in self.SKINNY_ROWS or x.device.type != "cpu":
-            return super().forward(x)
-        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, out]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return skinny_linear(x, self.weight, self.bias)
 
 
 def use_skinny_linears(model: torch.nn.Module) -> int:

@@ -136,8 +136,8 @@ def test_toy_markov_and_iid_tables():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_is_nn_linear_up_to_rounding(bias):
-    """SkinnyLinear: 2 or 3 rows through (W @ x^T)^T, every other row count through nn.Linear itself (bit for bit);
-    same parameters, same state dict, gradients flow."""
+    """SkinnyLinear: 1-8 rows through (W @ x^T)^T, every other row count through nn.Linear itself (bit for bit);
+    same parameters, same state dict, gradients flow; a column-major input (a transposed output) gives the same."""
     from specresearch.models import SkinnyLinear, use_skinny_linears
 
     g = torch.Generator().manual_seed(0)
@@ -146,7 +146,8 @@ def test_skinny_linear_is_nn_linear_up_to_rounding(bias):
     model[0].load_state_dict(plain.state_dict())
     assert use_skinny_linears(model) == 1 and type(model[0]) is SkinnyLinear and isinstance(model[0], torch.nn.Linear)
     assert model.state_dict().keys() == {f"0.{k}" for k in plain.state_dict()}
-    for shape in [(1, 48), (2, 48), (3, 48), (1, 2, 48), (1, 3, 48), (3, 1, 48), (4, 48), (2, 5, 48)]:
+    assert SkinnyLinear.SKINNY_ROWS == range(1, 9)
+    for shape in [(1, 48), (2, 48), (3, 48), (1, 2, 48), (1, 3, 48), (3, 1, 48), (4, 48), (8, 48), (9, 48), (2, 5, 48), (1, 1, 48)]:
         x = torch.randn(shape, generator=g)
         got, want = model(x), plain(x)
         assert got.shape == want.shape
@@ -155,6 +156,9 @@ def test_skinny_linear_is_nn_linear_up_to_rounding(bias):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         else:
             assert torch.equal(got, want)
+    column_major = torch.randn(48, 3, generator=g).t()[None]  # [1, 3, 48], strides (1, 1, 3)
+    assert not column_major.is_contiguous()
+    torch.testing.assert_close(model(column_major), plain(column_major), atol=1e-5, rtol=1e-5)
     model(torch.randn(2, 48, generator=g)).sum().backward()
     assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
 
