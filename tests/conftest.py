@@ -4,6 +4,9 @@ import pytest
 
 # Two cores on the reference machine: keep torch from oversubscribing when pytest-xdist runs 2 workers.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No hub, ever: huggingface_hub reads this once, at its import, so it must be set before any test imports
+# transformers (the CLI sets it too, but only for a process whose first import of transformers is its own).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
