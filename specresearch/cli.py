@@ -21,6 +21,7 @@ _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
 GENERATE_DRAFT = "ngram+eagle3-v8k"
+GENERATE_GAMMA = 3  # the combined draft's best measured gamma here (gamma 1 for a trained draft alone)
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
 
@@ -107,7 +108,7 @@ def _add_generate(sub) -> None:
                         "eagle3-v8k; any name under data/drafts/) | ngram | truncated:N | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
     p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--gamma", type=int, default=GENERATE_GAMMA, help=f"draft tokens per step (default {GENERATE_GAMMA})")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
