@@ -24,8 +24,9 @@ that streams W at half the rate of a GEMM here, with 2 or 3 rows as one GEMV per
 a blocked GEMM that packs W first. ``(W @ x^T)^T`` with ``x`` contiguous is a GEMM with N = rows that streams
 W once; with one row it is a GEMV again, so one row is padded to two. :class:`CausalLM` switches the
 model's ``nn.Linear`` layers to :class:`SkinnyLinear`, which does that for 1-8 rows on CPU (same
-parameters; ``skinny_linear=False`` opts out): a one-token call of the embedded target costs ~0.7 of
-``nn.Linear``'s and a two-token call ~0.5 (``benchmarks/bench_score_cost.py``, ``docs/benchmarks.md``).
+parameters; ``skinny_linear=False`` opts out): a one-token call of the embedded target costs 0.6-0.9 of
+``nn.Linear``'s and a two-token call 0.4-0.65 (1-2 threads; ``benchmarks/bench_score_cost.py``, figures
+in ``docs/feature_drafts.md``).
 
 Ragged batches (the design choice): rows of a batch accept different numbers of draft tokens, but all
 rows share ONE physical cache length. ``rollback(n)`` with per-row ``n`` crops the suffix common to all
