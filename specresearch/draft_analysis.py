@@ -35,17 +35,21 @@ def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
     return total
 
 
-def speedup_curve(alphas: Sequence[float], c: float, score_cost: dict[int, float] | None = None) -> list[tuple[int, float, float]]:
-    """``(gamma, expected tokens per call E, predicted speed-up E / (r_{gamma+1} + gamma c))`` for gamma = 1..len(alphas).
+def speedup_curve(alphas: Sequence[float], c: float, score_cost: dict[int, float] | None = None,
+                  gammas: Sequence[int] | None = None) -> list[tuple[int, float, float]]:
+    """``(gamma, expected tokens per call E, predicted speed-up E / (r_{gamma+1} + gamma c))`` for each gamma
+    of ``gammas`` (default 1..len(alphas); each at most len(alphas)).
 
     ``score_cost``: r_k = one target call scoring k tokens / one scoring 1 token (``bench.score_seconds``);
     None takes r_k = 1, Leviathan et al.'s model (verification costs one forward whatever gamma).
     """
     if not c >= 0:
         raise ValueError(f"c must be >= 0, got {c}")
-    gammas = range(1, len(alphas) + 1)
+    gammas = range(1, len(alphas) + 1) if gammas is None else gammas
+    if any(not 1 <= g <= len(alphas) for g in gammas):
+        raise ValueError(f"gammas must lie in 1..{len(alphas)} (one alpha per depth), got {list(gammas)}")
     if score_cost is not None and any(g + 1 not in score_cost for g in gammas):
-        raise ValueError(f"score_cost needs r_k for k = 2..{len(alphas) + 1}, has {sorted(score_cost)}")
+        raise ValueError(f"score_cost needs r_k for k = gamma + 1 at every gamma of {list(gammas)}, has {sorted(score_cost)}")
     rows = []
     for g in gammas:
         r = 1.0 if score_cost is None else score_cost[g + 1]
@@ -230,8 +234,8 @@ def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None 
         if score_cost is not None:  # at each gamma whose r_{gamma+1} was timed
             timed = [g for g in range(1, len(alphas) + 1) if g + 1 in score_cost]
             if timed:
-                predicted = [expected_tokens(alphas, g) / (score_cost[g + 1] + g * d["c"]) for g in timed]
-                ax.plot(timed, predicted, "-s", markersize=4, fillstyle="none", color=line.get_color(),
+                curve = speedup_curve(alphas, d["c"], score_cost, gammas=timed)
+                ax.plot(timed, [s for _, _, s in curve], "-s", markersize=4, fillstyle="none", color=line.get_color(),
                         label=f"{d['name']} predicted, measured r")
         if measured is not None:
             rows = measured[(measured["method"] == d["name"]) & (measured["temperature"] == float(temperature))]

@@ -39,8 +39,12 @@ def test_the_verification_cost_divides_the_prediction():
     assert [g for g, _, _ in curve] == [1, 2]
     assert curve[0][2] == pytest.approx(1.5 / 1.4) and curve[1][2] == pytest.approx(1.7 / 1.8)
     assert predicted_speedup([0.5, 0.4], 0.1, {2: 1.3, 3: 1.6}) == (1, pytest.approx(1.5 / 1.4))
-    with pytest.raises(ValueError, match="r_k for k = 2..3"):
+    with pytest.raises(ValueError, match=r"r_k for k = gamma \+ 1 at every gamma of \[1, 2\]"):
         speedup_curve([0.5, 0.4], 0.1, {2: 1.3})
+    # only the gammas asked for: gamma 2 alone needs r_3 only
+    assert speedup_curve([0.5, 0.4], 0.1, {3: 1.6}, gammas=[2]) == [(2, pytest.approx(1.7), pytest.approx(1.7 / 1.8))]
+    with pytest.raises(ValueError, match=r"gammas must lie in 1..2"):
+        speedup_curve([0.5, 0.4], 0.1, gammas=[3])
 
 
 def test_bad_inputs_raise():
