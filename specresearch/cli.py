@@ -275,7 +275,10 @@ def _add_feature_distill(sub) -> None:
                        ("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float), ("--checkpoint-every", int)]:
         p.add_argument(flag, type=kind, help="FeatureTrainConfig field (default: the dataclass default)")
     p.add_argument("--prompts", default="data/distill_prompts_xl.jsonl", help="corpus prompts")
-    p.add_argument("--chunks", type=int, default=5, help="corpus chunks (64 prompts each) to collect and train on")
+    p.add_argument("--chunks", type=int, default=5,
+                   help="corpus chunks (64 prompts each) to collect and train on; beyond one pass over the prompts, "
+                        "chunks are new samples of reshuffled prompts")
+    p.add_argument("--collect-only", action="store_true", help="collect (and cache) the corpus chunks, do not train")
     p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")
     p.add_argument("--heldout-prompts", type=int, default=14, help="how many held-out prompts (evenly spaced)")
     p.add_argument("--out", help="output directory (default data/drafts/<preset>)")
@@ -295,10 +298,14 @@ def _run_feature_distill(args) -> int:
 
     _check_prompts_file("--prompts", args.prompts)
     _check_prompts_file("--heldout", args.heldout)
+    if args.chunks < 1:
+        raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
     torch.set_num_threads(args.threads)
     fields = {f: getattr(args, f) for f in FeatureTrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
     head_config, train_config = FeatureHeadConfig.from_name(args.preset), FeatureTrainConfig(**fields)  # before loading
     lm, tokenizer = load_embedded(args.target, device="cpu")
+    if args.collect_only:
+        return _collect_feature_corpus(lm, tokenizer, args)
     manifest = run_feature_distillation(
         lm, tokenizer, head_config, train_config, FeatureCorpusConfig(),
         prompts_path=args.prompts, heldout_path=args.heldout, chunks=args.chunks, out_dir=args.out, heldout_prompts=args.heldout_prompts,
@@ -309,6 +316,19 @@ def _run_feature_distill(args) -> int:
               f"{manifest.get('training', {}).get('steps', 0)} steps); rerun the same command to resume")
         return 0
     print(json.dumps({k: manifest[k] for k in ("measurement", "cost")}, indent=2))
+    return 0
+
+
+def _collect_feature_corpus(lm, tokenizer, args) -> int:
+    from specresearch.distill import cache_dir, encode_prompts, load_prompts
+    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus
+
+    config = FeatureCorpusConfig()
+    directory = cache_dir() / "features" / config.key(args.prompts)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    available = collect_feature_corpus(lm.model, encode_prompts(tokenizer, load_prompts(args.prompts)), config, directory, eos_token_ids=eos,
+                                       max_chunks=args.chunks, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+    print(f"{available} of {args.chunks} chunks in {directory}" + ("" if available == args.chunks else "; rerun the same command to resume"))
     return 0
 
 

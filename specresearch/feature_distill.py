@@ -5,8 +5,10 @@ one draft step over one target step.
 
 Pipeline (``specresearch feature-distill`` runs it, resumably, from one seed):
 
-1. **Corpus, cached in chunks** (:func:`collect_feature_corpus`): the prompts are shuffled once
-   (seeded), cut into chunks of ``chunk_prompts``; each chunk is sampled from the target with
+1. **Corpus, cached in chunks** (:func:`collect_feature_corpus`): the prompts are shuffled (seeded)
+   and cut into chunks of ``chunk_prompts``; asking for more chunks than one pass over the prompts holds
+   continues with the next shuffle of the same generator, so later passes are new samples of the same
+   prompts and the first pass's chunks stay what they were. Each chunk is sampled from the target with
    ``distill.generate_corpus`` (seed ``seed + chunk``), then ONE batched target forward computes, at
    every position, the target's hidden states at ``store_layers`` (bfloat16) and, at each position
    whose next token the target generated, the top ``teacher_top_k`` of p (the teacher). A chunk is one
@@ -42,10 +44,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specresearch.distill import TrainConfig, cache_dir, generate_corpus, sparse_kl
+from specresearch.drafts import check_field
 
 __all__ = [
     "FeatureCorpusConfig",
     "FeatureChunk",
+    "chunk_prompt_order",
     "collect_feature_corpus",
     "load_feature_chunks",
     "as_distill_corpus",
@@ -66,7 +70,7 @@ class FeatureCorpusConfig:
     """How the cached corpus is sampled and what is stored of the target at each position.
 
     Attributes:
-        seed: shuffles the prompts and seeds chunk i's sampling with ``seed + i``.
+        seed: shuffles the prompts (one shuffle per pass over them) and seeds chunk i's sampling with ``seed + i``.
         store_layers: ``hidden_states`` indices stored (0 = embeddings, i = after decoder layer i, the
             last index = after the final norm, i.e. the feature the LM head reads). Negative indices
             count from the end. A head may read any subset of them.
@@ -158,6 +162,17 @@ def _collect_chunk(model, prompts: Sequence[torch.Tensor], config: FeatureCorpus
     return out
 
 
+def chunk_prompt_order(num_prompts: int, seed: int, count: int) -> list[int]:
+    """The first ``count`` prompt indices the corpus' chunks are cut from: successive shuffles of
+    ``range(num_prompts)`` by one generator seeded with ``seed``, end to end (so the first shuffle is the
+    same however many passes follow, and a chunk may straddle two passes)."""
+    generator = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    while len(order) < count:
+        order += torch.randperm(num_prompts, generator=generator).tolist()
+    return order[:count]
+
+
 def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: FeatureCorpusConfig, directory: str | os.PathLike,
                            *, eos_token_ids: Sequence[int] = (), max_chunks: int | None = None, max_seconds: float | None = None,
                            progress: bool = True) -> int:
@@ -167,14 +182,18 @@ def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: Fe
         model: the target, a transformers causal LM.
         prompt_ids: encoded prompts (``distill.encode_prompts``); shuffled with ``config.seed``.
         directory: the chunk cache; chunks already there are kept.
-        max_chunks: collect at most this many chunks in total; max_seconds: stop starting new chunks after this.
+        max_chunks: the chunks wanted in total (default: enough to hold every prompt once). The chunks are
+            cut from successive shuffles of the prompts, end to end (:func:`chunk_prompt_order`), so more
+            chunks than one pass holds sample the same prompts again, with new seeds.
+        max_seconds: stop starting new chunks after this.
     """
+    check_field(len(prompt_ids) > 0, "prompt_ids", "must hold at least one prompt")
+    check_field(max_chunks is None or max_chunks >= 0, "max_chunks", f"must be >= 0, got {max_chunks}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    order = torch.randperm(len(prompt_ids), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    total = -(-len(prompt_ids) // config.chunk_prompts) if max_chunks is None else max_chunks
+    order = chunk_prompt_order(len(prompt_ids), config.seed, total * config.chunk_prompts)
     shuffled = [prompt_ids[i] for i in order]
-    total = -(-len(shuffled) // config.chunk_prompts)
-    total = total if max_chunks is None else min(total, max_chunks)
     started = time.perf_counter()
     for index in tqdm(range(total), desc="feature corpus chunks", disable=not progress):
         path = _chunk_path(directory, index)
@@ -542,6 +561,7 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     from specresearch.drafts import drafts_dir
     from specresearch.feature_drafts import FeatureDraft, FeatureHead, round_head_to_storage, save_feature_head
 
+    check_field(chunks >= 1, "chunks", f"must be >= 1, got {chunks}")
     started = time.perf_counter()
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     target = target_lm.model

@@ -85,6 +85,8 @@ def test_distill_user_errors_fail_before_loading_anything(capsys, tmp_path):
     _user_error(capsys, ["distill", "--prompts", str(tmp_path / "p.jsonl")], "--prompts", "no such file")
     _user_error(capsys, ["distill", "--preset", "v8k-3l"], "v8k-3l")
     _user_error(capsys, ["distill", "--steps", "0"], "steps")
+    _user_error(capsys, ["feature-distill", "--chunks", "0", "--collect-only"], "--chunks must be >= 1")
+    _user_error(capsys, ["feature-distill", "--preset", "eagle9"], "eagle9")
 
 
 @pytest.mark.slow

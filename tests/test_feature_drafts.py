@@ -172,6 +172,28 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     assert all(0 <= a <= 1 for a in after_alpha.alpha[1.0] + after_alpha.greedy_agreement)
 
 
+def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path):
+    """More chunks than the prompts fill: chunks are cut from successive shuffles end to end, the first pass's
+    chunks are the same whatever the total, and every prompt is sampled once per pass (with new seeds)."""
+    from specresearch.feature_distill import FeatureCorpusConfig, chunk_prompt_order, collect_feature_corpus, load_feature_chunks
+
+    order = chunk_prompt_order(6, seed=3, count=15)
+    assert order[:6] == torch.randperm(6, generator=torch.Generator().manual_seed(3)).tolist()
+    assert sorted(order[6:12]) == list(range(6)) and order[6:12] != order[:6] and len(order) == 15
+    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.arange(2, 2 + n) + 4 * i for i, n in enumerate(torch.randint(3, 6, (6,), generator=g).tolist())]
+    config = FeatureCorpusConfig(seed=3, store_layers=(-1,), chunk_prompts=4, max_new_tokens=6, batch_size=4, teacher_top_k=4)
+    assert collect_feature_corpus(small.model, prompts, config, tmp_path / "one", progress=False) == 2  # ceil(6 / 4)
+    assert collect_feature_corpus(small.model, prompts, config, tmp_path / "three", max_chunks=3, progress=False) == 3
+    one, three = load_feature_chunks(tmp_path / "one", 1), load_feature_chunks(tmp_path / "three")
+    assert all(torch.equal(a, b) for a, b in zip(one.sequences, three.sequences[:4]))
+    sampled = [next(i for i, p in enumerate(prompts) if torch.equal(s[:n], p)) for s, n in zip(three.sequences, three.prompt_lengths)]
+    assert sampled == order[:12] and sorted(sampled) == sorted(2 * list(range(6)))
+    with pytest.raises(ValueError, match="max_chunks"):
+        collect_feature_corpus(small.model, prompts, config, tmp_path / "bad", max_chunks=-1, progress=False)
+
+
 def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
     """as_distill_corpus: the cached chunks' teacher rows, cut to seq_len, are distill.teacher_targets of the same
     tokens (recomputed by distill's own collate), so both kinds of draft train on identical data."""
