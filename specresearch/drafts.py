@@ -417,7 +417,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     """A draft from a short description: ``"ngram"``, ``"ngram+<name>"`` (:class:`LookupOrDraft`: prompt lookup
     where the context matches, draft ``<name>`` elsewhere; see :func:`combined_draft` for its ``@`` options),
     ``"truncated:N"`` (first N target layers), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
-    ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``) or a model path.
+    ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
+    draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write) or a model path.
 
     ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
     (``check_same_tokenizer``).
@@ -432,12 +433,13 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         return combined_draft(name, target, tokenizer)
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
-    if name in shipped_drafts():
+    trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
+    if (trained / _MANIFEST_FILE).exists():
         from specresearch.feature_drafts import is_feature_draft_dir, load_feature_draft  # imports this module
 
-        if is_feature_draft_dir(drafts_dir() / name):
-            return load_feature_draft(target, name)
-        return CausalLM(load_trained_draft(target.model, name), device=target.device)
+        if is_feature_draft_dir(trained):
+            return load_feature_draft(target, trained)
+        return CausalLM(load_draft(target.model, trained), device=target.device)
     if tokenizer is not None:
         from transformers import AutoTokenizer
 

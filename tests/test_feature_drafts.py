@@ -7,7 +7,7 @@ import torch
 
 from specresearch.feature_drafts import FeatureDraft, FeatureHead, FeatureHeadConfig, FeatureReader
 from specresearch.generate import autoregressive_generate, speculative_generate
-from specresearch.models import ToyLM, tiny_llama
+from specresearch.models import CausalLM, ToyLM, tiny_llama
 from specresearch.sampling import SamplingConfig
 from specresearch.stats import lossless_test
 
@@ -219,6 +219,24 @@ def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
             assert kept == chunk.num_generated_tokens
         else:
             assert 0 < kept < chunk.num_generated_tokens
+
+
+def test_trained_draft_directories_load_by_path(target, tmp_path):
+    """draft_from_name takes the directory ``feature-distill --out`` / ``distill --out`` wrote, as generate's --draft does."""
+    from specresearch.drafts import DraftConfig, build_draft, draft_from_name, save_draft
+    from specresearch.feature_drafts import round_head_to_storage, save_feature_head
+
+    head = feature_head(target.model, head_tokens=40)
+    round_head_to_storage(head)
+    save_feature_head(head, target.model, tmp_path / "head")
+    config = DraftConfig("t", num_layers=1, init_layers=(0,))
+    save_draft(build_draft(target.model, config, seed=0), target.model, config, tmp_path / "small")
+    loaded = draft_from_name(str(tmp_path / "head"), target)
+    small = draft_from_name(str(tmp_path / "small"), target)
+    assert isinstance(loaded, FeatureDraft) and torch.equal(loaded.head.subset_head.token_ids, head.subset_head.token_ids)
+    assert isinstance(small, CausalLM) and small.model.config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match="trained on"):
+        draft_from_name(str(tmp_path / "head"), tiny_llama(VOCAB, seed=9, init_std=0.6, num_layers=3))
 
 
 def test_save_and_load_round_trip(target, tmp_path):
