@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
+from specresearch.checks import check_int
 from specresearch.sampling import SamplingConfig, check_logits, logits_to_probs
 
 __all__ = [
@@ -59,11 +60,6 @@ __all__ = [
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [B, T], mask [B, T]) -> logits [B, V]
 METHODS = ("greedy", "sample", "beam", "contrastive")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _check_real(name: str, value, low: float, high: float, high_open: bool = False) -> None:
@@ -100,11 +96,11 @@ class DecodingConfig:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if not isinstance(self.sampling, SamplingConfig):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_int("num_beams", self.num_beams, 1)
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("num_beams", self.num_beams, 1)
         _check_real("length_penalty", self.length_penalty, 0.0, 10.0)
         if self.no_repeat_ngram_size is not None:
-            _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 1)
+            check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 1)
         _check_real("contrastive_alpha", self.contrastive_alpha, 0.0, 1.0)
         if self.contrastive_alpha == 0:
             raise ValueError("contrastive_alpha must be > 0 (0 would let implausible tokens win); Li et al. use 0.1")
@@ -162,7 +158,7 @@ def block_repeated_ngrams(input_ids: torch.Tensor, logits: torch.Tensor, ngram_s
     ``[B, V]`` scores). Raises ``ValueError`` if a row has every token banned (only possible when the
     vocabulary is tiny compared with the sequence). ``[B, T], [B, V] -> [B, V]``.
     """
-    _check_int("ngram_size", ngram_size, 1)
+    check_int("ngram_size", ngram_size, 1)
     out = NoRepeatNGramLogitsProcessor(int(ngram_size))(input_ids, logits)
     if not torch.isfinite(out).any(dim=-1).all():
         raise ValueError(
@@ -207,7 +203,7 @@ def sequence_log_probs(logits_fn: LogitsFn, input_ids: torch.Tensor, continuatio
 
 def repeated_ngrams(tokens, ngram_size: int) -> int:
     """Number of n-grams of ``tokens`` (a sequence of ints) that already occurred earlier in it."""
-    _check_int("ngram_size", ngram_size, 1)
+    check_int("ngram_size", ngram_size, 1)
     tokens = [int(t) for t in tokens]
     grams = [tuple(tokens[i : i + ngram_size]) for i in range(len(tokens) - ngram_size + 1)]
     return len(grams) - len(set(grams))
@@ -221,7 +217,7 @@ def phrase_repetition_log_probs(logits_fn: LogitsFn, prefix_ids: torch.Tensor, p
     probability a model gives a phrase rises each time it has already been repeated.
     ``prefix_ids [1, T]``, ``phrase_ids [m]`` -> ``[repeats]`` float64.
     """
-    _check_int("repeats", repeats, 1)
+    check_int("repeats", repeats, 1)
     _check_prompt(prefix_ids, None)
     phrase = phrase_ids.reshape(1, -1)
     per_token = sequence_log_probs(logits_fn, prefix_ids, phrase.repeat(1, repeats))  # [1, repeats * m]
@@ -269,7 +265,7 @@ def truncated_context(logits_fn: LogitsFn, window: int) -> LogitsFn:
 
     Useful as the amateur of contrastive decoding when no smaller model is at hand.
     """
-    _check_int("window", window, 1)
+    check_int("window", window, 1)
 
     def short(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return logits_fn(input_ids[:, -window:], attention_mask[:, -window:])
@@ -298,7 +294,7 @@ def _autoregressive(choose, logits_fn, input_ids, attention_mask, max_new_tokens
 
     Rows that emitted EOS are finished: they receive ``pad_token_id`` and their log-probs stop.
     """
-    _check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
     mask = _check_prompt(input_ids, attention_mask)
     ids, batch = input_ids, input_ids.shape[0]
     active = torch.ones(batch, dtype=torch.bool, device=ids.device)
@@ -409,8 +405,8 @@ def beam_search(logits_fn: LogitsFn, input_ids: torch.Tensor, num_beams: int, ma
     ``log P / max_new_tokens^alpha`` bounds its future score): with ``num_beams >= V^(n-1)`` nothing is
     ever pruned and the result is the exact top list. Returns ``num_beams`` hypotheses, best first.
     """
-    _check_int("num_beams", num_beams, 1)
-    _check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("num_beams", num_beams, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
     _check_real("length_penalty", length_penalty, 0.0, 10.0)
     _check_prompt(input_ids, None)
     if input_ids.shape[0] != 1:

@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from safetensors.torch import load_file, save_file
 
+from specresearch.checks import check_int
 from specresearch.models import CausalLM, SlotMask, check_prompt, rollback_counts, skinny_linear
 
 __all__ = [
@@ -236,8 +237,8 @@ class LookupOrDraft:
         for field, value in (("min_match", min_match), ("plan_match", plan_match)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_ngram:
                 raise ValueError(f"{field} must be an integer in 1..max_ngram={max_ngram}, got {value!r}")
-        if draft_gamma is not None and (isinstance(draft_gamma, bool) or not isinstance(draft_gamma, int) or draft_gamma < 1):
-            raise ValueError(f"draft_gamma must be None or an integer >= 1, got {draft_gamma!r}")
+        if draft_gamma is not None:
+            check_int("draft_gamma", draft_gamma, meaning="or None")
         self.draft, self.min_match, self.plan_match = draft, min_match, plan_match
         self.lazy, self.draft_gamma = lazy, draft_gamma
         self.lookup = NGramDraft(draft.vocab_size, max_ngram=max_ngram, floor=floor, device=draft.device)

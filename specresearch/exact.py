@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from specresearch.checks import check_int
+
 __all__ = [
     "METHODS",
     "as_model",
@@ -92,8 +94,7 @@ def _check_row(row, name: str, vocab_size: int | None = None) -> Row:
 
 
 def _check_gamma(gamma) -> int:
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    check_int("gamma", gamma)
     return gamma
 
 
@@ -392,8 +393,7 @@ def block_efficiency(target, draft, gamma, method, prefix=()) -> Fraction:
 
 
 def _check_n_tokens(n_tokens) -> int:
-    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
-        raise ValueError(f"n_tokens must be an integer >= 1, got {n_tokens!r}")
+    check_int("n_tokens", n_tokens)
     return n_tokens
 
 
@@ -507,8 +507,7 @@ def random_rational_model(vocab_size, rng: random.Random, *, depth=None, zero_pr
     Returns:
         A hashable callable ``prefix tuple -> tuple of V Fractions`` summing exactly to 1.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+    check_int("vocab_size", vocab_size)
     if not isinstance(rng, random.Random):
         raise ValueError(f"rng must be a random.Random, got {type(rng).__name__}")
     if depth is not None and (not isinstance(depth, int) or depth < 0):

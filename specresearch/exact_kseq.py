@@ -16,6 +16,7 @@ from fractions import Fraction
 import sympy
 
 from specresearch import exact
+from specresearch.checks import check_int
 
 __all__ = ["RhoField", "kseq_law", "kseq_public_law", "kseq_rho"]
 
@@ -51,8 +52,7 @@ def kseq_rho(target_row, draft_row, num_drafts):
     p_row = exact.as_model(target_row)(())
     q_row = exact.as_model(draft_row, len(p_row))(())
     k = num_drafts
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
+    check_int("num_drafts", k)
     points = sorted({_ONE, Fraction(k)} | {p / q for p, q in zip(p_row, q_row) if q > 0 and 1 < p / q < k})
     for lo, hi in zip(points, points[1:]):
         g_lo, g_hi = _kseq_g(p_row, q_row, k, lo), _kseq_g(p_row, q_row, k, hi)

@@ -73,6 +73,7 @@ from fractions import Fraction
 import sympy
 
 from specresearch import exact
+from specresearch.checks import check_int
 from specresearch.exact_kseq import RhoField, kseq_law, kseq_public_law, kseq_rho
 
 __all__ = [
@@ -104,14 +105,12 @@ _SINGLE = {"token", "block", "greedy"}
 
 
 def _check_num_drafts(num_drafts) -> int:
-    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
-        raise ValueError(f"num_drafts must be an integer >= 1 (the number K of draft paths), got {num_drafts!r}")
+    check_int("num_drafts", num_drafts, meaning="the number K of draft paths")
     return num_drafts
 
 
 def _check_length(length) -> int:
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"length (gamma, the path length L) must be an integer >= 1, got {length!r}")
+    check_int("length", length, meaning="gamma, the path length L")
     return length
 
 
@@ -574,8 +573,7 @@ def speculative_distribution_multi(target, draft, num_drafts, gamma, method, n_t
 
 
 def _check_n_tokens(n_tokens) -> int:
-    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
-        raise ValueError(f"n_tokens must be an integer >= 1, got {n_tokens!r}")
+    check_int("n_tokens", n_tokens)
     return n_tokens
 
 

@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specresearch.checks import check_int
 from specresearch.drafts import PlansLength, check_same_vocab
 from specresearch.feature_drafts import FeatureReader
 from specresearch.sampling import SamplingConfig, logits_to_probs
@@ -195,10 +196,8 @@ def _encode_one(prompt, tokenizer) -> list[int]:
 
 
 def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier="token") -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1 (draft tokens per step), got {gamma!r}")
+    check_int("max_new_tokens", max_new_tokens)
+    check_int("gamma", gamma, meaning="draft tokens per step")
     if not callable(verifier) and verifier not in VERIFIERS:
         raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r}")
 

@@ -68,6 +68,7 @@ from transformers.generation import stopping_criteria as _sc
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from specresearch.checks import check_int
 from specresearch.generate import GenerationResult, speculative_generate
 from specresearch.models import CausalLM, LanguageModel, check_prompt, rollback_counts
 from specresearch.sampling import SamplingConfig
@@ -152,8 +153,7 @@ def speculative(draft, *, verifier: str | Callable = "block", gamma: int = 4, st
     Returns:
         :class:`SpeculativeGenerate`, to pass as ``model.generate(..., custom_generate=...)``.
     """
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1 (draft tokens per step), got {gamma!r}")
+    check_int("gamma", gamma, meaning="draft tokens per step")
     if not callable(verifier) and verifier not in VERIFIERS:
         raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r}")
     if not all(isinstance(c, type) for c in allow):

@@ -48,6 +48,7 @@ from fractions import Fraction
 import sympy
 from sympy.solvers.simplex import linprog
 
+from specresearch.checks import check_int
 from specresearch.exact import as_model, expected_accepted, verify_exact
 from specresearch.exact_multi import DRAFT_LAWS, draft_paths_law, expected_accepted_multi
 
@@ -136,8 +137,7 @@ def _prefix_masses(blocks: dict) -> dict:
 
 
 def _check_args(gamma, formulation, target=None, draft=None, prefix=()) -> None:
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+    check_int("gamma", gamma)
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     if target is not None and len(target(prefix)) != len(draft(prefix)):

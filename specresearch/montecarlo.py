@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specresearch.checks import check_int
 from specresearch.verify import VERIFIERS, draw_uniforms
 
 __all__ = ["Z95", "MonteCarloEstimate", "simulate_accepted"]
@@ -77,12 +78,10 @@ def simulate_accepted(target, draft, gamma, method, trials, seed) -> MonteCarloE
     target_row, draft_row = _row(target, "target"), _row(draft, "draft")
     if target_row.numel() != draft_row.numel():
         raise ValueError(f"target has {target_row.numel()} entries but draft has {draft_row.numel()}")
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    check_int("gamma", gamma)
     if method not in VERIFIERS:
         raise ValueError(f"method must be one of {sorted(VERIFIERS)}, got {method!r}")
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 2:
-        raise ValueError(f"trials must be an integer >= 2, got {trials!r}")
+    check_int("trials", trials, minimum=2)
     generator = torch.Generator().manual_seed(seed)
     vocab = target_row.numel()
     tokens = torch.multinomial(draft_row, trials * gamma, replacement=True, generator=generator)

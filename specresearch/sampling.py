@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.logits_process import EpsilonLogitsWarper, TemperatureLogitsWarper
 
+from specresearch.checks import check_int
+
 __all__ = [
     "SamplingConfig",
     "PRESETS",
@@ -80,10 +82,8 @@ class SamplingConfig:
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}; "
                 "use 0 for greedy decoding or a positive value such as 1.0"
             )
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1
-        ):
-            raise ValueError(f"top_k must be an integer >= 1 or None (no top-k), got {self.top_k!r}")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, meaning="or None: no top-k")
         if self.top_p is not None:
             _check_real("top_p", self.top_p)
             if not 0 < self.top_p <= 1:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from scipy import stats as scipy_stats
 
+from specresearch.checks import check_int
 from specresearch.generate import encode_prompts, speculative_generate
 from specresearch.sampling import SamplingConfig, logits_to_probs
 from specresearch.verify import VerifyResult, draw_uniforms, token_verify
@@ -210,10 +211,8 @@ def sequence_law(target, prompt, *, sampling: SamplingConfig, k: int, num_sample
 
 
 def _check_test_args(k, num_samples, min_expected) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1 (number of generated tokens compared), got {k!r}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
-        raise ValueError(f"num_samples must be an integer >= 2, got {num_samples!r}")
+    check_int("k", k, meaning="number of generated tokens compared")
+    check_int("num_samples", num_samples, minimum=2)
     if not 1 <= min_expected <= num_samples:
         raise ValueError(f"min_expected must be in [1, num_samples], got {min_expected!r} (5 is the usual rule)")
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Sequence
 
+from specresearch.checks import check_int
+
 __all__ = ["acceptance_rate", "expected_tokens", "iid_example", "optimal_gamma", "walltime_improvement"]
 
 
@@ -38,8 +40,7 @@ def _alpha(alpha) -> Fraction:
 
 
 def _gamma(gamma) -> int:
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an int >= 1 (draft block length), got {gamma!r}")
+    check_int("gamma", gamma, meaning="draft block length")
     return gamma
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specresearch.checks import check_int
+
 __all__ = [
     "rrs_acceptance",
     "kseq_rho_float",
@@ -47,8 +49,7 @@ def _rows(target_probs, draft_probs) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check_k(num_drafts) -> int:
-    if isinstance(num_drafts, bool) or not isinstance(num_drafts, (int, np.integer)) or num_drafts < 1:
-        raise ValueError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
+    check_int("num_drafts", num_drafts)
     return int(num_drafts)
 
 
@@ -153,8 +154,7 @@ def rrs_without_replacement_acceptance_mc(target_probs, draft_probs, num_drafts,
     """
     p0, q0 = _rows(target_probs, draft_probs)
     k, rng = _check_k(num_drafts), rng if rng is not None else np.random.default_rng(0)
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
-        raise ValueError(f"num_samples must be an integer >= 2, got {num_samples!r}")
+    check_int("num_samples", num_samples, minimum=2)
     products = np.empty(num_samples)
     for s in range(num_samples):
         p, q, prod = p0, q0.copy(), 1.0

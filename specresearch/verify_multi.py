@@ -91,6 +91,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specresearch.checks import check_int
 from specresearch.verify import block_scales, block_verify, sample_from_weights, validate_inputs
 
 __all__ = [
@@ -730,8 +731,7 @@ def _chain_weights(state, fresh_ratio, draft_tokens, rows, k, e):
 
 def _check_sizes(**sizes):
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        check_int(name, value)
 
 
 def _validate(target_probs, draft_probs, draft_tokens, generator, uniforms):

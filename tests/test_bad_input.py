@@ -195,3 +195,18 @@ def test_draft_checkpoint_with_another_tokenizer_is_rejected(tmp_path):
         draft_from_name(str(draft_dir), target, tokenizer=tokenizer({"<unk>": 0, "y": 1, "x": 2}))
     draft = draft_from_name(str(draft_dir), target, tokenizer=tokenizer({"<unk>": 0, "x": 1, "y": 2}))
     assert draft.vocab_size == target.vocab_size
+
+
+def test_check_int_accepts_integers_only():
+    """checks.check_int: bools, floats and strings are refused with the field's name; numpy integers pass."""
+    import numpy as np
+
+    from specresearch.checks import check_int
+
+    check_int("n", 1)
+    check_int("n", np.int64(3), minimum=2)
+    for bad in (True, 2.0, "3", 0, None):
+        with pytest.raises(ValueError, match=r"^n must be an integer >= 1, got "):
+            check_int("n", bad)
+    with pytest.raises(ValueError, match=r"^gamma must be an integer >= 2 \(draft tokens\), got 1$"):
+        check_int("gamma", 1, minimum=2, meaning="draft tokens")
