@@ -2,7 +2,8 @@
 
 Each point trains on the first N chunks of ONE cached feature corpus (``specresearch feature-distill``'s:
 ``data/distill_prompts_xl.jsonl`` shuffled with seed 0, 64 prompts per chunk, 128 tokens sampled from the
-target at T = 1 per prompt) with the steps given for that point, so a point's training passes over its
+target at T = 1 per prompt; its 1,278 prompts fill 20 chunks, and chunks beyond them sample the reshuffled
+prompts again) with the steps given for that point, so a point's training passes over its
 data ~4.6 times whatever N is (same recipe, more data). Two drafts per point:
 
 * ``feature``: the ``eagle3-v8k`` head, trained exactly as ``specresearch feature-distill --preset eagle3-v8k
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-POINTS = ("2:74", "6:220", "17:640")  # chunks:steps, ~4.6 passes over the data each
+POINTS = ("2:74", "6:220", "17:640", "34:1280")  # chunks:steps, ~4.6 passes over the data each
 
 
 def _points(specs: list[str]) -> list[tuple[int, int]]:
