@@ -69,15 +69,19 @@ def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.de
 
 def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, device: str | torch.device = "auto",
                        dtype: torch.dtype | None = torch.float32):
-    """The embedded target, its shipped distilled draft and the tokenizer: ``(target, draft, tokenizer)``.
+    """The embedded target, a draft for it and the tokenizer: ``(target, draft, tokenizer)``.
 
-    ``draft`` names a directory under ``data/drafts/`` (``drafts.shipped_drafts()``); the draft is
-    rebuilt against this target (its embedding is the target's) and checked to belong to it.
+    ``draft``: a shipped draft (``drafts.shipped_drafts()``, default the distilled ``v8k-4l``), the
+    directory a training command wrote, or any other ``drafts.draft_from_name`` description (``ngram``,
+    ``ngram+NAME``, ``truncated:N``, ``dial-...``). A trained draft is rebuilt against this target (its
+    embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
     """
     from specresearch.drafts import draft_from_name, shipped_drafts
 
-    if draft not in shipped_drafts():
-        raise ValueError(f"draft must be one of the shipped drafts {shipped_drafts()}, got {draft!r}")
+    described = draft == "ngram" or draft.startswith(("ngram+", "truncated:", "dial-"))
+    if not (draft in shipped_drafts() or Path(draft).is_dir() or described):
+        raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
+                         f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-...), got {draft!r}")
     target, tokenizer = load_embedded(name, device=device, dtype=dtype)
     return target, draft_from_name(draft, target), tokenizer
 

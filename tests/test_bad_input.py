@@ -210,3 +210,12 @@ def test_check_int_accepts_integers_only():
             check_int("n", bad)
     with pytest.raises(ValueError, match=r"^gamma must be an integer >= 2 \(draft tokens\), got 1$"):
         check_int("gamma", 1, minimum=2, meaning="draft tokens")
+
+
+def test_load_embedded_pair_refuses_an_unknown_draft_before_loading(tmp_path):
+    """Neither shipped, nor a directory, nor a draft description: one clear error, before the target loads."""
+    from specresearch.embedded import load_embedded_pair
+
+    for name in ("v9-nope", str(tmp_path / "missing")):
+        with pytest.raises(ValueError, match=r"draft must be a shipped draft \[.*v8k-4l.*\], a trained draft's directory"):
+            load_embedded_pair(draft=name, device="cpu")
