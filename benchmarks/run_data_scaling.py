@@ -26,7 +26,6 @@ are skipped, an interrupted training resumes from its checkpoint.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -66,41 +65,22 @@ def run_feature(lm, tokenizer, chunks: int, steps: int, args) -> dict:
 
 
 def run_distill(lm, tokenizer, chunks: int, steps: int, args) -> dict:
-    from specresearch.distill import (TrainConfig, cache_dir, encode_prompts, head_token_ids, load_prompts, measure_cost_ratio,
-                                      measure_draft, train_draft)
-    from specresearch.drafts import DraftConfig, build_draft, round_to_storage, save_draft
+    from specresearch.distill import TrainConfig, cache_dir, distill_on_corpus
+    from specresearch.drafts import DraftConfig
     from specresearch.feature_distill import FeatureCorpusConfig, as_distill_corpus, load_feature_chunks
 
-    corpus_config = FeatureCorpusConfig()
-    key = corpus_config.key(args.prompts)
+    key = FeatureCorpusConfig().key(args.prompts)
     chunk = load_feature_chunks(cache_dir() / "features" / key, chunks)  # run the feature points first to collect it
     config = TrainConfig(steps=steps, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=20, checkpoint_every=20)
     corpus, teacher = as_distill_corpus(chunk, config.seq_len)
     del chunk
-    eos = [tokenizer.eos_token_id]
-    draft_config = DraftConfig.from_name("v8k-4l")
-    head_ids = head_token_ids(teacher, lm.model.config.vocab_size, draft_config.head_tokens, required=eos)
-    draft = build_draft(lm.model, draft_config, seed=config.seed, head_token_ids=head_ids)
-    run_dir = cache_dir() / "scaling" / f"distill-{chunks}-{steps}-run"
-    result = train_draft(lm.model, draft, corpus, config, teacher=teacher, checkpoint_dir=run_dir,
-                         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
-    manifest = {"command": " ".join(["python", *sys.argv]), "seed": config.seed, "finished": result.finished,
-                "train_config": dataclasses.asdict(config), "draft_config": dataclasses.asdict(draft_config),
-                "corpus": {"prompts_file": Path(args.prompts).name, "cache_key": key, "chunks": chunks,
-                           "sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens},
-                "training": {"steps": result.step, "seconds": round(result.seconds, 1),
-                             "kl_curve": [round(x, 4) for x in result.losses]}}
-    if not result.finished:
-        return manifest
-    round_to_storage(draft, draft_config)
-    prompts = load_prompts(args.heldout)
-    chosen = [prompts[round(i * len(prompts) / 14)] for i in range(14)]
-    full = measure_draft(lm.model, draft, encode_prompts(tokenizer, chosen), max_new_tokens=64, eos_token_ids=eos)
-    manifest["measurement"] = {"heldout_file": Path(args.heldout).name, "prompt_ids": [p["id"] for p in chosen],
-                               "max_new_tokens": 64, "seed": 0, **full.as_dict()}
-    manifest["cost"] = measure_cost_ratio(lm.model, draft)
-    save_draft(draft, lm.model, draft_config, cache_dir() / "scaling" / f"distill-{chunks}-{steps}", manifest)
-    return manifest
+    record = {"prompts_file": Path(args.prompts).name, "cache_key": key, "chunks": chunks, "sequences": len(corpus.sequences),
+              "generated_tokens": corpus.num_generated_tokens}
+    return distill_on_corpus(lm.model, tokenizer, DraftConfig.from_name("v8k-4l"), config, corpus, teacher, corpus_record=record,
+                             run_dir=cache_dir() / "scaling" / f"distill-{chunks}-{steps}-run",
+                             out_dir=cache_dir() / "scaling" / f"distill-{chunks}-{steps}", heldout_path=args.heldout,
+                             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+                             command=" ".join(["python", *sys.argv]))
 
 
 def table(out: Path) -> None:

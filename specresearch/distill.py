@@ -85,6 +85,7 @@ __all__ = [
     "measure_draft",
     "forward_seconds",
     "measure_cost_ratio",
+    "distill_on_corpus",
     "run_distillation",
 ]
 
@@ -679,16 +680,31 @@ def run_distillation(target, tokenizer, draft_config: DraftConfig, train_config:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     corpus, key, corpus_seconds = _cached_corpus(target, encode_prompts(tokenizer, load_prompts(prompts_path)), train_config, eos, progress)
     teacher = _cached_teacher(target, corpus, key, train_config, progress)
+    record = {"prompts_file": Path(prompts_path).name, "sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens,
+              "cache_key": key, "generation_seconds": round(corpus_seconds, 1)}
+    return distill_on_corpus(target, tokenizer, draft_config, train_config, corpus, teacher, corpus_record=record,
+                             run_dir=cache_dir() / "runs" / f"{draft_config.name}-{key}-{_config_hash(draft_config, train_config)}",
+                             out_dir=Path(out_dir) if out_dir is not None else drafts_dir() / draft_config.name, heldout_path=heldout_path,
+                             heldout_prompts=heldout_prompts, measure_tokens=measure_tokens, max_seconds=max_seconds, command=command,
+                             progress=progress)
+
+
+def distill_on_corpus(target, tokenizer, draft_config: DraftConfig, train_config: TrainConfig, corpus: Corpus, teacher: TeacherTargets, *,
+                      corpus_record: dict, run_dir: str | os.PathLike, out_dir: str | os.PathLike, heldout_path, heldout_prompts: int = 14,
+                      measure_tokens: int = 64, max_seconds: float | None = None, command: str = "", progress: bool = True) -> dict:
+    """Draft -> training (checkpointed in ``run_dir``, resumable) -> measurement -> ``save_draft`` to ``out_dir``,
+    on a corpus and teacher already made (:func:`run_distillation` makes its own; the data-scaling benchmark
+    passes a feature corpus' tokens). ``corpus_record`` goes into the manifest as ``corpus``.
+    Returns the manifest (``finished: False`` and nothing saved until training reaches its end)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     head_ids = None
     if draft_config.head_tokens is not None:
         head_ids = head_token_ids(teacher, target.config.vocab_size, draft_config.head_tokens, required=eos)
     draft = build_draft(target, draft_config, seed=train_config.seed, head_token_ids=head_ids)
-    run_dir = cache_dir() / "runs" / f"{draft_config.name}-{key}-{_config_hash(draft_config, train_config)}"
     result = train_draft(target, draft, corpus, train_config, teacher=teacher, checkpoint_dir=run_dir, max_seconds=max_seconds,
                          progress=progress)
     manifest = {"command": command, "seed": train_config.seed, "train_config": dataclasses.asdict(train_config), "finished": result.finished,
-                "corpus": {"prompts_file": Path(prompts_path).name, "sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens,
-                           "cache_key": key, "generation_seconds": round(corpus_seconds, 1)},
+                "draft_config": dataclasses.asdict(draft_config), "corpus": dict(corpus_record),
                 "training": {"steps": result.step, "seconds": round(result.seconds, 1), "first_kl": result.losses[0] if result.losses else None,
                              "last_kl_mean10": statistics.fmean(result.losses[-10:]) if result.losses else None,
                              "kl_curve": [round(x, 4) for x in result.losses]},
@@ -699,7 +715,7 @@ def run_distillation(target, tokenizer, draft_config: DraftConfig, train_config:
         return manifest
     round_to_storage(draft, draft_config)
     manifest.update(_measurements(target, draft, tokenizer, heldout_path, heldout_prompts, measure_tokens, eos, progress))
-    save_draft(draft, target, draft_config, Path(out_dir) if out_dir is not None else drafts_dir() / draft_config.name, manifest)
+    save_draft(draft, target, draft_config, out_dir, manifest)
     return manifest
 
 
