@@ -15,6 +15,13 @@ rows) and Markdown tables; nothing asserted on time.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --threads 1 \\
         --drafts ngram eagle3-v8k ngram+eagle3-v8k v8k-4l ngram+v8k-4l --gammas 1 2 4
+
+``--table RECORD`` prints the tables of a finished run again, with 95% bootstrap intervals over the prompts
+(``draft_analysis.speedup_intervals``, 1,000 resamples, seed 0) and, for each ``--paired A GAMMA_A B GAMMA_B``,
+the paired interval of speed-up A - speed-up B; no model is loaded:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --table benchmarks/records/bench_wallclock_2026-11-24c.jsonl \\
+        --paired ngram+eagle3-v8k 3 eagle3-v8k 1 --paired eagle3-v8k 1 v8k-4l 1
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import pandas as pd
 import torch
 
 from specresearch import bench
-from specresearch.draft_analysis import wallclock_table
+from specresearch.draft_analysis import read_wallclock, speedup_intervals, wallclock_table
 from specresearch.drafts import draft_from_name
 from specresearch.embedded import load_embedded
 from specresearch.generate import autoregressive_generate, speculative_generate
@@ -94,7 +101,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="reports/bench_wallclock.jsonl")
+    parser.add_argument("--table", metavar="RECORD", help="only print the tables of a finished run's record, with intervals")
+    parser.add_argument("--paired", nargs=4, action="append", default=[], metavar=("A", "GAMMA_A", "B", "GAMMA_B"),
+                        help="with --table: a paired bootstrap interval of speed-up A - speed-up B (repeatable)")
     args = parser.parse_args()
+    if args.table:
+        try:
+            pairs = [((a, int(ga)), (b, int(gb))) for a, ga, b, gb in args.paired]
+        except ValueError:
+            parser.error(f"--paired takes A GAMMA_A B GAMMA_B with integer gammas, got {args.paired}")
+        frame, score_cost = read_wallclock(args.table)
+        print(f"one cached target call scoring k tokens over one scoring 1: {', '.join(f'r_{k} = {r:.2f}' for k, r in score_cost.items())}")
+        report(frame, sorted(set(frame["gamma"]) - {0}), pairs)
+        return
     if any(g < 1 for g in args.gammas) or args.per_category < 1 or args.max_new_tokens < 1:
         parser.error("--gammas, --per-category and --max-new-tokens must be >= 1")
     torch.set_num_threads(args.threads)
@@ -112,15 +131,25 @@ def main() -> None:
     print("\none cached target call scoring k tokens (context 64, B = 1), before / after the runs:\n")
     for k in ks:
         print(f"  k = {k}: {1e3 * costs[k]:.1f} / {1e3 * after[k]:.1f} ms = {costs[k] / costs[1]:.2f} / {after[k] / after[1]:.2f} x k = 1")
-    frame = pd.DataFrame(rows)
+    report(pd.DataFrame(rows), args.gammas)
+    print(f"\n{len(rows)} runs, {args.threads} thread(s); rows in {args.out}")
+
+
+def report(frame: pd.DataFrame, gammas, pairs=()) -> None:
+    """The Markdown tables of a run: speed-ups per category and gamma, acceptance, bootstrap intervals over all prompts."""
     by_category = wallclock_table(frame, by=("category", "temperature")).rename(columns={"category": "group"})
     overall = wallclock_table(frame).assign(group="all")
     print("\nspeed-up over autoregressive decoding (token verification), per gamma:\n")
-    print(table(pd.concat([by_category, overall], ignore_index=True), args.gammas))
+    print(table(pd.concat([by_category, overall], ignore_index=True), gammas))
     print("\nacceptance rate (all prompts):\n")
     for r in overall[overall["method"] != "autoregressive"].itertuples():
         print(f"  T={r.temperature:g} {r.method} gamma {r.gamma}: {r.acceptance_rate:.3f}")
-    print(f"\n{len(rows)} runs, {args.threads} thread(s); rows in {args.out}")
+    speedups, differences = speedup_intervals(frame, pairs)
+    print("\nall prompts, 95% bootstrap intervals over the prompts (1,000 resamples, seed 0):\n")
+    for r in speedups.itertuples():
+        print(f"  T={r.temperature:g} {r.method} gamma {r.gamma}: {r.speedup:.2f} [{r.low:.2f}, {r.high:.2f}]")
+    for r in differences.itertuples():
+        print(f"  T={r.temperature:g} {r.a} - {r.b}: {r.difference:+.2f} [{r.low:+.2f}, {r.high:+.2f}] (paired)")
 
 
 if __name__ == "__main__":

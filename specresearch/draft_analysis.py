@@ -14,10 +14,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 __all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "read_scaling", "read_wallclock",
-           "wallclock_table", "best_gammas", "plot_acceptance_by_depth", "plot_data_scaling", "plot_speedup_vs_gamma",
+           "wallclock_table", "speedup_intervals", "best_gammas", "plot_acceptance_by_depth", "plot_data_scaling", "plot_speedup_vs_gamma",
            "plot_speedup_by_category"]
 
 
@@ -129,6 +130,64 @@ def wallclock_table(rows: pd.DataFrame, by: Sequence[str] = ("temperature",)) ->
     out = sums.merge(base, on=by)
     out["vs_autoregressive"] = out["tokens_per_second"] / out["ar_tokens_per_second"]
     return out.drop(columns=["ar_tokens_per_second"])
+
+
+def _prompt_sums(rows: pd.DataFrame, temperature: float) -> tuple[list[str], dict[tuple[str, int], np.ndarray]]:
+    """Per-prompt (tokens, seconds) sums ``[P, 2]`` of each (method, gamma) at one temperature, prompts in one order."""
+    part = rows[rows["temperature"] == temperature]
+    prompts = sorted(part["prompt"].unique())
+    sums = part.groupby(["method", "gamma", "prompt"])[["tokens", "seconds"]].sum()
+    out = {}
+    for (method, gamma), group in sums.groupby(level=["method", "gamma"]):
+        frame = group.droplevel(["method", "gamma"]).reindex(prompts)
+        if frame.isna().any().any():
+            raise ValueError(f"{method} (gamma {gamma}) at T = {temperature} lacks some prompts; a paired bootstrap needs all")
+        out[method, int(gamma)] = frame.to_numpy(dtype=float)
+    if ("autoregressive", 0) not in out:
+        raise ValueError(f"the rows hold no autoregressive baseline at T = {temperature}")
+    return prompts, out
+
+
+def speedup_intervals(rows: pd.DataFrame, pairs: Sequence[tuple[tuple[str, int], tuple[str, int]]] = (), *, n_boot: int = 1000,
+                      seed: int = 0, level: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Speed-up over autoregressive decoding with bootstrap intervals over the prompts, and paired differences.
+
+    Speed-up = (sum tokens / sum seconds) of a (method, gamma) over that of autoregressive decoding on the same
+    prompts, as :func:`wallclock_table`. Each resample draws the prompts with replacement (``analysis.bootstrap_weights``,
+    ``n_boot`` resamples, ``seed``) and recomputes every speed-up on the same draw, so ``pairs`` ((method a, gamma
+    a), (method b, gamma b)) get a paired interval of speed-up a - speed-up b.
+
+    Returns ``(speedups, differences)``: per temperature, method, gamma: ``speedup``, ``low``, ``high``; per
+    temperature and pair: ``a``, ``b``, ``difference``, ``low``, ``high``.
+    """
+    from specresearch.analysis import bootstrap_weights  # imports the bench (torch); only needed here
+
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    tail = 100 * (1 - level) / 2
+    speedups, differences = [], []
+    for temperature in sorted(rows["temperature"].unique()):
+        prompts, sums = _prompt_sums(rows, temperature)
+        weights = bootstrap_weights(len(prompts), n_boot, seed)  # [n_boot, P]
+
+        def speed(key, w=None):
+            tokens, seconds = (sums[key].sum(0) if w is None else w @ sums[key]).T
+            return tokens / seconds
+
+        base, base_samples = speed(("autoregressive", 0)), speed(("autoregressive", 0), weights)
+        ratio = {key: (speed(key) / base, speed(key, weights) / base_samples) for key in sums if key[0] != "autoregressive"}
+        for (method, gamma), (point, samples) in sorted(ratio.items()):
+            low, high = np.percentile(samples, [tail, 100 - tail])
+            speedups.append({"temperature": temperature, "method": method, "gamma": gamma, "speedup": float(point),
+                             "low": float(low), "high": float(high), "prompts": len(prompts)})
+        for a, b in pairs:
+            missing = [key for key in (a, b) if key not in ratio]
+            if missing:
+                raise ValueError(f"pairs: {missing} not in the rows at T = {temperature}; have {sorted(ratio)}")
+            low, high = np.percentile(ratio[a][1] - ratio[b][1], [tail, 100 - tail])
+            differences.append({"temperature": temperature, "a": f"{a[0]} g{a[1]}", "b": f"{b[0]} g{b[1]}",
+                                "difference": float(ratio[a][0] - ratio[b][0]), "low": float(low), "high": float(high)})
+    return pd.DataFrame(speedups), pd.DataFrame(differences)
 
 
 def best_gammas(overall: pd.DataFrame, temperature: float) -> dict[str, int]:

@@ -13,7 +13,7 @@ from specresearch import theory
 from specresearch.distill import drafts_dir
 from specresearch.draft_analysis import (best_gammas, expected_tokens, plot_acceptance_by_depth, plot_data_scaling,
                                          plot_speedup_by_category, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
-                                         read_scaling, read_wallclock, speedup_curve, wallclock_table)
+                                         read_scaling, read_wallclock, speedup_curve, speedup_intervals, wallclock_table)
 
 
 def test_expected_tokens_and_speedup_by_hand():
@@ -121,6 +121,34 @@ def test_wallclock_table_divides_summed_rates_by_the_baselines():
     assert table.loc[(1.0, "autoregressive"), "vs_autoregressive"] == 1.0
     with pytest.raises(ValueError, match="autoregressive baseline"):
         wallclock_table(rows[rows["method"] != "autoregressive"])
+
+
+def test_speedup_intervals_resample_prompts_and_pair_the_methods():
+    """Method a is exactly twice as fast as autoregressive decoding on every prompt, b 1.5x on two prompts and 2.5x on
+    two: a's interval is the point 2.0; b's point is its pooled rate and its interval spans prompts of both kinds;
+    a - b is paired, so its interval is b's mirrored (the resamples are the same draws)."""
+    rows = []
+    for i, ar_seconds in enumerate([1.0, 2.0, 1.0, 4.0]):
+        rows.append({"temperature": 1.0, "prompt": f"p{i}", "method": "autoregressive", "gamma": 0, "tokens": 10, "seconds": ar_seconds})
+        rows.append({"temperature": 1.0, "prompt": f"p{i}", "method": "a", "gamma": 1, "tokens": 10, "seconds": ar_seconds / 2})
+        rows.append({"temperature": 1.0, "prompt": f"p{i}", "method": "b", "gamma": 3, "tokens": 10, "seconds": ar_seconds / (1.5 if i < 2 else 2.5)})
+    rows = pd.DataFrame(rows)
+    speedups, differences = speedup_intervals(rows, [(("a", 1), ("b", 3))], n_boot=400)
+    a, b = (speedups.set_index("method").loc[m] for m in ("a", "b"))
+    assert (a.speedup, a.low, a.high) == pytest.approx((2.0, 2.0, 2.0))
+    assert b.speedup == pytest.approx(40 / (1 / 1.5 + 2 / 1.5 + 1 / 2.5 + 4 / 2.5) / (40 / 8))
+    assert 1.5 <= b.low < b.speedup < b.high <= 2.5
+    d = differences.iloc[0]
+    assert (d.a, d.b) == ("a g1", "b g3") and d.difference == pytest.approx(2.0 - b.speedup)
+    assert (d.low, d.high) == pytest.approx((2.0 - b.high, 2.0 - b.low))
+    again = speedup_intervals(rows, n_boot=400)[0]
+    assert again.equals(speedups)  # seeded
+    with pytest.raises(ValueError, match="lacks some prompts"):
+        speedup_intervals(rows.drop(index=[2]))
+    with pytest.raises(ValueError, match="no autoregressive baseline"):
+        speedup_intervals(rows[rows["method"] != "autoregressive"])
+    with pytest.raises(ValueError, match=r"pairs: \[\('c', 1\)\]"):
+        speedup_intervals(rows, [(("c", 1), ("a", 1))])
 
 
 def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
