@@ -272,7 +272,8 @@ def _add_feature_distill(sub) -> None:
     p.add_argument("--preset", default="eagle3-v8k", help="feature head preset (specresearch.feature_drafts.FEATURE_PRESETS)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
     for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float), ("--warmup-steps", int),
-                       ("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float), ("--checkpoint-every", int)]:
+                       ("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float), ("--checkpoint-every", int),
+                       ("--tv-loss-weight", float)]:
         p.add_argument(flag, type=kind, help="FeatureTrainConfig field (default: the dataclass default)")
     p.add_argument("--prompts", default="data/distill_prompts_xl.jsonl", help="corpus prompts")
     p.add_argument("--chunks", type=int, default=5,

@@ -71,6 +71,7 @@ __all__ = [
     "teacher_targets",
     "sparse_distill_kl",
     "sparse_kl",
+    "sparse_tv",
     "round_to_storage",
     "sample_continuations",
     "generate_corpus",
@@ -420,6 +421,18 @@ def sparse_kl(logits: torch.Tensor, index: torch.Tensor, teacher_probs: torch.Te
     log_q = F.log_softmax(logits[keep].float(), dim=-1).gather(-1, index)  # [N', k]
     terms = torch.where(p > 0, p * (p.clamp(min=1e-30).log() - log_q), 0.0)
     return terms.sum(-1).mean()
+
+
+def sparse_tv(logits: torch.Tensor, index: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of TV(p~, q) = 1 - sum_x min(p~(x), q(x)), the rejection probability of one drafted
+    token (1 - alpha), with p~ and q as in :func:`sparse_kl` (p~ is zero off the teacher's top k, so the sum
+    runs over those k). Differentiable in ``logits`` (through q where q < p~)."""
+    p = torch.where(index >= 0, teacher_probs.float(), 0.0)
+    mass = p.sum(-1)
+    keep = mass > 0
+    p, index = p[keep] / mass[keep, None], index[keep].clamp(min=0)
+    q = F.softmax(logits[keep].float(), dim=-1).gather(-1, index)  # [N', k]
+    return (1 - torch.minimum(p, q).sum(-1)).mean()
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specresearch.distill import TrainConfig, cache_dir, generate_corpus, sparse_kl
+from specresearch.distill import TrainConfig, cache_dir, generate_corpus, sparse_kl, sparse_tv
 from specresearch.drafts import check_field
 
 __all__ = [
@@ -255,6 +255,7 @@ class FeatureTrainConfig:
         feature_loss_weight: weight of SmoothL1(predicted feature, the target's final feature) per pass.
         feature_noise: half-width of uniform noise on the true input features.
         checkpoint_every: steps between checkpoints.
+        tv_loss_weight: weight of TV(p~, q_k) = 1 - alpha per pass, added to the KL (0: KL alone).
     """
 
     seed: int = 0
@@ -269,6 +270,7 @@ class FeatureTrainConfig:
     feature_loss_weight: float = 0.1
     feature_noise: float = 0.0
     checkpoint_every: int = 20
+    tv_loss_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "rollout", "checkpoint_every"):
@@ -279,7 +281,7 @@ class FeatureTrainConfig:
             raise ValueError(f"seq_len must be an int >= 2, got {self.seq_len!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        for name in ("weight_decay", "feature_loss_weight", "feature_noise", "warmup_steps"):
+        for name in ("weight_decay", "feature_loss_weight", "feature_noise", "warmup_steps", "tv_loss_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -340,7 +342,8 @@ def _positions(teachers, depth: int, L: int):
 
 
 def feature_loss(head, batch, config: FeatureTrainConfig, generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[float]]:
-    """The training loss of one batch (module docstring): mean over passes of KL + weight * SmoothL1.
+    """The training loss of one batch (module docstring): mean over passes of KL + weight * SmoothL1
+    (+ ``tv_loss_weight`` * TV).
 
     Returns the differentiable loss and the KL of each pass (floats, for the logs).
     """
@@ -353,9 +356,11 @@ def feature_loss(head, batch, config: FeatureTrainConfig, generator: torch.Gener
             continue
         predicted = h[rows, cols]  # [N, H]
         logits, index_of = head.support_logits(predicted)
-        kl = sparse_kl(logits, ids if index_of is None else index_of[ids], probs)
+        index = ids if index_of is None else index_of[ids]
+        kl = sparse_kl(logits, index, probs)
         regression = F.smooth_l1_loss(predicted, final[rows, cols]) if config.feature_loss_weight else 0.0
-        total = total + kl + config.feature_loss_weight * regression
+        tv = sparse_tv(logits, index, probs) if config.tv_loss_weight else 0.0
+        total = total + kl + config.feature_loss_weight * regression + config.tv_loss_weight * tv
         kls.append(float(kl.detach()))
     return total / len(hidden), kls
 
@@ -541,10 +546,14 @@ def measure_feature_cost(target_lm, draft, context_length: int = 64, repeats: in
 # End to end
 
 
+_LATER_FIELDS = {"tv_loss_weight": 0.0}  # added after runs were keyed: hashed only when not at this default, so keys stay
+
+
 def _run_key(head_config, train_config: FeatureTrainConfig, corpus_key: str, chunks: int) -> str:
     import hashlib
 
-    blob = json.dumps([dataclasses.asdict(head_config), dataclasses.asdict(train_config), corpus_key, chunks], sort_keys=True)
+    train = {k: v for k, v in dataclasses.asdict(train_config).items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
+    blob = json.dumps([dataclasses.asdict(head_config), train, corpus_key, chunks], sort_keys=True)
     return f"{head_config.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 

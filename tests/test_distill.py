@@ -205,6 +205,29 @@ def test_sparse_kl_with_all_tokens_is_the_exact_kl(target, corpus, train_config)
     assert float(sparse) == pytest.approx(float(exact), rel=1e-5)
 
 
+def test_sparse_tv_is_one_minus_the_overlap_of_the_renormalised_teacher():
+    """sparse_tv = 1 - sum_x min(p~, q): p~ the teacher's top k renormalised over the support (entries off it, -1,
+    dropped), computed densely here; a row with no teacher mass on the support is skipped; q = p~ gives 0."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g, requires_grad=True)
+    index = torch.tensor([[0, 2, -1], [5, 1, 3], [-1, -1, -1]])
+    probs = torch.tensor([[0.5, 0.2, 0.3], [0.6, 0.3, 0.1], [0.7, 0.2, 0.1]])
+    tv = D.sparse_tv(logits, index, probs)
+    q = logits.detach().softmax(-1)
+    dense = []
+    for row in range(2):
+        p = torch.zeros(6)
+        for i, w in zip(index[row].tolist(), probs[row].tolist()):
+            if i >= 0:
+                p[i] += w
+        dense.append(1 - torch.minimum(p / p.sum(), q[row]).sum())
+    assert float(tv.detach()) == pytest.approx(float(torch.stack(dense).mean()), abs=1e-6)
+    tv.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    same = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    assert float(D.sparse_tv(same, torch.tensor([[0, 1, 2]]), torch.tensor([[0.5, 0.3, 0.2]]))) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_subset_head_puts_zero_mass_off_its_tokens(target):
     ids = torch.tensor([1, 4, 9, 30])
     head = D.SubsetHead(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), ids, VOCAB)

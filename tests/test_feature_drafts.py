@@ -2,6 +2,8 @@
 forward, rollback and re-feeding of true features, the engine channel (greedy equality, B > 1 with left
 padding, EOS, max_new_tokens, seeds, losslessness), the target wrapper's hidden states, bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,7 +163,9 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     batch = _feature_batch(corpus, list(range(8)), config.seq_len, *_feature_columns(head, corpus_config.store_layers))
     before_alpha = measure_feature_draft(small.model, head, prompts[8:], depths=2, max_new_tokens=12, progress=False)
     with torch.no_grad():
-        _, before = feature_loss(head, batch, config)
+        loss, before = feature_loss(head, batch, config)
+        with_tv, kls = feature_loss(head, batch, dataclasses.replace(config, tv_loss_weight=1.0))
+    assert kls == before and float(loss) < float(with_tv) < float(loss) + 1  # + the mean TV of the passes, in (0, 1]
     result = train_feature_head(head, corpus, corpus_config.store_layers, config, checkpoint_dir=tmp_path / "run", progress=False)
     with torch.no_grad():
         _, after = feature_loss(head, batch, config)
