@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from specresearch.checks import check_int
 from specresearch.distill import TrainConfig, cache_dir, generate_corpus, sparse_kl, sparse_tv
 from specresearch.drafts import check_field
 
@@ -166,6 +167,8 @@ def chunk_prompt_order(num_prompts: int, seed: int, count: int) -> list[int]:
     """The first ``count`` prompt indices the corpus' chunks are cut from: successive shuffles of
     ``range(num_prompts)`` by one generator seeded with ``seed``, end to end (so the first shuffle is the
     same however many passes follow, and a chunk may straddle two passes)."""
+    check_int("num_prompts", num_prompts)
+    check_int("count", count, minimum=0)
     generator = torch.Generator().manual_seed(seed)
     order: list[int] = []
     while len(order) < count:

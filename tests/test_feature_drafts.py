@@ -194,6 +194,8 @@ def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(one.sequences, three.sequences[:4]))
     sampled = [next(i for i, p in enumerate(prompts) if torch.equal(s[:n], p)) for s, n in zip(three.sequences, three.prompt_lengths)]
     assert sampled == order[:12] and sorted(sampled) == sorted(2 * list(range(6)))
+    with pytest.raises(ValueError, match="num_prompts must be an integer >= 1"):
+        chunk_prompt_order(0, seed=0, count=4)  # no endless loop over an empty prompt list
     with pytest.raises(ValueError, match="max_chunks"):
         collect_feature_corpus(small.model, prompts, config, tmp_path / "bad", max_chunks=-1, progress=False)
 
