@@ -408,16 +408,22 @@ def sparse_distill_kl(draft, batch, teacher_ids: torch.Tensor, teacher_probs: to
     return sparse_kl(logits, index, teacher_probs)
 
 
+def _teacher_on_support(index: torch.Tensor, teacher_probs: torch.Tensor):
+    """The rows with teacher mass on the support (``keep [N]``), their teacher renormalised there (``p [N', k]``)
+    and their support positions (``index [N', k]``, off-support entries pointing at 0 with p = 0)."""
+    p = torch.where(index >= 0, teacher_probs.float(), 0.0)
+    mass = p.sum(-1)
+    keep = mass > 0
+    return keep, p[keep] / mass[keep, None], index[keep].clamp(min=0)
+
+
 def sparse_kl(logits: torch.Tensor, index: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
     """Mean over positions of KL(p~ || q), q = softmax(``logits [N, K]``) over a support of K tokens,
     p~ = ``teacher_probs [N, k]`` at support positions ``index [N, k]`` (-1: off the support), renormalised.
 
     Positions with no teacher mass on the support are skipped. Differentiable in ``logits``.
     """
-    p = torch.where(index >= 0, teacher_probs.float(), 0.0)
-    mass = p.sum(-1)
-    keep = mass > 0
-    p, index = p[keep] / mass[keep, None], index[keep].clamp(min=0)
+    keep, p, index = _teacher_on_support(index, teacher_probs)
     log_q = F.log_softmax(logits[keep].float(), dim=-1).gather(-1, index)  # [N', k]
     terms = torch.where(p > 0, p * (p.clamp(min=1e-30).log() - log_q), 0.0)
     return terms.sum(-1).mean()
@@ -427,10 +433,7 @@ def sparse_tv(logits: torch.Tensor, index: torch.Tensor, teacher_probs: torch.Te
     """Mean over positions of TV(p~, q) = 1 - sum_x min(p~(x), q(x)), the rejection probability of one drafted
     token (1 - alpha), with p~ and q as in :func:`sparse_kl` (p~ is zero off the teacher's top k, so the sum
     runs over those k). Differentiable in ``logits`` (through q where q < p~)."""
-    p = torch.where(index >= 0, teacher_probs.float(), 0.0)
-    mass = p.sum(-1)
-    keep = mass > 0
-    p, index = p[keep] / mass[keep, None], index[keep].clamp(min=0)
+    keep, p, index = _teacher_on_support(index, teacher_probs)
     q = F.softmax(logits[keep].float(), dim=-1).gather(-1, index)  # [N', k]
     return (1 - torch.minimum(p, q).sum(-1)).mean()
 
