@@ -22,8 +22,8 @@ identical runs) while every verifier and the baseline of one (prompt, seed) use 
 
 Common random numbers. Each run gets ``seed=[run_seed(prompt, seed)]`` (a one-element list): the engine
 then uses one ``torch.Generator`` seeded with it for the row and never shortens gamma at the end
-(``specresearch.generate``). Per step it draws the gamma draft tokens (``torch.multinomial``, which
-advances the generator by an amount that depends only on V, not on the probabilities; checked in
+(``specresearch.generate``). Per step it draws the gamma draft tokens (``sampling.sample_tokens``: one
+uniform per row, so the generator advances by the same amount whatever the probabilities; checked in
 ``tests/test_bench.py``) and then the gamma + 1 verification uniforms. So the verifiers of one unit
 consume the same random stream step by step, and they share:
 

@@ -36,7 +36,7 @@ import torch
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
 from specresearch.checks import check_int
-from specresearch.sampling import SamplingConfig, check_logits, logits_to_probs
+from specresearch.sampling import SamplingConfig, check_logits, logits_to_probs, sample_tokens
 
 __all__ = [
     "LogitsFn",
@@ -342,7 +342,7 @@ def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfi
         probs = logits_to_probs(_blocked(ids, logits, active, no_repeat_ngram_size), sampling)  # [B, V]
         if sampling.greedy:
             return probs.argmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        return sample_tokens(probs, generator)
 
     return _autoregressive(choose, logits_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
 

@@ -52,7 +52,7 @@ import torch
 from specresearch.checks import check_int
 from specresearch.drafts import PlansLength, check_same_vocab
 from specresearch.feature_drafts import FeatureReader
-from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.sampling import SamplingConfig, logits_to_probs, sample_tokens
 from specresearch.verify import VERIFIERS, draw_uniforms, expected_num_accepted
 
 __all__ = [
@@ -263,13 +263,11 @@ def _clock(device: torch.device) -> float:
 def _sample(probs: torch.Tensor, sampling: SamplingConfig, generators) -> torch.Tensor:
     """One token per row from ``probs [B, V]`` -> ``[B]``; greedy configs take the (one-hot) argmax.
 
-    ``generators``: one shared ``torch.Generator``, or a list with one per row.
+    ``generators``: one shared ``torch.Generator``, or a list with one per row (``sampling.sample_tokens``).
     """
     if sampling.greedy:
         return probs.argmax(-1)
-    if isinstance(generators, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generators)[:, 0]
-    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+    return sample_tokens(probs, generators)
 
 
 def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ from specresearch.sampling import (
     apply_temperature,
     epsilon_filter,
     logits_to_probs,
+    sample_tokens,
     top_k_filter,
     top_p_filter,
 )
@@ -69,6 +70,9 @@ def test_config_is_frozen_and_presets():
     "bad, message",
     [
         (torch.tensor([0.0, float("nan")]), "NaN"),
+        (torch.tensor([[9.0, 0.0], [1.0, float("nan")]]), "NaN"),  # behind a larger maximum of another row
+        (torch.tensor([[float("nan"), -math.inf], [0.0, 1.0]]).half(), "NaN"),
+        (torch.tensor([[-math.inf, 0.0], [-math.inf, math.inf]]), r"\+inf"),
         (torch.tensor([0.0, float("inf")]), r"\+inf"),
         (torch.tensor([[0.0, 1.0], [-math.inf, -math.inf]]), "every entry is -inf"),
         (torch.tensor([1, 2]), "floating"),
@@ -356,3 +360,43 @@ def test_greedy_config_gives_the_greedy_target_path():
     t_target, t_draft = transformed_model(target, greedy), transformed_model(draft, greedy)
     spec = exact.speculative_distribution(t_target, t_draft, 2, "token", 3)
     assert {k: v for k, v in spec.items() if v} == law
+
+
+# --- sample_tokens -------------------------------------------------------------------------------
+
+
+def test_sample_tokens_frequencies_and_zero_probabilities():
+    """20,000 rows of one law with zeros and a tiny mass, float32 as the engine passes it. Pearson
+    chi-square at false-positive rate 1e-4 (fixed seed: the outcome is deterministic)."""
+    from scipy.stats import chi2
+
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.2, 1e-3, 0.499, 0.0])
+    n = 20000
+    tokens = sample_tokens(probs.expand(n, -1).contiguous(), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=7).double()
+    assert tokens.dtype == torch.int64 and (counts[probs == 0] == 0).all()
+    support = probs > 0
+    expected = n * probs[support].double()
+    assert ((counts[support] - expected) ** 2 / expected).sum() < chi2.isf(1e-4, int(support.sum()) - 1)
+
+
+def test_sample_tokens_per_row_generators_and_common_random_numbers():
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(1)), -1)
+    rows = [torch.Generator().manual_seed(s) for s in (5, 6, 7)]
+    together = sample_tokens(probs, rows)
+    alone = torch.cat([sample_tokens(probs[b : b + 1], torch.Generator().manual_seed(s)) for b, s in enumerate((5, 6, 7))])
+    assert torch.equal(together, alone)
+    # one uniform per row whatever the law: the same stream gives the same token of a shifted law's cdf
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    sample_tokens(probs, g1), sample_tokens(torch.softmax(5 * torch.randn(3, 50), -1), g2)
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_sample_tokens_one_hot_and_bad_input():
+    one_hot = torch.zeros(4, 49152)
+    one_hot[torch.arange(4), torch.tensor([0, 7, 49151, 300])] = 1.0
+    assert sample_tokens(one_hot, torch.Generator().manual_seed(0)).tolist() == [0, 7, 49151, 300]
+    with pytest.raises(ValueError, match=r"\[B, V\]"):
+        sample_tokens(torch.ones(5) / 5)
+    with pytest.raises(ValueError, match="one per row"):
+        sample_tokens(torch.ones(2, 5) / 5, [torch.Generator()])
