@@ -73,15 +73,16 @@ def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l
 
     ``draft``: a shipped draft (``drafts.shipped_drafts()``, default the distilled ``v8k-4l``), the
     directory a training command wrote, or any other ``drafts.draft_from_name`` description (``ngram``,
-    ``ngram+NAME``, ``truncated:N``, ``dial-...``). A trained draft is rebuilt against this target (its
+    ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``). A trained draft is rebuilt against this target (its
     embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
     """
     from specresearch.drafts import draft_from_name, shipped_drafts
 
-    described = draft == "ngram" or draft.startswith(("ngram+", "truncated:", "dial-"))
-    if not (draft in shipped_drafts() or Path(draft).is_dir() or described):
+    base = draft[len("fp16:") :] if draft.startswith("fp16:") else draft
+    described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
+    if not (base in shipped_drafts() or Path(base).is_dir() or described):
         raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
-                         f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-...), got {draft!r}")
+                         f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
     target, tokenizer = load_embedded(name, device=device, dtype=dtype)
     return target, draft_from_name(draft, target), tokenizer
 

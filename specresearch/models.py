@@ -28,6 +28,13 @@ parameters; ``skinny_linear=False`` opts out): a one-token call of the embedded 
 ``nn.Linear``'s and a two-token call 0.4-0.65 (1-2 threads; ``benchmarks/bench_score_cost.py``, figures
 in ``docs/feature_drafts.md``).
 
+Half-precision weights for drafts (:func:`use_half_weights`): a draft's weights stored in float16 halve
+the bytes streamed per call; its activations, biases and everything between the linear layers stay
+float32. :func:`skinny_linear` sees the dtypes differ and multiplies 1-4 rows in float16 (a oneDNN
+product that streams W at twice the float32 rate here) and more rows in float32 against the upcast
+weights (float16 products slow down with rows on this CPU). The weights are the float16-rounded ones
+either way; the draft's q is whatever it computes, so losslessness is untouched.
+
 Ragged batches (the design choice): rows of a batch accept different numbers of draft tokens, but all
 rows share ONE physical cache length. ``rollback(n)`` with per-row ``n`` crops the suffix common to all
 rows from the KV cache (``DynamicCache.crop``) and masks out (attention mask 0) the extra slots of rows
@@ -52,6 +59,7 @@ __all__ = [
     "SkinnyLinear",
     "skinny_linear",
     "use_skinny_linears",
+    "use_half_weights",
     "SlotMask",
     "rollback_counts",
     "check_prompt",
@@ -146,6 +154,7 @@ def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
 
 
 SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
+HALF_ROWS = 4  # up to this many rows, half weights multiply in their own dtype (module docstring)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,9 +163,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``x``: ``[..., in]``; rows = ``x.numel() / in``. The product takes ``x`` contiguous (a column-major ``x``,
     such as the previous layer's transposed output, sends MKL down a path ~3x slower) and one row padded
     to two (MKL's one-column product is a GEMV). The same function up to float rounding (~1e-6 relative);
-    any other row count, device or an empty input takes ``F.linear`` unchanged.
+    any other row count, device or an empty input takes ``F.linear`` unchanged. A ``weight`` whose dtype differs
+    from ``x``'s (half weights, :func:`use_half_weights`) is multiplied as the module docstring says.
     """
     rows = x.numel() // max(x.shape[-1], 1)
+    if weight.dtype != x.dtype:  # half weights, float32 activations (use_half_weights)
+        y = (torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype) if rows <= HALF_ROWS
+             else torch.nn.functional.linear(x, weight.to(x.dtype)))
+        return y if bias is None else y + bias
     if rows not in SKINNY_ROWS or x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
@@ -189,6 +203,33 @@ def use_skinny_linears(model: torch.nn.Module) -> int:
             module.__class__ = SkinnyLinear
             switched += 1
     return switched
+
+
+def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, shared_with: torch.nn.Module | None = None,
+                     dtype: torch.dtype = torch.float16) -> int:
+    """Give every ``nn.Linear`` (and module of ``types``: modules whose forward multiplies by ``self.weight``
+    through :func:`skinny_linear`) of ``model`` a new weight, its old one in ``dtype``; returns how many.
+
+    For inference: the new weights do not require grad. Plain ``nn.Linear`` layers become
+    :class:`SkinnyLinear` (whose forward handles the mixed dtypes on any device); biases and every other
+    parameter stay as they are. A weight tied to another module (an output head tied to the input
+    embedding) is untied: only the linear layer gets the half copy. ``shared_with``: a model (the target)
+    none of whose modules may be changed: a layer ``model`` shares with it raises ``ValueError`` before
+    anything is done.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    chosen = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, *types))]
+    theirs = set() if shared_with is None else {id(m) for m in shared_with.modules()}
+    shared = [type(m).__name__ for m in chosen if id(m) in theirs]
+    if shared:
+        raise ValueError(f"half weights: {len(shared)} layer(s) ({shared[0]}, ...) belong to the target too; "
+                         "changing them would change the target")
+    for module in chosen:
+        if type(module) is torch.nn.Linear:
+            module.__class__ = SkinnyLinear
+        module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+    return len(chosen)
 
 
 class CausalLM:

@@ -245,6 +245,39 @@ def test_trained_draft_directories_load_by_path(target, tmp_path):
         draft_from_name(str(tmp_path / "head"), tiny_llama(VOCAB, seed=9, init_std=0.6, num_layers=3))
 
 
+def test_half_weight_drafts_stay_exact_and_leave_the_target_alone(target, tmp_path):
+    """fp16:<draft>: the feature head and a distilled draft get float16 weights (the target keeps float32),
+    their logits are the float32 ones up to half rounding, greedy speculative decoding still equals greedy
+    autoregressive decoding, and drafts without weights are refused."""
+    from specresearch.drafts import DraftConfig, SubsetHead, build_draft, draft_from_name, save_draft
+    from specresearch.feature_drafts import round_head_to_storage, save_feature_head
+
+    head = feature_head(target.model, head_tokens=40)
+    round_head_to_storage(head)
+    save_feature_head(head, target.model, tmp_path / "head")
+    config = DraftConfig("t", num_layers=1, init_layers=(0,), head_tokens=40)
+    save_draft(build_draft(target.model, config, seed=0, head_token_ids=torch.arange(40)), target.model, config, tmp_path / "small")
+    for name in ("head", "small"):
+        full, half = draft_from_name(str(tmp_path / name), target), draft_from_name(f"fp16:{tmp_path / name}", target)
+        module = half.head if name == "head" else half.model
+        assert {m.weight.dtype for m in module.modules() if isinstance(m, (torch.nn.Linear, SubsetHead))} == {torch.float16}
+        assert (half.head.subset_head if name == "head" else half.model.lm_head).weight.dtype == torch.float16
+        assert all(p.dtype == torch.float32 for p in target.model.parameters())
+        out = speculative_generate(target, half, PROMPTS, gamma=3, max_new_tokens=12, sampling=GREEDY)
+        assert out.tokens == autoregressive_generate(target, PROMPTS, max_new_tokens=12, sampling=GREEDY).tokens
+        ids, mask = torch.tensor([[5, 9, 2, 33]]), torch.ones(1, 4, dtype=torch.long)
+        logits = []
+        for draft in (full, half):
+            if name == "head":
+                _, features = target.prefill(ids, mask, hidden_layers=draft.feature_layers)
+                draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1))
+            logits.append(draft.prefill(ids, mask)[:, :40])
+        torch.testing.assert_close(logits[1], logits[0], atol=2e-2, rtol=2e-2)
+        assert not torch.equal(logits[1], logits[0])
+    with pytest.raises(ValueError, match="trained draft"):
+        draft_from_name("fp16:ngram", target)
+
+
 def test_save_and_load_round_trip(target, tmp_path):
     """The shipped format: trained tensors in the storage dtype + manifest; the loaded head gives the rounded head's
     logits, and a head saved against another target is refused."""

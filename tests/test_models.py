@@ -163,6 +163,48 @@ def test_skinny_linear_is_nn_linear_up_to_rounding(bias):
     assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_weights_multiply_the_rounded_weights_and_untie(dtype):
+    """use_half_weights: every linear layer gets a new half weight (a tied head is untied from the embedding,
+    which stays float32); outputs are float32 and equal the float32 product with the rounded weights up to
+    the half rounding of the 1-4 row path (more rows: float32 against the upcast weights, up to float rounding)."""
+    from specresearch.models import HALF_ROWS, SkinnyLinear, use_half_weights
+
+    g = torch.Generator().manual_seed(0)
+    embedding = torch.nn.Embedding(96, 48)
+    head = torch.nn.Linear(48, 96, bias=False)
+    head.weight = embedding.weight  # tied, as SmolLM2's head
+    model = torch.nn.Sequential(embedding, torch.nn.Linear(48, 48, bias=True), head)
+    reference = [model[1].weight.detach().clone(), model[1].bias.detach().clone(), embedding.weight.detach().clone()]
+    assert use_half_weights(model, dtype=dtype) == 2
+    assert type(model[1]) is SkinnyLinear and type(model[2]) is SkinnyLinear
+    assert model[1].weight.dtype == model[2].weight.dtype == dtype and not model[2].weight.requires_grad
+    assert embedding.weight.dtype == torch.float32 and torch.equal(embedding.weight, reference[2])
+    assert model[1].bias.dtype == torch.float32
+    rounded = reference[0].to(dtype).float()
+    tolerance = 1e-2 if dtype == torch.float16 else 6e-2
+    for rows in (1, 2, HALF_ROWS, HALF_ROWS + 1, 9):
+        x = torch.randn(rows, 48, generator=g)
+        got, want = model[1](x), x @ rounded.t() + reference[1]
+        assert got.dtype == torch.float32
+        if rows <= HALF_ROWS:
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="dtype"):
+        use_half_weights(model, dtype=torch.float64)
+
+
+def test_half_weights_never_change_the_target():
+    from specresearch.models import use_half_weights
+
+    target = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    draft = torch.nn.Sequential(torch.nn.Linear(8, 8), target[0])  # a layer shared with the target
+    with pytest.raises(ValueError, match="target"):
+        use_half_weights(draft, shared_with=target)
+    assert draft[0].weight.dtype == target[0].weight.dtype == torch.float32
+
+
 def test_causal_lm_switches_to_skinny_linears_on_cpu_only_when_asked_or_auto():
     from transformers import AutoModelForCausalLM
 
