@@ -105,7 +105,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft", default=None,
                    help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head elsewhere; the "
                         "fastest draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, "
-                        "eagle3-v8k; any name under data/drafts/) | ngram | truncated:N | checkpoint path. "
+                        "eagle3-v8k; any name under data/drafts/) | fp16:NAME (its weights in float16) | ngram | truncated:N | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
     p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
     p.add_argument("--gamma", type=int, default=GENERATE_GAMMA, help=f"draft tokens per step (default {GENERATE_GAMMA})")
@@ -356,7 +356,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default="v8k-4l",
                    help="v8k-4l (a shipped distilled draft; eagle3-v8k the feature head) | ngram | ngram+NAME[@OPTION] | "
-                        "truncated:N | dial-mix:LAM (BE only) | checkpoint path")
+                        "truncated:N | fp16:NAME | dial-mix:LAM (BE only) | checkpoint path")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
     p.add_argument("--verifiers", nargs="+", help="default: token block")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
@@ -456,7 +456,8 @@ def _user_message(exc: BaseException, args) -> str:
         # transformers' message for a name it cannot resolve offline does not say which name it was
         for flag in ("model", "target", "draft"):
             name, known = getattr(args, flag, None), _known_names(flag)
-            if name and not Path(name).exists() and name not in known and not name.startswith("truncated:"):
+            base = name[len("fp16:") :] if name and name.startswith("fp16:") else name
+            if name and not Path(base).exists() and base not in known and not base.startswith("truncated:"):
                 return (f"--{flag} {name!r} is neither a known name ({', '.join(known)}) "
                         f"nor an existing checkpoint directory")
     return message
@@ -469,7 +470,7 @@ def _known_names(flag: str) -> list[str]:
         return sorted(EMBEDDED)
     from specresearch.drafts import shipped_drafts
 
-    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
+    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
             *shipped_drafts()]
 
 

@@ -28,6 +28,14 @@ parameters; ``skinny_linear=False`` opts out): a one-token call of the embedded 
 ``nn.Linear``'s and a two-token call 0.4-0.65 (1-2 threads; ``benchmarks/bench_score_cost.py``, figures
 in ``docs/feature_drafts.md``).
 
+Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
+mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
+(SmolLM2: 9 heads over 3) to keep CUDA's fused kernels, and a query whose last axis is strided (the
+transposed output of ``(W @ x^T)^T``) sends the CPU kernel down its slow unfused path. So
+``skinny_linear`` returns row-major outputs and ``CausalLM`` on CPU switches ``"sdpa"`` to
+:func:`cpu_sdpa_attention`, which hands the groups to the fused kernel: a two-token call of the embedded
+target then costs about what a one-token call costs (it cost 5-6 ms more, ~10%).
+
 Half-precision weights for drafts (:func:`use_half_weights`): a draft's weights stored in float16 halve
 the bytes streamed per call; its activations, biases and everything between the linear layers stay
 float32. :func:`skinny_linear` sees the dtypes differ and multiplies 1-4 rows in float16 (a oneDNN
@@ -60,6 +68,8 @@ __all__ = [
     "skinny_linear",
     "use_skinny_linears",
     "use_half_weights",
+    "cpu_sdpa_attention",
+    "use_cpu_sdpa",
     "SlotMask",
     "rollback_counts",
     "check_prompt",
@@ -175,7 +185,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     flat = (flat.expand(2, -1) if rows == 1 else flat).contiguous()
-    y = torch.mm(weight, flat.t()).t()[:rows]  # [rows, out]
+    y = torch.mm(weight, flat.t()).t()[:rows].contiguous()  # [rows, out], row-major for what follows
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -232,12 +242,54 @@ def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, sh
     return len(chosen)
 
 
+CPU_SDPA = "specresearch_cpu_sdpa"  # the attention implementation CausalLM selects on CPU (cpu_sdpa_attention)
+
+
+def cpu_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs):
+    """transformers' ``"sdpa"`` attention, except that a masked call of a grouped-query layer on CPU hands the
+    groups to the kernel (``enable_gqa``) instead of copying K and V once per group.
+
+    transformers copies them whenever a mask is given (CUDA's fused kernels take grouped heads only without a
+    mask), and every call that scores 2 or more cached tokens has a mask. On CPU the fused kernel takes both,
+    so the copy (2 x layers x heads x context x head_dim floats per call) is pure cost. Any other call (no
+    mask, no groups, another device, position bias, soft-capping, attention weights asked) goes to
+    transformers' own function. Inputs ``query [B, h, q, d]``, ``key / value [B, kv, S, d]``; returns
+    ``([B, q, h, d], None)`` as transformers' attention functions do.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = any(kwargs.get(name) is not None for name in ("position_bias", "cache", "softcap")) or kwargs.get("output_attentions")
+    if attention_mask is None or groups == 1 or query.device.type != "cpu" or special or key.shape[-1] != value.shape[-1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_cpu_sdpa(model) -> bool:
+    """Switch a transformers model that uses ``"sdpa"`` attention to :func:`cpu_sdpa_attention` (registered with
+    transformers as ``CPU_SDPA``, with transformers' sdpa masks); returns whether it was switched."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(CPU_SDPA, cpu_sdpa_attention)
+    AttentionMaskInterface.register(CPU_SDPA, sdpa_mask)
+    model.set_attn_implementation(CPU_SDPA)
+    return True
+
+
 class CausalLM:
     """A transformers ``AutoModelForCausalLM`` behind the narrow prefill / score / rollback interface.
 
     Uses transformers' own ``DynamicCache`` (``crop`` for rollback); keeps no state on the HF model object
     and never branches on the model class (on CPU it switches the model's ``nn.Linear`` layers to
-    :class:`SkinnyLinear`, see ``skinny_linear``). Logits are returned in float32.
+    :class:`SkinnyLinear`, see ``skinny_linear``, and its ``"sdpa"`` attention to :func:`cpu_sdpa_attention`).
+    Logits are returned in float32.
 
     Args:
         model: a model name or local path (loaded with ``AutoModelForCausalLM.from_pretrained``), or an instance.
@@ -245,8 +297,9 @@ class CausalLM:
         dtype: e.g. ``torch.float32`` / ``torch.bfloat16``; ``None`` keeps the checkpoint's (or instance's) dtype.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"``: accelerate shards a large target across
             the available GPUs, then CPU). Only with a name or path.
-        skinny_linear: switch the model's ``nn.Linear`` layers to :class:`SkinnyLinear` (module docstring:
-            cheaper verification calls on CPU). ``None``: when the model is on the CPU.
+        skinny_linear: switch the model's ``nn.Linear`` layers to :class:`SkinnyLinear` and its ``"sdpa"``
+            attention to :func:`cpu_sdpa_attention` (module docstring: cheaper verification calls on CPU).
+            ``None``: when the model is on the CPU.
     """
 
     returns_hidden_states = True  # prefill / score take hidden_layers= (module docstring)
@@ -262,6 +315,7 @@ class CausalLM:
         self.model = model.eval()
         if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
             use_skinny_linears(self.model)
+            use_cpu_sdpa(self.model)
         self._cache = None
         self._slots: SlotMask | None = None
 

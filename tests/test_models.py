@@ -7,7 +7,7 @@ masked slots and left padding change summation order only).
 import pytest
 import torch
 
-from specresearch.models import CausalLM, ToyLM, tiny_llama
+from specresearch.models import CPU_SDPA, CausalLM, ToyLM, cpu_sdpa_attention, tiny_llama
 
 ATOL = 1e-4
 VOCAB = 64
@@ -218,9 +218,33 @@ def test_causal_lm_switches_to_skinny_linears_on_cpu_only_when_asked_or_auto():
     auto, off = CausalLM(fresh(), device="cpu"), CausalLM(fresh(), device="cpu", skinny_linear=False)
     assert any(type(m) is SkinnyLinear for m in auto.model.modules())
     assert not any(type(m) is SkinnyLinear for m in off.model.modules())
-    ids, mask = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
+    assert auto.model.config._attn_implementation == CPU_SDPA and off.model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[0, 5, 6, 7, 8], [4, 9, 9, 2, 1]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])  # left padding: every later call has a mask
     for lm in (auto, off):
         lm.prefill(ids, mask)
     for k in (1, 2, 3, 5):
-        tokens = torch.arange(9, 9 + k)[None]
-        torch.testing.assert_close(auto.score(tokens), off.score(tokens), atol=1e-5, rtol=1e-5)
+        tokens = torch.arange(9, 9 + 2 * k).view(2, k)
+        torch.testing.assert_close(auto.score(tokens), off.score(tokens), atol=1e-4, rtol=1e-4)  # float rounding
+        for lm in (auto, off):
+            lm.rollback(torch.tensor([k - 1, 0]))  # per row: masked slots from here on
+
+
+def test_cpu_sdpa_attention_is_transformers_sdpa_without_the_kv_copies():
+    """Grouped heads (4 query heads over 2), a boolean mask with masked slots: the same output as transformers'
+    sdpa attention (which repeats K and V), and its own function for any call without a mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    query, key, value = (torch.randn(2, h, q, 8, generator=g) for h, q in ((4, 3), (2, 7), (2, 7)))
+    mask = torch.rand(2, 1, 3, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    got, weights = cpu_sdpa_attention(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert weights is None and got.shape == (2, 3, 4, 8) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    causal = torch.randn(2, 4, 7, 8, generator=g)
+    torch.testing.assert_close(cpu_sdpa_attention(module, causal, key, value, None)[0],
+                               sdpa_attention_forward(module, causal, key, value, None)[0], atol=0, rtol=0)
