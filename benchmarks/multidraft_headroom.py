@@ -38,17 +38,20 @@ from specresearch.draft_analysis import read_draft_manifest
 from specresearch.drafts import draft_from_name, drafts_dir
 from specresearch.embedded import load_embedded
 from specresearch.feature_distill import target_features
+from specresearch.models import CPU_SDPA
 from specresearch.sampling import SamplingConfig, logits_to_probs
 
 RULES = {"rrs": theory_multi.rrs_acceptance, "kseq": theory_multi.kseq_acceptance, "optimum_iid": theory_multi.optimal_acceptance_iid}
 
 
-def score_costs(record: str | Path, threads: int = 1, linear: str = "skinny") -> dict[int, float]:
-    """r_k of one ``bench_score_cost.py`` record (the rows of ``threads`` and ``linear``)."""
+def score_costs(record: str | Path, threads: int = 1, context: int = 256, linear: str = "skinny", attention: str = CPU_SDPA) -> dict[int, float]:
+    """r_k of one ``bench_score_cost.py`` record: the rows of ``threads``, ``context``, ``linear`` and
+    ``attention`` (by default what ``CausalLM`` uses on CPU)."""
     rows = [json.loads(line) for line in Path(record).read_text().splitlines() if line.strip()]
-    costs = {row["k"]: row["r_k"] for row in rows if row["threads"] == threads and row["linear"] == linear}
+    costs = {row["k"]: row["r_k"] for row in rows if (row["threads"], row.get("context"), row["linear"], row.get("attention")) ==
+             (threads, context, linear, attention)}
     if 1 not in costs:
-        raise ValueError(f"{record} has no rows for threads={threads}, linear={linear!r}")
+        raise ValueError(f"{record} has no rows for threads={threads}, context={context}, linear={linear!r}, attention={attention!r}")
     return costs
 
 
@@ -74,7 +77,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=14)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3, 4, 5, 7])
-    parser.add_argument("--score-cost", default="benchmarks/records/bench_score_cost_2026-11-24.jsonl")
+    parser.add_argument("--score-cost", default="benchmarks/records/bench_score_cost_2026-11-24b.jsonl")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the measurement (the costs are read)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="reports/multidraft_headroom.json")

@@ -20,7 +20,7 @@ from pathlib import Path
 _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
-GENERATE_DRAFT = "ngram+eagle3-v8k"
+GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
 GENERATE_GAMMA = 3  # the combined draft's best measured gamma here (gamma 1 for a trained draft alone)
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
@@ -103,7 +103,7 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default=None,
-                   help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head elsewhere; the "
+                   help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head with float16 weights elsewhere; the "
                         "fastest draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, "
                         "eagle3-v8k; any name under data/drafts/) | fp16:NAME (its weights in float16) | ngram | truncated:N | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
