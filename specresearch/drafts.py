@@ -457,8 +457,9 @@ def half_weight_draft(draft, target: CausalLM):
     and output head's weights stored in float16, in place (``models.use_half_weights``); returns it.
 
     On this CPU a drafting step of the shipped feature head (sampling included) takes 3.5 ms against 4.9
-    with float32 weights, at the same held-out alpha to three decimals (``docs/feature_drafts.md``). The target is never changed (a layer the
-    draft shares with it is refused); drafts without weights (``ngram``, ``dial-...``) are refused.
+    with float32 weights, at the same held-out alpha to three decimals (``docs/feature_drafts.md``). The
+    target is never changed (a layer the draft shares with it is refused); drafts without weights
+    (``ngram``, ``dial-...``) are refused.
     """
     from specresearch.feature_drafts import FeatureDraft  # imports this module
 
