@@ -50,6 +50,7 @@ import transformers
 
 from specresearch.drafts import (DRAFT_PRESETS, DraftConfig, SubsetHead, build_draft, check_field, drafts_dir, embedding_fingerprint,
                                  load_draft, load_trained_draft, round_to_storage, save_draft, trainable_state)
+from specresearch.models import cache_argument, output_cache
 from specresearch.sampling import SamplingConfig, logits_to_probs
 
 __all__ = [
@@ -248,8 +249,8 @@ def sample_continuations(model, prompts: Sequence[torch.Tensor], temperatures: S
         if finished.all():
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                    past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position, use_cache=True,
+                    **{cache_argument(model): output_cache(out)})
         next_position = next_position + 1
     return [_cut_after_eos(row, eos) for row in torch.stack(steps, dim=1)]
 
@@ -644,12 +645,12 @@ def forward_seconds(models: Sequence, context_length: int = 64, repeats: int = 3
     never asserted on in tests. Returns one median per model, in seconds.
     """
     ids = torch.arange(context_length, dtype=torch.long)[None] % models[0].config.vocab_size  # [1, context_length]
-    caches = [m(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values for m in models]
+    caches = [output_cache(m(input_ids=ids, use_cache=True, logits_to_keep=1)) for m in models]
     times = [[] for _ in models]
     for _ in range(warmup + repeats):
         for model, cache, record in zip(models, caches, times):
             start = time.perf_counter()
-            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, -1:], use_cache=True, **{cache_argument(model): cache})
             record.append(time.perf_counter() - start)
             cache.crop(-1)  # drop the token just appended: every call sees the same context
     return [statistics.median(record[warmup:]) for record in times]

@@ -114,7 +114,7 @@ _LAW_PRESERVING = (_lp.LogitNormalization,)  # log-softmax: same sampling law, d
 # Deterministic in (row prefix) or in time; asked after every new token.
 PREFIX_CRITERIA: tuple[type, ...] = (_sc.StopStringCriteria, _sc.MaxTimeCriteria)
 
-_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "past_key_values", "cache_position"}
+_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "past_key_values", "cache", "cache_position"}
 
 
 @dataclass
@@ -257,9 +257,10 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
     unknown = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
     if unknown:
         raise ValueError(f"model kwargs {unknown} are not supported by speculative(...): it feeds token ids only")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("past_key_values already holds tokens: speculative(...) prefills its own cache; drop it")
+    for name in ("cache", "past_key_values"):  # the KV cache's keyword: "cache" from transformers 5.24 on
+        cache = model_kwargs.get(name)
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(f"{name} already holds tokens: speculative(...) prefills its own cache; drop it")
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
     try:

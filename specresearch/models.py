@@ -56,6 +56,7 @@ cache length, and the KV cache is asserted to agree with it.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -70,6 +71,8 @@ __all__ = [
     "use_half_weights",
     "cpu_sdpa_attention",
     "use_cpu_sdpa",
+    "cache_argument",
+    "output_cache",
     "SlotMask",
     "rollback_counts",
     "check_prompt",
@@ -283,6 +286,18 @@ def use_cpu_sdpa(model) -> bool:
     return True
 
 
+def cache_argument(model) -> str:
+    """The keyword a transformers model's forward takes its KV cache under: ``"cache"`` (transformers >= 5.24,
+    where ``past_key_values`` is deprecated) or ``"past_key_values"``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def output_cache(output):
+    """The KV cache of a transformers model output, under either name (``cache_argument``)."""
+    cache = output.get("cache")
+    return cache if cache is not None else output.get("past_key_values")
+
+
 class CausalLM:
     """A transformers ``AutoModelForCausalLM`` behind the narrow prefill / score / rollback interface.
 
@@ -313,6 +328,7 @@ class CausalLM:
         if device_map is None:
             model = model.to(device=resolve_device(device), dtype=dtype)
         self.model = model.eval()
+        self._cache_argument = cache_argument(self.model)
         if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
             use_skinny_linears(self.model)
             use_cpu_sdpa(self.model)
@@ -384,8 +400,8 @@ class CausalLM:
                 input_ids=tokens.to(self.device),
                 attention_mask=self._slots.mask.long(),
                 position_ids=positions,
-                past_key_values=self._cache,
                 use_cache=True,
+                **{self._cache_argument: self._cache},
                 logits_to_keep=logits_to_keep,
                 output_hidden_states=hidden_layers is not None,
             )
