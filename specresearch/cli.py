@@ -453,10 +453,12 @@ def _user_message(exc: BaseException, args) -> str:
     if isinstance(exc, FileNotFoundError) and exc.filename:
         message = f"{exc.filename}: {exc.strerror or 'no such file'}"
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+        from specresearch.drafts import without_half_prefix
+
         # transformers' message for a name it cannot resolve offline does not say which name it was
         for flag in ("model", "target", "draft"):
             name, known = getattr(args, flag, None), _known_names(flag)
-            base = name[len("fp16:") :] if name and name.startswith("fp16:") else name
+            base = without_half_prefix(name) if name else name
             if name and not Path(base).exists() and base not in known and not base.startswith("truncated:"):
                 return (f"--{flag} {name!r} is neither a known name ({', '.join(known)}) "
                         f"nor an existing checkpoint directory")

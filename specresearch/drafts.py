@@ -415,6 +415,14 @@ def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
     return CausalLM(draft, device=target.device)
 
 
+HALF_PREFIX = "fp16:"
+
+
+def without_half_prefix(name: str) -> str:
+    """``name`` without its ``"fp16:"`` prefix (the draft whose weights :func:`half_weight_draft` halves)."""
+    return name[len(HALF_PREFIX) :] if name.startswith(HALF_PREFIX) else name
+
+
 def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     """A draft from a short description: ``"ngram"``, ``"ngram+<name>"`` (:class:`LookupOrDraft`: prompt lookup
     where the context matches, draft ``<name>`` elsewhere; see :func:`combined_draft` for its ``@`` options),
@@ -434,8 +442,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         return dial_draft_from_name(name, target)
     if name.startswith("ngram+"):
         return combined_draft(name, target, tokenizer)
-    if name.startswith("fp16:"):
-        return half_weight_draft(draft_from_name(name[len("fp16:") :], target, tokenizer), target)
+    if name.startswith(HALF_PREFIX):
+        return half_weight_draft(draft_from_name(without_half_prefix(name), target, tokenizer), target)
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     trained = drafts_dir() / name if name in shipped_drafts() else Path(name)

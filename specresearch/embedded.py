@@ -76,9 +76,9 @@ def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l
     ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``). A trained draft is rebuilt against this target (its
     embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
     """
-    from specresearch.drafts import draft_from_name, shipped_drafts
+    from specresearch.drafts import draft_from_name, shipped_drafts, without_half_prefix
 
-    base = draft[len("fp16:") :] if draft.startswith("fp16:") else draft
+    base = without_half_prefix(draft)
     described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
     if not (base in shipped_drafts() or Path(base).is_dir() or described):
         raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
