@@ -70,7 +70,7 @@ def run(lm, tokenizer, drafts: dict, args) -> list[dict]:
                 else:
                     out = speculative_generate(lm, draft, [list(prompt.token_ids)], verifier="token", gamma=gamma, **common)
                 rows.append({"prompt": prompt.id, "category": prompt.category, "temperature": temperature, "method": name, "gamma": gamma,
-                             "tokens": out.num_tokens, "seconds": out.seconds, "steps": len(out.steps),
+                             "tokens": out.num_tokens, "seconds": out.seconds, "prefill_seconds": out.prefill_seconds, "steps": len(out.steps),
                              "target_seconds": sum(s.target_seconds for s in out.steps),
                              "draft_seconds": sum(s.draft_seconds for s in out.steps),
                              "acceptance_rate": None if draft is None else out.acceptance_rate})
@@ -144,6 +144,16 @@ def report(frame: pd.DataFrame, gammas, pairs=()) -> None:
     print("\nacceptance rate (all prompts):\n")
     for r in overall[overall["method"] != "autoregressive"].itertuples():
         print(f"  T={r.temperature:g} {r.method} gamma {r.gamma}: {r.acceptance_rate:.3f}")
+    if "prefill_seconds" in frame:
+        print("\nwhere the time goes (all prompts): ms per generation in prefill; ms per step in the target, the draft, the rest:\n")
+        split = frame.assign(rest_seconds=frame["seconds"] - frame["prefill_seconds"] - frame["target_seconds"] - frame["draft_seconds"])
+        sums = split.groupby(["temperature", "method", "gamma"], sort=False)[
+            ["prefill_seconds", "target_seconds", "draft_seconds", "rest_seconds", "steps"]].sum()
+        runs = split.groupby(["temperature", "method", "gamma"], sort=False).size()
+        for (t, method, gamma), r in sums.iterrows():
+            per_step = {k: 1e3 * r[f"{k}_seconds"] / r["steps"] for k in ("target", "draft", "rest")}
+            print(f"  T={t:g} {method} gamma {gamma}: prefill {1e3 * r['prefill_seconds'] / runs[t, method, gamma]:.1f}; "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()))
     speedups, differences = speedup_intervals(frame, pairs)
     print("\nall prompts, 95% bootstrap intervals over the prompts (1,000 resamples, seed 0):\n")
     for r in speedups.itertuples():
