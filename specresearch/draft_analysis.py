@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "read_scaling", "read_wallclock",
-           "wallclock_table", "speedup_intervals", "best_gammas", "plot_acceptance_by_depth", "plot_data_scaling", "plot_speedup_vs_gamma",
-           "plot_speedup_by_category"]
+           "wallclock_table", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
+           "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff"]
 
 
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
@@ -130,6 +130,32 @@ def wallclock_table(rows: pd.DataFrame, by: Sequence[str] = ("temperature",)) ->
     out = sums.merge(base, on=by)
     out["vs_autoregressive"] = out["tokens_per_second"] / out["ar_tokens_per_second"]
     return out.drop(columns=["ar_tokens_per_second"])
+
+
+def gamma1_costs(rows: pd.DataFrame, temperature: float) -> pd.DataFrame:
+    """Each draft's gamma-1 runs at ``temperature`` in the units of one autoregressive token.
+
+    Columns: ``alpha`` (mean acceptance rate), ``c`` (the draft's time per step over the autoregressive
+    time per token), ``speedup`` (:func:`wallclock_table`) and ``extra`` = (1 + alpha) / speedup - 1 - c:
+    what a step costs beyond one target call and one drafting step (the second scored token, the engine's
+    own work, both prefills spread over the steps). A gamma-1 step yields 1 + alpha tokens on average, so
+    speedup = (1 + alpha) / (1 + c + extra) holds by construction; ``extra`` is what makes it a model.
+    """
+    at = rows[rows["temperature"] == temperature]
+    base = at[at["method"] == "autoregressive"]
+    if base.empty:
+        raise ValueError(f"no autoregressive runs at temperature {temperature}")
+    ar_per_token = base["seconds"].sum() / base["tokens"].sum()
+    runs = at[at["gamma"] == 1]
+    if runs.empty:
+        raise ValueError(f"no gamma-1 runs at temperature {temperature}")
+    speed = wallclock_table(pd.concat([base, runs])).set_index("method")["vs_autoregressive"]
+    out = runs.groupby("method", sort=False).agg(alpha=("acceptance_rate", "mean"), draft_seconds=("draft_seconds", "sum"),
+                                                 steps=("steps", "sum")).reset_index()
+    out["c"] = out["draft_seconds"] / out["steps"] / ar_per_token
+    out["speedup"] = out["method"].map(speed)
+    out["extra"] = (1 + out["alpha"]) / out["speedup"] - 1 - out["c"]
+    return out[["method", "alpha", "c", "speedup", "extra"]]
 
 
 def _prompt_sums(rows: pd.DataFrame, temperature: float) -> tuple[list[str], dict[tuple[str, int], np.ndarray]]:
@@ -310,5 +336,47 @@ def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None 
     ax.set_title(f"T = {temperature}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_alpha_cost_tradeoff(measured: pd.DataFrame, extra: float, held_out: pd.DataFrame | None = None,
+                             target: tuple[float, float] | None = (0.5, 0.1), temperature: str = "1.0",
+                             levels: Sequence[float] = (0.9, 1.0, 1.1, 1.15, 1.25, 1.4)):
+    """alpha against c with the gamma-1 speed-up (1 + alpha) / (1 + c + extra) as contours.
+
+    ``measured``: :func:`gamma1_costs` rows (filled markers, one legend entry each with its measured
+    speed-up); ``held_out``: rows with ``label``, ``alpha``, ``c`` measured off the loop (open markers,
+    e.g. the data-scaling points); ``target``: (alpha, c) corner of the shaded region alpha >= a, c <= c.
+    """
+    import matplotlib.pyplot as plt
+
+    if not extra > -1:
+        raise ValueError(f"extra must be > -1, got {extra}")
+    cs = np.linspace(0.0, 0.25, 101)
+    alphas = np.linspace(0.05, 0.7, 131)
+    c_grid, a_grid = np.meshgrid(cs, alphas)
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    contours = ax.contour(c_grid, a_grid, (1 + a_grid) / (1 + c_grid + extra), levels=list(levels), colors="grey", linewidths=0.8)
+    at = 0.52 * cs[-1]  # every label at this c, where its line crosses
+    spots = [(at, v * (1 + at + extra) - 1) for v in levels if alphas[0] < v * (1 + at + extra) - 1 < alphas[-1]]
+    ax.clabel(contours, fmt=lambda v: f"{v:g}x", fontsize=7, manual=spots)
+    if target is not None:
+        ax.fill_between([0, target[1]], target[0], alphas[-1], color="tab:green", alpha=0.12, label=f"target: alpha >= {target[0]}, c <= {target[1]}")
+    if held_out is not None:
+        for r in held_out.itertuples():
+            ax.plot(r.c, r.alpha, "o", fillstyle="none", color="grey")
+            ax.annotate(r.label, (r.c, r.alpha), fontsize=6, color="dimgrey", textcoords="offset points", xytext=(4, -8))
+        ax.plot([], [], "o", fillstyle="none", color="grey", label="held-out alpha, c timed off the loop")
+    markers = "osD^v<>p*h"
+    for i, r in enumerate(measured.itertuples()):
+        ax.plot(r.c, r.alpha, markers[i % len(markers)], color=plt.get_cmap("tab10")(i % 10), label=f"{r.method}: {r.speedup:.2f}x in the loop")
+    ax.set_xlim(cs[0], cs[-1])
+    ax.set_ylim(alphas[0], alphas[-1])
+    ax.set_xlabel("c: one drafting step / one autoregressive token")
+    ax.set_ylabel(f"alpha at depth 1, T = {temperature}")
+    ax.set_title(f"gamma = 1: speed-up (1 + alpha) / (1 + c + {extra:.2f})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return fig

@@ -31,6 +31,7 @@ DOCS_FIGURES = (
     "07_losslessness",
     "09_acceptance_by_depth",
     "09_data_scaling",
+    "09_alpha_vs_cost",
     "09_speedup_vs_gamma",
     "09_combined_draft",
 )

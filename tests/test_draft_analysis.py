@@ -11,8 +11,8 @@ import pytest
 
 from specresearch import theory
 from specresearch.distill import drafts_dir
-from specresearch.draft_analysis import (best_gammas, expected_tokens, plot_acceptance_by_depth, plot_data_scaling,
-                                         plot_speedup_by_category, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
+from specresearch.draft_analysis import (best_gammas, expected_tokens, gamma1_costs, plot_acceptance_by_depth, plot_alpha_cost_tradeoff,
+                                         plot_data_scaling, plot_speedup_by_category, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
                                          read_scaling, read_wallclock, speedup_curve, speedup_intervals, wallclock_table)
 
 
@@ -193,3 +193,31 @@ def test_best_gammas_and_the_bars_per_category():
         plot_speedup_by_category(rows, 0.0, methods=["lookup"])
     with pytest.raises(ValueError, match="no speculative runs"):
         best_gammas(wallclock_table(rows), 1.0)
+
+
+def test_gamma1_costs_put_a_run_in_units_of_one_autoregressive_token():
+    """AR: 20 tokens in 2 s (0.1 s a token). Draft d at gamma 1: 20 tokens in 1.8 s over 16 steps with 0.16 s of
+    drafting: c = 0.01 / 0.1, speed-up 2 / 1.8, and extra closes (1 + alpha) / speed-up = 1 + c + extra."""
+    def run(method, gamma, seconds, steps=0, draft=0.0, alpha=None, temperature=1.0):
+        return {"temperature": temperature, "method": method, "gamma": gamma, "tokens": 10, "seconds": seconds, "steps": steps,
+                "draft_seconds": draft, "acceptance_rate": alpha}
+
+    rows = pd.DataFrame([run("autoregressive", 0, 1.0, 10), run("autoregressive", 0, 1.0, 10),
+                         run("d", 1, 0.9, 8, 0.08, 0.2), run("d", 1, 0.9, 8, 0.08, 0.3),
+                         run("d", 3, 0.5, 4, 0.2, 0.9),  # another gamma: not in the table
+                         run("autoregressive", 0, 5.0, 10, temperature=0.0)])
+    costs = gamma1_costs(rows, 1.0).set_index("method").loc["d"]
+    assert costs.alpha == pytest.approx(0.25) and costs.c == pytest.approx(0.1) and costs.speedup == pytest.approx(2 / 1.8)
+    assert costs.extra == pytest.approx(1.25 * 1.8 / 2 - 1.1)
+    with pytest.raises(ValueError, match="no gamma-1 runs"):
+        gamma1_costs(rows, 0.0)
+    with pytest.raises(ValueError, match="no autoregressive runs"):
+        gamma1_costs(rows, 0.5)
+    held_out = pd.DataFrame([{"label": "h", "alpha": 0.3, "c": 0.07}])
+    fig = plot_alpha_cost_tradeoff(gamma1_costs(rows, 1.0), costs.extra, held_out)
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.lines if not line.get_label().startswith("_")] == [
+        "held-out alpha, c timed off the loop", "d: 1.11x in the loop"]
+    assert [t.get_text() for t in ax.texts if t.get_text() == "h"] == ["h"]
+    with pytest.raises(ValueError, match="extra must be > -1"):
+        plot_alpha_cost_tradeoff(gamma1_costs(rows, 1.0), -1.0)
