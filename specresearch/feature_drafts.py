@@ -127,6 +127,8 @@ FEATURE_PRESETS = {
     "eagle1-v8k": FeatureHeadConfig("eagle1-v8k", feature_layers=(-1,), head_tokens=8192, train_head=True),
     # EAGLE-3-style fused low / middle / high features + the final one, 8192-token trained head.
     "eagle3-v8k": FeatureHeadConfig("eagle3-v8k", feature_layers=(4, 15, 26, -1), head_tokens=8192, train_head=True),
+    # The same with two decoder layers (both copies of the target's last): the capacity lever.
+    "eagle3-v8k-2l": FeatureHeadConfig("eagle3-v8k-2l", feature_layers=(4, 15, 26, -1), num_layers=2, head_tokens=8192, train_head=True),
 }
 
 
