@@ -45,6 +45,8 @@ __all__ = [
     "draft_from_name",
     "combined_draft",
     "half_weight_draft",
+    "HALF_PREFIX",
+    "without_half_prefix",
     "DraftConfig",
     "DRAFT_PRESETS",
     "SubsetHead",

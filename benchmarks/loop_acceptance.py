@@ -1,0 +1,105 @@
+"""The engine's acceptance rate of drafts, untimed: many prompts and seeds, one draft per process.
+
+In the loop a draft is queried only where a step starts, so its acceptance there is not the held-out
+alpha of ``prompt_breadth.py`` (which averages over every position of the target's sequences): after an
+accepted draft the bonus token's position is never drafted. This counts accepted / examined drafted
+tokens of ``speculative_generate`` (token verification) on the chat prompts of ``data/prompts.jsonl``
+(``--per-category`` evenly spaced per category), ``--seeds`` per prompt (``bench.run_seed``, as
+``bench_wallclock.py`` seeds its runs), and writes one row per (prompt, seed). ``--paired A B`` compares
+two records prompt by prompt (95% bootstrap over prompts, seeds pooled). A benchmark: nothing asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --draft fp16:eagle3-v8k --out benchmarks/records/loop_acceptance_fp16_eagle3-v8k_2026-11-24.json
+    PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --paired A.json B.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specresearch import bench
+from specresearch.drafts import draft_from_name
+from specresearch.embedded import load_embedded
+from specresearch.generate import speculative_generate
+from specresearch.sampling import SamplingConfig
+
+CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
+              "translation")
+
+
+def per_prompt(record: dict) -> dict[str, tuple[int, int]]:
+    """(accepted, examined) per prompt, seeds pooled."""
+    out: dict[str, list[int]] = {}
+    for r in record["rows"]:
+        pair = out.setdefault(r["prompt"], [0, 0])
+        pair[0] += r["accepted"]
+        pair[1] += r["examined"]
+    return {k: (a, n) for k, (a, n) in out.items()}
+
+
+def paired(path_a: str, path_b: str, n_boot: int = 2000) -> None:
+    missing = [p for p in (path_a, path_b) if not Path(p).is_file()]
+    if missing:
+        raise SystemExit(f"no such record: {', '.join(missing)}")
+    a, b = (json.loads(Path(p).read_text()) for p in (path_a, path_b))
+    if (a["temperature"], a["gamma"], a["seeds"]) != (b["temperature"], b["gamma"], b["seeds"]):
+        raise SystemExit("the records differ in temperature, gamma or seeds: not paired")
+    pa, pb = per_prompt(a), per_prompt(b)
+    ids = sorted(set(pa) & set(pb))
+    x, y = (np.array([p[i] for i in ids], dtype=float) for p in (pa, pb))
+    picks = np.random.default_rng(0).integers(0, len(ids), size=(n_boot, len(ids)))
+    boot = x[picks, 0].sum(1) / x[picks, 1].sum(1) - y[picks, 0].sum(1) / y[picks, 1].sum(1)
+    ra, rb = x[:, 0].sum() / x[:, 1].sum(), y[:, 0].sum() / y[:, 1].sum()
+    low, high = np.quantile(boot, [0.025, 0.975])
+    print(f"{a['draft']} - {b['draft']} ({len(ids)} prompts x {len(a['seeds'])} seeds, T = {a['temperature']:g}, gamma {a['gamma']}): "
+          f"{ra:.3f} - {rb:.3f} = {ra - rb:+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap over prompts, seed 0)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--draft", default="fp16:eagle3-v8k")
+    parser.add_argument("--gamma", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--per-category", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="reports/loop_acceptance.json")
+    parser.add_argument("--paired", nargs=2, metavar=("A", "B"), help="only compare two finished records prompt by prompt")
+    args = parser.parse_args()
+    if args.paired:
+        paired(*args.paired)
+        return
+    if args.gamma < 1 or args.per_category < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
+        parser.error("--gamma, --per-category and --max-new-tokens must be >= 1 and --temperature > 0 (at T = 0 use bench_wallclock)")
+    torch.set_num_threads(args.threads)
+    lm, tokenizer = load_embedded(device="cpu")
+    draft = draft_from_name(args.draft, lm, tokenizer)
+    config = bench.BenchConfig(categories=CATEGORIES, temperatures=(args.temperature,), gammas=(args.gamma,), max_new_tokens=args.max_new_tokens)
+    prompts = [p for c in CATEGORIES for p in bench.load_bench_prompts(tokenizer, dataclasses.replace(config, categories=(c,), num_prompts=args.per_category))]
+    rows, started = [], time.perf_counter()
+    for prompt, seed in tqdm([(p, s) for p in prompts for s in args.seeds], desc=args.draft):
+        out = speculative_generate(lm, draft, [list(prompt.token_ids)], verifier="token", gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                                   sampling=SamplingConfig(temperature=args.temperature), seed=[bench.run_seed(prompt.id, seed)],
+                                   eos_token_id=tokenizer.eos_token_id)
+        steps = [(n, step.gamma) for step in out.steps for n, active in zip(step.num_accepted, step.active) if active and step.gamma]
+        accepted = sum(n for n, _ in steps)  # examined as GenerationResult.acceptance_rate counts: a rejection ends a step
+        rows.append({"prompt": prompt.id, "seed": seed, "accepted": accepted, "examined": accepted + sum(n < g for n, g in steps)})
+    record = {"draft": args.draft, "gamma": args.gamma, "temperature": args.temperature, "seeds": args.seeds,
+              "max_new_tokens": args.max_new_tokens, "seconds": round(time.perf_counter() - started, 1), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record) + "\n")
+    accepted, examined = sum(r["accepted"] for r in rows), sum(r["examined"] for r in rows)
+    print(f"{args.draft}: {accepted} of {examined} drafted tokens accepted = {accepted / examined:.3f} "
+          f"({len(prompts)} prompts x {len(args.seeds)} seeds, {record['seconds']:.0f} s); record in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
