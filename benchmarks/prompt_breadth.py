@@ -10,8 +10,10 @@ to the held-out alpha, if they made the held-out prompts as familiar as the temp
 seen alpha is what the head reaches on its own training distribution, a ceiling for that lever.
 
 Per prompt: depth-1 and depth-2 alpha at each temperature (``feature_distill.measure_feature_draft``, one
-prompt at a time, seed = its index), pooled over positions; 95% bootstrap intervals over the prompts of
-each set (1,000 resamples, seed 0), differences resampled independently. ``--paired A B`` compares two
+prompt at a time, seed = its index), pooled over positions, and the token-verification loop's expected
+acceptance on the same sequences (``feature_distill.loop_expectations``: only the positions a loop
+drafts count, so correlated acceptance shows); 95% bootstrap intervals over the prompts of each set
+(1,000 resamples, seed 0), differences resampled independently. ``--paired A B`` compares two
 records of two heads prompt by prompt (the same prompts and seeds give the same continuations, so the
 difference is paired: one resample of prompts for both). A benchmark: nothing asserted.
 
@@ -77,6 +79,12 @@ def per_prompt_sums(rows: list[dict], key: str, depth: int = 0) -> tuple[np.ndar
     return np.array([r["alpha"][key][depth] * n if n else 0.0 for r, n in zip(rows, counts)]), counts
 
 
+def per_prompt_loop_sums(rows: list[dict], key: str, gamma: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Each prompt's expected accepted and examined drafts of the token-verification loop at ``gamma``."""
+    values = np.array([r["loop"][key][gamma - 1] for r in rows], dtype=float)  # (examined, accepted, steps)
+    return values[:, 1], values[:, 0]
+
+
 def paired(path_a: str, path_b: str, n_boot: int = 1000) -> None:
     """Depth-1 alpha of record A minus record B on the prompts both measured, resampling prompts once for both."""
     missing = [p for p in (path_a, path_b) if not Path(p).is_file()]
@@ -93,13 +101,15 @@ def paired(path_a: str, path_b: str, n_boot: int = 1000) -> None:
     print(f"{a['draft']} - {b['draft']}, depth 1, paired over prompts (95% bootstrap, {n_boot} resamples, seed 0):\n")
     for name in dict.fromkeys(r["set"] for r, _ in common):
         rows = [(ra, rb) for ra, rb in common if ra["set"] == name]
-        for key in rows[0][0]["alpha"]:
-            (sa, na), (sb, nb) = per_prompt_sums([ra for ra, _ in rows], key), per_prompt_sums([rb for _, rb in rows], key)
-            picks = rng.integers(0, len(rows), size=(n_boot, len(rows)))
-            boot = sa[picks].sum(1) / na[picks].sum(1) - sb[picks].sum(1) / nb[picks].sum(1)
-            low, high = np.quantile(boot, [0.025, 0.975])
-            print(f"  {name} ({len(rows)} prompts) {key:>6}: {sa.sum() / na.sum():.3f} - {sb.sum() / nb.sum():.3f} = "
-                  f"{sa.sum() / na.sum() - sb.sum() / nb.sum():+.3f} [{low:+.3f}, {high:+.3f}]")
+        measures = [("alpha", per_prompt_sums)] + [("loop g1", per_prompt_loop_sums)] * all("loop" in r for pair in rows for r in pair)
+        for label, sums in measures:
+            for key in rows[0][0]["alpha"]:
+                (sa, na), (sb, nb) = sums([ra for ra, _ in rows], key), sums([rb for _, rb in rows], key)
+                picks = rng.integers(0, len(rows), size=(n_boot, len(rows)))
+                boot = sa[picks].sum(1) / na[picks].sum(1) - sb[picks].sum(1) / nb[picks].sum(1)
+                low, high = np.quantile(boot, [0.025, 0.975])
+                print(f"  {name} ({len(rows)} prompts) {label} {key:>6}: {sa.sum() / na.sum():.3f} - {sb.sum() / nb.sum():.3f} = "
+                      f"{sa.sum() / na.sum() - sb.sum() / nb.sum():+.3f} [{low:+.3f}, {high:+.3f}]")
 
 
 def main() -> None:
@@ -138,10 +148,11 @@ def main() -> None:
                                           max_new_tokens=args.max_new_tokens, seed=i, eos_token_ids=eos, progress=False)
                 alphas = {**{f"{t:g}": m.alpha[t] for t in args.temperatures}, "greedy": m.greedy_agreement}
                 per_prompt.append({"set": name, "prompt": prompt["id"], "alpha": alphas,
-                                   "positions": {("greedy" if t == 0 else f"{t:g}"): m.positions[t] for t in rows}})
+                                   "positions": {("greedy" if t == 0 else f"{t:g}"): m.positions[t] for t in rows},
+                                   "loop": {("greedy" if t == 0 else f"{t:g}"): [list(v) for v in m.loop[t]] for t in rows}})
                 bar.update()
     rng = np.random.default_rng(0)
-    summary, replicates = {}, {}
+    summary, replicates, loop_summary = {}, {}, {}
     for name in sets:
         part = [r for r in per_prompt if r["set"] == name]
         for key in [f"{t:g}" for t in args.temperatures] + ["greedy"]:
@@ -150,6 +161,8 @@ def main() -> None:
                 point, boot = pooled(sums, counts, rng, 1000)
                 summary[name, key, depth + 1] = (point, *np.quantile(boot, [0.025, 0.975]))
                 replicates[name, key, depth + 1] = boot
+            point, boot = pooled(*per_prompt_loop_sums(part, key), rng, 1000)
+            loop_summary[name, key] = (point, *np.quantile(boot, [0.025, 0.975]))
     print(f"\n{args.draft}: alpha per prompt set ({args.count} prompts each, {args.max_new_tokens} tokens), "
           "95% bootstrap intervals over prompts:\n")
     print("| set | " + " | ".join(f"{k} depth {d}" for k in [f"T = {t:g}" for t in args.temperatures] + ["greedy"]
@@ -159,6 +172,9 @@ def main() -> None:
     for name in sets:
         cells = [summary[name, k, d] for k in keys for d in range(1, args.depths + 1)]
         print(f"| {name} | " + " | ".join(f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in cells) + " |")
+    print("\nthe token-verification loop's acceptance at gamma 1 on the same sequences (feature_distill.loop_expectations):\n")
+    for name in sets:
+        print(f"  {name}: " + ", ".join(f"{k} {p:.3f} [{lo:.3f}, {hi:.3f}]" for k in keys for p, lo, hi in [loop_summary[name, k]]))
     differences = {}
     print("\ndifferences at depth 1 (independent resamples):\n")
     for a, b in [(a, b) for a, b in (("seen", "unseen"), ("unseen", "held-out"), ("seen", "held-out")) if a in sets and b in sets]:
@@ -170,6 +186,7 @@ def main() -> None:
     record = {"draft": args.draft, "corpus": manifest["corpus"], "count": args.count, "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "seconds": round(time.perf_counter() - started, 1), "per_prompt": per_prompt,
               "summary": [{"set": s, "key": k, "depth": d, "alpha": v[0], "low": v[1], "high": v[2]} for (s, k, d), v in summary.items()],
+              "loop_gamma1": [{"set": s, "key": k, "acceptance": v[0], "low": v[1], "high": v[2]} for (s, k), v in loop_summary.items()],
               "differences": [{"pair": p, "key": k, "difference": v[0], "low": v[1], "high": v[2]} for (p, k), v in differences.items()]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -36,7 +36,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,6 +60,7 @@ __all__ = [
     "feature_loss",
     "train_feature_head",
     "FeatureMeasurement",
+    "loop_expectations",
     "measure_feature_draft",
     "measure_feature_cost",
     "run_feature_distillation",
@@ -455,6 +456,39 @@ def _load_checkpoint(directory, head, optimizer, config):
 # Measurement
 
 
+def loop_expectations(accept: Sequence[Sequence[float]], gamma: int) -> tuple[float, float, float]:
+    """Expected (examined, accepted, steps) of a token-verification loop at ``gamma`` along one sequence.
+
+    ``accept[d][i]``: probability that a draft at depth d + 1 placed at continuation position i is accepted,
+    given that the emitted token there is the sequence's token: ``min(p, q)(x_i) / p(x_i)`` (1 or 0 at
+    T = 0). Conditional on the emitted sequence, acceptances are independent with these probabilities
+    (each step's output law is p whatever was drafted), so walking the sequence with the loop's state
+    (the depth a position is drafted at, or 0 for a step's bonus position) gives the loop's expectations
+    exactly: a step drafts position i at depth 1 after a rejection or a bonus position; an accepted
+    draft at depth d < gamma continues at depth d + 1; one at depth gamma is followed by a bonus position.
+    A rejection ends the step (later drafts are not examined), as ``GenerationResult.acceptance_rate`` counts.
+    The loop's acceptance (accepted / examined) differs from the per-position alpha when acceptance is
+    correlated along the sequence: after an accepted run the loop skips a position it would accept easily.
+    """
+    check_field(gamma >= 1 and len(accept) >= gamma, "gamma", f"must be in 1..{len(accept)} (depths given), got {gamma}")
+    state = [0] * (gamma + 1)  # state[d]: P(this position is drafted at depth d); state[0]: a bonus position
+    state[1] = 1
+    examined = accepted = steps = 0  # exact with Fraction inputs, floats with floats
+    for i in range(len(accept[0])):
+        nxt = [0] * (gamma + 1)
+        nxt[1] = state[0]
+        steps += state[1]
+        for d in range(1, gamma + 1):
+            if state[d]:
+                b = accept[d - 1][i]
+                examined += state[d]
+                accepted += state[d] * b
+                nxt[d + 1 if d < gamma else 0] += state[d] * b
+                nxt[1] += state[d] * (1 - b)
+        state = nxt
+    return examined, accepted, steps
+
+
 @dataclass(frozen=True)
 class FeatureMeasurement:
     """Acceptance of a feature head per draft depth on target-generated continuations of held-out prompts.
@@ -465,15 +499,30 @@ class FeatureMeasurement:
             the target's sample, i.e. given that the previous drafts were accepted: EAGLE's n-alpha).
         greedy_agreement: [depth 1..D] fraction of positions of the greedy continuations with argmax q == argmax p.
         positions: temperature (0.0 = greedy) -> positions at depth 1.
+        loop: temperature (0.0 = greedy) -> [gamma 1..D] expected (examined, accepted, steps) of the
+            token-verification loop on the same sequences (:func:`loop_expectations`, summed over them).
     """
 
     alpha: dict[float, list[float]]
     greedy_agreement: list[float]
     positions: dict[float, int]
+    loop: dict[float, list[tuple[float, float, float]]] = field(default_factory=dict)
+
+    def loop_acceptance(self, temperature: float) -> list[float]:
+        """[gamma 1..D] the loop's expected acceptance: accepted / examined drafts."""
+        return [a / n if n else float("nan") for n, a, _ in self.loop[temperature]]
+
+    def loop_tokens_per_step(self, temperature: float) -> list[float]:
+        """[gamma 1..D] the loop's expected tokens per step: (accepted + steps) / steps."""
+        return [(a + s) / s if s else float("nan") for _, a, s in self.loop[temperature]]
 
     def as_dict(self) -> dict:
-        return {"alpha_by_depth": {str(t): a for t, a in self.alpha.items()}, "greedy_agreement_by_depth": self.greedy_agreement,
-                "positions": {str(t): n for t, n in self.positions.items()}}
+        out = {"alpha_by_depth": {str(t): a for t, a in self.alpha.items()}, "greedy_agreement_by_depth": self.greedy_agreement,
+               "positions": {str(t): n for t, n in self.positions.items()}}
+        if self.loop:
+            out["loop_acceptance_by_gamma"] = {str(t): self.loop_acceptance(t) for t in self.loop}
+            out["loop_tokens_per_step_by_gamma"] = {str(t): self.loop_tokens_per_step(t) for t in self.loop}
+        return out
 
 
 @torch.no_grad()
@@ -495,6 +544,7 @@ def measure_feature_draft(target, head, prompt_ids: Sequence[torch.Tensor], *, t
     generator = torch.Generator().manual_seed(seed)
     sums = {t: [0.0] * depths for t in rows}
     counts = {t: [0] * depths for t in rows}
+    loop = {t: [[0.0, 0.0, 0.0] for _ in range(depths)] for t in rows}
     for start in tqdm(range(0, len(prompt_ids), prompts_per_batch), desc="measure", disable=not progress):
         prompts = [ids for ids in prompt_ids[start : start + prompts_per_batch] for _ in rows]
         continuations = sample_continuations(target, prompts, rows * (len(prompts) // len(rows)), max_new_tokens, generator, eos_token_ids)
@@ -503,6 +553,7 @@ def measure_feature_draft(target, head, prompt_ids: Sequence[torch.Tensor], *, t
         for b, (seq, prompt) in enumerate(zip(sequences, prompts)):
             t = rows[b % len(rows)]
             hidden = head.rollout(features[b][None], seq[None], torch.ones(1, len(seq), dtype=torch.long), depths)
+            accept = torch.zeros(depths, len(seq) - len(prompt), dtype=torch.float64)  # [depth, continuation position]
             for depth, h in enumerate(hidden):
                 slots = torch.arange(len(prompt) - 1 + depth, len(seq) - 1)
                 if len(slots) == 0:
@@ -510,13 +561,23 @@ def measure_feature_draft(target, head, prompt_ids: Sequence[torch.Tensor], *, t
                 p_logits, q_logits = logits[b][slots], head.logits(h[0, slots])
                 if t == 0:
                     values = (p_logits.argmax(-1) == q_logits.argmax(-1)).double()
+                    accept[depth, depth:] = values
                 else:
                     cfg = SamplingConfig(temperature=t)
-                    values = torch.minimum(logits_to_probs(p_logits, cfg), logits_to_probs(q_logits, cfg)).sum(-1).double()
+                    p, q = logits_to_probs(p_logits, cfg), logits_to_probs(q_logits, cfg)
+                    values = torch.minimum(p, q).sum(-1).double()
+                    x = seq[slots + 1, None]
+                    px, qx = p.gather(-1, x)[:, 0].double(), q.gather(-1, x)[:, 0].double()
+                    accept[depth, depth:] = torch.where(px > 0, torch.minimum(px, qx) / px.clamp_min(1e-300), 1.0)
                 sums[t][depth] += float(values.sum())
                 counts[t][depth] += len(values)
+            if accept.shape[1]:
+                for gamma in range(1, depths + 1):
+                    for k, v in enumerate(loop_expectations(accept.tolist(), gamma)):
+                        loop[t][gamma - 1][k] += v
     ratio = {t: [s / n if n else float("nan") for s, n in zip(sums[t], counts[t])] for t in rows}
-    return FeatureMeasurement({t: ratio[t] for t in temperatures}, ratio[0.0], {t: counts[t][0] for t in rows})
+    return FeatureMeasurement({t: ratio[t] for t in temperatures}, ratio[0.0], {t: counts[t][0] for t in rows},
+                              {t: [tuple(v) for v in loop[t]] for t in rows})
 
 
 @torch.no_grad()
