@@ -37,13 +37,17 @@ def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
 
 
 def speedup_curve(alphas: Sequence[float], c: float, score_cost: dict[int, float] | None = None,
-                  gammas: Sequence[int] | None = None) -> list[tuple[int, float, float]]:
+                  gammas: Sequence[int] | None = None, tokens_per_step: Sequence[float] | None = None) -> list[tuple[int, float, float]]:
     """``(gamma, expected tokens per call E, predicted speed-up E / (r_{gamma+1} + gamma c))`` for each gamma
     of ``gammas`` (default 1..len(alphas); each at most len(alphas)).
 
     ``score_cost``: r_k = one target call scoring k tokens / one scoring 1 token (``bench.score_seconds``);
     None takes r_k = 1, Leviathan et al.'s model (verification costs one forward whatever gamma).
+    ``tokens_per_step``: E at gamma 1..len(alphas) measured otherwise (the loop's expectations along the
+    target's sequences, ``feature_distill.loop_expectations``), in place of :func:`expected_tokens`.
     """
+    if tokens_per_step is not None and (len(tokens_per_step) != len(alphas) or any(not t >= 1 for t in tokens_per_step)):
+        raise ValueError(f"tokens_per_step must hold one value >= 1 per depth ({len(alphas)}), got {list(tokens_per_step)}")
     if not c >= 0:
         raise ValueError(f"c must be >= 0, got {c}")
     gammas = range(1, len(alphas) + 1) if gammas is None else gammas
@@ -54,7 +58,8 @@ def speedup_curve(alphas: Sequence[float], c: float, score_cost: dict[int, float
     rows = []
     for g in gammas:
         r = 1.0 if score_cost is None else score_cost[g + 1]
-        rows.append((g, expected_tokens(alphas, g), expected_tokens(alphas, g) / (r + g * c)))
+        tokens = expected_tokens(alphas, g) if tokens_per_step is None else tokens_per_step[g - 1]
+        rows.append((g, tokens, tokens / (r + g * c)))
     return rows
 
 
@@ -69,7 +74,8 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
 
     Returns ``name``, ``kind`` ("feature" or "distilled LM"), ``alpha_by_depth`` (temperature string ->
     alphas at depths 1..; a distilled LM's one alpha repeated ``depths`` times), ``greedy_by_depth``,
-    ``c``, ``tokens`` (corpus tokens) and ``steps``.
+    ``c``, ``tokens`` (corpus tokens), ``steps`` and ``loop_tokens_by_gamma`` (temperature string, "0.0"
+    greedy -> the token-verification loop's expected tokens per step at gamma 1..; None if not measured).
     """
     path = Path(path)
     file = path / "manifest.json" if path.is_dir() else path
@@ -87,7 +93,8 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
         greedy = [measurement["greedy_agreement"]] * depths
     name = (manifest.get("feature_head_config") or manifest.get("draft_config") or {}).get("name", file.parent.name)
     return {"name": name, "kind": kind, "alpha_by_depth": by_depth, "greedy_by_depth": greedy, "c": manifest["cost"]["c"],
-            "tokens": manifest["corpus"]["generated_tokens"], "steps": manifest["training"]["steps"], "file": str(file)}
+            "tokens": manifest["corpus"]["generated_tokens"], "steps": manifest["training"]["steps"], "file": str(file),
+            "loop_tokens_by_gamma": measurement.get("loop_tokens_per_step_by_gamma")}
 
 
 def read_scaling(directory: str | os.PathLike) -> pd.DataFrame:
@@ -306,7 +313,8 @@ def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: flo
 def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None = None, temperature: str = "1.0",
                           score_cost: dict[int, float] | None = None):
     """Predicted speed-up against gamma per draft (lines: dotted E / (1 + gamma c), and solid with the
-    measured verification cost r_{gamma+1} if ``score_cost``, at each gamma whose r_{gamma+1} it has), and
+    measured verification cost r_{gamma+1} if ``score_cost``, at each gamma whose r_{gamma+1} it has;
+    dashed, the same with the loop's expected tokens per step where the manifest measured them), and
     the measured wall-clock speed-ups of :func:`wallclock_table` (``by=("temperature",)``) at that
     temperature (markers), if given."""
     import matplotlib.pyplot as plt
@@ -322,6 +330,11 @@ def plot_speedup_vs_gamma(drafts: Sequence[dict], measured: pd.DataFrame | None 
                 curve = speedup_curve(alphas, d["c"], score_cost, gammas=timed)
                 ax.plot(timed, [s for _, _, s in curve], "-s", markersize=4, fillstyle="none", color=line.get_color(),
                         label=f"{d['name']} predicted, measured r")
+                loop = (d.get("loop_tokens_by_gamma") or {}).get(temperature)
+                if loop is not None:
+                    curve = speedup_curve(alphas, d["c"], score_cost, gammas=timed, tokens_per_step=loop[: len(alphas)])
+                    ax.plot(timed, [s for _, _, s in curve], "--^", markersize=4, fillstyle="none", color=line.get_color(),
+                            label=f"{d['name']} predicted from the loop, measured r")
         if measured is not None:
             rows = measured[(measured["method"] == d["name"]) & (measured["temperature"] == float(temperature))]
             if len(rows):

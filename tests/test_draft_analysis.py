@@ -45,6 +45,10 @@ def test_the_verification_cost_divides_the_prediction():
     assert speedup_curve([0.5, 0.4], 0.1, {3: 1.6}, gammas=[2]) == [(2, pytest.approx(1.7), pytest.approx(1.7 / 1.8))]
     with pytest.raises(ValueError, match=r"gammas must lie in 1..2"):
         speedup_curve([0.5, 0.4], 0.1, gammas=[3])
+    # the loop's tokens per step in place of the product formula: gamma 1 -> 1.4 / (1.3 + 0.1)
+    assert speedup_curve([0.5, 0.4], 0.1, {2: 1.3, 3: 1.6}, tokens_per_step=[1.4, 1.55])[0] == (1, 1.4, pytest.approx(1.0))
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        speedup_curve([0.5, 0.4], 0.1, tokens_per_step=[1.4])
 
 
 def test_bad_inputs_raise():
@@ -172,6 +176,10 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
     for d, line in zip(drafts, solid):  # E(4) / (r_5 + 4 c) at gamma 4, though r_4 was not timed
         alphas = d["alpha_by_depth"]["1.0"]
         assert line.get_ydata()[2] == pytest.approx(speedup_curve(alphas[:4], d["c"], {2: 1.6, 3: 1.6, 4: 1.6, 5: 1.6})[-1][2])
+    looped = dict(drafts[0], loop_tokens_by_gamma={"1.0": [1.3, 1.35, 1.4, 1.42]})
+    fig = plot_speedup_vs_gamma([looped], measured, score_cost={1: 1.0, 2: 1.2, 3: 1.4})
+    dashed = [line for line in fig.axes[0].lines if "from the loop" in line.get_label()]
+    assert len(dashed) == 1 and list(dashed[0].get_ydata()) == pytest.approx([1.3 / (1.2 + looped["c"]), 1.35 / (1.4 + 2 * looped["c"])])
 
 
 def test_best_gammas_and_the_bars_per_category():
