@@ -6,10 +6,15 @@ accepted draft the bonus token's position is never drafted. This counts accepted
 tokens of ``speculative_generate`` (token verification) on the chat prompts of ``data/prompts.jsonl``
 (``--per-category`` evenly spaced per category), ``--seeds`` per prompt (``bench.run_seed``, as
 ``bench_wallclock.py`` seeds its runs), and writes one row per (prompt, seed). ``--paired A B`` compares
-two records prompt by prompt (95% bootstrap over prompts, seeds pooled). A benchmark: nothing asserted.
+two records prompt by prompt (95% bootstrap over prompts, seeds pooled). ``--predicted ENGINE BREADTH``
+sets the engine's counts (a record of this script, or a ``bench_wallclock.py`` JSON-lines record with
+``--method``) beside what a ``prompt_breadth.py`` record of the same draft predicts for the loop at gamma
+1 on its own sequences (``feature_distill.loop_expectations``), and beside its alpha. At T = 0 both are
+counts on the same greedy sequences, so they are compared prompt by prompt. A benchmark: nothing asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --draft fp16:eagle3-v8k --out benchmarks/records/loop_acceptance_fp16_eagle3-v8k_2026-11-24.json
     PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --paired A.json B.json
+    PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --predicted A.json BREADTH.json
 """
 
 from __future__ import annotations
@@ -62,21 +67,73 @@ def paired(path_a: str, path_b: str, n_boot: int = 2000) -> None:
           f"{ra:.3f} - {rb:.3f} = {ra - rb:+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap over prompts, seed 0)")
 
 
+def engine_counts(path: str, method: str | None, temperature: float | None) -> tuple[float, dict[str, tuple[int, int]]]:
+    """(temperature, prompt -> (accepted, examined)) of a record of this script or, with ``method``, of the
+    gamma-1 runs of ``method`` at ``temperature`` in a bench_wallclock record (each step examines one draft)."""
+    if not Path(path).is_file():
+        raise SystemExit(f"no such record: {path}")
+    if not path.endswith(".jsonl"):
+        record = json.loads(Path(path).read_text())
+        if record["gamma"] != 1:
+            raise SystemExit(f"{path} was run at gamma {record['gamma']}: the prediction is for gamma 1")
+        return record["temperature"], per_prompt(record)
+    if method is None or temperature is None:
+        raise SystemExit("a bench_wallclock record needs --method (the draft's name in it) and --temperature")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    runs = [r for r in rows if r.get("method") == method and r.get("gamma") == 1 and r.get("temperature") == temperature]
+    return temperature, {r["prompt"]: (round(r["acceptance_rate"] * r["steps"]), r["steps"]) for r in runs}
+
+
+def predicted(engine_path: str, breadth_path: str, method: str | None, temperature: float | None, n_boot: int = 2000) -> None:
+    """The engine's acceptance minus the loop's expectation, and minus alpha, of a prompt_breadth record (paired over prompts)."""
+    if not Path(breadth_path).is_file():
+        raise SystemExit(f"no such record: {breadth_path}")
+    t, engine = engine_counts(engine_path, method, temperature)
+    key = "greedy" if t == 0 else f"{t:g}"
+    breadth = {r["prompt"]: r for r in json.loads(Path(breadth_path).read_text())["per_prompt"] if r["set"] == "held-out"}
+    ids = sorted(set(engine) & set(breadth))
+    if not ids or any("loop" not in breadth[i] or key not in breadth[i]["loop"] for i in ids):
+        raise SystemExit(f"{engine_path} and {breadth_path} share no held-out prompt with the loop's expectations at {key}")
+    e = np.array([engine[i] for i in ids], dtype=float)
+    loop = np.array([breadth[i]["loop"][key][0][1::-1] for i in ids])  # (accepted, examined)
+    alpha = np.array([(breadth[i]["alpha"][key][0] * breadth[i]["positions"][key], breadth[i]["positions"][key]) for i in ids])
+    picks = np.random.default_rng(0).integers(0, len(ids), size=(n_boot, len(ids)))
+
+    def ratio(x, p=None):
+        return x[:, 0].sum() / x[:, 1].sum() if p is None else x[p, 0].sum(1) / x[p, 1].sum(1)
+
+    print(f"T = {t:g}, gamma 1, {len(ids)} prompts; engine {ratio(e):.3f} (accepted / examined drafts)")
+    for name, x in (("the loop's expectation on the breadth record's sequences", loop), ("alpha on those sequences", alpha)):
+        low, high = np.quantile(ratio(e, picks) - ratio(x, picks), [0.025, 0.975])
+        print(f"  engine - {name} {ratio(x):.3f}: {ratio(e) - ratio(x):+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap over prompts, seed 0)")
+    if t == 0:
+        differ = [i for i, a, b in zip(ids, e, loop) if not np.allclose(a, b)]
+        print(f"  greedy: the engine's counts equal the expected counts on {len(ids) - len(differ)} of {len(ids)} prompts; "
+              f"differ on {', '.join(differ) or 'none'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--draft", default="fp16:eagle3-v8k")
     parser.add_argument("--gamma", type=int, default=1)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, help="default 1")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--per-category", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="reports/loop_acceptance.json")
     parser.add_argument("--paired", nargs=2, metavar=("A", "B"), help="only compare two finished records prompt by prompt")
+    parser.add_argument("--predicted", nargs=2, metavar=("ENGINE", "BREADTH"),
+                        help="only set an engine record beside the loop's expectation of a prompt_breadth record")
+    parser.add_argument("--method", help="with --predicted and a bench_wallclock record: the draft's name in it")
     args = parser.parse_args()
     if args.paired:
         paired(*args.paired)
         return
+    if args.predicted:
+        predicted(*args.predicted, args.method, args.temperature)
+        return
+    args.temperature = 1.0 if args.temperature is None else args.temperature
     if args.gamma < 1 or args.per_category < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
         parser.error("--gamma, --per-category and --max-new-tokens must be >= 1 and --temperature > 0 (at T = 0 use bench_wallclock)")
     torch.set_num_threads(args.threads)
