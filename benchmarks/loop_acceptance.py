@@ -12,7 +12,7 @@ sets the engine's counts (a record of this script, or a ``bench_wallclock.py`` J
 1 on its own sequences (``feature_distill.loop_expectations``), and beside its alpha. At T = 0 both are
 counts on the same greedy sequences, so they are compared prompt by prompt. A benchmark: nothing asserted.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --draft fp16:eagle3-v8k --out benchmarks/records/loop_acceptance_fp16_eagle3-v8k_2026-11-24.json
+    PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --draft fp16:eagle3-v8k --out A.json
     PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --paired A.json B.json
     PYTHONPATH=. .venv/bin/python benchmarks/loop_acceptance.py --predicted A.json BREADTH.json
 """
