@@ -3,6 +3,7 @@ forward, rollback and re-feeding of true features, the engine channel (greedy eq
 padding, EOS, max_new_tokens, seeds, losslessness), the target wrapper's hidden states, bad input."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -175,6 +176,38 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     assert after_alpha.alpha[1.0][0] > before_alpha.alpha[1.0][0] + 0.05
     assert all(0 <= a <= 1 for a in after_alpha.alpha[1.0] + after_alpha.greedy_agreement)
 
+
+def test_training_stopped_by_its_budget_resumes_to_the_same_head_and_sums_its_seconds(tmp_path, monkeypatch):
+    """A clock that advances one second per reading: a budget of 7 s stops training after a known number of
+    steps; two more sittings finish it. The weights, losses and KLs equal those of one uninterrupted run
+    exactly, and the reported seconds are the sum of the sittings' (not the last one's, not a budget)."""
+    import specresearch.feature_distill as fd
+
+    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (8,), generator=g)]
+    corpus_config = fd.FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=8, batch_size=4, teacher_top_k=8)
+    fd.collect_feature_corpus(small.model, prompts, corpus_config, tmp_path / "corpus", progress=False)
+    corpus = fd.load_feature_chunks(tmp_path / "corpus")
+    config = fd.FeatureTrainConfig(steps=12, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=3)
+
+    def trained(directory, budgets):
+        head = FeatureHead(small.model, FeatureHeadConfig("t", feature_layers=(1, -1)), seed=0)
+        results = [fd.train_feature_head(head, corpus, corpus_config.store_layers, config, checkpoint_dir=directory,
+                                         max_seconds=b, progress=False) for b in budgets]
+        return head, results
+
+    whole, (one,) = trained(tmp_path / "whole", [None])
+    clock = iter(range(10**6))
+    monkeypatch.setattr(fd, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    resumed, sittings = trained(tmp_path / "resumed", [7, 7, 100])
+    # Clock readings per sitting: one at its start, one per budget test, one per checkpoint (every 3 steps) and one
+    # at its end. Sitting 1: steps 1-5 (tests at 1, 2, 3, 5, 6; checkpoint at 4), the test at 7 stops it, ends at 8.
+    # Sitting 2 resumes from step 5: steps 6-9, 8 s again. Sitting 3: steps 10-12, checkpoint, end: 5 s.
+    assert [r.step for r in sittings] == [5, 9, 12] and [r.finished for r in sittings] == [False, False, True]
+    assert [r.seconds for r in sittings] == [8.0, 16.0, 21.0]
+    assert sittings[-1].losses == one.losses and sittings[-1].kls == one.kls
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
 
 def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path):
     """More chunks than the prompts fill: chunks are cut from successive shuffles end to end, the first pass's
