@@ -19,7 +19,7 @@ import pandas as pd
 
 __all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "read_scaling", "read_wallclock",
            "wallclock_table", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
-           "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff"]
+           "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff", "plot_speedup_intervals"]
 
 
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
@@ -391,5 +391,34 @@ def plot_alpha_cost_tradeoff(measured: pd.DataFrame, extra: float, held_out: pd.
     ax.set_title(f"gamma = 1: speed-up (1 + alpha) / (1 + c + {extra:.2f})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup_intervals(speedups: pd.DataFrame, targets: dict[float, float] | None = None):
+    """Speed-ups with their bootstrap intervals (:func:`speedup_intervals`), one panel per temperature, one row per
+    (method, gamma), best first; ``targets``: temperature -> a speed-up drawn as a dashed line in its panel."""
+    import matplotlib.pyplot as plt
+
+    if speedups.empty:
+        raise ValueError("speedups is empty: no speculative runs")
+    temperatures = sorted(speedups["temperature"].unique())
+    unknown = sorted(set(targets or {}) - set(temperatures))
+    if unknown:
+        raise ValueError(f"targets at temperatures {unknown} that speedups lacks (have {temperatures})")
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(4.6 * len(temperatures), 0.45 * speedups.groupby("temperature").size().max() + 1.6),
+                             squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rows = speedups[speedups["temperature"] == temperature].sort_values("speedup")
+        y = np.arange(len(rows))
+        ax.errorbar(rows["speedup"], y, xerr=[rows["speedup"] - rows["low"], rows["high"] - rows["speedup"]], fmt="o", capsize=3)
+        ax.set_yticks(y, [f"{m} (gamma {g})" for m, g in zip(rows["method"], rows["gamma"])], fontsize=8)
+        ax.axvline(1.0, color="grey", linewidth=1)
+        if targets and temperature in targets:
+            ax.axvline(targets[temperature], color="tab:green", linestyle="--", linewidth=1, label=f"target {targets[temperature]:g}x")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_title(f"T = {temperature:g}, {int(rows['prompts'].iloc[0])} prompts", fontsize=9)
+        ax.set_xlabel("speed-up over autoregressive decoding")
+        ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig

@@ -12,7 +12,7 @@ import pytest
 from specresearch import theory
 from specresearch.distill import drafts_dir
 from specresearch.draft_analysis import (best_gammas, expected_tokens, gamma1_costs, plot_acceptance_by_depth, plot_alpha_cost_tradeoff,
-                                         plot_data_scaling, plot_speedup_by_category, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
+                                         plot_data_scaling, plot_speedup_by_category, plot_speedup_intervals, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
                                          read_scaling, read_wallclock, speedup_curve, speedup_intervals, wallclock_table)
 
 
@@ -153,6 +153,13 @@ def test_speedup_intervals_resample_prompts_and_pair_the_methods():
         speedup_intervals(rows[rows["method"] != "autoregressive"])
     with pytest.raises(ValueError, match=r"pairs: \[\('c', 1\)\]"):
         speedup_intervals(rows, [(("c", 1), ("a", 1))])
+    assert list(speedups["method"]) == ["a", "b"] and b.speedup == pytest.approx(2.0)  # a tie: untie it to see the order
+    fig = plot_speedup_intervals(speedups.assign(speedup=[2.0, 1.9]), {1.0: 1.15})  # one panel, slowest at the bottom, the target dashed
+    ax, = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["b (gamma 3)", "a (gamma 1)"]
+    assert [line.get_xdata()[0] for line in ax.lines[-2:]] == [1.0, 1.15]
+    with pytest.raises(ValueError, match=r"targets at temperatures \[0.0\]"):
+        plot_speedup_intervals(speedups, {0.0: 1.25})
 
 
 def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
