@@ -10,8 +10,10 @@ EOS stops a row, ``--max-new-tokens`` at most. A speed-up is (tokens / seconds) 
 the autoregressive runs of the same prompts, summed per category and over all prompts; the
 acceptance rate is the engine's (accepted / drafted). Before and after the runs it times one cached target
 call scoring k = 1 and gamma + 1 tokens (``bench.score_seconds``): what verification costs in target
-forwards here. A benchmark: rows to ``--out`` (JSON lines; the score timings as ``method = target_score``
-rows) and Markdown tables; nothing asserted on time.
+forwards here. A benchmark: rows to ``--out`` (JSON lines; the machine, ``bench.machine_info``, as a
+``method = machine`` row first, the score timings as ``method = target_score`` rows) and Markdown tables;
+nothing asserted on time. Both the speed-ups and the best gamma depend on the machine (how much more a call
+scoring gamma + 1 tokens costs than one scoring 1).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --threads 1 \\
         --drafts ngram eagle3-v8k ngram+eagle3-v8k v8k-4l ngram+v8k-4l --gammas 1 2 4
@@ -111,6 +113,9 @@ def main() -> None:
         except ValueError:
             parser.error(f"--paired takes A GAMMA_A B GAMMA_B with integer gammas, got {args.paired}")
         frame, score_cost = read_wallclock(args.table)
+        machine = [json.loads(line) for line in Path(args.table).read_text().splitlines() if '"machine"' in line]
+        if machine:
+            print("machine: " + ", ".join(f"{k} {v}" for k, v in machine[0].items() if k != "method"))
         print(f"one cached target call scoring k tokens over one scoring 1: {', '.join(f'r_{k} = {r:.2f}' for k, r in score_cost.items())}")
         report(frame, sorted(set(frame["gamma"]) - {0}), pairs)
         return
@@ -125,6 +130,7 @@ def main() -> None:
     after = bench.score_seconds(lm, ks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
+        f.write(json.dumps({"method": "machine", **bench.machine_info()}) + "\n")
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.writelines(json.dumps({"method": "target_score", "k": k, "ms_before": 1e3 * costs[k], "ms_after": 1e3 * after[k]}) + "\n"
                      for k in ks)

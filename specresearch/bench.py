@@ -78,6 +78,7 @@ __all__ = [
     "default_prompts_path",
     "default_run_id",
     "load_bench_draft",
+    "machine_info",
     "load_bench_prompts",
     "read_records",
     "score_seconds",
@@ -235,6 +236,27 @@ def default_run_id(target_name: str, draft_name: str, config: BenchConfig, prefi
     return f"{prefix}{slug}-{hashlib.sha1(settings.encode()).hexdigest()[:8]}"
 
 
+def machine_info() -> dict:
+    """What a timing depends on besides the code: the CPU's model name and the vector extensions torch's CPU
+    kernels use (AVX2, AVX-512, AMX; from ``/proc/cpuinfo`` where there is one), the CPU count, torch's
+    version and thread count. Speed-ups and the cost of scoring k tokens differ between machines."""
+    import platform
+
+    import torch
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    flags = sorted(f for f in fields.get("flags", "").split() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"))
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads()}
+
+
 def write_run_info(path: str | os.PathLike, **info) -> Path:
     """Append one session (``info`` + torch version, threads, CPU count, load average, time) to the JSON
     file next to the records (``<run>.json``): what produced the rows, for the report."""
@@ -243,8 +265,7 @@ def write_run_info(path: str | os.PathLike, **info) -> Path:
     path = Path(path).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     sessions = json.loads(path.read_text()) if path.exists() else []
-    sessions.append({**info, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                     "cpu_count": os.cpu_count(),
+    sessions.append({**info, **machine_info(),
                      "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     path.write_text(json.dumps(sessions, indent=2) + "\n")

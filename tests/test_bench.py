@@ -5,6 +5,8 @@ implementation fails), always < 1e-6, from a normal approximation with an upper 
 error. The sweeps on i.i.d. toy models run ~10 s in all (one torch thread, see conftest).
 """
 
+import json
+import os
 from fractions import Fraction
 
 import numpy as np
@@ -305,3 +307,13 @@ def test_score_seconds_times_every_k_and_leaves_the_context_as_it_found_it():
     assert lm.cache_length == 8
     with pytest.raises(ValueError, match="ks must be"):
         bench.score_seconds(lm, (0, 1))
+
+
+def test_machine_info_names_the_cpu_and_torch(tmp_path):
+    """What a timing depends on besides the code is recorded beside it (wall-clock records, run info)."""
+    info = bench.machine_info()
+    assert isinstance(info["cpu"], str) and info["cpu"] and info["cpu_count"] == os.cpu_count()
+    assert info["torch"] == torch.__version__ and info["torch_threads"] == torch.get_num_threads()
+    assert set(info["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}
+    session, = json.loads(bench.write_run_info(tmp_path / "run.jsonl", draft="d").read_text())
+    assert session["draft"] == "d" and session["cpu"] == info["cpu"] and "started" in session

@@ -100,7 +100,8 @@ def test_wallclock_records_split_into_runs_and_score_costs(tmp_path):
     rows = [{"prompt": "a", "category": "code", "temperature": 0.0, "method": "autoregressive", "gamma": 0, "tokens": 4, "seconds": 1.0,
              "acceptance_rate": None},
             {"method": "target_score", "k": 1, "ms_before": 80.0, "ms_after": 100.0},
-            {"method": "target_score", "k": 2, "ms_before": 120.0, "ms_after": 114.0}]
+            {"method": "target_score", "k": 2, "ms_before": 120.0, "ms_after": 114.0},
+            {"method": "machine", "cpu": "x", "cpu_count": 2}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     runs, cost = read_wallclock(path)
     assert list(runs["method"]) == ["autoregressive"] and cost == {1: 1.0, 2: pytest.approx(117 / 90)}
