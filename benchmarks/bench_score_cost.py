@@ -11,7 +11,7 @@ same run: what ``CausalLM`` uses on CPU (linear layers as ``models.SkinnyLinear`
 ``strided``: the same products returned as the transposed (column-major) ``(W @ x^T)^T`` with ``"sdpa"``
 (what ``SkinnyLinear`` returned before it made its outputs row-major; a strided query sends the CPU
 attention kernel down its unfused path), and the peer, plain ``nn.Linear`` with ``"sdpa"``. Contexts
-``--contexts``. A benchmark: nothing asserted.
+``--contexts``. Every row names the machine (``bench.machine_info``). A benchmark: nothing asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_score_cost.py --threads 1 2
 """
@@ -77,9 +77,9 @@ def main() -> None:
     args = parser.parse_args()
     if 1 not in args.ks or any(k < 1 for k in args.ks):
         parser.error("--ks must include 1 and be >= 1")
-    lm, _ = load_embedded(device="cpu")
+    lm, _ = load_embedded(device="cpu", skinny_linear=True)  # the variants below switch every layer themselves
     head, hidden = lm.model.get_output_embeddings(), lm.model.config.hidden_size
-    rows = []
+    rows, machine = [], {k: v for k, v in bench.machine_info().items() if k != "torch_threads"}
     for threads in args.threads:
         torch.set_num_threads(threads)
         for context in args.contexts:
@@ -90,7 +90,8 @@ def main() -> None:
                 alone = head_seconds(head, hidden, args.ks, repeats=args.repeats)
                 for k in args.ks:
                     rows.append({"threads": threads, "context": context, "linear": variant.split(",")[0], "attention": attention, "k": k,
-                                 "score_ms": 1e3 * full[k], "r_k": full[k] / full[1], "head_ms": 1e3 * alone[k], "head_r_k": alone[k] / alone[1]})
+                                 "score_ms": 1e3 * full[k], "r_k": full[k] / full[1], "head_ms": 1e3 * alone[k], "head_r_k": alone[k] / alone[1],
+                                 "machine": machine})
     _switch(lm.model, SkinnyLinear)
     lm.model.set_attn_implementation(CPU_SDPA)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +100,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['threads']} | {r['context']} | {r['linear']} | {r['attention']} | {r['k']} | {r['score_ms']:.1f} | {r['r_k']:.2f} | "
               f"{r['head_ms']:.1f} | {r['head_r_k']:.2f} |")
-    print(f"\nB = 1, medians of {args.repeats}; rows in {args.out}")
+    print(f"\nB = 1, medians of {args.repeats}; {machine['cpu']}, {machine['cpu_count']} cores; rows in {args.out}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from specresearch.draft_analysis import read_wallclock, speedup_intervals, wallc
 from specresearch.drafts import draft_from_name
 from specresearch.embedded import load_embedded
 from specresearch.generate import autoregressive_generate, speculative_generate
+from specresearch.models import SkinnyLinear
 from specresearch.sampling import SamplingConfig
 
 CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
@@ -102,6 +103,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--target-linear", choices=("auto", "skinny", "plain"), default="auto",
+                        help="the target's linear layers, for every method alike: CausalLM's CPU default (auto: SkinnyLinear for the "
+                             "row counts it times faster here), SkinnyLinear for 1-8 rows, or plain nn.Linear with transformers' sdpa")
     parser.add_argument("--out", default="reports/bench_wallclock.jsonl")
     parser.add_argument("--table", metavar="RECORD", help="only print the tables of a finished run's record, with intervals")
     parser.add_argument("--paired", nargs=4, action="append", default=[], metavar=("A", "GAMMA_A", "B", "GAMMA_B"),
@@ -122,7 +126,9 @@ def main() -> None:
     if any(g < 1 for g in args.gammas) or args.per_category < 1 or args.max_new_tokens < 1:
         parser.error("--gammas, --per-category and --max-new-tokens must be >= 1")
     torch.set_num_threads(args.threads)
-    lm, tokenizer = load_embedded(device="cpu")
+    lm, tokenizer = load_embedded(device="cpu", skinny_linear={"auto": None, "skinny": True, "plain": False}[args.target_linear])
+    skinny_rows = sorted({r for m in lm.model.modules() if isinstance(m, SkinnyLinear) for r in m.skinny_rows})
+    print(f"target's linear layers: {args.target_linear}; row counts computed as (W @ x^T)^T: {skinny_rows or 'none'}")
     drafts = {name: draft_from_name(name, lm, tokenizer) for name in args.drafts}
     ks = sorted({1, *(g + 1 for g in args.gammas)})
     costs = bench.score_seconds(lm, ks)  # before and after the runs: the machine's load may drift
@@ -130,7 +136,8 @@ def main() -> None:
     after = bench.score_seconds(lm, ks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        f.write(json.dumps({"method": "machine", **bench.machine_info()}) + "\n")
+        f.write(json.dumps({"method": "machine", **bench.machine_info(), "target_linear": args.target_linear,
+                            "skinny_rows": skinny_rows}) + "\n")
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.writelines(json.dumps({"method": "target_score", "k": k, "ms_before": 1e3 * costs[k], "ms_after": 1e3 * after[k]}) + "\n"
                      for k in ks)

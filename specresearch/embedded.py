@@ -45,11 +45,12 @@ def cache_dir() -> Path:
 
 
 def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.device = "auto",
-                  dtype: torch.dtype | None = torch.float32):
+                  dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None):
     """Load an embedded model and its tokenizer offline. Returns ``(CausalLM, tokenizer)``.
 
     The tokenizer is left-padding (batched prompts) and has a pad token; its chat template, if any,
-    is the one stored in the GGUF file.
+    is the one stored in the GGUF file. ``skinny_linear``: as ``CausalLM``'s (``None``: on the CPU;
+    ``False`` keeps plain ``nn.Linear`` layers, the faster path on some CPUs, docs/engine_and_models.md).
     """
     if name not in EMBEDDED:
         raise ValueError(f"name must be one of {sorted(EMBEDDED)}, got {name!r}")
@@ -64,17 +65,18 @@ def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.de
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype)
-    return CausalLM(model, device=device), tokenizer
+    return CausalLM(model, device=device, skinny_linear=skinny_linear), tokenizer
 
 
 def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, device: str | torch.device = "auto",
-                       dtype: torch.dtype | None = torch.float32):
+                       dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None):
     """The embedded target, a draft for it and the tokenizer: ``(target, draft, tokenizer)``.
 
     ``draft``: a shipped draft (``drafts.shipped_drafts()``, default the distilled ``v8k-4l``), the
     directory a training command wrote, or any other ``drafts.draft_from_name`` description (``ngram``,
     ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``). A trained draft is rebuilt against this target (its
     embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
+    ``skinny_linear``: the target's, as :func:`load_embedded`'s.
     """
     from specresearch.drafts import draft_from_name, shipped_drafts, without_half_prefix
 
@@ -83,7 +85,7 @@ def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l
     if not (base in shipped_drafts() or Path(base).is_dir() or described):
         raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
                          f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
-    target, tokenizer = load_embedded(name, device=device, dtype=dtype)
+    target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear)
     return target, draft_from_name(draft, target), tokenizer
 
 

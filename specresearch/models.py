@@ -24,9 +24,12 @@ that streams W at half the rate of a GEMM here, with 2 or 3 rows as one GEMV per
 a blocked GEMM that packs W first. ``(W @ x^T)^T`` with ``x`` contiguous is a GEMM with N = rows that streams
 W once; with one row it is a GEMV again, so one row is padded to two. :class:`CausalLM` switches the
 model's ``nn.Linear`` layers to :class:`SkinnyLinear`, which does that for 1-8 rows on CPU (same
-parameters; ``skinny_linear=False`` opts out): a one-token call of the embedded target costs 0.6-0.9 of
-``nn.Linear``'s and a two-token call 0.4-0.65 (1-2 threads; ``benchmarks/bench_score_cost.py``, figures
-in ``docs/feature_drafts.md``).
+parameters; ``skinny_linear=False`` opts out): on the machine this was measured on, a one-token call of
+the embedded target costs 0.6-0.9 of ``nn.Linear``'s and a two-token call 0.4-0.65 (1-2 threads;
+``benchmarks/bench_score_cost.py``, figures in ``docs/feature_drafts.md``). On another CPU (a Xeon with
+AVX-512 and AMX) the plain product is twice as fast for one row, so by default :class:`CausalLM` times
+both on the model's own weights when it loads (:func:`choose_skinny_rows`, ~1-2 s for the embedded
+target) and computes only the row counts where the skinny product wins its own way.
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
 mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
@@ -68,6 +71,7 @@ __all__ = [
     "SkinnyLinear",
     "skinny_linear",
     "use_skinny_linears",
+    "choose_skinny_rows",
     "use_half_weights",
     "cpu_sdpa_attention",
     "use_cpu_sdpa",
@@ -170,21 +174,23 @@ SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x
 HALF_ROWS = 4  # up to this many rows, half weights multiply in their own dtype (module docstring)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  skinny_rows=SKINNY_ROWS) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; on CPU with 1-8 rows computed as ``(W @ x^T)^T`` (module docstring).
 
     ``x``: ``[..., in]``; rows = ``x.numel() / in``. The product takes ``x`` contiguous (a column-major ``x``,
     such as the previous layer's transposed output, sends MKL down a path ~3x slower) and one row padded
     to two (MKL's one-column product is a GEMV). The same function up to float rounding (~1e-6 relative);
-    any other row count, device or an empty input takes ``F.linear`` unchanged. A ``weight`` whose dtype differs
-    from ``x``'s (half weights, :func:`use_half_weights`) is multiplied as the module docstring says.
+    any other row count (outside ``skinny_rows``), device or an empty input takes ``F.linear`` unchanged. A
+    ``weight`` whose dtype differs from ``x``'s (half weights, :func:`use_half_weights`) is multiplied as the
+    module docstring says.
     """
     rows = x.numel() // max(x.shape[-1], 1)
     if weight.dtype != x.dtype:  # half weights, float32 activations (use_half_weights)
         y = (torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype) if rows <= HALF_ROWS
              else torch.nn.functional.linear(x, weight.to(x.dtype)))
         return y if bias is None else y + bias
-    if rows not in SKINNY_ROWS or x.device.type != "cpu":
+    if rows not in skinny_rows or x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     flat = (flat.expand(2, -1) if rows == 1 else flat).contiguous()
@@ -202,20 +208,92 @@ class SkinnyLinear(torch.nn.Linear):
     """
 
     SKINNY_ROWS = SKINNY_ROWS
+    skinny_rows = SKINNY_ROWS  # the row counts this layer computes its own way (use_skinny_linears may narrow them)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias)
+        return skinny_linear(x, self.weight, self.bias, skinny_rows=self.skinny_rows)
 
 
-def use_skinny_linears(model: torch.nn.Module) -> int:
+def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
     """Switch every plain ``nn.Linear`` of ``model`` to :class:`SkinnyLinear` in place (parameters and state
-    dict untouched); returns how many were switched. Subclasses of ``nn.Linear`` are left as they are."""
+    dict untouched), computing ``rows`` (a subset of ``SKINNY_ROWS``) its own way; returns how many were
+    switched. Subclasses of ``nn.Linear`` are left as they are."""
+    rows = tuple(rows)
+    if not set(rows) <= set(SKINNY_ROWS):
+        raise ValueError(f"rows must lie in {tuple(SKINNY_ROWS)}, got {rows}")
     switched = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = SkinnyLinear
+            if rows != tuple(SKINNY_ROWS):
+                module.skinny_rows = rows
             switched += 1
     return switched
+
+
+SKINNY_ROWS_ENV = "SPECRESEARCH_SKINNY_ROWS"
+_CHOSEN_ROWS: dict[tuple, tuple[int, ...]] = {}
+
+
+def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
+    """The row counts (of ``SKINNY_ROWS``) for which :func:`skinny_linear` beats ``F.linear`` on this machine,
+    timed on ``model``'s own linear layers: for each row count, each distinct weight shape is multiplied
+    both ways (medians of ``repeats``, weighted by how many layers have that shape); a row count is chosen
+    when the skinny product takes less than ``margin`` times the plain one. Which is faster depends on the
+    CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
+    ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times. Timings are kept per shapes and
+    thread count for the process. ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or ``"plain"``)
+    replaces the clock that times ``fn()`` (tests).
+    """
+    import statistics
+    import time
+
+    pinned = os.environ.get(SKINNY_ROWS_ENV, "auto").strip().lower()
+    if pinned != "auto":
+        if pinned in ("all", "none"):
+            return tuple(SKINNY_ROWS) if pinned == "all" else ()
+        try:
+            rows = tuple(sorted({int(r) for r in pinned.split(",") if r.strip()}))
+        except ValueError:
+            rows = None
+        if rows is None or not set(rows) <= set(SKINNY_ROWS):
+            raise ValueError(f"${SKINNY_ROWS_ENV} must be auto, all, none or row counts in {tuple(SKINNY_ROWS)} "
+                             f"separated by commas, got {pinned!r}")
+        return rows
+    counts: dict[tuple, int] = {}
+    weights = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            shape = tuple(module.weight.shape)
+            counts[shape] = counts.get(shape, 0) + 1
+            weights.setdefault(shape, module.weight.detach())
+    if not counts:
+        return ()
+    key = (tuple(sorted(counts.items())), torch.get_num_threads())
+    if timer is None and key in _CHOSEN_ROWS:
+        return _CHOSEN_ROWS[key]
+
+    def clock(fn, path, rows):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    timer = timer or clock
+    chosen = []
+    with torch.no_grad():
+        for rows in SKINNY_ROWS:
+            total = {"skinny": 0.0, "plain": 0.0}
+            for shape, weight in weights.items():
+                x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+                runs = {"skinny": lambda: skinny_linear(x, weight), "plain": lambda: torch.nn.functional.linear(x, weight)}
+                for name, fn in runs.items():
+                    fn()  # warm
+                    total[name] += counts[shape] * statistics.median(timer(fn, name, rows) for _ in range(repeats))
+            if total["skinny"] < margin * total["plain"]:
+                chosen.append(rows)
+    if timer is clock:
+        _CHOSEN_ROWS[key] = tuple(chosen)
+    return tuple(chosen)
 
 
 def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, shared_with: torch.nn.Module | None = None,
@@ -314,7 +392,8 @@ class CausalLM:
             the available GPUs, then CPU). Only with a name or path.
         skinny_linear: switch the model's ``nn.Linear`` layers to :class:`SkinnyLinear` and its ``"sdpa"``
             attention to :func:`cpu_sdpa_attention` (module docstring: cheaper verification calls on CPU).
-            ``None``: when the model is on the CPU.
+            ``None``: when the model is on the CPU, the layers for the row counts :func:`choose_skinny_rows`
+            finds faster on this machine (none: plain ``nn.Linear``); ``True``: every row count 1-8.
     """
 
     returns_hidden_states = True  # prefill / score take hidden_layers= (module docstring)
@@ -330,7 +409,9 @@ class CausalLM:
         self.model = model.eval()
         self._cache_argument = cache_argument(self.model)
         if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
-            use_skinny_linears(self.model)
+            rows = choose_skinny_rows(self.model) if skinny_linear is None else SKINNY_ROWS
+            if rows:
+                use_skinny_linears(self.model, rows)
             use_cpu_sdpa(self.model)
         self._cache = None
         self._slots: SlotMask | None = None

@@ -7,6 +7,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No hub, ever: huggingface_hub reads this once, at its import, so it must be set before any test imports
 # transformers (the CLI sets it too, but only for a process whose first import of transformers is its own).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# CausalLM on CPU times SkinnyLinear against nn.Linear when it loads and keeps the faster path per row count;
+# tests pin every row count to SkinnyLinear so that what they run does not depend on the machine's timings.
+os.environ.setdefault("SPECRESEARCH_SKINNY_ROWS", "all")
 
 
 @pytest.fixture(autouse=True)

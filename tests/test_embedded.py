@@ -43,6 +43,25 @@ def test_loads_offline_with_a_working_tokenizer(smollm):
     assert "Paris" in out.text[0]  # the dequantised weights are the real model, not noise
 
 
+def test_plain_linear_layers_on_request_give_the_same_model(smollm):
+    """skinny_linear=False keeps nn.Linear and transformers' attention (the faster path on some CPUs):
+    the same logits up to float rounding as the CPU default's SkinnyLinear layers."""
+    from specresearch.models import SkinnyLinear
+
+    lm, tokenizer = smollm
+    plain, _ = embedded.load_embedded("smollm2-135m-instruct", device="cpu", skinny_linear=False)
+    assert any(isinstance(m, SkinnyLinear) for m in lm.model.modules())
+    assert not any(isinstance(m, SkinnyLinear) for m in plain.model.modules())
+    ids = tokenizer([_chat(tokenizer, QUESTIONS[0])], return_tensors="pt")["input_ids"]
+    logits = []
+    with torch.no_grad():
+        for model in (lm, plain):  # a cached call scoring 3 tokens: the rows SkinnyLinear computes its own way
+            model.prefill(ids[:, :-3], torch.ones_like(ids[:, :-3]))
+            logits.append(model.score(ids[:, -3:]))
+            model.reset(1)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def greedy_reference(smollm):
     lm, tokenizer = smollm

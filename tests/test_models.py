@@ -248,3 +248,50 @@ def test_cpu_sdpa_attention_is_transformers_sdpa_without_the_kv_copies():
     causal = torch.randn(2, 4, 7, 8, generator=g)
     torch.testing.assert_close(cpu_sdpa_attention(module, causal, key, value, None)[0],
                                sdpa_attention_forward(module, causal, key, value, None)[0], atol=0, rtol=0)
+
+
+def test_skinny_rows_are_chosen_by_timing_or_pinned(monkeypatch):
+    """choose_skinny_rows keeps the row counts where the skinny product is faster by the margin, weighting each
+    weight shape by its number of layers; $SPECRESEARCH_SKINNY_ROWS pins the answer; CausalLM applies it."""
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.models import SkinnyLinear, choose_skinny_rows, tiny_llama_config, use_skinny_linears
+
+    def fresh():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB, initializer_range=0.5), dtype=torch.float32)
+
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
+    fast_for_few = lambda fn, path, rows: (0.5 if rows <= 2 else 1.5) if path == "skinny" else 1.0  # noqa: E731
+    assert choose_skinny_rows(fresh(), timer=fast_for_few) == (1, 2)
+    assert choose_skinny_rows(fresh(), timer=lambda fn, path, rows: 0.95 if path == "skinny" else 1.0) == ()  # within the margin
+    assert choose_skinny_rows(torch.nn.Sequential(torch.nn.ReLU())) == ()  # no linear layers, nothing timed
+    calls = []
+    choose_skinny_rows(fresh(), repeats=3, timer=lambda fn, path, rows: calls.append((path, rows)) or 1.0)
+    shapes = {tuple(m.weight.shape) for m in fresh().modules() if isinstance(m, torch.nn.Linear)}
+    assert len(calls) == 8 * 2 * 3 * len(shapes)  # every row count 1-8, both paths, each distinct shape once
+    for pinned, rows in [("all", tuple(range(1, 9))), ("none", ()), ("3, 1", (1, 3))]:
+        monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", pinned)
+        assert choose_skinny_rows(fresh(), timer=lambda *a: pytest.fail("a pinned answer times nothing")) == rows
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "9")
+    with pytest.raises(ValueError, match="SPECRESEARCH_SKINNY_ROWS"):
+        choose_skinny_rows(fresh())
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "none")
+    plain = CausalLM(fresh(), device="cpu")
+    assert not any(type(m) is SkinnyLinear for m in plain.model.modules()) and plain.model.config._attn_implementation == CPU_SDPA
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "1,2")
+    some = CausalLM(fresh(), device="cpu")
+    assert {m.skinny_rows for m in some.model.modules() if type(m) is SkinnyLinear} == {(1, 2)}
+    forced = CausalLM(fresh(), device="cpu", skinny_linear=True)  # asked for: every row count, whatever the timing
+    assert {m.skinny_rows for m in forced.model.modules() if type(m) is SkinnyLinear} == {range(1, 9)}
+    ids, mask = torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.long)
+    for lm in (plain, some, forced):
+        lm.prefill(ids, mask)
+    for k in (1, 2, 3):  # the same model whichever path each row count takes, up to float rounding
+        tokens = torch.arange(6, 6 + k)[None]
+        want, *others = (lm.score(tokens) for lm in (plain, some, forced))
+        for got in others:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="rows must lie in"):
+        use_skinny_linears(fresh(), rows=(0,))
