@@ -21,7 +21,7 @@ _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
 GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
-GENERATE_GAMMA = 3  # the combined draft's best measured gamma here (gamma 1 for a trained draft alone)
+GENERATE_GAMMA = 1  # the combined draft's best measured gamma against the fastest autoregressive decoding (docs/feature_drafts.md)
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
 

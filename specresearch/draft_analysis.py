@@ -115,9 +115,10 @@ def read_scaling(directory: str | os.PathLike) -> pd.DataFrame:
 
 def read_wallclock(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[int, float]]:
     """The generation runs of ``benchmarks/bench_wallclock.py`` (JSON lines) and the target's score cost
-    r_k (the mean of its before / after timings of k tokens over those of 1 token; empty if not recorded)."""
+    r_k (the mean of its before / after timings of k tokens over those of 1 token; empty if not recorded).
+    The record's ``machine`` row, if any, is left out."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    runs = [r for r in rows if r.get("method") != "target_score"]
+    runs = [r for r in rows if r.get("method") not in ("target_score", "machine")]
     if not runs:
         raise ValueError(f"{str(path)!r} holds no generation runs")
     ms = {r["k"]: (r["ms_before"] + r["ms_after"]) / 2 for r in rows if r.get("method") == "target_score"}
@@ -416,7 +417,7 @@ def plot_speedup_intervals(speedups: pd.DataFrame, targets: dict[float, float] |
         ax.axvline(1.0, color="grey", linewidth=1)
         if targets and temperature in targets:
             ax.axvline(targets[temperature], color="tab:green", linestyle="--", linewidth=1, label=f"target {targets[temperature]:g}x")
-            ax.legend(fontsize=7, loc="lower right")
+            ax.legend(fontsize=7, loc="upper left")
         ax.set_title(f"T = {temperature:g}, {int(rows['prompts'].iloc[0])} prompts", fontsize=9)
         ax.set_xlabel("speed-up over autoregressive decoding")
         ax.grid(axis="x", alpha=0.3)

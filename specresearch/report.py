@@ -34,6 +34,7 @@ DOCS_FIGURES = (
     "09_alpha_vs_cost",
     "09_speedup_vs_gamma",
     "09_combined_draft",
+    "09_speedup_intervals",
 )
 
 
