@@ -117,7 +117,8 @@ def main() -> None:
         except ValueError:
             parser.error(f"--paired takes A GAMMA_A B GAMMA_B with integer gammas, got {args.paired}")
         frame, score_cost = read_wallclock(args.table)
-        machine = [json.loads(line) for line in Path(args.table).read_text().splitlines() if '"machine"' in line]
+        rows = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
+        machine = [r for r in rows if r.get("method") == "machine"]
         if machine:
             print("machine: " + ", ".join(f"{k} {v}" for k, v in machine[0].items() if k != "method"))
         print(f"one cached target call scoring k tokens over one scoring 1: {', '.join(f'r_{k} = {r:.2f}' for k, r in score_cost.items())}")

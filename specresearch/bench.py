@@ -78,8 +78,8 @@ __all__ = [
     "default_prompts_path",
     "default_run_id",
     "load_bench_draft",
-    "machine_info",
     "load_bench_prompts",
+    "machine_info",
     "read_records",
     "score_seconds",
     "run_batched",
@@ -252,9 +252,10 @@ def machine_info() -> dict:
     for line in lines:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())  # the first CPU's
-    flags = sorted(f for f in fields.get("flags", "").split() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"))
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads()}
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    flags = sorted(f for f in fields.get("flags", "").split() if f in wanted)
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(), "cpu_flags": flags,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 def write_run_info(path: str | os.PathLike, **info) -> Path:
