@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specresearch.checks import check_int
-from specresearch.models import CausalLM, SlotMask, check_prompt, rollback_counts, skinny_linear, use_half_weights
+from specresearch.models import SKINNY_ROWS, CausalLM, SlotMask, check_prompt, rollback_counts, skinny_linear, use_half_weights
 
 __all__ = [
     "NGramDraft",
@@ -620,8 +620,10 @@ class SubsetHead(torch.nn.Module):
         index_of[token_ids] = torch.arange(len(token_ids))
         self.register_buffer("index_of", index_of, persistent=False)
 
+    skinny_rows = SKINNY_ROWS  # the row counts skinny_linear computes its own way (models.use_skinny_linears)
+
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(hidden, self.weight)  # [..., K]
+        return skinny_linear(hidden, self.weight, skinny_rows=self.skinny_rows)  # [..., K]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         subset = self.subset_logits(hidden)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specresearch.drafts import SubsetHead, check_field, drafts_dir, embedding_fingerprint
-from specresearch.models import SlotMask, check_prompt, rollback_counts, use_skinny_linears
+from specresearch.models import SKINNY_ROWS, SlotMask, check_prompt, choose_skinny_rows, rollback_counts, use_skinny_linears
 
 __all__ = [
     "FeatureReader",
@@ -361,13 +361,17 @@ class FeatureDraft:
     prediction of the previous slot (drafting) share one KV cache per layer and one ``SlotMask`` (the
     only record of the cache length), exactly as ``models.CausalLM``: per-row rollback masks slots out.
     On CPU the head's ``nn.Linear`` layers are switched to ``models.SkinnyLinear`` in place, as ``CausalLM``
-    does (same parameters; its 1-8-row calls are the drafting ones).
+    does (same parameters; its 1-8-row calls are the drafting ones), computing the row counts
+    ``models.choose_skinny_rows`` times faster on the head's own weights (``skinny_linear``: ``None``, the
+    default), every row count (``True``) or none (``False``).
     """
 
-    def __init__(self, head: FeatureHead, *, max_context: int | None = None, device="cpu") -> None:
+    def __init__(self, head: FeatureHead, *, max_context: int | None = None, device="cpu",
+                 skinny_linear: bool | None = None) -> None:
         self.head = head.eval()
         if torch.device(device).type == "cpu":
-            use_skinny_linears(self.head)
+            rows = {None: lambda: choose_skinny_rows(self.head), True: lambda: SKINNY_ROWS, False: lambda: ()}[skinny_linear]()
+            use_skinny_linears(self.head, rows)
         self.vocab_size = head.vocab_size
         self.feature_layers = head.feature_layers
         self.feature_size = head.feature_size

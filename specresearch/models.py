@@ -217,7 +217,8 @@ class SkinnyLinear(torch.nn.Linear):
 def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
     """Switch every plain ``nn.Linear`` of ``model`` to :class:`SkinnyLinear` in place (parameters and state
     dict untouched), computing ``rows`` (a subset of ``SKINNY_ROWS``) its own way; returns how many were
-    switched. Subclasses of ``nn.Linear`` are left as they are."""
+    switched. Subclasses of ``nn.Linear`` are left as they are; every module that carries a ``skinny_rows``
+    attribute (:class:`SkinnyLinear`, a draft's vocabulary-subset head) is given ``rows``."""
     rows = tuple(rows)
     if not set(rows) <= set(SKINNY_ROWS):
         raise ValueError(f"rows must lie in {tuple(SKINNY_ROWS)}, got {rows}")
@@ -225,9 +226,9 @@ def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = SkinnyLinear
-            if rows != tuple(SKINNY_ROWS):
-                module.skinny_rows = rows
             switched += 1
+        if hasattr(module, "skinny_rows"):
+            module.skinny_rows = rows if rows != tuple(SKINNY_ROWS) else SKINNY_ROWS
     return switched
 
 
@@ -237,7 +238,7 @@ _CHOSEN_ROWS: dict[tuple, tuple[int, ...]] = {}
 
 def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts (of ``SKINNY_ROWS``) for which :func:`skinny_linear` beats ``F.linear`` on this machine,
-    timed on ``model``'s own linear layers: for each row count, each distinct weight shape is multiplied
+    timed on ``model``'s own float32 linear layers (and modules that carry ``skinny_rows``): for each row count, each distinct weight shape is multiplied
     both ways (medians of ``repeats``, weighted by how many layers have that shape); a row count is chosen
     when the skinny product takes less than ``margin`` times the plain one. Which is faster depends on the
     CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
@@ -263,7 +264,8 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     counts: dict[tuple, int] = {}
     weights = {}
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+        timed = isinstance(module, torch.nn.Linear) or hasattr(module, "skinny_rows")
+        if timed and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             shape = tuple(module.weight.shape)
             counts[shape] = counts.get(shape, 0) + 1
             weights.setdefault(shape, module.weight.detach())

@@ -311,6 +311,36 @@ def test_half_weight_drafts_stay_exact_and_leave_the_target_alone(target, tmp_pa
         draft_from_name("fp16:ngram", target)
 
 
+def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target, monkeypatch):
+    """choose_skinny_rows times the vocabulary-subset head beside the linear layers; FeatureDraft on CPU gives
+    both the row counts it picks, every row count when asked, none when refused; the drafted logits are the
+    same up to float rounding whichever path each row count takes."""
+    from specresearch.drafts import SubsetHead
+    from specresearch.models import choose_skinny_rows
+
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
+    head = feature_head(target.model, head_tokens=40)
+    shapes = {tuple(m.weight.shape) for m in head.modules() if isinstance(m, (torch.nn.Linear, SubsetHead))}
+    calls = []
+    choose_skinny_rows(head, repeats=1, timer=lambda fn, path, rows: calls.append(rows) or 1.0)
+    assert (40, head.hidden_size) in shapes and len(calls) == 8 * 2 * len(shapes)
+
+    built = {}
+    for setting, pinned in ((None, "2,3"), (True, "none"), (False, "all")):
+        monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", pinned)  # only skinny_linear=None follows the pin
+        built[setting] = FeatureDraft(feature_head(target.model, head_tokens=40), skinny_linear=setting)
+    rows = {s: {tuple(m.skinny_rows) for m in d.head.modules() if hasattr(m, "skinny_rows")} for s, d in built.items()}
+    assert rows == {None: {(2, 3)}, True: {tuple(range(1, 9))}, False: {()}}
+    assert [m.skinny_rows for m in built[None].head.modules() if isinstance(m, SubsetHead)] == [(2, 3)]
+    for length in (2, 3, 4):
+        seq = torch.tensor([[3, 4, 5, 6][:length]])
+        feats = _features(target, seq, built[None].feature_layers)
+        with torch.no_grad():
+            want, *others = (d.head.logits(d.head.rollout(feats, seq, torch.ones_like(seq), 2)[1]) for d in built.values())
+        for got in others:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_save_and_load_round_trip(target, tmp_path):
     """The shipped format: trained tensors in the storage dtype + manifest; the loaded head gives the rounded head's
     logits, and a head saved against another target is refused."""
