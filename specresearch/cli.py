@@ -280,6 +280,9 @@ def _add_feature_distill(sub) -> None:
                    help="corpus chunks (64 prompts each) to collect and train on; beyond one pass over the prompts, "
                         "chunks are new samples of reshuffled prompts")
     p.add_argument("--collect-only", action="store_true", help="collect (and cache) the corpus chunks, do not train")
+    p.add_argument("--save-tokens", action="store_true",
+                   help="with --collect-only: write the chunks' sampled token ids to data/corpora/<corpus key>.npz (small, "
+                        "committed); collection and training rebuild the chunks it holds instead of sampling them")
     p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")
     p.add_argument("--heldout-prompts", type=int, default=14, help="how many held-out prompts (evenly spaced)")
     p.add_argument("--out", help="output directory (default data/drafts/<preset>)")
@@ -301,6 +304,8 @@ def _run_feature_distill(args) -> int:
     _check_prompts_file("--heldout", args.heldout)
     if args.chunks < 1:
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    if args.save_tokens and not args.collect_only:
+        raise ValueError("--save-tokens goes with --collect-only")
     torch.set_num_threads(args.threads)
     fields = {f: getattr(args, f) for f in FeatureTrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
     head_config, train_config = FeatureHeadConfig.from_name(args.preset), FeatureTrainConfig(**fields)  # before loading
@@ -322,14 +327,21 @@ def _run_feature_distill(args) -> int:
 
 def _collect_feature_corpus(lm, tokenizer, args) -> int:
     from specresearch.distill import cache_dir, encode_prompts, load_prompts
-    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus
+    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, corpora_dir, load_corpus_tokens, save_corpus_tokens
 
     config = FeatureCorpusConfig()
-    directory = cache_dir() / "features" / config.key(args.prompts)
+    key = config.key(args.prompts)
+    directory, token_file = cache_dir() / "features" / key, corpora_dir() / f"{key}.npz"
+    stored = load_corpus_tokens(token_file, key) if token_file.exists() else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     available = collect_feature_corpus(lm.model, encode_prompts(tokenizer, load_prompts(args.prompts)), config, directory, eos_token_ids=eos,
-                                       max_chunks=args.chunks, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
-    print(f"{available} of {args.chunks} chunks in {directory}" + ("" if available == args.chunks else "; rerun the same command to resume"))
+                                       max_chunks=args.chunks, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+                                       stored=stored)
+    print(f"{available} of {args.chunks} chunks in {directory}" + ("" if available == args.chunks else "; rerun the same command to resume")
+          + (f" ({min(len(stored), args.chunks)} rebuilt from {token_file} where missing)" if stored else ""))
+    if args.save_tokens:
+        written = save_corpus_tokens(directory, token_file, key, count=available)
+        print(f"token ids of {written} chunks written to {token_file}")
     return 0
 
 

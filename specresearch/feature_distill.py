@@ -13,7 +13,10 @@ Pipeline (``specresearch feature-distill`` runs it, resumably, from one seed):
    every position, the target's hidden states at ``store_layers`` (bfloat16) and, at each position
    whose next token the target generated, the top ``teacher_top_k`` of p (the teacher). A chunk is one
    file: an interrupted collection resumes at the first missing chunk, and training can start on the
-   chunks that exist (the data-scaling curve trains on prefixes of them).
+   chunks that exist (the data-scaling curve trains on prefixes of them). The cache lives outside the
+   repository (~4 KB per token); the sampled token ids alone are committed under ``data/corpora/``
+   (:func:`save_corpus_tokens`), and a chunk they hold is rebuilt by the teacher-forced forward alone
+   instead of being sampled again (sampling is nearly all of a chunk's time).
 2. **Training** (:func:`train_feature_head`): AdamW on the head's layers (the target's embedding and
    head rows stay frozen). The loss, averaged over rollout passes k = 0..``rollout``-1, is
    ``KL(p~ || q_k) + feature_loss_weight * SmoothL1(h_k, f_next)``: p~ the teacher's top k renormalised
@@ -52,6 +55,9 @@ __all__ = [
     "FeatureChunk",
     "chunk_prompt_order",
     "collect_feature_corpus",
+    "corpora_dir",
+    "save_corpus_tokens",
+    "load_corpus_tokens",
     "load_feature_chunks",
     "as_distill_corpus",
     "target_features",
@@ -150,11 +156,16 @@ def _collect_chunk(model, prompts: Sequence[torch.Tensor], config: FeatureCorpus
     sampling = TrainConfig(seed=config.seed + index, corpus_temperature=config.temperature, corpus_max_new_tokens=config.max_new_tokens,
                            corpus_samples_per_prompt=1, corpus_batch_size=config.batch_size)
     corpus = generate_corpus(model, prompts, sampling, eos, progress=False)
+    return _chunk_payload(model, corpus.sequences, corpus.prompt_lengths, config)
+
+
+def _chunk_payload(model, sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int], config: FeatureCorpusConfig) -> dict:
+    """The stored chunk of sampled ``sequences``: one teacher-forced target forward per 8 of them."""
     out = {"sequences": [], "prompt_lengths": [], "features": [], "teacher_ids": [], "teacher_probs": []}
-    for start in range(0, len(corpus.sequences), 8):
-        sequences = corpus.sequences[start : start + 8]
-        features, logits = target_features(model, sequences, config.store_layers)
-        for seq, plen, feat, logit in zip(sequences, corpus.prompt_lengths[start : start + 8], features, logits):
+    for start in range(0, len(sequences), 8):
+        batch = sequences[start : start + 8]
+        features, logits = target_features(model, batch, config.store_layers)
+        for seq, plen, feat, logit in zip(batch, prompt_lengths[start : start + 8], features, logits):
             top = logit[plen - 1 : len(seq) - 1].softmax(-1).topk(config.teacher_top_k, dim=-1)
             out["sequences"].append(seq.clone())
             out["prompt_lengths"].append(plen)
@@ -179,7 +190,7 @@ def chunk_prompt_order(num_prompts: int, seed: int, count: int) -> list[int]:
 
 def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: FeatureCorpusConfig, directory: str | os.PathLike,
                            *, eos_token_ids: Sequence[int] = (), max_chunks: int | None = None, max_seconds: float | None = None,
-                           progress: bool = True) -> int:
+                           stored: Sequence[dict] = (), progress: bool = True) -> int:
     """Sample and cache the corpus chunk by chunk (resumable; see the module docstring). Returns the chunks on disk.
 
     Args:
@@ -190,6 +201,9 @@ def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: Fe
             cut from successive shuffles of the prompts, end to end (:func:`chunk_prompt_order`), so more
             chunks than one pass holds sample the same prompts again, with new seeds.
         max_seconds: stop starting new chunks after this.
+        stored: the corpus' sampled token ids (:func:`load_corpus_tokens`): a missing chunk that ``stored``
+            holds is rebuilt from them by the teacher-forced pass alone (features and teacher), not sampled
+            again. Each stored chunk must start with the prompts this chunk is cut from (else ``ValueError``).
     """
     check_field(len(prompt_ids) > 0, "prompt_ids", "must hold at least one prompt")
     check_field(max_chunks is None or max_chunks >= 0, "max_chunks", f"must be >= 0, got {max_chunks}")
@@ -206,12 +220,85 @@ def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: Fe
         if max_seconds is not None and time.perf_counter() - started > max_seconds:
             break
         chunk_started = time.perf_counter()
-        payload = _collect_chunk(model, shuffled[index * config.chunk_prompts : (index + 1) * config.chunk_prompts], config, index, eos_token_ids)
-        payload["seconds"] = time.perf_counter() - chunk_started
+        prompts = shuffled[index * config.chunk_prompts : (index + 1) * config.chunk_prompts]
+        if index < len(stored):
+            chunk = stored[index]
+            _check_stored_prompts(chunk, prompts, index)
+            payload = _chunk_payload(model, chunk["sequences"], chunk["prompt_lengths"], config)
+            payload.update(seconds=chunk["seconds"], rebuild_seconds=time.perf_counter() - chunk_started)
+        else:
+            payload = _collect_chunk(model, prompts, config, index, eos_token_ids)
+            payload["seconds"] = time.perf_counter() - chunk_started
         tmp = path.with_suffix(".tmp")
         torch.save(payload, tmp)
         os.replace(tmp, path)
     return sum(1 for i in range(total) if _chunk_path(directory, i).exists())
+
+
+def _check_stored_prompts(chunk: dict, prompts: Sequence[torch.Tensor], index: int) -> None:
+    ok = len(chunk["sequences"]) == len(prompts) and all(
+        plen == len(ids) and torch.equal(seq[:plen], ids) for seq, plen, ids in zip(chunk["sequences"], chunk["prompt_lengths"], prompts))
+    if not ok:
+        raise ValueError(f"stored corpus tokens, chunk {index}: its sequences do not start with the prompts this chunk is cut from "
+                         "(another prompt file, seed or tokenizer?)")
+
+
+def corpora_dir() -> Path:
+    """``data/corpora`` of the source checkout: the committed token files of feature corpora (:func:`save_corpus_tokens`)."""
+    from specresearch.drafts import drafts_dir
+
+    return drafts_dir().parent / "corpora"
+
+
+def save_corpus_tokens(directory: str | os.PathLike, path: str | os.PathLike, key: str, count: int | None = None) -> int:
+    """Write the sampled token ids of the first ``count`` (default: all) consecutive cached chunks of
+    ``directory`` to ``path`` (a compressed ``.npz``: uint16 ids when the vocabulary allows), with the corpus
+    ``key`` (``FeatureCorpusConfig.key``) and each chunk's sampling seconds; returns the chunks written.
+
+    About 1 byte per token on disk, small enough to commit: the features and teacher (~4 KB per token) are
+    recomputed from it by one teacher-forced pass per chunk (``collect_feature_corpus(stored=...)``), which
+    takes seconds where sampling took minutes.
+    """
+    import numpy as np
+
+    directory = Path(directory)
+    chunks = []
+    while _chunk_path(directory, len(chunks)).exists() and (count is None or len(chunks) < count):
+        chunks.append(torch.load(_chunk_path(directory, len(chunks)), weights_only=True))
+    if not chunks or (count is not None and len(chunks) < count):
+        raise ValueError(f"directory {directory} holds {len(chunks)} consecutive chunks, {count or 1} needed")
+    sequences = [s for c in chunks for s in c["sequences"]]
+    tokens = torch.cat(sequences)
+    dtype = np.uint16 if int(tokens.max()) < 2**16 and int(tokens.min()) >= 0 else np.int64
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".tmp"), "wb") as handle:
+        np.savez_compressed(handle, key=np.array(key), tokens=tokens.numpy().astype(dtype),
+                            lengths=np.array([len(s) for s in sequences], dtype=np.int64),
+                            prompt_lengths=np.array([p for c in chunks for p in c["prompt_lengths"]], dtype=np.int64),
+                            chunk_sizes=np.array([len(c["sequences"]) for c in chunks], dtype=np.int64),
+                            seconds=np.array([c["seconds"] for c in chunks], dtype=np.float64))
+    os.replace(path.with_suffix(".tmp"), path)
+    return len(chunks)
+
+
+def load_corpus_tokens(path: str | os.PathLike, key: str) -> list[dict]:
+    """The chunks :func:`save_corpus_tokens` wrote, each ``{"sequences", "prompt_lengths", "seconds"}``; a
+    file written for another corpus ``key`` raises ``ValueError``."""
+    import numpy as np
+
+    with np.load(Path(path), allow_pickle=False) as data:
+        if str(data["key"]) != key:
+            raise ValueError(f"{path} holds the tokens of corpus {str(data['key'])!r}, not {key!r}")
+        tokens = torch.from_numpy(data["tokens"].astype(np.int64))
+        lengths, prompt_lengths = data["lengths"].tolist(), data["prompt_lengths"].tolist()
+        sizes, seconds = data["chunk_sizes"].tolist(), data["seconds"].tolist()
+    sequences = list(torch.split(tokens, lengths))
+    chunks, start = [], 0
+    for size, spent in zip(sizes, seconds):
+        chunks.append({"sequences": sequences[start : start + size], "prompt_lengths": prompt_lengths[start : start + size], "seconds": spent})
+        start += size
+    return chunks
 
 
 def load_feature_chunks(directory: str | os.PathLike, count: int | None = None) -> FeatureChunk:
@@ -640,11 +727,14 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     target = target_lm.model
     key = corpus_config.key(prompts_path)
     directory = cache_dir() / "features" / key
+    token_file = corpora_dir() / f"{key}.npz"
+    stored = load_corpus_tokens(token_file, key) if token_file.exists() else []
     available = collect_feature_corpus(target, encode_prompts(tokenizer, load_prompts(prompts_path)), corpus_config, directory,
-                                       eos_token_ids=eos, max_chunks=chunks, max_seconds=max_seconds, progress=progress)
+                                       eos_token_ids=eos, max_chunks=chunks, max_seconds=max_seconds, stored=stored, progress=progress)
     manifest = {"command": command, "seed": train_config.seed, "finished": False, "train_config": dataclasses.asdict(train_config),
                 "corpus_config": dataclasses.asdict(corpus_config), "corpus": {"prompts_file": Path(prompts_path).name, "cache_key": key,
-                                                                              "chunks": chunks, "chunks_available": available}}
+                                                                              "chunks": chunks, "chunks_available": available,
+                                                                              "stored_token_chunks": len(stored)}}
     if available < chunks:
         return manifest
     corpus = load_feature_chunks(directory, chunks)

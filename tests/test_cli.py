@@ -86,6 +86,7 @@ def test_distill_user_errors_fail_before_loading_anything(capsys, tmp_path):
     _user_error(capsys, ["distill", "--preset", "v8k-3l"], "v8k-3l")
     _user_error(capsys, ["distill", "--steps", "0"], "steps")
     _user_error(capsys, ["feature-distill", "--chunks", "0", "--collect-only"], "--chunks must be >= 1")
+    _user_error(capsys, ["feature-distill", "--save-tokens"], "--save-tokens goes with --collect-only")
     _user_error(capsys, ["feature-distill", "--preset", "eagle9"], "eagle9")
 
 

@@ -260,6 +260,40 @@ def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
             assert 0 < kept < chunk.num_generated_tokens
 
 
+def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_path, monkeypatch):
+    """save_corpus_tokens keeps the sampled ids (uint16) and the corpus key; collect_feature_corpus rebuilds
+    the chunks they hold by the teacher-forced pass alone, equal to the sampled chunks (ids, features,
+    teacher, sampling seconds), and samples the chunks they do not hold; another corpus' file, or tokens
+    whose prompts are not this chunk's, raise."""
+    import numpy as np
+
+    from specresearch import feature_distill
+    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, load_corpus_tokens, save_corpus_tokens
+
+    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (9,), generator=g)]
+    config = FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=3, max_new_tokens=10, batch_size=3, teacher_top_k=8)
+    assert collect_feature_corpus(small.model, prompts, config, tmp_path / "sampled", progress=False) == 3
+    assert save_corpus_tokens(tmp_path / "sampled", tmp_path / "t.npz", "key", count=2) == 2
+    with np.load(tmp_path / "t.npz") as data:
+        assert data["tokens"].dtype == np.uint16 and data["chunk_sizes"].tolist() == [3, 3]
+    stored = load_corpus_tokens(tmp_path / "t.npz", "key")
+    sampled_chunks, collect = [], feature_distill._collect_chunk
+    monkeypatch.setattr(feature_distill, "_collect_chunk", lambda *a: sampled_chunks.append(a[3]) or collect(*a))
+    assert collect_feature_corpus(small.model, prompts, config, tmp_path / "rebuilt", stored=stored, progress=False) == 3
+    assert sampled_chunks == [2]
+    for i in range(3):
+        want, got = (torch.load(tmp_path / d / f"chunk-{i:04d}.pt", weights_only=True) for d in ("sampled", "rebuilt"))
+        assert got["prompt_lengths"] == want["prompt_lengths"] and (got["seconds"] == want["seconds"]) == (i < 2)
+        for name in ("sequences", "features", "teacher_ids", "teacher_probs"):
+            assert all(torch.equal(a, b) for a, b in zip(got[name], want[name], strict=True)), name
+    with pytest.raises(ValueError, match="holds the tokens of corpus 'key'"):
+        load_corpus_tokens(tmp_path / "t.npz", "another")
+    with pytest.raises(ValueError, match="do not start with the prompts"):
+        collect_feature_corpus(small.model, prompts[::-1], config, tmp_path / "other", stored=stored, progress=False)
+
+
 def test_trained_draft_directories_load_by_path(target, tmp_path):
     """draft_from_name takes the directory ``feature-distill --out`` / ``distill --out`` wrote, as generate's --draft does."""
     from specresearch.drafts import DraftConfig, build_draft, draft_from_name, save_draft
