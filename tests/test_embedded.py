@@ -107,3 +107,25 @@ def test_logits_are_float32(smollm):
     lm, _ = smollm
     logits = lm.prefill(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long))
     assert logits.dtype == torch.float32 and logits.shape == (1, lm.vocab_size)
+
+
+def test_committed_corpus_tokens_are_the_feature_corpus_of_the_xl_prompts(smollm):
+    """data/corpora holds the 34 chunks of the default feature corpus of distill_prompts_xl.jsonl: each
+    sequence starts with the prompt its chunk is cut from (the seeded shuffle) and continues with 1-128
+    sampled ids of the target's vocabulary, so feature-distill can rebuild the chunks from it."""
+    from specresearch.distill import encode_prompts, load_prompts
+    from specresearch.feature_distill import FeatureCorpusConfig, chunk_prompt_order, corpora_dir, load_corpus_tokens
+
+    lm, tokenizer = smollm
+    config = FeatureCorpusConfig()
+    key = config.key("data/distill_prompts_xl.jsonl")
+    stored = load_corpus_tokens(corpora_dir() / f"{key}.npz", key)
+    prompts = encode_prompts(tokenizer, load_prompts(corpora_dir().parent / "distill_prompts_xl.jsonl"))
+    order = chunk_prompt_order(len(prompts), config.seed, len(stored) * config.chunk_prompts)
+    assert len(stored) == 34
+    for index, chunk in enumerate(stored):
+        chosen = [prompts[i] for i in order[index * config.chunk_prompts : (index + 1) * config.chunk_prompts]]
+        assert chunk["prompt_lengths"] == [len(p) for p in chosen] and chunk["seconds"] > 0
+        for sequence, prompt in zip(chunk["sequences"], chosen, strict=True):
+            assert torch.equal(sequence[: len(prompt)], prompt)
+            assert 1 <= len(sequence) - len(prompt) <= config.max_new_tokens and int(sequence.max()) < lm.vocab_size
