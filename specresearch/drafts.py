@@ -607,6 +607,8 @@ class SubsetHead(torch.nn.Module):
     the draft); ``index_of`` maps a vocabulary id to its position in S, or -1.
     """
 
+    skinny_rows = SKINNY_ROWS  # the row counts skinny_linear computes its own way (models.use_skinny_linears)
+
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
         super().__init__()
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
@@ -619,8 +621,6 @@ class SubsetHead(torch.nn.Module):
         index_of = torch.full((vocab_size,), -1, dtype=torch.long)
         index_of[token_ids] = torch.arange(len(token_ids))
         self.register_buffer("index_of", index_of, persistent=False)
-
-    skinny_rows = SKINNY_ROWS  # the row counts skinny_linear computes its own way (models.use_skinny_linears)
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return skinny_linear(hidden, self.weight, skinny_rows=self.skinny_rows)  # [..., K]

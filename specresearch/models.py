@@ -217,14 +217,15 @@ class SkinnyLinear(torch.nn.Linear):
 def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
     """Switch every plain ``nn.Linear`` of ``model`` to :class:`SkinnyLinear` in place (parameters and state
     dict untouched), computing ``rows`` (a subset of ``SKINNY_ROWS``) its own way; returns how many were
-    switched. Subclasses of ``nn.Linear`` are left as they are; every module that carries a ``skinny_rows``
-    attribute (:class:`SkinnyLinear`, a draft's vocabulary-subset head) is given ``rows``."""
+    switched. Subclasses of ``nn.Linear`` are left as they are, and so is every ``nn.Linear`` when ``rows`` is
+    empty; every module that carries a ``skinny_rows`` attribute (:class:`SkinnyLinear`, a draft's
+    vocabulary-subset head) is given ``rows``."""
     rows = tuple(rows)
     if not set(rows) <= set(SKINNY_ROWS):
         raise ValueError(f"rows must lie in {tuple(SKINNY_ROWS)}, got {rows}")
     switched = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear:
+        if type(module) is torch.nn.Linear and rows:
             module.__class__ = SkinnyLinear
             switched += 1
         if hasattr(module, "skinny_rows"):
@@ -411,9 +412,7 @@ class CausalLM:
         self.model = model.eval()
         self._cache_argument = cache_argument(self.model)
         if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
-            rows = choose_skinny_rows(self.model) if skinny_linear is None else SKINNY_ROWS
-            if rows:
-                use_skinny_linears(self.model, rows)
+            use_skinny_linears(self.model, choose_skinny_rows(self.model) if skinny_linear is None else SKINNY_ROWS)
             use_cpu_sdpa(self.model)
         self._cache = None
         self._slots: SlotMask | None = None

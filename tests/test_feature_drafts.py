@@ -349,8 +349,8 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
     """choose_skinny_rows times the vocabulary-subset head beside the linear layers; FeatureDraft on CPU gives
     both the row counts it picks, every row count when asked, none when refused; the drafted logits are the
     same up to float rounding whichever path each row count takes."""
-    from specresearch.drafts import SubsetHead
-    from specresearch.models import choose_skinny_rows
+    from specresearch.drafts import DraftConfig, SubsetHead, build_draft
+    from specresearch.models import SkinnyLinear, choose_skinny_rows
 
     monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
     head = feature_head(target.model, head_tokens=40)
@@ -366,6 +366,11 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
     rows = {s: {tuple(m.skinny_rows) for m in d.head.modules() if hasattr(m, "skinny_rows")} for s, d in built.items()}
     assert rows == {None: {(2, 3)}, True: {tuple(range(1, 9))}, False: {()}}
     assert [m.skinny_rows for m in built[None].head.modules() if isinstance(m, SubsetHead)] == [(2, 3)]
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "none")  # a distilled draft's subset head follows its CausalLM
+    config = DraftConfig("t", num_layers=1, init_layers=(0,), head_tokens=40, train_head=True)
+    small = CausalLM(build_draft(target.model, config, seed=0, head_token_ids=torch.arange(40)), device="cpu")
+    assert [m.skinny_rows for m in small.model.modules() if isinstance(m, SubsetHead)] == [()]
+    assert not any(isinstance(m, SkinnyLinear) for m in small.model.modules())
     for length in (2, 3, 4):
         seq = torch.tensor([[3, 4, 5, 6][:length]])
         feats = _features(target, seq, built[None].feature_layers)
