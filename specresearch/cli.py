@@ -327,18 +327,18 @@ def _run_feature_distill(args) -> int:
 
 def _collect_feature_corpus(lm, tokenizer, args) -> int:
     from specresearch.distill import cache_dir, encode_prompts, load_prompts
-    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, corpora_dir, load_corpus_tokens, save_corpus_tokens
+    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, corpora_dir, save_corpus_tokens, stored_corpus_tokens
 
     config = FeatureCorpusConfig()
     key = config.key(args.prompts)
     directory, token_file = cache_dir() / "features" / key, corpora_dir() / f"{key}.npz"
-    stored = load_corpus_tokens(token_file, key) if token_file.exists() else []
+    stored = stored_corpus_tokens(key)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     available = collect_feature_corpus(lm.model, encode_prompts(tokenizer, load_prompts(args.prompts)), config, directory, eos_token_ids=eos,
                                        max_chunks=args.chunks, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
                                        stored=stored)
     print(f"{available} of {args.chunks} chunks in {directory}" + ("" if available == args.chunks else "; rerun the same command to resume")
-          + (f" ({min(len(stored), args.chunks)} rebuilt from {token_file} where missing)" if stored else ""))
+          + (f" (the first {len(stored)} are rebuilt from {token_file} when missing, not sampled)" if stored else ""))
     if args.save_tokens:
         written = save_corpus_tokens(directory, token_file, key, count=available)
         print(f"token ids of {written} chunks written to {token_file}")

@@ -58,6 +58,7 @@ __all__ = [
     "corpora_dir",
     "save_corpus_tokens",
     "load_corpus_tokens",
+    "stored_corpus_tokens",
     "load_feature_chunks",
     "as_distill_corpus",
     "target_features",
@@ -299,6 +300,12 @@ def load_corpus_tokens(path: str | os.PathLike, key: str) -> list[dict]:
         chunks.append({"sequences": sequences[start : start + size], "prompt_lengths": prompt_lengths[start : start + size], "seconds": spent})
         start += size
     return chunks
+
+
+def stored_corpus_tokens(key: str) -> list[dict]:
+    """The committed token ids of corpus ``key`` (``data/corpora/<key>.npz``, :func:`load_corpus_tokens`), or ``[]``."""
+    path = corpora_dir() / f"{key}.npz"
+    return load_corpus_tokens(path, key) if path.exists() else []
 
 
 def load_feature_chunks(directory: str | os.PathLike, count: int | None = None) -> FeatureChunk:
@@ -727,8 +734,7 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     target = target_lm.model
     key = corpus_config.key(prompts_path)
     directory = cache_dir() / "features" / key
-    token_file = corpora_dir() / f"{key}.npz"
-    stored = load_corpus_tokens(token_file, key) if token_file.exists() else []
+    stored = stored_corpus_tokens(key)
     available = collect_feature_corpus(target, encode_prompts(tokenizer, load_prompts(prompts_path)), corpus_config, directory,
                                        eos_token_ids=eos, max_chunks=chunks, max_seconds=max_seconds, stored=stored, progress=progress)
     manifest = {"command": command, "seed": train_config.seed, "finished": False, "train_config": dataclasses.asdict(train_config),

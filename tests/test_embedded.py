@@ -114,12 +114,11 @@ def test_committed_corpus_tokens_are_the_feature_corpus_of_the_xl_prompts(smollm
     sequence starts with the prompt its chunk is cut from (the seeded shuffle) and continues with 1-128
     sampled ids of the target's vocabulary, so feature-distill can rebuild the chunks from it."""
     from specresearch.distill import encode_prompts, load_prompts
-    from specresearch.feature_distill import FeatureCorpusConfig, chunk_prompt_order, corpora_dir, load_corpus_tokens
+    from specresearch.feature_distill import FeatureCorpusConfig, chunk_prompt_order, corpora_dir, stored_corpus_tokens
 
     lm, tokenizer = smollm
     config = FeatureCorpusConfig()
-    key = config.key("data/distill_prompts_xl.jsonl")
-    stored = load_corpus_tokens(corpora_dir() / f"{key}.npz", key)
+    stored = stored_corpus_tokens(config.key("data/distill_prompts_xl.jsonl"))
     prompts = encode_prompts(tokenizer, load_prompts(corpora_dir().parent / "distill_prompts_xl.jsonl"))
     order = chunk_prompt_order(len(prompts), config.seed, len(stored) * config.chunk_prompts)
     assert len(stored) == 34
