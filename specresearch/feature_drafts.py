@@ -370,8 +370,8 @@ class FeatureDraft:
                  skinny_linear: bool | None = None) -> None:
         self.head = head.eval()
         if torch.device(device).type == "cpu":
-            rows = {None: lambda: choose_skinny_rows(self.head), True: lambda: SKINNY_ROWS, False: lambda: ()}[skinny_linear]()
-            use_skinny_linears(self.head, rows)
+            chosen = choose_skinny_rows(self.head) if skinny_linear is None else SKINNY_ROWS if skinny_linear else ()
+            use_skinny_linears(self.head, chosen)
         self.vocab_size = head.vocab_size
         self.feature_layers = head.feature_layers
         self.feature_size = head.feature_size
