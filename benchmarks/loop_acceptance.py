@@ -49,6 +49,15 @@ def per_prompt(record: dict) -> dict[str, tuple[int, int]]:
     return {k: (a, n) for k, (a, n) in out.items()}
 
 
+def pooled_difference(x: np.ndarray, y: np.ndarray, n_boot: int = 2000) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Pooled ratios ``sum(a) / sum(n)`` of two per-prompt ``[P, 2]`` arrays of (a, n), paired by row, and the
+    95% interval of their difference by a bootstrap over prompts (seed 0). -> ((ratio x, ratio y), (low, high))."""
+    picks = np.random.default_rng(0).integers(0, len(x), size=(n_boot, len(x)))
+    boot = x[picks, 0].sum(1) / x[picks, 1].sum(1) - y[picks, 0].sum(1) / y[picks, 1].sum(1)
+    low, high = np.quantile(boot, [0.025, 0.975])
+    return (x[:, 0].sum() / x[:, 1].sum(), y[:, 0].sum() / y[:, 1].sum()), (float(low), float(high))
+
+
 def paired(path_a: str, path_b: str, n_boot: int = 2000) -> None:
     missing = [p for p in (path_a, path_b) if not Path(p).is_file()]
     if missing:
@@ -59,10 +68,7 @@ def paired(path_a: str, path_b: str, n_boot: int = 2000) -> None:
     pa, pb = per_prompt(a), per_prompt(b)
     ids = sorted(set(pa) & set(pb))
     x, y = (np.array([p[i] for i in ids], dtype=float) for p in (pa, pb))
-    picks = np.random.default_rng(0).integers(0, len(ids), size=(n_boot, len(ids)))
-    boot = x[picks, 0].sum(1) / x[picks, 1].sum(1) - y[picks, 0].sum(1) / y[picks, 1].sum(1)
-    ra, rb = x[:, 0].sum() / x[:, 1].sum(), y[:, 0].sum() / y[:, 1].sum()
-    low, high = np.quantile(boot, [0.025, 0.975])
+    (ra, rb), (low, high) = pooled_difference(x, y, n_boot)
     print(f"{a['draft']} - {b['draft']} ({len(ids)} prompts x {len(a['seeds'])} seeds, T = {a['temperature']:g}, gamma {a['gamma']}): "
           f"{ra:.3f} - {rb:.3f} = {ra - rb:+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap over prompts, seed 0)")
 
@@ -97,15 +103,10 @@ def predicted(engine_path: str, breadth_path: str, method: str | None, temperatu
     e = np.array([engine[i] for i in ids], dtype=float)
     loop = np.array([breadth[i]["loop"][key][0][1::-1] for i in ids])  # (accepted, examined)
     alpha = np.array([(breadth[i]["alpha"][key][0] * breadth[i]["positions"][key], breadth[i]["positions"][key]) for i in ids])
-    picks = np.random.default_rng(0).integers(0, len(ids), size=(n_boot, len(ids)))
-
-    def ratio(x, p=None):
-        return x[:, 0].sum() / x[:, 1].sum() if p is None else x[p, 0].sum(1) / x[p, 1].sum(1)
-
-    print(f"T = {t:g}, gamma 1, {len(ids)} prompts; engine {ratio(e):.3f} (accepted / examined drafts)")
+    print(f"T = {t:g}, gamma 1, {len(ids)} prompts; engine {e[:, 0].sum() / e[:, 1].sum():.3f} (accepted / examined drafts)")
     for name, x in (("the loop's expectation on the breadth record's sequences", loop), ("alpha on those sequences", alpha)):
-        low, high = np.quantile(ratio(e, picks) - ratio(x, picks), [0.025, 0.975])
-        print(f"  engine - {name} {ratio(x):.3f}: {ratio(e) - ratio(x):+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap over prompts, seed 0)")
+        (re, rx), (low, high) = pooled_difference(e, x, n_boot)
+        print(f"  engine - {name} {rx:.3f}: {re - rx:+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap over prompts, seed 0)")
     if t == 0:
         differ = [i for i, a, b in zip(ids, e, loop) if not np.allclose(a, b)]
         print(f"  greedy: the engine's counts equal the expected counts on {len(ids) - len(differ)} of {len(ids)} prompts; "
