@@ -11,8 +11,9 @@ the autoregressive runs of the same prompts, summed per category and over all pr
 acceptance rate is the engine's (accepted / drafted). Before and after the runs it times one cached target
 call scoring k = 1 and gamma + 1 tokens (``bench.score_seconds``): what verification costs in target
 forwards here. A benchmark: rows to ``--out`` (JSON lines; the machine, ``bench.machine_info``, as a
-``method = machine`` row first, the score timings as ``method = target_score`` rows) and Markdown tables;
-nothing asserted on time. Both the speed-ups and the best gamma depend on the machine (how much more a call
+``method = machine`` row first, each prompt's runs as soon as they are timed, so an interrupted run keeps
+the prompts it finished for ``--table``, the score timings as ``method = target_score`` rows last) and
+Markdown tables; nothing asserted on time. Both the speed-ups and the best gamma depend on the machine (how much more a call
 scoring gamma + 1 tokens costs than one scoring 1).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --threads 1 \\
@@ -49,7 +50,9 @@ CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering",
               "translation")
 
 
-def run(lm, tokenizer, drafts: dict, args) -> list[dict]:
+def run(lm, tokenizer, drafts: dict, args, sink) -> list[dict]:
+    """Every method on every prompt and temperature; each prompt's rows are written to ``sink`` (JSON lines)
+    as soon as they are timed."""
     config = bench.BenchConfig(categories=tuple(args.categories), temperatures=tuple(args.temperatures), gammas=tuple(args.gammas),
                                max_new_tokens=args.max_new_tokens)
     prompts = []
@@ -64,6 +67,7 @@ def run(lm, tokenizer, drafts: dict, args) -> list[dict]:
     rows = []
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
+        done = len(rows)
         for temperature in args.temperatures:
             common = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(temperature=temperature),
                           seed=[bench.run_seed(prompt.id, args.seed)], eos_token_id=eos)
@@ -77,6 +81,8 @@ def run(lm, tokenizer, drafts: dict, args) -> list[dict]:
                              "target_seconds": sum(s.target_seconds for s in out.steps),
                              "draft_seconds": sum(s.draft_seconds for s in out.steps),
                              "acceptance_rate": None if draft is None else out.acceptance_rate})
+        sink.writelines(json.dumps(r) + "\n" for r in rows[done:])
+        sink.flush()
         print(f"[{i + 1}/{len(prompts)}] {prompt.id} ({time.perf_counter() - started:.0f} s)", flush=True)
     return rows
 
@@ -133,13 +139,12 @@ def main() -> None:
     drafts = {name: draft_from_name(name, lm, tokenizer) for name in args.drafts}
     ks = sorted({1, *(g + 1 for g in args.gammas)})
     costs = bench.score_seconds(lm, ks)  # before and after the runs: the machine's load may drift
-    rows = run(lm, tokenizer, drafts, args)
-    after = bench.score_seconds(lm, ks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         f.write(json.dumps({"method": "machine", **bench.machine_info(), "target_linear": args.target_linear,
                             "skinny_rows": skinny_rows}) + "\n")
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        rows = run(lm, tokenizer, drafts, args, f)
+        after = bench.score_seconds(lm, ks)
         f.writelines(json.dumps({"method": "target_score", "k": k, "ms_before": 1e3 * costs[k], "ms_after": 1e3 * after[k]}) + "\n"
                      for k in ks)
     print("\none cached target call scoring k tokens (context 64, B = 1), before / after the runs:\n")
