@@ -38,6 +38,34 @@ def test_links_and_figures_resolve(page):
         assert path.exists(), f"{page.name} links to {target}, which does not exist"
 
 
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the page's headings: lower case, punctuation but hyphens and underscores dropped,
+    spaces turned to hyphens, a repeated heading numbered -1, -2, ..."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = sum(1 for a in anchors if a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a))
+        anchors.add(f"{slug}-{count}" if count else slug)
+    return anchors
+
+
+def test_anchor_slugs_follow_github():
+    text = ("# A page\n\n## What alpha >= 0.5 at T = 1 would take\n\n```bash\n# not a heading\n```\n\n"
+            "## The machine's own fastest paths, `models.py` included\n\n## Notes\n\n## Notes\n")
+    assert _anchors(text) == {"a-page", "what-alpha--05-at-t--1-would-take",
+                              "the-machines-own-fastest-paths-modelspy-included", "notes", "notes-1"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_links_to_sections_resolve(page):
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+        linked = (page.parent / target).resolve() if target else page
+        if re.match(r"[a-z]+://", target) or linked.suffix != ".md":
+            continue
+        assert anchor in _anchors(linked.read_text()), f"{page.name} links to {target}#{anchor}, a section that does not exist"
+
+
 def test_readme_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in ci
