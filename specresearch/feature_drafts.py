@@ -289,7 +289,13 @@ class FeatureHead(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features ``[..., H]`` -> next-token logits ``[..., V]`` (lowest value off a subset head)."""
-        return self.subset_head(hidden) if self.subset_head is not None else self._frozen["head"](hidden.to(self._frozen["head"].weight.dtype)).float()
+        if self.subset_head is not None:
+            return self.subset_head(hidden)
+        head = self._frozen["head"]
+        hidden = hidden.to(head.weight.dtype)
+        if isinstance(head, torch.nn.Linear):  # the target's weights are read, not trained: no gradient for them
+            return F.linear(hidden, head.weight.detach(), None if head.bias is None else head.bias.detach()).float()
+        return head(hidden).float()
 
     def support_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the head's support ``[..., K]`` and ``index_of [V]`` (None: the support is all of V)."""
@@ -304,7 +310,8 @@ class FeatureHead(torch.nn.Module):
         ``past[l]``: layer l's earlier (keys, values) blocks; ``allowed [B, k, S]`` over them and this block.
         Returns the predicted (post-norm) features ``[B, k, H]`` and each layer's new (keys, values).
         """
-        embedding = self._frozen["embedding"](tokens).to(inputs.dtype)
+        with torch.no_grad():  # the target's embedding is read, not trained: no [V, H] gradient in training
+            embedding = self._frozen["embedding"](tokens).to(inputs.dtype)
         x = self.fc(torch.cat([inputs, embedding], dim=-1))
         cos, sin = self.rope(positions)
         new = []

@@ -148,7 +148,7 @@ def test_engine_detects_a_reading_draft_and_bad_input_raises(target, draft):
 
 def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     """A tiny target, a cached corpus of 8 sampled continuations, 40 steps (a few seconds): the loss on a fixed
-    batch falls at every depth and the measured depth-1 alpha on held-out prompts rises."""
+    batch falls at every depth, the measured depth-1 alpha on held-out prompts rises, and the target gets no gradient."""
     from specresearch.feature_distill import (FeatureCorpusConfig, FeatureTrainConfig, _feature_batch, _feature_columns,
                                               collect_feature_corpus, feature_loss, load_feature_chunks, measure_feature_draft,
                                               train_feature_head)
@@ -172,6 +172,8 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
         _, after = feature_loss(head, batch, config)
     after_alpha = measure_feature_draft(small.model, head, prompts[8:], depths=2, max_new_tokens=12, progress=False)
     assert result.finished and (tmp_path / "run" / "checkpoint.pt").exists()
+    # the target's embedding and full head are read, not trained: no gradient of them is taken (a [V, H] one a step)
+    assert all(p.grad is None for p in small.model.parameters())
     assert all(a < 0.7 * b for a, b in zip(after, before)), (before, after)
     assert after_alpha.alpha[1.0][0] > before_alpha.alpha[1.0][0] + 0.05
     assert all(0 <= a <= 1 for a in after_alpha.alpha[1.0] + after_alpha.greedy_agreement)
