@@ -372,7 +372,7 @@ def plot_alpha_cost_tradeoff(measured: pd.DataFrame, extra: float, held_out: pd.
     c_grid, a_grid = np.meshgrid(cs, alphas)
     fig, ax = plt.subplots(figsize=(7, 4.8))
     contours = ax.contour(c_grid, a_grid, (1 + a_grid) / (1 + c_grid + extra), levels=list(levels), colors="grey", linewidths=0.8)
-    at = 0.12 * cs[-1]  # every label at this c (left of the drafts, under the legend none), where its line crosses
+    at = 0.12 * cs[-1]  # every label at this c, where its line crosses: left of the drafts, clear of the legend
     spots = [(at, v * (1 + at + extra) - 1) for v in levels if alphas[0] < v * (1 + at + extra) - 1 < alphas[-1]]
     ax.clabel(contours, fmt=lambda v: f"{v:g}x", fontsize=7, manual=spots)
     if target is not None:
