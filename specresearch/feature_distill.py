@@ -68,6 +68,8 @@ __all__ = [
     "train_feature_head",
     "FeatureMeasurement",
     "loop_expectations",
+    "planned_loop_expectations",
+    "measure_lookup_rules",
     "measure_feature_draft",
     "measure_feature_cost",
     "run_feature_distillation",
@@ -565,22 +567,44 @@ def loop_expectations(accept: Sequence[Sequence[float]], gamma: int) -> tuple[fl
     correlated along the sequence: after an accepted run the loop skips a position it would accept easily.
     """
     check_field(gamma >= 1 and len(accept) >= gamma, "gamma", f"must be in 1..{len(accept)} (depths given), got {gamma}")
-    state = [0] * (gamma + 1)  # state[d]: P(this position is drafted at depth d); state[0]: a bonus position
-    state[1] = 1
-    examined = accepted = steps = 0  # exact with Fraction inputs, floats with floats
-    for i in range(len(accept[0])):
-        nxt = [0] * (gamma + 1)
-        nxt[1] = state[0]
-        steps += state[1]
-        for d in range(1, gamma + 1):
-            if state[d]:
+    return planned_loop_expectations(accept, [gamma] * len(accept[0]))[:3]
+
+
+def planned_loop_expectations(accept: Sequence[Sequence[float]], lengths: Sequence[int],
+                              counted: Sequence[float] | None = None) -> tuple[float, float, float, float]:
+    """:func:`loop_expectations` of a loop whose step length depends on the context where the step starts.
+
+    ``lengths[i]``: the draft length of a step whose first draft is at position i (a function of the tokens
+    before i, as ``drafts.PlansLength`` chooses it: the step is then an ordinary step of that length);
+    each in ``1..len(accept)``. Returns the expected (examined, accepted, steps, drafted): drafted sums
+    ``counted[i]`` over the steps, by the position i where each starts; by default ``counted = lengths``,
+    every drafted token, examined or not (a step of length g drafts g tokens).
+    """
+    check_field(len(lengths) == len(accept[0]), "lengths", f"must give one length per position ({len(accept[0])}), got {len(lengths)}")
+    check_field(all(1 <= g <= len(accept) for g in lengths), "lengths", f"must be in 1..{len(accept)} (depths given)")
+    counted = lengths if counted is None else counted
+    check_field(len(counted) == len(lengths), "counted", f"must give one value per position ({len(lengths)}), got {len(counted)}")
+    drafting: dict[tuple[int, int], float] = {}  # (depth d, step length g) -> P(position i is drafted at depth d of such a step)
+    start, bonus = 1, 0  # P(a step's first draft is at position i), P(position i is a step's bonus position)
+    examined = accepted = steps = drafted = 0  # exact with Fraction inputs, floats with floats
+    for i, g in enumerate(lengths):
+        if start:
+            drafting[1, g] = drafting.get((1, g), 0) + start
+            steps += start
+            drafted += start * counted[i]
+        nxt, start, bonus = {}, bonus, 0
+        for (d, length), mass in drafting.items():
+            if mass:
                 b = accept[d - 1][i]
-                examined += state[d]
-                accepted += state[d] * b
-                nxt[d + 1 if d < gamma else 0] += state[d] * b
-                nxt[1] += state[d] * (1 - b)
-        state = nxt
-    return examined, accepted, steps
+                examined += mass
+                accepted += mass * b
+                if d < length:
+                    nxt[d + 1, length] = nxt.get((d + 1, length), 0) + mass * b
+                else:
+                    bonus += mass * b
+                start += mass * (1 - b)
+        drafting = nxt
+    return examined, accepted, steps, drafted
 
 
 @dataclass(frozen=True)
@@ -672,6 +696,89 @@ def measure_feature_draft(target, head, prompt_ids: Sequence[torch.Tensor], *, t
     ratio = {t: [s / n if n else float("nan") for s, n in zip(sums[t], counts[t])] for t in rows}
     return FeatureMeasurement({t: ratio[t] for t in temperatures}, ratio[0.0], {t: counts[t][0] for t in rows},
                               {t: [tuple(v) for v in loop[t]] for t in rows})
+
+
+@torch.no_grad()
+def measure_lookup_rules(target, head, prompt_ids: torch.Tensor, *, temperature: float = 1.0, mixes: Sequence[float] = (0.5,),
+                         depths: int = 4, draft_gamma: int = 1, min_match: int = 2, max_ngram: int = 3, floor: float = 0.02,
+                         max_new_tokens: int = 64, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> dict[str, dict]:
+    """How the combined draft (``drafts.LookupOrDraft``) could use the head where prompt lookup matches, untimed.
+
+    One continuation of one prompt sampled from the target at ``temperature`` (> 0) with generator seed
+    ``seed``; at each position i the target's p, the head's q at depths 1..``depths`` (its own features for
+    the previous d - 1 tokens, as :func:`measure_feature_draft`) and prompt lookup's q (``drafts.ngram_probs``
+    of the tokens before i; it depends on the tokens alone, so it is the same at every depth), all after the
+    same temperature. Where the tokens before i end in a lookup match of ``min_match`` or more tokens, the rules draft
+
+    * ``"head"``: the head's q (it drafts everywhere);
+    * ``"combined"``: lookup's q (``LookupOrDraft``);
+    * ``"mix:LAM"``: ``LAM * lookup + (1 - LAM) * head`` for each LAM in ``mixes`` (a law the draft can
+      sample from and hand to the verifier; since min is concave, its acceptance at a position is at least
+      the LAM-weighted mean of the two);
+    * ``"oracle"``: whichever of the two accepts more there (it needs p: a bound on choosing, not a draft);
+
+    and the head's q elsewhere. Per rule: ``alpha``, ``positions`` (per depth: summed sum_x min(p, q) and
+    positions), the same on the matched positions (``alpha_matched``, ``matched``), and ``loop``: per
+    gamma 1..``depths``, :func:`planned_loop_expectations` (examined, accepted, steps, drafted) of a loop
+    that drafts gamma tokens in a step that starts after a match and ``min(gamma, draft_gamma)`` in any
+    other (``LookupOrDraft``'s plan with ``plan_match = min_match``), then the head's drafted tokens: all
+    of them, except for ``"combined"``: those of the steps that start without a match (a lower bound, as
+    a step whose match ends part-way drafts the head's tokens too).
+    """
+    from specresearch.distill import sample_continuations
+    from specresearch.drafts import ngram_match_length, ngram_probs
+    from specresearch.sampling import SamplingConfig, logits_to_probs
+
+    check_field(temperature > 0, "temperature", f"must be > 0 (the rules differ only in the law sampled from), got {temperature}")
+    check_field(all(0 < m < 1 for m in mixes), "mixes", f"must be in (0, 1) (0 and 1 are the head and the combined rule), got {list(mixes)}")
+    check_int("depths", depths)
+    check_int("draft_gamma", draft_gamma)
+    generator = torch.Generator().manual_seed(seed)
+    continuation = sample_continuations(target, [prompt_ids], [temperature], max_new_tokens, generator, eos_token_ids)[0]
+    seq, n, P = torch.cat([prompt_ids, continuation]), len(continuation), len(prompt_ids)
+    features, logits = target_features(target, [seq], head.feature_layers)
+    hidden = head.rollout(features[0][None], seq[None], torch.ones(1, len(seq), dtype=torch.long), depths)
+    config = SamplingConfig(temperature=temperature)
+    slots = torch.arange(P - 1, len(seq) - 1)  # slot j predicts x_{j+1}: continuation position i = j - P + 1
+    p = logits_to_probs(logits[0][slots], config).double()  # [n, V]
+    matched = torch.tensor([ngram_match_length(seq[: P + i], max_ngram) >= min_match for i in range(n)])
+    lookup = torch.stack([ngram_probs(seq[: P + i], head.vocab_size, max_ngram, floor) for i in range(n)])
+    lookup = logits_to_probs(lookup.log(), config).double()  # [n, V]: the law the engine samples lookup drafts from
+    x = seq[P:, None]
+    rules = ["head", "combined", *[f"mix:{m:g}" for m in mixes], "oracle"]
+    values = {r: torch.zeros(depths, n, dtype=torch.float64) for r in rules}  # sum_x min(p, q) at (depth, position)
+    accept = {r: torch.ones(depths, n, dtype=torch.float64) for r in rules}  # min(p, q)(x_i) / p(x_i)
+    px = p.gather(-1, x)[:, 0]
+
+    def score(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qx = q.gather(-1, x)[:, 0]
+        return torch.minimum(p, q).sum(-1), torch.where(px > 0, torch.minimum(px, qx) / px.clamp_min(1e-300), 1.0)
+
+    for depth, h in enumerate(hidden):
+        q_head = logits_to_probs(head.logits(h[0, slots]).float(), config).double()  # [n, V] (rows i < depth unused)
+        laws = {"head": q_head, "combined": torch.where(matched[:, None], lookup, q_head)}
+        laws.update({f"mix:{m:g}": torch.where(matched[:, None], m * lookup + (1 - m) * q_head, q_head) for m in mixes})
+        for rule, q in laws.items():
+            values[rule][depth], accept[rule][depth] = score(q)
+        better = values["combined"][depth] >= values["head"][depth]
+        values["oracle"][depth] = torch.where(better, values["combined"][depth], values["head"][depth])
+        accept["oracle"][depth] = torch.where(better, accept["combined"][depth], accept["head"][depth])
+    out = {}
+    for rule in rules:
+        alpha = [float(values[rule][d, d:].sum()) for d in range(depths)]
+        on_match = [float(values[rule][d, d:][matched[d:]].sum()) for d in range(depths)]
+        loop = []
+        for gamma in range(1, depths + 1):
+            lengths = [gamma if bool(m) else min(gamma, draft_gamma) for m in matched]
+            head_tokens = [0 if bool(m) else g for m, g in zip(matched, lengths)]  # a step after a match drafts lookup's tokens
+            walk = accept[rule][:gamma].tolist()
+            loop.append([*planned_loop_expectations(walk, lengths), planned_loop_expectations(walk, lengths, head_tokens)[3]]
+                        if n else [0.0] * 5)
+            if rule != "combined":  # the head computes every drafted token (the oracle: at most every one)
+                loop[-1][4] = loop[-1][3]
+        out[rule] = {"alpha": alpha, "positions": [max(n - d, 0) for d in range(depths)], "alpha_matched": on_match,
+                     "matched": [int(matched[d:].sum()) for d in range(depths)], "loop": loop}
+    return out
 
 
 @torch.no_grad()

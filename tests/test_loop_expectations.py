@@ -10,23 +10,27 @@ import pytest
 import torch
 
 from specresearch import exact
-from specresearch.feature_distill import loop_expectations, measure_feature_draft
+from specresearch.feature_distill import loop_expectations, measure_feature_draft, planned_loop_expectations
 from specresearch.feature_drafts import FeatureDraft, FeatureHead, FeatureHeadConfig
 from specresearch.generate import speculative_generate
 from specresearch.models import tiny_llama
 from specresearch.sampling import SamplingConfig
 
 
-def _enumerated_loop(p, q, gamma: int, n: int, vocab: int) -> tuple[Fraction, Fraction, Fraction]:
-    """E[examined, accepted, steps] over the first n positions, by walking every step of Leviathan et al.'s loop:
-    draft blocks enumerated with their probabilities, each verified by ``exact.verify_exact(..., "token")``."""
-    totals = [Fraction(0)] * 3
+def _enumerated_loop(p, q, gamma: int, n: int, vocab: int, length=None) -> tuple[Fraction, ...]:
+    """E[examined, accepted, steps, drafted] over the first n positions, by walking every step of Leviathan et
+    al.'s loop: draft blocks enumerated with their probabilities, each verified by ``exact.verify_exact(...,
+    "token")``. ``length(prefix)``: the draft length of a step that starts after ``prefix`` (default gamma)."""
+    totals = [Fraction(0)] * 4
+    step_length = length or (lambda prefix: gamma)
 
     def walk(prefix: tuple[int, ...], mass: Fraction) -> None:
         s = len(prefix)
         if s >= n:
             return
+        gamma = step_length(prefix)
         totals[2] += mass
+        totals[3] += mass * gamma
         for block in itertools.product(range(vocab), repeat=gamma):
             draft_rows = [q(prefix + block[:k]) for k in range(gamma)]
             weight = mass
@@ -61,8 +65,37 @@ def test_expectations_along_target_sequences_equal_the_enumerated_loop(gamma, vo
             accept.append(min(px, qx) / px)
         for k, value in enumerate(loop_expectations([accept] * gamma, gamma)):
             along[k] += prob * value
-    assert tuple(along) == _enumerated_loop(p, q, gamma, n, vocab)
+    assert tuple(along) == _enumerated_loop(p, q, gamma, n, vocab)[:3]
     assert 0 < along[1] < along[0] and along[2] <= n
+
+
+@pytest.mark.parametrize("vocab", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_planned_lengths_along_target_sequences_equal_the_enumerated_loop(vocab, seed):
+    """A step's length chosen from the context it starts after (3 after a repeated token, else 1, as the
+    combined draft plans after a lookup match), q depending on the context alone: summed over the target's
+    sequences, planned_loop_expectations is exactly the enumerated loop's (examined, accepted, steps, drafted)."""
+    rng = random.Random(seed)
+    p, q = exact.random_rational_model(vocab, rng), exact.random_rational_model(vocab, rng)
+    n = 4
+
+    def length(prefix):
+        return 3 if len(prefix) >= 2 and prefix[-1] == prefix[-2] else 1
+
+    along = [Fraction(0)] * 4
+    for seq, prob in exact.target_distribution(p, n).items():
+        accept = [min(p(seq[:i])[x], q(seq[:i])[x]) / p(seq[:i])[x] for i, x in enumerate(seq)]
+        for k, value in enumerate(planned_loop_expectations([accept] * 3, [length(seq[:i]) for i in range(n)])):
+            along[k] += prob * value
+    enumerated = _enumerated_loop(p, q, 3, n, vocab, length)
+    assert tuple(along) == enumerated
+    seq = next(iter(exact.target_distribution(p, n)))  # counted: what each step adds, by where it starts
+    accept = [[min(p(seq[:i])[x], q(seq[:i])[x]) / p(seq[:i])[x] for i, x in enumerate(seq)]] * 3
+    lengths = [length(seq[:i]) for i in range(n)]
+    _, _, steps, drafted = planned_loop_expectations(accept, lengths)
+    assert planned_loop_expectations(accept, lengths, [g - 1 for g in lengths])[3] == drafted - steps
+    assert along[3] > along[2]  # some step drafts 3 tokens
+    assert tuple(along) != _enumerated_loop(p, q, 1, n, vocab)  # the plan matters
 
 
 def test_an_accepted_run_hides_the_next_position():
@@ -74,6 +107,10 @@ def test_an_accepted_run_hides_the_next_position():
     assert accepted / examined == pytest.approx(0.5)
     with pytest.raises(ValueError, match="gamma"):
         loop_expectations([[0.5] * 6], 2)
+    assert planned_loop_expectations([[1, 0, 1, 0]] * 2, [1] * 4) == (2, 2, 2, 2)
+    assert planned_loop_expectations([[1, 0, 1, 0]] * 2, [2, 1, 1, 1]) == (3, 2, 2, 3)  # 0 accepted, 1 rejected; 2 accepted, 3 bonus
+    with pytest.raises(ValueError, match="lengths"):
+        planned_loop_expectations([[0.5] * 4], [1, 2, 1, 1])
 
 
 def test_greedy_loop_counts_equal_the_engine_at_gamma_1():
@@ -97,3 +134,40 @@ def test_greedy_loop_counts_equal_the_engine_at_gamma_1():
     assert measured.loop[0.0][0] == pytest.approx((examined, accepted, steps))
     assert measured.loop_acceptance(0.0)[0] == pytest.approx(accepted / examined)
     assert measured.loop_tokens_per_step(0.0)[0] == pytest.approx((accepted + steps) / steps)
+
+
+def test_lookup_rules_agree_off_the_matches_and_mix_by_concavity():
+    """measure_lookup_rules on a tiny target and head, a repetitive prompt: off the lookup matches every rule
+    is the head; on them the combined rule is lookup's law (recomputed here from the target's logits and
+    drafts.ngram_probs), the mixture accepts at least the weighted mean of the two, the oracle the larger."""
+    from specresearch.drafts import ngram_match_length, ngram_probs
+    from specresearch.feature_distill import measure_lookup_rules
+
+    target = tiny_llama(48, seed=0, init_std=0.6, num_layers=3)
+    head = FeatureHead(target.model, FeatureHeadConfig("t", feature_layers=(-1,), init_layer=-1))
+    prompt = torch.tensor([5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9])
+    out = measure_lookup_rules(target.model, head, prompt, temperature=1.0, mixes=(0.25, 0.5), depths=2, max_new_tokens=24, seed=3)
+    head_, comb, oracle = out["head"], out["combined"], out["oracle"]
+    assert comb["matched"][0] > 0 and comb["positions"][0] - comb["matched"][0] > 0  # both kinds of positions occur
+    for rule in out.values():
+        for d in range(2):
+            assert rule["alpha"][d] - rule["alpha_matched"][d] == pytest.approx(head_["alpha"][d] - head_["alpha_matched"][d])
+    for m in (0.25, 0.5):
+        mix = out[f"mix:{m:g}"]["alpha_matched"][0]
+        assert mix >= m * comb["alpha_matched"][0] + (1 - m) * head_["alpha_matched"][0] - 1e-9
+    assert oracle["alpha"][0] >= max(comb["alpha"][0], head_["alpha"][0]) - 1e-9
+    # the combined rule on the matches, from the target's own logits
+    generator = torch.Generator().manual_seed(3)
+    from specresearch.distill import sample_continuations
+
+    seq = torch.cat([prompt, sample_continuations(target.model, [prompt], [1.0], 24, generator)[0]])
+    with torch.no_grad():
+        p = torch.softmax(target.model(input_ids=seq[None]).logits[0].double(), -1)
+    direct = sum(float(torch.minimum(p[j - 1], ngram_probs(seq[:j], 48).double()).sum())
+                 for j in range(len(prompt), len(seq)) if ngram_match_length(seq[:j]) >= 2)
+    assert comb["alpha_matched"][0] == pytest.approx(direct, rel=1e-5)
+    gamma2 = comb["loop"][1]  # steps after a match draft 2, others 1: more drafted than steps
+    assert gamma2[3] > gamma2[2] and head_["loop"][0][3] == head_["loop"][0][2]
+    assert gamma2[4] < gamma2[3] and head_["loop"][1][4] == head_["loop"][1][3]  # the head drafts only steps without a match
+    with pytest.raises(ValueError, match="mixes"):
+        measure_lookup_rules(target.model, head, prompt, mixes=(1.0,))
