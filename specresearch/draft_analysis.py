@@ -74,8 +74,10 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
 
     Returns ``name``, ``kind`` ("feature" or "distilled LM"), ``alpha_by_depth`` (temperature string ->
     alphas at depths 1..; a distilled LM's one alpha repeated ``depths`` times), ``greedy_by_depth``,
-    ``c``, ``tokens`` (corpus tokens), ``steps`` and ``loop_tokens_by_gamma`` (temperature string, "0.0"
-    greedy -> the token-verification loop's expected tokens per step at gamma 1..; None if not measured).
+    ``c``, ``tokens`` (corpus tokens), ``steps``, ``passes`` (steps x batch size / corpus sequences: how
+    often training saw each sequence; None if the manifest does not say) and ``loop_tokens_by_gamma``
+    (temperature string, "0.0" greedy -> the token-verification loop's expected tokens per step at gamma
+    1..; None if not measured).
     """
     path = Path(path)
     file = path / "manifest.json" if path.is_dir() else path
@@ -92,24 +94,34 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
         by_depth = {t: [a] * depths for t, a in measurement["alpha"].items()}
         greedy = [measurement["greedy_agreement"]] * depths
     name = (manifest.get("feature_head_config") or manifest.get("draft_config") or {}).get("name", file.parent.name)
+    steps, batch, sequences = manifest["training"]["steps"], manifest.get("train_config", {}).get("batch_size"), manifest["corpus"].get("sequences")
     return {"name": name, "kind": kind, "alpha_by_depth": by_depth, "greedy_by_depth": greedy, "c": manifest["cost"]["c"],
-            "tokens": manifest["corpus"]["generated_tokens"], "steps": manifest["training"]["steps"], "file": str(file),
-            "loop_tokens_by_gamma": measurement.get("loop_tokens_per_step_by_gamma")}
+            "tokens": manifest["corpus"]["generated_tokens"], "steps": steps, "passes": steps * batch / sequences if batch and sequences else None,
+            "file": str(file), "loop_tokens_by_gamma": measurement.get("loop_tokens_per_step_by_gamma")}
 
 
-def read_scaling(directory: str | os.PathLike) -> pd.DataFrame:
-    """The finished points of a data-scaling run (``benchmarks/run_data_scaling.py --out``): one row per
-    (kind, corpus tokens, steps) with depth-1 alpha at each temperature, greedy agreement and c."""
-    rows = []
-    for file in sorted(Path(directory).glob("*.json")):
-        try:
-            m = read_draft_manifest(file)
-        except ValueError:
-            continue
-        rows.append({"kind": m["kind"], "tokens": m["tokens"], "steps": m["steps"],
-                     **{f"alpha_T{t}": a[0] for t, a in m["alpha_by_depth"].items()}, "greedy": m["greedy_by_depth"][0], "c": m["c"]})
-    if not rows:
-        raise ValueError(f"no finished scaling manifest in {str(directory)!r}")
+def read_scaling(*sources: str | os.PathLike) -> pd.DataFrame:
+    """The finished points of data-scaling runs: each source a directory (``benchmarks/run_data_scaling.py
+    --out``: its ``*.json``; unfinished ones are passed over) or one draft manifest (a file or a draft
+    directory). One row per manifest: kind, corpus tokens, steps, passes, depth-1 alpha at each
+    temperature, greedy agreement and c."""
+    if not sources:
+        raise ValueError("read_scaling needs at least one directory or manifest")
+    manifests = []
+    for source in map(Path, sources):
+        if source.is_dir() and not (source / "manifest.json").is_file():
+            for file in sorted(source.glob("*.json")):
+                try:
+                    manifests.append(read_draft_manifest(file))
+                except ValueError:
+                    continue
+        else:
+            manifests.append(read_draft_manifest(source))
+    if not manifests:
+        raise ValueError(f"no finished scaling manifest in {[str(s) for s in sources]!r}")
+    rows = [{"kind": m["kind"], "tokens": m["tokens"], "steps": m["steps"], "passes": m["passes"],
+             **{f"alpha_T{t}": a[0] for t, a in m["alpha_by_depth"].items()}, "greedy": m["greedy_by_depth"][0], "c": m["c"]}
+            for m in manifests]
     return pd.DataFrame(rows).sort_values(["kind", "tokens"]).reset_index(drop=True)
 
 
@@ -289,21 +301,28 @@ def plot_acceptance_by_depth(drafts: Sequence[dict], temperatures: Sequence[str]
 
 
 def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: float | None = 0.5):
-    """Depth-1 alpha at ``temperature`` against corpus tokens (log scale), one line per kind of draft."""
+    """Depth-1 alpha at ``temperature`` against corpus tokens (log scale, ticks at the corpus sizes), one line
+    per kind of draft and number of passes over the data (rounded to a whole pass; a table without
+    ``passes``: one per kind). The training steps are in the table."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    passes = table["passes"] if "passes" in table else pd.Series([None] * len(table), index=table.index)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for kind, marker in (("feature", "o"), ("distilled LM", "s")):
         part = table[table["kind"] == kind]
-        if len(part):
-            ax.plot(part["tokens"], part[f"alpha_T{temperature}"], marker=marker, label=kind)
-            for _, row in part.iterrows():
-                ax.annotate(f"{row['steps']} steps", (row["tokens"], row[f"alpha_T{temperature}"]), fontsize=7,
-                            textcoords="offset points", xytext=(4, -10))
+        groups = passes[part.index].map(lambda v: None if v is None or pd.isna(v) else round(v))
+        for whole in sorted(groups.dropna().unique()) + ([None] if groups.isna().any() else []):
+            line = part[groups.isna()] if whole is None else part[groups == whole]
+            label = kind if whole is None else f"{kind}, {passes[line.index].mean():.1f} passes"
+            ax.plot(line["tokens"], line[f"alpha_T{temperature}"], marker=marker, label=label)
     if target is not None:
         ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"alpha = {target}")
     ax.set_xscale("log")
-    ax.set_xlabel("corpus tokens (sampled from the target at T = 1; the same corpus for both kinds)")
+    sizes = sorted(table["tokens"].unique())
+    ax.set_xticks(sizes, [f"{t / 1000:.0f}k" for t in sizes])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("corpus tokens (sampled from the target at T = 1; one corpus, its first chunks)")
     ax.set_ylabel(f"held-out alpha, depth 1, T = {temperature}")
     ax.grid(alpha=0.3, which="both")
     ax.legend()

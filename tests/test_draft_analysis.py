@@ -60,8 +60,9 @@ def test_bad_inputs_raise():
         predicted_speedup([0.5], -1.0)
 
 
-def _feature_manifest(tokens, alpha1):
-    return {"feature_head_config": {"name": "head"}, "corpus": {"generated_tokens": tokens}, "training": {"steps": 10},
+def _feature_manifest(tokens, alpha1, steps=10, sequences=None):
+    return {"feature_head_config": {"name": "head"}, "corpus": {"generated_tokens": tokens, "sequences": sequences},
+            "training": {"steps": steps}, "train_config": {"batch_size": 8},
             "cost": {"c": 0.07}, "finished": True,
             "measurement": {"alpha_by_depth": {t: [alpha1, alpha1 / 2] for t in ("0.2", "0.6", "1.0")},
                             "greedy_agreement_by_depth": [0.3, 0.2]}}
@@ -82,8 +83,18 @@ def test_manifests_of_both_kinds_read_into_one_shape(tmp_path):
     table = read_scaling(tmp_path)
     assert list(table["kind"]) == ["distilled LM", "feature", "feature"]
     assert list(table["tokens"]) == [1000, 1000, 2000] and list(table["alpha_T1.0"]) == [0.3, 0.1, 0.2]
+    assert table["passes"].isna().all()  # the corpus does not say how many sequences it has
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "manifest.json").write_text(json.dumps(_feature_manifest(4000, 0.4, steps=100, sequences=80)))
+    both = read_scaling(tmp_path, tmp_path / "more")  # a directory of manifests and a draft directory
+    assert list(both["tokens"]) == [1000, 1000, 2000, 4000] and both["passes"].iloc[-1] == 10.0  # 100 steps x 8 / 80
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no finished"):
+        read_scaling(tmp_path / "empty")
+    with pytest.raises(ValueError, match="not a draft manifest"):
         read_scaling(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="at least one"):
+        read_scaling()
     with pytest.raises(ValueError, match="not a draft manifest"):
         read_draft_manifest(tmp_path / "missing.json")
 
@@ -171,6 +182,11 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps(_distilled_manifest(1000, 0.3)))
     fig = plot_data_scaling(read_scaling(tmp_path))
     assert len(fig.axes[0].lines) == 3  # two kinds and the alpha = 0.5 line
+    for name, tokens, steps, sequences in (("f5a", 1000, 60, 100), ("f5b", 2000, 115, 200), ("f9", 2000, 235, 200)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_feature_manifest(tokens, 0.2, steps=steps, sequences=sequences)))
+    fig = plot_data_scaling(read_scaling(tmp_path))  # 4.8 and 4.6 passes on one line, 9.4 on another, f.json on its own
+    labels = sorted(line.get_label() for line in fig.axes[0].lines)
+    assert labels == ["alpha = 0.5", "distilled LM", "feature", "feature, 4.7 passes", "feature, 9.4 passes"]
     measured = pd.DataFrame([{"temperature": 1.0, "method": "eagle3-v8k", "gamma": 1, "vs_autoregressive": 0.8},
                              {"temperature": 1.0, "method": "ngram", "gamma": 1, "vs_autoregressive": 0.9}])
     fig = plot_speedup_vs_gamma(drafts, measured)
