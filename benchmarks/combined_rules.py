@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specresearch.distill import encode_prompts, load_prompts
+from specresearch.distill import encode_prompts, evenly_spaced, load_prompts
 from specresearch.drafts import HALF_PREFIX, drafts_dir, half_weight_draft, shipped_drafts, without_half_prefix
 from specresearch.embedded import load_embedded
 from specresearch.feature_distill import measure_lookup_rules
@@ -131,7 +131,7 @@ def main() -> None:
     base = without_half_prefix(args.draft)
     directory = drafts_dir() / base if base in shipped_drafts() else Path(base)
     prompts = load_prompts(ROOT / "data" / "prompts.jsonl")
-    prompts = [prompts[round(i * len(prompts) / args.count)] for i in range(args.count)] if args.count < len(prompts) else prompts
+    prompts = evenly_spaced(prompts, args.count)
     target, tokenizer = load_embedded(device="cpu")
     draft = load_feature_draft(target, directory)
     head = (half_weight_draft(draft, target) if args.draft.startswith(HALF_PREFIX) else draft).head

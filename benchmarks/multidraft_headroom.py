@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from specresearch import theory_multi
-from specresearch.distill import encode_prompts, load_prompts, sample_continuations
+from specresearch.distill import encode_prompts, evenly_spaced, load_prompts, sample_continuations
 from specresearch.draft_analysis import read_draft_manifest
 from specresearch.drafts import draft_from_name, drafts_dir
 from specresearch.embedded import load_embedded
@@ -95,7 +95,7 @@ def main() -> None:
     directory = drafts_dir() / args.draft if (drafts_dir() / args.draft).is_dir() else Path(args.draft)
     c = read_draft_manifest(directory)["c"]
     prompts = load_prompts("data/prompts.jsonl")
-    chosen = [prompts[round(i * len(prompts) / args.prompts)] for i in range(args.prompts)] if args.prompts < len(prompts) else prompts
+    chosen = evenly_spaced(prompts, args.prompts)
     ids = encode_prompts(tokenizer, chosen)
     eos = [tokenizer.eos_token_id]
 

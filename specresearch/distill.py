@@ -63,6 +63,7 @@ __all__ = [
     "cache_dir",
     "drafts_dir",
     "load_prompts",
+    "evenly_spaced",
     "encode_prompts",
     "build_draft",
     "trainable_state",
@@ -163,6 +164,12 @@ def load_prompts(path: str | os.PathLike) -> list[dict]:
         if not {"id", "category", "turns"} <= row.keys() or not row["turns"]:
             raise ValueError(f"path {path}: every line needs id, category and non-empty turns, got {row!r}")
     return rows
+
+
+def evenly_spaced(prompts: Sequence[dict], count: int) -> list[dict]:
+    """``count`` prompts spread evenly over ``prompts`` (index ``round(i * len / count)``); all of them if
+    ``count`` is not smaller than their number."""
+    return [prompts[round(i * len(prompts) / count)] for i in range(count)] if count < len(prompts) else list(prompts)
 
 
 def encode_prompts(tokenizer, prompts: Sequence[dict]) -> list[torch.Tensor]:
@@ -759,7 +766,7 @@ def _config_hash(draft_config: DraftConfig, train_config: TrainConfig) -> str:
 
 def _measurements(target, draft, tokenizer, heldout_path, count, max_new_tokens, eos, progress) -> dict:
     prompts = load_prompts(heldout_path)
-    chosen = [prompts[round(i * len(prompts) / count)] for i in range(count)] if count < len(prompts) else prompts
+    chosen = evenly_spaced(prompts, count)
     ids = encode_prompts(tokenizer, chosen)
     full = measure_draft(target, draft, ids, max_new_tokens=max_new_tokens, eos_token_ids=eos, progress=progress)
     check = measure_draft(target, draft, ids[:3], max_new_tokens=16, eos_token_ids=eos, progress=False)

@@ -772,10 +772,12 @@ def measure_lookup_rules(target, head, prompt_ids: torch.Tensor, *, temperature:
             lengths = [gamma if bool(m) else min(gamma, draft_gamma) for m in matched]
             head_tokens = [0 if bool(m) else g for m, g in zip(matched, lengths)]  # a step after a match drafts lookup's tokens
             walk = accept[rule][:gamma].tolist()
-            loop.append([*planned_loop_expectations(walk, lengths), planned_loop_expectations(walk, lengths, head_tokens)[3]]
-                        if n else [0.0] * 5)
-            if rule != "combined":  # the head computes every drafted token (the oracle: at most every one)
-                loop[-1][4] = loop[-1][3]
+            expected = list(planned_loop_expectations(walk, lengths)) if n else [0.0] * 4
+            if rule == "combined" and n:
+                expected.append(planned_loop_expectations(walk, lengths, head_tokens)[3])
+            else:  # the head computes every drafted token (the oracle: at most every one)
+                expected.append(expected[3])
+            loop.append(expected)
         out[rule] = {"alpha": alpha, "positions": [max(n - d, 0) for d in range(depths)], "alpha_matched": on_match,
                      "matched": [int(matched[d:].sum()) for d in range(depths)], "loop": loop}
     return out
@@ -876,11 +878,11 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
 
 
 def _feature_measurements(target_lm, head, tokenizer, heldout_path, count, max_new_tokens, depths, eos, progress) -> dict:
-    from specresearch.distill import encode_prompts, load_prompts
+    from specresearch.distill import encode_prompts, evenly_spaced, load_prompts
     from specresearch.feature_drafts import FeatureDraft
 
     prompts = load_prompts(heldout_path)
-    chosen = [prompts[round(i * len(prompts) / count)] for i in range(count)] if count < len(prompts) else prompts
+    chosen = evenly_spaced(prompts, count)
     ids = encode_prompts(tokenizer, chosen)
     full = measure_feature_draft(target_lm.model, head, ids, depths=depths, max_new_tokens=max_new_tokens, eos_token_ids=eos, progress=progress)
     check = measure_feature_draft(target_lm.model, head, ids[:3], depths=depths, max_new_tokens=16, eos_token_ids=eos, progress=False)

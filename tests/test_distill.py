@@ -371,3 +371,9 @@ def test_run_distillation_resumes_then_ships(target, tmp_path, monkeypatch):
     shipped = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert shipped["command"] == "test" and shipped["measurement"] == second["measurement"]
     D.load_draft(target, tmp_path / "out")
+
+
+def test_evenly_spaced_prompts_spread_over_the_file_and_keep_all_when_asked_for_more():
+    rows = [{"id": str(i)} for i in range(10)]
+    assert [r["id"] for r in D.evenly_spaced(rows, 4)] == ["0", "2", "5", "8"]  # round(i * 10 / 4)
+    assert D.evenly_spaced(rows, 10) == rows and D.evenly_spaced(rows, 12) == rows
