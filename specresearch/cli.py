@@ -275,6 +275,8 @@ def _add_feature_distill(sub) -> None:
                        ("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float), ("--checkpoint-every", int),
                        ("--tv-loss-weight", float)]:
         p.add_argument(flag, type=kind, help="FeatureTrainConfig field (default: the dataclass default)")
+    p.add_argument("--bf16-autocast", action="store_true", default=None,
+                   help="train under bfloat16 autocast (FeatureTrainConfig.bf16_autocast; float32 weights and optimiser)")
     p.add_argument("--prompts", default="data/distill_prompts_xl.jsonl", help="corpus prompts")
     p.add_argument("--chunks", type=int, default=5,
                    help="corpus chunks (64 prompts each) to collect and train on; beyond one pass over the prompts, "

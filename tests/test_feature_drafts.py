@@ -211,6 +211,56 @@ def test_training_stopped_by_its_budget_resumes_to_the_same_head_and_sums_its_se
     assert sittings[-1].losses == one.losses and sittings[-1].kls == one.kls
     assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
 
+def test_bf16_autocast_training_reduces_the_loss_keeps_float32_state_and_resumes_older_checkpoints(tmp_path):
+    """Training under bfloat16 autocast on the tiny corpus: the float32 loss on a fixed batch falls at every depth as
+    in float32 training, the weights and Adam moments stay float32 and differ from float32 training's (the autocast
+    is on), and the run key of a default config is the key it had before the field existed. A checkpoint written
+    without the field (an older run) resumes under the default config."""
+    import hashlib
+    import json
+
+    import specresearch.feature_distill as fd
+
+    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (8,), generator=g)]
+    corpus_config = fd.FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=16, batch_size=4, teacher_top_k=8)
+    fd.collect_feature_corpus(small.model, prompts, corpus_config, tmp_path / "corpus", progress=False)
+    corpus = fd.load_feature_chunks(tmp_path / "corpus")
+    config = fd.FeatureTrainConfig(steps=30, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=10)
+    fast = dataclasses.replace(config, bf16_autocast=True)
+    heads = {}
+    for name, c in (("fp32", config), ("bf16", fast)):
+        head = FeatureHead(small.model, FeatureHeadConfig("t", feature_layers=(1, -1)), seed=0)
+        batch = fd._feature_batch(corpus, list(range(8)), c.seq_len, *fd._feature_columns(head, corpus_config.store_layers))
+        with torch.no_grad():
+            _, before = fd.feature_loss(head, batch, config)
+        fd.train_feature_head(head, corpus, corpus_config.store_layers, c, checkpoint_dir=tmp_path / name, progress=False)
+        with torch.no_grad():
+            _, after = fd.feature_loss(head, batch, config)
+        assert all(a < 0.7 * b for a, b in zip(after, before)), (name, before, after)
+        heads[name] = head
+    assert all(p.dtype == torch.float32 for p in heads["bf16"].parameters())
+    moments = torch.load(tmp_path / "bf16" / "checkpoint.pt", weights_only=True)["optimizer"]["state"]
+    assert all(v.dtype == torch.float32 for s in moments.values() for k, v in s.items() if k != "step")
+    assert not all(torch.equal(a, b) for a, b in zip(heads["fp32"].parameters(), heads["bf16"].parameters()))
+    head_config = FeatureHeadConfig("t", feature_layers=(1, -1))
+    assert fd._run_key(head_config, config, "k", 2) != fd._run_key(head_config, fast, "k", 2)
+    older = dataclasses.asdict(config)
+    del older["bf16_autocast"]
+    unkeyed = {k: v for k, v in older.items() if k != "tv_loss_weight"}  # the key of runs before either field existed
+    blob = json.dumps([dataclasses.asdict(head_config), unkeyed, "k", 2], sort_keys=True)
+    assert fd._run_key(head_config, config, "k", 2) == f"t-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    payload = torch.load(tmp_path / "fp32" / "checkpoint.pt", weights_only=True)
+    payload["config"] = older
+    torch.save(payload, tmp_path / "fp32" / "checkpoint.pt")
+    resumed = FeatureHead(small.model, head_config, seed=0)
+    result = fd.train_feature_head(resumed, corpus, corpus_config.store_layers, config, checkpoint_dir=tmp_path / "fp32", progress=False)
+    assert result.step == 30 and all(torch.equal(a, b) for a, b in zip(heads["fp32"].parameters(), resumed.parameters()))
+    with pytest.raises(ValueError, match="another FeatureTrainConfig"):
+        fd.train_feature_head(resumed, corpus, corpus_config.store_layers, fast, checkpoint_dir=tmp_path / "fp32", progress=False)
+
+
 def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path):
     """More chunks than the prompts fill: chunks are cut from successive shuffles end to end, the first pass's
     chunks are the same whatever the total, and every prompt is sampled once per pass (with new seeds)."""
