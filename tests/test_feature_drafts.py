@@ -179,18 +179,25 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     assert all(0 <= a <= 1 for a in after_alpha.alpha[1.0] + after_alpha.greedy_agreement)
 
 
+def _tiny_feature_corpus(directory, max_new_tokens: int):
+    """A tiny target and its cached feature corpus: 8 random prompts in 2 chunks, layers (1, -1) stored."""
+    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, load_feature_chunks
+
+    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (8,), generator=g)]
+    corpus_config = FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=max_new_tokens, batch_size=4, teacher_top_k=8)
+    collect_feature_corpus(small.model, prompts, corpus_config, directory, progress=False)
+    return small, load_feature_chunks(directory), corpus_config
+
+
 def test_training_stopped_by_its_budget_resumes_to_the_same_head_and_sums_its_seconds(tmp_path, monkeypatch):
     """A clock that advances one second per reading: a budget of 7 s stops training after a known number of
     steps; two more sittings finish it. The weights, losses and KLs equal those of one uninterrupted run
     exactly, and the reported seconds are the sum of the sittings' (not the last one's, not a budget)."""
     import specresearch.feature_distill as fd
 
-    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (8,), generator=g)]
-    corpus_config = fd.FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=8, batch_size=4, teacher_top_k=8)
-    fd.collect_feature_corpus(small.model, prompts, corpus_config, tmp_path / "corpus", progress=False)
-    corpus = fd.load_feature_chunks(tmp_path / "corpus")
+    small, corpus, corpus_config = _tiny_feature_corpus(tmp_path / "corpus", max_new_tokens=8)
     config = fd.FeatureTrainConfig(steps=12, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=3)
 
     def trained(directory, budgets):
@@ -221,12 +228,7 @@ def test_bf16_autocast_training_reduces_the_loss_keeps_float32_state_and_resumes
 
     import specresearch.feature_distill as fd
 
-    small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 32, (int(n),), generator=g) for n in torch.randint(3, 7, (8,), generator=g)]
-    corpus_config = fd.FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=16, batch_size=4, teacher_top_k=8)
-    fd.collect_feature_corpus(small.model, prompts, corpus_config, tmp_path / "corpus", progress=False)
-    corpus = fd.load_feature_chunks(tmp_path / "corpus")
+    small, corpus, corpus_config = _tiny_feature_corpus(tmp_path / "corpus", max_new_tokens=16)
     config = fd.FeatureTrainConfig(steps=30, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=10)
     fast = dataclasses.replace(config, bf16_autocast=True)
     heads = {}
