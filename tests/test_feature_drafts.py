@@ -218,6 +218,7 @@ def test_training_stopped_by_its_budget_resumes_to_the_same_head_and_sums_its_se
     assert sittings[-1].losses == one.losses and sittings[-1].kls == one.kls
     assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
 
+
 def test_bf16_autocast_training_reduces_the_loss_keeps_float32_state_and_resumes_older_checkpoints(tmp_path):
     """Training under bfloat16 autocast on the tiny corpus: the float32 loss on a fixed batch falls at every depth as
     in float32 training, the weights and Adam moments stay float32 and differ from float32 training's (the autocast
