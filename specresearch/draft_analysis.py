@@ -380,7 +380,9 @@ def plot_alpha_cost_tradeoff(measured: pd.DataFrame, extra: float, held_out: pd.
 
     ``measured``: :func:`gamma1_costs` rows (filled markers, one legend entry each with its measured
     speed-up); ``held_out``: rows with ``label``, ``alpha``, ``c`` measured off the loop (open markers,
-    e.g. the data-scaling points); ``target``: (alpha, c) corner of the shaded region alpha >= a, c <= c.
+    e.g. the data-scaling points), and optionally ``series``: one open marker shape and legend entry per
+    series, the labels of every other series written left of their points so that close points stay
+    legible; ``target``: (alpha, c) corner of the shaded region alpha >= a, c <= c.
     """
     import matplotlib.pyplot as plt
 
@@ -397,10 +399,14 @@ def plot_alpha_cost_tradeoff(measured: pd.DataFrame, extra: float, held_out: pd.
     if target is not None:
         ax.fill_between([0, target[1]], target[0], alphas[-1], color="tab:green", alpha=0.12, label=f"target: alpha >= {target[0]}, c <= {target[1]}")
     if held_out is not None:
-        for r in held_out.itertuples():
-            ax.plot(r.c, r.alpha, "o", fillstyle="none", color="grey")
-            ax.annotate(r.label, (r.c, r.alpha), fontsize=6, color="dimgrey", textcoords="offset points", xytext=(4, -8))
-        ax.plot([], [], "o", fillstyle="none", color="grey", label="held-out alpha, c timed off the loop")
+        series = held_out["series"] if "series" in held_out else pd.Series("", index=held_out.index)
+        for i, name in enumerate(dict.fromkeys(series)):
+            marker, right = "os^D"[i % 4], i % 2 == 0
+            for r in held_out[series == name].itertuples():
+                ax.plot(r.c, r.alpha, marker, fillstyle="none", color="grey")
+                ax.annotate(r.label, (r.c, r.alpha), fontsize=6, color="dimgrey", textcoords="offset points",
+                            xytext=(4, -8) if right else (-4, 2), ha="left" if right else "right")
+            ax.plot([], [], marker, fillstyle="none", color="grey", label="held-out alpha, c timed off the loop" + (f": {name}" if name else ""))
     markers = "osD^v<>p*h"
     for i, r in enumerate(measured.itertuples()):
         ax.plot(r.c, r.alpha, markers[i % len(markers)], color=plt.get_cmap("tab10")(i % 10), label=f"{r.method}: {r.speedup:.2f}x in the loop")

@@ -251,5 +251,10 @@ def test_gamma1_costs_put_a_run_in_units_of_one_autoregressive_token():
     assert [line.get_label() for line in ax.lines if not line.get_label().startswith("_")] == [
         "held-out alpha, c timed off the loop", "d: 1.11x in the loop"]
     assert [t.get_text() for t in ax.texts if t.get_text() == "h"] == ["h"]
+    two = pd.DataFrame([{"label": "a", "alpha": 0.3, "c": 0.07, "series": "short"}, {"label": "b", "alpha": 0.31, "c": 0.07, "series": "long"}])
+    ax = plot_alpha_cost_tradeoff(gamma1_costs(rows, 1.0), costs.extra, two).axes[0]
+    assert [line.get_label() for line in ax.lines if line.get_label().startswith("held-out")] == [
+        "held-out alpha, c timed off the loop: short", "held-out alpha, c timed off the loop: long"]
+    assert {t.get_text(): t.get_ha() for t in ax.texts if t.get_text() in ("a", "b")} == {"a": "left", "b": "right"}
     with pytest.raises(ValueError, match="extra must be > -1"):
         plot_alpha_cost_tradeoff(gamma1_costs(rows, 1.0), -1.0)
