@@ -251,6 +251,11 @@ def test_head_token_ids_takes_the_most_teacher_mass(target, corpus, train_config
     assert len(chosen) == 10 and EOS in chosen.tolist() and torch.equal(chosen, chosen.sort().values)
     others = [i for i in range(VOCAB) if i not in chosen.tolist()]
     assert float(mass[[i for i in chosen.tolist() if i != EOS]].min()) >= float(mass[others].max())
+    # stored as a feature corpus stores them (int32 ids, float16 probabilities): the same ids as from the
+    # float16-rounded probabilities widened first
+    stored = D.TeacherTargets(tuple(t.int() for t in teacher.ids), tuple(t.half() for t in teacher.probs), teacher.seq_len)
+    widened = D.TeacherTargets(teacher.ids, tuple(t.half().float() for t in teacher.probs), teacher.seq_len)
+    assert torch.equal(D.head_token_ids(stored, VOCAB, 10, required=[EOS]), D.head_token_ids(widened, VOCAB, 10, required=[EOS]))
 
 
 def test_subset_head_draft_trains_ships_and_reloads(target, corpus, train_config, tmp_path):
