@@ -281,6 +281,11 @@ def _add_feature_distill(sub) -> None:
     p.add_argument("--chunks", type=int, default=5,
                    help="corpus chunks (64 prompts each) to collect and train on; beyond one pass over the prompts, "
                         "chunks are new samples of reshuffled prompts")
+    p.add_argument("--first-chunk", type=int, default=0,
+                   help="train on chunks FIRST_CHUNK .. FIRST_CHUNK + CHUNKS - 1 (the earlier ones are neither collected nor read)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="continue training a saved head (a directory, or a shipped draft's name) of this preset instead of "
+                        "a new head: new optimiser and schedule, the head's token ids kept; recorded in the manifest")
     p.add_argument("--collect-only", action="store_true", help="collect (and cache) the corpus chunks, do not train")
     p.add_argument("--save-tokens", action="store_true",
                    help="with --collect-only: write the chunks' sampled token ids to data/corpora/<corpus key>.npz (small, "
@@ -306,6 +311,16 @@ def _run_feature_distill(args) -> int:
     _check_prompts_file("--heldout", args.heldout)
     if args.chunks < 1:
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    if args.first_chunk < 0:
+        raise ValueError(f"--first-chunk must be >= 0, got {args.first_chunk}")
+    if args.save_tokens and args.first_chunk:
+        raise ValueError("--save-tokens writes the ids of every chunk from chunk 0 on; drop --first-chunk")
+    if args.init_from is not None and args.collect_only:
+        raise ValueError("--init-from goes with training, not with --collect-only")
+    if args.init_from is not None:
+        from specresearch.feature_drafts import feature_head_dir
+
+        feature_head_dir(args.init_from)  # a saved feature head, checked before the target loads
     if args.save_tokens and not args.collect_only:
         raise ValueError("--save-tokens goes with --collect-only")
     torch.set_num_threads(args.threads)
@@ -316,7 +331,8 @@ def _run_feature_distill(args) -> int:
         return _collect_feature_corpus(lm, tokenizer, args)
     manifest = run_feature_distillation(
         lm, tokenizer, head_config, train_config, FeatureCorpusConfig(),
-        prompts_path=args.prompts, heldout_path=args.heldout, chunks=args.chunks, out_dir=args.out, heldout_prompts=args.heldout_prompts,
+        prompts_path=args.prompts, heldout_path=args.heldout, chunks=args.chunks, first_chunk=args.first_chunk, init_from=args.init_from,
+        out_dir=args.out, heldout_prompts=args.heldout_prompts,
         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, command="specresearch " + " ".join(sys.argv[1:]),
     )
     if not manifest["finished"]:
@@ -337,8 +353,9 @@ def _collect_feature_corpus(lm, tokenizer, args) -> int:
     stored = stored_corpus_tokens(key)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     available = collect_feature_corpus(lm.model, encode_prompts(tokenizer, load_prompts(args.prompts)), config, directory, eos_token_ids=eos,
-                                       max_chunks=args.chunks, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
-                                       stored=stored)
+                                       max_chunks=args.first_chunk + args.chunks,
+                                       max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, stored=stored,
+                                       first=args.first_chunk)
     print(f"{available} of {args.chunks} chunks in {directory}" + ("" if available == args.chunks else "; rerun the same command to resume")
           + (f" (the first {len(stored)} are rebuilt from {token_file} when missing, not sampled)" if stored else ""))
     if args.save_tokens:

@@ -198,8 +198,9 @@ def chunk_prompt_order(num_prompts: int, seed: int, count: int) -> list[int]:
 
 def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: FeatureCorpusConfig, directory: str | os.PathLike,
                            *, eos_token_ids: Sequence[int] = (), max_chunks: int | None = None, max_seconds: float | None = None,
-                           stored: Sequence[dict] = (), progress: bool = True) -> int:
-    """Sample and cache the corpus chunk by chunk (resumable; see the module docstring). Returns the chunks on disk.
+                           stored: Sequence[dict] = (), first: int = 0, progress: bool = True) -> int:
+    """Sample and cache the corpus chunk by chunk (resumable; see the module docstring). Returns the chunks on disk
+    from ``first`` on.
 
     Args:
         model: the target, a transformers causal LM.
@@ -212,16 +213,19 @@ def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: Fe
         stored: the corpus' sampled token ids (:func:`load_corpus_tokens`): a missing chunk that ``stored``
             holds is rebuilt from them by the teacher-forced pass alone (features and teacher), not sampled
             again. Each stored chunk must start with the prompts this chunk is cut from (else ``ValueError``).
+        first: the first chunk wanted; the chunks before it are neither collected nor counted (a run that trains
+            on chunks ``first..max_chunks - 1`` only, e.g. one continuing a head on new data).
     """
     check_field(len(prompt_ids) > 0, "prompt_ids", "must hold at least one prompt")
     check_field(max_chunks is None or max_chunks >= 0, "max_chunks", f"must be >= 0, got {max_chunks}")
+    check_field(first >= 0, "first", f"must be >= 0, got {first}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     total = -(-len(prompt_ids) // config.chunk_prompts) if max_chunks is None else max_chunks
     order = chunk_prompt_order(len(prompt_ids), config.seed, total * config.chunk_prompts)
     shuffled = [prompt_ids[i] for i in order]
     started = time.perf_counter()
-    for index in tqdm(range(total), desc="feature corpus chunks", disable=not progress):
+    for index in tqdm(range(first, total), desc="feature corpus chunks", disable=not progress):
         path = _chunk_path(directory, index)
         if path.exists():
             continue
@@ -240,7 +244,7 @@ def collect_feature_corpus(model, prompt_ids: Sequence[torch.Tensor], config: Fe
         tmp = path.with_suffix(".tmp")
         torch.save(payload, tmp)
         os.replace(tmp, path)
-    return sum(1 for i in range(total) if _chunk_path(directory, i).exists())
+    return sum(1 for i in range(first, total) if _chunk_path(directory, i).exists())
 
 
 def _check_stored_prompts(chunk: dict, prompts: Sequence[torch.Tensor], index: int) -> None:
@@ -315,8 +319,8 @@ def stored_corpus_tokens(key: str) -> list[dict]:
     return load_corpus_tokens(path, key) if path.exists() else []
 
 
-def load_feature_chunks(directory: str | os.PathLike, count: int | None = None) -> FeatureChunk:
-    """The first ``count`` consecutive cached chunks (all consecutive ones if None), merged into one.
+def load_feature_chunks(directory: str | os.PathLike, count: int | None = None, first: int = 0) -> FeatureChunk:
+    """``count`` consecutive cached chunks from chunk ``first`` on (all consecutive ones if None), merged into one.
 
     The chunks are memory-mapped, not read: their tensors stay on disk and the page cache holds what is
     touched, so a corpus larger than RAM (544 chunks of the shipped preset take ~25 GB) still trains, one
@@ -324,14 +328,15 @@ def load_feature_chunks(directory: str | os.PathLike, count: int | None = None) 
     """
     directory = Path(directory)
     merged = {"sequences": [], "prompt_lengths": [], "features": [], "teacher_ids": [], "teacher_probs": []}
-    index = 0
-    while _chunk_path(directory, index).exists() and (count is None or index < count):
+    index = first
+    while _chunk_path(directory, index).exists() and (count is None or index < first + count):
         payload = _load_chunk(directory, index)
         for name in merged:
             merged[name] += list(payload[name])
         index += 1
-    if not merged["sequences"] or (count is not None and index < count):
-        raise ValueError(f"directory {directory} holds {index} consecutive chunks, {count or 1} needed: collect the corpus first")
+    if not merged["sequences"] or (count is not None and index < first + count):
+        raise ValueError(f"directory {directory} holds {index - first} consecutive chunks from chunk {first} on, {count or 1} needed: "
+                         "collect the corpus first")
     return FeatureChunk(*(tuple(merged[name]) for name in ("sequences", "prompt_lengths", "features", "teacher_ids", "teacher_probs")))
 
 
@@ -801,7 +806,7 @@ def measure_lookup_rules(target, head, prompt_ids: torch.Tensor, *, temperature:
 def measure_feature_cost(target_lm, draft, context_length: int = 64, repeats: int = 30, warmup: int = 5) -> dict:
     """c = the feature draft's one-token drafting step / the target's one-token forward, both with a cache of
     ``context_length`` tokens, B = 1, timed alternately (a benchmark figure, never asserted on)."""
-    ids = (torch.arange(context_length) % 1000 + 100)[None]
+    ids = ((torch.arange(context_length) % 1000 + 100) % draft.vocab_size)[None]  # any token ids; in range of a small vocabulary too
     mask = torch.ones_like(ids)
     _, features = target_lm.prefill(ids, mask, hidden_layers=draft.feature_layers)
     draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-2]], 1))
@@ -830,21 +835,50 @@ def measure_feature_cost(target_lm, draft, context_length: int = 64, repeats: in
 _LATER_FIELDS = {"tv_loss_weight": 0.0, "bf16_autocast": False}  # added after runs were keyed: hashed only when not at this default, so keys stay
 
 
-def _run_key(head_config, train_config: FeatureTrainConfig, corpus_key: str, chunks: int) -> str:
+def _run_key(head_config, train_config: FeatureTrainConfig, corpus_key: str, chunks: int, first_chunk: int = 0,
+             init_weights: str | None = None) -> str:
+    """The run's checkpoint directory name. ``first_chunk`` and ``init_weights`` (the starting head's weights
+    digest) are hashed only when set, so the keys of runs from chunk 0 and a fresh head stay."""
     import hashlib
 
     train = {k: v for k, v in dataclasses.asdict(train_config).items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
-    blob = json.dumps([dataclasses.asdict(head_config), train, corpus_key, chunks], sort_keys=True)
+    parts = [dataclasses.asdict(head_config), train, corpus_key, chunks]
+    if first_chunk or init_weights is not None:
+        parts.append({"first_chunk": first_chunk, "init_weights": init_weights})
+    blob = json.dumps(parts, sort_keys=True)
     return f"{head_config.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
+def _starting_head(target, head_config, init_from) -> tuple:
+    """The saved head in ``init_from`` (a directory or a shipped draft's name) to continue training, its weights' sha256 and what the manifest records of it.
+
+    Its configuration must be ``head_config`` (the preset's), up to ``init_layer`` (a loaded head is not copied
+    from the target's layer); its subset head's token ids are kept.
+    """
+    from specresearch.feature_drafts import feature_head_digest, feature_head_dir, load_feature_head
+
+    directory = feature_head_dir(init_from)
+    head = load_feature_head(target, directory)
+    if dataclasses.replace(head.config, init_layer=None) != dataclasses.replace(head_config, init_layer=None):
+        raise ValueError(f"init_from {directory}: its head config {dataclasses.asdict(head.config)} is not the preset's "
+                         f"{dataclasses.asdict(head_config)}")
+    digest = feature_head_digest(directory)
+    saved = json.loads((directory / "manifest.json").read_text())
+    record = {"directory": str(init_from), "weights_sha256": digest, "command": saved.get("command"),
+              "corpus": saved.get("corpus"), "training_steps": saved.get("training", {}).get("steps")}
+    return head, digest, record
+
+
 def run_feature_distillation(target_lm, tokenizer, head_config, train_config: FeatureTrainConfig, corpus_config: FeatureCorpusConfig, *,
-                             prompts_path, heldout_path, chunks: int, out_dir: str | os.PathLike | None = None, heldout_prompts: int = 14,
+                             prompts_path, heldout_path, chunks: int, first_chunk: int = 0, init_from: str | os.PathLike | None = None,
+                             out_dir: str | os.PathLike | None = None, heldout_prompts: int = 14,
                              measure_tokens: int = 64, depths: int = 4, max_seconds: float | None = None, command: str = "",
                              progress: bool = True) -> dict:
     """Corpus chunks (cached, resumable) -> head -> training (checkpointed) -> measurement -> ``save_feature_head``.
 
-    ``chunks``: how many corpus chunks (``corpus_config.chunk_prompts`` prompts each) to train on. Rerun the
+    ``chunks``: how many corpus chunks (``corpus_config.chunk_prompts`` prompts each) to train on, from chunk
+    ``first_chunk`` on. ``init_from``: a saved head (directory) to continue training instead of a new head,
+    with a new optimiser and learning-rate schedule; the manifest records it (``init_from``). Rerun the
     same call to resume; the returned manifest has ``finished: False`` (nothing shipped) until training ends.
     """
     from specresearch.distill import TeacherTargets, encode_prompts, head_token_ids, load_prompts
@@ -852,6 +886,7 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     from specresearch.feature_drafts import FeatureDraft, FeatureHead, round_head_to_storage, save_feature_head
 
     check_field(chunks >= 1, "chunks", f"must be >= 1, got {chunks}")
+    check_field(first_chunk >= 0, "first_chunk", f"must be >= 0, got {first_chunk}")
     started = time.perf_counter()
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     target = target_lm.model
@@ -859,27 +894,33 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     directory = cache_dir() / "features" / key
     stored = stored_corpus_tokens(key)
     available = collect_feature_corpus(target, encode_prompts(tokenizer, load_prompts(prompts_path)), corpus_config, directory,
-                                       eos_token_ids=eos, max_chunks=chunks, max_seconds=max_seconds, stored=stored, progress=progress)
+                                       eos_token_ids=eos, max_chunks=first_chunk + chunks, max_seconds=max_seconds, stored=stored,
+                                       first=first_chunk, progress=progress)
     manifest = {"command": command, "seed": train_config.seed, "finished": False, "train_config": dataclasses.asdict(train_config),
                 "corpus_config": dataclasses.asdict(corpus_config), "corpus": {"prompts_file": Path(prompts_path).name, "cache_key": key,
-                                                                              "chunks": chunks, "chunks_available": available,
+                                                                              "chunks": chunks, "first_chunk": first_chunk,
+                                                                              "chunks_available": available,
                                                                               "stored_token_chunks": len(stored)}}
     if available < chunks:
         return manifest
-    corpus = load_feature_chunks(directory, chunks)
-    collection = [_load_chunk(directory, i)["seconds"] for i in range(chunks)]
+    corpus = load_feature_chunks(directory, chunks, first=first_chunk)
+    collection = [_load_chunk(directory, i)["seconds"] for i in range(first_chunk, first_chunk + chunks)]
     manifest["corpus"].update({"sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens,
                                "collection_seconds": round(sum(collection), 1)})
-    head_ids = None
-    if head_config.head_tokens is not None:
-        # the stored int32 / float16 rows as they are (head_token_ids widens them once, concatenated): no
-        # widened copy of every row (~1.7 GB at 272 chunks) is made and freed in the heap before training
-        teacher = TeacherTargets(corpus.teacher_ids, corpus.teacher_probs, train_config.seq_len)
-        head_ids = head_token_ids(teacher, target.config.get_text_config().vocab_size, head_config.head_tokens, required=eos)
-    head = FeatureHead(target, head_config, head_token_ids=head_ids, seed=train_config.seed)
+    init_weights = None
+    if init_from is not None:
+        head, init_weights, manifest["init_from"] = _starting_head(target, head_config, init_from)
+    else:
+        head_ids = None
+        if head_config.head_tokens is not None:
+            # the stored int32 / float16 rows as they are (head_token_ids widens them once, concatenated): no
+            # widened copy of every row (~1.7 GB at 272 chunks) is made and freed in the heap before training
+            teacher = TeacherTargets(corpus.teacher_ids, corpus.teacher_probs, train_config.seq_len)
+            head_ids = head_token_ids(teacher, target.config.get_text_config().vocab_size, head_config.head_tokens, required=eos)
+        head = FeatureHead(target, head_config, head_token_ids=head_ids, seed=train_config.seed)
     budget = None if max_seconds is None else max(0.0, max_seconds - (time.perf_counter() - started))
-    result = train_feature_head(head, corpus, corpus_config.store_layers, train_config,
-                                checkpoint_dir=cache_dir() / "feature_runs" / _run_key(head_config, train_config, key, chunks),
+    run = _run_key(head_config, train_config, key, chunks, first_chunk, init_weights)
+    result = train_feature_head(head, corpus, corpus_config.store_layers, train_config, checkpoint_dir=cache_dir() / "feature_runs" / run,
                                 max_seconds=budget, progress=progress)
     manifest["finished"] = result.finished
     manifest["training"] = {"steps": result.step, "seconds": round(result.seconds, 1), "loss_curve": [round(x, 4) for x in result.losses],

@@ -27,6 +27,7 @@ a true feature and re-feeds the accepted tokens with the target's true features.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -50,6 +51,8 @@ __all__ = [
     "save_feature_head",
     "load_feature_head",
     "is_feature_draft_dir",
+    "feature_head_dir",
+    "feature_head_digest",
     "trainable_tensors",
     "round_head_to_storage",
     "load_feature_draft",
@@ -462,6 +465,21 @@ def is_feature_draft_dir(directory: str | os.PathLike) -> bool:
     return path.exists() and "feature_head_config" in json.loads(path.read_text())
 
 
+def feature_head_digest(directory: str | os.PathLike) -> str:
+    """sha256 of a saved head's weights file (what a run continuing it records and is keyed by)."""
+    return hashlib.sha256((Path(directory) / _WEIGHTS_FILE).read_bytes()).hexdigest()
+
+
+def feature_head_dir(name_or_dir: str | os.PathLike) -> Path:
+    """A saved feature head's directory: ``name_or_dir`` itself or the shipped draft of that name under ``data/drafts/``."""
+    directory = Path(name_or_dir)
+    if not directory.is_dir():
+        directory = drafts_dir() / str(name_or_dir)
+    if not is_feature_draft_dir(directory):
+        raise ValueError(f"name_or_dir {name_or_dir!r}: no feature head in {directory}")
+    return directory
+
+
 def trainable_tensors(head: FeatureHead) -> dict[str, torch.Tensor]:
     return {name: p for name, p in head.named_parameters() if p.requires_grad}
 
@@ -511,10 +529,5 @@ def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
 
 def load_feature_draft(target_lm, name_or_dir: str | os.PathLike) -> FeatureDraft:
     """A shipped feature draft (name under ``data/drafts/`` or a directory) beside ``target_lm`` (a ``models.CausalLM``)."""
-    directory = Path(name_or_dir)
-    if not directory.is_dir():
-        directory = drafts_dir() / str(name_or_dir)
-    if not is_feature_draft_dir(directory):
-        raise ValueError(f"name_or_dir {name_or_dir!r}: no feature head in {directory}")
-    head = load_feature_head(target_lm.model, directory)
+    head = load_feature_head(target_lm.model, feature_head_dir(name_or_dir))
     return FeatureDraft(head, max_context=getattr(target_lm, "max_context", None), device=target_lm.device)

@@ -315,6 +315,70 @@ def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
             assert 0 < kept < chunk.num_generated_tokens
 
 
+class _ToyChatTokenizer:
+    """Chat-templates a turn into ids 2..31 of a 32-token vocabulary (one id a character), EOS 1."""
+
+    eos_token_id = 1
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        return [2 + ord(c) % 30 for c in messages[0]["content"]]
+
+
+def test_feature_distillation_end_to_end_and_continued_on_later_chunks(tmp_path, monkeypatch):
+    """``run_feature_distillation`` on a tiny target: corpus -> training -> measurement -> saved head and
+    manifest. A second run continues that head (``init_from``) on chunks 2-3 only: chunks 0-1 are not
+    read again, the token ids of its subset head are kept, it starts from the first head's loss rather
+    than a new head's, and the manifest records the head it started from. A starting head of another
+    configuration raises."""
+    import json
+
+    import specresearch.feature_distill as fd
+    from specresearch.feature_drafts import feature_head_digest, load_feature_head
+
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
+    small, tokenizer = tiny_llama(32, seed=4, init_std=0.8, num_layers=2), _ToyChatTokenizer()
+    g = torch.Generator().manual_seed(5)
+    for name, count in (("corpus.jsonl", 16), ("heldout.jsonl", 4)):
+        rows = [{"id": f"{name}-{i}", "category": "c", "turns": ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (5,), generator=g))]}
+                for i in range(count)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    head_config = FeatureHeadConfig("t", feature_layers=(1, -1), head_tokens=16, train_head=True)
+    corpus_config = fd.FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=10, batch_size=4, teacher_top_k=8)
+    train = fd.FeatureTrainConfig(steps=30, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=10)
+
+    def run(out, **kw):
+        return fd.run_feature_distillation(small, tokenizer, head_config, train, corpus_config, prompts_path=tmp_path / "corpus.jsonl",
+                                           heldout_path=tmp_path / "heldout.jsonl", chunks=2, out_dir=tmp_path / out, heldout_prompts=4,
+                                           measure_tokens=8, depths=2, progress=False, **kw)
+
+    first = run("first")
+    chunks = tmp_path / "cache" / "distill" / "features" / corpus_config.key(tmp_path / "corpus.jsonl")
+    assert first["finished"] and sorted(p.name for p in chunks.iterdir()) == ["chunk-0000.pt", "chunk-0001.pt"]
+    assert first["corpus"]["sequences"] == 8 and "init_from" not in first
+    assert 0 < first["measurement"]["alpha_by_depth"]["1.0"][0] <= 1 and first["cost"]["c"] > 0
+    saved = json.loads((tmp_path / "first" / "manifest.json").read_text())
+    assert saved["training"]["steps"] == 30 and saved["corpus"]["first_chunk"] == 0
+
+    second = run("second", first_chunk=2, init_from=tmp_path / "first")
+    assert second["finished"] and sorted(p.name for p in chunks.iterdir())[2:] == ["chunk-0002.pt", "chunk-0003.pt"]
+    assert second["corpus"]["first_chunk"] == 2 and second["corpus"]["sequences"] == 8
+    assert second["init_from"]["weights_sha256"] == feature_head_digest(tmp_path / "first")
+    assert second["init_from"]["training_steps"] == 30
+    heads = [load_feature_head(small.model, tmp_path / d) for d in ("first", "second")]
+    assert torch.equal(heads[0].subset_head.token_ids, heads[1].subset_head.token_ids)
+    assert not all(torch.equal(a, b) for a, b in zip(heads[0].parameters(), heads[1].parameters()))
+    fresh = fd.run_feature_distillation(small, tokenizer, head_config, dataclasses.replace(train, steps=1), corpus_config,
+                                        prompts_path=tmp_path / "corpus.jsonl", heldout_path=tmp_path / "heldout.jsonl", chunks=2,
+                                        first_chunk=2, out_dir=tmp_path / "fresh", heldout_prompts=1, measure_tokens=2, depths=1, progress=False)
+    # the first step's loss (same batch: same seed and chunks): a continued head starts far below a new one
+    assert second["training"]["loss_curve"][0] < 0.85 * fresh["training"]["loss_curve"][0]
+    assert len(list((tmp_path / "cache" / "distill" / "feature_runs").iterdir())) == 3  # three run keys, three checkpoints
+    with pytest.raises(ValueError, match="is not the preset's"):
+        fd.run_feature_distillation(small, tokenizer, dataclasses.replace(head_config, num_layers=2), train, corpus_config,
+                                    prompts_path=tmp_path / "corpus.jsonl", heldout_path=tmp_path / "heldout.jsonl", chunks=2,
+                                    first_chunk=2, init_from=tmp_path / "first", out_dir=tmp_path / "bad", progress=False)
+
+
 def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_path, monkeypatch):
     """save_corpus_tokens keeps the sampled ids (uint16) and the corpus key; collect_feature_corpus rebuilds
     the chunks they hold by the teacher-forced pass alone, equal to the sampled chunks (ids, features,
@@ -432,7 +496,8 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
         with torch.no_grad():
             want, *others = (d.head.logits(d.head.rollout(feats, seq, torch.ones_like(seq), 2)[1]) for d in built.values())
         for got in others:
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            # float32 sums in another order (seen: 2e-5 on an AMD EPYC's kernels, below 1e-5 on a Xeon's)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_save_and_load_round_trip(target, tmp_path):
