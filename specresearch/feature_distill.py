@@ -850,7 +850,8 @@ def _run_key(head_config, train_config: FeatureTrainConfig, corpus_key: str, chu
 
 
 def _starting_head(target, head_config, init_from) -> tuple:
-    """The saved head in ``init_from`` (a directory or a shipped draft's name) to continue training, its weights' sha256 and what the manifest records of it.
+    """The saved head in ``init_from`` (a directory or a shipped draft's name) to continue training, its
+    weights' sha256 and what the manifest records of it.
 
     Its configuration must be ``head_config`` (the preset's), up to ``init_layer`` (a loaded head is not copied
     from the target's layer); its subset head's token ids are kept.
