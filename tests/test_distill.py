@@ -247,15 +247,15 @@ def test_head_token_ids_takes_the_most_teacher_mass(target, corpus, train_config
     teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=8, progress=False)
     mass = torch.zeros(VOCAB, dtype=torch.float64)
     mass.index_add_(0, torch.cat(teacher.ids).flatten(), torch.cat(teacher.probs).flatten().double())
-    chosen = D.head_token_ids(teacher, VOCAB, 10, required=[EOS])
+    chosen = D.head_token_ids(teacher.ids, teacher.probs, VOCAB, 10, required=[EOS])
     assert len(chosen) == 10 and EOS in chosen.tolist() and torch.equal(chosen, chosen.sort().values)
     others = [i for i in range(VOCAB) if i not in chosen.tolist()]
     assert float(mass[[i for i in chosen.tolist() if i != EOS]].min()) >= float(mass[others].max())
     # stored as a feature corpus stores them (int32 ids, float16 probabilities): the same ids as from the
     # float16-rounded probabilities widened first
-    stored = D.TeacherTargets(tuple(t.int() for t in teacher.ids), tuple(t.half() for t in teacher.probs), teacher.seq_len)
-    widened = D.TeacherTargets(teacher.ids, tuple(t.half().float() for t in teacher.probs), teacher.seq_len)
-    assert torch.equal(D.head_token_ids(stored, VOCAB, 10, required=[EOS]), D.head_token_ids(widened, VOCAB, 10, required=[EOS]))
+    stored = D.head_token_ids([t.int() for t in teacher.ids], [t.half() for t in teacher.probs], VOCAB, 10, required=[EOS])
+    widened = D.head_token_ids(teacher.ids, [t.half().float() for t in teacher.probs], VOCAB, 10, required=[EOS])
+    assert torch.equal(stored, widened)
 
 
 def test_subset_head_draft_trains_ships_and_reloads(target, corpus, train_config, tmp_path):
@@ -263,7 +263,7 @@ def test_subset_head_draft_trains_ships_and_reloads(target, corpus, train_config
     token ids stored) rebuilds with the logits of the rounded in-memory draft."""
     config = D.DraftConfig("s", num_layers=1, head_tokens=20, train_head=True, storage_dtype="bfloat16")
     teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=train_config.teacher_top_k, progress=False)
-    ids = D.head_token_ids(teacher, VOCAB, 20, required=[EOS])
+    ids = D.head_token_ids(teacher.ids, teacher.probs, VOCAB, 20, required=[EOS])
     draft = D.build_draft(target, config, seed=0, head_token_ids=ids)
     assert torch.equal(draft.get_output_embeddings().weight, target.get_output_embeddings().weight[ids])
     indices = list(range(len(corpus.sequences)))
