@@ -77,7 +77,10 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
     ``c``, ``tokens`` (corpus tokens), ``steps``, ``passes`` (steps x batch size / corpus sequences: how
     often training saw each sequence; None if the manifest does not say) and ``loop_tokens_by_gamma``
     (temperature string, "0.0" greedy -> the token-verification loop's expected tokens per step at gamma
-    1..; None if not measured).
+    1..; None if not measured). A head that continued training a saved head (``feature-distill
+    --init-from``; ``continued`` True) counts the corpus tokens and steps of every head in its chain
+    (their chunks are disjoint, else ``ValueError``); its ``passes`` are None (old and new chunks were
+    seen unequally often).
     """
     path = Path(path)
     file = path / "manifest.json" if path.is_dir() else path
@@ -95,9 +98,30 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
         greedy = [measurement["greedy_agreement"]] * depths
     name = (manifest.get("feature_head_config") or manifest.get("draft_config") or {}).get("name", file.parent.name)
     steps, batch, sequences = manifest["training"]["steps"], manifest.get("train_config", {}).get("batch_size"), manifest["corpus"].get("sequences")
+    passes = steps * batch / sequences if batch and sequences else None
+    tokens, chain = manifest["corpus"]["generated_tokens"], _continued_chain(manifest, file)
+    for earlier in chain:
+        tokens, steps, passes = tokens + earlier["corpus"]["generated_tokens"], steps + earlier["training_steps"], None
     return {"name": name, "kind": kind, "alpha_by_depth": by_depth, "greedy_by_depth": greedy, "c": manifest["cost"]["c"],
-            "tokens": manifest["corpus"]["generated_tokens"], "steps": steps, "passes": steps * batch / sequences if batch and sequences else None,
-            "file": str(file), "loop_tokens_by_gamma": measurement.get("loop_tokens_per_step_by_gamma")}
+            "tokens": tokens, "steps": steps, "passes": passes, "continued": bool(chain), "file": str(file),
+            "loop_tokens_by_gamma": measurement.get("loop_tokens_per_step_by_gamma")}
+
+
+def _continued_chain(manifest: dict, file: Path) -> list[dict]:
+    """The ``init_from`` records of the heads ``manifest``'s head continued, latest first; their corpus chunk
+    ranges must be disjoint from each other and from the manifest's own."""
+    chain, record = [], manifest.get("init_from")
+    while record:
+        chain.append(record)
+        record = record.get("init_from")
+    if not chain:
+        return chain
+    spans = [(c.get("cache_key"), c.get("first_chunk", 0), c.get("first_chunk", 0) + c["chunks"])
+             for c in [manifest["corpus"], *(r["corpus"] for r in chain)]]
+    for i, (key, start, stop) in enumerate(spans):
+        if any(key == k and start < b and a < stop for k, a, b in spans[:i]):
+            raise ValueError(f"{file}: the heads it continued trained on overlapping chunks of one corpus; corpus tokens unknown")
+    return chain
 
 
 def read_scaling(*sources: str | os.PathLike) -> pd.DataFrame:

@@ -866,7 +866,8 @@ def _starting_head(target, head_config, init_from) -> tuple:
     digest = feature_head_digest(directory)
     saved = json.loads((directory / "manifest.json").read_text())
     record = {"directory": str(init_from), "weights_sha256": digest, "command": saved.get("command"),
-              "corpus": saved.get("corpus"), "training_steps": saved.get("training", {}).get("steps")}
+              "corpus": saved.get("corpus"), "training_steps": saved.get("training", {}).get("steps"),
+              "init_from": saved.get("init_from")}  # the chain of heads it continued in turn, if any
     return head, digest, record
 
 

@@ -99,6 +99,32 @@ def test_manifests_of_both_kinds_read_into_one_shape(tmp_path):
         read_draft_manifest(tmp_path / "missing.json")
 
 
+def test_a_continued_head_counts_the_tokens_and_steps_of_its_chain(tmp_path):
+    """A head continued from a head that was itself continued: tokens and steps add up over the three
+    disjoint chunk ranges, passes are None; overlapping ranges of one corpus raise."""
+    def corpus(tokens, first, chunks, key="k"):
+        return {"generated_tokens": tokens, "sequences": 64 * chunks, "chunks": chunks, "first_chunk": first, "cache_key": key}
+
+    first = {"corpus": corpus(1000, 0, 2), "training_steps": 40}  # a record of an older run: no first_chunk key
+    del first["corpus"]["first_chunk"]
+    second = {"corpus": corpus(700, 2, 1), "training_steps": 30, "init_from": first}
+    manifest = {**_feature_manifest(500, 0.3, steps=20), "init_from": second}
+    manifest["corpus"] = corpus(500, 3, 1)
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    m = read_draft_manifest(tmp_path / "m.json")
+    assert (m["tokens"], m["steps"], m["passes"], m["continued"]) == (2200, 90, None, True)
+    (tmp_path / "plain.json").write_text(json.dumps(_feature_manifest(500, 0.3, steps=20, sequences=80)))
+    plain = read_draft_manifest(tmp_path / "plain.json")
+    assert (plain["tokens"], plain["passes"], plain["continued"]) == (500, 2.0, False)
+    second["corpus"] = corpus(700, 1, 2)  # chunks 1-2 overlap the first head's 0-1
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="overlapping chunks"):
+        read_draft_manifest(tmp_path / "m.json")
+    second["corpus"] = corpus(700, 1, 2, key="another corpus")  # the same indices of another corpus do not overlap
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    assert read_draft_manifest(tmp_path / "m.json")["tokens"] == 2200
+
+
 @pytest.mark.parametrize("name", ["eagle3-v8k", "v8k-4l"])
 def test_the_shipped_manifests_read(name):
     m = read_draft_manifest(drafts_dir() / name)
