@@ -127,8 +127,8 @@ def _continued_chain(manifest: dict, file: Path) -> list[dict]:
 def read_scaling(*sources: str | os.PathLike) -> pd.DataFrame:
     """The finished points of data-scaling runs: each source a directory (``benchmarks/run_data_scaling.py
     --out``: its ``*.json``; unfinished ones are passed over) or one draft manifest (a file or a draft
-    directory). One row per manifest: kind, corpus tokens, steps, passes, depth-1 alpha at each
-    temperature, greedy agreement and c."""
+    directory). One row per manifest: kind, corpus tokens, steps, passes, continued (a head that continued
+    a saved one: tokens and steps of its whole chain), depth-1 alpha at each temperature, greedy agreement and c."""
     if not sources:
         raise ValueError("read_scaling needs at least one directory or manifest")
     manifests = []
@@ -143,7 +143,7 @@ def read_scaling(*sources: str | os.PathLike) -> pd.DataFrame:
             manifests.append(read_draft_manifest(source))
     if not manifests:
         raise ValueError(f"no finished scaling manifest in {[str(s) for s in sources]!r}")
-    rows = [{"kind": m["kind"], "tokens": m["tokens"], "steps": m["steps"], "passes": m["passes"],
+    rows = [{"kind": m["kind"], "tokens": m["tokens"], "steps": m["steps"], "passes": m["passes"], "continued": m["continued"],
              **{f"alpha_T{t}": a[0] for t, a in m["alpha_by_depth"].items()}, "greedy": m["greedy_by_depth"][0], "c": m["c"]}
             for m in manifests]
     return pd.DataFrame(rows).sort_values(["kind", "tokens"]).reset_index(drop=True)
@@ -327,14 +327,20 @@ def plot_acceptance_by_depth(drafts: Sequence[dict], temperatures: Sequence[str]
 def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: float | None = 0.5):
     """Depth-1 alpha at ``temperature`` against corpus tokens (log scale, ticks at the corpus sizes), one line
     per kind of draft and number of passes over the data (rounded to a whole pass; a table without
-    ``passes``: one per kind). The training steps are in the table."""
+    ``passes``: one per kind); heads that continued a saved head (``continued``) as stars, at the tokens of
+    their whole chain. The training steps are in the table."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
     passes = table["passes"] if "passes" in table else pd.Series([None] * len(table), index=table.index)
+    continued = table["continued"].astype(bool) if "continued" in table else pd.Series(False, index=table.index)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for kind, marker in (("feature", "o"), ("distilled LM", "s")):
-        part = table[table["kind"] == kind]
+        stars = table[(table["kind"] == kind) & continued]
+        if len(stars):
+            ax.plot(stars["tokens"], stars[f"alpha_T{temperature}"], marker="*", markersize=12, linestyle="none",
+                    label=f"{kind}, continued from a saved head")
+        part = table[(table["kind"] == kind) & ~continued]
         groups = passes[part.index].map(lambda v: None if v is None or pd.isna(v) else round(v))
         for whole in sorted(groups.dropna().unique()) + ([None] if groups.isna().any() else []):
             line = part[groups.isna()] if whole is None else part[groups == whole]

@@ -213,6 +213,14 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
     fig = plot_data_scaling(read_scaling(tmp_path))  # 4.8 and 4.6 passes on one line, 9.4 on another, f.json on its own
     labels = sorted(line.get_label() for line in fig.axes[0].lines)
     assert labels == ["alpha = 0.5", "distilled LM", "feature", "feature, 4.7 passes", "feature, 9.4 passes"]
+    continued = {**_feature_manifest(1500, 0.3, steps=50, sequences=100), "init_from": {
+        "corpus": {"generated_tokens": 2000, "chunks": 2, "cache_key": "k"}, "training_steps": 235}}
+    continued["corpus"].update(chunks=1, first_chunk=2, cache_key="k")
+    (tmp_path / "c.json").write_text(json.dumps(continued))
+    fig = plot_data_scaling(read_scaling(tmp_path))  # drawn as its own star at its chain's 3500 tokens, on no line
+    stars = [line for line in fig.axes[0].lines if line.get_label() == "feature, continued from a saved head"]
+    assert len(stars) == 1 and list(stars[0].get_xdata()) == [3500] and list(stars[0].get_ydata()) == [0.3]
+    assert sorted(line.get_label() for line in fig.axes[0].lines) == sorted(labels + ["feature, continued from a saved head"])
     measured = pd.DataFrame([{"temperature": 1.0, "method": "eagle3-v8k", "gamma": 1, "vs_autoregressive": 0.8},
                              {"temperature": 1.0, "method": "ngram", "gamma": 1, "vs_autoregressive": 0.9}])
     fig = plot_speedup_vs_gamma(drafts, measured)
