@@ -28,7 +28,7 @@ parameters; ``skinny_linear=False`` opts out): on the machine this was measured 
 the embedded target costs 0.6-0.9 of ``nn.Linear``'s and a two-token call 0.4-0.65 (1-2 threads;
 ``benchmarks/bench_score_cost.py``, figures in ``docs/feature_drafts.md``). On another CPU (a Xeon with
 AVX-512 and AMX) the plain product is twice as fast for one row, so by default :class:`CausalLM` times
-both on the model's own weights when it loads (:func:`choose_skinny_rows`, ~1-2 s for the embedded
+both on the model's own weights when it loads (:func:`choose_skinny_rows`, ~7 s for the embedded
 target) and computes only the row counts where the skinny product wins its own way.
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
@@ -239,13 +239,17 @@ _CHOSEN_ROWS: dict[tuple, tuple[int, ...]] = {}
 
 def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts (of ``SKINNY_ROWS``) for which :func:`skinny_linear` beats ``F.linear`` on this machine,
-    timed on ``model``'s own float32 linear layers (and modules that carry ``skinny_rows``): for each row count, each distinct weight shape is multiplied
-    both ways (medians of ``repeats``, weighted by how many layers have that shape); a row count is chosen
-    when the skinny product takes less than ``margin`` times the plain one. Which is faster depends on the
-    CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
-    ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times. Timings are kept per shapes and
-    thread count for the process. ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or ``"plain"``)
-    replaces the clock that times ``fn()`` (tests).
+    timed on ``model``'s own float32 linear layers (and modules that carry ``skinny_rows``). For each row
+    count, one sweep multiplies an input by every such layer's weight in module order, as a forward
+    streams them; ``repeats`` rounds each time both paths' sweeps of every row count in turn, and a row
+    count is chosen when its median skinny sweep takes less than ``margin`` times its median plain one.
+    A sweep reads each weight once, so a model larger than the CPU's caches is timed from memory, as its
+    forwards run (one weight per shape timed over and over stays in cache, where the plain one-row
+    product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower). Which is faster depends on the CPU
+    (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
+    ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times. Answers are kept per layer
+    shapes and thread count for the process. ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
+    ``"plain"``) replaces the clock that times one sweep ``fn()`` (tests).
     """
     import statistics
     import time
@@ -262,17 +266,14 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
             raise ValueError(f"${SKINNY_ROWS_ENV} must be auto, all, none or row counts in {tuple(SKINNY_ROWS)} "
                              f"separated by commas, got {pinned!r}")
         return rows
-    counts: dict[tuple, int] = {}
-    weights = {}
+    weights = []
     for module in model.modules():
         timed = isinstance(module, torch.nn.Linear) or hasattr(module, "skinny_rows")
         if timed and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
-            shape = tuple(module.weight.shape)
-            counts[shape] = counts.get(shape, 0) + 1
-            weights.setdefault(shape, module.weight.detach())
-    if not counts:
+            weights.append(module.weight.detach())
+    if not weights:
         return ()
-    key = (tuple(sorted(counts.items())), torch.get_num_threads())
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
     if timer is None and key in _CHOSEN_ROWS:
         return _CHOSEN_ROWS[key]
 
@@ -282,18 +283,23 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         return time.perf_counter() - start
 
     timer = timer or clock
-    chosen = []
+    sweeps = {}
+    for rows in SKINNY_ROWS:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+                  for w in weights}
+        sweeps[rows] = {"skinny": lambda x=inputs: [skinny_linear(x[w.shape[1]], w) for w in weights],
+                        "plain": lambda x=inputs: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights]}
+    times = {(rows, name): [] for rows in SKINNY_ROWS for name in ("skinny", "plain")}
     with torch.no_grad():
-        for rows in SKINNY_ROWS:
-            total = {"skinny": 0.0, "plain": 0.0}
-            for shape, weight in weights.items():
-                x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
-                runs = {"skinny": lambda: skinny_linear(x, weight), "plain": lambda: torch.nn.functional.linear(x, weight)}
-                for name, fn in runs.items():
-                    fn()  # warm
-                    total[name] += counts[shape] * statistics.median(timer(fn, name, rows) for _ in range(repeats))
-            if total["skinny"] < margin * total["plain"]:
-                chosen.append(rows)
+        for rows, paths in sweeps.items():
+            for fn in paths.values():
+                fn()  # warm
+        for _ in range(repeats):  # round robin: a passing slow spell of the host touches every row count alike
+            for rows, paths in sweeps.items():
+                for name, fn in paths.items():
+                    times[rows, name].append(timer(fn, name, rows))
+    chosen = [rows for rows in SKINNY_ROWS
+              if statistics.median(times[rows, "skinny"]) < margin * statistics.median(times[rows, "plain"])]
     if timer is clock:
         _CHOSEN_ROWS[key] = tuple(chosen)
     return tuple(chosen)

@@ -267,10 +267,20 @@ def test_skinny_rows_are_chosen_by_timing_or_pinned(monkeypatch):
     assert choose_skinny_rows(fresh(), timer=fast_for_few) == (1, 2)
     assert choose_skinny_rows(fresh(), timer=lambda fn, path, rows: 0.95 if path == "skinny" else 1.0) == ()  # within the margin
     assert choose_skinny_rows(torch.nn.Sequential(torch.nn.ReLU())) == ()  # no linear layers, nothing timed
-    calls = []
-    choose_skinny_rows(fresh(), repeats=3, timer=lambda fn, path, rows: calls.append((path, rows)) or 1.0)
-    shapes = {tuple(m.weight.shape) for m in fresh().modules() if isinstance(m, torch.nn.Linear)}
-    assert len(calls) == 8 * 2 * 3 * len(shapes)  # every row count 1-8, both paths, each distinct shape once
+    calls, swept = [], []
+
+    def sweep(fn, path, rows):
+        calls.append((path, rows))
+        swept.append([tuple(y.shape) for y in fn()])
+        return 1.0
+
+    model = fresh()
+    choose_skinny_rows(model, repeats=3, timer=sweep)
+    assert sorted(calls) == sorted((p, r) for p in ("skinny", "plain") for r in range(1, 9) for _ in range(3))
+    assert calls[:4] == [("skinny", 1), ("plain", 1), ("skinny", 2), ("plain", 2)]  # round robin over row counts
+    layers = [m.weight.shape[0] for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert [[s[-1] for s in shapes] for shapes in swept] == [layers] * len(calls)  # each sweep: every layer once
+    assert {s[0] for (_, rows), shapes in zip(calls, swept) for s in shapes if rows == 3} == {3}
     for pinned, rows in [("all", tuple(range(1, 9))), ("none", ()), ("3, 1", (1, 3))]:
         monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", pinned)
         assert choose_skinny_rows(fresh(), timer=lambda *a: pytest.fail("a pinned answer times nothing")) == rows
