@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from specresearch import distill
-from specresearch.drafts import shipped_drafts
+from specresearch.drafts import manifest_path, read_manifest, shipped_drafts
 from specresearch.embedded import load_embedded
 from specresearch.feature_drafts import is_feature_draft_dir
 from specresearch.theory import optimal_gamma, walltime_improvement
@@ -83,8 +83,8 @@ def main() -> None:
     chosen = [heldout[round(i * len(heldout) / args.prompts)] for i in range(min(args.prompts, len(heldout)))]
     prompt_ids = distill.encode_prompts(tokenizer, chosen)
     names = args.draft or [n for n in shipped_drafts() if not is_feature_draft_dir(distill.drafts_dir() / n)]  # feature heads: bench_feature_draft.py
-    directories = [Path(n) if (Path(n) / "manifest.json").exists() else distill.drafts_dir() / n for n in names]
-    drafts = [(d.name, distill.load_draft(target, d), json.loads((d / "manifest.json").read_text())) for d in directories]
+    directories = [Path(n) if manifest_path(n).exists() else distill.drafts_dir() / n for n in names]
+    drafts = [(d.name, distill.load_draft(target, d), read_manifest(d)) for d in directories]
     if args.baseline:
         drafts.append(("untrained tiny-1l", distill.build_draft(target, distill.DraftConfig.from_name("tiny-1l")).eval(), None))
     rows = [measure(target, draft, name, prompt_ids, eos, args, manifest["measurement"] if manifest and args.alpha_from_manifest else None)

@@ -30,6 +30,7 @@ import torch
 
 from specresearch import distill
 from specresearch.draft_analysis import predicted_speedup
+from specresearch.drafts import manifest_path, read_manifest
 from specresearch.embedded import load_embedded
 from specresearch.feature_distill import measure_feature_cost, measure_feature_draft
 from specresearch.feature_drafts import FeatureDraft, load_feature_head
@@ -38,12 +39,12 @@ TEMPERATURES = (0.2, 0.6, 1.0)
 
 
 def _directory(name: str) -> Path:
-    return Path(name) if (Path(name) / "manifest.json").exists() else distill.drafts_dir() / name
+    return Path(name) if manifest_path(name).exists() else distill.drafts_dir() / name
 
 
 def feature_row(lm, tokenizer, directory: Path, prompt_ids, eos, args) -> dict:
     head = load_feature_head(lm.model, directory)
-    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest = read_manifest(directory)
     if args.alpha_from_manifest:
         stats = {k: manifest["measurement"][k] for k in ("alpha_by_depth", "greedy_agreement_by_depth", "positions")}
     else:
@@ -56,7 +57,7 @@ def feature_row(lm, tokenizer, directory: Path, prompt_ids, eos, args) -> dict:
 
 def baseline_row(lm, directory: Path, prompt_ids, eos, args) -> dict:
     draft = distill.load_draft(lm.model, directory)
-    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest = read_manifest(directory)
     if args.alpha_from_manifest:
         stats = {k: manifest["measurement"][k] for k in ("alpha", "greedy_agreement", "positions")}
     else:

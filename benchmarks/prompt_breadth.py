@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from specresearch.distill import encode_prompts, load_prompts
-from specresearch.drafts import HALF_PREFIX, drafts_dir, half_weight_draft, shipped_drafts, without_half_prefix
+from specresearch.drafts import HALF_PREFIX, drafts_dir, half_weight_draft, read_manifest, shipped_drafts, without_half_prefix
 from specresearch.embedded import load_embedded
 from specresearch.feature_distill import chunk_prompt_order, measure_feature_draft
 from specresearch.feature_drafts import load_feature_draft
@@ -132,7 +132,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     base = without_half_prefix(args.draft)
     directory = drafts_dir() / base if base in shipped_drafts() else Path(base)
-    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest = read_manifest(directory)
     sets = prompt_sets(manifest, args.count, args.sets)
     target, tokenizer = load_embedded(device="cpu")
     draft = load_feature_draft(target, directory)

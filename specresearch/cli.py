@@ -289,7 +289,9 @@ def _add_feature_distill(sub) -> None:
     p.add_argument("--collect-only", action="store_true", help="collect (and cache) the corpus chunks, do not train")
     p.add_argument("--save-tokens", action="store_true",
                    help="with --collect-only: write the chunks' sampled token ids to data/corpora/<corpus key>.npz (small, "
-                        "committed); collection and training rebuild the chunks it holds instead of sampling them")
+                        "committed); collection and training rebuild the chunks it holds instead of sampling them. With "
+                        "--first-chunk N (at most the chunks the file holds) only chunks N on are collected, and the file "
+                        "keeps the ids it holds")
     p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")
     p.add_argument("--heldout-prompts", type=int, default=14, help="how many held-out prompts (evenly spaced)")
     p.add_argument("--out", help="output directory (default data/drafts/<preset>)")
@@ -314,7 +316,12 @@ def _run_feature_distill(args) -> int:
     if args.first_chunk < 0:
         raise ValueError(f"--first-chunk must be >= 0, got {args.first_chunk}")
     if args.save_tokens and args.first_chunk:
-        raise ValueError("--save-tokens writes the ids of every chunk from chunk 0 on; drop --first-chunk")
+        from specresearch.feature_distill import FeatureCorpusConfig, stored_corpus_tokens
+
+        stored = len(stored_corpus_tokens(FeatureCorpusConfig().key(args.prompts)))
+        if stored < args.first_chunk:
+            raise ValueError(f"--save-tokens writes the ids of every chunk from chunk 0 on, and the committed ids hold the "
+                             f"first {stored} chunks only; pass --first-chunk {stored} or lower, or drop --first-chunk")
     if args.init_from is not None and args.collect_only:
         raise ValueError("--init-from goes with training, not with --collect-only")
     if args.init_from is not None:
@@ -358,8 +365,8 @@ def _collect_feature_corpus(lm, tokenizer, args) -> int:
                                        first=args.first_chunk)
     print(f"{available} of {args.chunks} chunks in {directory}" + ("" if available == args.chunks else "; rerun the same command to resume")
           + (f" (the first {len(stored)} are rebuilt from {token_file} when missing, not sampled)" if stored else ""))
-    if args.save_tokens:
-        written = save_corpus_tokens(directory, token_file, key, count=available)
+    if args.save_tokens:  # the committed chunks, then the consecutive ones sampled after them
+        written = save_corpus_tokens(directory, token_file, key, count=args.first_chunk + available, stored=stored)
         print(f"token ids of {written} chunks written to {token_file}")
     return 0
 

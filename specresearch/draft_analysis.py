@@ -82,8 +82,10 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
     (their chunks are disjoint, else ``ValueError``); its ``passes`` are None (old and new chunks were
     seen unequally often).
     """
+    from specresearch.drafts import manifest_path  # here: this module's plots need no torch until a manifest is read
+
     path = Path(path)
-    file = path / "manifest.json" if path.is_dir() else path
+    file = manifest_path(path) if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"{str(file)!r} is not a draft manifest")
     manifest = json.loads(file.read_text())
@@ -131,9 +133,11 @@ def read_scaling(*sources: str | os.PathLike) -> pd.DataFrame:
     a saved one: tokens and steps of its whole chain), depth-1 alpha at each temperature, greedy agreement and c."""
     if not sources:
         raise ValueError("read_scaling needs at least one directory or manifest")
+    from specresearch.drafts import manifest_path
+
     manifests = []
     for source in map(Path, sources):
-        if source.is_dir() and not (source / "manifest.json").is_file():
+        if source.is_dir() and not manifest_path(source).is_file():
             for file in sorted(source.glob("*.json")):
                 try:
                     manifests.append(read_draft_manifest(file))

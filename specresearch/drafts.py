@@ -60,6 +60,9 @@ __all__ = [
     "shipped_drafts",
     "check_field",
     "embedding_fingerprint",
+    "manifest_path",
+    "read_manifest",
+    "write_manifest",
 ]
 
 _STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -449,7 +452,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
-    if (trained / _MANIFEST_FILE).exists():
+    if manifest_path(trained).exists():
         from specresearch.feature_drafts import is_feature_draft_dir, load_feature_draft  # imports this module
 
         if is_feature_draft_dir(trained):
@@ -523,7 +526,7 @@ def check_field(condition: bool, field: str, message: str) -> None:
 def shipped_drafts(root: str | os.PathLike | None = None) -> list[str]:
     """Names of the trained drafts under ``root`` (default :func:`drafts_dir`), sorted."""
     directory = Path(root) if root is not None else drafts_dir()
-    return sorted(p.name for p in directory.glob("*") if (p / _MANIFEST_FILE).exists())
+    return sorted(p.name for p in directory.glob("*") if manifest_path(p).exists())
 
 
 @dataclass(frozen=True)
@@ -730,9 +733,23 @@ def save_draft(draft, target, config: DraftConfig, directory: str | os.PathLike,
     if isinstance(head, SubsetHead):
         tensors[_HEAD_IDS] = head.token_ids.detach().clone()
     save_file(tensors, str(directory / _WEIGHTS_FILE))
-    record = {"draft_config": asdict(config), "target": embedding_fingerprint(target), **(manifest or {})}
-    (directory / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    write_manifest(directory, {"draft_config": asdict(config), "target": embedding_fingerprint(target), **(manifest or {})})
     return directory
+
+
+def manifest_path(directory: str | os.PathLike) -> Path:
+    """The manifest file of a trained draft's directory (distilled or feature head)."""
+    return Path(directory) / _MANIFEST_FILE
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of a trained draft's directory (distilled or feature head)."""
+    return json.loads(manifest_path(directory).read_text())
+
+
+def write_manifest(directory: str | os.PathLike, record: dict) -> None:
+    """Write ``record`` as the manifest of a trained draft's directory (sorted keys, indented)."""
+    manifest_path(directory).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 @torch.no_grad()
@@ -751,7 +768,7 @@ def load_draft(target, directory: str | os.PathLike):
     Returns the draft in ``eval`` mode, in the target's dtype.
     """
     directory = Path(directory)
-    manifest = json.loads((directory / _MANIFEST_FILE).read_text())
+    manifest = read_manifest(directory)
     _check_fingerprint(target, manifest["target"], directory)
     config = DraftConfig(**{**manifest["draft_config"], "init_layers": None})
     tensors = load_file(str(directory / _WEIGHTS_FILE))
@@ -771,7 +788,7 @@ def load_draft(target, directory: str | os.PathLike):
 def load_trained_draft(target, name: str, root: str | os.PathLike | None = None):
     """The shipped draft ``<root>/<name>`` (default root :func:`drafts_dir`) rebuilt against ``target``."""
     directory = Path(root) if root is not None else drafts_dir()
-    if not (directory / name / _MANIFEST_FILE).exists():
+    if not manifest_path(directory / name).exists():
         available = shipped_drafts(directory)
         raise ValueError(f"name {name!r}: no trained draft in {directory}; available: {available}")
     return load_draft(target, directory / name)

@@ -262,10 +262,14 @@ def corpora_dir() -> Path:
     return drafts_dir().parent / "corpora"
 
 
-def save_corpus_tokens(directory: str | os.PathLike, path: str | os.PathLike, key: str, count: int | None = None) -> int:
-    """Write the sampled token ids of the first ``count`` (default: all) consecutive cached chunks of
-    ``directory`` to ``path`` (a compressed ``.npz``: uint16 ids when the vocabulary allows), with the corpus
-    ``key`` (``FeatureCorpusConfig.key``) and each chunk's sampling seconds; returns the chunks written.
+def save_corpus_tokens(directory: str | os.PathLike, path: str | os.PathLike, key: str, count: int | None = None,
+                       stored: Sequence[dict] = ()) -> int:
+    """Write the sampled token ids of the first ``count`` (default: all) consecutive chunks to ``path`` (a
+    compressed ``.npz``: uint16 ids when the vocabulary allows), with the corpus ``key``
+    (``FeatureCorpusConfig.key``) and each chunk's sampling seconds; returns the chunks written. Chunk ``i``
+    is ``stored[i]`` (the ids already committed, :func:`load_corpus_tokens`) when there is one, else the
+    chunk cached in ``directory``: the file grows by what was sampled since, and the chunks it already
+    holds need not be in the cache.
 
     About 1 byte per token on disk, small enough to commit: the features and teacher (~4 KB per token) are
     recomputed from it by one teacher-forced pass per chunk (``collect_feature_corpus(stored=...)``), which
@@ -275,10 +279,17 @@ def save_corpus_tokens(directory: str | os.PathLike, path: str | os.PathLike, ke
 
     directory = Path(directory)
     chunks = []
-    while _chunk_path(directory, len(chunks)).exists() and (count is None or len(chunks) < count):
-        chunks.append(_load_chunk(directory, len(chunks)))
+    while count is None or len(chunks) < count:
+        index = len(chunks)
+        if index < len(stored):
+            chunks.append(stored[index])
+        elif _chunk_path(directory, index).exists():
+            chunks.append(_load_chunk(directory, index))
+        else:
+            break
     if not chunks or (count is not None and len(chunks) < count):
-        raise ValueError(f"directory {directory} holds {len(chunks)} consecutive chunks, {count or 1} needed")
+        raise ValueError(f"{len(stored)} stored chunks and directory {directory} hold {len(chunks)} consecutive chunks, "
+                         f"{count or 1} needed")
     sequences = [s for c in chunks for s in c["sequences"]]
     tokens = torch.cat(sequences)
     dtype = np.uint16 if int(tokens.max()) < 2**16 and int(tokens.min()) >= 0 else np.int64
@@ -856,6 +867,7 @@ def _starting_head(target, head_config, init_from) -> tuple:
     Its configuration must be ``head_config`` (the preset's), up to ``init_layer`` (a loaded head is not copied
     from the target's layer); its subset head's token ids are kept.
     """
+    from specresearch.drafts import read_manifest
     from specresearch.feature_drafts import feature_head_digest, feature_head_dir, load_feature_head
 
     directory = feature_head_dir(init_from)
@@ -864,7 +876,7 @@ def _starting_head(target, head_config, init_from) -> tuple:
         raise ValueError(f"init_from {directory}: its head config {dataclasses.asdict(head.config)} is not the preset's "
                          f"{dataclasses.asdict(head_config)}")
     digest = feature_head_digest(directory)
-    saved = json.loads((directory / "manifest.json").read_text())
+    saved = read_manifest(directory)
     record = {"directory": str(init_from), "weights_sha256": digest, "command": saved.get("command"),
               "corpus": saved.get("corpus"), "training_steps": saved.get("training", {}).get("steps"),
               "init_from": saved.get("init_from")}  # the chain of heads it continued in turn, if any

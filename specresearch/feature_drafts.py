@@ -28,7 +28,6 @@ a true feature and re-feeds the accepted tokens with the target's true features.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specresearch.drafts import SubsetHead, check_field, drafts_dir, embedding_fingerprint
+from specresearch.drafts import SubsetHead, check_field, drafts_dir, embedding_fingerprint, manifest_path, read_manifest, write_manifest
 from specresearch.models import SKINNY_ROWS, SlotMask, check_prompt, choose_skinny_rows, rollback_counts, use_skinny_linears
 
 __all__ = [
@@ -59,7 +58,6 @@ __all__ = [
 ]
 
 _WEIGHTS_FILE = "feature_head.safetensors"
-_MANIFEST_FILE = "manifest.json"
 _HEAD_IDS = "head.token_ids"
 _STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -461,8 +459,7 @@ class FeatureDraft:
 
 def is_feature_draft_dir(directory: str | os.PathLike) -> bool:
     """True if ``directory`` holds a shipped feature head (its manifest has ``feature_head_config``)."""
-    path = Path(directory) / _MANIFEST_FILE
-    return path.exists() and "feature_head_config" in json.loads(path.read_text())
+    return manifest_path(directory).exists() and "feature_head_config" in read_manifest(directory)
 
 
 def feature_head_digest(directory: str | os.PathLike) -> str:
@@ -493,8 +490,7 @@ def save_feature_head(head: FeatureHead, target, directory: str | os.PathLike, m
     if head.subset_head is not None:
         tensors[_HEAD_IDS] = head.subset_head.token_ids.clone()
     save_file(tensors, str(directory / _WEIGHTS_FILE))
-    record = {"feature_head_config": asdict(head.config), "target": embedding_fingerprint(target), **(manifest or {})}
-    (directory / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    write_manifest(directory, {"feature_head_config": asdict(head.config), "target": embedding_fingerprint(target), **(manifest or {})})
     return directory
 
 
@@ -509,7 +505,7 @@ def round_head_to_storage(head: FeatureHead) -> None:
 def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
     """Rebuild a shipped feature head against ``target`` (checked to be the target it was trained on)."""
     directory = Path(directory)
-    manifest = json.loads((directory / _MANIFEST_FILE).read_text())
+    manifest = read_manifest(directory)
     expected_target = manifest["target"]
     actual = embedding_fingerprint(target)
     if any(actual[k] != expected_target[k] for k in ("vocab_size", "hidden_size")) or not all(

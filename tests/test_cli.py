@@ -88,7 +88,8 @@ def test_distill_user_errors_fail_before_loading_anything(capsys, tmp_path):
     _user_error(capsys, ["feature-distill", "--chunks", "0", "--collect-only"], "--chunks must be >= 1")
     _user_error(capsys, ["feature-distill", "--save-tokens"], "--save-tokens goes with --collect-only")
     _user_error(capsys, ["feature-distill", "--first-chunk", "-1"], "--first-chunk must be >= 0")
-    _user_error(capsys, ["feature-distill", "--collect-only", "--save-tokens", "--first-chunk", "2"], "drop --first-chunk")
+    _user_error(capsys, ["feature-distill", "--collect-only", "--save-tokens", "--first-chunk", "100000"],
+                "committed ids hold the", "drop --first-chunk")
     _user_error(capsys, ["feature-distill", "--collect-only", "--init-from", "eagle3-v8k"], "--init-from goes with training")
     _user_error(capsys, ["feature-distill", "--init-from", str(tmp_path)], "no feature head in")
     _user_error(capsys, ["feature-distill", "--preset", "eagle9"], "eagle9")

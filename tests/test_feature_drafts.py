@@ -407,6 +407,14 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
         assert got["prompt_lengths"] == want["prompt_lengths"] and (got["seconds"] == want["seconds"]) == (i < 2)
         for name in ("sequences", "features", "teacher_ids", "teacher_probs"):
             assert all(torch.equal(a, b) for a, b in zip(got[name], want[name], strict=True)), name
+    for i in (0, 1):  # the stored chunks need not be cached: the file grows by the chunks sampled after them
+        (tmp_path / "sampled" / f"chunk-{i:04d}.pt").unlink()
+    assert save_corpus_tokens(tmp_path / "sampled", tmp_path / "t3.npz", "key", stored=stored) == 3
+    grown = load_corpus_tokens(tmp_path / "t3.npz", "key")
+    assert [c["seconds"] for c in grown[:2]] == [c["seconds"] for c in stored]
+    assert all(torch.equal(a, b) for a, b in zip(grown[2]["sequences"], torch.load(tmp_path / "rebuilt" / "chunk-0002.pt")["sequences"], strict=True))
+    with pytest.raises(ValueError, match="hold 1 consecutive chunks, 4 needed"):
+        save_corpus_tokens(tmp_path / "sampled", tmp_path / "t4.npz", "key", count=4, stored=stored[:1])
     with pytest.raises(ValueError, match="holds the tokens of corpus 'key'"):
         load_corpus_tokens(tmp_path / "t.npz", "another")
     with pytest.raises(ValueError, match="do not start with the prompts"):
