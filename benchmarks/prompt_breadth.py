@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from specresearch.distill import encode_prompts, load_prompts
+from specresearch.draft_analysis import corpus_spans
 from specresearch.drafts import HALF_PREFIX, drafts_dir, half_weight_draft, read_manifest, shipped_drafts, without_half_prefix
 from specresearch.embedded import load_embedded
 from specresearch.feature_distill import chunk_prompt_order, measure_feature_draft
@@ -55,10 +56,10 @@ def prompt_sets(manifest: dict, count: int, names=SETS) -> dict[str, list[dict]]
     if set(names) == {"held-out"}:
         return {"held-out": held_out}
     corpus, config = manifest["corpus"], manifest["corpus_config"]
-    prompts = load_prompts(ROOT / "data" / corpus["prompts_file"])
-    used = corpus["chunks"] * config["chunk_prompts"]
-    order = chunk_prompt_order(len(prompts), config["seed"], max(used, len(prompts)))
-    seen = list(dict.fromkeys(order[:used]))
+    prompts, size = load_prompts(ROOT / "data" / corpus["prompts_file"]), config["chunk_prompts"]
+    spans = [s for s in corpus_spans(manifest) if s["cache_key"] == corpus["cache_key"]]  # a continued head's chain too
+    order = chunk_prompt_order(len(prompts), config["seed"], max(max(s["end_chunk"] for s in spans) * size, len(prompts)))
+    seen = list(dict.fromkeys(i for s in spans for i in order[s["first_chunk"] * size : s["end_chunk"] * size]))
     unseen = [i for i in order[: len(prompts)] if i not in set(seen)]
     if len(unseen) < count:
         raise SystemExit(f"the corpus used {len(seen)} of the {len(prompts)} prompts of {corpus['prompts_file']}: "

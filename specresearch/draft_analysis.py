@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-__all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "read_scaling", "read_wallclock",
+__all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "corpus_spans", "read_scaling", "read_wallclock",
            "wallclock_table", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
            "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff", "plot_speedup_intervals"]
 
@@ -109,17 +109,31 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
             "loop_tokens_by_gamma": measurement.get("loop_tokens_per_step_by_gamma")}
 
 
-def _continued_chain(manifest: dict, file: Path) -> list[dict]:
-    """The ``init_from`` records of the heads ``manifest``'s head continued, latest first; their corpus chunk
-    ranges must be disjoint from each other and from the manifest's own."""
+def _init_chain(manifest: dict) -> list[dict]:
+    """The ``init_from`` records of the heads ``manifest``'s head continued, latest first."""
     chain, record = [], manifest.get("init_from")
     while record:
         chain.append(record)
         record = record.get("init_from")
+    return chain
+
+
+def corpus_spans(manifest: dict) -> list[dict]:
+    """The corpus chunks a trained draft learned from: ``{"prompts_file", "cache_key", "first_chunk", "end_chunk"}``
+    for its own run and, for a head that continued saved heads (``feature-distill --init-from``), for each
+    head of the chain, own run first. The chunk ranges are as recorded (end exclusive), not checked."""
+    return [{"prompts_file": c.get("prompts_file"), "cache_key": c.get("cache_key"), "first_chunk": c.get("first_chunk", 0),
+             "end_chunk": c.get("first_chunk", 0) + c["chunks"]}
+            for c in [manifest["corpus"], *(r["corpus"] for r in _init_chain(manifest))]]
+
+
+def _continued_chain(manifest: dict, file: Path) -> list[dict]:
+    """The ``init_from`` records of the heads ``manifest``'s head continued, latest first; their corpus chunk
+    ranges must be disjoint from each other and from the manifest's own."""
+    chain = _init_chain(manifest)
     if not chain:
         return chain
-    spans = [(c.get("cache_key"), c.get("first_chunk", 0), c.get("first_chunk", 0) + c["chunks"])
-             for c in [manifest["corpus"], *(r["corpus"] for r in chain)]]
+    spans = [(s["cache_key"], s["first_chunk"], s["end_chunk"]) for s in corpus_spans(manifest)]
     for i, (key, start, stop) in enumerate(spans):
         if any(key == k and start < b and a < stop for k, a, b in spans[:i]):
             raise ValueError(f"{file}: the heads it continued trained on overlapping chunks of one corpus; corpus tokens unknown")

@@ -11,7 +11,7 @@ import pytest
 
 from specresearch import theory
 from specresearch.distill import drafts_dir
-from specresearch.draft_analysis import (best_gammas, expected_tokens, gamma1_costs, plot_acceptance_by_depth, plot_alpha_cost_tradeoff,
+from specresearch.draft_analysis import (best_gammas, corpus_spans, expected_tokens, gamma1_costs, plot_acceptance_by_depth, plot_alpha_cost_tradeoff,
                                          plot_data_scaling, plot_speedup_by_category, plot_speedup_intervals, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
                                          read_scaling, read_wallclock, speedup_curve, speedup_intervals, wallclock_table)
 
@@ -113,6 +113,7 @@ def test_a_continued_head_counts_the_tokens_and_steps_of_its_chain(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(manifest))
     m = read_draft_manifest(tmp_path / "m.json")
     assert (m["tokens"], m["steps"], m["passes"], m["continued"]) == (2200, 90, None, True)
+    assert [(s["cache_key"], s["first_chunk"], s["end_chunk"]) for s in corpus_spans(manifest)] == [("k", 3, 4), ("k", 2, 3), ("k", 0, 2)]
     (tmp_path / "plain.json").write_text(json.dumps(_feature_manifest(500, 0.3, steps=20, sequences=80)))
     plain = read_draft_manifest(tmp_path / "plain.json")
     assert (plain["tokens"], plain["passes"], plain["continued"]) == (500, 2.0, False)
