@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specresearch.plotting import FIGURES_ENV
 
-__all__ = ["DOCS_FIGURES", "KERNEL_TEARDOWN_NOISE", "NotebookRun", "execute_notebook", "find_notebooks", "publish_figures",
+__all__ = ["DOCS_FIGURES", "KERNEL_TEARDOWN_NOISE", "KERNEL_TEARDOWN_TRACEBACK", "NotebookRun", "execute_notebook", "find_notebooks", "publish_figures",
            "run_report"]
 
 # Figures shown in README.md and docs/ (stems of reports/figures/*.png), refreshed by every full main job.
@@ -42,6 +42,11 @@ DOCS_FIGURES = (
 # run and replied (zeromq/libzmq#1307, #3715: poll() reports POLLHUP on a closing signaler pipe). It says
 # nothing about the notebook; the run keeps the line in ``kernel_stderr`` but it is not a kernel message.
 KERNEL_TEARDOWN_NOISE = ("Assertion failed: pfd.revents & POLLIN",)
+# ipykernel can also answer the shutdown request (``process_control``) by flushing stdout through an iopub
+# pipe already closed; tornado logs that as one traceback ending in this error. Such a traceback (and only
+# one that passes through ``process_control``) is left out whole.
+KERNEL_TEARDOWN_TRACEBACK = ("ERROR:tornado.general:Uncaught exception in ZMQStream callback", "process_control",
+                             "zmq.error.ZMQError: Socket operation on non-socket")
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,21 @@ class NotebookRun:
     """What the kernel process wrote to its stderr (outside any cell's output), start to shutdown."""
 
     def kernel_messages(self) -> list[str]:
-        """The lines of ``kernel_stderr`` other than ``KERNEL_TEARDOWN_NOISE``."""
-        return [line for line in self.kernel_stderr.splitlines()
-                if line.strip() and not any(noise in line for noise in KERNEL_TEARDOWN_NOISE)]
+        """The lines of ``kernel_stderr`` other than ``KERNEL_TEARDOWN_NOISE`` and the shutdown traceback of
+        ``KERNEL_TEARDOWN_TRACEBACK``."""
+        lines, kept = self.kernel_stderr.splitlines(), []
+        start, through, error = KERNEL_TEARDOWN_TRACEBACK
+        i = 0
+        while i < len(lines):
+            if lines[i].startswith(start):  # the block runs to its exception line, the first unindented one after
+                end = next((j for j in range(i + 2, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines) - 1)
+                block = lines[i : end + 1]
+                if lines[end].startswith(error) and any(through in line for line in block):
+                    i = end + 1
+                    continue
+            kept.append(lines[i])
+            i += 1
+        return [line for line in kept if line.strip() and not any(noise in line for noise in KERNEL_TEARDOWN_NOISE)]
 
 
 def find_notebooks(directory: str | os.PathLike = "notebooks") -> list[Path]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from specresearch.report import (DOCS_FIGURES, KERNEL_TEARDOWN_NOISE, NotebookRun, execute_notebook, find_notebooks,
+from specresearch.report import (DOCS_FIGURES, KERNEL_TEARDOWN_NOISE, KERNEL_TEARDOWN_TRACEBACK, NotebookRun, execute_notebook, find_notebooks,
                                  publish_figures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +68,14 @@ def test_kernel_messages_leave_out_only_the_known_teardown_abort(tmp_path):
     run = NotebookRun(tmp_path / "a.ipynb", tmp_path / "a.ipynb", None, 1.0, f"{noise}\nTraceback: boom\n\n")
     assert run.kernel_messages() == ["Traceback: boom"]
     assert NotebookRun(tmp_path / "a.ipynb", tmp_path / "a.ipynb", None, 1.0, noise).kernel_messages() == []
+    start, through, error = KERNEL_TEARDOWN_TRACEBACK
+    teardown = [start, "Traceback (most recent call last):", '  File "kernelbase.py", line 372, in dispatch_control',
+                f"    await self.{through}(msg)", '  File "socket.py", line 713, in send', f"{error}"]
+    other = [start, "Traceback (most recent call last):", '  File "kernelbase.py", line 500, in dispatch_shell', f"{error}"]
+    run = NotebookRun(tmp_path / "a.ipynb", tmp_path / "a.ipynb", None, 1.0, "\n".join(["before", *teardown, "after"]))
+    assert run.kernel_messages() == ["before", "after"]  # the shutdown traceback goes whole, nothing else does
+    run = NotebookRun(tmp_path / "a.ipynb", tmp_path / "a.ipynb", None, 1.0, "\n".join(other))
+    assert run.kernel_messages() == other  # the same error outside the shutdown request is a kernel message
 
 
 def test_publish_figures_copies_only_the_listed_figures_written_by_this_run(tmp_path):
