@@ -245,8 +245,8 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     count is chosen when its median skinny sweep takes less than ``margin`` times its median plain one.
     A sweep reads each weight once, so a model larger than the CPU's caches is timed from memory, as its
     forwards run (one weight per shape timed over and over stays in cache, where the plain one-row
-    product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower). Which is faster depends on the CPU
-    (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
+    product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower).
+    Which is faster depends on the CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
     ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times. Answers are kept per layer
     shapes and thread count for the process. ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
     ``"plain"``) replaces the clock that times one sweep ``fn()`` (tests).
