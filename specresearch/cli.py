@@ -316,9 +316,9 @@ def _run_feature_distill(args) -> int:
     if args.first_chunk < 0:
         raise ValueError(f"--first-chunk must be >= 0, got {args.first_chunk}")
     if args.save_tokens and args.first_chunk:
-        from specresearch.feature_distill import FeatureCorpusConfig, stored_corpus_tokens
+        from specresearch.feature_distill import FeatureCorpusConfig, stored_chunk_count
 
-        stored = len(stored_corpus_tokens(FeatureCorpusConfig().key(args.prompts)))
+        stored = stored_chunk_count(FeatureCorpusConfig().key(args.prompts))
         if stored < args.first_chunk:
             raise ValueError(f"--save-tokens writes the ids of every chunk from chunk 0 on, and the committed ids hold the "
                              f"first {stored} chunks only; pass --first-chunk {stored} or lower, or drop --first-chunk")

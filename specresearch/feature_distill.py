@@ -59,6 +59,7 @@ __all__ = [
     "save_corpus_tokens",
     "load_corpus_tokens",
     "stored_corpus_tokens",
+    "stored_chunk_count",
     "load_feature_chunks",
     "as_distill_corpus",
     "target_features",
@@ -328,6 +329,20 @@ def stored_corpus_tokens(key: str) -> list[dict]:
     """The committed token ids of corpus ``key`` (``data/corpora/<key>.npz``, :func:`load_corpus_tokens`), or ``[]``."""
     path = corpora_dir() / f"{key}.npz"
     return load_corpus_tokens(path, key) if path.exists() else []
+
+
+def stored_chunk_count(key: str) -> int:
+    """How many chunks :func:`stored_corpus_tokens` would return, read from the file's chunk sizes alone
+    (the token ids stay compressed); 0 without a committed file. A file of another corpus raises ``ValueError``."""
+    import numpy as np
+
+    path = corpora_dir() / f"{key}.npz"
+    if not path.exists():
+        return 0
+    with np.load(path, allow_pickle=False) as data:
+        if str(data["key"]) != key:
+            raise ValueError(f"{path} holds the tokens of corpus {str(data['key'])!r}, not {key!r}")
+        return len(data["chunk_sizes"])
 
 
 def load_feature_chunks(directory: str | os.PathLike, count: int | None = None, first: int = 0) -> FeatureChunk:

@@ -383,7 +383,7 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
     """save_corpus_tokens keeps the sampled ids (uint16) and the corpus key; collect_feature_corpus rebuilds
     the chunks they hold by the teacher-forced pass alone, equal to the sampled chunks (ids, features,
     teacher, sampling seconds), and samples the chunks they do not hold; another corpus' file, or tokens
-    whose prompts are not this chunk's, raise."""
+    whose prompts are not this chunk's, raise; stored_chunk_count counts a committed file's chunks."""
     import numpy as np
 
     from specresearch import feature_distill
@@ -419,6 +419,12 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
         load_corpus_tokens(tmp_path / "t.npz", "another")
     with pytest.raises(ValueError, match="do not start with the prompts"):
         collect_feature_corpus(small.model, prompts[::-1], config, tmp_path / "other", stored=stored, progress=False)
+    monkeypatch.setattr(feature_distill, "corpora_dir", lambda: tmp_path)  # the count the CLI checks reads the sizes alone
+    (tmp_path / "t3.npz").rename(tmp_path / "key.npz")
+    assert feature_distill.stored_chunk_count("key") == 3 and feature_distill.stored_chunk_count("absent") == 0
+    (tmp_path / "key.npz").rename(tmp_path / "other.npz")
+    with pytest.raises(ValueError, match="holds the tokens of corpus 'key'"):
+        feature_distill.stored_chunk_count("other")
 
 
 def test_trained_draft_directories_load_by_path(target, tmp_path):
