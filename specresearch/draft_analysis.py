@@ -345,8 +345,8 @@ def plot_acceptance_by_depth(drafts: Sequence[dict], temperatures: Sequence[str]
 def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: float | None = 0.5):
     """Depth-1 alpha at ``temperature`` against corpus tokens (log scale, ticks at the corpus sizes), one line
     per kind of draft and number of passes over the data (rounded to a whole pass; a table without
-    ``passes``: one per kind); heads that continued a saved head (``continued``) as stars, at the tokens of
-    their whole chain. The training steps are in the table."""
+    ``passes``: one per kind); heads that continued a saved head (``continued``) as stars at the tokens of
+    their whole chain, joined by a dotted line in token order. The training steps are in the table."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
@@ -354,9 +354,9 @@ def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: flo
     continued = table["continued"].astype(bool) if "continued" in table else pd.Series(False, index=table.index)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for kind, marker in (("feature", "o"), ("distilled LM", "s")):
-        stars = table[(table["kind"] == kind) & continued]
-        if len(stars):
-            ax.plot(stars["tokens"], stars[f"alpha_T{temperature}"], marker="*", markersize=12, linestyle="none",
+        stars = table[(table["kind"] == kind) & continued].sort_values("tokens")
+        if len(stars):  # joined in token order: a head continued again sits right of the head it continued
+            ax.plot(stars["tokens"], stars[f"alpha_T{temperature}"], marker="*", markersize=12, linestyle=":",
                     label=f"{kind}, continued from a saved head")
         part = table[(table["kind"] == kind) & ~continued]
         groups = passes[part.index].map(lambda v: None if v is None or pd.isna(v) else round(v))

@@ -222,6 +222,11 @@ def test_plots_draw_one_line_per_draft_and_kind(tmp_path):
     stars = [line for line in fig.axes[0].lines if line.get_label() == "feature, continued from a saved head"]
     assert len(stars) == 1 and list(stars[0].get_xdata()) == [3500] and list(stars[0].get_ydata()) == [0.3]
     assert sorted(line.get_label() for line in fig.axes[0].lines) == sorted(labels + ["feature, continued from a saved head"])
+    again = {**_feature_manifest(1000, 0.35, steps=40, sequences=100), "init_from": {**continued, "training_steps": 50}}
+    again["corpus"].update(chunks=1, first_chunk=3, cache_key="k")
+    (tmp_path / "a.json").write_text(json.dumps(again))  # continued again: 4500 tokens, read before c.json, drawn after it
+    stars = [line for line in plot_data_scaling(read_scaling(tmp_path)).axes[0].lines if line.get_label().endswith("saved head")]
+    assert list(stars[0].get_xdata()) == [3500, 4500] and list(stars[0].get_ydata()) == [0.3, 0.35]
     measured = pd.DataFrame([{"temperature": 1.0, "method": "eagle3-v8k", "gamma": 1, "vs_autoregressive": 0.8},
                              {"temperature": 1.0, "method": "ngram", "gamma": 1, "vs_autoregressive": 0.9}])
     fig = plot_speedup_vs_gamma(drafts, measured)
