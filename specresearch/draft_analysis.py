@@ -368,7 +368,7 @@ def plot_data_scaling(table: pd.DataFrame, temperature: str = "1.0", target: flo
         ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"alpha = {target}")
     ax.set_xscale("log")
     sizes = sorted(table["tokens"].unique())
-    ax.set_xticks(sizes, [f"{t / 1000:.0f}k" for t in sizes])
+    ax.set_xticks(sizes, [f"{t / 1e6:.1f}M" if t >= 1e6 else f"{t / 1000:.0f}k" for t in sizes], rotation=45)  # close ticks stay legible
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("corpus tokens (sampled from the target at T = 1; one corpus, its first chunks)")
     ax.set_ylabel(f"held-out alpha, depth 1, T = {temperature}")
