@@ -312,8 +312,7 @@ def load_corpus_tokens(path: str | os.PathLike, key: str) -> list[dict]:
     import numpy as np
 
     with np.load(Path(path), allow_pickle=False) as data:
-        if str(data["key"]) != key:
-            raise ValueError(f"{path} holds the tokens of corpus {str(data['key'])!r}, not {key!r}")
+        _check_corpus_key(data, path, key)
         tokens = torch.from_numpy(data["tokens"].astype(np.int64))
         lengths, prompt_lengths = data["lengths"].tolist(), data["prompt_lengths"].tolist()
         sizes, seconds = data["chunk_sizes"].tolist(), data["seconds"].tolist()
@@ -323,6 +322,12 @@ def load_corpus_tokens(path: str | os.PathLike, key: str) -> list[dict]:
         chunks.append({"sequences": sequences[start : start + size], "prompt_lengths": prompt_lengths[start : start + size], "seconds": spent})
         start += size
     return chunks
+
+
+def _check_corpus_key(data, path: str | os.PathLike, key: str) -> None:
+    """Raise ``ValueError`` unless the opened token file ``data`` (at ``path``) was written for corpus ``key``."""
+    if str(data["key"]) != key:
+        raise ValueError(f"{path} holds the tokens of corpus {str(data['key'])!r}, not {key!r}")
 
 
 def stored_corpus_tokens(key: str) -> list[dict]:
@@ -340,8 +345,7 @@ def stored_chunk_count(key: str) -> int:
     if not path.exists():
         return 0
     with np.load(path, allow_pickle=False) as data:
-        if str(data["key"]) != key:
-            raise ValueError(f"{path} holds the tokens of corpus {str(data['key'])!r}, not {key!r}")
+        _check_corpus_key(data, path, key)
         return len(data["chunk_sizes"])
 
 
