@@ -352,11 +352,11 @@ def _run_feature_distill(args) -> int:
 
 def _collect_feature_corpus(lm, tokenizer, args) -> int:
     from specresearch.distill import cache_dir, encode_prompts, load_prompts
-    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, corpora_dir, save_corpus_tokens, stored_corpus_tokens
+    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, corpus_token_file, save_corpus_tokens, stored_corpus_tokens
 
     config = FeatureCorpusConfig()
     key = config.key(args.prompts)
-    directory, token_file = cache_dir() / "features" / key, corpora_dir() / f"{key}.npz"
+    directory, token_file = cache_dir() / "features" / key, corpus_token_file(key)
     stored = stored_corpus_tokens(key)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     available = collect_feature_corpus(lm.model, encode_prompts(tokenizer, load_prompts(args.prompts)), config, directory, eos_token_ids=eos,

@@ -58,6 +58,7 @@ __all__ = [
     "corpora_dir",
     "save_corpus_tokens",
     "load_corpus_tokens",
+    "corpus_token_file",
     "stored_corpus_tokens",
     "stored_chunk_count",
     "load_feature_chunks",
@@ -330,9 +331,14 @@ def _check_corpus_key(data, path: str | os.PathLike, key: str) -> None:
         raise ValueError(f"{path} holds the tokens of corpus {str(data['key'])!r}, not {key!r}")
 
 
+def corpus_token_file(key: str) -> Path:
+    """``data/corpora/<key>.npz``: where the sampled token ids of corpus ``key`` are committed."""
+    return corpora_dir() / f"{key}.npz"
+
+
 def stored_corpus_tokens(key: str) -> list[dict]:
-    """The committed token ids of corpus ``key`` (``data/corpora/<key>.npz``, :func:`load_corpus_tokens`), or ``[]``."""
-    path = corpora_dir() / f"{key}.npz"
+    """The committed token ids of corpus ``key`` (:func:`corpus_token_file`, :func:`load_corpus_tokens`), or ``[]``."""
+    path = corpus_token_file(key)
     return load_corpus_tokens(path, key) if path.exists() else []
 
 
@@ -341,7 +347,7 @@ def stored_chunk_count(key: str) -> int:
     (the token ids stay compressed); 0 without a committed file. A file of another corpus raises ``ValueError``."""
     import numpy as np
 
-    path = corpora_dir() / f"{key}.npz"
+    path = corpus_token_file(key)
     if not path.exists():
         return 0
     with np.load(path, allow_pickle=False) as data:
