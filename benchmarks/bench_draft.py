@@ -14,11 +14,11 @@ seeded measurement on the same held-out prompts, so identical up to float roundi
 For each draft: alpha = E[sum_x min(p, q)] at T = 0.2, 0.6, 1.0 along continuations the target samples
 at that temperature, and the greedy agreement rate along its greedy continuations, on ``--prompts``
 prompts taken evenly from the held-out ``data/prompts.jsonl`` (first turn, chat template), seed 0
-(``specresearch.distill.measure_draft``); c = median draft / median target time of one cached
+(``specresearch.training.distill.measure_draft``); c = median draft / median target time of one cached
 single-token forward at B = 1, the two timed in turn (``measure_cost_ratio``). ``--baseline`` adds the
 untrained draft (target layer 0 + final norm + head) as a reference row. Rows are written as JSON lines
 to ``--out`` and printed as a Markdown table with the Leviathan et al. speed-up at the best gamma
-(``specresearch.theory``); nothing is asserted about time.
+(``specresearch.exact.theory``); nothing is asserted about time.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from specresearch import distill
-from specresearch.drafts import manifest_path, read_manifest, shipped_drafts
-from specresearch.embedded import load_embedded
-from specresearch.feature_drafts import is_feature_draft_dir
-from specresearch.theory import optimal_gamma, walltime_improvement
+from specresearch.training import distill
+from specresearch.drafts.distilled import manifest_path, read_manifest, shipped_drafts
+from specresearch.models.embedded import load_embedded
+from specresearch.drafts.feature import is_feature_draft_dir
+from specresearch.exact.theory import optimal_gamma, walltime_improvement
 
 TEMPERATURES = (0.2, 0.6, 1.0)
 

@@ -10,14 +10,14 @@ For every (V, gamma) and task, one run on random rational context-dependent mode
 (``specresearch.exact.random_rational_model``, seed 0), in a child process that is stopped after
 ``--budget`` seconds:
 
-* ``lp``: the optimality certificate of proofs/t5 -- ``specresearch.lp.optimal_verifier_lp`` (exact
+* ``lp``: the optimality certificate of proofs/t5 -- ``specresearch.exact.lp.optimal_verifier_lp`` (exact
   rational simplex) plus ``check_verifier(..., "block")`` (block verification's joint is feasible and its
   objective equals the optimum).
 * ``lossless``: ``specresearch.exact.is_lossless(..., "block", n_tokens)`` (law of the first n_tokens of
   the whole loop, enumerated in Fractions).
 
 * ``lp_multi``: the multi-draft optimum over K paths of length L = gamma --
-  ``specresearch.lp.optimal_verifier_lp(..., num_drafts=K, draft_law="iid")`` (coupling form, drafts
+  ``specresearch.exact.lp.optimal_verifier_lp(..., num_drafts=K, draft_law="iid")`` (coupling form, drafts
   merged by their set of paths), checked against GBV's exact acceptance (GBV <= optimum). K comes
   from ``--num-drafts`` (default 2 3).
 
@@ -40,8 +40,8 @@ import random
 import time
 from pathlib import Path
 
-from specresearch.exact import expected_accepted, is_lossless, random_rational_model
-from specresearch.lp import check_verifier, optimal_verifier_lp
+from specresearch.exact.single import expected_accepted, is_lossless, random_rational_model
+from specresearch.exact.lp import check_verifier, optimal_verifier_lp
 
 
 def _models(vocab: int, seed: int = 0):

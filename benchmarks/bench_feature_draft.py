@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from specresearch import distill
-from specresearch.draft_analysis import predicted_speedup
-from specresearch.drafts import manifest_path, read_manifest
-from specresearch.embedded import load_embedded
-from specresearch.feature_distill import measure_feature_cost, measure_feature_draft
-from specresearch.feature_drafts import FeatureDraft, load_feature_head
+from specresearch.training import distill
+from specresearch.experiments.draft_analysis import predicted_speedup
+from specresearch.drafts.distilled import manifest_path, read_manifest
+from specresearch.models.embedded import load_embedded
+from specresearch.training.feature_distill import measure_feature_cost, measure_feature_draft
+from specresearch.drafts.feature import FeatureDraft, load_feature_head
 
 TEMPERATURES = (0.2, 0.6, 1.0)
 
@@ -74,8 +74,8 @@ def baseline_row(lm, directory: Path, prompt_ids, eos, args) -> dict:
 def generation_rows(lm, tokenizer, drafts: dict, args) -> list[dict]:
     """Wall clock on chat prompts (first turn of one prompt per category, chat template): autoregressive and
     speculative (token verification) with each draft, interleaved prompt by prompt, per temperature."""
-    from specresearch.generate import autoregressive_generate, speculative_generate
-    from specresearch.sampling import SamplingConfig
+    from specresearch.engine.generate import autoregressive_generate, speculative_generate
+    from specresearch.core.sampling import SamplingConfig
 
     seen, prompts = set(), []
     for row in distill.load_prompts(distill.drafts_dir().parent / "prompts.jsonl"):
@@ -107,7 +107,7 @@ def generation_rows(lm, tokenizer, drafts: dict, args) -> list[dict]:
 
 
 def distill_draft(lm, directory: Path):
-    from specresearch.models import CausalLM
+    from specresearch.models.causal_lm import CausalLM
 
     return CausalLM(distill.load_draft(lm.model, directory), device=lm.device)
 

@@ -4,7 +4,7 @@ One run, same prompts, same draft, same gamma, same sampling:
   * autoregressive decoding of the target (ours, and transformers' ``generate`` for reference);
   * our speculative generation with token and with block verification;
   * the same block verification through transformers' own entry point,
-    ``target.generate(..., custom_generate=specresearch.hf.speculative(draft, verifier="block", gamma=gamma))``
+    ``target.generate(..., custom_generate=specresearch.engine.hf.speculative(draft, verifier="block", gamma=gamma))``
     (``hf/block``: generate's input preparation + our engine);
   * transformers' assisted generation (``generate(assistant_model=..., do_sample=True)``) with a constant
     number of assistant tokens = gamma (``num_assistant_tokens_schedule="constant"`` and the dynamic
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from specresearch.drafts import draft_from_name
-from specresearch.embedded import load_embedded
-from specresearch.generate import autoregressive_generate, speculative_generate
-from specresearch.hf import speculative
-from specresearch.sampling import SamplingConfig
+from specresearch.drafts.distilled import draft_from_name
+from specresearch.models.embedded import load_embedded
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.hf import speculative
+from specresearch.core.sampling import SamplingConfig
 
 _DATA = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
 

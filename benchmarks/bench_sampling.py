@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specresearch.sampling import check_logits, sample_tokens
+from specresearch.core.sampling import check_logits, sample_tokens
 
 
 def three_passes(logits: torch.Tensor) -> bool:

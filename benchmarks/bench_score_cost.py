@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from specresearch import bench
-from specresearch.embedded import load_embedded
-from specresearch.models import CPU_SDPA, SkinnyLinear
+from specresearch.experiments import bench
+from specresearch.models.embedded import load_embedded
+from specresearch.models.causal_lm import CPU_SDPA, SkinnyLinear
 
 
 

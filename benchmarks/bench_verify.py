@@ -1,4 +1,4 @@
-"""Time the verifiers of ``specresearch.verify`` against transformers' ``_speculative_sampling``.
+"""Time the verifiers of ``specresearch.core.verify`` against transformers' ``_speculative_sampling``.
 
 Usage (from the repository root):
 
@@ -21,7 +21,7 @@ on probabilities and with the same softmax added. ``rows block/token`` counts th
 verifier must read (``residual_rows``): the work the algorithm needs in that regime, whatever the kernels.
 Rows are printed as a Markdown table; nothing is asserted about time.
 
-Multi-draft table (``specresearch.verify_multi``; skip it with ``--no-multi``, or run it alone with
+Multi-draft table (``specresearch.core.verify_multi``; skip it with ``--no-multi``, or run it alone with
 ``--multi-only``): per B in ``--multi-batches`` (default 32), K = ``--num-drafts`` (4) i.i.d. paths of length
 L = ``--multi-length`` (4) drawn by ``verify_multi.sample_draft_paths`` from a draft whose logits at every
 (row, prefix) are the target's + N(0, 1) (target logits ~ 3 N(0, 1), one fresh draw per distinct prefix,
@@ -39,7 +39,7 @@ import time
 import torch
 from transformers.generation.utils import _speculative_sampling
 
-from specresearch import verify, verify_multi
+from specresearch.core import verify, verify_multi
 
 VOCAB = 49152
 PROMPT_LENGTH = 16

@@ -38,13 +38,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from specresearch import bench
-from specresearch.draft_analysis import read_wallclock, speedup_intervals, wallclock_table
-from specresearch.drafts import draft_from_name
-from specresearch.embedded import load_embedded
-from specresearch.generate import autoregressive_generate, speculative_generate
-from specresearch.models import SkinnyLinear
-from specresearch.sampling import SamplingConfig
+from specresearch.experiments import bench
+from specresearch.experiments.draft_analysis import read_wallclock, speedup_intervals, wallclock_table
+from specresearch.drafts.distilled import draft_from_name
+from specresearch.models.embedded import load_embedded
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.models.causal_lm import SkinnyLinear
+from specresearch.core.sampling import SamplingConfig
 
 CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
               "translation")

@@ -34,11 +34,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specresearch.distill import encode_prompts, evenly_spaced, load_prompts
-from specresearch.drafts import HALF_PREFIX, drafts_dir, half_weight_draft, shipped_drafts, without_half_prefix
-from specresearch.embedded import load_embedded
-from specresearch.feature_distill import measure_lookup_rules
-from specresearch.feature_drafts import load_feature_draft
+from specresearch.training.distill import encode_prompts, evenly_spaced, load_prompts
+from specresearch.drafts.distilled import (
+    HALF_PREFIX,
+    drafts_dir,
+    half_weight_draft,
+    shipped_drafts,
+    without_half_prefix,
+)
+from specresearch.models.embedded import load_embedded
+from specresearch.training.feature_distill import measure_lookup_rules
+from specresearch.drafts.feature import load_feature_draft
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specresearch import bench
-from specresearch.drafts import draft_from_name
-from specresearch.embedded import load_embedded
-from specresearch.generate import speculative_generate
-from specresearch.sampling import SamplingConfig
+from specresearch.experiments import bench
+from specresearch.drafts.distilled import draft_from_name
+from specresearch.models.embedded import load_embedded
+from specresearch.engine.generate import speculative_generate
+from specresearch.core.sampling import SamplingConfig
 
 CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
               "translation")

@@ -32,14 +32,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specresearch import theory_multi
-from specresearch.distill import encode_prompts, evenly_spaced, load_prompts, sample_continuations
-from specresearch.draft_analysis import read_draft_manifest
-from specresearch.drafts import draft_from_name, drafts_dir
-from specresearch.embedded import load_embedded
-from specresearch.feature_distill import target_features
-from specresearch.models import CPU_SDPA
-from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.exact import theory_multi
+from specresearch.training.distill import encode_prompts, evenly_spaced, load_prompts, sample_continuations
+from specresearch.experiments.draft_analysis import read_draft_manifest
+from specresearch.drafts.distilled import draft_from_name, drafts_dir
+from specresearch.models.embedded import load_embedded
+from specresearch.training.feature_distill import target_features
+from specresearch.models.causal_lm import CPU_SDPA
+from specresearch.core.sampling import SamplingConfig, logits_to_probs
 
 RULES = {"rrs": theory_multi.rrs_acceptance, "kseq": theory_multi.kseq_acceptance, "optimum_iid": theory_multi.optimal_acceptance_iid}
 

@@ -51,9 +51,9 @@ def _manifest_path(out: Path, kind: str, chunks: int, steps: int) -> Path:
 
 
 def run_feature(lm, tokenizer, chunks: int, steps: int, args) -> dict:
-    from specresearch.distill import cache_dir
-    from specresearch.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
-    from specresearch.feature_drafts import FeatureHeadConfig
+    from specresearch.training.distill import cache_dir
+    from specresearch.training.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
+    from specresearch.drafts.feature import FeatureHeadConfig
 
     config = FeatureTrainConfig(steps=steps, batch_size=8, lr=2e-3, warmup_steps=10, rollout=2, checkpoint_every=10)
     command = (f"specresearch feature-distill --preset eagle3-v8k --prompts {args.prompts} --chunks {chunks} --steps {steps} "
@@ -65,9 +65,9 @@ def run_feature(lm, tokenizer, chunks: int, steps: int, args) -> dict:
 
 
 def run_distill(lm, tokenizer, chunks: int, steps: int, args) -> dict:
-    from specresearch.distill import TrainConfig, cache_dir, distill_on_corpus
-    from specresearch.drafts import DraftConfig
-    from specresearch.feature_distill import FeatureCorpusConfig, as_distill_corpus, load_feature_chunks
+    from specresearch.training.distill import TrainConfig, cache_dir, distill_on_corpus
+    from specresearch.drafts.distilled import DraftConfig
+    from specresearch.training.feature_distill import FeatureCorpusConfig, as_distill_corpus, load_feature_chunks
 
     key = FeatureCorpusConfig().key(args.prompts)
     chunk = load_feature_chunks(cache_dir() / "features" / key, chunks)  # run the feature points first to collect it
@@ -84,7 +84,7 @@ def run_distill(lm, tokenizer, chunks: int, steps: int, args) -> dict:
 
 
 def table(out: Path) -> None:
-    from specresearch.draft_analysis import read_scaling
+    from specresearch.experiments.draft_analysis import read_scaling
 
     rows = read_scaling(out)
     print("| draft | corpus tokens | steps | alpha T = 0.2 | T = 0.6 | T = 1.0 | greedy agreement | c |")
@@ -112,7 +112,7 @@ def main() -> None:
         return
     points = _points(args.points)
     torch.set_num_threads(args.threads)
-    from specresearch.embedded import load_embedded
+    from specresearch.models.embedded import load_embedded
 
     lm, tokenizer = load_embedded(device="cpu")
     out.mkdir(parents=True, exist_ok=True)

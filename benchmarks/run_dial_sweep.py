@@ -1,6 +1,6 @@
 """The alpha dial: token vs block verification on SmolLM2-135M with drafts of controlled quality.
 
-One batched ``bench.run_batched`` sweep per draft (``specresearch.dial_drafts``: the target mixed with the
+One batched ``bench.run_batched`` sweep per draft (``specresearch.drafts.dial``: the target mixed with the
 shipped draft v8k-4l at weight lam; lam = 0 is v8k-4l itself, run directly), T in {0.2, 0.6, 1.0},
 gamma in {8, 4}, token and block verification, 14 prompts (two per category) x 20 tokens, records (with
 the per-step expected counts of both verifiers) in ``<out>/<draft>.csv``. Dial drafts run the target for
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from specresearch import bench
-from specresearch.drafts import draft_from_name
-from specresearch.embedded import load_embedded
+from specresearch.experiments import bench
+from specresearch.drafts.distilled import draft_from_name
+from specresearch.models.embedded import load_embedded
 
 DRAFTS = ("v8k-4l", "dial-mix:0.5", "dial-mix:0.25", "dial-mix:0.75")
 CONFIG = bench.BenchConfig(temperatures=(0.2, 0.6, 1.0), gammas=(8, 4), max_new_tokens=20, num_prompts=14)

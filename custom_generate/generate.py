@@ -5,10 +5,10 @@
 
 ``assistant_model`` is the draft (a causal LM with the target's tokenizer). Extra arguments: ``verifier``
 ("token", "block" or "greedy"), ``gamma`` (draft tokens per step), ``seed`` / ``generator``, ``allow``.
-Everything else is ``generate``'s own; see ``specresearch.hf`` (and docs/transformers.md) for what is
+Everything else is ``generate``'s own; see ``specresearch.engine.hf`` (and docs/transformers.md) for what is
 supported and what raises.
 """
 
-from specresearch.hf import generate
+from specresearch.engine.hf import generate
 
 __all__ = ["generate"]

@@ -6,7 +6,7 @@ rejection (probability 1 - beta) the token is resampled from max(0, p - q) / sum
 
     P(X = x) = min(p(x), q(x)) + (1 - beta) * max(0, p(x) - q(x)) / (1 - beta) = p(x).
 
-sympy checks (specresearch.symbolic.token_lossless_checks):
+sympy checks (specresearch.exact.symbolic.token_lossless_checks):
   1. the per-token identity for positive symbols p, q in both orders (p >= q and p <= q, made visible to
      sympy's assumptions by p = q(1 + d) or p = q(1 - e), d, e >= 0), with q min(1, p/q) = min(p, q)
      and max(0, p - q) = p - min(p, q);
@@ -19,7 +19,7 @@ sympy checks (specresearch.symbolic.token_lossless_checks):
 Run: python proofs/t1_token_lossless.py (exit code 0 iff every check holds).
 """
 
-from specresearch.symbolic import run_checks, token_lossless_checks
+from specresearch.exact.symbolic import run_checks, token_lossless_checks
 
 
 def main() -> int:

@@ -5,11 +5,11 @@ verification is
 
 with M = (p + q) / 2.
 
-sympy checks (specresearch.symbolic.acceptance_rate_checks): for symbolic vectors of size n = 2..6 and
+sympy checks (specresearch.exact.symbolic.acceptance_rate_checks): for symbolic vectors of size n = 2..6 and
 every order pattern, sum|p - M| - (1 - beta) equals (sum p - 1 + sum q - 1)/2, i.e. vanishes for
 distributions, and sum|q - M| = sum|p - M|; for general n, the per-term identity
 |p - M| = M - min(p, q) (both orders) and linearity of Sum. Then, exactly on random rational
-distributions, beta computed by specresearch.theory.acceptance_rate equals 1 - D_LK and equals the
+distributions, beta computed by specresearch.exact.theory.acceptance_rate equals 1 - D_LK and equals the
 acceptance probability sum_x q(x) min(1, p(x)/q(x)) of one token-verification step.
 Run: python proofs/t2_acceptance_rate.py
 """
@@ -17,8 +17,8 @@ Run: python proofs/t2_acceptance_rate.py
 import random
 from fractions import Fraction
 
-from specresearch.symbolic import Check, acceptance_rate_checks, run_checks
-from specresearch.theory import acceptance_rate
+from specresearch.exact.symbolic import Check, acceptance_rate_checks, run_checks
+from specresearch.exact.theory import acceptance_rate
 
 
 def _random_distribution(rng: random.Random, vocab: int) -> list[Fraction]:

@@ -8,10 +8,10 @@
 3. Corollary 3.9: if alpha > c there is a gamma with improvement >= (1 + alpha)/(1 + c) > 1; gamma = 1
    gives exactly (1 + alpha)/(1 + c).
 
-sympy checks (specresearch.symbolic): the sums over the law of N with symbolic gamma (sympy summation,
+sympy checks (specresearch.exact.symbolic): the sums over the law of N with symbolic gamma (sympy summation,
 both branches of its Piecewise), the tail-sum form, the improvement factor, and the gamma = 1 identity
 with the sign of (1 + alpha)/(1 + c) - 1 for alpha = c + delta, delta > 0. Exact checks: on a rational
-grid alpha, c in {k/40}, the best gamma (specresearch.theory.optimal_gamma) reaches at least
+grid alpha, c in {k/40}, the best gamma (specresearch.exact.theory.optimal_gamma) reaches at least
 (1 + alpha)/(1 + c) whenever alpha > c; and the closed form equals exact enumeration of token
 verification (specresearch.exact.block_efficiency) on i.i.d. models for gamma = 1..4.
 Run: python proofs/t3_expected_tokens.py
@@ -19,9 +19,9 @@ Run: python proofs/t3_expected_tokens.py
 
 from fractions import Fraction
 
-from specresearch.exact import block_efficiency
-from specresearch.symbolic import Check, corollary_3_9_checks, expected_tokens_checks, run_checks, walltime_checks
-from specresearch.theory import acceptance_rate, expected_tokens, optimal_gamma, walltime_improvement
+from specresearch.exact.single import block_efficiency
+from specresearch.exact.symbolic import Check, corollary_3_9_checks, expected_tokens_checks, run_checks, walltime_checks
+from specresearch.exact.theory import acceptance_rate, expected_tokens, optimal_gamma, walltime_improvement
 
 
 def grid_checks(steps: int = 40, max_gamma: int = 32) -> list[Check]:

@@ -3,10 +3,10 @@ references/003, and the forward form of references/000): block verification is l
 speculative loop with block verification emits tokens with exactly the target's law.
 
 What is checked, and how:
-1. Symbolically (specresearch.symbolic.block_lossless_cases), for V = 2, gamma = 2 with context-dependent
+1. Symbolically (specresearch.exact.symbolic.block_lossless_cases), for V = 2, gamma = 2 with context-dependent
    rows (7 target rows, 3 draft rows, 10 free positive parameters) and for V = 2 and V = 3 at gamma = 1:
    every min/max of block verification is resolved by a case split into strict inequalities; in every
-   case either the validity condition (L) of specresearch.lp ("emit Z, then continue from the target"
+   case either the validity condition (L) of specresearch.exact.lp ("emit Z, then continue from the target"
    has the target's law on V^(gamma+1); sufficient for losslessness of the whole loop by induction)
    holds as an identity of rational functions, or the case is certified empty (conditions, each > 0,
    whose sum is identically <= 0). Not covered symbolically: the boundaries (ties such as p = q, where
@@ -25,8 +25,8 @@ import collections
 import random
 from fractions import Fraction
 
-from specresearch.exact import as_model, is_lossless, random_rational_model, step_distribution
-from specresearch.symbolic import Check, NumericOracle, block_lossless_cases, block_step_law, run_checks
+from specresearch.exact.single import as_model, is_lossless, random_rational_model, step_distribution
+from specresearch.exact.symbolic import Check, NumericOracle, block_lossless_cases, block_step_law, run_checks
 
 
 def symbolic_checks(sizes=((2, 1), (3, 1), (2, 2))) -> list[Check]:

@@ -4,7 +4,7 @@ target's law from every prefix) none has a larger expected number of accepted dr
 and token verification can be strictly worse: p = (1/3, 2/3), q = (2/3, 1/3), gamma = 2 gives 11/9
 accepted drafts for block verification and 10/9 for token verification.
 
-How it is checked, exactly (Fractions, sympy's rational simplex): specresearch.lp.optimal_verifier_lp
+How it is checked, exactly (Fractions, sympy's rational simplex): specresearch.exact.lp.optimal_verifier_lp
 solves the linear program "maximise E[accepted drafts] over every joint law of (draft block, emitted
 sequence) that has the draft marginal and satisfies the validity condition (L)" (its docstring derives
 (L) and the two equivalent formulations). For each instance:
@@ -20,9 +20,9 @@ Run: python proofs/t5_block_optimal.py
 import random
 from fractions import Fraction
 
-from specresearch.exact import random_rational_model, two_symbol_example
-from specresearch.lp import check_verifier, compare_with_lp, optimal_verifier_lp
-from specresearch.symbolic import Check, run_checks
+from specresearch.exact.single import random_rational_model, two_symbol_example
+from specresearch.exact.lp import check_verifier, compare_with_lp, optimal_verifier_lp
+from specresearch.exact.symbolic import Check, run_checks
 
 
 def instance_checks(name: str, target, draft, gamma: int, coupling: bool) -> tuple[list[Check], dict]:

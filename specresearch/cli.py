@@ -43,7 +43,7 @@ def _check_prompts_file(flag: str, path: str | None) -> None:
     """Read a prompts file now, before any model loads, so a wrong file fails in a second with its name."""
     if path is None:
         return
-    from specresearch.distill import load_prompts
+    from specresearch.training.distill import load_prompts
 
     if not Path(path).is_file():
         raise ValueError(f"{flag} {path}: no such file")
@@ -86,7 +86,7 @@ def _add_report(sub) -> None:
 
 
 def _run_report(args) -> int:
-    from specresearch.report import run_report
+    from specresearch.experiments.report import run_report
 
     runs = run_report(args.notebooks, args.out, quick=args.quick, only=args.only,
                       docs_figures=args.docs_figures or None)
@@ -124,7 +124,7 @@ def _add_generate(sub) -> None:
 
 
 def _add_decoding_arguments(p) -> None:
-    """Classic decoding methods (specresearch.decoding) instead of the speculative loop."""
+    """Classic decoding methods (specresearch.engine.decoding) instead of the speculative loop."""
     # choices spelled out (importing decoding here would load torch for every command); = decoding.METHODS
     methods = ["speculative", "greedy", "sample", "beam", "contrastive"]
     p.add_argument("--method", default="speculative", choices=methods,
@@ -140,7 +140,7 @@ def _add_decoding_arguments(p) -> None:
 def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
     import torch
 
-    from specresearch.decoding import DecodingConfig, decode, lm_logits_fn
+    from specresearch.engine.decoding import DecodingConfig, decode, lm_logits_fn
 
     config = DecodingConfig(method=args.method, sampling=sampling, max_new_tokens=args.max_new_tokens,
                             num_beams=args.num_beams, length_penalty=args.length_penalty,
@@ -148,7 +148,7 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
     ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=target.device)
     amateur = None
     if args.method == "contrastive":
-        from specresearch.drafts import draft_from_name
+        from specresearch.drafts.distilled import draft_from_name
 
         amateur = lm_logits_fn(draft_from_name(args.draft or CONTRASTIVE_AMATEUR, target))
     out = decode(lm_logits_fn(target), ids, config, amateur_fn=amateur, eos_token_id=tokenizer.eos_token_id,
@@ -160,10 +160,10 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
 
 
 def _run_generate(args) -> int:
-    from specresearch.drafts import draft_from_name
-    from specresearch.embedded import load_model
-    from specresearch.generate import autoregressive_generate, speculative_generate
-    from specresearch.sampling import SamplingConfig
+    from specresearch.drafts.distilled import draft_from_name
+    from specresearch.models.embedded import load_model
+    from specresearch.engine.generate import autoregressive_generate, speculative_generate
+    from specresearch.core.sampling import SamplingConfig
 
     if args.threads:
         import torch
@@ -220,7 +220,7 @@ def _add_distill(sub) -> None:
                  "train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)",
                  "  specresearch distill --preset v8k-1l --prompts data/distill_prompts.jsonl --steps 40 "
                  "--out /tmp/my-draft --max-minutes 10")
-    p.add_argument("--preset", default="v8k-4l", help="draft preset (specresearch.drafts.DRAFT_PRESETS)")
+    p.add_argument("--preset", default="v8k-4l", help="draft preset (specresearch.drafts.distilled.DRAFT_PRESETS)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
     for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float),
                        ("--warmup-steps", int), ("--corpus-temperature", float), ("--corpus-max-new-tokens", int),
@@ -242,8 +242,8 @@ def _run_distill(args) -> int:
 
     import torch
 
-    from specresearch.distill import DraftConfig, TrainConfig, run_distillation
-    from specresearch.embedded import load_embedded
+    from specresearch.training.distill import DraftConfig, TrainConfig, run_distillation
+    from specresearch.models.embedded import load_embedded
 
     _check_prompts_file("--prompts", args.prompts)
     _check_prompts_file("--heldout", args.heldout)
@@ -269,7 +269,7 @@ def _add_feature_distill(sub) -> None:
                  "train an EAGLE-style feature draft for the embedded target (resumable; ships to data/drafts/)",
                  "  specresearch feature-distill --preset eagle3-v8k --chunks 1 --steps 20 --out /tmp/my-head "
                  "--max-minutes 10")
-    p.add_argument("--preset", default="eagle3-v8k", help="feature head preset (specresearch.feature_drafts.FEATURE_PRESETS)")
+    p.add_argument("--preset", default="eagle3-v8k", help="feature head preset (specresearch.drafts.feature.FEATURE_PRESETS)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
     for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float), ("--warmup-steps", int),
                        ("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float), ("--checkpoint-every", int),
@@ -305,9 +305,9 @@ def _run_feature_distill(args) -> int:
 
     import torch
 
-    from specresearch.embedded import load_embedded
-    from specresearch.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
-    from specresearch.feature_drafts import FeatureHeadConfig
+    from specresearch.models.embedded import load_embedded
+    from specresearch.training.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
+    from specresearch.drafts.feature import FeatureHeadConfig
 
     _check_prompts_file("--prompts", args.prompts)
     _check_prompts_file("--heldout", args.heldout)
@@ -316,7 +316,7 @@ def _run_feature_distill(args) -> int:
     if args.first_chunk < 0:
         raise ValueError(f"--first-chunk must be >= 0, got {args.first_chunk}")
     if args.save_tokens and args.first_chunk:
-        from specresearch.feature_distill import FeatureCorpusConfig, stored_chunk_count
+        from specresearch.training.feature_distill import FeatureCorpusConfig, stored_chunk_count
 
         stored = stored_chunk_count(FeatureCorpusConfig().key(args.prompts))
         if stored < args.first_chunk:
@@ -325,7 +325,7 @@ def _run_feature_distill(args) -> int:
     if args.init_from is not None and args.collect_only:
         raise ValueError("--init-from goes with training, not with --collect-only")
     if args.init_from is not None:
-        from specresearch.feature_drafts import feature_head_dir
+        from specresearch.drafts.feature import feature_head_dir
 
         feature_head_dir(args.init_from)  # a saved feature head, checked before the target loads
     if args.save_tokens and not args.collect_only:
@@ -351,8 +351,14 @@ def _run_feature_distill(args) -> int:
 
 
 def _collect_feature_corpus(lm, tokenizer, args) -> int:
-    from specresearch.distill import cache_dir, encode_prompts, load_prompts
-    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, corpus_token_file, save_corpus_tokens, stored_corpus_tokens
+    from specresearch.training.distill import cache_dir, encode_prompts, load_prompts
+    from specresearch.training.feature_distill import (
+        FeatureCorpusConfig,
+        collect_feature_corpus,
+        corpus_token_file,
+        save_corpus_tokens,
+        stored_corpus_tokens,
+    )
 
     config = FeatureCorpusConfig()
     key = config.key(args.prompts)
@@ -379,7 +385,7 @@ def _add_warm_cache(sub) -> None:
 
 
 def _run_warm_cache(args) -> int:
-    from specresearch.embedded import cache_dir, load_embedded
+    from specresearch.models.embedded import cache_dir, load_embedded
 
     load_embedded(args.model, device="cpu")
     print(f"{args.model} is cached in {cache_dir() / args.model}")
@@ -419,7 +425,7 @@ def _run_bench(args) -> int:
 
     import torch
 
-    from specresearch import analysis, bench
+    from specresearch.experiments import analysis, bench
 
     _check_prompts_file("--prompts-file", args.prompts_file)
     torch.set_num_threads(args.threads)
@@ -491,7 +497,7 @@ def _user_message(exc: BaseException, args) -> str:
     if isinstance(exc, FileNotFoundError) and exc.filename:
         message = f"{exc.filename}: {exc.strerror or 'no such file'}"
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
-        from specresearch.drafts import without_half_prefix
+        from specresearch.drafts.distilled import without_half_prefix
 
         # transformers' message for a name it cannot resolve offline does not say which name it was
         for flag in ("model", "target", "draft"):
@@ -505,10 +511,10 @@ def _user_message(exc: BaseException, args) -> str:
 
 def _known_names(flag: str) -> list[str]:
     if flag != "draft":
-        from specresearch.embedded import EMBEDDED
+        from specresearch.models.embedded import EMBEDDED
 
         return sorted(EMBEDDED)
-    from specresearch.drafts import shipped_drafts
+    from specresearch.drafts.distilled import shipped_drafts
 
     return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
             *shipped_drafts()]

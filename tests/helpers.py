@@ -2,7 +2,7 @@
 
 import torch
 
-from specresearch.feature_drafts import FeatureHead, FeatureHeadConfig
+from specresearch.drafts.feature import FeatureHead, FeatureHeadConfig
 
 
 def feature_head(model, layers=(1, -1), seed=1, scale=0.05, head_tokens=None) -> FeatureHead:

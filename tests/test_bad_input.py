@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from specresearch.drafts import NGramDraft
-from specresearch.generate import autoregressive_generate, speculative_generate
-from specresearch.models import ToyLM, tiny_llama
-from specresearch.sampling import SamplingConfig, logits_to_probs
-from specresearch.verify import VERIFIERS, draw_uniforms
+from specresearch.drafts.distilled import NGramDraft
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.models.causal_lm import ToyLM, tiny_llama
+from specresearch.core.sampling import SamplingConfig, logits_to_probs
+from specresearch.core.verify import VERIFIERS, draw_uniforms
 
 VOCAB = 8
 
@@ -167,7 +167,7 @@ class _VocabTokenizer:
 
 
 def test_different_tokenizers_are_rejected_where_both_are_known():
-    from specresearch.drafts import check_same_tokenizer
+    from specresearch.drafts.distilled import check_same_tokenizer
 
     same = {"a": 0, "b": 1, "c": 2}
     check_same_tokenizer(_VocabTokenizer(same), _VocabTokenizer(same))  # no error
@@ -182,7 +182,7 @@ def test_draft_checkpoint_with_another_tokenizer_is_rejected(tmp_path):
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
 
-    from specresearch.drafts import draft_from_name
+    from specresearch.drafts.distilled import draft_from_name
 
     def tokenizer(vocab):
         return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
@@ -214,7 +214,7 @@ def test_check_int_accepts_integers_only():
 
 def test_load_embedded_pair_refuses_an_unknown_draft_before_loading(tmp_path):
     """Neither shipped, nor a directory, nor a draft description: one clear error, before the target loads."""
-    from specresearch.embedded import load_embedded_pair
+    from specresearch.models.embedded import load_embedded_pair
 
     for name in ("v9-nope", str(tmp_path / "missing")):
         with pytest.raises(ValueError, match=r"draft must be a shipped draft \[.*v8k-4l.*\], a trained draft's directory"):

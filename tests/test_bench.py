@@ -1,4 +1,4 @@
-"""The block-vs-token sweep (specresearch.bench) and its analysis (specresearch.analysis), on toy models.
+"""The block-vs-token sweep (specresearch.experiments.bench) and its analysis (specresearch.experiments.analysis), on toy models.
 
 Statistical assertions use fixed seeds; each states its false-positive rate (probability that a correct
 implementation fails), always < 1e-6, from a normal approximation with an upper bound on the standard
@@ -14,13 +14,15 @@ import pandas as pd
 import pytest
 import torch
 
-from specresearch import analysis, bench, exact, theory
-from specresearch.bench import BenchConfig, BenchPrompt, run_bench
-from specresearch.drafts import truncated_draft
-from specresearch.generate import speculative_generate
-from specresearch.models import ToyLM, tiny_llama
-from specresearch.sampling import SamplingConfig, sample_tokens
-from specresearch.verify import VERIFIERS
+from specresearch.experiments import analysis, bench
+from specresearch import exact
+from specresearch.exact import theory
+from specresearch.experiments.bench import BenchConfig, BenchPrompt, run_bench
+from specresearch.drafts.distilled import truncated_draft
+from specresearch.engine.generate import speculative_generate
+from specresearch.models.causal_lm import ToyLM, tiny_llama
+from specresearch.core.sampling import SamplingConfig, sample_tokens
+from specresearch.core.verify import VERIFIERS
 
 
 def _toy(probs) -> ToyLM:
@@ -299,7 +301,7 @@ def test_cli_bench_accepts_a_batched_dial_sweep():
 
 def test_score_seconds_times_every_k_and_leaves_the_context_as_it_found_it():
     """A benchmark helper: no timing is asserted, only that each k is timed and every call was rolled back."""
-    from specresearch.models import tiny_llama
+    from specresearch.models.causal_lm import tiny_llama
 
     lm = tiny_llama(32)
     seconds = bench.score_seconds(lm, (1, 2, 3), context_length=8, repeats=2, warmup=1)

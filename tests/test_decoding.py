@@ -1,4 +1,4 @@
-"""Tests for specresearch.decoding: beam search vs brute force, sampling frequencies vs logits_to_probs and
+"""Tests for specresearch.engine.decoding: beam search vs brute force, sampling frequencies vs logits_to_probs and
 the exact twins, temperature -> greedy, contrastive decoding by hand, n-gram blocking, validation.
 
 Statistical tests: each chi-square test uses the (1 - 1e-8) quantile of its chi-square law as threshold,
@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chi2
 
 from specresearch import exact
-from specresearch.decoding import (
+from specresearch.engine.decoding import (
     DECODING_PRESETS,
     DecodingConfig,
     beam_search,
@@ -29,8 +29,8 @@ from specresearch.decoding import (
     sequence_log_probs,
     truncated_context,
 )
-from specresearch.exact_sampling import transformed_model
-from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.exact.sampling import transformed_model
+from specresearch.core.sampling import SamplingConfig, logits_to_probs
 
 FALSE_POSITIVE = 1e-8  # per chi-square check (see module docstring)
 
@@ -303,7 +303,7 @@ def test_ngram_blocking_bans_exactly_the_completions():
 
 
 def test_lm_logits_fn_with_toy_and_tiny_llama():
-    from specresearch.models import ToyLM, tiny_llama
+    from specresearch.models.causal_lm import ToyLM, tiny_llama
 
     table = torch.randn(5, 5, generator=torch.Generator().manual_seed(0))
     prompt = torch.tensor([[0, 3], [1, 1]])
@@ -381,7 +381,7 @@ def test_decode_argument_errors():
 
 
 def test_repeated_ngrams_and_phrase_repetition():
-    from specresearch.decoding import phrase_repetition_log_probs, repeated_ngrams
+    from specresearch.engine.decoding import phrase_repetition_log_probs, repeated_ngrams
 
     assert repeated_ngrams([1, 2, 3, 1, 2, 3, 1], 3) == 2 and repeated_ngrams([1, 2, 3], 1) == 0
     # order-2 model: after (a, b) the phrase's next token; check against sequence_log_probs by hand
@@ -396,7 +396,7 @@ def test_repeated_ngrams_and_phrase_repetition():
 
 def test_cli_generate_accepts_every_decoding_method():
     from specresearch.cli import build_parser
-    from specresearch.decoding import METHODS
+    from specresearch.engine.decoding import METHODS
 
     for method in METHODS:
         args = build_parser().parse_args(["generate", "hi", "--method", method, "--num-beams", "2",

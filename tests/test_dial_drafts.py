@@ -1,4 +1,4 @@
-"""Dial drafts (specresearch.dial_drafts): the perturbed law they define, cache coherence through the engine,
+"""Dial drafts (specresearch.drafts.dial): the perturbed law they define, cache coherence through the engine,
 greedy equality and losslessness (they are ordinary drafts), on tiny random models.
 
 The only statistical assertion is the losslessness test: the exact conservative (Bonferroni-binomial)
@@ -8,12 +8,12 @@ p-value of ``stats.lossless_test`` must exceed 1e-7, so a correct engine fails w
 import pytest
 import torch
 
-from specresearch.dial_drafts import DialDraft, dial_draft_from_name, is_dial_name
-from specresearch.drafts import draft_from_name
-from specresearch.generate import autoregressive_generate, speculative_generate
-from specresearch.models import CausalLM, tiny_llama
-from specresearch.sampling import SamplingConfig
-from specresearch.stats import lossless_test
+from specresearch.drafts.dial import DialDraft, dial_draft_from_name, is_dial_name
+from specresearch.drafts.distilled import draft_from_name
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.models.causal_lm import CausalLM, tiny_llama
+from specresearch.core.sampling import SamplingConfig
+from specresearch.experiments.stats import lossless_test
 
 VOCAB = 16
 

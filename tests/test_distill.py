@@ -1,4 +1,4 @@
-"""Tests of specresearch.distill on tiny random-weight Llama models (fast), plus one slow test of the
+"""Tests of specresearch.training.distill on tiny random-weight Llama models (fast), plus one slow test of the
 shipped SmolLM2 draft. All runs are deterministic (fixed seeds, one thread), so no test here is
 statistical: the thresholds are margins over deterministic values, stated where they are used."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specresearch import distill as D
-from specresearch.models import tiny_llama
+from specresearch.training import distill as D
+from specresearch.models.causal_lm import tiny_llama
 
 VOCAB = 61
 EOS = 1
@@ -283,7 +283,7 @@ def test_subset_head_draft_trains_ships_and_reloads(target, corpus, train_config
     probe = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(draft(input_ids=probe).logits, loaded(input_ids=probe).logits)
-    from specresearch.models import CausalLM
+    from specresearch.models.causal_lm import CausalLM
 
     assert CausalLM(loaded, device="cpu").vocab_size == VOCAB  # the logits' size, not the head's 20 rows
     with pytest.raises(ValueError, match="head_token_ids"):
@@ -336,7 +336,7 @@ def test_shipped_draft_loads_offline_and_matches_its_manifest():
     """The shipped draft rebuilds against the embedded target (offline) and its re-measured alpha on the
     manifest's 3-prompt check slice matches the recorded one within 2e-3: the measurement is deterministic
     (seeded), so only float rounding across machines/thread counts can move it."""
-    from specresearch.embedded import load_embedded_pair
+    from specresearch.models.embedded import load_embedded_pair
 
     lm, draft_lm, tokenizer = load_embedded_pair("smollm2-135m-instruct", SHIPPED.name, device="cpu")
     draft = draft_lm.model

@@ -9,11 +9,27 @@ matplotlib.use("Agg")
 import pandas as pd
 import pytest
 
-from specresearch import theory
-from specresearch.distill import drafts_dir
-from specresearch.draft_analysis import (best_gammas, corpus_spans, expected_tokens, gamma1_costs, plot_acceptance_by_depth, plot_alpha_cost_tradeoff,
-                                         plot_data_scaling, plot_speedup_by_category, plot_speedup_intervals, plot_speedup_vs_gamma, predicted_speedup, read_draft_manifest,
-                                         read_scaling, read_wallclock, speedup_curve, speedup_intervals, wallclock_table)
+from specresearch.exact import theory
+from specresearch.training.distill import drafts_dir
+from specresearch.experiments.draft_analysis import (
+    best_gammas,
+    corpus_spans,
+    expected_tokens,
+    gamma1_costs,
+    plot_acceptance_by_depth,
+    plot_alpha_cost_tradeoff,
+    plot_data_scaling,
+    plot_speedup_by_category,
+    plot_speedup_intervals,
+    plot_speedup_vs_gamma,
+    predicted_speedup,
+    read_draft_manifest,
+    read_scaling,
+    read_wallclock,
+    speedup_curve,
+    speedup_intervals,
+    wallclock_table,
+)
 
 
 def test_expected_tokens_and_speedup_by_hand():

@@ -13,7 +13,7 @@ from fractions import Fraction as F
 import pytest
 import sympy
 
-from specresearch.exact import (
+from specresearch.exact.single import (
     _block_forward_exact,
     as_model,
     block_efficiency,

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import sympy
 
-from specresearch import exact, exact_multi, theory_multi
-from specresearch.exact_multi import (
+from specresearch import exact
+from specresearch.exact import multi as exact_multi, theory_multi
+from specresearch.exact.multi import (
     DRAFT_LAWS,
     MULTI_METHODS,
     draft_paths_law,

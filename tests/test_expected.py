@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from specresearch import exact
-from specresearch.exact import (
+from specresearch.exact.single import (
     as_model,
     expected_accepted,
     expected_num_accepted_exact,
@@ -26,7 +26,7 @@ from specresearch.exact import (
     two_symbol_example,
     verify_exact,
 )
-from specresearch.verify import VERIFIERS, draw_uniforms, expected_num_accepted
+from specresearch.core.verify import VERIFIERS, draw_uniforms, expected_num_accepted
 
 METHODS = ("token", "block", "greedy")
 

@@ -8,11 +8,11 @@ import types
 import pytest
 import torch
 
-from specresearch.feature_drafts import FeatureDraft, FeatureHead, FeatureHeadConfig, FeatureReader
-from specresearch.generate import autoregressive_generate, speculative_generate
-from specresearch.models import CausalLM, ToyLM, tiny_llama
-from specresearch.sampling import SamplingConfig
-from specresearch.stats import lossless_test
+from specresearch.drafts.feature import FeatureDraft, FeatureHead, FeatureHeadConfig, FeatureReader
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.models.causal_lm import CausalLM, ToyLM, tiny_llama
+from specresearch.core.sampling import SamplingConfig
+from specresearch.experiments.stats import lossless_test
 
 from helpers import feature_head
 
@@ -149,9 +149,17 @@ def test_engine_detects_a_reading_draft_and_bad_input_raises(target, draft):
 def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     """A tiny target, a cached corpus of 8 sampled continuations, 40 steps (a few seconds): the loss on a fixed
     batch falls at every depth, the measured depth-1 alpha on held-out prompts rises, and the target gets no gradient."""
-    from specresearch.feature_distill import (FeatureCorpusConfig, FeatureTrainConfig, _feature_batch, _feature_columns,
-                                              collect_feature_corpus, feature_loss, load_feature_chunks, measure_feature_draft,
-                                              train_feature_head)
+    from specresearch.training.feature_distill import (
+        FeatureCorpusConfig,
+        FeatureTrainConfig,
+        _feature_batch,
+        _feature_columns,
+        collect_feature_corpus,
+        feature_loss,
+        load_feature_chunks,
+        measure_feature_draft,
+        train_feature_head,
+    )
 
     small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
     g = torch.Generator().manual_seed(0)
@@ -181,7 +189,7 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
 
 def _tiny_feature_corpus(directory, max_new_tokens: int):
     """A tiny target and its cached feature corpus: 8 random prompts in 2 chunks, layers (1, -1) stored."""
-    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, load_feature_chunks
+    from specresearch.training.feature_distill import FeatureCorpusConfig, collect_feature_corpus, load_feature_chunks
 
     small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
     g = torch.Generator().manual_seed(0)
@@ -195,7 +203,7 @@ def test_training_stopped_by_its_budget_resumes_to_the_same_head_and_sums_its_se
     """A clock that advances one second per reading: a budget of 7 s stops training after a known number of
     steps; two more sittings finish it. The weights, losses and KLs equal those of one uninterrupted run
     exactly, and the reported seconds are the sum of the sittings' (not the last one's, not a budget)."""
-    import specresearch.feature_distill as fd
+    import specresearch.training.feature_distill as fd
 
     small, corpus, corpus_config = _tiny_feature_corpus(tmp_path / "corpus", max_new_tokens=8)
     config = fd.FeatureTrainConfig(steps=12, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=3)
@@ -227,7 +235,7 @@ def test_bf16_autocast_training_reduces_the_loss_keeps_float32_state_and_resumes
     import hashlib
     import json
 
-    import specresearch.feature_distill as fd
+    import specresearch.training.feature_distill as fd
 
     small, corpus, corpus_config = _tiny_feature_corpus(tmp_path / "corpus", max_new_tokens=16)
     config = fd.FeatureTrainConfig(steps=30, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=10)
@@ -267,7 +275,12 @@ def test_bf16_autocast_training_reduces_the_loss_keeps_float32_state_and_resumes
 def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path):
     """More chunks than the prompts fill: chunks are cut from successive shuffles end to end, the first pass's
     chunks are the same whatever the total, and every prompt is sampled once per pass (with new seeds)."""
-    from specresearch.feature_distill import FeatureCorpusConfig, chunk_prompt_order, collect_feature_corpus, load_feature_chunks
+    from specresearch.training.feature_distill import (
+        FeatureCorpusConfig,
+        chunk_prompt_order,
+        collect_feature_corpus,
+        load_feature_chunks,
+    )
 
     order = chunk_prompt_order(6, seed=3, count=15)
     assert order[:6] == torch.randperm(6, generator=torch.Generator().manual_seed(3)).tolist()
@@ -291,8 +304,13 @@ def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path
 def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
     """as_distill_corpus: the cached chunks' teacher rows, cut to seq_len, are distill.teacher_targets of the same
     tokens (recomputed by distill's own collate), so both kinds of draft train on identical data."""
-    from specresearch.distill import teacher_targets
-    from specresearch.feature_distill import FeatureCorpusConfig, as_distill_corpus, collect_feature_corpus, load_feature_chunks
+    from specresearch.training.distill import teacher_targets
+    from specresearch.training.feature_distill import (
+        FeatureCorpusConfig,
+        as_distill_corpus,
+        collect_feature_corpus,
+        load_feature_chunks,
+    )
 
     small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
     g = torch.Generator().manual_seed(1)
@@ -332,8 +350,8 @@ def test_feature_distillation_end_to_end_and_continued_on_later_chunks(tmp_path,
     configuration raises."""
     import json
 
-    import specresearch.feature_distill as fd
-    from specresearch.feature_drafts import feature_head_digest, load_feature_head
+    import specresearch.training.feature_distill as fd
+    from specresearch.drafts.feature import feature_head_digest, load_feature_head
 
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
     small, tokenizer = tiny_llama(32, seed=4, init_std=0.8, num_layers=2), _ToyChatTokenizer()
@@ -386,8 +404,13 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
     whose prompts are not this chunk's, raise; stored_chunk_count counts a committed file's chunks."""
     import numpy as np
 
-    from specresearch import feature_distill
-    from specresearch.feature_distill import FeatureCorpusConfig, collect_feature_corpus, load_corpus_tokens, save_corpus_tokens
+    from specresearch.training import feature_distill
+    from specresearch.training.feature_distill import (
+        FeatureCorpusConfig,
+        collect_feature_corpus,
+        load_corpus_tokens,
+        save_corpus_tokens,
+    )
 
     small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
     g = torch.Generator().manual_seed(2)
@@ -429,8 +452,8 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
 
 def test_trained_draft_directories_load_by_path(target, tmp_path):
     """draft_from_name takes the directory ``feature-distill --out`` / ``distill --out`` wrote, as generate's --draft does."""
-    from specresearch.drafts import DraftConfig, build_draft, draft_from_name, save_draft
-    from specresearch.feature_drafts import round_head_to_storage, save_feature_head
+    from specresearch.drafts.distilled import DraftConfig, build_draft, draft_from_name, save_draft
+    from specresearch.drafts.feature import round_head_to_storage, save_feature_head
 
     head = feature_head(target.model, head_tokens=40)
     round_head_to_storage(head)
@@ -449,8 +472,8 @@ def test_half_weight_drafts_stay_exact_and_leave_the_target_alone(target, tmp_pa
     """fp16:<draft>: the feature head and a distilled draft get float16 weights (the target keeps float32),
     their logits are the float32 ones up to half rounding, greedy speculative decoding still equals greedy
     autoregressive decoding, and drafts without weights are refused."""
-    from specresearch.drafts import DraftConfig, SubsetHead, build_draft, draft_from_name, save_draft
-    from specresearch.feature_drafts import round_head_to_storage, save_feature_head
+    from specresearch.drafts.distilled import DraftConfig, SubsetHead, build_draft, draft_from_name, save_draft
+    from specresearch.drafts.feature import round_head_to_storage, save_feature_head
 
     head = feature_head(target.model, head_tokens=40)
     round_head_to_storage(head)
@@ -482,8 +505,8 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
     """choose_skinny_rows times the vocabulary-subset head beside the linear layers; FeatureDraft on CPU gives
     both the row counts it picks, every row count when asked, none when refused; the drafted logits are the
     same up to float rounding whichever path each row count takes."""
-    from specresearch.drafts import DraftConfig, SubsetHead, build_draft
-    from specresearch.models import SkinnyLinear, choose_skinny_rows
+    from specresearch.drafts.distilled import DraftConfig, SubsetHead, build_draft
+    from specresearch.models.causal_lm import SkinnyLinear, choose_skinny_rows
 
     monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
     head = feature_head(target.model, head_tokens=40)
@@ -517,7 +540,12 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
 def test_save_and_load_round_trip(target, tmp_path):
     """The shipped format: trained tensors in the storage dtype + manifest; the loaded head gives the rounded head's
     logits, and a head saved against another target is refused."""
-    from specresearch.feature_drafts import is_feature_draft_dir, load_feature_head, round_head_to_storage, save_feature_head
+    from specresearch.drafts.feature import (
+        is_feature_draft_dir,
+        load_feature_head,
+        round_head_to_storage,
+        save_feature_head,
+    )
 
     head = feature_head(target.model, head_tokens=40)
     round_head_to_storage(head)
@@ -535,8 +563,8 @@ def test_save_and_load_round_trip(target, tmp_path):
 
 
 def _shipped_feature_heads():
-    from specresearch.drafts import drafts_dir, shipped_drafts
-    from specresearch.feature_drafts import is_feature_draft_dir
+    from specresearch.drafts.distilled import drafts_dir, shipped_drafts
+    from specresearch.drafts.feature import is_feature_draft_dir
 
     return [n for n in shipped_drafts() if is_feature_draft_dir(drafts_dir() / n)]
 
@@ -550,9 +578,9 @@ def test_shipped_feature_head_loads_offline_and_reproduces_its_manifest(name):
     import json
     from pathlib import Path
 
-    from specresearch import distill as D
-    from specresearch.embedded import load_embedded_pair
-    from specresearch.feature_distill import measure_feature_draft
+    from specresearch.training import distill as D
+    from specresearch.models.embedded import load_embedded_pair
+    from specresearch.training.feature_distill import measure_feature_draft
 
     lm, draft, tokenizer = load_embedded_pair("smollm2-135m-instruct", name, device="cpu")
     assert isinstance(draft, FeatureDraft)
@@ -572,7 +600,7 @@ def test_shipped_feature_head_loads_offline_and_reproduces_its_manifest(name):
 
 
 def test_lookup_or_draft_uses_lookup_where_the_context_matches_and_stays_exact(target, draft):
-    from specresearch.drafts import LookupOrDraft, NGramDraft
+    from specresearch.drafts.distilled import LookupOrDraft, NGramDraft
 
     combined = LookupOrDraft(draft, min_match=2)
     assert isinstance(combined, FeatureReader)  # the feature channel is forwarded
@@ -596,7 +624,7 @@ def test_lookup_or_draft_uses_lookup_where_the_context_matches_and_stays_exact(t
 def test_lookup_or_feature_draft_is_lossless(min_match, plan_match, draft_gamma):
     """Chi-square at p < 1e-6 (false-positive rate < 1e-6) over 3-token sequences of a prompt with repeats;
     with ``draft_gamma`` the steps without a match (of ``plan_match`` tokens) draft one token."""
-    from specresearch.drafts import LookupOrDraft
+    from specresearch.drafts.distilled import LookupOrDraft
 
     small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
     combined = LookupOrDraft(FeatureDraft(feature_head(small.model, layers=(-1,), scale=0.3)), min_match=min_match,
@@ -610,7 +638,7 @@ def test_lookup_or_feature_draft_is_lossless(min_match, plan_match, draft_gamma)
 def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_elsewhere(target, draft, plan_match):
     """``draft_gamma=1``: a step drafts gamma tokens when the context before it ends in a match of
     ``plan_match`` tokens (default ``min_match``; ``ngram_match_length``), else one; greedy output unchanged."""
-    from specresearch.drafts import LookupOrDraft, ngram_match_length
+    from specresearch.drafts.distilled import LookupOrDraft, ngram_match_length
 
     prompt, gamma, max_new = [5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9], 4, 30
     reference = autoregressive_generate(target, [prompt], max_new_tokens=max_new, sampling=GREEDY)
@@ -634,7 +662,7 @@ def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_el
 
 
 def test_combined_draft_names_and_their_options(target):
-    from specresearch.drafts import LookupOrDraft, draft_from_name
+    from specresearch.drafts.distilled import LookupOrDraft, draft_from_name
 
     def settings(name):
         d = draft_from_name(name, target)
@@ -656,7 +684,7 @@ def test_combined_draft_names_and_their_options(target):
 def test_ngram_draft_match_lengths_are_those_of_its_contexts():
     """The match lengths NGramDraft keeps from its logits' scan equal ``ngram_match_length`` of each row's
     context, also after per-row rollbacks and with masked slots; its logits equal ``ngram_probs``."""
-    from specresearch.drafts import NGramDraft, ngram_match_length, ngram_probs
+    from specresearch.drafts.distilled import NGramDraft, ngram_match_length, ngram_probs
 
     lookup = NGramDraft(VOCAB)
     ids, mask = torch.tensor([[0, 0, 3, 4, 3], [7, 1, 7, 1, 2]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
@@ -700,7 +728,7 @@ def test_lazy_lookup_or_draft_returns_what_feeding_every_slot_returns(target, in
     padding, gamma 3. Tolerance: float32 rounding of a wider call, which the random head's own-feature chain
     amplifies ~10x per drafted token (differences 1e-5 at a flushed slot, up to 7e-4 two own slots later, on
     logits of size ~10): atol 2e-3; a wrong slot, position or feature would differ by O(1)."""
-    from specresearch.drafts import LookupOrDraft
+    from specresearch.drafts.distilled import LookupOrDraft
 
     prompts = [[5, 9, 2, 33, 7, 5, 9, 2], [4, 8, 4, 8], [16, 23, 42, 3, 16]]
     runs = {}

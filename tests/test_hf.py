@@ -1,4 +1,4 @@
-"""specresearch.hf: the engine inside transformers' ``generate(custom_generate=...)``.
+"""specresearch.engine.hf: the engine inside transformers' ``generate(custom_generate=...)``.
 
 Tiny random-weight Llamas (``models.tiny_llama``; ``.model`` is the raw transformers model whose
 ``generate`` is called) and the embedded SmolLM2 pair: greedy output equals ``generate(do_sample=False)``
@@ -17,11 +17,11 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
-from specresearch import hf
-from specresearch.generate import speculative_generate
-from specresearch.models import CausalLM, tiny_llama
-from specresearch.sampling import SamplingConfig, logits_to_probs
-from specresearch.stats import chi_square, sequence_law, wrong_residual_verify
+from specresearch.engine import hf
+from specresearch.engine.generate import speculative_generate
+from specresearch.models.causal_lm import CausalLM, tiny_llama
+from specresearch.core.sampling import SamplingConfig, logits_to_probs
+from specresearch.experiments.stats import chi_square, sequence_law, wrong_residual_verify
 
 from helpers import feature_head
 
@@ -82,8 +82,8 @@ def test_feature_draft_with_prefix_processors_equals_transformers(models, combin
     processors (the target returns features, only logits are processed), and the combined draft keeps its
     length plan: greedy output equals generate's for B = 3; no row finds a lookup match here, so the
     combined draft drafts one token per step where, without its plan, it would draft gamma."""
-    from specresearch.drafts import LookupOrDraft
-    from specresearch.feature_drafts import FeatureDraft
+    from specresearch.drafts.distilled import LookupOrDraft
+    from specresearch.drafts.feature import FeatureDraft
 
     target, _ = models
     head = feature_head(target)
@@ -99,7 +99,7 @@ def test_feature_draft_with_prefix_processors_equals_transformers(models, combin
 @pytest.mark.slow
 def test_embedded_pair_greedy_equals_transformers_greedy():
     """SmolLM2-135M-Instruct with the shipped v8k-4l draft (a LanguageModel) and as a raw transformers model."""
-    from specresearch.embedded import load_embedded_pair
+    from specresearch.models.embedded import load_embedded_pair
 
     target, draft, tokenizer = load_embedded_pair(device="cpu")
     batch = tokenizer(["The capital of France is", "def add(a, b):", "Once"], return_tensors="pt", padding=True)
@@ -117,7 +117,7 @@ def test_embedded_stop_strings_as_a_stopping_criterion():
     the custom_generate/ directory builds it from stop_strings= and tokenizer=."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from specresearch.embedded import load_embedded_pair
+    from specresearch.models.embedded import load_embedded_pair
 
     target, draft, tokenizer = load_embedded_pair(device="cpu")
     batch = tokenizer(["The capital of France is"], return_tensors="pt")

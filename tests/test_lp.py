@@ -1,4 +1,4 @@
-"""The exact LP over all valid verifiers (specresearch.lp; Sun et al. 2025, Thm 2): block verification
+"""The exact LP over all valid verifiers (specresearch.exact.lp; Sun et al. 2025, Thm 2): block verification
 is feasible and attains its optimum, token verification is feasible and may be strictly below, invalid
 verifiers are infeasible."""
 
@@ -7,8 +7,15 @@ from fractions import Fraction
 
 import pytest
 
-from specresearch.exact import random_rational_model, target_distribution, two_symbol_example
-from specresearch.lp import check_joint, check_verifier, compare_with_lp, continuation_law, optimal_verifier_lp, verifier_joint
+from specresearch.exact.single import random_rational_model, target_distribution, two_symbol_example
+from specresearch.exact.lp import (
+    check_joint,
+    check_verifier,
+    compare_with_lp,
+    continuation_law,
+    optimal_verifier_lp,
+    verifier_joint,
+)
 
 
 def _always_accept(ps, qs, xs):

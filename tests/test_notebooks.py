@@ -9,8 +9,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from specresearch.report import (DOCS_FIGURES, KERNEL_TEARDOWN_NOISE, KERNEL_TEARDOWN_TRACEBACK, NotebookRun, execute_notebook, find_notebooks,
-                                 publish_figures)
+from specresearch.experiments.report import (
+    DOCS_FIGURES,
+    KERNEL_TEARDOWN_NOISE,
+    KERNEL_TEARDOWN_TRACEBACK,
+    NotebookRun,
+    execute_notebook,
+    find_notebooks,
+    publish_figures,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = find_notebooks(ROOT / "notebooks")

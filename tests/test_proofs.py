@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import sympy as sp
 
-from specresearch.symbolic import Check, block_lossless_cases, identity, run_checks
+from specresearch.exact.symbolic import Check, block_lossless_cases, identity, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROOFS = sorted((ROOT / "proofs").glob("*.py"))
@@ -45,7 +45,7 @@ def test_a_failing_proof_script_exits_non_zero(tmp_path):
     script = tmp_path / "false_claim.py"
     script.write_text(
         "import sympy as sp\n"
-        "from specresearch.symbolic import identity, run_checks\n"
+        "from specresearch.exact.symbolic import identity, run_checks\n"
         "p, q = sp.symbols('p q', positive=True)\n"
         "raise SystemExit(run_checks('false', [identity('min(p, q) = p', sp.Min(p, q), p)]))\n"
     )
@@ -78,8 +78,8 @@ def test_symbolic_block_law_matches_the_exact_twin():
     # Two independent implementations of block verification (symbolic.py and exact.py) agree exactly.
     import random
 
-    from specresearch.exact import as_model, random_rational_model, step_distribution
-    from specresearch.symbolic import NumericOracle, block_step_law
+    from specresearch.exact.single import as_model, random_rational_model, step_distribution
+    from specresearch.exact.symbolic import NumericOracle, block_step_law
 
     rng = random.Random(4)
     for vocab, gamma in [(2, 2), (3, 2), (2, 3)]:

@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specresearch.verify import VERIFIERS, block_verify, token_verify
+from specresearch.core.verify import VERIFIERS, block_verify, token_verify
 
 EXAMPLES = 200
 SETTINGS = settings(derandomize=True, max_examples=EXAMPLES, deadline=None,

@@ -1,4 +1,4 @@
-"""Tests for specresearch.sampling (logits -> probabilities) and its exact twin specresearch.exact_sampling."""
+"""Tests for specresearch.core.sampling (logits -> probabilities) and its exact twin specresearch.exact.sampling."""
 
 import itertools
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from specresearch.sampling import (
+from specresearch.core.sampling import (
     PRESETS,
     SamplingConfig,
     apply_temperature,
@@ -249,13 +249,13 @@ def test_chain_order_temperature_then_filters():
     torch.testing.assert_close(logits_to_probs(logits, config), expected)
 
 
-# --- exact twins (specresearch.exact_sampling) ---------------------------------------------------
+# --- exact twins (specresearch.exact.sampling) ---------------------------------------------------
 
 from fractions import Fraction  # noqa: E402
 import random  # noqa: E402
 
 from specresearch import exact  # noqa: E402
-from specresearch.exact_sampling import (  # noqa: E402
+from specresearch.exact.sampling import (  # noqa: E402
     exact_epsilon,
     exact_temperature,
     exact_top_k,
@@ -297,7 +297,7 @@ def test_exact_transforms_by_hand():
 def _near_boundary(row, config):
     """True if a top-p cumulative mass or an epsilon comparison is within 1e-9 of its threshold: float
     rounding may then legitimately fall on either side, so the twin comparison is skipped."""
-    from specresearch.exact_sampling import exact_param
+    from specresearch.exact.sampling import exact_param
 
     staged = exact_transform(row, SamplingConfig(temperature=config.temperature, top_k=config.top_k))
     if config.top_p is not None:

@@ -1,13 +1,13 @@
-"""Closed forms of specresearch.theory (Leviathan et al. 2023, Sec. 3) against sympy and exact enumeration."""
+"""Closed forms of specresearch.exact.theory (Leviathan et al. 2023, Sec. 3) against sympy and exact enumeration."""
 
 from fractions import Fraction
 
 import pytest
 import sympy as sp
 
-from specresearch.exact import block_efficiency, two_symbol_example
-from specresearch.symbolic import ALPHA, COST, GAMMA
-from specresearch.theory import acceptance_rate, expected_tokens, optimal_gamma, walltime_improvement
+from specresearch.exact.single import block_efficiency, two_symbol_example
+from specresearch.exact.symbolic import ALPHA, COST, GAMMA
+from specresearch.exact.theory import acceptance_rate, expected_tokens, optimal_gamma, walltime_improvement
 
 
 def test_expected_tokens_two_symbol_example():

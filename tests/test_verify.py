@@ -1,4 +1,4 @@
-"""Deterministic tests of the batched verifiers in ``specresearch.verify``.
+"""Deterministic tests of the batched verifiers in ``specresearch.core.verify``.
 
 Hand-built instances whose answer is computed by hand, edge cases, input validation, and invariances
 (batch rows, dtypes, generators, common random numbers). The statistical comparison with the exact
@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from specresearch import verify
-from specresearch.verify import VERIFIERS, VerifyResult, block_verify, draw_uniforms, greedy_verify, token_verify
+from specresearch.core import verify
+from specresearch.core.verify import VERIFIERS, VerifyResult, block_verify, draw_uniforms, greedy_verify, token_verify
 
 P_TWO = (1 / 3, 2 / 3)  # target of the two-symbol example (reference 000); A = 0, B = 1
 Q_TWO = (2 / 3, 1 / 3)  # draft

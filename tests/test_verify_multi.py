@@ -1,4 +1,4 @@
-"""Tests of the batched multi-draft verifiers and samplers in ``specresearch.verify_multi``.
+"""Tests of the batched multi-draft verifiers and samplers in ``specresearch.core.verify_multi``.
 
 * K = 1 reductions, bit for bit: with the same generator, ``rrs``, ``rrs_without_replacement`` and
   ``kseq`` return ``verify.token_verify``'s output and ``gbv`` and ``traversal`` ``verify.block_verify``'s
@@ -24,11 +24,11 @@ from itertools import product
 import pytest
 import torch
 
-from specresearch import stats
-from specresearch.exact import random_rational_model
-from specresearch.exact_multi import draft_paths_law, step_distribution_multi, verify_multi_exact
-from specresearch.verify import VERIFIERS
-from specresearch.verify_multi import (
+from specresearch.experiments import stats
+from specresearch.exact.single import random_rational_model
+from specresearch.exact.multi import draft_paths_law, step_distribution_multi, verify_multi_exact
+from specresearch.core.verify import VERIFIERS
+from specresearch.core.verify_multi import (
     MULTI_VERIFIERS,
     MultiVerifyResult,
     draw_multi_uniforms,
@@ -164,8 +164,8 @@ def test_one_path_is_the_single_draft_verifier_bit_for_bit(method, vocab, dtype)
 def test_gbv_reads_only_the_rows_it_computes_in_full(vocab):
     """gbv_verify sorts only the q^G rows block verification reads in full (``_gbv_needed``); with the same
     uniforms it must equal block verification of X* with every row q^G computed in full, bit for bit."""
-    from specresearch.verify import block_verify
-    from specresearch.verify_multi import _gbv_draft_rows, _gbv_select
+    from specresearch.core.verify import block_verify
+    from specresearch.core.verify_multi import _gbv_draft_rows, _gbv_select
 
     batch, num_drafts, length = 64, 3, 3
     target, draft, tokens = _random_single(batch * num_drafts, length, vocab, seed=vocab, dtype=torch.float32)
@@ -185,7 +185,7 @@ def test_gbv_reads_only_the_rows_it_computes_in_full(vocab):
 
 
 def test_multi_uniforms_with_one_path_are_the_single_draft_stream():
-    from specresearch.verify import draw_uniforms
+    from specresearch.core.verify import draw_uniforms
 
     multi = draw_multi_uniforms(7, 1, 3, torch.Generator().manual_seed(1))
     assert torch.equal(multi[:, :, 0], draw_uniforms(7, 3, torch.Generator().manual_seed(1)))
@@ -337,8 +337,8 @@ def test_zero_probability_drafts_are_never_accepted():
 def test_kseq_rho_matches_the_exact_root():
     """The float rho* (regula falsi, 16 steps) against exact_multi.kseq_rho on 40 random rows (K = 2..5):
     within 1e-12 in float64, 1e-5 in float32."""
-    from specresearch.exact_multi import kseq_rho
-    from specresearch.verify_multi import _kseq_rho
+    from specresearch.exact.multi import kseq_rho
+    from specresearch.core.verify_multi import _kseq_rho
 
     for seed in range(40):
         rng = random.Random(seed)

@@ -1,4 +1,4 @@
-"""Sampler vs exact twin: every torch verifier in specresearch.verify against specresearch.exact.
+"""Sampler vs exact twin: every torch verifier in specresearch.core.verify against specresearch.exact.
 
 For one verification instance (fixed rational rows and draft tokens) we run the torch verifier on
 TRIALS = 200_000 copies in ONE batched call with seeded float64 uniforms, count the emitted
@@ -28,8 +28,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specresearch.exact import random_rational_model, step_distribution, two_symbol_example, verify_exact
-from specresearch.verify import VERIFIERS, draw_uniforms
+from specresearch.exact.single import random_rational_model, step_distribution, two_symbol_example, verify_exact
+from specresearch.core.verify import VERIFIERS, draw_uniforms
 
 ALPHA = 1e-8
 K_STAT = 28
@@ -220,11 +220,11 @@ def test_test_rejects_token_output_against_block_twin():
 
 
 def test_simulate_accepted_recovers_two_symbol_values():
-    """specresearch.montecarlo (used by notebook 01) on TRIALS steps: the exact 10/9 and 11/9 lie within
+    """specresearch.experiments.montecarlo (used by notebook 01) on TRIALS steps: the exact 10/9 and 11/9 lie within
     z = norm.isf(ALPHA / 2) standard errors (two of the K_STAT level-ALPHA tests)."""
     from scipy.stats import norm
 
-    from specresearch.montecarlo import simulate_accepted
+    from specresearch.experiments.montecarlo import simulate_accepted
 
     target, draft = two_symbol_example()
     for method, truth in (("token", F(10, 9)), ("block", F(11, 9))):

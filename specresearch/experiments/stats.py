@@ -46,9 +46,9 @@ import torch
 from scipy import stats as scipy_stats
 
 from specresearch.checks import check_int
-from specresearch.generate import encode_prompts, speculative_generate
-from specresearch.sampling import SamplingConfig, logits_to_probs
-from specresearch.verify import VerifyResult, draw_uniforms, token_verify
+from specresearch.engine.generate import encode_prompts, speculative_generate
+from specresearch.core.sampling import SamplingConfig, logits_to_probs
+from specresearch.core.verify import VerifyResult, draw_uniforms, token_verify
 
 __all__ = [
     "FPR_NOTE",

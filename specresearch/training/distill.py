@@ -4,7 +4,7 @@ Notation as in the package docstring: p = target (``target_probs``), q = draft (
 alpha = E[sum_x min(p, q)] (reference 004, "acceptance rate beta = 1 - D_LK(p, q)"; Leviathan et al.
 2023, section 3.1), c = cost of one draft forward / cost of one target forward.
 
-The draft (built and loaded by ``specresearch.drafts``: :class:`DraftConfig`, :func:`build_draft`,
+The draft (built and loaded by ``specresearch.drafts.distilled``: :class:`DraftConfig`, :func:`build_draft`,
 :func:`load_draft`) is a small transformers causal LM of the SAME architecture family as the target
 (Llama for SmolLM2-135M-Instruct): the target's config with ``num_layers`` decoder layers instead of 30.
 Because the hidden size is the target's, it reuses the target's token embedding:
@@ -48,10 +48,23 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 import transformers
 
-from specresearch.drafts import (DRAFT_PRESETS, DraftConfig, SubsetHead, build_draft, check_field, drafts_dir, embedding_fingerprint,
-                                 load_draft, load_trained_draft, round_to_storage, save_draft, trainable_state)
-from specresearch.models import cache_argument, output_cache
-from specresearch.sampling import SamplingConfig, logits_to_probs
+from specresearch.drafts.distilled import (
+    DRAFT_PRESETS,
+    DraftConfig,
+    SubsetHead,
+    build_draft,
+    check_field,
+    drafts_dir,
+    embedding_fingerprint,
+    load_draft,
+    load_trained_draft,
+    round_to_storage,
+    save_draft,
+    trainable_state,
+)
+from specresearch import paths
+from specresearch.models.causal_lm import cache_argument, output_cache
+from specresearch.core.sampling import SamplingConfig, logits_to_probs
 
 __all__ = [
     "DraftConfig",
@@ -153,8 +166,7 @@ class TrainConfig:
 
 def cache_dir() -> Path:
     """``$SPECRESEARCH_CACHE/distill`` (default ``~/.cache/specresearch/distill``): corpora, checkpoints."""
-    root = os.environ.get("SPECRESEARCH_CACHE") or Path.home() / ".cache" / "specresearch"
-    return Path(root) / "distill"
+    return paths.cache_dir("distill")
 
 
 def load_prompts(path: str | os.PathLike) -> list[dict]:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specresearch.plotting import FIGURES_ENV
+from specresearch.experiments.plotting import FIGURES_ENV
 
 __all__ = ["DOCS_FIGURES", "KERNEL_TEARDOWN_NOISE", "KERNEL_TEARDOWN_TRACEBACK", "NotebookRun", "execute_notebook", "find_notebooks", "publish_figures",
            "run_report"]

@@ -1,7 +1,7 @@
-"""Exact rational twins of the sampling transforms of :mod:`specresearch.sampling` (no torch).
+"""Exact rational twins of the sampling transforms of :mod:`specresearch.core.sampling` (no torch).
 
 Each function maps one probability row (a sequence of V exact rationals summing to 1) to the row
-:func:`specresearch.sampling.logits_to_probs` computes from ``log(row)``, in exact arithmetic, with the
+:func:`specresearch.core.sampling.logits_to_probs` computes from ``log(row)``, in exact arithmetic, with the
 same conventions: transforms in the order temperature, top-k, top-p, epsilon; tokens ranked by a stable
 descending sort (ties -> lower token id first); ``T = 0`` is a one-hot at the first maximum; epsilon never
 removes the token(s) tied at the maximum. Reference: 001 (top-k, top-p, epsilon, temperature sections).
@@ -11,7 +11,7 @@ renormalised, so they are rational for rational rows. Temperature maps ``p`` to 
 rational only when ``1/T`` is an integer: ``T = 1`` (identity), ``T = 1/2, 1/3, ...``, and ``T = 0`` (the
 argmax limit); any other ``T`` raises ``ValueError``.
 
-Float parameters of a :class:`~specresearch.sampling.SamplingConfig` are read as the decimal they print as
+Float parameters of a :class:`~specresearch.core.sampling.SamplingConfig` are read as the decimal they print as
 (``Fraction(repr(x))``: ``0.9`` means 9/10, ``0.2`` means 1/5), i.e. what the user typed.
 
 :func:`transformed_model` applies a config to a whole model (``specresearch.exact`` model convention), so
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from specresearch.exact import as_model
-from specresearch.sampling import SamplingConfig
+from specresearch.exact.single import as_model
+from specresearch.core.sampling import SamplingConfig
 
 __all__ = [
     "exact_param",

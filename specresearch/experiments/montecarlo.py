@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specresearch.checks import check_int
-from specresearch.verify import VERIFIERS, draw_uniforms
+from specresearch.core.verify import VERIFIERS, draw_uniforms
 
 __all__ = ["Z95", "MonteCarloEstimate", "simulate_accepted"]
 

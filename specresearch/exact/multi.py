@@ -3,11 +3,11 @@
 Notation as in :mod:`specresearch.exact`: p = target, q = draft, K = number of draft paths
 (``num_drafts``), L = path length (``gamma`` of the single-draft code). Probabilities are
 :class:`fractions.Fraction`; K-SEQ's acceptance threshold rho* is algebraic and is computed exactly
-with sympy (its laws are sympy numbers; :mod:`specresearch.exact_kseq`). Nothing here imports torch. The rules
+with sympy (its laws are sympy numbers; :mod:`specresearch.exact.kseq`). Nothing here imports torch. The rules
 are those of ``references/multidraft.md``; each law function below says which paper and what was
 checked.
 
-The contract shared with :mod:`specresearch.verify_multi` (the torch side)
+The contract shared with :mod:`specresearch.core.verify_multi` (the torch side)
 -------------------------------------------------------------------------
 * A draft of one step is ``paths``: a tuple of K tuples of L token ids, in sampling order. Models are
   exact models (:func:`specresearch.exact.as_model`) and rows are read at ``prefix + path[:i]``.
@@ -74,7 +74,7 @@ import sympy
 
 from specresearch import exact
 from specresearch.checks import check_int
-from specresearch.exact_kseq import RhoField, kseq_law, kseq_public_law, kseq_rho
+from specresearch.exact.kseq import RhoField, kseq_law, kseq_public_law, kseq_rho
 
 __all__ = [
     "MULTI_METHODS",
@@ -578,7 +578,7 @@ def _check_n_tokens(n_tokens) -> int:
 
 
 def _kseq_lossless(target, draft, num_drafts: int, draft_law: str, n_tokens: int, prefix: tuple) -> bool:
-    """K-SEQ emits (x, y ~ p(. | x)) or (y,), so by condition (L) of :mod:`specresearch.lp` the loop
+    """K-SEQ emits (x, y ~ p(. | x)) or (y,), so by condition (L) of :mod:`specresearch.exact.lp` the loop
     reproduces the target iff at every prefix the first emitted token has law p(. | prefix). Checked
     exactly in Q(rho*) at every prefix of length < n_tokens (the loop's first n_tokens read no other)."""
     frontier = [prefix]

@@ -1,10 +1,10 @@
 """SpecTr's K-SEQ, exactly: rho* as an algebraic number and the step law in the field Q(rho*).
 
 Sun et al., "SpecTr: Fast Speculative Decoding via Optimal Transport", NeurIPS 2023 (arXiv
-2310.15141). Notation as in :mod:`specresearch.exact_multi` (p = target, q = draft, K drafts, L = 1).
+2310.15141). Notation as in :mod:`specresearch.exact.multi` (p = target, q = draft, K drafts, L = 1).
 rho* is in general irrational (a quadratic surd for K = 2, a root of a degree-K polynomial otherwise),
 so K-SEQ's laws are computed in Q(rho*) with sympy's algebraic fields rather than in Fractions.
-:mod:`specresearch.exact_multi` dispatches ``method="kseq"`` here.
+:mod:`specresearch.exact.multi` dispatches ``method="kseq"`` here.
 """
 
 from __future__ import annotations

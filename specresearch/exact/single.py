@@ -19,7 +19,7 @@ Layers, from one verification to the whole decoding loop:
   compared with :func:`target_distribution` by :func:`is_lossless`.
 
 Multi-draft steps (K paths, ``num_drafts=`` / ``draft_law=`` keywords of :func:`expected_accepted`,
-:func:`speculative_distribution`, :func:`is_lossless`) live in :mod:`specresearch.exact_multi`.
+:func:`speculative_distribution`, :func:`is_lossless`) live in :mod:`specresearch.exact.multi`.
 
 References: token verification is Leviathan et al. 2023, Algorithm 1 (references/004, the
 "Speculative Decoding Step"); block verification is Sun et al. 2025, Algorithm 2 (references/003),
@@ -368,7 +368,7 @@ def step_distribution(target, draft, gamma, method, prefix=()) -> dict[tuple[int
 
 
 def _is_multi(method, num_drafts, draft_law) -> bool:
-    """Route to :mod:`specresearch.exact_multi` unless this is today's single-draft call."""
+    """Route to :mod:`specresearch.exact.multi` unless this is today's single-draft call."""
     return not (num_drafts == 1 and draft_law == "iid" and (callable(method) or method in METHODS))
 
 
@@ -377,10 +377,10 @@ def expected_accepted(target, draft, gamma, method, prefix=(), *, num_drafts=1, 
 
     With ``num_drafts`` = K > 1 (or a multi-draft method, or ``draft_law="without_replacement"``) the
     step drafts K paths of length gamma by ``draft_law`` and verifies them with ``method`` (see
-    :func:`specresearch.exact_multi.expected_accepted_multi`; K-SEQ may return an exact sympy surd).
+    :func:`specresearch.exact.multi.expected_accepted_multi`; K-SEQ may return an exact sympy surd).
     """
     if _is_multi(method, num_drafts, draft_law):
-        from specresearch import exact_multi  # lazy: exact_multi imports this module
+        from specresearch.exact import multi as exact_multi  # lazy: exact_multi imports this module
 
         return exact_multi.expected_accepted_multi(target, draft, num_drafts, gamma, method, prefix, draft_law)
     law = step_distribution(target, draft, gamma, method, prefix)
@@ -406,10 +406,10 @@ def speculative_distribution(
     least ``n_tokens`` tokens exist; the output is truncated to ``n_tokens``. Memoised on
     (prefix, tokens still needed), so V = 3, gamma = 3, n_tokens = 4 takes well under a second.
     ``num_drafts`` / ``draft_law``: multi-draft steps, see
-    :func:`specresearch.exact_multi.speculative_distribution_multi`.
+    :func:`specresearch.exact.multi.speculative_distribution_multi`.
     """
     if _is_multi(method, num_drafts, draft_law):
-        from specresearch import exact_multi  # lazy: exact_multi imports this module
+        from specresearch.exact import multi as exact_multi  # lazy: exact_multi imports this module
 
         return exact_multi.speculative_distribution_multi(
             target, draft, num_drafts, gamma, method, n_tokens, prefix, draft_law
@@ -452,10 +452,10 @@ def is_lossless(target, draft, gamma, method, n_tokens, prefix=(), *, num_drafts
 
     ``"greedy"`` is compared with the greedy (argmax) target path, every other method with sampling.
     ``num_drafts`` / ``draft_law``: multi-draft steps (K paths of length gamma), see
-    :func:`specresearch.exact_multi.is_lossless_multi`.
+    :func:`specresearch.exact.multi.is_lossless_multi`.
     """
     if _is_multi(method, num_drafts, draft_law):
-        from specresearch import exact_multi  # lazy: exact_multi imports this module
+        from specresearch.exact import multi as exact_multi  # lazy: exact_multi imports this module
 
         return exact_multi.is_lossless_multi(target, draft, num_drafts, gamma, method, n_tokens, prefix, draft_law)
     spec = speculative_distribution(target, draft, gamma, method, n_tokens, prefix)

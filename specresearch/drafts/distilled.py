@@ -11,7 +11,7 @@
 * Trained (distilled) drafts shipped under ``data/drafts/<name>/`` (:func:`load_trained_draft`): a few
   decoder layers of the target's architecture, the target's input embedding (frozen, rebuilt from the
   target at load time, never stored) and either the target's head or a trained :class:`SubsetHead`
-  over the K tokens that carry most of the target's probability. ``specresearch.distill`` trains them.
+  over the K tokens that carry most of the target's probability. ``specresearch.training.distill`` trains them.
 
 :func:`check_same_vocab` is the guard the engine applies: target and draft logits must have the same
 size (compare logits, not ``len(tokenizer)``: a model's head can be padded beyond the tokenizer).
@@ -31,7 +31,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specresearch.checks import check_int
-from specresearch.models import SKINNY_ROWS, CausalLM, SlotMask, check_prompt, rollback_counts, skinny_linear, use_half_weights
+from specresearch.paths import data_dir
+from specresearch.models.causal_lm import (
+    SKINNY_ROWS,
+    CausalLM,
+    SlotMask,
+    check_prompt,
+    rollback_counts,
+    skinny_linear,
+    use_half_weights,
+)
 
 __all__ = [
     "NGramDraft",
@@ -442,7 +451,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     if name == "ngram":
         return NGramDraft(target.vocab_size, device=target.device)
     if name.startswith("dial-"):  # the target perturbed (dial_drafts): dial-mix:LAM, dial-uniform:LAM, dial-temp:S
-        from specresearch.dial_drafts import dial_draft_from_name
+        from specresearch.drafts.dial import dial_draft_from_name
 
         return dial_draft_from_name(name, target)
     if name.startswith("ngram+"):
@@ -453,7 +462,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
     if manifest_path(trained).exists():
-        from specresearch.feature_drafts import is_feature_draft_dir, load_feature_draft  # imports this module
+        from specresearch.drafts.feature import is_feature_draft_dir, load_feature_draft  # imports this module
 
         if is_feature_draft_dir(trained):
             return load_feature_draft(target, trained)
@@ -474,7 +483,7 @@ def half_weight_draft(draft, target: CausalLM):
     target is never changed (a layer the draft shares with it is refused); drafts without weights
     (``ngram``, ``dial-...``) are refused.
     """
-    from specresearch.feature_drafts import FeatureDraft  # imports this module
+    from specresearch.drafts.feature import FeatureDraft  # imports this module
 
     if isinstance(draft, FeatureDraft):
         module = draft.head
@@ -514,7 +523,7 @@ def combined_draft(name: str, target: CausalLM, tokenizer=None) -> LookupOrDraft
 
 
 # --------------------------------------------------------------------------------------------------
-# Trained drafts: configuration, construction, the on-disk format (save, load); training lives in specresearch.distill
+# Trained drafts: configuration, construction, the on-disk format (save, load); training lives in specresearch.training.distill
 
 
 def check_field(condition: bool, field: str, message: str) -> None:
@@ -597,7 +606,7 @@ DRAFT_PRESETS = {
 
 def drafts_dir() -> Path:
     """``data/drafts`` of the source checkout (the package is installed editable), where drafts ship."""
-    return Path(__file__).resolve().parent.parent / "data" / "drafts"
+    return data_dir("drafts")
 
 
 

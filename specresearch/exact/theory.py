@@ -6,7 +6,7 @@ c = cost of one draft call relative to one target call.
 
 All functions take exact numbers (int, ``fractions.Fraction``, sympy ``Rational``) or floats, which
 are read as the decimal they print as (``0.8`` -> ``4/5``), and return ``Fraction``. The symbolic
-derivations of these formulas live in :mod:`specresearch.symbolic` and ``proofs/t3_expected_tokens.py``.
+derivations of these formulas live in :mod:`specresearch.exact.symbolic` and ``proofs/t3_expected_tokens.py``.
 """
 
 from __future__ import annotations

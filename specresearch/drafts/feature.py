@@ -38,8 +38,23 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specresearch.drafts import SubsetHead, check_field, drafts_dir, embedding_fingerprint, manifest_path, read_manifest, write_manifest
-from specresearch.models import SKINNY_ROWS, SlotMask, check_prompt, choose_skinny_rows, rollback_counts, use_skinny_linears
+from specresearch.drafts.distilled import (
+    SubsetHead,
+    check_field,
+    drafts_dir,
+    embedding_fingerprint,
+    manifest_path,
+    read_manifest,
+    write_manifest,
+)
+from specresearch.models.causal_lm import (
+    SKINNY_ROWS,
+    SlotMask,
+    check_prompt,
+    choose_skinny_rows,
+    rollback_counts,
+    use_skinny_linears,
+)
 
 __all__ = [
     "FeatureReader",

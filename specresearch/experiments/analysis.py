@@ -1,4 +1,4 @@
-"""Tables, bootstrap intervals and figures from the records of ``specresearch.bench`` (reads CSV rows only).
+"""Tables, bootstrap intervals and figures from the records of ``specresearch.experiments.bench`` (reads CSV rows only).
 
 Metrics of a set of records are ratios of sums over its runs (so long runs weigh more than short ones):
 
@@ -47,7 +47,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from specresearch.bench import AUTOREGRESSIVE, read_records
+from specresearch.experiments.bench import AUTOREGRESSIVE, read_records
 
 __all__ = [
     "METRICS",
@@ -317,7 +317,7 @@ def two_symbol_gain(alpha: float, gamma: int) -> tuple[float, float]:
 
     import torch
 
-    from specresearch.verify import expected_num_accepted
+    from specresearch.core.verify import expected_num_accepted
 
     if not 0 < alpha <= 1:
         raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")

@@ -478,12 +478,12 @@ def block_lossless_cases(vocab: int = 2, gamma: int = 2, step_law=None) -> tuple
     Target rows at depths 0..gamma and draft rows at depths 0..gamma-1 are free rational functions of
     positive symbols (:func:`_symbolic_models`); every min/max is resolved by a case split with strict
     inequalities (boundary ties are covered by exact rational instances in proofs/t4). In each case
-    the validity condition (L) of :mod:`specresearch.lp` (emit Z, then continue from the target =
+    the validity condition (L) of :mod:`specresearch.exact.lp` (emit Z, then continue from the target =
     target law on V^(gamma+1)) is checked by exact rational-function arithmetic; a case where it fails
     must be certified empty. ``step_law`` (default :func:`block_step_law`) lets a test substitute a
     broken verifier and see the check fail.
     """
-    from specresearch.lp import continuation_law
+    from specresearch.exact.lp import continuation_law
 
     target, draft = _symbolic_models(vocab, gamma)
     step_law, cases = step_law or block_step_law, []

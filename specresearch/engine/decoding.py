@@ -4,7 +4,7 @@ Methods (reference 001, "Decoding From Language Models"):
 
 * greedy -- argmax at each step ("Greedy Decoding");
 * sampling -- ancestral, top-k, top-p, epsilon and temperature, all one loop over a
-  :class:`~specresearch.sampling.SamplingConfig` ("Sampling Based Decoding", "Temperature Scaling");
+  :class:`~specresearch.core.sampling.SamplingConfig` ("Sampling Based Decoding", "Temperature Scaling");
 * beam search -- width k, optional length normalisation ``score = log P / length^alpha``, EOS handling,
   the k best hypotheses with their scores ("Beam Search Algorithm", steps 1-7);
 * n-gram blocking -- a token that would complete an n-gram already present in the sequence (prompt
@@ -15,7 +15,7 @@ Methods (reference 001, "Decoding From Language Models"):
 
 Everything runs on a *logits function* ``logits_fn(input_ids [B, T], attention_mask [B, T]) -> [B, V]``
 (next-token logits after each full sequence). :func:`lm_logits_fn` adapts any model with the
-``prefill``/``score`` interface of :mod:`specresearch.models` (reusing its KV cache when the sequence
+``prefill``/``score`` interface of :mod:`specresearch.models.causal_lm` (reusing its KV cache when the sequence
 grew by one token); a toy Markov table is ``lambda ids, mask: table[ids[:, -1]]``.
 
 One entry point: :func:`decode` with a frozen :class:`DecodingConfig` (named presets via ``from_name``).
@@ -36,7 +36,7 @@ import torch
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
 from specresearch.checks import check_int
-from specresearch.sampling import SamplingConfig, check_logits, logits_to_probs, sample_tokens
+from specresearch.core.sampling import SamplingConfig, check_logits, logits_to_probs, sample_tokens
 
 __all__ = [
     "LogitsFn",
@@ -248,7 +248,7 @@ class _CachedLogitsFn:
 
 def lm_logits_fn(model) -> LogitsFn:
     """Adapt a model with ``prefill(ids, mask) -> [B, V]`` and ``score(tokens [B, k]) -> [B, k, V]``
-    (``specresearch.models.CausalLM`` / ``ToyLM``) to a logits function.
+    (``specresearch.models.causal_lm.CausalLM`` / ``ToyLM``) to a logits function.
 
     The KV cache is reused when a call's ``input_ids`` extend the previous call's by exactly one column;
     any other call (new prompt, beam reordering) re-prefills. The adapter owns the model's cache while
@@ -256,7 +256,7 @@ def lm_logits_fn(model) -> LogitsFn:
     """
     for name in ("prefill", "score"):
         if not callable(getattr(model, name, None)):
-            raise ValueError(f"model must have a callable {name}() (the specresearch.models interface)")
+            raise ValueError(f"model must have a callable {name}() (the specresearch.models.causal_lm interface)")
     return _CachedLogitsFn(model)
 
 

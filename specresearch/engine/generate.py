@@ -50,10 +50,10 @@ from typing import Callable, Sequence
 import torch
 
 from specresearch.checks import check_int
-from specresearch.drafts import PlansLength, check_same_vocab
-from specresearch.feature_drafts import FeatureReader
-from specresearch.sampling import SamplingConfig, logits_to_probs, sample_tokens
-from specresearch.verify import VERIFIERS, draw_uniforms, expected_num_accepted
+from specresearch.drafts.distilled import PlansLength, check_same_vocab
+from specresearch.drafts.feature import FeatureReader
+from specresearch.core.sampling import SamplingConfig, logits_to_probs, sample_tokens
+from specresearch.core.verify import VERIFIERS, draw_uniforms, expected_num_accepted
 
 __all__ = [
     "StepRecord",

@@ -28,7 +28,7 @@ Two exact formulations of "maximise E[|Z| - 1] over valid verifiers" are provide
   exactly the condition for a coupling pi with marginals q and m to exist: both formulations have
   the same optimum (checked in tests/test_lp.py).
 
-Multi-draft steps (``num_drafts`` = K paths drawn by a draft law of :mod:`specresearch.exact_multi`)
+Multi-draft steps (``num_drafts`` = K paths drawn by a draft law of :mod:`specresearch.exact.multi`)
 use the coupling formulation with x = the K-tuple of paths and z[:-1] a prefix of one of them; the
 Hall inequalities of ``"prefix"`` are not enough there (the prefixes of K paths are not laminar).
 :func:`optimal_acceptance` is the single-step (L = 1) optimum, as an LP and in closed form.
@@ -49,8 +49,8 @@ import sympy
 from sympy.solvers.simplex import linprog
 
 from specresearch.checks import check_int
-from specresearch.exact import as_model, expected_accepted, verify_exact
-from specresearch.exact_multi import DRAFT_LAWS, draft_paths_law, expected_accepted_multi
+from specresearch.exact.single import as_model, expected_accepted, verify_exact
+from specresearch.exact.multi import DRAFT_LAWS, draft_paths_law, expected_accepted_multi
 
 __all__ = [
     "LPResult",
@@ -155,7 +155,7 @@ def optimal_verifier_lp(
         prefix: the context of the step.
         formulation: ``"prefix"`` (small, default) or ``"coupling"`` (joint pi(x, z)); see the module
             docstring. Both give the same optimum. Multi-draft steps always use ``"coupling"``.
-        num_drafts, draft_law: K paths drawn by ``draft_law`` (:func:`specresearch.exact_multi.draft_paths_law`);
+        num_drafts, draft_law: K paths drawn by ``draft_law`` (:func:`specresearch.exact.multi.draft_paths_law`);
             the verifier may accept any prefix of any of them.
     Returns:
         :class:`LPResult`; block verification attains ``optimum`` for K = 1 (tests/test_lp.py, proofs/t5).
@@ -294,7 +294,7 @@ def optimal_acceptance_closed_form(target, draft, num_drafts: int = 1, draft_law
     P(Y in X) <= p(H) + 1 - Q(all in H); max-flow = min-cut on the bipartite graph "x covers y" says
     the smallest of these bounds is attained.
     For i.i.d. drafts Q(all in H) = q(H)^K; the optimal H is then a prefix of the tokens sorted by
-    p/q (see :func:`specresearch.theory_multi.optimal_acceptance_iid`).
+    p/q (see :func:`specresearch.exact.theory_multi.optimal_acceptance_iid`).
     """
     target, draft, prefix = as_model(target), as_model(draft), tuple(prefix)
     _check_args(1, "prefix", target, draft, prefix)

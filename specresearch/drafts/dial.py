@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from specresearch.models import CausalLM
+from specresearch.models.causal_lm import CausalLM
 
 __all__ = ["COSTS_TARGET_FORWARD", "DIAL_KINDS", "DialDraft", "dial_draft_from_name", "is_dial_name"]
 
@@ -120,7 +120,7 @@ def dial_draft_from_name(name: str, target: CausalLM) -> DialDraft:
     base = CausalLM(target.model, device=target.device)
     other = None
     if kind == "mix":
-        from specresearch.drafts import draft_from_name
+        from specresearch.drafts.distilled import draft_from_name
 
         other = draft_from_name(parts[2] if len(parts) == 3 else "v8k-4l", target)
     return DialDraft(base, kind, amount, other)

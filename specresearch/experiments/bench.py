@@ -7,7 +7,7 @@ default the embedded SmolLM2-135M-Instruct with the shipped distilled draft ``v8
 
 Sweep (``run_bench``): for every prompt x temperature x seed, one autoregressive baseline run, then for
 every gamma one run per verifier (``config.verifiers``, default token and block). Every run is written
-as one CSV row (``RECORD_COLUMNS``) to ``<results>/<run>.csv``; analysis (``specresearch.analysis``)
+as one CSV row (``RECORD_COLUMNS``) to ``<results>/<run>.csv``; analysis (``specresearch.experiments.analysis``)
 reads the rows. The sweep is resumable: a (prompt, verifier, temperature, gamma, seed) already in the
 file is not run again (the baseline row of a (prompt, temperature, seed) is reused).
 
@@ -22,7 +22,7 @@ identical runs) while every verifier and the baseline of one (prompt, seed) use 
 
 Common random numbers. Each run gets ``seed=[run_seed(prompt, seed)]`` (a one-element list): the engine
 then uses one ``torch.Generator`` seeded with it for the row and never shortens gamma at the end
-(``specresearch.generate``). Per step it draws the gamma draft tokens (``sampling.sample_tokens``: one
+(``specresearch.engine.generate``). Per step it draws the gamma draft tokens (``sampling.sample_tokens``: one
 uniform per row, so the generator advances by the same amount whatever the probabilities; checked in
 ``tests/test_bench.py``) and then the gamma + 1 verification uniforms. So the verifiers of one unit
 consume the same random stream step by step, and they share:
@@ -46,7 +46,7 @@ gain; ``docs/block_gain.md`` says what it estimates.
 
 Batched sweeps (``run_batched``): every prompt of a setting in one generate call, each row with its own
 seed as above (same tokens up to float differences of batched logits), no timings and no baseline: for
-drafts whose wall-clock means nothing, such as ``specresearch.dial_drafts`` (they run the target).
+drafts whose wall-clock means nothing, such as ``specresearch.drafts.dial`` (they run the target).
 
 Timing: each unit's runs alternate their order (token first, then block first in the next unit) so a
 drift in machine load does not favour one verifier; ``load_avg`` records the 1-minute load average.
@@ -64,9 +64,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from specresearch.generate import GenerationResult, autoregressive_generate, speculative_generate
-from specresearch.sampling import SamplingConfig
-from specresearch.verify import VERIFIERS
+from specresearch.engine.generate import GenerationResult, autoregressive_generate, speculative_generate
+from specresearch.core.sampling import SamplingConfig
+from specresearch.core.verify import VERIFIERS
 
 __all__ = [
     "AUTOREGRESSIVE",
@@ -187,7 +187,7 @@ class BenchPrompt:
 
 def default_prompts_path() -> Path:
     """The repository's ``data/prompts.jsonl`` (next to the shipped drafts)."""
-    from specresearch.distill import drafts_dir
+    from specresearch.training.distill import drafts_dir
 
     return drafts_dir().parent / "prompts.jsonl"
 
@@ -211,7 +211,7 @@ def select_prompts(prompts: Sequence[dict], categories: Sequence[str] | None = N
 
 def load_bench_prompts(tokenizer, config: BenchConfig, path: str | os.PathLike | None = None) -> list[BenchPrompt]:
     """Read, select and encode the prompts: first user turn, chat template if the tokenizer has one."""
-    from specresearch.distill import encode_prompts, load_prompts
+    from specresearch.training.distill import encode_prompts, load_prompts
 
     rows = select_prompts(load_prompts(path or default_prompts_path()), config.categories, config.num_prompts)
     if getattr(tokenizer, "chat_template", None):
@@ -224,7 +224,7 @@ def load_bench_prompts(tokenizer, config: BenchConfig, path: str | os.PathLike |
 def load_bench_draft(name: str, target):
     """A draft for ``target`` (a ``CausalLM``) from a short name (``drafts.draft_from_name``): a shipped
     trained draft (``v8k-4l``, any name under ``data/drafts/``), ``ngram``, ``truncated:N`` or a path."""
-    from specresearch.drafts import draft_from_name
+    from specresearch.drafts.distilled import draft_from_name
 
     return draft_from_name(name, target)
 
@@ -463,7 +463,7 @@ def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConf
     common random numbers between verifiers are those of ``run_bench`` up to float differences of batched
     logits. No wall-clock exists per prompt: ``seconds`` columns are NaN and no autoregressive baseline is
     run, so only BE, alpha and the expected counts are measured (what drafts that run the target allow,
-    ``specresearch.dial_drafts``). Resumable: only the prompts of a (temperature, seed, gamma) that lack a
+    ``specresearch.drafts.dial``). Resumable: only the prompts of a (temperature, seed, gamma) that lack a
     row for some verifier are run (so adding prompts later runs just those). Returns every record in the file.
     """
     from tqdm.auto import tqdm
@@ -513,7 +513,7 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. Returns every
     record in the file (pandas DataFrame).
     """
-    from specresearch.embedded import load_model
+    from specresearch.models.embedded import load_model
 
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
@@ -539,7 +539,7 @@ def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int 
 
     import torch
 
-    from specresearch.generate import _clock  # synchronises CUDA before reading the clock
+    from specresearch.engine.generate import _clock  # synchronises CUDA before reading the clock
 
     if not ks or any(k < 1 for k in ks) or context_length < 1 or repeats < 1:
         raise ValueError(f"ks must be non-empty ints >= 1, context_length and repeats >= 1; got {ks}, {context_length}, {repeats}")

@@ -1,4 +1,4 @@
-"""Training of feature drafts (:class:`specresearch.feature_drafts.FeatureHead`): corpus, loss, rollout.
+"""Training of feature drafts (:class:`specresearch.drafts.feature.FeatureHead`): corpus, loss, rollout.
 
 Notation as in the package docstring: p = target, q = draft, alpha = E[sum_x min(p, q)], c = cost of
 one draft step over one target step.
@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specresearch.checks import check_int
-from specresearch.distill import TrainConfig, cache_dir, generate_corpus, sparse_kl, sparse_tv
-from specresearch.drafts import check_field
+from specresearch.training.distill import TrainConfig, cache_dir, generate_corpus, sparse_kl, sparse_tv
+from specresearch.drafts.distilled import check_field
 
 __all__ = [
     "FeatureCorpusConfig",
@@ -259,7 +259,7 @@ def _check_stored_prompts(chunk: dict, prompts: Sequence[torch.Tensor], index: i
 
 def corpora_dir() -> Path:
     """``data/corpora`` of the source checkout: the committed token files of feature corpora (:func:`save_corpus_tokens`)."""
-    from specresearch.drafts import drafts_dir
+    from specresearch.drafts.distilled import drafts_dir
 
     return drafts_dir().parent / "corpora"
 
@@ -383,7 +383,7 @@ def as_distill_corpus(chunk: FeatureChunk, seq_len: int):
     The chunk's teacher rows are positions ``P_i - 1 .. L_i - 2``; ``distill._collate`` keeps positions
     ``P_i - 1 .. min(L_i, seq_len) - 2``, so the first ``min(L_i, seq_len) - P_i`` rows are kept.
     """
-    from specresearch.distill import Corpus, TeacherTargets
+    from specresearch.training.distill import Corpus, TeacherTargets
 
     keep = [max(0, min(len(s), seq_len) - p) for s, p in zip(chunk.sequences, chunk.prompt_lengths)]
     teacher = TeacherTargets(tuple(t[:k].long() for t, k in zip(chunk.teacher_ids, keep)),
@@ -708,8 +708,8 @@ def measure_feature_draft(target, head, prompt_ids: Sequence[torch.Tensor], *, t
     order and batching), so depth 1 here and ``measure_draft`` of a distilled draft with the same
     arguments are measured on the same token sequences.
     """
-    from specresearch.distill import sample_continuations
-    from specresearch.sampling import SamplingConfig, logits_to_probs
+    from specresearch.training.distill import sample_continuations
+    from specresearch.core.sampling import SamplingConfig, logits_to_probs
 
     if any(t <= 0 for t in temperatures):
         raise ValueError(f"temperatures must all be > 0 (greedy agreement is always measured), got {temperatures}")
@@ -780,9 +780,9 @@ def measure_lookup_rules(target, head, prompt_ids: torch.Tensor, *, temperature:
     of them, except for ``"combined"``: those of the steps that start without a match (a lower bound, as
     a step whose match ends part-way drafts the head's tokens too).
     """
-    from specresearch.distill import sample_continuations
-    from specresearch.drafts import ngram_match_length, ngram_probs
-    from specresearch.sampling import SamplingConfig, logits_to_probs
+    from specresearch.training.distill import sample_continuations
+    from specresearch.drafts.distilled import ngram_match_length, ngram_probs
+    from specresearch.core.sampling import SamplingConfig, logits_to_probs
 
     check_field(temperature > 0, "temperature", f"must be > 0 (the rules differ only in the law sampled from), got {temperature}")
     check_field(all(0 < m < 1 for m in mixes), "mixes", f"must be in (0, 1) (0 and 1 are the head and the combined rule), got {list(mixes)}")
@@ -892,8 +892,8 @@ def _starting_head(target, head_config, init_from) -> tuple:
     Its configuration must be ``head_config`` (the preset's), up to ``init_layer`` (a loaded head is not copied
     from the target's layer); its subset head's token ids are kept.
     """
-    from specresearch.drafts import read_manifest
-    from specresearch.feature_drafts import feature_head_digest, feature_head_dir, load_feature_head
+    from specresearch.drafts.distilled import read_manifest
+    from specresearch.drafts.feature import feature_head_digest, feature_head_dir, load_feature_head
 
     directory = feature_head_dir(init_from)
     head = load_feature_head(target, directory)
@@ -920,9 +920,9 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     with a new optimiser and learning-rate schedule; the manifest records it (``init_from``). Rerun the
     same call to resume; the returned manifest has ``finished: False`` (nothing shipped) until training ends.
     """
-    from specresearch.distill import encode_prompts, head_token_ids, load_prompts
-    from specresearch.drafts import drafts_dir
-    from specresearch.feature_drafts import FeatureDraft, FeatureHead, round_head_to_storage, save_feature_head
+    from specresearch.training.distill import encode_prompts, head_token_ids, load_prompts
+    from specresearch.drafts.distilled import drafts_dir
+    from specresearch.drafts.feature import FeatureDraft, FeatureHead, round_head_to_storage, save_feature_head
 
     check_field(chunks >= 1, "chunks", f"must be >= 1, got {chunks}")
     check_field(first_chunk >= 0, "first_chunk", f"must be >= 0, got {first_chunk}")
@@ -973,8 +973,8 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
 
 
 def _feature_measurements(target_lm, head, tokenizer, heldout_path, count, max_new_tokens, depths, eos, progress) -> dict:
-    from specresearch.distill import encode_prompts, evenly_spaced, load_prompts
-    from specresearch.feature_drafts import FeatureDraft
+    from specresearch.training.distill import encode_prompts, evenly_spaced, load_prompts
+    from specresearch.drafts.feature import FeatureDraft
 
     prompts = load_prompts(heldout_path)
     chosen = evenly_spaced(prompts, count)

@@ -1,9 +1,9 @@
 """Batched multi-draft verifiers (K draft paths per row) and the draft-path samplers that feed them.
 
-Notation as in :mod:`specresearch.verify`: p = target (``target_probs``), q = draft (``draft_probs``),
+Notation as in :mod:`specresearch.core.verify`: p = target (``target_probs``), q = draft (``draft_probs``),
 K = number of draft paths (``num_drafts``), L = path length (gamma of the single-draft code). A *path* is
 x_1..x_L drawn autoregressively from q; the K paths with equal prefixes merged form the *tree*. The exact
-twins (the specification) are in :mod:`specresearch.exact_multi`; the rules, with their sources, in
+twins (the specification) are in :mod:`specresearch.exact.multi`; the rules, with their sources, in
 ``references/multidraft.md``.
 
 Shapes (every verifier):
@@ -92,7 +92,7 @@ from dataclasses import dataclass
 import torch
 
 from specresearch.checks import check_int
-from specresearch.verify import block_scales, block_verify, sample_from_weights, validate_inputs
+from specresearch.core.verify import block_scales, block_verify, sample_from_weights, validate_inputs
 
 __all__ = [
     "DRAFT_LAWS",

@@ -1,9 +1,9 @@
 """Single-step multi-draft acceptance at full vocabulary, in float64 (numpy).
 
-Notation as in :mod:`specresearch.exact_multi`: p = target row, q = draft row (1-D arrays over the
+Notation as in :mod:`specresearch.exact.multi`: p = target row, q = draft row (1-D arrays over the
 vocabulary, V = 49152 for SmolLM2), K = number of drafts, one step (L = 1). Acceptance = P(the step
 accepts a draft token) = E[accepted tokens] at L = 1. Each function is the float form of an exact
-quantity of :mod:`specresearch.exact_multi` / :mod:`specresearch.lp` and is tested against it on
+quantity of :mod:`specresearch.exact.multi` / :mod:`specresearch.exact.lp` and is tested against it on
 small vocabularies (tests/test_exact_multi.py). Costs:
 
 * :func:`rrs_acceptance` (SpecInfer RRS, i.i.d. drafts): closed form, O(K V).
@@ -76,7 +76,7 @@ def _beta(p: np.ndarray, q: np.ndarray, rho: float) -> float:
 
 
 def kseq_rho_float(target_probs, draft_probs, num_drafts, *, tol: float = 1e-13) -> float:
-    """SpecTr's rho* in [1, K] by bisection (the float form of :func:`specresearch.exact_multi.kseq_rho`)."""
+    """SpecTr's rho* in [1, K] by bisection (the float form of :func:`specresearch.exact.multi.kseq_rho`)."""
     p, q = _rows(target_probs, draft_probs)
     k = _check_k(num_drafts)
     lo, hi = 1.0, float(k)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specresearch.models import CausalLM
+from specresearch import paths
+from specresearch.models.causal_lm import CausalLM
 
 __all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_embedded_pair", "load_model"]
 
@@ -41,7 +42,7 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
 
 def cache_dir() -> Path:
     """``$SPECRESEARCH_CACHE`` or ``~/.cache/specresearch``."""
-    return Path(os.environ.get("SPECRESEARCH_CACHE", Path.home() / ".cache" / "specresearch"))
+    return paths.cache_dir()
 
 
 def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.device = "auto",
@@ -78,7 +79,7 @@ def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l
     embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
     ``skinny_linear``: the target's, as :func:`load_embedded`'s.
     """
-    from specresearch.drafts import draft_from_name, shipped_drafts, without_half_prefix
+    from specresearch.drafts.distilled import draft_from_name, shipped_drafts, without_half_prefix
 
     base = without_half_prefix(draft)
     described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))

@@ -45,7 +45,7 @@ import torch
 from transformers.generation.logits_process import EpsilonLogitsWarper, TemperatureLogitsWarper
 
 from specresearch.checks import check_int
-from specresearch.verify import sample_from_weights
+from specresearch.core.verify import sample_from_weights
 
 __all__ = [
     "SamplingConfig",

@@ -6,7 +6,7 @@ then calls the callable instead of its own decoding loop. :func:`speculative` bu
 the engine ``generate.speculative_generate`` (any verifier of ``verify.VERIFIERS``, B >= 1)::
 
     out = target.generate(input_ids, attention_mask=mask, do_sample=True, temperature=0.8, max_new_tokens=64,
-                          custom_generate=specresearch.hf.speculative(draft, verifier="block", gamma=4))
+                          custom_generate=specresearch.engine.hf.speculative(draft, verifier="block", gamma=4))
 
 The same runs from the repository's ``custom_generate/`` directory (:func:`generate` is its entry point)::
 
@@ -69,10 +69,10 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specresearch.checks import check_int
-from specresearch.generate import GenerationResult, speculative_generate
-from specresearch.models import CausalLM, LanguageModel, check_prompt, rollback_counts
-from specresearch.sampling import SamplingConfig
-from specresearch.verify import VERIFIERS
+from specresearch.engine.generate import GenerationResult, speculative_generate
+from specresearch.models.causal_lm import CausalLM, LanguageModel, check_prompt, rollback_counts
+from specresearch.core.sampling import SamplingConfig
+from specresearch.core.verify import VERIFIERS
 
 __all__ = [
     "speculative",

@@ -1,0 +1,1 @@
+"""The generation engine: speculative and autoregressive loops, decoding methods, the transformers adapter."""

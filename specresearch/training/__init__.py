@@ -1,0 +1,1 @@
+"""Training drafts: corpora sampled from the target, distillation loops, checkpoints, measurement."""
