@@ -14,7 +14,7 @@ seeded measurement on the same held-out prompts, so identical up to float roundi
 For each draft: alpha = E[sum_x min(p, q)] at T = 0.2, 0.6, 1.0 along continuations the target samples
 at that temperature, and the greedy agreement rate along its greedy continuations, on ``--prompts``
 prompts taken evenly from the held-out ``data/prompts.jsonl`` (first turn, chat template), seed 0
-(``specresearch.training.distill.measure_draft``); c = median draft / median target time of one cached
+(``specresearch.training.measure.measure_draft``); c = median draft / median target time of one cached
 single-token forward at B = 1, the two timed in turn (``measure_cost_ratio``). ``--baseline`` adds the
 untrained draft (target layer 0 + final norm + head) as a reference row. Rows are written as JSON lines
 to ``--out`` and printed as a Markdown table with the Leviathan et al. speed-up at the best gamma
@@ -29,24 +29,27 @@ from pathlib import Path
 
 import torch
 
-from specresearch.training import distill
-from specresearch.drafts.distilled import manifest_path, read_manifest, shipped_drafts
-from specresearch.models.embedded import load_embedded
+from specresearch.drafts.distilled import load_draft
 from specresearch.drafts.feature import is_feature_draft_dir
+from specresearch.drafts.store import manifest_path, read_manifest, shipped_drafts
+from specresearch.engine.prompts import encode_chat, load_prompts
 from specresearch.exact.theory import optimal_gamma, walltime_improvement
+from specresearch.models.embedded import load_embedded
+from specresearch.training import distill
+from specresearch.training.measure import measure_cost_ratio, measure_draft
 
 TEMPERATURES = (0.2, 0.6, 1.0)
 
 
 def measure(target, draft, name, prompt_ids, eos, args, recorded=None) -> dict:
     if recorded is None:
-        stats = distill.measure_draft(target, draft, prompt_ids, temperatures=TEMPERATURES, max_new_tokens=args.tokens,
+        stats = measure_draft(target, draft, prompt_ids, temperatures=TEMPERATURES, max_new_tokens=args.tokens,
                                       eos_token_ids=eos, progress=False).as_dict()
         prompts, tokens = len(prompt_ids), args.tokens
     else:
         stats = {k: recorded[k] for k in ("alpha", "greedy_agreement", "positions")}
         prompts, tokens = len(recorded["prompt_ids"]), recorded["max_new_tokens"]
-    cost = distill.measure_cost_ratio(target, draft, repeats=args.repeats)
+    cost = measure_cost_ratio(target, draft, repeats=args.repeats)
     row = {"draft": name, "prompts": prompts, "tokens": tokens, **stats, **cost}
     alpha = min(stats["alpha"]["1.0"], 0.999)
     gamma = optimal_gamma(alpha, cost["c"])
@@ -79,12 +82,12 @@ def main() -> None:
 
     lm, tokenizer = load_embedded("smollm2-135m-instruct", device="cpu")
     target, eos = lm.model, [tokenizer.eos_token_id]
-    heldout = distill.load_prompts(distill.drafts_dir().parent / "prompts.jsonl")
+    heldout = load_prompts(distill.drafts_dir().parent / "prompts.jsonl")
     chosen = [heldout[round(i * len(heldout) / args.prompts)] for i in range(min(args.prompts, len(heldout)))]
-    prompt_ids = distill.encode_prompts(tokenizer, chosen)
+    prompt_ids = encode_chat(chosen, tokenizer)
     names = args.draft or [n for n in shipped_drafts() if not is_feature_draft_dir(distill.drafts_dir() / n)]  # feature heads: bench_feature_draft.py
     directories = [Path(n) if manifest_path(n).exists() else distill.drafts_dir() / n for n in names]
-    drafts = [(d.name, distill.load_draft(target, d), read_manifest(d)) for d in directories]
+    drafts = [(d.name, load_draft(target, d), read_manifest(d)) for d in directories]
     if args.baseline:
         drafts.append(("untrained tiny-1l", distill.build_draft(target, distill.DraftConfig.from_name("tiny-1l")).eval(), None))
     rows = [measure(target, draft, name, prompt_ids, eos, args, manifest["measurement"] if manifest and args.alpha_from_manifest else None)

@@ -40,7 +40,7 @@ import random
 import time
 from pathlib import Path
 
-from specresearch.exact.single import expected_accepted, is_lossless, random_rational_model
+from specresearch.exact import expected_accepted, is_lossless, random_rational_model
 from specresearch.exact.lp import check_verifier, optimal_verifier_lp
 
 

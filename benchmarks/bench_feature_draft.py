@@ -8,7 +8,7 @@ first turn, ``--prompts`` evenly spaced, seed 0, ``--tokens`` tokens per tempera
   previous slots, as when drafting), and c = its one-token drafting step / the target's one-token
   forward (cached, B = 1, timed in turn: ``measure_feature_cost``);
 * the distilled LM draft (``--baseline``, default ``v8k-4l``): alpha and greedy agreement
-  (``distill.measure_draft``: the same sequences as depth 1 above) and c (``distill.measure_cost_ratio``).
+  (``measure_draft``: the same sequences as depth 1 above) and c (``measure_cost_ratio``).
 
 The predicted speed-up is E[tokens per target call] / (1 + gamma c), with E = 1 + sum_k prod_{i<=k} alpha_i
 from the per-depth alphas (the distilled draft: its one alpha at every depth, Leviathan et al. 2023), at
@@ -28,12 +28,18 @@ from pathlib import Path
 
 import torch
 
-from specresearch.training import distill
-from specresearch.experiments.draft_analysis import predicted_speedup
-from specresearch.drafts.distilled import manifest_path, read_manifest
-from specresearch.models.embedded import load_embedded
-from specresearch.training.feature_distill import measure_feature_cost, measure_feature_draft
+from specresearch.drafts.distilled import load_draft
 from specresearch.drafts.feature import FeatureDraft, load_feature_head
+from specresearch.drafts.store import manifest_path, read_manifest
+from specresearch.engine.prompts import encode_chat, load_prompts
+from specresearch.experiments.draft_analysis import predicted_speedup
+from specresearch.models.embedded import load_embedded
+from specresearch.training import distill
+from specresearch.training.feature_measure import (
+    measure_feature_cost,
+    measure_feature_draft,
+)
+from specresearch.training.measure import measure_cost_ratio, measure_draft
 
 TEMPERATURES = (0.2, 0.6, 1.0)
 
@@ -56,14 +62,14 @@ def feature_row(lm, tokenizer, directory: Path, prompt_ids, eos, args) -> dict:
 
 
 def baseline_row(lm, directory: Path, prompt_ids, eos, args) -> dict:
-    draft = distill.load_draft(lm.model, directory)
+    draft = load_draft(lm.model, directory)
     manifest = read_manifest(directory)
     if args.alpha_from_manifest:
         stats = {k: manifest["measurement"][k] for k in ("alpha", "greedy_agreement", "positions")}
     else:
-        stats = distill.measure_draft(lm.model, draft, prompt_ids, temperatures=TEMPERATURES, max_new_tokens=args.tokens,
+        stats = measure_draft(lm.model, draft, prompt_ids, temperatures=TEMPERATURES, max_new_tokens=args.tokens,
                                       eos_token_ids=eos, progress=False).as_dict()
-    cost = distill.measure_cost_ratio(lm.model, draft, repeats=args.repeats)
+    cost = measure_cost_ratio(lm.model, draft, repeats=args.repeats)
     by_depth = {t: [a] * args.depths for t, a in stats["alpha"].items()}
     gamma, speedup = predicted_speedup(by_depth["1.0"], cost["c"])
     return {"draft": directory.name, "kind": "distilled LM", "alpha_by_depth": by_depth,
@@ -74,14 +80,17 @@ def baseline_row(lm, directory: Path, prompt_ids, eos, args) -> dict:
 def generation_rows(lm, tokenizer, drafts: dict, args) -> list[dict]:
     """Wall clock on chat prompts (first turn of one prompt per category, chat template): autoregressive and
     speculative (token verification) with each draft, interleaved prompt by prompt, per temperature."""
-    from specresearch.engine.generate import autoregressive_generate, speculative_generate
-    from specresearch.core.sampling import SamplingConfig
+    from specresearch.config import SamplingConfig
+    from specresearch.engine.generate import (
+        autoregressive_generate,
+        speculative_generate,
+    )
 
     seen, prompts = set(), []
-    for row in distill.load_prompts(distill.drafts_dir().parent / "prompts.jsonl"):
+    for row in load_prompts(distill.drafts_dir().parent / "prompts.jsonl"):
         if row["category"] not in seen:
             seen.add(row["category"])
-            prompts.append(distill.encode_prompts(tokenizer, [row])[0].tolist())
+            prompts.append(encode_chat([row], tokenizer)[0].tolist())
     prompts = prompts[: args.generate_prompts]
     rows = []
     for temperature in args.generate_temperatures:
@@ -109,7 +118,7 @@ def generation_rows(lm, tokenizer, drafts: dict, args) -> list[dict]:
 def distill_draft(lm, directory: Path):
     from specresearch.models.causal_lm import CausalLM
 
-    return CausalLM(distill.load_draft(lm.model, directory), device=lm.device)
+    return CausalLM(load_draft(lm.model, directory), device=lm.device)
 
 
 def table(rows) -> str:
@@ -143,9 +152,9 @@ def main() -> None:
 
     lm, tokenizer = load_embedded("smollm2-135m-instruct", device="cpu")
     eos = [tokenizer.eos_token_id]
-    heldout = distill.load_prompts(distill.drafts_dir().parent / "prompts.jsonl")
+    heldout = load_prompts(distill.drafts_dir().parent / "prompts.jsonl")
     chosen = [heldout[round(i * len(heldout) / args.prompts)] for i in range(min(args.prompts, len(heldout)))]
-    prompt_ids = distill.encode_prompts(tokenizer, chosen)
+    prompt_ids = encode_chat(chosen, tokenizer)
     rows = [feature_row(lm, tokenizer, _directory(n), prompt_ids, eos, args) for n in args.feature]
     rows += [baseline_row(lm, _directory(n), prompt_ids, eos, args) for n in args.baseline]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from specresearch.drafts.distilled import draft_from_name
-from specresearch.models.embedded import load_embedded
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.hf import speculative
-from specresearch.core.sampling import SamplingConfig
+from specresearch.models.embedded import load_embedded
 
 _DATA = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
 

@@ -11,7 +11,7 @@ same run: what ``CausalLM`` uses on CPU (linear layers as ``models.SkinnyLinear`
 ``strided``: the same products returned as the transposed (column-major) ``(W @ x^T)^T`` with ``"sdpa"``
 (what ``SkinnyLinear`` returned before it made its outputs row-major; a strided query sends the CPU
 attention kernel down its unfused path), and the peer, plain ``nn.Linear`` with ``"sdpa"``. Contexts
-``--contexts``. Every row names the machine (``bench.machine_info``). A benchmark: nothing asserted.
+``--contexts``. Every row names the machine (``machine_info``). A benchmark: nothing asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_score_cost.py --threads 1 2
 """
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from specresearch.experiments import bench
+from specresearch.experiments.records import machine_info
 from specresearch.models.embedded import load_embedded
-from specresearch.models.causal_lm import CPU_SDPA, SkinnyLinear
-
+from specresearch.models.kernels import CPU_SDPA, SkinnyLinear
 
 
 class StridedSkinnyLinear(SkinnyLinear):
@@ -79,7 +79,7 @@ def main() -> None:
         parser.error("--ks must include 1 and be >= 1")
     lm, _ = load_embedded(device="cpu", skinny_linear=True)  # the variants below switch every layer themselves
     head, hidden = lm.model.get_output_embeddings(), lm.model.config.hidden_size
-    rows, machine = [], {k: v for k, v in bench.machine_info().items() if k != "torch_threads"}
+    rows, machine = [], {k: v for k, v in machine_info().items() if k != "torch_threads"}
     for threads in args.threads:
         torch.set_num_threads(threads)
         for context in args.contexts:

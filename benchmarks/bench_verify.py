@@ -23,7 +23,7 @@ Rows are printed as a Markdown table; nothing is asserted about time.
 
 Multi-draft table (``specresearch.core.verify_multi``; skip it with ``--no-multi``, or run it alone with
 ``--multi-only``): per B in ``--multi-batches`` (default 32), K = ``--num-drafts`` (4) i.i.d. paths of length
-L = ``--multi-length`` (4) drawn by ``verify_multi.sample_draft_paths`` from a draft whose logits at every
+L = ``--multi-length`` (4) drawn by ``draft_paths.sample_draft_paths`` from a draft whose logits at every
 (row, prefix) are the target's + N(0, 1) (target logits ~ 3 N(0, 1), one fresh draw per distinct prefix,
 so paths sharing a prefix share its rows), V = 49152. Timed round-robin with ``token`` and ``block`` on path
 0 alone (the single-draft baseline of the same step); K-SEQ (L = 1 only) is timed on the paths' first
@@ -39,7 +39,7 @@ import time
 import torch
 from transformers.generation.utils import _speculative_sampling
 
-from specresearch.core import verify, verify_multi
+from specresearch.core import draft_paths, draws, verify, verify_multi
 
 VOCAB = 49152
 PROMPT_LENGTH = 16
@@ -131,7 +131,7 @@ def candidates(inputs, generator):
 def _block_with(rule, target_probs, draft_probs, draft_tokens, generator):
     """Block verification forcing one tau rule: "pruned" (``verify._block_backward``: backward scan, w_tau
     reused for the sample) or "dense" (``verify._block_tau_dense``: every h_i, then a fresh residual sample)."""
-    eta = verify.draw_uniforms(*draft_tokens.shape, generator).to(target_probs.dtype)
+    eta = draws.draw_uniforms(*draft_tokens.shape, generator).to(target_probs.dtype)
     p_x, q_x = verify._drafted_probs(target_probs, draft_probs, draft_tokens)
     scale = verify._block_scales(p_x, q_x)
     if rule == "pruned":
@@ -153,7 +153,7 @@ def residual_rows(inputs, generator, draws=50):
     scale = verify._block_scales(*verify._drafted_probs(*probs))  # [B, gamma]: p_1..p_gamma
     pairs = 0.0
     for _ in range(draws):
-        uniforms = verify.draw_uniforms(batch, gamma, generator).to(scale.dtype)
+        uniforms = draws.draw_uniforms(batch, gamma, generator).to(scale.dtype)
         tau = verify.block_verify(*probs, uniforms=uniforms, validate=False).num_accepted  # [B]
         position = torch.arange(1, gamma, device=tau.device)  # candidates i = 1..gamma-1
         visited = (uniforms[:, : gamma - 1] < scale[:, : gamma - 1]) & (position >= tau[:, None]) & (tau[:, None] < gamma)
@@ -219,8 +219,8 @@ class _PrefixRows:
 def make_multi_inputs(batch, num_drafts, length, vocab, generator):
     """``(target_probs [B, K, L+1, V], draft_probs [B, K, L, V], draft_tokens [B, K, L])``, i.i.d. paths."""
     rows = _PrefixRows(num_drafts, vocab, generator)
-    tokens, draft_probs = verify_multi.sample_draft_paths(rows.probs_fn(1), batch, num_drafts, length, "iid", generator)
-    return verify_multi.path_target_probs(rows.probs_fn(0), tokens), draft_probs, tokens
+    tokens, draft_probs = draft_paths.sample_draft_paths(rows.probs_fn(1), batch, num_drafts, length, "iid", generator)
+    return draft_paths.path_target_probs(rows.probs_fn(0), tokens), draft_probs, tokens
 
 
 def multi_candidates(inputs, generator):

@@ -10,7 +10,7 @@ EOS stops a row, ``--max-new-tokens`` at most. A speed-up is (tokens / seconds) 
 the autoregressive runs of the same prompts, summed per category and over all prompts; the
 acceptance rate is the engine's (accepted / drafted). Before and after the runs it times one cached target
 call scoring k = 1 and gamma + 1 tokens (``bench.score_seconds``): what verification costs in target
-forwards here. A benchmark: rows to ``--out`` (JSON lines; the machine, ``bench.machine_info``, as a
+forwards here. A benchmark: rows to ``--out`` (JSON lines; the machine, ``machine_info``, as a
 ``method = machine`` row first, each prompt's runs as soon as they are timed, so an interrupted run keeps
 the prompts it finished for ``--table``, the score timings as ``method = target_score`` rows last) and
 Markdown tables; nothing asserted on time. Both the speed-ups and the best gamma depend on the machine (how much more a call
@@ -38,13 +38,18 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from specresearch.experiments import bench
-from specresearch.experiments.draft_analysis import read_wallclock, speedup_intervals, wallclock_table
-from specresearch.drafts.distilled import draft_from_name
-from specresearch.models.embedded import load_embedded
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.models.causal_lm import SkinnyLinear
-from specresearch.core.sampling import SamplingConfig
+from specresearch.experiments import bench
+from specresearch.experiments.draft_analysis import (
+    read_wallclock,
+    speedup_intervals,
+    wallclock_table,
+)
+from specresearch.experiments.records import machine_info
+from specresearch.models.embedded import load_embedded
+from specresearch.models.kernels import SkinnyLinear
 
 CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
               "translation")
@@ -141,7 +146,7 @@ def main() -> None:
     costs = bench.score_seconds(lm, ks)  # before and after the runs: the machine's load may drift
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        f.write(json.dumps({"method": "machine", **bench.machine_info(), "target_linear": args.target_linear,
+        f.write(json.dumps({"method": "machine", **machine_info(), "target_linear": args.target_linear,
                             "skinny_rows": skinny_rows}) + "\n")
         rows = run(lm, tokenizer, drafts, args, f)
         after = bench.score_seconds(lm, ks)

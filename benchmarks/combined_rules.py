@@ -34,17 +34,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specresearch.training.distill import encode_prompts, evenly_spaced, load_prompts
-from specresearch.drafts.distilled import (
+from specresearch.drafts.feature import load_feature_draft
+from specresearch.drafts.registry import (
     HALF_PREFIX,
-    drafts_dir,
     half_weight_draft,
-    shipped_drafts,
     without_half_prefix,
 )
+from specresearch.drafts.store import drafts_dir, shipped_drafts
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.models.embedded import load_embedded
-from specresearch.training.feature_distill import measure_lookup_rules
-from specresearch.drafts.feature import load_feature_draft
+from specresearch.training.feature_measure import measure_lookup_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,7 +143,7 @@ def main() -> None:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     started = time.perf_counter()
     per_prompt = []
-    for i, (prompt, ids) in enumerate(tqdm(list(zip(prompts, encode_prompts(tokenizer, prompts))), desc="prompts")):
+    for i, (prompt, ids) in enumerate(tqdm(list(zip(prompts, encode_chat(prompts, tokenizer))), desc="prompts")):
         rules = measure_lookup_rules(target.model, head, ids, temperature=args.temperature, mixes=args.mixes, depths=args.depths,
                                      draft_gamma=args.draft_gamma, max_new_tokens=args.max_new_tokens, seed=i, eos_token_ids=eos)
         per_prompt.append({"prompt": prompt["id"], "category": prompt.get("category"), "rules": rounded(rules)})

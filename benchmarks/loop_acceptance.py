@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specresearch.experiments import bench
-from specresearch.drafts.distilled import draft_from_name
-from specresearch.models.embedded import load_embedded
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import speculative_generate
-from specresearch.core.sampling import SamplingConfig
+from specresearch.experiments import bench
+from specresearch.models.embedded import load_embedded
 
 CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
               "translation")

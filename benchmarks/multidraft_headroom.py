@@ -32,14 +32,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specresearch.config import SamplingConfig
+from specresearch.core.sampling import logits_to_probs
+from specresearch.drafts.registry import draft_from_name
+from specresearch.drafts.store import drafts_dir
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.exact import theory_multi
-from specresearch.training.distill import encode_prompts, evenly_spaced, load_prompts, sample_continuations
 from specresearch.experiments.draft_analysis import read_draft_manifest
-from specresearch.drafts.distilled import draft_from_name, drafts_dir
 from specresearch.models.embedded import load_embedded
-from specresearch.training.feature_distill import target_features
-from specresearch.models.causal_lm import CPU_SDPA
-from specresearch.core.sampling import SamplingConfig, logits_to_probs
+from specresearch.models.kernels import CPU_SDPA
+from specresearch.training.corpus import sample_continuations
+from specresearch.training.feature_corpus import target_features
 
 RULES = {"rrs": theory_multi.rrs_acceptance, "kseq": theory_multi.kseq_acceptance, "optimum_iid": theory_multi.optimal_acceptance_iid}
 
@@ -96,7 +99,7 @@ def main() -> None:
     c = read_draft_manifest(directory)["c"]
     prompts = load_prompts("data/prompts.jsonl")
     chosen = evenly_spaced(prompts, args.prompts)
-    ids = encode_prompts(tokenizer, chosen)
+    ids = encode_chat(chosen, tokenizer)
     eos = [tokenizer.eos_token_id]
 
     p0, q0 = first_token_pairs(lm.model, draft.head, ids, 0.0, args.max_new_tokens, args.seed, eos)

@@ -33,19 +33,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specresearch.training.distill import encode_prompts, load_prompts
-from specresearch.experiments.draft_analysis import corpus_spans
-from specresearch.drafts.distilled import (
+from specresearch.drafts.feature import load_feature_draft
+from specresearch.drafts.registry import (
     HALF_PREFIX,
-    drafts_dir,
     half_weight_draft,
-    read_manifest,
-    shipped_drafts,
     without_half_prefix,
 )
+from specresearch.drafts.store import drafts_dir, read_manifest, shipped_drafts
+from specresearch.engine.prompts import encode_chat, load_prompts
+from specresearch.experiments.draft_analysis import corpus_spans
 from specresearch.models.embedded import load_embedded
-from specresearch.training.feature_distill import chunk_prompt_order, measure_feature_draft
-from specresearch.drafts.feature import load_feature_draft
+from specresearch.training.feature_corpus import chunk_prompt_order
+from specresearch.training.feature_measure import measure_feature_draft
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,7 +150,7 @@ def main() -> None:
     per_prompt = []
     with tqdm(total=sum(map(len, sets.values())), desc="prompts") as bar:
         for name, prompts in sets.items():
-            for i, (prompt, ids) in enumerate(zip(prompts, encode_prompts(tokenizer, prompts))):
+            for i, (prompt, ids) in enumerate(zip(prompts, encode_chat(prompts, tokenizer))):
                 m = measure_feature_draft(target.model, head, [ids], temperatures=args.temperatures, depths=args.depths,
                                           max_new_tokens=args.max_new_tokens, seed=i, eos_token_ids=eos, progress=False)
                 alphas = {**{f"{t:g}": m.alpha[t] for t in args.temperatures}, "greedy": m.greedy_agreement}

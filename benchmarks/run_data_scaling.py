@@ -51,9 +51,13 @@ def _manifest_path(out: Path, kind: str, chunks: int, steps: int) -> Path:
 
 
 def run_feature(lm, tokenizer, chunks: int, steps: int, args) -> dict:
-    from specresearch.training.distill import cache_dir
-    from specresearch.training.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
     from specresearch.drafts.feature import FeatureHeadConfig
+    from specresearch.training.feature_corpus import FeatureCorpusConfig
+    from specresearch.training.feature_distill import (
+        FeatureTrainConfig,
+        run_feature_distillation,
+    )
+    from specresearch.training.loop import cache_dir
 
     config = FeatureTrainConfig(steps=steps, batch_size=8, lr=2e-3, warmup_steps=10, rollout=2, checkpoint_every=10)
     command = (f"specresearch feature-distill --preset eagle3-v8k --prompts {args.prompts} --chunks {chunks} --steps {steps} "
@@ -65,9 +69,14 @@ def run_feature(lm, tokenizer, chunks: int, steps: int, args) -> dict:
 
 
 def run_distill(lm, tokenizer, chunks: int, steps: int, args) -> dict:
-    from specresearch.training.distill import TrainConfig, cache_dir, distill_on_corpus
     from specresearch.drafts.distilled import DraftConfig
-    from specresearch.training.feature_distill import FeatureCorpusConfig, as_distill_corpus, load_feature_chunks
+    from specresearch.training.distill import distill_on_corpus
+    from specresearch.training.feature_corpus import (
+        FeatureCorpusConfig,
+        as_distill_corpus,
+        load_feature_chunks,
+    )
+    from specresearch.training.loop import TrainConfig, cache_dir
 
     key = FeatureCorpusConfig().key(args.prompts)
     chunk = load_feature_chunks(cache_dir() / "features" / key, chunks)  # run the feature points first to collect it

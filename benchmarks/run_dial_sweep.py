@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from specresearch.drafts.registry import draft_from_name
 from specresearch.experiments import bench
-from specresearch.drafts.distilled import draft_from_name
+from specresearch.experiments.records import write_run_info
 from specresearch.models.embedded import load_embedded
 
 DRAFTS = ("v8k-4l", "dial-mix:0.5", "dial-mix:0.25", "dial-mix:0.75")
@@ -47,7 +48,7 @@ def main() -> None:
     for gamma in config.gammas:  # gamma = 8 (the paper's) for every draft first
         for name in args.drafts:
             path = Path(args.out) / f"{name.replace(':', '_')}.csv"
-            bench.write_run_info(path, command=" ".join(["python", *sys.argv]), draft=name, batched=True,
+            write_run_info(path, command=" ".join(["python", *sys.argv]), draft=name, batched=True,
                                  config=dataclasses.asdict(config), gamma=gamma, prompts=[p.id for p in prompts])
             start = time.perf_counter()
             at_gamma = dataclasses.replace(config, gammas=(gamma,))

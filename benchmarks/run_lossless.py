@@ -20,10 +20,14 @@ from dataclasses import asdict
 
 import torch
 
-from specresearch.drafts.distilled import draft_from_name, truncated_draft
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import draft_from_name, truncated_draft
+from specresearch.experiments.stats import (
+    lossless_test,
+    sequence_law,
+    wrong_residual_verify,
+)
 from specresearch.models.embedded import load_embedded
-from specresearch.core.sampling import SamplingConfig
-from specresearch.experiments.stats import lossless_test, sequence_law, wrong_residual_verify
 
 SAMPLINGS = {
     "T=0.6": SamplingConfig(temperature=0.6),

@@ -20,8 +20,19 @@ Run: python proofs/t3_expected_tokens.py
 from fractions import Fraction
 
 from specresearch.exact.single import block_efficiency
-from specresearch.exact.symbolic import Check, corollary_3_9_checks, expected_tokens_checks, run_checks, walltime_checks
-from specresearch.exact.theory import acceptance_rate, expected_tokens, optimal_gamma, walltime_improvement
+from specresearch.exact.symbolic import (
+    Check,
+    corollary_3_9_checks,
+    expected_tokens_checks,
+    run_checks,
+    walltime_checks,
+)
+from specresearch.exact.theory import (
+    acceptance_rate,
+    expected_tokens,
+    optimal_gamma,
+    walltime_improvement,
+)
 
 
 def grid_checks(steps: int = 40, max_gamma: int = 32) -> list[Check]:

@@ -25,8 +25,19 @@ import collections
 import random
 from fractions import Fraction
 
-from specresearch.exact.single import as_model, is_lossless, random_rational_model, step_distribution
-from specresearch.exact.symbolic import Check, NumericOracle, block_lossless_cases, block_step_law, run_checks
+from specresearch.exact.single import (
+    as_model,
+    is_lossless,
+    random_rational_model,
+    step_distribution,
+)
+from specresearch.exact.symbolic import (
+    Check,
+    NumericOracle,
+    block_lossless_cases,
+    block_step_law,
+    run_checks,
+)
 
 
 def symbolic_checks(sizes=((2, 1), (3, 1), (2, 2))) -> list[Check]:

@@ -20,8 +20,8 @@ Run: python proofs/t5_block_optimal.py
 import random
 from fractions import Fraction
 
-from specresearch.exact.single import random_rational_model, two_symbol_example
 from specresearch.exact.lp import check_verifier, compare_with_lp, optimal_verifier_lp
+from specresearch.exact.single import random_rational_model, two_symbol_example
 from specresearch.exact.symbolic import Check, run_checks
 
 

@@ -43,7 +43,7 @@ def _check_prompts_file(flag: str, path: str | None) -> None:
     """Read a prompts file now, before any model loads, so a wrong file fails in a second with its name."""
     if path is None:
         return
-    from specresearch.training.distill import load_prompts
+    from specresearch.engine.prompts import load_prompts
 
     if not Path(path).is_file():
         raise ValueError(f"{flag} {path}: no such file")
@@ -148,7 +148,7 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
     ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=target.device)
     amateur = None
     if args.method == "contrastive":
-        from specresearch.drafts.distilled import draft_from_name
+        from specresearch.drafts.registry import draft_from_name
 
         amateur = lm_logits_fn(draft_from_name(args.draft or CONTRASTIVE_AMATEUR, target))
     out = decode(lm_logits_fn(target), ids, config, amateur_fn=amateur, eos_token_id=tokenizer.eos_token_id,
@@ -160,10 +160,13 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
 
 
 def _run_generate(args) -> int:
-    from specresearch.drafts.distilled import draft_from_name
+    from specresearch.config import SamplingConfig
+    from specresearch.drafts.registry import draft_from_name
+    from specresearch.engine.generate import (
+        autoregressive_generate,
+        speculative_generate,
+    )
     from specresearch.models.embedded import load_model
-    from specresearch.engine.generate import autoregressive_generate, speculative_generate
-    from specresearch.core.sampling import SamplingConfig
 
     if args.threads:
         import torch
@@ -242,8 +245,9 @@ def _run_distill(args) -> int:
 
     import torch
 
-    from specresearch.training.distill import DraftConfig, TrainConfig, run_distillation
     from specresearch.models.embedded import load_embedded
+    from specresearch.training.distill import DraftConfig, run_distillation
+    from specresearch.training.loop import TrainConfig
 
     _check_prompts_file("--prompts", args.prompts)
     _check_prompts_file("--heldout", args.heldout)
@@ -305,9 +309,13 @@ def _run_feature_distill(args) -> int:
 
     import torch
 
-    from specresearch.models.embedded import load_embedded
-    from specresearch.training.feature_distill import FeatureCorpusConfig, FeatureTrainConfig, run_feature_distillation
     from specresearch.drafts.feature import FeatureHeadConfig
+    from specresearch.models.embedded import load_embedded
+    from specresearch.training.feature_corpus import FeatureCorpusConfig
+    from specresearch.training.feature_distill import (
+        FeatureTrainConfig,
+        run_feature_distillation,
+    )
 
     _check_prompts_file("--prompts", args.prompts)
     _check_prompts_file("--heldout", args.heldout)
@@ -316,7 +324,10 @@ def _run_feature_distill(args) -> int:
     if args.first_chunk < 0:
         raise ValueError(f"--first-chunk must be >= 0, got {args.first_chunk}")
     if args.save_tokens and args.first_chunk:
-        from specresearch.training.feature_distill import FeatureCorpusConfig, stored_chunk_count
+        from specresearch.training.feature_corpus import (
+            FeatureCorpusConfig,
+            stored_chunk_count,
+        )
 
         stored = stored_chunk_count(FeatureCorpusConfig().key(args.prompts))
         if stored < args.first_chunk:
@@ -351,21 +362,22 @@ def _run_feature_distill(args) -> int:
 
 
 def _collect_feature_corpus(lm, tokenizer, args) -> int:
-    from specresearch.training.distill import cache_dir, encode_prompts, load_prompts
-    from specresearch.training.feature_distill import (
+    from specresearch.engine.prompts import encode_chat, load_prompts
+    from specresearch.training.feature_corpus import (
         FeatureCorpusConfig,
         collect_feature_corpus,
         corpus_token_file,
         save_corpus_tokens,
         stored_corpus_tokens,
     )
+    from specresearch.training.loop import cache_dir
 
     config = FeatureCorpusConfig()
     key = config.key(args.prompts)
     directory, token_file = cache_dir() / "features" / key, corpus_token_file(key)
     stored = stored_corpus_tokens(key)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    available = collect_feature_corpus(lm.model, encode_prompts(tokenizer, load_prompts(args.prompts)), config, directory, eos_token_ids=eos,
+    available = collect_feature_corpus(lm.model, encode_chat(load_prompts(args.prompts), tokenizer), config, directory, eos_token_ids=eos,
                                        max_chunks=args.first_chunk + args.chunks,
                                        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, stored=stored,
                                        first=args.first_chunk)
@@ -497,7 +509,7 @@ def _user_message(exc: BaseException, args) -> str:
     if isinstance(exc, FileNotFoundError) and exc.filename:
         message = f"{exc.filename}: {exc.strerror or 'no such file'}"
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
-        from specresearch.drafts.distilled import without_half_prefix
+        from specresearch.drafts.registry import without_half_prefix
 
         # transformers' message for a name it cannot resolve offline does not say which name it was
         for flag in ("model", "target", "draft"):
@@ -514,7 +526,7 @@ def _known_names(flag: str) -> list[str]:
         from specresearch.models.embedded import EMBEDDED
 
         return sorted(EMBEDDED)
-    from specresearch.drafts.distilled import shipped_drafts
+    from specresearch.drafts.store import shipped_drafts
 
     return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
             *shipped_drafts()]

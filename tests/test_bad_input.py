@@ -6,11 +6,13 @@ import math
 import pytest
 import torch
 
-from specresearch.drafts.distilled import NGramDraft
+from specresearch.config import SamplingConfig
+from specresearch.core.draws import draw_uniforms
+from specresearch.core.sampling import logits_to_probs
+from specresearch.core.verify import VERIFIERS
+from specresearch.drafts.ngram import NGramDraft
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.models.causal_lm import ToyLM, tiny_llama
-from specresearch.core.sampling import SamplingConfig, logits_to_probs
-from specresearch.core.verify import VERIFIERS, draw_uniforms
+from specresearch.models.toy import ToyLM, tiny_llama
 
 VOCAB = 8
 
@@ -167,7 +169,7 @@ class _VocabTokenizer:
 
 
 def test_different_tokenizers_are_rejected_where_both_are_known():
-    from specresearch.drafts.distilled import check_same_tokenizer
+    from specresearch.models.protocols import check_same_tokenizer
 
     same = {"a": 0, "b": 1, "c": 2}
     check_same_tokenizer(_VocabTokenizer(same), _VocabTokenizer(same))  # no error
@@ -179,10 +181,10 @@ def test_different_tokenizers_are_rejected_where_both_are_known():
 
 def test_draft_checkpoint_with_another_tokenizer_is_rejected(tmp_path):
     """A draft checkpoint whose saved tokenizer differs from the target's: clear error before any generation."""
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
-    from specresearch.drafts.distilled import draft_from_name
+    from specresearch.drafts.registry import draft_from_name
 
     def tokenizer(vocab):
         return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
@@ -212,10 +214,10 @@ def test_check_int_accepts_integers_only():
         check_int("gamma", 1, minimum=2, meaning="draft tokens")
 
 
-def test_load_embedded_pair_refuses_an_unknown_draft_before_loading(tmp_path):
+def test_load_pair_refuses_an_unknown_draft_before_loading(tmp_path):
     """Neither shipped, nor a directory, nor a draft description: one clear error, before the target loads."""
-    from specresearch.models.embedded import load_embedded_pair
+    from specresearch.drafts.registry import load_pair
 
     for name in ("v9-nope", str(tmp_path / "missing")):
         with pytest.raises(ValueError, match=r"draft must be a shipped draft \[.*v8k-4l.*\], a trained draft's directory"):
-            load_embedded_pair(draft=name, device="cpu")
+            load_pair(draft=name, device="cpu")

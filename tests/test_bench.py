@@ -14,15 +14,22 @@ import pandas as pd
 import pytest
 import torch
 
-from specresearch.experiments import analysis, bench
 from specresearch import exact
-from specresearch.exact import theory
-from specresearch.experiments.bench import BenchConfig, BenchPrompt, run_bench
-from specresearch.drafts.distilled import truncated_draft
-from specresearch.engine.generate import speculative_generate
-from specresearch.models.causal_lm import ToyLM, tiny_llama
-from specresearch.core.sampling import SamplingConfig, sample_tokens
+from specresearch.config import SamplingConfig
+from specresearch.core.sampling import sample_tokens
 from specresearch.core.verify import VERIFIERS
+from specresearch.drafts.registry import truncated_draft
+from specresearch.engine.generate import speculative_generate
+from specresearch.exact import theory
+from specresearch.experiments import analysis, bench
+from specresearch.experiments.bench import BenchConfig, BenchPrompt, run_bench
+from specresearch.experiments.records import (
+    AUTOREGRESSIVE,
+    RECORD_COLUMNS,
+    machine_info,
+    write_run_info,
+)
+from specresearch.models.toy import ToyLM, tiny_llama
 
 
 def _toy(probs) -> ToyLM:
@@ -71,7 +78,7 @@ def test_t0_token_and_block_give_identical_outputs(tmp_path):
     assert spec["accepted_tokens"].sum() > 0 and (spec["examined_drafts"] > spec["accepted_tokens"]).any()
     assert (spec["shared_steps"] == spec["target_calls"]).all()
     assert (spec["common_prefix_tokens"] == spec["new_tokens"]).all()
-    baseline = records[records["verifier"] == bench.AUTOREGRESSIVE].set_index("prompt_id")["output_hash"]
+    baseline = records[records["verifier"] == AUTOREGRESSIVE].set_index("prompt_id")["output_hash"]
     assert (spec["output_hash"].to_numpy() == baseline.loc[spec["prompt_id"]].to_numpy()).all()  # = greedy
 
 
@@ -155,7 +162,7 @@ def test_records_are_resumable(tmp_path):
     target, draft = _toy([0.5, 0.3, 0.2]), _toy([0.2, 0.3, 0.5])
     path = tmp_path / "resume.csv"
     first = run_bench(target, draft, _prompts(3), config, path, progress=False)
-    assert len(first) == 3 * 2 * (1 + 2 * 2) and list(first.columns) == list(bench.RECORD_COLUMNS)
+    assert len(first) == 3 * 2 * (1 + 2 * 2) and list(first.columns) == list(RECORD_COLUMNS)
     content = path.read_text()
     again = run_bench(target, draft, _prompts(3), config, path, progress=False)
     assert path.read_text() == content and len(again) == len(first)
@@ -272,7 +279,7 @@ def test_batched_sweep_matches_one_prompt_at_a_time(tmp_path):
     config = BenchConfig(temperatures=(1.0,), gammas=(3,), max_new_tokens=10)
     batched = bench.run_batched(target, draft, prompts, config, tmp_path / "b.csv", progress=False)
     records = run_bench(target, draft, prompts, config, tmp_path / "u.csv", progress=False)
-    single = records[records["verifier"] != bench.AUTOREGRESSIVE]
+    single = records[records["verifier"] != AUTOREGRESSIVE]
     keys = ["prompt_id", "verifier"]
     left, right = batched.set_index(keys).sort_index(), single.set_index(keys).sort_index()
     assert len(left) == 6 and (left["batch"] == 3).all() and left["seconds"].isna().all()
@@ -286,7 +293,7 @@ def test_batched_sweep_matches_one_prompt_at_a_time(tmp_path):
 
 def test_records_of_an_older_format_are_not_appended_to(tmp_path):
     path = tmp_path / "old.csv"
-    path.write_text(",".join(bench.RECORD_COLUMNS[:-4]) + "\n")
+    path.write_text(",".join(RECORD_COLUMNS[:-4]) + "\n")
     with pytest.raises(ValueError, match="other columns"):
         run_bench(_toy([0.5, 0.5]), _toy([0.5, 0.5]), _prompts(1), BenchConfig(temperatures=(1.0,), gammas=(1,),
                   max_new_tokens=2), path, progress=False)
@@ -301,7 +308,7 @@ def test_cli_bench_accepts_a_batched_dial_sweep():
 
 def test_score_seconds_times_every_k_and_leaves_the_context_as_it_found_it():
     """A benchmark helper: no timing is asserted, only that each k is timed and every call was rolled back."""
-    from specresearch.models.causal_lm import tiny_llama
+    from specresearch.models.toy import tiny_llama
 
     lm = tiny_llama(32)
     seconds = bench.score_seconds(lm, (1, 2, 3), context_length=8, repeats=2, warmup=1)
@@ -313,9 +320,9 @@ def test_score_seconds_times_every_k_and_leaves_the_context_as_it_found_it():
 
 def test_machine_info_names_the_cpu_and_torch(tmp_path):
     """What a timing depends on besides the code is recorded beside it (wall-clock records, run info)."""
-    info = bench.machine_info()
+    info = machine_info()
     assert isinstance(info["cpu"], str) and info["cpu"] and info["cpu_count"] == os.cpu_count()
     assert info["torch"] == torch.__version__ and info["torch_threads"] == torch.get_num_threads()
     assert set(info["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}
-    session, = json.loads(bench.write_run_info(tmp_path / "run.jsonl", draft="d").read_text())
+    session, = json.loads(write_run_info(tmp_path / "run.jsonl", draft="d").read_text())
     assert session["draft"] == "d" and session["cpu"] == info["cpu"] and "started" in session

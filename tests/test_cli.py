@@ -107,7 +107,7 @@ def test_generate_unknown_draft_and_model_names(capsys, tmp_path):
 def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch):
     """``generate`` without --draft uses GENERATE_DRAFT (its greedy text equals --autoregressive's), and
     --method contrastive uses CONTRASTIVE_AMATEUR as the amateur."""
-    import specresearch.drafts.distilled as drafts
+    import specresearch.drafts.registry as drafts
     from specresearch.cli import CONTRASTIVE_AMATEUR, GENERATE_DRAFT
 
     names, real = [], drafts.draft_from_name

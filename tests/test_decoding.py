@@ -15,6 +15,8 @@ import torch
 from scipy.stats import chi2
 
 from specresearch import exact
+from specresearch.config import SamplingConfig
+from specresearch.core.sampling import logits_to_probs
 from specresearch.engine.decoding import (
     DECODING_PRESETS,
     DecodingConfig,
@@ -30,7 +32,6 @@ from specresearch.engine.decoding import (
     truncated_context,
 )
 from specresearch.exact.sampling import transformed_model
-from specresearch.core.sampling import SamplingConfig, logits_to_probs
 
 FALSE_POSITIVE = 1e-8  # per chi-square check (see module docstring)
 
@@ -303,7 +304,7 @@ def test_ngram_blocking_bans_exactly_the_completions():
 
 
 def test_lm_logits_fn_with_toy_and_tiny_llama():
-    from specresearch.models.causal_lm import ToyLM, tiny_llama
+    from specresearch.models.toy import ToyLM, tiny_llama
 
     table = torch.randn(5, 5, generator=torch.Generator().manual_seed(0))
     prompt = torch.tensor([[0, 3], [1, 1]])
@@ -381,7 +382,10 @@ def test_decode_argument_errors():
 
 
 def test_repeated_ngrams_and_phrase_repetition():
-    from specresearch.engine.decoding import phrase_repetition_log_probs, repeated_ngrams
+    from specresearch.engine.decoding import (
+        phrase_repetition_log_probs,
+        repeated_ngrams,
+    )
 
     assert repeated_ngrams([1, 2, 3, 1, 2, 3, 1], 3) == 2 and repeated_ngrams([1, 2, 3], 1) == 0
     # order-2 model: after (a, b) the phrase's next token; check against sequence_log_probs by hand

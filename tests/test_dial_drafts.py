@@ -8,12 +8,13 @@ p-value of ``stats.lossless_test`` must exceed 1e-7, so a correct engine fails w
 import pytest
 import torch
 
+from specresearch.config import SamplingConfig
 from specresearch.drafts.dial import DialDraft, dial_draft_from_name, is_dial_name
-from specresearch.drafts.distilled import draft_from_name
+from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.models.causal_lm import CausalLM, tiny_llama
-from specresearch.core.sampling import SamplingConfig
 from specresearch.experiments.stats import lossless_test
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.toy import tiny_llama
 
 VOCAB = 16
 

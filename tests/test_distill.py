@@ -12,8 +12,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from specresearch.drafts.distilled import SubsetHead, load_draft, load_trained_draft
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.models.toy import tiny_llama
 from specresearch.training import distill as D
-from specresearch.models.causal_lm import tiny_llama
+from specresearch.training.corpus import (
+    generate_corpus,
+    head_token_ids,
+    load_corpus,
+    sample_continuations,
+    save_corpus,
+)
+from specresearch.training.loop import TrainConfig
+from specresearch.training.measure import measure_draft
+from specresearch.training.teacher import (
+    _collate,
+    _masked_logits,
+    corpus_kl,
+    distill_kl,
+    sparse_distill_kl,
+    sparse_tv,
+    teacher_targets,
+)
 
 VOCAB = 61
 EOS = 1
@@ -34,13 +54,13 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def train_config():
-    return D.TrainConfig(steps=40, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, corpus_max_new_tokens=20,
+    return TrainConfig(steps=40, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, corpus_max_new_tokens=20,
                          corpus_samples_per_prompt=2, corpus_batch_size=5, checkpoint_every=2)
 
 
 @pytest.fixture(scope="module")
 def corpus(target, prompts, train_config):
-    return D.generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False)
+    return generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -50,9 +70,9 @@ def _weights(model) -> dict[str, torch.Tensor]:
 def test_training_reduces_kl(target, corpus, train_config):
     """40 AdamW steps on a 1-layer random draft: corpus KL(p || q) falls by more than 30 % (observed ~45 %)."""
     draft = D.build_draft(target, D.DraftConfig("t", num_layers=1), seed=0)
-    before = D.corpus_kl(target, draft, corpus)
+    before = corpus_kl(target, draft, corpus)
     result = D.train_draft(target, draft, corpus, train_config, progress=False)
-    after = D.corpus_kl(target, draft, corpus)
+    after = corpus_kl(target, draft, corpus)
     assert result.finished and result.step == train_config.steps and len(result.losses) == train_config.steps
     assert after < 0.7 * before, (before, after)
 
@@ -102,7 +122,7 @@ def test_saved_draft_rebuilds_with_identical_logits(target, corpus, train_config
 
     stored = json.loads((tmp_path / "t" / "manifest.json").read_text())
     assert stored["seed"] == 0 and stored["draft_config"]["num_layers"] == 2
-    loaded = D.load_trained_draft(target, "t", root=tmp_path)
+    loaded = load_trained_draft(target, "t", root=tmp_path)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(draft(input_ids=ids).logits, loaded(input_ids=ids).logits)
@@ -115,7 +135,7 @@ def test_bfloat16_storage_rounds_the_stored_weights(target, tmp_path):
     config = D.DraftConfig("b", num_layers=1, storage_dtype="bfloat16")
     draft = D.build_draft(target, config, seed=0)
     D.save_draft(draft, target, config, tmp_path / "b")
-    loaded = D.load_draft(target, tmp_path / "b")
+    loaded = load_draft(target, tmp_path / "b")
     for name, weight in D.trainable_state(loaded).items():
         assert torch.equal(weight, D.trainable_state(draft)[name].to(torch.bfloat16).float())
 
@@ -125,9 +145,9 @@ def test_loading_against_another_target_raises(target, tmp_path):
     D.save_draft(D.build_draft(target, config), target, config, tmp_path / "t")
     other = tiny_llama(VOCAB, seed=1, init_std=0.5, tie_word_embeddings=True).model
     with pytest.raises(ValueError, match="target"):
-        D.load_draft(other, tmp_path / "t")
+        load_draft(other, tmp_path / "t")
     with pytest.raises(ValueError, match="name 'missing'"):
-        D.load_trained_draft(target, "missing", root=tmp_path)
+        load_trained_draft(target, "missing", root=tmp_path)
 
 
 def test_copy_of_all_target_layers_reproduces_the_target(target, prompts):
@@ -137,7 +157,7 @@ def test_copy_of_all_target_layers_reproduces_the_target(target, prompts):
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(draft(input_ids=ids).logits, target(input_ids=ids).logits)
-    measured = D.measure_draft(target, draft, prompts[:3], max_new_tokens=8, progress=False)
+    measured = measure_draft(target, draft, prompts[:3], max_new_tokens=8, progress=False)
     assert measured.greedy_agreement == 1.0
     assert all(math.isclose(a, 1.0, abs_tol=1e-5) for a in measured.alpha.values()), measured.alpha
     assert all(n == 3 * 8 for n in measured.positions.values())
@@ -146,9 +166,9 @@ def test_copy_of_all_target_layers_reproduces_the_target(target, prompts):
 def test_measure_draft_matches_a_direct_computation(target, prompts):
     """alpha at T = 1 equals the mean over positions of sum_x min(p, q), recomputed by hand on the same sample."""
     draft = D.build_draft(target, D.DraftConfig("t", num_layers=1), seed=5)
-    measured = D.measure_draft(target, draft, prompts[:1], temperatures=(1.0,), max_new_tokens=6, seed=7, progress=False)
+    measured = measure_draft(target, draft, prompts[:1], temperatures=(1.0,), max_new_tokens=6, seed=7, progress=False)
     generator = torch.Generator().manual_seed(7)
-    continuations = D.sample_continuations(target, [prompts[0]] * 2, [0.0, 1.0], 6, generator)
+    continuations = sample_continuations(target, [prompts[0]] * 2, [0.0, 1.0], 6, generator)
     sampled = torch.cat([prompts[0], continuations[1]])[None]
     with torch.no_grad():
         p = target(input_ids=sampled).logits[0, len(prompts[0]) - 1 : -1].softmax(-1)
@@ -160,27 +180,27 @@ def test_measure_draft_matches_a_direct_computation(target, prompts):
 def test_left_padded_batch_sampling_matches_single_rows(target, prompts):
     """Greedy rows are deterministic: batching prompts of different lengths (left padding) changes nothing."""
     generator = torch.Generator().manual_seed(0)
-    batched = D.sample_continuations(target, prompts[:4], [0.0] * 4, 10, generator)
+    batched = sample_continuations(target, prompts[:4], [0.0] * 4, 10, generator)
     for prompt, row in zip(prompts[:4], batched):
-        (single,) = D.sample_continuations(target, [prompt], [0.0], 10, generator)
+        (single,) = sample_continuations(target, [prompt], [0.0], 10, generator)
         assert torch.equal(row, single)
 
 
 def test_sampling_stops_after_eos(target, prompts):
     generator = torch.Generator().manual_seed(0)
-    (greedy,) = D.sample_continuations(target, prompts[:1], [0.0], 10, generator)
+    (greedy,) = sample_continuations(target, prompts[:1], [0.0], 10, generator)
     eos = int(greedy[2])  # declare the third greedy token an end-of-sequence token
-    (cut,) = D.sample_continuations(target, prompts[:1], [0.0], 10, generator, eos_token_ids=[eos])
+    (cut,) = sample_continuations(target, prompts[:1], [0.0], 10, generator, eos_token_ids=[eos])
     assert torch.equal(cut, greedy[: int((greedy == eos).nonzero()[0]) + 1])
 
 
 def test_corpus_is_reproducible_and_round_trips(target, prompts, train_config, corpus, tmp_path):
-    again = D.generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False)
+    again = generate_corpus(target, prompts, train_config, eos_token_ids=[EOS], progress=False)
     assert again.prompt_lengths == corpus.prompt_lengths
     assert all(torch.equal(a, b) for a, b in zip(again.sequences, corpus.sequences))
     assert len(corpus.sequences) == len(prompts) * train_config.corpus_samples_per_prompt
-    D.save_corpus(corpus, tmp_path / "c.pt")
-    loaded = D.load_corpus(tmp_path / "c.pt")
+    save_corpus(corpus, tmp_path / "c.pt")
+    loaded = load_corpus(tmp_path / "c.pt")
     assert all(torch.equal(a, b) for a, b in zip(loaded.sequences, corpus.sequences))
 
 
@@ -189,19 +209,19 @@ def test_distill_kl_is_the_forward_kl():
     target_logits, draft_logits = torch.randn(5, 7, generator=generator), torch.randn(5, 7, generator=generator)
     p, q = target_logits.softmax(-1), draft_logits.softmax(-1)
     expected = (p * (p.log() - q.log())).sum(-1).mean()
-    torch.testing.assert_close(D.distill_kl(target_logits, draft_logits), expected)
-    assert float(D.distill_kl(target_logits, target_logits)) == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(distill_kl(target_logits, draft_logits), expected)
+    assert float(distill_kl(target_logits, target_logits)) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_sparse_kl_with_all_tokens_is_the_exact_kl(target, corpus, train_config):
     """k >= V and a full head: the top-k teacher loss equals distill_kl on the full distributions."""
     draft = D.build_draft(target, D.DraftConfig("t", num_layers=1), seed=0)
-    teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=VOCAB, progress=False)
+    teacher = teacher_targets(target, corpus, train_config.seq_len, top_k=VOCAB, progress=False)
     indices = [0, 3, 5]
-    batch = D._collate(corpus, indices, train_config.seq_len)
+    batch = _collate(corpus, indices, train_config.seq_len)
     with torch.no_grad():
-        exact = D.distill_kl(D._masked_logits(target, *batch), D._masked_logits(draft, *batch))
-        sparse = D.sparse_distill_kl(draft, batch, *teacher.batch(indices))
+        exact = distill_kl(_masked_logits(target, *batch), _masked_logits(draft, *batch))
+        sparse = sparse_distill_kl(draft, batch, *teacher.batch(indices))
     assert float(sparse) == pytest.approx(float(exact), rel=1e-5)
 
 
@@ -212,7 +232,7 @@ def test_sparse_tv_is_one_minus_the_overlap_of_the_renormalised_teacher():
     logits = torch.randn(3, 6, generator=g, requires_grad=True)
     index = torch.tensor([[0, 2, -1], [5, 1, 3], [-1, -1, -1]])
     probs = torch.tensor([[0.5, 0.2, 0.3], [0.6, 0.3, 0.1], [0.7, 0.2, 0.1]])
-    tv = D.sparse_tv(logits, index, probs)
+    tv = sparse_tv(logits, index, probs)
     q = logits.detach().softmax(-1)
     dense = []
     for row in range(2):
@@ -225,12 +245,12 @@ def test_sparse_tv_is_one_minus_the_overlap_of_the_renormalised_teacher():
     tv.backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
     same = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    assert float(D.sparse_tv(same, torch.tensor([[0, 1, 2]]), torch.tensor([[0.5, 0.3, 0.2]]))) == pytest.approx(0.0, abs=1e-6)
+    assert float(sparse_tv(same, torch.tensor([[0, 1, 2]]), torch.tensor([[0.5, 0.3, 0.2]]))) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_subset_head_puts_zero_mass_off_its_tokens(target):
     ids = torch.tensor([1, 4, 9, 30])
-    head = D.SubsetHead(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), ids, VOCAB)
+    head = SubsetHead(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), ids, VOCAB)
     hidden = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     q = head(hidden).softmax(-1)  # [3, V]
     off = torch.ones(VOCAB, dtype=torch.bool)
@@ -238,23 +258,23 @@ def test_subset_head_puts_zero_mass_off_its_tokens(target):
     assert torch.all(q[:, off] == 0) and torch.allclose(q[:, ids], head.subset_logits(hidden).softmax(-1))
     assert torch.equal(head.index_of[ids], torch.arange(4)) and int(head.index_of[0]) == -1
     with pytest.raises(ValueError, match="token_ids"):
-        D.SubsetHead(torch.randn(2, 8), torch.tensor([3, 3]), VOCAB)
+        SubsetHead(torch.randn(2, 8), torch.tensor([3, 3]), VOCAB)
     with pytest.raises(ValueError, match="token_ids"):
-        D.SubsetHead(torch.randn(2, 8), torch.tensor([3, VOCAB]), VOCAB)
+        SubsetHead(torch.randn(2, 8), torch.tensor([3, VOCAB]), VOCAB)
 
 
 def test_head_token_ids_takes_the_most_teacher_mass(target, corpus, train_config):
-    teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=8, progress=False)
+    teacher = teacher_targets(target, corpus, train_config.seq_len, top_k=8, progress=False)
     mass = torch.zeros(VOCAB, dtype=torch.float64)
     mass.index_add_(0, torch.cat(teacher.ids).flatten(), torch.cat(teacher.probs).flatten().double())
-    chosen = D.head_token_ids(teacher.ids, teacher.probs, VOCAB, 10, required=[EOS])
+    chosen = head_token_ids(teacher.ids, teacher.probs, VOCAB, 10, required=[EOS])
     assert len(chosen) == 10 and EOS in chosen.tolist() and torch.equal(chosen, chosen.sort().values)
     others = [i for i in range(VOCAB) if i not in chosen.tolist()]
     assert float(mass[[i for i in chosen.tolist() if i != EOS]].min()) >= float(mass[others].max())
     # stored as a feature corpus stores them (int32 ids, float16 probabilities): the same ids as from the
     # float16-rounded probabilities widened first
-    stored = D.head_token_ids([t.int() for t in teacher.ids], [t.half() for t in teacher.probs], VOCAB, 10, required=[EOS])
-    widened = D.head_token_ids(teacher.ids, [t.half().float() for t in teacher.probs], VOCAB, 10, required=[EOS])
+    stored = head_token_ids([t.int() for t in teacher.ids], [t.half() for t in teacher.probs], VOCAB, 10, required=[EOS])
+    widened = head_token_ids(teacher.ids, [t.half().float() for t in teacher.probs], VOCAB, 10, required=[EOS])
     assert torch.equal(stored, widened)
 
 
@@ -262,24 +282,24 @@ def test_subset_head_draft_trains_ships_and_reloads(target, corpus, train_config
     """A 20-token trained head: its KL falls, only layers/norm/head train, and the shipped copy (bfloat16,
     token ids stored) rebuilds with the logits of the rounded in-memory draft."""
     config = D.DraftConfig("s", num_layers=1, head_tokens=20, train_head=True, storage_dtype="bfloat16")
-    teacher = D.teacher_targets(target, corpus, train_config.seq_len, top_k=train_config.teacher_top_k, progress=False)
-    ids = D.head_token_ids(teacher.ids, teacher.probs, VOCAB, 20, required=[EOS])
+    teacher = teacher_targets(target, corpus, train_config.seq_len, top_k=train_config.teacher_top_k, progress=False)
+    ids = head_token_ids(teacher.ids, teacher.probs, VOCAB, 20, required=[EOS])
     draft = D.build_draft(target, config, seed=0, head_token_ids=ids)
     assert torch.equal(draft.get_output_embeddings().weight, target.get_output_embeddings().weight[ids])
     indices = list(range(len(corpus.sequences)))
-    batch = D._collate(corpus, indices, train_config.seq_len)
+    batch = _collate(corpus, indices, train_config.seq_len)
     with torch.no_grad():
-        before = float(D.sparse_distill_kl(draft, batch, *teacher.batch(indices)))
+        before = float(sparse_distill_kl(draft, batch, *teacher.batch(indices)))
     result = D.train_draft(target, draft, corpus, train_config, teacher=teacher, progress=False)
     with torch.no_grad():
-        after = float(D.sparse_distill_kl(draft, batch, *teacher.batch(indices)))
+        after = float(sparse_distill_kl(draft, batch, *teacher.batch(indices)))
     assert result.finished and after < 0.7 * before, (before, after)
     assert set(D.trainable_state(draft)) >= {"lm_head.weight"}
     assert torch.equal(draft.get_input_embeddings().weight, target.get_input_embeddings().weight)
 
     D.round_to_storage(draft, config)
     D.save_draft(draft, target, config, tmp_path / "s")
-    loaded = D.load_draft(target, tmp_path / "s")
+    loaded = load_draft(target, tmp_path / "s")
     probe = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(draft(input_ids=probe).logits, loaded(input_ids=probe).logits)
@@ -312,7 +332,7 @@ def test_bad_draft_config_names_the_field(field, kwargs):
 ])
 def test_bad_train_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        D.TrainConfig(**{field: value})
+        TrainConfig(**{field: value})
 
 
 def test_presets_and_boundary_errors(target, corpus, train_config):
@@ -325,7 +345,7 @@ def test_presets_and_boundary_errors(target, corpus, train_config):
     with pytest.raises(ValueError, match="seq_len"):
         D.train_draft(target, draft, corpus, dataclasses.replace(train_config, seq_len=2), progress=False)
     with pytest.raises(ValueError, match="temperatures"):
-        D.measure_draft(target, draft, [torch.tensor([3, 4])], temperatures=(0.0,), progress=False)
+        measure_draft(target, draft, [torch.tensor([3, 4])], temperatures=(0.0,), progress=False)
 
 
 SHIPPED = D.drafts_dir() / "v8k-4l"
@@ -336,15 +356,15 @@ def test_shipped_draft_loads_offline_and_matches_its_manifest():
     """The shipped draft rebuilds against the embedded target (offline) and its re-measured alpha on the
     manifest's 3-prompt check slice matches the recorded one within 2e-3: the measurement is deterministic
     (seeded), so only float rounding across machines/thread counts can move it."""
-    from specresearch.models.embedded import load_embedded_pair
+    from specresearch.drafts.registry import load_pair
 
-    lm, draft_lm, tokenizer = load_embedded_pair("smollm2-135m-instruct", SHIPPED.name, device="cpu")
+    lm, draft_lm, tokenizer = load_pair("smollm2-135m-instruct", SHIPPED.name, device="cpu")
     draft = draft_lm.model
     manifest = json.loads((SHIPPED / "manifest.json").read_text())
     check = manifest["check_measurement"]
-    heldout = {p["id"]: p for p in D.load_prompts(Path(D.drafts_dir()).parent / "prompts.jsonl")}
-    ids = D.encode_prompts(tokenizer, [heldout[i] for i in check["prompt_ids"]])
-    measured = D.measure_draft(lm.model, draft, ids, max_new_tokens=check["max_new_tokens"], seed=check["seed"],
+    heldout = {p["id"]: p for p in load_prompts(Path(D.drafts_dir()).parent / "prompts.jsonl")}
+    ids = encode_chat([heldout[i] for i in check["prompt_ids"]], tokenizer)
+    measured = measure_draft(lm.model, draft, ids, max_new_tokens=check["max_new_tokens"], seed=check["seed"],
                                eos_token_ids=[tokenizer.eos_token_id], progress=False)
     for t, alpha in check["alpha"].items():
         assert measured.alpha[float(t)] == pytest.approx(alpha, abs=2e-3)
@@ -364,7 +384,7 @@ def test_run_distillation_resumes_then_ships(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "c", "turns": [f"prompt number {i}"]}) + "\n" for i in range(4)))
-    config = D.TrainConfig(steps=4, batch_size=2, seq_len=64, corpus_max_new_tokens=6, corpus_samples_per_prompt=1)
+    config = TrainConfig(steps=4, batch_size=2, seq_len=64, corpus_max_new_tokens=6, corpus_samples_per_prompt=1)
     kwargs = dict(prompts_path=prompts, heldout_path=prompts, out_dir=tmp_path / "out", heldout_prompts=2, measure_tokens=4, progress=False)
 
     first = D.run_distillation(target, _CharTokenizer(), D.DraftConfig("t"), config, max_seconds=0.0, **kwargs)
@@ -375,10 +395,10 @@ def test_run_distillation_resumes_then_ships(target, tmp_path, monkeypatch):
     assert 0 < second["cost"]["c"]
     shipped = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert shipped["command"] == "test" and shipped["measurement"] == second["measurement"]
-    D.load_draft(target, tmp_path / "out")
+    load_draft(target, tmp_path / "out")
 
 
 def test_evenly_spaced_prompts_spread_over_the_file_and_keep_all_when_asked_for_more():
     rows = [{"id": str(i)} for i in range(10)]
-    assert [r["id"] for r in D.evenly_spaced(rows, 4)] == ["0", "2", "5", "8"]  # round(i * 10 / 4)
-    assert D.evenly_spaced(rows, 10) == rows and D.evenly_spaced(rows, 12) == rows
+    assert [r["id"] for r in evenly_spaced(rows, 4)] == ["0", "2", "5", "8"]  # round(i * 10 / 4)
+    assert evenly_spaced(rows, 10) == rows and evenly_spaced(rows, 12) == rows

@@ -10,7 +10,6 @@ import pandas as pd
 import pytest
 
 from specresearch.exact import theory
-from specresearch.training.distill import drafts_dir
 from specresearch.experiments.draft_analysis import (
     best_gammas,
     corpus_spans,
@@ -30,6 +29,7 @@ from specresearch.experiments.draft_analysis import (
     speedup_intervals,
     wallclock_table,
 )
+from specresearch.training.distill import drafts_dir
 
 
 def test_expected_tokens_and_speedup_by_hand():

@@ -11,10 +11,12 @@ import os
 import pytest
 import torch
 
-from specresearch.models import embedded
-from specresearch.drafts.distilled import NGramDraft, drafts_dir, truncated_draft
+from specresearch.config import SamplingConfig
+from specresearch.drafts.ngram import NGramDraft
+from specresearch.drafts.registry import truncated_draft
+from specresearch.drafts.store import drafts_dir
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.core.sampling import SamplingConfig
+from specresearch.models import embedded
 
 GREEDY = SamplingConfig(temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -47,7 +49,7 @@ def test_loads_offline_with_a_working_tokenizer(smollm):
 def test_plain_linear_layers_on_request_give_the_same_model(smollm):
     """skinny_linear=False keeps nn.Linear and transformers' attention (the faster path on some CPUs):
     the same logits up to float rounding as the CPU default's SkinnyLinear layers."""
-    from specresearch.models.causal_lm import SkinnyLinear
+    from specresearch.models.kernels import SkinnyLinear
 
     lm, tokenizer = smollm
     plain, _ = embedded.load_embedded("smollm2-135m-instruct", device="cpu", skinny_linear=False)
@@ -115,8 +117,8 @@ def test_committed_corpus_tokens_are_the_feature_corpus_of_the_xl_prompts(smollm
     feature corpus of distill_prompts_xl.jsonl: each sequence starts with the prompt its chunk is cut from
     (the seeded shuffle) and continues with 1-128 sampled ids of the target's vocabulary, so
     feature-distill can rebuild the chunks from it."""
-    from specresearch.training.distill import encode_prompts, load_prompts
-    from specresearch.training.feature_distill import (
+    from specresearch.engine.prompts import encode_chat, load_prompts
+    from specresearch.training.feature_corpus import (
         FeatureCorpusConfig,
         chunk_prompt_order,
         corpora_dir,
@@ -126,7 +128,7 @@ def test_committed_corpus_tokens_are_the_feature_corpus_of_the_xl_prompts(smollm
     lm, tokenizer = smollm
     config = FeatureCorpusConfig()
     stored = stored_corpus_tokens(config.key("data/distill_prompts_xl.jsonl"))
-    prompts = encode_prompts(tokenizer, load_prompts(corpora_dir().parent / "distill_prompts_xl.jsonl"))
+    prompts = encode_chat(load_prompts(corpora_dir().parent / "distill_prompts_xl.jsonl"), tokenizer)
     order = chunk_prompt_order(len(prompts), config.seed, len(stored) * config.chunk_prompts)
     shipped = json.loads((drafts_dir() / "eagle3-v8k" / "manifest.json").read_text())["corpus"]
     assert shipped["cache_key"] == config.key("data/distill_prompts_xl.jsonl") and len(stored) >= shipped["chunks"]

@@ -9,11 +9,11 @@ import pytest
 import sympy
 
 from specresearch import exact
-from specresearch.exact import multi as exact_multi, theory_multi
+from specresearch.exact import multi as exact_multi
+from specresearch.exact import paths as exact_paths
+from specresearch.exact import theory_multi
 from specresearch.exact.multi import (
-    DRAFT_LAWS,
     MULTI_METHODS,
-    draft_paths_law,
     expected_accepted_multi,
     is_lossless_multi,
     kseq_rho,
@@ -21,6 +21,7 @@ from specresearch.exact.multi import (
     step_distribution_multi,
     verify_multi_exact,
 )
+from specresearch.exact.paths import DRAFT_LAWS, draft_paths_law
 
 P2, Q2 = exact.two_symbol_example()
 
@@ -232,4 +233,4 @@ def test_bad_num_drafts_raises():
 
 def test_methods_are_named():
     assert MULTI_METHODS == ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal")
-    assert set(exact_multi.__all__) >= {"draft_paths_law", "verify_multi_exact", "is_lossless_multi"}
+    assert set(exact_multi.__all__) >= {"verify_multi_exact", "is_lossless_multi"} and "draft_paths_law" in exact_paths.__all__

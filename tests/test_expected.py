@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 import random
-from itertools import product
 from fractions import Fraction as F
+from itertools import product
 
 import pytest
 import torch
 
 from specresearch import exact
+from specresearch.core.draws import draw_uniforms
+from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.exact.single import (
     as_model,
     expected_accepted,
@@ -26,7 +28,6 @@ from specresearch.exact.single import (
     two_symbol_example,
     verify_exact,
 )
-from specresearch.core.verify import VERIFIERS, draw_uniforms, expected_num_accepted
 
 METHODS = ("token", "block", "greedy")
 

@@ -7,14 +7,16 @@ import types
 
 import pytest
 import torch
-
-from specresearch.drafts.feature import FeatureDraft, FeatureHead, FeatureHeadConfig, FeatureReader
-from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.models.causal_lm import CausalLM, ToyLM, tiny_llama
-from specresearch.core.sampling import SamplingConfig
-from specresearch.experiments.stats import lossless_test
-
 from helpers import feature_head
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.feature import FeatureDraft, FeatureHead, FeatureHeadConfig
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_chat, load_prompts
+from specresearch.experiments.stats import lossless_test
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.protocols import FeatureReader
+from specresearch.models.toy import ToyLM, tiny_llama
 
 VOCAB = 48
 GREEDY = SamplingConfig(temperature=0.0)
@@ -149,17 +151,19 @@ def test_engine_detects_a_reading_draft_and_bad_input_raises(target, draft):
 def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
     """A tiny target, a cached corpus of 8 sampled continuations, 40 steps (a few seconds): the loss on a fixed
     batch falls at every depth, the measured depth-1 alpha on held-out prompts rises, and the target gets no gradient."""
-    from specresearch.training.feature_distill import (
+    from specresearch.training.feature_corpus import (
         FeatureCorpusConfig,
+        collect_feature_corpus,
+        load_feature_chunks,
+    )
+    from specresearch.training.feature_distill import (
         FeatureTrainConfig,
         _feature_batch,
         _feature_columns,
-        collect_feature_corpus,
         feature_loss,
-        load_feature_chunks,
-        measure_feature_draft,
         train_feature_head,
     )
+    from specresearch.training.feature_measure import measure_feature_draft
 
     small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
     g = torch.Generator().manual_seed(0)
@@ -189,7 +193,11 @@ def test_training_reduces_the_loss_and_raises_alpha(tmp_path):
 
 def _tiny_feature_corpus(directory, max_new_tokens: int):
     """A tiny target and its cached feature corpus: 8 random prompts in 2 chunks, layers (1, -1) stored."""
-    from specresearch.training.feature_distill import FeatureCorpusConfig, collect_feature_corpus, load_feature_chunks
+    from specresearch.training.feature_corpus import (
+        FeatureCorpusConfig,
+        collect_feature_corpus,
+        load_feature_chunks,
+    )
 
     small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
     g = torch.Generator().manual_seed(0)
@@ -275,7 +283,7 @@ def test_bf16_autocast_training_reduces_the_loss_keeps_float32_state_and_resumes
 def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path):
     """More chunks than the prompts fill: chunks are cut from successive shuffles end to end, the first pass's
     chunks are the same whatever the total, and every prompt is sampled once per pass (with new seeds)."""
-    from specresearch.training.feature_distill import (
+    from specresearch.training.feature_corpus import (
         FeatureCorpusConfig,
         chunk_prompt_order,
         collect_feature_corpus,
@@ -304,13 +312,13 @@ def test_a_corpus_longer_than_one_pass_samples_reshuffled_prompts_again(tmp_path
 def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
     """as_distill_corpus: the cached chunks' teacher rows, cut to seq_len, are distill.teacher_targets of the same
     tokens (recomputed by distill's own collate), so both kinds of draft train on identical data."""
-    from specresearch.training.distill import teacher_targets
-    from specresearch.training.feature_distill import (
+    from specresearch.training.feature_corpus import (
         FeatureCorpusConfig,
         as_distill_corpus,
         collect_feature_corpus,
         load_feature_chunks,
     )
+    from specresearch.training.teacher import teacher_targets
 
     small = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
     g = torch.Generator().manual_seed(1)
@@ -352,6 +360,7 @@ def test_feature_distillation_end_to_end_and_continued_on_later_chunks(tmp_path,
 
     import specresearch.training.feature_distill as fd
     from specresearch.drafts.feature import feature_head_digest, load_feature_head
+    from specresearch.training.feature_corpus import FeatureCorpusConfig
 
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
     small, tokenizer = tiny_llama(32, seed=4, init_std=0.8, num_layers=2), _ToyChatTokenizer()
@@ -361,7 +370,7 @@ def test_feature_distillation_end_to_end_and_continued_on_later_chunks(tmp_path,
                 for i in range(count)]
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     head_config = FeatureHeadConfig("t", feature_layers=(1, -1), head_tokens=16, train_head=True)
-    corpus_config = fd.FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=10, batch_size=4, teacher_top_k=8)
+    corpus_config = FeatureCorpusConfig(store_layers=(1, -1), chunk_prompts=4, max_new_tokens=10, batch_size=4, teacher_top_k=8)
     train = fd.FeatureTrainConfig(steps=30, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, checkpoint_every=10)
 
     def run(out, **kw):
@@ -404,8 +413,8 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
     whose prompts are not this chunk's, raise; stored_chunk_count counts a committed file's chunks."""
     import numpy as np
 
-    from specresearch.training import feature_distill
-    from specresearch.training.feature_distill import (
+    from specresearch.training import feature_corpus
+    from specresearch.training.feature_corpus import (
         FeatureCorpusConfig,
         collect_feature_corpus,
         load_corpus_tokens,
@@ -421,8 +430,8 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
     with np.load(tmp_path / "t.npz") as data:
         assert data["tokens"].dtype == np.uint16 and data["chunk_sizes"].tolist() == [3, 3]
     stored = load_corpus_tokens(tmp_path / "t.npz", "key")
-    sampled_chunks, collect = [], feature_distill._collect_chunk
-    monkeypatch.setattr(feature_distill, "_collect_chunk", lambda *a: sampled_chunks.append(a[3]) or collect(*a))
+    sampled_chunks, collect = [], feature_corpus._collect_chunk
+    monkeypatch.setattr(feature_corpus, "_collect_chunk", lambda *a: sampled_chunks.append(a[3]) or collect(*a))
     assert collect_feature_corpus(small.model, prompts, config, tmp_path / "rebuilt", stored=stored, progress=False) == 3
     assert sampled_chunks == [2]
     for i in range(3):
@@ -442,18 +451,19 @@ def test_stored_corpus_tokens_rebuild_the_sampled_chunks_without_sampling(tmp_pa
         load_corpus_tokens(tmp_path / "t.npz", "another")
     with pytest.raises(ValueError, match="do not start with the prompts"):
         collect_feature_corpus(small.model, prompts[::-1], config, tmp_path / "other", stored=stored, progress=False)
-    monkeypatch.setattr(feature_distill, "corpora_dir", lambda: tmp_path)  # the count the CLI checks reads the sizes alone
+    monkeypatch.setattr(feature_corpus, "corpora_dir", lambda: tmp_path)  # the count the CLI checks reads the sizes alone
     (tmp_path / "t3.npz").rename(tmp_path / "key.npz")
-    assert feature_distill.stored_chunk_count("key") == 3 and feature_distill.stored_chunk_count("absent") == 0
+    assert feature_corpus.stored_chunk_count("key") == 3 and feature_corpus.stored_chunk_count("absent") == 0
     (tmp_path / "key.npz").rename(tmp_path / "other.npz")
     with pytest.raises(ValueError, match="holds the tokens of corpus 'key'"):
-        feature_distill.stored_chunk_count("other")
+        feature_corpus.stored_chunk_count("other")
 
 
 def test_trained_draft_directories_load_by_path(target, tmp_path):
     """draft_from_name takes the directory ``feature-distill --out`` / ``distill --out`` wrote, as generate's --draft does."""
-    from specresearch.drafts.distilled import DraftConfig, build_draft, draft_from_name, save_draft
+    from specresearch.drafts.distilled import DraftConfig, build_draft, save_draft
     from specresearch.drafts.feature import round_head_to_storage, save_feature_head
+    from specresearch.drafts.registry import draft_from_name
 
     head = feature_head(target.model, head_tokens=40)
     round_head_to_storage(head)
@@ -472,8 +482,14 @@ def test_half_weight_drafts_stay_exact_and_leave_the_target_alone(target, tmp_pa
     """fp16:<draft>: the feature head and a distilled draft get float16 weights (the target keeps float32),
     their logits are the float32 ones up to half rounding, greedy speculative decoding still equals greedy
     autoregressive decoding, and drafts without weights are refused."""
-    from specresearch.drafts.distilled import DraftConfig, SubsetHead, build_draft, draft_from_name, save_draft
+    from specresearch.drafts.distilled import (
+        DraftConfig,
+        SubsetHead,
+        build_draft,
+        save_draft,
+    )
     from specresearch.drafts.feature import round_head_to_storage, save_feature_head
+    from specresearch.drafts.registry import draft_from_name
 
     head = feature_head(target.model, head_tokens=40)
     round_head_to_storage(head)
@@ -506,7 +522,7 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
     both the row counts it picks, every row count when asked, none when refused; the drafted logits are the
     same up to float rounding whichever path each row count takes."""
     from specresearch.drafts.distilled import DraftConfig, SubsetHead, build_draft
-    from specresearch.models.causal_lm import SkinnyLinear, choose_skinny_rows
+    from specresearch.models.kernels import SkinnyLinear, choose_skinny_rows
 
     monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
     head = feature_head(target.model, head_tokens=40)
@@ -563,8 +579,8 @@ def test_save_and_load_round_trip(target, tmp_path):
 
 
 def _shipped_feature_heads():
-    from specresearch.drafts.distilled import drafts_dir, shipped_drafts
     from specresearch.drafts.feature import is_feature_draft_dir
+    from specresearch.drafts.store import drafts_dir, shipped_drafts
 
     return [n for n in shipped_drafts() if is_feature_draft_dir(drafts_dir() / n)]
 
@@ -578,16 +594,16 @@ def test_shipped_feature_head_loads_offline_and_reproduces_its_manifest(name):
     import json
     from pathlib import Path
 
+    from specresearch.drafts.registry import load_pair
     from specresearch.training import distill as D
-    from specresearch.models.embedded import load_embedded_pair
-    from specresearch.training.feature_distill import measure_feature_draft
+    from specresearch.training.feature_measure import measure_feature_draft
 
-    lm, draft, tokenizer = load_embedded_pair("smollm2-135m-instruct", name, device="cpu")
+    lm, draft, tokenizer = load_pair("smollm2-135m-instruct", name, device="cpu")
     assert isinstance(draft, FeatureDraft)
     manifest = json.loads((D.drafts_dir() / name / "manifest.json").read_text())
     check = manifest["check_measurement"]
-    heldout = {p["id"]: p for p in D.load_prompts(Path(D.drafts_dir()).parent / "prompts.jsonl")}
-    ids = D.encode_prompts(tokenizer, [heldout[i] for i in check["prompt_ids"]])
+    heldout = {p["id"]: p for p in load_prompts(Path(D.drafts_dir()).parent / "prompts.jsonl")}
+    ids = encode_chat([heldout[i] for i in check["prompt_ids"]], tokenizer)
     depths = len(check["greedy_agreement_by_depth"])
     measured = measure_feature_draft(lm.model, draft.head, ids, depths=depths, max_new_tokens=check["max_new_tokens"],
                                      seed=check["seed"], eos_token_ids=[tokenizer.eos_token_id], progress=False)
@@ -600,7 +616,8 @@ def test_shipped_feature_head_loads_offline_and_reproduces_its_manifest(name):
 
 
 def test_lookup_or_draft_uses_lookup_where_the_context_matches_and_stays_exact(target, draft):
-    from specresearch.drafts.distilled import LookupOrDraft, NGramDraft
+    from specresearch.drafts.combined import LookupOrDraft
+    from specresearch.drafts.ngram import NGramDraft
 
     combined = LookupOrDraft(draft, min_match=2)
     assert isinstance(combined, FeatureReader)  # the feature channel is forwarded
@@ -624,7 +641,7 @@ def test_lookup_or_draft_uses_lookup_where_the_context_matches_and_stays_exact(t
 def test_lookup_or_feature_draft_is_lossless(min_match, plan_match, draft_gamma):
     """Chi-square at p < 1e-6 (false-positive rate < 1e-6) over 3-token sequences of a prompt with repeats;
     with ``draft_gamma`` the steps without a match (of ``plan_match`` tokens) draft one token."""
-    from specresearch.drafts.distilled import LookupOrDraft
+    from specresearch.drafts.combined import LookupOrDraft
 
     small = tiny_llama(SMALL_V, seed=2, init_std=0.8)
     combined = LookupOrDraft(FeatureDraft(feature_head(small.model, layers=(-1,), scale=0.3)), min_match=min_match,
@@ -638,7 +655,8 @@ def test_lookup_or_feature_draft_is_lossless(min_match, plan_match, draft_gamma)
 def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_elsewhere(target, draft, plan_match):
     """``draft_gamma=1``: a step drafts gamma tokens when the context before it ends in a match of
     ``plan_match`` tokens (default ``min_match``; ``ngram_match_length``), else one; greedy output unchanged."""
-    from specresearch.drafts.distilled import LookupOrDraft, ngram_match_length
+    from specresearch.drafts.combined import LookupOrDraft
+    from specresearch.drafts.ngram import ngram_match_length
 
     prompt, gamma, max_new = [5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9], 4, 30
     reference = autoregressive_generate(target, [prompt], max_new_tokens=max_new, sampling=GREEDY)
@@ -662,7 +680,8 @@ def test_lookup_or_draft_plans_full_steps_where_lookup_matches_and_short_ones_el
 
 
 def test_combined_draft_names_and_their_options(target):
-    from specresearch.drafts.distilled import LookupOrDraft, draft_from_name
+    from specresearch.drafts.combined import LookupOrDraft
+    from specresearch.drafts.registry import draft_from_name
 
     def settings(name):
         d = draft_from_name(name, target)
@@ -684,7 +703,7 @@ def test_combined_draft_names_and_their_options(target):
 def test_ngram_draft_match_lengths_are_those_of_its_contexts():
     """The match lengths NGramDraft keeps from its logits' scan equal ``ngram_match_length`` of each row's
     context, also after per-row rollbacks and with masked slots; its logits equal ``ngram_probs``."""
-    from specresearch.drafts.distilled import NGramDraft, ngram_match_length, ngram_probs
+    from specresearch.drafts.ngram import NGramDraft, ngram_match_length, ngram_probs
 
     lookup = NGramDraft(VOCAB)
     ids, mask = torch.tensor([[0, 0, 3, 4, 3], [7, 1, 7, 1, 2]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
@@ -728,7 +747,7 @@ def test_lazy_lookup_or_draft_returns_what_feeding_every_slot_returns(target, in
     padding, gamma 3. Tolerance: float32 rounding of a wider call, which the random head's own-feature chain
     amplifies ~10x per drafted token (differences 1e-5 at a flushed slot, up to 7e-4 two own slots later, on
     logits of size ~10): atol 2e-3; a wrong slot, position or feature would differ by O(1)."""
-    from specresearch.drafts.distilled import LookupOrDraft
+    from specresearch.drafts.combined import LookupOrDraft
 
     prompts = [[5, 9, 2, 33, 7, 5, 9, 2], [4, 8, 4, 8], [16, 23, 42, 3, 16]]
     runs = {}

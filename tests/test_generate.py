@@ -7,12 +7,15 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specresearch.engine import generate as gen
-from specresearch.drafts.distilled import NGramDraft, truncated_draft
-from specresearch.engine.generate import autoregressive_generate, encode_prompts, speculative_generate
-from specresearch.models.causal_lm import ToyLM, tiny_llama
-from specresearch.core.sampling import SamplingConfig, logits_to_probs
+from specresearch.config import SamplingConfig
+from specresearch.core.sampling import logits_to_probs
 from specresearch.core.verify import token_verify
+from specresearch.drafts.ngram import NGramDraft
+from specresearch.drafts.registry import truncated_draft
+from specresearch.engine import generate as gen
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_prompts
+from specresearch.models.toy import ToyLM, tiny_llama
 
 VOCAB = 48
 GREEDY = SamplingConfig(temperature=0.0)
@@ -277,7 +280,7 @@ def test_encode_prompts_left_pads():
 
 
 def test_ngram_draft_distribution():
-    from specresearch.drafts.distilled import ngram_probs
+    from specresearch.drafts.ngram import ngram_probs
 
     q = ngram_probs(torch.tensor([5, 6, 7, 5, 6, 8, 5, 6]), 10, max_ngram=2, floor=0.1)
     # suffix (5, 6) was followed by 7 and by 8: each gets 0.9 / 2 + 0.1 / 10

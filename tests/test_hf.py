@@ -13,17 +13,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from helpers import feature_head
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
+from specresearch.config import SamplingConfig
+from specresearch.core.sampling import logits_to_probs
 from specresearch.engine import hf
 from specresearch.engine.generate import speculative_generate
-from specresearch.models.causal_lm import CausalLM, tiny_llama
-from specresearch.core.sampling import SamplingConfig, logits_to_probs
-from specresearch.experiments.stats import chi_square, sequence_law, wrong_residual_verify
-
-from helpers import feature_head
+from specresearch.experiments.stats import (
+    chi_square,
+    sequence_law,
+    wrong_residual_verify,
+)
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.toy import tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 LEVEL = 1e-7
@@ -82,7 +92,7 @@ def test_feature_draft_with_prefix_processors_equals_transformers(models, combin
     processors (the target returns features, only logits are processed), and the combined draft keeps its
     length plan: greedy output equals generate's for B = 3; no row finds a lookup match here, so the
     combined draft drafts one token per step where, without its plan, it would draft gamma."""
-    from specresearch.drafts.distilled import LookupOrDraft
+    from specresearch.drafts.combined import LookupOrDraft
     from specresearch.drafts.feature import FeatureDraft
 
     target, _ = models
@@ -99,9 +109,9 @@ def test_feature_draft_with_prefix_processors_equals_transformers(models, combin
 @pytest.mark.slow
 def test_embedded_pair_greedy_equals_transformers_greedy():
     """SmolLM2-135M-Instruct with the shipped v8k-4l draft (a LanguageModel) and as a raw transformers model."""
-    from specresearch.models.embedded import load_embedded_pair
+    from specresearch.drafts.registry import load_pair
 
-    target, draft, tokenizer = load_embedded_pair(device="cpu")
+    target, draft, tokenizer = load_pair(device="cpu")
     batch = tokenizer(["The capital of France is", "def add(a, b):", "Once"], return_tensors="pt", padding=True)
     reference = target.model.generate(**batch, do_sample=False, max_new_tokens=16)
     for candidate in (draft, draft.model):
@@ -117,9 +127,9 @@ def test_embedded_stop_strings_as_a_stopping_criterion():
     the custom_generate/ directory builds it from stop_strings= and tokenizer=."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from specresearch.models.embedded import load_embedded_pair
+    from specresearch.drafts.registry import load_pair
 
-    target, draft, tokenizer = load_embedded_pair(device="cpu")
+    target, draft, tokenizer = load_pair(device="cpu")
     batch = tokenizer(["The capital of France is"], return_tensors="pt")
     reference = target.model.generate(**batch, do_sample=False, max_new_tokens=20, stop_strings=[" answer"],
                                       tokenizer=tokenizer)

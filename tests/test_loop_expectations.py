@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from specresearch import exact
-from specresearch.training.feature_distill import loop_expectations, measure_feature_draft, planned_loop_expectations
+from specresearch.config import SamplingConfig
 from specresearch.drafts.feature import FeatureDraft, FeatureHead, FeatureHeadConfig
 from specresearch.engine.generate import speculative_generate
-from specresearch.models.causal_lm import tiny_llama
-from specresearch.core.sampling import SamplingConfig
+from specresearch.models.toy import tiny_llama
+from specresearch.training.feature_measure import (
+    loop_expectations,
+    measure_feature_draft,
+    planned_loop_expectations,
+)
 
 
 def _enumerated_loop(p, q, gamma: int, n: int, vocab: int, length=None) -> tuple[Fraction, ...]:
@@ -140,8 +144,8 @@ def test_lookup_rules_agree_off_the_matches_and_mix_by_concavity():
     """measure_lookup_rules on a tiny target and head, a repetitive prompt: off the lookup matches every rule
     is the head; on them the combined rule is lookup's law (recomputed here from the target's logits and
     drafts.ngram_probs), the mixture accepts at least the weighted mean of the two, the oracle the larger."""
-    from specresearch.drafts.distilled import ngram_match_length, ngram_probs
-    from specresearch.training.feature_distill import measure_lookup_rules
+    from specresearch.drafts.ngram import ngram_match_length, ngram_probs
+    from specresearch.training.feature_measure import measure_lookup_rules
 
     target = tiny_llama(48, seed=0, init_std=0.6, num_layers=3)
     head = FeatureHead(target.model, FeatureHeadConfig("t", feature_layers=(-1,), init_layer=-1))
@@ -158,7 +162,7 @@ def test_lookup_rules_agree_off_the_matches_and_mix_by_concavity():
     assert oracle["alpha"][0] >= max(comb["alpha"][0], head_["alpha"][0]) - 1e-9
     # the combined rule on the matches, from the target's own logits
     generator = torch.Generator().manual_seed(3)
-    from specresearch.training.distill import sample_continuations
+    from specresearch.training.corpus import sample_continuations
 
     seq = torch.cat([prompt, sample_continuations(target.model, [prompt], [1.0], 24, generator)[0]])
     with torch.no_grad():

@@ -7,7 +7,6 @@ from fractions import Fraction
 
 import pytest
 
-from specresearch.exact.single import random_rational_model, target_distribution, two_symbol_example
 from specresearch.exact.lp import (
     check_joint,
     check_verifier,
@@ -15,6 +14,11 @@ from specresearch.exact.lp import (
     continuation_law,
     optimal_verifier_lp,
     verifier_joint,
+)
+from specresearch.exact.single import (
+    random_rational_model,
+    target_distribution,
+    two_symbol_example,
 )
 
 

@@ -11,7 +11,8 @@ import sympy
 
 from specresearch import exact
 from specresearch.exact import lp, theory_multi
-from specresearch.exact.multi import DRAFT_LAWS, expected_accepted_multi
+from specresearch.exact.multi import expected_accepted_multi
+from specresearch.exact.paths import DRAFT_LAWS
 
 P2, Q2 = exact.two_symbol_example()
 # (method, draft law) pairs that are lossless (tests/test_exact_multi.py): only these are bounded by the optimum

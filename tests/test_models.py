@@ -7,7 +7,9 @@ masked slots and left padding change summation order only).
 import pytest
 import torch
 
-from specresearch.models.causal_lm import CPU_SDPA, CausalLM, ToyLM, cpu_sdpa_attention, tiny_llama
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.kernels import CPU_SDPA, cpu_sdpa_attention
+from specresearch.models.toy import ToyLM, tiny_llama
 
 ATOL = 1e-4
 VOCAB = 64
@@ -138,7 +140,7 @@ def test_toy_markov_and_iid_tables():
 def test_skinny_linear_is_nn_linear_up_to_rounding(bias):
     """SkinnyLinear: 1-8 rows through (W @ x^T)^T, every other row count through nn.Linear itself (bit for bit);
     same parameters, same state dict, gradients flow; a column-major input (a transposed output) gives the same."""
-    from specresearch.models.causal_lm import SkinnyLinear, use_skinny_linears
+    from specresearch.models.kernels import SkinnyLinear, use_skinny_linears
 
     g = torch.Generator().manual_seed(0)
     plain = torch.nn.Linear(48, 96, bias=bias)
@@ -168,7 +170,7 @@ def test_half_weights_multiply_the_rounded_weights_and_untie(dtype):
     """use_half_weights: every linear layer gets a new half weight (a tied head is untied from the embedding,
     which stays float32); outputs are float32 and equal the float32 product with the rounded weights up to
     the half rounding of the 1-4 row path (more rows: float32 against the upcast weights, up to float rounding)."""
-    from specresearch.models.causal_lm import HALF_ROWS, SkinnyLinear, use_half_weights
+    from specresearch.models.kernels import HALF_ROWS, SkinnyLinear, use_half_weights
 
     g = torch.Generator().manual_seed(0)
     embedding = torch.nn.Embedding(96, 48)
@@ -196,7 +198,7 @@ def test_half_weights_multiply_the_rounded_weights_and_untie(dtype):
 
 
 def test_half_weights_never_change_the_target():
-    from specresearch.models.causal_lm import use_half_weights
+    from specresearch.models.kernels import use_half_weights
 
     target = torch.nn.Sequential(torch.nn.Linear(8, 8))
     draft = torch.nn.Sequential(torch.nn.Linear(8, 8), target[0])  # a layer shared with the target
@@ -208,7 +210,8 @@ def test_half_weights_never_change_the_target():
 def test_causal_lm_switches_to_skinny_linears_on_cpu_only_when_asked_or_auto():
     from transformers import AutoModelForCausalLM
 
-    from specresearch.models.causal_lm import SkinnyLinear, tiny_llama_config
+    from specresearch.models.kernels import SkinnyLinear
+    from specresearch.models.toy import tiny_llama_config
 
     def fresh():
         with torch.random.fork_rng(devices=[]):
@@ -255,7 +258,12 @@ def test_skinny_rows_are_chosen_by_timing_or_pinned(monkeypatch):
     weight shape by its number of layers; $SPECRESEARCH_SKINNY_ROWS pins the answer; CausalLM applies it."""
     from transformers import AutoModelForCausalLM
 
-    from specresearch.models.causal_lm import SkinnyLinear, choose_skinny_rows, tiny_llama_config, use_skinny_linears
+    from specresearch.models.kernels import (
+        SkinnyLinear,
+        choose_skinny_rows,
+        use_skinny_linears,
+    )
+    from specresearch.models.toy import tiny_llama_config
 
     def fresh():
         with torch.random.fork_rng(devices=[]):

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 import sympy as sp
 
-from specresearch.exact.symbolic import Check, block_lossless_cases, identity, run_checks
+from specresearch.exact.symbolic import (
+    Check,
+    block_lossless_cases,
+    identity,
+    run_checks,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROOFS = sorted((ROOT / "proofs").glob("*.py"))
@@ -78,7 +83,11 @@ def test_symbolic_block_law_matches_the_exact_twin():
     # Two independent implementations of block verification (symbolic.py and exact.py) agree exactly.
     import random
 
-    from specresearch.exact.single import as_model, random_rational_model, step_distribution
+    from specresearch.exact.single import (
+        as_model,
+        random_rational_model,
+        step_distribution,
+    )
     from specresearch.exact.symbolic import NumericOracle, block_step_law
 
     rng = random.Random(4)

@@ -11,11 +11,12 @@ boundary -- the seeds are fixed, so these tests are deterministic.
 import pytest
 import torch
 
-from specresearch.drafts.distilled import NGramDraft, truncated_draft
+from specresearch.config import SamplingConfig
+from specresearch.drafts.ngram import NGramDraft
+from specresearch.drafts.registry import truncated_draft
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.models.causal_lm import ToyLM, tiny_llama
-from specresearch.core.sampling import SamplingConfig
 from specresearch.experiments.stats import chi_square, sequence_law
+from specresearch.models.toy import ToyLM, tiny_llama
 
 VOCAB = 16
 PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 6, 5, 3], [5, 8, 9, 7, 9, 3]]

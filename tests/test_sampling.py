@@ -7,9 +7,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from specresearch.config import PRESETS, SamplingConfig
 from specresearch.core.sampling import (
-    PRESETS,
-    SamplingConfig,
     apply_temperature,
     epsilon_filter,
     logits_to_probs,
@@ -251,11 +250,11 @@ def test_chain_order_temperature_then_filters():
 
 # --- exact twins (specresearch.exact.sampling) ---------------------------------------------------
 
-from fractions import Fraction  # noqa: E402
 import random  # noqa: E402
+from fractions import Fraction  # noqa: E402
 
 from specresearch import exact  # noqa: E402
-from specresearch.exact.sampling import (  # noqa: E402
+from specresearch.exact.sampling import (
     exact_epsilon,
     exact_temperature,
     exact_top_k,

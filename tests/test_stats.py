@@ -21,11 +21,17 @@ import torch
 from scipy import stats as scipy_stats
 
 from specresearch import exact
-from specresearch.exact.sampling import transformed_model
-from specresearch.models.causal_lm import ToyLM
-from specresearch.core.sampling import SamplingConfig
-from specresearch.experiments.stats import chi_square, describe_cell, lossless_test, sequence_law, wrong_residual_verify
+from specresearch.config import SamplingConfig
 from specresearch.core.verify import VerifyResult
+from specresearch.exact.sampling import transformed_model
+from specresearch.experiments.stats import (
+    chi_square,
+    describe_cell,
+    lossless_test,
+    sequence_law,
+    wrong_residual_verify,
+)
+from specresearch.models.toy import ToyLM
 
 VOCAB = 6
 PROMPT = [2, 5]
@@ -169,7 +175,7 @@ def test_describe_cell():
 def test_embedded_pair_block_verification_passes():
     """SmolLM2-135M target, its first layer as draft, T = 1, block verification, 300 samples of 3 tokens.
     FPR <= 1e-7 (Bonferroni p-value)."""
-    from specresearch.drafts.distilled import truncated_draft
+    from specresearch.drafts.registry import truncated_draft
     from specresearch.models.embedded import load_embedded
 
     target, tokenizer = load_embedded(device="cpu")

@@ -7,7 +7,12 @@ import sympy as sp
 
 from specresearch.exact.single import block_efficiency, two_symbol_example
 from specresearch.exact.symbolic import ALPHA, COST, GAMMA
-from specresearch.exact.theory import acceptance_rate, expected_tokens, optimal_gamma, walltime_improvement
+from specresearch.exact.theory import (
+    acceptance_rate,
+    expected_tokens,
+    optimal_gamma,
+    walltime_improvement,
+)
 
 
 def test_expected_tokens_two_symbol_example():

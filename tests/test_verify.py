@@ -10,8 +10,15 @@ import itertools
 import pytest
 import torch
 
-from specresearch.core import verify
-from specresearch.core.verify import VERIFIERS, VerifyResult, block_verify, draw_uniforms, greedy_verify, token_verify
+from specresearch.core import draws, verify
+from specresearch.core.draws import draw_uniforms
+from specresearch.core.verify import (
+    VERIFIERS,
+    VerifyResult,
+    block_verify,
+    greedy_verify,
+    token_verify,
+)
 
 P_TWO = (1 / 3, 2 / 3)  # target of the two-symbol example (reference 000); A = 0, B = 1
 Q_TWO = (2 / 3, 1 / 3)  # draft
@@ -231,7 +238,7 @@ def test_inverse_cdf_never_picks_zero_weight():
     weights = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 6, dtype=torch.float32)
     below_one = 1 - torch.finfo(torch.float32).eps / 2
     u = torch.tensor([0.0, 0.25, 0.2499999, 0.5, below_one, 1.0], dtype=torch.float32)  # 1.0: rounding past the end
-    picked = verify._inverse_cdf(weights, u)
+    picked = draws.inverse_cdf(weights, u)
     assert picked.tolist() == [1, 3, 1, 3, 3, 3]
 
 

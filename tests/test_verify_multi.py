@@ -24,20 +24,23 @@ from itertools import product
 import pytest
 import torch
 
-from specresearch.experiments import stats
-from specresearch.exact.single import random_rational_model
-from specresearch.exact.multi import draft_paths_law, step_distribution_multi, verify_multi_exact
+from specresearch.core.draft_paths import (
+    draw_multi_uniforms,
+    path_target_probs,
+    sample_draft_paths,
+)
 from specresearch.core.verify import VERIFIERS
 from specresearch.core.verify_multi import (
     MULTI_VERIFIERS,
     MultiVerifyResult,
-    draw_multi_uniforms,
     kseq_verify,
-    path_target_probs,
     rrs_verify,
-    sample_draft_paths,
     traversal_verify,
 )
+from specresearch.exact.multi import step_distribution_multi, verify_multi_exact
+from specresearch.exact.paths import draft_paths_law
+from specresearch.exact.single import random_rational_model
+from specresearch.experiments import stats
 
 ALPHA = 1e-8
 K_STAT = 23
@@ -162,10 +165,10 @@ def test_one_path_is_the_single_draft_verifier_bit_for_bit(method, vocab, dtype)
 
 @pytest.mark.parametrize("vocab", [5, 5000])
 def test_gbv_reads_only_the_rows_it_computes_in_full(vocab):
-    """gbv_verify sorts only the q^G rows block verification reads in full (``_gbv_needed``); with the same
+    """gbv_verify sorts only the q^G rows block verification reads in full (``gbv_needed``); with the same
     uniforms it must equal block verification of X* with every row q^G computed in full, bit for bit."""
+    from specresearch.core.multi_weights import gbv_draft_rows, gbv_select
     from specresearch.core.verify import block_verify
-    from specresearch.core.verify_multi import _gbv_draft_rows, _gbv_select
 
     batch, num_drafts, length = 64, 3, 3
     target, draft, tokens = _random_single(batch * num_drafts, length, vocab, seed=vocab, dtype=torch.float32)
@@ -174,9 +177,9 @@ def test_gbv_reads_only_the_rows_it_computes_in_full(vocab):
     uniforms = draw_multi_uniforms(batch, num_drafts, length, torch.Generator().manual_seed(5))
     pruned = MULTI_VERIFIERS["gbv"](*paths, uniforms=uniforms)
     rows = torch.arange(batch)
-    chosen = _gbv_select(*paths)
+    chosen = gbv_select(*paths)
     selected = [t[rows, chosen] for t in paths]
-    full = _gbv_draft_rows(selected[0], selected[1], selected[2], num_drafts)
+    full = gbv_draft_rows(selected[0], selected[1], selected[2], num_drafts)
     assert torch.allclose(full.sum(-1), torch.ones(batch, length), atol=1e-5)  # q^G rows are distributions
     reference = block_verify(selected[0], full, selected[2], uniforms=uniforms[:, :, 0])
     assert torch.equal(pruned.num_accepted, reference.num_accepted)
@@ -185,7 +188,7 @@ def test_gbv_reads_only_the_rows_it_computes_in_full(vocab):
 
 
 def test_multi_uniforms_with_one_path_are_the_single_draft_stream():
-    from specresearch.core.verify import draw_uniforms
+    from specresearch.core.draws import draw_uniforms
 
     multi = draw_multi_uniforms(7, 1, 3, torch.Generator().manual_seed(1))
     assert torch.equal(multi[:, :, 0], draw_uniforms(7, 3, torch.Generator().manual_seed(1)))
@@ -337,17 +340,17 @@ def test_zero_probability_drafts_are_never_accepted():
 def test_kseq_rho_matches_the_exact_root():
     """The float rho* (regula falsi, 16 steps) against exact_multi.kseq_rho on 40 random rows (K = 2..5):
     within 1e-12 in float64, 1e-5 in float32."""
+    from specresearch.core.multi_weights import kseq_rho as torch_kseq_rho
     from specresearch.exact.multi import kseq_rho
-    from specresearch.core.verify_multi import _kseq_rho
 
     for seed in range(40):
         rng = random.Random(seed)
         vocab, num_drafts = rng.randint(2, 6), rng.randint(2, 5)
         p, q = (random_rational_model(vocab, rng, zero_prob=0.3, denominator=97)(()) for _ in range(2))
         exact_root = float(kseq_rho(p, q, num_drafts))
-        got = _kseq_rho(_rows(lambda _: p, [()]), _rows(lambda _: q, [()]), num_drafts)
+        got = torch_kseq_rho(_rows(lambda _: p, [()]), _rows(lambda _: q, [()]), num_drafts)
         assert abs(float(got[0]) - exact_root) < 1e-12, (seed, p, q, num_drafts)
-        single = _kseq_rho(_rows(lambda _: p, [()], torch.float32), _rows(lambda _: q, [()], torch.float32), num_drafts)
+        single = torch_kseq_rho(_rows(lambda _: p, [()], torch.float32), _rows(lambda _: q, [()], torch.float32), num_drafts)
         assert single.dtype == torch.float32 and abs(float(single[0]) - exact_root) < 1e-5, (seed, float(single[0]))
 
 

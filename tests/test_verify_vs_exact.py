@@ -28,8 +28,14 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specresearch.exact.single import random_rational_model, step_distribution, two_symbol_example, verify_exact
-from specresearch.core.verify import VERIFIERS, draw_uniforms
+from specresearch.core.draws import draw_uniforms
+from specresearch.core.verify import VERIFIERS
+from specresearch.exact.single import (
+    random_rational_model,
+    step_distribution,
+    two_symbol_example,
+    verify_exact,
+)
 
 ALPHA = 1e-8
 K_STAT = 28

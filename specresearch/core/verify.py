@@ -73,15 +73,15 @@ from dataclasses import dataclass
 
 import torch
 
+from specresearch.core.draws import draw_uniforms, inverse_cdf
+
 __all__ = [
     "VERIFIERS",
     "VerifyResult",
     "block_scales",
     "block_verify",
-    "draw_uniforms",
     "expected_num_accepted",
     "greedy_verify",
-    "sample_from_weights",
     "token_verify",
     "validate_inputs",
 ]
@@ -103,17 +103,6 @@ class VerifyResult:
     next_token: torch.Tensor  # [B] int64: residual sample, or the bonus token when all gamma are accepted
 
 
-def draw_uniforms(batch, gamma, generator=None, device=None, dtype=torch.float64):
-    """Draw the ``[batch, gamma+1]`` uniforms in [0, 1) a verifier consumes (eta_1..eta_gamma, then the
-    inverse-CDF uniform). Drawing once and passing them to several verifiers gives common random numbers.
-    """
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1; got {batch}")
-    if gamma < 1:
-        raise ValueError(f"gamma must be >= 1 (at least one drafted token); got {gamma}")
-    if device is None and generator is not None:
-        device = generator.device
-    return torch.rand(batch, gamma + 1, generator=generator, device=device, dtype=dtype)
 
 
 def token_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
@@ -223,11 +212,6 @@ def validate_inputs(target_probs, draft_probs, draft_tokens):
     _validate(target_probs, draft_probs, draft_tokens, None, None)
 
 
-def sample_from_weights(weights, u):
-    """Inverse-CDF sample from unnormalised ``weights [B, V]`` with uniforms ``u [B]``; ``[B]`` int64.
-
-    Never returns a zero-weight token of a row with positive mass (the sampler of every verifier here)."""
-    return _inverse_cdf(weights, u)
 
 
 def block_scales(p_x, q_x):
@@ -274,7 +258,7 @@ def _sample_residual(target_probs, draft_probs, index, scale, u):
     scale = torch.where(has_draft, scale, torch.ones_like(scale))
     weights = _residual_weights(target_row, draft_row, scale, out=draft_row)  # reuses draft_row's memory
     no_mass = (weights.sum(-1, keepdim=True) == 0).to(weights.dtype)  # [B, 1]
-    return _inverse_cdf(weights.addcmul_(target_row, no_mass), u)
+    return inverse_cdf(weights.addcmul_(target_row, no_mass), u)
 
 
 def _rows(probs, batch_index, row_index):
@@ -294,18 +278,6 @@ def _residual_weights(target_rows, draft_rows, scale, out=None):
     return negative.clamp_(max=0).neg_()
 
 
-def _inverse_cdf(weights, u, out=None):
-    """Index j with cdf[j-1] <= u * total < cdf[j] for unnormalised ``weights [B, V]`` and ``u [B]``
-    (the cdf goes into ``out`` [B, V] when given, e.g. a free work buffer).
-
-    ``right=True`` makes cdf[j] > cdf[j-1], so weights[j] > 0; if rounding puts u * total at or past the
-    last cdf value we clamp to the first index where the cdf reaches its total (the last positive weight).
-    """
-    cdf = torch.cumsum(weights, -1, out=out)  # [B, V]
-    total = cdf[:, -1:].contiguous()  # [B, 1]
-    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
-    last_positive = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(picked, last_positive).squeeze(1)
 
 
 def _block_scales(p_x, q_x):
@@ -357,7 +329,7 @@ def _block_backward(target_probs, draft_probs, scale, eta, u):
             candidates.index_fill_(0, done, False)
     filled = _fill_final_rows(target_probs, draft_probs, tau, weights, scratch, slot_rows, filled)
     assert filled == tau.shape[0]
-    tokens = _inverse_cdf(weights, u[slot_rows], out=scratch)  # [B] in slot order
+    tokens = inverse_cdf(weights, u[slot_rows], out=scratch)  # [B] in slot order
     return tau, torch.empty_like(tokens).index_copy_(0, slot_rows, tokens)
 
 
@@ -421,7 +393,7 @@ def _block_single(target_probs, draft_probs, scale, eta, u):
             break
     else:
         _final_row_weights(target_probs, draft_probs, 0, tau, weights)
-    return torch.full((1,), tau, dtype=torch.int64, device=u.device), _inverse_cdf(weights, u)
+    return torch.full((1,), tau, dtype=torch.int64, device=u.device), inverse_cdf(weights, u)
 
 
 def _row_weights(target_rows, draft_rows, scale, row, weights):

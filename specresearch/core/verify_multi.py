@@ -65,7 +65,7 @@ Torch verifiers
   weights, so the first candidate uses exactly ``token_verify``'s arithmetic (``eta * q(x) < p(x)``,
   ``max(p - q, 0)``). With K = 1, and the same generator (or uniforms), ``rrs_verify``,
   ``rrs_without_replacement_verify`` and ``kseq_verify`` (rho* = 1 exactly) return ``token_verify``'s
-  output bit for bit, and ``gbv_verify`` (q^G = q exactly, see ``_gbv_draft_rows``) and
+  output bit for bit, and ``gbv_verify`` (q^G = q exactly, see ``gbv_draft_rows``) and
   ``traversal_verify`` (initial weights by ``verify.block_scales``, the same residual weights and
   h = Z / (Z + 1 - w) clamped to w) return ``block_verify``'s (tests/test_verify_multi.py).
 * K-SEQ's rho* is found per row as the root of g(rho) = sum_{j<K} (1 - beta(rho))^j - rho (the SpecTr
@@ -78,38 +78,41 @@ Torch verifiers
   b = (r + y)/(r + 1), c = r/(r + 1), r = A_v / Q_v, y = q-mass ranked below t: the identity
   (a^K - b^K) = (a - b) S(a, b) divides out the q-mass of v, so nothing overflows and K = 1 gives q exactly.
   A full row q^G(. | v) needs the cumulative q-mass in rank order, i.e. a sort of V ratios, which dominates
-  GBV's cost; it is computed only for the rows block verification reads in full (``_gbv_needed``: the
+  GBV's cost; it is computed only for the rows block verification reads in full (``gbv_needed``: the
   candidates eta_i < p_i of rows with tau < L) and, after it, row 0 of the rows with tau = 0, whose next
-  token is resampled from the full root residual (``_gbv_resample_root``); the scales p_i come from masked
+  token is resampled from the full root residual (``gbv_resample_root``); the scales p_i come from masked
   sums at the drafted tokens.
 * The traversal keeps, for the current node's ancestors only (one per depth), their current weight and,
   once a child was deleted, their residual target row and renormalised draft row: post-order visits a
   node's whole subtree before leaving it, so no other node is ever modified while it matters.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
 
-from specresearch.checks import check_int
-from specresearch.core.verify import block_scales, block_verify, sample_from_weights, validate_inputs
+from specresearch.core.draft_paths import draw_multi_uniforms
+from specresearch.core.draws import sample_from_weights
+from specresearch.core.multi_weights import (
+    fallback,
+    gbv_along,
+    gbv_draft_rows,
+    gbv_needed,
+    gbv_resample_root,
+    gbv_select,
+    kseq_rho,
+)
+from specresearch.core.verify import block_scales, block_verify, validate_inputs
 
-__all__ = [
-    "DRAFT_LAWS",
-    "MULTI_VERIFIERS",
-    "MultiVerifyResult",
-    "draw_multi_uniforms",
-    "gbv_verify",
-    "kseq_verify",
-    "path_target_probs",
-    "rrs_verify",
-    "rrs_without_replacement_verify",
-    "sample_draft_paths",
-    "traversal_verify",
-]
+__all__ = ["MULTI_VERIFIERS", "MultiVerifyResult", "gbv_verify", "kseq_verify", "rrs_verify", "rrs_without_replacement_verify", "traversal_verify"]
 
-DRAFT_LAWS = ("iid", "without_replacement")
-_KSEQ_STEPS = 16
+
+
+
+
+
 
 
 @dataclass(frozen=True)
@@ -119,21 +122,6 @@ class MultiVerifyResult:
     num_accepted: torch.Tensor  # [B] int64 in 0..L
     path_index: torch.Tensor  # [B] int64: lowest path whose first num_accepted tokens were accepted
     next_token: torch.Tensor  # [B] int64: residual sample, or the bonus token when a whole path was accepted
-
-
-def draw_multi_uniforms(batch, num_drafts, length, generator=None, device=None, dtype=torch.float64):
-    """The ``[batch, length+1, num_drafts]`` uniforms a multi-draft verifier consumes (module docstring).
-    With ``num_drafts = 1`` the stream equals ``verify.draw_uniforms(batch, length, generator)``."""
-    for name, value in (("batch", batch), ("num_drafts", num_drafts), ("length", length)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1; got {value}")
-    if device is None and generator is not None:
-        device = generator.device
-    return torch.rand(batch, length + 1, num_drafts, generator=generator, device=device, dtype=dtype)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The verifiers
 
 
 def rrs_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
@@ -176,13 +164,13 @@ def kseq_verify(target_probs, draft_probs, draft_tokens, generator=None, *, unif
     batch, num_drafts, _ = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
     target, draft = target_probs[:, 0, 0], draft_probs[:, 0, 0]  # [B, V]: the shared root rows
-    rho = _kseq_rho(target, draft, num_drafts)  # [B]
+    rho = kseq_rho(target, draft, num_drafts)  # [B]
     tokens = draft_tokens[:, :, 0]  # [B, K]
     p_x, q_x = target.gather(1, tokens), draft.gather(1, tokens)  # [B, K]
     passed = (eta[:, 0, :] * rho[:, None] * q_x < p_x) & (q_x > 0)  # rho = 1 (K = 1): token_verify's test
     accepted = passed.any(-1)
     first = passed.long().argmax(-1)  # [B]: first accepted path (0 when none)
-    residual = _fallback((target - rho[:, None] * draft).clamp(min=0), target)
+    residual = fallback((target - rho[:, None] * draft).clamp(min=0), target)
     weights = torch.where(accepted[:, None], _take_rows(target_probs, rows, first, 1), residual)
     next_token = sample_from_weights(weights, eta[:, 1, 0])
     num_accepted = accepted.long()
@@ -200,13 +188,13 @@ def gbv_verify(target_probs, draft_probs, draft_tokens, generator=None, *, unifo
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
     batch, num_drafts, _ = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
-    chosen = _gbv_select(target_probs, draft_probs, draft_tokens)  # [B]
+    chosen = gbv_select(target_probs, draft_probs, draft_tokens)  # [B]
     target, draft, tokens = target_probs[rows, chosen], draft_probs[rows, chosen], draft_tokens[rows, chosen]
-    along = _gbv_along(target, draft, tokens, num_drafts)  # r and q^G(x_d), [B, L] each
-    needed = _gbv_needed(target, draft, tokens, along[1], eta[:, :, 0])  # [B, L]
-    rows_g = _gbv_draft_rows(target, draft, tokens, num_drafts, needed, along)  # [B, L, V]
+    along = gbv_along(target, draft, tokens, num_drafts)  # r and q^G(x_d), [B, L] each
+    needed = gbv_needed(target, draft, tokens, along[1], eta[:, :, 0])  # [B, L]
+    rows_g = gbv_draft_rows(target, draft, tokens, num_drafts, needed, along)  # [B, L, V]
     result = block_verify(target, rows_g, tokens, uniforms=eta[:, :, 0], validate=False)
-    next_token = _gbv_resample_root(target, draft, tokens, num_drafts, along, result, eta[:, -1, 0])
+    next_token = gbv_resample_root(target, draft, tokens, num_drafts, along, result, eta[:, -1, 0])
     path_index = _lowest_path(draft_tokens, chosen, result.num_accepted)
     return MultiVerifyResult(result.num_accepted, path_index, next_token)
 
@@ -229,94 +217,6 @@ MULTI_VERIFIERS = {
     "gbv": gbv_verify,
     "traversal": traversal_verify,
 }
-
-
-# ---------------------------------------------------------------------------------------------------
-# Draft paths
-
-
-def sample_draft_paths(draft_probs_fn, batch, num_drafts, length, draft_law="iid", generator=None):
-    """Draw K draft paths of length L per batch row from a draft model (``exact_multi.draft_paths_law``).
-
-    Args:
-        draft_probs_fn: callable ``prefix_tokens [N, t] int64 -> [N, V]`` giving q(. | step start, prefix)
-            for t = 0..L-1, with N = B*K rows ordered (b, k) row-major (row n belongs to batch row n // K).
-        batch, num_drafts, length: B, K, L (each >= 1).
-        draft_law: ``"iid"`` (K independent paths) or ``"without_replacement"`` (the K first tokens drawn
-            without replacement, later tokens from q as usual). When a row's q has only m < K tokens of
-            positive mass, paths m+1..K are copies of path m, as in the exact twin.
-        generator: ``torch.Generator`` (its device is used for the prefixes).
-    Returns:
-        ``(draft_tokens [B, K, L] int64, draft_probs [B, K, L, V])``: the rows each token was drawn from
-        (for a first token without replacement: q itself, before removing the earlier draws).
-    """
-    _check_sizes(batch=batch, num_drafts=num_drafts, length=length)
-    if draft_law not in DRAFT_LAWS:
-        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}; got {draft_law!r}")
-    device = generator.device if generator is not None else torch.device("cpu")
-    tokens = torch.zeros(batch, num_drafts, 0, dtype=torch.int64, device=device)
-    source, rows = None, []  # source[b, k]: the path that path k copies (itself unless a copy)
-    for t in range(length):
-        probs = _call_probs_fn(draft_probs_fn, "draft_probs_fn", tokens, rows[0].shape[-1] if rows else None)
-        u = torch.rand(batch, num_drafts, generator=generator, device=device, dtype=torch.float64)
-        if t == 0 and draft_law == "without_replacement":
-            drawn, source = _first_tokens_without_replacement(probs[:, 0], u)
-        else:
-            flat = sample_from_weights(probs.reshape(batch * num_drafts, -1), u.reshape(-1).to(probs.dtype))
-            drawn = flat.view(batch, num_drafts)
-            drawn = drawn if source is None else drawn.gather(1, source)
-        tokens = torch.cat([tokens, drawn[..., None]], -1)
-        rows.append(probs)
-    return tokens, torch.stack(rows, 2)
-
-
-def path_target_probs(target_probs_fn, draft_tokens):
-    """``target_probs [B, K, L+1, V]`` along the paths: row i of path k is p(. | step start, path k[:i]).
-
-    Args:
-        target_probs_fn: callable ``prefix_tokens [N, t] -> [N, V]`` as ``draft_probs_fn`` of
-            ``sample_draft_paths`` (N = B*K rows ordered (b, k), t = 0..L).
-        draft_tokens: ``[B, K, L]`` int64.
-    """
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 3:
-        raise ValueError("draft_tokens must be a [B, K, L] int64 tensor")
-    rows = []
-    for t in range(draft_tokens.shape[2] + 1):
-        vocab = rows[0].shape[-1] if rows else None
-        rows.append(_call_probs_fn(target_probs_fn, "target_probs_fn", draft_tokens[:, :, :t], vocab))
-    return torch.stack(rows, 2)
-
-
-def _call_probs_fn(probs_fn, name, prefixes, vocab):
-    """``probs_fn`` on the ``[B, K, t]`` prefixes flattened to ``[B*K, t]``; returns ``[B, K, V]``."""
-    batch, num_drafts, t = prefixes.shape
-    probs = probs_fn(prefixes.reshape(batch * num_drafts, t))
-    if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] != batch * num_drafts:
-        shape = list(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
-        raise ValueError(f"{name} must return a [N, V] tensor for N = {batch * num_drafts} prefixes; got {shape}")
-    if vocab is not None and probs.shape[1] != vocab:
-        raise ValueError(f"{name} returned V = {probs.shape[1]} at prefix length {t}, but V = {vocab} before")
-    return probs.view(batch, num_drafts, -1)
-
-
-def _first_tokens_without_replacement(probs, u):
-    """K first tokens drawn without replacement from ``probs [B, V]`` with ``u [B, K]``; returns the tokens
-    ``[B, K]`` and ``source [B, K]`` (path k copies path source[b, k] once the positive mass ran out)."""
-    batch, num_drafts = u.shape
-    remaining = probs.clone()
-    tokens = torch.empty(batch, num_drafts, dtype=torch.int64, device=probs.device)
-    source = torch.empty_like(tokens)
-    for k in range(num_drafts):
-        has_mass = remaining.sum(-1) > 0
-        drawn = sample_from_weights(remaining, u[:, k].to(probs.dtype))
-        tokens[:, k] = drawn if k == 0 else torch.where(has_mass, drawn, tokens[:, k - 1])
-        source[:, k] = k if k == 0 else torch.where(has_mass, k, source[:, k - 1])
-        remaining.scatter_(1, tokens[:, k : k + 1], 0)
-    return tokens, source
-
-
-# ---------------------------------------------------------------------------------------------------
-# Shared stages
 
 
 def _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate):
@@ -351,11 +251,6 @@ def _take_rows(probs, *index):
 def _put_rows(buffer, values, *index):
     """``buffer[index] = values`` for a contiguous work buffer ``[..., V]`` (``values [n, V]``)."""
     buffer.view(-1, buffer.shape[-1]).index_copy_(0, _flat_index(buffer.shape[:-1], index), values)
-
-
-def _fallback(weights, target):
-    """``weights [B, V]``, or ``target`` on the rows where the weights have zero mass (``verify``'s rule)."""
-    return torch.where((weights.sum(-1) == 0)[:, None], target, weights)
 
 
 def _lowest_path(draft_tokens, path, num_accepted):
@@ -439,160 +334,6 @@ def _remove_token(draft, draft_mass, x, rejected):
         draft[index, x[index, 0]] = 0
         draft_mass[index] = draft[index].sum(-1)
     return draft, draft_mass
-
-
-def _kseq_rho(target, draft, num_drafts):
-    """rho* per row (``[B]``, computed in the rows' dtype), the root of g on [1, K] (module docstring); 1 when K = 1.
-
-    Regula falsi with the Illinois modification (a retained end's g is halved), which keeps a bracket
-    [low, high] with g(low) >= 0 >= g(high) and converges superlinearly; the last of ``_KSEQ_STEPS`` iterates
-    is returned (within 1e-12 of the exact root in tests/test_verify_multi.py).
-    """
-    if num_drafts == 1:
-        return target.new_ones(target.shape[0])
-    p, q = target, draft  # the rows' dtype, as every other computation here
-
-    def g(rho):
-        beta = torch.minimum(q, p / rho[:, None]).sum(-1)
-        return sum((1 - beta) ** j for j in range(num_drafts)) - rho
-
-    low, high = p.new_ones(p.shape[0]), p.new_full((p.shape[0],), float(num_drafts))
-    g_low, g_high = g(low), g(high)  # >= 0 and <= 0 (exact facts; rounding may give tiny wrong signs)
-    side = torch.zeros_like(low)  # +1: the last step replaced low, -1: it replaced high
-    for _ in range(_KSEQ_STEPS):
-        span = g_low - g_high
-        secant = low + g_low * (high - low) / span.clamp(min=torch.finfo(span.dtype).tiny)
-        rho = torch.where(span > 0, secant, (low + high) / 2)
-        rho = rho.clamp(min=low, max=high)
-        g_rho = g(rho)
-        above = g_rho > 0  # rho replaces low (else high)
-        g_high = torch.where(above & (side > 0), g_high / 2, g_high)  # Illinois: high kept twice in a row
-        g_low = torch.where(~above & (side < 0), g_low / 2, g_low)  # low kept twice in a row
-        low, g_low = torch.where(above, rho, low), torch.where(above, g_rho, g_low)
-        high, g_high = torch.where(above, high, rho), torch.where(above, g_high, g_rho)
-        side = torch.where(above, 1.0, -1.0)
-    return rho
-
-
-def _rank_ratio(target, draft):
-    """p/q where q > 0, +inf where q = 0 (ranked last), in the rows' dtype; any shape."""
-    return torch.where(draft > 0, target / draft, torch.full_like(target, float("inf")))
-
-
-def _gbv_select(target_probs, draft_probs, draft_tokens):
-    """X*: the index of the largest path (lexicographic in per-node (p/q, token id)); ``[B]`` int64.
-    Paths that are still tied share their prefix, hence their rows, so their ratios are the same floats."""
-    index = draft_tokens[..., None]  # [B, K, L, 1]
-    length = draft_tokens.shape[2]
-    p_x = target_probs[:, :, :length].gather(-1, index).squeeze(-1)  # [B, K, L]
-    q_x = draft_probs.gather(-1, index).squeeze(-1)
-    ratio = _rank_ratio(p_x, q_x)
-    tied = torch.ones_like(draft_tokens[:, :, 0], dtype=torch.bool)  # [B, K]
-    for d in range(length):
-        key = torch.where(tied, ratio[:, :, d], float("-inf"))
-        tied &= key == key.max(-1, keepdim=True).values
-        token = torch.where(tied, draft_tokens[:, :, d], -1)
-        tied &= token == token.max(-1, keepdim=True).values
-    return tied.long().argmax(-1)
-
-
-def _gbv_along(target, draft, tokens, num_drafts):
-    """Along X* (``target [B, L+1, V]``, ``draft [B, L, V]``, ``tokens [B, L]``), without sorting: r = A_v / Q_v
-    at each depth and q^G(x_d | v), both ``[B, L]`` float64. y(x) is a masked sum over the tokens ranked below x
-    (p/q smaller, or equal with a smaller id), and r <- (r + y(x)) / q(x)."""
-    batch, length, vocab = draft.shape
-    ids = torch.arange(vocab, device=tokens.device)
-    below = torch.zeros(batch, dtype=torch.float64, device=draft.device)  # r = A_v / Q_v, 0 at the root
-    ratios, drafted = [], []
-    for d in range(length):
-        q, x = draft[:, d].double(), tokens[:, d : d + 1]
-        ratio = _rank_ratio(target[:, d], draft[:, d])
-        ratio_x = ratio.gather(1, x)
-        ranked_below = ((ratio < ratio_x) | ((ratio == ratio_x) & (ids < x))).to(q.dtype)
-        y_x, q_x = (q * ranked_below).sum(-1), q.gather(1, x).squeeze(1)
-        ratios.append(below)
-        drafted.append(_gbv_conditional(q_x, y_x, below, num_drafts))
-        below = torch.where(q_x > 0, (below + y_x) / q_x, torch.zeros_like(below))
-    return torch.stack(ratios, 1), torch.stack(drafted, 1)
-
-
-def _gbv_conditional(q, y, below, num_drafts):
-    """q^G(t | v) = q(t) S(a, b) / S(1, c) (module docstring) for q = q(t | v), y = q-mass ranked below t
-    (both normalised by Q_v) and below = A_v / Q_v, broadcast; float64."""
-    shrink = 1 / (1 + below)
-    start = (below + y) * shrink
-    top = start + q * shrink
-    return q * _power_sum(top, start, num_drafts) / _power_sum(torch.ones_like(below), below * shrink, num_drafts)
-
-
-def _gbv_needed(target, draft, tokens, drafted, eta):
-    """Which q^G rows ``[B, L]`` block verification reads in full before it knows tau (``drafted [B, L]``:
-    q^G(x_d) from ``_gbv_along``; ``eta [B, L+1]``: block verification's uniforms): none when eta_L < p_L
-    (tau = L, bonus row); else every row i in 1..L-1 with eta_i < p_i (the candidates of its backward scan;
-    elsewhere h_i <= p_i <= eta_i, whatever the row). Row 0 only serves the sample when tau = 0
-    (``_gbv_resample_root``). The scales p_i need q^G at the drafted tokens only (no sort)."""
-    length = tokens.shape[1]
-    p_x = target[:, :length].gather(-1, tokens[..., None]).squeeze(-1)  # [B, L]
-    q_x = drafted.to(draft.dtype)
-    scale = block_scales(p_x, q_x)  # [B, L]: p_1..p_L, as block_verify computes them from the rows
-    open_rows = eta[:, length - 1] >= scale[:, -1]  # [B]: tau < L possible
-    candidates = eta[:, : length - 1] < scale[:, : length - 1]  # [B, L-1]: i = 1..L-1
-    return torch.cat([torch.zeros_like(open_rows[:, None]), candidates & open_rows[:, None]], 1)
-
-
-def _gbv_resample_root(target, draft, tokens, num_drafts, along, result, u):
-    """``result.next_token`` with the rows of tau = 0 resampled from norm(max(p - q^G, 0)) at the root, q^G's
-    row 0 now computed in full (block verification's residual at p_0 = 1, same arithmetic, same uniform
-    ``u [B]``; p where it has zero mass); ``[B]``."""
-    zero = (result.num_accepted == 0).nonzero().squeeze(1)  # [n]
-    if zero.numel() == 0:
-        return result.next_token
-    only_root = torch.zeros(zero.numel(), tokens.shape[1], dtype=torch.bool, device=zero.device)
-    only_root[:, 0] = True
-    selected = (target[zero], draft[zero], tokens[zero])
-    along_zero = (along[0][zero], along[1][zero])
-    root = _gbv_draft_rows(*selected, num_drafts, only_root, along_zero)[:, 0]  # [n, V]
-    target_root = target[zero, 0]
-    weights = _fallback((target_root - root).clamp_(min=0), target_root)
-    return result.next_token.index_copy(0, zero, sample_from_weights(weights, u[zero]))
-
-
-def _gbv_draft_rows(target, draft, tokens, num_drafts, needed=None, along=None):
-    """q^G rows ``[B, L, V]`` along X* (``target [B, L+1, V]``, ``draft [B, L, V]``, ``tokens [B, L]``).
-
-    Rows where ``needed [B, L]`` is False (default: all True) keep the draft row, with q^G at the drafted token
-    only (block verification never reads the rest of them, ``_gbv_needed``); full rows cost one sort of the
-    ranks p/q (stable: ties by token id). Every row holds ``_gbv_along``'s q^G(x_d) at x_d, so the scales p_i
-    are the same whichever rows are full. ``along``: ``_gbv_along``'s output when already computed."""
-    batch, length, _ = draft.shape
-    needed = torch.ones(batch, length, dtype=torch.bool, device=tokens.device) if needed is None else needed
-    below, drafted = _gbv_along(target, draft, tokens, num_drafts) if along is None else along
-    out = draft.clone()
-    for d in range(length):
-        index = needed[:, d].nonzero().squeeze(1)  # [n]
-        if index.numel() > 0:
-            q = draft[index, d].double()
-            order = _rank_ratio(target[index, d], draft[index, d]).argsort(dim=-1, stable=True)  # ascending
-            sorted_q = q.gather(1, order)
-            exclusive = torch.cat([torch.zeros_like(sorted_q[:, :1]), sorted_q.cumsum(-1)[:, :-1]], 1)
-            ranked_below = torch.empty_like(q).scatter_(1, order, exclusive)  # y(t) / Q_v
-            out[index, d] = _gbv_conditional(q, ranked_below, below[index, d, None], num_drafts).to(draft.dtype)
-        out[:, d].scatter_(1, tokens[:, d : d + 1], drafted[:, d : d + 1].to(draft.dtype))
-    return out
-
-
-def _power_sum(a, b, num_drafts):
-    """S(a, b) = sum_{j<K} a^j b^(K-1-j) = (a^K - b^K) / (a - b) elementwise, by S_1 = 1,
-    S_{n+1} = a S_n + b^n (no cancellation when a ~ b); exactly 1 when K = 1."""
-    total, b_power = torch.ones_like(a), torch.ones_like(b)
-    for _ in range(num_drafts - 1):
-        b_power = b_power * b
-        total = torch.addcmul(b_power, total, a)
-    return total
-
-
-# ---------------------------------------------------------------------------------------------------
-# Traversal verification
 
 
 def _owners(draft_tokens):
@@ -725,13 +466,6 @@ def _chain_weights(state, fresh_ratio, draft_tokens, rows, k, e):
         weight[rows, depth] = torch.where(below, w, weight[rows, depth])
 
 
-# ---------------------------------------------------------------------------------------------------
-# Validation
-
-
-def _check_sizes(**sizes):
-    for name, value in sizes.items():
-        check_int(name, value)
 
 
 def _validate(target_probs, draft_probs, draft_tokens, generator, uniforms):

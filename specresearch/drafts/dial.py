@@ -107,8 +107,12 @@ def is_dial_name(name: str) -> bool:
     return name.split(":", 1)[0] in _PREFIXES
 
 
-def dial_draft_from_name(name: str, target: CausalLM) -> DialDraft:
-    """A :class:`DialDraft` over ``target``'s HF model (own cache) from its name (module docstring)."""
+def dial_draft_from_name(name: str, target: CausalLM, resolve=None) -> DialDraft:
+    """A :class:`DialDraft` over ``target``'s HF model (own cache) from its name (module docstring).
+
+    ``resolve``: ``name -> draft``, builds the other draft of ``dial-mix:LAM:DRAFT`` (default ``v8k-4l``);
+    :func:`specresearch.drafts.registry.draft_from_name` passes itself.
+    """
     parts = name.split(":")
     if parts[0] not in _PREFIXES or len(parts) < 2 or len(parts) > (3 if parts[0] == "dial-mix" else 2):
         raise ValueError(f"name must be dial-mix:LAM[:DRAFT], dial-uniform:LAM or dial-temp:S; got {name!r}")
@@ -120,7 +124,7 @@ def dial_draft_from_name(name: str, target: CausalLM) -> DialDraft:
     base = CausalLM(target.model, device=target.device)
     other = None
     if kind == "mix":
-        from specresearch.drafts.distilled import draft_from_name
-
-        other = draft_from_name(parts[2] if len(parts) == 3 else "v8k-4l", target)
+        if resolve is None:
+            raise ValueError(f"name {name!r}: a dial-mix draft needs resolve= to build the draft it mixes in")
+        other = resolve(parts[2] if len(parts) == 3 else "v8k-4l")
     return DialDraft(base, kind, amount, other)

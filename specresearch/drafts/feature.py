@@ -32,27 +32,25 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specresearch.drafts.distilled import (
-    SubsetHead,
-    check_field,
+from specresearch.checks import check_field
+from specresearch.drafts.distilled import SubsetHead
+from specresearch.drafts.store import (
+    _STORAGE_DTYPES,
     drafts_dir,
     embedding_fingerprint,
     manifest_path,
     read_manifest,
     write_manifest,
 )
-from specresearch.models.causal_lm import (
+from specresearch.models.causal_lm import SlotMask, check_prompt, rollback_counts
+from specresearch.models.kernels import (
     SKINNY_ROWS,
-    SlotMask,
-    check_prompt,
     choose_skinny_rows,
-    rollback_counts,
     use_skinny_linears,
 )
 
@@ -74,22 +72,6 @@ __all__ = [
 
 _WEIGHTS_FILE = "feature_head.safetensors"
 _HEAD_IDS = "head.token_ids"
-_STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@runtime_checkable
-class FeatureReader(Protocol):
-    """A draft that reads the target's hidden states (the engine checks for this interface).
-
-    ``feature_layers``: the target ``hidden_states`` indices the draft reads (concatenated in that order).
-    ``observe(features [B, k, F])``: the target's features of the slots BEFORE the next ``k`` slots the
-    draft will be fed (slot j of the next ``score`` call gets ``features[:, j]``).
-    """
-
-    feature_layers: tuple[int, ...]
-    feature_size: int  # F = len(feature_layers) * hidden size
-
-    def observe(self, features: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Methods (reference 001, "Decoding From Language Models"):
 
 * greedy -- argmax at each step ("Greedy Decoding");
 * sampling -- ancestral, top-k, top-p, epsilon and temperature, all one loop over a
-  :class:`~specresearch.core.sampling.SamplingConfig` ("Sampling Based Decoding", "Temperature Scaling");
+  :class:`~specresearch.config.SamplingConfig` ("Sampling Based Decoding", "Temperature Scaling");
 * beam search -- width k, optional length normalisation ``score = log P / length^alpha``, EOS handling,
   the k best hypotheses with their scores ("Beam Search Algorithm", steps 1-7);
 * n-gram blocking -- a token that would complete an n-gram already present in the sequence (prompt
@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
-from specresearch.checks import check_int
-from specresearch.core.sampling import SamplingConfig, check_logits, logits_to_probs, sample_tokens
+from specresearch.checks import check_int, check_real
+from specresearch.config import SamplingConfig
+from specresearch.core.sampling import check_logits, logits_to_probs, sample_tokens
 
 __all__ = [
     "LogitsFn",
@@ -62,11 +62,6 @@ LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [B, T], 
 METHODS = ("greedy", "sample", "beam", "contrastive")
 
 
-def _check_real(name: str, value, low: float, high: float, high_open: bool = False) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
-    if not ok or value < low or value > high or (high_open and value == high):
-        bracket = ")" if high_open else "]"
-        raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -98,10 +93,10 @@ class DecodingConfig:
             raise ValueError(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_int("num_beams", self.num_beams, 1)
-        _check_real("length_penalty", self.length_penalty, 0.0, 10.0)
+        check_real("length_penalty", self.length_penalty, 0.0, 10.0)
         if self.no_repeat_ngram_size is not None:
             check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 1)
-        _check_real("contrastive_alpha", self.contrastive_alpha, 0.0, 1.0)
+        check_real("contrastive_alpha", self.contrastive_alpha, 0.0, 1.0)
         if self.contrastive_alpha == 0:
             raise ValueError("contrastive_alpha must be > 0 (0 would let implausible tokens win); Li et al. use 0.1")
 
@@ -180,7 +175,7 @@ def contrastive_scores(expert_logits: torch.Tensor, amateur_logits: torch.Tensor
     if expert_logits.shape != amateur_logits.shape:
         raise ValueError(f"expert_logits {tuple(expert_logits.shape)} and amateur_logits "
                          f"{tuple(amateur_logits.shape)} must have the same shape (same vocabulary)")
-    _check_real("alpha", alpha, 0.0, 1.0)
+    check_real("alpha", alpha, 0.0, 1.0)
     log_exp = torch.log_softmax(expert_logits.double(), dim=-1)
     log_ama = torch.log_softmax(amateur_logits.double(), dim=-1)
     if alpha > 0:
@@ -407,7 +402,7 @@ def beam_search(logits_fn: LogitsFn, input_ids: torch.Tensor, num_beams: int, ma
     """
     check_int("num_beams", num_beams, 1)
     check_int("max_new_tokens", max_new_tokens, 1)
-    _check_real("length_penalty", length_penalty, 0.0, 10.0)
+    check_real("length_penalty", length_penalty, 0.0, 10.0)
     _check_prompt(input_ids, None)
     if input_ids.shape[0] != 1:
         raise ValueError(f"beam_search takes one prompt, input_ids [1, T]; got batch {input_ids.shape[0]} "

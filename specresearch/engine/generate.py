@@ -43,17 +43,19 @@ batch of one row, and a planning draft's row differs alone and batched.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from specresearch.checks import check_int
-from specresearch.drafts.distilled import PlansLength, check_same_vocab
-from specresearch.drafts.feature import FeatureReader
-from specresearch.core.sampling import SamplingConfig, logits_to_probs, sample_tokens
-from specresearch.core.verify import VERIFIERS, draw_uniforms, expected_num_accepted
+from specresearch.config import SamplingConfig
+from specresearch.core.draws import draw_uniforms
+from specresearch.core.sampling import logits_to_probs, sample_tokens
+from specresearch.core.verify import VERIFIERS, expected_num_accepted
+from specresearch.engine.prompts import encode_prompts
+from specresearch.engine.timing import clock
+from specresearch.models.protocols import FeatureReader, PlansLength, check_same_vocab
 
 __all__ = [
     "StepRecord",
@@ -171,28 +173,8 @@ class _Rows:
         return max(self.limit - len(t) for t, d in zip(self.tokens, self.done) if not d)
 
 
-def encode_prompts(prompts, tokenizer=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Strings (needs ``tokenizer``) or token-id sequences -> left-padded ``(input_ids, attention_mask)`` [B, L]."""
-    if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
-        raise ValueError("prompts must contain at least one prompt")
-    rows = [_encode_one(p, tokenizer) for p in prompts]
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
-    return ids, mask
 
 
-def _encode_one(prompt, tokenizer) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("prompts are strings: pass tokenizer=... (or pass token-id lists)")
-        prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    row = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-    if not row:
-        raise ValueError("prompts must not be empty: every prompt needs at least one token")
-    return row
 
 
 def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier="token") -> None:
@@ -251,13 +233,6 @@ def _eos_set(eos_token_id, tokenizer) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
     return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-
-
-def _clock(device: torch.device) -> float:
-    """Wall time after the device has finished its queued work (CUDA kernels run asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _sample(probs: torch.Tensor, sampling: SamplingConfig, generators) -> torch.Tensor:
@@ -413,14 +388,14 @@ def speculative_generate(
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids), stop_when)
-    t0 = _clock(device)
+    t0 = clock(device)
     reads = isinstance(draft, FeatureReader)  # reads the target's hidden states: re-fed true features each step
     if reads:
         _start_reading(target, draft, ids.to(device), mask.to(device))
     else:
         _start(target, ids.to(device), mask.to(device))
         _start(draft, ids.to(draft.device), mask.to(draft.device))
-    prefill_seconds = _clock(device) - t0
+    prefill_seconds = clock(device) - t0
     target_pending = ids[:, -1:].to(device)
     draft_pending, draft_valid = target_pending, None
     steps = []
@@ -429,13 +404,13 @@ def speculative_generate(
     while not all(rows.done):
         step_gamma = gamma if per_row else min(gamma, max(1, rows.remaining() - 1))
         active = tuple(not d for d in rows.done)
-        t0 = _clock(device)
+        t0 = clock(device)
         draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device, plans)
         step_gamma = draft_tokens.shape[1]
-        t1 = _clock(device)
+        t1 = clock(device)
         target_probs, features = _score(target, target_pending, draft_tokens, sampling,
                                         draft.feature_layers if reads else None)
-        t2 = _clock(device)
+        t2 = clock(device)
         randomness = _uniforms(generators, step_gamma, device)
         result = verify(target_probs, draft_probs, draft_tokens, validate=False, **randomness)
         target_pending = result.next_token[:, None]
@@ -449,7 +424,7 @@ def speculative_generate(
         accepted = result.num_accepted.tolist()
         emitted = [d[:n] + [t] for d, n, t in zip(draft_tokens.tolist(), accepted, result.next_token.tolist())]
         kept = rows.add(emitted)
-        seconds = _clock(device) - t0
+        seconds = clock(device) - t0
         extra = _expectations(target_probs, draft_probs, draft_tokens, expectations)  # untimed: analysis only
         steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, step_gamma, seconds, t2 - t1, t1 - t0, **extra))
         if on_step is not None:
@@ -488,20 +463,20 @@ def autoregressive_generate(
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))
-    t0 = _clock(device)
+    t0 = clock(device)
     _start(target, ids.to(device), mask.to(device))
-    prefill_seconds = _clock(device) - t0
+    prefill_seconds = clock(device) - t0
     pending = ids[:, -1:].to(device)
     steps = []
     while not all(rows.done):
         active = tuple(not d for d in rows.done)
-        t0 = _clock(device)
+        t0 = clock(device)
         logits = target.score(pending)[:, -1]
-        t1 = _clock(device)
+        t1 = clock(device)
         probs = _probs(logits, sampling, "target model logits (autoregressive step)")
         pending = _sample(probs, sampling, generators)[:, None]
         kept = rows.add(pending.tolist())
-        steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, _clock(device) - t0, t1 - t0, 0.0))
+        steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, clock(device) - t0, t1 - t0, 0.0))
         if on_step is not None:
             on_step(kept)
     return _result(rows, steps, prefill_seconds, tokenizer, "autoregressive")

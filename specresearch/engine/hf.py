@@ -69,10 +69,11 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specresearch.checks import check_int
-from specresearch.engine.generate import GenerationResult, speculative_generate
-from specresearch.models.causal_lm import CausalLM, LanguageModel, check_prompt, rollback_counts
-from specresearch.core.sampling import SamplingConfig
+from specresearch.config import SamplingConfig
 from specresearch.core.verify import VERIFIERS
+from specresearch.engine.generate import GenerationResult, speculative_generate
+from specresearch.models.causal_lm import CausalLM, check_prompt, rollback_counts
+from specresearch.models.protocols import LanguageModel
 
 __all__ = [
     "speculative",

@@ -15,8 +15,8 @@ from fractions import Fraction
 
 import sympy
 
-from specresearch import exact
 from specresearch.checks import check_int
+from specresearch.exact import single as exact
 
 __all__ = ["RhoField", "kseq_law", "kseq_public_law", "kseq_rho"]
 

@@ -49,8 +49,9 @@ import sympy
 from sympy.solvers.simplex import linprog
 
 from specresearch.checks import check_int
+from specresearch.exact.multi import expected_accepted_multi
+from specresearch.exact.paths import DRAFT_LAWS, draft_paths_law
 from specresearch.exact.single import as_model, expected_accepted, verify_exact
-from specresearch.exact.multi import DRAFT_LAWS, draft_paths_law, expected_accepted_multi
 
 __all__ = [
     "LPResult",
@@ -155,7 +156,7 @@ def optimal_verifier_lp(
         prefix: the context of the step.
         formulation: ``"prefix"`` (small, default) or ``"coupling"`` (joint pi(x, z)); see the module
             docstring. Both give the same optimum. Multi-draft steps always use ``"coupling"``.
-        num_drafts, draft_law: K paths drawn by ``draft_law`` (:func:`specresearch.exact.multi.draft_paths_law`);
+        num_drafts, draft_law: K paths drawn by ``draft_law`` (:func:`specresearch.exact.paths.draft_paths_law`);
             the verifier may accept any prefix of any of them.
     Returns:
         :class:`LPResult`; block verification attains ``optimum`` for K = 1 (tests/test_lp.py, proofs/t5).

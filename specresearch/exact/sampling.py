@@ -11,7 +11,7 @@ renormalised, so they are rational for rational rows. Temperature maps ``p`` to 
 rational only when ``1/T`` is an integer: ``T = 1`` (identity), ``T = 1/2, 1/3, ...``, and ``T = 0`` (the
 argmax limit); any other ``T`` raises ``ValueError``.
 
-Float parameters of a :class:`~specresearch.core.sampling.SamplingConfig` are read as the decimal they print as
+Float parameters of a :class:`~specresearch.config.SamplingConfig` are read as the decimal they print as
 (``Fraction(repr(x))``: ``0.9`` means 9/10, ``0.2`` means 1/5), i.e. what the user typed.
 
 :func:`transformed_model` applies a config to a whole model (``specresearch.exact`` model convention), so
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from specresearch.config import SamplingConfig
 from specresearch.exact.single import as_model
-from specresearch.core.sampling import SamplingConfig
 
 __all__ = [
     "exact_param",

@@ -18,8 +18,8 @@ Layers, from one verification to the whole decoding loop:
 * :func:`speculative_distribution` -- law of the first ``n_tokens`` of the full speculative loop,
   compared with :func:`target_distribution` by :func:`is_lossless`.
 
-Multi-draft steps (K paths, ``num_drafts=`` / ``draft_law=`` keywords of :func:`expected_accepted`,
-:func:`speculative_distribution`, :func:`is_lossless`) live in :mod:`specresearch.exact.multi`.
+Multi-draft steps (K paths) live in :mod:`specresearch.exact.multi`; the room's front
+(:mod:`specresearch.exact`) routes ``num_drafts=`` / ``draft_law=`` to them.
 
 References: token verification is Leviathan et al. 2023, Algorithm 1 (references/004, the
 "Speculative Decoding Step"); block verification is Sun et al. 2025, Algorithm 2 (references/003),
@@ -367,22 +367,12 @@ def step_distribution(target, draft, gamma, method, prefix=()) -> dict[tuple[int
     return _step_law(as_model(target), as_model(draft), gamma, law_fn, tuple(prefix))
 
 
-def _is_multi(method, num_drafts, draft_law) -> bool:
-    """Route to :mod:`specresearch.exact.multi` unless this is today's single-draft call."""
-    return not (num_drafts == 1 and draft_law == "iid" and (callable(method) or method in METHODS))
 
 
-def expected_accepted(target, draft, gamma, method, prefix=(), *, num_drafts=1, draft_law="iid") -> Fraction:
+def expected_accepted(target, draft, gamma, method, prefix=()) -> Fraction:
     """E[num_accepted] of one speculative step (accepted draft tokens, 0..gamma).
 
-    With ``num_drafts`` = K > 1 (or a multi-draft method, or ``draft_law="without_replacement"``) the
-    step drafts K paths of length gamma by ``draft_law`` and verifies them with ``method`` (see
-    :func:`specresearch.exact.multi.expected_accepted_multi`; K-SEQ may return an exact sympy surd).
     """
-    if _is_multi(method, num_drafts, draft_law):
-        from specresearch.exact import multi as exact_multi  # lazy: exact_multi imports this module
-
-        return exact_multi.expected_accepted_multi(target, draft, num_drafts, gamma, method, prefix, draft_law)
     law = step_distribution(target, draft, gamma, method, prefix)
     return sum((prob * (len(seq) - 1) for seq, prob in law.items()), _ZERO)
 
@@ -397,23 +387,13 @@ def _check_n_tokens(n_tokens) -> int:
     return n_tokens
 
 
-def speculative_distribution(
-    target, draft, gamma, method, n_tokens, prefix=(), *, num_drafts=1, draft_law="iid"
-) -> dict[tuple[int, ...], Fraction]:
+def speculative_distribution(target, draft, gamma, method, n_tokens, prefix=()) -> dict[tuple[int, ...], Fraction]:
     """Exact law of the first ``n_tokens`` tokens of the full speculative decoding loop.
 
     Each step emits accepted drafts + one token and the loop continues from the extended prefix until at
     least ``n_tokens`` tokens exist; the output is truncated to ``n_tokens``. Memoised on
     (prefix, tokens still needed), so V = 3, gamma = 3, n_tokens = 4 takes well under a second.
-    ``num_drafts`` / ``draft_law``: multi-draft steps, see
-    :func:`specresearch.exact.multi.speculative_distribution_multi`.
     """
-    if _is_multi(method, num_drafts, draft_law):
-        from specresearch.exact import multi as exact_multi  # lazy: exact_multi imports this module
-
-        return exact_multi.speculative_distribution_multi(
-            target, draft, num_drafts, gamma, method, n_tokens, prefix, draft_law
-        )
     gamma, law_fn, n_tokens = _check_gamma(gamma), _check_method(method), _check_n_tokens(n_tokens)
     target_m, draft_m = as_model(target), as_model(draft)
     step = functools.lru_cache(maxsize=None)(lambda pre: _step_law(target_m, draft_m, gamma, law_fn, pre))
@@ -447,17 +427,11 @@ def target_distribution(target, n_tokens, prefix=(), *, greedy=False) -> dict[tu
     return laws
 
 
-def is_lossless(target, draft, gamma, method, n_tokens, prefix=(), *, num_drafts=1, draft_law="iid") -> bool:
+def is_lossless(target, draft, gamma, method, n_tokens, prefix=()) -> bool:
     """True iff the speculative loop's first ``n_tokens`` have exactly the target's law.
 
     ``"greedy"`` is compared with the greedy (argmax) target path, every other method with sampling.
-    ``num_drafts`` / ``draft_law``: multi-draft steps (K paths of length gamma), see
-    :func:`specresearch.exact.multi.is_lossless_multi`.
     """
-    if _is_multi(method, num_drafts, draft_law):
-        from specresearch.exact import multi as exact_multi  # lazy: exact_multi imports this module
-
-        return exact_multi.is_lossless_multi(target, draft, num_drafts, gamma, method, n_tokens, prefix, draft_law)
     spec = speculative_distribution(target, draft, gamma, method, n_tokens, prefix)
     want = target_distribution(target, n_tokens, prefix, greedy=method == "greedy")
     return {k: v for k, v in spec.items() if v} == want

@@ -47,7 +47,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from specresearch.experiments.bench import AUTOREGRESSIVE, read_records
+from specresearch.experiments.records import AUTOREGRESSIVE, read_records
 
 __all__ = [
     "METRICS",

@@ -59,71 +59,27 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from specresearch.engine.generate import GenerationResult, autoregressive_generate, speculative_generate
-from specresearch.core.sampling import SamplingConfig
+from specresearch.config import SamplingConfig
 from specresearch.core.verify import VERIFIERS
-
-__all__ = [
-    "AUTOREGRESSIVE",
-    "BENCH_PRESETS",
-    "EXPECTED_METHODS",
-    "RECORD_COLUMNS",
-    "BenchConfig",
-    "BenchPrompt",
-    "default_prompts_path",
-    "default_run_id",
-    "load_bench_draft",
-    "load_bench_prompts",
-    "machine_info",
-    "read_records",
-    "score_seconds",
-    "run_batched",
-    "run_bench",
-    "run_named",
-    "run_seed",
-    "select_prompts",
-    "write_run_info",
-]
-
-AUTOREGRESSIVE = "autoregressive"  # the ``verifier`` value of baseline rows (gamma 0, no draft)
-
-RECORD_COLUMNS = (
-    "run_id",
-    "prompt_id",
-    "category",
-    "verifier",  # token | block | greedy | autoregressive
-    "temperature",
-    "gamma",  # 0 for autoregressive rows
-    "seed",
-    "new_tokens",  # tokens emitted (after truncation at EOS / max_new_tokens)
-    "target_calls",  # verification steps (autoregressive: one per token); the prefill is not counted
-    "draft_calls",
-    "accepted_tokens",  # sum over steps of accepted drafts, before truncation
-    "examined_drafts",  # accepted + steps with a rejection: alpha estimate = accepted / examined
-    "seconds",  # wall time of the whole run, prefill included
-    "target_seconds",  # inside the target's forward passes (steps)
-    "draft_seconds",  # inside the draft's forward passes (steps)
-    "prefill_seconds",
-    "ar_seconds",  # the autoregressive baseline of the same prompt, temperature and seed
-    "ar_tokens",
-    "shared_steps",  # steps with the same drafts and uniforms as the other verifier(s) (module docstring)
-    "common_prefix_tokens",  # length of the output prefix shared with the other verifier(s)
-    "output_hash",  # sha1 of the output tokens (first 12 hex digits)
-    "order",  # position of the run within its unit (timing order)
-    "load_avg",  # 1-minute load average when the run finished
-    # Per step, E[accepted | the drafted block] of each verifier on the SAME block (verify.expected_num_accepted),
-    # summed over the run's steps: the realised count's expectation for the verifier that ran, the
-    # counterfactual for the other (module docstring, "Expected counts").
-    "expected_token",
-    "expected_block",
-    "overlap_sum",  # sum over steps of the block's mean sum_x min(p_i, q_i): / target_calls = measured alpha
-    "batch",  # prompts in the generate call (run_bench: 1, timed; run_batched: the batch, seconds are NaN)
+from specresearch.engine.generate import (
+    GenerationResult,
+    autoregressive_generate,
+    speculative_generate,
 )
+from specresearch.experiments.records import (
+    AUTOREGRESSIVE,
+    RECORD_COLUMNS,
+    read_records,
+    write_run_info,
+)
+
+__all__ = ["BENCH_PRESETS", "EXPECTED_METHODS", "BenchConfig", "BenchPrompt", "default_prompts_path", "default_run_id", "load_bench_draft", "load_bench_prompts", "score_seconds", "run_batched", "run_bench", "run_named", "run_seed", "select_prompts"]
+
+
 EXPECTED_METHODS = ("token", "block")  # the verifiers whose per-step expectations every run records
 
 
@@ -211,11 +167,11 @@ def select_prompts(prompts: Sequence[dict], categories: Sequence[str] | None = N
 
 def load_bench_prompts(tokenizer, config: BenchConfig, path: str | os.PathLike | None = None) -> list[BenchPrompt]:
     """Read, select and encode the prompts: first user turn, chat template if the tokenizer has one."""
-    from specresearch.training.distill import encode_prompts, load_prompts
+    from specresearch.engine.prompts import encode_chat, load_prompts
 
     rows = select_prompts(load_prompts(path or default_prompts_path()), config.categories, config.num_prompts)
     if getattr(tokenizer, "chat_template", None):
-        encoded = [tuple(t.tolist()) for t in encode_prompts(tokenizer, rows)]
+        encoded = [tuple(t.tolist()) for t in encode_chat(rows, tokenizer)]
     else:
         encoded = [tuple(tokenizer(r["turns"][0], add_special_tokens=False)["input_ids"]) for r in rows]
     return [BenchPrompt(r["id"], r["category"], ids) for r, ids in zip(rows, encoded)]
@@ -224,7 +180,7 @@ def load_bench_prompts(tokenizer, config: BenchConfig, path: str | os.PathLike |
 def load_bench_draft(name: str, target):
     """A draft for ``target`` (a ``CausalLM``) from a short name (``drafts.draft_from_name``): a shipped
     trained draft (``v8k-4l``, any name under ``data/drafts/``), ``ngram``, ``truncated:N`` or a path."""
-    from specresearch.drafts.distilled import draft_from_name
+    from specresearch.drafts.registry import draft_from_name
 
     return draft_from_name(name, target)
 
@@ -234,52 +190,6 @@ def default_run_id(target_name: str, draft_name: str, config: BenchConfig, prefi
     settings = json.dumps([target_name, draft_name, dataclasses.asdict(config)], sort_keys=True)
     slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(draft_name).name or draft_name)
     return f"{prefix}{slug}-{hashlib.sha1(settings.encode()).hexdigest()[:8]}"
-
-
-def machine_info() -> dict:
-    """What a timing depends on besides the code: the CPU's model name and the vector extensions torch's CPU
-    kernels use (AVX2, AVX-512, AMX; from ``/proc/cpuinfo`` where there is one), the CPU count, torch's
-    version and thread count. Speed-ups and the cost of scoring k tokens differ between machines."""
-    import platform
-
-    import torch
-
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    fields = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())  # the first CPU's
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    flags = sorted(f for f in fields.get("flags", "").split() if f in wanted)
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(), "cpu_flags": flags,
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
-
-
-def write_run_info(path: str | os.PathLike, **info) -> Path:
-    """Append one session (``info`` + torch version, threads, CPU count, load average, time) to the JSON
-    file next to the records (``<run>.json``): what produced the rows, for the report."""
-    import torch
-
-    path = Path(path).with_suffix(".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sessions = json.loads(path.read_text()) if path.exists() else []
-    sessions.append({**info, **machine_info(),
-                     "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    path.write_text(json.dumps(sessions, indent=2) + "\n")
-    return path
-
-
-def read_records(path: str | os.PathLike):
-    """The records of a sweep CSV as a pandas DataFrame (empty, with ``RECORD_COLUMNS``, if no file)."""
-    import pandas as pd
-
-    if not Path(path).exists():
-        return pd.DataFrame(columns=list(RECORD_COLUMNS))
-    return pd.read_csv(path, dtype={"prompt_id": str, "category": str, "verifier": str, "output_hash": str})
 
 
 def run_seed(prompt_id: str, seed: int) -> int:
@@ -535,23 +445,17 @@ def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int 
     it is bound by arithmetic). The ks are timed in turn within each repeat and the cache is rolled back
     after every call. ``target``: a ``models.CausalLM``. A benchmark figure, never asserted on in tests.
     """
-    import statistics
 
     import torch
 
-    from specresearch.engine.generate import _clock  # synchronises CUDA before reading the clock
+    from specresearch.engine.timing import TimedCall, interleaved_medians
 
     if not ks or any(k < 1 for k in ks) or context_length < 1 or repeats < 1:
         raise ValueError(f"ks must be non-empty ints >= 1, context_length and repeats >= 1; got {ks}, {context_length}, {repeats}")
     ids = ((torch.arange(context_length + max(ks)) % 1000 + 100) % target.vocab_size)[None].to(target.device)  # [1, n]
     target.prefill(ids[:, :context_length], torch.ones_like(ids[:, :context_length]))
-    times = {k: [] for k in ks}
+    calls = [TimedCall(lambda k=k: target.score(ids[:, context_length : context_length + k]), reset=lambda k=k: target.rollback(k))
+             for k in ks]
     with torch.no_grad():
-        for _ in range(warmup + repeats):
-            for k in ks:
-                start = _clock(target.device)
-                target.score(ids[:, context_length : context_length + k])
-                times[k].append(_clock(target.device) - start)
-                target.rollback(k)
-    return {k: statistics.median(t[warmup:]) for k, t in times.items()}
-
+        medians = interleaved_medians(calls, repeats=repeats, warmup=warmup, device=target.device)
+    return dict(zip(ks, medians))

@@ -82,7 +82,9 @@ def read_draft_manifest(path: str | os.PathLike, depths: int = 4) -> dict:
     (their chunks are disjoint, else ``ValueError``); its ``passes`` are None (old and new chunks were
     seen unequally often).
     """
-    from specresearch.drafts.distilled import manifest_path  # here: this module's plots need no torch until a manifest is read
+    from specresearch.drafts.store import (
+        manifest_path,  # here: this module's plots need no torch until a manifest is read
+    )
 
     path = Path(path)
     file = manifest_path(path) if path.is_dir() else path
@@ -147,7 +149,7 @@ def read_scaling(*sources: str | os.PathLike) -> pd.DataFrame:
     a saved one: tokens and steps of its whole chain), depth-1 alpha at each temperature, greedy agreement and c."""
     if not sources:
         raise ValueError("read_scaling needs at least one directory or manifest")
-    from specresearch.drafts.distilled import manifest_path
+    from specresearch.drafts.store import manifest_path
 
     manifests = []
     for source in map(Path, sources):
@@ -248,7 +250,9 @@ def speedup_intervals(rows: pd.DataFrame, pairs: Sequence[tuple[tuple[str, int],
     Returns ``(speedups, differences)``: per temperature, method, gamma: ``speedup``, ``low``, ``high``; per
     temperature and pair: ``a``, ``b``, ``difference``, ``low``, ``high``.
     """
-    from specresearch.experiments.analysis import bootstrap_weights  # imports the bench (torch); only needed here
+    from specresearch.experiments.analysis import (
+        bootstrap_weights,  # imports the bench (torch); only needed here
+    )
 
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level}")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from specresearch.checks import check_int
-from specresearch.core.verify import VERIFIERS, draw_uniforms
+from specresearch.core.draws import draw_uniforms
+from specresearch.core.verify import VERIFIERS
 
 __all__ = ["Z95", "MonteCarloEstimate", "simulate_accepted"]
 

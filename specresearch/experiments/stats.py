@@ -46,9 +46,12 @@ import torch
 from scipy import stats as scipy_stats
 
 from specresearch.checks import check_int
-from specresearch.engine.generate import encode_prompts, speculative_generate
-from specresearch.core.sampling import SamplingConfig, logits_to_probs
-from specresearch.core.verify import VerifyResult, draw_uniforms, token_verify
+from specresearch.config import SamplingConfig
+from specresearch.core.draws import draw_uniforms
+from specresearch.core.sampling import logits_to_probs
+from specresearch.core.verify import VerifyResult, token_verify
+from specresearch.engine.generate import speculative_generate
+from specresearch.engine.prompts import encode_prompts
 
 __all__ = [
     "FPR_NOTE",

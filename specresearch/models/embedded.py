@@ -23,7 +23,7 @@ import torch
 from specresearch import paths
 from specresearch.models.causal_lm import CausalLM
 
-__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_embedded_pair", "load_model"]
+__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_model"]
 
 
 @dataclass(frozen=True)
@@ -67,27 +67,6 @@ def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.de
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype)
     return CausalLM(model, device=device, skinny_linear=skinny_linear), tokenizer
-
-
-def load_embedded_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, device: str | torch.device = "auto",
-                       dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None):
-    """The embedded target, a draft for it and the tokenizer: ``(target, draft, tokenizer)``.
-
-    ``draft``: a shipped draft (``drafts.shipped_drafts()``, default the distilled ``v8k-4l``), the
-    directory a training command wrote, or any other ``drafts.draft_from_name`` description (``ngram``,
-    ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``). A trained draft is rebuilt against this target (its
-    embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
-    ``skinny_linear``: the target's, as :func:`load_embedded`'s.
-    """
-    from specresearch.drafts.distilled import draft_from_name, shipped_drafts, without_half_prefix
-
-    base = without_half_prefix(draft)
-    described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
-    if not (base in shipped_drafts() or Path(base).is_dir() or described):
-        raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
-                         f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
-    target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear)
-    return target, draft_from_name(draft, target), tokenizer
 
 
 def _wheel_dir(spec: EmbeddedSpec) -> Path:

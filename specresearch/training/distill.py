@@ -35,442 +35,52 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 import transformers
+from tqdm.auto import tqdm
 
 from specresearch.drafts.distilled import (
-    DRAFT_PRESETS,
     DraftConfig,
-    SubsetHead,
     build_draft,
-    check_field,
-    drafts_dir,
-    embedding_fingerprint,
-    load_draft,
-    load_trained_draft,
     round_to_storage,
     save_draft,
     trainable_state,
 )
-from specresearch import paths
-from specresearch.models.causal_lm import cache_argument, output_cache
-from specresearch.core.sampling import SamplingConfig, logits_to_probs
+from specresearch.drafts.store import drafts_dir
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.training.corpus import Corpus, _cached_corpus, head_token_ids
+from specresearch.training.loop import (
+    TrainConfig,
+    atomic_save,
+    batch_schedule,
+    cache_dir,
+    learning_rate,
+    load_checkpoint,
+    save_checkpoint,
+)
+from specresearch.training.measure import measure_cost_ratio, measure_draft
+from specresearch.training.teacher import (
+    TeacherTargets,
+    _collate,
+    sparse_distill_kl,
+    teacher_targets,
+)
 
-__all__ = [
-    "DraftConfig",
-    "TrainConfig",
-    "DRAFT_PRESETS",
-    "Corpus",
-    "TrainResult",
-    "DraftMeasurement",
-    "cache_dir",
-    "drafts_dir",
-    "load_prompts",
-    "evenly_spaced",
-    "encode_prompts",
-    "build_draft",
-    "trainable_state",
-    "SubsetHead",
-    "head_token_ids",
-    "TeacherTargets",
-    "teacher_targets",
-    "sparse_distill_kl",
-    "sparse_kl",
-    "sparse_tv",
-    "round_to_storage",
-    "sample_continuations",
-    "generate_corpus",
-    "save_corpus",
-    "load_corpus",
-    "distill_kl",
-    "corpus_kl",
-    "train_draft",
-    "save_draft",
-    "load_draft",
-    "load_trained_draft",
-    "measure_draft",
-    "forward_seconds",
-    "measure_cost_ratio",
-    "distill_on_corpus",
-    "run_distillation",
-]
+__all__ = ["TrainResult", "train_draft", "distill_on_corpus", "run_distillation"]
 
-_CHECKPOINT_FILE = "checkpoint.pt"
 
 
-# --------------------------------------------------------------------------------------------------
-# Configuration
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Corpus sampling and optimisation settings (AdamW, linear warm-up then cosine decay to 10 %).
 
-    Attributes:
-        seed: seeds the corpus sampling, the draft's random init and the batch order.
-        steps: optimiser steps; batch_size: sequences per step; seq_len: sequences are cut to this length.
-        lr, warmup_steps, weight_decay, grad_clip: AdamW settings (``grad_clip`` = max global grad norm).
-        corpus_temperature: temperature of the target when sampling the corpus (> 0).
-        corpus_max_new_tokens: continuation length per prompt; corpus_samples_per_prompt: continuations per prompt;
-            corpus_batch_size: rows sampled together (it fixes which random draw goes to which row).
-        checkpoint_every: steps between checkpoints in the cache directory.
-        teacher_top_k: the teacher's distribution at each position is stored as its ``teacher_top_k`` most
-            likely tokens (:func:`teacher_targets`, computed once per corpus), renormalised; the loss is
-            the KL from that truncated teacher. ``>= V`` is the exact KL.
-    """
 
-    seed: int = 0
-    steps: int = 300
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 5e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    corpus_temperature: float = 1.0
-    corpus_max_new_tokens: int = 128
-    corpus_samples_per_prompt: int = 2
-    corpus_batch_size: int = 16
-    checkpoint_every: int = 25
-    teacher_top_k: int = 64
 
-    def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "seq_len", "corpus_max_new_tokens", "corpus_samples_per_prompt", "corpus_batch_size", "checkpoint_every",
-                    "teacher_top_k")
-        for field in positive:
-            value = getattr(self, field)
-            check_field(isinstance(value, int) and value >= 1, field, f"must be an int >= 1, got {value!r}")
-        check_field(isinstance(self.seed, int) and self.seed >= 0, "seed", f"must be an int >= 0, got {self.seed!r}")
-        check_field(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len!r}")
-        check_field(math.isfinite(self.lr) and self.lr > 0, "lr", f"must be a finite number > 0, got {self.lr!r}")
-        check_field(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps, "warmup_steps", f"must be an int >= 0, got {self.warmup_steps!r}")
-        check_field(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
-        check_field(self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip!r}")
-        check_field(math.isfinite(self.corpus_temperature) and self.corpus_temperature > 0, "corpus_temperature",
-                    f"must be a finite number > 0, got {self.corpus_temperature!r}")
-
-
-# --------------------------------------------------------------------------------------------------
-# Paths and prompts
-
-
-def cache_dir() -> Path:
-    """``$SPECRESEARCH_CACHE/distill`` (default ``~/.cache/specresearch/distill``): corpora, checkpoints."""
-    return paths.cache_dir("distill")
-
-
-def load_prompts(path: str | os.PathLike) -> list[dict]:
-    """Read a prompt file in the ``data/prompts.jsonl`` schema (``id``, ``category``, ``turns``)."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    for row in rows:
-        if not {"id", "category", "turns"} <= row.keys() or not row["turns"]:
-            raise ValueError(f"path {path}: every line needs id, category and non-empty turns, got {row!r}")
-    return rows
-
-
-def evenly_spaced(prompts: Sequence[dict], count: int) -> list[dict]:
-    """``count`` prompts spread evenly over ``prompts`` (index ``round(i * len / count)``); all of them if
-    ``count`` is not smaller than their number."""
-    return [prompts[round(i * len(prompts) / count)] for i in range(count)] if count < len(prompts) else list(prompts)
-
-
-def encode_prompts(tokenizer, prompts: Sequence[dict]) -> list[torch.Tensor]:
-    """Chat-template the FIRST user turn of each prompt (generation prompt added) -> list of ``[P]`` int64.
-
-    Multi-turn prompts are cut to their first turn: later turns need the model's earlier answers.
-    """
-    out = []
-    for prompt in prompts:
-        messages = [{"role": "user", "content": prompt["turns"][0]}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        out.append(torch.tensor(list(ids), dtype=torch.long))
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# The draft model
-
-
-def head_token_ids(ids: Sequence[torch.Tensor], probs: Sequence[torch.Tensor], vocab_size: int, size: int,
-                   required: Sequence[int] = ()) -> torch.Tensor:
-    """The ``size`` token ids with the most teacher probability summed over the corpus positions (sorted).
-
-    ``ids`` / ``probs``: the teacher's top-k rows per sequence (``TeacherTargets.ids`` / ``.probs``, or a
-    feature corpus' stored int32 / float16 rows: any integer and float dtypes, widened once, concatenated).
-    ``required`` ids (EOS) are always included. Ties in mass are broken by the lower id.
-    """
-    check_field(0 < size <= vocab_size, "size", f"must be in [1, {vocab_size}], got {size}")
-    mass = torch.zeros(vocab_size, dtype=torch.float64)
-    mass.index_add_(0, torch.cat(list(ids)).flatten().long(), torch.cat(list(probs)).flatten().double())
-    mass[torch.as_tensor(list(required), dtype=torch.long)] = math.inf
-    chosen = torch.sort(mass, descending=True, stable=True).indices[:size]  # stable: the lower id wins a tie
-    return chosen.sort().values
-
-
-# --------------------------------------------------------------------------------------------------
-# Corpus
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Target-sampled sequences: prompt tokens followed by the target's continuation (token ids only).
-
-    Attributes:
-        sequences: each ``[L_i]`` int64.
-        prompt_lengths: ``P_i``; tokens ``P_i..L_i-1`` of sequence i were generated by the target.
-    """
-
-    sequences: tuple[torch.Tensor, ...]
-    prompt_lengths: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        check_field(len(self.sequences) == len(self.prompt_lengths) > 0, "sequences", "and prompt_lengths must be non-empty and of equal length")
-        for seq, plen in zip(self.sequences, self.prompt_lengths):
-            check_field(1 <= plen < len(seq), "prompt_lengths", f"must leave >= 1 generated token per sequence, got {plen} of {len(seq)}")
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(s) - p for s, p in zip(self.sequences, self.prompt_lengths))
-
-
-@torch.no_grad()
-def sample_continuations(model, prompts: Sequence[torch.Tensor], temperatures: Sequence[float], max_new_tokens: int,
-                         generator: torch.Generator, eos_token_ids: Sequence[int] = ()) -> list[torch.Tensor]:
-    """Sample one continuation per (prompt, temperature) row, batched: left padding, KV cache.
-
-    Args:
-        model: a transformers causal LM.
-        prompts: ``B`` tensors ``[P_b]`` int64 (lengths may differ: rows are left-padded).
-        temperatures: ``B`` temperatures; ``0`` is greedy (row b uses ``SamplingConfig(temperature=t_b)``).
-        max_new_tokens: at most this many tokens per row; a row ends after its first EOS token.
-        generator: the only source of randomness.
-    Returns:
-        ``B`` tensors ``[n_b]`` int64 (EOS included when sampled).
-    """
-    check_field(len(prompts) == len(temperatures) > 0, "temperatures", f"must give one temperature per prompt ({len(prompts)}), got {len(temperatures)}")
-    configs = [SamplingConfig(temperature=float(t)) for t in temperatures]
-    eos = torch.tensor(list(eos_token_ids), dtype=torch.long)
-    input_ids, mask = _left_pad(prompts)  # [B, P], [B, P]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: each row counts from its first real token
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    steps, finished, next_position = [], torch.zeros(len(configs), dtype=torch.bool), positions[:, -1:] + 1
-    for _ in range(max_new_tokens):
-        token = _sample_rows(out.logits[:, -1].float(), configs, generator)  # [B]
-        steps.append(token)
-        finished |= torch.isin(token, eos)
-        if finished.all():
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position, use_cache=True,
-                    **{cache_argument(model): output_cache(out)})
-        next_position = next_position + 1
-    return [_cut_after_eos(row, eos) for row in torch.stack(steps, dim=1)]
-
-
-def _left_pad(prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``B`` prompts -> left-padded ``input_ids [B, P]`` (pad id 0) and ``attention_mask [B, P]``."""
-    length = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), length, dtype=torch.long)
-    mask = torch.zeros(len(prompts), length, dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        input_ids[b, length - len(prompt):] = prompt
-        mask[b, length - len(prompt):] = 1
-    return input_ids, mask
-
-
-def _sample_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], generator) -> torch.Tensor:
-    """``[B, V]`` logits -> ``[B]`` tokens, row b drawn from ``logits_to_probs(logits[b], configs[b])``."""
-    rows = [torch.multinomial(logits_to_probs(row, cfg), 1, generator=generator) for row, cfg in zip(logits, configs)]
-    return torch.cat(rows)
-
-
-def _cut_after_eos(row: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    hits = torch.isin(row, eos).nonzero()
-    return row if len(hits) == 0 else row[: int(hits[0]) + 1]
-
-
-def generate_corpus(target, prompt_ids: Sequence[torch.Tensor], config: TrainConfig, eos_token_ids: Sequence[int] = (),
-                    progress: bool = True) -> Corpus:
-    """Sample ``config.corpus_samples_per_prompt`` continuations of every prompt from the target.
-
-    Rows (prompt i, sample j) in order, ``config.corpus_batch_size`` rows per batch; one ``torch.Generator``
-    seeded with ``config.seed`` drives all draws, so the corpus is a function of (target, prompts, config).
-    """
-    generator = torch.Generator().manual_seed(config.seed)
-    rows = [ids for ids in prompt_ids for _ in range(config.corpus_samples_per_prompt)]
-    sequences = []
-    for start in tqdm(range(0, len(rows), config.corpus_batch_size), desc="corpus", disable=not progress):
-        chunk = rows[start : start + config.corpus_batch_size]
-        temperatures = [config.corpus_temperature] * len(chunk)
-        continuations = sample_continuations(target, chunk, temperatures, config.corpus_max_new_tokens, generator, eos_token_ids)
-        sequences += [torch.cat([ids, cont]) for ids, cont in zip(chunk, continuations)]
-    return Corpus(tuple(sequences), tuple(len(ids) for ids in rows))
-
-
-def save_corpus(corpus: Corpus, path: str | os.PathLike) -> None:
-    """Write the corpus' token ids (``torch.save`` of plain lists; atomic replace)."""
-    payload = {"sequences": [s.tolist() for s in corpus.sequences], "prompt_lengths": list(corpus.prompt_lengths)}
-    _atomic_save(payload, Path(path))
-
-
-def load_corpus(path: str | os.PathLike) -> Corpus:
-    payload = torch.load(Path(path), weights_only=True)
-    return Corpus(tuple(torch.tensor(s, dtype=torch.long) for s in payload["sequences"]), tuple(payload["prompt_lengths"]))
-
-
-def _atomic_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------------------------------
-# Loss and training
-
-
-def distill_kl(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of KL(p || q) = sum_x p(x) (log p(x) - log q(x)), p = softmax(target_logits).
-
-    Args: target_logits, draft_logits: ``[N, V]``. Returns: a scalar (float32), differentiable in draft_logits.
-    """
-    log_p = F.log_softmax(target_logits.float(), dim=-1)  # [N, V]
-    log_q = F.log_softmax(draft_logits.float(), dim=-1)  # [N, V]
-    return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
-
-
-def _collate(corpus: Corpus, indices: Sequence[int], seq_len: int):
-    """Right-padded batch: ``input_ids [B, L]``, ``attention_mask [B, L]``, ``loss_mask [B, L]``.
-
-    ``loss_mask[b, i]`` is True where the token at ``i + 1`` is a target-generated token (i >= P - 1),
-    i.e. the positions at which a draft would propose and the target verify.
-    """
-    rows = [corpus.sequences[i][:seq_len] for i in indices]
-    length = max(len(r) for r in rows)
-    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), length, dtype=torch.bool)
-    for b, (row, i) in enumerate(zip(rows, indices)):
-        input_ids[b, : len(row)] = row
-        attention_mask[b, : len(row)] = 1
-        loss_mask[b, corpus.prompt_lengths[i] - 1 : len(row) - 1] = True
-    return input_ids, attention_mask, loss_mask
-
-
-def _masked_logits(model, input_ids, attention_mask, loss_mask) -> torch.Tensor:
-    """Next-token logits ``[N, V]`` at the ``N = loss_mask.sum()`` selected positions (head applied there only)."""
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
-    return model.get_output_embeddings()(hidden[loss_mask])
-
-
-def _batch_kl(target, draft, batch) -> torch.Tensor:
-    with torch.no_grad():
-        target_logits = _masked_logits(target, *batch)  # [N, V]
-    return distill_kl(target_logits, _masked_logits(draft, *batch))
-
-
-@dataclass(frozen=True)
-class TeacherTargets:
-    """The teacher's next-token distributions at a corpus' loss positions, truncated to their top k.
-
-    Attributes:
-        ids: per corpus sequence ``[n_i, k]`` int64 token ids, most likely first, at its ``n_i`` loss
-            positions (:func:`_collate` order, sequences cut to ``seq_len``).
-        probs: per sequence ``[n_i, k]`` float32 teacher probabilities of those ids (not renormalised:
-            ``1 - probs.sum(-1)`` is the tail mass the truncation drops).
-        seq_len: the cut the positions were computed with.
-    """
-
-    ids: tuple[torch.Tensor, ...]
-    probs: tuple[torch.Tensor, ...]
-    seq_len: int
-
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``ids [N, k]``, ``probs [N, k]`` of sequences ``indices`` in :func:`_collate`'s position order."""
-        return torch.cat([self.ids[i] for i in indices]), torch.cat([self.probs[i] for i in indices])
-
-
-@torch.no_grad()
-def teacher_targets(target, corpus: Corpus, seq_len: int, top_k: int, batch_size: int = 8, progress: bool = True) -> TeacherTargets:
-    """One teacher forward over the corpus: the top ``top_k`` of p(. | prefix) at every loss position."""
-    ids, probs = [], []
-    for start in tqdm(range(0, len(corpus.sequences), batch_size), desc="teacher", disable=not progress):
-        batch = _collate(corpus, range(start, min(start + batch_size, len(corpus.sequences))), seq_len)
-        p = _masked_logits(target, *batch).float().softmax(-1)  # [N, V]
-        top = p.topk(min(top_k, p.shape[-1]), dim=-1)
-        counts = batch[2].sum(-1).tolist()
-        ids += [t.clone() for t in top.indices.split(counts)]
-        probs += [t.clone() for t in top.values.split(counts)]
-    return TeacherTargets(tuple(ids), tuple(probs), seq_len)
-
-
-def sparse_distill_kl(draft, batch, teacher_ids: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(p~ || q): p~ = the teacher's top-k probabilities restricted to the draft's
-    support (all of V, or a :class:`SubsetHead`'s tokens) and renormalised; differentiable in the draft.
-
-    Positions where no top-k token is in the support are skipped (no q can match them). With ``k >= V``
-    and a full head this is :func:`distill_kl` exactly.
-    """
-    input_ids, attention_mask, loss_mask = batch
-    hidden = draft.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[loss_mask]  # [N, H]
-    head = draft.get_output_embeddings()
-    if isinstance(head, SubsetHead):
-        logits, index = head.subset_logits(hidden), head.index_of[teacher_ids]  # [N, K], [N, k] (-1 off the subset)
-    else:
-        logits, index = head(hidden), teacher_ids
-    return sparse_kl(logits, index, teacher_probs)
-
-
-def _teacher_on_support(index: torch.Tensor, teacher_probs: torch.Tensor):
-    """The rows with teacher mass on the support (``keep [N]``), their teacher renormalised there (``p [N', k]``)
-    and their support positions (``index [N', k]``, off-support entries pointing at 0 with p = 0)."""
-    p = torch.where(index >= 0, teacher_probs.float(), 0.0)
-    mass = p.sum(-1)
-    keep = mass > 0
-    return keep, p[keep] / mass[keep, None], index[keep].clamp(min=0)
-
-
-def sparse_kl(logits: torch.Tensor, index: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(p~ || q), q = softmax(``logits [N, K]``) over a support of K tokens,
-    p~ = ``teacher_probs [N, k]`` at support positions ``index [N, k]`` (-1: off the support), renormalised.
-
-    Positions with no teacher mass on the support are skipped. Differentiable in ``logits``.
-    """
-    keep, p, index = _teacher_on_support(index, teacher_probs)
-    log_q = F.log_softmax(logits[keep].float(), dim=-1).gather(-1, index)  # [N', k]
-    terms = torch.where(p > 0, p * (p.clamp(min=1e-30).log() - log_q), 0.0)
-    return terms.sum(-1).mean()
-
-
-def sparse_tv(logits: torch.Tensor, index: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of TV(p~, q) = 1 - sum_x min(p~(x), q(x)), the rejection probability of one drafted
-    token (1 - alpha), with p~ and q as in :func:`sparse_kl` (p~ is zero off the teacher's top k, so the sum
-    runs over those k). Differentiable in ``logits`` (through q where q < p~)."""
-    keep, p, index = _teacher_on_support(index, teacher_probs)
-    q = F.softmax(logits[keep].float(), dim=-1).gather(-1, index)  # [N', k]
-    return (1 - torch.minimum(p, q).sum(-1)).mean()
-
-
-@torch.no_grad()
-def corpus_kl(target, draft, corpus: Corpus, seq_len: int = 256, batch_size: int = 8) -> float:
-    """Mean KL(p || q) over all loss positions of the corpus (position-weighted)."""
-    total, count = 0.0, 0
-    for start in range(0, len(corpus.sequences), batch_size):
-        batch = _collate(corpus, range(start, min(start + batch_size, len(corpus.sequences))), seq_len)
-        n = int(batch[2].sum())
-        total += float(_batch_kl(target, draft, batch)) * n
-        count += n
-    return total / count
 
 
 @dataclass(frozen=True)
@@ -489,20 +99,8 @@ class TrainResult:
     seconds: float
 
 
-def _batch_schedule(num_sequences: int, config: TrainConfig) -> torch.Tensor:
-    """``[steps, batch_size]`` sequence indices: concatenated random permutations (one generator)."""
-    generator = torch.Generator().manual_seed(config.seed)
-    needed = config.steps * config.batch_size
-    epochs = [torch.randperm(num_sequences, generator=generator) for _ in range(-(-needed // num_sequences))]
-    return torch.cat(epochs)[:needed].view(config.steps, config.batch_size)
 
 
-def _learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay from ``lr`` to ``lr / 10``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 def train_draft(target, draft, corpus: Corpus, config: TrainConfig, *, teacher: TeacherTargets | None = None,
@@ -533,23 +131,25 @@ def train_draft(target, draft, corpus: Corpus, config: TrainConfig, *, teacher: 
         raise ValueError(f"teacher was computed for seq_len {teacher.seq_len} and {len(teacher.ids)} sequences, "
                          f"not for this corpus ({len(corpus.sequences)}) and seq_len {config.seq_len}")
     optimizer = torch.optim.AdamW(trainable_state(draft).values(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    step, losses, seconds = _load_checkpoint(checkpoint_dir, draft, optimizer, config)
-    schedule, end = _batch_schedule(len(corpus.sequences), config), min(config.steps, stop_at or config.steps)
+    state = load_checkpoint(checkpoint_dir, trainable_state(draft), optimizer, config)
+    step, losses, seconds = state["step"], state["losses"], state["seconds"]
+    schedule, end = batch_schedule(len(corpus.sequences), config.steps, config.batch_size, config.seed), min(config.steps, stop_at or config.steps)
     started = time.perf_counter()
     bar = tqdm(total=end, initial=step, desc=f"distill {config.steps} steps", disable=not progress)
     while step < end and (max_seconds is None or time.perf_counter() - started < max_seconds):
         indices = schedule[step].tolist()
         batch = _collate(corpus, indices, config.seq_len)
-        losses.append(_train_step(draft, optimizer, batch, teacher.batch(indices), _learning_rate(step, config), config.grad_clip))
+        losses.append(_train_step(draft, optimizer, batch, teacher.batch(indices), learning_rate(step, config.lr, config.warmup_steps, config.steps), config.grad_clip))
         step += 1
         bar.update(1)
         bar.set_postfix(kl=f"{losses[-1]:.3f}")
         if checkpoint_dir is not None and step % config.checkpoint_every == 0:
-            _save_checkpoint(checkpoint_dir, draft, optimizer, config, step, losses, seconds + time.perf_counter() - started)
+            save_checkpoint(checkpoint_dir, trainable_state(draft), optimizer, config, step=step, losses=losses,
+                            seconds=seconds + time.perf_counter() - started)
     bar.close()
     seconds += time.perf_counter() - started
     if checkpoint_dir is not None:
-        _save_checkpoint(checkpoint_dir, draft, optimizer, config, step, losses, seconds)
+        save_checkpoint(checkpoint_dir, trainable_state(draft), optimizer, config, step=step, losses=losses, seconds=seconds)
     return TrainResult(step, step == config.steps, tuple(losses), seconds)
 
 
@@ -564,147 +164,8 @@ def _train_step(draft, optimizer, batch, teacher_batch, lr: float, grad_clip: fl
     return float(loss.detach())
 
 
-def _save_checkpoint(directory, draft, optimizer, config, step, losses, seconds) -> None:
-    state = {name: p.detach().clone() for name, p in trainable_state(draft).items()}
-    payload = {"step": step, "weights": state, "optimizer": optimizer.state_dict(), "losses": list(losses),
-               "seconds": seconds, "config": dataclasses.asdict(config)}
-    _atomic_save(payload, Path(directory) / _CHECKPOINT_FILE)
 
 
-def _load_checkpoint(directory, draft, optimizer, config) -> tuple[int, list[float], float]:
-    path = None if directory is None else Path(directory) / _CHECKPOINT_FILE
-    if path is None or not path.exists():
-        return 0, [], 0.0
-    payload = torch.load(path, weights_only=True)
-    if payload["config"] != dataclasses.asdict(config):
-        raise ValueError(f"checkpoint_dir {directory} holds a run with another TrainConfig ({payload['config']}); use another directory")
-    with torch.no_grad():
-        for name, p in trainable_state(draft).items():
-            p.copy_(payload["weights"][name])
-    optimizer.load_state_dict(payload["optimizer"])
-    return payload["step"], list(payload["losses"]), payload["seconds"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Measurement
-
-
-@dataclass(frozen=True)
-class DraftMeasurement:
-    """Acceptance statistics of a draft along target-generated continuations.
-
-    Attributes:
-        alpha: temperature -> mean over positions of sum_x min(p_T(x), q_T(x)), p_T / q_T the target /
-            draft distributions at temperature T, along continuations the target sampled at T.
-        greedy_agreement: fraction of positions of the target's greedy continuations at which
-            argmax q == argmax p.
-        positions: temperature -> number of positions averaged (0.0 for the greedy continuations).
-    """
-
-    alpha: dict[float, float]
-    greedy_agreement: float
-    positions: dict[float, int]
-
-    def as_dict(self) -> dict:
-        return {"alpha": {str(t): a for t, a in self.alpha.items()}, "greedy_agreement": self.greedy_agreement,
-                "positions": {str(t): n for t, n in self.positions.items()}}
-
-
-@torch.no_grad()
-def measure_draft(target, draft, prompt_ids: Sequence[torch.Tensor], *, temperatures: Sequence[float] = (0.2, 0.6, 1.0),
-                  max_new_tokens: int = 64, seed: int = 0, eos_token_ids: Sequence[int] = (), prompts_per_batch: int = 2,
-                  progress: bool = True) -> DraftMeasurement:
-    """alpha at each temperature and the greedy agreement rate on held-out prompts (reference 004).
-
-    For each prompt ``[P]`` the target generates one greedy continuation and one sampled continuation
-    per temperature (a ``torch.Generator`` seeded with ``seed``); target and draft are then scored on
-    those sequences and the statistics pooled over positions (each generated token's predicting
-    position). The result depends on ``prompts_per_batch`` only through float rounding.
-    """
-    if any(t <= 0 for t in temperatures):
-        raise ValueError(f"temperatures must all be > 0 (greedy agreement is always measured), got {temperatures}")
-    rows = (0.0, *temperatures)
-    generator = torch.Generator().manual_seed(seed)
-    sums, counts = dict.fromkeys(rows, 0.0), dict.fromkeys(rows, 0)
-    for start in tqdm(range(0, len(prompt_ids), prompts_per_batch), desc="measure", disable=not progress):
-        prompts = [ids for ids in prompt_ids[start : start + prompts_per_batch] for _ in rows]
-        continuations = sample_continuations(target, prompts, rows * (len(prompts) // len(rows)), max_new_tokens, generator, eos_token_ids)
-        corpus = Corpus(tuple(torch.cat([ids, c]) for ids, c in zip(prompts, continuations)), tuple(len(ids) for ids in prompts))
-        batch = _collate(corpus, range(len(prompts)), seq_len=max(len(s) for s in corpus.sequences))
-        stats = _position_stats(_masked_logits(target, *batch), _masked_logits(draft, *batch), batch[2], rows)
-        for t, (total, n) in stats.items():
-            sums[t], counts[t] = sums[t] + total, counts[t] + n
-    alpha = {t: sums[t] / counts[t] for t in temperatures}
-    return DraftMeasurement(alpha, sums[0.0] / counts[0.0], counts)
-
-
-def _position_stats(target_logits, draft_logits, loss_mask, temperatures) -> dict[float, tuple[float, int]]:
-    """Per temperature: (sum of the per-position statistic, number of positions).
-
-    ``target_logits``/``draft_logits`` are ``[N, V]`` at the ``loss_mask [B, L]`` positions; batch row b
-    was generated at ``temperatures[b % len(temperatures)]``. The statistic is sum_x min(p_T, q_T) for
-    T > 0 and [argmax q == argmax p] for T = 0.
-    """
-    temperature_of = loss_mask.nonzero()[:, 0] % len(temperatures)  # [N]
-    out = {}
-    for k, t in enumerate(temperatures):
-        tl, dl = target_logits[temperature_of == k].float(), draft_logits[temperature_of == k].float()
-        if t == 0:
-            values = (tl.argmax(-1) == dl.argmax(-1)).double()
-        else:
-            cfg = SamplingConfig(temperature=t)
-            values = torch.minimum(logits_to_probs(tl, cfg), logits_to_probs(dl, cfg)).sum(-1).double()
-        out[t] = (float(values.sum()), len(values))
-    return out
-
-
-@torch.no_grad()
-def forward_seconds(models: Sequence, context_length: int = 64, repeats: int = 30, warmup: int = 5) -> list[float]:
-    """Median wall time of ONE single-token forward with a KV cache of ``context_length`` tokens (B = 1).
-
-    The models are timed in turn within each repeat (so a shared, noisy CPU affects them alike) and the
-    cache is cropped back after every call, so each call sees the same context. A benchmark measurement,
-    never asserted on in tests. Returns one median per model, in seconds.
-    """
-    ids = torch.arange(context_length, dtype=torch.long)[None] % models[0].config.vocab_size  # [1, context_length]
-    caches = [output_cache(m(input_ids=ids, use_cache=True, logits_to_keep=1)) for m in models]
-    times = [[] for _ in models]
-    for _ in range(warmup + repeats):
-        for model, cache, record in zip(models, caches, times):
-            start = time.perf_counter()
-            model(input_ids=ids[:, -1:], use_cache=True, **{cache_argument(model): cache})
-            record.append(time.perf_counter() - start)
-            cache.crop(-1)  # drop the token just appended: every call sees the same context
-    return [statistics.median(record[warmup:]) for record in times]
-
-
-def measure_cost_ratio(target, draft, context_length: int = 64, repeats: int = 30) -> dict:
-    """c = draft forward time / target forward time (single token, cached, B = 1) on this machine."""
-    target_s, draft_s = forward_seconds([target, draft], context_length, repeats)
-    return {"c": draft_s / target_s, "draft_ms": 1e3 * draft_s, "target_ms": 1e3 * target_s,
-            "context_length": context_length, "torch_threads": torch.get_num_threads()}
-
-
-# --------------------------------------------------------------------------------------------------
-# End to end
-
-
-def _corpus_key(target, prompt_ids: Sequence[torch.Tensor], config: TrainConfig) -> str:
-    fields = {k: v for k, v in dataclasses.asdict(config).items() if k == "seed" or k.startswith("corpus_")}
-    blob = json.dumps({"target": embedding_fingerprint(target), "prompts": [p.tolist() for p in prompt_ids], **fields}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _cached_corpus(target, prompt_ids, config, eos_token_ids, progress) -> tuple[Corpus, str, float]:
-    """The corpus for (target, prompts, config) from the cache, generated once; also its generation time."""
-    key = _corpus_key(target, prompt_ids, config)
-    path, info = cache_dir() / "corpus" / f"{key}.pt", cache_dir() / "corpus" / f"{key}.json"
-    if not path.exists():
-        started = time.perf_counter()
-        save_corpus(generate_corpus(target, prompt_ids, config, eos_token_ids, progress), path)
-        info.write_text(json.dumps({"generation_seconds": time.perf_counter() - started}))
-    seconds = json.loads(info.read_text())["generation_seconds"] if info.exists() else float("nan")
-    return load_corpus(path), key, seconds
 
 
 def run_distillation(target, tokenizer, draft_config: DraftConfig, train_config: TrainConfig, *, prompts_path,
@@ -717,7 +178,7 @@ def run_distillation(target, tokenizer, draft_config: DraftConfig, train_config:
     ``heldout_prompts`` prompts are taken evenly spaced from ``heldout_path``.
     """
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    corpus, key, corpus_seconds = _cached_corpus(target, encode_prompts(tokenizer, load_prompts(prompts_path)), train_config, eos, progress)
+    corpus, key, corpus_seconds = _cached_corpus(target, encode_chat(load_prompts(prompts_path), tokenizer), train_config, eos, progress)
     teacher = _cached_teacher(target, corpus, key, train_config, progress)
     record = {"prompts_file": Path(prompts_path).name, "sequences": len(corpus.sequences), "generated_tokens": corpus.num_generated_tokens,
               "cache_key": key, "generation_seconds": round(corpus_seconds, 1)}
@@ -763,7 +224,7 @@ def _cached_teacher(target, corpus: Corpus, key: str, config: TrainConfig, progr
     path = cache_dir() / "teacher" / f"{key}-L{config.seq_len}-k{config.teacher_top_k}.pt"
     if not path.exists():
         teacher = teacher_targets(target, corpus, config.seq_len, config.teacher_top_k, progress=progress)
-        _atomic_save({"ids": list(teacher.ids), "probs": list(teacher.probs), "seq_len": teacher.seq_len}, path)
+        atomic_save({"ids": list(teacher.ids), "probs": list(teacher.probs), "seq_len": teacher.seq_len}, path)
     payload = torch.load(path, weights_only=True)
     return TeacherTargets(tuple(payload["ids"]), tuple(payload["probs"]), payload["seq_len"])
 
@@ -782,7 +243,7 @@ def _config_hash(draft_config: DraftConfig, train_config: TrainConfig) -> str:
 def _measurements(target, draft, tokenizer, heldout_path, count, max_new_tokens, eos, progress) -> dict:
     prompts = load_prompts(heldout_path)
     chosen = evenly_spaced(prompts, count)
-    ids = encode_prompts(tokenizer, chosen)
+    ids = encode_chat(chosen, tokenizer)
     full = measure_draft(target, draft, ids, max_new_tokens=max_new_tokens, eos_token_ids=eos, progress=progress)
     check = measure_draft(target, draft, ids[:3], max_new_tokens=16, eos_token_ids=eos, progress=False)
     return {"measurement": {"heldout_file": Path(heldout_path).name, "prompt_ids": [p["id"] for p in chosen],

@@ -1,0 +1,73 @@
+"""How logits become a sampling distribution, as a frozen config with named presets (pure Python, no torch).
+
+:class:`SamplingConfig` is read by the torch transforms (:mod:`specresearch.core.sampling`) and by their exact
+twins (:mod:`specresearch.exact.sampling`) alike, so both sides take the same object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specresearch.checks import check_int, check_real
+
+__all__ = ["SamplingConfig", "PRESETS"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How next-token logits become a sampling distribution (reference 001, "Sampling Based Decoding").
+
+    Attributes:
+        temperature: ``>= 0``; ``0`` means greedy (one-hot at the first argmax), ``1`` the model itself.
+        top_k: keep the ``k >= 1`` most likely tokens (ties: lower token id first), or ``None``.
+        top_p: nucleus mass in ``(0, 1]``: keep the smallest most-likely set with mass ``>= top_p``.
+        epsilon: in ``[0, 1)``: drop tokens with probability ``< epsilon`` (never the most likely one).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    epsilon: float | None = None
+
+    def __post_init__(self) -> None:
+        check_real("temperature", self.temperature)
+        if self.temperature < 0 or math.isinf(self.temperature):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}; "
+                "use 0 for greedy decoding or a positive value such as 1.0"
+            )
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, meaning="or None: no top-k")
+        if self.top_p is not None:
+            check_real("top_p", self.top_p)
+            if not 0 < self.top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1] or None (no nucleus), got {self.top_p!r}; 1 keeps all")
+        if self.epsilon is not None:
+            check_real("epsilon", self.epsilon)
+            if not 0 <= self.epsilon < 1:
+                raise ValueError(f"epsilon must be in [0, 1) or None (no epsilon cut), got {self.epsilon!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the transformed distribution is always one-hot at the first argmax (T = 0 or top_k = 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_name(cls, name: str) -> "SamplingConfig":
+        """A named preset: one of ``PRESETS`` (e.g. ``"greedy"``, ``"default"``, ``"nucleus"``)."""
+        if name not in PRESETS:
+            raise ValueError(f"name must be one of {sorted(PRESETS)}, got {name!r}")
+        return PRESETS[name]
+
+
+PRESETS: dict[str, SamplingConfig] = {
+    "greedy": SamplingConfig(temperature=0.0),
+    "default": SamplingConfig(),
+    "ancestral": SamplingConfig(),
+    "top_k": SamplingConfig(top_k=50),
+    "nucleus": SamplingConfig(top_p=0.9),
+    "epsilon": SamplingConfig(epsilon=3e-4),
+    "cold": SamplingConfig(temperature=0.5),
+    "hot": SamplingConfig(temperature=1.5),
+}

@@ -1,0 +1,111 @@
+"""N-gram prompt lookup as a draft with a proper distribution (:class:`NGramDraft`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specresearch.models.causal_lm import SlotMask, check_prompt, rollback_counts
+
+__all__ = ["NGramDraft", "ngram_probs", "ngram_match_length"]
+
+
+def ngram_probs(context: torch.Tensor, vocab_size: int, max_ngram: int = 3, floor: float = 0.02) -> torch.Tensor:
+    """Prompt-lookup next-token distribution of a context. ``[L]`` int64 -> ``[V]`` float32.
+
+    Longest n in ``max_ngram..1`` whose last-n-token suffix occurred earlier in the context: q puts the
+    counts of the tokens that followed those occurrences; no match -> unigram counts of the context;
+    empty context -> uniform. Then mixed with ``floor`` uniform mass.
+    """
+    return _lookup(context, vocab_size, max_ngram, floor)[0]
+
+
+def _lookup(context: torch.Tensor, vocab_size: int, max_ngram: int, floor: float) -> tuple[torch.Tensor, int]:
+    """One scan of ``context [L]``: (:func:`ngram_probs` ``[V]``, :func:`ngram_match_length`)."""
+    counts, matched = torch.zeros(vocab_size), 0
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        windows = context[:-1].unfold(0, n, 1)  # [L-n, n]: window i is followed by context[i+n]
+        hits = (windows == context[-n:]).all(-1)
+        if bool(hits.any()):
+            counts, matched = torch.bincount(context[n:][hits], minlength=vocab_size).float(), n
+            break
+    else:
+        if len(context):
+            counts = torch.bincount(context, minlength=vocab_size).float()
+    lookup = counts / counts.sum() if counts.sum() > 0 else torch.full((vocab_size,), 1.0 / vocab_size)
+    return (1 - floor) * lookup + floor / vocab_size, matched
+
+
+class NGramDraft:
+    """Prompt-lookup draft (see :func:`ngram_probs`) with the ``LanguageModel`` interface.
+
+    Logits are ``log q``; with ``SamplingConfig(temperature=1)`` the engine samples from q itself.
+    Keeps the token history of each row next to the same slot mask as ``CausalLM``.
+    """
+
+    def __init__(self, vocab_size: int, *, max_ngram: int = 3, floor: float = 0.02, device="cpu"):
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        if not 0 < floor <= 1:
+            raise ValueError(f"floor must be in (0, 1] so that q > 0 everywhere, got {floor}")
+        self.vocab_size, self.max_ngram, self.floor = vocab_size, max_ngram, floor
+        self.device = torch.device(device)
+        self._tokens = torch.zeros(0, 0, dtype=torch.long)
+        self._slots: SlotMask | None = None
+        self._matches: torch.Tensor | None = None  # [B] match lengths of the current contexts, once scanned
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._slots is None else self._slots.length
+
+    def reset(self, batch_size: int) -> None:
+        self._tokens = torch.zeros(batch_size, 0, dtype=torch.long)
+        self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool))
+        self._matches = None
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        check_prompt(input_ids, attention_mask)
+        self.reset(input_ids.shape[0])
+        self._append(input_ids.cpu(), attention_mask.bool().cpu())
+        return self._row_logits()
+
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        valid = torch.ones(tokens.shape, dtype=torch.bool) if valid is None else valid.bool().cpu()
+        steps = []
+        for j in range(tokens.shape[1]):
+            self._append(tokens[:, j : j + 1].cpu(), valid[:, j : j + 1])
+            steps.append(self._row_logits())
+        return torch.stack(steps, dim=1).to(self.device)  # [B, k, V]
+
+    def rollback(self, n) -> None:
+        common = self._slots.drop(rollback_counts(n, self._tokens.shape[0], "cpu"))
+        self._tokens = self._tokens[:, : self._tokens.shape[1] - common]
+        self._matches = None
+
+    def _append(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        self._slots.append(valid)
+        self._tokens = torch.cat([self._tokens, tokens], dim=1)
+        self._matches = None
+
+    def _rows(self) -> list[torch.Tensor]:
+        return [self._tokens[b][self._slots.mask[b]] for b in range(self._tokens.shape[0])]
+
+    def _row_logits(self) -> torch.Tensor:
+        """log q after the current context of each row -> [B, V]; keeps the match lengths of the same scan."""
+        looked = [_lookup(r, self.vocab_size, self.max_ngram, self.floor) for r in self._rows()]
+        self._matches = torch.tensor([n for _, n in looked], dtype=torch.long)
+        return torch.stack([q for q, _ in looked]).log().to(self.device)
+
+    def match_lengths(self) -> torch.Tensor:
+        """Longest suffix (<= ``max_ngram`` tokens) of each row's context that occurred earlier in it. -> [B] int64."""
+        if self._matches is None:
+            self._matches = torch.tensor([ngram_match_length(r, self.max_ngram) for r in self._rows()], dtype=torch.long)
+        return self._matches
+
+
+def ngram_match_length(context: torch.Tensor, max_ngram: int = 3) -> int:
+    """The longest n <= ``max_ngram`` whose last-n-token suffix of ``context [L]`` occurred earlier in it; 0 if none."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        if bool((context[:-1].unfold(0, n, 1) == context[-n:]).all(-1).any()):
+            return n
+    return 0

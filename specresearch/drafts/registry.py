@@ -1,0 +1,158 @@
+"""Drafts by name: the one place that knows every concrete draft kind.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from specresearch.drafts.combined import LookupOrDraft
+from specresearch.drafts.dial import dial_draft_from_name
+from specresearch.drafts.distilled import SubsetHead, load_draft
+from specresearch.drafts.ngram import NGramDraft
+from specresearch.drafts.store import drafts_dir, manifest_path, shipped_drafts
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.embedded import load_embedded
+from specresearch.models.kernels import use_half_weights
+from specresearch.models.protocols import check_same_tokenizer
+
+__all__ = ["truncated_draft", "draft_from_name", "combined_draft", "half_weight_draft", "HALF_PREFIX", "without_half_prefix", "load_pair"]
+
+
+def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
+    """A draft made of the target's first ``num_layers`` decoder layers + its embeddings, final norm and head.
+
+    A cheap stand-in for a trained draft (same tokenizer, no training). Built generically: a copy of the
+    target's config with fewer layers, loaded with the matching subset of the target's weights (any
+    weight that does not fit raises). Per-layer config lists (``layer_types``) are truncated too.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.model.config)
+    text = config.get_text_config()
+    if not 1 <= num_layers <= text.num_hidden_layers:
+        raise ValueError(f"num_layers must be in 1..{text.num_hidden_layers}, got {num_layers}")
+    text.num_hidden_layers = num_layers
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:num_layers]
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.model.dtype)
+    missing, _unexpected = draft.load_state_dict(target.model.state_dict(), strict=False)
+    if missing:
+        raise ValueError(f"target weights do not cover the truncated model: missing {missing[:5]}")
+    draft.generation_config = copy.deepcopy(target.model.generation_config)
+    return CausalLM(draft, device=target.device)
+
+
+HALF_PREFIX = "fp16:"
+
+
+def without_half_prefix(name: str) -> str:
+    """``name`` without its ``"fp16:"`` prefix (the draft whose weights :func:`half_weight_draft` halves)."""
+    return name[len(HALF_PREFIX) :] if name.startswith(HALF_PREFIX) else name
+
+
+def draft_from_name(name: str, target: CausalLM, tokenizer=None):
+    """A draft from a short description: ``"ngram"``, ``"ngram+<name>"`` (:class:`LookupOrDraft`: prompt lookup
+    where the context matches, draft ``<name>`` elsewhere; see :func:`combined_draft` for its ``@`` options),
+    ``"truncated:N"`` (first N target layers), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
+    ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
+    draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write) or a model path;
+    ``"fp16:<name>"``: draft ``<name>`` with float16 weights (:func:`half_weight_draft`).
+
+    ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
+    (``check_same_tokenizer``).
+    """
+    if name == "ngram":
+        return NGramDraft(target.vocab_size, device=target.device)
+    if name.startswith("dial-"):  # the target perturbed (dial_drafts): dial-mix:LAM, dial-uniform:LAM, dial-temp:S
+        return dial_draft_from_name(name, target, lambda other: draft_from_name(other, target, tokenizer))
+    if name.startswith("ngram+"):
+        return combined_draft(name, target, tokenizer)
+    if name.startswith(HALF_PREFIX):
+        return half_weight_draft(draft_from_name(without_half_prefix(name), target, tokenizer), target)
+    if name.startswith("truncated:"):
+        return truncated_draft(target, int(name.split(":", 1)[1]))
+    trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
+    if manifest_path(trained).exists():
+        from specresearch.drafts.feature import (  # imports this module
+            is_feature_draft_dir,
+            load_feature_draft,
+        )
+
+        if is_feature_draft_dir(trained):
+            return load_feature_draft(target, trained)
+        return CausalLM(load_draft(target.model, trained), device=target.device)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(name, local_files_only=True))
+    return CausalLM(name, device=target.device)
+
+
+def half_weight_draft(draft, target: CausalLM):
+    """``draft`` (a trained ``FeatureDraft`` or a ``CausalLM`` that owns its weights) with its linear layers'
+    and output head's weights stored in float16, in place (``models.use_half_weights``); returns it.
+
+    On this CPU a drafting step of the shipped feature head (sampling included) takes 3.5 ms against 4.9
+    with float32 weights, at the same held-out alpha to three decimals (``docs/feature_drafts.md``). The
+    target is never changed (a layer the draft shares with it is refused); drafts without weights
+    (``ngram``, ``dial-...``) are refused.
+    """
+    from specresearch.drafts.feature import FeatureDraft  # imports this module
+
+    if isinstance(draft, FeatureDraft):
+        module = draft.head
+    elif isinstance(draft, CausalLM):
+        module = draft.model
+    else:
+        raise ValueError(f"fp16: needs a trained draft (a feature head or a distilled / checkpoint LM), got {type(draft).__name__}")
+    use_half_weights(module, (SubsetHead,), shared_with=target.model)
+    return draft
+
+
+def combined_draft(name: str, target: CausalLM, tokenizer=None) -> LookupOrDraft:
+    """``"ngram+<name>[@option]..."`` -> ``LookupOrDraft(draft_from_name(<name>), ...)``.
+
+    By default a step that starts without a lookup match drafts one token (``draft_gamma=1``: the trained
+    drafts' best length on this CPU, ``docs/feature_drafts.md``) and the wrapped draft is fed lazily.
+    Options: ``@draft-gamma=N`` (at most N tokens in such a step), ``@draft-gamma=none`` (always the
+    engine's gamma), ``@every-slot`` (feed the wrapped draft every slot, ``lazy=False``), ``@min-match=N``
+    (lookup proposes a token after a match of N or more tokens; default 2) and ``@plan-match=N`` (such a
+    match plans a full step; default: min-match). Values out of range raise from :class:`LookupOrDraft`.
+    """
+    base, *options = name.split("@")
+    settings = {"draft_gamma": 1, "lazy": True}
+    counts = {"min-match": "min_match", "plan-match": "plan_match"}
+    for option in options:
+        key, _, value = option.partition("=")
+        if option == "every-slot":
+            settings["lazy"] = False
+        elif key == "draft-gamma" and (value == "none" or value.isdigit() and int(value) >= 1):
+            settings["draft_gamma"] = None if value == "none" else int(value)
+        elif key in counts and value.isdigit():
+            settings[counts[key]] = int(value)
+        else:
+            raise ValueError(f"draft {name!r}: unknown option @{option} "
+                             "(@draft-gamma=N, @draft-gamma=none, @every-slot, @min-match=N, @plan-match=N)")
+    return LookupOrDraft(draft_from_name(base[len("ngram+") :], target, tokenizer), **settings)
+
+
+def load_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, device: str | torch.device = "auto",
+                       dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None):
+    """The embedded target (:func:`specresearch.models.embedded.load_embedded`), a draft for it and the tokenizer: ``(target, draft, tokenizer)``.
+
+    ``draft``: a shipped draft (``drafts.shipped_drafts()``, default the distilled ``v8k-4l``), the
+    directory a training command wrote, or any other ``drafts.draft_from_name`` description (``ngram``,
+    ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``). A trained draft is rebuilt against this target (its
+    embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
+    ``skinny_linear``: the target's, as :func:`load_embedded`'s.
+    """
+    base = without_half_prefix(draft)
+    described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
+    if not (base in shipped_drafts() or Path(base).is_dir() or described):
+        raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
+                         f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
+    target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear)
+    return target, draft_from_name(draft, target), tokenizer

@@ -1,0 +1,93 @@
+"""Records: the rows a sweep writes and the machine it ran on, read back without the engine (no torch at import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+__all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "machine_info", "read_records", "write_run_info"]
+
+
+AUTOREGRESSIVE = "autoregressive"  # the ``verifier`` value of baseline rows (gamma 0, no draft)
+
+
+RECORD_COLUMNS = (
+    "run_id",
+    "prompt_id",
+    "category",
+    "verifier",  # token | block | greedy | autoregressive
+    "temperature",
+    "gamma",  # 0 for autoregressive rows
+    "seed",
+    "new_tokens",  # tokens emitted (after truncation at EOS / max_new_tokens)
+    "target_calls",  # verification steps (autoregressive: one per token); the prefill is not counted
+    "draft_calls",
+    "accepted_tokens",  # sum over steps of accepted drafts, before truncation
+    "examined_drafts",  # accepted + steps with a rejection: alpha estimate = accepted / examined
+    "seconds",  # wall time of the whole run, prefill included
+    "target_seconds",  # inside the target's forward passes (steps)
+    "draft_seconds",  # inside the draft's forward passes (steps)
+    "prefill_seconds",
+    "ar_seconds",  # the autoregressive baseline of the same prompt, temperature and seed
+    "ar_tokens",
+    "shared_steps",  # steps with the same drafts and uniforms as the other verifier(s) (module docstring)
+    "common_prefix_tokens",  # length of the output prefix shared with the other verifier(s)
+    "output_hash",  # sha1 of the output tokens (first 12 hex digits)
+    "order",  # position of the run within its unit (timing order)
+    "load_avg",  # 1-minute load average when the run finished
+    # Per step, E[accepted | the drafted block] of each verifier on the SAME block (verify.expected_num_accepted),
+    # summed over the run's steps: the realised count's expectation for the verifier that ran, the
+    # counterfactual for the other (module docstring, "Expected counts").
+    "expected_token",
+    "expected_block",
+    "overlap_sum",  # sum over steps of the block's mean sum_x min(p_i, q_i): / target_calls = measured alpha
+    "batch",  # prompts in the generate call (run_bench: 1, timed; run_batched: the batch, seconds are NaN)
+)
+
+
+def machine_info() -> dict:
+    """What a timing depends on besides the code: the CPU's model name and the vector extensions torch's CPU
+    kernels use (AVX2, AVX-512, AMX; from ``/proc/cpuinfo`` where there is one), the CPU count, torch's
+    version and thread count. Speed-ups and the cost of scoring k tokens differ between machines."""
+    import platform
+
+    import torch
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    flags = sorted(f for f in fields.get("flags", "").split() if f in wanted)
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(), "cpu_flags": flags,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def write_run_info(path: str | os.PathLike, **info) -> Path:
+    """Append one session (``info`` + torch version, threads, CPU count, load average, time) to the JSON
+    file next to the records (``<run>.json``): what produced the rows, for the report."""
+
+    path = Path(path).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sessions = json.loads(path.read_text()) if path.exists() else []
+    sessions.append({**info, **machine_info(),
+                     "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    path.write_text(json.dumps(sessions, indent=2) + "\n")
+    return path
+
+
+def read_records(path: str | os.PathLike):
+    """The records of a sweep CSV as a pandas DataFrame (empty, with ``RECORD_COLUMNS``, if no file)."""
+    import pandas as pd
+
+    if not Path(path).exists():
+        return pd.DataFrame(columns=list(RECORD_COLUMNS))
+    return pd.read_csv(path, dtype={"prompt_id": str, "category": str, "verifier": str, "output_hash": str})

@@ -1,0 +1,246 @@
+"""CPU kernels for small models: skinny linear products, half-precision weights, grouped-query attention.
+
+Speed on CPUs: a speculative step scores gamma + 1 tokens in one call, so the target's linear layers
+multiply 2-9 rows by each weight, and autoregressive decoding 1. A forward of a small model is bound by
+streaming its weights from memory, but MKL (PyTorch's CPU BLAS) computes ``x @ W^T`` with 1 row as a GEMV
+that streams W at half the rate of a GEMM here, with 2 or 3 rows as one GEMV per row, and from 4 rows on as
+a blocked GEMM that packs W first. ``(W @ x^T)^T`` with ``x`` contiguous is a GEMM with N = rows that streams
+W once; with one row it is a GEMV again, so one row is padded to two. :class:`CausalLM` switches the
+model's ``nn.Linear`` layers to :class:`SkinnyLinear`, which does that for 1-8 rows on CPU (same
+parameters; ``skinny_linear=False`` opts out): on the machine this was measured on, a one-token call of
+the embedded target costs 0.6-0.9 of ``nn.Linear``'s and a two-token call 0.4-0.65 (1-2 threads;
+``benchmarks/bench_score_cost.py``, figures in ``docs/feature_drafts.md``). On another CPU (a Xeon with
+AVX-512 and AMX) the plain product is twice as fast for one row, so by default :class:`CausalLM` times
+both on the model's own weights when it loads (:func:`choose_skinny_rows`, ~7 s for the embedded
+target) and computes only the row counts where the skinny product wins its own way.
+
+Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
+mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
+(SmolLM2: 9 heads over 3) to keep CUDA's fused kernels, and a query whose last axis is strided (the
+transposed output of ``(W @ x^T)^T``) sends the CPU kernel down its slow unfused path. So
+``skinny_linear`` returns row-major outputs and ``CausalLM`` on CPU switches ``"sdpa"`` to
+:func:`cpu_sdpa_attention`, which hands the groups to the fused kernel: a two-token call of the embedded
+target then costs about what a one-token call costs (it cost 5-6 ms more, ~10%).
+
+Half-precision weights for drafts (:func:`use_half_weights`): a draft's weights stored in float16 halve
+the bytes streamed per call; its activations, biases and everything between the linear layers stay
+float32. :func:`skinny_linear` sees the dtypes differ and multiplies 1-4 rows in float16 (a oneDNN
+product that streams W at twice the float32 rate here) and more rows in float32 against the upcast
+weights (float16 products slow down with rows on this CPU). The weights are the float16-rounded ones
+either way; the draft's q is whatever it computes, so losslessness is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_half_weights", "cpu_sdpa_attention", "use_cpu_sdpa"]
+
+
+SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
+
+
+HALF_ROWS = 4  # up to this many rows, half weights multiply in their own dtype (module docstring)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  skinny_rows=SKINNY_ROWS) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; on CPU with 1-8 rows computed as ``(W @ x^T)^T`` (module docstring).
+
+    ``x``: ``[..., in]``; rows = ``x.numel() / in``. The product takes ``x`` contiguous (a column-major ``x``,
+    such as the previous layer's transposed output, sends MKL down a path ~3x slower) and one row padded
+    to two (MKL's one-column product is a GEMV). The same function up to float rounding (~1e-6 relative);
+    any other row count (outside ``skinny_rows``), device or an empty input takes ``F.linear`` unchanged. A
+    ``weight`` whose dtype differs from ``x``'s (half weights, :func:`use_half_weights`) is multiplied as the
+    module docstring says.
+    """
+    rows = x.numel() // max(x.shape[-1], 1)
+    if weight.dtype != x.dtype:  # half weights, float32 activations (use_half_weights)
+        y = (torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype) if rows <= HALF_ROWS
+             else torch.nn.functional.linear(x, weight.to(x.dtype)))
+        return y if bias is None else y + bias
+    if rows not in skinny_rows or x.device.type != "cpu":
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    flat = (flat.expand(2, -1) if rows == 1 else flat).contiguous()
+    y = torch.mm(weight, flat.t()).t()[:rows].contiguous()  # [rows, out], row-major for what follows
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class SkinnyLinear(torch.nn.Linear):
+    """``nn.Linear`` whose forward is :func:`skinny_linear`: 1-8 rows on CPU as ``(W @ x^T)^T``.
+
+    The same function (up to float rounding), parameters and state dict; any other number of rows (>= 9:
+    MKL's blocked GEMM wins again) or device takes ``nn.Linear``'s path unchanged.
+    """
+
+    SKINNY_ROWS = SKINNY_ROWS
+    skinny_rows = SKINNY_ROWS  # the row counts this layer computes its own way (use_skinny_linears may narrow them)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, self.weight, self.bias, skinny_rows=self.skinny_rows)
+
+
+def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
+    """Switch every plain ``nn.Linear`` of ``model`` to :class:`SkinnyLinear` in place (parameters and state
+    dict untouched), computing ``rows`` (a subset of ``SKINNY_ROWS``) its own way; returns how many were
+    switched. Subclasses of ``nn.Linear`` are left as they are, and so is every ``nn.Linear`` when ``rows`` is
+    empty; every module that carries a ``skinny_rows`` attribute (:class:`SkinnyLinear`, a draft's
+    vocabulary-subset head) is given ``rows``."""
+    rows = tuple(rows)
+    if not set(rows) <= set(SKINNY_ROWS):
+        raise ValueError(f"rows must lie in {tuple(SKINNY_ROWS)}, got {rows}")
+    switched = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and rows:
+            module.__class__ = SkinnyLinear
+            switched += 1
+        if hasattr(module, "skinny_rows"):
+            module.skinny_rows = rows if rows != tuple(SKINNY_ROWS) else SKINNY_ROWS
+    return switched
+
+
+SKINNY_ROWS_ENV = "SPECRESEARCH_SKINNY_ROWS"
+
+
+_CHOSEN_ROWS: dict[tuple, tuple[int, ...]] = {}
+
+
+def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
+    """The row counts (of ``SKINNY_ROWS``) for which :func:`skinny_linear` beats ``F.linear`` on this machine,
+    timed on ``model``'s own float32 linear layers (and modules that carry ``skinny_rows``). For each row
+    count, one sweep multiplies an input by every such layer's weight in module order, as a forward
+    streams them; ``repeats`` rounds each time both paths' sweeps of every row count in turn, and a row
+    count is chosen when its median skinny sweep takes less than ``margin`` times its median plain one.
+    A sweep reads each weight once, so a model larger than the CPU's caches is timed from memory, as its
+    forwards run (one weight per shape timed over and over stays in cache, where the plain one-row
+    product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower).
+    Which is faster depends on the CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
+    ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times. Answers are kept per layer
+    shapes and thread count for the process. ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
+    ``"plain"``) replaces the clock that times one sweep ``fn()`` (tests).
+    """
+    import statistics
+    import time
+
+    pinned = os.environ.get(SKINNY_ROWS_ENV, "auto").strip().lower()
+    if pinned != "auto":
+        if pinned in ("all", "none"):
+            return tuple(SKINNY_ROWS) if pinned == "all" else ()
+        try:
+            rows = tuple(sorted({int(r) for r in pinned.split(",") if r.strip()}))
+        except ValueError:
+            rows = None
+        if rows is None or not set(rows) <= set(SKINNY_ROWS):
+            raise ValueError(f"${SKINNY_ROWS_ENV} must be auto, all, none or row counts in {tuple(SKINNY_ROWS)} "
+                             f"separated by commas, got {pinned!r}")
+        return rows
+    weights = []
+    for module in model.modules():
+        timed = isinstance(module, torch.nn.Linear) or hasattr(module, "skinny_rows")
+        if timed and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            weights.append(module.weight.detach())
+    if not weights:
+        return ()
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
+    if timer is None and key in _CHOSEN_ROWS:
+        return _CHOSEN_ROWS[key]
+
+    def clock(fn, path, rows):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    timer = timer or clock
+    sweeps = {}
+    for rows in SKINNY_ROWS:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+                  for w in weights}
+        sweeps[rows] = {"skinny": lambda x=inputs: [skinny_linear(x[w.shape[1]], w) for w in weights],
+                        "plain": lambda x=inputs: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights]}
+    times = {(rows, name): [] for rows in SKINNY_ROWS for name in ("skinny", "plain")}
+    with torch.no_grad():
+        for rows, paths in sweeps.items():
+            for fn in paths.values():
+                fn()  # warm
+        for _ in range(repeats):  # round robin: a passing slow spell of the host touches every row count alike
+            for rows, paths in sweeps.items():
+                for name, fn in paths.items():
+                    times[rows, name].append(timer(fn, name, rows))
+    chosen = [rows for rows in SKINNY_ROWS
+              if statistics.median(times[rows, "skinny"]) < margin * statistics.median(times[rows, "plain"])]
+    if timer is clock:
+        _CHOSEN_ROWS[key] = tuple(chosen)
+    return tuple(chosen)
+
+
+def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, shared_with: torch.nn.Module | None = None,
+                     dtype: torch.dtype = torch.float16) -> int:
+    """Give every ``nn.Linear`` (and module of ``types``: modules whose forward multiplies by ``self.weight``
+    through :func:`skinny_linear`) of ``model`` a new weight, its old one in ``dtype``; returns how many.
+
+    For inference: the new weights do not require grad. Plain ``nn.Linear`` layers become
+    :class:`SkinnyLinear` (whose forward handles the mixed dtypes on any device); biases and every other
+    parameter stay as they are. A weight tied to another module (an output head tied to the input
+    embedding) is untied: only the linear layer gets the half copy. ``shared_with``: a model (the target)
+    none of whose modules may be changed: a layer ``model`` shares with it raises ``ValueError`` before
+    anything is done.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    chosen = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, *types))]
+    theirs = set() if shared_with is None else {id(m) for m in shared_with.modules()}
+    shared = [type(m).__name__ for m in chosen if id(m) in theirs]
+    if shared:
+        raise ValueError(f"half weights: {len(shared)} layer(s) ({shared[0]}, ...) belong to the target too; "
+                         "changing them would change the target")
+    for module in chosen:
+        if type(module) is torch.nn.Linear:
+            module.__class__ = SkinnyLinear
+        module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+    return len(chosen)
+
+
+CPU_SDPA = "specresearch_cpu_sdpa"  # the attention implementation CausalLM selects on CPU (cpu_sdpa_attention)
+
+
+def cpu_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs):
+    """transformers' ``"sdpa"`` attention, except that a masked call of a grouped-query layer on CPU hands the
+    groups to the kernel (``enable_gqa``) instead of copying K and V once per group.
+
+    transformers copies them whenever a mask is given (CUDA's fused kernels take grouped heads only without a
+    mask), and every call that scores 2 or more cached tokens has a mask. On CPU the fused kernel takes both,
+    so the copy (2 x layers x heads x context x head_dim floats per call) is pure cost. Any other call (no
+    mask, no groups, another device, position bias, soft-capping, attention weights asked) goes to
+    transformers' own function. Inputs ``query [B, h, q, d]``, ``key / value [B, kv, S, d]``; returns
+    ``([B, q, h, d], None)`` as transformers' attention functions do.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = any(kwargs.get(name) is not None for name in ("position_bias", "cache", "softcap")) or kwargs.get("output_attentions")
+    if attention_mask is None or groups == 1 or query.device.type != "cpu" or special or key.shape[-1] != value.shape[-1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_cpu_sdpa(model) -> bool:
+    """Switch a transformers model that uses ``"sdpa"`` attention to :func:`cpu_sdpa_attention` (registered with
+    transformers as ``CPU_SDPA``, with transformers' sdpa masks); returns whether it was switched."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(CPU_SDPA, cpu_sdpa_attention)
+    AttentionMaskInterface.register(CPU_SDPA, sdpa_mask)
+    model.set_attn_implementation(CPU_SDPA)
+    return True

@@ -1,0 +1,95 @@
+"""The interfaces the engine drives: one narrow language-model interface (prefill, score a block, roll back).
+
+Every model the generation engine drives -- a transformers model (:class:`CausalLM`), a toy table
+(:class:`ToyLM`) or an n-gram draft (``drafts.NGramDraft``) -- exposes the same methods:
+
+* ``prefill(input_ids [B, L], attention_mask [B, L]) -> logits [B, V]``: start a new batch from a
+  left-padded prompt; returns the next-token logits after the prompt (``L >= 1``; a row may be all
+  padding, i.e. an empty context, and then its returned logits are meaningless).
+* ``reset(batch_size)``: start a new batch with an empty context (what ``prefill`` of 0 tokens would be).
+* ``score(tokens [B, k], valid=None [B, k] bool) -> logits [B, k, V]``: append ``k`` tokens and return
+  the next-token logits after each of them. A slot with ``valid[b, j] = False`` is appended but masked
+  out, as if it were never there (its logits row is meaningless).
+* ``rollback(n)``: forget the last ``n`` appended slots (``int``, or ``[B]`` int for per-row counts).
+* ``CausalLM`` (``returns_hidden_states = True``): ``prefill`` / ``score`` with ``hidden_layers=(i, ...)``
+  also return the hidden states ``[B, k, len(hidden_layers) * H]`` of the slots just fed (``hidden_states``
+  indices, concatenated), for drafts that read the target's features (``feature_drafts``); the wrapper
+  does not know what reads them.
+* ``cache_length`` (physical slots, shared by all rows), ``valid_lengths [B]``, ``vocab_size``, ``device``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["LanguageModel", "PlansLength", "check_same_vocab", "check_same_tokenizer", "FeatureReader"]
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """The narrow interface the generation engine uses (see the module docstring)."""
+
+    vocab_size: int
+    device: torch.device
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+    def reset(self, batch_size: int) -> None: ...
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor: ...
+    def rollback(self, n) -> None: ...
+
+def check_same_vocab(target, draft) -> None:
+    """Raise ``ValueError`` unless ``target.vocab_size == draft.vocab_size``."""
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(
+            f"draft vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}: the draft must "
+            "produce logits over the target's vocabulary (same tokenizer, same logits size)"
+        )
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Raise ``ValueError`` unless both tokenizers map every token string to the same id.
+
+    The engine only sees ids, so a draft with another tokenizer of the same size would run (and stay
+    lossless: verification is over the target's ids) but draft nonsense; where both tokenizers are
+    known (loading a draft checkpoint) this catches it.
+    """
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: (item[1], item[0]))
+    token = differing[0][0]
+    raise ValueError(
+        f"draft tokenizer differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} tokens; e.g. "
+        f"{token!r} is id {draft_vocab.get(token)} in the draft and {target_vocab.get(token)} in the target): "
+        "use a draft trained with the target's tokenizer"
+    )
+
+
+@runtime_checkable
+class PlansLength(Protocol):
+    """A draft that chooses how many tokens to draft in each step (the engine checks for this interface).
+
+    ``plan_length(gamma)`` is asked once per step, after the draft has scored its pending block and
+    before any token of the step is sampled; it returns the step's draft length in ``1..gamma``. Since it
+    is a function of the context (never of the step's own drafts), every verifier stays lossless: given
+    the context, the step is an ordinary step with that length.
+    """
+
+    def plan_length(self, gamma: int) -> int: ...
+
+
+@runtime_checkable
+class FeatureReader(Protocol):
+    """A draft that reads the target's hidden states (the engine checks for this interface).
+
+    ``feature_layers``: the target ``hidden_states`` indices the draft reads (concatenated in that order).
+    ``observe(features [B, k, F])``: the target's features of the slots BEFORE the next ``k`` slots the
+    draft will be fed (slot j of the next ``score`` call gets ``features[:, j]``).
+    """
+
+    feature_layers: tuple[int, ...]
+    feature_size: int  # F = len(feature_layers) * hidden size
+
+    def observe(self, features: torch.Tensor) -> None: ...

@@ -1,0 +1,152 @@
+"""The package's layout: rooms whose imports point down, no import circles, modules of one idea and modest size.
+
+The rooms and the direction of their arrows are those of ``docs/README.md`` ("Layout"). Every import counts,
+including those inside functions: a lazy import that points up is still an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "specresearch"
+
+# room -> the rooms it may import from (besides itself). "base": the pure-Python leaf modules every room may use.
+ALLOWED = {
+    "base": set(),
+    "core": {"base"},
+    "exact": {"base"},
+    "models": {"base", "core"},
+    "drafts": {"base", "core", "models"},
+    "engine": {"base", "core", "models"},
+    "training": {"base", "core", "models", "drafts", "engine"},
+    "experiments": {"base", "core", "exact", "models", "drafts", "engine", "training"},
+    "front": {"base", "core", "exact", "models", "drafts", "engine", "training", "experiments"},
+}
+BASE = {"checks", "paths", "config"}
+FRONT = {"__init__", "__main__", "cli"}
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "front"
+    if len(parts) == 2 and parts[1] in BASE:
+        return "base"
+    if len(parts) == 2 and parts[1] in FRONT:
+        return "front"
+    return parts[1]
+
+
+def _imports(module: str) -> set[str]:
+    """The specresearch modules ``module`` imports (anywhere in its body), resolved to module names."""
+    tree = ast.parse(MODULES[module].read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("specresearch")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specresearch"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in MODULES else node.module)
+    return {m for m in found if m != module and m != "specresearch"}
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def test_every_module_belongs_to_a_known_room():
+    assert {_room(m) for m in MODULES} <= set(ALLOWED)
+
+
+def test_imports_point_down_the_rooms():
+    """An import from a room not listed under ALLOWED (upward or sideways) fails, naming the edge."""
+    wrong = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+                   if _room(d) != _room(m) and _room(d) not in ALLOWED[_room(m)])
+    assert wrong == []
+
+
+def test_no_private_names_across_rooms():
+    """A room uses another room's public names only (``from x import _name`` across rooms fails)."""
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specresearch"):
+                target = node.module if node.module in MODULES else node.module.rpartition(".")[0]
+                private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__all__"]
+                if private and _room(target) != _room(module):
+                    wrong.append(f"{module} -> {node.module}: {private}")
+    assert wrong == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    """Module-level circles only, packages' own __init__ re-exports excluded (they import their room's modules
+    by design and are imported by nobody inside the room)."""
+    graph = {m: {d for d in deps if MODULES[d].name != "__init__.py"} for m, deps in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_modules_stay_small():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+@pytest.mark.parametrize("room", ["exact", "base"])
+def test_exact_and_base_import_no_torch(room):
+    """The exact twins and the leaf modules are pure Python: importing all of them loads no torch."""
+    names = [m for m in MODULES if _room(m) == room]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in names) + "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
