@@ -63,7 +63,6 @@ The contract shared with :mod:`specresearch.core.verify_multi` (the torch side)
 
 from __future__ import annotations
 
-import functools
 import itertools
 import numbers
 from collections import defaultdict
@@ -463,22 +462,8 @@ def speculative_distribution_multi(target, draft, num_drafts, gamma, method, n_t
     if method == "kseq":
         raise ValueError("method 'kseq' has irrational step laws; use is_lossless_multi, which checks it step by step")
     target, draft = exact.as_model(target), exact.as_model(draft)
-    step = functools.lru_cache(maxsize=None)(
-        lambda pre: _step_law(target, draft, num_drafts, gamma, method, draft_law, pre)
-    )
-
-    @functools.lru_cache(maxsize=None)
-    def law(pre: tuple, needed: int) -> dict:
-        out: dict = defaultdict(Fraction)
-        for seq, prob in step(pre).items():
-            if len(seq) >= needed:
-                out[seq[:needed]] += prob
-                continue
-            for rest, rest_prob in law(pre + seq, needed - len(seq)).items():
-                out[seq + rest] += prob * rest_prob
-        return dict(out)
-
-    return law(tuple(prefix), _check_n_tokens(n_tokens))
+    step_law = lambda pre: _step_law(target, draft, num_drafts, gamma, method, draft_law, pre)  # noqa: E731
+    return exact.loop_law(step_law, _check_n_tokens(n_tokens), prefix)
 
 
 def _check_n_tokens(n_tokens) -> int:

@@ -396,7 +396,15 @@ def speculative_distribution(target, draft, gamma, method, n_tokens, prefix=()) 
     """
     gamma, law_fn, n_tokens = _check_gamma(gamma), _check_method(method), _check_n_tokens(n_tokens)
     target_m, draft_m = as_model(target), as_model(draft)
-    step = functools.lru_cache(maxsize=None)(lambda pre: _step_law(target_m, draft_m, gamma, law_fn, pre))
+    return loop_law(lambda pre: _step_law(target_m, draft_m, gamma, law_fn, pre), n_tokens, prefix)
+
+
+def loop_law(step_law, n_tokens: int, prefix=()) -> dict[tuple[int, ...], Fraction]:
+    """Law of the first ``n_tokens`` tokens of a loop whose step from prefix ``pre`` emits sequence ``seq`` with
+    probability ``step_law(pre)[seq]``: steps repeat from the extended prefix until ``n_tokens`` tokens exist,
+    then the output is truncated. Memoised on (prefix, tokens still needed); shared by the single- and
+    multi-draft loops."""
+    step = functools.lru_cache(maxsize=None)(step_law)
 
     @functools.lru_cache(maxsize=None)
     def law(pre: tuple[int, ...], needed: int) -> dict:
