@@ -9,6 +9,7 @@ import pytest
 import sympy
 
 from specresearch import exact
+from specresearch.exact import lp
 from specresearch.exact import multi as exact_multi
 from specresearch.exact import paths as exact_paths
 from specresearch.exact import theory_multi
@@ -108,6 +109,9 @@ LOSSLESS = {
     ("kseq", "iid"): True, ("kseq", "without_replacement"): False,
     ("gbv", "iid"): True, ("gbv", "without_replacement"): False,
     ("traversal", "iid"): True, ("traversal", "without_replacement"): True,
+    ("onehot", "iid"): True, ("onehot", "without_replacement"): True, ("onehot", "topk"): True,
+    # a deterministic top-k tree is not a draw from q: the rules that read q are lossy on it
+    ("rrs", "topk"): False, ("rrs_without_replacement", "topk"): False, ("traversal", "topk"): False,
 }
 
 
@@ -232,5 +236,25 @@ def test_bad_num_drafts_raises():
 
 
 def test_methods_are_named():
-    assert MULTI_METHODS == ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal")
+    assert MULTI_METHODS == ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")
     assert set(exact_multi.__all__) >= {"verify_multi_exact", "is_lossless_multi"} and "draft_paths_law" in exact_paths.__all__
+
+
+# ----------------------------------------------------------------------------- the one-hot rule
+
+
+def test_topk_law_is_the_deterministic_tree():
+    q = {(): (F(1, 2), F(1, 3), F(1, 6)), (0,): (F(0), F(1, 4), F(3, 4)), (1,): (F(1, 3), F(1, 3), F(1, 3))}
+    law = draft_paths_law(lambda u: q.get(u, q[()]), 2, 2, "topk")
+    # top 2 at the root: 0 (1/2), 1 (1/3); below 0 only 2 and 1 have q > 0; below 1 a three-way tie, by id
+    assert law == {((0, 2), (0, 1), (1, 0), (1, 1)): 1}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_onehot_attains_the_lp_optimum_on_topk_trees(seed):
+    """For a fixed candidate set no lossless rule accepts more than p(candidates) at a node; on top-k trees
+    (V = 3, K = 1..2, L = 1..2) the one-hot rule's E[accepted] equals the LP optimum over all valid verifiers."""
+    target, draft = _models(seed, 3)
+    for k, length in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+        got = exact.expected_accepted(target, draft, length, "onehot", num_drafts=k, draft_law="topk")
+        assert got == lp.optimal_verifier_lp(target, draft, length, num_drafts=k, draft_law="topk").optimum, (seed, k, length)

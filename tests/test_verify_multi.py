@@ -9,9 +9,9 @@
   must never occur (hard assertion), and a Pearson chi-square test (cells with expected count < 5 pooled)
   must not reject at level ALPHA = 1e-8. Whole steps (paths drawn by ``sample_draft_paths``) are compared
   with ``step_distribution_multi`` the same way, and the sampler alone with ``draft_paths_law``.
-* False-positive budget: K_STAT = 23 level-ALPHA tests a correct implementation should pass (15 fixed
-  instances, 6 whole steps, 2 sampler laws), so the family-wise false-positive rate is below
-  K_STAT * ALPHA = 2.3e-7 < 1e-6. Seeds are fixed, so a run is deterministic.
+* False-positive budget: K_STAT = 27 level-ALPHA tests a correct implementation should pass (18 fixed
+  instances, 7 whole steps, 2 sampler laws), so the family-wise false-positive rate is below
+  K_STAT * ALPHA = 2.7e-7 < 1e-6. Seeds are fixed, so a run is deterministic.
 * Power: the same test rejects RRS's output against the traversal twin on one instance, so it can fail.
 """
 
@@ -43,7 +43,7 @@ from specresearch.exact.single import random_rational_model
 from specresearch.experiments import stats
 
 ALPHA = 1e-8
-K_STAT = 23
+K_STAT = 27
 TRIALS = 200_000
 assert K_STAT * ALPHA < 1e-6
 
@@ -146,7 +146,7 @@ def _random_single(batch, length, vocab, seed, dtype):
     return target_probs.contiguous(), draft_probs.contiguous(), tokens
 
 
-@pytest.mark.parametrize("method", sorted(MULTI_VERIFIERS))
+@pytest.mark.parametrize("method", sorted(SINGLE_TWIN))  # onehot has no single-draft twin: it never reads q
 @pytest.mark.parametrize("vocab", [5, 5000])  # block_verify's dense and backward tau rules
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_one_path_is_the_single_draft_verifier_bit_for_bit(method, vocab, dtype):
@@ -209,6 +209,7 @@ FIXED = {
     "kseq": [(1, 4, 3, 1, "iid"), (7, 3, 3, 1, "iid"), (3, 4, 2, 1, "iid")],
     "gbv": [(16, 3, 3, 2, "iid"), (16, 4, 2, 2, "iid"), (16, 3, 2, 1, "iid")],
     "traversal": [(16, 3, 3, 2, "iid"), (3, 4, 3, 2, "without_replacement"), (3, 3, 2, 2, "iid")],
+    "onehot": [(16, 3, 2, 2, "topk"), (5, 4, 3, 1, "topk"), (3, 3, 2, 2, "iid")],
 }
 FIXED_CASES = [(method, case) for method, cases in FIXED.items() for case in cases]
 
@@ -257,6 +258,7 @@ STEPS = [
     ("gbv", "iid", 24, 3, 2, 2),
     ("traversal", "without_replacement", 25, 3, 2, 2),
     ("traversal", "iid", 26, 3, 2, 2),
+    ("onehot", "iid", 27, 3, 2, 2),
 ]
 
 
@@ -326,15 +328,18 @@ def test_path_index_is_the_lowest_path_with_the_accepted_prefix():
 
 
 def test_zero_probability_drafts_are_never_accepted():
-    """A drafted token with p = 0 (path 0) or q = 0 (path 1) is rejected by every verifier, whatever the uniforms."""
+    """A drafted token with p = 0 (path 0) or q = 0 (path 1) is rejected by every verifier that reads q,
+    whatever the uniforms; onehot, which never reads q, rejects the p = 0 token and accepts the other."""
     target = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
     draft = torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64)
     tokens = torch.tensor([[[0], [1]]])
     uniforms = torch.zeros(1, 2, 2, dtype=torch.float64)
     for method, verifier in MULTI_VERIFIERS.items():
         result = verifier(target.expand(1, 2, 2, 3), draft.expand(1, 2, 1, 3), tokens, uniforms=uniforms)
-        assert int(result.num_accepted) == 0, method
+        assert int(result.num_accepted) == (method == "onehot"), method
         assert int(result.next_token) != 0, method  # p(0) = 0: never emitted
+        if method == "onehot":
+            assert int(result.path_index) == 1
 
 
 def test_kseq_rho_matches_the_exact_root():

@@ -41,6 +41,8 @@ Which object each verifier reads (the contract of ``exact_multi``):
   X* = the largest path in the lexicographic order of per-node ranks (p/q ascending, q = 0 ranked last,
   ties by token id), compute q^G, the law of X* under i.i.d. paths, along X*, and run ``block_verify``
   on X* with draft rows q^G.
+* ``onehot_verify`` reads the **merged tree** and never q: accept x w.p. p(x); on rejection p(x) <- 0,
+  renormalised; the rule for candidates chosen without the verifier's randomness (top-k trees, lookup).
 * ``traversal_verify`` (Weng et al., NeurIPS 2025) reads the **merged tree**: node weights w_root = 1,
   w_a = min(1, w_b p(x | b) / q(x | b)) for a = child x of b (0 when q(x | b) = 0); nodes are visited in
   depth-first post-order (siblings in order of first appearance). At node a: accept the path to a if
@@ -106,7 +108,7 @@ from specresearch.core.multi_weights import (
 )
 from specresearch.core.verify import block_scales, block_verify, validate_inputs
 
-__all__ = ["MULTI_VERIFIERS", "MultiVerifyResult", "gbv_verify", "kseq_verify", "rrs_verify", "rrs_without_replacement_verify", "traversal_verify"]
+__all__ = ["MULTI_VERIFIERS", "MultiVerifyResult", "gbv_verify", "kseq_verify", "onehot_verify", "rrs_verify", "rrs_without_replacement_verify", "traversal_verify"]
 
 
 
@@ -147,6 +149,19 @@ def rrs_without_replacement_verify(
     as ``rrs_verify``."""
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
     return _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged=True)
+
+
+def onehot_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+    """The one-hot rule on the merged tree, for candidates chosen without the verifier's randomness.
+
+    Distinct children in order of first appearance: accept x iff ``eta < p(x)`` (the current p); on
+    rejection p(x) <- 0 and p is renormalised; none accepted: sample what is left. q is never read
+    (``draft_probs`` is validated for the shared shapes only), so deterministic top-k trees and lookup
+    drafts are verified losslessly (EAGLE-2/3's ``evaluate_posterior``; twin:
+    :func:`specresearch.exact.multi._onehot_law`). Same arguments and result as ``rrs_verify``.
+    """
+    eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)
+    return _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged=True, onehot=True)
 
 
 def kseq_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
@@ -216,6 +231,7 @@ MULTI_VERIFIERS = {
     "kseq": kseq_verify,
     "gbv": gbv_verify,
     "traversal": traversal_verify,
+    "onehot": onehot_verify,
 }
 
 
@@ -270,10 +286,12 @@ def _first_occurrences(tokens, alive):
     return alive & ~repeated
 
 
-def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged):
+def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged, onehot=False):
     """RRS (``merged=False``: paths, duplicates kept) or RRS without replacement (``merged=True``: distinct
     children, rejected tokens zeroed out of q). The current p is ``residual / mass`` and the current q
-    ``draft / draft_mass``; both start as the rows themselves with mass exactly 1."""
+    ``draft / draft_mass``; both start as the rows themselves with mass exactly 1. ``onehot=True`` (with
+    ``merged=True``): every candidate's q is its one-hot row, so the test is ``eta * mass < p(x)`` and a
+    rejection zeroes x in the residual (``max(p - e_x, 0)``); ``draft_probs`` is not read."""
     batch, num_drafts, length = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
     alive = torch.ones(batch, num_drafts, dtype=torch.bool, device=rows.device)  # paths extending the accepted prefix
@@ -292,12 +310,14 @@ def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged):
         for k in range(num_drafts):
             trying = candidates[:, k] & ~accepted
             x = tokens[:, k : k + 1]  # [B, 1]
+            if onehot:
+                draft = torch.zeros_like(residual).scatter_(1, x, 1.0)
             p_x, q_x = residual.gather(1, x).squeeze(1), draft.gather(1, x).squeeze(1)
             passed = trying & (eta[:, d, k] * q_x * mass < p_x * draft_mass) & (q_x > 0)
             accepted, choice = accepted | passed, torch.where(passed, k, choice)
             rejected = trying & ~passed
             residual, mass = _reject(residual, mass, draft, draft_mass, rejected)
-            if merged:
+            if merged and not onehot:
                 draft, draft_mass = _remove_token(draft, draft_mass, x, rejected)
         stopped = searching & ~accepted
         weights = torch.where(stopped[:, None], residual, weights)

@@ -50,7 +50,7 @@ from sympy.solvers.simplex import linprog
 
 from specresearch.checks import check_int
 from specresearch.exact.multi import expected_accepted_multi
-from specresearch.exact.paths import DRAFT_LAWS, draft_paths_law
+from specresearch.exact.paths import _check_draft_law, draft_paths_law
 from specresearch.exact.single import as_model, expected_accepted, verify_exact
 
 __all__ = [
@@ -250,8 +250,7 @@ def _multi_coupling_lp(target, paths_law: dict, gamma: int, prefix: tuple):
 
 def _first_token_law(draft, num_drafts: int, draft_law: str, prefix: tuple) -> dict:
     """{(X_1, ..., X_K): Q} for one step of length 1."""
-    if draft_law not in DRAFT_LAWS:
-        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}, got {draft_law!r}")
+    _check_draft_law(draft_law)
     return {tuple(path[0] for path in paths): prob for paths, prob in draft_paths_law(draft, num_drafts, 1, draft_law, prefix).items()}
 
 

@@ -35,6 +35,8 @@ The contract shared with :mod:`specresearch.core.verify_multi` (the torch side)
   - ``"gbv"`` reads the **paths** (it selects one of them; duplicates do not matter).
   - ``"traversal"`` reads the **merged tree** (siblings in order of first appearance, leaves visited in
     depth-first post-order).
+  - ``"onehot"`` reads the **merged tree** and never reads q: the rule for candidates chosen without the
+    verifier's randomness (top-k trees, lookup), see :func:`_onehot_law`.
   - with K = 1 only: ``"token"``, ``"block"``, ``"greedy"`` are the single-draft twins of
     :func:`specresearch.exact.verify_exact`.
 
@@ -50,6 +52,7 @@ The contract shared with :mod:`specresearch.core.verify_multi` (the torch side)
   kseq                        yes    no                   the two-symbol example, p = (1/3, 2/3), q = (2/3, 1/3)
   gbv                         yes    no                   p = q = (1/2, 1/2)
   traversal                   yes    yes                  --
+  onehot                      yes    yes                  -- (and lossless on ``"topk"`` trees)
   ==========================  =====  ===================  ==============================================
 
   The two tree readers are lossless under both laws because the distinct children of a node, in
@@ -88,7 +91,7 @@ from specresearch.exact.paths import (
 __all__ = ["MULTI_METHODS", "verify_multi_exact", "step_distribution_multi", "expected_accepted_multi", "speculative_distribution_multi", "is_lossless_multi", "gbv_draft_rows", "smallest_counterexample"]
 
 
-MULTI_METHODS = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal")
+MULTI_METHODS = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")
 
 
 
@@ -347,7 +350,40 @@ def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     return law
 
 
+def _onehot_law(target, draft, paths: Paths, prefix: tuple) -> dict:
+    """The one-hot rule, for candidates chosen without the verifier's random numbers (top-k trees, lookup).
+
+    At a node the distinct children are tried in order: accept x w.p. p(x) (the current p); on rejection
+    p(x) <- 0 and p is renormalised; if every child is rejected, emit a token from what is left; after an
+    acceptance descend into x with a fresh p(. | u, x). It is RRS without replacement with q = the
+    one-hot row of each candidate, which is how EAGLE-2/3 (``evaluate_posterior``, "qx = 1.0") and
+    vLLM's greedy drafts treat a deterministic draft.
+
+    Lossless for ANY choice of candidates that does not look at the verifier's uniforms: at a node with
+    candidates x_1..x_m, P(emit x_i) = p(x_i) and P(emit y, y not a candidate) = (1 - p(x_1..x_m)) * p(y) /
+    (1 - p(x_1..x_m)) = p(y). Its acceptance at a node is p(candidates), the largest any lossless rule
+    can reach for that candidate set (a lossless rule emits y ~ p, and accepts a child only when y is
+    one); :func:`specresearch.exact.lp.optimal_verifier_lp` with ``draft_law="topk"`` checks this exactly.
+    """
+    law: dict = defaultdict(Fraction)
+    children = _tree(paths)
+
+    def descend(u: tuple, mass: Fraction) -> None:
+        p_row = target(prefix + u)
+        for x in children[u]:
+            accept = p_row[x]
+            if accept:
+                descend(u + (x,), mass * accept)
+            mass *= 1 - accept
+            p_row = _without(p_row, x)
+        _emit(law, u, mass, p_row)
+
+    descend((), _ONE)
+    return law
+
+
 _LAWS = {
+    "onehot": _onehot_law,
     "rrs": _rrs_law,
     "rrs_without_replacement": _rrs_without_replacement_law,
     "kseq": kseq_public_law,

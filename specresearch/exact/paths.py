@@ -1,4 +1,5 @@
-"""The exact law of K draft paths: i.i.d. or without replacement, enumerated as fractions.
+"""The exact law of the draft paths of one step: sampled (i.i.d. or without replacement) or a deterministic
+top-k tree, enumerated as fractions.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ Paths = tuple[tuple[int, ...], ...]
 _ZERO = Fraction(0)
 _ONE = Fraction(1)
 
-__all__ = ["DRAFT_LAWS", "draft_paths_law"]
+__all__ = ["DRAFT_LAWS", "DETERMINISTIC_LAWS", "draft_paths_law", "topk_children"]
 
 
-DRAFT_LAWS = ("iid", "without_replacement")
+DRAFT_LAWS = ("iid", "without_replacement")  # sampled paths: K draws from q
+DETERMINISTIC_LAWS = ("topk",)  # a tree chosen from q without randomness (EAGLE-2, SGLang, Medusa, lookup)
 
 
 def _check_num_drafts(num_drafts) -> int:
@@ -33,9 +35,23 @@ def _check_length(length) -> int:
 
 
 def _check_draft_law(draft_law) -> str:
-    if draft_law not in DRAFT_LAWS:
-        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}, got {draft_law!r}")
+    if draft_law not in DRAFT_LAWS + DETERMINISTIC_LAWS:
+        raise ValueError(f"draft_law must be one of {DRAFT_LAWS + DETERMINISTIC_LAWS}, got {draft_law!r}")
     return draft_law
+
+
+def topk_children(row: Row, k: int) -> tuple[int, ...]:
+    """The ``k`` tokens of largest q in ``row`` (q descending, ties by token id), only tokens with q > 0."""
+    ranked = sorted((t for t, v in enumerate(row) if v), key=lambda t: (-row[t], t))
+    return tuple(ranked[:k])
+
+
+def _topk_paths(draft, prefix: tuple, num_children: int, length: int) -> tuple:
+    """Every root-to-leaf path of the full top-k tree of depth ``length``, in depth-first order."""
+    paths = [()]
+    for _ in range(length):
+        paths = [u + (t,) for u in paths for t in topk_children(draft(prefix + u), num_children)]
+    return tuple(paths)
 
 
 def _single_paths(draft, prefix: tuple, length: int) -> dict:
@@ -72,15 +88,20 @@ def draft_paths_law(draft, num_drafts, length, draft_law="iid", prefix=()) -> di
         draft: the draft model q (anything :func:`specresearch.exact.as_model` accepts).
         num_drafts: K >= 1 paths.
         length: L >= 1 tokens per path.
-        draft_law: ``"iid"`` (K independent paths) or ``"without_replacement"`` (first tokens distinct,
+        draft_law: ``"iid"`` (K independent paths), ``"without_replacement"`` (first tokens distinct,
             later tokens from q as usual; with only m < K first tokens of positive mass, paths
-            m+1..K copy path m -- see the module docstring).
+            m+1..K copy path m -- see :mod:`specresearch.exact.multi`), or ``"topk"``: the full tree
+            whose every node has the K tokens of largest q as children (:func:`topk_children`; fewer
+            where fewer have q > 0), drawn with probability 1 -- its paths are the tree's K^L
+            root-to-leaf paths, so ``len(paths)`` is not K.
         prefix: the context of the step.
     Returns:
         ``{paths: P}``, ``paths`` a tuple of K tuples of L token ids in sampling order; sums to 1.
     """
     num_drafts, length = _check_num_drafts(num_drafts), _check_length(length)
     draft_law, draft, prefix = _check_draft_law(draft_law), exact.as_model(draft), tuple(prefix)
+    if draft_law == "topk":
+        return {_topk_paths(draft, prefix, num_drafts, length): _ONE}
     if draft_law == "iid":
         singles = _single_paths(draft, prefix, length)
         law = {}
