@@ -25,7 +25,8 @@ ALLOWED = {
     "engine": {"base", "core", "models"},
     "training": {"base", "core", "models", "drafts", "engine"},
     "experiments": {"base", "core", "exact", "models", "drafts", "engine", "training"},
-    "front": {"base", "core", "exact", "models", "drafts", "engine", "training", "experiments"},
+    "audit": {"base", "core", "exact", "models", "drafts", "engine", "experiments"},
+    "front": {"base", "core", "exact", "models", "drafts", "engine", "training", "experiments", "audit"},
 }
 BASE = {"checks", "paths", "config"}
 FRONT = {"__init__", "__main__", "cli"}

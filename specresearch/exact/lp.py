@@ -65,6 +65,7 @@ __all__ = [
     "optimal_acceptance",
     "optimal_acceptance_closed_form",
     "optimal_verifier_lp",
+    "solve",
     "verifier_joint",
 ]
 
@@ -360,6 +361,15 @@ def _solve_robust(objective: dict, eqs: list, ineqs: list, n: int):
         if feasible and objective_value == value:  # sympy sometimes returns a wrong argmax: retry
             return value, solution
     raise InfeasibleLPError("sympy's simplex gave no exactly feasible optimum on any reformulation of this LP")
+
+
+def solve(objective: dict, eqs: list, ineqs: list, num_variables: int) -> tuple[Fraction, list]:
+    """Maximise ``objective`` . v subject to ``eqs`` (=), ``ineqs`` (<=) and v >= 0, exactly.
+
+    Rows are ``({column: coefficient}, right-hand side)`` with Fraction coefficients; returns ``(optimum,
+    solution)`` as Fractions, checked feasible (the robust retries of this module's LPs).
+    """
+    return _solve_robust(objective, eqs, ineqs, num_variables)
 
 
 def _to_fraction(value) -> Fraction:

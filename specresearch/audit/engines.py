@@ -1,0 +1,397 @@
+"""The serving engines' sampling-mode rules, encoded as exact rules (:class:`specresearch.audit.rules.Rule`).
+
+Each builder below states what was encoded, from which file or thread, and what could not be confirmed. The
+rules were read from the engines' public source and issue threads (late 2026); the code does not carry over,
+only the rule. Notation: p = target law after its processors, q = draft law, x = a draft token.
+
+Shapes: the audit enumerates laws, so the default trees are small (``num_drafts`` = K children per node,
+``gamma`` = depth); the engines' own defaults are far larger (EAGLE-2: top-k 10, depth 5-6, 60 nodes) and are
+named in each docstring. A verdict on a small tree is a verdict on the rule: the counterexamples found here
+occur inside any larger tree with the same rule.
+
+Thresholds are parameters (``audit("sglang", threshold_acc=0.5)``); a float is read as the decimal it prints
+as (0.09 -> 9/100), so the exact laws stay rational.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import defaultdict
+from collections.abc import Callable
+from fractions import Fraction
+
+import mpmath
+
+from specresearch.audit.rules import Rule
+from specresearch.exact.multi import verify_multi_exact
+from specresearch.exact.paths import topk_children
+
+__all__ = ["ENGINE_RULES", "LOSSY_SETTINGS", "engine_rule", "method_law"]
+
+_ONE, _ZERO = Fraction(1), Fraction(0)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _fraction(name: str, value, lo=_ZERO, hi=_ONE) -> Fraction:
+    """A parameter as an exact Fraction in [lo, hi]; floats are read as the decimal they print as."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    out = Fraction(str(value)) if isinstance(value, float) else Fraction(value)
+    if not lo <= out <= (hi if hi is not None else out):
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+    return out
+
+
+def _children(paths) -> dict:
+    """{node: distinct children in order of first appearance} of the tree the paths merge into."""
+    out: dict = defaultdict(list)
+    for path in paths:
+        for d in range(len(path) + 1):
+            out.setdefault(path[:d], [])
+            if d < len(path) and path[d] not in out[path[:d]]:
+                out[path[:d]].append(path[d])
+    return dict(out)
+
+
+def _emit(law: dict, accepted: tuple, mass, row) -> None:
+    """Add ``mass`` times "accepted, then one token from row" to ``law``."""
+    if mass:
+        for token, prob in enumerate(row):
+            if prob:
+                law[accepted + (token,)] += mass * prob
+
+
+def _argmax(row) -> int:
+    return max(range(len(row)), key=lambda t: (row[t], -t))
+
+
+def method_law(method: str) -> Callable:
+    """The law function of a verifier of :mod:`specresearch.exact.multi` (``"token"``, ``"onehot"``, ...)."""
+    return lambda target, draft, paths, prefix: verify_multi_exact(target, draft, paths, method, prefix)
+
+
+def _chain(draft, num_drafts: int, gamma: int, prefix: tuple) -> dict:
+    """The greedy chain (argmax of q at every depth, ties by token id): one path, probability 1."""
+    path: tuple = ()
+    for _ in range(gamma):
+        path += topk_children(draft(prefix + path), 1)
+    return {(path,): _ONE}
+
+
+# ----------------------------------------------------------------------------- rule laws
+
+
+def _sample_and_compare(target, draft, paths, prefix) -> dict:
+    """Sample the target at every position; keep the draft token while they agree; emit the target's token."""
+    ((path,),) = [set(paths)]
+    law: dict = defaultdict(Fraction)
+    mass = _ONE
+    for d, x in enumerate(path):
+        row = target(prefix + path[:d])
+        for t, v in enumerate(row):
+            if v and t != x:
+                law[path[:d] + (t,)] += mass * v
+        mass *= row[x]
+    _emit(law, path, mass, target(prefix + path))
+    return law
+
+
+def _typical(row, x: int, epsilon: Fraction, delta: Fraction) -> bool:
+    """Medusa's typical acceptance p(x) > min(eps, delta exp(-H(p))), decided exactly.
+
+    exp(-H(p)) = prod p_i^p_i is algebraic: with D the common denominator of the p_i, p(x) > delta exp(-H) iff
+    p(x)^D > delta^D prod p_i^(p_i D), a comparison of rationals.
+    """
+    px = row[x]
+    if px > epsilon:
+        return True
+    if delta == 0:
+        return px > 0
+    positive = [v for v in row if v]
+    power = math.lcm(*(v.denominator for v in positive))
+    rhs = delta**power
+    for v in positive:
+        rhs *= v ** (v.numerator * (power // v.denominator))
+    return px**power > rhs
+
+
+def _medusa_typical_law(epsilon: Fraction, delta: Fraction, fast: bool) -> Callable:
+    def law(target, draft, paths, prefix):
+        best, best_len = paths[0], -1
+        for path in paths:  # the candidate with the longest typical prefix, the first on ties (argmax)
+            n = 0
+            while n < len(path) and _typical(target(prefix + path[:n]), path[n], epsilon, delta):
+                n += 1
+            if n > best_len:
+                best, best_len = path, n
+        accepted = best[:best_len]
+        row = target(prefix + accepted)
+        if fast:
+            return {accepted + (_argmax(row),): _ONE}
+        return {accepted + (t,): v for t, v in enumerate(row) if v}
+
+    return law
+
+
+def _medusa_nucleus_law(target, draft, paths, prefix) -> dict:
+    """Draw y ~ p at each node; descend if y is a child; otherwise emit a fresh draw from p (not y)."""
+    children, law = _children(paths), defaultdict(Fraction)
+
+    def descend(u: tuple, mass: Fraction) -> None:
+        row = target(prefix + u)
+        for x in children[u]:
+            if row[x]:
+                descend(u + (x,), mass * row[x])
+        _emit(law, u, mass * (1 - sum((row[x] for x in children[u]), _ZERO)), row)
+
+    descend((), _ONE)
+    return law
+
+
+def _sglang_law(threshold_single: Fraction, threshold_acc: Fraction) -> Callable:
+    """One coin per node; siblings in turn with prob_acc += p(x); accept when coin <= prob_acc / threshold_acc or
+    p(x) >= threshold_single; all rejected: sample p with the rejected siblings zeroed."""
+
+    def clip(v: Fraction) -> Fraction:
+        return min(_ONE, v / threshold_acc) if threshold_acc else (_ONE if v else _ZERO)
+
+    def law(target, draft, paths, prefix):
+        children, out = _children(paths), defaultdict(Fraction)
+
+        def descend(u: tuple, mass: Fraction) -> None:
+            row = target(prefix + u)
+            below, reached = _ZERO, _ONE  # reached = P(coin > below / threshold_acc)
+            for x in children[u]:
+                cum = below + row[x]
+                accept = reached if row[x] >= threshold_single else clip(cum) - clip(below)
+                if accept:
+                    descend(u + (x,), mass * accept)
+                reached -= accept
+                below = cum
+                if row[x] >= threshold_single:
+                    break
+            leftover = [_ZERO if t in children[u] else v for t, v in enumerate(row)]
+            total = sum(leftover, _ZERO)
+            _emit(out, u, mass * reached, [v / total for v in leftover] if total else row)
+
+        descend((), _ONE)
+        return out
+
+    return law
+
+
+def _relaxed_accepts(row, x: int, top_k: int, delta: Fraction) -> bool:
+    """x among the target's top_k tokens and log p(x) >= log max p - delta; exp(-delta) is transcendental for
+    delta > 0, so the comparison is decided with 50 significant digits (never a tie for rational p)."""
+    if x not in topk_children(row, top_k):
+        return False
+    if delta == 0:
+        return row[x] >= max(row)
+    with mpmath.workdps(50):
+        diff = mpmath.mpf(row[x].numerator) / row[x].denominator - mpmath.mpf(max(row).numerator) / max(row).denominator * mpmath.exp(-mpmath.mpf(delta.numerator) / delta.denominator)
+        return diff >= 0
+
+
+def _relaxed_law(top_k: int, delta: Fraction) -> Callable:
+    def law(target, draft, paths, prefix):
+        ((path,),) = [set(paths)]
+        out, mass = defaultdict(Fraction), _ONE
+        for d, x in enumerate(path):
+            row = target(prefix + path[:d])
+            if not _relaxed_accepts(row, x, top_k, delta):
+                _emit(out, path[:d], mass, row)  # a fresh target sample (encoded; see the builder)
+                return out
+        _emit(out, path, mass, target(prefix + path))
+        return out
+
+    return law
+
+
+def _p_split_tree(p_split: Fraction) -> Callable:
+    """llama.cpp examples/speculative: every path continues with the draft's top token; another token with
+    q > p_split opens a new path while fewer than ``num_drafts`` paths exist. Probability 1."""
+
+    def draft_law(draft, num_drafts, gamma, prefix):
+        paths = [()]
+        for _ in range(gamma):
+            grown = []
+            for i, u in enumerate(paths):
+                row = draft(prefix + u)
+                ranked = topk_children(row, len(row))
+                grown.append(u + ranked[:1])
+                for t in ranked[1:]:
+                    if row[t] > p_split and len(grown) + len(paths) - i - 1 < num_drafts:  # paths after this one
+                        grown.append(u + (t,))
+            paths = grown
+        return {tuple(paths): _ONE}
+
+    return draft_law
+
+
+# ----------------------------------------------------------------------------- the engines
+
+
+def eagle2(num_drafts: int = 2, gamma: int = 1) -> Rule:
+    """EAGLE-2/3 (SafeAILab/EAGLE: ``eagle/model/cnets.py`` ``topK_genrate``; ``eagle/model/utils.py``
+    ``evaluate_posterior``): a deterministic tree of the draft's top-k children (engine defaults top-k 10, depth
+    5-6, 60 nodes chosen by cumulative draft log-probability; here the full top-K tree), verified with q treated
+    as 1: accept x if r <= p(x); on rejection p(x) <- 0, renormalise, next sibling; all rejected: sample what is
+    left (the one-hot rule). Maintainers say it is exact (EAGLE issues 93, 221). Not confirmed here: the
+    node-budget pruning (any deterministic tree gives the same verdict for this rule)."""
+    return Rule("eagle2", method_law("onehot"), "topk", num_drafts, gamma, {}, "exact", eagle2.__doc__)
+
+
+def eagle1(num_drafts: int = 2, gamma: int = 1) -> Rule:
+    """EAGLE-1 (same repository, the older ``cnets.py`` ``sample``): children drawn without replacement from the
+    processed draft law, min(1, p/q) with q the without-replacement conditional, residual max(p - q, 0) with the
+    rejected token removed from q: recursive rejection sampling without replacement. Encoded with the toolkit's
+    ``"without_replacement"`` law, which draws the K first tokens without replacement and continues each path
+    from q: at gamma = 1 that is EAGLE-1's tree; deeper EAGLE-1 trees also branch below the root (not encoded)."""
+    return Rule("eagle1", method_law("rrs_without_replacement"), "without_replacement", num_drafts, gamma, {}, "exact", eagle1.__doc__)
+
+
+def medusa_typical(num_drafts: int = 2, gamma: int = 1, *, epsilon=0.09, delta=0.3, fast: bool = True) -> Rule:
+    """Medusa typical acceptance (FasterDecoding/Medusa: ``medusa/model/utils.py`` ``evaluate_posterior``,
+    ``medusa_generate``): candidates from a deterministic top-k tree (the heads' top-k, Cartesian; here the
+    draft's top-K tree); a candidate's token is accepted when p(x) > min(epsilon, delta exp(-H(p))), prefix-wise;
+    the candidate with the longest accepted prefix wins (the first on ties); then the next token is the target's
+    argmax (``fast=True``, the default fast mode) or a fresh sample from p. Defaults epsilon = 0.09, delta = 0.3 as
+    ``medusa_generate`` passes them (the utils' signatures list them swapped). Encoded with the exact entropy;
+    Medusa adds 1e-5 inside the log (not encoded). Not exact by design."""
+    epsilon, delta = _fraction("epsilon", epsilon), _fraction("delta", delta, hi=None)
+    params = {"epsilon": epsilon, "delta": delta, "fast": fast}
+    return Rule("medusa-typical", _medusa_typical_law(epsilon, delta, bool(fast)), "topk", num_drafts, gamma, params, "not exact", medusa_typical.__doc__)
+
+
+def medusa_nucleus(num_drafts: int = 2, gamma: int = 1) -> Rule:
+    """Medusa's non-fast sampling mode (``evaluate_posterior`` with ``sampling="nucleus"``): the target (after its
+    nucleus truncation, taken here as p) is sampled once per node; a candidate equal to the sample is accepted;
+    otherwise the emitted token is a fresh draw from p, not the compared one. For a single chain P(x) =
+    p(x)(2 - p(x)). Read from the engines summary; the redraw was not re-read in the source."""
+    return Rule("medusa-nucleus", _medusa_nucleus_law, "topk", num_drafts, gamma, {}, "not exact", medusa_nucleus.__doc__)
+
+
+def sglang(num_drafts: int = 2, gamma: int = 1, *, threshold_single=1.0, threshold_acc=1.0) -> Rule:
+    """SGLang (``sgl-kernel/csrc/speculative/speculative_sampling.cuh`` ``TreeSpeculativeSamplingTargetOnly``;
+    ``server_args.py``): a deterministic top-k tree of the draft's softmax; draft probabilities passed as zeros.
+    One coin per node; siblings in turn with prob_acc += p(x); accept when coin <= prob_acc / threshold_acc or
+    p(x) >= threshold_single (prob_acc and the coin renewed after an acceptance); all rejected: sample
+    relu(p - p at the rejected siblings). Re-read in the kernel: the comparison, the reset and the residual.
+    Exact at the defaults (1.0, 1.0), where it is an inverse-CDF draw over the siblings."""
+    params = {"threshold_single": _fraction("threshold_single", threshold_single),
+              "threshold_acc": _fraction("threshold_acc", threshold_acc)}
+    claim = "exact" if params["threshold_single"] == params["threshold_acc"] == 1 else "not exact"
+    return Rule("sglang", _sglang_law(params["threshold_single"], params["threshold_acc"]), "topk", num_drafts, gamma, params, claim, sglang.__doc__)
+
+
+def vllm_greedy(num_drafts: int = 1, gamma: int = 2) -> Rule:
+    """vLLM V1 (``vllm/v1/sample/rejection_sampler.py``; ``vllm/config/speculative.py``) with the default
+    ``draft_sample_method="greedy"``: argmax drafts without draft probabilities, so q = 1: accept if p(x) >= u;
+    rejected: sample p with x zeroed; bonus token from the target. The one-hot rule on a greedy chain."""
+    return Rule("vllm-greedy", method_law("onehot"), "topk", num_drafts, gamma, {}, "exact", vllm_greedy.__doc__)
+
+
+def vllm_probabilistic(num_drafts: int = 1, gamma: int = 2) -> Rule:
+    """vLLM with ``draft_sample_method="probabilistic"``: drafts sampled from q and q passed; accept if
+    p(x)/q(x) >= u; residual max(p - q, 0): token verification (Leviathan et al. 2023, arXiv 2211.17192)."""
+    return Rule("vllm-probabilistic", method_law("token"), "iid", num_drafts, gamma, {}, "exact", vllm_probabilistic.__doc__,
+                torch_rule="token")
+
+
+def vllm_block(num_drafts: int = 1, gamma: int = 2) -> Rule:
+    """vLLM Model Runner V2 with ``rejection_sample_method="block"``: block verification (Sun et al. 2025,
+    arXiv 2403.10444, Algorithm 2) of sampled drafts."""
+    return Rule("vllm-block", method_law("block"), "iid", num_drafts, gamma, {}, "exact", vllm_block.__doc__, torch_rule="block")
+
+
+def hf_assisted(num_drafts: int = 1, gamma: int = 2, *, assistant: str = "sampled") -> Rule:
+    """transformers assisted generation (``generation/utils.py`` ``_speculative_sampling``): token verification
+    with the assistant's processed scores as q. ``assistant="sampled"``: the assistant samples with the main
+    generation config, so q is the law its tokens came from (exact). ``assistant="greedy"``: a greedy assistant
+    whose softmax is still passed as q (transformers issue 32867): the ratio test then uses a q that is not the
+    law of the drafts."""
+    if assistant not in ("sampled", "greedy"):
+        raise ValueError(f"assistant must be 'sampled' or 'greedy', got {assistant!r}")
+    draft_law = "iid" if assistant == "sampled" else _chain
+    return Rule("hf-assisted", method_law("token"), draft_law, num_drafts, gamma, {"assistant": assistant},
+                "exact" if assistant == "sampled" else "not exact", hf_assisted.__doc__, torch_rule="token" if assistant == "sampled" else None)
+
+
+def hf_lookup(num_drafts: int = 1, gamma: int = 2) -> Rule:
+    """transformers prompt lookup (a candidate generator that returns no q): the target is sampled at every
+    position and the candidates kept until the first mismatch, then the target's own sample. The candidates are
+    any deterministic choice; here the draft's greedy chain stands in for the lookup."""
+    return Rule("hf-lookup", _sample_and_compare, _chain, num_drafts, gamma, {}, "exact", hf_lookup.__doc__)
+
+
+def llamacpp_server(num_drafts: int = 1, gamma: int = 2) -> Rule:
+    """llama.cpp server (``common/speculative.cpp``; ``common/sampling.cpp``
+    ``common_sampler_sample_and_accept_n``): a greedy draft (the first of the draft's top list), the target
+    sampled at every position, the draft kept while equal, the target's token emitted."""
+    return Rule("llamacpp-server", _sample_and_compare, _chain, num_drafts, gamma, {}, "exact", llamacpp_server.__doc__)
+
+
+def llamacpp_example(num_drafts: int = 2, gamma: int = 1, *, p_split=0.1) -> Rule:
+    """llama.cpp ``examples/speculative`` (``--draft-p-split`` 0.10; SpecInfer's Algorithm 2, PR 5625): a
+    deterministic tree (the top candidate, plus a new path for another token with q > p_split), verified with
+    r <= p/q using the draft's q and the residual max(p - q, 0) with q unchanged (SpecInfer's RRS on the paths).
+    Encoded with full rows: the example subtracts the candidate lists index by index after sorting them by id
+    (not re-read). Not exact: q is not the law of a deterministic draft."""
+    p_split = _fraction("p_split", p_split)
+    return Rule("llamacpp-example", method_law("rrs"), _p_split_tree(p_split), num_drafts, gamma, {"p_split": p_split},
+                "not exact", llamacpp_example.__doc__)
+
+
+def trtllm_relaxed(num_drafts: int = 1, gamma: int = 2, *, relaxed_topk: int | None = None, relaxed_delta=0.6) -> Rule:
+    """TensorRT-LLM MTP and Modular MAX: exact-match acceptance by default (``relaxed_topk=None``: the target is
+    sampled and compared, as llama.cpp's server); opt-in relaxed acceptance (MAX defaults ``relaxed_topk=10``,
+    ``relaxed_delta=0.6``): accept x if it is among the target's top ``relaxed_topk`` tokens and log p(x) >= log
+    max p - relaxed_delta. After a rejection the encoded rule emits a fresh target sample: not confirmed in the
+    source (the engines summary leaves it open)."""
+    if relaxed_topk is None:
+        return Rule("trtllm-relaxed", _sample_and_compare, _chain, num_drafts, gamma, {"relaxed_topk": None}, "exact", trtllm_relaxed.__doc__)
+    if isinstance(relaxed_topk, bool) or not isinstance(relaxed_topk, int) or relaxed_topk < 1:
+        raise ValueError(f"relaxed_topk must be None or a positive int, got {relaxed_topk!r}")
+    delta = _fraction("relaxed_delta", relaxed_delta, hi=None)
+    return Rule("trtllm-relaxed", _relaxed_law(relaxed_topk, delta), _chain, num_drafts, gamma,
+                {"relaxed_topk": relaxed_topk, "relaxed_delta": delta}, "not exact", trtllm_relaxed.__doc__)
+
+
+ENGINE_RULES = {
+    "eagle2": eagle2,
+    "eagle1": eagle1,
+    "medusa-typical": medusa_typical,
+    "medusa-nucleus": medusa_nucleus,
+    "sglang": sglang,
+    "vllm-greedy": vllm_greedy,
+    "vllm-probabilistic": vllm_probabilistic,
+    "vllm-block": vllm_block,
+    "hf-assisted": hf_assisted,
+    "hf-lookup": hf_lookup,
+    "llamacpp-server": llamacpp_server,
+    "llamacpp-example": llamacpp_example,
+    "trtllm-relaxed": trtllm_relaxed,
+}
+
+# A lossy (or known-bad) setting of each engine that has one, for the engines table and the frontier.
+LOSSY_SETTINGS = {
+    "sglang": {"threshold_acc": 0.5},
+    "hf-assisted": {"assistant": "greedy"},
+    "trtllm-relaxed": {"relaxed_topk": 10, "relaxed_delta": 0.6},
+}
+
+
+def engine_rule(name: str, **params) -> Rule:
+    """The rule of engine ``name`` (a key of ``ENGINE_RULES``) with ``params`` (shape and thresholds)."""
+    if name not in ENGINE_RULES:
+        raise ValueError(f"unknown engine rule {name!r}; one of {sorted(ENGINE_RULES)}")
+    try:
+        return ENGINE_RULES[name](**params)
+    except TypeError as error:  # an unknown keyword: name the settable ones
+        import inspect
+
+        settable = list(inspect.signature(ENGINE_RULES[name]).parameters)
+        raise ValueError(f"engine rule {name!r} takes {settable}; got {sorted(params)} ({error})") from None
