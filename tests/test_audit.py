@@ -9,6 +9,7 @@ asserts the exact, conservative Bonferroni p-value > 1e-7, so a correct implemen
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from fractions import Fraction as F
 
 import pytest
@@ -20,6 +21,7 @@ from specresearch.audit import (
     LOSSY_SETTINGS,
     audit,
     engine_rule,
+    engine_table,
     frontier_closed_form,
     frontier_float,
     lossy_frontier,
@@ -190,3 +192,9 @@ def test_frontier_float_matches_the_exact_one():
     assert got.tolist() == pytest.approx([2 / 3, 23 / 30, 1.0])
     with pytest.raises(ValueError, match="eps must be"):
         lossy_frontier(P2, Q2, 1.5)
+
+
+def test_the_docs_table_is_the_computed_one():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "audit.md").read_text()
+    table = text.split("<!-- engine table: generated -->\n")[1].split("\n<!-- end of engine table -->")[0]
+    assert table == engine_table()

@@ -12,9 +12,20 @@ table and the frontier.
 
 from specresearch.audit.custom import RESIDUALS, rule_from_acceptance
 from specresearch.audit.engines import ENGINE_RULES, LOSSY_SETTINGS, engine_rule
-from specresearch.audit.frontier import frontier_closed_form, frontier_float, lossy_frontier
-from specresearch.audit.report import AuditReport, Counterexample, audit
-from specresearch.audit.rules import Rule, expected_accepted, optimum, output_law, step_law, total_variation
+from specresearch.audit.frontier import (
+    frontier_closed_form,
+    frontier_float,
+    lossy_frontier,
+)
+from specresearch.audit.report import AuditReport, Counterexample, audit, engine_table
+from specresearch.audit.rules import (
+    Rule,
+    expected_accepted,
+    optimum,
+    output_law,
+    step_law,
+    total_variation,
+)
 
 __all__ = [
     "ENGINE_RULES",
@@ -25,6 +36,7 @@ __all__ = [
     "Rule",
     "audit",
     "engine_rule",
+    "engine_table",
     "expected_accepted",
     "frontier_closed_form",
     "frontier_float",

@@ -214,7 +214,7 @@ def _p_split_tree(p_split: Fraction) -> Callable:
     """llama.cpp examples/speculative: every path continues with the draft's top token; another token with
     q > p_split opens a new path while fewer than ``num_drafts`` paths exist. Probability 1."""
 
-    def draft_law(draft, num_drafts, gamma, prefix):
+    def p_split_tree(draft, num_drafts, gamma, prefix):
         paths = [()]
         for _ in range(gamma):
             grown = []
@@ -228,7 +228,7 @@ def _p_split_tree(p_split: Fraction) -> Callable:
             paths = grown
         return {tuple(paths): _ONE}
 
-    return draft_law
+    return p_split_tree
 
 
 # ----------------------------------------------------------------------------- the engines

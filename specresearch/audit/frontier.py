@@ -32,7 +32,7 @@ from specresearch.exact.paths import draft_paths_law
 from specresearch.exact.single import as_model
 from specresearch.exact.theory_multi import optimal_acceptance_iid
 
-__all__ = ["lossy_frontier", "frontier_closed_form", "frontier_float"]
+__all__ = ["frontier_closed_form", "frontier_float", "lossy_frontier"]
 
 
 def _eps(eps) -> Fraction:

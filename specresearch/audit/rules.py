@@ -31,10 +31,27 @@ import mpmath
 from specresearch.checks import check_int
 from specresearch.exact import lp
 from specresearch.exact.paths import draft_paths_law
-from specresearch.exact.single import as_model, loop_law, random_rational_model, target_distribution
+from specresearch.exact.single import (
+    as_model,
+    loop_law,
+    random_rational_model,
+    target_distribution,
+)
 
-__all__ = ["Rule", "DIGITS", "TOLERANCE", "differs", "precision", "step_law", "output_law", "total_variation", "expected_accepted", "optimum", "search_counterexample",
-           "random_model_pairs"]
+__all__ = [
+    "DIGITS",
+    "TOLERANCE",
+    "Rule",
+    "differs",
+    "expected_accepted",
+    "optimum",
+    "output_law",
+    "precision",
+    "random_model_pairs",
+    "search_counterexample",
+    "step_law",
+    "total_variation",
+]
 
 Law = dict[tuple[int, ...], Fraction]
 TOLERANCE = 1e-40  # for rules evaluated with 60-digit mpmath numbers (``Rule.numeric``)
