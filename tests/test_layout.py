@@ -25,7 +25,7 @@ ALLOWED = {
     "engine": {"base", "core", "models"},
     "training": {"base", "core", "models", "drafts", "engine"},
     "experiments": {"base", "core", "exact", "models", "drafts", "engine", "training"},
-    "audit": {"base", "core", "exact", "models", "drafts", "engine", "experiments"},
+    "audit": {"base", "core", "exact", "models", "drafts", "engine", "training", "experiments"},
     "front": {"base", "core", "exact", "models", "drafts", "engine", "training", "experiments", "audit"},
 }
 BASE = {"checks", "paths", "config"}

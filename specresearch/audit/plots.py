@@ -1,0 +1,53 @@
+"""The lossy frontier with each rule's (distortion, acceptance) point beside it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specresearch.audit.real import StepPoint, topk_tokens
+
+__all__ = ["frontier_curves", "plot_frontier"]
+
+
+def frontier_curves(target_probs: torch.Tensor, draft_probs: torch.Tensor, eps: np.ndarray, num_drafts: int = 4) -> dict:
+    """Mean over the rows of the frontier min(1, A(0) + eps) for three draft choices: one sampled draft (A(0) =
+    alpha), the greedy token (A(0) = p(argmax q)) and the top-``num_drafts`` candidates (A(0) = p(top-K of q))."""
+    p, q = target_probs.double(), draft_probs.double()
+    starts = {"1 sampled draft": torch.minimum(p, q).sum(-1), "greedy draft (top-1)": p.gather(1, topk_tokens(q, 1)).sum(-1)}
+    if num_drafts > 1:
+        starts[f"top-{num_drafts} candidates"] = p.gather(1, topk_tokens(q, num_drafts)).sum(-1)
+    eps = torch.as_tensor(np.asarray(eps, dtype=np.float64))
+    return {label: torch.minimum(torch.ones(1, len(eps), dtype=torch.float64), a0[:, None] + eps[None]).mean(0).numpy()
+            for label, a0 in starts.items()}
+
+
+def plot_frontier(panels: Sequence[tuple[str, dict, Sequence[StepPoint]]], eps: np.ndarray):
+    """One panel per (title, frontier curves, rule points): the frontier lines and each rule's (TV, acceptance)
+    marker, the same marker and colour for a rule in every panel, one legend below. Axes: the total variation of the
+    first emitted token's law from the target's next-token law; the acceptance (the emitted token is an accepted
+    draft). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 5.4), squeeze=False)
+    names = list(dict.fromkeys(_label(pt) for _, _, points in panels for pt in points))
+    style = {name: (m, f"C{i % 10}") for i, (name, m) in enumerate(zip(names, "os^vD<>pP*Xh" * 2))}
+    right = max([float(np.max(eps))] + [pt.tv + 0.05 for _, _, points in panels for pt in points])
+    for ax, (title, curves, points) in zip(axes[0], panels):
+        for (label, curve), line in zip(curves.items(), ("-", "--", ":")):
+            ax.plot(eps, curve, line, color="0.35", label=f"frontier: {label}")
+        for pt in points:
+            marker, colour = style[_label(pt)]
+            ax.plot(pt.tv, pt.acceptance, marker, color=colour, markersize=8, linestyle="none", label=_label(pt))
+        ax.set(xlabel="total variation from the target's next-token law", ylabel="acceptance (emitted token = an accepted draft)",
+               xlim=(-0.02, right), ylim=(0, 1.02), title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7.5, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def _label(point: StepPoint) -> str:
+    return point.rule + ("" if point.settings == "defaults" else f" ({point.settings})")

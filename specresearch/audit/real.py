@@ -1,0 +1,248 @@
+"""The engines' rules on real next-token laws: one step over the full vocabulary, in float64.
+
+For a batch of N prefixes with target rows p ``[N, V]`` and draft rows q ``[N, V]``, :func:`single_step` gives the
+law r ``[N, V]`` of the first token a rule emits (gamma = 1) and its acceptance ``[N]`` (the probability that
+the emitted token is a draft candidate accepted as such). Each rule here is the float form of its exact twin in
+:mod:`specresearch.audit.engines` at gamma = 1, with the same candidate choice (q's top K, ties by token id);
+tests/test_audit_real.py checks every one against the twin on small models. :func:`next_token_rows` draws the
+prefixes from the embedded target and reads the shipped feature head's depth-1 rows there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specresearch.exact.theory_multi import optimal_acceptance_iid, rrs_without_replacement_acceptance_mc
+
+__all__ = ["TREE_RULES", "StepPoint", "distances", "next_token_rows", "one_hot_cost", "single_step", "summarise", "topk_tokens"]
+
+TREE_RULES = ("eagle2", "eagle1", "medusa-typical", "medusa-nucleus", "sglang", "llamacpp-example")
+
+
+def topk_tokens(q: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, k] the k tokens of largest q, q descending, ties by token id (as ``exact.paths.topk_children``)."""
+    order = torch.sort(q, dim=-1, descending=True, stable=True).indices  # stable: equal q keep id order
+    return order[:, :k]
+
+
+def _rows(n: int, device) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
+def _normalised(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(1e-300), fallback)
+
+
+def _onehot(p, q, k):
+    candidates = topk_tokens(q, k)
+    return p.clone(), p.gather(1, candidates).sum(-1)
+
+
+def _sample_compare(p, q, k):
+    return p.clone(), p.gather(1, topk_tokens(q, 1)).squeeze(1)
+
+
+def _token(p, q, k):
+    return p.clone(), torch.minimum(p, q).sum(-1)
+
+
+def _eagle1(p, q, k):
+    rng = np.random.default_rng(0)
+    accept = [rrs_without_replacement_acceptance_mc(pr.numpy(), qr.numpy(), k, num_samples=64, rng=rng)[0] for pr, qr in zip(p.cpu(), q.cpu())]
+    return p.clone(), torch.tensor(accept, dtype=p.dtype)
+
+
+def _medusa_typical(p, q, k, epsilon=0.09, delta=0.3, fast=True):
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1, keepdim=True)
+    threshold = torch.minimum(torch.full_like(entropy, float(epsilon)), float(delta) * torch.exp(-entropy))
+    candidates = topk_tokens(q, k)
+    typical = p.gather(1, candidates) > threshold  # [N, k]
+    hit = typical.any(-1)
+    chosen = candidates.gather(1, typical.long().argmax(-1, keepdim=True)).squeeze(1)  # the first typical candidate
+    fallback = torch.nn.functional.one_hot(p.argmax(-1), p.shape[-1]).to(p) if fast else p
+    r = torch.where(hit[:, None], torch.nn.functional.one_hot(chosen, p.shape[-1]).to(p), fallback)
+    return r, hit.to(p.dtype)
+
+
+def _medusa_nucleus(p, q, k):
+    inside = torch.zeros_like(p).scatter_(1, topk_tokens(q, k), 1.0)
+    mass = (p * inside).sum(-1, keepdim=True)
+    return p * inside + (1 - mass) * p, mass.squeeze(1)
+
+
+def _sglang(p, q, k, threshold_single=1.0, threshold_acc=1.0):
+    candidates = topk_tokens(q, k)
+    pc = p.gather(1, candidates)  # [N, k]
+    cum = pc.cumsum(-1)
+    clip = (lambda v: (v / float(threshold_acc)).clamp(max=1.0)) if threshold_acc else (lambda v: (v > 0).to(v))
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], 1)
+    forced = pc >= float(threshold_single)
+    reached_forced = torch.cumsum(forced.long(), -1) - forced.long() == 0  # no forced sibling before this one
+    accept = torch.where(forced, 1 - clip(before), clip(cum) - clip(before)) * reached_forced
+    leftover = 1 - accept.sum(-1, keepdim=True)
+    residual = _normalised(p.scatter(1, candidates, 0.0), p)
+    r = (leftover * residual).scatter_add_(1, candidates, accept)
+    return r, accept.sum(-1)
+
+
+def _hf_assisted(p, q, k, assistant="sampled"):
+    if assistant == "sampled":
+        return _token(p, q, k)
+    x = topk_tokens(q, 1)
+    a = torch.minimum(torch.ones_like(p[:, :1]), p.gather(1, x) / q.gather(1, x))
+    r = (1 - a) * _normalised((p - q).clamp(min=0), p)
+    return r.scatter_add_(1, x, a), a.squeeze(1)
+
+
+def _llamacpp_example(p, q, k, p_split=0.1):
+    ranked = topk_tokens(q, p.shape[-1])[:, :k]
+    keep = q.gather(1, ranked) > float(p_split)
+    keep[:, 0] = True  # the top candidate always
+    current, mass, r = p.clone(), torch.ones_like(p[:, 0]), torch.zeros_like(p)
+    for i in range(ranked.shape[1]):
+        x, on = ranked[:, i : i + 1], keep[:, i]
+        a = torch.where(on, torch.minimum(torch.ones_like(mass), current.gather(1, x).squeeze(1) / q.gather(1, x).squeeze(1)), 0.0)
+        r.scatter_add_(1, x, (mass * a)[:, None])
+        mass = mass * (1 - a)
+        current = torch.where(on[:, None], _normalised((current - q).clamp(min=0), current), current)
+    return r + mass[:, None] * current, 1 - mass
+
+
+def _trtllm(p, q, k, relaxed_topk=None, relaxed_delta=0.6):
+    if relaxed_topk is None:
+        return _sample_compare(p, q, k)
+    x = topk_tokens(q, 1)
+    in_top = (topk_tokens(p, relaxed_topk) == x).any(-1)
+    close = p.gather(1, x).squeeze(1) >= p.max(-1).values * math.exp(-float(relaxed_delta))
+    accepted = in_top & close
+    r = torch.where(accepted[:, None], torch.nn.functional.one_hot(x.squeeze(1), p.shape[-1]).to(p), p)
+    return r, accepted.to(p.dtype)
+
+
+_FORMS = {
+    "eagle2": _onehot, "eagle1": _eagle1, "medusa-typical": _medusa_typical, "medusa-nucleus": _medusa_nucleus,
+    "sglang": _sglang, "vllm-greedy": _onehot, "vllm-probabilistic": _token, "vllm-block": _token,
+    "hf-assisted": _hf_assisted, "hf-lookup": _sample_compare, "llamacpp-server": _sample_compare,
+    "llamacpp-example": _llamacpp_example, "trtllm-relaxed": _trtllm,
+}
+
+
+def single_step(name: str, target_probs: torch.Tensor, draft_probs: torch.Tensor, num_drafts: int = 4, **params):
+    """(r ``[N, V]``, acceptance ``[N]``) of engine rule ``name`` at gamma = 1 on rows p, q ``[N, V]`` (float64).
+
+    ``num_drafts`` is the number of candidates of the tree rules (``TREE_RULES``); chain rules draft one token.
+    ``params`` are the rule's settings (as :func:`specresearch.audit.engine_rule`'s).
+    """
+    if name not in _FORMS:
+        raise ValueError(f"unknown engine rule {name!r}; one of {sorted(_FORMS)}")
+    p, q = target_probs.double(), draft_probs.double()
+    if p.shape != q.shape or p.dim() != 2:
+        raise ValueError(f"target_probs and draft_probs must both be [N, V], got {list(p.shape)} and {list(q.shape)}")
+    k = num_drafts if name in TREE_RULES else 1
+    return _FORMS[name](p, q, k, **params)
+
+
+def distances(r: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TV(r, p) and KL(r || p) per row ``[N]`` (KL is infinite where r puts mass on a token p excludes)."""
+    tv = 0.5 * (r - p).abs().sum(-1)
+    terms = torch.where(r > 0, r * (r.clamp_min(1e-300).log() - p.clamp_min(1e-300).log()), torch.zeros_like(r))
+    kl = torch.where(((r > 0) & (p == 0)).any(-1), torch.full_like(tv, float("inf")), terms.sum(-1).clamp_min(0.0))  # >= 0; rounding aside
+    return tv, kl
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """Means over the prefixes of one rule's single step: distortion and acceptance."""
+
+    rule: str
+    settings: str
+    tv: float
+    kl: float
+    acceptance: float
+    frontier: float  # mean over prefixes of the frontier at the rule's own TV (same candidate choice)
+
+
+def summarise(name: str, p: torch.Tensor, q: torch.Tensor, num_drafts: int = 4, **params) -> StepPoint:
+    """The rule's mean TV, KL and acceptance over the rows, and the frontier acceptance at its TV: for the rules
+    that sample their drafts, min(1, A(0) + eps) with A(0) the i.i.d. optimum; for a deterministic candidate set
+    C, min(1, p(C) + eps)."""
+    r, accept = single_step(name, p, q, num_drafts, **params)
+    tv, kl = distances(r, p.double())
+    k = num_drafts if name in TREE_RULES else 1
+    sampled = name in ("eagle1", "vllm-probabilistic", "vllm-block") or (name == "hf-assisted" and params.get("assistant", "sampled") == "sampled")
+    if sampled:
+        best = torch.tensor([optimal_acceptance_iid(pr.numpy(), qr.numpy(), k) for pr, qr in zip(p.double(), q.double())])
+    else:
+        candidates = topk_tokens(q.double(), k)
+        inside = p.double().gather(1, candidates)
+        if name == "llamacpp-example":  # its tree: the top token, and the others with q > p_split
+            keep = q.double().gather(1, candidates) > float(params.get("p_split", 0.1))
+            keep[:, 0] = True
+            inside = inside * keep
+        best = inside.sum(-1)
+    frontier = torch.minimum(torch.ones_like(best), best + tv)
+    settings = ", ".join(f"{key} = {value}" for key, value in params.items()) or "defaults"
+    return StepPoint(name, settings, float(tv.mean()), float(kl.mean()), float(accept.mean()), float(frontier.mean()))
+
+
+def one_hot_cost(p: torch.Tensor, q: torch.Tensor, num_drafts: int = 4) -> dict[str, float]:
+    """Mean acceptance over the rows of treating q as one-hot against the ratio test with the true q.
+
+    ``onehot, top-1``: p(argmax q) (a greedy draft, vLLM / llama.cpp); ``token, sampled``: alpha = sum min(p, q);
+    ``onehot, top-K``: p(K tokens of largest q) (EAGLE-2, SGLang); ``optimum, K sampled``: the best any lossless
+    rule reaches with K i.i.d. drafts (SpecTr's min-cut form).
+    """
+    p, q = p.double(), q.double()
+    return {
+        "onehot, top-1": float(p.gather(1, topk_tokens(q, 1)).mean()),
+        "token, sampled": float(torch.minimum(p, q).sum(-1).mean()),
+        f"onehot, top-{num_drafts}": float(p.gather(1, topk_tokens(q, num_drafts)).sum(-1).mean()),
+        f"optimum, {num_drafts} sampled": sum(optimal_acceptance_iid(pr.numpy(), qr.numpy(), num_drafts) for pr, qr in zip(p, q)) / len(p),
+    }
+
+
+@torch.no_grad()
+def next_token_rows(target_lm, draft, prompt_ids: Sequence[torch.Tensor], *, num_prefixes: int = 200, temperature: float = 1.0,
+                    max_new_tokens: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft next-token rows at ``num_prefixes`` real prefixes: p, q ``[N, V]`` float64 at ``temperature``.
+
+    A continuation of every prompt is sampled from the target (``temperature``, ``seed``); the prefixes are the
+    prompt plus the first i continuation tokens, spread evenly over all continuations. The draft is a feature
+    head (``draft.head``: its depth-1 rows from the target's features) or any LanguageModel-like draft whose
+    ``model`` is a transformers causal LM.
+    """
+    from specresearch.config import SamplingConfig
+    from specresearch.core.sampling import logits_to_probs
+    from specresearch.training.corpus import sample_continuations
+    from specresearch.training.feature_corpus import target_features
+
+    generator = torch.Generator().manual_seed(seed)
+    continuations = sample_continuations(target_lm.model, list(prompt_ids), [temperature] * len(prompt_ids), max_new_tokens, generator)
+    sequences = [torch.cat([ids, c]) for ids, c in zip(prompt_ids, continuations)]
+    slots = [(b, len(ids) - 1 + i) for b, (ids, c) in enumerate(zip(prompt_ids, continuations)) for i in range(len(c))]
+    if len(slots) < num_prefixes:
+        raise ValueError(f"only {len(slots)} prefixes from {len(prompt_ids)} prompts; give more prompts or max_new_tokens")
+    picked = [slots[round(i * (len(slots) - 1) / max(num_prefixes - 1, 1))] for i in range(num_prefixes)]
+    head = getattr(draft, "head", None)
+    layers = head.feature_layers if head is not None else (-1,)
+    features, logits = target_features(target_lm.model, sequences, layers)
+    config = SamplingConfig(temperature=temperature)
+    p_rows, q_rows = [], []
+    for b, seq in enumerate(sequences):
+        positions = torch.tensor([pos for bb, pos in picked if bb == b], dtype=torch.long)
+        if len(positions) == 0:
+            continue
+        if head is not None:
+            hidden = head.rollout(features[b][None], seq[None], torch.ones(1, len(seq), dtype=torch.long), 1)[0]
+            q_logits = head.logits(hidden[0, positions])
+        else:
+            q_logits = draft.model(input_ids=seq[None]).logits[0, positions]
+        p_rows.append(logits_to_probs(logits[b][positions].double(), config))  # float64: rows sum to 1 within 1e-15
+        q_rows.append(logits_to_probs(q_logits.double(), config))
+    return torch.cat(p_rows), torch.cat(q_rows)
