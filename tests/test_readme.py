@@ -27,6 +27,7 @@ def test_readme_python_tour_runs(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "10/9 11/9" and out[1] == "11/9", out[:2]
     assert out[2].startswith("VerifyResult(num_accepted=tensor([")
+    assert out[3].startswith("p = (1/2, 1/2), q = (0, 1) (context-free grid); TV = 0.2071"), out[3]  # the audit's verdict
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])

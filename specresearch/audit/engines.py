@@ -9,6 +9,11 @@ Shapes: the audit enumerates laws, so the default trees are small (``num_drafts`
 named in each docstring. A verdict on a small tree is a verdict on the rule: the counterexamples found here
 occur inside any larger tree with the same rule.
 
+Re-read in the source for this audit: SGLang's kernel (``TreeSpeculativeSamplingTargetOnly``: the comparison
+``coin <= prob_acc / threshold_acc || p(x) >= threshold_single``, the reset of prob_acc and the coin after an
+acceptance, the residual relu(p - p at the rejected siblings)). The other rules are encoded from a summary of the
+files and threads each docstring cites, not re-read line by line here; details that stay unconfirmed are named.
+
 Thresholds are parameters (``audit("sglang", threshold_acc=0.5)``); a float is read as the decimal it prints
 as (0.09 -> 9/100), so the exact laws stay rational.
 """

@@ -165,7 +165,14 @@ class StepPoint:
     tv: float
     kl: float
     acceptance: float
+    lossless: float  # mean over prefixes of the best lossless acceptance with the same candidate choice (A(0))
     frontier: float  # mean over prefixes of the frontier at the rule's own TV (same candidate choice)
+
+    @property
+    def bought(self) -> float:
+        """Acceptance gained over the lossless optimum per unit of TV (the frontier's slope is 1 until it saturates);
+        NaN for an exact rule."""
+        return (self.acceptance - self.lossless) / self.tv if self.tv > 1e-12 else float("nan")
 
 
 def summarise(name: str, p: torch.Tensor, q: torch.Tensor, num_drafts: int = 4, **params) -> StepPoint:
@@ -188,7 +195,7 @@ def summarise(name: str, p: torch.Tensor, q: torch.Tensor, num_drafts: int = 4, 
         best = inside.sum(-1)
     frontier = torch.minimum(torch.ones_like(best), best + tv)
     settings = ", ".join(f"{key} = {value}" for key, value in params.items()) or "defaults"
-    return StepPoint(name, settings, float(tv.mean()), float(kl.mean()), float(accept.mean()), float(frontier.mean()))
+    return StepPoint(name, settings, float(tv.mean()), float(kl.mean()), float(accept.mean()), float(best.mean()), float(frontier.mean()))
 
 
 def one_hot_cost(p: torch.Tensor, q: torch.Tensor, num_drafts: int = 4) -> dict[str, float]:
