@@ -51,10 +51,11 @@ import torch
 from specresearch.checks import check_int
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import draw_uniforms
-from specresearch.core.sampling import logits_to_probs, sample_tokens
 from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
+from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _sample
 from specresearch.engine.timing import clock
+from specresearch.engine.tree import TREE_VERIFIERS, check_tree_args, tree_step
 from specresearch.models.protocols import FeatureReader, PlansLength, check_same_vocab
 
 __all__ = [
@@ -64,30 +65,6 @@ __all__ = [
     "autoregressive_generate",
     "encode_prompts",
 ]
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step did: one target call, ``draft_calls`` draft calls (0 for autoregressive steps)."""
-
-    num_accepted: tuple[int, ...]  # [B] drafts accepted per row (0..gamma); 0 for autoregressive steps
-    active: tuple[bool, ...]  # [B] row still generating when the step started
-    gamma: int  # drafts proposed per row this step (0 for autoregressive steps)
-    target_calls: int
-    draft_calls: int
-    seconds: float  # wall time of the whole step
-    target_seconds: float  # of which inside the target's forward passes
-    draft_seconds: float  # of which inside the draft's forward passes
-    # Opt-in (``speculative_generate(expectations=...)``): per method, E[num_accepted | this step's block]
-    # per row ([B] each, ``verify.expected_num_accepted``), and per row the mean over the block's
-    # positions i < gamma of sum_x min(p_i(x), q_i(x)) ([B]).
-    expected: dict[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
-    overlap: tuple[float, ...] = ()
-
-    @property
-    def overhead_seconds(self) -> float:
-        """Everything but the two models' forward passes: sampling, verification, bookkeeping."""
-        return self.seconds - self.target_seconds - self.draft_seconds
 
 
 @dataclass(frozen=True)
@@ -181,7 +158,8 @@ def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier="token"
     check_int("max_new_tokens", max_new_tokens)
     check_int("gamma", gamma, meaning="draft tokens per step")
     if not callable(verifier) and verifier not in VERIFIERS:
-        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r}")
+        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r} (draft trees, "
+                         f"num_drafts > 1, take one of {sorted(TREE_VERIFIERS)})")
 
 
 def _check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int = 0) -> None:
@@ -219,30 +197,12 @@ def _uniforms(generators, gamma: int, device) -> dict:
     return {"uniforms": torch.stack([draw_uniforms(1, gamma, g, device=device)[0] for g in generators])}
 
 
-def _probs(logits: torch.Tensor, sampling: SamplingConfig, stage: str) -> torch.Tensor:
-    """``logits_to_probs``, with an error that names the model / stage whose logits were bad."""
-    try:
-        return logits_to_probs(logits, sampling)
-    except ValueError as error:
-        raise ValueError(f"{stage}: {error}") from error
-
-
 def _eos_set(eos_token_id, tokenizer) -> frozenset[int]:
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = tokenizer.eos_token_id
     if eos_token_id is None:
         return frozenset()
     return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-
-
-def _sample(probs: torch.Tensor, sampling: SamplingConfig, generators) -> torch.Tensor:
-    """One token per row from ``probs [B, V]`` -> ``[B]``; greedy configs take the (one-hot) argmax.
-
-    ``generators``: one shared ``torch.Generator``, or a list with one per row (``sampling.sample_tokens``).
-    """
-    if sampling.greedy:
-        return probs.argmax(-1)
-    return sample_tokens(probs, generators)
 
 
 def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -295,15 +255,6 @@ def _rollback(target, draft, num_accepted: torch.Tensor, gamma: int) -> None:
     draft.rollback((gamma - 1 - num_accepted).clamp(min=0))
 
 
-def _draft_pending(draft_tokens, result, gamma):
-    """Next pending block of the draft: ([x_gamma, next_token] [B, 2], valid [B, 2]), or [B, 1] when no row took all."""
-    full = result.num_accepted == gamma  # [B]
-    if not bool(full.any()):
-        return result.next_token[:, None], None
-    tokens = torch.stack([draft_tokens[:, -1], result.next_token], 1)
-    return tokens, torch.stack([full, torch.ones_like(full)], 1)
-
-
 def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None:
     """Prefill for a draft that reads the target's features (``feature_drafts.FeatureReader``): the target is
     asked for ``draft.feature_layers``; each prompt slot and the pending token read the feature of the slot
@@ -353,6 +304,8 @@ def speculative_generate(
     on_step: Callable[[list[list[int]]], None] | None = None,
     stop_when: Callable[[int, list[int]], bool] | None = None,
     expectations: Sequence[str] = (),
+    num_drafts: int = 1,
+    draft_law: str = "iid",
 ) -> GenerationResult:
     """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; ref. 004).
 
@@ -374,14 +327,25 @@ def speculative_generate(
         expectations: methods (``"token"``, ``"block"``, ``"greedy"``) whose expected accepted count given
             each step's drafted block is stored in ``StepRecord.expected`` (with ``StepRecord.overlap``);
             the verifier that did not run costs only its closed form. Does not change the tokens.
+        num_drafts, draft_law: K draft paths per step drawn ``"iid"`` or with the first tokens
+            ``"without_replacement"``, scored by the target in one call as a tree and verified by a multi-draft
+            ``verifier`` (``rrs``, ``rrs_without_replacement``, ``kseq``, ``gbv``, ``traversal``, ``onehot``;
+            :mod:`specresearch.engine.tree`). The default, one path, is the chain step above.
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
-    _check_generation_args(max_new_tokens, gamma, verifier)
+    tree = num_drafts != 1 or draft_law != "iid" or (isinstance(verifier, str) and verifier in TREE_VERIFIERS)
+    check_int("num_drafts", num_drafts, meaning="draft paths per step")
+    if tree:
+        check_tree_args(target, draft, verifier, num_drafts, draft_law, gamma, expectations)
+    else:
+        _check_generation_args(max_new_tokens, gamma, verifier)
+    check_int("max_new_tokens", max_new_tokens)
+    check_int("gamma", gamma, meaning="draft tokens per step")
     if isinstance(expectations, str) or any(m not in VERIFIERS for m in expectations):
         raise ValueError(f"expectations must be a sequence of {sorted(VERIFIERS)}, got {expectations!r}")
     check_same_vocab(target, draft)
-    verify = verifier if callable(verifier) else VERIFIERS[verifier]
+    verify = verifier if callable(verifier) or tree else VERIFIERS[verifier]
     ids, mask = encode_prompts(prompts, tokenizer)
     _check_context(target, ids, max_new_tokens, gamma)
     _check_context(draft, ids, max_new_tokens, gamma)
@@ -404,6 +368,17 @@ def speculative_generate(
     while not all(rows.done):
         step_gamma = gamma if per_row else min(gamma, max(1, rows.remaining() - 1))
         active = tuple(not d for d in rows.done)
+        if tree:
+            if verifier == "kseq":
+                step_gamma = 1
+            emitted, target_pending, draft_pending, draft_valid, record = tree_step(
+                target, draft, target_pending, draft_pending, draft_valid, verifier=verifier, num_drafts=num_drafts,
+                gamma=step_gamma, draft_law=draft_law, sampling=sampling, generators=generators, device=device, active=active)
+            kept = rows.add(emitted)
+            steps.append(record)
+            if on_step is not None:
+                on_step(kept)
+            continue
         t0 = clock(device)
         draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device, plans)
         step_gamma = draft_tokens.shape[1]

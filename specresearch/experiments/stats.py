@@ -241,13 +241,13 @@ def _batch_seeds(seed: int, batches: int) -> list[int]:
 
 
 def _sample_sequences(target, draft, verifier, law: SequenceLaw, *, gamma, num_samples, seed, batch_size,
-                      max_new_tokens) -> tuple[list[tuple[int, ...]], float]:
+                      max_new_tokens, tree: dict) -> tuple[list[tuple[int, ...]], float]:
     """``num_samples`` speculative generations of ``law.prompt``, first ``k`` tokens each, and the seconds."""
     sequences, seconds = [], 0.0
     sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
     for size, batch_seed in zip(sizes, _batch_seeds(seed, len(sizes))):
         out = speculative_generate(target, draft, [list(law.prompt)] * size, verifier=verifier, gamma=gamma,
-                                   max_new_tokens=max_new_tokens, sampling=law.sampling, seed=batch_seed)
+                                   max_new_tokens=max_new_tokens, sampling=law.sampling, seed=batch_seed, **tree)
         seconds += out.seconds
         sequences.extend(tuple(row[: law.k]) for row in out.tokens)
     return sequences, seconds
@@ -255,8 +255,8 @@ def _sample_sequences(target, draft, verifier, law: SequenceLaw, *, gamma, num_s
 
 def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: SamplingConfig, gamma: int,
                   k: int, num_samples: int, seed: int, batch_size: int = 256, min_expected: float = 5.0,
-                  max_new_tokens: int | None = None, tokenizer=None, law: SequenceLaw | None = None
-                  ) -> LosslessTestResult:
+                  max_new_tokens: int | None = None, tokenizer=None, law: SequenceLaw | None = None,
+                  num_drafts: int = 1, draft_law: str = "iid") -> LosslessTestResult:
     """Test that speculative generation of ``prompt`` follows the target law (module docstring).
 
     Args:
@@ -271,6 +271,7 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
         max_new_tokens: tokens generated per row (default ``k``; must be >= k).
         law: a precomputed :func:`sequence_law` for the same prompt / sampling / k / num_samples (reuse it
             across verifiers to save the target forwards).
+        num_drafts, draft_law: draft trees (``speculative_generate``'s; ``verifier`` then a multi-draft rule).
     Returns:
         ``LosslessTestResult``; see ``FPR_NOTE`` for the false-positive rates.
     """
@@ -284,7 +285,8 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
                                                                 _prompt_ids(prompt, tokenizer)):
         raise ValueError("law was computed for another prompt, sampling, k or num_samples; recompute it")
     sequences, seconds = _sample_sequences(target, draft, verifier, law, gamma=gamma, num_samples=num_samples,
-                                           seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens)
+                                           seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                           tree={"num_drafts": num_drafts, "draft_law": draft_law})
     return _evaluate(law, sequences, seconds)
 
 

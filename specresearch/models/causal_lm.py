@@ -49,6 +49,7 @@ class SlotMask:
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask.bool()  # [B, L]
+        self.tree_start: int | None = None  # first slot of the tree being scored (begin_tree .. end_tree)
 
     @property
     def length(self) -> int:
@@ -68,6 +69,55 @@ class SlotMask:
         before = self.counts()[:, None] + valid.long().cumsum(-1) - valid.long()  # [B, k]
         self.mask = torch.cat([self.mask, valid], dim=1)
         return before
+
+    def begin_tree(self) -> None:
+        """Start a tree region at the current end: slots appended with :meth:`append_tree` until :meth:`end_tree`."""
+        self.tree_start = self.length
+
+    def append_tree(self, visible: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k`` tree slots (all valid) seen through ``visible [B, k, r + k]`` (which of the region's ``r``
+        earlier slots and of the ``k`` new ones each new slot attends to, itself included; ``depth [B, k]`` its
+        offset from the region's first slot). Returns (position ids ``[B, k]``, the attention mask
+        ``[B, 1, k, length]`` of the call: every valid slot before the region, then ``visible``)."""
+        start, (batch, k) = self.tree_start, depth.shape
+        positions = self.mask[:, :start].sum(-1, keepdim=True) + depth
+        before = self.mask[:, :start][:, None, :].expand(batch, k, start)
+        region = visible & torch.cat([self.mask[:, start:], torch.ones(batch, k, dtype=torch.bool, device=self.mask.device)], 1)[:, None, :]
+        self.mask = torch.cat([self.mask, torch.ones(batch, k, dtype=torch.bool, device=self.mask.device)], 1)
+        return positions, torch.cat([before, region], -1)[:, None]
+
+    def end_tree(self, kept: torch.Tensor) -> int:
+        """Keep the region's slots where ``kept [B, r]`` (the accepted path); drop the trailing columns no row keeps.
+        Returns how many trailing slots were dropped."""
+        start = self.tree_start
+        self.mask = torch.cat([self.mask[:, :start], self.mask[:, start:] & kept.bool()], 1)
+        self.tree_start = None
+        alive = self.mask.any(0).nonzero()
+        end = int(alive[-1]) + 1 if len(alive) else 0
+        dropped = self.length - end
+        self.mask = self.mask[:, :end]
+        return dropped
+
+    def compaction(self) -> torch.Tensor | None:
+        """Index ``[B, L']`` that packs each row's valid slots to the right (left padding), L' = the most valid
+        slots of any row; None when fewer than a quarter of the slots are dead (packing is not worth a copy).
+        Updates the mask to the packed layout: the caller gathers its cache with the index."""
+        counts = self.counts()
+        width = int(counts.max()) if len(counts) else 0
+        if self.length - width <= max(4, self.length // 4):
+            return None
+        order = torch.sort(self.mask.long(), dim=1, stable=True).indices  # invalid slots first, valid ones in order
+        index = order[:, self.length - width :]
+        self.mask = torch.arange(width, device=self.mask.device)[None] >= (width - counts)[:, None]
+        return index
+
+    def repeat_rows(self, k: int) -> None:
+        """Each row becomes ``k`` consecutive copies (``[B, L]`` -> ``[B*k, L]``)."""
+        self.mask = self.mask.repeat_interleave(k, 0)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index [B']`` (in that order)."""
+        self.mask = self.mask[index]
 
     def drop(self, n: torch.Tensor) -> int:
         """Forget the last ``n[b]`` slots of row b; return how many trailing slots every row lost."""
@@ -202,6 +252,42 @@ class CausalLM:
         logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers)
         return logits if hidden_layers is None else (logits, hidden)
 
+    def begin_tree(self) -> None:
+        """Start scoring a tree: the slots of the following :meth:`score_tree` calls form one region."""
+        self._slots.begin_tree()
+
+    def score_tree(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, hidden_layers: Sequence[int] | None = None):
+        """Score ``tokens [B, k]`` as tree nodes in one call: node i sits at position (valid slots before the tree)
+        + ``depth[b, i]`` and attends to every valid slot before the tree and to the region slots and new nodes
+        marked in ``visible [B, k, r + k]`` (its ancestors and itself). Returns logits ``[B, k, V]`` (and hidden
+        states with ``hidden_layers``), each equal to an uncached forward of the node's path (tests/test_tree.py)."""
+        positions, mask = self._slots.append_tree(visible.to(self.device), depth.to(self.device))
+        logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers, attention_mask=mask)
+        return logits if hidden_layers is None else (logits, hidden)
+
+    def end_tree(self, kept: torch.Tensor) -> None:
+        """Keep the tree slots where ``kept [B, r]`` (the accepted path); crop the slots no row keeps, and pack the
+        cache when dead slots make up a quarter of it (``SlotMask.compaction``)."""
+        dropped = self._slots.end_tree(kept.to(self.device))
+        if dropped:
+            self._cache.crop(-dropped)
+        index = self._slots.compaction()
+        if index is not None:
+            for layer in self._cache.layers:
+                gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+                layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        assert self._cache.get_seq_length() == self._slots.length
+
+    def repeat_rows(self, k: int) -> None:
+        """Each row becomes ``k`` consecutive rows with the same cache (drafting k paths per row)."""
+        self._cache.batch_repeat_interleave(k)
+        self._slots.repeat_rows(k)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index [B']`` of the cache, in that order (the paths the verifier accepted)."""
+        self._cache.batch_select_indices(index.to(self.device))
+        self._slots.select_rows(index.to(self.device))
+
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
         counts = rollback_counts(n, self._slots.mask.shape[0], self.device)
@@ -210,12 +296,13 @@ class CausalLM:
             self._cache.crop(-common)
         assert self._cache.get_seq_length() == self._slots.length
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None):
-        """-> (logits float32, the requested hidden states concatenated float32 or None)."""
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None, attention_mask=None):
+        """-> (logits float32, the requested hidden states concatenated float32 or None). ``attention_mask``: a 4-D
+        boolean mask for tree calls; by default the slot mask."""
         with torch.no_grad():
             out = self.model(
                 input_ids=tokens.to(self.device),
-                attention_mask=self._slots.mask.long(),
+                attention_mask=self._slots.mask.long() if attention_mask is None else attention_mask,
                 position_ids=positions,
                 use_cache=True,
                 **{self._cache_argument: self._cache},

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["LanguageModel", "PlansLength", "check_same_vocab", "check_same_tokenizer", "FeatureReader"]
+__all__ = ["LanguageModel", "PlansLength", "check_same_vocab", "check_same_tokenizer", "FeatureReader", "TreeScorer", "RowExpander"]
 
 
 @runtime_checkable
@@ -93,3 +93,26 @@ class FeatureReader(Protocol):
     feature_size: int  # F = len(feature_layers) * hidden size
 
     def observe(self, features: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class TreeScorer(Protocol):
+    """A model that scores a draft tree in one call (the engine's target for ``num_drafts > 1``).
+
+    ``begin_tree()`` opens a region at the end of the cache; ``score_tree(tokens [B, k], depth [B, k], visible
+    [B, k, r + k])`` appends k nodes, node i at position (valid slots before the region) + depth and attending
+    to every valid slot before the region and to the region slots / new nodes marked in ``visible`` (its
+    ancestors and itself); ``end_tree(kept [B, r])`` keeps the accepted path and forgets the rest of the region.
+    """
+
+    def begin_tree(self) -> None: ...
+    def score_tree(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> torch.Tensor: ...
+    def end_tree(self, kept: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class RowExpander(Protocol):
+    """A draft whose rows can be copied and selected (the engine drafts K paths per row as K rows each)."""
+
+    def repeat_rows(self, k: int) -> None: ...
+    def select_rows(self, index: torch.Tensor) -> None: ...

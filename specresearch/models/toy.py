@@ -58,6 +58,24 @@ class ToyLM:
     def rollback(self, n) -> None:
         self._slots.drop(rollback_counts(n, self._slots.mask.shape[0], self.device))
 
+    def begin_tree(self) -> None:
+        self._slots.begin_tree()
+
+    def score_tree(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Tree nodes (as :meth:`CausalLM.score_tree`); a Markov table reads only each node's own token."""
+        self._slots.append_tree(visible, depth)
+        return self._logits(tokens)
+
+    def end_tree(self, kept: torch.Tensor) -> None:
+        self._slots.end_tree(kept)
+        self._slots.compaction()
+
+    def repeat_rows(self, k: int) -> None:
+        self._slots.repeat_rows(k)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self._slots.select_rows(index)
+
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token logits after each token. [B, k] -> [B, k, V]."""
         if self.table.ndim == 1:

@@ -1,0 +1,182 @@
+"""Draft trees in the generation engine: K draft paths per row, scored by the target in ONE call, verified by a
+multi-draft rule (:data:`specresearch.core.verify_multi.MULTI_VERIFIERS`).
+
+One tree step, as small stages:
+
+1. ``_draft_paths``: the draft's rows are copied K times (``RowExpander.repeat_rows``) and each copy drafts one
+   path of gamma tokens, i.i.d. from q or with the K first tokens drawn without replacement
+   (``draft_law``, as :func:`specresearch.core.draft_paths.sample_draft_paths`): ``draft_tokens [B, K, L]`` and
+   the rows they were drawn from, ``draft_probs [B, K, L, V]``.
+2. ``_tree``: equal prefixes merge into one node, so a row's tree holds each distinct prefix once.
+3. ``_score_tree``: one target call on [pending, tree nodes] (``TreeScorer.score_tree``: a 4-D attention mask,
+   each node sees the cached prefix and its own ancestors, position = prefix length + depth); the node rows are
+   gathered back along the paths, ``target_probs [B, K, L+1, V]``.
+4. the verifier returns (num_accepted, path_index, next_token); the target keeps exactly the accepted path in its
+   cache (``TreeScorer.end_tree``) and the draft keeps the row of the accepted path (``select_rows``), then
+   forgets what that path drafted beyond the accepted tokens, as in a chain step.
+
+Losslessness is the verifier's, under the draft law it was derived for (``docs/multidraft.md``; the engine adds no
+randomness of its own: one generator, or one per row, drives drafting and verification as in the chain engine).
+At temperature 0 every path is the draft's greedy chain and every rule reduces to greedy verification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specresearch.core.draft_paths import DRAFT_LAWS, draw_multi_uniforms, first_tokens_without_replacement
+from specresearch.core.verify_multi import MULTI_VERIFIERS
+from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _sample
+from specresearch.engine.timing import clock
+from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, TreeScorer
+
+__all__ = ["TREE_VERIFIERS", "check_tree_args", "tree_step"]
+
+TREE_VERIFIERS = MULTI_VERIFIERS
+
+
+def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, gamma: int, expectations) -> None:
+    """Clear errors for a tree run the engine cannot do, before any model work."""
+    if not callable(verifier) and verifier not in TREE_VERIFIERS:
+        raise ValueError(f"with num_drafts > 1 or draft_law {draft_law!r} the verifier must be a multi-draft rule "
+                         f"{sorted(TREE_VERIFIERS)}, got {verifier!r}")
+    if draft_law not in DRAFT_LAWS:
+        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}, got {draft_law!r}")
+    if verifier == "kseq" and gamma != 1:
+        raise ValueError(f"verifier 'kseq' (SpecTr K-SEQ) is single-step: gamma must be 1, got {gamma}")
+    if not isinstance(target, TreeScorer):
+        raise ValueError(f"target {type(target).__name__} cannot score a tree in one call (begin_tree / score_tree / end_tree)")
+    if not isinstance(draft, RowExpander) or isinstance(draft, FeatureReader) or isinstance(draft, PlansLength):
+        raise ValueError(f"draft {type(draft).__name__} cannot draft trees yet: the engine drafts K paths with drafts "
+                         "that copy and select rows (models.CausalLM, ToyLM); feature heads, lookup and length-planning "
+                         "drafts run chains (num_drafts=1)")
+    if expectations:
+        raise ValueError("expectations= is for chain steps (num_drafts=1)")
+
+
+def _first_uniforms(generators, batch: int, num_drafts: int, device) -> torch.Tensor:
+    """``[B, K]`` uniforms for the first tokens drawn without replacement (one generator, or one per row)."""
+    if isinstance(generators, torch.Generator):
+        return torch.rand(batch, num_drafts, generator=generators, device=device, dtype=torch.float64)
+    return torch.stack([torch.rand(num_drafts, generator=g, device=device, dtype=torch.float64) for g in generators])
+
+
+def _draft_paths(draft, pending, pending_valid, num_drafts, gamma, draft_law, sampling, generators, device):
+    """K paths of ``gamma`` tokens per row, each drafted by its own copy of the row.
+    -> (draft_tokens [B, K, L], draft_probs [B, K, L, V])."""
+    batch = pending.shape[0]
+    draft.repeat_rows(num_drafts)
+    valid = None if pending_valid is None else pending_valid.repeat_interleave(num_drafts, 0)
+    logits = draft.score(pending.repeat_interleave(num_drafts, 0), valid)[:, -1]  # [B*K, V]
+    per_copy = generators if isinstance(generators, torch.Generator) else [g for g in generators for _ in range(num_drafts)]
+    tokens, probs, source = [], [], None
+    for i in range(gamma):
+        q = _probs(logits.to(device), sampling, f"draft model logits (drafting token {i + 1})")  # [B*K, V]
+        if i == 0 and draft_law == "without_replacement" and not sampling.greedy:
+            u = _first_uniforms(generators, batch, num_drafts, device)
+            drawn, source = first_tokens_without_replacement(q.view(batch, num_drafts, -1)[:, 0], u)  # [B, K]
+            x = drawn.reshape(-1)
+        else:
+            x = _sample(q, sampling, per_copy)
+            if source is not None:  # a copy path (the first tokens ran out of mass) repeats its source path
+                x = x.view(batch, num_drafts).gather(1, source).reshape(-1)
+        tokens.append(x)
+        probs.append(q)
+        if i < gamma - 1:
+            logits = draft.score(x[:, None])[:, -1]
+    vocab = probs[0].shape[-1]
+    return torch.stack(tokens, 1).view(batch, num_drafts, gamma), torch.stack(probs, 1).view(batch, num_drafts, gamma, vocab)
+
+
+def _tree(draft_tokens: torch.Tensor):
+    """Merge equal prefixes. -> (node tokens [B, n], depth [B, n] (1 = a root child), visible [B, 1+n, 1+n] (the
+    call's nodes: index 0 the pending token, then the tree's; each sees itself and its ancestors), path_nodes
+    [B, K, L] (call index of path k's token d)). Rows with fewer nodes are padded with nodes that see the root only."""
+    batch, num_drafts, length = draft_tokens.shape
+    rows = draft_tokens.tolist()
+    nodes, parents, path_nodes = [], [], []
+    for paths in rows:
+        index: dict = {}
+        tokens, parent, along = [], [], []
+        for path in paths:
+            at = []
+            for d in range(length):
+                prefix = tuple(path[: d + 1])
+                if prefix not in index:
+                    index[prefix] = len(tokens) + 1  # call index: 0 is the pending token
+                    tokens.append(path[d])
+                    parent.append(index[prefix[:-1]] if d else 0)
+                at.append(index[prefix])
+            along.append(at)
+        nodes.append(tokens)
+        parents.append(parent)
+        path_nodes.append(along)
+    width = max(len(t) for t in nodes)
+    node_tokens = torch.zeros(batch, width, dtype=torch.long)
+    depth = torch.ones(batch, width, dtype=torch.long)
+    visible = torch.eye(width + 1, dtype=torch.bool).repeat(batch, 1, 1)
+    visible[:, :, 0] = True
+    for b, (tokens, parent) in enumerate(zip(nodes, parents)):
+        node_tokens[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        for i, p in enumerate(parent, start=1):
+            visible[b, i] |= visible[b, p]
+            depth[b, i - 1] = int(visible[b, i, 1:].sum())
+    return node_tokens, depth, visible, torch.tensor(path_nodes, dtype=torch.long)
+
+
+def _score_tree(target, pending, draft_tokens, sampling):
+    """One target call on the tree. -> (target_probs [B, K, L+1, V] along the paths, path_nodes [B, K, L])."""
+    node_tokens, depth, visible, path_nodes = _tree(draft_tokens.cpu())
+    device = draft_tokens.device
+    tokens = torch.cat([pending, node_tokens.to(device)], 1)
+    depth = torch.cat([torch.zeros_like(depth[:, :1]), depth], 1)
+    target.begin_tree()
+    logits = target.score_tree(tokens, depth, visible)
+    probs = _probs(logits.to(device), sampling, "target model logits (scoring the draft tree)")  # [B, 1+n, V]
+    batch, num_drafts, length = draft_tokens.shape
+    along = torch.cat([torch.zeros(batch, num_drafts, 1, dtype=torch.long), path_nodes], 2).to(device)  # [B, K, L+1]
+    rows = probs.gather(1, along.view(batch, -1, 1).expand(-1, -1, probs.shape[-1]))
+    return rows.view(batch, num_drafts, length + 1, -1), path_nodes.to(device), tokens.shape[1]
+
+
+def _kept_nodes(path_nodes, result, width: int) -> torch.Tensor:
+    """[B, 1+n]: the pending token and the nodes of the accepted path's accepted prefix."""
+    batch, _, length = path_nodes.shape
+    chosen = path_nodes[torch.arange(batch, device=path_nodes.device), result.path_index]  # [B, L]
+    accepted = torch.arange(length, device=path_nodes.device)[None] < result.num_accepted[:, None]
+    kept = torch.zeros(batch, width, dtype=torch.bool, device=path_nodes.device)
+    kept[:, 0] = True
+    return kept.scatter(1, torch.where(accepted, chosen, torch.zeros_like(chosen)), True)
+
+
+def _randomness(generators, num_drafts: int, gamma: int, device) -> dict:
+    if isinstance(generators, torch.Generator):
+        return {"generator": generators}
+    return {"uniforms": torch.cat([draw_multi_uniforms(1, num_drafts, gamma, g, device=device) for g in generators])}
+
+
+def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, verifier, num_drafts: int, gamma: int,
+              draft_law: str, sampling, generators, device, active: Sequence[bool]):
+    """One tree step (module docstring); ``verifier`` a name of ``TREE_VERIFIERS`` or a callable with the multi-draft
+    verifier signature. -> (emitted tokens per row, next target pending, next draft pending and validity, StepRecord)."""
+    t0 = clock(device)
+    draft_tokens, draft_probs = _draft_paths(draft, draft_pending, draft_valid, num_drafts, gamma, draft_law, sampling,
+                                             generators, device)
+    t1 = clock(device)
+    target_probs, path_nodes, width = _score_tree(target, target_pending, draft_tokens, sampling)
+    t2 = clock(device)
+    verify = verifier if callable(verifier) else TREE_VERIFIERS[verifier]
+    result = verify(target_probs, draft_probs, draft_tokens, validate=False, **_randomness(generators, num_drafts, gamma, device))
+    target.end_tree(_kept_nodes(path_nodes, result, width))
+    batch = draft_tokens.shape[0]
+    rows = torch.arange(batch, device=device)
+    draft.select_rows(rows * num_drafts + result.path_index)
+    chosen = draft_tokens[rows, result.path_index]  # [B, L]
+    draft.rollback((gamma - 1 - result.num_accepted).clamp(min=0))
+    draft_pending, draft_valid = _draft_pending(chosen, result, gamma)
+    accepted = result.num_accepted.tolist()
+    emitted = [d[:n] + [t] for d, n, t in zip(chosen.tolist(), accepted, result.next_token.tolist())]
+    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, clock(device) - t0, t2 - t1, t1 - t0)
+    return emitted, result.next_token[:, None], draft_pending, draft_valid, record
