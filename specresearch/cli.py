@@ -21,6 +21,8 @@ _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
 GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
+TREE_RULES = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")  # engine.tree.TREE_VERIFIERS
+TREE_DRAFT = "v8k-4l"  # the default draft of --num-drafts K > 1 (a CausalLM: its rows can be copied)
 GENERATE_GAMMA = 1  # the combined draft's best measured gamma against the fastest autoregressive decoding (docs/feature_drafts.md)
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
@@ -107,8 +109,15 @@ def _add_generate(sub) -> None:
                         "fastest draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, "
                         "eagle3-v8k; any name under data/drafts/) | fp16:NAME (its weights in float16) | ngram | truncated:N | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
-    p.add_argument("--verifier", default="block", choices=["token", "block", "greedy"])
+    p.add_argument("--verifier", default="block", choices=["token", "block", "greedy", *TREE_RULES],
+                   help="token | block | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
+                        + " | ".join(TREE_RULES))
     p.add_argument("--gamma", type=int, default=GENERATE_GAMMA, help=f"draft tokens per step (default {GENERATE_GAMMA})")
+    p.add_argument("--num-drafts", type=int, default=1,
+                   help=f"draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
+                        f"multi-draft --verifier and a draft that copies rows, default then {TREE_DRAFT})")
+    p.add_argument("--draft-law", default="iid", choices=["iid", "without_replacement"],
+                   help="how the K paths are drawn: i.i.d., or their first tokens without replacement")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -159,6 +168,17 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
     return 0
 
 
+def _check_tree_flags(args) -> None:
+    """The tree flags' errors, before any model loads."""
+    if args.num_drafts < 1:
+        raise ValueError(f"--num-drafts must be >= 1, got {args.num_drafts}")
+    if (args.num_drafts > 1 or args.draft_law != "iid") and args.verifier not in TREE_RULES:
+        raise ValueError(f"--num-drafts {args.num_drafts} / --draft-law {args.draft_law} draft a tree: choose a multi-draft "
+                         f"--verifier ({', '.join(TREE_RULES)}), not {args.verifier}")
+    if args.verifier == "kseq" and args.gamma != 1:
+        raise ValueError(f"--verifier kseq is single-step: use --gamma 1, not {args.gamma}")
+
+
 def _run_generate(args) -> int:
     from specresearch.config import SamplingConfig
     from specresearch.drafts.registry import draft_from_name
@@ -168,6 +188,7 @@ def _run_generate(args) -> int:
     )
     from specresearch.models.embedded import load_model
 
+    _check_tree_flags(args)
     if args.threads:
         import torch
 
@@ -186,8 +207,10 @@ def _run_generate(args) -> int:
     if args.autoregressive:
         result = autoregressive_generate(target, [prompt], **common)
     else:
-        draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
-        result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma, **common)
+        tree = args.num_drafts > 1 or args.draft_law != "iid" or args.verifier in TREE_RULES
+        draft = draft_from_name(args.draft or (TREE_DRAFT if tree else GENERATE_DRAFT), target, tokenizer)
+        result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
+                                      num_drafts=args.num_drafts, draft_law=args.draft_law, **common)
     stream.close()
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
           f"{result.target_calls} target calls", end="")
@@ -414,7 +437,7 @@ def _add_bench(sub) -> None:
                    help="v8k-4l (a shipped distilled draft; eagle3-v8k the feature head) | ngram | ngram+NAME[@OPTION] | "
                         "truncated:N | fp16:NAME | dial-mix:LAM (BE only) | checkpoint path")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
-    p.add_argument("--verifiers", nargs="+", help="default: token block")
+    p.add_argument("--verifiers", nargs="+", help="default: token block; a draft tree as NAME:K[:LAW], e.g. traversal:4 (engine.tree.parse_verifier)")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
     p.add_argument("--gammas", nargs="+", type=int, help="default: 2 4 6 8")
     p.add_argument("--seeds", nargs="+", type=int, help="default: 0")

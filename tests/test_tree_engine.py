@@ -154,3 +154,22 @@ def test_a_wrong_tree_rule_is_rejected_through_the_engine():
     result = lossless_test(_markov(3), _markov(4), _resample_root, PROMPT, sampling=SamplingConfig(), gamma=2, k=3,
                            max_new_tokens=4, num_samples=SAMPLES, seed=7, batch_size=SAMPLES // 2, num_drafts=3)
     assert result.p_value < LEVEL and result.bonferroni_p_value < LEVEL
+
+
+def test_bench_runs_tree_rules_by_name(tmp_path):
+    from specresearch.engine.tree import parse_verifier
+    from specresearch.experiments.bench import BenchConfig, BenchPrompt, run_bench
+    from specresearch.experiments.records import read_records
+
+    assert parse_verifier("traversal:4") == ("traversal", 4, "iid") and parse_verifier("block") == ("block", 1, "iid")
+    assert parse_verifier("onehot:2:without_replacement") == ("onehot", 2, "without_replacement")
+    for bad in ("block:2", "traversal:x", "rrs:2:topk", "nope"):
+        with pytest.raises(ValueError, match="multi-draft rule"):
+            parse_verifier(bad)
+    target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
+    config = BenchConfig(verifiers=("block", "traversal:3"), temperatures=(0.0, 1.0), gammas=(2,), max_new_tokens=12)
+    run_bench(target, draft, [BenchPrompt("p", "chat", (5, 9, 2, 33, 7))], config, tmp_path / "r.csv", progress=False)
+    rows = read_records(tmp_path / "r.csv")
+    assert set(rows.verifier) == {"autoregressive", "block", "traversal:3"}
+    greedy = rows[rows.temperature == 0]
+    assert greedy[greedy.verifier == "block"].output_hash.iloc[0] == greedy[greedy.verifier == "traversal:3"].output_hash.iloc[0]

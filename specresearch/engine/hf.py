@@ -72,6 +72,7 @@ from specresearch.checks import check_int
 from specresearch.config import SamplingConfig
 from specresearch.core.verify import VERIFIERS
 from specresearch.engine.generate import GenerationResult, speculative_generate
+from specresearch.engine.tree import TREE_VERIFIERS
 from specresearch.models.causal_lm import CausalLM, check_prompt, rollback_counts
 from specresearch.models.protocols import LanguageModel
 
@@ -140,7 +141,7 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 
 
 def speculative(draft, *, verifier: str | Callable = "block", gamma: int = 4, streamer=None,
-                allow: Sequence[type] = ()) -> "SpeculativeGenerate":
+                allow: Sequence[type] = (), num_drafts: int = 1, draft_law: str = "iid") -> "SpeculativeGenerate":
     """The ``custom_generate`` callable running speculative decoding with ``draft`` (module docstring).
 
     Args:
@@ -151,15 +152,19 @@ def speculative(draft, *, verifier: str | Callable = "block", gamma: int = 4, st
         streamer: a transformers streamer (``TextStreamer``, ...) for one row; see the module docstring.
         allow: extra logits-processor / stopping-criteria classes you vouch for: deterministic functions of
             one row's token prefix (and, for processors, its logits row), applied like ``PREFIX_PROCESSORS``.
+        num_drafts, draft_law: draft trees, as ``speculative_generate``'s (``verifier`` then a multi-draft rule of
+            ``engine.tree.TREE_VERIFIERS``; the draft must copy rows, e.g. a transformers causal LM).
     Returns:
         :class:`SpeculativeGenerate`, to pass as ``model.generate(..., custom_generate=...)``.
     """
     check_int("gamma", gamma, meaning="draft tokens per step")
-    if not callable(verifier) and verifier not in VERIFIERS:
-        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} or a callable, got {verifier!r}")
+    check_int("num_drafts", num_drafts, meaning="draft paths per step")
+    if not callable(verifier) and verifier not in VERIFIERS and verifier not in TREE_VERIFIERS:
+        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)} (or, for draft trees, {sorted(TREE_VERIFIERS)}) "
+                         f"or a callable, got {verifier!r}")
     if not all(isinstance(c, type) for c in allow):
         raise ValueError(f"allow must be a sequence of classes (logits processors / stopping criteria), got {allow!r}")
-    return SpeculativeGenerate(_as_language_model(draft, "draft"), verifier, gamma, streamer, tuple(allow))
+    return SpeculativeGenerate(_as_language_model(draft, "draft"), verifier, gamma, streamer, tuple(allow), num_drafts, draft_law)
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,8 @@ class SpeculativeGenerate:
     gamma: int
     streamer: object | None
     allow: tuple[type, ...]
+    num_drafts: int = 1
+    draft_law: str = "iid"
 
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                  synced_gpus: bool = False, streamer=None, seed: int | Sequence[int] | None = None,
@@ -193,7 +200,8 @@ class SpeculativeGenerate:
             streamer.put(input_ids.cpu())  # generate puts the prompt only into a streamer it was given itself
         result = speculative_generate(
             target, draft, [row[m.bool()].tolist() for row, m in zip(input_ids, mask)], verifier=self.verifier,
-            gamma=self.gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=_seed(seed, generator),
+            gamma=self.gamma, num_drafts=self.num_drafts, draft_law=self.draft_law, max_new_tokens=max_new_tokens,
+            sampling=sampling, seed=_seed(seed, generator),
             eos_token_id=eos, on_step=None if streamer is None else _streaming(streamer),
             stop_when=None if not criteria else _stopper(criteria, input_ids))
         if streamer is not None:

@@ -32,7 +32,7 @@ from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _sampl
 from specresearch.engine.timing import clock
 from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, TreeScorer
 
-__all__ = ["TREE_VERIFIERS", "check_tree_args", "tree_step"]
+__all__ = ["TREE_VERIFIERS", "check_tree_args", "parse_verifier", "tree_step"]
 
 TREE_VERIFIERS = MULTI_VERIFIERS
 
@@ -54,6 +54,24 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
                          "drafts run chains (num_drafts=1)")
     if expectations:
         raise ValueError("expectations= is for chain steps (num_drafts=1)")
+
+
+def parse_verifier(spec: str) -> tuple[str, int, str]:
+    """``"block"`` -> ("block", 1, "iid"); ``"traversal:4"`` -> 4 i.i.d. paths; ``"rrs_without_replacement:4:without_replacement"``
+    names the draft law too. The spelling of a tree run in ``bench``'s ``verifiers`` and its records."""
+    from specresearch.core.verify import VERIFIERS
+
+    parts = spec.split(":") if isinstance(spec, str) else []
+    name, rest = (parts[0], parts[1:]) if parts else (None, [])
+    ok = name in VERIFIERS or name in TREE_VERIFIERS
+    if ok and rest and not rest[0].isdigit():
+        ok = False
+    num_drafts = int(rest[0]) if ok and rest else 1
+    draft_law = rest[1] if ok and len(rest) > 1 else "iid"
+    if not ok or len(rest) > 2 or num_drafts < 1 or draft_law not in DRAFT_LAWS or (name in VERIFIERS and (num_drafts, draft_law) != (1, "iid")):
+        raise ValueError(f"a verifier is {sorted(VERIFIERS)} or a multi-draft rule NAME[:K[:LAW]] with NAME in "
+                         f"{sorted(TREE_VERIFIERS)}, K >= 1 paths and LAW in {DRAFT_LAWS}; got {spec!r}")
+    return name, num_drafts, draft_law
 
 
 def _first_uniforms(generators, batch: int, num_drafts: int, device) -> torch.Tensor:

@@ -70,6 +70,7 @@ from specresearch.engine.generate import (
     autoregressive_generate,
     speculative_generate,
 )
+from specresearch.engine.tree import parse_verifier
 from specresearch.experiments.records import (
     AUTOREGRESSIVE,
     RECORD_COLUMNS,
@@ -101,8 +102,13 @@ class BenchConfig:
     categories: tuple[str, ...] | None = None  # None = every category
 
     def __post_init__(self) -> None:
-        if not self.verifiers or any(v not in VERIFIERS for v in self.verifiers):
-            raise ValueError(f"verifiers must be a non-empty tuple of {sorted(VERIFIERS)}, got {self.verifiers!r}")
+        if not self.verifiers or isinstance(self.verifiers, str):
+            raise ValueError(f"verifiers must be a non-empty tuple of {sorted(VERIFIERS)} or tree rules NAME:K[:LAW], got {self.verifiers!r}")
+        for verifier in self.verifiers:
+            try:
+                parse_verifier(verifier)
+            except ValueError as error:
+                raise ValueError(f"verifiers: {error}") from None
         if len(set(self.verifiers)) != len(self.verifiers):
             raise ValueError(f"verifiers must not repeat, got {self.verifiers!r}")
         _check_tuple("temperatures", self.temperatures, (int, float), 0, "numbers >= 0")
@@ -286,10 +292,13 @@ def _run_unit(target, draft, prompt: BenchPrompt, base: dict, gamma: int, order:
     """Every verifier of ``order`` on one (prompt, temperature, seed, gamma), same seed (CRN)."""
     results = {}
     for verifier in order:
+        name, num_drafts, draft_law = parse_verifier(verifier)
+        tree = name not in VERIFIERS
         results[verifier] = speculative_generate(
-            target, draft, [list(prompt.token_ids)], verifier=verifier, gamma=gamma,
-            max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(temperature=base["temperature"]),
-            seed=[run_seed(prompt.id, base["seed"])], eos_token_id=eos, expectations=EXPECTED_METHODS)
+            target, draft, [list(prompt.token_ids)], verifier=name, gamma=1 if name == "kseq" else gamma,
+            num_drafts=num_drafts, draft_law=draft_law, max_new_tokens=config.max_new_tokens,
+            sampling=SamplingConfig(temperature=base["temperature"]), seed=[run_seed(prompt.id, base["seed"])],
+            eos_token_id=eos, expectations=() if tree else EXPECTED_METHODS)
     rows = []
     for position, verifier in enumerate(order):
         row = _record(results[verifier], base, verifier, gamma, position)
@@ -305,8 +314,10 @@ def _run_unit(target, draft, prompt: BenchPrompt, base: dict, gamma: int, order:
 def _warmup(target, draft, prompt: BenchPrompt, config: BenchConfig) -> None:
     """Untimed: first forward passes allocate caches and pick kernels."""
     ids = [list(prompt.token_ids)]
-    speculative_generate(target, draft, ids, verifier=config.verifiers[0], gamma=max(config.gammas),
-                         max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), seed=[0])
+    name, num_drafts, draft_law = parse_verifier(config.verifiers[0])
+    speculative_generate(target, draft, ids, verifier=name, gamma=1 if name == "kseq" else max(config.gammas),
+                         num_drafts=num_drafts, draft_law=draft_law, max_new_tokens=2,
+                         sampling=SamplingConfig(temperature=1.0), seed=[0])
     autoregressive_generate(target, ids, max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), seed=[0])
 
 

@@ -1,0 +1,136 @@
+"""Draft trees against chains and autoregressive decoding on the embedded pair, side by side in one run.
+
+Two measurements, both on SmolLM2-135M-Instruct with the distilled ``v8k-4l`` draft (a CausalLM, whose rows the
+engine copies to draft K paths), one thread by default:
+
+1. ``tree_cost``: one cached target call scoring n tokens as a tree (``score_tree``: 4-D mask, positions by depth)
+   against the same call scoring n tokens as a chain (``score``), B = 1, a 64-token context, interleaved medians.
+   The tree's extra cost is the mask and the gather of the accepted path afterwards.
+2. ``generate``: for each held-out chat prompt (``data/prompts.jsonl``, evenly spaced) and temperature, autoregressive
+   decoding, the chain (block verification) and tree rules, run in turn with the same per-prompt seed; tokens per
+   target call (tau) and wall clock against autoregressive decoding of the same prompt in the same round.
+
+Writes ``benchmarks/records/trees_<machine>.csv`` and ``.json`` (command, commit, machine, the weights' sha256).
+A benchmark: nothing is asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --prompts 8 --max-new-tokens 48 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import load_pair
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.engine.timing import TimedCall, interleaved_medians
+from specresearch.experiments.records import machine_info
+from specresearch.paths import data_dir, repo_root
+
+RUNS = {  # label -> speculative_generate options
+    "chain block g2": dict(verifier="block", gamma=2),
+    "chain block g3": dict(verifier="block", gamma=3),
+    "traversal K2 g2": dict(verifier="traversal", num_drafts=2, gamma=2),
+    "traversal K3 g3": dict(verifier="traversal", num_drafts=3, gamma=3),
+    "rrs w/o repl. K3 g2": dict(verifier="rrs_without_replacement", num_drafts=3, gamma=2, draft_law="without_replacement"),
+    "gbv K2 g3": dict(verifier="gbv", num_drafts=2, gamma=3),
+}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+        if file.is_file():
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> list[dict]:
+    """Median seconds of a target call scoring n tokens as a chain and as a (binary) tree of n nodes."""
+    ids = torch.randint(100, 5000, (1, context), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for n in sizes:
+        tokens = torch.randint(100, 5000, (1, n), generator=torch.Generator().manual_seed(n))
+        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree in breadth-first order
+        visible = torch.eye(n, dtype=torch.bool)
+        depth = torch.zeros(1, n, dtype=torch.long)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                visible[i] |= visible[p]
+                depth[0, i] = depth[0, p] + 1
+        kept = torch.zeros(1, n, dtype=torch.bool)
+        kept[0, 0] = True
+
+        def start():
+            target.prefill(ids, torch.ones_like(ids))
+
+        def tree():
+            target.begin_tree()
+            target.score_tree(tokens, depth, visible[None])
+            target.end_tree(kept)
+
+        chain = TimedCall(lambda: target.score(tokens), setup=start)
+        seconds = interleaved_medians([chain, TimedCall(tree, setup=start)], repeats=repeats)
+        rows.append({"n": n, "chain_seconds": seconds[0], "tree_seconds": seconds[1], "tree_over_chain": seconds[1] / seconds[0]})
+    return rows
+
+
+def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: int) -> list[dict]:
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = encode_chat([prompt], tokenizer)[0].tolist()
+        for temperature in temperatures:
+            sampling, seed = SamplingConfig(temperature=temperature), [1000 + i]
+            ar = autoregressive_generate(target, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                         eos_token_id=tokenizer.eos_token_id)
+            for label, options in RUNS.items():
+                out = speculative_generate(target, draft, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                           eos_token_id=tokenizer.eos_token_id, **options)
+                rows.append({"prompt_id": prompt["id"], "temperature": temperature, "run": label, "tau": out.block_efficiency,
+                             "tokens": out.num_tokens, "seconds": out.seconds, "ar_tokens": ar.num_tokens,
+                             "ar_seconds": ar.seconds, "vs_autoregressive": out.tokens_per_second / ar.tokens_per_second})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/trees_<cpu>)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, draft, tokenizer = load_pair(draft="v8k-4l")
+    prompts = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
+    speculative_generate(target, draft, [encode_chat([prompts[0]], tokenizer)[0].tolist()], max_new_tokens=4)  # warm-up
+    cost = tree_cost(target)
+    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens)
+    machine = machine_info()
+    stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"trees_{machine.get('cpu', 'cpu').split()[0].lower()}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    frame.to_csv(stem.with_suffix(".csv"), index=False)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
+    header = {"command": " ".join(["benchmarks/bench_trees.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
+              "draft_sha256": _sha256(data_dir() / "drafts" / "v8k-4l"), "tree_cost": cost}
+    stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
+    print(json.dumps(cost, indent=1))
+    summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))
+    print(summary.round(3).to_string())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
