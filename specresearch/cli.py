@@ -116,6 +116,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--num-drafts", type=int, default=1,
                    help=f"draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         f"multi-draft --verifier and a draft that copies rows, default then {TREE_DRAFT})")
+    p.add_argument("--stop-below", type=float, default=None,
+                   help="adaptive chains: draft up to --gamma tokens, stopping once the draft's top probability is below this")
     p.add_argument("--draft-law", default="iid", choices=["iid", "without_replacement"],
                    help="how the K paths are drawn: i.i.d., or their first tokens without replacement")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -175,6 +177,8 @@ def _check_tree_flags(args) -> None:
     if (args.num_drafts > 1 or args.draft_law != "iid") and args.verifier not in TREE_RULES:
         raise ValueError(f"--num-drafts {args.num_drafts} / --draft-law {args.draft_law} draft a tree: choose a multi-draft "
                          f"--verifier ({', '.join(TREE_RULES)}), not {args.verifier}")
+    if args.stop_below is not None and not 0 <= args.stop_below <= 1:
+        raise ValueError(f"--stop-below must be a probability in [0, 1], got {args.stop_below}")
     if args.verifier == "kseq" and args.gamma != 1:
         raise ValueError(f"--verifier kseq is single-step: use --gamma 1, not {args.gamma}")
 
@@ -210,7 +214,8 @@ def _run_generate(args) -> int:
         tree = args.num_drafts > 1 or args.draft_law != "iid" or args.verifier in TREE_RULES
         draft = draft_from_name(args.draft or (TREE_DRAFT if tree else GENERATE_DRAFT), target, tokenizer)
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
-                                      num_drafts=args.num_drafts, draft_law=args.draft_law, **common)
+                                      num_drafts=args.num_drafts, draft_law=args.draft_law, stop_below=args.stop_below,
+                                      **common)
     stream.close()
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
           f"{result.target_calls} target calls", end="")

@@ -213,20 +213,24 @@ def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
         model.reset(ids.shape[0])
 
 
-def _draft(draft, pending, pending_valid, gamma, sampling, generators, device, plans=False):
+def _draft(draft, pending, pending_valid, gamma, sampling, generators, device, plans=False, stop_below=None):
     """Sample gamma tokens from the draft on ``device`` (``plans``: as many as ``draft.plan_length(gamma)``
-    says, asked after the pending block is scored). -> (tokens [B, n], draft_probs [B, n, V])."""
+    says, asked after the pending block is scored; ``stop_below``: stop before token i > 1 once the draft's top
+    probability there is below it in every row). -> (tokens [B, n], draft_probs [B, n, V], drafted tokens the
+    draft was fed: n - 1, or n when it stopped early)."""
     logits = draft.score(pending, pending_valid)[:, -1]
     if plans:
         gamma = _planned(draft, gamma)
     tokens, probs = [], []
     for i in range(gamma):
         q = _probs(logits.to(device), sampling, f"draft model logits (drafting token {i + 1})")  # [B, V]
+        if i and stop_below is not None and bool((q.max(-1).values < stop_below).all()):
+            return torch.stack(tokens, 1), torch.stack(probs, 1), i
         tokens.append(_sample(q, sampling, generators))
         probs.append(q)
         if i < gamma - 1:
             logits = draft.score(tokens[-1][:, None])[:, -1]
-    return torch.stack(tokens, 1), torch.stack(probs, 1)
+    return torch.stack(tokens, 1), torch.stack(probs, 1), gamma - 1
 
 
 def _planned(draft, gamma: int) -> int:
@@ -306,6 +310,7 @@ def speculative_generate(
     expectations: Sequence[str] = (),
     num_drafts: int = 1,
     draft_law: str = "iid",
+    stop_below: float | None = None,
 ) -> GenerationResult:
     """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; ref. 004).
 
@@ -331,11 +336,19 @@ def speculative_generate(
             ``"without_replacement"``, scored by the target in one call as a tree and verified by a multi-draft
             ``verifier`` (``rrs``, ``rrs_without_replacement``, ``kseq``, ``gbv``, ``traversal``, ``onehot``;
             :mod:`specresearch.engine.tree`). The default, one path, is the chain step above.
+        stop_below: adaptive drafting (chains): draft up to ``gamma`` tokens, stopping before token i > 1 once the
+            draft's top probability there is below ``stop_below`` in every row (with per-row seeds, only for one
+            prompt: the stop is batch-wide). Lossless: the stop reads the draft's rows only, never the verifier's
+            random numbers (``specresearch.exact.adaptive``).
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
     tree = num_drafts != 1 or draft_law != "iid" or (isinstance(verifier, str) and verifier in TREE_VERIFIERS)
     check_int("num_drafts", num_drafts, meaning="draft paths per step")
+    if stop_below is not None and (isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0 <= stop_below <= 1):
+        raise ValueError(f"stop_below must be None or a probability in [0, 1], got {stop_below!r}")
+    if stop_below is not None and (tree or expectations):
+        raise ValueError("stop_below (adaptive chains) does not combine with draft trees or expectations=")
     if tree:
         check_tree_args(target, draft, verifier, num_drafts, draft_law, gamma, expectations)
     else:
@@ -365,6 +378,7 @@ def speculative_generate(
     steps = []
     per_row = isinstance(generators, list)  # per-row seeds: never shorten gamma (module docstring)
     plans = isinstance(draft, PlansLength) and (not per_row or len(ids) == 1)  # a plan is batch-wide
+    adaptive = stop_below is not None and (not per_row or len(ids) == 1)  # so is an early stop
     while not all(rows.done):
         step_gamma = gamma if per_row else min(gamma, max(1, rows.remaining() - 1))
         active = tuple(not d for d in rows.done)
@@ -380,7 +394,8 @@ def speculative_generate(
                 on_step(kept)
             continue
         t0 = clock(device)
-        draft_tokens, draft_probs = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device, plans)
+        draft_tokens, draft_probs, fed = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device,
+                                                plans, stop_below if adaptive else None)
         step_gamma = draft_tokens.shape[1]
         t1 = clock(device)
         target_probs, features = _score(target, target_pending, draft_tokens, sampling,
@@ -391,8 +406,12 @@ def speculative_generate(
         target_pending = result.next_token[:, None]
         if reads:  # drop every slot drafted on the draft's own features; re-feed the accepted ones with true features
             target.rollback(step_gamma - result.num_accepted)
-            draft.rollback(step_gamma - 1)
+            draft.rollback(fed)
             draft_pending, draft_valid = _refeed(draft, draft_tokens, result, features)
+        elif fed == step_gamma:  # stopped early: the draft was fed its last token too
+            target.rollback(step_gamma - result.num_accepted)
+            draft.rollback(fed - result.num_accepted)
+            draft_pending, draft_valid = result.next_token[:, None], None
         else:
             _rollback(target, draft, result.num_accepted, step_gamma)
             draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma)
@@ -401,7 +420,7 @@ def speculative_generate(
         kept = rows.add(emitted)
         seconds = clock(device) - t0
         extra = _expectations(target_probs, draft_probs, draft_tokens, expectations)  # untimed: analysis only
-        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, step_gamma, seconds, t2 - t1, t1 - t0, **extra))
+        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, fed + 1, seconds, t2 - t1, t1 - t0, **extra))
         if on_step is not None:
             on_step(kept)
     return _result(rows, steps, prefill_seconds, tokenizer, "speculative")
