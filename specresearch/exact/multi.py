@@ -173,6 +173,31 @@ def _tree(paths: Paths) -> dict:
     return dict(children)
 
 
+def _sequential_law(target, draft, prefix: tuple, candidates, step) -> dict:
+    """The law of the rules that try a node's candidates in turn (RRS, RRS without replacement, one-hot).
+
+    At the accepted prefix u the candidates ``candidates(u)`` are tried in order; ``step(p_row, q_row, x)`` gives the
+    acceptance probability of x and the (p, q) rows after rejecting it; an accepted x is descended into with fresh
+    rows; when every candidate is rejected (or u is a leaf) one token is emitted from the current p. ``draft`` None:
+    the rule never reads q.
+    """
+    law: dict = defaultdict(Fraction)
+
+    def descend(u: tuple, mass: Fraction) -> None:
+        p_row, tried = target(prefix + u), candidates(u)
+        q_row = draft(prefix + u) if tried and draft is not None else None
+        for x in tried:
+            accept, next_p, next_q = step(p_row, q_row, x)
+            if accept:
+                descend(u + (x,), mass * accept)
+            mass *= 1 - accept
+            p_row, q_row = next_p, next_q
+        _emit(law, u, mass, p_row)
+
+    descend((), _ONE)
+    return law
+
+
 def _rrs_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     """Multi-step speculative sampling, SpecInfer (Miao et al., ASPLOS 2024, arXiv 2305.09781).
 
@@ -185,26 +210,11 @@ def _rrs_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     ad-hoc run of :func:`smallest_counterexample` on that variant finds V = 3, p = (0, 1/3, 2/3),
     q = (2/3, 0, 1/3), K = 2. Dropping duplicates needs the q update of RRS without replacement.
     """
-    law: dict = defaultdict(Fraction)
-    length = len(paths[0])
+    def candidates(u: tuple) -> list:
+        return [path[len(u)] for path in paths if len(path) > len(u) and path[: len(u)] == u]
 
-    def descend(u: tuple, mass: Fraction) -> None:
-        p_row = target(prefix + u)
-        if len(u) == length:
-            _emit(law, u, mass, p_row)
-            return
-        q_row, below = draft(prefix + u), [path for path in paths if path[: len(u)] == u]
-        for path in below:
-            x = path[len(u)]
-            accept = _accept(p_row[x], q_row[x])
-            if accept:
-                descend(u + (x,), mass * accept)
-            mass *= 1 - accept
-            p_row = _residual(p_row, q_row)
-        _emit(law, u, mass, p_row)
-
-    descend((), _ONE)
-    return law
+    return _sequential_law(target, draft, prefix, candidates, lambda p_row, q_row, x: (
+        _accept(p_row[x], q_row[x]), _residual(p_row, q_row), q_row))
 
 
 def _rrs_without_replacement_law(target, draft, paths: Paths, prefix: tuple) -> dict:
@@ -214,21 +224,9 @@ def _rrs_without_replacement_law(target, draft, paths: Paths, prefix: tuple) -> 
     rejection p <- norm(max(p - q, 0)) and q <- q with x zeroed and renormalised (Jeon et al.'s
     recursive rejection sampling, which assumes the siblings were drawn without replacement).
     """
-    law: dict = defaultdict(Fraction)
     children = _tree(paths)
-
-    def descend(u: tuple, mass: Fraction) -> None:
-        p_row, q_row = target(prefix + u), draft(prefix + u) if children[u] else None
-        for x in children[u]:
-            accept = _accept(p_row[x], q_row[x])
-            if accept:
-                descend(u + (x,), mass * accept)
-            mass *= 1 - accept
-            p_row, q_row = _residual(p_row, q_row), _without(q_row, x)
-        _emit(law, u, mass, p_row)
-
-    descend((), _ONE)
-    return law
+    return _sequential_law(target, draft, prefix, children.__getitem__, lambda p_row, q_row, x: (
+        _accept(p_row[x], q_row[x]), _residual(p_row, q_row), _without(q_row, x)))
 
 
 def _gbv_order_key(p_row: Row, q_row: Row, token: int):
@@ -365,21 +363,9 @@ def _onehot_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     can reach for that candidate set (a lossless rule emits y ~ p, and accepts a child only when y is
     one); :func:`specresearch.exact.lp.optimal_verifier_lp` with ``draft_law="topk"`` checks this exactly.
     """
-    law: dict = defaultdict(Fraction)
     children = _tree(paths)
-
-    def descend(u: tuple, mass: Fraction) -> None:
-        p_row = target(prefix + u)
-        for x in children[u]:
-            accept = p_row[x]
-            if accept:
-                descend(u + (x,), mass * accept)
-            mass *= 1 - accept
-            p_row = _without(p_row, x)
-        _emit(law, u, mass, p_row)
-
-    descend((), _ONE)
-    return law
+    return _sequential_law(target, None, prefix, children.__getitem__, lambda p_row, q_row, x: (
+        p_row[x], _without(p_row, x), q_row))
 
 
 _LAWS = {
