@@ -30,7 +30,7 @@ import mpmath
 
 from specresearch.audit.rules import Rule
 from specresearch.exact.multi import verify_multi_exact
-from specresearch.exact.paths import topk_children
+from specresearch.exact.paths import merged_tree, topk_children
 
 __all__ = ["ENGINE_RULES", "LOSSY_SETTINGS", "engine_rule", "method_law"]
 
@@ -48,17 +48,6 @@ def _fraction(name: str, value, lo=_ZERO, hi=_ONE) -> Fraction:
     if not lo <= out <= (hi if hi is not None else out):
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
     return out
-
-
-def _children(paths) -> dict:
-    """{node: distinct children in order of first appearance} of the tree the paths merge into."""
-    out: dict = defaultdict(list)
-    for path in paths:
-        for d in range(len(path) + 1):
-            out.setdefault(path[:d], [])
-            if d < len(path) and path[d] not in out[path[:d]]:
-                out[path[:d]].append(path[d])
-    return dict(out)
 
 
 def _emit(law: dict, accepted: tuple, mass, row) -> None:
@@ -143,7 +132,7 @@ def _medusa_typical_law(epsilon: Fraction, delta: Fraction, fast: bool) -> Calla
 
 def _medusa_nucleus_law(target, draft, paths, prefix) -> dict:
     """Draw y ~ p at each node; descend if y is a child; otherwise emit a fresh draw from p (not y)."""
-    children, law = _children(paths), defaultdict(Fraction)
+    children, law = merged_tree(paths), defaultdict(Fraction)
 
     def descend(u: tuple, mass: Fraction) -> None:
         row = target(prefix + u)
@@ -164,7 +153,7 @@ def _sglang_law(threshold_single: Fraction, threshold_acc: Fraction) -> Callable
         return min(_ONE, v / threshold_acc) if threshold_acc else (_ONE if v else _ZERO)
 
     def law(target, draft, paths, prefix):
-        children, out = _children(paths), defaultdict(Fraction)
+        children, out = merged_tree(paths), defaultdict(Fraction)
 
         def descend(u: tuple, mass: Fraction) -> None:
             row = target(prefix + u)

@@ -86,6 +86,7 @@ from specresearch.exact.paths import (
     _check_length,
     _check_num_drafts,
     draft_paths_law,
+    merged_tree,
 )
 
 __all__ = ["MULTI_METHODS", "verify_multi_exact", "step_distribution_multi", "expected_accepted_multi", "speculative_distribution_multi", "is_lossless_multi", "gbv_draft_rows", "smallest_counterexample"]
@@ -162,17 +163,6 @@ def _emit(law: dict, accepted: tuple, mass, token_law: Sequence) -> None:
             law[accepted + (token,)] += mass * prob
 
 
-def _tree(paths: Paths) -> dict:
-    """The merged tree: {node: distinct child tokens in order of first appearance} for every node."""
-    children: dict = defaultdict(list)
-    for path in paths:
-        for d in range(len(path) + 1):
-            children.setdefault(path[:d], [])
-            if d < len(path) and path[d] not in children[path[:d]]:
-                children[path[:d]].append(path[d])
-    return dict(children)
-
-
 def _sequential_law(target, draft, prefix: tuple, candidates, step) -> dict:
     """The law of the rules that try a node's candidates in turn (RRS, RRS without replacement, one-hot).
 
@@ -224,7 +214,7 @@ def _rrs_without_replacement_law(target, draft, paths: Paths, prefix: tuple) -> 
     rejection p <- norm(max(p - q, 0)) and q <- q with x zeroed and renormalised (Jeon et al.'s
     recursive rejection sampling, which assumes the siblings were drawn without replacement).
     """
-    children = _tree(paths)
+    children = merged_tree(paths)
     return _sequential_law(target, draft, prefix, children.__getitem__, lambda p_row, q_row, x: (
         _accept(p_row[x], q_row[x]), _residual(p_row, q_row), _without(q_row, x)))
 
@@ -311,7 +301,7 @@ def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     token in q, i.e. it treats siblings as drawn without replacement; reading the merged tree makes
     i.i.d. drafts fine too (distinct children in order of first appearance are such draws).
     """
-    children = {u: list(c) for u, c in _tree(paths).items()}
+    children = {u: list(c) for u, c in merged_tree(paths).items()}
     p_rows = {u: target(prefix + u) for u in children}
     q_rows = {u: draft(prefix + u) for u, c in children.items() if c}
     weights = {(): _ONE}
@@ -363,7 +353,7 @@ def _onehot_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     can reach for that candidate set (a lossless rule emits y ~ p, and accepts a child only when y is
     one); :func:`specresearch.exact.lp.optimal_verifier_lp` with ``draft_law="topk"`` checks this exactly.
     """
-    children = _tree(paths)
+    children = merged_tree(paths)
     return _sequential_law(target, None, prefix, children.__getitem__, lambda p_row, q_row, x: (
         p_row[x], _without(p_row, x), q_row))
 

@@ -17,7 +17,7 @@ Paths = tuple[tuple[int, ...], ...]
 _ZERO = Fraction(0)
 _ONE = Fraction(1)
 
-__all__ = ["DRAFT_LAWS", "DETERMINISTIC_LAWS", "draft_paths_law", "topk_children"]
+__all__ = ["DRAFT_LAWS", "DETERMINISTIC_LAWS", "draft_paths_law", "merged_tree", "topk_children"]
 
 
 DRAFT_LAWS = ("iid", "without_replacement")  # sampled paths: K draws from q
@@ -38,6 +38,17 @@ def _check_draft_law(draft_law) -> str:
     if draft_law not in DRAFT_LAWS + DETERMINISTIC_LAWS:
         raise ValueError(f"draft_law must be one of {DRAFT_LAWS + DETERMINISTIC_LAWS}, got {draft_law!r}")
     return draft_law
+
+
+def merged_tree(paths) -> dict:
+    """The merged tree: {node: distinct child tokens in order of first appearance} for every node."""
+    children: dict = defaultdict(list)
+    for path in paths:
+        for d in range(len(path) + 1):
+            children.setdefault(path[:d], [])
+            if d < len(path) and path[d] not in children[path[:d]]:
+                children[path[:d]].append(path[d])
+    return dict(children)
 
 
 def topk_children(row: Row, k: int) -> tuple[int, ...]:
