@@ -216,15 +216,15 @@ def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
 def _draft(draft, pending, pending_valid, gamma, sampling, generators, device, plans=False, stop_below=None):
     """Sample gamma tokens from the draft on ``device`` (``plans``: as many as ``draft.plan_length(gamma)``
     says, asked after the pending block is scored; ``stop_below``: stop before token i > 1 once the draft's top
-    probability there is below it in every row). -> (tokens [B, n], draft_probs [B, n, V], drafted tokens the
-    draft was fed: n - 1, or n when it stopped early)."""
+    probability there, softmax of its raw logits, is below it in every row). -> (tokens [B, n], draft_probs [B, n, V],
+    drafted tokens the draft was fed: n - 1, or n when it stopped early)."""
     logits = draft.score(pending, pending_valid)[:, -1]
     if plans:
         gamma = _planned(draft, gamma)
     tokens, probs = [], []
     for i in range(gamma):
         q = _probs(logits.to(device), sampling, f"draft model logits (drafting token {i + 1})")  # [B, V]
-        if i and stop_below is not None and bool((q.max(-1).values < stop_below).all()):
+        if i and stop_below is not None and bool((logits.float().softmax(-1).max(-1).values < stop_below).all()):
             return torch.stack(tokens, 1), torch.stack(probs, 1), i
         tokens.append(_sample(q, sampling, generators))
         probs.append(q)
@@ -337,7 +337,8 @@ def speculative_generate(
             ``verifier`` (``rrs``, ``rrs_without_replacement``, ``kseq``, ``gbv``, ``traversal``, ``onehot``;
             :mod:`specresearch.engine.tree`). The default, one path, is the chain step above.
         stop_below: adaptive drafting (chains): draft up to ``gamma`` tokens, stopping before token i > 1 once the
-            draft's top probability there is below ``stop_below`` in every row (with per-row seeds, only for one
+            draft's top probability there (the softmax of its raw logits, so the rule means the same at every
+            temperature; at T = 0 the sampled law is one-hot) is below ``stop_below`` in every row (with per-row seeds, only for one
             prompt: the stop is batch-wide). Lossless: the stop reads the draft's rows only, never the verifier's
             random numbers (``specresearch.exact.adaptive``).
     Returns:
