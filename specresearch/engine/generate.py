@@ -29,6 +29,11 @@ asked after scoring its pending block, before the step samples anything, so the 
 the context only. Finished rows ride along in the batch until every row is done; their tokens are
 ignored.
 
+Draft trees (``num_drafts`` > 1, or a multi-draft verifier) run one :mod:`specresearch.engine.tree` step instead:
+K paths, one target call on their merged tree, a multi-draft rule. Adaptive chains (``stop_below``) end a block before
+token i > 1 once the draft's top probability there falls below the threshold; the draft then has fed its last token,
+so its pending block is the next token alone.
+
 Temperature 0: ``logits_to_probs`` gives one-hot distributions, drafts are argmaxes, and every
 verifier reduces to greedy verification, so the output equals greedy autoregressive decoding.
 
