@@ -9,6 +9,69 @@ The package is eight rooms whose imports point down (docs/README.md, "Layout"; t
 verifiers) and ``exact`` (rational twins, no torch); ``checks``, ``config`` and ``paths`` are leaf modules.
 """
 
+from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA, SamplingConfig
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+# The front door: a small API, loaded on first use (importing the package loads no torch, so ``specresearch.exact``
+# stays pure Python). ``help(specresearch)`` and ``dir(specresearch)`` list it.
+_LAZY = {
+    "load_pair": ("specresearch.drafts.registry", "load_pair"),
+    "speculative_generate": ("specresearch.engine.generate", "speculative_generate"),
+    "autoregressive_generate": ("specresearch.engine.generate", "autoregressive_generate"),
+    "token_verify": ("specresearch.core.verify", "token_verify"),
+    "block_verify": ("specresearch.core.verify", "block_verify"),
+    "greedy_verify": ("specresearch.core.verify", "greedy_verify"),
+    "VERIFIERS": ("specresearch.core.verify", "VERIFIERS"),
+    "MULTI_VERIFIERS": ("specresearch.core.verify_multi", "MULTI_VERIFIERS"),
+    "exact": ("specresearch.exact", None),
+    "audit": ("specresearch.audit", None),
+    "rule_from_acceptance": ("specresearch.audit", "rule_from_acceptance"),
+    "ENGINE_RULES": ("specresearch.audit", "ENGINE_RULES"),
+}
+
+__all__ = ["__version__", "SamplingConfig", "generate", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'specresearch' has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _LAZY[name]
+    value = importlib.import_module(module)
+    return value if attribute is None else getattr(value, attribute)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = True, verifier: str = "block",
+             gamma: int = GENERATE_GAMMA, max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
+             seed=0, **options):
+    """Speculative generation as ``specresearch generate`` does it: the chat template, the CLI's default draft.
+
+    Args:
+        prompts: a string or a list of strings (user messages; with ``chat=False`` used as they are), or token ids.
+        target, draft, tokenizer: a pair (``load_pair``) or None: the embedded SmolLM2-135M-Instruct and the CLI's
+            default draft ``GENERATE_DRAFT`` (``ngram+fp16:eagle3-v8k``), loaded once per call.
+        chat: wrap each string in the tokenizer's chat template (as the CLI does unless ``--raw``).
+        verifier, gamma, max_new_tokens, sampling, seed, options: as :func:`speculative_generate` (``num_drafts=``,
+            ``stop_below=``, ...).
+    Returns:
+        ``engine.generate.GenerationResult`` with ``.text`` decoded.
+    """
+    from specresearch.engine.generate import speculative_generate
+    from specresearch.engine.prompts import encode_chat
+
+    if target is None:
+        from specresearch.drafts.registry import load_pair
+
+        target, loaded, tokenizer = load_pair(draft=draft if isinstance(draft, str) else GENERATE_DRAFT)
+        draft = loaded if draft is None or isinstance(draft, str) else draft
+    rows = [prompts] if isinstance(prompts, str) else list(prompts)
+    if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]
+    return speculative_generate(target, draft, rows, tokenizer=tokenizer, verifier=verifier, gamma=gamma,
+                                max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, **options)

@@ -20,10 +20,10 @@ from pathlib import Path
 _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
-GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
+from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA  # noqa: E402 (the defaults the front door shares)
+
 TREE_RULES = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")  # engine.tree.TREE_VERIFIERS
 TREE_DRAFT = "v8k-4l"  # the default draft of --num-drafts K > 1 (a CausalLM: its rows can be copied)
-GENERATE_GAMMA = 1  # the combined draft's best measured gamma against the fastest autoregressive decoding (docs/feature_drafts.md)
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
 

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 from specresearch.checks import check_int, check_real
 
-__all__ = ["SamplingConfig", "PRESETS"]
+__all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA"]
+
+# The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
+# float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding, docs/feature_drafts.md).
+GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
+GENERATE_GAMMA = 1
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ def test_readme_python_tour_runs(capsys):
     assert out[0] == "10/9 11/9" and out[1] == "11/9", out[:2]
     assert out[2].startswith("VerifyResult(num_accepted=tensor([")
     assert out[3].startswith("p = (1/2, 1/2), q = (0, 1) (context-free grid); TV = 0.2071"), out[3]  # the audit's verdict
+    text, calls = out[4].rsplit(" [", 1)  # specresearch.generate: the chat-templated answer, then tokens per target call
+    assert len(text.split()) >= 5 and calls.endswith(" tokens per target call]") and float(calls.split()[0]) >= 1
+    assert out[5].strip()  # the transformers route's answer
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])

@@ -1,0 +1,28 @@
+"""The package's front door: a small documented API, loaded on first use, and ``generate`` as the CLI does it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+import specresearch
+from specresearch.models.toy import ToyLM
+
+
+def test_the_front_door_lists_its_api_and_loads_no_torch_until_asked():
+    assert {"generate", "load_pair", "speculative_generate", "block_verify", "exact", "audit", "SamplingConfig"} <= set(specresearch.__all__)
+    assert set(specresearch.__all__) <= set(dir(specresearch))
+    code = "import sys, specresearch; print('torch' in sys.modules); specresearch.block_verify; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]
+    assert specresearch.audit.audit is not None and specresearch.exact.two_symbol_example() is not None
+
+
+def test_generate_takes_a_pair_and_token_ids():
+    target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    draft = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+    out = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, gamma=2, max_new_tokens=10, seed=3)
+    want = specresearch.speculative_generate(target, draft, [[1, 2, 3]], gamma=2, max_new_tokens=10, seed=3)
+    assert out.tokens == want.tokens and len(out.tokens[0]) == 10
