@@ -109,10 +109,10 @@ def _add_generate(sub) -> None:
                         "fastest draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, "
                         "eagle3-v8k; any name under data/drafts/) | fp16:NAME (its weights in float16) | ngram | truncated:N | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
-    p.add_argument("--verifier", default="block", choices=["token", "block", "greedy", *TREE_RULES],
-                   help="token | block | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
+    p.add_argument("--verifier", default=None, choices=["token", "block", "greedy", *TREE_RULES],
+                   help="token | block (default) | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
                         + " | ".join(TREE_RULES))
-    p.add_argument("--gamma", type=int, default=GENERATE_GAMMA, help=f"draft tokens per step (default {GENERATE_GAMMA})")
+    p.add_argument("--gamma", type=int, default=None, help=f"draft tokens per step (default {GENERATE_GAMMA})")
     p.add_argument("--num-drafts", type=int, default=1,
                    help=f"draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         f"multi-draft --verifier and a draft that copies rows, default then {TREE_DRAFT})")
@@ -170,6 +170,52 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
     return 0
 
 
+def _check_device(device: str) -> None:
+    """``--device``: a device torch knows and this machine has (before any model loads)."""
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA device on this machine (a CPU build of torch, or no GPU); "
+                         "use --device cpu or auto")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"--device {device}: torch sees no Apple GPU (MPS) on this machine; use --device cpu or auto")
+
+
+def _check_draft_name(name: str | None) -> None:
+    """``--draft``: a described draft, a shipped one or an existing directory (before any model loads)."""
+    from specresearch.drafts.registry import without_half_prefix
+
+    if name is None:
+        return
+    base = without_half_prefix(name)
+    described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
+    if not (described or base in _known_names("draft") or Path(base).exists()):
+        raise ValueError(f"--draft {name!r} is neither a known name ({', '.join(_known_names('draft'))}) "
+                         "nor an existing checkpoint directory")
+
+
+def _check_generate_flags(args) -> None:
+    """Every error the flags alone reveal, before any model loads (a model takes seconds to load)."""
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: give the text to answer (or continue, with --raw)")
+    for flag, value in (("--gamma", args.gamma), ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    _check_device(args.device)
+    _check_draft_name(args.draft)
+    if args.method != "speculative" and (args.verifier is not None or args.gamma_given or args.num_drafts != 1):
+        raise ValueError(f"--method {args.method} decodes without a draft: --verifier, --gamma and --num-drafts are for "
+                         "--method speculative")
+    args.verifier = args.verifier or "block"
+    _check_tree_flags(args)
+
+
 def _check_tree_flags(args) -> None:
     """The tree flags' errors, before any model loads."""
     if args.num_drafts < 1:
@@ -192,7 +238,9 @@ def _run_generate(args) -> int:
     )
     from specresearch.models.embedded import load_model
 
-    _check_tree_flags(args)
+    args.gamma_given = args.gamma is not None
+    args.gamma = GENERATE_GAMMA if args.gamma is None else args.gamma
+    _check_generate_flags(args)
     if args.threads:
         import torch
 

@@ -157,3 +157,32 @@ def test_help_shows_a_worked_example(command, capsys):
 
 def test_there_are_subcommands():
     assert {"report", "generate", "distill", "warm-cache", "bench"} <= set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "hi", "--device", "foo"], "--device 'foo' is not a device"),
+    (["generate", "hi", "--device", "cuda:0"], "no CUDA device"),
+    (["generate", "hi", "--device", "mps"], "no Apple GPU"),
+    (["generate", "hi", "--threads", "-3"], "--threads must be >= 1"),
+    (["generate", "hi", "--threads", "0"], "--threads must be >= 1"),
+    (["generate", "hi", "--gamma", "0"], "--gamma must be >= 1"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["generate", "hi", "--draft", "v9-nope"], "--draft 'v9-nope' is neither a known name"),
+    (["generate", "  "], "the prompt is empty"),
+    (["generate", "hi", "--method", "beam", "--verifier", "token"], "--method beam decodes without a draft"),
+    (["generate", "hi", "--method", "beam", "--gamma", "3"], "--method beam decodes without a draft"),
+    (["generate", "hi", "--num-drafts", "3"], "choose a multi-draft --verifier"),
+])
+def test_generate_flag_errors_come_before_any_model_loads(capsys, monkeypatch, argv, needle):
+    import specresearch.models.embedded as embedded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(embedded, "load_model", refuse)
+    if "cuda" in argv[-1] or "mps" in argv[-1]:
+        import torch
+
+        if torch.cuda.is_available() or (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            pytest.skip("this machine has the device, so the flag is valid here")  # the CPU CI always runs these
+    _user_error(capsys, argv, needle)
