@@ -4,6 +4,8 @@ Tolerance: atol 1e-4 in float32 (the same arithmetic in a different order: cache
 masked slots and left padding change summation order only).
 """
 
+import json
+
 import pytest
 import torch
 
@@ -313,3 +315,23 @@ def test_skinny_rows_are_chosen_by_timing_or_pinned(monkeypatch):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="rows must lie in"):
         use_skinny_linears(fresh(), rows=(0,))
+
+
+def test_the_skinny_rows_answer_is_timed_once_per_machine(monkeypatch, tmp_path):
+    """The first auto choice on this machine times and writes <cache_dir>/skinny_rows.json; a later process (here:
+    the in-process table cleared) reads it and times nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.models import kernels
+    from specresearch.models.toy import tiny_llama_config
+
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
+    monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB, hidden_size=24), dtype=torch.float32)
+    first = kernels.choose_skinny_rows(model, repeats=1)
+    stored = json.loads((tmp_path / "skinny_rows.json").read_text())
+    assert list(stored.values()) == [list(first)] and "threads" in next(iter(stored))
+    monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
+    monkeypatch.setattr(kernels, "skinny_linear", lambda *a, **k: pytest.fail("a stored answer times nothing"))
+    assert kernels.choose_skinny_rows(model, repeats=1) == first

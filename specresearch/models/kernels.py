@@ -120,8 +120,9 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     forwards run (one weight per shape timed over and over stays in cache, where the plain one-row
     product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower).
     Which is faster depends on the CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
-    ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times. Answers are kept per layer
-    shapes and thread count for the process. ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
+    ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times once per machine: answers are kept per layer
+    shapes and thread count for the process and in ``<cache_dir>/skinny_rows.json`` for later processes, keyed by the
+    CPU's model name and torch's version (delete the file to time again). ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
     ``"plain"``) replaces the clock that times one sweep ``fn()`` (tests).
     """
     import statistics
@@ -149,6 +150,9 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
     if timer is None and key in _CHOSEN_ROWS:
         return _CHOSEN_ROWS[key]
+    if timer is None and (stored := _stored_rows(key)) is not None:
+        _CHOSEN_ROWS[key] = stored
+        return stored
 
     def clock(fn, path, rows):
         start = time.perf_counter()
@@ -175,7 +179,54 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
               if statistics.median(times[rows, "skinny"]) < margin * statistics.median(times[rows, "plain"])]
     if timer is clock:
         _CHOSEN_ROWS[key] = tuple(chosen)
+        _store_rows(key, tuple(chosen))
     return tuple(chosen)
+
+
+def _machine_key(key: tuple) -> str:
+    """The cache entry of a skinny-rows answer: this CPU (model name from /proc/cpuinfo), torch's version, the thread
+    count and a digest of the layer shapes."""
+    import hashlib
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    shapes = hashlib.sha1(repr(key[0]).encode()).hexdigest()[:12]
+    return f"{cpu}|torch {torch.__version__}|{key[1]} threads|{shapes}"
+
+
+def _rows_file():
+    from specresearch.paths import cache_dir
+
+    return cache_dir() / "skinny_rows.json"
+
+
+def _stored_rows(key: tuple) -> tuple[int, ...] | None:
+    """The answer timed earlier on this machine for these shapes and threads (``_rows_file``), or None."""
+    import json
+
+    try:
+        stored = json.loads(_rows_file().read_text()).get(_machine_key(key))
+    except (OSError, ValueError):
+        return None
+    return tuple(stored) if isinstance(stored, list) and set(stored) <= set(SKINNY_ROWS) else None
+
+
+def _store_rows(key: tuple, rows: tuple[int, ...]) -> None:
+    """Keep the answer for the next process (the timing takes seconds); a write that fails is not an error."""
+    import json
+
+    path = _rows_file()
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table[_machine_key(key)] = list(rows)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1) + "\n")
+    except (OSError, ValueError):
+        pass
 
 
 def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, shared_with: torch.nn.Module | None = None,
