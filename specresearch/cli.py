@@ -10,7 +10,6 @@ Anything else is a bug and keeps its traceback (``SPECRESEARCH_TRACEBACK=1`` sho
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,9 +19,15 @@ from pathlib import Path
 _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
+from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside the parser)
+    TREE_RULES,
+    check_generate_flags,
+    check_prompts_file,
+    known_names,
+    shorten,
+)
 from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA  # noqa: E402 (the defaults the front door shares)
 
-TREE_RULES = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")  # engine.tree.TREE_VERIFIERS
 TREE_DRAFT = "v8k-4l"  # the default draft of --num-drafts K > 1 (a CausalLM: its rows can be copied)
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
@@ -39,38 +44,6 @@ def _command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser
     ``bench --gamma 3`` would otherwise silently mean ``--gammas 3`` and start a different sweep."""
     return sub.add_parser(name, help=help, description=help, epilog="example:\n" + example, allow_abbrev=False,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
-def _check_prompts_file(flag: str, path: str | None) -> None:
-    """Read a prompts file now, before any model loads, so a wrong file fails in a second with its name."""
-    if path is None:
-        return
-    from specresearch.engine.prompts import load_prompts
-
-    if not Path(path).is_file():
-        raise ValueError(f"{flag} {path}: no such file")
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            row = json.loads(line) if line.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{flag} {path}: line {number} is not JSON ({exc.msg}); "
-                             "expected one object per line (JSON Lines, schema in data/README.md)") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{flag} {path}: line {number} is {type(row).__name__}, not an object with "
-                             "id, category and turns (schema in data/README.md)")
-    try:
-        rows = load_prompts(path)
-    except ValueError as exc:
-        got = str(exc).split(", got ", 1)[-1]  # distill.load_prompts names the first offending row
-        raise ValueError(f"{flag} {path}: every line needs the fields id, category and non-empty turns "
-                         f"(schema in data/README.md); got {_shorten(got)}") from None
-    if not rows:
-        raise ValueError(f"{flag} {path}: the file holds no prompt")
-
-
-def _shorten(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _add_report(sub) -> None:
@@ -170,65 +143,6 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
     return 0
 
 
-def _check_device(device: str) -> None:
-    """``--device``: a device torch knows and this machine has (before any model loads)."""
-    import torch
-
-    if device == "auto":
-        return
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {device!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: torch sees no CUDA device on this machine (a CPU build of torch, or no GPU); "
-                         "use --device cpu or auto")
-    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError(f"--device {device}: torch sees no Apple GPU (MPS) on this machine; use --device cpu or auto")
-
-
-def _check_draft_name(name: str | None) -> None:
-    """``--draft``: a described draft, a shipped one or an existing directory (before any model loads)."""
-    from specresearch.drafts.registry import without_half_prefix
-
-    if name is None:
-        return
-    base = without_half_prefix(name)
-    described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
-    if not (described or base in _known_names("draft") or Path(base).exists()):
-        raise ValueError(f"--draft {name!r} is neither a known name ({', '.join(_known_names('draft'))}) "
-                         "nor an existing checkpoint directory")
-
-
-def _check_generate_flags(args) -> None:
-    """Every error the flags alone reveal, before any model loads (a model takes seconds to load)."""
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty: give the text to answer (or continue, with --raw)")
-    for flag, value in (("--gamma", args.gamma), ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    _check_device(args.device)
-    _check_draft_name(args.draft)
-    if args.method != "speculative" and (args.verifier is not None or args.gamma_given or args.num_drafts != 1):
-        raise ValueError(f"--method {args.method} decodes without a draft: --verifier, --gamma and --num-drafts are for "
-                         "--method speculative")
-    args.verifier = args.verifier or "block"
-    _check_tree_flags(args)
-
-
-def _check_tree_flags(args) -> None:
-    """The tree flags' errors, before any model loads."""
-    if args.num_drafts < 1:
-        raise ValueError(f"--num-drafts must be >= 1, got {args.num_drafts}")
-    if (args.num_drafts > 1 or args.draft_law != "iid") and args.verifier not in TREE_RULES:
-        raise ValueError(f"--num-drafts {args.num_drafts} / --draft-law {args.draft_law} draft a tree: choose a multi-draft "
-                         f"--verifier ({', '.join(TREE_RULES)}), not {args.verifier}")
-    if args.stop_below is not None and not 0 <= args.stop_below <= 1:
-        raise ValueError(f"--stop-below must be a probability in [0, 1], got {args.stop_below}")
-    if args.verifier == "kseq" and args.gamma != 1:
-        raise ValueError(f"--verifier kseq is single-step: use --gamma 1, not {args.gamma}")
-
-
 def _run_generate(args) -> int:
     from specresearch.config import SamplingConfig
     from specresearch.drafts.registry import draft_from_name
@@ -240,7 +154,7 @@ def _run_generate(args) -> int:
 
     args.gamma_given = args.gamma is not None
     args.gamma = GENERATE_GAMMA if args.gamma is None else args.gamma
-    _check_generate_flags(args)
+    check_generate_flags(args)
     if args.threads:
         import torch
 
@@ -325,8 +239,8 @@ def _run_distill(args) -> int:
     from specresearch.training.distill import DraftConfig, run_distillation
     from specresearch.training.loop import TrainConfig
 
-    _check_prompts_file("--prompts", args.prompts)
-    _check_prompts_file("--heldout", args.heldout)
+    check_prompts_file("--prompts", args.prompts)
+    check_prompts_file("--heldout", args.heldout)
     torch.set_num_threads(args.threads)
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
     draft_config, train_config = DraftConfig.from_name(args.preset), TrainConfig(**fields)  # validated before loading
@@ -393,8 +307,8 @@ def _run_feature_distill(args) -> int:
         run_feature_distillation,
     )
 
-    _check_prompts_file("--prompts", args.prompts)
-    _check_prompts_file("--heldout", args.heldout)
+    check_prompts_file("--prompts", args.prompts)
+    check_prompts_file("--heldout", args.heldout)
     if args.chunks < 1:
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
     if args.first_chunk < 0:
@@ -517,7 +431,7 @@ def _run_bench(args) -> int:
 
     from specresearch.experiments import analysis, bench
 
-    _check_prompts_file("--prompts-file", args.prompts_file)
+    check_prompts_file("--prompts-file", args.prompts_file)
     if args.prompt_set:
         from specresearch.engine.prompts import prompt_set_file
 
@@ -589,7 +503,7 @@ def _quiet_and_offline() -> None:
 
 def _user_message(exc: BaseException, args) -> str:
     """One line for a user error; a model or draft that failed to load is named with the flag that gave it."""
-    message = _shorten(str(exc) or type(exc).__name__, 400)
+    message = shorten(str(exc) or type(exc).__name__, 400)
     if isinstance(exc, FileNotFoundError) and exc.filename:
         message = f"{exc.filename}: {exc.strerror or 'no such file'}"
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
@@ -597,23 +511,12 @@ def _user_message(exc: BaseException, args) -> str:
 
         # transformers' message for a name it cannot resolve offline does not say which name it was
         for flag in ("model", "target", "draft"):
-            name, known = getattr(args, flag, None), _known_names(flag)
+            name, known = getattr(args, flag, None), known_names(flag)
             base = without_half_prefix(name) if name else name
             if name and not Path(base).exists() and base not in known and not base.startswith("truncated:"):
                 return (f"--{flag} {name!r} is neither a known name ({', '.join(known)}) "
                         f"nor an existing checkpoint directory")
     return message
-
-
-def _known_names(flag: str) -> list[str]:
-    if flag != "draft":
-        from specresearch.models.embedded import EMBEDDED
-
-        return sorted(EMBEDDED)
-    from specresearch.drafts.store import shipped_drafts
-
-    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
-            *shipped_drafts()]
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ ALLOWED = {
     "front": {"base", "core", "exact", "models", "drafts", "engine", "training", "experiments", "audit"},
 }
 BASE = {"checks", "paths", "config"}
-FRONT = {"__init__", "__main__", "cli"}
+FRONT = {"__init__", "__main__", "cli", "cli_checks"}
 MAX_LINES = 600
 
 

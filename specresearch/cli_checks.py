@@ -1,0 +1,111 @@
+"""What the command line checks before any model loads: the flags alone reveal these errors, and a model takes seconds
+to load. Each raises ``ValueError`` with one line naming the flag (``cli.main`` prints it and exits with code 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TREE_RULES = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")  # engine.tree.TREE_VERIFIERS
+
+
+def check_prompts_file(flag: str, path: str | None) -> None:
+    """Read a prompts file now, before any model loads, so a wrong file fails in a second with its name."""
+    if path is None:
+        return
+    from specresearch.engine.prompts import load_prompts
+
+    if not Path(path).is_file():
+        raise ValueError(f"{flag} {path}: no such file")
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} {path}: line {number} is not JSON ({exc.msg}); "
+                             "expected one object per line (JSON Lines, schema in data/README.md)") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{flag} {path}: line {number} is {type(row).__name__}, not an object with "
+                             "id, category and turns (schema in data/README.md)")
+    try:
+        rows = load_prompts(path)
+    except ValueError as exc:
+        got = str(exc).split(", got ", 1)[-1]  # distill.load_prompts names the first offending row
+        raise ValueError(f"{flag} {path}: every line needs the fields id, category and non-empty turns "
+                         f"(schema in data/README.md); got {shorten(got)}") from None
+    if not rows:
+        raise ValueError(f"{flag} {path}: the file holds no prompt")
+
+
+def shorten(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_device(device: str) -> None:
+    """``--device``: a device torch knows and this machine has (before any model loads)."""
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA device on this machine (a CPU build of torch, or no GPU); "
+                         "use --device cpu or auto")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"--device {device}: torch sees no Apple GPU (MPS) on this machine; use --device cpu or auto")
+
+
+def check_draft_name(name: str | None) -> None:
+    """``--draft``: a described draft, a shipped one or an existing directory (before any model loads)."""
+    from specresearch.drafts.registry import without_half_prefix
+
+    if name is None:
+        return
+    base = without_half_prefix(name)
+    described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
+    if not (described or base in known_names("draft") or Path(base).exists()):
+        raise ValueError(f"--draft {name!r} is neither a known name ({', '.join(known_names('draft'))}) "
+                         "nor an existing checkpoint directory")
+
+
+def check_generate_flags(args) -> None:
+    """Every error the flags alone reveal, before any model loads (a model takes seconds to load)."""
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: give the text to answer (or continue, with --raw)")
+    for flag, value in (("--gamma", args.gamma), ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    check_device(args.device)
+    check_draft_name(args.draft)
+    if args.method != "speculative" and (args.verifier is not None or args.gamma_given or args.num_drafts != 1):
+        raise ValueError(f"--method {args.method} decodes without a draft: --verifier, --gamma and --num-drafts are for "
+                         "--method speculative")
+    args.verifier = args.verifier or "block"
+    check_tree_flags(args)
+
+
+def check_tree_flags(args) -> None:
+    """The tree flags' errors, before any model loads."""
+    if args.num_drafts < 1:
+        raise ValueError(f"--num-drafts must be >= 1, got {args.num_drafts}")
+    if (args.num_drafts > 1 or args.draft_law != "iid") and args.verifier not in TREE_RULES:
+        raise ValueError(f"--num-drafts {args.num_drafts} / --draft-law {args.draft_law} draft a tree: choose a multi-draft "
+                         f"--verifier ({', '.join(TREE_RULES)}), not {args.verifier}")
+    if args.stop_below is not None and not 0 <= args.stop_below <= 1:
+        raise ValueError(f"--stop-below must be a probability in [0, 1], got {args.stop_below}")
+    if args.verifier == "kseq" and args.gamma != 1:
+        raise ValueError(f"--verifier kseq is single-step: use --gamma 1, not {args.gamma}")
+
+
+def known_names(flag: str) -> list[str]:
+    if flag != "draft":
+        from specresearch.models.embedded import EMBEDDED
+
+        return sorted(EMBEDDED)
+    from specresearch.drafts.store import shipped_drafts
+
+    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
+            *shipped_drafts()]
