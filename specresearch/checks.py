@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_int", "check_field", "check_real"]
+__all__ = ["check_int", "check_field", "check_real", "named_preset"]
 
 
 def check_int(name: str, value, minimum: int = 1, meaning: str = "") -> None:
@@ -37,3 +37,9 @@ def check_real(name: str, value, low: float | None = None, high: float | None = 
     if value < low or value > high or (high_open and value == high):
         raise ValueError(f"{name} must be a number in [{low}, {high}{')' if high_open else ']'}, got {value!r}")
 
+
+def named_preset(presets: dict, name: str):
+    """``presets[name]``, or a ``ValueError`` listing the names (the ``from_name`` of every config with presets)."""
+    if name not in presets:
+        raise ValueError(f"name must be one of {sorted(presets)}, got {name!r}")
+    return presets[name]

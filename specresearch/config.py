@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specresearch.checks import check_int, check_real
+from specresearch.checks import check_int, check_real, named_preset
 
 __all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA"]
 
@@ -61,9 +61,7 @@ class SamplingConfig:
     @classmethod
     def from_name(cls, name: str) -> "SamplingConfig":
         """A named preset: one of ``PRESETS`` (e.g. ``"greedy"``, ``"default"``, ``"nucleus"``)."""
-        if name not in PRESETS:
-            raise ValueError(f"name must be one of {sorted(PRESETS)}, got {name!r}")
-        return PRESETS[name]
+        return named_preset(PRESETS, name)
 
 
 PRESETS: dict[str, SamplingConfig] = {

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from specresearch.checks import check_field
+from specresearch.checks import check_field, named_preset
 from safetensors.torch import load_file, save_file
 
 from specresearch.drafts.store import (
@@ -92,9 +92,7 @@ class DraftConfig:
     @classmethod
     def from_name(cls, name: str) -> "DraftConfig":
         """A named preset (``DRAFT_PRESETS``), like gpt-fast's ``ModelArgs.from_name``."""
-        if name not in DRAFT_PRESETS:
-            raise ValueError(f"name must be one of {sorted(DRAFT_PRESETS)}, got {name!r}")
-        return DRAFT_PRESETS[name]
+        return named_preset(DRAFT_PRESETS, name)
 
 
 DRAFT_PRESETS = {

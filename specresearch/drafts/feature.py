@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specresearch.checks import check_field
+from specresearch.checks import check_field, named_preset
 from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.store import (
     _STORAGE_DTYPES,
@@ -55,7 +55,6 @@ from specresearch.models.kernels import (
 )
 
 __all__ = [
-    "FeatureReader",
     "FeatureHeadConfig",
     "FEATURE_PRESETS",
     "FeatureHead",
@@ -113,9 +112,7 @@ class FeatureHeadConfig:
 
     @classmethod
     def from_name(cls, name: str) -> "FeatureHeadConfig":
-        if name not in FEATURE_PRESETS:
-            raise ValueError(f"name must be one of {sorted(FEATURE_PRESETS)}, got {name!r}")
-        return FEATURE_PRESETS[name]
+        return named_preset(FEATURE_PRESETS, name)
 
 
 FEATURE_PRESETS = {

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from specresearch.checks import named_preset
 from specresearch.config import SamplingConfig
 from specresearch.core.verify import VERIFIERS
 from specresearch.engine.generate import (
@@ -123,9 +124,7 @@ class BenchConfig:
     @classmethod
     def from_name(cls, name: str) -> "BenchConfig":
         """A named preset of ``BENCH_PRESETS`` (``"full"``, ``"quick"``, ``"paper"``)."""
-        if name not in BENCH_PRESETS:
-            raise ValueError(f"name must be one of {sorted(BENCH_PRESETS)}, got {name!r}")
-        return BENCH_PRESETS[name]
+        return named_preset(BENCH_PRESETS, name)
 
 
 BENCH_PRESETS: dict[str, BenchConfig] = {
