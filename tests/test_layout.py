@@ -151,3 +151,12 @@ def test_exact_and_base_import_no_torch(room):
     code = "import sys\n" + "".join(f"import {m}\n" for m in names) + "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_public_name_exists():
+    """Each module's ``__all__`` names only what it defines or imports (a name left behind by a move breaks ``import *``)."""
+    import importlib
+
+    missing = {m: [n for n in getattr(importlib.import_module(m), "__all__", ()) if not hasattr(importlib.import_module(m), n)]
+               for m in MODULES if not m.endswith("__main__")}  # __main__ runs the command line when imported
+    assert {m: names for m, names in missing.items() if names} == {}

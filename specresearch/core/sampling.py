@@ -50,7 +50,6 @@ from specresearch.core.draws import sample_from_weights
 
 __all__ = [
     "SamplingConfig",
-    "PRESETS",
     "apply_temperature",
     "top_k_filter",
     "top_p_filter",
