@@ -55,7 +55,8 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
     Args:
         prompts: a string or a list of strings (user messages; with ``chat=False`` used as they are), or token ids.
         target, draft, tokenizer: a pair (``load_pair``) or None: the embedded SmolLM2-135M-Instruct and the CLI's
-            default draft ``GENERATE_DRAFT`` (``ngram+fp16:eagle3-v8k``), loaded once per call.
+            default draft ``GENERATE_DRAFT`` (``ngram+fp16:eagle3-v8k``), loaded once per call; ``draft`` may also be
+            a name (``drafts.registry.draft_from_name``) for the given or the embedded target.
         chat: wrap each string in the tokenizer's chat template (as the CLI does unless ``--raw``).
         verifier, gamma, max_new_tokens, sampling, seed, options: as :func:`speculative_generate` (``num_drafts=``,
             ``stop_below=``, ...).
@@ -70,6 +71,10 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
 
         target, loaded, tokenizer = load_pair(draft=draft if isinstance(draft, str) else GENERATE_DRAFT)
         draft = loaded if draft is None or isinstance(draft, str) else draft
+    elif draft is None or isinstance(draft, str):
+        from specresearch.drafts.registry import draft_from_name
+
+        draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
     rows = [prompts] if isinstance(prompts, str) else list(prompts)
     if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
         rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]

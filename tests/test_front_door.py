@@ -26,3 +26,9 @@ def test_generate_takes_a_pair_and_token_ids():
     out = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, gamma=2, max_new_tokens=10, seed=3)
     want = specresearch.speculative_generate(target, draft, [[1, 2, 3]], gamma=2, max_new_tokens=10, seed=3)
     assert out.tokens == want.tokens and len(out.tokens[0]) == 10
+
+
+def test_generate_builds_a_named_draft_for_the_given_target():
+    target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    out = specresearch.generate([[1, 2, 1, 2]], target=target, draft="ngram", chat=False, gamma=2, max_new_tokens=6)
+    assert len(out.tokens[0]) == 6
