@@ -112,10 +112,10 @@ def test_eos_and_seeds(target, draft):
     again = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=5)
     other = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=6)
     assert first.tokens == again.tokens != other.tokens
-    eos = first.tokens[0][4]
-    cut = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=5, eos_token_id=eos)
-    assert cut.tokens[0] == first.tokens[0][: first.tokens[0].index(eos) + 1]
     per_row = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=[1, 2, 3])
+    eos = per_row.tokens[0][4]  # rows that reach it leave the batch; per-row seeds keep row 0's draws its own
+    cut = speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=12, sampling=sampling, seed=[1, 2, 3], eos_token_id=eos)
+    assert cut.tokens[0] == per_row.tokens[0][: per_row.tokens[0].index(eos) + 1]
     alone = speculative_generate(target, draft, PROMPTS[1:2], gamma=3, max_new_tokens=12, sampling=sampling, seed=[2])
     assert per_row.tokens[1] == alone.tokens[0]  # per-row seeds: a row does not depend on the batch
 

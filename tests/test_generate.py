@@ -1,8 +1,6 @@
 """The generation engine on tiny models: lengths, EOS, greedy equality, seeds, q handed to the verifier,
 end-to-end losslessness of the sampled output, bad inputs."""
 
-import itertools
-
 import pytest
 import torch
 from scipy.stats import chi2
@@ -106,12 +104,13 @@ def test_draft_probs_handed_to_verifier_are_the_sampling_distribution(monkeypatc
                                max_new_tokens=30, sampling=sampling, seed=0)
     assert len(calls) == len(out.steps) > 1
     last = torch.tensor([[3], [5]])  # Markov tables: the distribution depends on the last token only
-    for target_probs, draft_probs, draft_tokens, result in calls:
-        prev = torch.cat([last, draft_tokens], 1)  # [B, gamma+1]
+    for (target_probs, draft_probs, draft_tokens, result), step in zip(calls, out.steps):
+        rows = torch.tensor(step.active).nonzero()[:, 0]  # a finished row has left the batch
+        prev = torch.cat([last[rows], draft_tokens], 1)  # [B, gamma+1]
         torch.testing.assert_close(draft_probs, logits_to_probs(draft_table[prev[:, :-1]], sampling))
         torch.testing.assert_close(target_probs, logits_to_probs(target_table[prev], sampling))
         assert bool((draft_probs.gather(-1, draft_tokens[..., None]) > 0).all())  # drawn inside the top-k support
-        last = result.next_token[:, None]
+        last[rows] = result.next_token[:, None]
 
 
 def _exact_law(lm, prompt, n_tokens, sampling):
@@ -301,10 +300,11 @@ def test_probs_handed_to_verifier_equal_uncached_forwards_of_the_emitted_context
         return result
 
     monkeypatch.setitem(gen.VERIFIERS, "spy", spy)
-    speculative_generate(target, draft, PROMPTS, verifier="spy", gamma=2, max_new_tokens=24, seed=5)
+    out = speculative_generate(target, draft, PROMPTS, verifier="spy", gamma=2, max_new_tokens=24, seed=5)
     contexts = [list(p) for p in PROMPTS]
-    for target_probs, draft_probs, draft_tokens, result in calls:
-        for b, context in enumerate(contexts):
+    for (target_probs, draft_probs, draft_tokens, result), step in zip(calls, out.steps):
+        live = [c for c, active in zip(contexts, step.active) if active]  # a finished row has left the batch
+        for b, context in enumerate(live):
             drafts = draft_tokens[b].tolist()
             with torch.no_grad():
                 p = target.model(input_ids=torch.tensor([context + drafts])).logits[0, len(context) - 1 :]

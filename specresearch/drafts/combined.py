@@ -121,6 +121,22 @@ class LookupOrDraft:
         if not self.lazy or bool((rest > 0).any()):
             self.draft.rollback(rest.to(self.draft.device))
 
+    def repeat_rows(self, k: int) -> None:
+        """Each row becomes ``k`` consecutive copies (the lookup, the wrapped draft and what waits for it)."""
+        self._rows(lambda t: t.repeat_interleave(k, 0), lambda m: m.repeat_rows(k))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index [B']``, in that order."""
+        self._rows(lambda t: t[index.to(t.device)], lambda m: m.select_rows(index.to(m.device)))
+
+    def _rows(self, change, change_model) -> None:
+        change_model(self.lookup)
+        change_model(self.draft)
+        self._observed = None if self._observed is None else change(self._observed)
+        self._next_match = None if self._next_match is None else change(self._next_match)
+        if self._backlog is not None:
+            self._backlog.change_rows(change)
+
     def _score_every_slot(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         drafted = self.draft.score(tokens, valid)  # [B, k, V]
         self.draft_slots_fed += tokens.shape[1]
@@ -172,6 +188,12 @@ class _Backlog:
         self.tokens = torch.cat([self.tokens, tokens.cpu()], 1)
         self.slots.append(valid)
         self.features += [None] * tokens.shape[1] if features is None else list(features.unbind(1))
+
+    def change_rows(self, change) -> None:
+        """Apply ``change`` (e.g. ``t[index]``) to every per-row tensor: tokens, slot mask, features."""
+        self.tokens, self.slots.mask = change(self.tokens), change(self.slots.mask)
+        self.features = [None if f is None else change(f) for f in self.features]
+        self.batch = self.tokens.shape[0]
 
     def drop(self, n: torch.Tensor) -> torch.Tensor:
         """Forget the last ``min(n[b], length)`` slots of row b. -> ``[B]`` what each row has left to drop."""

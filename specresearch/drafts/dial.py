@@ -82,6 +82,14 @@ class DialDraft:
         for model in self._models():
             model.rollback(n)
 
+    def repeat_rows(self, k: int) -> None:
+        for model in self._models():
+            model.repeat_rows(k)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for model in self._models():
+            model.select_rows(index)
+
     def _models(self) -> list:
         return [self.base] if self.other is None else [self.base, self.other]
 

@@ -445,6 +445,32 @@ class FeatureDraft:
         if common:
             self._cache = [(k[:, :, :-common], v[:, :, :-common]) for k, v in self._cache]
         self._last = None
+        self._compact()
+
+    def repeat_rows(self, k: int) -> None:
+        """Each row becomes ``k`` consecutive copies: cache, slots, queued features and last prediction."""
+        self._rows(lambda t: t.repeat_interleave(k, 0))
+        self._slots.repeat_rows(k)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index [B']``, in that order; packs the cache when the rows left behind dead slots."""
+        index = index.to(self.device)
+        self._rows(lambda t: t[index])
+        self._slots.select_rows(index)
+        self._compact()
+
+    def _rows(self, change) -> None:
+        """Apply ``change`` to every per-row tensor (batch first) but the slot mask."""
+        self._cache = [(change(k), change(v)) for k, v in self._cache]
+        self._queued = None if self._queued is None else change(self._queued)
+        self._last = None if self._last is None else change(self._last)
+
+    def _compact(self) -> None:
+        index = self._slots.compaction()
+        if index is not None:
+            gather = index[:, None, :, None]
+            self._cache = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[-1])),
+                            v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[-1]))) for k, v in self._cache]
 
 
 # --------------------------------------------------------------------------------------------------

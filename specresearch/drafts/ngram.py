@@ -81,6 +81,26 @@ class NGramDraft:
         common = self._slots.drop(rollback_counts(n, self._tokens.shape[0], "cpu"))
         self._tokens = self._tokens[:, : self._tokens.shape[1] - common]
         self._matches = None
+        self._compact()
+
+    def repeat_rows(self, k: int) -> None:
+        """Each row becomes ``k`` consecutive copies (drafting k paths per row)."""
+        self._tokens = self._tokens.repeat_interleave(k, 0)
+        self._slots.repeat_rows(k)
+        self._matches = None if self._matches is None else self._matches.repeat_interleave(k, 0)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index [B']``, in that order."""
+        index = index.cpu()
+        self._tokens = self._tokens[index]
+        self._slots.select_rows(index)
+        self._matches = None if self._matches is None else self._matches[index]
+        self._compact()
+
+    def _compact(self) -> None:
+        index = self._slots.compaction()
+        if index is not None:
+            self._tokens = self._tokens.gather(1, index)
 
     def _append(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self._slots.append(valid)

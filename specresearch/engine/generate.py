@@ -26,8 +26,10 @@ tokens; a block that overshoots is truncated. The last steps shorten gamma to th
 needed (gamma chosen from past lengths only, so the output law is unchanged). A draft that plans its
 length (``drafts.PlansLength``, e.g. ``LookupOrDraft(draft_gamma=1)``) may shorten a step further; it is
 asked after scoring its pending block, before the step samples anything, so the length again depends on
-the context only. Finished rows ride along in the batch until every row is done; their tokens are
-ignored.
+the context only. A finished row leaves the batch: the target and the draft keep the other rows
+(``RowExpander.select_rows``, which every shipped model has, packing dead cache slots), so no model is fed past a
+row's end and every row's context stays within prompt + max_new_tokens + gamma. With a model that cannot select
+rows, finished rows ride along and their tokens are ignored. Step records stay one entry per prompt.
 
 Draft trees (``num_drafts`` > 1, or a multi-draft verifier) run one :mod:`specresearch.engine.tree` step instead:
 K paths, one target call on their merged tree, a multi-draft rule. Adaptive chains (``stop_below``) end a block before
@@ -48,7 +50,7 @@ batch of one row, and a planning draft's row differs alone and batched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -61,7 +63,7 @@ from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _sample
 from specresearch.engine.timing import clock
 from specresearch.engine.tree import TREE_VERIFIERS, check_tree_args, tree_step
-from specresearch.models.protocols import FeatureReader, PlansLength, check_same_vocab
+from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
 
 __all__ = [
     "StepRecord",
@@ -153,6 +155,41 @@ class _Rows:
 
     def remaining(self) -> int:
         return max(self.limit - len(t) for t, d in zip(self.tokens, self.done) if not d)
+
+
+class _Batch:
+    """Which prompts the models' batch still holds: a finished row leaves it (``select_rows``) when every model
+    can select rows (``RowExpander``: every model the toolkit ships); otherwise it rides along, ignored."""
+
+    def __init__(self, size: int, models):
+        self.size, self.rows = size, list(range(size))
+        self.can_shrink = all(isinstance(m, RowExpander) for m in models)
+
+    def widen(self, values, fill) -> list:
+        """Per-row values of the batch's rows -> one per prompt (``fill`` for prompts no longer in the batch)."""
+        out = [fill] * self.size
+        for value, b in zip(values, self.rows):
+            out[b] = value
+        return out
+
+    def shrink(self, done: list[bool]) -> torch.Tensor | None:
+        """Drop the rows now done. -> the batch rows kept (index into the old batch), or None if nothing changes."""
+        keep = [i for i, b in enumerate(self.rows) if not done[b]]
+        if not self.can_shrink or not keep or len(keep) == len(self.rows):
+            return None
+        self.rows = [self.rows[i] for i in keep]
+        return torch.tensor(keep, dtype=torch.long)
+
+    def record(self, step: StepRecord, active) -> StepRecord:
+        """``step``'s per-row fields widened to one per prompt."""
+        return replace(step, num_accepted=tuple(self.widen(step.num_accepted, 0)), active=tuple(active),
+                       expected={m: tuple(self.widen(v, 0.0)) for m, v in step.expected.items()},
+                       overlap=tuple(self.widen(step.overlap, 0.0)) if step.overlap else ())
+
+
+def _select(index: torch.Tensor, *tensors):
+    """Rows ``index`` of each tensor (None stays None)."""
+    return tuple(None if t is None else t[index.to(t.device)] for t in tensors)
 
 
 
@@ -385,7 +422,14 @@ def speculative_generate(
     per_row = isinstance(generators, list)  # per-row seeds: never shorten gamma (module docstring)
     plans = isinstance(draft, PlansLength) and (not per_row or len(ids) == 1)  # a plan is batch-wide
     adaptive = stop_below is not None and (not per_row or len(ids) == 1)  # so is an early stop
+    batch = _Batch(len(ids), (target, draft))
     while not all(rows.done):
+        index = batch.shrink(rows.done)
+        if index is not None:  # finished rows leave the batch
+            target.select_rows(index.to(device))
+            draft.select_rows(index.to(draft.device))
+            target_pending, draft_pending, draft_valid = _select(index, target_pending, draft_pending, draft_valid)
+            generators = [generators[i] for i in index.tolist()] if per_row else generators
         step_gamma = gamma if per_row else min(gamma, max(1, rows.remaining() - 1))
         active = tuple(not d for d in rows.done)
         if tree:
@@ -393,9 +437,10 @@ def speculative_generate(
                 step_gamma = 1
             emitted, target_pending, draft_pending, draft_valid, record = tree_step(
                 target, draft, target_pending, draft_pending, draft_valid, verifier=verifier, num_drafts=num_drafts,
-                gamma=step_gamma, draft_law=draft_law, sampling=sampling, generators=generators, device=device, active=active)
-            kept = rows.add(emitted)
-            steps.append(record)
+                gamma=step_gamma, draft_law=draft_law, sampling=sampling, generators=generators, device=device,
+                active=[active[b] for b in batch.rows])
+            kept = rows.add(batch.widen(emitted, []))
+            steps.append(batch.record(record, active))
             if on_step is not None:
                 on_step(kept)
             continue
@@ -423,10 +468,11 @@ def speculative_generate(
             draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma)
         accepted = result.num_accepted.tolist()
         emitted = [d[:n] + [t] for d, n, t in zip(draft_tokens.tolist(), accepted, result.next_token.tolist())]
-        kept = rows.add(emitted)
+        kept = rows.add(batch.widen(emitted, []))
         seconds = clock(device) - t0
         extra = _expectations(target_probs, draft_probs, draft_tokens, expectations)  # untimed: analysis only
-        steps.append(StepRecord(tuple(accepted), active, step_gamma, 1, fed + 1, seconds, t2 - t1, t1 - t0, **extra))
+        record = StepRecord(tuple(accepted), active, step_gamma, 1, fed + 1, seconds, t2 - t1, t1 - t0, **extra)
+        steps.append(batch.record(record, active))
         if on_step is not None:
             on_step(kept)
     return _result(rows, steps, prefill_seconds, tokenizer, "speculative")
@@ -468,14 +514,20 @@ def autoregressive_generate(
     prefill_seconds = clock(device) - t0
     pending = ids[:, -1:].to(device)
     steps = []
+    batch = _Batch(len(ids), (target,))
     while not all(rows.done):
+        index = batch.shrink(rows.done)
+        if index is not None:  # finished rows leave the batch
+            target.select_rows(index.to(device))
+            (pending,) = _select(index, pending)
+            generators = [generators[i] for i in index.tolist()] if isinstance(generators, list) else generators
         active = tuple(not d for d in rows.done)
         t0 = clock(device)
         logits = target.score(pending)[:, -1]
         t1 = clock(device)
         probs = _probs(logits, sampling, "target model logits (autoregressive step)")
         pending = _sample(probs, sampling, generators)[:, None]
-        kept = rows.add(pending.tolist())
+        kept = rows.add(batch.widen(pending.tolist(), []))
         steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, clock(device) - t0, t1 - t0, 0.0))
         if on_step is not None:
             on_step(kept)

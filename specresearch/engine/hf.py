@@ -405,8 +405,11 @@ class _Processed:
         for name in ("feature_layers", "feature_size", "observe", "plan_length"):
             if hasattr(model, name):
                 setattr(self, name, getattr(model, name))
+        if hasattr(model, "select_rows") and hasattr(model, "repeat_rows"):  # rows leave the batch / draft trees
+            self.select_rows, self.repeat_rows = self._select_rows, self._repeat_rows
         self._pads = [row[: int((m == 0).sum())].tolist() for row, m in zip(input_ids, mask)]  # left pads per row
         self._slots: list[list[tuple[int, bool]]] = []
+        self._origin: list[int] = []  # the ``generate`` row each current row came from
 
     @property
     def device(self) -> torch.device:
@@ -418,13 +421,25 @@ class _Processed:
 
     def reset(self, batch_size: int) -> None:
         self._slots = [[] for _ in range(batch_size)]
+        self._origin = list(range(batch_size))
         self.model.reset(batch_size)
+
+    def _repeat_rows(self, k: int) -> None:
+        self._slots = [list(slots) for slots in self._slots for _ in range(k)]
+        self._origin = [b for b in self._origin for _ in range(k)]
+        self.model.repeat_rows(k)
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        self._slots = [self._slots[i] for i in index.tolist()]
+        self._origin = [self._origin[i] for i in index.tolist()]
+        self.model.select_rows(index)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_layers=None):
         """As the model's; with ``hidden_layers`` (a target that returns hidden states) ``(logits, features)``."""
         hidden = {} if hidden_layers is None else {"hidden_layers": hidden_layers}
         out = self.model.prefill(input_ids, attention_mask, **hidden)
         self._slots = [list(zip(r.tolist(), m.bool().tolist())) for r, m in zip(input_ids, attention_mask)]
+        self._origin = list(range(len(self._slots)))
         return out
 
     def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, hidden_layers=None):
@@ -449,12 +464,14 @@ class _Processed:
         self.model.rollback(n)
 
     def _process(self, b: int, row: torch.Tensor) -> torch.Tensor:
-        """Processors on row b's prefix (its pads + valid slots) -> processed logits ``[V]``."""
-        prefix = self._pads[b] + [t for t, ok in self._slots[b] if ok]
-        batch = len(self._slots)
+        """Processors on row b's prefix (its pads + valid slots) -> processed logits ``[V]``, seen by the processors
+        as row ``_origin[b]`` of ``generate``'s batch."""
+        origin = self._origin[b]
+        prefix = self._pads[origin] + [t for t, ok in self._slots[b] if ok]
+        batch = len(self._pads)
         ids = torch.tensor([prefix], dtype=torch.long, device=row.device).expand(batch, -1)
         scores = row[None].expand(batch, -1).clone()
         for processor in self.processors:
             scores = processor(ids, scores)
-        return scores[b]
+        return scores[origin]
 

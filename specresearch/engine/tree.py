@@ -50,8 +50,8 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
         raise ValueError(f"target {type(target).__name__} cannot score a tree in one call (begin_tree / score_tree / end_tree)")
     if not isinstance(draft, RowExpander) or isinstance(draft, FeatureReader) or isinstance(draft, PlansLength):
         raise ValueError(f"draft {type(draft).__name__} cannot draft trees yet: the engine drafts K paths with drafts "
-                         "that copy and select rows (models.CausalLM, ToyLM); feature heads, lookup and length-planning "
-                         "drafts run chains (num_drafts=1)")
+                         "that copy and select rows (models.CausalLM, ToyLM, n-gram lookup, dial drafts); feature heads "
+                         "and length-planning drafts (ngram+NAME) run chains (num_drafts=1)")
     if expectations:
         raise ValueError("expectations= is for chain steps (num_drafts=1)")
 

@@ -9,8 +9,10 @@ rows from the KV cache (``DynamicCache.crop``) and masks out (attention mask 0) 
 that drop more. Position ids are the number of valid slots before each token, so every row sees the
 positions of its compacted sequence, and its logits equal those of a plain uncached forward of that
 compacted sequence (``tests/test_models.py`` checks it with atol 1e-4 in float32, B = 1 and B > 1 with
-left padding). The cost is up to gamma dead slots per step in a batch whose rows disagree; with B = 1
-there are never any. The validity mask lives in one object (``SlotMask``): it is the only record of the
+left padding). The cost is up to gamma dead slots per step in a batch whose rows disagree (with B = 1
+there are never any); once dead slots pass a quarter of the cache (and 4 slots), a rollback, a tree's end or a
+row selection packs each row's valid slots to the right (``SlotMask.compaction``): the cache holds at most a
+third (or 4) more slots than its longest row. The validity mask lives in one object (``SlotMask``): it is the only record of the
 cache length, and the KV cache is asserted to agree with it.
 """
 
@@ -271,6 +273,10 @@ class CausalLM:
         dropped = self._slots.end_tree(kept.to(self.device))
         if dropped:
             self._cache.crop(-dropped)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Pack each row's valid slots to the right when dead slots make up a quarter of the cache."""
         index = self._slots.compaction()
         if index is not None:
             for layer in self._cache.layers:
@@ -284,9 +290,11 @@ class CausalLM:
         self._slots.repeat_rows(k)
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep rows ``index [B']`` of the cache, in that order (the paths the verifier accepted)."""
+        """Keep rows ``index [B']`` of the cache, in that order (the paths the verifier accepted, or the rows still
+        generating); packs the cache when the rows left behind dead slots."""
         self._cache.batch_select_indices(index.to(self.device))
         self._slots.select_rows(index.to(self.device))
+        self._compact()
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
@@ -294,7 +302,7 @@ class CausalLM:
         common = self._slots.drop(counts)
         if common:
             self._cache.crop(-common)
-        assert self._cache.get_seq_length() == self._slots.length
+        self._compact()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None, attention_mask=None):
         """-> (logits float32, the requested hidden states concatenated float32 or None). ``attention_mask``: a 4-D

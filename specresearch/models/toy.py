@@ -57,6 +57,7 @@ class ToyLM:
 
     def rollback(self, n) -> None:
         self._slots.drop(rollback_counts(n, self._slots.mask.shape[0], self.device))
+        self._slots.compaction()
 
     def begin_tree(self) -> None:
         self._slots.begin_tree()
@@ -75,6 +76,7 @@ class ToyLM:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self._slots.select_rows(index)
+        self._slots.compaction()
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token logits after each token. [B, k] -> [B, k, V]."""
