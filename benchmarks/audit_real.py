@@ -12,7 +12,6 @@ sha256, the one-hot cost). Computed, not timed: the numbers do not depend on the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from specresearch.audit import LOSSY_SETTINGS
 from specresearch.audit.engines import ENGINE_RULES
 from specresearch.audit.real import next_token_rows, one_hot_cost, summarise
 from specresearch.drafts.registry import load_pair
+from specresearch.drafts.store import draft_digest
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.experiments.records import machine_info
 from specresearch.paths import data_dir, repo_root
@@ -40,7 +40,7 @@ def main() -> int:
     stem = repo_root() / "benchmarks" / "records" / "audit_real"
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     head = data_dir() / "drafts" / DRAFT
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(head.rglob("*")) if f.is_file())).hexdigest()[:16]
+    digest = draft_digest(head)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
     header = {"command": "benchmarks/audit_real.py", "commit": commit, "machine": machine_info(), "draft": DRAFT,
               "draft_sha256": digest, "prefixes": len(p), "prompts": NUM_PROMPTS, "temperature": TEMPERATURE,

@@ -13,7 +13,6 @@ A benchmark: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import subprocess
@@ -23,6 +22,7 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair
+from specresearch.drafts.store import draft_digest
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.experiments.records import machine_info
@@ -61,7 +61,7 @@ def main() -> int:
     frame = pd.DataFrame(rows)
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     head = data_dir() / "drafts" / "eagle3-v8k"
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(head.rglob("*")) if f.is_file())).hexdigest()[:16]
+    digest = draft_digest(head)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
     header = {"command": " ".join(["benchmarks/bench_adaptive.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
               "draft": "fp16:eagle3-v8k", "draft_sha256": digest}

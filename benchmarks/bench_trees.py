@@ -19,7 +19,6 @@ A benchmark: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair
+from specresearch.drafts.store import draft_digest
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.engine.timing import TimedCall, interleaved_medians
@@ -44,14 +44,6 @@ RUNS = {  # label -> speculative_generate options
     "rrs w/o repl. K3 g2": dict(verifier="rrs_without_replacement", num_drafts=3, gamma=2, draft_law="without_replacement"),
     "gbv K2 g3": dict(verifier="gbv", num_drafts=2, gamma=3),
 }
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-        if file.is_file():
-            digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> list[dict]:
@@ -124,7 +116,7 @@ def main() -> int:
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
     header = {"command": " ".join(["benchmarks/bench_trees.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
-              "draft_sha256": _sha256(data_dir() / "drafts" / "v8k-4l"), "tree_cost": cost}
+              "draft_sha256": draft_digest(data_dir() / "drafts" / "v8k-4l"), "tree_cost": cost}
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1))
     summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))

@@ -131,6 +131,27 @@ def test_saved_draft_rebuilds_with_identical_logits(target, corpus, train_config
     assert set(load_file(str(tmp_path / "t" / "draft.safetensors"))) == set(D.trainable_state(draft))
 
 
+def test_packed_weights_load_the_same_draft_with_the_same_digest(target, tmp_path, monkeypatch):
+    """How drafts ship: xz-packed weights load to the same logits and keep the digest of the plain files."""
+    from specresearch.drafts.store import draft_digest, pack_weights, weights_path
+
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
+    config = D.DraftConfig("p", num_layers=1, storage_dtype="bfloat16")
+    draft = D.build_draft(target, config, seed=0)
+    D.save_draft(draft, target, config, tmp_path / "p")
+    plain = load_draft(target, tmp_path / "p")
+    digest = draft_digest(tmp_path / "p")
+    packed = pack_weights(tmp_path / "p", "draft.safetensors")
+    assert packed.name == "draft.safetensors.xz" and not (tmp_path / "p" / "draft.safetensors").exists()
+    assert draft_digest(tmp_path / "p") == digest
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, load_draft(target, tmp_path / "p")(input_ids=ids).logits)
+    assert weights_path(tmp_path / "p", "draft.safetensors").is_relative_to(tmp_path / "cache")  # decompressed once
+    with pytest.raises(FileNotFoundError, match="no weights file"):
+        weights_path(tmp_path, "draft.safetensors")
+
+
 def test_bfloat16_storage_rounds_the_stored_weights(target, tmp_path):
     config = D.DraftConfig("b", num_layers=1, storage_dtype="bfloat16")
     draft = D.build_draft(target, config, seed=0)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specresearch"
+ROOT = PACKAGE.parent
 
 # room -> the rooms it may import from (besides itself). "base": the pure-Python leaf modules every room may use.
 ALLOWED = {
@@ -160,3 +161,11 @@ def test_every_public_name_exists():
     missing = {m: [n for n in getattr(importlib.import_module(m), "__all__", ()) if not hasattr(importlib.import_module(m), n)]
                for m in MODULES if not m.endswith("__main__")}  # __main__ runs the command line when imported
     assert {m: names for m, names in missing.items() if names} == {}
+
+
+def test_tracked_files_fit_what_a_gpu_machine_receives():
+    """A GPU machine receives at most 64 MiB per run: the tracked files stay under 60 MB (shipped weights xz-packed)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=ROOT, check=True).stdout.split(b"\0")
+    sizes = {name.decode(): (ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file()}
+    largest = sorted(sizes, key=sizes.get)[-3:]
+    assert sum(sizes.values()) < 60e6, f"{sum(sizes.values()) / 1e6:.1f} MB tracked; largest: {largest}"

@@ -37,6 +37,7 @@ from specresearch.drafts.store import (
     read_manifest,
     shipped_drafts,
     write_manifest,
+    weights_path,
 )
 from specresearch.models.kernels import SKINNY_ROWS, skinny_linear
 
@@ -246,7 +247,7 @@ def load_draft(target, directory: str | os.PathLike):
     manifest = read_manifest(directory)
     _check_fingerprint(target, manifest["target"], directory)
     config = DraftConfig(**{**manifest["draft_config"], "init_layers": None})
-    tensors = load_file(str(directory / _WEIGHTS_FILE))
+    tensors = load_file(str(weights_path(directory, _WEIGHTS_FILE)))
     head_ids = tensors.pop(_HEAD_IDS, None)
     if (head_ids is None) != (config.head_tokens is None):
         raise ValueError(f"directory {directory}: head_tokens {config.head_tokens} but {_HEAD_IDS} is {'missing' if head_ids is None else 'stored'}")

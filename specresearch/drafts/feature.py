@@ -46,6 +46,7 @@ from specresearch.drafts.store import (
     manifest_path,
     read_manifest,
     write_manifest,
+    weights_path,
 )
 from specresearch.models.causal_lm import SlotMask, check_prompt, rollback_counts
 from specresearch.models.kernels import (
@@ -484,7 +485,7 @@ def is_feature_draft_dir(directory: str | os.PathLike) -> bool:
 
 def feature_head_digest(directory: str | os.PathLike) -> str:
     """sha256 of a saved head's weights file (what a run continuing it records and is keyed by)."""
-    return hashlib.sha256((Path(directory) / _WEIGHTS_FILE).read_bytes()).hexdigest()
+    return hashlib.sha256(weights_path(directory, _WEIGHTS_FILE).read_bytes()).hexdigest()
 
 
 def feature_head_dir(name_or_dir: str | os.PathLike) -> Path:
@@ -532,7 +533,7 @@ def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
             math.isclose(actual[k], expected_target[k], rel_tol=1e-3, abs_tol=1e-3) for k in ("embedding_sum", "embedding_sq_sum")):
         raise ValueError(f"target does not match the target the feature head in {directory} was trained on")
     config = FeatureHeadConfig(**{**manifest["feature_head_config"], "init_layer": None})
-    tensors = load_file(str(directory / _WEIGHTS_FILE))
+    tensors = load_file(str(weights_path(directory, _WEIGHTS_FILE)))
     head = FeatureHead(target, config, head_token_ids=tensors.pop(_HEAD_IDS, None))
     expected = trainable_tensors(head)
     if tensors.keys() != expected.keys():

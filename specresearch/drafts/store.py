@@ -1,18 +1,28 @@
 """How trained drafts are stored: the shipped folder, manifests, storage dtypes, the target's fingerprint.
+
+Weights files: training writes ``<name>.safetensors``; a shipped draft keeps it xz-compressed (``<name>.safetensors.xz``,
+lossless, about 30% smaller: the repository stays small enough to send to a GPU machine). :func:`weights_path`
+finds either; the compressed one is decompressed once into the cache, keyed by its sha256. Digests are computed on
+the decompressed bytes, so a draft has one digest whichever way it is stored.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import lzma
 import math
 import os
 from pathlib import Path
 
 import torch
 
-from specresearch.paths import data_dir
+from specresearch.paths import cache_dir, data_dir
 
-__all__ = ["drafts_dir", "shipped_drafts", "embedding_fingerprint", "manifest_path", "read_manifest", "write_manifest"]
+__all__ = ["drafts_dir", "shipped_drafts", "embedding_fingerprint", "manifest_path", "read_manifest", "write_manifest",
+           "weights_path", "pack_weights", "draft_digest"]
+
+_PACKED = ".xz"
 
 
 _STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,3 +76,42 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 def write_manifest(directory: str | os.PathLike, record: dict) -> None:
     """Write ``record`` as the manifest of a trained draft's directory (sorted keys, indented)."""
     manifest_path(directory).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def weights_path(directory: str | os.PathLike, name: str) -> Path:
+    """The weights file ``name`` of a draft's directory, ready to load: ``directory/name`` itself, or the cached
+    decompressed copy of ``directory/name.xz`` (made on first use). Raises ``FileNotFoundError`` if neither exists."""
+    plain, packed = Path(directory) / name, Path(directory) / (name + _PACKED)
+    if plain.exists() or not packed.exists():
+        if not plain.exists():
+            raise FileNotFoundError(f"no weights file {name} (or {name}{_PACKED}) in {directory}")
+        return plain
+    key = hashlib.sha256(packed.read_bytes()).hexdigest()[:16]
+    cached = cache_dir("drafts", f"{Path(directory).name}-{key}", name)
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{name}.{os.getpid()}.partial")
+        partial.write_bytes(lzma.decompress(packed.read_bytes()))
+        os.replace(partial, cached)  # atomic: a concurrent reader sees the whole file or none
+    return cached
+
+
+def pack_weights(directory: str | os.PathLike, name: str) -> Path:
+    """Compress ``directory/name`` to ``name.xz`` (xz preset 9, lossless) and remove the plain file: how a draft is
+    shipped under ``data/drafts/``. -> the packed file."""
+    plain = Path(directory) / name
+    packed = plain.with_name(name + _PACKED)
+    packed.write_bytes(lzma.compress(plain.read_bytes(), preset=9))
+    plain.unlink()
+    return packed
+
+
+def draft_digest(directory: str | os.PathLike) -> str:
+    """sha256 (16 hex digits) of a draft directory's files in name order, packed files by their decompressed bytes:
+    the weights' digest the benchmark records carry."""
+    digest = hashlib.sha256()
+    files = {p.name.removesuffix(_PACKED): p for p in Path(directory).rglob("*") if p.is_file()}
+    for name in sorted(files):
+        file = files[name]
+        digest.update(weights_path(file.parent, name).read_bytes() if file.name.endswith(_PACKED) else file.read_bytes())
+    return digest.hexdigest()[:16]
