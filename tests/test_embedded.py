@@ -86,6 +86,19 @@ def test_greedy_speculative_equals_greedy_autoregressive(smollm, greedy_referenc
         assert out.block_efficiency > 4.5  # the target drafting for itself accepts (nearly) every block
 
 
+def test_the_half_precision_head_drafts_after_a_one_token_raw_prompt(smollm):
+    """The target's features at a prompt's first token reach ~22,000: the float16 head's products once overflowed
+    there and its logits were NaN (``specresearch generate "Hello" --raw``). Greedy output equals the target's."""
+    from specresearch.drafts.registry import draft_from_name
+
+    lm, tokenizer = smollm
+    draft = draft_from_name("fp16:eagle3-v8k", lm, tokenizer)
+    for prompt in ("Hello", "Hi there"):
+        reference = autoregressive_generate(lm, [prompt], tokenizer=tokenizer, max_new_tokens=8, sampling=GREEDY)
+        out = speculative_generate(lm, draft, [prompt], tokenizer=tokenizer, gamma=3, max_new_tokens=8, sampling=GREEDY)
+        assert out.tokens == reference.tokens
+
+
 def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
     real = importlib.util.find_spec

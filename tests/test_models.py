@@ -199,6 +199,29 @@ def test_half_weights_multiply_the_rounded_weights_and_untie(dtype):
         use_half_weights(model, dtype=torch.float64)
 
 
+def test_half_products_of_huge_inputs_do_not_overflow_and_small_ones_are_unchanged():
+    """A row past the layer's limit (an attention sink's features reach 22,000 in SmolLM2) is scaled by a power of
+    two: finite and close to the float32 product; rows under the limit compute bit for bit the unscaled product."""
+    from specresearch.models.kernels import half_input_limit, use_half_weights
+
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 64, bias=False))
+    with torch.no_grad():
+        layer[0].weight.copy_(torch.rand(64, 256, generator=g) * 0.5)  # positive: products add up, the worst case
+    use_half_weights(layer)
+    weight = layer[0].weight
+    limit = layer[0].half_limit
+    assert limit == half_input_limit(weight) and 65504 / 2 / 256 / 0.5 <= limit
+    small = torch.rand(3, 256, generator=g) * limit
+    assert torch.equal(layer(small), torch.nn.functional.linear(small.half(), weight).float())
+    huge = small.clone()
+    huge[1] *= 30_000 / limit
+    assert not torch.isfinite(torch.nn.functional.linear(huge.half(), weight).float()).all()  # what it gave before
+    got = layer(huge)
+    assert torch.isfinite(got).all() and torch.equal(got[[0, 2]], layer(small)[[0, 2]])
+    torch.testing.assert_close(got, huge @ weight.float().t(), rtol=2e-3, atol=0)
+
+
 def test_half_weights_never_change_the_target():
     from specresearch.models.kernels import use_half_weights
 

@@ -27,7 +27,13 @@ the bytes streamed per call; its activations, biases and everything between the 
 float32. :func:`skinny_linear` sees the dtypes differ and multiplies 1-4 rows in float16 (a oneDNN
 product that streams W at twice the float32 rate here) and more rows in float32 against the upcast
 weights (float16 products slow down with rows on this CPU). The weights are the float16-rounded ones
-either way; the draft's q is whatever it computes, so losslessness is untouched.
+either way; the draft's q is whatever it computes, so losslessness is untouched. A float16 product of an input row
+``x`` cannot overflow while ``max|x| * max_o sum_i |W[o, i]| < 65,504`` (every partial sum is bounded by it):
+:func:`use_half_weights` stores each layer's limit on ``max|x|`` (``half_limit``, half of that bound) and a row
+above it is divided by a power of two first and multiplied back in float32. Powers of two commute with float
+rounding, so rows under the limit compute bit for bit what they did, and rows over it no longer give inf: the
+target's features at a prompt's first token (its attention sink) reach 22,000 in SmolLM2-135M, which made the
+float16 feature head's logits NaN on one-token raw prompts.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import os
 
 import torch
 
-__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_half_weights", "cpu_sdpa_attention", "use_cpu_sdpa"]
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_half_weights", "half_input_limit", "cpu_sdpa_attention", "use_cpu_sdpa"]
 
 
 SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
@@ -46,7 +52,7 @@ HALF_ROWS = 4  # up to this many rows, half weights multiply in their own dtype 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  skinny_rows=SKINNY_ROWS) -> torch.Tensor:
+                  skinny_rows=SKINNY_ROWS, half_limit: float | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; on CPU with 1-8 rows computed as ``(W @ x^T)^T`` (module docstring).
 
     ``x``: ``[..., in]``; rows = ``x.numel() / in``. The product takes ``x`` contiguous (a column-major ``x``,
@@ -54,12 +60,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     to two (MKL's one-column product is a GEMV). The same function up to float rounding (~1e-6 relative);
     any other row count (outside ``skinny_rows``), device or an empty input takes ``F.linear`` unchanged. A
     ``weight`` whose dtype differs from ``x``'s (half weights, :func:`use_half_weights`) is multiplied as the
-    module docstring says.
+    module docstring says; ``half_limit`` (from :func:`half_input_limit`, computed here when None) bounds its rows.
     """
     rows = x.numel() // max(x.shape[-1], 1)
     if weight.dtype != x.dtype:  # half weights, float32 activations (use_half_weights)
-        y = (torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype) if rows <= HALF_ROWS
-             else torch.nn.functional.linear(x, weight.to(x.dtype)))
+        if rows <= HALF_ROWS:
+            limit = half_input_limit(weight) if half_limit is None else half_limit
+            scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True) / limit))).clamp(min=1.0)  # no host sync
+            y = torch.nn.functional.linear((x / scale).to(weight.dtype), weight).to(x.dtype) * scale
+        else:
+            y = torch.nn.functional.linear(x, weight.to(x.dtype))
         return y if bias is None else y + bias
     if rows not in skinny_rows or x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
@@ -81,8 +91,10 @@ class SkinnyLinear(torch.nn.Linear):
     SKINNY_ROWS = SKINNY_ROWS
     skinny_rows = SKINNY_ROWS  # the row counts this layer computes its own way (use_skinny_linears may narrow them)
 
+    half_limit = None  # set by use_half_weights: the largest |input| a float16 product of this weight takes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias, skinny_rows=self.skinny_rows)
+        return skinny_linear(x, self.weight, self.bias, skinny_rows=self.skinny_rows, half_limit=self.half_limit)
 
 
 def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
@@ -253,7 +265,14 @@ def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, sh
         if type(module) is torch.nn.Linear:
             module.__class__ = SkinnyLinear
         module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        module.half_limit = half_input_limit(module.weight)
     return len(chosen)
+
+
+def half_input_limit(weight: torch.Tensor) -> float:
+    """The largest ``max|x|`` of an input row whose product with the half ``weight [out, in]`` stays below half of
+    float16's largest value, partial sums included (module docstring)."""
+    return float(torch.finfo(torch.float16).max / 2 / weight.float().abs().sum(-1).max().clamp(min=1e-30))
 
 
 CPU_SDPA = "specresearch_cpu_sdpa"  # the attention implementation CausalLM selects on CPU (cpu_sdpa_attention)
