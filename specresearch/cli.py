@@ -21,6 +21,7 @@ _USER_ERRORS = (ValueError, OSError)
 # a plain language model for --method contrastive, which scores whole prefixes with it.
 from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside the parser)
     TREE_RULES,
+    check_common_flags,
     check_generate_flags,
     check_prompts_file,
     known_names,
@@ -191,12 +192,14 @@ class _Stream:
     """Prints the text of row 0 as tokens are accepted (and a tqdm bar on stderr for long runs)."""
 
     def __init__(self, tokenizer, total: int):
-        from tqdm.auto import tqdm
-
         self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
-        self.bar = tqdm(total=total, unit="tok", file=sys.stderr, leave=False, disable=total < 256)
+        self.total, self.bar = total, None  # the bar starts with the first step, after the engine's checks
 
     def __call__(self, kept: list[list[int]]) -> None:
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, unit="tok", file=sys.stderr, leave=False, disable=self.total < 256)
         self.tokens.extend(kept[0])
         self.bar.update(len(kept[0]))
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
@@ -205,7 +208,8 @@ class _Stream:
             self.printed = text
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _add_distill(sub) -> None:
@@ -479,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     _quiet_and_offline()
     try:
+        check_common_flags(args)
         return args.func(args)
     except _USER_ERRORS as exc:
         if os.environ.get("SPECRESEARCH_TRACEBACK") == "1":
@@ -506,7 +511,7 @@ def _user_message(exc: BaseException, args) -> str:
     message = shorten(str(exc) or type(exc).__name__, 400)
     if isinstance(exc, FileNotFoundError) and exc.filename:
         message = f"{exc.filename}: {exc.strerror or 'no such file'}"
-    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError) and os.environ.get("HF_HUB_OFFLINE") != "0":
         from specresearch.drafts.registry import without_half_prefix
 
         # transformers' message for a name it cannot resolve offline does not say which name it was

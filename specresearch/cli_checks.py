@@ -4,6 +4,7 @@ to load. Each raises ``ValueError`` with one line naming the flag (``cli.main`` 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 TREE_RULES = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")  # engine.tree.TREE_VERIFIERS
@@ -58,6 +59,44 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device}: torch sees no Apple GPU (MPS) on this machine; use --device cpu or auto")
 
 
+def check_common_flags(args) -> None:
+    """The flags several commands share (``--threads``, ``--device``, ``--model`` / ``--target``, ``--draft``), checked
+    for every command before it runs: one line and exit code 2 instead of a traceback after a model load."""
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if getattr(args, "device", None) is not None:
+        check_device(args.device)
+    embedded_only = args.command in ("distill", "feature-distill", "warm-cache")  # these train or cache the embedded model
+    for flag in ("model", "target"):
+        if getattr(args, flag, None) is not None:
+            check_model_name(f"--{flag}", getattr(args, flag), embedded_only=embedded_only)
+    if args.command == "bench":
+        check_draft_name(args.draft)
+
+
+def check_model_name(flag: str, name: str, *, embedded_only: bool = False) -> None:
+    """An embedded model's name, a transformers checkpoint directory, or, where downloads are allowed
+    (``HF_HUB_OFFLINE=0``), a hub id."""
+    known = known_names("model")
+    if name in known:
+        return
+    if embedded_only:
+        raise ValueError(f"{flag} {name!r}: this command works on an embedded model ({', '.join(known)})")
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{flag} {name}: a directory without config.json is not a transformers checkpoint "
+                             "(model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR) write one)")
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "1") == "0":
+        return  # downloads allowed: transformers resolves the hub id (or says why not)
+    hub = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    raise ValueError(f"{flag} {name!r} is neither a known name ({', '.join(known)}) nor a checkpoint directory"
+                     + ("; to download it from the Hugging Face hub, allow downloads: HF_HUB_OFFLINE=0 specresearch ..."
+                        if hub else ""))
+
+
 def check_draft_name(name: str | None) -> None:
     """``--draft``: a described draft, a shipped one or an existing directory (before any model loads)."""
     from specresearch.drafts.registry import without_half_prefix
@@ -69,16 +108,18 @@ def check_draft_name(name: str | None) -> None:
     if not (described or base in known_names("draft") or Path(base).exists()):
         raise ValueError(f"--draft {name!r} is neither a known name ({', '.join(known_names('draft'))}) "
                          "nor an existing checkpoint directory")
+    if Path(base).is_dir() and not any((Path(base) / f).is_file() for f in ("config.json", "manifest.json")):
+        raise ValueError(f"--draft {name}: a directory without config.json (a transformers checkpoint) or manifest.json "
+                         "(a draft a training command wrote) is not a draft")
 
 
 def check_generate_flags(args) -> None:
     """Every error the flags alone reveal, before any model loads (a model takes seconds to load)."""
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the text to answer (or continue, with --raw)")
-    for flag, value in (("--gamma", args.gamma), ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
+    for flag, value in (("--gamma", args.gamma), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    check_device(args.device)
     check_draft_name(args.draft)
     if args.method != "speculative" and (args.verifier is not None or args.gamma_given or args.num_drafts != 1):
         raise ValueError(f"--method {args.method} decodes without a draft: --verifier, --gamma and --num-drafts are for "

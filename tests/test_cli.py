@@ -186,3 +186,44 @@ def test_generate_flag_errors_come_before_any_model_loads(capsys, monkeypatch, a
         if torch.cuda.is_available() or (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
             pytest.skip("this machine has the device, so the flag is valid here")  # the CPU CI always runs these
     _user_error(capsys, argv, needle)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "--threads", "0"], "--threads must be >= 1"),
+    (["bench", "--device", "foo"], "--device 'foo' is not a device"),
+    (["bench", "--draft", "v9-nope"], "--draft 'v9-nope' is neither a known name"),
+    (["bench", "--target", "HuggingFaceTB/SmolLM2-360M"], "allow downloads: HF_HUB_OFFLINE=0"),
+    (["distill", "--threads", "-1"], "--threads must be >= 1"),
+    (["distill", "--target", "foo"], "this command works on an embedded model"),
+    (["feature-distill", "--target", "foo"], "this command works on an embedded model"),
+    (["generate", "hi", "--model", "HuggingFaceTB/SmolLM2-360M"], "allow downloads: HF_HUB_OFFLINE=0"),
+    (["generate", "hi", "--model", "{tmp}"], "without config.json is not a transformers checkpoint"),
+    (["generate", "hi", "--draft", "{tmp}"], "is not a draft"),
+    (["bench", "--draft", "{tmp}"], "is not a draft"),
+])
+def test_shared_flag_errors_of_every_command_come_before_any_model_loads(capsys, monkeypatch, tmp_path, argv, needle):
+    import specresearch.models.embedded as embedded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(embedded, "load_model", refuse)
+    monkeypatch.setattr(embedded, "load_embedded", refuse)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    _user_error(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], needle)
+
+
+def test_a_hub_name_goes_through_when_downloads_are_allowed(monkeypatch):
+    from specresearch.cli_checks import check_model_name
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    check_model_name("--model", "HuggingFaceTB/SmolLM2-360M")  # transformers resolves (or refuses) it
+
+
+def test_lab_script_adds_allow_root_only_as_root():
+    import os
+
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "lab.sh"), "--no-browser"], capture_output=True, text=True,
+                         env={**os.environ, "SPECRESEARCH_LAB_ECHO": "1"}, check=True)
+    assert out.stdout.startswith("jupyter lab ") and "--no-browser" in out.stdout
+    assert ("--allow-root" in out.stdout) == (os.getuid() == 0) == ("running as root" in out.stderr)
