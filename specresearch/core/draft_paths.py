@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specresearch.checks import check_int
-from specresearch.core.draws import sample_from_weights
+from specresearch.core.draws import sample_from_weights, uniforms
 
 __all__ = ["DRAFT_LAWS", "draw_multi_uniforms", "path_target_probs", "sample_draft_paths"]
 
@@ -24,12 +24,10 @@ def draw_multi_uniforms(batch, num_drafts, length, generator=None, device=None, 
     for name, value in (("batch", batch), ("num_drafts", num_drafts), ("length", length)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1; got {value}")
-    if device is None and generator is not None:
-        device = generator.device
-    return torch.rand(batch, length + 1, num_drafts, generator=generator, device=device, dtype=dtype)
+    return uniforms((batch, length + 1, num_drafts), generator, device, dtype)
 
 
-def sample_draft_paths(draft_probs_fn, batch, num_drafts, length, draft_law="iid", generator=None):
+def sample_draft_paths(draft_probs_fn, batch, num_drafts, length, draft_law="iid", generator=None, device=None):
     """Draw K draft paths of length L per batch row from a draft model (``exact_multi.draft_paths_law``).
 
     Args:
@@ -39,7 +37,8 @@ def sample_draft_paths(draft_probs_fn, batch, num_drafts, length, draft_law="iid
         draft_law: ``"iid"`` (K independent paths) or ``"without_replacement"`` (the K first tokens drawn
             without replacement, later tokens from q as usual). When a row's q has only m < K tokens of
             positive mass, paths m+1..K are copies of path m, as in the exact twin.
-        generator: ``torch.Generator`` (its device is used for the prefixes).
+        generator: ``torch.Generator`` (draws on its own device).
+        device: where the prefixes handed to ``draft_probs_fn`` live (default: the generator's, else the CPU).
     Returns:
         ``(draft_tokens [B, K, L] int64, draft_probs [B, K, L, V])``: the rows each token was drawn from
         (for a first token without replacement: q itself, before removing the earlier draws).
@@ -47,12 +46,12 @@ def sample_draft_paths(draft_probs_fn, batch, num_drafts, length, draft_law="iid
     check_sizes(batch=batch, num_drafts=num_drafts, length=length)
     if draft_law not in DRAFT_LAWS:
         raise ValueError(f"draft_law must be one of {DRAFT_LAWS}; got {draft_law!r}")
-    device = generator.device if generator is not None else torch.device("cpu")
+    device = torch.device(device) if device is not None else generator.device if generator is not None else torch.device("cpu")
     tokens = torch.zeros(batch, num_drafts, 0, dtype=torch.int64, device=device)
     source, rows = None, []  # source[b, k]: the path that path k copies (itself unless a copy)
     for t in range(length):
         probs = call_probs_fn(draft_probs_fn, "draft_probs_fn", tokens, rows[0].shape[-1] if rows else None)
-        u = torch.rand(batch, num_drafts, generator=generator, device=device, dtype=torch.float64)
+        u = uniforms((batch, num_drafts), generator, device)
         if t == 0 and draft_law == "without_replacement":
             drawn, source = first_tokens_without_replacement(probs[:, 0], u)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specresearch.core.draws import sample_from_weights
+from specresearch.core.draws import sample_from_weights, wide
 from specresearch.core.verify import block_scales
 
 __all__ = []
@@ -79,10 +79,10 @@ def gbv_along(target, draft, tokens, num_drafts):
     (p/q smaller, or equal with a smaller id), and r <- (r + y(x)) / q(x)."""
     batch, length, vocab = draft.shape
     ids = torch.arange(vocab, device=tokens.device)
-    below = torch.zeros(batch, dtype=torch.float64, device=draft.device)  # r = A_v / Q_v, 0 at the root
+    below = wide(torch.zeros(batch, device=draft.device))  # r = A_v / Q_v, 0 at the root
     ratios, drafted = [], []
     for d in range(length):
-        q, x = draft[:, d].double(), tokens[:, d : d + 1]
+        q, x = wide(draft[:, d]), tokens[:, d : d + 1]
         ratio = rank_ratio(target[:, d], draft[:, d])
         ratio_x = ratio.gather(1, x)
         ranked_below = ((ratio < ratio_x) | ((ratio == ratio_x) & (ids < x))).to(q.dtype)
@@ -148,7 +148,7 @@ def gbv_draft_rows(target, draft, tokens, num_drafts, needed=None, along=None):
     for d in range(length):
         index = needed[:, d].nonzero().squeeze(1)  # [n]
         if index.numel() > 0:
-            q = draft[index, d].double()
+            q = wide(draft[index, d])
             order = rank_ratio(target[index, d], draft[index, d]).argsort(dim=-1, stable=True)  # ascending
             sorted_q = q.gather(1, order)
             exclusive = torch.cat([torch.zeros_like(sorted_q[:, :1]), sorted_q.cumsum(-1)[:, :-1]], 1)

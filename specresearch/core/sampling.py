@@ -46,7 +46,7 @@ from transformers.generation.logits_process import (
 )
 
 from specresearch.config import SamplingConfig
-from specresearch.core.draws import sample_from_weights
+from specresearch.core.draws import sample_from_weights, uniforms, wide
 
 __all__ = [
     "SamplingConfig",
@@ -144,7 +144,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p == 1:
         return logits
     sorted_logits, order = _descending_rank(logits)
-    sorted_probs = torch.softmax(sorted_logits.double(), dim=-1)
+    sorted_probs = torch.softmax(wide(sorted_logits), dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive cumulative mass
     mass_before[..., 0] = 0.0  # exact, so the most likely token is always kept
     keep = _unsort(mass_before < float(top_p), order)
@@ -217,7 +217,7 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | list[torch.G
     if isinstance(generator, (list, tuple)):
         if len(generator) != probs.shape[0]:
             raise ValueError(f"generator must be one torch.Generator or one per row ({probs.shape[0]}), got {len(generator)}")
-        u = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in generator])
+        u = torch.cat([uniforms(1, g, probs.device) for g in generator])
     else:
-        u = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float64)
+        u = uniforms(probs.shape[0], generator, probs.device)
     return sample_from_weights(probs, u)

@@ -332,10 +332,11 @@ class FeatureHead(torch.nn.Module):
         B, L, _ = features.shape
         true = F.pad(features[:, :-1], (0, 0, 1, 0))  # [B, L, F]: feature of slot j-1 (zeros before slot 0)
         if feature_noise:
-            true = true + feature_noise * (2 * torch.rand(true.shape, generator=generator) - 1)
-        positions = torch.arange(L).expand(B, L)
+            noise = torch.rand(true.shape, generator=generator, device=generator.device if generator is not None else None)
+            true = true + feature_noise * (2 * noise.to(true.device) - 1)
+        positions = torch.arange(L, device=features.device).expand(B, L)
         valid = attention_mask.bool()  # [B, L]
-        index = torch.arange(L)
+        index = torch.arange(L, device=features.device)
         past = [[] for _ in self.layers]
         outputs, inputs = [], self.fuse_features(true)
         for k in range(passes):
@@ -344,7 +345,8 @@ class FeatureHead(torch.nn.Module):
             allowed = torch.cat(blocks, dim=2)
             if k > 0:  # slots j < k have no path of length k: let them see themselves only (excluded from the loss)
                 allowed[:, :k] = False
-                allowed[:, torch.arange(min(k, L)), k * L + torch.arange(min(k, L))] = True
+                diagonal = torch.arange(min(k, L), device=features.device)
+                allowed[:, diagonal, k * L + diagonal] = True
             hidden, new = self.block(inputs, tokens, positions, past, allowed)
             for layer_past, kv in zip(past, new):
                 layer_past.append(kv)
@@ -371,7 +373,7 @@ class FeatureDraft:
 
     def __init__(self, head: FeatureHead, *, max_context: int | None = None, device="cpu",
                  skinny_linear: bool | None = None) -> None:
-        self.head = head.eval()
+        self.head = head.eval().to(device)  # beside the target it reads (its embedding is the target's, already there)
         if torch.device(device).type == "cpu":
             chosen = choose_skinny_rows(self.head) if skinny_linear is None else SKINNY_ROWS if skinny_linear else ()
             use_skinny_linears(self.head, chosen)
@@ -432,8 +434,9 @@ class FeatureDraft:
         old = self._slots.length
         positions = self._slots.append(valid)
         columns = torch.arange(old + k, device=self.device)
-        allowed = self._slots.mask[:, None, :] & (columns[None, None, :] <= old + torch.arange(k)[None, :, None])
-        allowed[:, torch.arange(k), old + torch.arange(k)] = True  # a masked slot sees itself (no empty softmax)
+        new = torch.arange(k, device=self.device)
+        allowed = self._slots.mask[:, None, :] & (columns[None, None, :] <= old + new[None, :, None])
+        allowed[:, new, old + new] = True  # a masked slot sees itself (no empty softmax)
         past = [[kv] for kv in self._cache] if self._cache else [[] for _ in self.head.layers]
         hidden, new = self.head.block(inputs, tokens, positions, past, allowed)
         self._cache = [kv if not p else (torch.cat([p[0][0], kv[0]], 2), torch.cat([p[0][1], kv[1]], 2)) for p, kv in zip(past, new)]

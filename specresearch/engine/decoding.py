@@ -36,6 +36,7 @@ from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
 from specresearch.checks import check_int, check_real
 from specresearch.config import SamplingConfig
+from specresearch.core.draws import wide
 from specresearch.core.sampling import check_logits, logits_to_probs, sample_tokens
 
 __all__ = [
@@ -176,8 +177,8 @@ def contrastive_scores(expert_logits: torch.Tensor, amateur_logits: torch.Tensor
         raise ValueError(f"expert_logits {tuple(expert_logits.shape)} and amateur_logits "
                          f"{tuple(amateur_logits.shape)} must have the same shape (same vocabulary)")
     check_real("alpha", alpha, 0.0, 1.0)
-    log_exp = torch.log_softmax(expert_logits.double(), dim=-1)
-    log_ama = torch.log_softmax(amateur_logits.double(), dim=-1)
+    log_exp = torch.log_softmax(wide(expert_logits), dim=-1)
+    log_ama = torch.log_softmax(wide(amateur_logits), dim=-1)
     if alpha > 0:
         plausible = log_exp >= math.log(alpha) + log_exp.max(dim=-1, keepdim=True).values
     else:
@@ -190,7 +191,7 @@ def sequence_log_probs(logits_fn: LogitsFn, input_ids: torch.Tensor, continuatio
     one ``logits_fn`` call per token). Returns ``[B, n]`` float64."""
     out, ids = [], input_ids
     for j in range(continuation.shape[1]):
-        logp = torch.log_softmax(logits_fn(ids, torch.ones_like(ids)).double(), dim=-1)
+        logp = torch.log_softmax(wide(logits_fn(ids, torch.ones_like(ids))), dim=-1)
         out.append(logp.gather(-1, continuation[:, j : j + 1]))
         ids = torch.cat([ids, continuation[:, j : j + 1]], dim=1)
     return torch.cat(out, dim=1)
@@ -293,14 +294,14 @@ def _autoregressive(choose, logits_fn, input_ids, attention_mask, max_new_tokens
     mask = _check_prompt(input_ids, attention_mask)
     ids, batch = input_ids, input_ids.shape[0]
     active = torch.ones(batch, dtype=torch.bool, device=ids.device)
-    log_probs = torch.zeros(batch, dtype=torch.float64, device=ids.device)
+    log_probs = wide(torch.zeros(batch, device=ids.device))
     generated = torch.zeros(batch, dtype=torch.long, device=ids.device)
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
     for _ in range(max_new_tokens):
         logits = logits_fn(ids, mask)  # [B, V]
         check_logits(logits)
         token = torch.where(active, choose(ids, mask, logits, active), pad)  # [B]
-        logp = torch.log_softmax(logits.double(), dim=-1).gather(-1, token[:, None])[:, 0]
+        logp = torch.log_softmax(wide(logits), dim=-1).gather(-1, token[:, None])[:, 0]
         log_probs += torch.where(active, logp, 0.0)
         generated += active.long()
         ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(token)[:, None]], 1)
@@ -426,10 +427,10 @@ def _beam_step(logits_fn, prompt, alive, alive_logp, finished, step, num_beams, 
     ids = torch.tensor([prompt + beam for beam in alive], dtype=torch.long)  # [k, T + step - 1]
     logits = logits_fn(ids, torch.ones_like(ids))
     check_logits(logits)
-    logp = torch.log_softmax(logits.double(), dim=-1)  # [k, V]
+    logp = torch.log_softmax(wide(logits), dim=-1)  # [k, V]
     if ngram is not None:
         logp = block_repeated_ngrams(ids, logp, ngram)
-    cand = torch.tensor(alive_logp, dtype=torch.float64)[:, None] + logp  # [k, V]
+    cand = torch.tensor(alive_logp, dtype=logp.dtype, device=logp.device)[:, None] + logp  # [k, V]
     scores, order = torch.sort(cand.flatten(), descending=True, stable=True)
     vocab = logp.shape[-1]
     new_alive, new_logp, ended = [], [], 0

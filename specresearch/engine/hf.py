@@ -240,7 +240,10 @@ def _as_language_model(model, name: str) -> LanguageModel:
         if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
             raise ValueError(f"{name} is dispatched over several devices (device_map); speculative(...) keeps each "
                              "model on one device: load it with device_map=None or a single device")
-        return CausalLM(model, device=model.device)
+        training = model.training
+        wrapped = CausalLM(model, device=model.device, skinny_linear=False)  # leaves its layers and attention alone
+        model.train(training)  # and its mode: transformers' generate does not switch it either
+        return wrapped
     raise ValueError(f"{name} must be a transformers causal LM or a specresearch LanguageModel, "
                      f"got {type(model).__name__}")
 
@@ -336,7 +339,7 @@ def _seed(seed, generator) -> int | list[int]:
         raise ValueError("pass either seed or generator, not both")
     if seed is not None:
         return seed if isinstance(seed, int) else list(seed)
-    return int(torch.randint(0, 2**62, (), generator=generator))
+    return int(torch.randint(0, 2**62, (), generator=generator, device=None if generator is None else generator.device))
 
 
 def _streaming(streamer) -> Callable[[list[list[int]]], None]:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from specresearch.core.draft_paths import DRAFT_LAWS, draw_multi_uniforms, first_tokens_without_replacement
+from specresearch.core.draws import uniforms
 from specresearch.core.verify_multi import MULTI_VERIFIERS
 from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _sample
 from specresearch.engine.timing import clock
@@ -77,8 +78,8 @@ def parse_verifier(spec: str) -> tuple[str, int, str]:
 def _first_uniforms(generators, batch: int, num_drafts: int, device) -> torch.Tensor:
     """``[B, K]`` uniforms for the first tokens drawn without replacement (one generator, or one per row)."""
     if isinstance(generators, torch.Generator):
-        return torch.rand(batch, num_drafts, generator=generators, device=device, dtype=torch.float64)
-    return torch.stack([torch.rand(num_drafts, generator=g, device=device, dtype=torch.float64) for g in generators])
+        return uniforms((batch, num_drafts), generators, device)
+    return torch.stack([uniforms(num_drafts, g, device) for g in generators])
 
 
 def _draft_paths(draft, pending, pending_valid, num_drafts, gamma, draft_law, sampling, generators, device):
