@@ -5,16 +5,20 @@ Target: SmolLM2-135M-Instruct (``load_embedded``); draft: its first decoder laye
 For each sampling config and verifier, ``stats.lossless_test`` runs N speculative generations of one
 prompt (k = 3 tokens, gamma = 2) and compares the 3-token law with the exact target law.
 The wrong verifier (``stats.wrong_residual_verify``: residual p instead of max(p - q, 0)) must be
-rejected; the correct ones must not (their p-values are uniform under H0: FPR = the level you pick).
+rejected; the correct ones must not (their p-values are uniform under H0: FPR = the level you pick). Each row states
+the smallest total-variation deviation its N detects (power 0.9 at level 1e-3, ``stats.detectable_tv``).
 
     .venv/bin/python benchmarks/run_lossless.py                 # ~10 min on 1 thread
     .venv/bin/python benchmarks/run_lossless.py --num-samples 100 --json /tmp/lossless.jsonl   # quick
+    .venv/bin/python benchmarks/run_lossless.py --draft fp16:eagle3-v8k --samplings T=1.0 --verifiers block \
+        --num-samples 25000 --min-expected 25 --json benchmarks/records/lossless_power_fp16-eagle3-v8k.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 
@@ -38,11 +42,15 @@ SAMPLINGS = {
 WRONG_FOR = ("T=0.6", "T=1.0")  # the wrong verifier runs on these (time budget)
 
 
-def _runs(sampling_name: str):
-    verifiers = [("token", "token"), ("block", "block")]
-    if sampling_name in WRONG_FOR:
-        verifiers.append(("wrong residual (p, not max(p-q,0))", wrong_residual_verify))
-    return verifiers
+WRONG = "wrong residual (p, not max(p-q,0))"
+
+
+def _runs(sampling_name: str, wanted):
+    """(name, verifier) pairs: ``--verifiers`` (``wrong`` = the wrong residual), else token and block, and the wrong
+    verifier where it runs by default."""
+    if wanted:
+        return [(WRONG, wrong_residual_verify) if w == "wrong" else (w, w) for w in wanted]
+    return [("token", "token"), ("block", "block")] + ([(WRONG, wrong_residual_verify)] if sampling_name in WRONG_FOR else [])
 
 
 def main() -> None:
@@ -55,8 +63,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="generated tokens compared")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--samplings", help=f"comma-separated subset of {list(SAMPLINGS)}")
+    parser.add_argument("--verifiers", help="comma-separated: token, block, wrong, or a multi-draft rule with --num-drafts")
+    parser.add_argument("--num-drafts", type=int, default=1, help="draft paths per step (a tree; a multi-draft --verifiers)")
+    parser.add_argument("--draft-law", default="iid")
+    parser.add_argument("--min-expected", type=float, default=5.0, help="smallest expected count of a cell")
     parser.add_argument("--json", help="also write one JSON record per run to this file")
     args = parser.parse_args()
+    samplings = {n: s for n, s in SAMPLINGS.items() if not args.samplings or n in args.samplings.split(",")}
+    wanted = args.verifiers.split(",") if args.verifiers else None
     torch.set_num_threads(args.threads)
 
     target, tokenizer = load_embedded(device="cpu")
@@ -65,21 +80,27 @@ def main() -> None:
     records = []
     described = f"first {args.draft_layers} layer(s)" if args.draft is None else args.draft
     print(f"prompt {args.prompt!r} ({len(prompt)} tokens), draft = {described}, "
-          f"gamma = {args.gamma}, k = {args.k}, N = {args.num_samples} per row, seed = {args.seed}\n")
-    print("| sampling | verifier | N | cells | chi-square p | exact Bonferroni p | rejected at 1e-3 | seconds |")
-    print("|---|---|---|---|---|---|---|---|")
-    for index, (name, sampling) in enumerate(SAMPLINGS.items()):
-        law = sequence_law(target, prompt, sampling=sampling, k=args.k, num_samples=args.num_samples)
-        for offset, (verifier_name, verifier) in enumerate(_runs(name)):
+          f"gamma = {args.gamma}, k = {args.k}, N = {args.num_samples} per row, seed = {args.seed}, "
+          f"paths per step = {args.num_drafts}\n")
+    print("| sampling | verifier | N | cells | detects TV >= | chi-square p | exact Bonferroni p | rejected at 1e-3 | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    tree = {"num_drafts": args.num_drafts, "draft_law": args.draft_law} if args.num_drafts > 1 else {}
+    for index, (name, sampling) in enumerate(samplings.items()):
+        law = sequence_law(target, prompt, sampling=sampling, k=args.k, num_samples=args.num_samples,
+                           min_expected=args.min_expected)
+        for offset, (verifier_name, verifier) in enumerate(_runs(name, wanted)):
             start = time.perf_counter()
             result = lossless_test(target, draft, verifier, prompt, sampling=sampling, gamma=args.gamma, k=args.k,
-                                   num_samples=args.num_samples, seed=args.seed + 10 * index + offset, law=law)
+                                   num_samples=args.num_samples, seed=args.seed + 10 * index + offset, law=law,
+                                   min_expected=args.min_expected, **tree)
             seconds = time.perf_counter() - start
-            print(f"| {name} | {verifier_name} | {result.num_samples} | {len(result.cells)} | {result.p_value:.3g} | "
-                  f"{result.bonferroni_p_value:.3g} | {'yes' if result.rejects(1e-3) else 'no'} | {seconds:.0f} |",
-                  flush=True)
+            print(f"| {name} | {verifier_name} | {result.num_samples} | {len(result.cells)} | {result.detectable_tv():.3f} | "
+                  f"{result.p_value:.3g} | {result.bonferroni_p_value:.3g} | {'yes' if result.rejects(1e-3) else 'no'} | "
+                  f"{seconds:.0f} |", flush=True)
             record = {k: v for k, v in asdict(result).items() if k not in ("cells", "note")}
-            records.append({"sampling": name, "verifier": verifier_name, **record, "wall_seconds": seconds})
+            records.append({"sampling": name, "verifier": verifier_name, **record, "wall_seconds": seconds,
+                            "cells": len(result.cells), "detectable_tv": result.detectable_tv(),
+                            "command": " ".join(["benchmarks/run_lossless.py", *sys.argv[1:]]), **tree})
     if args.json:
         with open(args.json, "w") as out:
             out.writelines(json.dumps(r) + "\n" for r in records)

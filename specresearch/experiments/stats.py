@@ -54,6 +54,7 @@ from specresearch.engine.generate import speculative_generate
 from specresearch.engine.prompts import encode_prompts
 
 __all__ = [
+    "detectable_tv",
     "FPR_NOTE",
     "Cell",
     "SequenceLaw",
@@ -131,6 +132,30 @@ class LosslessTestResult:
     def rejects(self, level: float) -> bool:
         """True when the chi-square test rejects losslessness at ``level`` (false-positive rate ``level``)."""
         return self.p_value < level
+
+    def detectable_tv(self, level: float = 1e-3, power: float = 0.9) -> float:
+        """The smallest total-variation deviation of the cell law this run detects (:func:`detectable_tv`)."""
+        return detectable_tv(self.num_samples, len(self.cells), level, power)
+
+
+def detectable_tv(num_samples: int, cells: int, level: float = 1e-3, power: float = 0.9) -> float:
+    """The smallest deviation delta (total variation, between the laws of the test's cells) that the chi-square test
+    rejects with probability >= ``power`` at ``level``, whatever its shape.
+
+    A deviation d of the cell probabilities p with sum |d_i| = 2 delta has chi-square divergence sum d_i^2 / p_i >=
+    (sum |d_i|)^2 / sum p_i = 4 delta^2 (Cauchy-Schwarz), so the statistic's non-centrality is at least
+    lambda = 4 N delta^2 (the asymptotic non-central chi-square law, dof = cells - 1); its power grows with lambda.
+    delta = sqrt(lambda* / 4N) with lambda* the non-centrality of power ``power`` at ``level``. A deviation inside a
+    cell (two sequences of one cell trading mass) is not seen at all."""
+    dof = max(cells - 1, 1)
+    critical = scipy_stats.chi2.isf(level, dof)
+    low, high = 0.0, 1.0
+    while scipy_stats.ncx2.sf(critical, dof, high) < power:
+        high *= 2
+    for _ in range(60):  # bisection on the non-centrality
+        middle = (low + high) / 2
+        low, high = (middle, high) if scipy_stats.ncx2.sf(critical, dof, middle) < power else (low, middle)
+    return float(np.sqrt(high / (4 * num_samples)))
 
 
 def _prompt_ids(prompt, tokenizer) -> tuple[int, ...]:
