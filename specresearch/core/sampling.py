@@ -57,16 +57,10 @@ __all__ = [
     "transform_logits",
     "logits_to_probs",
     "check_logits",
+    "logits_flags",
+    "LOGITS_ERRORS",
     "sample_tokens",
 ]
-
-
-
-
-
-
-
-
 
 
 def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
@@ -78,12 +72,21 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     if logits.numel() and bool(torch.isfinite(logits.amax(dim=-1)).all()):
         return  # one pass: a row's maximum is NaN if the row has a NaN, +inf if it has +inf, -inf if all -inf
-    if torch.isnan(logits).any():
-        raise ValueError(f"{name} contains NaN; check the model output (e.g. an overflow in half precision)")
-    if torch.isposinf(logits).any():
-        raise ValueError(f"{name} contains +inf; logits must be finite or -inf (for masked tokens)")
-    if not torch.isfinite(logits).any(dim=-1).all():
-        raise ValueError(f"{name} has a row where every entry is -inf (all tokens masked); nothing can be sampled")
+    for flag, error in zip(logits_flags(logits).tolist(), LOGITS_ERRORS):
+        if flag:
+            raise ValueError(f"{name} {error}")
+
+
+def logits_flags(logits: torch.Tensor) -> torch.Tensor:
+    """What :func:`check_logits` would raise for, as a tensor and without reading it back: ``[3]`` int64 (any NaN,
+    any +inf, any row entirely -inf)."""
+    return torch.stack([torch.isnan(logits).any(), torch.isposinf(logits).any(),
+                        (~torch.isfinite(logits).any(dim=-1)).any()]).long()
+
+
+LOGITS_ERRORS = ("contains NaN; check the model output (e.g. an overflow in half precision)",
+                 "contains +inf; logits must be finite or -inf (for masked tokens)",
+                 "has a row where every entry is -inf (all tokens masked); nothing can be sampled")
 
 
 def _first_argmax_one_hot(logits: torch.Tensor) -> torch.Tensor:
@@ -187,16 +190,18 @@ def _transform(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     return out
 
 
-def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, *, validate: bool = True) -> torch.Tensor:
     """The sampling distribution of ``config`` for next-token ``logits``. [..., V] -> [..., V].
 
     float32 / float64 inputs keep their dtype; other floating dtypes (half, bfloat16) are computed in
     float32. Greedy configs give an exact one-hot at the first argmax. Raises ``ValueError`` for NaN,
-    +inf, a row that is entirely -inf, or a non-floating tensor.
+    +inf, a row that is entirely -inf, or a non-floating tensor; ``validate=False`` skips the value checks (a
+    host read on a GPU): the caller checks :func:`logits_flags` later.
     """
     if not isinstance(config, SamplingConfig):
         raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
-    check_logits(logits)
+    if validate:
+        check_logits(logits)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     return torch.softmax(_transform(logits, config), dim=-1)

@@ -89,7 +89,9 @@ __all__ = [
 _SUM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 # Up to this vocabulary size (elements per row) computing every h_i at once is cheaper than the backward
 # scan, which issues a few dozen small kernels per column; above it the scan saves most rows
-# (benchmarks/bench_verify.py). All paths return the same tau (tests/test_verify.py).
+# (benchmarks/bench_verify.py, on a CPU). All paths return the same tau (tests/test_verify.py). Off the CPU the dense
+# path runs at every size: the scan reads the host once per column (B > 1) or once per call (B = 1), each a GPU sync,
+# and a GPU computes every h_i at once in a handful of kernels.
 _DENSE_TAU_MAX_ELEMENTS = 1 << 12
 # From this batch size on the backward scan is vectorised over rows; below it (B = 1) it runs in Python.
 _BACKWARD_MIN_BATCH = 2
@@ -136,7 +138,7 @@ def block_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uni
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)  # [B, gamma+1]
     p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma]
     scale = _block_scales(p_x, q_x)  # [B, gamma]: p_1..p_gamma
-    if target_probs.shape[-1] <= _DENSE_TAU_MAX_ELEMENTS:
+    if target_probs.shape[-1] <= _DENSE_TAU_MAX_ELEMENTS or target_probs.device.type != "cpu":
         tau = _block_tau_dense(target_probs, draft_probs, scale, eta[:, :-1])  # [B]
         next_token = _sample_residual(target_probs, draft_probs, tau, _scale_at(scale, tau), eta[:, -1])
     else:

@@ -50,6 +50,7 @@ batch of one row, and a planning draft's row differs alone and batched.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -60,8 +61,8 @@ from specresearch.config import SamplingConfig
 from specresearch.core.draws import draw_uniforms
 from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _sample
-from specresearch.engine.timing import clock
+from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _sample, read_step
+from specresearch.engine.timing import clock, step_clock
 from specresearch.engine.tree import TREE_VERIFIERS, check_tree_args, tree_step
 from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
 
@@ -255,7 +256,7 @@ def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
         model.reset(ids.shape[0])
 
 
-def _draft(draft, pending, pending_valid, gamma, sampling, generators, device, plans=False, stop_below=None):
+def _draft(draft, pending, pending_valid, gamma, sampling, generators, device, checks, plans=False, stop_below=None):
     """Sample gamma tokens from the draft on ``device`` (``plans``: as many as ``draft.plan_length(gamma)``
     says, asked after the pending block is scored; ``stop_below``: stop before token i > 1 once the draft's top
     probability there, softmax of its raw logits, is below it in every row). -> (tokens [B, n], draft_probs [B, n, V],
@@ -265,7 +266,7 @@ def _draft(draft, pending, pending_valid, gamma, sampling, generators, device, p
         gamma = _planned(draft, gamma)
     tokens, probs = [], []
     for i in range(gamma):
-        q = _probs(logits.to(device), sampling, f"draft model logits (drafting token {i + 1})")  # [B, V]
+        q = checks.probs(logits.to(device), sampling, f"draft model logits (drafting token {i + 1})")  # [B, V]
         if i and stop_below is not None and bool((logits.float().softmax(-1).max(-1).values < stop_below).all()):
             return torch.stack(tokens, 1), torch.stack(probs, 1), i
         tokens.append(_sample(q, sampling, generators))
@@ -282,7 +283,7 @@ def _planned(draft, gamma: int) -> int:
     return n
 
 
-def _score(target, pending, draft_tokens, sampling, hidden_layers=None):
+def _score(target, pending, draft_tokens, sampling, checks, hidden_layers=None):
     """One target call on ``[pending, drafts]`` [B, 1+gamma] -> (target_probs [B, gamma+1, V], features).
 
     ``features`` [B, gamma+1, F]: the target's hidden states of ``hidden_layers`` when a draft reads them,
@@ -292,13 +293,13 @@ def _score(target, pending, draft_tokens, sampling, hidden_layers=None):
         logits, features = target.score(tokens), None
     else:
         logits, features = target.score(tokens, hidden_layers=hidden_layers)
-    return _probs(logits.to(draft_tokens.device), sampling, "target model logits (scoring the drafts)"), features
+    return checks.probs(logits.to(draft_tokens.device), sampling, "target model logits (scoring the drafts)"), features
 
 
-def _rollback(target, draft, num_accepted: torch.Tensor, gamma: int) -> None:
+def _rollback(target, draft, accepted: list[int], gamma: int) -> None:
     """Target fed [pending, x_1..x_gamma]; the draft fed [pending block, x_1..x_{gamma-1}]: drop rejections."""
-    target.rollback(gamma - num_accepted)
-    draft.rollback((gamma - 1 - num_accepted).clamp(min=0))
+    target.rollback([gamma - n for n in accepted])
+    draft.rollback([max(gamma - 1 - n, 0) for n in accepted])
 
 
 def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -320,12 +321,12 @@ def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None
     draft.observe(before[:, -1:])
 
 
-def _refeed(draft, draft_tokens, result, features):
+def _refeed(draft, draft_tokens, result, features, longest: int):
     """After verification, a reading draft is re-fed ``[x_1..x_n, next_token]`` (right-aligned, ``valid`` mask)
-    with the target's true features of the slots before them, ``[pending, x_1..x_n]`` (``features [B, gamma+1, F]``).
-    Returns the draft's pending block and its validity ``[B, max n + 1]``."""
+    with the target's true features of the slots before them, ``[pending, x_1..x_n]`` (``features [B, gamma+1, F]``;
+    ``longest``: max n, read back already). Returns the draft's pending block and its validity ``[B, max n + 1]``."""
     n = result.num_accepted  # [B]
-    width = int(n.max()) + 1
+    width = longest + 1
     source = torch.arange(width, device=n.device)[None] - (width - 1 - n[:, None])  # [B, width]
     valid = source >= 0
     source = source.clamp(min=0)
@@ -353,6 +354,7 @@ def speculative_generate(
     num_drafts: int = 1,
     draft_law: str = "iid",
     stop_below: float | None = None,
+    step_timing: bool | None = None,
 ) -> GenerationResult:
     """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; ref. 004).
 
@@ -383,6 +385,9 @@ def speculative_generate(
             temperature; at T = 0 the sampled law is one-hot) is below ``stop_below`` in every row (with per-row seeds, only for one
             prompt: the stop is batch-wide). Lossless: the stop reads the draft's rows only, never the verifier's
             random numbers (``specresearch.exact.adaptive``).
+        step_timing: time each step's draft, target and overhead (``engine.timing.step_clock``: on a GPU each reading
+            waits for the device, four host syncs a step). Default: on the CPU, off on CUDA, where the call's total
+            is still exact (one wait at the end) and the per-step split is NaN.
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
@@ -416,6 +421,7 @@ def speculative_generate(
         _start(target, ids.to(device), mask.to(device))
         _start(draft, ids.to(draft.device), mask.to(draft.device))
     prefill_seconds = clock(device) - t0
+    tick = step_clock(device, step_timing)
     target_pending = ids[:, -1:].to(device)
     draft_pending, draft_valid = target_pending, None
     steps = []
@@ -438,44 +444,46 @@ def speculative_generate(
             emitted, target_pending, draft_pending, draft_valid, record = tree_step(
                 target, draft, target_pending, draft_pending, draft_valid, verifier=verifier, num_drafts=num_drafts,
                 gamma=step_gamma, draft_law=draft_law, sampling=sampling, generators=generators, device=device,
-                active=[active[b] for b in batch.rows])
+                active=[active[b] for b in batch.rows], tick=tick)
             kept = rows.add(batch.widen(emitted, []))
             steps.append(batch.record(record, active))
             if on_step is not None:
                 on_step(kept)
             continue
-        t0 = clock(device)
+        t0 = tick()
+        checks = StepChecks()  # the step's logits checks, read back once with its tokens
         draft_tokens, draft_probs, fed = _draft(draft, draft_pending, draft_valid, step_gamma, sampling, generators, device,
-                                                plans, stop_below if adaptive else None)
+                                                checks, plans, stop_below if adaptive else None)
         step_gamma = draft_tokens.shape[1]
-        t1 = clock(device)
-        target_probs, features = _score(target, target_pending, draft_tokens, sampling,
+        t1 = tick()
+        target_probs, features = _score(target, target_pending, draft_tokens, sampling, checks,
                                         draft.feature_layers if reads else None)
-        t2 = clock(device)
+        t2 = tick()
         randomness = _uniforms(generators, step_gamma, device)
         result = verify(target_probs, draft_probs, draft_tokens, validate=False, **randomness)
+        host = read_step(checks, result.num_accepted, result.next_token, draft_tokens)  # the step's one host read
+        accepted = [row[0] for row in host]
+        emitted = [row[2 : 2 + n] + [row[1]] for row, n in zip(host, accepted)]
         target_pending = result.next_token[:, None]
         if reads:  # drop every slot drafted on the draft's own features; re-feed the accepted ones with true features
-            target.rollback(step_gamma - result.num_accepted)
+            target.rollback([step_gamma - n for n in accepted])
             draft.rollback(fed)
-            draft_pending, draft_valid = _refeed(draft, draft_tokens, result, features)
+            draft_pending, draft_valid = _refeed(draft, draft_tokens, result, features, max(accepted))
         elif fed == step_gamma:  # stopped early: the draft was fed its last token too
-            target.rollback(step_gamma - result.num_accepted)
-            draft.rollback(fed - result.num_accepted)
+            target.rollback([step_gamma - n for n in accepted])
+            draft.rollback([fed - n for n in accepted])
             draft_pending, draft_valid = result.next_token[:, None], None
         else:
-            _rollback(target, draft, result.num_accepted, step_gamma)
-            draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma)
-        accepted = result.num_accepted.tolist()
-        emitted = [d[:n] + [t] for d, n, t in zip(draft_tokens.tolist(), accepted, result.next_token.tolist())]
+            _rollback(target, draft, accepted, step_gamma)
+            draft_pending, draft_valid = _draft_pending(draft_tokens, result, step_gamma, accepted)
         kept = rows.add(batch.widen(emitted, []))
-        seconds = clock(device) - t0
+        seconds = tick() - t0
         extra = _expectations(target_probs, draft_probs, draft_tokens, expectations)  # untimed: analysis only
         record = StepRecord(tuple(accepted), active, step_gamma, 1, fed + 1, seconds, t2 - t1, t1 - t0, **extra)
         steps.append(batch.record(record, active))
         if on_step is not None:
             on_step(kept)
-    return _result(rows, steps, prefill_seconds, tokenizer, "speculative")
+    return _result(rows, _untimed(steps, tick, device), prefill_seconds, tokenizer, "speculative")
 
 
 def _expectations(target_probs, draft_probs, draft_tokens, methods) -> dict:
@@ -498,10 +506,12 @@ def autoregressive_generate(
     tokenizer=None,
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
+    step_timing: bool | None = None,
 ) -> GenerationResult:
     """Plain decoding from ``target``: one target call per token, same sampling and stopping rules.
 
     ``seed``: an int, or one int per prompt (per-row generators: a row's tokens do not depend on the batch).
+    ``step_timing``: as :func:`speculative_generate`'s.
     """
     _check_generation_args(max_new_tokens)
     ids, mask = encode_prompts(prompts, tokenizer)
@@ -512,6 +522,7 @@ def autoregressive_generate(
     t0 = clock(device)
     _start(target, ids.to(device), mask.to(device))
     prefill_seconds = clock(device) - t0
+    tick = step_clock(device, step_timing)
     pending = ids[:, -1:].to(device)
     steps = []
     batch = _Batch(len(ids), (target,))
@@ -522,16 +533,30 @@ def autoregressive_generate(
             (pending,) = _select(index, pending)
             generators = [generators[i] for i in index.tolist()] if isinstance(generators, list) else generators
         active = tuple(not d for d in rows.done)
-        t0 = clock(device)
+        t0 = tick()
         logits = target.score(pending)[:, -1]
-        t1 = clock(device)
-        probs = _probs(logits, sampling, "target model logits (autoregressive step)")
+        t1 = tick()
+        checks = StepChecks()
+        probs = checks.probs(logits, sampling, "target model logits (autoregressive step)")
         pending = _sample(probs, sampling, generators)[:, None]
-        kept = rows.add(batch.widen(pending.tolist(), []))
-        steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, clock(device) - t0, t1 - t0, 0.0))
+        kept = rows.add(batch.widen(read_step(checks, pending), []))
+        steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, tick() - t0, t1 - t0, 0.0))
         if on_step is not None:
             on_step(kept)
-    return _result(rows, steps, prefill_seconds, tokenizer, "autoregressive")
+    return _result(rows, _untimed(steps, tick, device), prefill_seconds, tokenizer, "autoregressive")
+
+
+def _untimed(steps: list[StepRecord], tick, device) -> list[StepRecord]:
+    """With per-step timing off (host clock): wait for the device once and give the last step the wait, so the steps'
+    seconds add up to the call's; the per-step target / draft split is NaN (host dispatch times mean nothing)."""
+    if tick is not time.perf_counter or not steps:
+        return steps
+    end = time.perf_counter()
+    wait = clock(device) - end
+    nan = float("nan")
+    steps = [replace(s, target_seconds=nan, draft_seconds=nan) for s in steps]
+    steps[-1] = replace(steps[-1], seconds=steps[-1].seconds + wait)
+    return steps
 
 
 def _result(rows: _Rows, steps, prefill_seconds, tokenizer, method) -> GenerationResult:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specresearch.config import SamplingConfig
-from specresearch.core.sampling import logits_to_probs, sample_tokens
+from specresearch.core.sampling import LOGITS_ERRORS, logits_flags, logits_to_probs, sample_tokens
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "StepChecks"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,46 @@ def _probs(logits: torch.Tensor, sampling: SamplingConfig, stage: str) -> torch.
         raise ValueError(f"{stage}: {error}") from error
 
 
+class StepChecks:
+    """The logits checks of one step, read back once with the step's tokens instead of once per model call (a host
+    read each on a GPU). A row whose logits fail gets uniform probabilities, so the step runs on to its one read;
+    :meth:`raise_first` then raises ``check_logits``' error for the first failing stage."""
+
+    def __init__(self):
+        self.stages: list[str] = []
+        self.flags: list[torch.Tensor] = []
+
+    def probs(self, logits: torch.Tensor, sampling: SamplingConfig, stage: str) -> torch.Tensor:
+        """``logits_to_probs`` with its value checks deferred (``_probs`` otherwise)."""
+        probs = logits_to_probs(logits, sampling, validate=False)
+        flags = logits_flags(logits)
+        self.stages.append(stage)
+        self.flags.append(flags)
+        return torch.where(flags.any(), torch.full_like(probs, 1.0 / probs.shape[-1]), probs)
+
+    def tensor(self) -> torch.Tensor:
+        """``[3 * calls]`` int64, to read back with the step's other values."""
+        return torch.cat(self.flags) if self.flags else torch.zeros(0, dtype=torch.long)
+
+    def raise_first(self, values: list[int]) -> None:
+        """``values``: :meth:`tensor` read back. Raises ``ValueError`` naming the first stage whose logits failed."""
+        for i, stage in enumerate(self.stages):
+            for flag, error in zip(values[3 * i : 3 * i + 3], LOGITS_ERRORS):
+                if flag:
+                    raise ValueError(f"{stage}: logits {error}")
+
+
+def read_step(checks: StepChecks, *tensors: torch.Tensor) -> list[list[int]]:
+    """The one host read of a step: ``tensors`` (``[B]`` or ``[B, n]`` int64 each) side by side with the checks'
+    flags. Raises the checks' error; returns one list per row, the tensors' columns in order."""
+    columns = torch.cat([t.reshape(t.shape[0], -1).long() for t in tensors], 1)
+    flags = checks.tensor().to(columns.device)
+    values = torch.cat([columns.reshape(-1), flags]).tolist()
+    checks.raise_first(values[columns.numel():])
+    width = columns.shape[1]
+    return [values[b * width : (b + 1) * width] for b in range(columns.shape[0])]
+
+
 def _sample(probs: torch.Tensor, sampling: SamplingConfig, generators) -> torch.Tensor:
     """One token per row from ``probs [B, V]`` -> ``[B]``; greedy configs take the (one-hot) argmax.
 
@@ -55,10 +95,11 @@ def _sample(probs: torch.Tensor, sampling: SamplingConfig, generators) -> torch.
     return sample_tokens(probs, generators)
 
 
-def _draft_pending(draft_tokens, result, gamma):
-    """Next pending block of the draft: ([x_gamma, next_token] [B, 2], valid [B, 2]), or [B, 1] when no row took all."""
+def _draft_pending(draft_tokens, result, gamma, accepted: list[int] | None = None):
+    """Next pending block of the draft: ([x_gamma, next_token] [B, 2], valid [B, 2]), or [B, 1] when no row took all.
+    ``accepted``: ``num_accepted`` already read back (no host read here)."""
     full = result.num_accepted == gamma  # [B]
-    if not bool(full.any()):
+    if not (gamma in accepted if accepted is not None else bool(full.any())):
         return result.next_token[:, None], None
     tokens = torch.stack([draft_tokens[:, -1], result.next_token], 1)
     return tokens, torch.stack([full, torch.ones_like(full)], 1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["clock", "TimedCall", "interleaved_medians"]
+__all__ = ["clock", "step_clock", "TimedCall", "interleaved_medians"]
 
 
 def clock(device: torch.device | str = "cpu") -> float:
@@ -21,6 +21,16 @@ def clock(device: torch.device | str = "cpu") -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def step_clock(device: torch.device | str, timing: bool | None) -> Callable[[], float]:
+    """The generation loops' clock. ``timing`` True: :func:`clock`, which waits for the device (on CUDA a host sync
+    per reading, four a step); False: the host's clock, no wait (a loop then waits once, at its end, and step times
+    are host times). None: on where it costs nothing (no CUDA device)."""
+    device = torch.device(device)
+    if timing if timing is not None else device.type != "cuda":
+        return lambda: clock(device)
+    return time.perf_counter
 
 
 @dataclass(frozen=True)

@@ -177,15 +177,17 @@ def _randomness(generators, num_drafts: int, gamma: int, device) -> dict:
 
 
 def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, verifier, num_drafts: int, gamma: int,
-              draft_law: str, sampling, generators, device, active: Sequence[bool]):
+              draft_law: str, sampling, generators, device, active: Sequence[bool], tick=None):
     """One tree step (module docstring); ``verifier`` a name of ``TREE_VERIFIERS`` or a callable with the multi-draft
-    verifier signature. -> (emitted tokens per row, next target pending, next draft pending and validity, StepRecord)."""
-    t0 = clock(device)
+    verifier signature (``tick``: the loop's clock, default :func:`clock`). -> (emitted tokens per row, next target
+    pending, next draft pending and validity, StepRecord)."""
+    tick = tick or (lambda: clock(device))
+    t0 = tick()
     draft_tokens, draft_probs = _draft_paths(draft, draft_pending, draft_valid, num_drafts, gamma, draft_law, sampling,
                                              generators, device)
-    t1 = clock(device)
+    t1 = tick()
     target_probs, path_nodes, width = _score_tree(target, target_pending, draft_tokens, sampling)
-    t2 = clock(device)
+    t2 = tick()
     verify = verifier if callable(verifier) else TREE_VERIFIERS[verifier]
     result = verify(target_probs, draft_probs, draft_tokens, validate=False, **_randomness(generators, num_drafts, gamma, device))
     target.end_tree(_kept_nodes(path_nodes, result, width))
@@ -197,5 +199,5 @@ def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, veri
     draft_pending, draft_valid = _draft_pending(chosen, result, gamma)
     accepted = result.num_accepted.tolist()
     emitted = [d[:n] + [t] for d, n, t in zip(chosen.tolist(), accepted, result.next_token.tolist())]
-    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, clock(device) - t0, t2 - t1, t1 - t0)
+    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0)
     return emitted, result.next_token[:, None], draft_pending, draft_valid, record

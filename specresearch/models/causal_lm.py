@@ -121,16 +121,22 @@ class SlotMask:
         """Keep rows ``index [B']`` (in that order)."""
         self.mask = self.mask[index]
 
-    def drop(self, n: torch.Tensor) -> int:
-        """Forget the last ``n[b]`` slots of row b; return how many trailing slots every row lost."""
-        if n.shape != (self.mask.shape[0],) or bool((n < 0).any()) or int(n.max()) > self.length:
+    def drop(self, n: torch.Tensor, host: list[int] | None = None) -> int:
+        """Forget the last ``n[b]`` slots of row b; return how many trailing slots every row lost. ``host``: the same
+        counts as Python ints, when the caller has them (then nothing is read back from the device)."""
+        if host is None:
+            host = n.tolist() if n.shape == (self.mask.shape[0],) else None
+        if host is None or len(host) != self.mask.shape[0] or min(host) < 0 or max(host) > self.length:
             raise ValueError(
                 f"n must be between 0 and cache_length={self.length} for each of the {self.mask.shape[0]} rows, "
-                f"got {n.tolist()}"
+                f"got {host if host is not None else n.tolist()}"
             )
+        common = min(host)
+        if common == max(host):  # every row drops the same: a crop, no masking
+            self.mask = self.mask[:, : self.length - common]
+            return common
         columns = torch.arange(self.length, device=self.mask.device)
         self.mask = self.mask & (columns[None, :] < self.length - n[:, None])
-        common = int(n.min())
         self.mask = self.mask[:, : self.length - common]
         return common
 
@@ -139,6 +145,13 @@ def rollback_counts(n, batch: int, device) -> torch.Tensor:
     """``int`` or ``[B]`` tensor/sequence of rollback counts -> ``[B]`` int64."""
     counts = torch.as_tensor(n, dtype=torch.long, device=device)
     return counts.expand(batch).clone() if counts.ndim == 0 else counts
+
+
+def host_counts(n, batch: int) -> list[int] | None:
+    """Rollback counts the caller gave as Python ints (``int`` or a sequence) -> ``[B]`` list; a tensor -> None."""
+    if isinstance(n, torch.Tensor):
+        return None
+    return [int(n)] * batch if isinstance(n, int) else [int(c) for c in n]
 
 
 def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
@@ -298,11 +311,13 @@ class CausalLM:
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
-        counts = rollback_counts(n, self._slots.mask.shape[0], self.device)
-        common = self._slots.drop(counts)
+        batch = self._slots.mask.shape[0]
+        host = host_counts(n, batch)
+        common = self._slots.drop(rollback_counts(n, batch, self.device), host)
         if common:
             self._cache.crop(-common)
-        self._compact()
+        if host is None or min(host) != max(host):  # rows dropped different counts: dead slots may have piled up
+            self._compact()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None, attention_mask=None):
         """-> (logits float32, the requested hidden states concatenated float32 or None). ``attention_mask``: a 4-D

@@ -9,6 +9,7 @@ from specresearch.models.causal_lm import (
     CausalLM,
     SlotMask,
     check_prompt,
+    host_counts,
     rollback_counts,
 )
 
@@ -56,8 +57,11 @@ class ToyLM:
         return self._logits(tokens)
 
     def rollback(self, n) -> None:
-        self._slots.drop(rollback_counts(n, self._slots.mask.shape[0], self.device))
-        self._slots.compaction()
+        batch = self._slots.mask.shape[0]
+        host = host_counts(n, batch)
+        self._slots.drop(rollback_counts(n, batch, self.device), host)
+        if host is None or min(host) != max(host):
+            self._slots.compaction()
 
     def begin_tree(self) -> None:
         self._slots.begin_tree()

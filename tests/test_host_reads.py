@@ -1,0 +1,88 @@
+"""Host reads per step: every value the host reads back from a tensor (``.tolist()``, ``.item()``, ``bool()``,
+``int()``, ``.nonzero()``, ...) waits for a GPU. Counted on the CPU with a ``TorchFunctionMode`` hook, as the
+difference between a long and a short run (so the prompt's one-off checks cancel). docs/engine_and_models.md states
+the counts."""
+
+import collections
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import truncated_draft
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.models.toy import tiny_llama
+
+READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "equal",
+         "unique", "masked_select", "argwhere"}
+PROMPTS = [[5, 9, 2, 33, 7], [4, 8, 1], [16, 23, 42, 3], [7, 7]]
+
+
+class _Reads(TorchFunctionMode):
+    """Counts host reads by where they happen: our code or transformers'."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            files = [f.filename for f in traceback.extract_stack()[:-1]]
+            self.count["transformers" if "transformers" in next(f for f in reversed(files) if "site-packages" in f
+                                                                  or "specresearch" in f) else "specresearch"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _per_step(run) -> dict[str, float]:
+    counts, steps = [], []
+    for tokens in (12, 36):
+        with _Reads() as reads:
+            out = run(tokens)
+        counts.append(reads.count)
+        steps.append(len(out.steps))
+    return {where: (counts[1][where] - counts[0][where]) / (steps[1] - steps[0]) for where in ("specresearch", "transformers")}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(48, seed=0, init_std=0.6, num_layers=3)
+
+
+@pytest.mark.parametrize("verifier", ["token", "block"])
+def test_a_chain_step_reads_the_host_once(target, verifier):
+    """One read per step (accepted counts, next token, drafts and the deferred logits checks together); at B = 1
+    the rollbacks crop with host counts and never compact."""
+    draft = truncated_draft(target, 1)
+    per_step = _per_step(lambda n: speculative_generate(target, draft, PROMPTS[:1], gamma=3, max_new_tokens=n,
+                                                         verifier=verifier, sampling=SamplingConfig(temperature=1.0)))
+    assert per_step["specresearch"] == 1.0, per_step
+
+
+def test_a_batched_chain_step_reads_little_more(target):
+    """B = 4: plus, for each model whose rows dropped different counts, the check whether to pack dead slots."""
+    draft = truncated_draft(target, 1)
+    per_step = _per_step(lambda n: speculative_generate(target, draft, PROMPTS, gamma=3, max_new_tokens=n,
+                                                         sampling=SamplingConfig(temperature=1.0)))
+    assert 1.0 < per_step["specresearch"] <= 3.0, per_step
+
+
+def test_an_autoregressive_step_reads_the_host_once(target):
+    per_step = _per_step(lambda n: autoregressive_generate(target, PROMPTS[:1], max_new_tokens=n,
+                                                           sampling=SamplingConfig(temperature=1.0)))
+    assert per_step["specresearch"] == 1.0, per_step
+
+
+def test_per_step_timing_is_on_where_free_and_off_on_request(target):
+    """On the CPU each step's draft / target split is timed by default; ``step_timing=False`` (the CUDA default: no
+    sync per reading) keeps the call's total and leaves the split NaN."""
+    import math
+
+    draft = truncated_draft(target, 1)
+    timed = speculative_generate(target, draft, PROMPTS[:2], gamma=3, max_new_tokens=8, seed=0)
+    untimed = speculative_generate(target, draft, PROMPTS[:2], gamma=3, max_new_tokens=8, seed=0, step_timing=False)
+    assert untimed.tokens == timed.tokens
+    assert all(s.target_seconds >= 0 and s.draft_seconds >= 0 for s in timed.steps)
+    assert all(math.isnan(s.target_seconds) and math.isnan(s.draft_seconds) for s in untimed.steps)
+    assert untimed.seconds > 0 and all(s.seconds >= 0 for s in untimed.steps)
