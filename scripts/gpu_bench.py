@@ -1,0 +1,136 @@
+"""The timing half of ``scripts/gpu_check.sh``: verifiers at B = 32 and the engine's overhead and host reads per step,
+on a model with SmolLM2-135M's configuration and random weights (``data/configs/smollm2-135m-instruct.json``: no
+shipped weights needed, so a GPU machine gets it with the code). Writes ``OUT/gpu_bench.json``; nothing is asserted.
+
+    python scripts/gpu_bench.py --out RESULTS_DIR                    # on a CUDA machine
+    python scripts/gpu_bench.py --out /tmp/x --device cpu --quick     # the same code on a CPU, small (the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specresearch.config import SamplingConfig  # noqa: E402
+from specresearch.core.draft_paths import draw_multi_uniforms  # noqa: E402
+from specresearch.core.verify import VERIFIERS, draw_uniforms  # noqa: E402
+from specresearch.core.verify_multi import MULTI_VERIFIERS  # noqa: E402
+from specresearch.drafts.ngram import NGramDraft  # noqa: E402
+from specresearch.drafts.registry import truncated_draft  # noqa: E402
+from specresearch.engine.generate import autoregressive_generate, speculative_generate  # noqa: E402
+from specresearch.engine.timing import clock  # noqa: E402
+from specresearch.models.causal_lm import CausalLM  # noqa: E402
+
+READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "equal",
+         "unique", "masked_select", "argwhere"}
+
+
+class _Reads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in READS
+        return func(*args, **(kwargs or {}))
+
+
+def _median_seconds(call, device, repeats: int) -> float:
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = clock(device)
+        call()
+        times.append(clock(device) - start)
+    return statistics.median(times)
+
+
+def verifier_timings(device, batch: int, vocab: int, repeats: int) -> dict:
+    """Median ms of each verifier on [B, gamma = 4] blocks and of each multi-draft rule on K = 4 paths of L = 4."""
+    g = torch.Generator(device=device).manual_seed(0)
+    target = torch.softmax(3 * torch.randn(batch, 5, vocab, generator=g, device=device), -1)
+    draft = torch.softmax(torch.log(target[:, :4]) + torch.randn(batch, 4, vocab, generator=g, device=device), -1)
+    tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=g).view(batch, 4)
+    out = {}
+    for name, verify in VERIFIERS.items():
+        u = draw_uniforms(batch, 4, g)
+        out[name] = 1e3 * _median_seconds(lambda: verify(target, draft, tokens, uniforms=u, validate=False), device, repeats)
+    paths_target = target[:, None].expand(batch, 4, 5, vocab).contiguous()
+    paths_draft = draft[:, None].expand(batch, 4, 4, vocab).contiguous()
+    paths = torch.stack([torch.multinomial(draft.reshape(-1, vocab), 1, generator=g).view(batch, 4) for _ in range(4)], 1)
+    for name in ("rrs", "rrs_without_replacement", "traversal", "gbv", "onehot"):
+        u = draw_multi_uniforms(batch, 4, 4, g)
+        out[f"{name} K4 L4"] = 1e3 * _median_seconds(
+            lambda: MULTI_VERIFIERS[name](paths_target, paths_draft, paths, uniforms=u, validate=False), device, repeats)
+    return out
+
+
+def engine(device, target, quick: bool) -> list[dict]:
+    """Per configuration: tokens/s against autoregressive decoding, mean overhead per step (timed steps) and host
+    reads per step (untimed steps, the CUDA default)."""
+    rows = []
+    prompts = [[1, 504, 1458, 28, 253, 1156, 30, 2] * 4]
+    new = 8 if quick else 64
+    for batch in (1, 2) if quick else (1, 8):
+        for name, make in (("truncated:4", lambda: truncated_draft(target, 4)), ("ngram", lambda: NGramDraft(target.vocab_size, device=device))):
+            for temperature in (1.0,) if quick else (0.0, 1.0):
+                sampling = SamplingConfig(temperature=temperature)
+                batch_prompts = prompts * batch
+                base = autoregressive_generate(target, batch_prompts, max_new_tokens=new, sampling=sampling, seed=0)
+                timed = speculative_generate(target, make(), batch_prompts, gamma=4, max_new_tokens=new,
+                                             sampling=sampling, seed=0, step_timing=True)
+                with _Reads() as reads:
+                    untimed = speculative_generate(target, make(), batch_prompts, gamma=4, max_new_tokens=new,
+                                                   sampling=sampling, seed=0, step_timing=False)
+                rows.append({"batch": batch, "draft": name, "temperature": temperature,
+                             "speedup_timed": timed.speedup_over(base), "speedup_untimed": untimed.speedup_over(base),
+                             "tau": timed.block_efficiency,
+                             "overhead_ms_per_step": 1e3 * statistics.mean(s.overhead_seconds for s in timed.steps),
+                             "host_reads_per_step": reads.count / len(untimed.steps)})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a CPU check of this script)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig.from_json_file(str(ROOT / "data" / "configs" / "smollm2-135m-instruct.json"))
+    if args.quick:
+        config.num_hidden_layers, config.vocab_size = 4, 2048
+    torch.manual_seed(0)
+    target = CausalLM(AutoModelForCausalLM.from_config(config, dtype=torch.float32), device=device, skinny_linear=False)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": f"random weights, SmolLM2-135M configuration ({config.num_hidden_layers} layers, V = {config.vocab_size})",
+        "verifiers_ms_B32": verifier_timings(device, 4 if args.quick else 32, config.vocab_size, 5 if args.quick else 50),
+        "engine": engine(device, target, args.quick),
+    }
+    result["seconds"] = time.perf_counter() - started
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["verifiers_ms_B32"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""The prepared GPU check runs its timing half on a CPU too (``--device cpu --quick``), so a GPU run does not fail on
+a typo; its CUDA tests are the ``cuda``-marked ones (tests/test_devices.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_bench_runs_on_a_cpu_and_writes_its_record(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--out", str(tmp_path), "--device", "cpu",
+                    "--quick"], check=True, capture_output=True, timeout=600)
+    record = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert set(record["verifiers_ms_B32"]) >= {"token", "block", "traversal K4 L4", "onehot K4 L4"}
+    assert len(record["engine"]) == 4 and all(row["host_reads_per_step"] > 0 for row in record["engine"])
+
+
+def test_gpu_check_script_names_its_parts_and_usage():
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    assert out.returncode != 0 and "usage: bash scripts/gpu_check.sh RESULTS_DIR" in out.stderr
+    for part in ("-m cuda tests/test_devices.py", "scripts/gpu_bench.py"):
+        assert part in text
