@@ -1,7 +1,7 @@
 """Draft trees against chains and autoregressive decoding on the embedded pair, side by side in one run.
 
-Two measurements, both on SmolLM2-135M-Instruct with the distilled ``v8k-4l`` draft (a CausalLM, whose rows the
-engine copies to draft K paths), one thread by default:
+Two measurements, both on SmolLM2-135M-Instruct with the distilled ``v8k-4l`` draft by default (``--draft``: any
+draft; the engine copies its rows to draft K paths), one thread by default:
 
 1. ``tree_cost``: one cached target call scoring n tokens as a tree (``score_tree``: 4-D mask, positions by depth)
    against the same call scoring n tokens as a chain (``score``), B = 1, a 64-token context, interleaved medians.
@@ -14,6 +14,9 @@ Writes ``benchmarks/records/trees_<machine>.csv`` and ``.json`` (command, commit
 A benchmark: nothing is asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --prompts 8 --max-new-tokens 48 --threads 1
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --draft fp16:eagle3-v8k --temperatures 1 \
+        --runs "chain block g1" "chain block g2" "traversal K2 g1" "traversal K3 g1" "traversal K2 g2" \
+        "rrs w/o repl. K2 g1" --out benchmarks/records/trees_head_amd
 """
 
 from __future__ import annotations
@@ -37,13 +40,18 @@ from specresearch.experiments.records import machine_info
 from specresearch.paths import data_dir, repo_root
 
 RUNS = {  # label -> speculative_generate options
+    "chain block g1": dict(verifier="block", gamma=1),
     "chain block g2": dict(verifier="block", gamma=2),
     "chain block g3": dict(verifier="block", gamma=3),
     "traversal K2 g2": dict(verifier="traversal", num_drafts=2, gamma=2),
     "traversal K3 g3": dict(verifier="traversal", num_drafts=3, gamma=3),
     "rrs w/o repl. K3 g2": dict(verifier="rrs_without_replacement", num_drafts=3, gamma=2, draft_law="without_replacement"),
     "gbv K2 g3": dict(verifier="gbv", num_drafts=2, gamma=3),
+    "traversal K2 g1": dict(verifier="traversal", num_drafts=2, gamma=1),
+    "traversal K3 g1": dict(verifier="traversal", num_drafts=3, gamma=1),
+    "rrs w/o repl. K2 g1": dict(verifier="rrs_without_replacement", num_drafts=2, gamma=1, draft_law="without_replacement"),
 }
+DEFAULT_RUNS = ("chain block g2", "chain block g3", "traversal K2 g2", "traversal K3 g3", "rrs w/o repl. K3 g2", "gbv K2 g3")
 
 
 def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> list[dict]:
@@ -76,7 +84,7 @@ def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> lis
     return rows
 
 
-def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: int) -> list[dict]:
+def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: int, runs=DEFAULT_RUNS) -> list[dict]:
     rows = []
     for i, prompt in enumerate(prompts):
         ids = encode_chat([prompt], tokenizer)[0].tolist()
@@ -84,7 +92,8 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
             sampling, seed = SamplingConfig(temperature=temperature), [1000 + i]
             ar = autoregressive_generate(target, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                                          eos_token_id=tokenizer.eos_token_id)
-            for label, options in RUNS.items():
+            for label in runs:
+                options = RUNS[label]
                 out = speculative_generate(target, draft, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                                            eos_token_id=tokenizer.eos_token_id, **options)
                 rows.append({"prompt_id": prompt["id"], "temperature": temperature, "run": label, "tau": out.block_efficiency,
@@ -100,13 +109,15 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/trees_<cpu>)")
+    parser.add_argument("--draft", default="v8k-4l", help="any draft name (every draft kind draws trees)")
+    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=sorted(RUNS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, draft, tokenizer = load_pair(draft="v8k-4l")
+    target, draft, tokenizer = load_pair(draft=args.draft)
     prompts = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
     speculative_generate(target, draft, [encode_chat([prompts[0]], tokenizer)[0].tolist()], max_new_tokens=4)  # warm-up
     cost = tree_cost(target)
-    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens)
+    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs)
     machine = machine_info()
     stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"trees_{machine.get('cpu', 'cpu').split()[0].lower()}"
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +127,8 @@ def main() -> int:
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
     header = {"command": " ".join(["benchmarks/bench_trees.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
-              "draft_sha256": draft_digest(data_dir() / "drafts" / "v8k-4l"), "tree_cost": cost}
+              "draft": args.draft, "draft_sha256": draft_digest(data_dir() / "drafts" / args.draft.split("+")[-1].removeprefix("fp16:")),
+              "tree_cost": cost}
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1))
     summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))

@@ -29,7 +29,6 @@ from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside
 )
 from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA  # noqa: E402 (the defaults the front door shares)
 
-TREE_DRAFT = "v8k-4l"  # the default draft of --num-drafts K > 1 (a CausalLM: its rows can be copied)
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
 
@@ -89,7 +88,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--gamma", type=int, default=None, help=f"draft tokens per step (default {GENERATE_GAMMA})")
     p.add_argument("--num-drafts", type=int, default=1,
                    help=f"draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
-                        f"multi-draft --verifier and a draft that copies rows, default then {TREE_DRAFT})")
+                        "multi-draft --verifier; every draft draws trees)")
     p.add_argument("--stop-below", type=float, default=None,
                    help="adaptive chains: draft up to --gamma tokens, stopping once the draft's top probability is below this")
     p.add_argument("--draft-law", default="iid", choices=["iid", "without_replacement"],
@@ -174,8 +173,7 @@ def _run_generate(args) -> int:
     if args.autoregressive:
         result = autoregressive_generate(target, [prompt], **common)
     else:
-        tree = args.num_drafts > 1 or args.draft_law != "iid" or args.verifier in TREE_RULES
-        draft = draft_from_name(args.draft or (TREE_DRAFT if tree else GENERATE_DRAFT), target, tokenizer)
+        draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
                                       num_drafts=args.num_drafts, draft_law=args.draft_law, stop_below=args.stop_below,
                                       **common)

@@ -7,8 +7,9 @@
   close enough to the target that acceptances happen (block efficiency > 1.2, so the check has teeth).
 * Statistical losslessness through the engine (``experiments.stats.lossless_test``) on a Markov pair of ``ToyLM`` s,
   first 3 tokens after a fixed prompt, N = 12,000: each rule under a law it is lossless for must pass at the exact,
-  conservative Bonferroni level 1e-7 (8 such tests: family-wise false-positive rate <= 8e-7 < 1e-6); a wrong tree
-  rule (RRS that resamples p instead of the residual after rejecting every root candidate) is rejected at the same N.
+  conservative Bonferroni level 1e-7; so must trees drafted by a feature head and by lookup + feature head on a tiny
+  Llama (N = 6,000; 10 such tests: family-wise false-positive rate <= 1e-6); a wrong tree rule (RRS that resamples p
+  instead of the residual after rejecting every root candidate) is rejected at N = 12,000.
 """
 
 from __future__ import annotations
@@ -138,6 +139,21 @@ def test_tree_rules_are_lossless_through_the_engine(verifier, draft_law, gamma):
     result = lossless_test(_markov(3), _markov(4), verifier, PROMPT, sampling=SamplingConfig(), gamma=gamma, k=3,
                            max_new_tokens=4, num_samples=SAMPLES, seed=7, batch_size=SAMPLES // 2, num_drafts=3,
                            draft_law=draft_law)
+    assert result.impossible == 0 and result.bonferroni_p_value > LEVEL, result.p_value
+
+
+@pytest.mark.parametrize("kind", ["feature", "lookup+feature"])
+def test_feature_head_trees_are_lossless_through_the_engine(kind):
+    """The head drafts each path on its own features and is re-fed the target's along the accepted one."""
+    from helpers import feature_head
+    from specresearch.drafts.combined import LookupOrDraft
+    from specresearch.drafts.feature import FeatureDraft
+
+    target = tiny_llama(16, seed=0, init_std=0.8, num_layers=2)
+    head = FeatureDraft(feature_head(target.model, seed=2, scale=0.1))
+    draft = head if kind == "feature" else LookupOrDraft(head, min_match=1, max_ngram=2)
+    result = lossless_test(target, draft, "traversal", [3, 5, 3], sampling=SamplingConfig(), gamma=2, k=3,
+                           max_new_tokens=4, num_samples=6_000, seed=7, batch_size=3_000, num_drafts=2)
     assert result.impossible == 0 and result.bonferroni_p_value > LEVEL, result.p_value
 
 

@@ -61,7 +61,7 @@ from specresearch.config import SamplingConfig
 from specresearch.core.draws import draw_uniforms
 from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _sample, read_step
+from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
 from specresearch.engine.timing import clock, step_clock
 from specresearch.engine.tree import TREE_VERIFIERS, check_tree_args, tree_step
 from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
@@ -319,21 +319,6 @@ def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None
     draft.observe(before[:, :-1])
     draft.prefill(ids[:, :-1], mask[:, :-1])
     draft.observe(before[:, -1:])
-
-
-def _refeed(draft, draft_tokens, result, features, longest: int):
-    """After verification, a reading draft is re-fed ``[x_1..x_n, next_token]`` (right-aligned, ``valid`` mask)
-    with the target's true features of the slots before them, ``[pending, x_1..x_n]`` (``features [B, gamma+1, F]``;
-    ``longest``: max n, read back already). Returns the draft's pending block and its validity ``[B, max n + 1]``."""
-    n = result.num_accepted  # [B]
-    width = longest + 1
-    source = torch.arange(width, device=n.device)[None] - (width - 1 - n[:, None])  # [B, width]
-    valid = source >= 0
-    source = source.clamp(min=0)
-    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], 1).scatter(1, n[:, None], result.next_token[:, None])
-    block_features = features.gather(1, source[:, :, None].expand(-1, -1, features.shape[-1])) * valid[:, :, None]
-    draft.observe(block_features)
-    return tokens.gather(1, source), valid
 
 
 def speculative_generate(

@@ -29,9 +29,9 @@ import torch
 from specresearch.core.draft_paths import DRAFT_LAWS, draw_multi_uniforms, first_tokens_without_replacement
 from specresearch.core.draws import uniforms
 from specresearch.core.verify_multi import MULTI_VERIFIERS
-from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _sample
+from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _refeed, _sample
 from specresearch.engine.timing import clock
-from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, TreeScorer
+from specresearch.models.protocols import FeatureReader, RowExpander, TreeScorer
 
 __all__ = ["TREE_VERIFIERS", "check_tree_args", "parse_verifier", "tree_step"]
 
@@ -49,10 +49,11 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
         raise ValueError(f"verifier 'kseq' (SpecTr K-SEQ) is single-step: gamma must be 1, got {gamma}")
     if not isinstance(target, TreeScorer):
         raise ValueError(f"target {type(target).__name__} cannot score a tree in one call (begin_tree / score_tree / end_tree)")
-    if not isinstance(draft, RowExpander) or isinstance(draft, FeatureReader) or isinstance(draft, PlansLength):
-        raise ValueError(f"draft {type(draft).__name__} cannot draft trees yet: the engine drafts K paths with drafts "
-                         "that copy and select rows (models.CausalLM, ToyLM, n-gram lookup, dial drafts); feature heads "
-                         "and length-planning drafts (ngram+NAME) run chains (num_drafts=1)")
+    if not isinstance(draft, RowExpander):
+        raise ValueError(f"draft {type(draft).__name__} cannot draft trees: the engine drafts K paths with drafts that "
+                         "copy and select rows (repeat_rows / select_rows: every draft the toolkit ships)")
+    if isinstance(draft, FeatureReader) and not getattr(target, "returns_hidden_states", False):
+        raise ValueError("draft reads the target's hidden states: target must return them (a models.CausalLM)")
     if expectations:
         raise ValueError("expectations= is for chain steps (num_drafts=1)")
 
@@ -145,19 +146,23 @@ def _tree(draft_tokens: torch.Tensor):
     return node_tokens, depth, visible, torch.tensor(path_nodes, dtype=torch.long)
 
 
-def _score_tree(target, pending, draft_tokens, sampling):
-    """One target call on the tree. -> (target_probs [B, K, L+1, V] along the paths, path_nodes [B, K, L])."""
+def _score_tree(target, pending, draft_tokens, sampling, hidden_layers=None):
+    """One target call on the tree. -> (target_probs [B, K, L+1, V] along the paths, path_nodes [B, K, L], call width,
+    the call's hidden states [B, 1+n, F] of ``hidden_layers`` for a draft that reads them, else None)."""
     node_tokens, depth, visible, path_nodes = _tree(draft_tokens.cpu())
     device = draft_tokens.device
     tokens = torch.cat([pending, node_tokens.to(device)], 1)
     depth = torch.cat([torch.zeros_like(depth[:, :1]), depth], 1)
     target.begin_tree()
-    logits = target.score_tree(tokens, depth, visible)
+    if hidden_layers is None:
+        logits, features = target.score_tree(tokens, depth, visible), None
+    else:
+        logits, features = target.score_tree(tokens, depth, visible, hidden_layers=hidden_layers)
     probs = _probs(logits.to(device), sampling, "target model logits (scoring the draft tree)")  # [B, 1+n, V]
     batch, num_drafts, length = draft_tokens.shape
     along = torch.cat([torch.zeros(batch, num_drafts, 1, dtype=torch.long), path_nodes], 2).to(device)  # [B, K, L+1]
     rows = probs.gather(1, along.view(batch, -1, 1).expand(-1, -1, probs.shape[-1]))
-    return rows.view(batch, num_drafts, length + 1, -1), path_nodes.to(device), tokens.shape[1]
+    return rows.view(batch, num_drafts, length + 1, -1), path_nodes.to(device), tokens.shape[1], features
 
 
 def _kept_nodes(path_nodes, result, width: int) -> torch.Tensor:
@@ -186,7 +191,9 @@ def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, veri
     draft_tokens, draft_probs = _draft_paths(draft, draft_pending, draft_valid, num_drafts, gamma, draft_law, sampling,
                                              generators, device)
     t1 = tick()
-    target_probs, path_nodes, width = _score_tree(target, target_pending, draft_tokens, sampling)
+    reads = isinstance(draft, FeatureReader)
+    target_probs, path_nodes, width, features = _score_tree(target, target_pending, draft_tokens, sampling,
+                                                            draft.feature_layers if reads else None)
     t2 = tick()
     verify = verifier if callable(verifier) else TREE_VERIFIERS[verifier]
     result = verify(target_probs, draft_probs, draft_tokens, validate=False, **_randomness(generators, num_drafts, gamma, device))
@@ -195,9 +202,15 @@ def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, veri
     rows = torch.arange(batch, device=device)
     draft.select_rows(rows * num_drafts + result.path_index)
     chosen = draft_tokens[rows, result.path_index]  # [B, L]
-    draft.rollback((gamma - 1 - result.num_accepted).clamp(min=0))
-    draft_pending, draft_valid = _draft_pending(chosen, result, gamma)
     accepted = result.num_accepted.tolist()
+    if reads:  # as a chain step: drop the slots drafted on the head's own features, re-feed with the target's
+        draft.rollback(gamma - 1)
+        along = torch.cat([torch.zeros_like(chosen[:, :1]), path_nodes[rows, result.path_index]], 1)  # [B, L+1]
+        path_features = features.gather(1, along[:, :, None].expand(-1, -1, features.shape[-1]))
+        draft_pending, draft_valid = _refeed(draft, chosen, result, path_features, max(accepted))
+    else:
+        draft.rollback((gamma - 1 - result.num_accepted).clamp(min=0))
+        draft_pending, draft_valid = _draft_pending(chosen, result, gamma)
     emitted = [d[:n] + [t] for d, n, t in zip(chosen.tolist(), accepted, result.next_token.tolist())]
     record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0)
     return emitted, result.next_token[:, None], draft_pending, draft_valid, record
