@@ -9,7 +9,6 @@ shipped weights needed, so a GPU machine gets it with the code). Writes ``OUT/gp
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys

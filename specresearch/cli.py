@@ -87,7 +87,7 @@ def _add_generate(sub) -> None:
                         + " | ".join(TREE_RULES))
     p.add_argument("--gamma", type=int, default=None, help=f"draft tokens per step (default {GENERATE_GAMMA})")
     p.add_argument("--num-drafts", type=int, default=1,
-                   help=f"draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
+                   help="draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         "multi-draft --verifier; every draft draws trees)")
     p.add_argument("--stop-below", type=float, default=None,
                    help="adaptive chains: draft up to --gamma tokens, stopping once the draft's top probability is below this")
@@ -112,7 +112,7 @@ def _add_decoding_arguments(p) -> None:
     # choices spelled out (importing decoding here would load torch for every command); = decoding.METHODS
     methods = ["speculative", "greedy", "sample", "beam", "contrastive"]
     p.add_argument("--method", default="speculative", choices=methods,
-                   help="speculative (default) or a plain decoding method of reference 001; "
+                   help="speculative (default) or a plain decoding method of the decoding survey; "
                         "sample uses --temperature/--top-k/--top-p/--epsilon, contrastive uses --draft as amateur")
     p.add_argument("--epsilon", type=float, default=None, help="epsilon sampling: drop tokens with prob < epsilon")
     p.add_argument("--num-beams", type=int, default=4, help="beam width (--method beam)")
@@ -397,7 +397,7 @@ def _run_warm_cache(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = _command(sub, "bench", "block vs token verification sweep (reference 003): records to <out>/<run>.csv",
+    p = _command(sub, "bench", "block vs token verification sweep (Sun et al. 2025, arXiv 2403.10444): records to <out>/<run>.csv",
                  "  specresearch bench --quick --draft v8k-4l                  # a few minutes\n"
                  "  specresearch bench --draft v8k-4l --prompts 14 --max-new-tokens 32 --threads 2 "
                  "--prompts-file data/prompts.jsonl")

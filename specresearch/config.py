@@ -21,7 +21,7 @@ GENERATE_GAMMA = 1
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How next-token logits become a sampling distribution (reference 001, "Sampling Based Decoding").
+    """How next-token logits become a sampling distribution (the decoding survey, "Sampling Based Decoding").
 
     Attributes:
         temperature: ``>= 0``; ``0`` means greedy (one-hot at the first argmax), ``1`` the model itself.

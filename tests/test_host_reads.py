@@ -7,7 +7,6 @@ import collections
 import traceback
 
 import pytest
-import torch
 from torch.overrides import TorchFunctionMode
 
 from specresearch.config import SamplingConfig

@@ -1,9 +1,9 @@
 """Logits -> probabilities: temperature, top-k, top-p (nucleus) and epsilon truncation.
 
-The one place where sampling transforms live (ARCHITECTURE.md): plain decoding (``decoding.py``) and
+The one place where sampling transforms live (docs/README.md, "Layout"): plain decoding (``decoding.py``) and
 speculative decoding (``generate.py``) both call :func:`logits_to_probs`, so target and draft are
 transformed identically and the draft distribution handed to a verifier is exactly the one its tokens
-were drawn from. The methods are those of reference 001 (sections "Top k Sampling", "Top P sampling",
+were drawn from. The methods are those of the decoding survey (sections "Top k Sampling", "Top P sampling",
 "Epsilon Sampling", "Temperature Scaling"); their exact rational twins are in ``exact_sampling.py``.
 
 Every transform maps logits ``[..., V]`` to logits ``[..., V]`` in which removed tokens are ``-inf``, so
@@ -97,7 +97,7 @@ def _first_argmax_one_hot(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Temperature scaling ``logits / T`` (reference 001, "Temperature Scaling"). [..., V] -> [..., V].
+    """Temperature scaling ``logits / T`` (the decoding survey, "Temperature Scaling"). [..., V] -> [..., V].
 
     ``T = 0`` returns the logits of the limit distribution: 0 at the first argmax, -inf elsewhere.
     ``T > 0`` uses transformers' ``TemperatureLogitsWarper`` (a plain division; ``input_ids`` unused).
@@ -121,7 +121,7 @@ def _unsort(mask_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Keep exactly the ``top_k`` highest logits, -inf elsewhere (reference 001, "Top k Sampling").
+    """Keep exactly the ``top_k`` highest logits, -inf elsewhere (the decoding survey, "Top k Sampling").
 
     Ties at the k-th place are broken towards the lower token id (stable sort), unlike transformers'
     ``TopKLogitsWarper``, which keeps every token tied with the k-th. [..., V] -> [..., V].
@@ -136,7 +136,7 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filter: keep the smallest most-likely set with probability mass ``>= top_p`` (ref. 001, "Top P").
+    """Nucleus filter: keep the smallest most-likely set with probability mass ``>= top_p`` (the decoding survey, "Top P").
 
     Tokens are ranked by a stable descending sort (ties -> lower token id first); a token is kept iff the
     mass of the tokens ranked strictly before it is ``< top_p`` (cumulative sum in float64). So the first
@@ -155,7 +155,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def epsilon_filter(logits: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """Epsilon sampling: drop tokens with probability ``< epsilon`` (reference 001, "Epsilon Sampling").
+    """Epsilon sampling: drop tokens with probability ``< epsilon`` (the decoding survey, "Epsilon Sampling").
 
     Uses transformers' ``EpsilonLogitsWarper`` (``min_tokens_to_keep=1``): the token(s) tied at the maximum
     logit are never dropped, so a row whose tokens are all below ``epsilon`` keeps its most likely one(s).

@@ -1,11 +1,11 @@
 """Batched speculative-decoding verifiers: token, block and greedy verification.
 
-Notation (fixed here for the whole package; reference 002 swaps the letters, the code never does):
+Notation (fixed here for the whole package; some write-ups swap the letters, the code never does):
 
 * p = the target (large) model, passed as ``target_probs``; q = the draft (small) model, ``draft_probs``.
 * gamma = the draft block length; x_1..x_gamma = the drafted tokens (``draft_tokens``), x_{i+1} ~ q(. | X^i)
   where X^i = prefix + x_1..x_i.
-* alpha = E[sum_x min(p(x), q(x))], the expected per-token acceptance rate (reference 004).
+* alpha = E[sum_x min(p(x), q(x))], the expected per-token acceptance rate (Leviathan et al. 2023, arXiv 2211.17192).
 * eta_1..eta_gamma = acceptance uniforms; one more uniform drives the sample of ``next_token``.
 
 Shapes (every verifier):
@@ -18,11 +18,11 @@ Shapes (every verifier):
 * Output: ``VerifyResult(num_accepted [B], next_token [B])``; row b emits
   ``draft_tokens[b, :num_accepted[b]]`` followed by ``next_token[b]``.
 
-Token verification (Leviathan et al. 2023, Algorithm 1; reference 004): x_i is accepted iff
+Token verification (Leviathan et al. 2023, arXiv 2211.17192, Algorithm 1): x_i is accepted iff
 eta_i * q(x_i) < p(x_i) and q(x_i) > 0; n = number accepted before the first rejection; next_token ~
 norm(max(p(.|X^n) - q(.|X^n), 0)) if n < gamma, else the bonus token ~ p(.|X^gamma).
 
-Block verification (Sun et al., ICLR 2025, Algorithm 2; reference 003) in its BACKWARD form:
+Block verification (Sun et al., ICLR 2025, arXiv 2403.10444, Algorithm 2) in its BACKWARD form:
 p_0 = 1, p_i = min(p_{i-1} p(x_i|X^{i-1}) / q(x_i|X^{i-1}), 1) (p_i = 0 when q(x_i) = 0);
 w_i(x) = max(p_i p(x|X^i) - q(x|X^i), 0); h_i = sum w_i / (sum w_i + 1 - p_i) for i < gamma (0 when
 sum w_i = 0) and h_gamma = p_gamma; tau = the LAST i in 1..gamma with eta_i < h_i (tau = 0 if none) --
@@ -108,7 +108,7 @@ class VerifyResult:
 
 
 def token_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
-    """Token verification (Leviathan et al. 2023, Algorithm 1; reference 004; reference 000 ``token_verify``).
+    """Token verification (Leviathan et al. 2023, arXiv 2211.17192, Algorithm 1; the two-symbol post's ``token_verify``).
 
     Args:
         target_probs: ``[B, gamma+1, V]`` p(. | X^i), i = 0..gamma.
@@ -130,10 +130,10 @@ def token_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uni
 
 
 def block_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
-    """Block verification (Sun et al., ICLR 2025, Algorithm 2, backward form; references 000 and 003).
+    """Block verification (Sun et al., ICLR 2025, arXiv 2403.10444, Algorithm 2, backward form).
 
     tau = the last i with eta_i < h_i (see the module docstring for p_i, w_i, h_i and the equivalence
-    with the forward form of reference 000). Same arguments and return value as ``token_verify``.
+    with the forward form of the two-symbol post). Same arguments and return value as ``token_verify``.
     """
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)  # [B, gamma+1]
     p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma]

@@ -4,7 +4,7 @@ Notation as in :mod:`specresearch.core.verify`: p = target (``target_probs``), q
 K = number of draft paths (``num_drafts``), L = path length (gamma of the single-draft code). A *path* is
 x_1..x_L drawn autoregressively from q; the K paths with equal prefixes merged form the *tree*. The exact
 twins (the specification) are in :mod:`specresearch.exact.multi`; the rules, with their sources, in
-``references/multidraft.md``.
+the papers cited in docs/multidraft.md.
 
 Shapes (every verifier):
 
@@ -197,7 +197,7 @@ def gbv_verify(target_probs, draft_probs, draft_tokens, generator=None, *, unifo
 
     Select X* (largest path in the lexicographic order of per-node ranks p/q, q = 0 last, ties by token id),
     then ``verify.block_verify`` (Sun et al. 2025, Algorithm 2) of X* with draft rows q^G ``[B, L, V]``, the law
-    of X* under i.i.d. paths (``references/multidraft.md``). It consumes ``uniforms[:, :, 0]`` only. Same
+    of X* under i.i.d. paths (the papers cited in docs/multidraft.md). It consumes ``uniforms[:, :, 0]`` only. Same
     arguments and result as ``rrs_verify``.
     """
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)

@@ -1,7 +1,7 @@
 """Dial drafts: the target's own distribution, perturbed by a controlled amount, as a draft.
 
 They put the acceptance rate alpha = E[sum_x min(p, q)] where we want it (about 0.3 to 1) on the real
-target and the same prompts, to see the regime of reference 003 (Vicuna-7B/68M, alpha ~ 0.65-0.7) on a
+target and the same prompts, to see the regime of Sun et al. 2025 (arXiv 2403.10444: Vicuna-7B/68M, alpha ~ 0.65-0.7) on a
 small model. Every draft token costs a full forward pass of the target, so with them ONLY the block
 efficiency (BE, tokens per target call) is meaningful; wall-clock speed-ups are not (label them so
 wherever they appear: ``COSTS_TARGET_FORWARD``).

@@ -1,6 +1,6 @@
-"""The classic decoding methods of reference 001 on any next-token logits function.
+"""The classic decoding methods of the decoding survey on any next-token logits function.
 
-Methods (reference 001, "Decoding From Language Models"):
+Methods (the decoding survey, "Decoding From Language Models"):
 
 * greedy -- argmax at each step ("Greedy Decoding");
 * sampling -- ancestral, top-k, top-p, epsilon and temperature, all one loop over a
@@ -165,7 +165,7 @@ def block_repeated_ngrams(input_ids: torch.Tensor, logits: torch.Tensor, ngram_s
 
 
 def contrastive_scores(expert_logits: torch.Tensor, amateur_logits: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Contrastive decoding scores (Li et al. 2023, eq. 3 / reference 001, "Contrastive Decoding").
+    """Contrastive decoding scores (Li et al. 2023, eq. 3 / the decoding survey, "Contrastive Decoding").
 
     ``score(x) = log p_exp(x) - log p_ama(x)`` for ``x`` in the plausible head
     ``{x : p_exp(x) >= alpha * max_w p_exp(w)}``, ``-inf`` outside. A plausible token the amateur gives
@@ -209,7 +209,7 @@ def phrase_repetition_log_probs(logits_fn: LogitsFn, prefix_ids: torch.Tensor, p
                                 repeats: int) -> torch.Tensor:
     """log P(phrase at its k-th repetition | prefix + k - 1 copies), k = 1..repeats (teacher forcing).
 
-    The self-amplification measurement of reference 001 ("The issue with these approaches"): the
+    The self-amplification measurement of the decoding survey ("The issue with these approaches"): the
     probability a model gives a phrase rises each time it has already been repeated.
     ``prefix_ids [1, T]``, ``phrase_ids [m]`` -> ``[repeats]`` float64.
     """
@@ -391,7 +391,7 @@ def _normalised(log_prob: float, length: int, alpha: float) -> float:
 def beam_search(logits_fn: LogitsFn, input_ids: torch.Tensor, num_beams: int, max_new_tokens: int, *,
                 length_penalty: float = 0.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
                 no_repeat_ngram_size: int | None = None) -> DecodeResult:
-    """Beam search (reference 001, "Beam Search Algorithm") for ONE prompt ``input_ids [1, T]``.
+    """Beam search (the decoding survey, "Beam Search Algorithm") for ONE prompt ``input_ids [1, T]``.
 
     Each step extends every alive beam by every token, ranks candidates by cumulative log-probability and
     walks them best first: a candidate ending in EOS becomes a finished hypothesis (scored

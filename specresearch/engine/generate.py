@@ -1,6 +1,6 @@
 """The speculative and autoregressive generation loops.
 
-One speculative step (Leviathan et al. 2023, Algorithm 1; reference 004), as small stages:
+One speculative step (Leviathan et al. 2023, arXiv 2211.17192, Algorithm 1), as small stages:
 
 1. ``_draft``: the draft extends each row by gamma tokens x_1..x_gamma, sampling x_{i+1} from
    q_i = ``logits_to_probs(draft logits, sampling)`` -- exactly the q handed to the verifier;
@@ -341,7 +341,7 @@ def speculative_generate(
     stop_below: float | None = None,
     step_timing: bool | None = None,
 ) -> GenerationResult:
-    """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; ref. 004).
+    """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; arXiv 2211.17192).
 
     Args:
         target, draft: ``models.LanguageModel`` s with the same ``vocab_size``.

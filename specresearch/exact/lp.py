@@ -4,7 +4,7 @@ Notation as in :mod:`specresearch`: p = target, q = draft, gamma = draft block l
 draft block X = x_1..x_gamma from q and a verifier emits Z = (accepted prefix of X) + one token, so
 |Z| is in 1..gamma+1 and Z[:-1] is a prefix of X. The number of accepted drafts is |Z| - 1.
 
-Validity (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", references/003: a
+Validity (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", arXiv 2403.10444: a
 valid verifier keeps the target's output distribution; Theorem 2 is optimality among valid verifiers):
 the speculative loop must reproduce the target's law from *every* prefix. The derivation below is ours. Taking the first gamma+1 tokens of the loop from a prefix c, the loop emits Z and then continues
 from c + Z, which (by validity at the longer prefix) has the target's law. Hence a verifier is valid at c
@@ -422,8 +422,8 @@ def check_verifier(target, draft, gamma: int, method, prefix=()) -> VerifierChec
 def compare_with_lp(target, draft, gamma: int, methods=("block", "token"), prefix=()) -> dict:
     """{"lp": LP optimum, method: E[accepted drafts] of each method}, all exact Fractions.
 
-    Sun et al. 2025, Thm 2 (references/003): block verification attains the LP optimum; token
-    verification (Leviathan et al.) may fall strictly below it (references/000: 10/9 vs 11/9).
+    Sun et al. 2025 (arXiv 2403.10444), Thm 2: block verification attains the LP optimum; token
+    verification (Leviathan et al.) may fall strictly below it (the two-symbol post: 10/9 vs 11/9).
     """
     out = {"lp": optimal_verifier_lp(target, draft, gamma, prefix).optimum}
     out.update({m: expected_accepted(target, draft, gamma, m, prefix) for m in methods})
@@ -448,7 +448,7 @@ def compare_multi(target, draft, num_drafts: int, gamma: int, methods, draft_law
 def two_symbol_grid(values, gamma: int) -> list[dict]:
     """One record per (p(A), q(A)) in values x values with 0 < q(A) < 1: i.i.d. two-symbol target
     (p(A), 1 - p(A)) and draft (q(A), 1 - q(A)); fields p_A, q_A, gamma, lp, block, token (Fractions).
-    The grid of references/000's counterexample, for notebook 03."""
+    The grid of the two-symbol post's counterexample, for notebook 03."""
     rows = []
     for p_a, q_a in itertools.product(values, values):
         if 0 < q_a < 1:

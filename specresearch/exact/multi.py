@@ -4,7 +4,7 @@ Notation as in :mod:`specresearch.exact`: p = target, q = draft, K = number of d
 (``num_drafts``), L = path length (``gamma`` of the single-draft code). Probabilities are
 :class:`fractions.Fraction`; K-SEQ's acceptance threshold rho* is algebraic and is computed exactly
 with sympy (its laws are sympy numbers; :mod:`specresearch.exact.kseq`). Nothing here imports torch. The rules
-are those of ``references/multidraft.md``; each law function below says which paper and what was
+are those of the papers cited in docs/multidraft.md; each law function below says which paper and what was
 checked.
 
 The contract shared with :mod:`specresearch.core.verify_multi` (the torch side)
@@ -293,7 +293,7 @@ def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     child left, else the first leaf below b's next child. On a chain this is block verification in
     its backward form (the h_i of Sun et al. Algorithm 2 are the updated w_b).
 
-    Source of the rule: ``references/multidraft.md``; the paper's algorithm text could not be read
+    Source of the rule: the papers cited in docs/multidraft.md; the paper's algorithm text could not be read
     from this machine (only its abstract), so each step above is the reference's, not checked line by
     line against the paper. What is established exactly instead: the rule equals block verification
     on every chain (K = 1), equals RRS without replacement at L = 1, and is lossless for both draft

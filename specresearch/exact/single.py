@@ -21,9 +21,9 @@ Layers, from one verification to the whole decoding loop:
 Multi-draft steps (K paths) live in :mod:`specresearch.exact.multi`; the room's front
 (:mod:`specresearch.exact`) routes ``num_drafts=`` / ``draft_law=`` to them.
 
-References: token verification is Leviathan et al. 2023, Algorithm 1 (references/004, the
-"Speculative Decoding Step"); block verification is Sun et al. 2025, Algorithm 2 (references/003),
-backward form as in the shared contract, and the forward form of references/000 (``block_verify``).
+References: token verification is Leviathan et al. 2023, Algorithm 1 (arXiv 2211.17192, the
+"Speculative Decoding Step"); block verification is Sun et al. 2025, Algorithm 2 (arXiv 2403.10444),
+backward form as in the shared contract, and the forward form of the two-symbol post (``block_verify``).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _accept_prob(p: Fraction, q: Fraction) -> Fraction:
 
 
 def _token_law(ps: Sequence[Row], qs: Sequence[Row], xs: Sequence[int]) -> Law:
-    """Token verification, Leviathan et al. 2023 Algorithm 1 (references/004)."""
+    """Token verification, Leviathan et al. 2023 (arXiv 2211.17192), Algorithm 1."""
     law: dict = defaultdict(Fraction)
     reach = _ONE  # P(x_1..x_i all accepted)
     for i, x in enumerate(xs):
@@ -227,7 +227,7 @@ def _block_law(ps: Sequence[Row], qs: Sequence[Row], xs: Sequence[int]) -> Law:
 
 
 def _block_forward_exact(ps: Sequence[Row], qs: Sequence[Row], xs: Sequence[int]) -> Law:
-    """Block verification, forward form of references/000 (``block_verify``), as an exact law.
+    """Block verification, forward form of the two-symbol post (``block_verify``), as an exact law.
 
     Walk n = 0..gamma keeping a candidate output s; at step n, s is replaced by ``x_1..x_n, t`` with
     weights ``max(a p_n - q_n, 0)`` against the keep-weight ``1 - a`` (q_gamma = 0), then
@@ -360,7 +360,7 @@ def _step_law(target: Model, draft: Model, gamma: int, law_fn: Verifier, prefix:
 def step_distribution(target, draft, gamma, method, prefix=()) -> dict[tuple[int, ...], Fraction]:
     """Law of one speculative step: ``{accepted drafts + next token: probability}``.
 
-    The draft block x_1..x_gamma is drawn autoregressively from ``draft`` (references/004, step 1),
+    The draft block x_1..x_gamma is drawn autoregressively from ``draft`` (arXiv 2211.17192, step 1),
     verified by ``method`` (see :func:`verify_exact`); the law is summed over all draft blocks.
     """
     gamma, law_fn = _check_gamma(gamma), _check_method(method)
@@ -502,5 +502,5 @@ def random_rational_model(vocab_size, rng: random.Random, *, depth=None, zero_pr
 
 
 def two_symbol_example() -> tuple[Row, Row]:
-    """(target, draft) of references/000: p = (1/3, 2/3), q = (2/3, 1/3) over {A, B}, i.i.d."""
+    """(target, draft) of the two-symbol post: p = (1/3, 2/3), q = (2/3, 1/3) over {A, B}, i.i.d."""
     return (Fraction(1, 3), Fraction(2, 3)), (Fraction(2, 3), Fraction(1, 3))

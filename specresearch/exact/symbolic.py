@@ -4,7 +4,7 @@ Each ``*_checks`` function returns a tuple of :class:`Check` records: a claim, w
 and the simplified residual (lhs - rhs) so a failure shows what is left. ``proofs/*.py`` print them with
 :func:`run_checks`, which returns a non-zero exit code if any check fails.
 
-Notation as in :mod:`specresearch`: p = target, q = draft (references 000, 004; reference 002 swaps
+Notation as in :mod:`specresearch`: p = target, q = draft (as in Leviathan et al. 2023; some write-ups swap
 them), beta = sum_x min(p(x), q(x)), alpha = E[beta], gamma = block length, c = draft/target cost.
 
 Case splits. sympy cannot decide ``Min(p, q)`` for free positive symbols, so identities with min/max are
@@ -93,7 +93,7 @@ def _pattern_vectors(n: int, pattern):
 
 
 def _token_law(ps, qs, j):
-    """P(X = x_j) of one token-verification step (reference 004): accept + reject * residual."""
+    """P(X = x_j) of one token-verification step (Leviathan et al. 2023, arXiv 2211.17192): accept + reject * residual."""
     accept = [q * sp.Min(1, p / q) for p, q in zip(ps, qs)]
     residual = [sp.Max(0, p - q) for p, q in zip(ps, qs)]
     return accept[j] + (1 - sum(accept)) * residual[j] / sum(residual)
@@ -174,7 +174,7 @@ def _degenerate_checks() -> list:
 
 
 def token_lossless_checks(max_n: int = 6) -> tuple[Check, ...]:
-    """Theorem 1 of references 002/004: token verification returns x with probability p(x).
+    """Theorem 1 of Leviathan et al. and Chen et al. 2023 (arXiv 2211.17192, 2302.01318): token verification returns x with probability p(x).
 
     Per-token identity (both orders), the normaliser sum_x max(0, p - q) = 1 - beta and P(X = x) = p(x)
     for every order pattern of vectors of size 2..max_n, the general-n normaliser, and beta = 1.
@@ -186,7 +186,7 @@ def token_lossless_checks(max_n: int = 6) -> tuple[Check, ...]:
 
 
 def token_derivation() -> tuple[tuple[str, object], ...]:
-    """The steps of the proof of Theorem 1 (references/004 and 002, in this package's notation) as
+    """The steps of the proof of Theorem 1 (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318, in this package's notation) as
     (sentence, sympy equation) pairs for display (``sympy.latex``); each step is checked by
     :func:`token_lossless_checks`."""
     p, q, beta, z = sp.symbols("p(x) q(x) beta Z", positive=True)
@@ -473,7 +473,7 @@ def _emptiness_certificate(facts: list, max_terms: int = 3) -> tuple:
 
 
 def block_lossless_cases(vocab: int = 2, gamma: int = 2, step_law=None) -> tuple[BlockCase, ...]:
-    """Theorem 1 of Sun et al. 2025 (references/003): block verification is lossless, symbolically.
+    """Theorem 1 of Sun et al. 2025 (arXiv 2403.10444): block verification is lossless, symbolically.
 
     Target rows at depths 0..gamma and draft rows at depths 0..gamma-1 are free rational functions of
     positive symbols (:func:`_symbolic_models`); every min/max is resolved by a case split with strict

@@ -1,7 +1,7 @@
 """Closed forms of speculative decoding's speed-up (Leviathan et al. 2023, Sec. 3), exact in Fractions.
 
 Notation as in the package docstring: p = target, q = draft, gamma = block length, alpha = the
-expected acceptance rate E[beta], beta = sum_x min(p(x), q(x)) (reference 004, Lemma / Corollary 3.6),
+expected acceptance rate E[beta], beta = sum_x min(p(x), q(x)) (Leviathan et al. 2023, arXiv 2211.17192, Lemma / Corollary 3.6),
 c = cost of one draft call relative to one target call.
 
 All functions take exact numbers (int, ``fractions.Fraction``, sympy ``Rational``) or floats, which
@@ -47,7 +47,7 @@ def _gamma(gamma) -> int:
 def expected_tokens(alpha, gamma: int) -> Fraction:
     """E[tokens emitted per target call] = (1 - alpha^(gamma+1)) / (1 - alpha); gamma + 1 at alpha = 1.
 
-    Leviathan et al. 2023, Eq. (1) (Thm 3.8); reference 000 quotes it. Derived as a truncated geometric
+    Leviathan et al. 2023, Eq. (1) (Thm 3.8); the two-symbol post quotes it. Derived as a truncated geometric
     series in ``proofs/t3_expected_tokens.py``.
     """
     alpha, gamma = _alpha(alpha), _gamma(gamma)

@@ -2,16 +2,16 @@
 
 Metrics of a set of records are ratios of sums over its runs (so long runs weigh more than short ones):
 
-* BE, block efficiency (reference 003: tokens per target call) = (accepted drafts + target calls) /
+* BE, block efficiency (Sun et al. 2025, arXiv 2403.10444: tokens per target call) = (accepted drafts + target calls) /
   target calls, i.e. the mean number of tokens a verification step emits (num_accepted + 1) before the
   truncation at EOS / max_new_tokens. ``be_emitted`` = emitted tokens / target calls is the truncated
   variant (lower by at most one block per run);
-* WS, wall-clock speed-up (reference 003) = (autoregressive seconds / autoregressive tokens) /
+* WS, wall-clock speed-up (Sun et al. 2025, arXiv 2403.10444) = (autoregressive seconds / autoregressive tokens) /
   (speculative seconds / speculative tokens): the throughput ratio against the baseline run of the same
   prompt, temperature and seed. Per token, because a run that meets EOS early produces fewer tokens;
 * alpha = accepted drafts / examined drafts (examined = accepted + steps with a rejection): the
   maximum-likelihood acceptance rate when acceptances are i.i.d. Bernoulli(alpha) (Leviathan et al. 2023,
-  reference 004), exact for token verification of i.i.d. models, where then BE =
+  Leviathan et al. 2023, arXiv 2211.17192), exact for token verification of i.i.d. models, where then BE =
   ``theory.expected_tokens(alpha, gamma)``. Read it from token-verification rows.
 
 Intervals: percentile bootstrap over prompts (Efron & Tibshirani 1993, ch. 13). A resample draws the
@@ -308,7 +308,7 @@ def summary(records: pd.DataFrame, **bootstrap) -> str:
 
 def two_symbol_gain(alpha: float, gamma: int) -> tuple[float, float]:
     """(token BE, block BE) of the i.i.d. two-symbol family p = (1 - alpha/2, alpha/2), q = (alpha/2,
-    1 - alpha/2), whose acceptance rate is alpha (reference 000's example is alpha = 2/3).
+    1 - alpha/2), whose acceptance rate is alpha (the two-symbol post's example is alpha = 2/3).
 
     Exact up to float64: the mean over all 2^gamma draft blocks, weighted by q(block), of
     ``verify.expected_num_accepted`` (the identity ``tests/test_expected.py`` proves by enumeration).
@@ -363,7 +363,7 @@ def gain_vs_alpha_table(records: pd.DataFrame, by: Sequence[str] = ("run_id", "t
 
 
 def paper_alpha(gamma: int = 8) -> pd.Series:
-    """The alpha implied by reference 003's token BE at ``gamma`` under i.i.d. acceptances: the root of
+    """The alpha implied by the token BE of Sun et al. 2025 (arXiv 2403.10444) at ``gamma`` under i.i.d. acceptances: the root of
     (1 - alpha^(gamma+1)) / (1 - alpha) = BE (the paper reports no alpha). One value per temperature."""
     from scipy.optimize import brentq
 
@@ -419,7 +419,7 @@ def _with_interval(value, low, high, percent: bool) -> str:
 
 
 def format_paper_table(table: pd.DataFrame) -> str:
-    """``paper_table`` output as Markdown in the layout of reference 003 (gains with 95% intervals); the WS
+    """``paper_table`` output as Markdown in the layout of Sun et al. 2025 (arXiv 2403.10444; gains with 95% intervals); the WS
     columns are left out when no run was timed (batched sweeps)."""
     rows = []
     timed = bool(table["ws_token"].notna().any())
@@ -483,7 +483,7 @@ def plot_gain_vs_alpha(table: pd.DataFrame, theory: pd.DataFrame | None = None, 
 
     ``table``: rows with ``gamma``, ``temperature``, ``alpha_overlap`` and the gain columns (e.g.
     ``expected_gain_table`` merged with ``gain_table``). ``theory``: rows (gamma, alpha, gain) drawn as a
-    line (e.g. ``two_symbol_gain``). ``paper``: reference 003's three gains (gamma = 8) at the alpha their
+    line (e.g. ``two_symbol_gain``). ``paper``: the three gains of Sun et al. 2025 (arXiv 2403.10444) (gamma = 8) at the alpha their
     token BE implies (``paper_alpha``). Returns the matplotlib figure.
     """
     import matplotlib.pyplot as plt
@@ -525,8 +525,8 @@ def plot_gain_vs_alpha(table: pd.DataFrame, theory: pd.DataFrame | None = None, 
 def plot_gain_vs_temperature(gains: pd.DataFrame, metric: str = "be", paper: bool = True):
     """Relative gain of block over token verification vs temperature, one line per gamma, with intervals.
 
-    ``gains``: ``gain_table(records)`` output (by temperature and gamma). ``paper``: add reference 003's
-    gains (gamma = 8). Returns the matplotlib figure.
+    ``gains``: ``gain_table(records)`` output (by temperature and gamma). ``paper``: add the three gains of Sun et al. 2025
+    (arXiv 2403.10444; gamma = 8). Returns the matplotlib figure.
     """
     import matplotlib.pyplot as plt
 

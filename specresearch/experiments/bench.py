@@ -1,6 +1,6 @@
 """Block vs token verification on real models: the sweep that writes one record per run.
 
-Reproduces the experiment of reference 003 (Sun et al., ICLR 2025, rebuttal Table "BE/WS": Vicuna-7B
+Reproduces the experiment of Sun et al., ICLR 2025 (arXiv 2403.10444; rebuttal Table "BE/WS": Vicuna-7B
 target + Vicuna-68M draft on Spec-Bench, T in {0.2, 0.6, 1.0}, gamma = 8; BE = block efficiency, tokens
 per target call; WS = wall-clock speed-up over autoregressive decoding) on any target/draft pair, by
 default the embedded SmolLM2-135M-Instruct with the shipped distilled draft ``v8k-4l``.

@@ -1,6 +1,6 @@
 """Trained drafts compared: acceptance per depth, data scaling, predicted and measured speed-up.
 
-Records in, tables and figures out (the experiments layer of ``ARCHITECTURE.md``). The records are
+Records in, tables and figures out (the experiments room of docs/README.md, "Layout"). The records are
 the manifests the training commands write (``specresearch distill`` / ``feature-distill``, shipped under
 ``data/drafts/`` or kept by ``benchmarks/run_data_scaling.py``) and the JSON lines of
 ``benchmarks/bench_wallclock.py``. Notation: alpha_d = acceptance rate of the d-th drafted token after

@@ -5,7 +5,7 @@ The exact twins (``exact.py``) prove the verifiers lossless on small enumerable 
 ``generate.speculative_generate`` on ``num_samples`` copies of one prompt, keep the first ``k`` tokens
 of each row, and compare their empirical law with the target law of k-token continuations under the
 same sampling transform, p(x_1) p(x_2 | x_1) ... p(x_k | x_<k) with ``sampling.logits_to_probs``
-(Leviathan et al. 2023, Theorem 1, references/004; Sun et al. 2025, Theorem 1, references/003: the
+(Leviathan et al. 2023, arXiv 2211.17192, Theorem 1; Sun et al. 2025, arXiv 2403.10444, Theorem 1: the
 emitted sequence is distributed exactly as the target's).
 
 Cells (fixed by the target law and ``num_samples`` only, never by the observations). With

@@ -1,8 +1,8 @@
 """Distilled draft models for a target causal LM: build, sample a corpus, train by KL, ship, measure.
 
 Notation as in the package docstring: p = target (``target_probs``), q = draft (``draft_probs``),
-alpha = E[sum_x min(p, q)] (reference 004, "acceptance rate beta = 1 - D_LK(p, q)"; Leviathan et al.
-2023, section 3.1), c = cost of one draft forward / cost of one target forward.
+alpha = E[sum_x min(p, q)] (Leviathan et al. 2023, arXiv 2211.17192, section 3.1: "acceptance rate beta = 1 -
+D_LK(p, q)"), c = cost of one draft forward / cost of one target forward.
 
 The draft (built and loaded by ``specresearch.drafts.distilled``: :class:`DraftConfig`, :func:`build_draft`,
 :func:`load_draft`) is a small transformers causal LM of the SAME architecture family as the target

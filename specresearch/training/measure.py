@@ -44,7 +44,7 @@ class DraftMeasurement:
 def measure_draft(target, draft, prompt_ids: Sequence[torch.Tensor], *, temperatures: Sequence[float] = (0.2, 0.6, 1.0),
                   max_new_tokens: int = 64, seed: int = 0, eos_token_ids: Sequence[int] = (), prompts_per_batch: int = 2,
                   progress: bool = True) -> DraftMeasurement:
-    """alpha at each temperature and the greedy agreement rate on held-out prompts (reference 004).
+    """alpha at each temperature and the greedy agreement rate on held-out prompts (Leviathan et al. 2023, arXiv 2211.17192).
 
     For each prompt ``[P]`` the target generates one greedy continuation and one sampled continuation
     per temperature (a ``torch.Generator`` seeded with ``seed``); target and draft are then scored on
