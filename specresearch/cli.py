@@ -402,9 +402,12 @@ def _add_bench(sub) -> None:
                  "  specresearch bench --draft v8k-4l --prompts 14 --max-new-tokens 32 --threads 2 "
                  "--prompts-file data/prompts.jsonl")
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
-    p.add_argument("--draft", default="v8k-4l",
-                   help="v8k-4l (a shipped distilled draft; eagle3-v8k the feature head) | ngram | ngram+NAME[@OPTION] | "
+    p.add_argument("--draft", default=None,
+                   help="v8k-4l (default; a shipped distilled draft; eagle3-v8k the feature head) | ngram | ngram+NAME[@OPTION] | "
                         "truncated:N | fp16:NAME | dial-mix:LAM (BE only) | checkpoint path")
+    p.add_argument("--default-config", action="store_true",
+                   help=f"time exactly what `specresearch generate` runs by default ({GENERATE_DRAFT}, block, gamma "
+                        f"{GENERATE_GAMMA}) against autoregressive decoding; the prompt, temperature and length flags apply")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
     p.add_argument("--verifiers", nargs="+", help="default: token block; a draft tree as NAME:K[:LAW], e.g. traversal:4 (engine.tree.parse_verifier)")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
@@ -434,6 +437,12 @@ def _run_bench(args) -> int:
     from specresearch.experiments import analysis, bench
 
     check_prompts_file("--prompts-file", args.prompts_file)
+    if args.default_config:
+        given = [flag for flag, value in (("--draft", args.draft), ("--verifiers", args.verifiers), ("--gammas", args.gammas)) if value]
+        if given:
+            raise ValueError(f"--default-config fixes the draft, verifier and gamma to generate's defaults: drop {', '.join(given)}")
+        args.draft, args.verifiers, args.gammas = GENERATE_DRAFT, ["block"], [GENERATE_GAMMA]
+    args.draft = args.draft or "v8k-4l"
     if args.prompt_set:
         from specresearch.engine.prompts import prompt_set_file
 
