@@ -169,3 +169,14 @@ def test_tracked_files_fit_what_a_gpu_machine_receives():
     sizes = {name.decode(): (ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file()}
     largest = sorted(sizes, key=sizes.get)[-3:]
     assert sum(sizes.values()) < 60e6, f"{sum(sizes.values()) / 1e6:.1f} MB tracked; largest: {largest}"
+
+
+def test_the_records_index_is_current():
+    """``benchmarks/records/INDEX.md`` lists every record, what made it and who cites it: regenerate it with
+    ``PYTHONPATH=. python benchmarks/index_records.py`` when a record or a citing page changes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("index_records", ROOT / "benchmarks" / "index_records.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "benchmarks" / "records" / "INDEX.md").read_text() == module.index_markdown()
