@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair
 from specresearch.drafts.store import draft_digest
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts, prompt_set_file
 from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.experiments.records import machine_info
 from specresearch.paths import data_dir, repo_root
@@ -111,10 +112,12 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/trees_<cpu>)")
     parser.add_argument("--draft", default="v8k-4l", help="any draft name (every draft kind draws trees)")
     parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=sorted(RUNS))
+    parser.add_argument("--prompt-set", choices=["mt-bench", "humaneval"], help="a paper's prompt set instead of data/prompts.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft)
-    prompts = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
+    source = prompt_set_file(args.prompt_set) if args.prompt_set else data_dir() / "prompts.jsonl"
+    prompts = evenly_spaced(load_prompts(source), args.prompts)
     speculative_generate(target, draft, [encode_chat([prompts[0]], tokenizer)[0].tolist()], max_new_tokens=4)  # warm-up
     cost = tree_cost(target)
     rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs)
@@ -126,7 +129,7 @@ def main() -> int:
     frame = pd.DataFrame(rows)
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
-    header = {"command": " ".join(["benchmarks/bench_trees.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
+    header = {"command": shlex.join(["benchmarks/bench_trees.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
               "draft": args.draft, "draft_sha256": draft_digest(data_dir() / "drafts" / args.draft.split("+")[-1].removeprefix("fp16:")),
               "tree_cost": cost}
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
