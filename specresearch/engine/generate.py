@@ -193,10 +193,6 @@ def _select(index: torch.Tensor, *tensors):
     return tuple(None if t is None else t[index.to(t.device)] for t in tensors)
 
 
-
-
-
-
 def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier="token") -> None:
     check_int("max_new_tokens", max_new_tokens)
     check_int("gamma", gamma, meaning="draft tokens per step")
