@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,32 +27,8 @@ from specresearch.core.verify_multi import MULTI_VERIFIERS  # noqa: E402
 from specresearch.drafts.ngram import NGramDraft  # noqa: E402
 from specresearch.drafts.registry import truncated_draft  # noqa: E402
 from specresearch.engine.generate import autoregressive_generate, speculative_generate  # noqa: E402
-from specresearch.engine.timing import clock  # noqa: E402
+from specresearch.engine.timing import HostReads, TimedCall, interleaved_medians  # noqa: E402
 from specresearch.models.causal_lm import CausalLM  # noqa: E402
-
-READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "equal",
-         "unique", "masked_select", "argwhere"}
-
-
-class _Reads(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += getattr(func, "__name__", "") in READS
-        return func(*args, **(kwargs or {}))
-
-
-def _median_seconds(call, device, repeats: int) -> float:
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = clock(device)
-        call()
-        times.append(clock(device) - start)
-    return statistics.median(times)
 
 
 def verifier_timings(device, batch: int, vocab: int, repeats: int) -> dict:
@@ -62,18 +37,19 @@ def verifier_timings(device, batch: int, vocab: int, repeats: int) -> dict:
     target = torch.softmax(3 * torch.randn(batch, 5, vocab, generator=g, device=device), -1)
     draft = torch.softmax(torch.log(target[:, :4]) + torch.randn(batch, 4, vocab, generator=g, device=device), -1)
     tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=g).view(batch, 4)
-    out = {}
+    calls = {}
     for name, verify in VERIFIERS.items():
         u = draw_uniforms(batch, 4, g)
-        out[name] = 1e3 * _median_seconds(lambda: verify(target, draft, tokens, uniforms=u, validate=False), device, repeats)
+        calls[name] = TimedCall(lambda verify=verify, u=u: verify(target, draft, tokens, uniforms=u, validate=False))
     paths_target = target[:, None].expand(batch, 4, 5, vocab).contiguous()
     paths_draft = draft[:, None].expand(batch, 4, 4, vocab).contiguous()
     paths = torch.stack([torch.multinomial(draft.reshape(-1, vocab), 1, generator=g).view(batch, 4) for _ in range(4)], 1)
     for name in ("rrs", "rrs_without_replacement", "traversal", "gbv", "onehot"):
         u = draw_multi_uniforms(batch, 4, 4, g)
-        out[f"{name} K4 L4"] = 1e3 * _median_seconds(
-            lambda: MULTI_VERIFIERS[name](paths_target, paths_draft, paths, uniforms=u, validate=False), device, repeats)
-    return out
+        calls[f"{name} K4 L4"] = TimedCall(lambda name=name, u=u: MULTI_VERIFIERS[name](paths_target, paths_draft, paths,
+                                                                                       uniforms=u, validate=False))
+    medians = interleaved_medians(list(calls.values()), repeats=repeats, warmup=3, device=device)
+    return {name: 1e3 * seconds for name, seconds in zip(calls, medians)}
 
 
 def engine(device, target, quick: bool) -> list[dict]:
@@ -90,7 +66,7 @@ def engine(device, target, quick: bool) -> list[dict]:
                 base = autoregressive_generate(target, batch_prompts, max_new_tokens=new, sampling=sampling, seed=0)
                 timed = speculative_generate(target, make(), batch_prompts, gamma=4, max_new_tokens=new,
                                              sampling=sampling, seed=0, step_timing=True)
-                with _Reads() as reads:
+                with HostReads() as reads:
                     untimed = speculative_generate(target, make(), batch_prompts, gamma=4, max_new_tokens=new,
                                                    sampling=sampling, seed=0, step_timing=False)
                 rows.append({"batch": batch, "draft": name, "temperature": temperature,

@@ -1,47 +1,27 @@
 """Host reads per step: every value the host reads back from a tensor (``.tolist()``, ``.item()``, ``bool()``,
-``int()``, ``.nonzero()``, ...) waits for a GPU. Counted on the CPU with a ``TorchFunctionMode`` hook, as the
-difference between a long and a short run (so the prompt's one-off checks cancel). docs/engine_and_models.md states
-the counts."""
-
-import collections
-import traceback
+``int()``, ``.nonzero()``, ...) waits for a GPU. Counted on the CPU with a ``TorchFunctionMode`` hook
+(``engine.timing.HostReads``), as the difference between a long and a short run (so the prompt's one-off checks
+cancel). docs/engine_and_models.md states the counts."""
 
 import pytest
-from torch.overrides import TorchFunctionMode
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import truncated_draft
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.timing import HostReads
 from specresearch.models.toy import tiny_llama
 
-READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "equal",
-         "unique", "masked_select", "argwhere"}
 PROMPTS = [[5, 9, 2, 33, 7], [4, 8, 1], [16, 23, 42, 3], [7, 7]]
-
-
-class _Reads(TorchFunctionMode):
-    """Counts host reads by where they happen: our code or transformers'."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in READS:
-            files = [f.filename for f in traceback.extract_stack()[:-1]]
-            self.count["transformers" if "transformers" in next(f for f in reversed(files) if "site-packages" in f
-                                                                  or "specresearch" in f) else "specresearch"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _per_step(run) -> dict[str, float]:
     counts, steps = [], []
     for tokens in (12, 36):
-        with _Reads() as reads:
+        with HostReads() as reads:
             out = run(tokens)
-        counts.append(reads.count)
+        counts.append(reads.by_origin)
         steps.append(len(out.steps))
-    return {where: (counts[1][where] - counts[0][where]) / (steps[1] - steps[0]) for where in ("specresearch", "transformers")}
+    return {where: (counts[1][where] - counts[0][where]) / (steps[1] - steps[0]) for where in ("specresearch", "other")}
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ from specresearch.drafts.store import (
     write_manifest,
     weights_path,
 )
-from specresearch.models.causal_lm import SlotMask, check_prompt, host_counts, rollback_counts
+from specresearch.models.causal_lm import SlotMask, check_prompt
 from specresearch.models.kernels import (
     SKINNY_ROWS,
     choose_skinny_rows,
@@ -445,13 +445,11 @@ class FeatureDraft:
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or ``[B]``); the next ``score`` needs freshly observed features."""
-        batch = self._slots.mask.shape[0]
-        host = host_counts(n, batch)
-        common = self._slots.drop(rollback_counts(n, batch, self.device), host)
+        common, uneven = self._slots.rollback(n)
         if common:
             self._cache = [(k[:, :, :-common], v[:, :, :-common]) for k, v in self._cache]
         self._last = None
-        if host is None or min(host) != max(host):
+        if uneven:
             self._compact()
 
     def repeat_rows(self, k: int) -> None:

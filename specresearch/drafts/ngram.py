@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specresearch.models.causal_lm import SlotMask, check_prompt, rollback_counts
+from specresearch.models.causal_lm import SlotMask, check_prompt
 
 __all__ = ["NGramDraft", "ngram_probs", "ngram_match_length"]
 
@@ -78,10 +78,11 @@ class NGramDraft:
         return torch.stack(steps, dim=1).to(self.device)  # [B, k, V]
 
     def rollback(self, n) -> None:
-        common = self._slots.drop(rollback_counts(n, self._tokens.shape[0], "cpu"))
+        common, uneven = self._slots.rollback(n)
         self._tokens = self._tokens[:, : self._tokens.shape[1] - common]
         self._matches = None
-        self._compact()
+        if uneven:
+            self._compact()
 
     def repeat_rows(self, k: int) -> None:
         """Each row becomes ``k`` consecutive copies (drafting k paths per row)."""

@@ -1,18 +1,45 @@
-"""Timing on any device: a clock that waits for queued device work, and interleaved medians of calls.
+"""Timing on any device: a clock that waits for queued device work, interleaved medians of calls, and a counter of
+host reads (each one waits for a GPU).
 
 Benchmarks and measurements time through these, never tests: a wall-clock figure is a record, not an assertion.
 """
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["clock", "step_clock", "TimedCall", "interleaved_medians"]
+__all__ = ["clock", "step_clock", "TimedCall", "interleaved_medians", "HostReads", "HOST_READS"]
+
+# Tensor methods that hand a value to the host (so, on a GPU, wait for the work queued before them).
+HOST_READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
+                        "equal", "unique", "masked_select", "argwhere"})
+
+
+class HostReads(TorchFunctionMode):
+    """Counts host reads while active (``with HostReads() as reads: ...``): ``reads.count`` in all, and
+    ``reads.by_origin["specresearch"]`` / ``["other"]`` by whose code made the read (the innermost frame in
+    this package or in an installed library). Works on any device, so a CPU run counts what a GPU would wait for."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.by_origin = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.count += 1
+            files = [f.filename for f in traceback.extract_stack()[:-1]]
+            inner = next((f for f in reversed(files) if "site-packages" in f or "specresearch" in f), "")
+            self.by_origin["other" if "site-packages" in inner else "specresearch"] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def clock(device: torch.device | str = "cpu") -> float:

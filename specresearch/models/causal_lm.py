@@ -121,6 +121,15 @@ class SlotMask:
         """Keep rows ``index [B']`` (in that order)."""
         self.mask = self.mask[index]
 
+    def rollback(self, n) -> tuple[int, bool]:
+        """Forget the last ``n`` slots (``int``, a sequence of per-row ints, or a ``[B]`` tensor). Returns (trailing
+        slots every row lost, whether rows dropped different counts, so that dead slots may want packing). Counts given
+        as Python ints are validated on the host: nothing is read back from the device."""
+        batch = self.mask.shape[0]
+        host = _host_counts(n, batch)
+        common = self.drop(rollback_counts(n, batch, self.mask.device), host)
+        return common, host is None or min(host) != max(host)
+
     def drop(self, n: torch.Tensor, host: list[int] | None = None) -> int:
         """Forget the last ``n[b]`` slots of row b; return how many trailing slots every row lost. ``host``: the same
         counts as Python ints, when the caller has them (then nothing is read back from the device)."""
@@ -147,7 +156,7 @@ def rollback_counts(n, batch: int, device) -> torch.Tensor:
     return counts.expand(batch).clone() if counts.ndim == 0 else counts
 
 
-def host_counts(n, batch: int) -> list[int] | None:
+def _host_counts(n, batch: int) -> list[int] | None:
     """Rollback counts the caller gave as Python ints (``int`` or a sequence) -> ``[B]`` list; a tensor -> None."""
     if isinstance(n, torch.Tensor):
         return None
@@ -311,12 +320,10 @@ class CausalLM:
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
-        batch = self._slots.mask.shape[0]
-        host = host_counts(n, batch)
-        common = self._slots.drop(rollback_counts(n, batch, self.device), host)
+        common, uneven = self._slots.rollback(n)
         if common:
             self._cache.crop(-common)
-        if host is None or min(host) != max(host):  # rows dropped different counts: dead slots may have piled up
+        if uneven:  # rows dropped different counts: dead slots may have piled up
             self._compact()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None, attention_mask=None):

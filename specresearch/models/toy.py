@@ -9,8 +9,6 @@ from specresearch.models.causal_lm import (
     CausalLM,
     SlotMask,
     check_prompt,
-    host_counts,
-    rollback_counts,
 )
 
 __all__ = ["ToyLM", "tiny_llama_config", "tiny_llama"]
@@ -57,10 +55,7 @@ class ToyLM:
         return self._logits(tokens)
 
     def rollback(self, n) -> None:
-        batch = self._slots.mask.shape[0]
-        host = host_counts(n, batch)
-        self._slots.drop(rollback_counts(n, batch, self.device), host)
-        if host is None or min(host) != max(host):
+        if self._slots.rollback(n)[1]:
             self._slots.compaction()
 
     def begin_tree(self) -> None:
