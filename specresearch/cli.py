@@ -91,8 +91,11 @@ def _add_generate(sub) -> None:
                         "multi-draft --verifier; every draft draws trees)")
     p.add_argument("--stop-below", type=float, default=None,
                    help="adaptive chains: draft up to --gamma tokens, stopping once the draft's top probability is below this")
-    p.add_argument("--draft-law", default="iid", choices=["iid", "without_replacement"],
-                   help="how the K paths are drawn: i.i.d., or their first tokens without replacement")
+    p.add_argument("--draft-law", default="iid", choices=["iid", "without_replacement", "dynamic"],
+                   help="how the K paths are drawn: i.i.d., or their first tokens without replacement; dynamic: EAGLE-2's "
+                        "deterministic tree (top-K children per expanded node, --gamma deep, --verifier onehot)")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="--draft-law dynamic: nodes kept in the tree (default K * gamma)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -175,7 +178,8 @@ def _run_generate(args) -> int:
     else:
         draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
-                                      num_drafts=args.num_drafts, draft_law=args.draft_law, stop_below=args.stop_below,
+                                      num_drafts=args.num_drafts, draft_law=args.draft_law, tree_nodes=args.tree_nodes,
+                                      stop_below=args.stop_below,
                                       **common)
     stream.close()
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "

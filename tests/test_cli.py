@@ -172,6 +172,9 @@ def test_there_are_subcommands():
     (["generate", "hi", "--method", "beam", "--verifier", "token"], "--method beam decodes without a draft"),
     (["generate", "hi", "--method", "beam", "--gamma", "3"], "--method beam decodes without a draft"),
     (["generate", "hi", "--num-drafts", "3"], "choose a multi-draft --verifier"),
+    (["generate", "hi", "--num-drafts", "3", "--verifier", "traversal", "--draft-law", "dynamic"], "with --verifier onehot"),
+    (["generate", "hi", "--tree-nodes", "8"], "--tree-nodes is a count >= 1 for --draft-law dynamic"),
+    (["generate", "hi", "--verifier", "onehot", "--draft-law", "dynamic", "--tree-nodes", "0"], "--tree-nodes is a count"),
 ])
 def test_generate_flag_errors_come_before_any_model_loads(capsys, monkeypatch, argv, needle):
     import specresearch.models.embedded as embedded

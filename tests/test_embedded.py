@@ -151,3 +151,20 @@ def test_committed_corpus_tokens_are_the_feature_corpus_of_the_xl_prompts(smollm
         for sequence, prompt in zip(chunk["sequences"], chosen, strict=True):
             assert torch.equal(sequence[: len(prompt)], prompt)
             assert 1 <= len(sequence) - len(prompt) <= config.max_new_tokens and int(sequence.max()) < lm.vocab_size
+
+
+@pytest.mark.parametrize("verifier, num_drafts, gamma, draft_law", [
+    ("traversal", 2, 2, "iid"), ("rrs_without_replacement", 3, 2, "without_replacement"), ("gbv", 2, 2, "iid"),
+    ("kseq", 3, 1, "iid"), ("onehot", 3, 3, "dynamic")])
+def test_greedy_trees_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_reference, verifier, num_drafts, gamma,
+                                                                 draft_law):
+    """Every tree rule and shape, drafted by the shipped head, gives the target's greedy tokens."""
+    from specresearch.drafts.registry import draft_from_name
+
+    lm, tokenizer = smollm
+    prompts, reference = greedy_reference
+    draft = draft_from_name("fp16:eagle3-v8k", lm, tokenizer)
+    out = speculative_generate(lm, draft, prompts, tokenizer=tokenizer, verifier=verifier, num_drafts=num_drafts,
+                               gamma=gamma, draft_law=draft_law, max_new_tokens=32, sampling=GREEDY)
+    assert out.tokens == reference.tokens
+    assert out.block_efficiency > 1.2

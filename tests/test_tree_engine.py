@@ -177,15 +177,16 @@ def test_bench_runs_tree_rules_by_name(tmp_path):
     from specresearch.experiments.bench import BenchConfig, BenchPrompt, run_bench
     from specresearch.experiments.records import read_records
 
-    assert parse_verifier("traversal:4") == ("traversal", 4, "iid") and parse_verifier("block") == ("block", 1, "iid")
-    assert parse_verifier("onehot:2:without_replacement") == ("onehot", 2, "without_replacement")
+    assert parse_verifier("traversal:4") == ("traversal", 4, "iid", None) and parse_verifier("block") == ("block", 1, "iid", None)
+    assert parse_verifier("onehot:2:without_replacement") == ("onehot", 2, "without_replacement", None)
     for bad in ("block:2", "traversal:x", "rrs:2:topk", "nope"):
         with pytest.raises(ValueError, match="multi-draft rule"):
             parse_verifier(bad)
     target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
-    config = BenchConfig(verifiers=("block", "traversal:3"), temperatures=(0.0, 1.0), gammas=(2,), max_new_tokens=12)
+    config = BenchConfig(verifiers=("block", "traversal:3", "onehot:2:dynamic:4"), temperatures=(0.0, 1.0), gammas=(2,), max_new_tokens=12)
     run_bench(target, draft, [BenchPrompt("p", "chat", (5, 9, 2, 33, 7))], config, tmp_path / "r.csv", progress=False)
     rows = read_records(tmp_path / "r.csv")
-    assert set(rows.verifier) == {"autoregressive", "block", "traversal:3"}
+    assert set(rows.verifier) == {"autoregressive", "block", "traversal:3", "onehot:2:dynamic:4"}
     greedy = rows[rows.temperature == 0]
-    assert greedy[greedy.verifier == "block"].output_hash.iloc[0] == greedy[greedy.verifier == "traversal:3"].output_hash.iloc[0]
+    for tree in ("traversal:3", "onehot:2:dynamic:4"):
+        assert greedy[greedy.verifier == "block"].output_hash.iloc[0] == greedy[greedy.verifier == tree].output_hash.iloc[0]

@@ -63,7 +63,8 @@ from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
 from specresearch.engine.timing import clock, step_clock
-from specresearch.engine.tree import TREE_VERIFIERS, check_tree_args, tree_step
+from specresearch.engine.topk_tree import dynamic_tree_step
+from specresearch.engine.tree import TREE_VERIFIERS, check_tree_args, tree_randomness, tree_step
 from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
 
 __all__ = [
@@ -334,6 +335,7 @@ def speculative_generate(
     expectations: Sequence[str] = (),
     num_drafts: int = 1,
     draft_law: str = "iid",
+    tree_nodes: int | None = None,
     stop_below: float | None = None,
     step_timing: bool | None = None,
 ) -> GenerationResult:
@@ -360,7 +362,10 @@ def speculative_generate(
         num_drafts, draft_law: K draft paths per step drawn ``"iid"`` or with the first tokens
             ``"without_replacement"``, scored by the target in one call as a tree and verified by a multi-draft
             ``verifier`` (``rrs``, ``rrs_without_replacement``, ``kseq``, ``gbv``, ``traversal``, ``onehot``;
-            :mod:`specresearch.engine.tree`). The default, one path, is the chain step above.
+            :mod:`specresearch.engine.tree`). The default, one path, is the chain step above. ``draft_law="dynamic"``
+            drafts EAGLE-2's deterministic tree instead, top ``num_drafts`` children per expanded node, depth
+            ``gamma``, the ``tree_nodes`` (default K * gamma) most probable nodes kept, verified by ``"onehot"``
+            (:mod:`specresearch.engine.topk_tree`).
         stop_below: adaptive drafting (chains): draft up to ``gamma`` tokens, stopping before token i > 1 once the
             draft's top probability there (the softmax of its raw logits, so the rule means the same at every
             temperature; at T = 0 the sampled law is one-hot) is below ``stop_below`` in every row (with per-row seeds, only for one
@@ -379,7 +384,9 @@ def speculative_generate(
     if stop_below is not None and (tree or expectations):
         raise ValueError("stop_below (adaptive chains) does not combine with draft trees or expectations=")
     if tree:
-        check_tree_args(target, draft, verifier, num_drafts, draft_law, gamma, expectations)
+        check_tree_args(target, draft, verifier, num_drafts, draft_law, gamma, expectations, tree_nodes)
+    elif tree_nodes is not None:
+        raise ValueError(f"tree_nodes is for draft_law 'dynamic', got draft_law {draft_law!r}")
     else:
         _check_generation_args(max_new_tokens, gamma, verifier)
     check_int("max_new_tokens", max_new_tokens)
@@ -422,10 +429,18 @@ def speculative_generate(
         if tree:
             if verifier == "kseq":
                 step_gamma = 1
-            emitted, target_pending, draft_pending, draft_valid, record = tree_step(
-                target, draft, target_pending, draft_pending, draft_valid, verifier=verifier, num_drafts=num_drafts,
-                gamma=step_gamma, draft_law=draft_law, sampling=sampling, generators=generators, device=device,
-                active=[active[b] for b in batch.rows], tick=tick)
+            step_active = [active[b] for b in batch.rows]
+            if draft_law == "dynamic":
+                emitted, target_pending, draft_pending, draft_valid, record = dynamic_tree_step(
+                    target, draft, target_pending, draft_pending, draft_valid, num_drafts=num_drafts, gamma=step_gamma,
+                    tree_nodes=tree_nodes or num_drafts * gamma, sampling=sampling,
+                    randomness=tree_randomness(generators, num_drafts, step_gamma, device), device=device,
+                    active=step_active, tick=tick)
+            else:
+                emitted, target_pending, draft_pending, draft_valid, record = tree_step(
+                    target, draft, target_pending, draft_pending, draft_valid, verifier=verifier, num_drafts=num_drafts,
+                    gamma=step_gamma, draft_law=draft_law, sampling=sampling, generators=generators, device=device,
+                    active=step_active, tick=tick)
             kept = rows.add(batch.widen(emitted, []))
             steps.append(batch.record(record, active))
             if on_step is not None:

@@ -141,7 +141,8 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 
 
 def speculative(draft, *, verifier: str | Callable = "block", gamma: int = 4, streamer=None,
-                allow: Sequence[type] = (), num_drafts: int = 1, draft_law: str = "iid") -> "SpeculativeGenerate":
+                allow: Sequence[type] = (), num_drafts: int = 1, draft_law: str = "iid",
+                tree_nodes: int | None = None) -> "SpeculativeGenerate":
     """The ``custom_generate`` callable running speculative decoding with ``draft`` (module docstring).
 
     Args:
@@ -152,8 +153,9 @@ def speculative(draft, *, verifier: str | Callable = "block", gamma: int = 4, st
         streamer: a transformers streamer (``TextStreamer``, ...) for one row; see the module docstring.
         allow: extra logits-processor / stopping-criteria classes you vouch for: deterministic functions of
             one row's token prefix (and, for processors, its logits row), applied like ``PREFIX_PROCESSORS``.
-        num_drafts, draft_law: draft trees, as ``speculative_generate``'s (``verifier`` then a multi-draft rule of
-            ``engine.tree.TREE_VERIFIERS``; the draft must copy rows, e.g. a transformers causal LM).
+        num_drafts, draft_law, tree_nodes: draft trees, as ``speculative_generate``'s (``verifier`` then a multi-draft
+            rule of ``engine.tree.TREE_VERIFIERS``, ``"onehot"`` for ``draft_law="dynamic"``; the draft must copy rows,
+            e.g. a transformers causal LM).
     Returns:
         :class:`SpeculativeGenerate`, to pass as ``model.generate(..., custom_generate=...)``.
     """
@@ -164,7 +166,8 @@ def speculative(draft, *, verifier: str | Callable = "block", gamma: int = 4, st
                          f"or a callable, got {verifier!r}")
     if not all(isinstance(c, type) for c in allow):
         raise ValueError(f"allow must be a sequence of classes (logits processors / stopping criteria), got {allow!r}")
-    return SpeculativeGenerate(_as_language_model(draft, "draft"), verifier, gamma, streamer, tuple(allow), num_drafts, draft_law)
+    return SpeculativeGenerate(_as_language_model(draft, "draft"), verifier, gamma, streamer, tuple(allow), num_drafts, draft_law,
+                               tree_nodes)
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ class SpeculativeGenerate:
     allow: tuple[type, ...]
     num_drafts: int = 1
     draft_law: str = "iid"
+    tree_nodes: int | None = None
 
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                  synced_gpus: bool = False, streamer=None, seed: int | Sequence[int] | None = None,
@@ -200,7 +204,8 @@ class SpeculativeGenerate:
             streamer.put(input_ids.cpu())  # generate puts the prompt only into a streamer it was given itself
         result = speculative_generate(
             target, draft, [row[m.bool()].tolist() for row, m in zip(input_ids, mask)], verifier=self.verifier,
-            gamma=self.gamma, num_drafts=self.num_drafts, draft_law=self.draft_law, max_new_tokens=max_new_tokens,
+            gamma=self.gamma, num_drafts=self.num_drafts, draft_law=self.draft_law, tree_nodes=self.tree_nodes,
+            max_new_tokens=max_new_tokens,
             sampling=sampling, seed=_seed(seed, generator),
             eos_token_id=eos, on_step=None if streamer is None else _streaming(streamer),
             stop_when=None if not criteria else _stopper(criteria, input_ids))

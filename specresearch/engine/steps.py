@@ -105,16 +105,23 @@ def _draft_pending(draft_tokens, result, gamma, accepted: list[int] | None = Non
     return tokens, torch.stack([full, torch.ones_like(full)], 1)
 
 
-def _refeed(draft, draft_tokens, result, features, longest: int):
-    """After verification, a reading draft is re-fed ``[x_1..x_n, next_token]`` (right-aligned, ``valid`` mask)
-    with the target's true features of the slots before them, ``[pending, x_1..x_n]`` (``features [B, gamma+1, F]``;
-    ``longest``: max n, read back already). Returns the draft's pending block and its validity ``[B, max n + 1]``."""
+def _accepted_block(draft_tokens, result, longest: int):
+    """``[x_1..x_n, next_token]`` of each row, right-aligned in ``[B, longest + 1]`` (``longest``: max n, read back
+    already). -> (tokens, valid, source): ``source[b, j]`` the path position of slot j (0 the pending token)."""
     n = result.num_accepted  # [B]
     width = longest + 1
     source = torch.arange(width, device=n.device)[None] - (width - 1 - n[:, None])  # [B, width]
     valid = source >= 0
     source = source.clamp(min=0)
     tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], 1).scatter(1, n[:, None], result.next_token[:, None])
+    return tokens.gather(1, source), valid, source
+
+
+def _refeed(draft, draft_tokens, result, features, longest: int):
+    """After verification, a reading draft is re-fed ``[x_1..x_n, next_token]`` (right-aligned, ``valid`` mask)
+    with the target's true features of the slots before them, ``[pending, x_1..x_n]`` (``features [B, gamma+1, F]``;
+    ``longest``: max n, read back already). Returns the draft's pending block and its validity ``[B, max n + 1]``."""
+    tokens, valid, source = _accepted_block(draft_tokens, result, longest)
     block_features = features.gather(1, source[:, :, None].expand(-1, -1, features.shape[-1])) * valid[:, :, None]
     draft.observe(block_features)
-    return tokens.gather(1, source), valid
+    return tokens, valid

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specresearch.checks import check_int
 from specresearch.core.draft_paths import DRAFT_LAWS, draw_multi_uniforms, first_tokens_without_replacement
 from specresearch.core.draws import uniforms
 from specresearch.core.verify_multi import MULTI_VERIFIERS
@@ -33,18 +34,27 @@ from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _refee
 from specresearch.engine.timing import clock
 from specresearch.models.protocols import FeatureReader, RowExpander, TreeScorer
 
-__all__ = ["TREE_VERIFIERS", "check_tree_args", "parse_verifier", "tree_step"]
+__all__ = ["TREE_DRAFT_LAWS", "TREE_VERIFIERS", "check_tree_args", "parse_verifier", "tree_randomness", "tree_step"]
 
 TREE_VERIFIERS = MULTI_VERIFIERS
+TREE_DRAFT_LAWS = (*DRAFT_LAWS, "dynamic")  # "dynamic": EAGLE-2's top-k tree (engine.topk_tree), one-hot rule only
 
 
-def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, gamma: int, expectations) -> None:
+def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, gamma: int, expectations,
+                    tree_nodes=None) -> None:
     """Clear errors for a tree run the engine cannot do, before any model work."""
     if not callable(verifier) and verifier not in TREE_VERIFIERS:
         raise ValueError(f"with num_drafts > 1 or draft_law {draft_law!r} the verifier must be a multi-draft rule "
                          f"{sorted(TREE_VERIFIERS)}, got {verifier!r}")
-    if draft_law not in DRAFT_LAWS:
-        raise ValueError(f"draft_law must be one of {DRAFT_LAWS}, got {draft_law!r}")
+    if draft_law not in TREE_DRAFT_LAWS:
+        raise ValueError(f"draft_law must be one of {TREE_DRAFT_LAWS}, got {draft_law!r}")
+    if draft_law == "dynamic" and verifier != "onehot":
+        raise ValueError(f"draft_law 'dynamic' (a deterministic top-k tree) is verified by 'onehot', the rule for "
+                         f"candidates chosen without the verifier's randomness; got {verifier!r}")
+    if tree_nodes is not None:
+        if draft_law != "dynamic":
+            raise ValueError(f"tree_nodes is for draft_law 'dynamic', got draft_law {draft_law!r}")
+        check_int("tree_nodes", tree_nodes, meaning="nodes kept in the dynamic tree")
     if verifier == "kseq" and gamma != 1:
         raise ValueError(f"verifier 'kseq' (SpecTr K-SEQ) is single-step: gamma must be 1, got {gamma}")
     if not isinstance(target, TreeScorer):
@@ -58,9 +68,11 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
         raise ValueError("expectations= is for chain steps (num_drafts=1)")
 
 
-def parse_verifier(spec: str) -> tuple[str, int, str]:
-    """``"block"`` -> ("block", 1, "iid"); ``"traversal:4"`` -> 4 i.i.d. paths; ``"rrs_without_replacement:4:without_replacement"``
-    names the draft law too. The spelling of a tree run in ``bench``'s ``verifiers`` and its records."""
+def parse_verifier(spec: str) -> tuple[str, int, str, int | None]:
+    """``"block"`` -> ("block", 1, "iid", None); ``"traversal:4"`` -> 4 i.i.d. paths;
+    ``"rrs_without_replacement:4:without_replacement"`` names the draft law too; ``"onehot:4:dynamic:16"`` a dynamic
+    tree of top-4 children and 16 nodes (-> ("onehot", 4, "dynamic", 16)). The spelling of a tree run in ``bench``'s
+    ``verifiers`` and its records."""
     from specresearch.core.verify import VERIFIERS
 
     parts = spec.split(":") if isinstance(spec, str) else []
@@ -70,10 +82,15 @@ def parse_verifier(spec: str) -> tuple[str, int, str]:
         ok = False
     num_drafts = int(rest[0]) if ok and rest else 1
     draft_law = rest[1] if ok and len(rest) > 1 else "iid"
-    if not ok or len(rest) > 2 or num_drafts < 1 or draft_law not in DRAFT_LAWS or (name in VERIFIERS and (num_drafts, draft_law) != (1, "iid")):
+    nodes = rest[2] if ok and len(rest) > 2 else None
+    dynamic_ok = draft_law != "dynamic" or name == "onehot"
+    nodes_ok = nodes is None or (draft_law == "dynamic" and nodes.isdigit() and int(nodes) >= 1)
+    if (not ok or len(rest) > 3 or num_drafts < 1 or draft_law not in TREE_DRAFT_LAWS or not dynamic_ok or not nodes_ok
+            or (name in VERIFIERS and (num_drafts, draft_law) != (1, "iid"))):
         raise ValueError(f"a verifier is {sorted(VERIFIERS)} or a multi-draft rule NAME[:K[:LAW]] with NAME in "
-                         f"{sorted(TREE_VERIFIERS)}, K >= 1 paths and LAW in {DRAFT_LAWS}; got {spec!r}")
-    return name, num_drafts, draft_law
+                         f"{sorted(TREE_VERIFIERS)}, K >= 1 paths and LAW in {DRAFT_LAWS}, or a dynamic tree "
+                         f"onehot:K:dynamic[:NODES]; got {spec!r}")
+    return name, num_drafts, draft_law, None if nodes is None else int(nodes)
 
 
 def _first_uniforms(generators, batch: int, num_drafts: int, device) -> torch.Tensor:
@@ -175,7 +192,9 @@ def _kept_nodes(path_nodes, result, width: int) -> torch.Tensor:
     return kept.scatter(1, torch.where(accepted, chosen, torch.zeros_like(chosen)), True)
 
 
-def _randomness(generators, num_drafts: int, gamma: int, device) -> dict:
+def tree_randomness(generators, num_drafts: int, gamma: int, device) -> dict:
+    """The verifier's randomness: ``{"generator": g}`` for one generator, else ``{"uniforms": [B, L+1, K]}``, one
+    row per row's generator."""
     if isinstance(generators, torch.Generator):
         return {"generator": generators}
     return {"uniforms": torch.cat([draw_multi_uniforms(1, num_drafts, gamma, g, device=device) for g in generators])}
@@ -196,7 +215,7 @@ def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, veri
                                                             draft.feature_layers if reads else None)
     t2 = tick()
     verify = verifier if callable(verifier) else TREE_VERIFIERS[verifier]
-    result = verify(target_probs, draft_probs, draft_tokens, validate=False, **_randomness(generators, num_drafts, gamma, device))
+    result = verify(target_probs, draft_probs, draft_tokens, validate=False, **tree_randomness(generators, num_drafts, gamma, device))
     target.end_tree(_kept_nodes(path_nodes, result, width))
     batch = draft_tokens.shape[0]
     rows = torch.arange(batch, device=device)

@@ -291,11 +291,11 @@ def _run_unit(target, draft, prompt: BenchPrompt, base: dict, gamma: int, order:
     """Every verifier of ``order`` on one (prompt, temperature, seed, gamma), same seed (CRN)."""
     results = {}
     for verifier in order:
-        name, num_drafts, draft_law = parse_verifier(verifier)
+        name, num_drafts, draft_law, tree_nodes = parse_verifier(verifier)
         tree = name not in VERIFIERS
         results[verifier] = speculative_generate(
             target, draft, [list(prompt.token_ids)], verifier=name, gamma=1 if name == "kseq" else gamma,
-            num_drafts=num_drafts, draft_law=draft_law, max_new_tokens=config.max_new_tokens,
+            num_drafts=num_drafts, draft_law=draft_law, tree_nodes=tree_nodes, max_new_tokens=config.max_new_tokens,
             sampling=SamplingConfig(temperature=base["temperature"]), seed=[run_seed(prompt.id, base["seed"])],
             eos_token_id=eos, expectations=() if tree else EXPECTED_METHODS)
     rows = []
@@ -313,9 +313,9 @@ def _run_unit(target, draft, prompt: BenchPrompt, base: dict, gamma: int, order:
 def _warmup(target, draft, prompt: BenchPrompt, config: BenchConfig) -> None:
     """Untimed: first forward passes allocate caches and pick kernels."""
     ids = [list(prompt.token_ids)]
-    name, num_drafts, draft_law = parse_verifier(config.verifiers[0])
+    name, num_drafts, draft_law, tree_nodes = parse_verifier(config.verifiers[0])
     speculative_generate(target, draft, ids, verifier=name, gamma=1 if name == "kseq" else max(config.gammas),
-                         num_drafts=num_drafts, draft_law=draft_law, max_new_tokens=2,
+                         num_drafts=num_drafts, draft_law=draft_law, tree_nodes=tree_nodes, max_new_tokens=2,
                          sampling=SamplingConfig(temperature=1.0), seed=[0])
     autoregressive_generate(target, ids, max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), seed=[0])
 

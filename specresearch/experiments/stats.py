@@ -281,7 +281,8 @@ def _sample_sequences(target, draft, verifier, law: SequenceLaw, *, gamma, num_s
 def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: SamplingConfig, gamma: int,
                   k: int, num_samples: int, seed: int, batch_size: int = 256, min_expected: float = 5.0,
                   max_new_tokens: int | None = None, tokenizer=None, law: SequenceLaw | None = None,
-                  num_drafts: int = 1, draft_law: str = "iid", stop_below: float | None = None) -> LosslessTestResult:
+                  num_drafts: int = 1, draft_law: str = "iid", tree_nodes: int | None = None,
+                  stop_below: float | None = None) -> LosslessTestResult:
     """Test that speculative generation of ``prompt`` follows the target law (module docstring).
 
     Args:
@@ -296,7 +297,8 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
         max_new_tokens: tokens generated per row (default ``k``; must be >= k).
         law: a precomputed :func:`sequence_law` for the same prompt / sampling / k / num_samples (reuse it
             across verifiers to save the target forwards).
-        num_drafts, draft_law: draft trees (``speculative_generate``'s; ``verifier`` then a multi-draft rule).
+        num_drafts, draft_law, tree_nodes: draft trees (``speculative_generate``'s; ``verifier`` then a multi-draft
+            rule).
         stop_below: adaptive draft lengths (``speculative_generate``'s).
     Returns:
         ``LosslessTestResult``; see ``FPR_NOTE`` for the false-positive rates.
@@ -312,7 +314,8 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
         raise ValueError("law was computed for another prompt, sampling, k or num_samples; recompute it")
     sequences, seconds = _sample_sequences(target, draft, verifier, law, gamma=gamma, num_samples=num_samples,
                                            seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                           tree={"num_drafts": num_drafts, "draft_law": draft_law, "stop_below": stop_below})
+                                           tree={"num_drafts": num_drafts, "draft_law": draft_law, "tree_nodes": tree_nodes,
+                                                 "stop_below": stop_below})
     return _evaluate(law, sequences, seconds)
 
 

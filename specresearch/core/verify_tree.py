@@ -1,0 +1,125 @@
+"""Verification of a draft tree given as nodes (a token and a parent each), for trees whose paths differ in length:
+the deterministic top-k trees of EAGLE-2 (Li et al., arXiv 2406.16858) that the engine drafts with
+``draft_law="dynamic"`` (:mod:`specresearch.engine.topk_tree`).
+
+The rule is the one-hot rule of :func:`specresearch.core.verify_multi.onehot_verify`, read off the nodes instead of
+K equal-length paths: at the accepted node the children are tried in order, child x accepted iff ``eta < p(x)``
+(p the target's row there, renormalised after each rejection); a rejected x is zeroed out of p; when every child is
+rejected, or the node is a leaf, one token is sampled from what is left. It never reads the draft's probabilities,
+so it is lossless for any tree chosen without the verifier's random numbers. Exact twin:
+:func:`specresearch.exact.multi.onehot_tree_law`.
+
+A tree of B rows is given as the target call's rows: index 0 is the pending token (the root), 1..n the nodes.
+``children [B, 1+n, C]`` lists each call row's children by call index in the order they are tried, -1 padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specresearch.core.draft_paths import draw_multi_uniforms
+from specresearch.core.draws import sample_from_weights
+
+__all__ = ["TreeVerifyResult", "children_table", "onehot_tree_verify"]
+
+
+@dataclass(frozen=True)
+class TreeVerifyResult:
+    """Outcome of verifying one tree per row."""
+
+    num_accepted: torch.Tensor  # [B] int64 in 0..L
+    path_nodes: torch.Tensor  # [B, L] call indices of the accepted nodes, root excluded; 0 past num_accepted
+    next_token: torch.Tensor  # [B] int64: the residual sample, or the bonus token after an accepted leaf
+
+
+def children_table(parents: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``children [B, 1+n, C]`` from each row's parent call indices (``parents[b][i]``: the parent of call row
+    i + 1, 0 the root, -1 a padding node). Children keep the order of the nodes; C is the most any node has."""
+    width = max((len(p) for p in parents), default=0)
+    lists = [[[] for _ in range(width + 1)] for _ in parents]
+    for b, row in enumerate(parents):
+        for i, parent in enumerate(row, start=1):
+            if parent >= 0:
+                lists[b][parent].append(i)
+    most = max((len(c) for row in lists for c in row), default=0)
+    table = torch.full((len(parents), width + 1, max(most, 1)), -1, dtype=torch.long)
+    for b, row in enumerate(lists):
+        for node, kids in enumerate(row):
+            table[b, node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+    return table
+
+
+def onehot_tree_verify(target_probs, call_tokens, children, length: int, generator=None, *, uniforms=None,
+                       validate=True) -> TreeVerifyResult:
+    """The one-hot rule on a tree of nodes (module docstring).
+
+    Args:
+        target_probs: ``[B, 1+n, V]`` the target's row at every call row (root first).
+        call_tokens: ``[B, 1+n]`` int64, the call's tokens (index 0, the pending token, is not read).
+        children: ``[B, 1+n, C]`` int64 (:func:`children_table`).
+        length: L, the tree's greatest depth (a path accepts at most L tokens).
+        generator: ``torch.Generator`` for the uniforms (default RNG when it and ``uniforms`` are None).
+        uniforms: ``[B, L+1, K]`` in [0, 1) with K >= C (``draw_multi_uniforms``): ``[b, d, c]`` decides the c-th
+            child tried at depth d, ``[b, L, 0]`` the sampled token.
+        validate: check shapes and values; False skips the checks.
+    Returns:
+        ``TreeVerifyResult``.
+    """
+    batch, width, vocab = target_probs.shape
+    if validate:
+        _validate(target_probs, call_tokens, children, length, uniforms)
+    if uniforms is None:
+        uniforms = draw_multi_uniforms(batch, children.shape[2], length, generator, device=target_probs.device)
+    below_one = 1.0 - torch.finfo(target_probs.dtype).eps / 2
+    eta = uniforms.to(target_probs.device, target_probs.dtype).clamp(max=below_one)
+    rows = torch.arange(batch, device=target_probs.device)
+    node = torch.zeros_like(rows)  # the accepted node (call index)
+    searching = torch.ones(batch, dtype=torch.bool, device=rows.device)
+    num_accepted = torch.zeros_like(rows)
+    path_nodes = torch.zeros(batch, length, dtype=torch.long, device=rows.device)
+    weights = target_probs.new_zeros(batch, vocab)  # [B, V]: what the stopped rows sample from
+    for d in range(length + 1):
+        residual = target_probs[rows, node]  # [B, V], a copy
+        accepted, choice = torch.zeros_like(searching), node
+        for c in range(children.shape[2]):
+            child = children[rows, node, c]  # [B]
+            trying = searching & ~accepted & (child >= 0)
+            x = call_tokens[rows, child.clamp(min=0)][:, None]  # [B, 1]
+            p_x = residual.gather(1, x).squeeze(1)
+            passed = trying & (eta[:, min(d, length), c] * residual.sum(-1) < p_x)
+            accepted, choice = accepted | passed, torch.where(passed, child, choice)
+            rejected = trying & ~passed
+            residual = torch.where(rejected[:, None], residual.scatter(1, x, 0.0), residual)
+        weights = torch.where((searching & ~accepted)[:, None], residual, weights)
+        searching = searching & accepted
+        if d < length:
+            path_nodes[:, d] = torch.where(searching, choice, 0)
+        num_accepted += searching.long()
+        node = torch.where(searching, choice, node)
+    next_token = sample_from_weights(weights, eta[:, length, 0])
+    return TreeVerifyResult(num_accepted, path_nodes, next_token)
+
+
+def _validate(target_probs, call_tokens, children, length, uniforms) -> None:
+    if target_probs.dim() != 3 or not target_probs.is_floating_point():
+        raise ValueError(f"target_probs must be a float [B, 1+n, V] tensor, got {tuple(target_probs.shape)}")
+    batch, width, vocab = target_probs.shape
+    if tuple(call_tokens.shape) != (batch, width) or children.dim() != 3 or tuple(children.shape[:2]) != (batch, width):
+        raise ValueError(f"call_tokens must be [B, 1+n] = {(batch, width)} and children [B, 1+n, C]; got "
+                         f"{tuple(call_tokens.shape)} and {tuple(children.shape)}")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be an int >= 1, got {length!r}")
+    if bool(((children < -1) | (children >= width)).any()):
+        raise ValueError("children must hold call indices in [0, 1+n) or -1")
+    if bool(((call_tokens < 0) | (call_tokens >= vocab)).any()):
+        raise ValueError(f"call_tokens must be token ids in [0, {vocab})")
+    if bool((target_probs < 0).any()) or not torch.allclose(target_probs.sum(-1), torch.ones((), dtype=target_probs.dtype),
+                                                            atol=1e-4):
+        raise ValueError("target_probs rows must be probability distributions")
+    if uniforms is not None and (uniforms.dim() != 3 or tuple(uniforms.shape[:2]) != (batch, length + 1)
+                                 or uniforms.shape[2] < children.shape[2]):
+        raise ValueError(f"uniforms must be [B, L+1, K >= C] = [{batch}, {length + 1}, >= {children.shape[2]}], got "
+                         f"{tuple(uniforms.shape)}")
