@@ -51,6 +51,13 @@ RUNS = {  # label -> speculative_generate options
     "traversal K2 g1": dict(verifier="traversal", num_drafts=2, gamma=1),
     "traversal K3 g1": dict(verifier="traversal", num_drafts=3, gamma=1),
     "rrs w/o repl. K2 g1": dict(verifier="rrs_without_replacement", num_drafts=2, gamma=1, draft_law="without_replacement"),
+    # EAGLE-2's deterministic tree: top-K children per expanded node, depth g, the n most probable nodes; one-hot rule
+    "dynamic K2 g1 n2": dict(verifier="onehot", num_drafts=2, gamma=1, draft_law="dynamic", tree_nodes=2),
+    "dynamic K3 g1 n3": dict(verifier="onehot", num_drafts=3, gamma=1, draft_law="dynamic", tree_nodes=3),
+    "dynamic K2 g2 n3": dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic", tree_nodes=3),
+    "dynamic K2 g2 n4": dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic", tree_nodes=4),
+    "dynamic K3 g3 n6": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic", tree_nodes=6),
+    "dynamic K4 g4 n10": dict(verifier="onehot", num_drafts=4, gamma=4, draft_law="dynamic", tree_nodes=10),
 }
 DEFAULT_RUNS = ("chain block g2", "chain block g3", "traversal K2 g2", "traversal K3 g3", "rrs w/o repl. K3 g2", "gbv K2 g3")
 
@@ -98,6 +105,7 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
                 out = speculative_generate(target, draft, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                                            eos_token_id=tokenizer.eos_token_id, **options)
                 rows.append({"prompt_id": prompt["id"], "temperature": temperature, "run": label, "tau": out.block_efficiency,
+                             "per_scored": out.tokens_per_scored, "target_calls": out.target_calls,
                              "tokens": out.num_tokens, "seconds": out.seconds, "ar_tokens": ar.num_tokens,
                              "ar_seconds": ar.seconds, "vs_autoregressive": out.tokens_per_second / ar.tokens_per_second})
     return rows
@@ -134,7 +142,8 @@ def main() -> int:
               "tree_cost": cost}
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1))
-    summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))
+    summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), per_scored=("per_scored", "mean"),
+                                                        vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))
     print(summary.round(3).to_string())
     return 0
 

@@ -237,3 +237,17 @@ def test_dynamic_tree_arguments_are_checked():
     for bad in ("traversal:2:dynamic", "onehot:2:iid:8", "onehot:2:dynamic:0", "onehot:2:dynamic:x"):
         with pytest.raises(ValueError, match="multi-draft rule"):
             parse_verifier(bad)
+
+
+def test_steps_record_the_tokens_the_target_scored():
+    target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
+    common = dict(max_new_tokens=12, sampling=GREEDY)
+    chain = speculative_generate(target, draft, PROMPTS[:1], verifier="block", gamma=3, **common)
+    assert all(s.scored == (s.gamma + 1,) for s in chain.steps)
+    dynamic_run = speculative_generate(target, draft, PROMPTS[:1], verifier="onehot", num_drafts=3, gamma=3,
+                                       draft_law="dynamic", tree_nodes=5, **common)
+    assert {s.scored for s in dynamic_run.steps[:-1]} == {(6,)}  # the pending token and 5 nodes
+    paths = speculative_generate(target, draft, PROMPTS[:1], verifier="traversal", num_drafts=3, gamma=2, **common)
+    assert all(s.scored == (3,) for s in paths.steps)  # greedy: the 3 paths are one chain of 2 nodes
+    emitted = sum(n + 1 for s in dynamic_run.steps for n in s.num_accepted)
+    assert dynamic_run.tokens_per_scored == emitted / sum(s.scored[0] for s in dynamic_run.steps)

@@ -113,6 +113,13 @@ class GenerationResult:
         return sum(counts) / len(counts)
 
     @property
+    def tokens_per_scored(self) -> float:
+        """Tokens emitted per token the target scored (pending + drafted tokens; a tree's distinct nodes), over the
+        active rows: what a step's target call buys per unit of its width, the measure for trees of different sizes."""
+        emitted = [(n + 1, c) for s in self.steps for n, a, c in zip(s.num_accepted, s.active, s.scored) if a]
+        return sum(e for e, _ in emitted) / sum(c for _, c in emitted) if emitted else float("nan")
+
+    @property
     def acceptance_rate(self) -> float:
         """Estimate of alpha: accepted drafts / drafts examined (a rejection ends a step's examination).
 
@@ -186,7 +193,8 @@ class _Batch:
         """``step``'s per-row fields widened to one per prompt."""
         return replace(step, num_accepted=tuple(self.widen(step.num_accepted, 0)), active=tuple(active),
                        expected={m: tuple(self.widen(v, 0.0)) for m, v in step.expected.items()},
-                       overlap=tuple(self.widen(step.overlap, 0.0)) if step.overlap else ())
+                       overlap=tuple(self.widen(step.overlap, 0.0)) if step.overlap else (),
+                       scored=tuple(self.widen(step.scored, 0)) if step.scored else ())
 
 
 def _select(index: torch.Tensor, *tensors):
@@ -475,7 +483,8 @@ def speculative_generate(
         kept = rows.add(batch.widen(emitted, []))
         seconds = tick() - t0
         extra = _expectations(target_probs, draft_probs, draft_tokens, expectations)  # untimed: analysis only
-        record = StepRecord(tuple(accepted), active, step_gamma, 1, fed + 1, seconds, t2 - t1, t1 - t0, **extra)
+        record = StepRecord(tuple(accepted), active, step_gamma, 1, fed + 1, seconds, t2 - t1, t1 - t0, **extra,
+                            scored=(step_gamma + 1,) * len(accepted))
         steps.append(batch.record(record, active))
         if on_step is not None:
             on_step(kept)
@@ -536,7 +545,8 @@ def autoregressive_generate(
         probs = checks.probs(logits, sampling, "target model logits (autoregressive step)")
         pending = _sample(probs, sampling, generators)[:, None]
         kept = rows.add(batch.widen(read_step(checks, pending), []))
-        steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, tick() - t0, t1 - t0, 0.0))
+        steps.append(StepRecord((0,) * len(active), active, 0, 1, 0, tick() - t0, t1 - t0, 0.0,
+                                scored=tuple(int(a) for a in active)))
         if on_step is not None:
             on_step(kept)
     return _result(rows, _untimed(steps, tick, device), prefill_seconds, tokenizer, "autoregressive")

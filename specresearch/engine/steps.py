@@ -30,6 +30,8 @@ class StepRecord:
     # positions i < gamma of sum_x min(p_i(x), q_i(x)) ([B]).
     expected: dict[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
     overlap: tuple[float, ...] = ()
+    # [B] tokens the target scored for each row: the pending token and the drafted tokens (a tree's distinct nodes)
+    scored: tuple[int, ...] = ()
 
     @property
     def overhead_seconds(self) -> float:

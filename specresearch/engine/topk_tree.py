@@ -157,5 +157,6 @@ def dynamic_tree_step(target, draft, target_pending, draft_pending, draft_valid,
     else:
         draft_pending, draft_valid, _ = _accepted_block(chosen, result, max(accepted))
     emitted = [d[:n] + [t] for d, n, t in zip(chosen.tolist(), accepted, result.next_token.tolist())]
-    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0)
+    scored = tuple(1 + len(p) for p in tree.parents)
+    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0, scored=scored)
     return emitted, result.next_token[:, None], draft_pending, draft_valid, record

@@ -163,6 +163,11 @@ def _tree(draft_tokens: torch.Tensor):
     return node_tokens, depth, visible, torch.tensor(path_nodes, dtype=torch.long)
 
 
+def _node_counts(path_nodes: torch.Tensor) -> list[int]:
+    """Nodes of each row's merged tree, from ``path_nodes [B, K, L]`` (call indices, one per distinct prefix)."""
+    return [len(set(row)) for row in path_nodes.reshape(path_nodes.shape[0], -1).tolist()]
+
+
 def _score_tree(target, pending, draft_tokens, sampling, hidden_layers=None):
     """One target call on the tree. -> (target_probs [B, K, L+1, V] along the paths, path_nodes [B, K, L], call width,
     the call's hidden states [B, 1+n, F] of ``hidden_layers`` for a draft that reads them, else None)."""
@@ -231,5 +236,6 @@ def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, veri
         draft.rollback((gamma - 1 - result.num_accepted).clamp(min=0))
         draft_pending, draft_valid = _draft_pending(chosen, result, gamma)
     emitted = [d[:n] + [t] for d, n, t in zip(chosen.tolist(), accepted, result.next_token.tolist())]
-    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0)
+    scored = tuple(1 + n for n in _node_counts(path_nodes))
+    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0, scored=scored)
     return emitted, result.next_token[:, None], draft_pending, draft_valid, record
