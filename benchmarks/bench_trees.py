@@ -3,6 +3,10 @@
 Two measurements, both on SmolLM2-135M-Instruct with the distilled ``v8k-4l`` draft by default (``--draft``: any
 draft; the engine copies its rows to draft K paths), one thread by default:
 
+Runs are labelled by rule, paths K, depth g (gamma) and, for top-k trees, nodes n: "dynamic K3 g3 n6" is EAGLE-2's
+dynamic tree (``draft_law="dynamic"``, one-hot rule). Each row records tau, the tokens emitted per token the target
+scored (``per_scored``: what a call buys per unit of its width) and the speed over autoregressive decoding.
+
 1. ``tree_cost``: one cached target call scoring n tokens as a tree (``score_tree``: 4-D mask, positions by depth)
    against the same call scoring n tokens as a chain (``score``), B = 1, a 64-token context, interleaved medians.
    The tree's extra cost is the mask and the gather of the accepted path afterwards.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -33,7 +38,7 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair
-from specresearch.drafts.store import draft_digest
+from specresearch.drafts.store import draft_digest, shipped_drafts
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts, prompt_set_file
 from specresearch.engine.timing import TimedCall, interleaved_medians
@@ -111,6 +116,16 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
     return rows
 
 
+def weights_digests(name: str) -> dict[str, str]:
+    """The sha256 of every shipped draft a draft name uses (``ngram+fp16:eagle3-v8k`` -> the head; ``dial-mix:0.5``
+    -> ``v8k-4l``, its default other draft); {} for drafts without weights (``ngram``)."""
+    shipped = shipped_drafts()
+    used = [part for part in re.split(r"[+:@]", name) if part in shipped]
+    if name.startswith("dial-mix:") and name.count(":") == 1:
+        used.append("v8k-4l")
+    return {part: draft_digest(data_dir() / "drafts" / part) for part in used}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -138,7 +153,7 @@ def main() -> int:
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
     header = {"command": shlex.join(["benchmarks/bench_trees.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
-              "draft": args.draft, "draft_sha256": draft_digest(data_dir() / "drafts" / args.draft.split("+")[-1].removeprefix("fp16:")),
+              "draft": args.draft, "draft_sha256": weights_digests(args.draft),
               "tree_cost": cost}
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1))

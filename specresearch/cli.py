@@ -91,11 +91,12 @@ def _add_generate(sub) -> None:
                         "multi-draft --verifier; every draft draws trees)")
     p.add_argument("--stop-below", type=float, default=None,
                    help="adaptive chains: draft up to --gamma tokens, stopping once the draft's top probability is below this")
-    p.add_argument("--draft-law", default="iid", choices=["iid", "without_replacement", "dynamic"],
+    p.add_argument("--draft-law", default="iid", choices=["iid", "without_replacement", "dynamic", "static"],
                    help="how the K paths are drawn: i.i.d., or their first tokens without replacement; dynamic: EAGLE-2's "
-                        "deterministic tree (top-K children per expanded node, --gamma deep, --verifier onehot)")
+                        "deterministic tree (top-K children per expanded node, --gamma deep, --verifier onehot); static: the same "
+                        "without looking at the draft's values (EAGLE-1)")
     p.add_argument("--tree-nodes", type=int, default=None,
-                   help="--draft-law dynamic: nodes kept in the tree (default K * gamma)")
+                   help="--draft-law dynamic / static: nodes kept in the tree (default K * gamma)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -177,6 +178,10 @@ def _run_generate(args) -> int:
         result = autoregressive_generate(target, [prompt], **common)
     else:
         draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
+        if _chooses_gamma(args):
+            from specresearch.engine.cost import default_gamma
+
+            args.gamma = default_gamma(target, draft)  # this machine's cost curve, timed once and cached
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
                                       num_drafts=args.num_drafts, draft_law=args.draft_law, tree_nodes=args.tree_nodes,
                                       stop_below=args.stop_below,
@@ -185,9 +190,30 @@ def _run_generate(args) -> int:
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
           f"{result.target_calls} target calls", end="")
     if not args.autoregressive:
-        print(f"; block efficiency {result.block_efficiency:.2f}, acceptance rate {result.acceptance_rate:.2f}", end="")
+        print(f"; gamma {args.gamma}, block efficiency {result.block_efficiency:.2f}, acceptance rate "
+              f"{result.acceptance_rate:.2f}", end="")
     print()
     return 0
+
+
+def _chooses_gamma(args) -> bool:
+    """generate's default chain (the default draft, block verification, no --gamma): gamma from the machine's cost
+    curve (``engine.cost.default_gamma``)."""
+    return (not args.gamma_given and args.draft in (None, GENERATE_DRAFT) and args.verifier == "block"
+            and args.num_drafts == 1 and args.draft_law == "iid" and args.stop_below is None)
+
+
+def _default_gamma(args) -> int:
+    """generate's default gamma on this machine (``engine.cost.default_gamma``), for ``bench --default-config``."""
+    import torch
+
+    from specresearch.drafts.registry import draft_from_name
+    from specresearch.engine.cost import default_gamma
+    from specresearch.models.embedded import load_model
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_model(args.target, device=args.device)
+    return default_gamma(target, draft_from_name(GENERATE_DRAFT, target, tokenizer))
 
 
 class _Stream:
@@ -445,7 +471,7 @@ def _run_bench(args) -> int:
         given = [flag for flag, value in (("--draft", args.draft), ("--verifiers", args.verifiers), ("--gammas", args.gammas)) if value]
         if given:
             raise ValueError(f"--default-config fixes the draft, verifier and gamma to generate's defaults: drop {', '.join(given)}")
-        args.draft, args.verifiers, args.gammas = GENERATE_DRAFT, ["block"], [GENERATE_GAMMA]
+        args.draft, args.verifiers, args.gammas = GENERATE_DRAFT, ["block"], [_default_gamma(args)]
     args.draft = args.draft or "v8k-4l"
     if args.prompt_set:
         from specresearch.engine.prompts import prompt_set_file

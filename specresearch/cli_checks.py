@@ -139,12 +139,12 @@ def check_tree_flags(args) -> None:
         raise ValueError(f"--stop-below must be a probability in [0, 1], got {args.stop_below}")
     if args.verifier == "kseq" and args.gamma != 1:
         raise ValueError(f"--verifier kseq is single-step: use --gamma 1, not {args.gamma}")
-    if args.draft_law == "dynamic" and args.verifier != "onehot":
-        raise ValueError(f"--draft-law dynamic drafts a deterministic top-k tree: verify it with --verifier onehot, "
+    if args.draft_law in ("dynamic", "static") and args.verifier != "onehot":
+        raise ValueError(f"--draft-law {args.draft_law} drafts a deterministic top-k tree: verify it with --verifier onehot, "
                          f"not {args.verifier}")
-    if args.tree_nodes is not None and (args.draft_law != "dynamic" or args.tree_nodes < 1):
-        raise ValueError(f"--tree-nodes is a count >= 1 for --draft-law dynamic; got {args.tree_nodes} with --draft-law "
-                         f"{args.draft_law}")
+    if args.tree_nodes is not None and (args.draft_law not in ("dynamic", "static") or args.tree_nodes < 1):
+        raise ValueError(f"--tree-nodes is a count >= 1 for --draft-law dynamic or static; got {args.tree_nodes} with "
+                         f"--draft-law {args.draft_law}")
 
 
 def known_names(flag: str) -> list[str]:

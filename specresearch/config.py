@@ -11,12 +11,16 @@ from dataclasses import dataclass
 
 from specresearch.checks import check_int, check_real, named_preset
 
-__all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA"]
+__all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU"]
 
 # The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
 # float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding, docs/feature_drafts.md).
 GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
 GENERATE_GAMMA = 1
+# The head's tokens per step by gamma (T = 1, 8 held-out prompts; record benchmarks/records/adaptive_amd.csv, checked
+# by tests/test_cost.py). `specresearch generate` weighs them against this machine's cost curve to pick its gamma
+# (engine.cost.default_gamma); GENERATE_GAMMA is what it picks on the 2-core AMD EPYC the records come from.
+GENERATE_TAU = {1: 1.494, 2: 1.806, 3: 2.085}
 
 
 @dataclass(frozen=True)

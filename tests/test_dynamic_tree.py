@@ -5,6 +5,7 @@
 * Torch against the twin: the engine drafts the twin's tree node for node (a ``ToyLM`` draft with distinct
   probabilities), and ``onehot_tree_verify``'s law on a fixed tree matches ``onehot_tree_law`` (chi-square at N =
   20,000, level 1e-6: false-positive rate 1e-6 per case, 3 cases).
+* The static tree (``draft_law="static"``, EAGLE-2's baseline) is checked the same way, beside the dynamic one.
 * Through the engine: T = 0 gives the greedy autoregressive tokens for every draft kind and several tree shapes,
   with acceptances (block efficiency > 1.2); batched == alone with per-row seeds; statistical losslessness of the
   first 3 tokens on a Markov pair (N = 12,000, exact Bonferroni p > 1e-7) and with a feature head on a tiny Llama
@@ -43,17 +44,22 @@ def _markov_rows(rows):
 
 
 def test_dynamic_tree_by_hand():
-    # q(. | last token): from 0 -> (0, 1/2, 1/3, 1/6); from 1 -> (1/10, 0, 3/5, 3/10); 2, 3 -> (1/4, 1/4, 1/4, 1/4)
-    rows = [(F(0), F(1, 2), F(1, 3), F(1, 6)), (F(1, 10), F(0), F(3, 5), F(3, 10))] + [(F(1, 4),) * 4] * 2
+    # q(. | last token): from 0 -> (0, 1/2, 1/3, 1/6); 1 -> (1/10, 0, 3/5, 3/10); 2 -> (9/10, 1/10, 0, 0); 3 uniform
+    rows = [(F(0), F(1, 2), F(1, 3), F(1, 6)), (F(1, 10), F(0), F(3, 5), F(3, 10)), (F(9, 10), F(1, 10), F(0), F(0)),
+            (F(1, 4),) * 4]
     draft = _markov_rows(rows)
-    # depth 1 from prefix (0,): 1 (1/2), 2 (1/3). Depth 2: expand both: 1 -> 2 (3/10), 3 (3/20); 2 -> two of 1/12.
-    tree = dynamic.dynamic_tree(draft, 2, 2, 4, (0,))
-    assert tree == {(): (1, 2), (1,): (2, 3), (2,): (), (1, 2): (), (1, 3): ()}
-    # 3 nodes: the two depth-1 nodes and the best child (values 1/2, 1/3, 3/10)
-    assert dynamic.dynamic_tree(draft, 2, 2, 3, (0,)) == {(): (1, 2), (1,): (2,), (2,): (), (1, 2): ()}
-    # depth 3 expands only the best 2 of depth 2 (1 -> 2 at 3/10, 1 -> 3 at 3/20), not 2 -> . at 1/12
+    # from prefix (0,), K = 2. Depth 1: 1 (1/2), 2 (1/3). Depth 2: 1 -> 2 (3/10), 3 (3/20); 2 -> 0 (3/10), 1 (1/30)
+    assert dynamic.dynamic_tree(draft, 2, 2, 3, (0,)) == {(): (1, 2), (1,): (2,), (2,): (), (1, 2): ()}  # tie: earlier
+    assert dynamic.dynamic_tree(draft, 2, 2, 4, (0,)) == {(): (1, 2), (1,): (2,), (2,): (0,), (1, 2): (), (2, 0): ()}
+    # depth 3 expands the best 2 of depth 2, (1, 2) and (2, 0), not (1, 3)
     deep = dynamic.dynamic_tree(draft, 2, 3, 100, (0,))
-    assert deep[(2,)] == (0, 1) and deep[(2, 0)] == () and deep[(1, 2)] != () and deep[(1, 3)] != ()
+    assert deep[(1, 3)] == () and deep[(1, 2)] == (0, 1) and deep[(2, 0)] == (1, 2) and deep[(2,)] == (0, 1)
+    assert dynamic.dynamic_tree(draft, 2, 3, 5, (0,)) == {(): (1, 2), (1,): (2,), (2,): (0,), (1, 2): (0,), (2, 0): (),
+                                                          (1, 2, 0): ()}
+    # static: the first 2 nodes drafted at depth 2 (1 -> 2, 1 -> 3) are expanded and the first 5 drafted are kept,
+    # whatever the values
+    static = dynamic.dynamic_tree(draft, 2, 3, 5, (0,), static=True)
+    assert static == {(): (1, 2), (1,): (2, 3), (2,): (0,), (1, 2): (), (1, 3): (), (2, 0): ()}
 
 
 @pytest.mark.parametrize("seed, vocab, num_children, depth, tree_nodes",
@@ -61,7 +67,8 @@ def test_dynamic_tree_by_hand():
 def test_dynamic_loop_is_exactly_lossless(seed, vocab, num_children, depth, tree_nodes):
     target = exact.random_rational_model(vocab, random.Random(seed), depth=2, zero_prob=0.2)
     draft = exact.random_rational_model(vocab, random.Random(seed + 100), depth=2, zero_prob=0.2)
-    assert dynamic.is_lossless_dynamic(target, draft, num_children, depth, tree_nodes, 3, (1,))
+    for static in (False, True):
+        assert dynamic.is_lossless_dynamic(target, draft, num_children, depth, tree_nodes, 3, (1,), static)
 
 
 def test_a_one_hot_rule_that_keeps_rejected_children_is_lossy():
@@ -104,15 +111,16 @@ def _as_dict(tree, b: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("num_drafts, gamma, tree_nodes", [(2, 3, 5), (3, 3, 9), (3, 1, 2), (2, 4, 100)])
-def test_the_engine_drafts_the_twins_tree(num_drafts, gamma, tree_nodes):
+def test_the_engine_drafts_the_twins_tree(num_drafts, gamma, tree_nodes, static):
     draft, twin = _toy(0)
     prompts = [[1, 3], [4, 6]]
     ids = torch.tensor(prompts)
     draft.prefill(ids[:, :-1], torch.ones_like(ids[:, :-1]))
-    tree = draft_dynamic_tree(draft, ids[:, -1:], None, num_drafts, gamma, tree_nodes, "cpu")
+    tree = draft_dynamic_tree(draft, ids[:, -1:], None, num_drafts, gamma, tree_nodes, "cpu", static)
     for b, prompt in enumerate(prompts):
-        want = dynamic.dynamic_tree(twin, num_drafts, gamma, tree_nodes, tuple(prompt))
+        want = dynamic.dynamic_tree(twin, num_drafts, gamma, tree_nodes, tuple(prompt), static)
         assert _as_dict(tree, b) == want
     depth_one = (tree.depth == 1) & (tree.node_tokens >= 0)
     assert bool(tree.visible[:, :, 0].all()) and int(depth_one[0].sum()) >= 1
@@ -155,12 +163,13 @@ def _close_draft(noise: float = 0.1):
     return draft
 
 
+@pytest.mark.parametrize("draft_law", ["dynamic", "static"])
 @pytest.mark.parametrize("num_drafts, gamma, tree_nodes", [(2, 3, None), (3, 4, 6), (1, 3, None), (4, 2, 3)])
-def test_greedy_dynamic_trees_are_greedy_decoding(num_drafts, gamma, tree_nodes):
+def test_greedy_dynamic_trees_are_greedy_decoding(num_drafts, gamma, tree_nodes, draft_law):
     target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
     want = autoregressive_generate(target, PROMPTS, max_new_tokens=24, sampling=GREEDY).tokens
     out = speculative_generate(target, draft, PROMPTS, verifier="onehot", num_drafts=num_drafts, gamma=gamma,
-                               draft_law="dynamic", tree_nodes=tree_nodes, max_new_tokens=24, sampling=GREEDY)
+                               draft_law=draft_law, tree_nodes=tree_nodes, max_new_tokens=24, sampling=GREEDY)
     assert out.tokens == want
     assert out.block_efficiency > 1.2
 
@@ -200,11 +209,12 @@ def _markov(seed: int) -> ToyLM:
     return ToyLM(torch.tensor([[float(p) for p in model((t,))] for t in range(VOCAB)], dtype=torch.float64).log())
 
 
-@pytest.mark.parametrize("num_drafts, gamma, tree_nodes", [(2, 2, None), (3, 3, 4)])
-def test_dynamic_trees_are_lossless_through_the_engine(num_drafts, gamma, tree_nodes):
+@pytest.mark.parametrize("num_drafts, gamma, tree_nodes, draft_law", [(2, 2, None, "dynamic"), (3, 3, 4, "dynamic"),
+                                                                      (2, 3, 4, "static")])
+def test_dynamic_trees_are_lossless_through_the_engine(num_drafts, gamma, tree_nodes, draft_law):
     result = lossless_test(_markov(3), _markov(4), "onehot", PROMPT, sampling=SamplingConfig(), gamma=gamma, k=3,
                            max_new_tokens=4, num_samples=SAMPLES, seed=7, batch_size=SAMPLES // 2,
-                           num_drafts=num_drafts, draft_law="dynamic", tree_nodes=tree_nodes)
+                           num_drafts=num_drafts, draft_law=draft_law, tree_nodes=tree_nodes)
     assert result.impossible == 0 and result.bonferroni_p_value > LEVEL, result.p_value
 
 
@@ -226,6 +236,8 @@ def test_dynamic_tree_arguments_are_checked():
     target, draft = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
     with pytest.raises(ValueError, match="verified by 'onehot'"):
         speculative_generate(target, draft, PROMPTS, verifier="traversal", num_drafts=2, draft_law="dynamic")
+    with pytest.raises(ValueError, match="verified by 'onehot'"):
+        speculative_generate(target, draft, PROMPTS, verifier="rrs", num_drafts=2, draft_law="static")
     with pytest.raises(ValueError, match="tree_nodes is for draft_law 'dynamic'"):
         speculative_generate(target, draft, PROMPTS, verifier="traversal", num_drafts=2, tree_nodes=4)
     with pytest.raises(ValueError, match="tree_nodes is for draft_law 'dynamic'"):
@@ -234,6 +246,7 @@ def test_dynamic_tree_arguments_are_checked():
         speculative_generate(target, draft, PROMPTS, verifier="onehot", num_drafts=2, draft_law="dynamic", tree_nodes=0)
     assert parse_verifier("onehot:4:dynamic:16") == ("onehot", 4, "dynamic", 16)
     assert parse_verifier("onehot:4:dynamic") == ("onehot", 4, "dynamic", None)
+    assert parse_verifier("onehot:2:static:5") == ("onehot", 2, "static", 5)
     for bad in ("traversal:2:dynamic", "onehot:2:iid:8", "onehot:2:dynamic:0", "onehot:2:dynamic:x"):
         with pytest.raises(ValueError, match="multi-draft rule"):
             parse_verifier(bad)

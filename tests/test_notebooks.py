@@ -1,8 +1,11 @@
 """Every numbered notebook runs top to bottom headless (quick parameters), writes its figures, and runs
 quietly: no error, no stderr output in any cell, nothing from the kernel process on its own stderr (which
-the runner keeps with the run) or on this process's."""
+the runner keeps with the run) or on this process's. Its words match its numbers: every decimal or percentage in
+its markdown appears in the outputs of that run (a notebook states a number by printing it, or names the record it
+reads), citations of papers' sections and inline code aside."""
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -29,6 +32,33 @@ def _outputs(path: Path, kind: str) -> list:
             if o.output_type == kind or o.get("name") == kind]
 
 
+PROSE_NUMBER = re.compile(r"(?<![\w.])(\d+\.\d+|\d+(?:\.\d+)?%)(?![\w])")
+CITED = re.compile(r"`[^`]*`|\b(?:Cor|Thm|Theorem|Sec|Fig|Eq|Lemma|Prop|Table|Alg)\.?\s*\d+(?:\.\d+)*|\b\d{4}\.\d{4,5}\b")
+
+
+def unprinted_numbers(path: Path) -> list[str]:
+    """The decimals and percentages of an executed notebook's markdown that none of its outputs contain."""
+    nb = nbformat.read(path, as_version=4)
+    printed = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            printed.append(output.get("text", ""))
+            printed += ["".join(v) if isinstance(v, list) else v for k, v in output.get("data", {}).items()
+                        if k.startswith("text/")]
+    text = "\n".join(printed)
+    prose = [CITED.sub(" ", cell.source) for cell in nb.cells if cell.cell_type == "markdown"]
+    return [n for source in prose for n in PROSE_NUMBER.findall(source) if n not in text]
+
+
+def test_unprinted_numbers_are_found(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("alpha is 0.42 and 12% gain (Cor. 3.9, `gamma 1.5`, arXiv 2211.17192)"),
+                nbformat.v4.new_code_cell("print(0.41)")]
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="0.41 and 12%\n")]
+    (tmp_path / "n.ipynb").write_text(nbformat.writes(nb))
+    assert unprinted_numbers(tmp_path / "n.ipynb") == ["0.42"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(notebook, tmp_path, monkeypatch, capfd):
@@ -36,6 +66,7 @@ def test_notebook_executes(notebook, tmp_path, monkeypatch, capfd):
     run = execute_notebook(notebook, tmp_path, quick=True, timeout=900, html=False)
     assert run.executed.is_file()
     assert not _outputs(run.executed, "error")
+    assert unprinted_numbers(run.executed) == [], "the notebook's prose states numbers its run did not print"
     # quiet: no warnings or progress bars written by the cells, no transport warnings from the kernel
     assert not _outputs(run.executed, "stderr"), [o.text[:300] for o in _outputs(run.executed, "stderr")]
     assert run.kernel_messages() == []

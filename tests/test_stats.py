@@ -170,6 +170,13 @@ def test_describe_cell():
     assert describe_cell(("rest", ())) == "*"
     assert describe_cell(("tail",)) == "other"
 
+    class Words:
+        def decode(self, ids):
+            return "".join({1: "-", 2: "by"}[i] for i in ids)
+
+    assert describe_cell(("seq", (1, 2, 1)), Words()) == "'-by-'"  # one readable string, not '-'|'by'|'-'
+    assert describe_cell(("rest", (2,)), Words()) == "'by' *"
+
 
 @pytest.mark.slow
 def test_embedded_pair_block_verification_passes():

@@ -64,7 +64,7 @@ from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
 from specresearch.engine.timing import clock, step_clock
 from specresearch.engine.topk_tree import dynamic_tree_step
-from specresearch.engine.tree import TREE_VERIFIERS, check_tree_args, tree_randomness, tree_step
+from specresearch.engine.tree import TOPK_LAWS, TREE_VERIFIERS, check_tree_args, tree_randomness, tree_step
 from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
 
 __all__ = [
@@ -373,7 +373,8 @@ def speculative_generate(
             :mod:`specresearch.engine.tree`). The default, one path, is the chain step above. ``draft_law="dynamic"``
             drafts EAGLE-2's deterministic tree instead, top ``num_drafts`` children per expanded node, depth
             ``gamma``, the ``tree_nodes`` (default K * gamma) most probable nodes kept, verified by ``"onehot"``
-            (:mod:`specresearch.engine.topk_tree`).
+            (:mod:`specresearch.engine.topk_tree`); ``"static"`` the tree of the same K, gamma and node count whose
+            shape does not depend on q (EAGLE-1's, the baseline of EAGLE-2).
         stop_below: adaptive drafting (chains): draft up to ``gamma`` tokens, stopping before token i > 1 once the
             draft's top probability there (the softmax of its raw logits, so the rule means the same at every
             temperature; at T = 0 the sampled law is one-hot) is below ``stop_below`` in every row (with per-row seeds, only for one
@@ -394,7 +395,7 @@ def speculative_generate(
     if tree:
         check_tree_args(target, draft, verifier, num_drafts, draft_law, gamma, expectations, tree_nodes)
     elif tree_nodes is not None:
-        raise ValueError(f"tree_nodes is for draft_law 'dynamic', got draft_law {draft_law!r}")
+        raise ValueError(f"tree_nodes is for draft_law 'dynamic' or 'static', got draft_law {draft_law!r}")
     else:
         _check_generation_args(max_new_tokens, gamma, verifier)
     check_int("max_new_tokens", max_new_tokens)
@@ -438,12 +439,12 @@ def speculative_generate(
             if verifier == "kseq":
                 step_gamma = 1
             step_active = [active[b] for b in batch.rows]
-            if draft_law == "dynamic":
+            if draft_law in TOPK_LAWS:
                 emitted, target_pending, draft_pending, draft_valid, record = dynamic_tree_step(
                     target, draft, target_pending, draft_pending, draft_valid, num_drafts=num_drafts, gamma=step_gamma,
                     tree_nodes=tree_nodes or num_drafts * gamma, sampling=sampling,
                     randomness=tree_randomness(generators, num_drafts, step_gamma, device), device=device,
-                    active=step_active, tick=tick)
+                    active=step_active, tick=tick, static=draft_law == "static")
             else:
                 emitted, target_pending, draft_pending, draft_valid, record = tree_step(
                     target, draft, target_pending, draft_pending, draft_valid, verifier=verifier, num_drafts=num_drafts,

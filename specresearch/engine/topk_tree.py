@@ -17,7 +17,12 @@ One step, with K = ``num_drafts`` and depth L = ``gamma``:
    forgets the whole tree (one copy kept, its L - 1 fed tokens rolled back) and is fed the accepted tokens and the
    next token in the following step (a feature head with the target's features along the accepted path).
 
-The tree reads q only, never the verifier's random numbers, so the loop is lossless at every temperature
+``draft_law="static"`` is the baseline EAGLE-2 compares against, a tree whose shape does not depend on q (EAGLE-1's
+static trees): the same top-K children, but at each depth the first K nodes drafted are expanded (the children of
+the most probable nodes of the depth above, in q order) and the first ``tree_nodes`` drafted are kept (shallow
+first); only the tokens come from q.
+
+Either tree reads q only, never the verifier's random numbers, so the loop is lossless at every temperature
 (exact twin and loop check: :mod:`specresearch.exact.dynamic`). ``tree_nodes`` defaults to K * L (EAGLE-2's
 defaults, top-k 10, depth 6, 60 nodes, are such a pair).
 """
@@ -52,15 +57,19 @@ class DynamicTree:
     parents: list[list[int]]  # per row, the parent call index of each kept node (0: the root)
 
 
-def _best(values: torch.Tensor, count: int) -> torch.Tensor:
-    """``[B, count]`` indices of the largest ``values [B, M]`` (ties to the lower index), in increasing order."""
-    order = torch.sort(-values, dim=1, stable=True).indices[:, :count]
+def _best(values: torch.Tensor, count: int, static: bool = False) -> torch.Tensor:
+    """``[B, count]`` indices of the largest ``values [B, M]`` (ties to the lower index), in increasing order;
+    ``static``: the first ``count`` of positive value, whatever their values."""
+    key = torch.where(values > 0, 1.0, 0.0).to(values.dtype) if static else values
+    order = torch.sort(-key, dim=1, stable=True).indices[:, :count]
     return order.sort(dim=1).values
 
 
-def draft_dynamic_tree(draft, pending, pending_valid, num_drafts: int, gamma: int, tree_nodes: int, device) -> DynamicTree:
+def draft_dynamic_tree(draft, pending, pending_valid, num_drafts: int, gamma: int, tree_nodes: int, device,
+                       static: bool = False) -> DynamicTree:
     """Draft one dynamic tree per row (module docstring, stage 1). The draft is left with K copies per row when
-    gamma > 1 (one per expanded node of depth L - 1), each having been fed L - 1 tokens."""
+    gamma > 1 (one per expanded node of depth L - 1), each having been fed L - 1 tokens. ``static``: the static
+    tree of the same K, L and node count instead (``draft_law="static"``)."""
     logits = draft.score(pending, pending_valid)[:, -1]
     q = _probs(logits.to(device), _RAW, "draft model logits (drafting the tree's first depth)")
     batch = q.shape[0]
@@ -83,13 +92,13 @@ def draft_dynamic_tree(draft, pending, pending_valid, num_drafts: int, gamma: in
         tokens.append(child_token)
         parents.append(beam_index.repeat_interleave(num_drafts, 1))
         if d < gamma:
-            chosen = _best(child_value, num_drafts)  # [B, K]
+            chosen = _best(child_value, num_drafts, static)  # [B, K]
             draft.select_rows((rows * num_drafts + chosen // num_drafts).reshape(-1))
             beam_value, beam_token = child_value.gather(1, chosen), child_token.gather(1, chosen)
             beam_index = count + chosen
         count += child_token.shape[1]
     values, tokens, parents = torch.cat(values, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
-    kept = _best(values, min(tree_nodes, values.shape[1]))  # [B, N]
+    kept = _best(values, min(tree_nodes, values.shape[1]), static)  # [B, N]
     positive = values.gather(1, kept) > 0
     return _node_form(kept.tolist(), positive.tolist(), tokens.tolist(), parents.tolist(), device)
 
@@ -122,12 +131,13 @@ def _node_form(kept, positive, tokens, parents, device) -> DynamicTree:
 
 
 def dynamic_tree_step(target, draft, target_pending, draft_pending, draft_valid, *, num_drafts: int, gamma: int,
-                      tree_nodes: int, sampling, randomness: dict, device, active: Sequence[bool], tick=None):
+                      tree_nodes: int, sampling, randomness: dict, device, active: Sequence[bool], tick=None,
+                      static: bool = False):
     """One dynamic-tree step (module docstring). ``randomness``: the verifier's ``generator=`` or ``uniforms=``
     (``[B, L+1, K]``). -> (emitted tokens per row, next target pending, next draft pending and validity, StepRecord)."""
     tick = tick or (lambda: clock(device))
     t0 = tick()
-    tree = draft_dynamic_tree(draft, draft_pending, draft_valid, num_drafts, gamma, tree_nodes, device)
+    tree = draft_dynamic_tree(draft, draft_pending, draft_valid, num_drafts, gamma, tree_nodes, device, static)
     t1 = tick()
     reads = isinstance(draft, FeatureReader)
     call_tokens = torch.cat([target_pending, tree.node_tokens], 1)

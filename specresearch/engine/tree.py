@@ -34,10 +34,11 @@ from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _refee
 from specresearch.engine.timing import clock
 from specresearch.models.protocols import FeatureReader, RowExpander, TreeScorer
 
-__all__ = ["TREE_DRAFT_LAWS", "TREE_VERIFIERS", "check_tree_args", "parse_verifier", "tree_randomness", "tree_step"]
+__all__ = ["TOPK_LAWS", "TREE_DRAFT_LAWS", "TREE_VERIFIERS", "check_tree_args", "parse_verifier", "tree_randomness", "tree_step"]
 
 TREE_VERIFIERS = MULTI_VERIFIERS
-TREE_DRAFT_LAWS = (*DRAFT_LAWS, "dynamic")  # "dynamic": EAGLE-2's top-k tree (engine.topk_tree), one-hot rule only
+TREE_DRAFT_LAWS = (*DRAFT_LAWS, "dynamic", "static")  # top-k trees (engine.topk_tree), one-hot rule only
+TOPK_LAWS = ("dynamic", "static")
 
 
 def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, gamma: int, expectations,
@@ -48,12 +49,12 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
                          f"{sorted(TREE_VERIFIERS)}, got {verifier!r}")
     if draft_law not in TREE_DRAFT_LAWS:
         raise ValueError(f"draft_law must be one of {TREE_DRAFT_LAWS}, got {draft_law!r}")
-    if draft_law == "dynamic" and verifier != "onehot":
-        raise ValueError(f"draft_law 'dynamic' (a deterministic top-k tree) is verified by 'onehot', the rule for "
+    if draft_law in TOPK_LAWS and verifier != "onehot":
+        raise ValueError(f"draft_law {draft_law!r} (a deterministic top-k tree) is verified by 'onehot', the rule for "
                          f"candidates chosen without the verifier's randomness; got {verifier!r}")
     if tree_nodes is not None:
-        if draft_law != "dynamic":
-            raise ValueError(f"tree_nodes is for draft_law 'dynamic', got draft_law {draft_law!r}")
+        if draft_law not in TOPK_LAWS:
+            raise ValueError(f"tree_nodes is for draft_law 'dynamic' or 'static', got draft_law {draft_law!r}")
         check_int("tree_nodes", tree_nodes, meaning="nodes kept in the dynamic tree")
     if verifier == "kseq" and gamma != 1:
         raise ValueError(f"verifier 'kseq' (SpecTr K-SEQ) is single-step: gamma must be 1, got {gamma}")
@@ -83,13 +84,13 @@ def parse_verifier(spec: str) -> tuple[str, int, str, int | None]:
     num_drafts = int(rest[0]) if ok and rest else 1
     draft_law = rest[1] if ok and len(rest) > 1 else "iid"
     nodes = rest[2] if ok and len(rest) > 2 else None
-    dynamic_ok = draft_law != "dynamic" or name == "onehot"
-    nodes_ok = nodes is None or (draft_law == "dynamic" and nodes.isdigit() and int(nodes) >= 1)
+    dynamic_ok = draft_law not in TOPK_LAWS or name == "onehot"
+    nodes_ok = nodes is None or (draft_law in TOPK_LAWS and nodes.isdigit() and int(nodes) >= 1)
     if (not ok or len(rest) > 3 or num_drafts < 1 or draft_law not in TREE_DRAFT_LAWS or not dynamic_ok or not nodes_ok
             or (name in VERIFIERS and (num_drafts, draft_law) != (1, "iid"))):
         raise ValueError(f"a verifier is {sorted(VERIFIERS)} or a multi-draft rule NAME[:K[:LAW]] with NAME in "
-                         f"{sorted(TREE_VERIFIERS)}, K >= 1 paths and LAW in {DRAFT_LAWS}, or a dynamic tree "
-                         f"onehot:K:dynamic[:NODES]; got {spec!r}")
+                         f"{sorted(TREE_VERIFIERS)}, K >= 1 paths and LAW in {DRAFT_LAWS}, or a top-k tree "
+                         f"onehot:K:dynamic[:NODES] / onehot:K:static[:NODES]; got {spec!r}")
     return name, num_drafts, draft_law, None if nodes is None else int(nodes)
 
 

@@ -33,9 +33,11 @@ def _check(num_children, depth, tree_nodes) -> None:
     check_int("tree_nodes", tree_nodes, meaning="nodes kept in the tree")
 
 
-def dynamic_tree(draft, num_children: int, depth: int, tree_nodes: int, prefix=()) -> dict[tuple, tuple[int, ...]]:
+def dynamic_tree(draft, num_children: int, depth: int, tree_nodes: int, prefix=(), static: bool = False) -> dict[tuple, tuple[int, ...]]:
     """The step's tree as ``{node (a token tuple): its children's tokens in the order tried}``, every kept node
-    present (leaves map to ``()``); module docstring for the construction."""
+    present (leaves map to ``()``); module docstring for the construction. ``static``: the tree whose shape does
+    not read q's values (the first ``num_children`` nodes of a depth are expanded, the first ``tree_nodes``
+    drafted are kept; EAGLE-1's kind, EAGLE-2's baseline)."""
     _check(num_children, depth, tree_nodes)
     draft, prefix = exact.as_model(draft), tuple(prefix)
     drafted: list[tuple[Fraction, tuple]] = []  # (value, node) in drafting order
@@ -46,8 +48,8 @@ def dynamic_tree(draft, num_children: int, depth: int, tree_nodes: int, prefix=(
             row = draft(prefix + node)
             layer += [(value * row[t], node + (t,)) for t in topk_children(row, num_children)]
         drafted += layer
-        frontier = _best(layer, num_children)
-    kept = {node for _, node in _best(drafted, tree_nodes)}
+        frontier = layer[:num_children] if static else _best(layer, num_children)
+    kept = {node for _, node in (drafted[:tree_nodes] if static else _best(drafted, tree_nodes))}
     tree: dict = {(): ()}
     for _, node in drafted:
         if node in kept:
@@ -72,21 +74,23 @@ def onehot_tree_law(target, tree: dict, prefix=()) -> dict[tuple[int, ...], Frac
     return {seq: v for seq, v in law.items() if v}
 
 
-def dynamic_step_law(target, draft, num_children: int, depth: int, tree_nodes: int, prefix=()) -> dict:
-    """Law of one step: the dynamic tree at ``prefix``, verified by the one-hot rule."""
-    return onehot_tree_law(target, dynamic_tree(draft, num_children, depth, tree_nodes, prefix), prefix)
+def dynamic_step_law(target, draft, num_children: int, depth: int, tree_nodes: int, prefix=(), static: bool = False) -> dict:
+    """Law of one step: the dynamic (or ``static``) tree at ``prefix``, verified by the one-hot rule."""
+    return onehot_tree_law(target, dynamic_tree(draft, num_children, depth, tree_nodes, prefix, static), prefix)
 
 
-def dynamic_distribution(target, draft, num_children: int, depth: int, tree_nodes: int, n_tokens: int, prefix=()) -> dict:
-    """Exact law of the first ``n_tokens`` tokens of the loop of dynamic-tree steps (Fractions)."""
+def dynamic_distribution(target, draft, num_children: int, depth: int, tree_nodes: int, n_tokens: int, prefix=(),
+                         static: bool = False) -> dict:
+    """Exact law of the first ``n_tokens`` tokens of the loop of dynamic-tree (or ``static``) steps (Fractions)."""
     _check(num_children, depth, tree_nodes)
     check_int("n_tokens", n_tokens)
     target, draft = exact.as_model(target), exact.as_model(draft)
-    return exact.loop_law(lambda pre: dynamic_step_law(target, draft, num_children, depth, tree_nodes, pre), n_tokens,
-                          tuple(prefix))
+    return exact.loop_law(lambda pre: dynamic_step_law(target, draft, num_children, depth, tree_nodes, pre, static),
+                          n_tokens, tuple(prefix))
 
 
-def is_lossless_dynamic(target, draft, num_children: int, depth: int, tree_nodes: int, n_tokens: int, prefix=()) -> bool:
+def is_lossless_dynamic(target, draft, num_children: int, depth: int, tree_nodes: int, n_tokens: int, prefix=(),
+                        static: bool = False) -> bool:
     """True iff the loop's first ``n_tokens`` tokens have exactly the target's law."""
-    spec = dynamic_distribution(target, draft, num_children, depth, tree_nodes, n_tokens, prefix)
+    spec = dynamic_distribution(target, draft, num_children, depth, tree_nodes, n_tokens, prefix, static)
     return spec == exact.target_distribution(exact.as_model(target), n_tokens, tuple(prefix))

@@ -447,15 +447,17 @@ _STYLES = {"token": ("s", "--", -0.08), "block": ("D", "-", 0.08)}  # marker, li
 
 
 def plot_metric_vs_gamma(table: pd.DataFrame, metric: str, label: str, paper: pd.DataFrame | None = None):
-    """One panel per temperature: ``metric`` vs gamma, one line per verifier with its bootstrap interval.
+    """One panel per temperature: ``metric`` vs gamma, one line per verifier with its bootstrap interval (the table's
+    level, 95% by default), integer gamma ticks, the legend above the panels.
 
     ``table``: ``metric_table(records)`` output. ``paper``: optional rows (temperature, gamma, token,
     block) drawn as open markers. Returns the matplotlib figure.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     temperatures = sorted(table["temperature"].unique())
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(3.2 * len(temperatures), 3.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(3.2 * len(temperatures), 3.6), sharey=True, squeeze=False)
     for ax, temperature in zip(axes[0], temperatures):
         for verifier, rows in table[table["temperature"] == temperature].groupby("verifier"):
             rows = rows.sort_values("gamma")
@@ -469,10 +471,12 @@ def plot_metric_vs_gamma(table: pd.DataFrame, metric: str, label: str, paper: pd
                 ax.plot(hit["gamma"], hit[verifier], marker, mfc="none", label=f"{verifier} (paper, Vicuna)")
         ax.set_title(f"T = {temperature:g}")
         ax.set_xlabel("gamma (draft tokens per step)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # gamma is an integer
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(label)
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
+    axes[0][0].set_ylabel(f"{label}\nbars: 95% bootstrap interval over prompts")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="upper center", ncol=min(4, len(labels)), bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout(rect=(0, 0, 1, 0.88))  # the legend sits above the panels, off the data
     return fig
 
 

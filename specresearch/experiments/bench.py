@@ -71,6 +71,7 @@ from specresearch.engine.generate import (
     autoregressive_generate,
     speculative_generate,
 )
+from specresearch.engine.cost import score_seconds
 from specresearch.engine.tree import parse_verifier
 from specresearch.experiments.records import (
     AUTOREGRESSIVE,
@@ -445,27 +446,3 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
                progress=progress)
 
 
-def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int = 64, repeats: int = 20,
-                  warmup: int = 3) -> dict[int, float]:
-    """Median wall time of one cached target call that scores k new tokens (B = 1), for each k of ``ks``.
-
-    A speculative step with gamma drafted tokens scores gamma + 1 tokens in one call, autoregressive
-    decoding one: ``score_seconds(...)[gamma + 1] / score_seconds(...)[1]`` is what verification costs in
-    target forwards on this machine (1 if the forward is bound by reading the weights, up to gamma + 1 if
-    it is bound by arithmetic). The ks are timed in turn within each repeat and the cache is rolled back
-    after every call. ``target``: a ``models.CausalLM``. A benchmark figure, never asserted on in tests.
-    """
-
-    import torch
-
-    from specresearch.engine.timing import TimedCall, interleaved_medians
-
-    if not ks or any(k < 1 for k in ks) or context_length < 1 or repeats < 1:
-        raise ValueError(f"ks must be non-empty ints >= 1, context_length and repeats >= 1; got {ks}, {context_length}, {repeats}")
-    ids = ((torch.arange(context_length + max(ks)) % 1000 + 100) % target.vocab_size)[None].to(target.device)  # [1, n]
-    target.prefill(ids[:, :context_length], torch.ones_like(ids[:, :context_length]))
-    calls = [TimedCall(lambda k=k: target.score(ids[:, context_length : context_length + k]), reset=lambda k=k: target.rollback(k))
-             for k in ks]
-    with torch.no_grad():
-        medians = interleaved_medians(calls, repeats=repeats, warmup=warmup, device=target.device)
-    return dict(zip(ks, medians))

@@ -357,12 +357,15 @@ def wrong_residual_verify(target_probs, draft_probs, draft_tokens, generator=Non
 
 
 def describe_cell(cell: Cell, tokenizer=None) -> str:
-    """Readable label of a cell: tokens joined by '|', '*' for "any other token", 'other' for the tail."""
+    """Readable label of a cell: token ids joined by '|' (with ``tokenizer``: the tokens' text, quoted, one string),
+    then '*' for "any other token"; 'other' for the tail."""
     if cell == _TAIL:
         return "other"
     kind, tokens = cell
-    words = [repr(tokenizer.decode([t])) if tokenizer is not None else str(t) for t in tokens]
-    return "|".join(words + (["*"] if kind == "rest" else []))
+    if tokenizer is not None:
+        text = repr(tokenizer.decode(list(tokens))) if tokens else ""
+        return f"{text} *".strip() if kind == "rest" else text
+    return "|".join([str(t) for t in tokens] + (["*"] if kind == "rest" else []))
 
 
 def plot_cells(results: dict[str, LosslessTestResult], *, tokenizer=None, top: int = 12):
@@ -378,7 +381,7 @@ def plot_cells(results: dict[str, LosslessTestResult], *, tokenizer=None, top: i
         ax.set_xticks(x, [describe_cell(result.cells[i], tokenizer) for i in order], rotation=60, ha="right",
                       fontsize=7)
         ax.set_title(f"{name}\nchi-square p = {result.p_value:.2g}, N = {result.num_samples}", fontsize=9)
-        ax.set_xlabel("cell (first k tokens; * = any other token)")
+        ax.set_xlabel("cell: the first k generated tokens as text\n(* then any other token; other: every rarer cell)")
     axes[0][0].set_ylabel("probability")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

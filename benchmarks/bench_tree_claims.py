@@ -1,0 +1,101 @@
+"""The tree papers' claims on the embedded pair: each rule against the baseline its paper compares with, paired.
+
+Every claim is a gain in tokens per target call (block efficiency, tau: machine-independent), treated / baseline - 1,
+on the same prompts and per-prompt seeds, with a 95% paired bootstrap interval over the prompts
+(``experiments.analysis.gain_table``). SmolLM2-135M-Instruct, the shipped feature head drafting
+(``fp16:eagle3-v8k``; ``--draft``), MT-Bench first turns (``--prompt-set``), T = 1, ``--max-new-tokens`` 64.
+
+* ``traversal``: Traversal Verification (Weng et al., arXiv 2505.12398) against token-level tree verification
+  (SpecInfer's RRS) on the same i.i.d. trees, K = 2 and 4 paths of 3 tokens. The paper reports +2.2-5.7% accepted
+  length.
+* ``gbv``: multi-draft block verification with K = 3 paths of L = 8 against single-draft block verification at
+  L = 8 (the paper: +30% block efficiency).
+* ``spectr``: SpecTr's K-SEQ (Sun et al., arXiv 2310.15141) with K = 2 and 4 drafts of one token against one draft
+  (L = 1). The paper's 1.37x is wall clock over single-draft speculative decoding on larger models and longer drafts.
+* ``eagle2``: EAGLE-2's dynamic tree (Li et al., arXiv 2406.16858) against the static tree of the same K, depth and
+  node count (``draft_law="static"``), one-hot rule both.
+
+Writes ``benchmarks/records/claims_<claim>_<cpu>.csv`` (bench records, resumable; header ``.json`` with command,
+commit, machine and the draft's sha256) and ``claims_<cpu>.md``, the table. A benchmark: nothing is asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --prompts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from specresearch.drafts.registry import load_pair
+from specresearch.engine.prompts import prompt_set_file
+from specresearch.experiments.analysis import gain_table
+from specresearch.experiments.bench import BenchConfig, load_bench_prompts, run_bench
+from specresearch.experiments.records import machine_info, write_run_info
+from specresearch.paths import repo_root
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_trees import weights_digests  # noqa: E402  (the same digests as the tree records)
+
+CLAIMS = {  # claim -> (gamma, [(baseline, treatment), ...], the paper's figure)
+    "traversal": (3, [("rrs:2", "traversal:2"), ("rrs:4", "traversal:4")], "+2.2% to +5.7% accepted length"),
+    "gbv": (8, [("block", "gbv:3")], "+30% block efficiency"),
+    "spectr": (1, [("block", "kseq:2"), ("block", "kseq:4")], "1.37x wall clock over single-draft decoding"),
+    "eagle2": (4, [("onehot:2:static:6", "onehot:2:dynamic:6"), ("onehot:4:static:10", "onehot:4:dynamic:10")],
+               "dynamic trees accept more than static ones"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--claims", nargs="+", default=list(CLAIMS), choices=list(CLAIMS))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-set", default="mt-bench", choices=["mt-bench", "humaneval"])
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--draft", default="fp16:eagle3-v8k")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out-dir", default=str(repo_root() / "benchmarks" / "records"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, draft, tokenizer = load_pair(draft=args.draft)
+    machine = machine_info()
+    cpu = machine.get("cpu", "cpu").split()[0].lower()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
+    digest = weights_digests(args.draft)
+    lines = [f"Claims on {args.prompt_set} ({args.prompts} prompts), T = {args.temperature}, {args.max_new_tokens} new tokens, "
+             f"draft {args.draft}; command `{shlex.join(['benchmarks/bench_tree_claims.py', *sys.argv[1:]])}`, commit {commit}.",
+             "", "| claim | baseline | treatment | tau baseline | tau treatment | gain (95% CI) | the paper |",
+             "|---|---|---|---|---|---|---|"]
+    for claim in args.claims:
+        gamma, pairs, paper = CLAIMS[claim]
+        verifiers = tuple(dict.fromkeys(v for pair in pairs for v in pair))
+        config = BenchConfig(verifiers=verifiers, temperatures=(args.temperature,), gammas=(gamma,),
+                             max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
+        prompts = load_bench_prompts(tokenizer, config, prompt_set_file(args.prompt_set))
+        path = Path(args.out_dir) / f"claims_{claim}_{cpu}.csv"
+        write_run_info(path, command=shlex.join(["benchmarks/bench_tree_claims.py", *sys.argv[1:]]), commit=commit,
+                       draft=args.draft, draft_sha256=digest, prompt_set=args.prompt_set, claim=claim)
+        records = run_bench(target, draft, prompts, config, path, eos_token_id=tokenizer.eos_token_id)
+        for baseline, treatment in pairs:
+            table = gain_table(records, metrics=("be",), baseline=baseline, treatment=treatment)
+            lines += [_row(claim, baseline, treatment, row, paper) for row in table.to_dict("records")]
+    out = Path(args.out_dir) / f"claims_{cpu}.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def _row(claim: str, baseline: str, treatment: str, row: dict, paper: str) -> str:
+    base, treated = row[f"be_{baseline}"], row[f"be_{treatment}"]
+    gain, low, high = row["be_gain"], row["be_gain_lo"], row["be_gain_hi"]
+    return (f"| {claim} | {baseline} | {treatment} | {base:.3f} | {treated:.3f} | {100 * gain:+.1f}% "
+            f"({100 * low:+.1f}, {100 * high:+.1f}) | {paper} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""What a speculative step costs on this machine, and the draft length it makes best.
+
+A chain step with gamma drafted tokens makes gamma draft calls and one target call scoring gamma + 1 tokens;
+autoregressive decoding makes one target call scoring 1 token per token. With r_n = T(n) / T(1) the cost of a target
+call scoring n tokens and c = one draft call / T(1), a step that emits E(gamma) tokens on average runs
+
+    S(gamma) = E(gamma) / (r_{gamma+1} + gamma c + o)
+
+times as fast as autoregressive decoding, o being the step's own work (sampling, verification, bookkeeping) over T(1) (Leviathan et al., arXiv 2211.17192, take r flat at 1 and o = 0; on a CPU r
+is not flat and not even monotone: ``benchmarks/bench_score_cost.py``). r, c and o depend on the machine, E on the
+pair and the prompts. :func:`cost_curve` times r and c once per machine and keeps them in ``<cache_dir>/score_cost.json``
+(keyed by the CPU, torch's version, the thread count, the device and the models' shapes, like the skinny-rows
+choice); :func:`best_gamma` picks gamma. ``specresearch generate`` uses it for its default gamma.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specresearch.engine.timing import TimedCall, interleaved_medians
+
+__all__ = ["CostCurve", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma", "default_gamma"]
+
+COST_FILE = "score_cost.json"
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """``ratios[n - 1]`` = r_n for n = 1..len (r_1 = 1); ``draft_ratio`` = c and ``overhead_ratio`` = o (0 without a
+    draft)."""
+
+    ratios: tuple[float, ...]
+    draft_ratio: float
+    target_seconds: float  # T(1), for the record
+    overhead_ratio: float = 0.0
+
+    def r(self, n: int) -> float:
+        return self.ratios[n - 1]
+
+
+def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int = 64, repeats: int = 20,
+                  warmup: int = 3) -> dict[int, float]:
+    """Median wall time of one cached target call that scores k new tokens (B = 1), for each k of ``ks``.
+
+    The ks are timed in turn within each repeat (``interleaved_medians``) and the cache is rolled back after every
+    call. ``target``: a ``models.CausalLM`` (or anything with ``prefill``, ``score`` and ``rollback``). A
+    measurement, never asserted on in tests.
+    """
+    if not ks or any(k < 1 for k in ks) or context_length < 1 or repeats < 1:
+        raise ValueError(f"ks must be non-empty ints >= 1, context_length and repeats >= 1; got {ks}, {context_length}, {repeats}")
+    ids = ((torch.arange(context_length + max(ks)) % 1000 + 100) % target.vocab_size)[None].to(target.device)  # [1, n]
+    target.prefill(ids[:, :context_length], torch.ones_like(ids[:, :context_length]))
+    calls = [TimedCall(lambda k=k: target.score(ids[:, context_length : context_length + k]), reset=lambda k=k: target.rollback(k))
+             for k in ks]
+    with torch.no_grad():
+        medians = interleaved_medians(calls, repeats=repeats, warmup=warmup, device=target.device)
+    return dict(zip(ks, medians))
+
+
+def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_length: int = 64, repeats: int = 9) -> CostCurve:
+    """Time r_1..r_max_tokens for ``target`` (contexts of ``context_length`` tokens, interleaved medians of
+    ``repeats``) and, with ``draft`` (any draft kind), c and o: the median seconds of its calls and of the steps' own
+    work in a greedy gamma-1 run of 16 tokens through the engine (which times each step's parts), over T(1)."""
+    from specresearch.config import SamplingConfig
+    from specresearch.engine.generate import speculative_generate
+
+    seconds = score_seconds(target, tuple(range(1, max_tokens + 1)), context_length, repeats)
+    draft_ratio = overhead_ratio = 0.0
+    if draft is not None:
+        prompt = ((torch.arange(context_length) % 1000 + 100) % target.vocab_size).tolist()
+        run = speculative_generate(target, draft, [prompt], verifier="block", gamma=1, max_new_tokens=16,
+                                   sampling=SamplingConfig(temperature=0.0), step_timing=True)
+        steps = [s for s in run.steps if s.draft_calls]
+        draft_ratio = statistics.median(s.draft_seconds / s.draft_calls for s in steps) / seconds[1]
+        overhead_ratio = statistics.median(s.overhead_seconds for s in steps) / seconds[1]
+    return CostCurve(tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1)), draft_ratio, seconds[1],
+                     overhead_ratio)
+
+
+def _shapes(model) -> str:
+    """The shapes of a model's parameters, or its class name when it has none visible."""
+    inner = getattr(model, "model", None) or getattr(model, "head", None)
+    if isinstance(inner, torch.nn.Module):
+        return ";".join(f"{tuple(p.shape)}{p.dtype}" for p in inner.parameters())
+    return type(model).__name__
+
+
+def _key(target, draft, max_tokens: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    device = torch.device(target.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    shapes = hashlib.sha1(f"{_shapes(target)}|{_shapes(draft) if draft is not None else ''}".encode()).hexdigest()[:12]
+    return f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}"
+
+
+def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True) -> CostCurve:
+    """:func:`measure_cost_curve`, timed once per machine and models (module docstring; ~1-2 s on a CPU), kept in
+    ``<cache_dir>/score_cost.json`` for later processes (delete the file to time again). ``cache=False`` times anew."""
+    from specresearch.paths import cache_dir
+
+    path, key = cache_dir() / COST_FILE, _key(target, draft, max_tokens)
+    table = {}
+    if cache:
+        try:
+            table = json.loads(path.read_text())
+            stored = table.get(key)
+            if stored:
+                return CostCurve(tuple(stored["ratios"]), stored["draft_ratio"], stored["target_seconds"],
+                                 stored["overhead_ratio"])
+        except (OSError, ValueError, KeyError, TypeError):
+            table = {}
+    curve = measure_cost_curve(target, draft, max_tokens=max_tokens)
+    if cache:
+        try:
+            table[key] = {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
+                          "overhead_ratio": curve.overhead_ratio, "target_seconds": curve.target_seconds}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1) + "\n")
+        except OSError:
+            pass
+    return curve
+
+
+def predicted_speedup(curve: CostCurve, expected_tokens: Mapping[int, float]) -> dict[int, float]:
+    """S(gamma) = E(gamma) / (r_{gamma+1} + gamma c + o) for each gamma of ``expected_tokens`` (E: tokens per step)
+    that the curve covers."""
+    return {g: e / (curve.r(g + 1) + g * curve.draft_ratio + curve.overhead_ratio) for g, e in expected_tokens.items()
+            if g + 1 <= len(curve.ratios)}
+
+
+def best_gamma(curve: CostCurve, expected_tokens: Mapping[int, float]) -> int:
+    """The gamma of largest :func:`predicted_speedup` (ties: the shorter)."""
+    speed = predicted_speedup(curve, expected_tokens)
+    if not speed:
+        raise ValueError(f"the cost curve covers up to {len(curve.ratios)} tokens per call: no gamma of "
+                         f"{sorted(expected_tokens)} fits")
+    return max(sorted(speed), key=lambda g: (speed[g], -g))
+
+
+def default_gamma(target, draft, expected_tokens: Mapping[int, float] | None = None) -> int:
+    """The default draft length of ``specresearch generate``: :func:`best_gamma` on this machine's cached
+    :func:`cost_curve` and ``expected_tokens`` (default ``config.GENERATE_TAU``, the default draft's tokens per step
+    by gamma, from a committed record)."""
+    from specresearch.config import GENERATE_TAU
+
+    expected = dict(expected_tokens or GENERATE_TAU)
+    return best_gamma(cost_curve(target, draft, max_tokens=max(expected) + 1), expected)

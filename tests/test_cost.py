@@ -1,0 +1,65 @@
+"""The machine's cost curve and the default gamma it picks (``engine.cost``). Timings are never asserted: the tests
+check the arithmetic on given curves, the cache's round trip and what the CLI does with the choice."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from specresearch.config import GENERATE_TAU
+from specresearch.engine import cost
+from specresearch.engine.cost import CostCurve, best_gamma, predicted_speedup
+from specresearch.models.toy import tiny_llama
+from specresearch.paths import repo_root
+
+
+def test_the_default_taus_are_the_records():
+    frame = pd.read_csv(repo_root() / "benchmarks" / "records" / "adaptive_amd.csv")
+    means = frame[frame.temperature == 1.0].groupby("run").tau.mean()
+    assert {g: round(means[f"gamma {g}"], 3) for g in GENERATE_TAU} == GENERATE_TAU
+
+
+def test_speedup_and_best_gamma_follow_the_curve():
+    expected = {1: 1.5, 2: 1.8, 3: 2.1}
+    flat = CostCurve((1.0,) * 5, draft_ratio=0.05, target_seconds=0.01)  # a GPU at small batch: scoring is free
+    assert predicted_speedup(flat, expected) == pytest.approx({1: 1.5 / 1.05, 2: 1.8 / 1.10, 3: 2.1 / 1.15})
+    assert best_gamma(flat, expected) == 3
+    steep = CostCurve((1.0, 1.3, 1.8, 2.3, 2.8), draft_ratio=0.3, target_seconds=0.02, overhead_ratio=0.1)
+    assert best_gamma(steep, expected) == 1  # 1.5 / 1.7 = 0.88 against 1.8 / 2.5 and 2.1 / 3.2
+    tie = CostCurve((1.0, 1.0, 1.0), draft_ratio=0.0, target_seconds=0.01)
+    assert best_gamma(tie, {1: 2.0, 2: 2.0}) == 1  # ties go to the shorter
+    with pytest.raises(ValueError, match="covers up to 2 tokens"):
+        best_gamma(CostCurve((1.0, 1.1), 0.1, 0.01), {2: 1.8, 3: 2.0})
+
+
+def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
+    target, draft = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
+    curve = cost.cost_curve(target, draft, max_tokens=3)
+    assert len(curve.ratios) == 3 and curve.ratios[0] == 1.0 and curve.draft_ratio > 0 and curve.target_seconds > 0
+    stored = json.loads((tmp_path / cost.COST_FILE).read_text())
+    assert len(stored) == 1 and next(iter(stored.values()))["ratios"] == list(curve.ratios)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed again although the machine's answer was kept")
+
+    monkeypatch.setattr(cost, "measure_cost_curve", refuse)
+    assert cost.cost_curve(target, draft, max_tokens=3) == curve
+    with pytest.raises(AssertionError, match="timed again"):
+        cost.cost_curve(target, draft, max_tokens=4)  # another question: timed anew
+    assert cost.default_gamma(target, draft, {1: 1.5, 2: 1.8}) in (1, 2)
+
+
+def test_generate_picks_its_gamma_only_for_its_default_chain(monkeypatch):
+    from argparse import Namespace
+
+    from specresearch.cli import _chooses_gamma
+    from specresearch.config import GENERATE_DRAFT
+
+    base = dict(gamma_given=False, draft=None, verifier="block", num_drafts=1, draft_law="iid", stop_below=None)
+    assert _chooses_gamma(Namespace(**base)) and _chooses_gamma(Namespace(**{**base, "draft": GENERATE_DRAFT}))
+    for change in ({"gamma_given": True}, {"draft": "v8k-4l"}, {"verifier": "token"}, {"num_drafts": 2},
+                   {"stop_below": 0.5}):
+        assert not _chooses_gamma(Namespace(**{**base, **change})), change
