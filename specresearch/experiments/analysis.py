@@ -58,6 +58,7 @@ __all__ = [
     "format_markdown",
     "format_paper_table",
     "gain_table",
+    "paired_difference",
     "gain_vs_alpha_table",
     "latest_run",
     "metric_table",
@@ -196,6 +197,23 @@ def gain_table(records: pd.DataFrame, by: Sequence[str] = ("temperature", "gamma
                 base, treated, metric, weights, level)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def paired_difference(rows: pd.DataFrame, treated: str, base: str, column: str, *, by: str = "run",
+                      key: Sequence[str] = ("prompt_id",), n_boot: int = 4000, seed: int = 0,
+                      level: float = 0.95) -> dict:
+    """Mean over the shared prompts of ``column`` (treated - base), rows where ``rows[by]`` is ``treated`` / ``base``
+    matched on ``key``, with a percentile bootstrap interval over those prompts (``bootstrap_weights``).
+    -> {"mean", "low", "high", "prompts"}."""
+    a = rows[rows[by] == treated].set_index(list(key))[column]
+    b = rows[rows[by] == base].set_index(list(key))[column]
+    shared = a.index.intersection(b.index)
+    if shared.empty:
+        raise ValueError(f"no prompt has both {treated!r} and {base!r}")
+    diff = (a.loc[shared] - b.loc[shared]).to_numpy()
+    boots = bootstrap_weights(len(diff), n_boot, seed) @ diff / len(diff)
+    low, high = _interval(boots, level)
+    return {"mean": float(diff.mean()), "low": low, "high": high, "prompts": len(diff)}
 
 
 def paper_table(records: pd.DataFrame, gamma: int | None = None, **bootstrap) -> pd.DataFrame:
