@@ -71,6 +71,17 @@ def test_greedy_equals_transformers_greedy(models, verifier, batch):
     assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("options", [dict(verifier="traversal", num_drafts=2),
+                                     dict(verifier="onehot", num_drafts=3, draft_law="dynamic", tree_nodes=5)])
+def test_greedy_trees_equal_transformers_greedy(models, options):
+    """Draft trees through ``custom_generate``: sampled paths and EAGLE-2's dynamic tree, a left-padded batch."""
+    target, draft = models
+    reference = target.generate(IDS, attention_mask=MASK, do_sample=False, max_new_tokens=14)
+    out = target.generate(IDS, attention_mask=MASK, do_sample=False, max_new_tokens=14,
+                          custom_generate=hf.speculative(draft, gamma=3, **options))
+    assert torch.equal(out, reference)
+
+
 @pytest.mark.parametrize("verifier", ["token", "block"])
 def test_greedy_with_prefix_processors_equals_transformers(models, verifier):
     """Repetition penalty (per-row prompt padding), no-repeat n-grams, bad words, min new tokens and a

@@ -1,0 +1,69 @@
+"""This machine's cost curve and the default gamma it makes best (``engine.cost``), beside the measured speeds.
+
+Times r_n (one target call scoring n tokens over one scoring 1), c (one call of generate's default draft over one
+target call) and o (a step's own work) on the embedded pair, fresh (not the cache), and prints the predicted speed-up
+E(gamma) / (r_{gamma+1} + gamma c + o) for ``config.GENERATE_TAU`` beside the speed-ups measured at gamma 1-3 in
+``benchmarks/records/adaptive_amd.csv`` (the head alone, T = 1, the same machine). Writes
+``benchmarks/records/cost_curve_<cpu>.json`` (command, commit, machine, the draft's sha256). A benchmark: nothing is
+asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_cost_curve.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from specresearch.config import GENERATE_DRAFT, GENERATE_TAU
+from specresearch.drafts.registry import load_pair
+from specresearch.engine.cost import best_gamma, measure_cost_curve, predicted_speedup
+from specresearch.experiments.records import machine_info
+from specresearch.paths import repo_root
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_trees import weights_digests  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft", default=GENERATE_DRAFT)
+    parser.add_argument("--rounds", type=int, default=3, help="independent measurements (the median is kept)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, draft, _ = load_pair(draft=args.draft)
+    curves = [measure_cost_curve(target, draft, max_tokens=max(GENERATE_TAU) + 1) for _ in range(args.rounds)]
+    ratios = [statistics.median(c.ratios[i] for c in curves) for i in range(len(curves[0].ratios))]
+    draft_ratio = statistics.median(c.draft_ratio for c in curves)
+    overhead = statistics.median(c.overhead_ratio for c in curves)
+    curve = type(curves[0])(tuple(ratios), draft_ratio, statistics.median(c.target_seconds for c in curves), overhead)
+    predicted = predicted_speedup(curve, GENERATE_TAU)
+    measured = pd.read_csv(repo_root() / "benchmarks" / "records" / "adaptive_amd.csv")
+    measured = measured[measured.temperature == 1.0].groupby("run").vs_autoregressive.median()
+    machine = machine_info()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
+    record = {"command": shlex.join(["benchmarks/bench_cost_curve.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
+              "draft": args.draft, "draft_sha256": weights_digests(args.draft), "r": ratios, "c": draft_ratio, "o": overhead,
+              "target_seconds": curve.target_seconds, "rounds": [c.__dict__ for c in curves],
+              "predicted": predicted, "best_gamma": best_gamma(curve, GENERATE_TAU),
+              "measured_head_t1": {g: float(measured.get(f"gamma {g}", float("nan"))) for g in GENERATE_TAU}}
+    out = repo_root() / "benchmarks" / "records" / f"cost_curve_{machine.get('cpu', 'cpu').split()[0].lower()}.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"r_n = {[round(r, 3) for r in ratios]}, c = {draft_ratio:.3f}, o = {overhead:.3f}")
+    for g in GENERATE_TAU:
+        print(f"gamma {g}: predicted {predicted[g]:.3f}x, measured (head, T = 1) {record['measured_head_t1'][g]:.3f}x")
+    print(f"default gamma here: {record['best_gamma']} ({out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
