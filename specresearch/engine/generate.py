@@ -63,6 +63,7 @@ from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
 from specresearch.engine.timing import clock, step_clock
+from specresearch.core.tree_expectations import TREE_EXPECTATIONS
 from specresearch.engine.topk_tree import dynamic_tree_step
 from specresearch.engine.tree import TOPK_LAWS, TREE_VERIFIERS, check_tree_args, tree_randomness, tree_step
 from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
@@ -366,7 +367,8 @@ def speculative_generate(
             and including it; True ends the row after that token, as EOS does (inside an accepted block too).
         expectations: methods (``"token"``, ``"block"``, ``"greedy"``) whose expected accepted count given
             each step's drafted block is stored in ``StepRecord.expected`` (with ``StepRecord.overlap``);
-            the verifier that did not run costs only its closed form. Does not change the tokens.
+            the verifier that did not run costs only its closed form. Does not change the tokens. On sampled
+            draft trees: rules of ``core.tree_expectations.TREE_EXPECTATIONS`` on each step's tree.
         num_drafts, draft_law: K draft paths per step drawn ``"iid"`` or with the first tokens
             ``"without_replacement"``, scored by the target in one call as a tree and verified by a multi-draft
             ``verifier`` (``rrs``, ``rrs_without_replacement``, ``kseq``, ``gbv``, ``traversal``, ``onehot``;
@@ -400,8 +402,9 @@ def speculative_generate(
         _check_generation_args(max_new_tokens, gamma, verifier)
     check_int("max_new_tokens", max_new_tokens)
     check_int("gamma", gamma, meaning="draft tokens per step")
-    if isinstance(expectations, str) or any(m not in VERIFIERS for m in expectations):
-        raise ValueError(f"expectations must be a sequence of {sorted(VERIFIERS)}, got {expectations!r}")
+    if isinstance(expectations, str) or (not tree and any(m not in VERIFIERS for m in expectations)):
+        raise ValueError(f"expectations must be a sequence of {sorted(VERIFIERS)} (on draft trees: of "
+                         f"{TREE_EXPECTATIONS}), got {expectations!r}")
     check_same_vocab(target, draft)
     verify = verifier if callable(verifier) or tree else VERIFIERS[verifier]
     ids, mask = encode_prompts(prompts, tokenizer)
@@ -449,7 +452,7 @@ def speculative_generate(
                 emitted, target_pending, draft_pending, draft_valid, record = tree_step(
                     target, draft, target_pending, draft_pending, draft_valid, verifier=verifier, num_drafts=num_drafts,
                     gamma=step_gamma, draft_law=draft_law, sampling=sampling, generators=generators, device=device,
-                    active=step_active, tick=tick)
+                    active=step_active, tick=tick, expectations=expectations)
             kept = rows.add(batch.widen(emitted, []))
             steps.append(batch.record(record, active))
             if on_step is not None:

@@ -29,6 +29,7 @@ import torch
 from specresearch.checks import check_int
 from specresearch.core.draft_paths import DRAFT_LAWS, draw_multi_uniforms, first_tokens_without_replacement
 from specresearch.core.draws import uniforms
+from specresearch.core.tree_expectations import TREE_EXPECTATIONS, expected_accepted_tree
 from specresearch.core.verify_multi import MULTI_VERIFIERS
 from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _refeed, _sample
 from specresearch.engine.timing import clock
@@ -65,8 +66,9 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
                          "copy and select rows (repeat_rows / select_rows: every draft the toolkit ships)")
     if isinstance(draft, FeatureReader) and not getattr(target, "returns_hidden_states", False):
         raise ValueError("draft reads the target's hidden states: target must return them (a models.CausalLM)")
-    if expectations:
-        raise ValueError("expectations= is for chain steps (num_drafts=1)")
+    if expectations and (draft_law in TOPK_LAWS or any(m not in TREE_EXPECTATIONS for m in expectations)):
+        raise ValueError(f"expectations= on sampled trees takes rules of {TREE_EXPECTATIONS} "
+                         f"(core.tree_expectations), got {tuple(expectations)!r} with draft_law {draft_law!r}")
 
 
 def parse_verifier(spec: str) -> tuple[str, int, str, int | None]:
@@ -207,9 +209,10 @@ def tree_randomness(generators, num_drafts: int, gamma: int, device) -> dict:
 
 
 def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, verifier, num_drafts: int, gamma: int,
-              draft_law: str, sampling, generators, device, active: Sequence[bool], tick=None):
+              draft_law: str, sampling, generators, device, active: Sequence[bool], tick=None, expectations=()):
     """One tree step (module docstring); ``verifier`` a name of ``TREE_VERIFIERS`` or a callable with the multi-draft
-    verifier signature (``tick``: the loop's clock, default :func:`clock`). -> (emitted tokens per row, next target
+    verifier signature (``tick``: the loop's clock, default :func:`clock`); ``expectations``: rules of
+    ``TREE_EXPECTATIONS`` whose E[accepted | this tree] the record keeps (untimed). -> (emitted tokens per row, next target
     pending, next draft pending and validity, StepRecord)."""
     tick = tick or (lambda: clock(device))
     t0 = tick()
@@ -238,5 +241,9 @@ def tree_step(target, draft, target_pending, draft_pending, draft_valid, *, veri
         draft_pending, draft_valid = _draft_pending(chosen, result, gamma)
     emitted = [d[:n] + [t] for d, n, t in zip(chosen.tolist(), accepted, result.next_token.tolist())]
     scored = tuple(1 + n for n in _node_counts(path_nodes))
-    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0, scored=scored)
+    seconds = tick() - t0
+    expected = {m: tuple(expected_accepted_tree(target_probs.double(), draft_probs.double(), draft_tokens, m).tolist())
+                for m in expectations}  # untimed: analysis only
+    record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, seconds, t2 - t1, t1 - t0, expected=expected,
+                        scored=scored)
     return emitted, result.next_token[:, None], draft_pending, draft_valid, record

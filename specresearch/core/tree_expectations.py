@@ -1,0 +1,85 @@
+"""Expected accepted tokens of the sequential tree rules on a drafted tree, exactly (no sampling): the counterfactual
+of every such rule on the same tree, as ``verify.expected_num_accepted`` is for chains.
+
+The rules that try a node's candidates in turn (RRS, RRS without replacement, the one-hot rule) make, given the
+drafted tree and the target's rows, a deterministic sequence of acceptance probabilities at each node: trying
+candidate i after candidates 1..i-1 were rejected accepts with a_i, computed from the rows as updated by those
+rejections (the verifiers' own update rules, ``core.verify_multi``). So with E(u) the expected accepted tokens below
+node u,
+
+    E(u) = sum_i prod_{j<i} (1 - a_j) a_i (1 + E(u x_i)),   E(leaf) = 0,
+
+and E(root) is the rule's E[num_accepted | tree]. Exact in the rows' floating point; checked against the rational
+twins' laws (``exact.multi.verify_multi_exact``) in ``tests/test_tree_expectations.py``. Traversal, GBV and K-SEQ
+read the tree otherwise (bottom-up, by selection, by a joint coupling) and are not covered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TREE_EXPECTATIONS", "expected_accepted_tree"]
+
+TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot")
+
+
+def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str) -> torch.Tensor:
+    """E[num_accepted | the drafted paths] of ``method`` (module docstring), per row.
+
+    Args:
+        target_probs ``[B, K, L+1, V]``, draft_probs ``[B, K, L, V]``, draft_tokens ``[B, K, L]``: as the multi-draft
+            verifiers take them (``core.verify_multi``).
+        method: one of ``TREE_EXPECTATIONS``.
+    Returns:
+        ``[B]`` in the dtype of ``target_probs`` (float64 recommended), each in 0..L.
+    """
+    if method not in TREE_EXPECTATIONS:
+        raise ValueError(f"method must be one of {TREE_EXPECTATIONS}, got {method!r}")
+    batch, num_drafts, length = draft_tokens.shape
+    tokens = draft_tokens.tolist()
+    out = []
+    for b in range(batch):
+        out.append(_expected(target_probs[b], draft_probs[b], tokens[b], list(range(num_drafts)), 0, method))
+    return torch.tensor(out, dtype=target_probs.dtype, device=target_probs.device)
+
+
+def _expected(p_rows, q_rows, paths: list[list[int]], alive: list[int], depth: int, method: str) -> float:
+    """E below the node shared by the paths ``alive`` at ``depth`` (their first ``depth`` tokens agree)."""
+    if depth == len(paths[0]):
+        return 0.0
+    first = alive[0]
+    p = p_rows[first, depth].double().clone()  # the target's row at the node
+    q = q_rows[first, depth].double().clone() if method != "onehot" else None
+    candidates = [k for k in alive]
+    if method != "rrs":  # distinct children, in order of first appearance
+        seen, distinct = set(), []
+        for k in candidates:
+            if paths[k][depth] not in seen:
+                seen.add(paths[k][depth])
+                distinct.append(k)
+        candidates = distinct
+    reach, total = 1.0, 0.0
+    for k in candidates:
+        x = paths[k][depth]
+        p_mass = float(p.sum())
+        if method == "onehot":
+            accept = float(p[x]) / p_mass if p_mass > 0 else 0.0
+        else:
+            q_mass = float(q.sum())
+            q_x = float(q[x]) / q_mass if q_mass > 0 else 0.0
+            accept = min(1.0, (float(p[x]) / p_mass) / q_x) if q_x > 0 and p_mass > 0 else 0.0
+        if accept > 0:
+            child = [j for j in alive if paths[j][depth] == x]
+            total += reach * accept * (1.0 + _expected(p_rows, q_rows, paths, child, depth + 1, method))
+        reach *= 1.0 - accept
+        if reach <= 0:
+            break
+        if method == "onehot":  # rejected: x leaves p
+            p[x] = 0.0
+        else:  # p <- max(p - q, 0) on the normalised rows; a zero residual keeps p (as the verifiers do)
+            residual = (p / p_mass - q / q.sum()).clamp(min=0)
+            if float(residual.sum()) > 0:
+                p = residual
+            if method == "rrs_without_replacement":  # and x leaves q
+                q[x] = 0.0
+    return total

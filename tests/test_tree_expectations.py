@@ -1,0 +1,73 @@
+"""``core.tree_expectations``: each sequential tree rule's E[accepted | drafted tree], against the rational twins'
+laws (``exact.multi.verify_multi_exact``) on random trees, and through the engine (``expectations=`` on tree
+steps), where its mean over many steps must match the realised mean (a z-test at |z| < 5: false-positive rate
+below 1e-6 per case)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specresearch import exact
+from specresearch.config import SamplingConfig
+from specresearch.core.tree_expectations import TREE_EXPECTATIONS, expected_accepted_tree
+from specresearch.engine.generate import speculative_generate
+from specresearch.exact.multi import verify_multi_exact
+from specresearch.models.toy import ToyLM
+
+
+def _rows(model, prefix, paths, depth):
+    return torch.tensor([[[float(v) for v in model(prefix + path[:d])] for d in range(depth)] for path in paths],
+                        dtype=torch.float64)
+
+
+@pytest.mark.parametrize("method", TREE_EXPECTATIONS)
+@pytest.mark.parametrize("seed", range(12))
+def test_tree_expectations_equal_the_twins(method, seed):
+    rng = random.Random(seed)
+    vocab, num_drafts, length, prefix = 4, rng.choice([2, 3]), rng.choice([1, 2, 3]), (1,)
+    target = exact.random_rational_model(vocab, rng, depth=2, zero_prob=0.2)
+    draft = exact.random_rational_model(vocab, rng, depth=2, zero_prob=0.2)
+    paths = []
+    for _ in range(num_drafts):  # paths of positive draft probability; shared prefixes on purpose
+        path = tuple(paths[0][:rng.randrange(length)]) if paths and rng.random() < 0.5 else ()
+        while len(path) < length:
+            row = draft(prefix + path)
+            path += (rng.choices(range(vocab), weights=[float(v) for v in row])[0],)
+        paths.append(path)
+    law = verify_multi_exact(target, draft, paths, method, prefix)
+    want = float(sum(p * (len(seq) - 1) for seq, p in law.items()))
+    got = expected_accepted_tree(_rows(target, prefix, paths, length + 1)[None], _rows(draft, prefix, paths, length)[None],
+                                 torch.tensor([paths]), method)
+    assert got.item() == pytest.approx(want, abs=1e-12)
+
+
+def _markov(seed: int, vocab: int = 6) -> ToyLM:
+    model = exact.random_rational_model(vocab, random.Random(seed), depth=1, zero_prob=0.2)
+    return ToyLM(torch.tensor([[float(p) for p in model((t,))] for t in range(vocab)], dtype=torch.float64).log())
+
+
+@pytest.mark.parametrize("verifier, draft_law", [("rrs", "iid"), ("rrs_without_replacement", "without_replacement"),
+                                                 ("onehot", "iid")])
+def test_the_engine_records_tree_expectations_that_match_what_it_accepts(verifier, draft_law):
+    out = speculative_generate(_markov(3), _markov(4), [[2, 5]] * 400, verifier=verifier, num_drafts=3, gamma=2,
+                               draft_law=draft_law, max_new_tokens=12, sampling=SamplingConfig(), seed=0,
+                               expectations=TREE_EXPECTATIONS)
+    pairs = [(n, e) for s in out.steps for n, e, a in zip(s.num_accepted, s.expected[verifier], s.active) if a]
+    assert all(set(s.expected) == set(TREE_EXPECTATIONS) for s in out.steps)
+    realised = torch.tensor([float(n) for n, _ in pairs])
+    expected = torch.tensor([e for _, e in pairs])
+    z = (realised - expected).mean() / ((realised - expected).std() / len(pairs) ** 0.5)
+    assert abs(float(z)) < 5, float(z)
+    assert all(0 <= e <= 2 for e in expected.tolist())
+
+
+def test_tree_expectations_are_refused_where_they_do_not_apply():
+    target, draft = _markov(3), _markov(4)
+    with pytest.raises(ValueError, match="expectations"):
+        speculative_generate(target, draft, [[2]], verifier="traversal", num_drafts=2, expectations=("block",))
+    with pytest.raises(ValueError, match="expectations"):
+        speculative_generate(target, draft, [[2]], verifier="onehot", num_drafts=2, draft_law="dynamic",
+                             expectations=("onehot",))
