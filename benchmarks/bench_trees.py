@@ -5,7 +5,9 @@ draft; the engine copies its rows to draft K paths), one thread by default:
 
 Runs are labelled by rule, paths K, depth g (gamma) and, for top-k trees, nodes n: "dynamic K3 g3 n6" is EAGLE-2's
 dynamic tree (``draft_law="dynamic"``, one-hot rule). Each row records tau, the tokens emitted per token the target
-scored (``per_scored``: what a call buys per unit of its width) and the speed over autoregressive decoding.
+scored (``per_scored``: what a call buys per unit of its width), the speed over autoregressive decoding, and on
+sampled trees ``tau_<rule>``: 1 + each sequential rule's E[accepted] on the same trees (``core.tree_expectations``),
+the rules compared without the acceptance coins' noise.
 
 1. ``tree_cost``: one cached target call scoring n tokens as a tree (``score_tree``: 4-D mask, positions by depth)
    against the same call scoring n tokens as a chain (``score``), B = 1, a 64-token context, interleaved medians.
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from specresearch.config import SamplingConfig
+from specresearch.core.tree_expectations import TREE_EXPECTATIONS
 from specresearch.drafts.registry import load_pair
 from specresearch.drafts.store import draft_digest, shipped_drafts
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
@@ -107,10 +110,14 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
                                          eos_token_id=tokenizer.eos_token_id)
             for label in runs:
                 options = RUNS[label]
+                sampled_tree = options.get("num_drafts", 1) > 1 and options.get("draft_law", "iid") in ("iid", "without_replacement")
                 out = speculative_generate(target, draft, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                                           eos_token_id=tokenizer.eos_token_id, **options)
+                                           eos_token_id=tokenizer.eos_token_id, **options,
+                                           expectations=TREE_EXPECTATIONS if sampled_tree else ())
+                counterfactual = {f"tau_{m}": statistics.mean(1 + s.expected[m][0] for s in out.steps) if sampled_tree
+                                  else float("nan") for m in TREE_EXPECTATIONS}
                 rows.append({"prompt_id": prompt["id"], "temperature": temperature, "run": label, "tau": out.block_efficiency,
-                             "per_scored": out.tokens_per_scored, "target_calls": out.target_calls,
+                             **counterfactual, "per_scored": out.tokens_per_scored, "target_calls": out.target_calls,
                              "tokens": out.num_tokens, "seconds": out.seconds, "ar_tokens": ar.num_tokens,
                              "ar_seconds": ar.seconds, "vs_autoregressive": out.tokens_per_second / ar.tokens_per_second})
     return rows
