@@ -180,3 +180,14 @@ def test_the_records_index_is_current():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (ROOT / "benchmarks" / "records" / "INDEX.md").read_text() == module.index_markdown()
+
+
+def test_the_api_reference_is_current():
+    """``docs/api.md`` is generated from the docstrings: regenerate it with ``PYTHONPATH=. python
+    scripts/api_reference.py`` when a public name, signature or docstring's first line changes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("api_reference", ROOT / "scripts" / "api_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "api.md").read_text() == module.render()
