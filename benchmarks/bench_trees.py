@@ -54,6 +54,8 @@ RUNS = {  # label -> speculative_generate options
     "chain block g3": dict(verifier="block", gamma=3),
     "traversal K2 g2": dict(verifier="traversal", num_drafts=2, gamma=2),
     "traversal K3 g3": dict(verifier="traversal", num_drafts=3, gamma=3),
+    "traversal K2 g3": dict(verifier="traversal", num_drafts=2, gamma=3),
+    "traversal K4 g3": dict(verifier="traversal", num_drafts=4, gamma=3),
     "rrs w/o repl. K3 g2": dict(verifier="rrs_without_replacement", num_drafts=3, gamma=2, draft_law="without_replacement"),
     "gbv K2 g3": dict(verifier="gbv", num_drafts=2, gamma=3),
     "traversal K2 g1": dict(verifier="traversal", num_drafts=2, gamma=1),
