@@ -1,5 +1,6 @@
-"""The timing half of ``scripts/gpu_check.sh``: verifiers at B = 32 and the engine's overhead and host reads per step,
-on a model with SmolLM2-135M's configuration and random weights (``data/configs/smollm2-135m-instruct.json``: no
+"""The timing half of ``scripts/gpu_check.sh``: verifiers at B = 32, the engine's overhead and host reads per step, and
+the device's cost curve r_n with chains against sampled and dynamic trees (what a tree step costs there), on a model
+with SmolLM2-135M's configuration and random weights (``data/configs/smollm2-135m-instruct.json``: no
 shipped weights needed, so a GPU machine gets it with the code). Writes ``OUT/gpu_bench.json``; nothing is asserted.
 
     python scripts/gpu_bench.py --out RESULTS_DIR                    # on a CUDA machine
@@ -78,6 +79,34 @@ def engine(device, target, quick: bool) -> list[dict]:
     return rows
 
 
+TREES = {"chain g1": dict(verifier="block", gamma=1), "chain g3": dict(verifier="block", gamma=3),
+         "traversal K2 g2": dict(verifier="traversal", num_drafts=2, gamma=2),
+         "dynamic K4 g4 n10": dict(verifier="onehot", num_drafts=4, gamma=4, draft_law="dynamic", tree_nodes=10)}
+
+
+def trees(device, target, quick: bool) -> dict:
+    """The machine's cost curve (``engine.cost``: r_n, c and o with a 4-layer truncated draft) and, per chain or tree
+    configuration, the mean seconds of a step and of its target call and the tokens/s against autoregressive decoding
+    (random weights: tau means little, the costs are what a tree run on this device pays)."""
+    from specresearch.engine.cost import measure_cost_curve
+
+    curve = measure_cost_curve(target, truncated_draft(target, 4), max_tokens=4 if quick else 12, repeats=3 if quick else 9)
+    prompts = [[1, 504, 1458, 28, 253, 1156, 30, 2] * 4]
+    new, sampling = (8 if quick else 64), SamplingConfig(temperature=1.0)
+    base = autoregressive_generate(target, prompts, max_new_tokens=new, sampling=sampling, seed=0)
+    runs = {}
+    for name, options in TREES.items():
+        out = speculative_generate(target, truncated_draft(target, 4), prompts, max_new_tokens=new, sampling=sampling,
+                                   seed=0, step_timing=True, **options)
+        runs[name] = {"speedup": out.speedup_over(base), "tau": out.block_efficiency,
+                      "step_ms": 1e3 * statistics.mean(s.seconds for s in out.steps),
+                      "target_ms": 1e3 * statistics.mean(s.target_seconds for s in out.steps),
+                      "scored_per_step": statistics.mean(s.scored[0] for s in out.steps)}
+        print(name, runs[name], flush=True)
+    return {"r": list(curve.ratios), "c": curve.draft_ratio, "o": curve.overhead_ratio,
+            "target_ms": 1e3 * curve.target_seconds, "runs": runs}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -99,6 +128,7 @@ def main() -> int:
         "model": f"random weights, SmolLM2-135M configuration ({config.num_hidden_layers} layers, V = {config.vocab_size})",
         "verifiers_ms_B32": verifier_timings(device, 4 if args.quick else 32, config.vocab_size, 5 if args.quick else 50),
         "engine": engine(device, target, args.quick),
+        "trees": trees(device, target, args.quick),
     }
     result["seconds"] = time.perf_counter() - started
     Path(args.out).mkdir(parents=True, exist_ok=True)
