@@ -1,8 +1,9 @@
 """This machine's cost curve and the default gamma it makes best (``engine.cost``), beside the measured speeds.
 
 Times r_n (one target call scoring n tokens over one scoring 1), c (one call of generate's default draft over one
-target call) and o (a step's own work) on the embedded pair, fresh (not the cache), and prints the predicted speed-up
-E(gamma) / (r_{gamma+1} + gamma c + o) for ``config.GENERATE_TAU`` beside the speed-ups measured at gamma 1-3 in
+target call), o (a step's own work) and s_gamma (a whole chain step at gamma) on the embedded pair, fresh (not the
+cache), and prints the predicted speed-ups E(gamma) / s_gamma (what the default uses) and E(gamma) / (r_{gamma+1} +
+gamma c + o) for ``config.GENERATE_TAU`` beside the speed-ups measured at gamma 1-3 in
 ``benchmarks/records/adaptive_amd.csv`` (the head alone, T = 1, the same machine). Writes
 ``benchmarks/records/cost_curve_<cpu>.json`` (command, commit, machine, the draft's sha256). A benchmark: nothing is
 asserted.
@@ -45,22 +46,27 @@ def main() -> int:
     ratios = [statistics.median(c.ratios[i] for c in curves) for i in range(len(curves[0].ratios))]
     draft_ratio = statistics.median(c.draft_ratio for c in curves)
     overhead = statistics.median(c.overhead_ratio for c in curves)
-    curve = type(curves[0])(tuple(ratios), draft_ratio, statistics.median(c.target_seconds for c in curves), overhead)
+    steps = [statistics.median(c.step_ratios[i] for c in curves) for i in range(len(curves[0].step_ratios))]
+    curve = type(curves[0])(tuple(ratios), draft_ratio, statistics.median(c.target_seconds for c in curves), overhead,
+                            tuple(steps))
     predicted = predicted_speedup(curve, GENERATE_TAU)
+    from_calls = predicted_speedup(curve, GENERATE_TAU, model="calls")
     measured = pd.read_csv(repo_root() / "benchmarks" / "records" / "adaptive_amd.csv")
     measured = measured[measured.temperature == 1.0].groupby("run").vs_autoregressive.median()
     machine = machine_info()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
     record = {"command": shlex.join(["benchmarks/bench_cost_curve.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
               "draft": args.draft, "draft_sha256": weights_digests(args.draft), "r": ratios, "c": draft_ratio, "o": overhead,
+              "s": steps, "predicted_from_calls": from_calls,
               "target_seconds": curve.target_seconds, "rounds": [c.__dict__ for c in curves],
               "predicted": predicted, "best_gamma": best_gamma(curve, GENERATE_TAU),
               "measured_head_t1": {g: float(measured.get(f"gamma {g}", float("nan"))) for g in GENERATE_TAU}}
     out = repo_root() / "benchmarks" / "records" / f"cost_curve_{machine.get('cpu', 'cpu').split()[0].lower()}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"r_n = {[round(r, 3) for r in ratios]}, c = {draft_ratio:.3f}, o = {overhead:.3f}")
+    print(f"r_n = {[round(r, 3) for r in ratios]}, c = {draft_ratio:.3f}, o = {overhead:.3f}, s_gamma = {[round(x, 3) for x in steps]}")
     for g in GENERATE_TAU:
-        print(f"gamma {g}: predicted {predicted[g]:.3f}x, measured (head, T = 1) {record['measured_head_t1'][g]:.3f}x")
+        print(f"gamma {g}: predicted from steps {predicted[g]:.3f}x, from calls {from_calls[g]:.3f}x, "
+              f"measured (head, T = 1) {record['measured_head_t1'][g]:.3f}x")
     print(f"default gamma here: {record['best_gamma']} ({out})")
     return 0
 

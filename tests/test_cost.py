@@ -28,6 +28,11 @@ def test_speedup_and_best_gamma_follow_the_curve():
     assert best_gamma(flat, expected) == 3
     steep = CostCurve((1.0, 1.3, 1.8, 2.3, 2.8), draft_ratio=0.3, target_seconds=0.02, overhead_ratio=0.1)
     assert best_gamma(steep, expected) == 1  # 1.5 / 1.7 = 0.88 against 1.8 / 2.5 and 2.1 / 3.2
+    # measured whole steps decide when the curve has them: here gamma 1's step is cheap enough to win
+    stepped = CostCurve((1.0,) * 5, draft_ratio=0.05, target_seconds=0.01, step_ratios=(1.1, 1.5, 1.8))
+    assert predicted_speedup(stepped, expected) == pytest.approx({1: 1.5 / 1.1, 2: 1.8 / 1.5, 3: 2.1 / 1.8})
+    assert best_gamma(stepped, expected) == 1
+    assert predicted_speedup(stepped, expected, model="calls") == predicted_speedup(flat, expected)
     tie = CostCurve((1.0, 1.0, 1.0), draft_ratio=0.0, target_seconds=0.01)
     assert best_gamma(tie, {1: 2.0, 2: 2.0}) == 1  # ties go to the shorter
     with pytest.raises(ValueError, match="covers up to 2 tokens"):
@@ -39,6 +44,7 @@ def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     target, draft = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
     curve = cost.cost_curve(target, draft, max_tokens=3)
     assert len(curve.ratios) == 3 and curve.ratios[0] == 1.0 and curve.draft_ratio > 0 and curve.target_seconds > 0
+    assert len(curve.step_ratios) == 2 and all(r > 0 for r in curve.step_ratios)
     stored = json.loads((tmp_path / cost.COST_FILE).read_text())
     assert len(stored) == 1 and next(iter(stored.values()))["ratios"] == list(curve.ratios)
 

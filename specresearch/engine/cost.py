@@ -6,7 +6,11 @@ call scoring n tokens and c = one draft call / T(1), a step that emits E(gamma) 
 
     S(gamma) = E(gamma) / (r_{gamma+1} + gamma c + o)
 
-times as fast as autoregressive decoding, o being the step's own work (sampling, verification, bookkeeping) over T(1) (Leviathan et al., arXiv 2211.17192, take r flat at 1 and o = 0; on a CPU r
+times as fast as autoregressive decoding, o being the step's own work (sampling, verification, bookkeeping) over T(1).
+That model misses what grows with gamma besides the target call (re-feeding a feature head the accepted tokens, longer
+verification), and on a CPU whose r is not monotone its choice flips on a few percent of timing noise. So the
+default is chosen on the measured cost of whole steps instead: s_gamma = the median seconds of a chain step at gamma
+through the engine, over T(1), and S(gamma) = E(gamma) / s_gamma; r, c and o are kept to explain it (Leviathan et al., arXiv 2211.17192, take r flat at 1 and o = 0; on a CPU r
 is not flat and not even monotone: ``benchmarks/bench_score_cost.py``). r, c and o depend on the machine, E on the
 pair and the prompts. :func:`cost_curve` times r and c once per machine and keeps them in ``<cache_dir>/score_cost.json``
 (keyed by the CPU, torch's version, the thread count, the device and the models' shapes, like the skinny-rows
@@ -34,12 +38,13 @@ COST_FILE = "score_cost.json"
 @dataclass(frozen=True)
 class CostCurve:
     """``ratios[n - 1]`` = r_n for n = 1..len (r_1 = 1); ``draft_ratio`` = c and ``overhead_ratio`` = o (0 without a
-    draft)."""
+    draft); ``step_ratios[gamma - 1]`` = s_gamma, a whole chain step at gamma over T(1) (empty without a draft)."""
 
     ratios: tuple[float, ...]
     draft_ratio: float
     target_seconds: float  # T(1), for the record
     overhead_ratio: float = 0.0
+    step_ratios: tuple[float, ...] = ()
 
     def r(self, n: int) -> float:
         return self.ratios[n - 1]
@@ -67,7 +72,8 @@ def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int 
 def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_length: int = 64, repeats: int = 9) -> CostCurve:
     """Time r_1..r_max_tokens for ``target`` (contexts of ``context_length`` tokens, interleaved medians of
     ``repeats``) and, with ``draft`` (any draft kind), c and o: the median seconds of its calls and of the steps' own
-    work in a greedy gamma-1 run of 16 tokens through the engine (which times each step's parts), over T(1)."""
+    work in a greedy gamma-1 run of 16 tokens through the engine (which times each step's parts), over T(1); and s_gamma
+    for gamma = 1..max_tokens - 1: the median seconds of the steps of a 24-token run at T = 1, over T(1)."""
     from specresearch.config import SamplingConfig
     from specresearch.engine.generate import speculative_generate
 
@@ -80,8 +86,14 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
         steps = [s for s in run.steps if s.draft_calls]
         draft_ratio = statistics.median(s.draft_seconds / s.draft_calls for s in steps) / seconds[1]
         overhead_ratio = statistics.median(s.overhead_seconds for s in steps) / seconds[1]
+        step_ratios = []
+        for gamma in range(1, max_tokens):
+            run = speculative_generate(target, draft, [prompt], verifier="block", gamma=gamma, max_new_tokens=24,
+                                       sampling=SamplingConfig(temperature=1.0), seed=0, step_timing=True)
+            full = [s.seconds for s in run.steps if s.gamma == gamma] or [s.seconds for s in run.steps]
+            step_ratios.append(statistics.median(full) / seconds[1])
     return CostCurve(tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1)), draft_ratio, seconds[1],
-                     overhead_ratio)
+                     overhead_ratio, tuple(step_ratios) if draft is not None else ())
 
 
 def _shapes(model) -> str:
@@ -117,14 +129,15 @@ def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True) -
             stored = table.get(key)
             if stored:
                 return CostCurve(tuple(stored["ratios"]), stored["draft_ratio"], stored["target_seconds"],
-                                 stored["overhead_ratio"])
+                                 stored["overhead_ratio"], tuple(stored["step_ratios"]))
         except (OSError, ValueError, KeyError, TypeError):
             table = {}
     curve = measure_cost_curve(target, draft, max_tokens=max_tokens)
     if cache:
         try:
             table[key] = {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
-                          "overhead_ratio": curve.overhead_ratio, "target_seconds": curve.target_seconds}
+                          "overhead_ratio": curve.overhead_ratio, "step_ratios": list(curve.step_ratios),
+                          "target_seconds": curve.target_seconds}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(table, indent=1) + "\n")
         except OSError:
@@ -132,9 +145,13 @@ def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True) -
     return curve
 
 
-def predicted_speedup(curve: CostCurve, expected_tokens: Mapping[int, float]) -> dict[int, float]:
-    """S(gamma) = E(gamma) / (r_{gamma+1} + gamma c + o) for each gamma of ``expected_tokens`` (E: tokens per step)
-    that the curve covers."""
+def predicted_speedup(curve: CostCurve, expected_tokens: Mapping[int, float], *, model: str = "steps") -> dict[int, float]:
+    """S(gamma) for each gamma of ``expected_tokens`` (E: tokens per step) that the curve covers: E(gamma) / s_gamma
+    (``model="steps"``, when the curve has step costs) or E(gamma) / (r_{gamma+1} + gamma c + o) (``"calls"``)."""
+    if model not in ("steps", "calls"):
+        raise ValueError(f"model must be 'steps' or 'calls', got {model!r}")
+    if model == "steps" and curve.step_ratios:
+        return {g: e / curve.step_ratios[g - 1] for g, e in expected_tokens.items() if g <= len(curve.step_ratios)}
     return {g: e / (curve.r(g + 1) + g * curve.draft_ratio + curve.overhead_ratio) for g, e in expected_tokens.items()
             if g + 1 <= len(curve.ratios)}
 
