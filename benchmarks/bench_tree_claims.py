@@ -15,8 +15,8 @@ on the same prompts and per-prompt seeds, with a 95% paired bootstrap interval o
 * ``eagle2``: EAGLE-2's dynamic tree (Li et al., arXiv 2406.16858) against the static tree of the same K, depth and
   node count (``draft_law="static"``), one-hot rule both.
 
-Writes ``benchmarks/records/claims_<claim>_<cpu>.csv`` (bench records, resumable; header ``.json`` with command,
-commit, machine and the draft's sha256) and ``claims_<cpu>.md``, the table. A benchmark: nothing is asserted.
+Writes ``benchmarks/records/claims_<claim>_t<T>_<cpu>.csv`` (bench records, resumable; header ``.json`` with command,
+commit, machine and the draft's sha256) and ``claims_t<T>_<cpu>.md``, the table. A benchmark: nothing is asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --prompts 16
 """
@@ -77,14 +77,14 @@ def main() -> int:
         config = BenchConfig(verifiers=verifiers, temperatures=(args.temperature,), gammas=(gamma,),
                              max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
         prompts = load_bench_prompts(tokenizer, config, prompt_set_file(args.prompt_set))
-        path = Path(args.out_dir) / f"claims_{claim}_{cpu}.csv"
+        path = Path(args.out_dir) / f"claims_{claim}_t{args.temperature:g}_{cpu}.csv"
         write_run_info(path, command=shlex.join(["benchmarks/bench_tree_claims.py", *sys.argv[1:]]), commit=commit,
                        draft=args.draft, draft_sha256=digest, prompt_set=args.prompt_set, claim=claim)
         records = run_bench(target, draft, prompts, config, path, eos_token_id=tokenizer.eos_token_id)
         for baseline, treatment in pairs:
             table = gain_table(records, metrics=("be",), baseline=baseline, treatment=treatment)
             lines += [_row(claim, baseline, treatment, row, paper) for row in table.to_dict("records")]
-    out = Path(args.out_dir) / f"claims_{cpu}.md"
+    out = Path(args.out_dir) / f"claims_t{args.temperature:g}_{cpu}.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
