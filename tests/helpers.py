@@ -18,3 +18,27 @@ def feature_head(model, layers=(1, -1), seed=1, scale=0.05, head_tokens=None) ->
             if p.requires_grad:
                 p.add_(scale * torch.randn_like(p))
     return head
+
+
+def close_draft(noise: float = 0.1):
+    """A tiny Llama draft: the target ``tiny_llama(48, seed=0, init_std=0.6)`` with seeded noise of ``noise`` times
+    each weight's std, close enough that drafts are accepted."""
+    from specresearch.models.toy import tiny_llama
+
+    draft = tiny_llama(48, seed=0, init_std=0.6)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.model.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=generator) * p.std())
+    return draft
+
+
+def markov_toy(seed: int, vocab: int = 6):
+    """A Markov ``ToyLM`` from ``exact.random_rational_model`` (some zero probabilities): its rows in float64."""
+    import random
+
+    from specresearch import exact
+    from specresearch.models.toy import ToyLM
+
+    model = exact.random_rational_model(vocab, random.Random(seed), depth=1, zero_prob=0.2)
+    return ToyLM(torch.tensor([[float(p) for p in model((t,))] for t in range(vocab)], dtype=torch.float64).log())

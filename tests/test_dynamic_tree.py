@@ -20,6 +20,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from helpers import close_draft, markov_toy
 
 from specresearch import exact
 from specresearch.config import SamplingConfig
@@ -154,19 +155,11 @@ def test_onehot_tree_verify_has_the_twins_law(seed):
 
 # ----------------------------------------------------------------------------- through the engine
 
-def _close_draft(noise: float = 0.1):
-    draft = tiny_llama(48, seed=0, init_std=0.6)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.model.parameters():
-            p.add_(noise * torch.randn(p.shape, generator=generator) * p.std())
-    return draft
-
 
 @pytest.mark.parametrize("draft_law", ["dynamic", "static"])
 @pytest.mark.parametrize("num_drafts, gamma, tree_nodes", [(2, 3, None), (3, 4, 6), (1, 3, None), (4, 2, 3)])
 def test_greedy_dynamic_trees_are_greedy_decoding(num_drafts, gamma, tree_nodes, draft_law):
-    target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
+    target, draft = tiny_llama(48, seed=0, init_std=0.6), close_draft()
     want = autoregressive_generate(target, PROMPTS, max_new_tokens=24, sampling=GREEDY).tokens
     out = speculative_generate(target, draft, PROMPTS, verifier="onehot", num_drafts=num_drafts, gamma=gamma,
                                draft_law=draft_law, tree_nodes=tree_nodes, max_new_tokens=24, sampling=GREEDY)
@@ -193,7 +186,7 @@ def test_every_draft_kind_drafts_dynamic_trees(kind):
 
 
 def test_dynamic_trees_batched_equal_alone():
-    target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft(0.3)
+    target, draft = tiny_llama(48, seed=0, init_std=0.6), close_draft(0.3)
     kwargs = dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic", max_new_tokens=16,
                   sampling=SamplingConfig(temperature=1.0))
     batched = speculative_generate(target, draft, PROMPTS, seed=[3, 4, 5], **kwargs).tokens
@@ -204,15 +197,10 @@ def test_dynamic_trees_batched_equal_alone():
 VOCAB, PROMPT, LEVEL, SAMPLES = 6, [2, 5], 1e-7, 12_000
 
 
-def _markov(seed: int) -> ToyLM:
-    model = exact.random_rational_model(VOCAB, random.Random(seed), depth=1, zero_prob=0.2)
-    return ToyLM(torch.tensor([[float(p) for p in model((t,))] for t in range(VOCAB)], dtype=torch.float64).log())
-
-
 @pytest.mark.parametrize("num_drafts, gamma, tree_nodes, draft_law", [(2, 2, None, "dynamic"), (3, 3, 4, "dynamic"),
                                                                       (2, 3, 4, "static")])
 def test_dynamic_trees_are_lossless_through_the_engine(num_drafts, gamma, tree_nodes, draft_law):
-    result = lossless_test(_markov(3), _markov(4), "onehot", PROMPT, sampling=SamplingConfig(), gamma=gamma, k=3,
+    result = lossless_test(markov_toy(3), markov_toy(4), "onehot", PROMPT, sampling=SamplingConfig(), gamma=gamma, k=3,
                            max_new_tokens=4, num_samples=SAMPLES, seed=7, batch_size=SAMPLES // 2,
                            num_drafts=num_drafts, draft_law=draft_law, tree_nodes=tree_nodes)
     assert result.impossible == 0 and result.bonferroni_p_value > LEVEL, result.p_value
@@ -253,7 +241,7 @@ def test_dynamic_tree_arguments_are_checked():
 
 
 def test_steps_record_the_tokens_the_target_scored():
-    target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
+    target, draft = tiny_llama(48, seed=0, init_std=0.6), close_draft()
     common = dict(max_new_tokens=12, sampling=GREEDY)
     chain = speculative_generate(target, draft, PROMPTS[:1], verifier="block", gamma=3, **common)
     assert all(s.scored == (s.gamma + 1,) for s in chain.steps)

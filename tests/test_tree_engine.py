@@ -14,19 +14,17 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from helpers import close_draft, markov_toy
 
-from specresearch import exact
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import sample_from_weights
 from specresearch.core.verify_multi import MultiVerifyResult, rrs_verify
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.tree import _tree
 from specresearch.experiments.stats import lossless_test
-from specresearch.models.toy import ToyLM, tiny_llama
+from specresearch.models.toy import tiny_llama
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[5, 9, 2, 33, 7], [4, 8], [16, 23, 42, 3]]
@@ -87,19 +85,10 @@ def test_tree_merges_equal_prefixes():
     assert visible[0, 3].tolist() == [True, True, False, True, False, False]  # node 5 sees the root, 3 and itself
 
 
-def _close_draft(noise: float = 0.1):
-    draft = tiny_llama(48, seed=0, init_std=0.6)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.model.parameters():
-            p.add_(noise * torch.randn(p.shape, generator=generator) * p.std())
-    return draft
-
-
 @pytest.mark.parametrize("verifier", ["rrs", "rrs_without_replacement", "gbv", "traversal", "onehot", "kseq"])
 @pytest.mark.parametrize("draft_law", ["iid", "without_replacement"])
 def test_greedy_trees_are_greedy_decoding(verifier, draft_law):
-    target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
+    target, draft = tiny_llama(48, seed=0, init_std=0.6), close_draft()
     want = autoregressive_generate(target, PROMPTS, max_new_tokens=24, sampling=GREEDY).tokens
     gamma = 1 if verifier == "kseq" else 3
     out = speculative_generate(target, draft, PROMPTS, verifier=verifier, num_drafts=3, gamma=gamma, draft_law=draft_law,
@@ -125,18 +114,13 @@ def test_tree_arguments_are_checked():
 VOCAB, PROMPT, LEVEL, SAMPLES = 6, [2, 5], 1e-7, 12_000
 
 
-def _markov(seed: int) -> ToyLM:
-    model = exact.random_rational_model(VOCAB, random.Random(seed), depth=1, zero_prob=0.2)
-    return ToyLM(torch.tensor([[float(p) for p in model((t,))] for t in range(VOCAB)], dtype=torch.float64).log())
-
-
 LOSSLESS = [("rrs", "iid", 2), ("rrs_without_replacement", "without_replacement", 2), ("kseq", "iid", 1), ("gbv", "iid", 2),
             ("traversal", "iid", 2), ("traversal", "without_replacement", 2), ("onehot", "iid", 2), ("onehot", "without_replacement", 2)]
 
 
 @pytest.mark.parametrize("verifier, draft_law, gamma", LOSSLESS)
 def test_tree_rules_are_lossless_through_the_engine(verifier, draft_law, gamma):
-    result = lossless_test(_markov(3), _markov(4), verifier, PROMPT, sampling=SamplingConfig(), gamma=gamma, k=3,
+    result = lossless_test(markov_toy(3), markov_toy(4), verifier, PROMPT, sampling=SamplingConfig(), gamma=gamma, k=3,
                            max_new_tokens=4, num_samples=SAMPLES, seed=7, batch_size=SAMPLES // 2, num_drafts=3,
                            draft_law=draft_law)
     assert result.impossible == 0 and result.bonferroni_p_value > LEVEL, result.p_value
@@ -167,7 +151,7 @@ def _resample_root(target_probs, draft_probs, draft_tokens, generator=None, *, u
 
 
 def test_a_wrong_tree_rule_is_rejected_through_the_engine():
-    result = lossless_test(_markov(3), _markov(4), _resample_root, PROMPT, sampling=SamplingConfig(), gamma=2, k=3,
+    result = lossless_test(markov_toy(3), markov_toy(4), _resample_root, PROMPT, sampling=SamplingConfig(), gamma=2, k=3,
                            max_new_tokens=4, num_samples=SAMPLES, seed=7, batch_size=SAMPLES // 2, num_drafts=3)
     assert result.p_value < LEVEL and result.bonferroni_p_value < LEVEL
 
@@ -182,7 +166,7 @@ def test_bench_runs_tree_rules_by_name(tmp_path):
     for bad in ("block:2", "traversal:x", "rrs:2:topk", "nope"):
         with pytest.raises(ValueError, match="multi-draft rule"):
             parse_verifier(bad)
-    target, draft = tiny_llama(48, seed=0, init_std=0.6), _close_draft()
+    target, draft = tiny_llama(48, seed=0, init_std=0.6), close_draft()
     config = BenchConfig(verifiers=("block", "traversal:3", "onehot:2:dynamic:4"), temperatures=(0.0, 1.0), gammas=(2,), max_new_tokens=12)
     run_bench(target, draft, [BenchPrompt("p", "chat", (5, 9, 2, 33, 7))], config, tmp_path / "r.csv", progress=False)
     rows = read_records(tmp_path / "r.csv")

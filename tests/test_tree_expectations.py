@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
+from helpers import markov_toy
 
 from specresearch import exact
 from specresearch.config import SamplingConfig
 from specresearch.core.tree_expectations import TREE_EXPECTATIONS, expected_accepted_tree
 from specresearch.engine.generate import speculative_generate
 from specresearch.exact.multi import verify_multi_exact
-from specresearch.models.toy import ToyLM
 
 
 def _rows(model, prefix, paths, depth):
@@ -44,15 +44,10 @@ def test_tree_expectations_equal_the_twins(method, seed):
     assert got.item() == pytest.approx(want, abs=1e-12)
 
 
-def _markov(seed: int, vocab: int = 6) -> ToyLM:
-    model = exact.random_rational_model(vocab, random.Random(seed), depth=1, zero_prob=0.2)
-    return ToyLM(torch.tensor([[float(p) for p in model((t,))] for t in range(vocab)], dtype=torch.float64).log())
-
-
 @pytest.mark.parametrize("verifier, draft_law", [("rrs", "iid"), ("rrs_without_replacement", "without_replacement"),
                                                  ("onehot", "iid")])
 def test_the_engine_records_tree_expectations_that_match_what_it_accepts(verifier, draft_law):
-    out = speculative_generate(_markov(3), _markov(4), [[2, 5]] * 400, verifier=verifier, num_drafts=3, gamma=2,
+    out = speculative_generate(markov_toy(3), markov_toy(4), [[2, 5]] * 400, verifier=verifier, num_drafts=3, gamma=2,
                                draft_law=draft_law, max_new_tokens=12, sampling=SamplingConfig(), seed=0,
                                expectations=TREE_EXPECTATIONS)
     pairs = [(n, e) for s in out.steps for n, e, a in zip(s.num_accepted, s.expected[verifier], s.active) if a]
@@ -65,7 +60,7 @@ def test_the_engine_records_tree_expectations_that_match_what_it_accepts(verifie
 
 
 def test_tree_expectations_are_refused_where_they_do_not_apply():
-    target, draft = _markov(3), _markov(4)
+    target, draft = markov_toy(3), markov_toy(4)
     with pytest.raises(ValueError, match="expectations"):
         speculative_generate(target, draft, [[2]], verifier="traversal", num_drafts=2, expectations=("block",))
     with pytest.raises(ValueError, match="expectations"):

@@ -39,6 +39,7 @@ from specresearch.core.draws import wide
 from specresearch.core.verify_tree import children_table, onehot_tree_verify
 from specresearch.engine.steps import StepRecord, _accepted_block, _probs, _refeed
 from specresearch.engine.timing import clock
+from specresearch.engine.tree import node_tensors
 from specresearch.models.protocols import FeatureReader
 
 __all__ = ["DynamicTree", "draft_dynamic_tree", "dynamic_tree_step"]
@@ -116,16 +117,8 @@ def _node_form(kept, positive, tokens, parents, device) -> DynamicTree:
                 row_parents.append(call[parents_b[index]] if parents_b[index] >= 0 else 0)
         rows_tokens.append(row_tokens)
         rows_parents.append(row_parents)
-    width = max(len(t) for t in rows_tokens)
-    node_tokens = torch.zeros(len(kept), width, dtype=torch.long)
-    depth = torch.ones(len(kept), width, dtype=torch.long)
-    visible = torch.eye(width + 1, dtype=torch.bool).repeat(len(kept), 1, 1)
-    visible[:, :, 0] = True
-    for b, (row_tokens, row_parents) in enumerate(zip(rows_tokens, rows_parents)):
-        node_tokens[b, : len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
-        for i, parent in enumerate(row_parents, start=1):
-            visible[b, i] |= visible[b, parent]
-            depth[b, i - 1] = int(visible[b, i, 1:].sum())
+    node_tokens, depth, visible = node_tensors(rows_tokens, rows_parents)
+    width = node_tokens.shape[1]
     padded = [p + [-1] * (width - len(p)) for p in rows_parents]
     return DynamicTree(node_tokens.to(device), depth.to(device), visible, children_table(padded).to(device), rows_parents)
 

@@ -35,7 +35,8 @@ from specresearch.engine.steps import StepRecord, _draft_pending, _probs, _refee
 from specresearch.engine.timing import clock
 from specresearch.models.protocols import FeatureReader, RowExpander, TreeScorer
 
-__all__ = ["TOPK_LAWS", "TREE_DRAFT_LAWS", "TREE_VERIFIERS", "check_tree_args", "parse_verifier", "tree_randomness", "tree_step"]
+__all__ = ["TOPK_LAWS", "TREE_DRAFT_LAWS", "TREE_VERIFIERS", "check_tree_args", "node_tensors", "parse_verifier", "tree_randomness",
+           "tree_step"]
 
 TREE_VERIFIERS = MULTI_VERIFIERS
 TREE_DRAFT_LAWS = (*DRAFT_LAWS, "dynamic", "static")  # top-k trees (engine.topk_tree), one-hot rule only
@@ -153,17 +154,25 @@ def _tree(draft_tokens: torch.Tensor):
         nodes.append(tokens)
         parents.append(parent)
         path_nodes.append(along)
-    width = max(len(t) for t in nodes)
+    return (*node_tensors(nodes, parents), torch.tensor(path_nodes, dtype=torch.long))
+
+
+def node_tensors(tokens: list[list[int]], parents: list[list[int]]):
+    """A batch of trees given per row as node tokens and their parents' call indices (0: the root, the pending token;
+    node i is call row i + 1; parents precede children). -> (node tokens [B, n], depth [B, n] (1 = a root child),
+    visible [B, 1+n, 1+n]: each call row sees itself and its ancestors). Rows with fewer nodes are padded with nodes
+    that see the root only."""
+    batch, width = len(tokens), max(len(t) for t in tokens)
     node_tokens = torch.zeros(batch, width, dtype=torch.long)
     depth = torch.ones(batch, width, dtype=torch.long)
     visible = torch.eye(width + 1, dtype=torch.bool).repeat(batch, 1, 1)
     visible[:, :, 0] = True
-    for b, (tokens, parent) in enumerate(zip(nodes, parents)):
-        node_tokens[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        for i, p in enumerate(parent, start=1):
-            visible[b, i] |= visible[b, p]
+    for b, (row_tokens, row_parents) in enumerate(zip(tokens, parents)):
+        node_tokens[b, : len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
+        for i, parent in enumerate(row_parents, start=1):
+            visible[b, i] |= visible[b, parent]
             depth[b, i - 1] = int(visible[b, i, 1:].sum())
-    return node_tokens, depth, visible, torch.tensor(path_nodes, dtype=torch.long)
+    return node_tokens, depth, visible
 
 
 def _node_counts(path_nodes: torch.Tensor) -> list[int]:
