@@ -48,7 +48,7 @@ def __dir__():
 
 
 def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = True, verifier: str = "block",
-             gamma: int | None = None, max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
+             gamma: int | str = GENERATE_GAMMA, max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
              seed=0, **options):
     """Speculative generation as ``specresearch generate`` does it: the chat template, the CLI's default draft.
 
@@ -59,16 +59,14 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             a name (``drafts.registry.draft_from_name``) for the given or the embedded target.
         chat: wrap each string in the tokenizer's chat template (as the CLI does unless ``--raw``).
         verifier, gamma, max_new_tokens, sampling, seed, options: as :func:`speculative_generate` (``num_drafts=``,
-            ``stop_below=``, ...). ``gamma`` None: as the CLI, the default chain (the default draft, block verification)
-            takes the gamma this machine's cost curve picks (``engine.cost.default_gamma``), any other
-            ``GENERATE_GAMMA``.
+            ``stop_below=``, ...). ``gamma="auto"``: the gamma this machine's cost curve predicts fastest
+            (``engine.cost.default_gamma``, as the CLI's ``--gamma auto``).
     Returns:
         ``engine.generate.GenerationResult`` with ``.text`` decoded.
     """
     from specresearch.engine.generate import speculative_generate
     from specresearch.engine.prompts import encode_chat
 
-    default_chain = draft in (None, GENERATE_DRAFT) and verifier == "block" and not options  # the CLI's default run
     if target is None:
         from specresearch.drafts.registry import load_pair
 
@@ -78,10 +76,10 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         from specresearch.drafts.registry import draft_from_name
 
         draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
-    if gamma is None:
+    if gamma == "auto":
         from specresearch.engine.cost import default_gamma
 
-        gamma = default_gamma(target, draft) if default_chain else GENERATE_GAMMA
+        gamma = default_gamma(target, draft)
     rows = [prompts] if isinstance(prompts, str) else list(prompts)
     if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
         rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]

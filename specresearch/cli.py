@@ -85,7 +85,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--verifier", default=None, choices=["token", "block", "greedy", *TREE_RULES],
                    help="token | block (default) | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
                         + " | ".join(TREE_RULES))
-    p.add_argument("--gamma", type=int, default=None, help=f"draft tokens per step (default {GENERATE_GAMMA})")
+    p.add_argument("--gamma", default=None, help=f"draft tokens per step (default {GENERATE_GAMMA}, measured fastest here); 'auto': the "
+                   "gamma this machine's cost curve predicts fastest for the draft (engine.cost, timed once and cached)")
     p.add_argument("--num-drafts", type=int, default=1,
                    help="draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         "multi-draft --verifier; every draft draws trees)")
@@ -157,7 +158,8 @@ def _run_generate(args) -> int:
     from specresearch.models.embedded import load_model
 
     args.gamma_given = args.gamma is not None
-    args.gamma = GENERATE_GAMMA if args.gamma is None else args.gamma
+    auto = args.gamma == "auto"
+    args.gamma = GENERATE_GAMMA if args.gamma is None or auto else _gamma_value(args.gamma)
     check_generate_flags(args)
     if args.threads:
         import torch
@@ -178,7 +180,7 @@ def _run_generate(args) -> int:
         result = autoregressive_generate(target, [prompt], **common)
     else:
         draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
-        if _chooses_gamma(args):
+        if auto:
             from specresearch.engine.cost import default_gamma
 
             args.gamma = default_gamma(target, draft)  # this machine's cost curve, timed once and cached
@@ -196,24 +198,11 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _chooses_gamma(args) -> bool:
-    """generate's default chain (the default draft, block verification, no --gamma): gamma from the machine's cost
-    curve (``engine.cost.default_gamma``)."""
-    return (not args.gamma_given and args.draft in (None, GENERATE_DRAFT) and args.verifier == "block"
-            and args.num_drafts == 1 and args.draft_law == "iid" and args.stop_below is None)
-
-
-def _default_gamma(args) -> int:
-    """generate's default gamma on this machine (``engine.cost.default_gamma``), for ``bench --default-config``."""
-    import torch
-
-    from specresearch.drafts.registry import draft_from_name
-    from specresearch.engine.cost import default_gamma
-    from specresearch.models.embedded import load_model
-
-    torch.set_num_threads(args.threads)
-    target, tokenizer = load_model(args.target, device=args.device)
-    return default_gamma(target, draft_from_name(GENERATE_DRAFT, target, tokenizer))
+def _gamma_value(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--gamma must be a count >= 1 or 'auto' (this machine's cost curve, engine.cost), got {text!r}") from None
 
 
 class _Stream:
@@ -471,7 +460,7 @@ def _run_bench(args) -> int:
         given = [flag for flag, value in (("--draft", args.draft), ("--verifiers", args.verifiers), ("--gammas", args.gammas)) if value]
         if given:
             raise ValueError(f"--default-config fixes the draft, verifier and gamma to generate's defaults: drop {', '.join(given)}")
-        args.draft, args.verifiers, args.gammas = GENERATE_DRAFT, ["block"], [_default_gamma(args)]
+        args.draft, args.verifiers, args.gammas = GENERATE_DRAFT, ["block"], [GENERATE_GAMMA]
     args.draft = args.draft or "v8k-4l"
     if args.prompt_set:
         from specresearch.engine.prompts import prompt_set_file

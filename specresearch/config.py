@@ -18,8 +18,8 @@ __all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GEN
 GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
 GENERATE_GAMMA = 1
 # The head's tokens per step by gamma (T = 1, 8 held-out prompts; record benchmarks/records/adaptive_amd.csv, checked
-# by tests/test_cost.py). `specresearch generate` weighs them against this machine's cost curve to pick its gamma
-# (engine.cost.default_gamma); GENERATE_GAMMA is what it picks on the 2-core AMD EPYC the records come from.
+# by tests/test_cost.py). `specresearch generate --gamma auto` weighs them against this machine's cost curve
+# (engine.cost.default_gamma); the default stays GENERATE_GAMMA, measured fastest (docs/trees.md says why).
 GENERATE_TAU = {1: 1.494, 2: 1.806, 3: 2.085}
 
 

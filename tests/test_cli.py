@@ -166,6 +166,7 @@ def test_there_are_subcommands():
     (["generate", "hi", "--threads", "-3"], "--threads must be >= 1"),
     (["generate", "hi", "--threads", "0"], "--threads must be >= 1"),
     (["generate", "hi", "--gamma", "0"], "--gamma must be >= 1"),
+    (["generate", "hi", "--gamma", "fast"], "--gamma must be a count >= 1 or 'auto'"),
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "hi", "--draft", "v9-nope"], "--draft 'v9-nope' is neither a known name"),
     (["generate", "  "], "the prompt is empty"),
@@ -233,14 +234,11 @@ def test_lab_script_adds_allow_root_only_as_root():
 
 
 def test_bench_default_config_times_what_generate_runs(capsys, monkeypatch, tmp_path):
-    """``bench --default-config`` runs generate's own draft, verifier and gamma (the machine's choice, as generate makes
-    it), and refuses flags that change them."""
-    import specresearch.cli as cli
-    from specresearch.config import GENERATE_DRAFT
+    """``bench --default-config`` runs generate's own draft, verifier and gamma (and refuses flags that change them)."""
+    from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA
     from specresearch.experiments import analysis, bench
 
     seen = {}
-    monkeypatch.setattr(cli, "_default_gamma", lambda args: 3)  # what engine.cost.default_gamma picked
 
     def fake_run(target, draft, config, path, **kwargs):
         seen.update(draft=draft, verifiers=config.verifiers, gammas=config.gammas, temperatures=config.temperatures)
@@ -250,5 +248,5 @@ def test_bench_default_config_times_what_generate_runs(capsys, monkeypatch, tmp_
     monkeypatch.setattr(analysis, "summary", lambda records: "")
     monkeypatch.setattr(analysis, "t0_agreement", lambda records: (0, 0))
     assert main(["bench", "--default-config", "--temperatures", "0", "1", "--out", str(tmp_path)]) == 0
-    assert seen == {"draft": GENERATE_DRAFT, "verifiers": ("block",), "gammas": (3,), "temperatures": (0.0, 1.0)}
+    assert seen == {"draft": GENERATE_DRAFT, "verifiers": ("block",), "gammas": (GENERATE_GAMMA,), "temperatures": (0.0, 1.0)}
     _user_error(capsys, ["bench", "--default-config", "--gammas", "3"], "--default-config fixes", "--gammas")

@@ -56,16 +56,3 @@ def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     with pytest.raises(AssertionError, match="timed again"):
         cost.cost_curve(target, draft, max_tokens=4)  # another question: timed anew
     assert cost.default_gamma(target, draft, {1: 1.5, 2: 1.8}) in (1, 2)
-
-
-def test_generate_picks_its_gamma_only_for_its_default_chain(monkeypatch):
-    from argparse import Namespace
-
-    from specresearch.cli import _chooses_gamma
-    from specresearch.config import GENERATE_DRAFT
-
-    base = dict(gamma_given=False, draft=None, verifier="block", num_drafts=1, draft_law="iid", stop_below=None)
-    assert _chooses_gamma(Namespace(**base)) and _chooses_gamma(Namespace(**{**base, "draft": GENERATE_DRAFT}))
-    for change in ({"gamma_given": True}, {"draft": "v8k-4l"}, {"verifier": "token"}, {"num_drafts": 2},
-                   {"stop_below": 0.5}):
-        assert not _chooses_gamma(Namespace(**{**base, **change})), change

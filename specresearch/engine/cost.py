@@ -14,7 +14,9 @@ through the engine, over T(1), and S(gamma) = E(gamma) / s_gamma; r, c and o are
 is not flat and not even monotone: ``benchmarks/bench_score_cost.py``). r, c and o depend on the machine, E on the
 pair and the prompts. :func:`cost_curve` times r and c once per machine and keeps them in ``<cache_dir>/score_cost.json``
 (keyed by the CPU, torch's version, the thread count, the device and the models' shapes, like the skinny-rows
-choice); :func:`best_gamma` picks gamma. ``specresearch generate`` uses it for its default gamma.
+choice); :func:`best_gamma` picks gamma. ``specresearch generate --gamma auto`` (and ``specresearch.generate(gamma="auto")``)
+use it. The default gamma stays the measured one (``config.GENERATE_GAMMA``): on the 2-core AMD EPYC the predictions
+err by more than the gaps between gammas (``benchmarks/records/cost_curve_amd.json``, docs/trees.md).
 """
 
 from __future__ import annotations
@@ -166,9 +168,9 @@ def best_gamma(curve: CostCurve, expected_tokens: Mapping[int, float]) -> int:
 
 
 def default_gamma(target, draft, expected_tokens: Mapping[int, float] | None = None) -> int:
-    """The default draft length of ``specresearch generate``: :func:`best_gamma` on this machine's cached
-    :func:`cost_curve` and ``expected_tokens`` (default ``config.GENERATE_TAU``, the default draft's tokens per step
-    by gamma, from a committed record)."""
+    """The gamma of ``specresearch generate --gamma auto``: :func:`best_gamma` on this machine's cached
+    :func:`cost_curve` and ``expected_tokens`` (default ``config.GENERATE_TAU``, the default draft's head's tokens per
+    step by gamma, from a committed record)."""
     from specresearch.config import GENERATE_TAU
 
     expected = dict(expected_tokens or GENERATE_TAU)
