@@ -222,16 +222,14 @@ def test_dynamic_tree_arguments_are_checked():
     from specresearch.engine.tree import parse_verifier
 
     target, draft = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
-    with pytest.raises(ValueError, match="verified by 'onehot'"):
-        speculative_generate(target, draft, PROMPTS, verifier="traversal", num_drafts=2, draft_law="dynamic")
-    with pytest.raises(ValueError, match="verified by 'onehot'"):
-        speculative_generate(target, draft, PROMPTS, verifier="rrs", num_drafts=2, draft_law="static")
-    with pytest.raises(ValueError, match="tree_nodes is for draft_law 'dynamic'"):
-        speculative_generate(target, draft, PROMPTS, verifier="traversal", num_drafts=2, tree_nodes=4)
-    with pytest.raises(ValueError, match="tree_nodes is for draft_law 'dynamic'"):
-        speculative_generate(target, draft, PROMPTS, verifier="block", tree_nodes=4)
-    with pytest.raises(ValueError, match="tree_nodes"):
-        speculative_generate(target, draft, PROMPTS, verifier="onehot", num_drafts=2, draft_law="dynamic", tree_nodes=0)
+    refused = [(dict(verifier="traversal", num_drafts=2, draft_law="dynamic"), "verified by 'onehot'"),
+               (dict(verifier="rrs", num_drafts=2, draft_law="static"), "verified by 'onehot'"),
+               (dict(verifier="traversal", num_drafts=2, tree_nodes=4), "tree_nodes is for draft_law 'dynamic'"),
+               (dict(verifier="block", tree_nodes=4), "tree_nodes is for draft_law 'dynamic'"),
+               (dict(verifier="onehot", num_drafts=2, draft_law="dynamic", tree_nodes=0), "tree_nodes")]
+    for options, message in refused:
+        with pytest.raises(ValueError, match=message):
+            speculative_generate(target, draft, PROMPTS, **options)
     assert parse_verifier("onehot:4:dynamic:16") == ("onehot", 4, "dynamic", 16)
     assert parse_verifier("onehot:4:dynamic") == ("onehot", 4, "dynamic", None)
     assert parse_verifier("onehot:2:static:5") == ("onehot", 2, "static", 5)
