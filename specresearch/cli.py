@@ -85,7 +85,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--verifier", default=None, choices=["token", "block", "greedy", *TREE_RULES],
                    help="token | block (default) | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
                         + " | ".join(TREE_RULES))
-    p.add_argument("--gamma", default=None, help=f"draft tokens per step (default {GENERATE_GAMMA}, measured fastest here); 'auto': the "
+    p.add_argument("--gamma", type=_gamma_arg, default=None, help=f"draft tokens per step (default {GENERATE_GAMMA}, measured fastest here); 'auto': the "
                    "gamma this machine's cost curve predicts fastest for the draft (engine.cost, timed once and cached)")
     p.add_argument("--num-drafts", type=int, default=1,
                    help="draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
@@ -159,7 +159,7 @@ def _run_generate(args) -> int:
 
     args.gamma_given = args.gamma is not None
     auto = args.gamma == "auto"
-    args.gamma = GENERATE_GAMMA if args.gamma is None or auto else _gamma_value(args.gamma)
+    args.gamma = GENERATE_GAMMA if args.gamma is None or auto else args.gamma
     check_generate_flags(args)
     if args.threads:
         import torch
@@ -198,11 +198,14 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _gamma_value(text: str) -> int:
+def _gamma_arg(text: str) -> int | str:
+    """``--gamma``: a count, or ``auto`` (this machine's cost curve, ``engine.cost``)."""
+    if text == "auto":
+        return text
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--gamma must be a count >= 1 or 'auto' (this machine's cost curve, engine.cost), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--gamma must be a count >= 1 or 'auto' (this machine's cost curve), got {text!r}") from None
 
 
 class _Stream:
