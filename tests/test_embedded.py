@@ -87,8 +87,8 @@ def test_greedy_speculative_equals_greedy_autoregressive(smollm, greedy_referenc
 
 
 def test_the_half_precision_head_drafts_after_a_one_token_raw_prompt(smollm):
-    """The target's features at a prompt's first token reach ~22,000: the float16 head's products once overflowed
-    there and its logits were NaN (``specresearch generate "Hello" --raw``). Greedy output equals the target's."""
+    """The target's features at a prompt's first token reach ~22,000, where an unscaled float16 product of the head
+    overflows to NaN logits (``specresearch generate "Hello" --raw``). Greedy output equals the target's."""
     from specresearch.drafts.registry import draft_from_name
 
     lm, tokenizer = smollm

@@ -429,7 +429,7 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
               prompts_path: str | os.PathLike | None = None, run_id: str | None = None, device: str = "cpu",
               progress: bool = True, command: str | None = None, batched: bool = False):
     """Load ``target_name`` (embedded name or checkpoint) and ``draft_name`` (``load_bench_draft``), encode
-    the prompts (``load_bench_prompts``), note the session (``write_run_info``) and ``run_bench`` into ``path``.
+    the prompts (``load_bench_prompts``), record what runs (``write_run_info``) and ``run_bench`` into ``path``.
 
     ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. Returns every
     record in the file (pandas DataFrame).

@@ -71,16 +71,16 @@ def machine_info() -> dict:
 
 
 def write_run_info(path: str | os.PathLike, **info) -> Path:
-    """Append one session (``info`` + torch version, threads, CPU count, load average, time) to the JSON
+    """Append one run's description (``info`` + torch version, threads, CPU count, load average, time) to the JSON
     file next to the records (``<run>.json``): what produced the rows, for the report."""
 
     path = Path(path).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    sessions = json.loads(path.read_text()) if path.exists() else []
-    sessions.append({**info, **machine_info(),
-                     "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    path.write_text(json.dumps(sessions, indent=2) + "\n")
+    runs = json.loads(path.read_text()) if path.exists() else []
+    runs.append({**info, **machine_info(),
+                 "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    path.write_text(json.dumps(runs, indent=2) + "\n")
     return path
 
 
