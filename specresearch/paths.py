@@ -1,14 +1,17 @@
-"""Where things live: the source checkout's ``data/`` folder and the per-machine cache.
+"""Where things live: the source checkout's ``data/`` folder and the per-machine cache, with the answers timed once
+per machine kept there (``cached_answer`` / ``keep_answer``, keyed by ``cpu_name`` and the question).
 
 Pure Python, like :mod:`specresearch.checks`: every room may use it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 from pathlib import Path
 
-__all__ = ["repo_root", "data_dir", "cache_dir"]
+__all__ = ["repo_root", "data_dir", "cache_dir", "cpu_name", "cached_answer", "keep_answer"]
 
 
 def repo_root() -> Path:
@@ -26,3 +29,34 @@ def cache_dir(*parts: str) -> Path:
     checkpoints, per-machine choices. An empty ``SPECRESEARCH_CACHE`` means the default."""
     root = os.environ.get("SPECRESEARCH_CACHE") or Path.home() / ".cache" / "specresearch"
     return Path(root).joinpath(*parts)
+
+
+def cpu_name() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), or what ``platform`` says where there is none."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def cached_answer(file: str, key: str):
+    """The JSON value kept under ``key`` in ``<cache_dir>/<file>`` by :func:`keep_answer`, or None (no file, no entry,
+    or a file that does not parse)."""
+    try:
+        return json.loads(cache_dir(file).read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def keep_answer(file: str, key: str, value) -> None:
+    """Keep ``value`` (JSON) under ``key`` in ``<cache_dir>/<file>`` for later processes; a write that fails (a
+    read-only cache) is not an error: the answer is timed again next time."""
+    path = cache_dir(file)
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table = table if isinstance(table, dict) else {}
+        table[key] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1) + "\n")
+    except (OSError, ValueError):
+        pass

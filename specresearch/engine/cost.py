@@ -22,8 +22,6 @@ err by more than the gaps between gammas (``benchmarks/records/cost_curve_amd.js
 from __future__ import annotations
 
 import hashlib
-import json
-import platform
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specresearch.engine.timing import TimedCall, interleaved_medians
+from specresearch.paths import cached_answer, cpu_name, keep_answer
 
 __all__ = ["CostCurve", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma", "default_gamma"]
 
@@ -80,70 +79,56 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
     from specresearch.engine.generate import speculative_generate
 
     seconds = score_seconds(target, tuple(range(1, max_tokens + 1)), context_length, repeats)
-    draft_ratio = overhead_ratio = 0.0
-    if draft is not None:
-        prompt = ((torch.arange(context_length) % 1000 + 100) % target.vocab_size).tolist()
-        run = speculative_generate(target, draft, [prompt], verifier="block", gamma=1, max_new_tokens=16,
-                                   sampling=SamplingConfig(temperature=0.0), step_timing=True)
-        steps = [s for s in run.steps if s.draft_calls]
-        draft_ratio = statistics.median(s.draft_seconds / s.draft_calls for s in steps) / seconds[1]
-        overhead_ratio = statistics.median(s.overhead_seconds for s in steps) / seconds[1]
-        step_ratios = []
-        for gamma in range(1, max_tokens):
-            run = speculative_generate(target, draft, [prompt], verifier="block", gamma=gamma, max_new_tokens=24,
-                                       sampling=SamplingConfig(temperature=1.0), seed=0, step_timing=True)
-            full = [s.seconds for s in run.steps if s.gamma == gamma] or [s.seconds for s in run.steps]
-            step_ratios.append(statistics.median(full) / seconds[1])
-    return CostCurve(tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1)), draft_ratio, seconds[1],
-                     overhead_ratio, tuple(step_ratios) if draft is not None else ())
+    ratios = tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1))
+    if draft is None:
+        return CostCurve(ratios, 0.0, seconds[1])
+    prompt = ((torch.arange(context_length) % 1000 + 100) % target.vocab_size).tolist()
+
+    def steps(gamma: int, max_new_tokens: int, temperature: float):
+        run = speculative_generate(target, draft, [prompt], verifier="block", gamma=gamma, max_new_tokens=max_new_tokens,
+                                   sampling=SamplingConfig(temperature=temperature), seed=0, step_timing=True)
+        return [s for s in run.steps if s.gamma == gamma and s.draft_calls] or run.steps
+
+    greedy = steps(1, 16, 0.0)
+    draft_ratio = statistics.median(s.draft_seconds / s.draft_calls for s in greedy) / seconds[1]
+    overhead_ratio = statistics.median(s.overhead_seconds for s in greedy) / seconds[1]
+    step_ratios = tuple(statistics.median(s.seconds for s in steps(g, 24, 1.0)) / seconds[1] for g in range(1, max_tokens))
+    return CostCurve(ratios, draft_ratio, seconds[1], overhead_ratio, step_ratios)
 
 
 def _shapes(model) -> str:
     """The shapes of a model's parameters, or its class name when it has none visible."""
-    inner = getattr(model, "model", None) or getattr(model, "head", None)
+    inner = getattr(model, "model", None)
+    inner = getattr(model, "head", None) if inner is None else inner
     if isinstance(inner, torch.nn.Module):
         return ";".join(f"{tuple(p.shape)}{p.dtype}" for p in inner.parameters())
     return type(model).__name__
 
 
 def _key(target, draft, max_tokens: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     device = torch.device(target.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     shapes = hashlib.sha1(f"{_shapes(target)}|{_shapes(draft) if draft is not None else ''}".encode()).hexdigest()[:12]
     return f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}"
 
 
 def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True) -> CostCurve:
-    """:func:`measure_cost_curve`, timed once per machine and models (module docstring; ~1-2 s on a CPU), kept in
-    ``<cache_dir>/score_cost.json`` for later processes (delete the file to time again). ``cache=False`` times anew."""
-    from specresearch.paths import cache_dir
-
-    path, key = cache_dir() / COST_FILE, _key(target, draft, max_tokens)
-    table = {}
-    if cache:
+    """:func:`measure_cost_curve`, timed once per machine and models (module docstring; a few seconds on a CPU), kept
+    in ``<cache_dir>/score_cost.json`` for later processes (delete the file to time again). ``cache=False`` times
+    anew."""
+    key = _key(target, draft, max_tokens)
+    stored = cached_answer(COST_FILE, key) if cache else None
+    if isinstance(stored, dict):
         try:
-            table = json.loads(path.read_text())
-            stored = table.get(key)
-            if stored:
-                return CostCurve(tuple(stored["ratios"]), stored["draft_ratio"], stored["target_seconds"],
-                                 stored["overhead_ratio"], tuple(stored["step_ratios"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            table = {}
+            return CostCurve(tuple(stored["ratios"]), stored["draft_ratio"], stored["target_seconds"],
+                             stored["overhead_ratio"], tuple(stored["step_ratios"]))
+        except (KeyError, TypeError):
+            pass  # an entry of another shape: time again
     curve = measure_cost_curve(target, draft, max_tokens=max_tokens)
     if cache:
-        try:
-            table[key] = {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
-                          "overhead_ratio": curve.overhead_ratio, "step_ratios": list(curve.step_ratios),
-                          "target_seconds": curve.target_seconds}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(table, indent=1) + "\n")
-        except OSError:
-            pass
+        keep_answer(COST_FILE, key, {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
+                                     "overhead_ratio": curve.overhead_ratio, "step_ratios": list(curve.step_ratios),
+                                     "target_seconds": curve.target_seconds})
     return curve
 
 

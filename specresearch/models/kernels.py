@@ -196,49 +196,32 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
 
 
 def _machine_key(key: tuple) -> str:
-    """The cache entry of a skinny-rows answer: this CPU (model name from /proc/cpuinfo), torch's version, the thread
-    count and a digest of the layer shapes."""
+    """The cache entry of a skinny-rows answer: this CPU (``paths.cpu_name``), torch's version, the thread count and a
+    digest of the layer shapes."""
     import hashlib
-    import platform
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from specresearch.paths import cpu_name
+
     shapes = hashlib.sha1(repr(key[0]).encode()).hexdigest()[:12]
-    return f"{cpu}|torch {torch.__version__}|{key[1]} threads|{shapes}"
+    return f"{cpu_name()}|torch {torch.__version__}|{key[1]} threads|{shapes}"
 
 
-def _rows_file():
-    from specresearch.paths import cache_dir
-
-    return cache_dir() / "skinny_rows.json"
+ROWS_FILE = "skinny_rows.json"
 
 
 def _stored_rows(key: tuple) -> tuple[int, ...] | None:
-    """The answer timed earlier on this machine for these shapes and threads (``_rows_file``), or None."""
-    import json
+    """The answer timed earlier on this machine for these shapes and threads, or None."""
+    from specresearch.paths import cached_answer
 
-    try:
-        stored = json.loads(_rows_file().read_text()).get(_machine_key(key))
-    except (OSError, ValueError):
-        return None
+    stored = cached_answer(ROWS_FILE, _machine_key(key))
     return tuple(stored) if isinstance(stored, list) and set(stored) <= set(SKINNY_ROWS) else None
 
 
 def _store_rows(key: tuple, rows: tuple[int, ...]) -> None:
-    """Keep the answer for the next process (the timing takes seconds); a write that fails is not an error."""
-    import json
+    """Keep the answer for the next process (the timing takes seconds)."""
+    from specresearch.paths import keep_answer
 
-    path = _rows_file()
-    try:
-        table = json.loads(path.read_text()) if path.exists() else {}
-        table[_machine_key(key)] = list(rows)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=1) + "\n")
-    except (OSError, ValueError):
-        pass
+    keep_answer(ROWS_FILE, _machine_key(key), list(rows))
 
 
 def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, shared_with: torch.nn.Module | None = None,
