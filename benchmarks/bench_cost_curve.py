@@ -19,19 +19,16 @@ import shlex
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import torch
 
 from specresearch.config import GENERATE_DRAFT, GENERATE_TAU
-from specresearch.drafts.registry import load_pair
+from specresearch.drafts.registry import load_pair, weights_digests
 from specresearch.engine.cost import best_gamma, measure_cost_curve, predicted_speedup
 from specresearch.experiments.records import machine_info
 from specresearch.paths import repo_root
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_trees import weights_digests  # noqa: E402
 
 
 def main() -> int:

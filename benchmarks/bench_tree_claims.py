@@ -31,15 +31,13 @@ from pathlib import Path
 
 import torch
 
-from specresearch.drafts.registry import load_pair
+from specresearch.drafts.registry import load_pair, weights_digests
 from specresearch.engine.prompts import prompt_set_file
 from specresearch.experiments.analysis import gain_table
 from specresearch.experiments.bench import BenchConfig, load_bench_prompts, run_bench
 from specresearch.experiments.records import machine_info, write_run_info
 from specresearch.paths import repo_root
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_trees import weights_digests  # noqa: E402  (the same digests as the tree records)
 
 CLAIMS = {  # claim -> (gamma, [(baseline, treatment), ...], the paper's figure)
     "traversal": (3, [("rrs:2", "traversal:2"), ("rrs:4", "traversal:4")], "+2.2% to +5.7% accepted length"),

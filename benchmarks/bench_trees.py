@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import statistics
 import subprocess
@@ -40,8 +39,7 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.core.tree_expectations import TREE_EXPECTATIONS
-from specresearch.drafts.registry import load_pair
-from specresearch.drafts.store import draft_digest, shipped_drafts
+from specresearch.drafts.registry import load_pair, weights_digests
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts, prompt_set_file
 from specresearch.engine.timing import TimedCall, interleaved_medians
@@ -123,16 +121,6 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
                              "tokens": out.num_tokens, "seconds": out.seconds, "ar_tokens": ar.num_tokens,
                              "ar_seconds": ar.seconds, "vs_autoregressive": out.tokens_per_second / ar.tokens_per_second})
     return rows
-
-
-def weights_digests(name: str) -> dict[str, str]:
-    """The sha256 of every shipped draft a draft name uses (``ngram+fp16:eagle3-v8k`` -> the head; ``dial-mix:0.5``
-    -> ``v8k-4l``, its default other draft); {} for drafts without weights (``ngram``)."""
-    shipped = shipped_drafts()
-    used = [part for part in re.split(r"[+:@]", name) if part in shipped]
-    if name.startswith("dial-mix:") and name.count(":") == 1:
-        used.append("v8k-4l")
-    return {part: draft_digest(data_dir() / "drafts" / part) for part in used}
 
 
 def main() -> int:

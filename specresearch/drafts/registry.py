@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import torch
@@ -12,13 +13,14 @@ from specresearch.drafts.combined import LookupOrDraft
 from specresearch.drafts.dial import dial_draft_from_name
 from specresearch.drafts.distilled import SubsetHead, load_draft
 from specresearch.drafts.ngram import NGramDraft
-from specresearch.drafts.store import drafts_dir, manifest_path, shipped_drafts
+from specresearch.drafts.store import draft_digest, drafts_dir, manifest_path, shipped_drafts
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.embedded import load_embedded
 from specresearch.models.kernels import use_half_weights
 from specresearch.models.protocols import check_same_tokenizer
 
-__all__ = ["truncated_draft", "draft_from_name", "combined_draft", "half_weight_draft", "HALF_PREFIX", "without_half_prefix", "load_pair"]
+__all__ = ["truncated_draft", "draft_from_name", "combined_draft", "half_weight_draft", "HALF_PREFIX", "without_half_prefix", "load_pair",
+           "weights_digests"]
 
 
 def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
@@ -156,3 +158,14 @@ def load_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, dev
                          f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
     target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear)
     return target, draft_from_name(draft, target), tokenizer
+
+
+def weights_digests(name: str) -> dict[str, str]:
+    """The sha256 (``store.draft_digest``) of every shipped draft a draft name uses, what a benchmark record carries:
+    ``ngram+fp16:eagle3-v8k`` -> the head's; ``dial-mix:0.5`` -> ``v8k-4l``'s, its default other draft; {} for drafts
+    without weights (``ngram``, ``truncated:N``)."""
+    shipped = shipped_drafts()
+    used = [part for part in re.split(r"[+:@]", name) if part in shipped]
+    if name.startswith("dial-mix:") and name.count(":") == 1:
+        used.append("v8k-4l")
+    return {part: draft_digest(drafts_dir() / part) for part in used}
