@@ -59,11 +59,11 @@ import torch
 from specresearch.checks import check_int
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import draw_uniforms
+from specresearch.core.tree_expectations import TREE_EXPECTATIONS
 from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
 from specresearch.engine.timing import clock, step_clock
-from specresearch.core.tree_expectations import TREE_EXPECTATIONS
 from specresearch.engine.topk_tree import dynamic_tree_step
 from specresearch.engine.tree import TOPK_LAWS, TREE_VERIFIERS, check_tree_args, tree_randomness, tree_step
 from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
