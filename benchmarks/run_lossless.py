@@ -6,12 +6,15 @@ For each sampling config and verifier, ``stats.lossless_test`` runs N speculativ
 prompt (k = 3 tokens, gamma = 2) and compares the 3-token law with the exact target law.
 The wrong verifier (``stats.wrong_residual_verify``: residual p instead of max(p - q, 0)) must be
 rejected; the correct ones must not (their p-values are uniform under H0: FPR = the level you pick). Each row states
-the smallest total-variation deviation its N detects (power 0.9 at level 1e-3, ``stats.detectable_tv``).
+the smallest total-variation deviation its N detects (power 0.9 at level 1e-3, ``stats.detectable_tv``), and with
+``--json`` each record carries its command, commit, machine and the draft's sha256 (``records.record_header``).
 
     .venv/bin/python benchmarks/run_lossless.py                 # ~10 min on 1 thread
     .venv/bin/python benchmarks/run_lossless.py --num-samples 100 --json /tmp/lossless.jsonl   # quick
     .venv/bin/python benchmarks/run_lossless.py --draft fp16:eagle3-v8k --samplings T=1.0 --verifiers block \
         --num-samples 25000 --min-expected 25 --json benchmarks/records/lossless_power_fp16-eagle3-v8k.jsonl
+    .venv/bin/python benchmarks/run_lossless.py --draft fp16:eagle3-v8k --samplings T=1.0 --verifiers traversal \
+        --num-drafts 2 --gamma 2 --num-samples 25000 --min-expected 50 --json benchmarks/records/lossless_trees_fp16-eagle3-v8k.jsonl
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name, truncated_draft
+from specresearch.experiments.records import record_header
 from specresearch.experiments.stats import (
     lossless_test,
     sequence_law,
@@ -66,7 +70,8 @@ def main() -> None:
     parser.add_argument("--samplings", help=f"comma-separated subset of {list(SAMPLINGS)}")
     parser.add_argument("--verifiers", help="comma-separated: token, block, wrong, or a multi-draft rule with --num-drafts")
     parser.add_argument("--num-drafts", type=int, default=1, help="draft paths per step (a tree; a multi-draft --verifiers)")
-    parser.add_argument("--draft-law", default="iid")
+    parser.add_argument("--draft-law", default="iid", help="iid | without_replacement | dynamic | static (with --num-drafts)")
+    parser.add_argument("--tree-nodes", type=int, help="nodes of a dynamic or static tree (default num-drafts x gamma)")
     parser.add_argument("--min-expected", type=float, default=5.0, help="smallest expected count of a cell")
     parser.add_argument("--json", help="also write one JSON record per run to this file")
     args = parser.parse_args()
@@ -85,6 +90,9 @@ def main() -> None:
     print("| sampling | verifier | N | cells | detects TV >= | chi-square p | exact Bonferroni p | rejected at 1e-3 | seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
     tree = {"num_drafts": args.num_drafts, "draft_law": args.draft_law} if args.num_drafts > 1 else {}
+    if args.tree_nodes is not None:
+        tree["tree_nodes"] = args.tree_nodes
+    header = record_header("benchmarks/run_lossless.py", sys.argv[1:], draft=args.draft)
     for index, (name, sampling) in enumerate(samplings.items()):
         law = sequence_law(target, prompt, sampling=sampling, k=args.k, num_samples=args.num_samples,
                            min_expected=args.min_expected)
@@ -100,7 +108,7 @@ def main() -> None:
             record = {k: v for k, v in asdict(result).items() if k not in ("cells", "note")}
             records.append({"sampling": name, "verifier": verifier_name, **record, "wall_seconds": seconds,
                             "cells": len(result.cells), "detectable_tv": result.detectable_tv(),
-                            "command": " ".join(["benchmarks/run_lossless.py", *sys.argv[1:]]), **tree})
+                            **header, **tree})
     if args.json:
         with open(args.json, "w") as out:
             out.writelines(json.dumps(r) + "\n" for r in records)

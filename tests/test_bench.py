@@ -326,3 +326,22 @@ def test_machine_info_names_the_cpu_and_torch(tmp_path):
     assert set(info["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}
     session, = json.loads(write_run_info(tmp_path / "run.jsonl", draft="d").read_text())
     assert session["draft"] == "d" and session["cpu"] == info["cpu"] and "started" in session
+
+
+def test_a_record_header_names_command_commit_machine_and_weights():
+    """Every record's header: the command as typed, the checkout's commit, the machine, and a sha256 per shipped
+    weight file the draft name uses (none for weightless drafts)."""
+    import subprocess
+
+    from specresearch.drafts.registry import shipped_drafts
+    from specresearch.experiments.records import record_header
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    header = record_header("benchmarks/x.py", ["--prompt", "a b"], draft="ngram", seed=3)
+    assert header["command"] == "benchmarks/x.py --prompt 'a b'" and header["commit"] == head
+    assert header["machine"]["cpu"] == machine_info()["cpu"] and header["seed"] == 3
+    assert header["draft_sha256"] == {}
+    name = sorted(shipped_drafts())[0]
+    digests = record_header("benchmarks/x.py", [], draft=f"ngram+{name}")["draft_sha256"]
+    assert list(digests) == [name] and len(digests[name]) == 16  # store.draft_digest: 16 hex digits of sha256
+    assert "draft" not in record_header("benchmarks/x.py", [])
