@@ -13,7 +13,6 @@ sha256, the one-hot cost). Computed, not timed: the numbers do not depend on the
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pandas as pd
@@ -22,9 +21,8 @@ from specresearch.audit import LOSSY_SETTINGS
 from specresearch.audit.engines import ENGINE_RULES
 from specresearch.audit.real import next_token_rows, one_hot_cost, summarise
 from specresearch.drafts.registry import load_pair
-from specresearch.drafts.store import draft_digest
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
-from specresearch.experiments.records import machine_info
+from specresearch.experiments.records import record_header
 from specresearch.paths import data_dir, repo_root
 
 NUM_PREFIXES, NUM_PROMPTS, NUM_DRAFTS, DRAFT, TEMPERATURE = 200, 20, 4, "eagle3-v8k", 1.0
@@ -39,12 +37,8 @@ def main() -> int:
     frame = pd.DataFrame([{**vars(pt), "bought_per_tv": pt.bought} for pt in points])
     stem = repo_root() / "benchmarks" / "records" / "audit_real"
     frame.to_csv(stem.with_suffix(".csv"), index=False)
-    head = data_dir() / "drafts" / DRAFT
-    digest = draft_digest(head)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
-    header = {"command": "benchmarks/audit_real.py", "commit": commit, "machine": machine_info(), "draft": DRAFT,
-              "draft_sha256": digest, "prefixes": len(p), "prompts": NUM_PROMPTS, "temperature": TEMPERATURE,
-              "num_drafts": NUM_DRAFTS, "one_hot_cost": one_hot_cost(p, q, NUM_DRAFTS)}
+    header = record_header("benchmarks/audit_real.py", sys.argv[1:], draft=DRAFT, prefixes=len(p), prompts=NUM_PROMPTS,
+                           temperature=TEMPERATURE, num_drafts=NUM_DRAFTS, one_hot_cost=one_hot_cost(p, q, NUM_DRAFTS))
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     print(frame.round(4).to_string(index=False))
     print(json.dumps(header["one_hot_cost"], indent=1))

@@ -15,17 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 
 import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair
-from specresearch.drafts.store import draft_digest
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
-from specresearch.experiments.records import machine_info
+from specresearch.experiments.records import machine_info, record_header
 from specresearch.paths import data_dir, repo_root
 
 RUNS = {"gamma 1": dict(gamma=1), "gamma 2": dict(gamma=2), "gamma 3": dict(gamma=3),
@@ -60,11 +58,7 @@ def main() -> int:
     stem = repo_root() / "benchmarks" / "records" / f"adaptive_{machine.get('cpu', 'cpu').split()[0].lower()}"
     frame = pd.DataFrame(rows)
     frame.to_csv(stem.with_suffix(".csv"), index=False)
-    head = data_dir() / "drafts" / "eagle3-v8k"
-    digest = draft_digest(head)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
-    header = {"command": " ".join(["benchmarks/bench_adaptive.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
-              "draft": "fp16:eagle3-v8k", "draft_sha256": digest}
+    header = record_header("benchmarks/bench_adaptive.py", sys.argv[1:], draft="fp16:eagle3-v8k")
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     summary = frame.groupby(["temperature", "run"], sort=False).agg(
         tau=("tau", "mean"), vs_autoregressive=("vs_autoregressive", lambda v: statistics.median(v)))

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import subprocess
 import sys
 
 import pandas as pd
 import torch
 
 from specresearch.config import GENERATE_DRAFT, GENERATE_TAU
-from specresearch.drafts.registry import load_pair, weights_digests
+from specresearch.drafts.registry import load_pair
 from specresearch.engine.cost import best_gamma, measure_cost_curve, predicted_speedup
-from specresearch.experiments.records import machine_info
+from specresearch.experiments.records import record_header
 from specresearch.paths import repo_root
-
 
 
 def main() -> int:
@@ -50,14 +47,12 @@ def main() -> int:
     from_calls = predicted_speedup(curve, GENERATE_TAU, model="calls")
     measured = pd.read_csv(repo_root() / "benchmarks" / "records" / "adaptive_amd.csv")
     measured = measured[measured.temperature == 1.0].groupby("run").vs_autoregressive.median()
-    machine = machine_info()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
-    record = {"command": shlex.join(["benchmarks/bench_cost_curve.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
-              "draft": args.draft, "draft_sha256": weights_digests(args.draft), "r": ratios, "c": draft_ratio, "o": overhead,
-              "s": steps, "predicted_from_calls": from_calls,
-              "target_seconds": curve.target_seconds, "rounds": [c.__dict__ for c in curves],
-              "predicted": predicted, "best_gamma": best_gamma(curve, GENERATE_TAU),
-              "measured_head_t1": {g: float(measured.get(f"gamma {g}", float("nan"))) for g in GENERATE_TAU}}
+    record = record_header("benchmarks/bench_cost_curve.py", sys.argv[1:], draft=args.draft, r=ratios, c=draft_ratio,
+                           o=overhead, s=steps, predicted_from_calls=from_calls, target_seconds=curve.target_seconds,
+                           rounds=[c.__dict__ for c in curves], predicted=predicted,
+                           best_gamma=best_gamma(curve, GENERATE_TAU),
+                           measured_head_t1={g: float(measured.get(f"gamma {g}", float("nan"))) for g in GENERATE_TAU})
+    machine = record["machine"]
     out = repo_root() / "benchmarks" / "records" / f"cost_curve_{machine.get('cpu', 'cpu').split()[0].lower()}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"r_n = {[round(r, 3) for r in ratios]}, c = {draft_ratio:.3f}, o = {overhead:.3f}, s_gamma = {[round(x, 3) for x in steps]}")

@@ -26,7 +26,7 @@ import time
 
 import pandas as pd
 
-from specresearch.experiments.records import machine_info
+from specresearch.experiments.records import machine_info, record_header
 from specresearch.models.embedded import cache_dir
 from specresearch.paths import repo_root
 
@@ -60,9 +60,7 @@ def main() -> int:
     machine = machine_info()
     stem = repo_root() / "benchmarks" / "records" / f"startup_{machine.get('cpu', 'cpu').split()[0].lower()}"
     frame.to_csv(stem.with_suffix(".csv"), index=False)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
-    header = {"command": " ".join(["benchmarks/bench_startup.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
-              "median_seconds": medians}
+    header = record_header("benchmarks/bench_startup.py", sys.argv[1:], median_seconds=medians)
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     for what, seconds in medians.items():
         print(f"{what:>9}: {seconds:.2f} s (median of {args.rounds})")

@@ -24,20 +24,17 @@ commit, machine and the draft's sha256) and ``claims_t<T>_<cpu>.md``, the table.
 from __future__ import annotations
 
 import argparse
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from specresearch.drafts.registry import load_pair, weights_digests
+from specresearch.drafts.registry import load_pair
 from specresearch.engine.prompts import prompt_set_file
 from specresearch.experiments.analysis import gain_table
 from specresearch.experiments.bench import BenchConfig, load_bench_prompts, run_bench
-from specresearch.experiments.records import machine_info, write_run_info
+from specresearch.experiments.records import record_header, write_run_info
 from specresearch.paths import repo_root
-
 
 CLAIMS = {  # claim -> (gamma, [(baseline, treatment), ...], the paper's figure)
     "traversal": (3, [("rrs:2", "traversal:2"), ("rrs:4", "traversal:4")], "+2.2% to +5.7% accepted length"),
@@ -61,12 +58,10 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft)
-    machine = machine_info()
-    cpu = machine.get("cpu", "cpu").split()[0].lower()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
-    digest = weights_digests(args.draft)
+    header = record_header("benchmarks/bench_tree_claims.py", sys.argv[1:], draft=args.draft, prompt_set=args.prompt_set)
+    cpu = header["machine"].get("cpu", "cpu").split()[0].lower()
     lines = [f"Claims on {args.prompt_set} ({args.prompts} prompts), T = {args.temperature}, {args.max_new_tokens} new tokens, "
-             f"draft {args.draft}; command `{shlex.join(['benchmarks/bench_tree_claims.py', *sys.argv[1:]])}`, commit {commit}.",
+             f"draft {args.draft}; command `{header['command']}`, commit {header['commit']}.",
              "", "| claim | baseline | treatment | tau baseline | tau treatment | gain (95% CI) | the paper |",
              "|---|---|---|---|---|---|---|"]
     for claim in args.claims:
@@ -76,8 +71,7 @@ def main() -> int:
                              max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
         prompts = load_bench_prompts(tokenizer, config, prompt_set_file(args.prompt_set))
         path = Path(args.out_dir) / f"claims_{claim}_t{args.temperature:g}_{cpu}.csv"
-        write_run_info(path, command=shlex.join(["benchmarks/bench_tree_claims.py", *sys.argv[1:]]), commit=commit,
-                       draft=args.draft, draft_sha256=digest, prompt_set=args.prompt_set, claim=claim)
+        write_run_info(path, **{k: v for k, v in header.items() if k != "machine"}, claim=claim)
         records = run_bench(target, draft, prompts, config, path, eos_token_id=tokenizer.eos_token_id)
         for baseline, treatment in pairs:
             table = gain_table(records, metrics=("be",), baseline=baseline, treatment=treatment)

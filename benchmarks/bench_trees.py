@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,11 +37,16 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.core.tree_expectations import TREE_EXPECTATIONS
-from specresearch.drafts.registry import load_pair, weights_digests
+from specresearch.drafts.registry import load_pair
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts, prompt_set_file
+from specresearch.engine.prompts import (
+    encode_chat,
+    evenly_spaced,
+    load_prompts,
+    prompt_set_file,
+)
 from specresearch.engine.timing import TimedCall, interleaved_medians
-from specresearch.experiments.records import machine_info
+from specresearch.experiments.records import machine_info, record_header
 from specresearch.paths import data_dir, repo_root
 
 RUNS = {  # label -> speculative_generate options
@@ -148,10 +151,7 @@ def main() -> int:
 
     frame = pd.DataFrame(rows)
     frame.to_csv(stem.with_suffix(".csv"), index=False)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
-    header = {"command": shlex.join(["benchmarks/bench_trees.py", *sys.argv[1:]]), "commit": commit, "machine": machine,
-              "draft": args.draft, "draft_sha256": weights_digests(args.draft),
-              "tree_cost": cost}
+    header = record_header("benchmarks/bench_trees.py", sys.argv[1:], draft=args.draft, tree_cost=cost)
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1))
     summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), per_scored=("per_scored", "mean"),
