@@ -7,6 +7,7 @@ including those inside functions: a lazy import that points up is still an upwar
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -171,15 +172,45 @@ def test_tracked_files_fit_what_a_gpu_machine_receives():
     assert sum(sizes.values()) < 60e6, f"{sum(sizes.values()) / 1e6:.1f} MB tracked; largest: {largest}"
 
 
-def test_the_records_index_is_current():
-    """``benchmarks/records/INDEX.md`` lists every record, what made it and who cites it: regenerate it with
-    ``PYTHONPATH=. python benchmarks/index_records.py`` when a record or a citing page changes."""
+def _index_records():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("index_records", ROOT / "benchmarks" / "index_records.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert (ROOT / "benchmarks" / "records" / "INDEX.md").read_text() == module.index_markdown()
+    return module
+
+
+def test_the_records_index_is_current():
+    """``benchmarks/records/INDEX.md`` lists every record, what made it and who cites it: regenerate it with
+    ``PYTHONPATH=. python benchmarks/index_records.py`` when a record or a citing page changes."""
+    assert (ROOT / "benchmarks" / "records" / "INDEX.md").read_text() == _index_records().index_markdown()
+
+
+def test_every_record_is_cited_and_every_cited_record_exists():
+    """The records are the current set: each is cited by a page, notebook, benchmark or module (a superseded one
+    leaves, git keeps it), and each ``benchmarks/records/NAME`` a page names exists."""
+    module = _index_records()
+    uncited = [name for name, pages in module.citations().items() if not pages]
+    assert not uncited, f"records nothing cites: {uncited}"
+    missing = set()
+    for pattern in module.CITING:
+        for page in ROOT.glob(pattern):
+            for name in re.findall(r"benchmarks/records/([\w+\-.]+\.(?:jsonl|json|csv|md)|scaling)\b", module._text(page)):
+                if not (ROOT / "benchmarks" / "records" / name).exists():
+                    missing.add(f"{page.relative_to(ROOT)}: {name}")
+    assert not missing, f"cited records that do not exist: {sorted(missing)}"
+
+
+def test_a_record_is_cited_by_name_stem_or_pattern():
+    module = _index_records()
+    tokens = set(re.findall(r"[\w+\-]+(?:\.[\w+\-]+)*", "see `trees_head_amd` and runs_1.jsonl."))
+    patterns = module._patterns("`heldout70_{a,b}_x.json` `claims_<claim>_t1_amd.csv` `lossless_*.jsonl` {x}")
+    assert patterns == {"heldout70_a_x.json", "heldout70_b_x.json", "claims_*_t1_amd.csv", "lossless_*.jsonl"}
+    assert module.cites(tokens, set(), Path("trees_head_amd.csv")) and module.cites(tokens, set(), Path("runs_1.jsonl"))
+    assert not module.cites(tokens, set(), Path("trees_amd.csv"))
+    assert module.cites(set(), patterns, Path("claims_gbv_t1_amd.csv"))
+    assert not module.cites(set(), patterns, Path("claims_gbv_t0_amd.csv"))
 
 
 def test_the_api_reference_is_current():
