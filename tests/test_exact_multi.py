@@ -258,3 +258,26 @@ def test_onehot_attains_the_lp_optimum_on_topk_trees(seed):
     for k, length in [(1, 1), (2, 1), (1, 2), (2, 2)]:
         got = exact.expected_accepted(target, draft, length, "onehot", num_drafts=k, draft_law="topk")
         assert got == lp.optimal_verifier_lp(target, draft, length, num_drafts=k, draft_law="topk").optimum, (seed, k, length)
+
+
+def test_traversal_reproduces_the_papers_worked_example():
+    """Traversal verification's introduction (arXiv 2505.12398): a parent accepted with ratio p/q = 0.5 and its child
+    with ratio 4/3 pass token by token with probability 0.5 x 1 = 0.5, and as a sequence with min(1, 0.5 x 4/3) = 2/3.
+    Traversal visits the leaf of path (0, 0) first and keeps the path with that sequence-level probability; RRS (token
+    level) keeps it with 1/2. A second path (1, 1) makes it a tree."""
+    half = F(1, 2)
+    rows = {(): (F(1, 4), F(3, 4)), (0,): (F(2, 3), F(1, 3))}
+
+    def target(prefix):
+        return rows.get(tuple(prefix), (half, half))
+
+    def draft(prefix):
+        return (half, half)
+    paths = [(0, 0), (1, 1)]
+
+    def kept(method):
+        law = verify_multi_exact(target, draft, paths, method)
+        return sum(mass for emitted, mass in law.items() if emitted[:2] == (0, 0))
+
+    assert kept("traversal") == F(2, 3)
+    assert kept("rrs") == half

@@ -293,9 +293,11 @@ def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     child left, else the first leaf below b's next child. On a chain this is block verification in
     its backward form (the h_i of Sun et al. Algorithm 2 are the updated w_b).
 
-    Source of the rule: the papers cited in docs/multidraft.md; the paper's algorithm text could not be read
-    from this machine (only its abstract), so each step above is the reference's, not checked line by
-    line against the paper. What is established exactly instead: the rule equals block verification
+    Checked against the paper: its worked example (a parent of ratio 0.5 and a child of ratio 4/3 kept as a
+    sequence with probability 2/3, token by token with 1/2) is reproduced exactly
+    (``test_traversal_reproduces_the_papers_worked_example``); its algorithm box was not readable from this
+    machine (only the abstract and introduction), so the update steps are those of docs/multidraft.md, and the
+    rule is certified by its exact properties: the rule equals block verification
     on every chain (K = 1), equals RRS without replacement at L = 1, and is lossless for both draft
     laws on every tested model (tests/test_exact_multi.py). The sibling update zeroes the rejected
     token in q, i.e. it treats siblings as drawn without replacement; reading the merged tree makes
