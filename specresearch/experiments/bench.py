@@ -76,6 +76,7 @@ from specresearch.engine.tree import parse_verifier
 from specresearch.experiments.records import (
     AUTOREGRESSIVE,
     RECORD_COLUMNS,
+    git_commit,
     read_records,
     write_run_info,
 )
@@ -439,8 +440,11 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
     prompts = load_bench_prompts(tokenizer, config, prompts_path)
-    write_run_info(path, command=command, target=target_name, draft=draft_name, batched=batched,
-                   config=dataclasses.asdict(config), prompts=[p.id for p in prompts])
+    from specresearch.drafts.registry import weights_digests
+
+    write_run_info(path, command=command, commit=git_commit(), target=target_name, draft=draft_name,
+                   draft_sha256=weights_digests(draft_name), batched=batched, config=dataclasses.asdict(config),
+                   prompts=[p.id for p in prompts])
     run = run_batched if batched else run_bench
     return run(target, draft, prompts, config, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
                progress=progress)

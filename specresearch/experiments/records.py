@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "machine_info", "read_records", "record_header", "write_run_info"]
+__all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "git_commit", "machine_info", "read_records", "record_header", "write_run_info"]
 
 
 AUTOREGRESSIVE = "autoregressive"  # the ``verifier`` value of baseline rows (gamma 0, no draft)
@@ -70,18 +70,26 @@ def machine_info() -> dict:
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
+def git_commit() -> str:
+    """The checkout's commit (short hash), '' outside a git checkout: what every record names as its code."""
+    import subprocess
+
+    from specresearch.paths import repo_root
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=repo_root()).stdout.strip()
+    except OSError:
+        return ""
+
+
 def record_header(script: str, argv: list[str], draft: str | None = None, **extra) -> dict:
     """What a record says about the run that made it: the command (``script`` and its ``argv``, shell-quoted), the
     commit (short hash, '' outside a git checkout), the date, the machine (:func:`machine_info`) and, for a ``draft``
     name, the sha256 of every shipped weight file it uses (``drafts.registry.weights_digests``); ``extra`` is added."""
     import shlex
-    import subprocess
 
-    from specresearch.paths import repo_root
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=repo_root()).stdout.strip()
-    header = {"command": shlex.join([script, *argv]), "commit": commit, "date": time.strftime("%Y-%m-%d"),
+    header = {"command": shlex.join([script, *argv]), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
               "machine": machine_info()}
     if draft is not None:
         from specresearch.drafts.registry import weights_digests
