@@ -9,9 +9,18 @@ node u,
 
     E(u) = sum_i prod_{j<i} (1 - a_j) a_i (1 + E(u x_i)),   E(leaf) = 0,
 
-and E(root) is the rule's E[num_accepted | tree]. Exact in the rows' floating point; checked against the rational
-twins' laws (``exact.multi.verify_multi_exact``) in ``tests/test_tree_expectations.py``. Traversal, GBV and K-SEQ
-read the tree otherwise (bottom-up, by selection, by a joint coupling) and are not covered.
+and E(root) is the rule's E[num_accepted | tree].
+
+Traversal verification reads the tree bottom-up, but it too is a fixed sequence of trials given the tree: it visits
+the nodes in depth-first post-order, accepts the path to the visited node a with its current weight w_a, and on a
+rejection deletes a and updates the parent's weight and rows (``exact.multi``'s twin states the update). Which node
+comes next and with what weight depends only on the rejections before it, so with v_1, v_2, ... the nodes visited
+while everything is rejected (the root last, accepted surely),
+
+    E = sum_i prod_{j<i} (1 - w_{v_j}) w_{v_i} depth(v_i).
+
+Exact in the rows' floating point; checked against the rational twins' laws (``exact.multi.verify_multi_exact``) in
+``tests/test_tree_expectations.py``. GBV (a selection among the paths) and K-SEQ (a joint coupling) are not covered.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import torch
 
 __all__ = ["TREE_EXPECTATIONS", "expected_accepted_tree"]
 
-TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot")
+TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot", "traversal")
 
 
 def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str) -> torch.Tensor:
@@ -39,7 +48,10 @@ def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str)
     tokens = draft_tokens.tolist()
     out = []
     for b in range(batch):
-        out.append(_expected(target_probs[b], draft_probs[b], tokens[b], list(range(num_drafts)), 0, method))
+        if method == "traversal":
+            out.append(_traversal_expected(target_probs[b], draft_probs[b], tokens[b]))
+        else:
+            out.append(_expected(target_probs[b], draft_probs[b], tokens[b], list(range(num_drafts)), 0, method))
     return torch.tensor(out, dtype=target_probs.dtype, device=target_probs.device)
 
 
@@ -82,4 +94,57 @@ def _expected(p_rows, q_rows, paths: list[list[int]], alive: list[int], depth: i
                 p = residual
             if method == "rrs_without_replacement":  # and x leaves q
                 q[x] = 0.0
+    return total
+
+
+def _traversal_expected(p_rows, q_rows, paths: list[list[int]]) -> float:
+    """Traversal verification's E[num_accepted | the paths] (module docstring): its trials while every visit is
+    rejected, with the verifier's weights and updates (``exact.multi._traversal_law`` in floating point)."""
+    length = len(paths[0])
+    children: dict[tuple, list[int]] = {}
+    path_of: dict[tuple, int] = {}
+    for k, path in enumerate(paths):  # the merged tree: distinct children in order of first appearance
+        for depth in range(length + 1):
+            node = tuple(path[:depth])
+            path_of.setdefault(node, k)
+            kids = children.setdefault(node, [])
+            if depth < length and path[depth] not in kids:
+                kids.append(path[depth])
+    p = {u: p_rows[path_of[u], len(u)].double().clone() for u in children}
+    q = {u: q_rows[path_of[u], len(u)].double().clone() for u in children if children[u]}
+    weights = {(): 1.0}
+
+    def reweigh(parent: tuple) -> None:
+        for x in children[parent]:
+            q_x = float(q[parent][x])
+            weights[parent + (x,)] = min(1.0, weights[parent] * float(p[parent][x]) / q_x) if q_x > 0 else 0.0
+            reweigh(parent + (x,))
+
+    def first_leaf(node: tuple) -> tuple:
+        while children[node]:
+            node = node + (children[node][0],)
+        return node
+
+    reweigh(())
+    node, reach, total = first_leaf(()), 1.0, 0.0
+    while reach > 0:
+        accept = 1.0 if node == () else weights[node]
+        total += reach * accept * len(node)
+        reach *= 1.0 - accept
+        if node == () or reach <= 0:
+            break
+        parent, x = node[:-1], node[-1]
+        w = weights[parent]
+        residual = (w * p[parent] - q[parent]).clamp(min=0)
+        z = float(residual.sum())
+        weights[parent] = z / (z + 1.0 - w) if z > 0 else 0.0
+        if z > 0:
+            p[parent] = residual / z
+        q_row = q[parent].clone()
+        q_row[x] = 0.0
+        mass = float(q_row.sum())
+        q[parent] = q_row / mass if mass > 0 else q_row
+        children[parent].remove(x)
+        reweigh(parent)
+        node = first_leaf(parent)
     return total
