@@ -88,7 +88,7 @@ def _provenance(entry: dict) -> str:
     """A ``provenance.json`` entry (``benchmarks/record_provenance.py``) as one cell."""
     weights = "; ".join(f"`{name}`: {d['weights']} (shipped in {d['shipped_in_commit']}, sha256 {d['sha256']})"
                         for name, d in entry["drafts"].items())
-    return f"added in commit {entry['added_in_commit']}; {entry['machine']}; weights {weights}"
+    return f"last written in commit {entry['last_written_in_commit']}; {entry['machine']}; weights {weights}"
 
 
 def index_markdown() -> str:

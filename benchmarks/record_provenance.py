@@ -1,5 +1,5 @@
 """Provenance of the records the README's figures rest on that were written before records carried a header
-(``records.record_header``): the commit that added each, the machine its rows or the docs name, and the sha256
+(``records.record_header``): the last commit that wrote each, the machine its rows or the docs name, and the sha256
 (``store.draft_digest``) of the weights each draft name in it stood for, read from the commit that shipped them.
 
 Which weights a name stood for is stated per record below (from the run's description in the docs of its commit,
@@ -38,7 +38,7 @@ RECORDS = {  # record (under benchmarks/records/ unless a path) -> (machine wher
     "wallclock_epyc_2026-11-27.jsonl": (None, {"eagle3-v8k": "shipped head (544 chunks)",
                                                "ngram+eagle3-v8k": "shipped head (544 chunks)",
                                                "results/eagle3-v8k-cont136-4608s": "continued head"}),
-    "bench_wallclock_2026-11-24d.jsonl": (None, {"eagle3-v8k": "34-chunk head", "fp16:eagle3-v8k": "34-chunk head",
+    "bench_wallclock_2026-11-24d.jsonl": ("the first 2-core CPU, 1 thread (its model was not recorded)", {"eagle3-v8k": "34-chunk head", "fp16:eagle3-v8k": "34-chunk head",
                                                  "ngram+fp16:eagle3-v8k": "34-chunk head", "v8k-4l": "v8k-4l"}),
     "head68_wallclock_2026-11-25.jsonl": (None, {"eagle3-v8k": "34-chunk head", "ngram+fp16:eagle3-v8k": "34-chunk head",
                                                  "results/eagle3-v8k-68c-5120s": "68-chunk head",
@@ -83,8 +83,8 @@ def provenance() -> dict:
     out = {}
     for name, (machine, drafts) in RECORDS.items():
         path = repo_root() / name if "/" in name else records / name
-        added = _git("log", "--diff-filter=A", "--format=%h", "--", str(path.relative_to(repo_root()))).splitlines()[-1]
-        out[name] = {"added_in_commit": added, "machine": _machine(path) if path.suffix == ".jsonl" and _machine(path) else machine,
+        written = _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo_root())))
+        out[name] = {"last_written_in_commit": written, "machine": _machine(path) if path.suffix == ".jsonl" and _machine(path) else machine,
                      "drafts": {draft: {"weights": head, "shipped_in_commit": SHIPPED_AT[head][1], "sha256": digests[head]}
                                 for draft, head in drafts.items()}}
     return out

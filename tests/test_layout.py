@@ -222,3 +222,18 @@ def test_the_api_reference_is_current():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (ROOT / "docs" / "api.md").read_text() == module.render()
+
+
+def test_the_records_provenance_is_current():
+    """``benchmarks/records/provenance.json`` (commit, machine and weights' sha256 of the records written before
+    headers existed) is what ``benchmarks/record_provenance.py`` reads from the repository's history."""
+    import importlib.util
+    import json
+
+    if subprocess.run(["git", "rev-parse", "--is-shallow-repository"], capture_output=True, text=True,
+                      cwd=ROOT).stdout.strip() != "false":
+        pytest.skip("needs the repository's full history (a git clone that is not shallow)")
+    spec = importlib.util.spec_from_file_location("record_provenance", ROOT / "benchmarks" / "record_provenance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert json.loads((ROOT / "benchmarks" / "records" / "provenance.json").read_text()) == module.provenance()
