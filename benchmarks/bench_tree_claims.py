@@ -18,7 +18,13 @@ on the same prompts and per-prompt seeds, with a 95% paired bootstrap interval o
 Writes ``benchmarks/records/claims_<claim>_t<T>_<cpu>.csv`` (bench records, resumable; header ``.json`` with command,
 commit, machine and the draft's sha256) and ``claims_t<T>_<cpu>.md``, the table. A benchmark: nothing is asserted.
 
+Realised runs diverge after their first difference, so their intervals are wide. ``--same-trees RECORD`` reads a
+``bench_trees.py`` record of sampled trees instead, whose every step carries each rule's exact E[accepted | that tree]
+(``core.tree_expectations``), and prints each rule's gain over RRS on the very same trees, without sampling noise
+(and the verifying rule's realised tokens per call against RRS's expectation).
+
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --prompts 16
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_traversal_mt-bench_amd.csv
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 
 from specresearch.drafts.registry import load_pair
 from specresearch.engine.prompts import prompt_set_file
-from specresearch.experiments.analysis import gain_table
+from specresearch.experiments.analysis import gain_table, paired_gain
 from specresearch.experiments.bench import BenchConfig, load_bench_prompts, run_bench
 from specresearch.experiments.records import record_header, write_run_info
 from specresearch.paths import repo_root
@@ -45,6 +51,28 @@ CLAIMS = {  # claim -> (gamma, [(baseline, treatment), ...], the paper's figure)
 }
 
 
+def same_trees(path: str | Path, *, n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> str:
+    """Each rule's tokens per call over RRS's on the same trees (module docstring), per run of a ``bench_trees.py``
+    record: ratio of the sums over prompts - 1, with a percentile bootstrap interval over the prompts."""
+    import pandas as pd
+
+    rows = pd.read_csv(path)
+    rules = [c.removeprefix("tau_") for c in rows.columns if c.startswith("tau_") and c != "tau_rrs"]
+    lines = [f"Gains over RRS on the same trees, `{Path(path).name}` (paired over prompts, {level:.0%} bootstrap):", "",
+             "| run | T | prompts | E RRS | " + " | ".join(f"E {r}" for r in rules) + " | realised |",
+             "|---|---|---|---|" + "---|" * (len(rules) + 1)]
+    for (run, temperature), group in rows.dropna(subset=["tau_rrs"]).groupby(["run", "temperature"]):
+        base = group["tau_rrs"].to_numpy()
+
+        def gain(column: str) -> str:
+            g = paired_gain(group[column].to_numpy(), base, n_boot=n_boot, seed=seed, level=level)
+            return f"{g['gain']:+.1%} [{g['low']:+.1%}, {g['high']:+.1%}]"
+
+        lines.append(f"| {run} | {temperature:g} | {len(group)} | {base.mean():.3f} | "
+                     + " | ".join(gain(f"tau_{r}") for r in rules) + f" | {gain('tau')} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--claims", nargs="+", default=list(CLAIMS), choices=list(CLAIMS))
@@ -55,7 +83,11 @@ def main() -> int:
     parser.add_argument("--draft", default="fp16:eagle3-v8k")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out-dir", default=str(repo_root() / "benchmarks" / "records"))
+    parser.add_argument("--same-trees", metavar="RECORD", help="print the gains on a bench_trees.py record's trees and exit")
     args = parser.parse_args()
+    if args.same_trees:
+        print(same_trees(args.same_trees))
+        return 0
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft)
     header = record_header("benchmarks/bench_tree_claims.py", sys.argv[1:], draft=args.draft, prompt_set=args.prompt_set)

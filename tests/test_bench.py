@@ -345,3 +345,15 @@ def test_a_record_header_names_command_commit_machine_and_weights():
     digests = record_header("benchmarks/x.py", [], draft=f"ngram+{name}")["draft_sha256"]
     assert list(digests) == [name] and len(digests[name]) == 16  # store.draft_digest: 16 hex digits of sha256
     assert "draft" not in record_header("benchmarks/x.py", [])
+
+
+def test_paired_gain_is_a_ratio_of_sums_with_a_bootstrap_over_prompts():
+    from specresearch.experiments.analysis import paired_gain
+
+    base = np.array([1.0, 2.0, 3.0, 4.0])
+    doubled = paired_gain(2 * base, base)
+    assert doubled["gain"] == pytest.approx(1.0) and doubled["low"] == pytest.approx(1.0) and doubled["high"] == pytest.approx(1.0)
+    mixed = paired_gain(base + np.array([0.5, -0.5, 1.0, 0.0]), base, n_boot=500)
+    assert mixed["gain"] == pytest.approx(1.0 / 10) and mixed["low"] < mixed["gain"] < mixed["high"] and mixed["prompts"] == 4
+    with pytest.raises(ValueError, match="one value per prompt"):
+        paired_gain(base, base[:3])

@@ -59,6 +59,7 @@ __all__ = [
     "format_paper_table",
     "gain_table",
     "paired_difference",
+    "paired_gain",
     "gain_vs_alpha_table",
     "latest_run",
     "metric_table",
@@ -214,6 +215,17 @@ def paired_difference(rows: pd.DataFrame, treated: str, base: str, column: str, 
     boots = bootstrap_weights(len(diff), n_boot, seed) @ diff / len(diff)
     low, high = _interval(boots, level)
     return {"mean": float(diff.mean()), "low": low, "high": high, "prompts": len(diff)}
+
+
+def paired_gain(treated, base, *, n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> dict:
+    """sum(treated) / sum(base) - 1 over prompts (arrays aligned by prompt), with a percentile bootstrap interval over
+    the prompts (``bootstrap_weights``). -> {"gain", "low", "high", "prompts"}."""
+    treated, base = np.asarray(treated, dtype=float), np.asarray(base, dtype=float)
+    if treated.shape != base.shape or treated.ndim != 1 or not len(base):
+        raise ValueError(f"treated and base must be 1-D arrays of one value per prompt, got {treated.shape} and {base.shape}")
+    weights = bootstrap_weights(len(base), n_boot, seed)
+    low, high = _interval(weights @ treated / (weights @ base) - 1, level)
+    return {"gain": float(treated.sum() / base.sum() - 1), "low": low, "high": high, "prompts": len(base)}
 
 
 def paper_table(records: pd.DataFrame, gamma: int | None = None, **bootstrap) -> pd.DataFrame:
