@@ -45,7 +45,7 @@ def test_tree_expectations_equal_the_twins(method, seed):
 
 
 @pytest.mark.parametrize("verifier, draft_law", [("rrs", "iid"), ("rrs_without_replacement", "without_replacement"),
-                                                 ("onehot", "iid"), ("traversal", "iid")])
+                                                 ("onehot", "iid"), ("traversal", "iid"), ("gbv", "iid")])
 def test_the_engine_records_tree_expectations_that_match_what_it_accepts(verifier, draft_law):
     out = speculative_generate(markov_toy(3), markov_toy(4), [[2, 5]] * 400, verifier=verifier, num_drafts=3, gamma=2,
                                draft_law=draft_law, max_new_tokens=12, sampling=SamplingConfig(), seed=0,

@@ -19,17 +19,24 @@ while everything is rejected (the root last, accepted surely),
 
     E = sum_i prod_{j<i} (1 - w_{v_j}) w_{v_i} depth(v_i).
 
+GBV selects one path X* from the drafts alone (no randomness) and block-verifies it against q^G, the law of X*
+under i.i.d. paths, so its expectation is block verification's closed form (``verify.expected_num_accepted``) on X*
+with the full q^G rows (``multi_weights.gbv_draft_rows``).
+
 Exact in the rows' floating point; checked against the rational twins' laws (``exact.multi.verify_multi_exact``) in
-``tests/test_tree_expectations.py``. GBV (a selection among the paths) and K-SEQ (a joint coupling) are not covered.
+``tests/test_tree_expectations.py``. K-SEQ (L = 1, a joint coupling through rho*) is not covered.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specresearch.core.multi_weights import gbv_draft_rows, gbv_select
+from specresearch.core.verify import expected_num_accepted
+
 __all__ = ["TREE_EXPECTATIONS", "expected_accepted_tree"]
 
-TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot", "traversal")
+TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot", "traversal", "gbv")
 
 
 def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str) -> torch.Tensor:
@@ -44,6 +51,8 @@ def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str)
     """
     if method not in TREE_EXPECTATIONS:
         raise ValueError(f"method must be one of {TREE_EXPECTATIONS}, got {method!r}")
+    if method == "gbv":
+        return _gbv_expected(target_probs, draft_probs, draft_tokens)
     batch, num_drafts, length = draft_tokens.shape
     tokens = draft_tokens.tolist()
     out = []
@@ -148,3 +157,12 @@ def _traversal_expected(p_rows, q_rows, paths: list[list[int]]) -> float:
         reweigh(parent)
         node = first_leaf(parent)
     return total
+
+
+def _gbv_expected(target_probs, draft_probs, draft_tokens) -> torch.Tensor:
+    """GBV's E[num_accepted | the paths] (module docstring), ``[B]``."""
+    rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+    chosen = gbv_select(target_probs, draft_probs, draft_tokens)
+    target, draft, tokens = target_probs[rows, chosen], draft_probs[rows, chosen], draft_tokens[rows, chosen]
+    rows_g = gbv_draft_rows(target, draft, tokens, draft_tokens.shape[1])  # [B, L, V], every row in full
+    return expected_num_accepted(target, rows_g, tokens, "block", validate=False).to(target_probs.dtype)
