@@ -21,10 +21,12 @@ commit, machine and the draft's sha256) and ``claims_t<T>_<cpu>.md``, the table.
 Realised runs diverge after their first difference, so their intervals are wide. ``--same-trees RECORD`` reads a
 ``bench_trees.py`` record of sampled trees instead, whose every step carries each rule's exact E[accepted | that tree]
 (``core.tree_expectations``), and prints each rule's gain over RRS on the very same trees, without sampling noise
-(and the verifying rule's realised tokens per call against RRS's expectation).
+(and the verifying rule's realised tokens per call against RRS's expectation); ``--base block`` compares with block
+verification of each tree's first path alone, the single-draft baseline on the same draws.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --prompts 16
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_traversal_mt-bench_amd.csv
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_gbv_mt-bench_amd.csv --base block
 """
 
 from __future__ import annotations
@@ -51,24 +53,25 @@ CLAIMS = {  # claim -> (gamma, [(baseline, treatment), ...], the paper's figure)
 }
 
 
-def same_trees(path: str | Path, *, n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> str:
-    """Each rule's tokens per call over RRS's on the same trees (module docstring), per run of a ``bench_trees.py``
-    record: ratio of the sums over prompts - 1, with a percentile bootstrap interval over the prompts."""
+def same_trees(path: str | Path, base: str = "rrs", *, n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> str:
+    """Each rule's tokens per call over ``base``'s on the same trees (module docstring; ``"block"``: block verification
+    of the first path alone, the single-draft baseline), per run of a ``bench_trees.py`` record: ratio of the sums
+    over prompts - 1, with a percentile bootstrap interval over the prompts."""
     import pandas as pd
 
     rows = pd.read_csv(path)
-    rules = [c.removeprefix("tau_") for c in rows.columns if c.startswith("tau_") and c != "tau_rrs"]
-    lines = [f"Gains over RRS on the same trees, `{Path(path).name}` (paired over prompts, {level:.0%} bootstrap):", "",
-             "| run | T | prompts | E RRS | " + " | ".join(f"E {r}" for r in rules) + " | realised |",
+    rules = [c.removeprefix("tau_") for c in rows.columns if c.startswith("tau_") and c != f"tau_{base}"]
+    lines = [f"Gains over {base} on the same trees, `{Path(path).name}` (paired over prompts, {level:.0%} bootstrap):", "",
+             f"| run | T | prompts | E {base} | " + " | ".join(f"E {r}" for r in rules) + " | realised |",
              "|---|---|---|---|" + "---|" * (len(rules) + 1)]
-    for (run, temperature), group in rows.dropna(subset=["tau_rrs"]).groupby(["run", "temperature"]):
-        base = group["tau_rrs"].to_numpy()
+    for (run, temperature), group in rows.dropna(subset=[f"tau_{base}"]).groupby(["run", "temperature"]):
+        reference = group[f"tau_{base}"].to_numpy()
 
         def gain(column: str) -> str:
-            g = paired_gain(group[column].to_numpy(), base, n_boot=n_boot, seed=seed, level=level)
+            g = paired_gain(group[column].to_numpy(), reference, n_boot=n_boot, seed=seed, level=level)
             return f"{g['gain']:+.1%} [{g['low']:+.1%}, {g['high']:+.1%}]"
 
-        lines.append(f"| {run} | {temperature:g} | {len(group)} | {base.mean():.3f} | "
+        lines.append(f"| {run} | {temperature:g} | {len(group)} | {reference.mean():.3f} | "
                      + " | ".join(gain(f"tau_{r}") for r in rules) + f" | {gain('tau')} |")
     return "\n".join(lines)
 
@@ -84,9 +87,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out-dir", default=str(repo_root() / "benchmarks" / "records"))
     parser.add_argument("--same-trees", metavar="RECORD", help="print the gains on a bench_trees.py record's trees and exit")
+    parser.add_argument("--base", default="rrs", help="with --same-trees: the rule the gains are over (block: the first path alone)")
     args = parser.parse_args()
     if args.same_trees:
-        print(same_trees(args.same_trees))
+        print(same_trees(args.same_trees, args.base))
         return 0
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft)

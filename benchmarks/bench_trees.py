@@ -59,6 +59,7 @@ RUNS = {  # label -> speculative_generate options
     "traversal K4 g3": dict(verifier="traversal", num_drafts=4, gamma=3),
     "rrs w/o repl. K3 g2": dict(verifier="rrs_without_replacement", num_drafts=3, gamma=2, draft_law="without_replacement"),
     "gbv K2 g3": dict(verifier="gbv", num_drafts=2, gamma=3),
+    "gbv K3 g8": dict(verifier="gbv", num_drafts=3, gamma=8),
     "traversal K2 g1": dict(verifier="traversal", num_drafts=2, gamma=1),
     "traversal K3 g1": dict(verifier="traversal", num_drafts=3, gamma=1),
     "rrs w/o repl. K2 g1": dict(verifier="rrs_without_replacement", num_drafts=2, gamma=1, draft_law="without_replacement"),

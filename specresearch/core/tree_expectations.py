@@ -23,6 +23,9 @@ GBV selects one path X* from the drafts alone (no randomness) and block-verifies
 under i.i.d. paths, so its expectation is block verification's closed form (``verify.expected_num_accepted``) on X*
 with the full q^G rows (``multi_weights.gbv_draft_rows``).
 
+``"token"`` and ``"block"`` are the single-draft baselines on the same draws: token or block verification of the
+first path alone, which is what a one-draft run would have verified at that step (the first path is a draft of q).
+
 Exact in the rows' floating point; checked against the rational twins' laws (``exact.multi.verify_multi_exact``) in
 ``tests/test_tree_expectations.py``. K-SEQ (L = 1, a joint coupling through rho*) is not covered.
 """
@@ -36,7 +39,7 @@ from specresearch.core.verify import expected_num_accepted
 
 __all__ = ["TREE_EXPECTATIONS", "expected_accepted_tree"]
 
-TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot", "traversal", "gbv")
+TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot", "traversal", "gbv", "token", "block")
 
 
 def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str) -> torch.Tensor:
@@ -53,6 +56,9 @@ def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str)
         raise ValueError(f"method must be one of {TREE_EXPECTATIONS}, got {method!r}")
     if method == "gbv":
         return _gbv_expected(target_probs, draft_probs, draft_tokens)
+    if method in ("token", "block"):  # the first path alone
+        return expected_num_accepted(target_probs[:, 0], draft_probs[:, 0], draft_tokens[:, 0], method,
+                                     validate=False).to(target_probs.dtype)
     batch, num_drafts, length = draft_tokens.shape
     tokens = draft_tokens.tolist()
     out = []
