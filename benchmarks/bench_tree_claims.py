@@ -60,7 +60,7 @@ def same_trees(path: str | Path, base: str = "rrs", *, n_boot: int = 4000, seed:
     import pandas as pd
 
     rows = pd.read_csv(path)
-    rules = [c.removeprefix("tau_") for c in rows.columns if c.startswith("tau_") and c != f"tau_{base}"]
+    rules = [c.removeprefix("tau_") for c in rows.columns if c.startswith("tau_") and c != f"tau_{base}" and rows[c].notna().any()]
     lines = [f"Gains over {base} on the same trees, `{Path(path).name}` (paired over prompts, {level:.0%} bootstrap):", "",
              f"| run | T | prompts | E {base} | " + " | ".join(f"E {r}" for r in rules) + " | realised |",
              "|---|---|---|---|" + "---|" * (len(rules) + 1)]
@@ -68,6 +68,8 @@ def same_trees(path: str | Path, base: str = "rrs", *, n_boot: int = 4000, seed:
         reference = group[f"tau_{base}"].to_numpy()
 
         def gain(column: str) -> str:
+            if group[column].isna().any():  # a rule without an expectation on these trees (K-SEQ beyond one token)
+                return "-"
             g = paired_gain(group[column].to_numpy(), reference, n_boot=n_boot, seed=seed, level=level)
             return f"{g['gain']:+.1%} [{g['low']:+.1%}, {g['high']:+.1%}]"
 

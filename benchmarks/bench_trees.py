@@ -115,11 +115,12 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
             for label in runs:
                 options = RUNS[label]
                 sampled_tree = options.get("num_drafts", 1) > 1 and options.get("draft_law", "iid") in ("iid", "without_replacement")
+                rules = tuple(m for m in TREE_EXPECTATIONS if m != "kseq" or options.get("gamma") == 1)  # K-SEQ: one token
                 out = speculative_generate(target, draft, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                                            eos_token_id=tokenizer.eos_token_id, **options,
-                                           expectations=TREE_EXPECTATIONS if sampled_tree else ())
-                counterfactual = {f"tau_{m}": statistics.mean(1 + s.expected[m][0] for s in out.steps) if sampled_tree
-                                  else float("nan") for m in TREE_EXPECTATIONS}
+                                           expectations=rules if sampled_tree else ())
+                counterfactual = {f"tau_{m}": statistics.mean(1 + s.expected[m][0] for s in out.steps)
+                                  if sampled_tree and m in rules else float("nan") for m in TREE_EXPECTATIONS}
                 rows.append({"prompt_id": prompt["id"], "temperature": temperature, "run": label, "tau": out.block_efficiency,
                              **counterfactual, "per_scored": out.tokens_per_scored, "target_calls": out.target_calls,
                              "tokens": out.num_tokens, "seconds": out.seconds, "ar_tokens": ar.num_tokens,

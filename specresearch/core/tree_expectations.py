@@ -27,19 +27,22 @@ with the full q^G rows (``multi_weights.gbv_draft_rows``).
 first path alone, which is what a one-draft run would have verified at that step (the first path is a draft of q).
 
 Exact in the rows' floating point; checked against the rational twins' laws (``exact.multi.verify_multi_exact``) in
-``tests/test_tree_expectations.py``. K-SEQ (L = 1, a joint coupling through rho*) is not covered.
+``tests/test_tree_expectations.py``.
+
+K-SEQ (L = 1) tries the K first tokens in turn, each accepted with min(1, p(x_i) / (rho* q(x_i))) against the same
+rows, so E = 1 - prod_i (1 - min(1, p(x_i) / (rho* q(x_i)))) with rho* of ``multi_weights.kseq_rho``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specresearch.core.multi_weights import gbv_draft_rows, gbv_select
+from specresearch.core.multi_weights import gbv_draft_rows, gbv_select, kseq_rho
 from specresearch.core.verify import expected_num_accepted
 
 __all__ = ["TREE_EXPECTATIONS", "expected_accepted_tree"]
 
-TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot", "traversal", "gbv", "token", "block")
+TREE_EXPECTATIONS = ("rrs", "rrs_without_replacement", "onehot", "traversal", "gbv", "kseq", "token", "block")
 
 
 def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str) -> torch.Tensor:
@@ -56,6 +59,8 @@ def expected_accepted_tree(target_probs, draft_probs, draft_tokens, method: str)
         raise ValueError(f"method must be one of {TREE_EXPECTATIONS}, got {method!r}")
     if method == "gbv":
         return _gbv_expected(target_probs, draft_probs, draft_tokens)
+    if method == "kseq":
+        return _kseq_expected(target_probs, draft_probs, draft_tokens)
     if method in ("token", "block"):  # the first path alone
         return expected_num_accepted(target_probs[:, 0], draft_probs[:, 0], draft_tokens[:, 0], method,
                                      validate=False).to(target_probs.dtype)
@@ -172,3 +177,15 @@ def _gbv_expected(target_probs, draft_probs, draft_tokens) -> torch.Tensor:
     target, draft, tokens = target_probs[rows, chosen], draft_probs[rows, chosen], draft_tokens[rows, chosen]
     rows_g = gbv_draft_rows(target, draft, tokens, draft_tokens.shape[1])  # [B, L, V], every row in full
     return expected_num_accepted(target, rows_g, tokens, "block", validate=False).to(target_probs.dtype)
+
+
+def _kseq_expected(target_probs, draft_probs, draft_tokens) -> torch.Tensor:
+    """K-SEQ's E[num_accepted | the first tokens] (module docstring), ``[B]``; L must be 1."""
+    if draft_tokens.shape[2] != 1:
+        raise ValueError(f"K-SEQ verifies one token per draft (L = 1); got paths of {draft_tokens.shape[2]} tokens")
+    target, draft = target_probs[:, 0, 0].double(), draft_probs[:, 0, 0].double()  # [B, V]: the shared root rows
+    rho = kseq_rho(target, draft, draft_tokens.shape[1])  # [B]
+    tokens = draft_tokens[:, :, 0]
+    p_x, q_x = target.gather(1, tokens), draft.gather(1, tokens)  # [B, K]
+    accept = torch.where(q_x > 0, (p_x / (rho[:, None] * q_x)).clamp(max=1), torch.zeros_like(p_x))
+    return (1 - (1 - accept).prod(-1)).to(target_probs.dtype)

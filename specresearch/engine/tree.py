@@ -70,6 +70,8 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
     if expectations and (draft_law in TOPK_LAWS or any(m not in TREE_EXPECTATIONS for m in expectations)):
         raise ValueError(f"expectations= on sampled trees takes rules of {TREE_EXPECTATIONS} "
                          f"(core.tree_expectations), got {tuple(expectations)!r} with draft_law {draft_law!r}")
+    if "kseq" in expectations and gamma != 1:
+        raise ValueError(f"the 'kseq' expectation is single-step: gamma must be 1, got {gamma}")
 
 
 def parse_verifier(spec: str) -> tuple[str, int, str, int | None]:
