@@ -11,7 +11,7 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["repo_root", "data_dir", "cache_dir", "cpu_name", "cached_answer", "keep_answer"]
+__all__ = ["repo_root", "data_dir", "cache_dir", "cpu_fields", "cpu_name", "cached_answer", "keep_answer"]
 
 
 def repo_root() -> Path:
@@ -31,12 +31,22 @@ def cache_dir(*parts: str) -> Path:
     return Path(root).joinpath(*parts)
 
 
+def cpu_fields() -> dict[str, str]:
+    """The first CPU's fields in ``/proc/cpuinfo`` (``model name``, ``flags``, ...); {} where there is no such file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    return fields
+
+
 def cpu_name() -> str:
     """This CPU's model name (``/proc/cpuinfo``), or what ``platform`` says where there is none."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+    return cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def cached_answer(file: str, key: str):

@@ -52,21 +52,13 @@ def machine_info() -> dict:
     """What a timing depends on besides the code: the CPU's model name and the vector extensions torch's CPU
     kernels use (AVX2, AVX-512, AMX; from ``/proc/cpuinfo`` where there is one), the CPU count, torch's
     version and thread count. Speed-ups and the cost of scoring k tokens differ between machines."""
-    import platform
-
     import torch
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    fields = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    from specresearch.paths import cpu_fields, cpu_name
+
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    flags = sorted(f for f in fields.get("flags", "").split() if f in wanted)
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(), "cpu_flags": flags,
+    flags = sorted(f for f in cpu_fields().get("flags", "").split() if f in wanted)
+    return {"cpu": cpu_name(), "cpu_flags": flags,
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
