@@ -59,7 +59,13 @@ def same_trees(path: str | Path, base: str = "rrs", *, n_boot: int = 4000, seed:
     over prompts - 1, with a percentile bootstrap interval over the prompts."""
     import pandas as pd
 
+    if not Path(path).is_file():
+        raise ValueError(f"--same-trees: no record at {path} (a bench_trees.py .csv)")
     rows = pd.read_csv(path)
+    have = sorted(c.removeprefix("tau_") for c in rows.columns if c.startswith("tau_"))
+    if f"tau_{base}" not in rows.columns or rows[f"tau_{base}"].isna().all():
+        raise ValueError(f"--base {base!r}: {Path(path).name} holds no expectation of that rule; it has {have} "
+                         "(expectations are recorded for sampled-tree runs)")
     rules = [c.removeprefix("tau_") for c in rows.columns if c.startswith("tau_") and c != f"tau_{base}" and rows[c].notna().any()]
     lines = [f"Gains over {base} on the same trees, `{Path(path).name}` (paired over prompts, {level:.0%} bootstrap):", "",
              f"| run | T | prompts | E {base} | " + " | ".join(f"E {r}" for r in rules) + " | realised |",
@@ -92,7 +98,10 @@ def main() -> int:
     parser.add_argument("--base", default="rrs", help="with --same-trees: the rule the gains are over (block: the first path alone)")
     args = parser.parse_args()
     if args.same_trees:
-        print(same_trees(args.same_trees, args.base))
+        try:
+            print(same_trees(args.same_trees, args.base))
+        except ValueError as error:
+            parser.error(str(error))
         return 0
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft)
