@@ -84,11 +84,12 @@ def citations() -> dict[str, list[str]]:
     return cited
 
 
-def _provenance(entry: dict) -> str:
-    """A ``provenance.json`` entry (``benchmarks/record_provenance.py``) as one cell."""
+def _with_provenance(made: str, entry: dict) -> str:
+    """What a record states about itself, followed by its ``provenance.json`` entry (``benchmarks/record_provenance.py``)."""
     weights = "; ".join(f"`{name}`: {d['weights']} (shipped in {d['shipped_in_commit']}, sha256 {d['sha256']})"
                         for name, d in entry["drafts"].items())
-    return f"last written in commit {entry['last_written_in_commit']}; {entry['machine']}; weights {weights}"
+    known = f"last written in commit {entry['last_written_in_commit']}; {entry['machine']}; weights {weights}"
+    return f"{made}; {known}" if made else known
 
 
 def index_markdown() -> str:
@@ -108,13 +109,12 @@ def index_markdown() -> str:
         header = path.with_suffix(".json") if path.suffix == ".csv" and path.with_suffix(".json").exists() else path
         made = _made_by(header) if path.is_file() else f"{sum(1 for f in path.rglob('*') if f.is_file())} files"
         if name in provenance:
-            made = "; ".join(part for part in (made, _provenance(provenance[name])) if part)
+            made = _with_provenance(made, provenance[name])
         lines.append(f"| `{name}` | {made} | {', '.join(citing) if citing else 'none'} |")
     elsewhere = [(name, entry) for name, entry in provenance.items() if "/" in name]
     if elsewhere:
         lines += ["", "Records kept beside the data they summarise:", "", "| record | made by |", "|---|---|"]
-        lines += [f"| `{name}` | {' '.join(filter(None, [_made_by(ROOT / name)]))}; {_provenance(entry)} |"
-                  for name, entry in elsewhere]
+        lines += [f"| `{name}` | {_with_provenance(_made_by(ROOT / name), entry)} |" for name, entry in elsewhere]
     return "\n".join(lines) + "\n"
 
 

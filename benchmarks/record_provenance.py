@@ -84,7 +84,7 @@ def provenance() -> dict:
     for name, (machine, drafts) in RECORDS.items():
         path = repo_root() / name if "/" in name else records / name
         written = _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo_root())))
-        out[name] = {"last_written_in_commit": written, "machine": _machine(path) if path.suffix == ".jsonl" and _machine(path) else machine,
+        out[name] = {"last_written_in_commit": written, "machine": (_machine(path) if path.suffix == ".jsonl" else None) or machine,
                      "drafts": {draft: {"weights": head, "shipped_in_commit": SHIPPED_AT[head][1], "sha256": digests[head]}
                                 for draft, head in drafts.items()}}
     return out
