@@ -26,11 +26,11 @@ with the full q^G rows (``multi_weights.gbv_draft_rows``).
 ``"token"`` and ``"block"`` are the single-draft baselines on the same draws: token or block verification of the
 first path alone, which is what a one-draft run would have verified at that step (the first path is a draft of q).
 
-Exact in the rows' floating point; checked against the rational twins' laws (``exact.multi.verify_multi_exact``) in
-``tests/test_tree_expectations.py``.
-
 K-SEQ (L = 1) tries the K first tokens in turn, each accepted with min(1, p(x_i) / (rho* q(x_i))) against the same
 rows, so E = 1 - prod_i (1 - min(1, p(x_i) / (rho* q(x_i)))) with rho* of ``multi_weights.kseq_rho``.
+
+Exact in the rows' floating point; checked against the rational twins' laws (``exact.multi.verify_multi_exact``) in
+``tests/test_tree_expectations.py``.
 """
 
 from __future__ import annotations
