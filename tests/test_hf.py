@@ -82,16 +82,19 @@ def test_greedy_trees_equal_transformers_greedy(models, options):
     assert torch.equal(out, reference)
 
 
-@pytest.mark.parametrize("verifier", ["token", "block"])
-def test_greedy_with_prefix_processors_equals_transformers(models, verifier):
+@pytest.mark.parametrize("options", [dict(verifier="token"), dict(verifier="block"),
+                                     dict(verifier="traversal", num_drafts=2),
+                                     dict(verifier="onehot", num_drafts=3, draft_law="dynamic", tree_nodes=5)])
+def test_greedy_with_prefix_processors_equals_transformers(models, options):
     """Repetition penalty (per-row prompt padding), no-repeat n-grams, bad words, min new tokens and a
-    prefix-constrained function (batch index) applied at every scored position with its own prefix."""
+    prefix-constrained function (batch index) applied at every scored position with its own prefix; in a
+    draft tree, every node with its own path as prefix."""
     target, draft = models
     settings = dict(do_sample=False, max_new_tokens=14, repetition_penalty=1.5, no_repeat_ngram_size=2,
                     bad_words_ids=[[20], [30, 31]], min_new_tokens=5,
                     prefix_allowed_tokens_fn=lambda b, ids: list(range(b, 64, 2)) if len(ids) % 3 else list(range(64)))
     reference = target.generate(IDS, attention_mask=MASK, **settings)
-    out = target.generate(IDS, attention_mask=MASK, custom_generate=hf.speculative(draft, verifier=verifier, gamma=3),
+    out = target.generate(IDS, attention_mask=MASK, custom_generate=hf.speculative(draft, gamma=3, **options),
                           **settings)
     assert torch.equal(out, reference)
     assert not torch.equal(reference, target.generate(IDS, attention_mask=MASK, do_sample=False, max_new_tokens=14))
@@ -163,11 +166,11 @@ def small_pair():
     return tiny_llama(SMALL_V, seed=2, init_std=0.8), tiny_llama(SMALL_V, seed=3, init_std=0.8)
 
 
-def _hf_sequences(target, draft, verifier, n, seed, **settings) -> list[tuple[int, ...]]:
+def _hf_sequences(target, draft, verifier, n, seed, num_drafts=1, **settings) -> list[tuple[int, ...]]:
     ids = torch.tensor([PROMPT] * n)  # token 1 is the pad id: without a mask generate would treat it as padding
+    decode = hf.speculative(draft.model, verifier=verifier, gamma=3 if num_drafts == 1 else 2, num_drafts=num_drafts)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, eos_token_id=None,
-                                seed=seed,
-                                custom_generate=hf.speculative(draft.model, verifier=verifier, gamma=3), **settings)
+                                seed=seed, custom_generate=decode, **settings)
     return [tuple(row) for row in out[:, len(PROMPT): len(PROMPT) + 3].tolist()]
 
 
@@ -219,14 +222,15 @@ def _penalised_law(target: CausalLM, penalty: float, k: int) -> dict[tuple[int, 
     return law
 
 
-def test_sampled_output_with_a_prefix_processor_follows_its_law(small_pair):
-    """Repetition penalty 2.0 applied per position to target and draft: the output follows the penalised
-    target law (exact, enumerated 6^3 sequences; cells with expected count < 5 pooled). FPR <= 1e-7
-    (exact Bonferroni p-value)."""
+@pytest.mark.parametrize("verifier, num_drafts", [("block", 1), ("traversal", 2)])
+def test_sampled_output_with_a_prefix_processor_follows_its_law(small_pair, verifier, num_drafts):
+    """Repetition penalty 2.0 applied per position to target and draft (in a tree, per node on its own path): the
+    output follows the penalised target law (exact, enumerated 6^3 sequences; cells with expected count < 5
+    pooled). FPR <= 1e-7 per case (exact Bonferroni p-value)."""
     target, draft = small_pair
     with torch.no_grad():
         law = _penalised_law(target, 2.0, 3)
-    seen = _hf_sequences(target, draft, "block", SAMPLES, 5, do_sample=True, repetition_penalty=2.0)
+    seen = _hf_sequences(target, draft, verifier, SAMPLES, 5, num_drafts, do_sample=True, repetition_penalty=2.0)
     big = [s for s, p in law.items() if SAMPLES * p >= 5]
     counts = [sum(1 for s in seen if s == cell) for cell in big]
     probs = [law[s] for s in big]

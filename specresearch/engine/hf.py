@@ -74,7 +74,7 @@ from specresearch.core.verify import VERIFIERS
 from specresearch.engine.generate import GenerationResult, speculative_generate
 from specresearch.engine.tree import TREE_VERIFIERS
 from specresearch.models.causal_lm import CausalLM, check_prompt, rollback_counts
-from specresearch.models.protocols import LanguageModel
+from specresearch.models.protocols import LanguageModel, TreeScorer
 
 __all__ = [
     "speculative",
@@ -399,11 +399,12 @@ class _Processed:
     processor holding per-row state (RepetitionPenalty's per-row prompt padding, PrefixConstrained's batch
     index) sees row b where it expects it.
 
-    The optional interfaces pass through untouched: a target's ``hidden_layers`` (features are returned
-    as the model computes them, only the logits are processed), a draft's feature channel
-    (``feature_layers``, ``feature_size``, ``observe``) and its length plan (``plan_length``). They are
-    instance attributes, set only when the wrapped model has them, so the engine's interface checks see
-    the wrapped model's.
+    The optional interfaces pass through: a target's ``hidden_layers`` (features are returned as the model
+    computes them, only the logits are processed), a draft's feature channel (``feature_layers``,
+    ``feature_size``, ``observe``), its length plan (``plan_length``), row copies (``repeat_rows`` /
+    ``select_rows``) and a target's tree scoring (``begin_tree`` / ``score_tree`` / ``end_tree``: each node
+    processed with its own path as prefix). They are instance attributes, set only when the wrapped model has
+    them, so the engine's interface checks see the wrapped model's.
     """
 
     def __init__(self, model: LanguageModel, processors, input_ids: torch.Tensor, mask: torch.Tensor):
@@ -415,6 +416,9 @@ class _Processed:
                 setattr(self, name, getattr(model, name))
         if hasattr(model, "select_rows") and hasattr(model, "repeat_rows"):  # rows leave the batch / draft trees
             self.select_rows, self.repeat_rows = self._select_rows, self._repeat_rows
+        if isinstance(model, TreeScorer):  # a target that scores draft trees
+            self.begin_tree, self.score_tree, self.end_tree = self._begin_tree, self._score_tree, self._end_tree
+        self._region: list[list[int]] | None = None  # per row, the tokens of the open tree region, in slot order
         self._pads = [row[: int((m == 0).sum())].tolist() for row, m in zip(input_ids, mask)]  # left pads per row
         self._slots: list[list[tuple[int, bool]]] = []
         self._origin: list[int] = []  # the ``generate`` row each current row came from
@@ -466,16 +470,42 @@ class _Processed:
                     logits[b, j] = self._process(b, logits[b, j])
         return logits if features is None else (logits, features)
 
+    def _begin_tree(self) -> None:
+        self._region = [[] for _ in self._slots]
+        self.model.begin_tree()
+
+    def _score_tree(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, hidden_layers=None):
+        """The model's ``score_tree``; node i's logits go through the processors with the prefix of its own path
+        (the valid slots, then the region's slots and new nodes ``visible`` to it: its ancestors and itself)."""
+        if hidden_layers is None:
+            logits, features = self.model.score_tree(tokens, depth, visible), None
+        else:
+            logits, features = self.model.score_tree(tokens, depth, visible, hidden_layers=hidden_layers)
+        logits = logits.clone()
+        for b, (new, seen) in enumerate(zip(tokens.tolist(), visible.tolist())):
+            region = self._region[b] + new
+            for i, marks in enumerate(seen):
+                logits[b, i] = self._process(b, logits[b, i], [t for t, mark in zip(region, marks) if mark])
+            self._region[b] = region
+        return logits if features is None else (logits, features)
+
+    def _end_tree(self, kept: torch.Tensor) -> None:
+        """The accepted path's region slots become valid slots of the prefix; the rest are forgotten."""
+        for slots, region, marks in zip(self._slots, self._region, kept.tolist()):
+            slots.extend((t, True) for t, mark in zip(region, marks) if mark)
+        self._region = None
+        self.model.end_tree(kept)
+
     def rollback(self, n) -> None:
         counts = rollback_counts(n, len(self._slots), "cpu").tolist()
         self._slots = [slots[: len(slots) - c] for slots, c in zip(self._slots, counts)]
         self.model.rollback(n)
 
-    def _process(self, b: int, row: torch.Tensor) -> torch.Tensor:
-        """Processors on row b's prefix (its pads + valid slots) -> processed logits ``[V]``, seen by the processors
-        as row ``_origin[b]`` of ``generate``'s batch."""
+    def _process(self, b: int, row: torch.Tensor, path: Sequence[int] = ()) -> torch.Tensor:
+        """Processors on row b's prefix (its pads + valid slots + ``path``, a tree node's path) -> processed logits
+        ``[V]``, seen by the processors as row ``_origin[b]`` of ``generate``'s batch."""
         origin = self._origin[b]
-        prefix = self._pads[origin] + [t for t, ok in self._slots[b] if ok]
+        prefix = self._pads[origin] + [t for t, ok in self._slots[b] if ok] + list(path)
         batch = len(self._pads)
         ids = torch.tensor([prefix], dtype=torch.long, device=row.device).expand(batch, -1)
         scores = row[None].expand(batch, -1).clone()
