@@ -32,7 +32,7 @@ from specresearch.drafts.distilled import load_draft
 from specresearch.drafts.feature import FeatureDraft, load_feature_head
 from specresearch.drafts.store import manifest_path, read_manifest
 from specresearch.engine.prompts import encode_chat, load_prompts
-from specresearch.experiments.draft_analysis import predicted_speedup
+from specresearch.experiments.draft_analysis import best_speedup
 from specresearch.models.embedded import load_embedded
 from specresearch.training import distill
 from specresearch.training.feature_measure import (
@@ -57,7 +57,7 @@ def feature_row(lm, tokenizer, directory: Path, prompt_ids, eos, args) -> dict:
         stats = measure_feature_draft(lm.model, head, prompt_ids, temperatures=TEMPERATURES, depths=args.depths,
                                       max_new_tokens=args.tokens, eos_token_ids=eos, progress=False).as_dict()
     cost = measure_feature_cost(lm, FeatureDraft(head), repeats=args.repeats)
-    gamma, speedup = predicted_speedup(stats["alpha_by_depth"]["1.0"], cost["c"])
+    gamma, speedup = best_speedup(stats["alpha_by_depth"]["1.0"], cost["c"])
     return {"draft": directory.name, "kind": "feature", **stats, **cost, "best_gamma_T1": gamma, "speedup_T1": speedup}
 
 
@@ -71,7 +71,7 @@ def baseline_row(lm, directory: Path, prompt_ids, eos, args) -> dict:
                                       eos_token_ids=eos, progress=False).as_dict()
     cost = measure_cost_ratio(lm.model, draft, repeats=args.repeats)
     by_depth = {t: [a] * args.depths for t, a in stats["alpha"].items()}
-    gamma, speedup = predicted_speedup(by_depth["1.0"], cost["c"])
+    gamma, speedup = best_speedup(by_depth["1.0"], cost["c"])
     return {"draft": directory.name, "kind": "distilled LM", "alpha_by_depth": by_depth,
             "greedy_agreement_by_depth": [stats["greedy_agreement"]] * args.depths, "positions": stats["positions"], **cost,
             "best_gamma_T1": gamma, "speedup_T1": speedup}
@@ -167,7 +167,7 @@ def main() -> None:
         generated = generation_rows(lm, tokenizer, drafts, args)
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in generated)
-        print(f"\n| method | T | gamma | tokens | seconds | tokens/s | vs autoregressive | acceptance rate |\n|---|---|---|---|---|---|---|---|")
+        print("\n| method | T | gamma | tokens | seconds | tokens/s | vs autoregressive | acceptance rate |\n|---|---|---|---|---|---|---|---|")
         for r in generated:
             rate = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
             print(f"| {r['method']} | {r['temperature']} | {r['gamma']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_second']:.2f} | "

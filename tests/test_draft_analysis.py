@@ -12,6 +12,7 @@ import pytest
 from specresearch.exact import theory
 from specresearch.experiments.draft_analysis import (
     best_gammas,
+    best_speedup,
     corpus_spans,
     expected_tokens,
     gamma1_costs,
@@ -21,7 +22,6 @@ from specresearch.experiments.draft_analysis import (
     plot_speedup_by_category,
     plot_speedup_intervals,
     plot_speedup_vs_gamma,
-    predicted_speedup,
     read_draft_manifest,
     read_scaling,
     read_wallclock,
@@ -36,16 +36,16 @@ def test_expected_tokens_and_speedup_by_hand():
     assert expected_tokens([0.5, 0.4], 2) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
     assert expected_tokens([0.5, 0.4], 0) == 1.0
     # gamma 1: 1.5 / 1.1 = 1.364; gamma 2: 1.7 / 1.2 = 1.417
-    gamma, speedup = predicted_speedup([0.5, 0.4], 0.1)
+    gamma, speedup = best_speedup([0.5, 0.4], 0.1)
     assert gamma == 2 and speedup == pytest.approx(1.7 / 1.2)
-    assert predicted_speedup([0.5, 0.1], 0.1)[0] == 1  # 1.55 / 1.2 < 1.5 / 1.1
+    assert best_speedup([0.5, 0.1], 0.1)[0] == 1  # 1.55 / 1.2 < 1.5 / 1.1
 
 
 @pytest.mark.parametrize("alpha,c", [(0.3, 0.07), (0.8, 0.2)])
 def test_a_constant_alpha_gives_leviathans_formula(alpha, c):
     for gamma in range(1, 6):
         assert expected_tokens([alpha] * 5, gamma) == pytest.approx(float(theory.expected_tokens(Fraction(str(alpha)), gamma)))
-    best, speedup = predicted_speedup([alpha] * 5, c)
+    best, speedup = best_speedup([alpha] * 5, c)
     assert speedup == pytest.approx(float(theory.walltime_improvement(Fraction(str(alpha)), best, Fraction(str(c)))))
 
 
@@ -54,7 +54,7 @@ def test_the_verification_cost_divides_the_prediction():
     curve = speedup_curve([0.5, 0.4], 0.1, {1: 1.0, 2: 1.3, 3: 1.6})
     assert [g for g, _, _ in curve] == [1, 2]
     assert curve[0][2] == pytest.approx(1.5 / 1.4) and curve[1][2] == pytest.approx(1.7 / 1.8)
-    assert predicted_speedup([0.5, 0.4], 0.1, {2: 1.3, 3: 1.6}) == (1, pytest.approx(1.5 / 1.4))
+    assert best_speedup([0.5, 0.4], 0.1, {2: 1.3, 3: 1.6}) == (1, pytest.approx(1.5 / 1.4))
     with pytest.raises(ValueError, match=r"r_k for k = gamma \+ 1 at every gamma of \[1, 2\]"):
         speedup_curve([0.5, 0.4], 0.1, {2: 1.3})
     # only the gammas asked for: gamma 2 alone needs r_3 only
@@ -73,7 +73,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="alphas"):
         expected_tokens([1.5], 1)
     with pytest.raises(ValueError, match="c must"):
-        predicted_speedup([0.5], -1.0)
+        best_speedup([0.5], -1.0)
 
 
 def _feature_manifest(tokens, alpha1, steps=10, sequences=None):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-__all__ = ["expected_tokens", "predicted_speedup", "speedup_curve", "read_draft_manifest", "corpus_spans", "read_scaling", "read_wallclock",
+__all__ = ["expected_tokens", "best_speedup", "speedup_curve", "read_draft_manifest", "corpus_spans", "read_scaling", "read_wallclock",
            "wallclock_table", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
            "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff", "plot_speedup_intervals"]
 
@@ -63,7 +63,7 @@ def speedup_curve(alphas: Sequence[float], c: float, score_cost: dict[int, float
     return rows
 
 
-def predicted_speedup(alphas: Sequence[float], c: float, score_cost: dict[int, float] | None = None) -> tuple[int, float]:
+def best_speedup(alphas: Sequence[float], c: float, score_cost: dict[int, float] | None = None) -> tuple[int, float]:
     """The best gamma <= len(alphas) and its predicted speed-up (:func:`speedup_curve`)."""
     gamma, _, speedup = max(speedup_curve(alphas, c, score_cost), key=lambda row: row[2])
     return gamma, speedup
