@@ -1,8 +1,8 @@
-"""Every numbered notebook runs top to bottom headless (quick parameters), writes its figures, and runs
-quietly: no error, no stderr output in any cell, nothing from the kernel process on its own stderr (which
-the runner keeps with the run) or on this process's. Its words match its numbers: every decimal or percentage in
-its markdown appears in the outputs of that run (a notebook states a number by printing it, or names the record it
-reads), citations of papers' sections and inline code aside."""
+"""Every numbered notebook runs top to bottom headless (quick parameters; the kernel starts in the notebook's folder,
+as in JupyterLab), writes its figures, and runs quietly: no error, no stderr output in any cell, nothing from the
+kernel process on its own stderr (which the runner keeps with the run) or on this process's. Its words match its
+numbers: every decimal or percentage in its markdown appears in the outputs of that run (a notebook states a number
+by printing it, or names the record it reads), citations of papers' sections and inline code aside."""
 
 import os
 import re
@@ -74,18 +74,19 @@ def test_notebook_executes(notebook, tmp_path, monkeypatch, capfd):
 
 
 @pytest.mark.slow
-def test_kernel_runs_on_this_interpreter_quietly(tmp_path, capfd):
+def test_kernel_runs_on_this_interpreter_in_the_notebooks_folder_quietly(tmp_path, capfd):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(
-        "import os, sys\nprint(sys.executable)\nprint(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])")]
+        "import os, sys\nprint(sys.executable)\nprint(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])\nprint(os.getcwd())")]
     (tmp_path / "01_env.ipynb").write_text(nbformat.writes(nb))
     before = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
     run = execute_notebook(tmp_path / "01_env.ipynb", tmp_path / "out", quick=True, html=False)
-    executable, bars_off = _outputs(run.executed, "stdout")[0].text.split()
+    executable, bars_off, cwd = _outputs(run.executed, "stdout")[0].text.split()
     import sys
 
     assert Path(executable).resolve().parent == Path(sys.executable).resolve().parent
     assert bars_off == "1"
+    assert Path(cwd) == tmp_path.resolve()  # the kernel starts in the notebook's folder, as in JupyterLab
     assert os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == before  # the runner restores its environment
     assert run.kernel_messages() == []
     assert capfd.readouterr().err == ""

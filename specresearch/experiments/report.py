@@ -96,7 +96,10 @@ def execute_notebook(
     timeout: int = 1800,
     html: bool = True,
 ) -> NotebookRun:
-    """Run ``notebook`` in a fresh kernel (cwd = repository root) and write the executed copy.
+    """Run ``notebook`` in a fresh kernel, started in its folder as JupyterLab starts it, and write the executed copy.
+
+    A notebook that reads a path relative to the repository root fails here as it would in JupyterLab: notebooks
+    reach the repository's files through ``specresearch.paths.repo_root()``.
 
     Args:
         notebook: path to an ``.ipynb``.
@@ -125,7 +128,7 @@ def execute_notebook(
     try:
         with tempfile.TemporaryDirectory(prefix="specresearch-kernel-") as sockets:
             client = NotebookClient(nb, timeout=timeout, kernel_name="python3", config=_kernel_config(sockets),
-                                    resources={"metadata": {"path": str(Path.cwd())}})
+                                    resources={"metadata": {"path": str(notebook.resolve().parent)}})
             # The kernel's own stderr (not its cells' output, which goes to the notebook) is kept with the
             # run instead of being interleaved with this process's.
             log = Path(sockets) / "kernel-stderr.txt"
