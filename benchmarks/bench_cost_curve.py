@@ -1,12 +1,13 @@
 """This machine's cost curve and the default gamma it makes best (``engine.cost``), beside the measured speeds.
 
-Times r_n (one target call scoring n tokens over one scoring 1), c (one call of generate's default draft over one
-target call), o (a step's own work) and s_gamma (a whole chain step at gamma) on the embedded pair, fresh (not the
-cache), and prints the predicted speed-ups E(gamma) / s_gamma (what the default uses) and E(gamma) / (r_{gamma+1} +
-gamma c + o) for ``config.GENERATE_TAU`` beside the speed-ups measured at gamma 1-3 in
-``benchmarks/records/adaptive_amd.csv`` (the head alone, T = 1, the same machine). Writes
-``benchmarks/records/cost_curve_<cpu>.json`` (command, commit, machine, the draft's sha256). A benchmark: nothing is
-asserted.
+Times r_n (one target call scoring n tokens over one scoring 1), c (one call of the draft over one target call), o (a
+step's own work) and s_gamma (a chain step drafting gamma tokens over an autoregressive step; ``ngram+NAME`` is timed
+on NAME, whose chains gamma sets) on the embedded pair, fresh (not the cache), and prints the predicted speed-ups
+E(gamma) / s_gamma (what the default uses) and E(gamma) / (r_{gamma+1} + gamma c + o) for ``config.GENERATE_TAU``
+beside the speed-ups measured at gamma 1-3 in ``benchmarks/records/adaptive_amd.csv`` (the head alone, T = 1, the same
+machine), and the gamma ``specresearch generate`` takes here (the measured default unless another is predicted
+faster by more than ``config.GENERATE_MARGIN``). Writes ``benchmarks/records/cost_curve_<cpu>.json`` (command,
+commit, machine, the draft's sha256). A benchmark: nothing is asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_cost_curve.py --threads 1
 """
@@ -21,7 +22,12 @@ import sys
 import pandas as pd
 import torch
 
-from specresearch.config import GENERATE_DRAFT, GENERATE_TAU
+from specresearch.config import (
+    GENERATE_DRAFT,
+    GENERATE_GAMMA,
+    GENERATE_MARGIN,
+    GENERATE_TAU,
+)
 from specresearch.drafts.registry import load_pair
 from specresearch.engine.cost import best_gamma, measure_cost_curve, predicted_speedup
 from specresearch.experiments.records import record_header
@@ -51,6 +57,7 @@ def main() -> int:
                            o=overhead, s=steps, predicted_from_calls=from_calls, target_seconds=curve.target_seconds,
                            rounds=[c.__dict__ for c in curves], predicted=predicted,
                            best_gamma=best_gamma(curve, GENERATE_TAU),
+                           default_gamma=best_gamma(curve, GENERATE_TAU, incumbent=GENERATE_GAMMA, margin=GENERATE_MARGIN),
                            measured_head_t1={g: float(measured.get(f"gamma {g}", float("nan"))) for g in GENERATE_TAU})
     machine = record["machine"]
     out = repo_root() / "benchmarks" / "records" / f"cost_curve_{machine.get('cpu', 'cpu').split()[0].lower()}.json"
@@ -59,7 +66,8 @@ def main() -> int:
     for g in GENERATE_TAU:
         print(f"gamma {g}: predicted from steps {predicted[g]:.3f}x, from calls {from_calls[g]:.3f}x, "
               f"measured (head, T = 1) {record['measured_head_t1'][g]:.3f}x")
-    print(f"default gamma here: {record['best_gamma']} ({out})")
+    print(f"fastest predicted: gamma {record['best_gamma']}; generate's default here: gamma {record['default_gamma']} "
+          f"(gamma {GENERATE_GAMMA} unless another is predicted > {GENERATE_MARGIN:.0%} faster) ({out})")
     return 0
 
 

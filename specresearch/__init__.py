@@ -48,7 +48,7 @@ def __dir__():
 
 
 def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = True, verifier: str = "block",
-             gamma: int | str = GENERATE_GAMMA, max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
+             gamma: int | str = "auto", max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
              seed=0, **options):
     """Speculative generation as ``specresearch generate`` does it: the chat template, the CLI's default draft.
 
@@ -59,8 +59,9 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             a name (``drafts.registry.draft_from_name``) for the given or the embedded target.
         chat: wrap each string in the tokenizer's chat template (as the CLI does unless ``--raw``).
         verifier, gamma, max_new_tokens, sampling, seed, options: as :func:`speculative_generate` (``num_drafts=``,
-            ``stop_below=``, ...). ``gamma="auto"``: the gamma this machine's cost curve predicts fastest
-            (``engine.cost.default_gamma``, as the CLI's ``--gamma auto``).
+            ``stop_below=``, ...). ``gamma="auto"`` (default), as the CLI: for a chain ``engine.cost.default_gamma``
+            (``GENERATE_GAMMA`` unless this machine's step costs, timed once and cached, predict another gamma faster
+            by more than ``GENERATE_MARGIN``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
     Returns:
         ``engine.generate.GenerationResult`` with ``.text`` decoded.
     """
@@ -76,10 +77,12 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         from specresearch.drafts.registry import draft_from_name
 
         draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
-    if gamma == "auto":
+    if gamma == "auto" and options.get("num_drafts", 1) == 1 and options.get("stop_below") is None:
         from specresearch.engine.cost import default_gamma
 
         gamma = default_gamma(target, draft)
+    elif gamma == "auto":
+        gamma = GENERATE_GAMMA
     rows = [prompts] if isinstance(prompts, str) else list(prompts)
     if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
         rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]

@@ -27,7 +27,7 @@ from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside
     known_names,
     shorten,
 )
-from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA  # noqa: E402 (the defaults the front door shares)
+from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA, GENERATE_MARGIN  # noqa: E402 (the defaults the front door shares)
 
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
@@ -85,8 +85,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--verifier", default=None, choices=["token", "block", "greedy", *TREE_RULES],
                    help="token | block (default) | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
                         + " | ".join(TREE_RULES))
-    p.add_argument("--gamma", type=_gamma_arg, default=None, help=f"draft tokens per step (default {GENERATE_GAMMA}, measured fastest here); 'auto': the "
-                   "gamma this machine's cost curve predicts fastest for the draft (engine.cost, timed once and cached)")
+    p.add_argument("--gamma", type=_gamma_arg, default=None,
+                   help=f"draft tokens per step. Default ('auto'): for a chain {GENERATE_GAMMA} (measured fastest on the "
+                        "reference CPU) unless this machine's step costs (engine.cost, timed once and cached) predict another "
+                        f"gamma faster by more than {round(100 * GENERATE_MARGIN)}%%; with --num-drafts or --stop-below "
+                        f"{GENERATE_GAMMA}")
     p.add_argument("--num-drafts", type=int, default=1,
                    help="draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         "multi-draft --verifier; every draft draws trees)")
@@ -158,8 +161,8 @@ def _run_generate(args) -> int:
     from specresearch.models.embedded import load_model
 
     args.gamma_given = args.gamma is not None
-    auto = args.gamma == "auto"
-    args.gamma = GENERATE_GAMMA if args.gamma is None or auto else args.gamma
+    auto = args.gamma in (None, "auto") and args.num_drafts == 1 and args.stop_below is None  # a chain: the machine's
+    args.gamma = GENERATE_GAMMA if args.gamma is None or args.gamma == "auto" else args.gamma
     check_generate_flags(args)
     if args.threads:
         import torch
@@ -183,7 +186,7 @@ def _run_generate(args) -> int:
         if auto:
             from specresearch.engine.cost import default_gamma
 
-            args.gamma = default_gamma(target, draft)  # this machine's cost curve, timed once and cached
+            args.gamma = default_gamma(target, draft, announce=lambda message: print(message, file=sys.stderr))
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
                                       num_drafts=args.num_drafts, draft_law=args.draft_law, tree_nodes=args.tree_nodes,
                                       stop_below=args.stop_below,
@@ -428,8 +431,8 @@ def _add_bench(sub) -> None:
                    help="v8k-4l (default; a shipped distilled draft; eagle3-v8k the feature head) | ngram | ngram+NAME[@OPTION] | "
                         "truncated:N | fp16:NAME | dial-mix:LAM (BE only) | checkpoint path")
     p.add_argument("--default-config", action="store_true",
-                   help=f"time exactly what `specresearch generate` runs by default ({GENERATE_DRAFT}, block, gamma "
-                        f"{GENERATE_GAMMA}) against autoregressive decoding; the prompt, temperature and length flags apply")
+                   help=f"time exactly what `specresearch generate` runs by default ({GENERATE_DRAFT}, block, the gamma "
+                        "it picks on this machine) against autoregressive decoding; the prompt, temperature and length flags apply")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset (a few minutes); flags below override")
     p.add_argument("--verifiers", nargs="+", help="default: token block; a draft tree as NAME:K[:LAW], e.g. traversal:4 (engine.tree.parse_verifier)")
     p.add_argument("--temperatures", nargs="+", type=float, help="default: 0 0.2 0.6 1.0")
@@ -463,7 +466,7 @@ def _run_bench(args) -> int:
         given = [flag for flag, value in (("--draft", args.draft), ("--verifiers", args.verifiers), ("--gammas", args.gammas)) if value]
         if given:
             raise ValueError(f"--default-config fixes the draft, verifier and gamma to generate's defaults: drop {', '.join(given)}")
-        args.draft, args.verifiers, args.gammas = GENERATE_DRAFT, ["block"], [GENERATE_GAMMA]
+        args.draft, args.verifiers, args.gammas = GENERATE_DRAFT, ["block"], [GENERATE_GAMMA]  # gamma: the machine's, below
     args.draft = args.draft or "v8k-4l"
     if args.prompt_set:
         from specresearch.engine.prompts import prompt_set_file
@@ -478,11 +481,12 @@ def _run_bench(args) -> int:
     preset = bench.BenchConfig.from_name("quick" if args.quick else "full")
     config = dataclasses.replace(preset, **{k: tuple(v) if isinstance(v, list) else v
                                             for k, v in fields.items() if v is not None})
-    run = args.run or bench.default_run_id(args.target, args.draft, config, "quick-" if args.quick else "")
+    prefix = ("quick-" if args.quick else "") + ("default-" if args.default_config else "")
+    run = args.run or bench.default_run_id(args.target, args.draft, config, prefix)
     path = Path(args.out) / f"{run}.csv"
     records = bench.run_named(args.target, args.draft, config, path, prompts_path=args.prompts_file, run_id=run,
                               device=args.device, command="specresearch " + " ".join(sys.argv[1:]),
-                              batched=args.batched)
+                              batched=args.batched, default_gamma=args.default_config)
     print(analysis.summary(records))
     same, units = analysis.t0_agreement(records)
     if units and len(config.verifiers) > 1:

@@ -11,15 +11,17 @@ from dataclasses import dataclass
 
 from specresearch.checks import check_int, check_real, named_preset
 
-__all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU"]
+__all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU", "GENERATE_MARGIN"]
 
 # The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
-# float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding, docs/feature_drafts.md).
+# float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding on the reference CPU,
+# docs/feature_drafts.md), unless the machine's step costs predict another gamma faster by more than GENERATE_MARGIN
+# (engine.cost.default_gamma; the margin is the step model's error where it was checked, docs/trees.md).
 GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
 GENERATE_GAMMA = 1
+GENERATE_MARGIN = 0.10
 # The head's tokens per step by gamma (T = 1, 8 held-out prompts; record benchmarks/records/adaptive_amd.csv, checked
-# by tests/test_cost.py). `specresearch generate --gamma auto` weighs them against this machine's cost curve
-# (engine.cost.default_gamma); the default stays GENERATE_GAMMA, measured fastest (docs/trees.md says why).
+# by tests/test_cost.py), which engine.cost.default_gamma weighs against this machine's step costs.
 GENERATE_TAU = {1: 1.494, 2: 1.806, 3: 2.085}
 
 

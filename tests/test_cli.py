@@ -234,19 +234,22 @@ def test_lab_script_adds_allow_root_only_as_root():
 
 
 def test_bench_default_config_times_what_generate_runs(capsys, monkeypatch, tmp_path):
-    """``bench --default-config`` runs generate's own draft, verifier and gamma (and refuses flags that change them)."""
+    """``bench --default-config`` runs generate's own draft, verifier and gamma (the one this machine picks,
+    ``run_named(default_gamma=True)``), and refuses flags that change them."""
     from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA
     from specresearch.experiments import analysis, bench
 
     seen = {}
 
     def fake_run(target, draft, config, path, **kwargs):
-        seen.update(draft=draft, verifiers=config.verifiers, gammas=config.gammas, temperatures=config.temperatures)
+        seen.update(draft=draft, verifiers=config.verifiers, gammas=config.gammas, temperatures=config.temperatures,
+                    machine_gamma=kwargs["default_gamma"])
         return []
 
     monkeypatch.setattr(bench, "run_named", fake_run)
     monkeypatch.setattr(analysis, "summary", lambda records: "")
     monkeypatch.setattr(analysis, "t0_agreement", lambda records: (0, 0))
     assert main(["bench", "--default-config", "--temperatures", "0", "1", "--out", str(tmp_path)]) == 0
-    assert seen == {"draft": GENERATE_DRAFT, "verifiers": ("block",), "gammas": (GENERATE_GAMMA,), "temperatures": (0.0, 1.0)}
+    assert seen == {"draft": GENERATE_DRAFT, "verifiers": ("block",), "gammas": (GENERATE_GAMMA,), "temperatures": (0.0, 1.0),
+                    "machine_gamma": True}
     _user_error(capsys, ["bench", "--default-config", "--gammas", "3"], "--default-config fixes", "--gammas")

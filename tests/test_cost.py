@@ -7,6 +7,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
 from specresearch.config import GENERATE_TAU
 from specresearch.engine import cost
@@ -56,3 +57,55 @@ def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     with pytest.raises(AssertionError, match="timed again"):
         cost.cost_curve(target, draft, max_tokens=4)  # another question: timed anew
     assert cost.default_gamma(target, draft, {1: 1.5, 2: 1.8}) in (1, 2)
+
+
+def test_another_gamma_replaces_the_measured_default_only_by_the_margin():
+    expected = {1: 1.5, 2: 1.8, 3: 2.1}
+    close = CostCurve((1.0,) * 5, 0.05, 0.01, step_ratios=(1.1, 1.5, 1.45))  # 1.364, 1.2, 1.448: gamma 3 by 6 %
+    assert best_gamma(close, expected) == 3
+    assert best_gamma(close, expected, incumbent=1, margin=0.10) == 1
+    assert best_gamma(close, expected, incumbent=1, margin=0.05) == 3
+    flat = CostCurve((1.0,) * 5, 0.05, 0.01, step_ratios=(1.05, 1.10, 1.15))  # a GPU at small batch: gamma 3 by 27 %
+    assert best_gamma(flat, expected, incumbent=1, margin=0.10) == 3
+
+
+def test_the_default_gamma_is_the_measured_one_unless_the_machine_says_otherwise(monkeypatch):
+    from specresearch.config import GENERATE_GAMMA, GENERATE_MARGIN
+
+    close = CostCurve((1.0,) * 4, 0.05, 0.01, step_ratios=(1.1, 1.5, 1.45))
+    flat = CostCurve((1.0,) * 4, 0.05, 0.01, step_ratios=(1.05, 1.10, 1.15))
+    for curve, want in ((close, GENERATE_GAMMA), (flat, 3)):
+        monkeypatch.setattr(cost, "cost_curve", lambda *args, curve=curve, **kwargs: curve)
+        assert cost.default_gamma(None, None, {1: 1.5, 2: 1.8, 3: 2.1}) == want
+    assert cost.MARGIN == GENERATE_MARGIN
+
+
+def test_a_planning_draft_is_timed_on_the_draft_it_wraps_at_every_gamma(monkeypatch):
+    """``ngram+NAME`` drafts one token where lookup finds no match (the calibration's prompt has none): its step costs
+    are those of NAME's chains, each step drafting gamma tokens."""
+    import specresearch.engine.generate as engine
+    from specresearch.drafts.combined import LookupOrDraft
+
+    target, inner = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
+    seen, real = [], engine.speculative_generate
+
+    def spy(target, draft, prompts, **kwargs):
+        result = real(target, draft, prompts, **kwargs)
+        seen.append((draft, kwargs["gamma"], [s.gamma for s in result.steps]))
+        return result
+
+    monkeypatch.setattr(engine, "speculative_generate", spy)
+    curve = cost.measure_cost_curve(target, LookupOrDraft(inner, draft_gamma=1), max_tokens=4, repeats=2, new_tokens=12)
+    assert len(curve.step_ratios) == 3 and all(r > 0 for r in curve.step_ratios)
+    assert all(draft is inner for draft, _, _ in seen)
+    for gamma in (1, 2, 3):
+        assert any(g == gamma and steps.count(gamma) >= 2 for _, g, steps in seen), gamma  # steps that draft gamma tokens
+
+    class Planner:  # plans its lengths and wraps no draft: nothing fixes its chains' length
+        vocab_size, device = 48, torch.device("cpu")
+
+        def plan_length(self, gamma):
+            return 1
+
+    with pytest.raises(ValueError, match="plans its own draft lengths"):
+        cost.measure_cost_curve(target, Planner(), max_tokens=3, repeats=1)

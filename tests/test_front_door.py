@@ -32,3 +32,22 @@ def test_generate_builds_a_named_draft_for_the_given_target():
     target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
     out = specresearch.generate([[1, 2, 1, 2]], target=target, draft="ngram", chat=False, gamma=2, max_new_tokens=6)
     assert len(out.tokens[0]) == 6
+
+
+def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_trees(monkeypatch):
+    """``gamma="auto"`` (the default, as the CLI): ``engine.cost.default_gamma`` for a chain; ``GENERATE_GAMMA`` with
+    ``num_drafts > 1`` or ``stop_below``, where the machine's step costs (of chains) say nothing."""
+    import specresearch.engine.cost as cost
+    from specresearch.config import GENERATE_GAMMA
+
+    asked = []
+    monkeypatch.setattr(cost, "default_gamma", lambda target, draft: asked.append(draft) or 3)
+    target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    draft = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+    chain = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0)
+    assert asked == [draft] and max(s.gamma for s in chain.steps) == 3
+    tree = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
+                                 verifier="traversal", num_drafts=2)
+    stop = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
+                                 stop_below=0.5)
+    assert asked == [draft] and {s.gamma for s in tree.steps + stop.steps} <= {GENERATE_GAMMA}

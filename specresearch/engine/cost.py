@@ -6,40 +6,44 @@ call scoring n tokens and c = one draft call / T(1), a step that emits E(gamma) 
 
     S(gamma) = E(gamma) / (r_{gamma+1} + gamma c + o)
 
-times as fast as autoregressive decoding, o being the step's own work (sampling, verification, bookkeeping) over T(1).
-That model misses what grows with gamma besides the target call (re-feeding a feature head the accepted tokens, longer
-verification), and on a CPU whose r is not monotone its choice flips on a few percent of timing noise. So the
-default is chosen on the measured cost of whole steps instead: s_gamma = the median seconds of a chain step at gamma
-through the engine, over T(1), and S(gamma) = E(gamma) / s_gamma; r, c and o are kept to explain it (Leviathan et al., arXiv 2211.17192, take r flat at 1 and o = 0; on a CPU r
-is not flat and not even monotone: ``benchmarks/bench_score_cost.py``). r, c and o depend on the machine, E on the
-pair and the prompts. :func:`cost_curve` times r and c once per machine and keeps them in ``<cache_dir>/score_cost.json``
-(keyed by the CPU, torch's version, the thread count, the device and the models' shapes, like the skinny-rows
-choice); :func:`best_gamma` picks gamma. ``specresearch generate --gamma auto`` (and ``specresearch.generate(gamma="auto")``)
-use it. The default gamma stays the measured one (``config.GENERATE_GAMMA``): on the 2-core AMD EPYC the predictions
-err by more than the gaps between gammas (``benchmarks/records/cost_curve_amd.json``, docs/trees.md).
+times as fast as autoregressive decoding, o being the step's own work (sampling, verification, bookkeeping) over T(1)
+(Leviathan et al., arXiv 2211.17192, take r flat at 1 and o = 0; on a CPU r is not flat and not even monotone:
+``benchmarks/bench_score_cost.py``). That model misses what grows with gamma besides the target call (re-feeding a
+feature head the accepted tokens, longer verification), so the choice rests on whole steps instead: s_gamma = the mean
+seconds of a chain step that drafts gamma tokens over the mean seconds of an autoregressive step, both timed through
+the engine, and S(gamma) = E(gamma) / s_gamma; r, c and o are kept to explain it. r, c, o and s depend on the machine,
+E on the pair and the prompts. :func:`cost_curve` times them once per machine and models and keeps them in
+``<cache_dir>/score_cost.json`` (keyed by the CPU, torch's version, the thread count, the device and the models'
+shapes, like the skinny-rows choice). :func:`default_gamma` is the gamma of ``specresearch generate`` and
+``specresearch.generate``: the measured default ``config.GENERATE_GAMMA`` unless this machine's curve predicts another
+gamma faster by more than ``MARGIN`` (the step model's error where it was checked, ``docs/trees.md``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specresearch.config import GENERATE_MARGIN
 from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.paths import cached_answer, cpu_name, keep_answer
 
-__all__ = ["CostCurve", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma", "default_gamma"]
+__all__ = ["CostCurve", "MARGIN", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma",
+           "default_gamma"]
 
 COST_FILE = "score_cost.json"
+MARGIN = GENERATE_MARGIN  # another gamma than the measured default must be predicted this much faster to replace it
 
 
 @dataclass(frozen=True)
 class CostCurve:
     """``ratios[n - 1]`` = r_n for n = 1..len (r_1 = 1); ``draft_ratio`` = c and ``overhead_ratio`` = o (0 without a
-    draft); ``step_ratios[gamma - 1]`` = s_gamma, a whole chain step at gamma over T(1) (empty without a draft)."""
+    draft); ``step_ratios[gamma - 1]`` = s_gamma, a whole chain step drafting gamma tokens over an autoregressive
+    step (empty without a draft)."""
 
     ratios: tuple[float, ...]
     draft_ratio: float
@@ -70,29 +74,49 @@ def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int 
     return dict(zip(ks, medians))
 
 
-def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_length: int = 64, repeats: int = 9) -> CostCurve:
+def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_length: int = 64, repeats: int = 9,
+                       new_tokens: int = 48) -> CostCurve:
     """Time r_1..r_max_tokens for ``target`` (contexts of ``context_length`` tokens, interleaved medians of
-    ``repeats``) and, with ``draft`` (any draft kind), c and o: the median seconds of its calls and of the steps' own
-    work in a greedy gamma-1 run of 16 tokens through the engine (which times each step's parts), over T(1); and s_gamma
-    for gamma = 1..max_tokens - 1: the median seconds of the steps of a 24-token run at T = 1, over T(1)."""
+    ``repeats``) and, with ``draft`` (any draft kind), c, o and s_gamma for gamma = 1..max_tokens - 1.
+
+    c and o: the median seconds of the draft's calls and of the steps' own work in a greedy gamma-1 run of 16 tokens
+    through the engine (which times each step's parts), over T(1). s_gamma: the mean seconds of the steps of a
+    ``new_tokens``-token block-verification run at T = 1 that draft gamma tokens, over the mean seconds of an
+    autoregressive step of a run of as many tokens on the same prompt, after a warm-up run. A draft that plans its own
+    lengths (``ngram+NAME``, which drafts one token where lookup finds no match) is timed on the draft it wraps
+    (``.draft``), whose chains gamma sets; a planning draft that wraps none raises ``ValueError``.
+    """
     from specresearch.config import SamplingConfig
-    from specresearch.engine.generate import speculative_generate
+    from specresearch.engine.generate import (
+        autoregressive_generate,
+        speculative_generate,
+    )
+    from specresearch.models.protocols import PlansLength
 
     seconds = score_seconds(target, tuple(range(1, max_tokens + 1)), context_length, repeats)
     ratios = tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1))
     if draft is None:
         return CostCurve(ratios, 0.0, seconds[1])
+    if isinstance(draft, PlansLength):
+        if getattr(draft, "draft", None) is None:
+            raise ValueError(f"{type(draft).__name__} plans its own draft lengths and wraps no draft whose chains "
+                             "gamma sets: time its steps with a draft of fixed length")
+        draft = draft.draft
     prompt = ((torch.arange(context_length) % 1000 + 100) % target.vocab_size).tolist()
+    sampled = SamplingConfig(temperature=1.0)
 
-    def steps(gamma: int, max_new_tokens: int, temperature: float):
+    def steps(gamma: int, max_new_tokens: int, sampling):
         run = speculative_generate(target, draft, [prompt], verifier="block", gamma=gamma, max_new_tokens=max_new_tokens,
-                                   sampling=SamplingConfig(temperature=temperature), seed=0, step_timing=True)
-        return [s for s in run.steps if s.gamma == gamma and s.draft_calls] or run.steps
+                                   sampling=sampling, seed=0, step_timing=True)
+        return [s for s in run.steps if s.gamma == gamma] or run.steps  # (the last steps may be shorter)
 
-    greedy = steps(1, 16, 0.0)
+    steps(max_tokens - 1, 8, sampled)  # warm-up: the first calls of a process are slower
+    greedy = steps(1, 16, SamplingConfig(temperature=0.0))
     draft_ratio = statistics.median(s.draft_seconds / s.draft_calls for s in greedy) / seconds[1]
     overhead_ratio = statistics.median(s.overhead_seconds for s in greedy) / seconds[1]
-    step_ratios = tuple(statistics.median(s.seconds for s in steps(g, 24, 1.0)) / seconds[1] for g in range(1, max_tokens))
+    plain = autoregressive_generate(target, [prompt], max_new_tokens=new_tokens, sampling=sampled, seed=0, step_timing=True)
+    step = statistics.mean(s.seconds for s in plain.steps)
+    step_ratios = tuple(statistics.mean(s.seconds for s in steps(g, new_tokens, sampled)) / step for g in range(1, max_tokens))
     return CostCurve(ratios, draft_ratio, seconds[1], overhead_ratio, step_ratios)
 
 
@@ -109,13 +133,15 @@ def _key(target, draft, max_tokens: int) -> str:
     device = torch.device(target.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     shapes = hashlib.sha1(f"{_shapes(target)}|{_shapes(draft) if draft is not None else ''}".encode()).hexdigest()[:12]
-    return f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}"
+    # "steps/ar": s_gamma over an autoregressive step (entries of another measurement are timed again)
+    return f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}|steps/ar"
 
 
-def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True) -> CostCurve:
-    """:func:`measure_cost_curve`, timed once per machine and models (module docstring; a few seconds on a CPU), kept
+def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True,
+               announce: Callable[[str], None] | None = None) -> CostCurve:
+    """:func:`measure_cost_curve`, timed once per machine and models (module docstring; ~15 s on a 2-core CPU), kept
     in ``<cache_dir>/score_cost.json`` for later processes (delete the file to time again). ``cache=False`` times
-    anew."""
+    anew; ``announce(message)`` is told before timing starts (the CLI prints it)."""
     key = _key(target, draft, max_tokens)
     stored = cached_answer(COST_FILE, key) if cache else None
     if isinstance(stored, dict):
@@ -124,6 +150,8 @@ def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True) -
                              stored["overhead_ratio"], tuple(stored["step_ratios"]))
         except (KeyError, TypeError):
             pass  # an entry of another shape: time again
+    if announce is not None:
+        announce(f"timing this machine's step costs once (cached in {COST_FILE} of the specresearch cache)")
     curve = measure_cost_curve(target, draft, max_tokens=max_tokens)
     if cache:
         keep_answer(COST_FILE, key, {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
@@ -143,20 +171,28 @@ def predicted_speedup(curve: CostCurve, expected_tokens: Mapping[int, float], *,
             if g + 1 <= len(curve.ratios)}
 
 
-def best_gamma(curve: CostCurve, expected_tokens: Mapping[int, float]) -> int:
-    """The gamma of largest :func:`predicted_speedup` (ties: the shorter)."""
+def best_gamma(curve: CostCurve, expected_tokens: Mapping[int, float], *, incumbent: int | None = None,
+               margin: float = 0.0) -> int:
+    """The gamma of largest :func:`predicted_speedup` (ties: the shorter); with ``incumbent``, that gamma only when
+    it is predicted faster than the incumbent by more than ``margin`` (a fraction), else the incumbent."""
     speed = predicted_speedup(curve, expected_tokens)
     if not speed:
         raise ValueError(f"the cost curve covers up to {len(curve.ratios)} tokens per call: no gamma of "
                          f"{sorted(expected_tokens)} fits")
-    return max(sorted(speed), key=lambda g: (speed[g], -g))
+    best = max(sorted(speed), key=lambda g: (speed[g], -g))
+    if incumbent is not None and incumbent in speed and speed[best] <= (1 + margin) * speed[incumbent]:
+        return incumbent
+    return best
 
 
-def default_gamma(target, draft, expected_tokens: Mapping[int, float] | None = None) -> int:
-    """The gamma of ``specresearch generate --gamma auto``: :func:`best_gamma` on this machine's cached
-    :func:`cost_curve` and ``expected_tokens`` (default ``config.GENERATE_TAU``, the default draft's head's tokens per
-    step by gamma, from a committed record)."""
-    from specresearch.config import GENERATE_TAU
+def default_gamma(target, draft, expected_tokens: Mapping[int, float] | None = None, *, margin: float = MARGIN,
+                  announce: Callable[[str], None] | None = None) -> int:
+    """The gamma of ``specresearch generate`` and ``specresearch.generate``: ``config.GENERATE_GAMMA`` (measured
+    fastest on the reference CPU) unless :func:`best_gamma` on this machine's cached :func:`cost_curve` predicts another
+    gamma faster by more than ``margin``. ``expected_tokens``: tokens per step by gamma (default
+    ``config.GENERATE_TAU``, the default draft's head's, from a committed record)."""
+    from specresearch.config import GENERATE_GAMMA, GENERATE_TAU
 
     expected = dict(expected_tokens or GENERATE_TAU)
-    return best_gamma(cost_curve(target, draft, max_tokens=max(expected) + 1), expected)
+    curve = cost_curve(target, draft, max_tokens=max(expected) + 1, announce=announce)
+    return best_gamma(curve, expected, incumbent=GENERATE_GAMMA, margin=margin)

@@ -66,12 +66,12 @@ from typing import Sequence
 from specresearch.checks import named_preset
 from specresearch.config import SamplingConfig
 from specresearch.core.verify import VERIFIERS
+from specresearch.engine.cost import score_seconds
 from specresearch.engine.generate import (
     GenerationResult,
     autoregressive_generate,
     speculative_generate,
 )
-from specresearch.engine.cost import score_seconds
 from specresearch.engine.tree import parse_verifier
 from specresearch.experiments.records import (
     AUTOREGRESSIVE,
@@ -428,17 +428,22 @@ def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConf
 
 def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str | os.PathLike, *,
               prompts_path: str | os.PathLike | None = None, run_id: str | None = None, device: str = "cpu",
-              progress: bool = True, command: str | None = None, batched: bool = False):
+              progress: bool = True, command: str | None = None, batched: bool = False, default_gamma: bool = False):
     """Load ``target_name`` (embedded name or checkpoint) and ``draft_name`` (``load_bench_draft``), encode
     the prompts (``load_bench_prompts``), record what runs (``write_run_info``) and ``run_bench`` into ``path``.
 
-    ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. Returns every
-    record in the file (pandas DataFrame).
+    ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. ``default_gamma``: run
+    the gamma ``specresearch generate`` picks for this pair on this machine (``engine.cost.default_gamma``) instead
+    of ``config.gammas``. Returns every record in the file (pandas DataFrame).
     """
     from specresearch.models.embedded import load_model
 
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
+    if default_gamma:
+        from specresearch.engine.cost import default_gamma as machine_gamma
+
+        config = dataclasses.replace(config, gammas=(machine_gamma(target, draft),))
     prompts = load_bench_prompts(tokenizer, config, prompts_path)
     from specresearch.drafts.registry import weights_digests
 
