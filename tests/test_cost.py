@@ -109,3 +109,11 @@ def test_a_planning_draft_is_timed_on_the_draft_it_wraps_at_every_gamma(monkeypa
 
     with pytest.raises(ValueError, match="plans its own draft lengths"):
         cost.measure_cost_curve(target, Planner(), max_tokens=3, repeats=1)
+
+
+def test_a_planning_draft_is_keyed_by_the_draft_it_wraps():
+    from specresearch.drafts.combined import LookupOrDraft
+
+    target, one, two = tiny_llama(48, seed=0), tiny_llama(48, seed=1), tiny_llama(48, seed=2, num_layers=1)
+    assert cost._key(target, LookupOrDraft(one), 3) == cost._key(target, one, 3)
+    assert cost._key(target, LookupOrDraft(one), 3) != cost._key(target, LookupOrDraft(two), 3)

@@ -121,7 +121,9 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
 
 
 def _shapes(model) -> str:
-    """The shapes of a model's parameters, or its class name when it has none visible."""
+    """The shapes of a model's parameters (of the draft a planning draft wraps, which is what is timed), or its class
+    name when it has none visible."""
+    model = getattr(model, "draft", None) or model
     inner = getattr(model, "model", None)
     inner = getattr(model, "head", None) if inner is None else inner
     if isinstance(inner, torch.nn.Module):
