@@ -43,7 +43,9 @@ def test_speedup_and_best_gamma_follow_the_curve():
 def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
     target, draft = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
-    curve = cost.cost_curve(target, draft, max_tokens=3)
+    told = []
+    curve = cost.cost_curve(target, draft, max_tokens=3, announce=told.append)
+    assert len(told) == 1 and str(tmp_path / cost.COST_FILE) in told[0]  # the CLI prints it before the wait
     assert len(curve.ratios) == 3 and curve.ratios[0] == 1.0 and curve.draft_ratio > 0 and curve.target_seconds > 0
     assert len(curve.step_ratios) == 2 and all(r > 0 for r in curve.step_ratios)
     stored = json.loads((tmp_path / cost.COST_FILE).read_text())
@@ -53,7 +55,7 @@ def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
         raise AssertionError("timed again although the machine's answer was kept")
 
     monkeypatch.setattr(cost, "measure_cost_curve", refuse)
-    assert cost.cost_curve(target, draft, max_tokens=3) == curve
+    assert cost.cost_curve(target, draft, max_tokens=3, announce=told.append) == curve and len(told) == 1
     with pytest.raises(AssertionError, match="timed again"):
         cost.cost_curve(target, draft, max_tokens=4)  # another question: timed anew
     assert cost.default_gamma(target, draft, {1: 1.5, 2: 1.8}) in (1, 2)

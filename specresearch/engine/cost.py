@@ -30,7 +30,7 @@ import torch
 
 from specresearch.config import GENERATE_MARGIN
 from specresearch.engine.timing import TimedCall, interleaved_medians
-from specresearch.paths import cached_answer, cpu_name, keep_answer
+from specresearch.paths import cache_dir, cached_answer, cpu_name, keep_answer
 
 __all__ = ["CostCurve", "MARGIN", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma",
            "default_gamma"]
@@ -153,7 +153,7 @@ def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True,
         except (KeyError, TypeError):
             pass  # an entry of another shape: time again
     if announce is not None:
-        announce(f"timing this machine's step costs once (cached in {COST_FILE} of the specresearch cache)")
+        announce(f"timing this machine's step costs once, for the default gamma (~15 s; kept in {cache_dir(COST_FILE)})")
     curve = measure_cost_curve(target, draft, max_tokens=max_tokens)
     if cache:
         keep_answer(COST_FILE, key, {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
