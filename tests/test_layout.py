@@ -78,6 +78,18 @@ def test_every_module_belongs_to_a_known_room():
     assert {_room(m) for m in MODULES} <= set(ALLOWED)
 
 
+def test_the_layout_picture_names_every_module():
+    """docs/README.md's picture lists, room by room, every module a newcomer will find there."""
+    picture = (ROOT / "docs" / "README.md").read_text().split("## Layout", 1)[1].split("| room |", 1)[0]
+    blocks = re.split(r"\n   (?=\w+/ )", picture)  # one block per room line and its continuation lines
+    for room in ("core", "exact", "models", "drafts", "engine", "training", "experiments", "audit"):
+        block = next(b for b in blocks if b.startswith(f"{room}/"))
+        named = set(re.findall(r"[a-z_]+", block))
+        missing = sorted(m.split(".")[-1] for m in MODULES if _room(m) == room and m.count(".") == 2
+                         and m.split(".")[-1] not in named)
+        assert not missing, f"docs/README.md's layout does not name {room}/{missing}"
+
+
 def test_imports_point_down_the_rooms():
     """An import from a room not listed under ALLOWED (upward or sideways) fails, naming the edge."""
     wrong = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
