@@ -9,7 +9,7 @@ One run, same prompts, same draft, same gamma, same sampling:
   * transformers' assisted generation (``generate(assistant_model=..., do_sample=True)``) with a constant
     number of assistant tokens = gamma (``num_assistant_tokens_schedule="constant"`` and the dynamic
     confidence threshold switched off, ``assistant_confidence_threshold=0``, so it drafts exactly gamma).
-The draft is ``--draft``, any name ``drafts.draft_from_name`` knows: by default the shipped distilled
+The draft is ``--draft``, any name ``drafts.registry.draft_from_name`` knows: by default the shipped distilled
 ``v8k-4l`` (a transformers Llama with a trained 8192-token head that returns full-vocabulary logits, so
 transformers' assisted generation runs the very same model), or ``truncated:N`` (the target's first N
 layers), or a checkpoint path with the target's tokenizer.

@@ -3,9 +3,9 @@
 For every prompt (first user turn of ``data/prompts.jsonl``, chat template; ``--per-category`` evenly
 spaced prompts of each of ``--categories``) and every temperature, in this order and timed one after
 the other: autoregressive decoding of the target, then speculative decoding (token verification) with
-each ``--drafts`` name (``drafts.draft_from_name``: ``ngram``, a shipped draft such as ``v8k-4l`` or
+each ``--drafts`` name (``drafts.registry.draft_from_name``: ``ngram``, a shipped draft such as ``v8k-4l`` or
 ``eagle3-v8k``, a combined ``ngram+NAME`` and its variants ``@draft-gamma=none``, ``@every-slot``,
-``@min-match=N``, ``@plan-match=N``, ``drafts.combined_draft``) at each ``--gammas``. Same seed for every method of a prompt,
+``@min-match=N``, ``@plan-match=N``, ``drafts.registry.combined_draft``) at each ``--gammas``. Same seed for every method of a prompt,
 EOS stops a row, ``--max-new-tokens`` at most. A speed-up is (tokens / seconds) of a method over that of
 the autoregressive runs of the same prompts, summed per category and over all prompts; the
 acceptance rate is the engine's (accepted / drafted). Before and after the runs it times one cached target

@@ -1,6 +1,6 @@
 """Where prompt lookup matches, should the combined draft propose lookup's token, the head's, or a mixture?
 
-The combined draft (``drafts.LookupOrDraft``) drafts from prompt lookup's law where the context ends in a
+The combined draft (``drafts.combined.LookupOrDraft``) drafts from prompt lookup's law where the context ends in a
 match and from the feature head elsewhere. At T > 0 it could instead sample from a mixture
 ``LAM * lookup + (1 - LAM) * head`` there (any law it samples from and hands to the verifier keeps the loop
 lossless); min is concave, so a mixture accepts at least the LAM-weighted mean of the two at every

@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=400, help="generations per (sampling, verifier)")
     parser.add_argument("--prompt", default="Hello")
     parser.add_argument("--draft-layers", type=int, default=1)
-    parser.add_argument("--draft", help="a draft name for drafts.draft_from_name instead (e.g. a shipped feature head)")
+    parser.add_argument("--draft", help="a draft name for drafts.registry.draft_from_name instead (e.g. a shipped feature head)")
     parser.add_argument("--gamma", type=int, default=2)
     parser.add_argument("--k", type=int, default=3, help="generated tokens compared")
     parser.add_argument("--seed", type=int, default=0)

@@ -132,3 +132,13 @@ def test_code_names_on_a_page_exist(page):
              if not m.endswith(".md")}
     missing = sorted(n for n in names if not _resolves(n))
     assert not missing, f"{page.name} names what does not exist: {missing}"
+
+
+def test_code_names_in_docstrings_exist():
+    """The same for the package's, benchmarks' and scripts' docstrings and comments (the API reference is built from
+    them)."""
+    files = [*(ROOT / "specresearch").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    missing = sorted({f"{path.relative_to(ROOT)}: {name}" for path in files
+                      for span in re.findall(r"`+([^`]+)`+", path.read_text()) for name in DOTTED.findall(span)
+                      if not name.endswith((".md", ".py")) and not _resolves(name)})
+    assert not missing, missing

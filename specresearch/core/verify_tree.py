@@ -7,7 +7,7 @@ K equal-length paths: at the accepted node the children are tried in order, chil
 (p the target's row there, renormalised after each rejection); a rejected x is zeroed out of p; when every child is
 rejected, or the node is a leaf, one token is sampled from what is left. It never reads the draft's probabilities,
 so it is lossless for any tree chosen without the verifier's random numbers. Exact twin:
-:func:`specresearch.exact.multi.onehot_tree_law`.
+:func:`specresearch.exact.dynamic.onehot_tree_law`.
 
 A tree of B rows is given as the target call's rows: index 0 is the pending token (the root), 1..n the nodes.
 ``children [B, 1+n, C]`` lists each call row's children by call index in the order they are tried, -1 padding.

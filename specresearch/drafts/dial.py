@@ -17,7 +17,7 @@ any draft's, so the q actually sampled from and verified is r transformed (r^(1/
 temperature T). alpha therefore depends on T as well as on the setting; measure it per run
 (``speculative_generate(expectations=...)`` records the per-step overlap).
 
-Names (``dial_draft_from_name``, also accepted by ``drafts.draft_from_name``): ``dial-mix:LAM`` (or
+Names (``dial_draft_from_name``, also accepted by ``drafts.registry.draft_from_name``): ``dial-mix:LAM`` (or
 ``dial-mix:LAM:DRAFT`` for another shipped draft than ``v8k-4l``), ``dial-uniform:LAM``, ``dial-temp:S``.
 """
 

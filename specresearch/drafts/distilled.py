@@ -1,11 +1,11 @@
-"""Draft models behind the same interface as the target (``models.LanguageModel``).
+"""Draft models behind the same interface as the target (``models.protocols.LanguageModel``).
 
 * :class:`NGramDraft`: prompt lookup with a proper distribution. The next-token law q is the
   continuation counts of the longest n-gram (n <= ``max_ngram``) that ends the context and occurred
   before in it (falling back to the unigram counts of the context), mixed with a uniform floor:
   ``q = (1 - floor) * counts / sum(counts) + floor / V``. Every token has ``q > 0``, so the draft can
   be verified stochastically (token or block verification), not only greedily.
-* Any transformers model with the target's tokenizer, wrapped in ``models.CausalLM``.
+* Any transformers model with the target's tokenizer, wrapped in ``models.causal_lm.CausalLM``.
 * :func:`truncated_draft`: the first few decoder layers of the target plus its embeddings, final norm
   and head -- an untrained stand-in.
 * Trained (distilled) drafts shipped under ``data/drafts/<name>/`` (:func:`load_trained_draft`): a few
@@ -123,7 +123,7 @@ class SubsetHead(torch.nn.Module):
     """
 
     skinny_rows = SKINNY_ROWS  # the row counts skinny_linear computes its own way (models.use_skinny_linears)
-    half_limit = None  # with half weights (models.use_half_weights): the largest |input| their float16 product takes
+    half_limit = None  # with half weights (models.kernels.use_half_weights): the largest |input| their float16 product takes
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
         super().__init__()

@@ -364,10 +364,10 @@ class FeatureDraft:
 
     Slots fed with a true feature (queued by :meth:`observe`) and slots fed with the head's own
     prediction of the previous slot (drafting) share one KV cache per layer and one ``SlotMask`` (the
-    only record of the cache length), exactly as ``models.CausalLM``: per-row rollback masks slots out.
-    On CPU the head's ``nn.Linear`` layers are switched to ``models.SkinnyLinear`` in place, as ``CausalLM``
+    only record of the cache length), exactly as ``models.causal_lm.CausalLM``: per-row rollback masks slots out.
+    On CPU the head's ``nn.Linear`` layers are switched to ``models.kernels.SkinnyLinear`` in place, as ``CausalLM``
     does (same parameters; its 1-8-row calls are the drafting ones), computing the row counts
-    ``models.choose_skinny_rows`` times faster on the head's own weights (``skinny_linear``: ``None``, the
+    ``models.kernels.choose_skinny_rows`` times faster on the head's own weights (``skinny_linear``: ``None``, the
     default), every row count (``True``) or none (``False``).
     """
 
@@ -549,6 +549,6 @@ def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
 
 
 def load_feature_draft(target_lm, name_or_dir: str | os.PathLike) -> FeatureDraft:
-    """A shipped feature draft (name under ``data/drafts/`` or a directory) beside ``target_lm`` (a ``models.CausalLM``)."""
+    """A shipped feature draft (name under ``data/drafts/`` or a directory) beside ``target_lm`` (a ``models.causal_lm.CausalLM``)."""
     head = load_feature_head(target_lm.model, feature_head_dir(name_or_dir))
     return FeatureDraft(head, max_context=getattr(target_lm, "max_context", None), device=target_lm.device)

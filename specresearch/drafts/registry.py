@@ -95,7 +95,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 
 def half_weight_draft(draft, target: CausalLM):
     """``draft`` (a trained ``FeatureDraft`` or a ``CausalLM`` that owns its weights) with its linear layers'
-    and output head's weights stored in float16, in place (``models.use_half_weights``); returns it.
+    and output head's weights stored in float16, in place (``models.kernels.use_half_weights``); returns it.
 
     On this CPU a drafting step of the shipped feature head (sampling included) takes 3.5 ms against 4.9
     with float32 weights, at the same held-out alpha to three decimals (``docs/feature_drafts.md``). The
@@ -145,8 +145,8 @@ def load_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, dev
                        dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None):
     """The embedded target (:func:`specresearch.models.embedded.load_embedded`), a draft for it and the tokenizer: ``(target, draft, tokenizer)``.
 
-    ``draft``: a shipped draft (``drafts.shipped_drafts()``, default the distilled ``v8k-4l``), the
-    directory a training command wrote, or any other ``drafts.draft_from_name`` description (``ngram``,
+    ``draft``: a shipped draft (``drafts.store.shipped_drafts()``, default the distilled ``v8k-4l``), the
+    directory a training command wrote, or any other ``drafts.registry.draft_from_name`` description (``ngram``,
     ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``). A trained draft is rebuilt against this target (its
     embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
     ``skinny_linear``: the target's, as :func:`load_embedded`'s.
@@ -155,7 +155,7 @@ def load_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, dev
     described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
     if not (base in shipped_drafts() or Path(base).is_dir() or described):
         raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
-                         f"drafts.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
+                         f"drafts.registry.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
     target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear)
     return target, draft_from_name(draft, target), tokenizer
 

@@ -60,7 +60,7 @@ def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int 
     """Median wall time of one cached target call that scores k new tokens (B = 1), for each k of ``ks``.
 
     The ks are timed in turn within each repeat (``interleaved_medians``) and the cache is rolled back after every
-    call. ``target``: a ``models.CausalLM`` (or anything with ``prefill``, ``score`` and ``rollback``). A
+    call. ``target``: a ``models.causal_lm.CausalLM`` (or anything with ``prefill``, ``score`` and ``rollback``). A
     measurement, never asserted on in tests.
     """
     if not ks or any(k < 1 for k in ks) or context_length < 1 or repeats < 1:

@@ -24,7 +24,7 @@ is re-fed the accepted tokens and the next token with the target's true features
 Stopping: a row stops at its first EOS (kept in the output) or after exactly ``max_new_tokens``
 tokens; a block that overshoots is truncated. The last steps shorten gamma to the tokens still
 needed (gamma chosen from past lengths only, so the output law is unchanged). A draft that plans its
-length (``drafts.PlansLength``, e.g. ``LookupOrDraft(draft_gamma=1)``) may shorten a step further; it is
+length (``models.protocols.PlansLength``, e.g. ``LookupOrDraft(draft_gamma=1)``) may shorten a step further; it is
 asked after scoring its pending block, before the step samples anything, so the length again depends on
 the context only. A finished row leaves the batch: the target and the draft keep the other rows
 (``RowExpander.select_rows``, which every shipped model has, packing dead cache slots), so no model is fed past a
@@ -313,7 +313,7 @@ def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None
     asked for ``draft.feature_layers``; each prompt slot and the pending token read the feature of the slot
     before (zeros where that slot is padding or absent)."""
     if not getattr(target, "returns_hidden_states", False):
-        raise ValueError("draft reads the target's hidden states: target must return them (a models.CausalLM)")
+        raise ValueError("draft reads the target's hidden states: target must return them (a models.causal_lm.CausalLM)")
     if ids.shape[1] == 1:
         target.reset(len(ids))
         draft.reset(len(ids))
@@ -351,11 +351,11 @@ def speculative_generate(
     """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; arXiv 2211.17192).
 
     Args:
-        target, draft: ``models.LanguageModel`` s with the same ``vocab_size``.
+        target, draft: ``models.protocols.LanguageModel`` s with the same ``vocab_size``.
         prompts: strings (with ``tokenizer``) or token-id sequences; one prompt or a list (batched, left-padded).
         verifier: ``"token"``, ``"block"`` or ``"greedy"`` (``verify.VERIFIERS``), or a callable with the
             verifier signature (it is called with ``validate=False``).
-        gamma: draft tokens per step (>= 1); a draft with ``plan_length`` (``drafts.PlansLength``) may draft
+        gamma: draft tokens per step (>= 1); a draft with ``plan_length`` (``models.protocols.PlansLength``) may draft
             fewer in a step (with per-row seeds only when there is one prompt).
         max_new_tokens: tokens produced per row (>= 1), fewer only when the row emits EOS.
         sampling: applied identically to target and draft logits (``sampling.logits_to_probs``).

@@ -53,7 +53,7 @@ What ``generate`` users rely on, and how it maps:
 * ``return_dict_in_generate=True`` returns :class:`SpeculativeDecoderOnlyOutput`: ``sequences`` plus the
   per-step metrics (accepted drafts per row, block efficiency, acceptance rate, model calls).
 
-The target's own KV cache prepared by ``generate`` is not used (``models.CausalLM`` keeps its own, with
+The target's own KV cache prepared by ``generate`` is not used (``models.causal_lm.CausalLM`` keeps its own, with
 per-row rollback); a ``past_key_values`` that already holds tokens raises.
 """
 
@@ -147,7 +147,7 @@ def speculative(draft, *, verifier: str | Callable = "block", gamma: int = 4, st
 
     Args:
         draft: a transformers causal LM with the target's tokenizer (its logits must have the target's size),
-            or any ``models.LanguageModel`` (e.g. ``drafts.draft_from_name("v8k-4l", target)``).
+            or any ``models.protocols.LanguageModel`` (e.g. ``drafts.registry.draft_from_name("v8k-4l", target)``).
         verifier: ``"token"``, ``"block"`` or ``"greedy"`` (``verify.VERIFIERS``), or a verifier callable.
         gamma: draft tokens per step (>= 1).
         streamer: a transformers streamer (``TextStreamer``, ...) for one row; see the module docstring.
@@ -238,7 +238,7 @@ def generate(model, *args, assistant_model=None, verifier: str | Callable = "blo
 
 
 def _as_language_model(model, name: str) -> LanguageModel:
-    """A ``models.LanguageModel`` as is; a transformers model wrapped in ``CausalLM`` on its own device."""
+    """A ``models.protocols.LanguageModel`` as is; a transformers model wrapped in ``CausalLM`` on its own device."""
     if isinstance(model, LanguageModel):
         return model
     if isinstance(model, torch.nn.Module) and hasattr(model, "get_output_embeddings"):

@@ -66,7 +66,7 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
         raise ValueError(f"draft {type(draft).__name__} cannot draft trees: the engine drafts K paths with drafts that "
                          "copy and select rows (repeat_rows / select_rows: every draft the toolkit ships)")
     if isinstance(draft, FeatureReader) and not getattr(target, "returns_hidden_states", False):
-        raise ValueError("draft reads the target's hidden states: target must return them (a models.CausalLM)")
+        raise ValueError("draft reads the target's hidden states: target must return them (a models.causal_lm.CausalLM)")
     if expectations and (draft_law in TOPK_LAWS or any(m not in TREE_EXPECTATIONS for m in expectations)):
         raise ValueError(f"expectations= on sampled trees takes rules of {TREE_EXPECTATIONS} "
                          f"(core.tree_expectations), got {tuple(expectations)!r} with draft_law {draft_law!r}")

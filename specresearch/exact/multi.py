@@ -61,7 +61,7 @@ The contract shared with :mod:`specresearch.core.verify_multi` (the torch side)
 
 * Zero-mass conventions are those of ``verify``: a draft token with current q = 0 is rejected with
   probability 1; a token with p = 0 is never accepted; a residual of zero mass falls back to the
-  current target row (as ``exact._residual``).
+  current target row (as ``exact.single``'s residual).
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def load_bench_prompts(tokenizer, config: BenchConfig, path: str | os.PathLike |
 
 
 def load_bench_draft(name: str, target):
-    """A draft for ``target`` (a ``CausalLM``) from a short name (``drafts.draft_from_name``): a shipped
+    """A draft for ``target`` (a ``CausalLM``) from a short name (``drafts.registry.draft_from_name``): a shipped
     trained draft (``v8k-4l``, any name under ``data/drafts/``), ``ngram``, ``truncated:N`` or a path."""
     from specresearch.drafts.registry import draft_from_name
 
@@ -335,7 +335,7 @@ def run_bench(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig
     """Run the sweep (module docstring) and append its records to the CSV ``path``; skip rows already there.
 
     Args:
-        target, draft: ``models.LanguageModel`` s with the same vocabulary (``CausalLM``, ``ToyLM``, ...).
+        target, draft: ``models.protocols.LanguageModel`` s with the same vocabulary (``CausalLM``, ``ToyLM``, ...).
         prompts: encoded prompts (``load_bench_prompts``, or ``BenchPrompt`` s of token ids).
         config: the grid; every verifier of ``config.verifiers`` runs at every (temperature, gamma, seed).
         path: the CSV file (created with its parent directory if missing).

@@ -223,7 +223,7 @@ def sequence_law(target, prompt, *, sampling: SamplingConfig, k: int, num_sample
     """The target law of the first ``k`` generated tokens on the cells of the module docstring.
 
     Args:
-        target: a ``models.LanguageModel`` (``prefill`` is used, uncached, once per level of the tree).
+        target: a ``models.protocols.LanguageModel`` (``prefill`` is used, uncached, once per level of the tree).
         prompt: token ids, or a string with ``tokenizer``.
         sampling: the transform applied to the target logits (as in the engine).
         k: number of generated tokens compared (>= 1).
@@ -286,7 +286,7 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
     """Test that speculative generation of ``prompt`` follows the target law (module docstring).
 
     Args:
-        target, draft: ``models.LanguageModel`` s (as for ``speculative_generate``).
+        target, draft: ``models.protocols.LanguageModel`` s (as for ``speculative_generate``).
         verifier: a name in ``verify.VERIFIERS`` or a callable with the verifier signature.
         prompt: token ids, or a string with ``tokenizer``.
         sampling, gamma: passed to the engine; the target law uses the same ``sampling``.

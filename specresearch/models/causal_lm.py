@@ -47,7 +47,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 class SlotMask:
     """Validity mask over the physical cache slots: the one place the cache length is tracked (for
-    implementers of ``LanguageModel``: ``CausalLM``, ``ToyLM`` and ``drafts.NGramDraft`` share it)."""
+    implementers of ``LanguageModel``: ``CausalLM``, ``ToyLM`` and ``drafts.ngram.NGramDraft`` share it)."""
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask.bool()  # [B, L]

@@ -1,7 +1,7 @@
 """The interfaces the engine drives: one narrow language-model interface (prefill, score a block, roll back).
 
 Every model the generation engine drives -- a transformers model (:class:`CausalLM`), a toy table
-(:class:`ToyLM`) or an n-gram draft (``drafts.NGramDraft``) -- exposes the same methods:
+(:class:`ToyLM`) or an n-gram draft (``drafts.ngram.NGramDraft``) -- exposes the same methods:
 
 * ``prefill(input_ids [B, L], attention_mask [B, L]) -> logits [B, V]``: start a new batch from a
   left-padded prompt; returns the next-token logits after the prompt (``L >= 1``; a row may be all

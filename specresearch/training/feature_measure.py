@@ -39,7 +39,7 @@ def planned_loop_expectations(accept: Sequence[Sequence[float]], lengths: Sequen
     """:func:`loop_expectations` of a loop whose step length depends on the context where the step starts.
 
     ``lengths[i]``: the draft length of a step whose first draft is at position i (a function of the tokens
-    before i, as ``drafts.PlansLength`` chooses it: the step is then an ordinary step of that length);
+    before i, as ``models.protocols.PlansLength`` chooses it: the step is then an ordinary step of that length);
     each in ``1..len(accept)``. Returns the expected (examined, accepted, steps, drafted): drafted sums
     ``counted[i]`` over the steps, by the position i where each starts; by default ``counted = lengths``,
     every drafted token, examined or not (a step of length g drafts g tokens).
@@ -167,11 +167,11 @@ def measure_feature_draft(target, head, prompt_ids: Sequence[torch.Tensor], *, t
 def measure_lookup_rules(target, head, prompt_ids: torch.Tensor, *, temperature: float = 1.0, mixes: Sequence[float] = (0.5,),
                          depths: int = 4, draft_gamma: int = 1, min_match: int = 2, max_ngram: int = 3, floor: float = 0.02,
                          max_new_tokens: int = 64, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> dict[str, dict]:
-    """How the combined draft (``drafts.LookupOrDraft``) could use the head where prompt lookup matches, untimed.
+    """How the combined draft (``drafts.combined.LookupOrDraft``) could use the head where prompt lookup matches, untimed.
 
     One continuation of one prompt sampled from the target at ``temperature`` (> 0) with generator seed
     ``seed``; at each position i the target's p, the head's q at depths 1..``depths`` (its own features for
-    the previous d - 1 tokens, as :func:`measure_feature_draft`) and prompt lookup's q (``drafts.ngram_probs``
+    the previous d - 1 tokens, as :func:`measure_feature_draft`) and prompt lookup's q (``drafts.ngram.ngram_probs``
     of the tokens before i; it depends on the tokens alone, so it is the same at every depth), all after the
     same temperature. Where the tokens before i end in a lookup match of ``min_match`` or more tokens, the rules draft
 
