@@ -138,7 +138,7 @@ def test_engine_detects_a_reading_draft_and_bad_input_raises(target, draft):
     assert isinstance(draft, FeatureReader)
     with pytest.raises(ValueError, match="features must be"):
         draft.observe(torch.zeros(1, 1, 3))
-    with pytest.raises(ValueError, match=r"target must return them \(a models.CausalLM\)"):
+    with pytest.raises(ValueError, match=r"target must return them \(a models.causal_lm.CausalLM\)"):
         speculative_generate(ToyLM.random(VOCAB), draft, PROMPTS, max_new_tokens=3)
     fresh = FeatureDraft(draft.head)
     fresh.reset(1)

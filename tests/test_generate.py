@@ -184,7 +184,7 @@ def test_the_law_test_has_power(small_pair, monkeypatch):
 
 
 class _Planned:
-    """Delegates to ``draft`` and plans each step's length from the past only (``drafts.PlansLength``):
+    """Delegates to ``draft`` and plans each step's length from the past only (``models.protocols.PlansLength``):
     1 draft token in odd steps, 2 in even ones."""
 
     def __init__(self, draft, plan=None):
