@@ -9,7 +9,7 @@ The package is eight rooms whose imports point down (docs/README.md, "Layout"; t
 verifiers) and ``exact`` (rational twins, no torch); ``checks``, ``config`` and ``paths`` are leaf modules.
 """
 
-from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA, SamplingConfig
+from specresearch.config import GENERATE_DRAFT, SamplingConfig
 
 __version__ = "0.1.0"
 
@@ -77,12 +77,10 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         from specresearch.drafts.registry import draft_from_name
 
         draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
-    if gamma == "auto" and options.get("num_drafts", 1) == 1 and options.get("stop_below") is None:
-        from specresearch.engine.cost import default_gamma
+    from specresearch.engine.cost import resolve_gamma
 
-        gamma = default_gamma(target, draft)
-    elif gamma == "auto":
-        gamma = GENERATE_GAMMA
+    gamma = resolve_gamma(gamma, target, draft, num_drafts=options.get("num_drafts", 1),
+                          stop_below=options.get("stop_below"))
     rows = [prompts] if isinstance(prompts, str) else list(prompts)
     if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
         rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]

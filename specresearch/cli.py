@@ -161,8 +161,8 @@ def _run_generate(args) -> int:
     from specresearch.models.embedded import load_model
 
     args.gamma_given = args.gamma is not None
-    auto = args.gamma in (None, "auto") and args.num_drafts == 1 and args.stop_below is None  # a chain: the machine's
-    args.gamma = GENERATE_GAMMA if args.gamma is None or args.gamma == "auto" else args.gamma
+    requested = "auto" if args.gamma is None else args.gamma  # resolved once the models are loaded
+    args.gamma = GENERATE_GAMMA if requested == "auto" else requested  # (the flag checks need a count)
     check_generate_flags(args)
     if args.threads:
         import torch
@@ -183,10 +183,10 @@ def _run_generate(args) -> int:
         result = autoregressive_generate(target, [prompt], **common)
     else:
         draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
-        if auto:
-            from specresearch.engine.cost import default_gamma
+        from specresearch.engine.cost import resolve_gamma
 
-            args.gamma = default_gamma(target, draft, announce=lambda message: print(message, file=sys.stderr))
+        args.gamma = resolve_gamma(requested, target, draft, num_drafts=args.num_drafts, stop_below=args.stop_below,
+                                   announce=lambda message: print(message, file=sys.stderr))
         result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
                                       num_drafts=args.num_drafts, draft_law=args.draft_law, tree_nodes=args.tree_nodes,
                                       stop_below=args.stop_below,

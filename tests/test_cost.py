@@ -119,3 +119,13 @@ def test_a_planning_draft_is_keyed_by_the_draft_it_wraps():
     target, one, two = tiny_llama(48, seed=0), tiny_llama(48, seed=1), tiny_llama(48, seed=2, num_layers=1)
     assert cost._key(target, LookupOrDraft(one), 3) == cost._key(target, one, 3)
     assert cost._key(target, LookupOrDraft(one), 3) != cost._key(target, LookupOrDraft(two), 3)
+
+
+def test_auto_resolves_to_the_machines_gamma_for_chains_only(monkeypatch):
+    from specresearch.config import GENERATE_GAMMA
+
+    monkeypatch.setattr(cost, "default_gamma", lambda target, draft, **kwargs: 4)
+    assert cost.resolve_gamma(3, None, None) == 3  # a count is kept
+    assert cost.resolve_gamma("auto", None, None) == 4
+    assert cost.resolve_gamma("auto", None, None, num_drafts=2) == GENERATE_GAMMA
+    assert cost.resolve_gamma("auto", None, None, stop_below=0.5) == GENERATE_GAMMA

@@ -41,7 +41,7 @@ def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_
     from specresearch.config import GENERATE_GAMMA
 
     asked = []
-    monkeypatch.setattr(cost, "default_gamma", lambda target, draft: asked.append(draft) or 3)
+    monkeypatch.setattr(cost, "default_gamma", lambda target, draft, **kwargs: asked.append(draft) or 3)
     target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
     draft = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
     chain = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0)

@@ -33,7 +33,7 @@ from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.paths import cache_dir, cached_answer, cpu_name, keep_answer
 
 __all__ = ["CostCurve", "MARGIN", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma",
-           "default_gamma"]
+           "default_gamma", "resolve_gamma"]
 
 COST_FILE = "score_cost.json"
 MARGIN = GENERATE_MARGIN  # another gamma than the measured default must be predicted this much faster to replace it
@@ -198,3 +198,17 @@ def default_gamma(target, draft, expected_tokens: Mapping[int, float] | None = N
     expected = dict(expected_tokens or GENERATE_TAU)
     curve = cost_curve(target, draft, max_tokens=max(expected) + 1, announce=announce)
     return best_gamma(curve, expected, incumbent=GENERATE_GAMMA, margin=margin)
+
+
+def resolve_gamma(gamma: int | str, target, draft, *, num_drafts: int = 1, stop_below: float | None = None,
+                  announce: Callable[[str], None] | None = None) -> int:
+    """``gamma`` as given, or for ``"auto"`` the gamma of ``specresearch generate`` and ``specresearch.generate``:
+    :func:`default_gamma` for a chain, ``config.GENERATE_GAMMA`` with ``num_drafts > 1`` or ``stop_below`` (the curve
+    describes chains)."""
+    if gamma != "auto":
+        return gamma
+    if num_drafts == 1 and stop_below is None:
+        return default_gamma(target, draft, announce=announce)
+    from specresearch.config import GENERATE_GAMMA
+
+    return GENERATE_GAMMA
