@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specresearch.config import GENERATE_MARGIN
+from specresearch.config import GENERATE_GAMMA, GENERATE_MARGIN, GENERATE_TAU
 from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.paths import cache_dir, cached_answer, cpu_name, keep_answer
 
@@ -193,8 +193,6 @@ def default_gamma(target, draft, expected_tokens: Mapping[int, float] | None = N
     fastest on the reference CPU) unless :func:`best_gamma` on this machine's cached :func:`cost_curve` predicts another
     gamma faster by more than ``margin``. ``expected_tokens``: tokens per step by gamma (default
     ``config.GENERATE_TAU``, the default draft's head's, from a committed record)."""
-    from specresearch.config import GENERATE_GAMMA, GENERATE_TAU
-
     expected = dict(expected_tokens or GENERATE_TAU)
     curve = cost_curve(target, draft, max_tokens=max(expected) + 1, announce=announce)
     return best_gamma(curve, expected, incumbent=GENERATE_GAMMA, margin=margin)
@@ -209,6 +207,4 @@ def resolve_gamma(gamma: int | str, target, draft, *, num_drafts: int = 1, stop_
         return gamma
     if num_drafts == 1 and stop_below is None:
         return default_gamma(target, draft, announce=announce)
-    from specresearch.config import GENERATE_GAMMA
-
     return GENERATE_GAMMA
