@@ -197,6 +197,37 @@ def test_eos_stops_a_row_and_pads():
             assert generated[-1] == 2 and all(t == 7 for t in row[1 + n :])
 
 
+def test_methods_run_in_the_engines_loop_where_finished_rows_leave():
+    # token 1 is followed by EOS (= 2) surely, token 0 by token 0 or 1: rows end at different steps
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [1 / 3, 1 / 3, 1 / 3]])
+    batches = []
+
+    def fn(ids, mask):
+        batches.append(ids.shape[0])
+        return p.log()[ids[:, -1]]
+
+    prompt = torch.tensor([[9, 0], [9, 0], [9, 0], [0, 0]])  # left-padded: row 3 has two prompt tokens
+    mask = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 1]])
+    out = sample(fn, prompt, SamplingConfig(), 12, generator=torch.Generator().manual_seed(3), attention_mask=mask,
+                 eos_token_id=2, pad_token_id=7)
+    assert batches[0] == 4 and min(batches) < 4 and batches == sorted(batches, reverse=True)
+    ended = out.num_generated < 12
+    assert ended.any()
+    for row, n in zip(out.sequences.tolist(), out.num_generated.tolist()):
+        assert row[2 + n - 1] == 2 or n == 12
+    # the log-likelihood of each row's tokens up to its end, the EOS included
+    for b in range(4):
+        n = int(out.num_generated[b])
+        logits_fn = lambda ids, m: p.log()[ids[:, -1]]  # noqa: E731
+        want = sequence_log_probs(logits_fn, prompt[b : b + 1], out.sequences[b : b + 1, 2 : 2 + n])
+        torch.testing.assert_close(out.log_probs[b], want.sum())
+
+
+def test_a_right_padded_prompt_is_refused():
+    with pytest.raises(ValueError, match="left-padded"):
+        sample(markov2(4), torch.tensor([[1, 2, 0]]), SamplingConfig(), 2, attention_mask=torch.tensor([[1, 1, 0]]))
+
+
 # --- temperature -> greedy -----------------------------------------------------------------------
 
 

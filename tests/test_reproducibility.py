@@ -76,6 +76,17 @@ def test_per_prompt_seed_autoregressive(llamas):
         assert alone.tokens[0] == row
 
 
+def test_a_generator_as_seed_is_used_as_it_is(llamas):
+    target, draft = llamas
+    seeded = _spec(target, draft, PROMPTS, 5)
+    assert _spec(target, draft, PROMPTS, torch.Generator().manual_seed(5)) == seeded
+    generator = torch.Generator().manual_seed(5)
+    first = autoregressive_generate(target, PROMPTS, max_new_tokens=14, sampling=SAMPLING, seed=generator).tokens
+    assert first == autoregressive_generate(target, PROMPTS, max_new_tokens=14, sampling=SAMPLING, seed=5).tokens
+    again = autoregressive_generate(target, PROMPTS, max_new_tokens=14, sampling=SAMPLING, seed=generator).tokens
+    assert again != first  # the generator was advanced, not reseeded
+
+
 def test_different_seeds_give_different_tokens(llamas):
     """56 tokens from distributions far from one-hot: equal outputs for two seeds are far below 1e-6 likely."""
     target, draft = llamas

@@ -3,8 +3,9 @@
 Methods (the decoding survey, "Decoding From Language Models"):
 
 * greedy -- argmax at each step ("Greedy Decoding");
-* sampling -- ancestral, top-k, top-p, epsilon and temperature, all one loop over a
-  :class:`~specresearch.config.SamplingConfig` ("Sampling Based Decoding", "Temperature Scaling");
+* sampling -- ancestral, top-k, top-p, epsilon and temperature from a :class:`~specresearch.config.SamplingConfig`
+  ("Sampling Based Decoding", "Temperature Scaling"), in the engine's one autoregressive loop
+  (:func:`specresearch.engine.generate.autoregressive_generate`, which greedy and contrastive decoding use too);
 * beam search -- width k, optional length normalisation ``score = log P / length^alpha``, EOS handling,
   the k best hypotheses with their scores ("Beam Search Algorithm", steps 1-7);
 * n-gram blocking -- a token that would complete an n-gram already present in the sequence (prompt
@@ -37,7 +38,7 @@ from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 from specresearch.checks import check_int, check_real
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import wide
-from specresearch.core.sampling import check_logits, logits_to_probs, sample_tokens
+from specresearch.core.sampling import check_logits
 
 __all__ = [
     "LogitsFn",
@@ -285,41 +286,94 @@ def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
     return attention_mask.long()
 
 
-def _autoregressive(choose, logits_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
-    """The one loop: ``choose(ids, mask, model_logits, active) -> next tokens [B]``, appended until EOS/max.
+class _FunctionModel:
+    """A logits function as the engine's model, so the classic methods decode in the engine's one autoregressive loop
+    (:func:`specresearch.engine.generate.autoregressive_generate`: finished rows leave the batch).
 
-    Rows that emitted EOS are finished: they receive ``pad_token_id`` and their log-probs stop.
+    It hands ``logits_fn`` each row's whole sequence at every step, the caller's prompt columns (padding as given)
+    followed by the tokens fed back (``lm_logits_fn`` reuses a KV cache underneath). The loop samples from
+    ``transform(ids, mask, logits)`` (n-gram blocking, contrastive scores); ``log_probs`` sums, per prompt, the
+    untransformed log-probabilities of the tokens fed back, and :meth:`finish` adds each row's last token's.
     """
+
+    def __init__(self, logits_fn, transform, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        self.logits_fn, self.transform = logits_fn, transform
+        self.prompt, self.prompt_mask, self.device = input_ids, attention_mask, input_ids.device
+        self.first = logits_fn(input_ids, attention_mask)  # [B, V]: the first step's logits, and the vocabulary's size
+        check_logits(self.first)
+        self.vocab_size = self.first.shape[-1]
+        self.log_probs = wide(torch.zeros(input_ids.shape[0], device=self.device))
+        self._last: dict[int, torch.Tensor] = {}  # prompt -> log-probabilities of its final step, once it left
+
+    def reset(self, batch: int) -> None:
+        self.prefill(None, None)
+
+    def prefill(self, ids, mask) -> None:
+        """Hold the caller's prompt columns but the last (the engine's pending token is that last column)."""
+        self.ids, self.mask = self.prompt[:, :-1], self.prompt_mask[:, :-1]
+        self.rows = torch.arange(self.prompt.shape[0], device=self.device)  # the prompt of each batch row
+        self.logp: torch.Tensor | None = None  # [rows, V] of the last step
+
+    def score(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [B, 1]`` -> the next token's (transformed) logits ``[B, 1, V]``."""
+        if self.logp is not None:  # tokens are the emitted ones: their log-probabilities count
+            self.log_probs[self.rows] += self.logp.gather(-1, tokens)[:, 0]
+        self.ids = torch.cat([self.ids, tokens], 1)
+        self.mask = torch.cat([self.mask, torch.ones_like(tokens)], 1)
+        if self.logp is None:  # the prompt, scored at load
+            logits = self.first
+        else:
+            logits = self.logits_fn(self.ids, self.mask)
+            check_logits(logits)
+        self.logp = torch.log_softmax(wide(logits), dim=-1)
+        return self.transform(self.ids, self.mask, logits)[:, None]
+
+    def repeat_rows(self, k: int) -> None:
+        raise NotImplementedError("the classic methods decode one path per row")
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        gone = sorted(set(range(len(self.rows))) - set(index.tolist()))
+        self._last.update({int(self.rows[i]): self.logp[i] for i in gone})
+        self.ids, self.mask, self.rows, self.logp = (t[index] for t in (self.ids, self.mask, self.rows, self.logp))
+
+    def finish(self, last_tokens: list[int | None]) -> torch.Tensor:
+        """Add each prompt's last emitted token (None: it emitted nothing) -> ``log_probs [B]``."""
+        self._last.update({int(r): self.logp[i] for i, r in enumerate(self.rows.tolist())})
+        for b, token in enumerate(last_tokens):
+            if token is not None:
+                self.log_probs[b] += self._last[b][token]
+        return self.log_probs
+
+
+def _autoregressive(transform, logits_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                    sampling: SamplingConfig, generator) -> DecodeResult:
+    """Decode in the engine's autoregressive loop from ``transform(ids, mask, logits)``; rows end at EOS (then padded
+    with ``pad_token_id``) or after ``max_new_tokens``."""
+    from specresearch.engine.generate import autoregressive_generate
+
     check_int("max_new_tokens", max_new_tokens, 1)
     mask = _check_prompt(input_ids, attention_mask)
-    ids, batch = input_ids, input_ids.shape[0]
-    active = torch.ones(batch, dtype=torch.bool, device=ids.device)
-    log_probs = wide(torch.zeros(batch, device=ids.device))
-    generated = torch.zeros(batch, dtype=torch.long, device=ids.device)
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("attention_mask must be left-padded (zeros, then ones): pad prompts on the left")
+    model = _FunctionModel(logits_fn, transform, input_ids, mask)
+    if generator is None:  # torch's global RNG picks the seed, so torch.manual_seed(s) reproduces a call
+        generator = int(torch.randint(2**62, ()))
+    prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
+    out = autoregressive_generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=generator,
+                                  eos_token_id=eos_token_id, step_timing=False)
+    log_probs = model.finish([row[-1] if row else None for row in out.tokens])
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
-    for _ in range(max_new_tokens):
-        logits = logits_fn(ids, mask)  # [B, V]
-        check_logits(logits)
-        token = torch.where(active, choose(ids, mask, logits, active), pad)  # [B]
-        logp = torch.log_softmax(wide(logits), dim=-1).gather(-1, token[:, None])[:, 0]
-        log_probs += torch.where(active, logp, 0.0)
-        generated += active.long()
-        ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(token)[:, None]], 1)
-        if eos_token_id is not None:
-            active &= token != eos_token_id
-        if not active.any():
-            break
-    return DecodeResult(ids, generated, log_probs, log_probs.clone())
+    width = max(len(row) for row in out.tokens)
+    new = torch.tensor([list(row) + [pad] * (width - len(row)) for row in out.tokens], dtype=torch.long)
+    generated = torch.tensor([len(row) for row in out.tokens], dtype=torch.long, device=input_ids.device)
+    return DecodeResult(torch.cat([input_ids, new.to(input_ids.device)], 1), generated, log_probs, log_probs.clone())
 
 
-def _blocked(ids, logits, active, ngram_size):
-    """Apply n-gram blocking to the active rows; finished rows get uniform logits (their token is ignored)."""
-    logits = torch.where(active[:, None], logits, torch.zeros_like(logits))
+def _blocking(ngram_size):
+    """The transform for n-gram blocking (none: the logits as they are)."""
     if ngram_size is None:
-        return logits
-    out = logits.clone()
-    out[active] = block_repeated_ngrams(ids[active], logits[active], ngram_size)
-    return out
+        return lambda ids, mask, logits: logits
+    return lambda ids, mask, logits: block_repeated_ngrams(ids, logits, ngram_size)
 
 
 def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfig, max_new_tokens: int, *,
@@ -334,13 +388,8 @@ def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfi
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
 
-    def choose(ids, mask, logits, active):
-        probs = logits_to_probs(_blocked(ids, logits, active, no_repeat_ngram_size), sampling)  # [B, V]
-        if sampling.greedy:
-            return probs.argmax(dim=-1)
-        return sample_tokens(probs, generator)
-
-    return _autoregressive(choose, logits_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    return _autoregressive(_blocking(no_repeat_ngram_size), logits_fn, input_ids, attention_mask, max_new_tokens,
+                           eos_token_id, pad_token_id, sampling, generator)
 
 
 def greedy(logits_fn: LogitsFn, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> DecodeResult:
@@ -357,12 +406,13 @@ def contrastive(expert_fn: LogitsFn, amateur_fn: LogitsFn, input_ids: torch.Tens
     bans tokens in the expert's logits before the plausibility constraint. ``log_probs`` are the expert's.
     """
 
-    def choose(ids, mask, logits, active):
-        expert = _blocked(ids, logits, active, no_repeat_ngram_size)
-        amateur = torch.where(active[:, None], amateur_fn(ids, mask), 0.0)
-        return contrastive_scores(expert, amateur, alpha).argmax(dim=-1)
+    blocked = _blocking(no_repeat_ngram_size)
 
-    return _autoregressive(choose, expert_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    def scores(ids, mask, logits):
+        return contrastive_scores(blocked(ids, mask, logits), amateur_fn(ids, mask), alpha)
+
+    return _autoregressive(scores, expert_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                           SamplingConfig(temperature=0.0), None)
 
 
 # ----------------------------------------------------------------------------- beam search

@@ -230,12 +230,16 @@ def _check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int
 
 
 def _generators(seed, batch: int, device) -> torch.Generator | list[torch.Generator]:
-    """One generator shared by the batch (``seed`` an int) or a list, one per row (one int per prompt)."""
+    """One generator shared by the batch (``seed`` an int, or a ``torch.Generator`` used as it is) or a list, one per
+    row (one int per prompt)."""
+    if isinstance(seed, torch.Generator):
+        return seed
     if isinstance(seed, int) and not isinstance(seed, bool):
         return torch.Generator(device=device).manual_seed(seed)
     seeds = list(seed) if isinstance(seed, Sequence) else []
     if len(seeds) != batch or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-        raise ValueError(f"seed must be an int or a list of one int per prompt ({batch} prompts), got {seed!r}")
+        raise ValueError(f"seed must be an int, a torch.Generator or a list of one int per prompt ({batch} prompts), "
+                         f"got {seed!r}")
     return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
@@ -336,7 +340,7 @@ def speculative_generate(
     gamma: int = 4,
     max_new_tokens: int = 64,
     sampling: SamplingConfig = SamplingConfig(),
-    seed: int | Sequence[int] = 0,
+    seed: int | torch.Generator | Sequence[int] = 0,
     tokenizer=None,
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
@@ -359,8 +363,8 @@ def speculative_generate(
             fewer in a step (with per-row seeds only when there is one prompt).
         max_new_tokens: tokens produced per row (>= 1), fewer only when the row emits EOS.
         sampling: applied identically to target and draft logits (``sampling.logits_to_probs``).
-        seed: seeds the single ``torch.Generator`` used for all randomness; or one int per prompt for
-            per-row generators (batch-independent rows; see the module docstring).
+        seed: seeds the single ``torch.Generator`` used for all randomness (or is that generator); or one int per
+            prompt for per-row generators (batch-independent rows; see the module docstring).
         eos_token_id: int or ids ending a row (default: ``tokenizer.eos_token_id`` if a tokenizer is given).
         on_step: called after each step with the tokens each row kept (for streaming).
         stop_when: ``stop_when(b, tokens)`` is asked for each new token of row b with the row's new tokens up to
@@ -511,7 +515,7 @@ def autoregressive_generate(
     *,
     max_new_tokens: int = 64,
     sampling: SamplingConfig = SamplingConfig(),
-    seed: int | Sequence[int] = 0,
+    seed: int | torch.Generator | Sequence[int] = 0,
     tokenizer=None,
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
@@ -519,7 +523,8 @@ def autoregressive_generate(
 ) -> GenerationResult:
     """Plain decoding from ``target``: one target call per token, same sampling and stopping rules.
 
-    ``seed``: an int, or one int per prompt (per-row generators: a row's tokens do not depend on the batch).
+    ``seed``: an int, a ``torch.Generator`` (used as it is), or one int per prompt (per-row generators: a row's tokens
+    do not depend on the batch). The classic decoding methods (:mod:`specresearch.engine.decoding`) run in this loop.
     ``step_timing``: as :func:`speculative_generate`'s.
     """
     _check_generation_args(max_new_tokens)
