@@ -345,6 +345,16 @@ def test_a_record_header_names_command_commit_machine_and_weights():
     digests = record_header("benchmarks/x.py", [], draft=f"ngram+{name}")["draft_sha256"]
     assert list(digests) == [name] and len(digests[name]) == 16  # store.draft_digest: 16 hex digits of sha256
     assert "draft" not in record_header("benchmarks/x.py", [])
+    import hashlib
+    import importlib.metadata
+
+    from specresearch.models.embedded import EMBEDDED, _wheel_dir
+
+    spec = EMBEDDED["smollm2-135m-instruct"]
+    gguf = hashlib.sha256((_wheel_dir(spec) / spec.gguf_file).read_bytes()).hexdigest()[:16]
+    assert header["target"] == "smollm2-135m-instruct" and header["target_sha256"] == gguf
+    assert header["machine"]["transformers"] == importlib.metadata.version("transformers")
+    assert "target_sha256" not in record_header("benchmarks/x.py", [], target=None)
 
 
 def test_paired_gain_is_a_ratio_of_sums_with_a_bootstrap_over_prompts():

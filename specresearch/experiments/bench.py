@@ -446,8 +446,10 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
         config = dataclasses.replace(config, gammas=(machine_gamma(target, draft),))
     prompts = load_bench_prompts(tokenizer, config, prompts_path)
     from specresearch.drafts.registry import weights_digests
+    from specresearch.models.embedded import EMBEDDED, weights_digest
 
     write_run_info(path, command=command, commit=git_commit(), target=target_name, draft=draft_name,
+                   target_sha256=weights_digest(target_name) if target_name in EMBEDDED else None,
                    draft_sha256=weights_digests(draft_name), batched=batched, config=dataclasses.asdict(config),
                    prompts=[p.id for p in prompts])
     run = run_batched if batched else run_bench

@@ -51,15 +51,22 @@ RECORD_COLUMNS = (
 def machine_info() -> dict:
     """What a timing depends on besides the code: the CPU's model name and the vector extensions torch's CPU
     kernels use (AVX2, AVX-512, AMX; from ``/proc/cpuinfo`` where there is one), the CPU count, torch's
-    version and thread count. Speed-ups and the cost of scoring k tokens differ between machines."""
+    version and thread count, and transformers' version. Speed-ups and the cost of scoring k tokens differ between
+    machines."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     from specresearch.paths import cpu_fields, cpu_name
 
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
     flags = sorted(f for f in cpu_fields().get("flags", "").split() if f in wanted)
-    return {"cpu": cpu_name(), "cpu_flags": flags,
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    try:
+        transformers = version("transformers")
+    except PackageNotFoundError:
+        transformers = None
+    return {"cpu": cpu_name(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "transformers": transformers}
 
 
 def git_commit() -> str:
@@ -75,14 +82,21 @@ def git_commit() -> str:
         return ""
 
 
-def record_header(script: str, argv: list[str], draft: str | None = None, **extra) -> dict:
+def record_header(script: str, argv: list[str], draft: str | None = None, *,
+                  target: str | None = "smollm2-135m-instruct", **extra) -> dict:
     """What a record says about the run that made it: the command (``script`` and its ``argv``, shell-quoted), the
-    commit (short hash, '' outside a git checkout), the date, the machine (:func:`machine_info`) and, for a ``draft``
-    name, the sha256 of every shipped weight file it uses (``drafts.registry.weights_digests``); ``extra`` is added."""
+    commit (short hash, '' outside a git checkout), the date, the machine (:func:`machine_info`), the ``target``
+    (an embedded model's name, with its weights' sha256, ``models.embedded.weights_digest``; None: no target) and,
+    for a ``draft`` name, the sha256 of every shipped weight file it uses (``drafts.registry.weights_digests``);
+    ``extra`` is added."""
     import shlex
 
     header = {"command": shlex.join([script, *argv]), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
               "machine": machine_info()}
+    if target is not None:
+        from specresearch.models.embedded import weights_digest
+
+        header.update(target=target, target_sha256=weights_digest(target))
     if draft is not None:
         from specresearch.drafts.registry import weights_digests
 

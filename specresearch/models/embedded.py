@@ -11,6 +11,8 @@ later loads take about a second. Nothing ever goes to a hub: ``HF_HUB_OFFLINE=1`
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -23,7 +25,7 @@ import torch
 from specresearch import paths
 from specresearch.models.causal_lm import CausalLM
 
-__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_model"]
+__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_model", "weights_digest"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,19 @@ def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.de
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype)
     return CausalLM(model, device=device, skinny_linear=skinny_linear), tokenizer
+
+
+@functools.cache
+def weights_digest(name: str = "smollm2-135m-instruct") -> str:
+    """sha256 (16 hex digits) of an embedded model's GGUF file: the target weights' digest a record carries."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
+    spec = EMBEDDED[name]
+    digest = hashlib.sha256()
+    with open(_wheel_dir(spec) / spec.gguf_file, "rb") as file:
+        for block in iter(lambda: file.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def _wheel_dir(spec: EmbeddedSpec) -> Path:
