@@ -199,6 +199,15 @@ def test_the_records_index_is_current():
     assert (ROOT / "benchmarks" / "records" / "INDEX.md").read_text() == _index_records().index_markdown()
 
 
+def test_every_record_states_what_made_it():
+    """Each record's row in the index names what made it: its own header (command, commit), or for a record written
+    before headers existed its ``provenance.json`` entry (commit, machine, the weights each draft name stood for)."""
+    rows = [line.split(" | ") for line in (ROOT / "benchmarks" / "records" / "INDEX.md").read_text().splitlines()
+            if line.startswith("| `")]
+    silent = [row[0].strip("| `") for row in rows if not row[1].strip()]
+    assert rows and not silent, f"records that do not say what made them: {silent}"
+
+
 def test_every_record_is_cited_and_every_cited_record_exists():
     """The records are the current set: each is cited by a page, notebook, benchmark or module (a superseded one
     leaves, git keeps it), and each ``benchmarks/records/NAME`` a page names exists."""
