@@ -1,4 +1,4 @@
-"""Claim (Theorem 1 of references/002 and the correctness proof of references/004): token verification
+"""Claim (Chen et al. 2023, Theorem 1; the correctness proof of Leviathan et al. 2023): token verification
 is lossless for any vocabulary size.
 
 With beta = sum_x min(p(x), q(x)), a draft x ~ q is accepted with probability min(1, p(x)/q(x)) and on
@@ -23,7 +23,7 @@ from specresearch.exact.symbolic import run_checks, token_lossless_checks
 
 
 def main() -> int:
-    return run_checks("Theorem 1: token verification is lossless (refs 002, 004)", token_lossless_checks(max_n=6))
+    return run_checks("Theorem 1: token verification is lossless (Chen et al. 2023; Leviathan et al. 2023)", token_lossless_checks(max_n=6))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Claim (references/004, Lemma; Leviathan et al. 2023, Thm 3.5): the acceptance rate of token
+"""Claim (Leviathan et al. 2023, Thm 3.5): the acceptance rate of token
 verification is
 
     beta = sum_x min(p(x), q(x)) = 1 - D_LK(p, q),   D_LK(p, q) = sum_x |p(x) - M(x)| = sum_x |q(x) - M(x)|,
@@ -40,7 +40,7 @@ def exact_checks(trials: int = 200, seed: int = 0) -> list[Check]:
 
 def main() -> int:
     checks = list(acceptance_rate_checks(max_n=6)) + exact_checks()
-    return run_checks("Lemma: beta = 1 - D_LK(p, q) = sum_x min(p, q) (ref 004)", checks)
+    return run_checks("Lemma: beta = 1 - D_LK(p, q) = sum_x min(p, q) (Leviathan et al. 2023)", checks)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Claim (Leviathan et al. 2023, Eq. (1), Thm 3.8 and Corollary 3.9; quoted in references/000):
+"""Claim (Leviathan et al. 2023, Eq. (1), Thm 3.8 and Corollary 3.9; quoted in the two-symbol post):
 
 1. With i.i.d. acceptances of rate alpha, the number N of accepted drafts out of gamma is a truncated
    geometric variable, P(N = n) = alpha^n (1 - alpha) (n < gamma), P(N = gamma) = alpha^gamma, and

@@ -1,5 +1,5 @@
 """Claim (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", Theorem 1;
-references/003, and the forward form of references/000): block verification is lossless -- the
+arXiv 2403.10444, and the forward form of the two-symbol post): block verification is lossless -- the
 speculative loop with block verification emits tokens with exactly the target's law.
 
 What is checked, and how:

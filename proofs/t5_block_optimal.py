@@ -1,4 +1,4 @@
-"""Claim (Sun et al. 2025, Theorem 2; references/003, and the two-symbol example of references/000):
+"""Claim (Sun et al. 2025, Theorem 2, arXiv 2403.10444; the two-symbol post's example):
 block verification is optimal -- among ALL valid verifiers (those whose speculative loop reproduces the
 target's law from every prefix) none has a larger expected number of accepted draft tokens per step --
 and token verification can be strictly worse: p = (1/3, 2/3), q = (2/3, 1/3), gamma = 2 gives 11/9
@@ -45,7 +45,7 @@ def two_symbol_checks() -> list[Check]:
         checks, values = instance_checks(f"two-symbol, gamma={gamma}", target, draft, gamma, coupling=True)
         out += checks
     _, values = instance_checks("two-symbol, gamma=2", target, draft, 2, coupling=False)
-    out.append(Check("two-symbol, gamma=2: LP = block = 11/9 > token = 10/9 (ref 000)", values["lp"] == values["block"] == Fraction(11, 9) and values["token"] == Fraction(10, 9)))
+    out.append(Check("two-symbol, gamma=2: LP = block = 11/9 > token = 10/9 (the two-symbol post)", values["lp"] == values["block"] == Fraction(11, 9) and values["token"] == Fraction(10, 9)))
     return out
 
 

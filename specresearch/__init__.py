@@ -2,7 +2,7 @@
 
 Notation (fixed once for the whole package, following Leviathan et al. 2023):
 p = target model (``target_probs``), q = draft model (``draft_probs``), gamma = draft block length,
-alpha = E[sum_x min(p, q)]. Reference 002 swaps p and q; the code never does.
+alpha = E[sum_x min(p, q)]. Chen et al. 2023 write p for the draft and q for the target; the code never does.
 
 The package is eight rooms whose imports point down (docs/README.md, "Layout"; tests/test_layout.py checks it):
 ``audit`` (the engines' rules decided exactly) over ``experiments`` and ``training``, over ``engine``, over ``drafts`` and ``models``, over ``core`` (batched torch

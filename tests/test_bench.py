@@ -43,7 +43,7 @@ def _prompts(count: int, token_ids=(0,)) -> list[BenchPrompt]:
 
 @pytest.fixture(scope="module")
 def two_symbol(tmp_path_factory):
-    """Token and block verification of reference 000's pair p = (1/3, 2/3), q = (2/3, 1/3) at T = 1, gamma = 4:
+    """Token and block verification of the two-symbol post's pair p = (1/3, 2/3), q = (2/3, 1/3) at T = 1, gamma = 4:
     40 prompts x 240 tokens (~3700 token steps, ~3150 block steps)."""
     target, draft = exact.two_symbol_example()
     config = BenchConfig(temperatures=(1.0,), gammas=(4,), max_new_tokens=240)

@@ -29,11 +29,11 @@ from specresearch.exact.single import (
 
 A, B = 0, 1
 
-# Two-symbol example (references/000), expected accepted draft tokens per step, gamma = 1..4.
+# Two-symbol example (the two-symbol post), expected accepted draft tokens per step, gamma = 1..4.
 #
 # Token column, independent check: with i.i.d. p, q each draft is accepted independently with
 # probability alpha = sum_x min(p(x), q(x)) = min(1/3, 2/3) + min(2/3, 1/3) = 2/3, so
-# E[accepted] = sum_{k=1}^{gamma} alpha^k. (references/000 prints "alpha = 1/3"; that is 1 - alpha:
+# E[accepted] = sum_{k=1}^{gamma} alpha^k. (the two-symbol post prints "alpha = 1/3"; that is 1 - alpha:
 # only alpha = 2/3 reproduces its own 10/9 at gamma = 2.)
 #
 # Block column, by hand (Sun et al. Alg. 2; p_i = min(p_{i-1} p(x_i)/q(x_i), 1), h_gamma = p_gamma,
@@ -49,7 +49,7 @@ A, B = 0, 1
 #               h_1 = 1 when p_1 = 1: w_1 = (0, 1/3) and 1 - p_1 = 0.)
 #              E = 4/9 * 1/2 + 2/9 * 2 + 2/9 * 3/2 + 1/9 * 2 = (2 + 4 + 3 + 2) / 9 = 11/9.
 #   gamma = 3, 4: no hand derivation; the values are what both the backward and the forward
-#              (references/000) form compute, and they must exceed the token column.
+#              (the two-symbol post) form compute, and they must exceed the token column.
 ALPHA_TWO_SYMBOL = F(2, 3)
 TWO_SYMBOL_TABLE = {  # gamma: (token, block)
     1: (F(2, 3), F(2, 3)),
@@ -109,7 +109,7 @@ def test_two_symbol_table(gamma):
 
 
 def test_two_symbol_per_draft_laws_match_reference_003():
-    """The rebuttal in references/003 spells out the gamma = 2 block laws for drafts AA and BA."""
+    """Sun et al.'s OpenReview rebuttal spells out the gamma = 2 block laws for drafts AA and BA."""
     target, draft = two_symbol_example()
     ps, qs = [target] * 3, [draft] * 2
     # AA: h_2 = 1/4, h_1 = 0, residual = point mass on B.

@@ -59,7 +59,7 @@ def test_exact_closed_form_is_the_mean_of_the_exact_law(method):
 
 
 def test_closed_forms_differ_between_token_and_block():
-    """Block verification accepts more on the two-symbol example of reference 000 (power of the test above)."""
+    """Block verification accepts more on the two-symbol post's example (power of the test above)."""
     target, draft = two_symbol_example()
     xs = [0, 0, 1]
     ps, qs = [target] * 4, [draft] * 3

@@ -16,7 +16,7 @@ from specresearch.exact.theory import (
 
 
 def test_expected_tokens_two_symbol_example():
-    # references/000: alpha = 2/3, gamma = 2 -> 19/9 tokens per target call (10/9 accepted drafts + 1).
+    # the two-symbol post: alpha = 2/3, gamma = 2 -> 19/9 tokens per target call (10/9 accepted drafts + 1).
     target, draft = two_symbol_example()
     alpha = acceptance_rate(target, draft)
     assert alpha == Fraction(2, 3)

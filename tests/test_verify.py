@@ -20,7 +20,7 @@ from specresearch.core.verify import (
     token_verify,
 )
 
-P_TWO = (1 / 3, 2 / 3)  # target of the two-symbol example (reference 000); A = 0, B = 1
+P_TWO = (1 / 3, 2 / 3)  # target of the two-symbol example (the two-symbol post); A = 0, B = 1
 Q_TWO = (2 / 3, 1 / 3)  # draft
 A, B = 0, 1
 
@@ -59,7 +59,7 @@ def tau_rule(request, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# Hand-computed two-symbol example (reference 000): p = (1/3, 2/3), q = (2/3, 1/3), gamma = 2.
+# Hand-computed two-symbol example (the two-symbol post): p = (1/3, 2/3), q = (2/3, 1/3), gamma = 2.
 
 
 @pytest.mark.usefixtures("tau_rule")

@@ -14,7 +14,7 @@ family-wise false-positive rate is below K_STAT * ALPHA = 2.8e-7 < 1e-6 (the chi
 approximation is used in its tail; almost all cells have expected counts in the thousands).
 Seeds are fixed, so a run is deterministic.
 Power: the same test rejects token verification's output against the block twin on the two-symbol
-example of references/000, so these tests can fail.
+example of the two-symbol post, so these tests can fail.
 """
 
 from __future__ import annotations

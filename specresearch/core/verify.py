@@ -28,7 +28,7 @@ w_i(x) = max(p_i p(x|X^i) - q(x|X^i), 0); h_i = sum w_i / (sum w_i + 1 - p_i) fo
 sum w_i = 0) and h_gamma = p_gamma; tau = the LAST i in 1..gamma with eta_i < h_i (tau = 0 if none) --
 not the first failure: a failed eta_1 followed by a passed eta_2 accepts both tokens.
 next_token ~ p(.|X^gamma) if tau = gamma, else ~ norm(w_tau).
-Reference 000 writes the same rule FORWARD: walking i = 0..gamma it keeps a candidate block and replaces
+The two-symbol post writes the same rule FORWARD: walking i = 0..gamma it keeps a candidate block and replaces
 it by X^i + (t ~ norm(w_i)) with probability sum w_i / (sum w_i + 1 - p_i) = h_i (weight 1 - p_i on
 keeping the old one; at i = gamma, q is the zero row so w_gamma = p_gamma p and the replacement
 probability is p_gamma). The final candidate is the one from the last replacement, i.e. the last i

@@ -10,7 +10,7 @@ Methods (the decoding survey, "Decoding From Language Models"):
   the k best hypotheses with their scores ("Beam Search Algorithm", steps 1-7);
 * n-gram blocking -- a token that would complete an n-gram already present in the sequence (prompt
   included) is banned ("The issue with these approaches"); usable with every method;
-* contrastive decoding (Li et al. 2023; 001, "Contrastive Decoding") -- expert = target, amateur = draft:
+* contrastive decoding (Li et al. 2023; the decoding survey, "Contrastive Decoding") -- expert = target, amateur = draft:
   among tokens passing the adaptive plausibility constraint ``p_exp(x) >= alpha * max_w p_exp(w)``,
   pick ``argmax log p_exp(x) - log p_ama(x)``.
 
@@ -380,7 +380,7 @@ def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfi
            generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
            eos_token_id: int | None = None, pad_token_id: int | None = None,
            no_repeat_ngram_size: int | None = None) -> DecodeResult:
-    """Sample ``max_new_tokens`` tokens per row from ``logits_to_probs(logits, sampling)`` (001, "Sampling").
+    """Sample ``max_new_tokens`` tokens per row from ``logits_to_probs(logits, sampling)`` (the decoding survey, "Sampling").
 
     Greedy configs take the argmax (first maximum) without drawing random numbers. n-gram blocking, if on,
     is applied to the logits before the transform. ``input_ids [B, T]`` -> ``sequences [B, T + n]``.
@@ -393,7 +393,7 @@ def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfi
 
 
 def greedy(logits_fn: LogitsFn, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> DecodeResult:
-    """Greedy decoding (001, "Greedy Decoding"): ``sample`` with temperature 0 (first argmax)."""
+    """Greedy decoding (the decoding survey, "Greedy Decoding"): ``sample`` with temperature 0 (first argmax)."""
     return sample(logits_fn, input_ids, SamplingConfig(temperature=0.0), max_new_tokens, **kwargs)
 
 

@@ -207,7 +207,7 @@ def token_derivation() -> tuple[tuple[str, object], ...]:
 
 
 def acceptance_rate_checks(max_n: int = 6) -> tuple[Check, ...]:
-    """Reference 004, Lemma: D_LK(p, q) = sum |p - M| = sum |q - M| = 1 - sum min(p, q), M = (p+q)/2.
+    """Leviathan et al. 2023, the acceptance-rate lemma: D_LK(p, q) = sum |p - M| = sum |q - M| = 1 - sum min(p, q), M = (p+q)/2.
 
     For every order pattern of vectors of size 2..max_n; the residual must equal a multiple of the
     constraints sum p - 1 and sum q - 1 (shown identically), and for general n by linearity.
@@ -381,7 +381,7 @@ def _min1(x, oracle):
 
 
 def _block_given(target, draft, x: tuple, oracle) -> dict:
-    """{z: P(Z = z | X = x)} of block verification (Sun et al. Alg. 2 backward form, ref 000 forward form).
+    """{z: P(Z = z | X = x)} of block verification (Sun et al. Alg. 2 backward form, the two-symbol post's forward form).
 
     ratio_i = min(ratio_{i-1} p(x_i)/q(x_i), 1); w_i(t) = max(ratio_i p(t|x^i) - q(t|x^i), 0);
     P(Z = x^i + t) = w_i(t)/(W_i + 1 - ratio_i) prod_{m=i+1}^{gamma-1} (1 - ratio_m)/(W_m + 1 - ratio_m)

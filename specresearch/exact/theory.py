@@ -79,7 +79,7 @@ def optimal_gamma(alpha, c, max_gamma: int = 64) -> int:
 def acceptance_rate(target_probs: Sequence, draft_probs: Sequence) -> Fraction:
     """beta = sum_x min(p(x), q(x)) = 1 - D_LK(p, q) for one pair of distributions over V tokens.
 
-    Reference 004 (Definition and Lemma). Args: ``target_probs`` [V], ``draft_probs`` [V], each
+    Leviathan et al. 2023 (the definition of D_LK and its lemma). Args: ``target_probs`` [V], ``draft_probs`` [V], each
     summing to exactly 1.
     """
     p = _distribution(target_probs, "target_probs")

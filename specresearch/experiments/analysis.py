@@ -84,7 +84,7 @@ _SUM_COLUMNS = ["accepted_tokens", "examined_drafts", "target_calls", "new_token
                 "ar_tokens"]
 METRICS = ("be", "be_emitted", "ws", "alpha")
 
-# Reference 003 (rebuttal table): Vicuna-7B-v1.3 target + Vicuna-68M draft, Spec-Bench, gamma = 8, H100.
+# Sun et al. 2025 (the table of their OpenReview rebuttal): Vicuna-7B-v1.3 target + Vicuna-68M draft, Spec-Bench, gamma = 8, H100.
 PAPER_TABLE = pd.DataFrame({
     "temperature": [0.2, 0.6, 1.0],
     "be_token": [2.75, 2.75, 2.79], "be_block": [2.85, 2.90, 3.04], "be_gain": [0.0372, 0.0532, 0.0870],
@@ -93,7 +93,7 @@ PAPER_TABLE = pd.DataFrame({
 
 
 def paper_points(metric: str = "be") -> pd.DataFrame:
-    """Reference 003's ``metric`` ("be" or "ws") as rows (temperature, gamma = 8, token, block) for plots."""
+    """Sun et al. 2025's ``metric`` ("be" or "ws") as rows (temperature, gamma = 8, token, block) for plots."""
     if metric not in ("be", "ws"):
         raise ValueError(f"metric must be 'be' or 'ws' (the paper reports no other), got {metric!r}")
     return pd.DataFrame({"temperature": PAPER_TABLE["temperature"], "gamma": 8,
@@ -229,7 +229,7 @@ def paired_gain(treated, base, *, n_boot: int = 4000, seed: int = 0, level: floa
 
 
 def paper_table(records: pd.DataFrame, gamma: int | None = None, **bootstrap) -> pd.DataFrame:
-    """Reference 003's table on our records: one row per temperature at ``gamma`` (default: the largest).
+    """Sun et al. 2025's table on our records: one row per temperature at ``gamma`` (default: the largest).
 
     Columns: temperature, gamma, be_token, be_block, be_gain (+ _lo/_hi), ws_token, ws_block, ws_gain
     (+ _lo/_hi), alpha (token-verification rows, with _lo/_hi), prompts.

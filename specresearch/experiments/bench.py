@@ -134,7 +134,7 @@ BENCH_PRESETS: dict[str, BenchConfig] = {
     # A few minutes on a 2-core CPU: 3 prompts (one per category) x T {0, 1} x gamma {2, 4}, 24 tokens.
     "quick": BenchConfig(temperatures=(0.0, 1.0), gammas=(2, 4), max_new_tokens=24, num_prompts=3,
                          categories=("translation", "question_answering", "code")),
-    # Reference 003's table: gamma = 8, T in {0, 0.2, 0.6, 1.0}.
+    # Sun et al. 2025's table: gamma = 8, T in {0, 0.2, 0.6, 1.0}.
     "paper": BenchConfig(gammas=(8,)),
 }
 
