@@ -142,3 +142,19 @@ def test_code_names_in_docstrings_exist():
                       for span in re.findall(r"`+([^`]+)`+", path.read_text()) for name in DOTTED.findall(span)
                       if not name.endswith((".md", ".py")) and not _resolves(name)})
     assert not missing, missing
+
+
+NUMBERED_REFERENCE = re.compile(r"\breferences?[ /]?0\d\d\b|\brefs? 0\d\d\b", re.IGNORECASE)
+
+
+def test_sources_are_cited_by_name_not_by_files_outside_the_repository():
+    """Pages, docstrings, proofs, notebooks and tests cite a paper by its authors or title (docs/README.md lists them),
+    never by the number of a working note that is not in the repository (the word "reference" and three digits)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.ipynb"], capture_output=True, text=True, cwd=ROOT,
+                           check=True).stdout.split()
+    found = [f"{name}: {match.group(0)}" for name in files if not name.startswith(("benchmarks/records/", "data/"))
+             for match in [NUMBERED_REFERENCE.search((ROOT / name).read_text(errors="replace"))] if match]
+    assert not found, found
+    assert NUMBERED_REFERENCE.search("as reference " + "003 reports") and NUMBERED_REFERENCE.search("(references/" + "000)")
