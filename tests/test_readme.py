@@ -157,4 +157,5 @@ def test_sources_are_cited_by_name_not_by_files_outside_the_repository():
     found = [f"{name}: {match.group(0)}" for name in files if not name.startswith(("benchmarks/records/", "data/"))
              for match in [NUMBERED_REFERENCE.search((ROOT / name).read_text(errors="replace"))] if match]
     assert not found, found
-    assert NUMBERED_REFERENCE.search("as reference " + "003 reports") and NUMBERED_REFERENCE.search("(references/" + "000)")
+    assert NUMBERED_REFERENCE.search("as reference " + "003 reports")
+    assert NUMBERED_REFERENCE.search("(references/" + "000)")
