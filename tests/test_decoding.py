@@ -282,6 +282,15 @@ def test_contrastive_decoding_follows_the_formula_each_step():
     assert torch.equal(same.sequences, out.sequences)
 
 
+def test_contrastive_decoding_takes_a_plausible_token_the_amateur_rules_out():
+    # after 0 the amateur gives tokens 1 and 2 probability 0: both score +inf, the first of them (1) is taken
+    expert = torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.2, 0.2], [1 / 3, 1 / 3, 1 / 3]])
+    amateur = torch.tensor([[1.0, 0.0, 0.0], [0.1, 0.45, 0.45], [1 / 3, 1 / 3, 1 / 3]])
+    out = contrastive(table_fn(expert.log()), table_fn(amateur.log()), torch.tensor([[0], [0]]), 2, alpha=0.5)
+    # after 1: head {p >= 0.3} = {0}; -> 0
+    assert out.sequences.tolist() == [[0, 1, 0]] * 2
+
+
 def test_contrastive_with_identical_models_is_argmax_of_head_ties():
     # expert == amateur: every plausible score is 0, argmax takes the first plausible token
     e = torch.tensor([0.2, 0.5, 0.3]).log()

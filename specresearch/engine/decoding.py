@@ -408,8 +408,9 @@ def contrastive(expert_fn: LogitsFn, amateur_fn: LogitsFn, input_ids: torch.Tens
 
     blocked = _blocking(no_repeat_ngram_size)
 
-    def scores(ids, mask, logits):
-        return contrastive_scores(blocked(ids, mask, logits), amateur_fn(ids, mask), alpha)
+    def scores(ids, mask, logits):  # a plausible token the amateur rules out scores +inf: the largest finite score
+        out = contrastive_scores(blocked(ids, mask, logits), amateur_fn(ids, mask), alpha)
+        return out.nan_to_num(nan=math.nan, posinf=torch.finfo(out.dtype).max, neginf=-math.inf)
 
     return _autoregressive(scores, expert_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                            SamplingConfig(temperature=0.0), None)
