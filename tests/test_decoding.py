@@ -223,6 +223,17 @@ def test_methods_run_in_the_engines_loop_where_finished_rows_leave():
         torch.testing.assert_close(out.log_probs[b], want.sum())
 
 
+def test_greedy_and_contrastive_draw_nothing_from_the_global_rng():
+    fn = markov2(5, seed=2)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    greedy(fn, torch.tensor([[0, 1]]), 4)
+    contrastive(fn, markov2(5, seed=3), torch.tensor([[0, 1]]), 4)
+    assert torch.equal(torch.get_rng_state(), state)
+    sample(fn, torch.tensor([[0, 1]]), SamplingConfig(), 4)  # sampling without a generator does draw its seed
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
 def test_a_right_padded_prompt_is_refused():
     with pytest.raises(ValueError, match="left-padded"):
         sample(markov2(4), torch.tensor([[1, 2, 0]]), SamplingConfig(), 2, attention_mask=torch.tensor([[1, 1, 0]]))

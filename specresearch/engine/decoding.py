@@ -10,8 +10,8 @@ Methods (the decoding survey, "Decoding From Language Models"):
   the k best hypotheses with their scores ("Beam Search Algorithm", steps 1-7);
 * n-gram blocking -- a token that would complete an n-gram already present in the sequence (prompt
   included) is banned ("The issue with these approaches"); usable with every method;
-* contrastive decoding (Li et al. 2023; the decoding survey, "Contrastive Decoding") -- expert = target, amateur = draft:
-  among tokens passing the adaptive plausibility constraint ``p_exp(x) >= alpha * max_w p_exp(w)``,
+* contrastive decoding (Li et al. 2023; the decoding survey, "Contrastive Decoding") -- expert = target,
+  amateur = draft: among tokens passing the adaptive plausibility constraint ``p_exp(x) >= alpha * max_w p_exp(w)``,
   pick ``argmax log p_exp(x) - log p_ama(x)``.
 
 Everything runs on a *logits function* ``logits_fn(input_ids [B, T], attention_mask [B, T]) -> [B, V]``
@@ -356,8 +356,8 @@ def _autoregressive(transform, logits_fn, input_ids, attention_mask, max_new_tok
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
         raise ValueError("attention_mask must be left-padded (zeros, then ones): pad prompts on the left")
     model = _FunctionModel(logits_fn, transform, input_ids, mask)
-    if generator is None:  # torch's global RNG picks the seed, so torch.manual_seed(s) reproduces a call
-        generator = int(torch.randint(2**62, ()))
+    if generator is None:  # the global RNG picks the seed (torch.manual_seed(s) reproduces a call); greedy draws none
+        generator = 0 if sampling.greedy else int(torch.randint(2**62, ()))
     prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
     out = autoregressive_generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=generator,
                                   eos_token_id=eos_token_id, step_timing=False)
@@ -380,7 +380,8 @@ def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfi
            generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
            eos_token_id: int | None = None, pad_token_id: int | None = None,
            no_repeat_ngram_size: int | None = None) -> DecodeResult:
-    """Sample ``max_new_tokens`` tokens per row from ``logits_to_probs(logits, sampling)`` (the decoding survey, "Sampling").
+    """Sample ``max_new_tokens`` tokens per row from ``logits_to_probs(logits, sampling)`` (the decoding survey,
+    "Sampling").
 
     Greedy configs take the argmax (first maximum) without drawing random numbers. n-gram blocking, if on,
     is applied to the logits before the transform. ``input_ids [B, T]`` -> ``sequences [B, T + n]``.
