@@ -30,7 +30,7 @@ DOCS_FIGURES = (
     "05_gain_vs_alpha",
     "07_losslessness",
     "09_acceptance_by_depth",
-    "10_draft_trees",
+    "10_draft_trees", "10_tree_step_costs",
     "11_lossy_frontier",
     "09_data_scaling",
     "09_alpha_vs_cost",
