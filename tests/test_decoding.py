@@ -371,6 +371,38 @@ def test_lm_logits_fn_with_toy_and_tiny_llama():
     torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-4, rtol=0)
 
 
+def test_a_cached_logits_function_follows_the_rows_that_stay():
+    """Rows that end leave the engine's batch; ``lm_logits_fn``'s cache keeps the others instead of prefilling again,
+    and the tokens equal an uncached run's."""
+    from specresearch.models.toy import ToyLM
+
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [1 / 3, 1 / 3, 1 / 3]])  # after token 1 comes EOS (= 2)
+
+    class Counting(ToyLM):
+        prefills = 0
+
+        def prefill(self, input_ids, attention_mask):
+            Counting.prefills += 1
+            return super().prefill(input_ids, attention_mask)
+
+    prompt = torch.tensor([[0], [1], [2], [0]])  # the row after token 1 ends at once
+    for method in ("sample", "contrastive"):
+        Counting.prefills = 0
+        expert, amateur = lm_logits_fn(Counting(p.log())), lm_logits_fn(Counting((0.5 * p + 0.5 / 3).log()))
+        if method == "sample":
+            out = sample(expert, prompt, SamplingConfig(), 12, generator=torch.Generator().manual_seed(1),
+                         eos_token_id=2)
+            want = sample(table_fn(p.log()), prompt, SamplingConfig(), 12, generator=torch.Generator().manual_seed(1),
+                          eos_token_id=2)
+        else:
+            out = contrastive(expert, amateur, prompt, 12, alpha=0.1, eos_token_id=2)
+            want = contrastive(table_fn(p.log()), table_fn((0.5 * p + 0.5 / 3).log()), prompt, 12, alpha=0.1,
+                               eos_token_id=2)
+        assert torch.equal(out.sequences, want.sequences)
+        assert len(set(out.num_generated.tolist())) > 1  # rows ended at different steps
+        assert Counting.prefills == (1 if method == "sample" else 2), (method, Counting.prefills)
+
+
 def test_truncated_context_sees_only_the_window():
     seen = []
     short = truncated_context(lambda ids, mask: seen.append(ids.shape[1]) or torch.zeros(ids.shape[0], 3), 2)

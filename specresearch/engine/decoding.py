@@ -225,7 +225,8 @@ def phrase_repetition_log_probs(logits_fn: LogitsFn, prefix_ids: torch.Tensor, p
 
 
 class _CachedLogitsFn:
-    """``logits_fn`` over a prefill/score model: one ``score`` call when the input grew by one token."""
+    """``logits_fn`` over a prefill/score model: one ``score`` call when the input grew by one token. The engine's
+    loop tells it which rows stay when some end (:meth:`select_rows`), so the cache follows instead of re-prefilling."""
 
     def __init__(self, model):
         self.model = model
@@ -241,6 +242,11 @@ class _CachedLogitsFn:
             logits = self.model.prefill(input_ids, attention_mask)
         self._ids = input_ids.clone()
         return logits
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self._ids is not None and callable(getattr(self.model, "select_rows", None)):
+            self.model.select_rows(index)
+            self._ids = self._ids[index.to(self._ids.device)]
 
 
 def lm_logits_fn(model) -> LogitsFn:
@@ -332,6 +338,9 @@ class _FunctionModel:
         raise NotImplementedError("the classic methods decode one path per row")
 
     def select_rows(self, index: torch.Tensor) -> None:
+        for fn in (self.logits_fn, self.transform):  # a cached logits function keeps only these rows too
+            if callable(getattr(fn, "select_rows", None)):
+                fn.select_rows(index)
         gone = sorted(set(range(len(self.rows))) - set(index.tolist()))
         self._last.update({int(self.rows[i]): self.logp[i] for i in gone})
         self.ids, self.mask, self.rows, self.logp = (t[index] for t in (self.ids, self.mask, self.rows, self.logp))
@@ -412,6 +421,9 @@ def contrastive(expert_fn: LogitsFn, amateur_fn: LogitsFn, input_ids: torch.Tens
     def scores(ids, mask, logits):  # a plausible token the amateur rules out scores +inf: the largest finite score
         out = contrastive_scores(blocked(ids, mask, logits), amateur_fn(ids, mask), alpha)
         return out.nan_to_num(nan=math.nan, posinf=torch.finfo(out.dtype).max, neginf=-math.inf)
+
+    if callable(getattr(amateur_fn, "select_rows", None)):
+        scores.select_rows = amateur_fn.select_rows
 
     return _autoregressive(scores, expert_fn, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                            SamplingConfig(temperature=0.0), None)
