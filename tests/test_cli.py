@@ -159,6 +159,19 @@ def test_there_are_subcommands():
     assert {"report", "generate", "distill", "warm-cache", "bench"} <= set(SUBCOMMANDS)
 
 
+def _refuse_model_loads(monkeypatch) -> None:
+    """Make every way to load an embedded model raise. The modules that bind the loaders by name are imported first,
+    so that none binds the refusing stand-in for good (monkeypatch restores what it set, not what an import took)."""
+    import specresearch.drafts.registry as registry
+    import specresearch.models.embedded as embedded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    for module, name in ((embedded, "load_model"), (embedded, "load_embedded"), (registry, "load_embedded")):
+        monkeypatch.setattr(module, name, refuse)
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "hi", "--device", "foo"], "--device 'foo' is not a device"),
     (["generate", "hi", "--device", "cuda:0"], "no CUDA device"),
@@ -178,12 +191,7 @@ def test_there_are_subcommands():
     (["generate", "hi", "--verifier", "onehot", "--draft-law", "dynamic", "--tree-nodes", "0"], "--tree-nodes is a count"),
 ])
 def test_generate_flag_errors_come_before_any_model_loads(capsys, monkeypatch, argv, needle):
-    import specresearch.models.embedded as embedded
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the flags were checked")
-
-    monkeypatch.setattr(embedded, "load_model", refuse)
+    _refuse_model_loads(monkeypatch)
     if "cuda" in argv[-1] or "mps" in argv[-1]:
         import torch
 
@@ -206,13 +214,7 @@ def test_generate_flag_errors_come_before_any_model_loads(capsys, monkeypatch, a
     (["bench", "--draft", "{tmp}"], "is not a draft"),
 ])
 def test_shared_flag_errors_of_every_command_come_before_any_model_loads(capsys, monkeypatch, tmp_path, argv, needle):
-    import specresearch.models.embedded as embedded
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the flags were checked")
-
-    monkeypatch.setattr(embedded, "load_model", refuse)
-    monkeypatch.setattr(embedded, "load_embedded", refuse)
+    _refuse_model_loads(monkeypatch)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     _user_error(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], needle)
 
