@@ -51,14 +51,17 @@ def step_parts(target, draft, prompts, runs, max_new_tokens: int, temperature: f
         for label in runs:
             out = speculative_generate(target, draft, prompt, max_new_tokens=max_new_tokens, sampling=sampling, seed=i,
                                        step_timing=True, **RUNS[label])
-            steps = [s for s in out.steps if s.scored and s.scored[0] <= len(ratios)]
+            steps = out.steps
+            widest = max(s.scored[0] for s in steps)
+            if widest > len(ratios):
+                raise ValueError(f"{label} scores {widest} tokens in a call: time r that far (--max-call {widest})")
             row = parts[label]
             row["target"].append(statistics.mean(s.target_seconds for s in steps) / ar_step)
             row["draft"].append(statistics.mean(s.draft_seconds for s in steps) / ar_step)
             row["own"].append(statistics.mean(s.overhead_seconds for s in steps) / ar_step)
-            row["step"].append(statistics.mean(s.seconds for s in out.steps) / ar_step)
+            row["step"].append(statistics.mean(s.seconds for s in steps) / ar_step)
             row["r"].append(statistics.mean(ratios[s.scored[0] - 1] for s in steps))
-            row["scored"].append(statistics.mean(s.scored[0] for s in out.steps))
+            row["scored"].append(statistics.mean(s.scored[0] for s in steps))
             row["tau"].append(out.block_efficiency)
             row["speed"].append(out.speedup_over(plain))
     return [{"run": label, **{key: statistics.mean(values) for key, values in row.items()}}

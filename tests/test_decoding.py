@@ -234,6 +234,16 @@ def test_greedy_and_contrastive_draw_nothing_from_the_global_rng():
     assert not torch.equal(torch.get_rng_state(), state)
 
 
+def test_bad_logits_at_a_later_step_are_refused():
+    def fn(ids, mask):  # fine for the prompt, NaN once two tokens were generated
+        out = torch.zeros(ids.shape[0], 4)
+        out[:, 0] = float("nan") if ids.shape[1] > 3 else 0.0
+        return out
+
+    with pytest.raises(ValueError, match="contains NaN"):
+        sample(fn, torch.tensor([[1, 2]]), SamplingConfig(), 5, generator=torch.Generator().manual_seed(0))
+
+
 def test_a_right_padded_prompt_is_refused():
     with pytest.raises(ValueError, match="left-padded"):
         sample(markov2(4), torch.tensor([[1, 2, 0]]), SamplingConfig(), 2, attention_mask=torch.tensor([[1, 1, 0]]))

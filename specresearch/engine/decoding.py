@@ -39,6 +39,7 @@ from specresearch.checks import check_int, check_real
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import wide
 from specresearch.core.sampling import check_logits
+from specresearch.engine.generate import autoregressive_generate
 
 __all__ = [
     "LogitsFn",
@@ -326,11 +327,8 @@ class _FunctionModel:
             self.log_probs[self.rows] += self.logp.gather(-1, tokens)[:, 0]
         self.ids = torch.cat([self.ids, tokens], 1)
         self.mask = torch.cat([self.mask, torch.ones_like(tokens)], 1)
-        if self.logp is None:  # the prompt, scored at load
-            logits = self.first
-        else:
-            logits = self.logits_fn(self.ids, self.mask)
-            check_logits(logits)
+        # the prompt was scored (and checked) at load; later logits are checked with the step (the engine's one read)
+        logits = self.first if self.logp is None else self.logits_fn(self.ids, self.mask)
         self.logp = torch.log_softmax(wide(logits), dim=-1)
         return self.transform(self.ids, self.mask, logits)[:, None]
 
@@ -358,8 +356,6 @@ def _autoregressive(transform, logits_fn, input_ids, attention_mask, max_new_tok
                     sampling: SamplingConfig, generator) -> DecodeResult:
     """Decode in the engine's autoregressive loop from ``transform(ids, mask, logits)``; rows end at EOS (then padded
     with ``pad_token_id``) or after ``max_new_tokens``."""
-    from specresearch.engine.generate import autoregressive_generate
-
     check_int("max_new_tokens", max_new_tokens, 1)
     mask = _check_prompt(input_ids, attention_mask)
     if bool((mask[:, 1:] < mask[:, :-1]).any()):

@@ -436,7 +436,8 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     the gamma ``specresearch generate`` picks for this pair on this machine (``engine.cost.default_gamma``) instead
     of ``config.gammas``. Returns every record in the file (pandas DataFrame).
     """
-    from specresearch.models.embedded import load_model
+    from specresearch.drafts.registry import weights_digests
+    from specresearch.models.embedded import EMBEDDED, load_model, weights_digest
 
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
@@ -445,9 +446,6 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
 
         config = dataclasses.replace(config, gammas=(machine_gamma(target, draft),))
     prompts = load_bench_prompts(tokenizer, config, prompts_path)
-    from specresearch.drafts.registry import weights_digests
-    from specresearch.models.embedded import EMBEDDED, weights_digest
-
     write_run_info(path, command=command, commit=git_commit(), target=target_name, draft=draft_name,
                    target_sha256=weights_digest(target_name) if target_name in EMBEDDED else None,
                    draft_sha256=weights_digests(draft_name), batched=batched, config=dataclasses.asdict(config),
