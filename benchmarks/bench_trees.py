@@ -112,10 +112,11 @@ def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> lis
 
 
 def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: int, runs=DEFAULT_RUNS,
-             done=lambda rows: None) -> list[dict]:
-    """The rows of every prompt, temperature and run; ``done(rows)`` after each prompt (the rows so far)."""
+             done=lambda rows: None, first: int = 0) -> list[dict]:
+    """The rows of every prompt, temperature and run; ``done(rows)`` after each prompt (the rows so far). Prompt i
+    draws with seed 1000 + first + i, so a run over the later prompts (``first``) continues an earlier one."""
     rows = []
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts, start=first):
         ids = encode_chat([prompt], tokenizer)[0].tolist()
         for temperature in temperatures:
             sampling, seed = SamplingConfig(temperature=temperature), [1000 + i]
@@ -148,13 +149,14 @@ def main() -> int:
     parser.add_argument("--draft", default="v8k-4l", help="any draft name (every draft kind draws trees)")
     parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=sorted(RUNS))
     parser.add_argument("--prompt-set", choices=["mt-bench", "humaneval"], help="a paper's prompt set instead of data/prompts.jsonl")
+    parser.add_argument("--start", type=int, default=0, help="skip the first prompts (a run that continues one stopped early)")
     parser.add_argument("--cost-sizes", type=int, nargs="+", default=[4, 8], help="tree sizes n of the chain-vs-tree call timing")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto, ... (timed there; the clock waits for the device)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft, device=args.device)
     source = prompt_set_file(args.prompt_set) if args.prompt_set else data_dir() / "prompts.jsonl"
-    prompts = evenly_spaced(load_prompts(source), args.prompts)
+    prompts = evenly_spaced(load_prompts(source), args.prompts)[args.start:]
     speculative_generate(target, draft, [encode_chat([prompts[0]], tokenizer)[0].tolist()], max_new_tokens=4)  # warm-up
     cost = tree_cost(target, sizes=tuple(args.cost_sizes))
     machine = machine_info()
@@ -168,7 +170,8 @@ def main() -> int:
     def write(rows):  # after each prompt, so a run stopped early keeps the prompts it finished
         pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)
 
-    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs, done=write)
+    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs, done=write,
+                    first=args.start)
     frame = pd.DataFrame(rows)
     summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), per_scored=("per_scored", "mean"),
                                                         vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))

@@ -31,7 +31,7 @@ failed=0
     date -u
     "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__); print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA DEVICE')"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
-    git rev-parse --short HEAD 2>/dev/null || true
+    echo "commit ${SPECRESEARCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 run() {  # name, seconds, command...

@@ -73,18 +73,20 @@ def machine_info() -> dict:
 
 
 def git_commit() -> str:
-    """The checkout's commit (short hash): what every record names as its code. A copy without ``.git`` (a GPU
-    machine's) names it through ``SPECRESEARCH_COMMIT``; '' where neither says."""
+    """The checkout's commit (short hash): what every record names as its code. ``SPECRESEARCH_COMMIT``, where set,
+    says it instead: a copy of the working tree sent to a GPU machine may carry no ``.git``, or an older one;
+    '' where neither says."""
     import subprocess
 
     from specresearch.paths import repo_root
 
+    if os.environ.get("SPECRESEARCH_COMMIT"):
+        return os.environ["SPECRESEARCH_COMMIT"]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=repo_root()).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=repo_root()).stdout.strip()
     except OSError:
-        commit = ""
-    return commit or os.environ.get("SPECRESEARCH_COMMIT", "")
+        return ""
 
 
 def record_header(script: str, argv: list[str], draft: str | None = None, *,
