@@ -59,15 +59,17 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             a name (``drafts.registry.draft_from_name``) for the given or the embedded target.
         chat: wrap each string in the tokenizer's chat template (as the CLI does unless ``--raw``).
         verifier, gamma, max_new_tokens, sampling, seed, options: as :func:`speculative_generate` (``num_drafts=``,
-            ``stop_below=``, ...). ``gamma="auto"`` (default), as the CLI: for a chain ``engine.cost.default_gamma``
-            (``GENERATE_GAMMA`` unless this machine's step costs, timed once and cached, predict another gamma faster
-            by more than ``GENERATE_MARGIN``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
+            ``stop_below=``, ...). ``gamma="auto"`` (default), as the CLI: for a chain ``engine.cost.default_config``
+            (``GENERATE_GAMMA`` unless this machine's step costs, timed once and cached, predict another gamma, or
+            with the default draft and verifier one of ``GENERATE_TREES``' dynamic trees, faster by more than
+            ``GENERATE_MARGIN``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
     Returns:
         ``engine.generate.GenerationResult`` with ``.text`` decoded.
     """
     from specresearch.engine.generate import speculative_generate
     from specresearch.engine.prompts import encode_chat
 
+    default_draft = draft is None or draft == GENERATE_DRAFT
     if target is None:
         from specresearch.drafts.registry import load_pair
 
@@ -77,10 +79,13 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         from specresearch.drafts.registry import draft_from_name
 
         draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
-    from specresearch.engine.cost import resolve_gamma
+    from specresearch.engine.cost import resolve_config
 
-    gamma = resolve_gamma(gamma, target, draft, num_drafts=options.get("num_drafts", 1),
-                          stop_below=options.get("stop_below"))
+    chosen = resolve_config(gamma, target, draft, temperature=sampling.temperature,
+                            num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"),
+                            trees=default_draft and verifier == "block" and not {"draft_law", "tree_nodes"} & set(options))
+    gamma, verifier = chosen.pop("gamma"), chosen.pop("verifier", verifier)
+    options = {**options, **chosen}
     rows = [prompts] if isinstance(prompts, str) else list(prompts)
     if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
         rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]

@@ -88,8 +88,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--gamma", type=_gamma_arg, default=None,
                    help=f"draft tokens per step. Default ('auto'): for a chain {GENERATE_GAMMA} (measured fastest on the "
                         "reference CPU) unless this machine's step costs (engine.cost, timed once and cached) predict another "
-                        f"gamma faster by more than {round(100 * GENERATE_MARGIN)}%%; with --num-drafts or --stop-below "
-                        f"{GENERATE_GAMMA}")
+                        f"gamma faster by more than {round(100 * GENERATE_MARGIN)}%%, or with the default --draft and "
+                        "--verifier a dynamic tree (where scoring is nearly free, e.g. a GPU at T = 0); with --num-drafts or "
+                        f"--stop-below {GENERATE_GAMMA}")
     p.add_argument("--num-drafts", type=int, default=1,
                    help="draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         "multi-draft --verifier; every draft draws trees)")
@@ -160,7 +161,7 @@ def _run_generate(args) -> int:
     )
     from specresearch.models.embedded import load_model
 
-    args.gamma_given = args.gamma is not None
+    args.gamma_given, args.verifier_given = args.gamma is not None, args.verifier is not None
     requested = "auto" if args.gamma is None else args.gamma  # resolved once the models are loaded
     args.gamma = GENERATE_GAMMA if requested == "auto" else requested  # (the flag checks need a count)
     check_generate_flags(args)
@@ -183,20 +184,24 @@ def _run_generate(args) -> int:
         result = autoregressive_generate(target, [prompt], **common)
     else:
         draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
-        from specresearch.engine.cost import resolve_gamma
+        from specresearch.engine.cost import resolve_config
 
-        args.gamma = resolve_gamma(requested, target, draft, num_drafts=args.num_drafts, stop_below=args.stop_below,
-                                   announce=lambda message: print(message, file=sys.stderr))
-        result = speculative_generate(target, draft, [prompt], verifier=args.verifier, gamma=args.gamma,
-                                      num_drafts=args.num_drafts, draft_law=args.draft_law, tree_nodes=args.tree_nodes,
-                                      stop_below=args.stop_below,
+        trees = args.draft is None and not args.verifier_given and args.draft_law == "iid" and args.tree_nodes is None
+        chosen = resolve_config(requested, target, draft, temperature=args.temperature, num_drafts=args.num_drafts,
+                                stop_below=args.stop_below, trees=trees,
+                                announce=lambda message: print(message, file=sys.stderr))
+        options = dict(verifier=args.verifier, num_drafts=args.num_drafts, draft_law=args.draft_law,
+                       tree_nodes=args.tree_nodes, **chosen)
+        args.gamma = options.pop("gamma")
+        result = speculative_generate(target, draft, [prompt], gamma=args.gamma, stop_below=args.stop_below, **options,
                                       **common)
     stream.close()
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
           f"{result.target_calls} target calls", end="")
     if not args.autoregressive:
-        print(f"; gamma {args.gamma}, block efficiency {result.block_efficiency:.2f}, acceptance rate "
-              f"{result.acceptance_rate:.2f}", end="")
+        shape = (f"; {options['verifier']} tree K {options['num_drafts']}, depth {args.gamma}, {options['tree_nodes'] or options['num_drafts'] * args.gamma} nodes"
+                 if options["draft_law"] == "dynamic" else f"; gamma {args.gamma}")
+        print(f"{shape}, block efficiency {result.block_efficiency:.2f}, acceptance rate {result.acceptance_rate:.2f}", end="")
     print()
     return 0
 

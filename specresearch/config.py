@@ -11,18 +11,25 @@ from dataclasses import dataclass
 
 from specresearch.checks import check_int, check_real, named_preset
 
-__all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU", "GENERATE_MARGIN"]
+__all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU", "GENERATE_TAU_GREEDY",
+           "GENERATE_TREES", "GENERATE_MARGIN"]
 
 # The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
 # float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding on the reference CPU,
 # docs/feature_drafts.md), unless the machine's step costs predict another gamma faster by more than GENERATE_MARGIN
-# (engine.cost.default_gamma; the margin is the step model's error where it was checked, docs/trees.md).
+# (engine.cost.default_config; the margin is the step model's error where it was checked, docs/trees.md).
 GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
 GENERATE_GAMMA = 1
 GENERATE_MARGIN = 0.10
 # The head's tokens per step by gamma (T = 1, 8 held-out prompts; record benchmarks/records/adaptive_amd.csv, checked
-# by tests/test_cost.py), which engine.cost.default_gamma weighs against this machine's step costs.
+# by tests/test_cost.py), which engine.cost.default_config weighs against this machine's step costs.
 GENERATE_TAU = {1: 1.494, 2: 1.806, 3: 2.085}
+GENERATE_TAU_GREEDY = {1: 1.521, 2: 1.809, 3: 1.967}  # the same at T = 0
+# The head's tokens per target call in EAGLE-2's dynamic trees (one-hot rule) by (K children, depth, nodes): (at T = 0,
+# at T = 1), on the same 8 held-out prompts (record benchmarks/records/trees_head_h200.csv, checked by
+# tests/test_cost.py). With the default draft and verifier, engine.cost.default_config weighs them against this
+# machine's tree steps: a device where scoring is nearly free (a GPU) can make a tree the default at T = 0.
+GENERATE_TREES = {(4, 4, 10): (2.496, 1.935), (8, 6, 32): (3.132, 2.066)}
 
 
 @dataclass(frozen=True)

@@ -255,3 +255,32 @@ def test_bench_default_config_times_what_generate_runs(capsys, monkeypatch, tmp_
     assert seen == {"draft": GENERATE_DRAFT, "verifiers": ("block",), "gammas": (GENERATE_GAMMA,), "temperatures": (0.0, 1.0),
                     "machine_gamma": True}
     _user_error(capsys, ["bench", "--default-config", "--gammas", "3"], "--default-config fixes", "--gammas")
+
+
+def test_bench_default_config_runs_the_choice_at_each_temperature(monkeypatch, tmp_path):
+    """``run_named(default_gamma=True)``: at each temperature what ``engine.cost.default_config`` picks for generate's
+    draft (trees weighed), a dynamic tree as bench's ``onehot:K:dynamic:N`` at its depth; the run's description keeps
+    the choices."""
+    import json
+
+    import specresearch.engine.cost as cost
+    import specresearch.models.embedded as embedded
+    from specresearch.config import GENERATE_DRAFT
+    from specresearch.experiments import bench
+
+    class Tokenizer:
+        eos_token_id = 0
+
+    ran, asked = [], []
+    monkeypatch.setattr(embedded, "load_model", lambda name, device: ("target", Tokenizer()))
+    monkeypatch.setattr(bench, "load_bench_draft", lambda name, target: "draft")
+    monkeypatch.setattr(bench, "load_bench_prompts", lambda tokenizer, config, path: [])
+    monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, trees: asked.append(trees) or (
+        cost.tree_options((8, 6, 32)) if temperature == 0 else {"gamma": 2}))
+    monkeypatch.setattr(bench, "run_bench", lambda target, draft, prompts, config, path, **kwargs: ran.append(
+        (config.temperatures, config.verifiers, config.gammas)) or [])
+    config = bench.BenchConfig(verifiers=("block",), temperatures=(0.0, 1.0), gammas=(1,))
+    bench.run_named("smollm2-135m-instruct", GENERATE_DRAFT, config, tmp_path / "run.csv", default_gamma=True)
+    assert ran == [((0.0,), ("onehot:8:dynamic:32",), (6,)), ((1.0,), ("block",), (2,))] and asked == [True, True]
+    info = json.loads((tmp_path / "run.json").read_text())[-1]
+    assert [(c["verifiers"], c["gammas"]) for c in info["chosen"]] == [(["onehot:8:dynamic:32"], [6]), (["block"], [2])]

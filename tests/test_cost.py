@@ -9,9 +9,20 @@ import pandas as pd
 import pytest
 import torch
 
-from specresearch.config import GENERATE_TAU
+from specresearch.config import (
+    GENERATE_GAMMA,
+    GENERATE_TAU,
+    GENERATE_TAU_GREEDY,
+    GENERATE_TREES,
+)
 from specresearch.engine import cost
-from specresearch.engine.cost import CostCurve, best_gamma, predicted_speedup
+from specresearch.engine.cost import (
+    CostCurve,
+    best_config,
+    best_gamma,
+    predicted_speedup,
+    tree_options,
+)
 from specresearch.models.toy import tiny_llama
 from specresearch.paths import repo_root
 
@@ -20,6 +31,13 @@ def test_the_default_taus_are_the_records():
     frame = pd.read_csv(repo_root() / "benchmarks" / "records" / "adaptive_amd.csv")
     means = frame[frame.temperature == 1.0].groupby("run").tau.mean()
     assert {g: round(means[f"gamma {g}"], 3) for g in GENERATE_TAU} == GENERATE_TAU
+    greedy = frame[frame.temperature == 0.0].groupby("run").tau.mean()
+    assert {g: round(greedy[f"gamma {g}"], 3) for g in GENERATE_TAU_GREEDY} == GENERATE_TAU_GREEDY
+    trees = pd.read_csv(repo_root() / "benchmarks" / "records" / "trees_head_h200.csv")
+    taus = trees.groupby(["run", "temperature"]).tau.agg(["mean", "size"])
+    for (k, depth, nodes), want in GENERATE_TREES.items():
+        rows = [taus.loc[(f"dynamic K{k} g{depth} n{nodes}", t)] for t in (0.0, 1.0)]
+        assert tuple(round(row["mean"], 3) for row in rows) == want and all(row["size"] == 8 for row in rows)
 
 
 def test_speedup_and_best_gamma_follow_the_curve():
@@ -54,11 +72,16 @@ def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise AssertionError("timed again although the machine's answer was kept")
 
+    monkeypatch.setattr(cost, "FLAT", float("inf"))  # trees are timed whatever r is
+    trees = cost.cost_curve(target, draft, max_tokens=3, trees=((2, 2, 3),))  # another question: its own entry
+    assert trees.tree_steps[0][0] == (2, 2, 3) and trees.tree_steps[0][1] > 0 and trees.step_ratios
+    monkeypatch.setattr(cost, "FLAT", 0.5)  # r climbs past the bound: no tree is timed
+    assert cost.measure_cost_curve(target, draft, max_tokens=3, repeats=1, new_tokens=8, trees=((2, 2, 3),)).tree_steps == ()
     monkeypatch.setattr(cost, "measure_cost_curve", refuse)
     assert cost.cost_curve(target, draft, max_tokens=3, announce=told.append) == curve and len(told) == 1
+    assert cost.cost_curve(target, draft, max_tokens=3, trees=((2, 2, 3),)) == trees  # tree steps kept too
     with pytest.raises(AssertionError, match="timed again"):
         cost.cost_curve(target, draft, max_tokens=4)  # another question: timed anew
-    assert cost.default_gamma(target, draft, {1: 1.5, 2: 1.8}) in (1, 2)
 
 
 def test_another_gamma_replaces_the_measured_default_only_by_the_margin():
@@ -72,14 +95,49 @@ def test_another_gamma_replaces_the_measured_default_only_by_the_margin():
 
 
 def test_the_default_gamma_is_the_measured_one_unless_the_machine_says_otherwise(monkeypatch):
-    from specresearch.config import GENERATE_GAMMA, GENERATE_MARGIN
+    from specresearch.config import GENERATE_MARGIN
 
     close = CostCurve((1.0,) * 4, 0.05, 0.01, step_ratios=(1.1, 1.5, 1.45))
     flat = CostCurve((1.0,) * 4, 0.05, 0.01, step_ratios=(1.05, 1.10, 1.15))
     for curve, want in ((close, GENERATE_GAMMA), (flat, 3)):
         monkeypatch.setattr(cost, "cost_curve", lambda *args, curve=curve, **kwargs: curve)
-        assert cost.default_gamma(None, None, {1: 1.5, 2: 1.8, 3: 2.1}) == want
+        assert cost.default_config(None, None) == {"gamma": want}
     assert cost.MARGIN == GENERATE_MARGIN
+
+
+def test_a_tree_replaces_the_chain_where_its_whole_step_is_cheap_enough():
+    """The H200's steps (records trees_head_h200: a gamma-1 step 1.11 autoregressive steps, gamma 2 1.25, gamma 3
+    1.41, the two trees 1.78 and 2.07) make the 32-node tree the default at T = 0 and keep a chain at T = 1; the
+    reference CPU's (cost_curve_amd, tree_steps_amd: trees cost 2.6 steps and more) keep gamma 1 at both."""
+    taus = {t: {shape: pair[t] for shape, pair in GENERATE_TREES.items()} for t in (0, 1)}
+    gpu = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=(1.11, 1.25, 1.41), tree_steps=(((4, 4, 10), 1.78), ((8, 6, 32), 2.07)))
+    assert best_config(gpu, GENERATE_TAU_GREEDY, taus[0], margin=0.10) == tree_options((8, 6, 32))
+    assert best_config(gpu, GENERATE_TAU, taus[1], margin=0.10) == {"gamma": GENERATE_GAMMA}
+    cpu = CostCurve((1.0, 1.01, 1.43, 1.38), 0.089, 0.03, step_ratios=(1.10, 1.55, 1.59),
+                    tree_steps=(((4, 4, 10), 3.4), ((8, 6, 32), 6.0)))
+    for tau, trees in ((GENERATE_TAU_GREEDY, taus[0]), (GENERATE_TAU, taus[1])):
+        assert best_config(cpu, tau, trees, margin=0.10) == {"gamma": 1}
+    assert best_config(gpu, GENERATE_TAU_GREEDY, {}, margin=0.10) == {"gamma": 1}  # no tree weighed: a chain
+    untimed = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=(1.11, 1.25, 1.41))
+    assert best_config(untimed, GENERATE_TAU_GREEDY, taus[0]) == {"gamma": 2}  # trees the curve did not time: chains only
+    assert tree_options((8, 6, 32)) == {"verifier": "onehot", "num_drafts": 8, "gamma": 6, "draft_law": "dynamic",
+                                        "tree_nodes": 32}
+
+
+def test_the_default_configuration_weighs_trees_at_the_temperature_asked(monkeypatch):
+    seen = []
+    gpu = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=(1.11, 1.25, 1.41), tree_steps=(((4, 4, 10), 1.78), ((8, 6, 32), 2.07)))
+
+    def curve(target, draft, **kwargs):
+        seen.append(kwargs["trees"])
+        return gpu
+
+    monkeypatch.setattr(cost, "cost_curve", curve)
+    head = tiny_llama(48, seed=1)  # any draft that draws trees (models.protocols.RowExpander)
+    assert cost.default_config(None, head, 0.0) == tree_options((8, 6, 32))
+    assert cost.default_config(None, head, 1.0) == {"gamma": GENERATE_GAMMA}
+    assert cost.default_config(None, head, 0.0, trees=False) == {"gamma": 1} and seen[-1] == ()
+    assert seen[0] == tuple(GENERATE_TREES)
 
 
 def test_a_planning_draft_is_timed_on_the_draft_it_wraps_at_every_gamma(monkeypatch):
@@ -121,11 +179,13 @@ def test_a_planning_draft_is_keyed_by_the_draft_it_wraps():
     assert cost._key(target, LookupOrDraft(one), 3) != cost._key(target, LookupOrDraft(two), 3)
 
 
-def test_auto_resolves_to_the_machines_gamma_for_chains_only(monkeypatch):
-    from specresearch.config import GENERATE_GAMMA
-
-    monkeypatch.setattr(cost, "default_gamma", lambda target, draft, **kwargs: 4)
-    assert cost.resolve_gamma(3, None, None) == 3  # a count is kept
-    assert cost.resolve_gamma("auto", None, None) == 4
-    assert cost.resolve_gamma("auto", None, None, num_drafts=2) == GENERATE_GAMMA
-    assert cost.resolve_gamma("auto", None, None, stop_below=0.5) == GENERATE_GAMMA
+def test_auto_resolves_to_the_machines_configuration_for_chains_only(monkeypatch):
+    asked = []
+    monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, **kwargs: asked.append(
+        (temperature, kwargs["trees"])) or {"gamma": 4})
+    assert cost.resolve_config(3, None, None) == {"gamma": 3}  # a count is kept
+    assert cost.resolve_config("auto", None, None, temperature=0.0, trees=True) == {"gamma": 4}
+    assert asked == [(0.0, True)]
+    assert cost.resolve_config("auto", None, None, num_drafts=2) == {"gamma": GENERATE_GAMMA}
+    assert cost.resolve_config("auto", None, None, stop_below=0.5) == {"gamma": GENERATE_GAMMA}
+    assert len(asked) == 1

@@ -35,19 +35,25 @@ def test_generate_builds_a_named_draft_for_the_given_target():
 
 
 def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_trees(monkeypatch):
-    """``gamma="auto"`` (the default, as the CLI): ``engine.cost.default_gamma`` for a chain; ``GENERATE_GAMMA`` with
-    ``num_drafts > 1`` or ``stop_below``, where the machine's step costs (of chains) say nothing."""
+    """``gamma="auto"`` (the default, as the CLI): ``engine.cost.default_config`` for a chain (trees weighed only with
+    the default draft and verifier); ``GENERATE_GAMMA`` with ``num_drafts > 1`` or ``stop_below``, where the
+    machine's step costs say nothing; a tree the machine picks is what runs."""
     import specresearch.engine.cost as cost
     from specresearch.config import GENERATE_GAMMA
 
-    asked = []
-    monkeypatch.setattr(cost, "default_gamma", lambda target, draft, **kwargs: asked.append(draft) or 3)
+    asked, answer = [], {"gamma": 3}
+    monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, **kwargs: asked.append(
+        (draft, temperature, kwargs["trees"])) or dict(answer))
     target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
     draft = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
     chain = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0)
-    assert asked == [draft] and max(s.gamma for s in chain.steps) == 3
+    assert asked == [(draft, 1.0, False)] and max(s.gamma for s in chain.steps) == 3
     tree = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
                                  verifier="traversal", num_drafts=2)
     stop = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
                                  stop_below=0.5)
-    assert asked == [draft] and {s.gamma for s in tree.steps + stop.steps} <= {GENERATE_GAMMA}
+    assert len(asked) == 1 and {s.gamma for s in tree.steps + stop.steps} <= {GENERATE_GAMMA}
+    answer = cost.tree_options((2, 2, 3))
+    picked = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
+                                   sampling=specresearch.SamplingConfig(temperature=0.0))
+    assert asked[-1] == (draft, 0.0, False) and max(s.scored[0] for s in picked.steps) == 4  # the pending token + 3 nodes

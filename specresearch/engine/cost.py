@@ -14,9 +14,11 @@ seconds of a chain step that drafts gamma tokens over the mean seconds of an aut
 the engine, and S(gamma) = E(gamma) / s_gamma; r, c and o are kept to explain it. r, c, o and s depend on the machine,
 E on the pair and the prompts. :func:`cost_curve` times them once per machine and models and keeps them in
 ``<cache_dir>/score_cost.json`` (keyed by the CPU, torch's version, the thread count, the device and the models'
-shapes, like the skinny-rows choice). :func:`default_gamma` is the gamma of ``specresearch generate`` and
-``specresearch.generate``: the measured default ``config.GENERATE_GAMMA`` unless this machine's curve predicts another
-gamma faster by more than ``MARGIN`` (the step model's error where it was checked, ``docs/trees.md``).
+shapes, like the skinny-rows choice). :func:`default_config` is what ``specresearch generate`` and
+``specresearch.generate`` run: the measured default ``config.GENERATE_GAMMA`` unless this machine's curve predicts
+another gamma faster by more than ``MARGIN`` (the step model's error where it was checked, ``docs/trees.md``); with the
+default draft and verifier it also weighs EAGLE-2's dynamic trees (``config.GENERATE_TREES``) by their whole steps on
+this machine, so where scoring a tree costs about what scoring a token does (a GPU) the default at T = 0 can be a tree.
 """
 
 from __future__ import annotations
@@ -28,28 +30,39 @@ from dataclasses import dataclass
 
 import torch
 
-from specresearch.config import GENERATE_GAMMA, GENERATE_MARGIN, GENERATE_TAU
+from specresearch.config import (
+    GENERATE_GAMMA,
+    GENERATE_MARGIN,
+    GENERATE_TAU,
+    GENERATE_TAU_GREEDY,
+    GENERATE_TREES,
+)
 from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.paths import cache_dir, cached_answer, cpu_name, keep_answer
 
 __all__ = ["CostCurve", "MARGIN", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma",
-           "default_gamma", "resolve_gamma"]
+           "best_config", "default_config", "resolve_config", "tree_options"]
 
 COST_FILE = "score_cost.json"
 MARGIN = GENERATE_MARGIN  # another gamma than the measured default must be predicted this much faster to replace it
+# Trees are timed only where a call scoring up to max_tokens tokens costs at most this much a call scoring 1: a tree's
+# call scores 11 to 33 tokens, so where r already climbs (this CPU: r_4 = 1.24-1.55) a tree step cannot pay.
+FLAT = 1.15
 
 
 @dataclass(frozen=True)
 class CostCurve:
     """``ratios[n - 1]`` = r_n for n = 1..len (r_1 = 1); ``draft_ratio`` = c and ``overhead_ratio`` = o (0 without a
     draft); ``step_ratios[gamma - 1]`` = s_gamma, a whole chain step drafting gamma tokens over an autoregressive
-    step (empty without a draft)."""
+    step (empty without a draft); ``tree_steps``: ((K, depth, nodes), s) for each dynamic tree timed, a whole tree
+    step over an autoregressive step."""
 
     ratios: tuple[float, ...]
     draft_ratio: float
     target_seconds: float  # T(1), for the record
     overhead_ratio: float = 0.0
     step_ratios: tuple[float, ...] = ()
+    tree_steps: tuple[tuple[tuple[int, int, int], float], ...] = ()
 
     def r(self, n: int) -> float:
         return self.ratios[n - 1]
@@ -75,7 +88,7 @@ def score_seconds(target, ks: Sequence[int] = (1, 2, 3, 5), context_length: int 
 
 
 def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_length: int = 64, repeats: int = 9,
-                       new_tokens: int = 48) -> CostCurve:
+                       new_tokens: int = 48, trees: Sequence[tuple[int, int, int]] = ()) -> CostCurve:
     """Time r_1..r_max_tokens for ``target`` (contexts of ``context_length`` tokens, interleaved medians of
     ``repeats``) and, with ``draft`` (any draft kind), c, o and s_gamma for gamma = 1..max_tokens - 1.
 
@@ -84,7 +97,9 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
     ``new_tokens``-token block-verification run at T = 1 that draft gamma tokens, over the mean seconds of an
     autoregressive step of a run of as many tokens on the same prompt, after a warm-up run. A draft that plans its own
     lengths (``ngram+NAME``, which drafts one token where lookup finds no match) is timed on the draft it wraps
-    (``.draft``), whose chains gamma sets; a planning draft that wraps none raises ``ValueError``.
+    (``.draft``), whose chains gamma sets; a planning draft that wraps none raises ``ValueError``. ``trees``: (K,
+    depth, nodes) of dynamic trees whose steps to time the same way (the steps that score the full tree), where r
+    stays within ``FLAT`` (elsewhere none is timed).
     """
     from specresearch.config import SamplingConfig
     from specresearch.engine.generate import (
@@ -117,7 +132,19 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
     plain = autoregressive_generate(target, [prompt], max_new_tokens=new_tokens, sampling=sampled, seed=0, step_timing=True)
     step = statistics.mean(s.seconds for s in plain.steps)
     step_ratios = tuple(statistics.mean(s.seconds for s in steps(g, new_tokens, sampled)) / step for g in range(1, max_tokens))
-    return CostCurve(ratios, draft_ratio, seconds[1], overhead_ratio, step_ratios)
+    tree_steps = []
+    for shape in trees if max(ratios) <= FLAT else ():
+        run = speculative_generate(target, draft, [prompt], max_new_tokens=new_tokens, sampling=sampled, seed=0,
+                                   step_timing=True, **tree_options(shape))
+        full = max(s.scored[0] for s in run.steps)
+        tree_steps.append((tuple(shape), statistics.mean(s.seconds for s in run.steps if s.scored[0] == full) / step))
+    return CostCurve(ratios, draft_ratio, seconds[1], overhead_ratio, step_ratios, tuple(tree_steps))
+
+
+def tree_options(shape: tuple[int, int, int]) -> dict:
+    """``speculative_generate``'s options for EAGLE-2's dynamic tree of shape (K children, depth, nodes)."""
+    children, depth, nodes = shape
+    return {"verifier": "onehot", "num_drafts": children, "gamma": depth, "draft_law": "dynamic", "tree_nodes": nodes}
 
 
 def _shapes(model) -> str:
@@ -131,34 +158,37 @@ def _shapes(model) -> str:
     return type(model).__name__
 
 
-def _key(target, draft, max_tokens: int) -> str:
+def _key(target, draft, max_tokens: int, trees: Sequence[tuple[int, int, int]] = ()) -> str:
     device = torch.device(target.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     shapes = hashlib.sha1(f"{_shapes(target)}|{_shapes(draft) if draft is not None else ''}".encode()).hexdigest()[:12]
     # "steps/ar": s_gamma over an autoregressive step (entries of another measurement are timed again)
-    return f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}|steps/ar"
+    key = f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}|steps/ar"
+    return key + (f"|trees {sorted(tuple(t) for t in trees)}" if trees else "")
 
 
-def cost_curve(target, draft=None, *, max_tokens: int = 5, cache: bool = True,
+def cost_curve(target, draft=None, *, max_tokens: int = 5, trees: Sequence[tuple[int, int, int]] = (), cache: bool = True,
                announce: Callable[[str], None] | None = None) -> CostCurve:
     """:func:`measure_cost_curve`, timed once per machine and models (module docstring; ~15 s on a 2-core CPU), kept
     in ``<cache_dir>/score_cost.json`` for later processes (delete the file to time again). ``cache=False`` times
     anew; ``announce(message)`` is told before timing starts (the CLI prints it)."""
-    key = _key(target, draft, max_tokens)
+    key = _key(target, draft, max_tokens, trees)
     stored = cached_answer(COST_FILE, key) if cache else None
     if isinstance(stored, dict):
         try:
             return CostCurve(tuple(stored["ratios"]), stored["draft_ratio"], stored["target_seconds"],
-                             stored["overhead_ratio"], tuple(stored["step_ratios"]))
-        except (KeyError, TypeError):
+                             stored["overhead_ratio"], tuple(stored["step_ratios"]),
+                             tuple((tuple(shape), s) for shape, s in stored.get("tree_steps", [])))
+        except (KeyError, TypeError, ValueError):
             pass  # an entry of another shape: time again
     if announce is not None:
-        announce(f"timing this machine's step costs once, for the default gamma (~15 s; kept in {cache_dir(COST_FILE)})")
-    curve = measure_cost_curve(target, draft, max_tokens=max_tokens)
+        announce(f"timing this machine's step costs once, for the default configuration (kept in {cache_dir(COST_FILE)})")
+    curve = measure_cost_curve(target, draft, max_tokens=max_tokens, trees=trees)
     if cache:
         keep_answer(COST_FILE, key, {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
                                      "overhead_ratio": curve.overhead_ratio, "step_ratios": list(curve.step_ratios),
-                                     "target_seconds": curve.target_seconds})
+                                     "target_seconds": curve.target_seconds,
+                                     "tree_steps": [[list(shape), s] for shape, s in curve.tree_steps]})
     return curve
 
 
@@ -187,24 +217,47 @@ def best_gamma(curve: CostCurve, expected_tokens: Mapping[int, float], *, incumb
     return best
 
 
-def default_gamma(target, draft, expected_tokens: Mapping[int, float] | None = None, *, margin: float = MARGIN,
-                  announce: Callable[[str], None] | None = None) -> int:
-    """The gamma of ``specresearch generate`` and ``specresearch.generate``: ``config.GENERATE_GAMMA`` (measured
-    fastest on the reference CPU) unless :func:`best_gamma` on this machine's cached :func:`cost_curve` predicts another
-    gamma faster by more than ``margin``. ``expected_tokens``: tokens per step by gamma (default
-    ``config.GENERATE_TAU``, the default draft's head's, from a committed record)."""
-    expected = dict(expected_tokens or GENERATE_TAU)
-    curve = cost_curve(target, draft, max_tokens=max(expected) + 1, announce=announce)
-    return best_gamma(curve, expected, incumbent=GENERATE_GAMMA, margin=margin)
+def best_config(curve: CostCurve, expected_tokens: Mapping[int, float], tree_tokens: Mapping[tuple[int, int, int], float],
+                *, incumbent: int | None = GENERATE_GAMMA, margin: float = 0.0) -> dict:
+    """``speculative_generate``'s options for the fastest predicted configuration: the chain of :func:`best_gamma`
+    (``{"gamma": g}``), or a dynamic tree of ``tree_tokens`` (shape -> tokens per step; :func:`tree_options`) that the
+    curve timed and that is predicted faster than that chain by more than ``margin``."""
+    gamma = best_gamma(curve, expected_tokens, incumbent=incumbent, margin=margin)
+    chain = predicted_speedup(curve, expected_tokens)[gamma]
+    timed = dict(curve.tree_steps)
+    speed = {shape: tau / timed[shape] for shape, tau in tree_tokens.items() if shape in timed}
+    if speed:
+        shape = max(sorted(speed), key=lambda t: speed[t])
+        if speed[shape] > (1 + margin) * chain:
+            return tree_options(shape)
+    return {"gamma": gamma}
 
 
-def resolve_gamma(gamma: int | str, target, draft, *, num_drafts: int = 1, stop_below: float | None = None,
-                  announce: Callable[[str], None] | None = None) -> int:
-    """``gamma`` as given, or for ``"auto"`` the gamma of ``specresearch generate`` and ``specresearch.generate``:
-    :func:`default_gamma` for a chain, ``config.GENERATE_GAMMA`` with ``num_drafts > 1`` or ``stop_below`` (the curve
-    describes chains)."""
+def default_config(target, draft, temperature: float = 1.0, *, trees: bool = True, margin: float = MARGIN,
+                   announce: Callable[[str], None] | None = None) -> dict:
+    """The options of ``specresearch generate`` and ``specresearch.generate`` with the default draft and verifier:
+    :func:`best_config` over the head's chains (``config.GENERATE_TAU_GREEDY`` at T = 0, else ``GENERATE_TAU``) and,
+    with ``trees`` and a draft that draws trees, its dynamic trees (``config.GENERATE_TREES``), each at that
+    temperature, against this machine's cached :func:`cost_curve`. On the reference CPU: gamma 1."""
+    from specresearch.models.protocols import RowExpander
+
+    column = 0 if temperature == 0 else 1
+    expected = dict(GENERATE_TAU_GREEDY if column == 0 else GENERATE_TAU)
+    timed = getattr(draft, "draft", None) or draft  # what measure_cost_curve times
+    shapes = {shape: taus[column] for shape, taus in GENERATE_TREES.items()} if trees and isinstance(timed, RowExpander) else {}
+    curve = cost_curve(target, draft, max_tokens=max(expected) + 1, trees=tuple(shapes), announce=announce)
+    return best_config(curve, expected, shapes, incumbent=GENERATE_GAMMA, margin=margin)
+
+
+def resolve_config(gamma: int | str, target, draft, *, temperature: float = 1.0, num_drafts: int = 1,
+                   stop_below: float | None = None, trees: bool = False,
+                   announce: Callable[[str], None] | None = None) -> dict:
+    """``speculative_generate``'s length and shape options for ``gamma``: ``{"gamma": gamma}`` as given; for
+    ``"auto"`` (``specresearch generate`` and ``specresearch.generate``) :func:`default_config` for a chain, trees
+    weighed only with ``trees`` (the default draft and verifier), and ``config.GENERATE_GAMMA`` with ``num_drafts > 1``
+    or ``stop_below`` (the curve describes chains and dynamic trees)."""
     if gamma != "auto":
-        return gamma
+        return {"gamma": gamma}
     if num_drafts == 1 and stop_below is None:
-        return default_gamma(target, draft, announce=announce)
-    return GENERATE_GAMMA
+        return default_config(target, draft, temperature, trees=trees, announce=announce)
+    return {"gamma": GENERATE_GAMMA}

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Sequence
 
 from specresearch.checks import named_preset
-from specresearch.config import SamplingConfig
+from specresearch.config import GENERATE_DRAFT, SamplingConfig
 from specresearch.core.verify import VERIFIERS
 from specresearch.engine.cost import score_seconds
 from specresearch.engine.generate import (
@@ -432,26 +432,36 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     """Load ``target_name`` (embedded name or checkpoint) and ``draft_name`` (``load_bench_draft``), encode
     the prompts (``load_bench_prompts``), record what runs (``write_run_info``) and ``run_bench`` into ``path``.
 
-    ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. ``default_gamma``: run
-    the gamma ``specresearch generate`` picks for this pair on this machine (``engine.cost.default_gamma``) instead
-    of ``config.gammas``. Returns every record in the file (pandas DataFrame).
+    ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. ``default_gamma``: at
+    each temperature, run what ``specresearch generate`` picks for this pair on this machine
+    (``engine.cost.default_config``: a gamma, or a dynamic tree) instead of ``config.verifiers`` and ``config.gammas``.
+    Returns every record in the file (pandas DataFrame).
     """
     from specresearch.drafts.registry import weights_digests
     from specresearch.models.embedded import EMBEDDED, load_model, weights_digest
 
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
+    configs = [config]
     if default_gamma:
-        from specresearch.engine.cost import default_gamma as machine_gamma
+        from specresearch.engine.cost import default_config
 
-        config = dataclasses.replace(config, gammas=(machine_gamma(target, draft),))
+        configs = []
+        for temperature in config.temperatures:
+            chosen = default_config(target, draft, temperature, trees=draft_name == GENERATE_DRAFT)
+            verifier = (f"onehot:{chosen['num_drafts']}:dynamic:{chosen['tree_nodes']}" if "num_drafts" in chosen
+                        else config.verifiers[0])
+            configs.append(dataclasses.replace(config, temperatures=(temperature,), verifiers=(verifier,),
+                                               gammas=(chosen["gamma"],)))
     prompts = load_bench_prompts(tokenizer, config, prompts_path)
     write_run_info(path, command=command, commit=git_commit(), target=target_name, draft=draft_name,
                    target_sha256=weights_digest(target_name) if target_name in EMBEDDED else None,
                    draft_sha256=weights_digests(draft_name), batched=batched, config=dataclasses.asdict(config),
-                   prompts=[p.id for p in prompts])
+                   prompts=[p.id for p in prompts], **({"chosen": [dataclasses.asdict(c) for c in configs]} if default_gamma else {}))
     run = run_batched if batched else run_bench
-    return run(target, draft, prompts, config, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
-               progress=progress)
+    for each in configs:
+        records = run(target, draft, prompts, each, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
+                      progress=progress)
+    return records
 
 
