@@ -54,8 +54,8 @@ def verifier_timings(device, batch: int, vocab: int, repeats: int) -> dict:
 
 
 def engine(device, target, quick: bool) -> list[dict]:
-    """Per configuration: tokens/s against autoregressive decoding, mean overhead per step (timed steps) and host
-    reads per step (untimed steps, the CUDA default)."""
+    """Per configuration: tokens/s against autoregressive decoding (steps timed, and untimed as is CUDA's default),
+    mean overhead per step (timed steps), and host reads and torch calls per step (a counted run of its own)."""
     rows = []
     prompts = [[1, 504, 1458, 28, 253, 1156, 30, 2] * 4]
     new = 8 if quick else 64
@@ -76,7 +76,8 @@ def engine(device, target, quick: bool) -> list[dict]:
                              "speedup_timed": timed.speedup_over(base), "speedup_untimed": untimed.speedup_over(base),
                              "tau": timed.block_efficiency,
                              "overhead_ms_per_step": 1e3 * statistics.mean(s.overhead_seconds for s in timed.steps),
-                             "host_reads_per_step": reads.count / len(counted.steps)})
+                             "host_reads_per_step": reads.count / len(counted.steps),
+                             "torch_calls_per_step": reads.calls / len(counted.steps)})
                 print(rows[-1], flush=True)
     return rows
 
@@ -88,8 +89,9 @@ TREES = {"chain g1": dict(verifier="block", gamma=1), "chain g3": dict(verifier=
 
 def trees(device, target, quick: bool) -> dict:
     """The machine's cost curve (``engine.cost``: r_n, c and o with a 4-layer truncated draft) and, per chain or tree
-    configuration, the mean seconds of a step and of its target call and the tokens/s against autoregressive decoding
-    (random weights: tau means little, the costs are what a tree run on this device pays)."""
+    configuration, the mean seconds of a step and of its target call, the tokens/s against autoregressive decoding
+    and, from an untimed run, torch calls and host reads per step (random weights: tau means little, the costs are
+    what a tree run on this device pays)."""
     from specresearch.engine.cost import measure_cost_curve
 
     curve = measure_cost_curve(target, truncated_draft(target, 4), max_tokens=4 if quick else 12, repeats=3 if quick else 9)
@@ -100,7 +102,12 @@ def trees(device, target, quick: bool) -> dict:
     for name, options in TREES.items():
         out = speculative_generate(target, truncated_draft(target, 4), prompts, max_new_tokens=new, sampling=sampling,
                                    seed=0, step_timing=True, **options)
+        with HostReads() as reads:  # untimed: torch calls (each launches kernels on a GPU) and host reads per step
+            counted = speculative_generate(target, truncated_draft(target, 4), prompts, max_new_tokens=new,
+                                           sampling=sampling, seed=0, step_timing=False, **options)
         runs[name] = {"speedup": out.speedup_over(base), "tau": out.block_efficiency,
+                      "torch_calls_per_step": reads.calls / len(counted.steps),
+                      "host_reads_per_step": reads.count / len(counted.steps),
                       "step_ms": 1e3 * statistics.mean(s.seconds for s in out.steps),
                       "target_ms": 1e3 * statistics.mean(s.target_seconds for s in out.steps),
                       "scored_per_step": statistics.mean(s.scored[0] for s in out.steps)}

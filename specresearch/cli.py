@@ -190,8 +190,8 @@ def _run_generate(args) -> int:
         chosen = resolve_config(requested, target, draft, temperature=args.temperature, num_drafts=args.num_drafts,
                                 stop_below=args.stop_below, trees=trees,
                                 announce=lambda message: print(message, file=sys.stderr))
-        options = dict(verifier=args.verifier, num_drafts=args.num_drafts, draft_law=args.draft_law,
-                       tree_nodes=args.tree_nodes, **chosen)
+        options = {"verifier": args.verifier, "num_drafts": args.num_drafts, "draft_law": args.draft_law,
+                   "tree_nodes": args.tree_nodes, **chosen}
         args.gamma = options.pop("gamma")
         result = speculative_generate(target, draft, [prompt], gamma=args.gamma, stop_below=args.stop_below, **options,
                                       **common)

@@ -119,6 +119,18 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     assert texts[0] == texts[1] and len(texts[0]) > 10
     assert main(["generate", "Name three rivers.", "--max-new-tokens", "3", "--method", "contrastive"]) == 0
     assert names[0] == GENERATE_DRAFT and names[-1] == CONTRASTIVE_AMATEUR  # (the combined draft loads its head in between)
+    # a tree this machine's costs would pick runs as such (greedy: the same text), trees weighed for the default draft only
+    import specresearch.engine.cost as cost
+
+    asked = []
+    capsys.readouterr()
+    monkeypatch.setattr(cost, "resolve_config", lambda gamma, target, draft, **kwargs: asked.append(kwargs["trees"]) or
+                        cost.tree_options((2, 2, 3)))
+    assert main(["generate", "Name three rivers.", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    text, summary = capsys.readouterr().out.split("\n\n12 tokens in ")
+    assert text == texts[0] and "; onehot tree K 2, depth 2, 3 nodes, block efficiency" in summary
+    assert main(["generate", "Name three rivers.", "--max-new-tokens", "2", "--draft", "ngram"]) == 0
+    assert asked == [True, False]
 
 
 @pytest.mark.slow

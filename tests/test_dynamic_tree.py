@@ -24,6 +24,7 @@ from helpers import close_draft, markov_toy
 
 from specresearch import exact
 from specresearch.config import SamplingConfig
+from specresearch.core.draws import sample_from_weights
 from specresearch.core.verify_tree import children_table, onehot_tree_verify
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.topk_tree import draft_dynamic_tree
@@ -250,3 +251,52 @@ def test_steps_record_the_tokens_the_target_scored():
     assert all(s.scored == (3,) for s in paths.steps)  # greedy: the 3 paths are one chain of 2 nodes
     emitted = sum(n + 1 for s in dynamic_run.steps for n in s.num_accepted)
     assert dynamic_run.tokens_per_scored == emitted / sum(s.scored[0] for s in dynamic_run.steps)
+
+
+def _onehot_child_by_child(target_probs, call_tokens, children, length, eta):
+    """The one-hot rule read literally, one row, one child at a time (the oracle of the vectorised verifier)."""
+    out = []
+    for b in range(target_probs.shape[0]):
+        node, path = 0, []
+        for d in range(length + 1):
+            residual = target_probs[b, node].clone()
+            chosen = None
+            for c, child in enumerate(children[b, node].tolist()):
+                if child < 0:
+                    break
+                x = int(call_tokens[b, child])
+                if float(eta[b, min(d, length), c]) * float(residual.sum()) < float(residual[x]):
+                    chosen = child
+                    break
+                residual[x] = 0.0
+            if chosen is None:  # all rejected, or a leaf: the next token comes from what is left
+                break
+            node = chosen
+            path.append(chosen)
+        out.append((len(path), path, residual))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_vectorised_one_hot_rule_takes_the_literal_rules_decisions(seed):
+    """Same uniforms, same decisions as trying each child in turn, on random trees with up to 8 children a node,
+    padding and repeated sibling tokens (a repeat of a rejected token has p = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, nodes, vocab, length = 64, 12, 6, 4
+    parents = [[int(torch.randint(0, i + 1, (1,), generator=g)) if i < nodes - 3 or b % 2 else -1 for i in range(nodes)]
+               for b in range(batch)]
+    children = children_table(parents)
+    depth = torch.zeros(batch, nodes + 1, dtype=torch.long)
+    for b, row in enumerate(parents):
+        for i, parent in enumerate(row, start=1):
+            depth[b, i] = depth[b, parent] + 1 if parent >= 0 else 0
+    length = int(depth.max())
+    call_tokens = torch.randint(0, vocab, (batch, nodes + 1), generator=g)
+    probs = torch.softmax(2 * torch.randn(batch, nodes + 1, vocab, generator=g), -1)
+    uniforms = torch.rand(batch, length + 1, children.shape[2], generator=g, dtype=torch.float64)
+    result = onehot_tree_verify(probs, call_tokens, children, length, uniforms=uniforms)
+    eta = uniforms.to(probs.dtype).clamp(max=1.0 - torch.finfo(probs.dtype).eps / 2)
+    for b, (accepted, path, residual) in enumerate(_onehot_child_by_child(probs, call_tokens, children, length, eta)):
+        assert int(result.num_accepted[b]) == accepted and result.path_nodes[b, :accepted].tolist() == path, b
+        assert int(result.next_token[b]) == int(sample_from_weights(residual[None], eta[b, length, :1])), b
+    assert children.shape[2] >= 4 and bool((result.num_accepted > 0).any()) and bool((result.num_accepted == 0).any())

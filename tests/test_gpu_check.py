@@ -15,6 +15,8 @@ def test_gpu_bench_runs_on_a_cpu_and_writes_its_record(tmp_path):
     record = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert set(record["verifiers_ms_B32"]) >= {"token", "block", "traversal K4 L4", "onehot K4 L4"}
     assert len(record["engine"]) == 4 and all(row["host_reads_per_step"] > 0 for row in record["engine"])
+    assert all(row["torch_calls_per_step"] > row["host_reads_per_step"] for row in record["engine"])
+    assert all(run["torch_calls_per_step"] > 0 for run in record["trees"]["runs"].values())
     trees = record["trees"]
     assert trees["r"][0] == 1.0 and len(trees["r"]) == 4 and set(trees["runs"]) == {"chain g1", "chain g3", "traversal K2 g2",
                                                                                   "dynamic K4 g4 n10"}

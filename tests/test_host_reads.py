@@ -65,3 +65,14 @@ def test_per_step_timing_is_on_where_free_and_off_on_request(target):
     assert all(s.target_seconds >= 0 and s.draft_seconds >= 0 for s in timed.steps)
     assert all(math.isnan(s.target_seconds) and math.isnan(s.draft_seconds) for s in untimed.steps)
     assert untimed.seconds > 0 and all(s.seconds >= 0 for s in untimed.steps)
+
+
+def test_the_counter_also_counts_every_torch_call():
+    """``calls``: each torch function called from Python (a kernel launch, or several, on a GPU), reads or not."""
+    import torch
+
+    x = torch.arange(6.0)
+    with HostReads() as reads:
+        y = torch.exp(x) + 1
+        y.sum().item()
+    assert (reads.count, reads.calls) == (1, 4)  # exp, add, sum, item; only item reads the host

@@ -81,20 +81,25 @@ def onehot_tree_verify(target_probs, call_tokens, children, length: int, generat
     num_accepted = torch.zeros_like(rows)
     path_nodes = torch.zeros(batch, length, dtype=torch.long, device=rows.device)
     weights = target_probs.new_zeros(batch, vocab)  # [B, V]: what the stopped rows sample from
+    tried = children.shape[2]
+    earlier = torch.ones(tried, tried, dtype=torch.bool, device=rows.device).tril(-1)  # [c, j]: j before c
     for d in range(length + 1):
-        residual = target_probs[rows, node]  # [B, V], a copy
-        accepted, choice = torch.zeros_like(searching), node
-        for c in range(children.shape[2]):
-            child = children[rows, node, c]  # [B]
-            trying = searching & ~accepted & (child >= 0)
-            x = call_tokens[rows, child.clamp(min=0)][:, None]  # [B, 1]
-            p_x = residual.gather(1, x).squeeze(1)
-            passed = trying & (eta[:, min(d, length), c] * residual.sum(-1) < p_x)
-            accepted, choice = accepted | passed, torch.where(passed, child, choice)
-            rejected = trying & ~passed
-            residual = torch.where(rejected[:, None], residual.scatter(1, x, 0.0), residual)
-        weights = torch.where((searching & ~accepted)[:, None], residual, weights)
-        searching = searching & accepted
+        # All of a node's children at once (a few tensor calls a depth, whatever K: on a GPU each call costs the host):
+        # child c is reached only when the children before it were rejected, each zeroed out of p, so it is accepted
+        # iff eta_c * (mass of p - their mass) < p(x_c); the first such child is the accepted one.
+        probs, kids = target_probs[rows, node], children[rows, node]  # [B, V], [B, C]
+        tokens = call_tokens.gather(1, kids.clamp(min=0))  # [B, C]
+        repeated = ((tokens[:, :, None] == tokens[:, None, :]) & earlier).any(2)  # a sibling's token again: p(x) is 0
+        valid = (kids >= 0) & ~repeated
+        p_kids = probs.gather(1, tokens) * valid
+        rejected_before = p_kids.cumsum(1) - p_kids
+        passed = valid & (eta[:, min(d, length), :tried] * (probs.sum(-1, keepdim=True) - rejected_before) < p_kids)
+        accepted = searching & passed.any(1)
+        choice = kids.gather(1, passed.int().argmax(1, keepdim=True)).squeeze(1)  # the first child that passed
+        # a row that stops here samples p with every child zeroed (all were tried and rejected; a leaf has none)
+        zeroed = probs.new_zeros(batch, vocab).scatter_add_(1, tokens, valid.to(probs.dtype)) > 0
+        weights = torch.where((searching & ~accepted)[:, None], probs.masked_fill(zeroed, 0.0), weights)
+        searching = accepted
         if d < length:
             path_nodes[:, d] = torch.where(searching, choice, 0)
         num_accepted += searching.long()

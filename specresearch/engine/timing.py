@@ -26,15 +26,21 @@ HOST_READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "_
 class HostReads(TorchFunctionMode):
     """Counts host reads while active (``with HostReads() as reads: ...``): ``reads.count`` in all, and
     ``reads.by_origin["specresearch"]`` / ``["other"]`` by whose code made the read (the innermost frame in
-    this package or in an installed library). Works on any device, so a CPU run counts what a GPU would wait for."""
+    this package or in an installed library). Works on any device, so a CPU run counts what a GPU would wait for.
+    ``reads.calls`` counts the torch operations called from Python (the modules' own included, attribute reads such
+    as ``.shape`` not): each costs the host microseconds and most launch a kernel, which bounds a small model's step
+    on a GPU."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.calls = 0
         self.by_origin = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
+        name = getattr(func, "__name__", "")
+        self.calls += name != "__get__"
+        if name in HOST_READS:
             self.count += 1
             files = [f.filename for f in traceback.extract_stack()[:-1]]
             inner = next((f for f in reversed(files) if "site-packages" in f or "specresearch" in f), "")

@@ -164,17 +164,20 @@ def node_tensors(tokens: list[list[int]], parents: list[list[int]]):
     node i is call row i + 1; parents precede children). -> (node tokens [B, n], depth [B, n] (1 = a root child),
     visible [B, 1+n, 1+n]: each call row sees itself and its ancestors). Rows with fewer nodes are padded with nodes
     that see the root only."""
-    batch, width = len(tokens), max(len(t) for t in tokens)
-    node_tokens = torch.zeros(batch, width, dtype=torch.long)
-    depth = torch.ones(batch, width, dtype=torch.long)
-    visible = torch.eye(width + 1, dtype=torch.bool).repeat(batch, 1, 1)
-    visible[:, :, 0] = True
-    for b, (row_tokens, row_parents) in enumerate(zip(tokens, parents)):
-        node_tokens[b, : len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
+    width = max(len(t) for t in tokens)
+    # built as lists and made tensors once: three torch calls a step, not a few per node
+    node_tokens, depth, visible = [], [], []
+    for row_tokens, row_parents in zip(tokens, parents):
+        seen = [[j == 0 or j == i for j in range(width + 1)] for i in range(width + 1)]
+        levels = [0] * (width + 1)
         for i, parent in enumerate(row_parents, start=1):
-            visible[b, i] |= visible[b, parent]
-            depth[b, i - 1] = int(visible[b, i, 1:].sum())
-    return node_tokens, depth, visible
+            seen[i] = [mine or theirs for mine, theirs in zip(seen[i], seen[parent])]
+            levels[i] = levels[parent] + 1
+        node_tokens.append(list(row_tokens) + [0] * (width - len(row_tokens)))
+        depth.append([levels[i] or 1 for i in range(1, width + 1)])  # padding nodes: depth 1, they see the root only
+        visible.append(seen)
+    return (torch.tensor(node_tokens, dtype=torch.long), torch.tensor(depth, dtype=torch.long),
+            torch.tensor(visible, dtype=torch.bool))
 
 
 def _node_counts(path_nodes: torch.Tensor) -> list[int]:

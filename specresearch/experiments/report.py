@@ -32,6 +32,7 @@ DOCS_FIGURES = (
     "09_acceptance_by_depth",
     "10_draft_trees",
     "10_tree_step_costs",
+    "10_trees_cpu_gpu",
     "11_lossy_frontier",
     "09_data_scaling",
     "09_alpha_vs_cost",

@@ -1,0 +1,68 @@
+"""Torch calls and host reads per step of chains and dynamic trees on the embedded pair: what bounds a step on a GPU.
+
+On an H200 the 135M target's call costs about the same from 1 to 64 tokens (record ``trees_head_h200``): the host
+issuing its ~1,850 torch calls sets the time, about 12-15 µs a call, so a step costs roughly its calls. This counts
+them here, deterministically, on the path a GPU runs (the target without the CPU's skinny kernels), with
+``engine.timing.HostReads``: every torch operation called from Python (attribute reads excluded) and every host read.
+The shipped head drafts; held-out chat prompts; T = 0 and 1. Nothing is timed and nothing asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import load_pair
+from specresearch.engine.cost import tree_options
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.engine.timing import HostReads
+from specresearch.experiments.records import record_header
+from specresearch.paths import data_dir, repo_root
+
+RUNS = {"autoregressive": None, "chain block g1": {"gamma": 1}, "chain block g2": {"gamma": 2},
+        "dynamic K4 g4 n10": tree_options((4, 4, 10)), "dynamic K8 g6 n32": tree_options((8, 6, 32))}
+
+
+def count(target, draft, prompts, temperature: float, max_new_tokens: int) -> list[dict]:
+    """Per run: torch calls and host reads per step, summed over the prompts, and tokens per step."""
+    rows = []
+    for label, options in RUNS.items():
+        calls = reads = steps = tokens = 0
+        for i, ids in enumerate(prompts):
+            sampling = SamplingConfig(temperature=temperature)
+            common = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 + i)
+            with HostReads() as counter:
+                out = (autoregressive_generate(target, [ids], **common) if options is None
+                       else speculative_generate(target, draft, [ids], **options, **common))
+            calls, reads = calls + counter.calls, reads + counter.count
+            steps, tokens = steps + len(out.steps), tokens + out.num_tokens
+        rows.append({"temperature": temperature, "run": label, "torch_calls_per_step": calls / steps,
+                     "host_reads_per_step": reads / steps, "tokens_per_step": tokens / steps})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--draft", default="fp16:eagle3-v8k")
+    parser.add_argument("--out", default=str(repo_root() / "benchmarks" / "records" / "step_ops_amd.json"))
+    args = parser.parse_args()
+    target, draft, tokenizer = load_pair(draft=args.draft, skinny_linear=False)  # the GPU's path: plain linear layers
+    chosen = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
+    prompts = [row.tolist() for row in encode_chat(chosen, tokenizer)]
+    rows = [row for t in (0.0, 1.0) for row in count(target, draft, prompts, t, args.max_new_tokens)]
+    record = record_header("benchmarks/bench_step_ops.py", sys.argv[1:], draft=args.draft, rows=rows)
+    with open(args.out, "w") as file:
+        file.write(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
