@@ -81,9 +81,9 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
     from specresearch.engine.cost import resolve_config
 
+    trees = default_draft and verifier == "block" and not {"draft_law", "tree_nodes"} & set(options)
     chosen = resolve_config(gamma, target, draft, temperature=sampling.temperature,
-                            num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"),
-                            trees=default_draft and verifier == "block" and not {"draft_law", "tree_nodes"} & set(options))
+                            num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"), trees=trees)
     gamma, verifier = chosen.pop("gamma"), chosen.pop("verifier", verifier)
     options = {**options, **chosen}
     rows = [prompts] if isinstance(prompts, str) else list(prompts)

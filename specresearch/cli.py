@@ -89,8 +89,8 @@ def _add_generate(sub) -> None:
                    help=f"draft tokens per step. Default ('auto'): for a chain {GENERATE_GAMMA} (measured fastest on the "
                         "reference CPU) unless this machine's step costs (engine.cost, timed once and cached) predict another "
                         f"gamma faster by more than {round(100 * GENERATE_MARGIN)}%%, or with the default --draft and "
-                        "--verifier a dynamic tree (where scoring is nearly free, e.g. a GPU at T = 0); with --num-drafts or "
-                        f"--stop-below {GENERATE_GAMMA}")
+                        "--verifier a dynamic tree (where scoring is nearly free, e.g. a GPU at T = 0); with "
+                        f"--num-drafts or --stop-below {GENERATE_GAMMA}")
     p.add_argument("--num-drafts", type=int, default=1,
                    help="draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         "multi-draft --verifier; every draft draws trees)")
@@ -199,9 +199,11 @@ def _run_generate(args) -> int:
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
           f"{result.target_calls} target calls", end="")
     if not args.autoregressive:
-        shape = (f"; {options['verifier']} tree K {options['num_drafts']}, depth {args.gamma}, {options['tree_nodes'] or options['num_drafts'] * args.gamma} nodes"
+        nodes = options["tree_nodes"] or options["num_drafts"] * args.gamma
+        shape = (f"; {options['verifier']} tree K {options['num_drafts']}, depth {args.gamma}, {nodes} nodes"
                  if options["draft_law"] == "dynamic" else f"; gamma {args.gamma}")
-        print(f"{shape}, block efficiency {result.block_efficiency:.2f}, acceptance rate {result.acceptance_rate:.2f}", end="")
+        print(f"{shape}, block efficiency {result.block_efficiency:.2f}, acceptance rate {result.acceptance_rate:.2f}",
+              end="")
     print()
     return 0
 

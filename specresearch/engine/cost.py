@@ -163,12 +163,13 @@ def _key(target, draft, max_tokens: int, trees: Sequence[tuple[int, int, int]] =
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     shapes = hashlib.sha1(f"{_shapes(target)}|{_shapes(draft) if draft is not None else ''}".encode()).hexdigest()[:12]
     # "steps/ar": s_gamma over an autoregressive step (entries of another measurement are timed again)
-    key = f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}|steps/ar"
+    key = (f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}"
+           "|steps/ar")
     return key + (f"|trees {sorted(tuple(t) for t in trees)}" if trees else "")
 
 
-def cost_curve(target, draft=None, *, max_tokens: int = 5, trees: Sequence[tuple[int, int, int]] = (), cache: bool = True,
-               announce: Callable[[str], None] | None = None) -> CostCurve:
+def cost_curve(target, draft=None, *, max_tokens: int = 5, trees: Sequence[tuple[int, int, int]] = (),
+               cache: bool = True, announce: Callable[[str], None] | None = None) -> CostCurve:
     """:func:`measure_cost_curve`, timed once per machine and models (module docstring; ~15 s on a 2-core CPU), kept
     in ``<cache_dir>/score_cost.json`` for later processes (delete the file to time again). ``cache=False`` times
     anew; ``announce(message)`` is told before timing starts (the CLI prints it)."""
@@ -182,7 +183,8 @@ def cost_curve(target, draft=None, *, max_tokens: int = 5, trees: Sequence[tuple
         except (KeyError, TypeError, ValueError):
             pass  # an entry of another shape: time again
     if announce is not None:
-        announce(f"timing this machine's step costs once, for the default configuration (kept in {cache_dir(COST_FILE)})")
+        announce(f"timing this machine's step costs once, for the default configuration (kept in "
+                 f"{cache_dir(COST_FILE)})")
     curve = measure_cost_curve(target, draft, max_tokens=max_tokens, trees=trees)
     if cache:
         keep_answer(COST_FILE, key, {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
@@ -217,8 +219,9 @@ def best_gamma(curve: CostCurve, expected_tokens: Mapping[int, float], *, incumb
     return best
 
 
-def best_config(curve: CostCurve, expected_tokens: Mapping[int, float], tree_tokens: Mapping[tuple[int, int, int], float],
-                *, incumbent: int | None = GENERATE_GAMMA, margin: float = 0.0) -> dict:
+def best_config(curve: CostCurve, expected_tokens: Mapping[int, float],
+                tree_tokens: Mapping[tuple[int, int, int], float], *, incumbent: int | None = GENERATE_GAMMA,
+                margin: float = 0.0) -> dict:
     """``speculative_generate``'s options for the fastest predicted configuration: the chain of :func:`best_gamma`
     (``{"gamma": g}``), or a dynamic tree of ``tree_tokens`` (shape -> tokens per step; :func:`tree_options`) that the
     curve timed and that is predicted faster than that chain by more than ``margin``."""
@@ -244,7 +247,8 @@ def default_config(target, draft, temperature: float = 1.0, *, trees: bool = Tru
     column = 0 if temperature == 0 else 1
     expected = dict(GENERATE_TAU_GREEDY if column == 0 else GENERATE_TAU)
     timed = getattr(draft, "draft", None) or draft  # what measure_cost_curve times
-    shapes = {shape: taus[column] for shape, taus in GENERATE_TREES.items()} if trees and isinstance(timed, RowExpander) else {}
+    draws_trees = trees and isinstance(timed, RowExpander)
+    shapes = {shape: taus[column] for shape, taus in GENERATE_TREES.items()} if draws_trees else {}
     curve = cost_curve(target, draft, max_tokens=max(expected) + 1, trees=tuple(shapes), announce=announce)
     return best_config(curve, expected, shapes, incumbent=GENERATE_GAMMA, margin=margin)
 

@@ -457,7 +457,8 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     write_run_info(path, command=command, commit=git_commit(), target=target_name, draft=draft_name,
                    target_sha256=weights_digest(target_name) if target_name in EMBEDDED else None,
                    draft_sha256=weights_digests(draft_name), batched=batched, config=dataclasses.asdict(config),
-                   prompts=[p.id for p in prompts], **({"chosen": [dataclasses.asdict(c) for c in configs]} if default_gamma else {}))
+                   prompts=[p.id for p in prompts],
+                   **({"chosen": [dataclasses.asdict(c) for c in configs]} if default_gamma else {}))
     run = run_batched if batched else run_bench
     for each in configs:
         records = run(target, draft, prompts, each, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
