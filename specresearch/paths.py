@@ -11,7 +11,7 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["repo_root", "data_dir", "cache_dir", "cpu_fields", "cpu_name", "cached_answer", "keep_answer"]
+__all__ = ["repo_root", "data_dir", "cache_dir", "answers_file", "cpu_fields", "cpu_name", "cached_answer", "keep_answer"]
 
 
 def repo_root() -> Path:
@@ -49,19 +49,27 @@ def cpu_name() -> str:
     return cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
+def answers_file(file: str) -> Path:
+    """Where a file of per-machine answers lives: ``$SPECRESEARCH_ANSWERS/<file>`` where that is set (the test suite
+    sets it to a temporary folder, so that timings taken under its load never steer the defaults of later runs), else
+    ``<cache_dir>/<file>``."""
+    root = os.environ.get("SPECRESEARCH_ANSWERS")
+    return Path(root) / file if root else cache_dir(file)
+
+
 def cached_answer(file: str, key: str):
-    """The JSON value kept under ``key`` in ``<cache_dir>/<file>`` by :func:`keep_answer`, or None (no file, no entry,
-    or a file that does not parse)."""
+    """The JSON value kept under ``key`` in :func:`answers_file` ``(file)`` by :func:`keep_answer`, or None (no file,
+    no entry, or a file that does not parse)."""
     try:
-        return json.loads(cache_dir(file).read_text()).get(key)
+        return json.loads(answers_file(file).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
 
 
 def keep_answer(file: str, key: str, value) -> None:
-    """Keep ``value`` (JSON) under ``key`` in ``<cache_dir>/<file>`` for later processes; a write that fails (a
-    read-only cache) is not an error: the answer is timed again next time."""
-    path = cache_dir(file)
+    """Keep ``value`` (JSON) under ``key`` in :func:`answers_file` ``(file)`` for later processes; a write that fails
+    (a read-only cache) is not an error: the answer is timed again next time."""
+    path = answers_file(file)
     try:
         table = json.loads(path.read_text()) if path.exists() else {}
         table = table if isinstance(table, dict) else {}

@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -10,6 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # CausalLM on CPU times SkinnyLinear against nn.Linear when it loads and keeps the faster path per row count;
 # tests pin every row count to SkinnyLinear so that what they run does not depend on the machine's timings.
 os.environ.setdefault("SPECRESEARCH_SKINNY_ROWS", "all")
+# Answers a run times once per machine (the cost curve of the default configuration, the skinny rows) go to a folder
+# of this session: timed under the suite's load they would steer the defaults of the user's later runs.
+if "SPECRESEARCH_ANSWERS" not in os.environ:
+    os.environ["SPECRESEARCH_ANSWERS"] = tempfile.mkdtemp(prefix="specresearch-answers-")
+    atexit.register(shutil.rmtree, os.environ["SPECRESEARCH_ANSWERS"], True)
 
 
 @pytest.fixture(autouse=True)

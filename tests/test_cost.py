@@ -60,6 +60,7 @@ def test_speedup_and_best_gamma_follow_the_curve():
 
 def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECRESEARCH_ANSWERS", raising=False)  # the default place: the cache folder
     target, draft = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
     told = []
     curve = cost.cost_curve(target, draft, max_tokens=3, announce=told.append)

@@ -349,6 +349,7 @@ def test_the_skinny_rows_answer_is_timed_once_per_machine(monkeypatch, tmp_path)
     from specresearch.models.toy import tiny_llama_config
 
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECRESEARCH_ANSWERS", raising=False)  # the default place: the cache folder
     monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
     monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
     model = AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB, hidden_size=24), dtype=torch.float32)

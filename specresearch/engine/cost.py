@@ -38,7 +38,7 @@ from specresearch.config import (
     GENERATE_TREES,
 )
 from specresearch.engine.timing import TimedCall, interleaved_medians
-from specresearch.paths import cache_dir, cached_answer, cpu_name, keep_answer
+from specresearch.paths import answers_file, cached_answer, cpu_name, keep_answer
 
 __all__ = ["CostCurve", "MARGIN", "score_seconds", "measure_cost_curve", "cost_curve", "predicted_speedup", "best_gamma",
            "best_config", "default_config", "resolve_config", "tree_options"]
@@ -184,7 +184,7 @@ def cost_curve(target, draft=None, *, max_tokens: int = 5, trees: Sequence[tuple
             pass  # an entry of another shape: time again
     if announce is not None:
         announce(f"timing this machine's step costs once, for the default configuration (kept in "
-                 f"{cache_dir(COST_FILE)})")
+                 f"{answers_file(COST_FILE)})")
     curve = measure_cost_curve(target, draft, max_tokens=max_tokens, trees=trees)
     if cache:
         keep_answer(COST_FILE, key, {"ratios": list(curve.ratios), "draft_ratio": curve.draft_ratio,
