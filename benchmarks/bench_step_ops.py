@@ -54,6 +54,8 @@ def main() -> int:
     parser.add_argument("--draft", default="fp16:eagle3-v8k")
     parser.add_argument("--out", default=str(repo_root() / "benchmarks" / "records" / "step_ops_amd.json"))
     args = parser.parse_args()
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        parser.error(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
     target, draft, tokenizer = load_pair(draft=args.draft, skinny_linear=False)  # the GPU's path: plain linear layers
     chosen = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
     prompts = [row.tolist() for row in encode_chat(chosen, tokenizer)]

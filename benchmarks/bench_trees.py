@@ -38,6 +38,7 @@ import torch
 from specresearch.config import SamplingConfig
 from specresearch.core.tree_expectations import TREE_EXPECTATIONS
 from specresearch.drafts.registry import load_pair
+from specresearch.engine.cost import tree_options
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import (
     encode_chat,
@@ -64,17 +65,17 @@ RUNS = {  # label -> speculative_generate options
     "traversal K3 g1": dict(verifier="traversal", num_drafts=3, gamma=1),
     "rrs w/o repl. K2 g1": dict(verifier="rrs_without_replacement", num_drafts=2, gamma=1, draft_law="without_replacement"),
     # EAGLE-2's deterministic tree: top-K children per expanded node, depth g, the n most probable nodes; one-hot rule
-    "dynamic K2 g1 n2": dict(verifier="onehot", num_drafts=2, gamma=1, draft_law="dynamic", tree_nodes=2),
-    "dynamic K3 g1 n3": dict(verifier="onehot", num_drafts=3, gamma=1, draft_law="dynamic", tree_nodes=3),
-    "dynamic K2 g2 n3": dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic", tree_nodes=3),
-    "dynamic K2 g2 n4": dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic", tree_nodes=4),
-    "dynamic K3 g3 n6": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic", tree_nodes=6),
-    "dynamic K4 g4 n10": dict(verifier="onehot", num_drafts=4, gamma=4, draft_law="dynamic", tree_nodes=10),
+    "dynamic K2 g1 n2": tree_options((2, 1, 2)),
+    "dynamic K3 g1 n3": tree_options((3, 1, 3)),
+    "dynamic K2 g2 n3": tree_options((2, 2, 3)),
+    "dynamic K2 g2 n4": tree_options((2, 2, 4)),
+    "dynamic K3 g3 n6": tree_options((3, 3, 6)),
+    "dynamic K4 g4 n10": tree_options((4, 4, 10)),
     # wider and deeper trees, for a device whose call costs about the same up to tens of tokens (a GPU)
     "chain block g4": dict(verifier="block", gamma=4),
-    "dynamic K4 g6 n16": dict(verifier="onehot", num_drafts=4, gamma=6, draft_law="dynamic", tree_nodes=16),
-    "dynamic K8 g6 n32": dict(verifier="onehot", num_drafts=8, gamma=6, draft_law="dynamic", tree_nodes=32),
-    "dynamic K10 g6 n60": dict(verifier="onehot", num_drafts=10, gamma=6, draft_law="dynamic", tree_nodes=60),
+    "dynamic K4 g6 n16": tree_options((4, 6, 16)),
+    "dynamic K8 g6 n32": tree_options((8, 6, 32)),
+    "dynamic K10 g6 n60": tree_options((10, 6, 60)),
 }
 DEFAULT_RUNS = ("chain block g2", "chain block g3", "traversal K2 g2", "traversal K3 g3", "rrs w/o repl. K3 g2", "gbv K2 g3")
 
@@ -153,6 +154,10 @@ def main() -> int:
     parser.add_argument("--cost-sizes", type=int, nargs="+", default=[4, 8], help="tree sizes n of the chain-vs-tree call timing")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto, ... (timed there; the clock waits for the device)")
     args = parser.parse_args()
+    if not 0 <= args.start < args.prompts:
+        parser.error(f"--start must be in [0, --prompts = {args.prompts}), got {args.start}")
+    if min(args.cost_sizes) < 1:
+        parser.error(f"--cost-sizes must be tree sizes >= 1, got {args.cost_sizes}")
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft, device=args.device)
     source = prompt_set_file(args.prompt_set) if args.prompt_set else data_dir() / "prompts.jsonl"

@@ -134,7 +134,7 @@ def test_the_default_configuration_weighs_trees_at_the_temperature_asked(monkeyp
         return gpu
 
     monkeypatch.setattr(cost, "cost_curve", curve)
-    head = tiny_llama(48, seed=1)  # any draft that draws trees (models.protocols.RowExpander)
+    head = tiny_llama(48, seed=1)
     assert cost.default_config(None, head, 0.0) == tree_options((8, 6, 32))
     assert cost.default_config(None, head, 1.0) == {"gamma": GENERATE_GAMMA}
     assert cost.default_config(None, head, 0.0, trees=False) == {"gamma": 1} and seen[-1] == ()

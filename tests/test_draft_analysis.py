@@ -22,6 +22,7 @@ from specresearch.experiments.draft_analysis import (
     plot_speedup_by_category,
     plot_speedup_intervals,
     plot_speedup_vs_gamma,
+    plot_tau_against_speed,
     read_draft_manifest,
     read_scaling,
     read_wallclock,
@@ -314,3 +315,18 @@ def test_gamma1_costs_put_a_run_in_units_of_one_autoregressive_token():
     assert {t.get_text(): t.get_ha() for t in ax.texts if t.get_text() in ("a", "b")} == {"a": "left", "b": "right"}
     with pytest.raises(ValueError, match="extra must be > -1"):
         plot_alpha_cost_tradeoff(gamma1_costs(rows, 1.0), -1.0)
+
+
+def test_tau_against_speed_draws_the_runs_that_covered_every_prompt():
+    rows = pd.DataFrame([{"prompt_id": p, "temperature": t, "run": run, "tau": tau + p, "vs_autoregressive": vs + p}
+                         for t in (0.0, 1.0) for p in (0, 1)
+                         for run, tau, vs in (("chain block g1", 1.5, 1.3), ("dynamic K4 g4 n10", 2.5, 1.1))]
+                        + [{"prompt_id": 0, "temperature": 0.0, "run": "traversal K2 g2", "tau": 1.8, "vs_autoregressive": 1.0}])
+    fig, points = plot_tau_against_speed({"cpu": (rows, "o"), "gpu": (rows.assign(vs_autoregressive=2.0), "^")},
+                                         labelled=["gpu"])
+    assert len(points) == 8 and "traversal K2 g2" not in set(points.run)  # one prompt of two: not drawn
+    chain = points[(points.source == "cpu") & (points.temperature == 0.0)].set_index("run").loc["chain block g1"]
+    assert (chain.tau, chain.vs) == pytest.approx((2.0, 1.8))  # mean tau, median speed over the two prompts
+    left, right = fig.axes[:2]
+    assert len(left.texts) == len(right.texts) == 2  # only the labelled source's two runs carry names
+    assert [h.get_label() for h in fig.legends[0].legend_handles][:2] == ["cpu", "gpu"]

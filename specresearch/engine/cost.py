@@ -99,14 +99,14 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
     lengths (``ngram+NAME``, which drafts one token where lookup finds no match) is timed on the draft it wraps
     (``.draft``), whose chains gamma sets; a planning draft that wraps none raises ``ValueError``. ``trees``: (K,
     depth, nodes) of dynamic trees whose steps to time the same way (the steps that score the full tree), where r
-    stays within ``FLAT`` (elsewhere none is timed).
+    stays within ``FLAT`` and the draft draws trees (elsewhere none is timed).
     """
     from specresearch.config import SamplingConfig
     from specresearch.engine.generate import (
         autoregressive_generate,
         speculative_generate,
     )
-    from specresearch.models.protocols import PlansLength
+    from specresearch.models.protocols import PlansLength, RowExpander
 
     seconds = score_seconds(target, tuple(range(1, max_tokens + 1)), context_length, repeats)
     ratios = tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1))
@@ -133,7 +133,7 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
     step = statistics.mean(s.seconds for s in plain.steps)
     step_ratios = tuple(statistics.mean(s.seconds for s in steps(g, new_tokens, sampled)) / step for g in range(1, max_tokens))
     tree_steps = []
-    for shape in trees if max(ratios) <= FLAT else ():
+    for shape in trees if max(ratios) <= FLAT and isinstance(draft, RowExpander) else ():
         run = speculative_generate(target, draft, [prompt], max_new_tokens=new_tokens, sampling=sampled, seed=0,
                                    step_timing=True, **tree_options(shape))
         full = max(s.scored[0] for s in run.steps)
@@ -240,15 +240,11 @@ def default_config(target, draft, temperature: float = 1.0, *, trees: bool = Tru
                    announce: Callable[[str], None] | None = None) -> dict:
     """The options of ``specresearch generate`` and ``specresearch.generate`` with the default draft and verifier:
     :func:`best_config` over the head's chains (``config.GENERATE_TAU_GREEDY`` at T = 0, else ``GENERATE_TAU``) and,
-    with ``trees`` and a draft that draws trees, its dynamic trees (``config.GENERATE_TREES``), each at that
-    temperature, against this machine's cached :func:`cost_curve`. On the reference CPU: gamma 1."""
-    from specresearch.models.protocols import RowExpander
-
+    with ``trees``, its dynamic trees (``config.GENERATE_TREES``; those the curve timed), each at that temperature,
+    against this machine's cached :func:`cost_curve`. On the reference CPU: gamma 1."""
     column = 0 if temperature == 0 else 1
     expected = dict(GENERATE_TAU_GREEDY if column == 0 else GENERATE_TAU)
-    timed = getattr(draft, "draft", None) or draft  # what measure_cost_curve times
-    draws_trees = trees and isinstance(timed, RowExpander)
-    shapes = {shape: taus[column] for shape, taus in GENERATE_TREES.items()} if draws_trees else {}
+    shapes = {shape: taus[column] for shape, taus in GENERATE_TREES.items()} if trees else {}
     curve = cost_curve(target, draft, max_tokens=max(expected) + 1, trees=tuple(shapes), announce=announce)
     return best_config(curve, expected, shapes, incumbent=GENERATE_GAMMA, margin=margin)
 

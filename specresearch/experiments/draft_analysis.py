@@ -19,7 +19,8 @@ import pandas as pd
 
 __all__ = ["expected_tokens", "best_speedup", "speedup_curve", "read_draft_manifest", "corpus_spans", "read_scaling", "read_wallclock",
            "wallclock_table", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
-           "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff", "plot_speedup_intervals"]
+           "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff", "plot_speedup_intervals",
+           "plot_tau_against_speed"]
 
 
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
@@ -506,3 +507,39 @@ def plot_speedup_intervals(speedups: pd.DataFrame, targets: dict[float, float] |
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+TREE_RUN_COLOURS = {"chain": "tab:blue", "dynamic": "tab:green"}  # any other run: a sampled tree (orange)
+
+
+def plot_tau_against_speed(sources: dict[str, tuple[pd.DataFrame, str]], labelled: Sequence[str] | None = None):
+    """Two panels, T = 0 and 1: each run's mean tokens per target call (tau) against its median speed over
+    autoregressive decoding, from ``benchmarks/bench_trees.py`` records. ``sources``: label -> (the record's rows, a
+    marker); colour: chain, sampled tree, dynamic tree; only the runs that covered every prompt of their source;
+    ``labelled``: the sources whose points carry run names (default all). -> (figure, the points drawn: source,
+    temperature, run, tau, vs)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    drawn = []
+    for ax, temperature in zip(axes, (0.0, 1.0)):
+        for name, (frame, marker) in sources.items():
+            rows = frame[frame.temperature == temperature].groupby("run").agg(
+                tau=("tau", "mean"), vs=("vs_autoregressive", "median"), prompts=("prompt_id", "nunique"))
+            rows = rows[rows.prompts == rows.prompts.max()]
+            ax.scatter(rows.tau, rows.vs, c=[TREE_RUN_COLOURS.get(run.split()[0], "tab:orange") for run in rows.index],
+                       marker=marker, s=28, alpha=0.85)
+            for run, row in rows.iterrows():
+                if labelled is None or name in labelled:
+                    ax.annotate(run, (row.tau, row.vs), fontsize=6, xytext=(3, 2), textcoords="offset points")
+                drawn.append({"source": name, "temperature": temperature, "run": run, "tau": row.tau, "vs": row.vs})
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set(title=f"T = {temperature:g}", xlabel="tokens per target call (tau, mean over prompts)")
+    axes[0].set_ylabel("tokens/s over autoregressive decoding (median)")
+    handles = [plt.Line2D([], [], ls="", marker=marker, color="grey", label=name)
+               for name, (_, marker) in sources.items()]
+    kinds = (("chain", "tab:blue"), ("sampled tree", "tab:orange"), ("dynamic tree", "tab:green"))
+    handles += [plt.Line2D([], [], ls="", marker="o", color=colour, label=label) for label, colour in kinds]
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    return fig, pd.DataFrame(drawn)
