@@ -281,3 +281,34 @@ def test_traversal_reproduces_the_papers_worked_example():
 
     assert kept("traversal") == F(2, 3)
     assert kept("rrs") == half
+
+
+def test_traversal_parent_weight_renormalised_by_the_draft_mass_is_not_lossless():
+    """The parent update is w_b <- Z / (Z + 1 - w_b) (docs/multidraft.md). A public re-implementation that names the
+    paper's pseudocode (M_b, M_s, p_alpha) instead sets w_b <- min(1, Z / (1 - q(x))), the residual's mass over the
+    draft mass left, and then draws from max(w_b p' - q', 0). That reading is not lossless: at depth 1 with K = 2
+    paths drawn without replacement, p = (0, 1/2, 1/2), q = (2/5, 1/5, 2/5), it emits (0, 8/15, 7/15), while the
+    toolkit's rule emits p. This is the rule as that reading states it, enumerated here independently of the library."""
+    p, q = (F(0), F(1, 2), F(1, 2)), (F(2, 5), F(1, 5), F(2, 5))
+    vocab = range(3)
+    emitted = [F(0)] * 3
+    for x1, x2 in itertools.permutations(vocab, 2):  # the two distinct first tokens, drawn without replacement
+        rest = [F(0) if y == x1 else q[y] for y in vocab]
+        mass = q[x1] * rest[x2] / sum(rest)
+        keep1 = min(F(1), p[x1] / q[x1])
+        emitted[x1] += mass * keep1
+        mass *= 1 - keep1
+        residual = [max(p[y] - q[y], F(0)) for y in vocab]  # the root's weight is 1
+        z = sum(residual)
+        p_now, q_now = [v / z for v in residual], [v / sum(rest) for v in rest]
+        weight = min(F(1), z / sum(rest))  # the reading under test (the toolkit: z / (z + 1 - 1) = 1)
+        keep2 = min(F(1), weight * p_now[x2] / q_now[x2])
+        emitted[x2] += mass * keep2
+        mass *= 1 - keep2
+        left = [max(weight * p_now[y] - q_now[y], F(0)) for y in vocab]
+        for y in vocab:
+            emitted[y] += mass * left[y] / sum(left)
+    assert emitted == [F(0), F(8, 15), F(7, 15)]
+    law = step_distribution_multi(p, q, 2, 1, "traversal", draft_law="without_replacement")
+    first = [sum(m for seq, m in law.items() if seq[0] == y) for y in vocab]
+    assert first == list(p)

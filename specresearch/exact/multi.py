@@ -299,7 +299,9 @@ def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     machine (only the abstract and introduction), so the update steps are those of docs/multidraft.md, and the
     rule is certified by its exact properties: the rule equals block verification
     on every chain (K = 1), equals RRS without replacement at L = 1, and is lossless for both draft
-    laws on every tested model (tests/test_exact_multi.py). The sibling update zeroes the rejected
+    laws on every tested model (tests/test_exact_multi.py); a reading with w_b <- min(1, Z / (1 - q(x))), seen in a
+    public re-implementation, is not (``test_traversal_parent_weight_renormalised_by_the_draft_mass_is_not_lossless``).
+    The sibling update zeroes the rejected
     token in q, i.e. it treats siblings as drawn without replacement; reading the merged tree makes
     i.i.d. drafts fine too (distinct children in order of first appearance are such draws).
     """
