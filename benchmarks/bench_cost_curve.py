@@ -42,13 +42,13 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, _ = load_pair(draft=args.draft)
-    curves = [measure_cost_curve(target, draft, max_tokens=max(GENERATE_TAU) + 1) for _ in range(args.rounds)]
+    curves = [measure_cost_curve(target, draft, max_tokens=max(GENERATE_TAU) + 1, rounds=1) for _ in range(args.rounds)]
     ratios = [statistics.median(c.ratios[i] for c in curves) for i in range(len(curves[0].ratios))]
     draft_ratio = statistics.median(c.draft_ratio for c in curves)
     overhead = statistics.median(c.overhead_ratio for c in curves)
     steps = [statistics.median(c.step_ratios[i] for c in curves) for i in range(len(curves[0].step_ratios))]
     curve = type(curves[0])(tuple(ratios), draft_ratio, statistics.median(c.target_seconds for c in curves), overhead,
-                            tuple(steps))
+                            tuple(steps), step_rounds=tuple(c.step_ratios for c in curves), load=curves[0].load)
     predicted = predicted_speedup(curve, GENERATE_TAU)
     from_calls = predicted_speedup(curve, GENERATE_TAU, model="calls")
     measured = pd.read_csv(repo_root() / "benchmarks" / "records" / "adaptive_amd.csv")

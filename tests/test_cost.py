@@ -61,12 +61,15 @@ def test_speedup_and_best_gamma_follow_the_curve():
 def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path))
     monkeypatch.delenv("SPECRESEARCH_ANSWERS", raising=False)  # the default place: the cache folder
+    monkeypatch.setattr(cost, "steady", lambda curve: (True, ""))  # a tiny model's rounds may differ: kept regardless
     target, draft = tiny_llama(48, seed=0), tiny_llama(48, seed=1)
     told = []
     curve = cost.cost_curve(target, draft, max_tokens=3, announce=told.append)
     assert len(told) == 1 and str(tmp_path / cost.COST_FILE) in told[0]  # the CLI prints it before the wait
     assert len(curve.ratios) == 3 and curve.ratios[0] == 1.0 and curve.draft_ratio > 0 and curve.target_seconds > 0
     assert len(curve.step_ratios) == 2 and all(r > 0 for r in curve.step_ratios)
+    assert len(curve.step_rounds) == 2 and all(len(r) == 2 for r in curve.step_rounds)  # two rounds of gammas 1, 2
+    assert curve.step_ratios == tuple((a + b) / 2 for a, b in zip(*curve.step_rounds))  # the median of two
     stored = json.loads((tmp_path / cost.COST_FILE).read_text())
     assert len(stored) == 1 and next(iter(stored.values()))["ratios"] == list(curve.ratios)
 
@@ -76,6 +79,7 @@ def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     monkeypatch.setattr(cost, "FLAT", float("inf"))  # trees are timed whatever r is
     trees = cost.cost_curve(target, draft, max_tokens=3, trees=((2, 2, 3),))  # another question: its own entry
     assert trees.tree_steps[0][0] == (2, 2, 3) and trees.tree_steps[0][1] > 0 and trees.step_ratios
+    assert len(trees.tree_rounds) == 2 and trees.tree_steps[0][1] == sum(r[0] for r in trees.tree_rounds) / 2
     monkeypatch.setattr(cost, "FLAT", 0.5)  # r climbs past the bound: no tree is timed
     assert cost.measure_cost_curve(target, draft, max_tokens=3, repeats=1, new_tokens=8, trees=((2, 2, 3),)).tree_steps == ()
     monkeypatch.setattr(cost, "measure_cost_curve", refuse)
@@ -190,3 +194,54 @@ def test_auto_resolves_to_the_machines_configuration_for_chains_only(monkeypatch
     assert cost.resolve_config("auto", None, None, num_drafts=2) == {"gamma": GENERATE_GAMMA}
     assert cost.resolve_config("auto", None, None, stop_below=0.5) == {"gamma": GENERATE_GAMMA}
     assert len(asked) == 1
+
+
+def test_a_measurement_whose_rounds_disagree_or_that_began_on_a_busy_machine_is_not_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECRESEARCH_ANSWERS", str(tmp_path))
+    quiet = CostCurve((1.0, 1.0, 1.4), 0.09, 0.05, step_ratios=(1.1, 1.6), step_rounds=((1.05, 1.58), (1.15, 1.62)),
+                      load=0.2)
+    assert quiet.spread() == pytest.approx(0.10 / 1.10) and cost.steady(quiet) == (True, "")
+    shaky = CostCurve((1.0, 1.0, 1.4), 0.09, 0.05, step_ratios=(1.1, 1.6), step_rounds=((0.9, 1.58), (1.3, 1.62)),
+                      load=0.2)
+    assert cost.steady(shaky) == (False, "its rounds differ by 36%")
+    busy = CostCurve((1.0, 1.0, 1.4), 0.09, 0.05, step_ratios=(1.1, 1.6), step_rounds=quiet.step_rounds, load=64.0)
+    assert not cost.steady(busy)[0] and "load average was 64.0" in cost.steady(busy)[1]
+    assert CostCurve((1.0,), 0.0, 0.05).spread() == 0.0 and cost.steady(CostCurve((1.0,), 0.0, 0.05))[0]
+    measured = []
+
+    def measure(target, draft, **kwargs):
+        measured.append(kwargs)
+        return [shaky, busy, quiet, None][len(measured) - 1]
+
+    monkeypatch.setattr(cost, "measure_cost_curve", measure)
+    monkeypatch.setattr(cost, "_key", lambda *args: "this machine")
+    told = []
+    for want in (shaky, busy, quiet, quiet):  # timed three times: the unsteady two serve their call and are not kept
+        assert cost.cost_curve(None, None, max_tokens=3, announce=told.append) == want
+    assert len(measured) == 3 and len(told) == 5  # "timing ..." three times, "not kept" twice
+    assert "not kept: its rounds differ by 36%" in told[1] and "not kept: the load average was 64.0" in told[3]
+    stored = json.loads((tmp_path / cost.COST_FILE).read_text())["this machine"]
+    assert stored["step_rounds"] == [[1.05, 1.58], [1.15, 1.62]] and stored["load"] == 0.2
+
+
+def test_another_configuration_replaces_the_default_only_where_every_round_agrees():
+    expected = {1: 1.5, 2: 1.8, 3: 2.1}
+    # medians (1.1, 1.5, 1.4): gamma 3 at 1.5 beats gamma 1's 1.364 by 10 %; the second round alone (1.31) does not
+    split = CostCurve((1.0,) * 4, 0.05, 0.01, step_ratios=(1.1, 1.5, 1.4),
+                      step_rounds=((1.1, 1.5, 1.2), (1.1, 1.5, 1.6)))
+    assert [best_gamma(one, expected, incumbent=1, margin=0.05) for one in split.rounds()] == [3, 1]
+    assert best_gamma(split, expected) == 3  # no incumbent: the medians decide
+    assert best_gamma(split, expected, incumbent=1, margin=0.05) == 1
+    agreed = CostCurve((1.0,) * 4, 0.05, 0.01, step_ratios=(1.1, 1.5, 1.3),
+                       step_rounds=((1.1, 1.5, 1.2), (1.1, 1.5, 1.4)))
+    assert best_gamma(agreed, expected, incumbent=1, margin=0.05) == 3
+    taus = {shape: pair[0] for shape, pair in GENERATE_TREES.items()}
+    steps, trees = (1.11, 1.25, 1.41), (((4, 4, 10), 1.78), ((8, 6, 32), 2.07))
+    one_round_slow = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=steps, tree_steps=trees,
+                               step_rounds=(steps, steps), tree_rounds=((1.78, 2.07), (1.78, 2.8)))
+    assert [best_config(one, GENERATE_TAU_GREEDY, taus, margin=0.10) for one in one_round_slow.rounds()] == [
+        tree_options((8, 6, 32)), {"gamma": GENERATE_GAMMA}]
+    assert best_config(one_round_slow, GENERATE_TAU_GREEDY, taus, margin=0.10) == {"gamma": GENERATE_GAMMA}
+    both = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=steps, tree_steps=trees, step_rounds=(steps, steps),
+                     tree_rounds=((1.78, 2.07), (1.78, 2.07)))
+    assert best_config(both, GENERATE_TAU_GREEDY, taus, margin=0.10) == tree_options((8, 6, 32))
