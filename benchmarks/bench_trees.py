@@ -153,13 +153,15 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="skip the first prompts (a run that continues one stopped early)")
     parser.add_argument("--cost-sizes", type=int, nargs="+", default=[4, 8], help="tree sizes n of the chain-vs-tree call timing")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto, ... (timed there; the clock waits for the device)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the target's weights and activations (autoregressive decoding runs the same target)")
     args = parser.parse_args()
     if not 0 <= args.start < args.prompts:
         parser.error(f"--start must be in [0, --prompts = {args.prompts}), got {args.start}")
     if min(args.cost_sizes) < 1:
         parser.error(f"--cost-sizes must be tree sizes >= 1, got {args.cost_sizes}")
     torch.set_num_threads(args.threads)
-    target, draft, tokenizer = load_pair(draft=args.draft, device=args.device)
+    target, draft, tokenizer = load_pair(draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype))
     source = prompt_set_file(args.prompt_set) if args.prompt_set else data_dir() / "prompts.jsonl"
     prompts = evenly_spaced(load_prompts(source), args.prompts)[args.start:]
     speculative_generate(target, draft, [encode_chat([prompts[0]], tokenizer)[0].tolist()], max_new_tokens=4)  # warm-up
