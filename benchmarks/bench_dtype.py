@@ -1,0 +1,106 @@
+"""The target in float32 or bfloat16 on this CPU: autoregressive decoding and the head's chains side by side in one run.
+
+On a CPU with AVX512-BF16 a bfloat16 target scores several tokens in one call for little more than one (records
+``trees_head_bf16_amd`` / ``trees_head_fp32_amd``: a call scoring 8 tokens costs 1.17 one-token calls against 2.0),
+while one token costs about what float32's does; so longer chains may pay. Both targets are loaded in one process and,
+for each prompt, temperature and repeat, every run (autoregressive decoding and gamma-1..3 chains of the shipped head,
+block verification, for each dtype) is timed in a shuffled order, so drift on a shared machine falls on all alike.
+Speeds are over **float32** autoregressive decoding of the same prompt (total tokens over total seconds, pooled over
+prompts and repeats), with 95 % bootstrap intervals over the prompts. A bfloat16 target is another model numerically
+(its greedy text can differ from float32's); each run is lossless for its own target. A benchmark: nothing is asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dtype.py --prompts 8 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import load_pair
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.experiments.analysis import bootstrap_weights
+from specresearch.experiments.records import machine_info, record_header
+from specresearch.paths import data_dir, repo_root
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def speeds(frame: pd.DataFrame, n_boot: int = 2000) -> pd.DataFrame:
+    """Per temperature, dtype and run: tokens per second over float32 autoregressive decoding of the same prompts and
+    repeats (pooled), with a 95 % bootstrap interval over the prompts."""
+    base = frame[(frame.dtype == "float32") & (frame.run == "autoregressive")]
+    rows = []
+    for (temperature, dtype, run), cell in frame.groupby(["temperature", "dtype", "run"], sort=False):
+        ref = base[base.temperature == temperature]
+        sums = pd.DataFrame({"s": cell.groupby("prompt_id").seconds.sum(), "t": cell.groupby("prompt_id").tokens.sum(),
+                             "rs": ref.groupby("prompt_id").seconds.sum(), "rt": ref.groupby("prompt_id").tokens.sum()})
+        values = sums.to_numpy()  # [P, 4]
+        point = (values[:, 2].sum() / values[:, 3].sum()) / (values[:, 0].sum() / values[:, 1].sum())
+        pooled = bootstrap_weights(len(values), n_boot) @ values  # [n_boot, 4]
+        boot = (pooled[:, 2] / pooled[:, 3]) / (pooled[:, 0] / pooled[:, 1])
+        low, high = np.percentile(boot, [2.5, 97.5])
+        rows.append({"temperature": temperature, "dtype": dtype, "run": run, "tau": cell.tau.mean(),
+                     "ms_per_token": 1000 * cell.seconds.sum() / cell.tokens.sum(), "vs_float32_ar": point,
+                     "low": low, "high": high})
+    return pd.DataFrame(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--repeats", type=int, default=2, help="times each run is timed per prompt and temperature")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft", default="fp16:eagle3-v8k")
+    parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/dtype_<cpu>)")
+    args = parser.parse_args()
+    if args.prompts < 1 or args.repeats < 1 or min(args.gammas) < 1:
+        parser.error("--prompts, --repeats and every --gammas must be >= 1")
+    torch.set_num_threads(args.threads)
+    pairs = {name: load_pair(draft=args.draft, dtype=dtype) for name, dtype in DTYPES.items()}
+    tokenizer = pairs["float32"][2]
+    prompts = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
+    runs = [(name, None) for name in DTYPES] + [(name, g) for name in DTYPES for g in args.gammas]
+    machine = machine_info()
+    cpu = machine.get("cpu", "cpu").split()[0].lower()
+    stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"dtype_{cpu}"
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = encode_chat([prompt], tokenizer)[0].tolist()
+        for temperature in args.temperatures:
+            sampling = SamplingConfig(temperature=temperature)
+            for repeat in range(args.repeats):
+                order = random.Random(f"{i} {temperature} {repeat}").sample(runs, len(runs))
+                for name, gamma in order:
+                    target, draft, _ = pairs[name]
+                    common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=[1000 + i],
+                                  eos_token_id=tokenizer.eos_token_id)
+                    out = (autoregressive_generate(target, [ids], **common) if gamma is None else
+                           speculative_generate(target, draft, [ids], verifier="block", gamma=gamma, **common))
+                    rows.append({"prompt_id": prompt["id"], "temperature": temperature, "repeat": repeat, "dtype": name,
+                                 "run": "autoregressive" if gamma is None else f"chain block g{gamma}",
+                                 "tau": out.block_efficiency, "tokens": out.num_tokens, "seconds": out.seconds})
+        pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)  # after each prompt: a stopped run keeps them
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    table = speeds(pd.DataFrame(rows))
+    header = record_header("benchmarks/bench_dtype.py", sys.argv[1:], draft=args.draft,
+                           summary=json.loads(table.to_json(orient="records")))
+    stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
+    print(table.round(3).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
