@@ -245,3 +245,5 @@ def test_another_configuration_replaces_the_default_only_where_every_round_agree
     both = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=steps, tree_steps=trees, step_rounds=(steps, steps),
                      tree_rounds=((1.78, 2.07), (1.78, 2.07)))
     assert best_config(both, GENERATE_TAU_GREEDY, taus, margin=0.10) == tree_options((8, 6, 32))
+    chains_in_rounds = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=steps, tree_steps=trees, step_rounds=(steps, steps))
+    assert best_config(chains_in_rounds, GENERATE_TAU_GREEDY, taus, margin=0.10) == tree_options((8, 6, 32))  # trees kept

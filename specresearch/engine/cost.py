@@ -88,7 +88,7 @@ class CostCurve:
         """One curve a round (its own step ratios and tree steps; r, c and o shared); ``[self]`` without rounds."""
         if not self.step_rounds:
             return [self]
-        tree_rounds = self.tree_rounds or [()] * len(self.step_rounds)
+        tree_rounds = self.tree_rounds or [tuple(s for _, s in self.tree_steps)] * len(self.step_rounds)
         return [replace(self, step_ratios=tuple(steps), step_rounds=(), tree_rounds=(),
                         tree_steps=tuple(zip((shape for shape, _ in self.tree_steps), trees)))
                 for steps, trees in zip(self.step_rounds, tree_rounds)]
