@@ -10,6 +10,7 @@ prompts and repeats), with 95 % bootstrap intervals over the prompts. A bfloat16
 (its greedy text can differ from float32's); each run is lossless for its own target. A benchmark: nothing is asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dtype.py --prompts 8 --threads 1
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dtype.py --table benchmarks/records/dtype_amd.csv   (reprint)
 """
 
 from __future__ import annotations
@@ -35,20 +36,39 @@ from specresearch.paths import data_dir, repo_root
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _pooled(values: np.ndarray, n_boot: int) -> tuple[float, float, float]:
+    """(b's seconds per token) / (a's) pooled over the prompts, from per-prompt sums ``values [P, 4]`` (a's seconds,
+    a's tokens, b's seconds, b's tokens), with a 95 % bootstrap interval over the prompts."""
+    point = (values[:, 2].sum() / values[:, 3].sum()) / (values[:, 0].sum() / values[:, 1].sum())
+    pooled = bootstrap_weights(len(values), n_boot) @ values  # [n_boot, 4]
+    low, high = np.percentile((pooled[:, 2] / pooled[:, 3]) / (pooled[:, 0] / pooled[:, 1]), [2.5, 97.5])
+    return float(point), float(low), float(high)
+
+
+def _sums(frame: pd.DataFrame, temperature: float, dtype: str, run: str) -> pd.DataFrame:
+    cell = frame[(frame.temperature == temperature) & (frame.dtype == dtype) & (frame.run == run)]
+    return cell.groupby("prompt_id")[["seconds", "tokens"]].sum()
+
+
+def paired(frame: pd.DataFrame, a: tuple[str, str], b: tuple[str, str], n_boot: int = 2000) -> pd.DataFrame:
+    """Per temperature: run ``a`` = (dtype, run) over run ``b``, tokens per second pooled over the same prompts."""
+    rows = []
+    for temperature in sorted(frame.temperature.unique()):
+        values = pd.concat([_sums(frame, temperature, *a), _sums(frame, temperature, *b)], axis=1, join="inner")
+        point, low, high = _pooled(values.to_numpy(), n_boot)
+        rows.append({"temperature": temperature, "a": " ".join(a), "b": " ".join(b), "a_over_b": point, "low": low,
+                     "high": high})
+    return pd.DataFrame(rows)
+
+
 def speeds(frame: pd.DataFrame, n_boot: int = 2000) -> pd.DataFrame:
     """Per temperature, dtype and run: tokens per second over float32 autoregressive decoding of the same prompts and
     repeats (pooled), with a 95 % bootstrap interval over the prompts."""
-    base = frame[(frame.dtype == "float32") & (frame.run == "autoregressive")]
     rows = []
-    for (temperature, dtype, run), cell in frame.groupby(["temperature", "dtype", "run"], sort=False):
-        ref = base[base.temperature == temperature]
-        sums = pd.DataFrame({"s": cell.groupby("prompt_id").seconds.sum(), "t": cell.groupby("prompt_id").tokens.sum(),
-                             "rs": ref.groupby("prompt_id").seconds.sum(), "rt": ref.groupby("prompt_id").tokens.sum()})
-        values = sums.to_numpy()  # [P, 4]
-        point = (values[:, 2].sum() / values[:, 3].sum()) / (values[:, 0].sum() / values[:, 1].sum())
-        pooled = bootstrap_weights(len(values), n_boot) @ values  # [n_boot, 4]
-        boot = (pooled[:, 2] / pooled[:, 3]) / (pooled[:, 0] / pooled[:, 1])
-        low, high = np.percentile(boot, [2.5, 97.5])
+    for (temperature, dtype, run), cell in frame.groupby(["temperature", "dtype", "run"]):
+        base = _sums(frame, temperature, "float32", "autoregressive")
+        values = pd.concat([_sums(frame, temperature, dtype, run), base], axis=1, join="inner")
+        point, low, high = _pooled(values.to_numpy(), n_boot)
         rows.append({"temperature": temperature, "dtype": dtype, "run": run, "tau": cell.tau.mean(),
                      "ms_per_token": 1000 * cell.seconds.sum() / cell.tokens.sum(), "vs_float32_ar": point,
                      "low": low, "high": high})
@@ -65,7 +85,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft", default="fp16:eagle3-v8k")
     parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/dtype_<cpu>)")
+    parser.add_argument("--table", default=None, help="reprint a record's CSV (runs nothing)")
     args = parser.parse_args()
+    if args.table:
+        report(pd.read_csv(args.table))
+        return 0
     if args.prompts < 1 or args.repeats < 1 or min(args.gammas) < 1:
         parser.error("--prompts, --repeats and every --gammas must be >= 1")
     torch.set_num_threads(args.threads)
@@ -94,12 +118,21 @@ def main() -> int:
                                  "tau": out.block_efficiency, "tokens": out.num_tokens, "seconds": out.seconds})
         pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)  # after each prompt: a stopped run keeps them
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
-    table = speeds(pd.DataFrame(rows))
+    table = report(pd.DataFrame(rows))
     header = record_header("benchmarks/bench_dtype.py", sys.argv[1:], draft=args.draft,
                            summary=json.loads(table.to_json(orient="records")))
     stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
-    print(table.round(3).to_string(index=False))
     return 0
+
+
+def report(frame: pd.DataFrame) -> pd.DataFrame:
+    """Print the speeds and bfloat16's fastest chain against float32's gamma-1 chain, paired; return the speeds."""
+    table = speeds(frame)
+    print(table.round(3).to_string(index=False))
+    chains = table[(table.dtype == "bfloat16") & (table.run != "autoregressive")]
+    best = chains.groupby("run").vs_float32_ar.mean().idxmax()
+    print(paired(frame, ("bfloat16", best), ("float32", "chain block g1")).round(3).to_string(index=False))
+    return table
 
 
 if __name__ == "__main__":
