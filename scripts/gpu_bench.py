@@ -94,8 +94,8 @@ def trees(device, target, quick: bool) -> dict:
     what a tree run on this device pays)."""
     from specresearch.engine.cost import measure_cost_curve
 
-    curve = measure_cost_curve(target, truncated_draft(target, 4), max_tokens=4 if quick else 12, repeats=3 if quick else 9,
-                               rounds=1)  # one round, as the H200 run that sized the timing part's limit
+    curve = measure_cost_curve(target, truncated_draft(target, 4), max_tokens=4 if quick else 12,
+                               repeats=3 if quick else 9, rounds=1)  # one round, as the H200 run that sized its limit
     prompts = [[1, 504, 1458, 28, 253, 1156, 30, 2] * 4]
     new, sampling = (8 if quick else 64), SamplingConfig(temperature=1.0)
     base = autoregressive_generate(target, prompts, max_new_tokens=new, sampling=sampling, seed=0)
