@@ -47,9 +47,15 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
+def _to_stderr(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr)
+
+
 def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = True, verifier: str = "block",
              gamma: int | str = "auto", max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
-             seed=0, **options):
+             seed=0, announce=_to_stderr, **options):
     """Speculative generation as ``specresearch generate`` does it: the chat template, the CLI's default draft.
 
     Args:
@@ -63,6 +69,8 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             (``GENERATE_GAMMA`` unless this machine's step costs, timed once and cached, predict another gamma, or
             with the default draft and verifier one of ``GENERATE_TREES``' dynamic trees, faster by more than
             ``GENERATE_MARGIN``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
+        announce: told, as the CLI prints, when this machine's step costs are timed (the first call, ~25 s here) and
+            when a measurement is not kept; default: a line on stderr; None: silent.
     Returns:
         ``engine.generate.GenerationResult`` with ``.text`` decoded.
     """
@@ -83,7 +91,8 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
 
     trees = default_draft and verifier == "block" and not {"draft_law", "tree_nodes"} & set(options)
     chosen = resolve_config(gamma, target, draft, temperature=sampling.temperature,
-                            num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"), trees=trees)
+                            num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"), trees=trees,
+                            announce=announce)
     gamma, verifier = chosen.pop("gamma"), chosen.pop("verifier", verifier)
     options = {**options, **chosen}
     rows = [prompts] if isinstance(prompts, str) else list(prompts)

@@ -34,7 +34,7 @@ def test_generate_builds_a_named_draft_for_the_given_target():
     assert len(out.tokens[0]) == 6
 
 
-def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_trees(monkeypatch):
+def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_trees(monkeypatch, capsys):
     """``gamma="auto"`` (the default, as the CLI): ``engine.cost.default_config`` for a chain (trees weighed only with
     the default draft and verifier); ``GENERATE_GAMMA`` with ``num_drafts > 1`` or ``stop_below``, where the
     machine's step costs say nothing; a tree the machine picks is what runs."""
@@ -43,11 +43,17 @@ def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_
 
     asked, answer = [], {"gamma": 3}
     monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, **kwargs: asked.append(
-        (draft, temperature, kwargs["trees"])) or dict(answer))
+        (draft, temperature, kwargs["trees"])) or (kwargs["announce"] or print)("timing") or dict(answer))
     target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
     draft = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
     chain = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0)
     assert asked == [(draft, 1.0, False)] and max(s.gamma for s in chain.steps) == 3
+    assert capsys.readouterr().err == "timing\n"  # told on stderr, as the CLI; announce=None is silent
+    told = []
+    specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=2, announce=told.append)
+    specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=2, announce=None)
+    assert told == ["timing"] and capsys.readouterr().err == "" and len(asked) == 3
+    del asked[1:]
     tree = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
                                  verifier="traversal", num_drafts=2)
     stop = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
