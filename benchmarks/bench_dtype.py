@@ -29,7 +29,7 @@ from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
-from specresearch.experiments.analysis import bootstrap_weights
+from specresearch.experiments.analysis import pooled_speed
 from specresearch.experiments.records import machine_info, record_header
 from specresearch.paths import data_dir, repo_root
 
@@ -39,10 +39,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _pooled(values: np.ndarray, n_boot: int) -> tuple[float, float, float]:
     """(b's seconds per token) / (a's) pooled over the prompts, from per-prompt sums ``values [P, 4]`` (a's seconds,
     a's tokens, b's seconds, b's tokens), with a 95 % bootstrap interval over the prompts."""
-    point = (values[:, 2].sum() / values[:, 3].sum()) / (values[:, 0].sum() / values[:, 1].sum())
-    pooled = bootstrap_weights(len(values), n_boot) @ values  # [n_boot, 4]
-    low, high = np.percentile((pooled[:, 2] / pooled[:, 3]) / (pooled[:, 0] / pooled[:, 1]), [2.5, 97.5])
-    return float(point), float(low), float(high)
+    speed = pooled_speed(*values.T, n_boot=n_boot)
+    return speed["speed"], speed["low"], speed["high"]
 
 
 def _sums(frame: pd.DataFrame, temperature: float, dtype: str, run: str) -> pd.DataFrame:

@@ -28,7 +28,9 @@ A benchmark: nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -47,6 +49,7 @@ from specresearch.engine.prompts import (
     prompt_set_file,
 )
 from specresearch.engine.timing import TimedCall, interleaved_medians
+from specresearch.experiments.analysis import pooled_speed
 from specresearch.experiments.records import machine_info, record_header
 from specresearch.paths import data_dir, repo_root
 
@@ -113,17 +116,20 @@ def tree_cost(target, sizes=(4, 8), context: int = 64, repeats: int = 30) -> lis
 
 
 def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: int, runs=DEFAULT_RUNS,
-             done=lambda rows: None, first: int = 0) -> list[dict]:
+             done=lambda rows: None, first: int = 0, repeats: int = 1) -> list[dict]:
     """The rows of every prompt, temperature and run; ``done(rows)`` after each prompt (the rows so far). Prompt i
-    draws with seed 1000 + first + i, so a run over the later prompts (``first``) continues an earlier one."""
+    draws with seed 1000 + first + i, so a run over the later prompts (``first``) continues an earlier one. With
+    ``repeats`` > 1 each prompt and temperature is timed that many times, each time an autoregressive run and then the
+    runs in a shuffled order (column ``repeat``), so drift on a shared machine falls on all runs alike."""
     rows = []
     for i, prompt in enumerate(prompts, start=first):
         ids = encode_chat([prompt], tokenizer)[0].tolist()
-        for temperature in temperatures:
+        for temperature, repeat in itertools.product(temperatures, range(repeats)):
             sampling, seed = SamplingConfig(temperature=temperature), [1000 + i]
             ar = autoregressive_generate(target, [ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                                          eos_token_id=tokenizer.eos_token_id)
-            for label in runs:
+            order = list(runs) if repeats == 1 else random.Random(f"{i} {temperature} {repeat}").sample(runs, len(runs))
+            for label in order:
                 options = RUNS[label]
                 sampled_tree = options.get("num_drafts", 1) > 1 and options.get("draft_law", "iid") in ("iid", "without_replacement")
                 rules = tuple(m for m in TREE_EXPECTATIONS if m != "kseq" or options.get("gamma") == 1)  # K-SEQ: one token
@@ -132,7 +138,8 @@ def generate(target, draft, tokenizer, prompts, temperatures, max_new_tokens: in
                                            expectations=rules if sampled_tree else ())
                 counterfactual = {f"tau_{m}": statistics.mean(1 + s.expected[m][0] for s in out.steps)
                                   if sampled_tree and m in rules else float("nan") for m in TREE_EXPECTATIONS}
-                rows.append({"prompt_id": prompt["id"], "temperature": temperature, "run": label, "tau": out.block_efficiency,
+                rows.append({"prompt_id": prompt["id"], "temperature": temperature, "repeat": repeat, "run": label,
+                             "tau": out.block_efficiency,
                              **counterfactual, "per_scored": out.tokens_per_scored, "target_calls": out.target_calls,
                              "tokens": out.num_tokens, "seconds": out.seconds, "ar_tokens": ar.num_tokens,
                              "ar_seconds": ar.seconds, "vs_autoregressive": out.tokens_per_second / ar.tokens_per_second})
@@ -153,11 +160,15 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="skip the first prompts (a run that continues one stopped early)")
     parser.add_argument("--cost-sizes", type=int, nargs="+", default=[4, 8], help="tree sizes n of the chain-vs-tree call timing")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto, ... (timed there; the clock waits for the device)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time each prompt and temperature this many times, the runs in a shuffled order")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the target's weights and activations (autoregressive decoding runs the same target)")
     args = parser.parse_args()
     if not 0 <= args.start < args.prompts:
         parser.error(f"--start must be in [0, --prompts = {args.prompts}), got {args.start}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if min(args.cost_sizes) < 1:
         parser.error(f"--cost-sizes must be tree sizes >= 1, got {args.cost_sizes}")
     torch.set_num_threads(args.threads)
@@ -178,12 +189,22 @@ def main() -> int:
         pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)
 
     rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs, done=write,
-                    first=args.start)
-    frame = pd.DataFrame(rows)
+                    first=args.start, repeats=args.repeats)
+    print(summarise(pd.DataFrame(rows)).round(3).to_string())
+    return 0
+
+
+def summarise(frame):
+    """Per temperature and run: mean tau and tokens per node scored, the median of the per-prompt speed-ups, and the
+    speed pooled over prompts and repeats (total tokens over total seconds, against the paired autoregressive runs)
+    with a 95 % bootstrap interval over the prompts."""
     summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), per_scored=("per_scored", "mean"),
                                                         vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))
-    print(summary.round(3).to_string())
-    return 0
+    for key, cell in frame.groupby(["temperature", "run"]):
+        sums = cell.groupby("prompt_id")[["seconds", "tokens", "ar_seconds", "ar_tokens"]].sum()
+        speed = pooled_speed(*sums.to_numpy().T)
+        summary.loc[key, ["pooled", "low", "high"]] = speed["speed"], speed["low"], speed["high"]
+    return summary
 
 
 if __name__ == "__main__":

@@ -367,3 +367,17 @@ def test_paired_gain_is_a_ratio_of_sums_with_a_bootstrap_over_prompts():
     assert mixed["gain"] == pytest.approx(1.0 / 10) and mixed["low"] < mixed["gain"] < mixed["high"] and mixed["prompts"] == 4
     with pytest.raises(ValueError, match="one value per prompt"):
         paired_gain(base, base[:3])
+
+
+def test_pooled_speed_is_total_tokens_over_total_seconds_against_the_base():
+    from specresearch.experiments.analysis import pooled_speed
+
+    seconds, tokens = np.array([1.0, 2.0, 3.0]), np.array([10.0, 10.0, 20.0])
+    same = pooled_speed(seconds, tokens, 2 * seconds, tokens)  # half the time for every prompt: twice as fast
+    assert (same["speed"], same["low"], same["high"], same["prompts"]) == (pytest.approx(2.0), pytest.approx(2.0),
+                                                                          pytest.approx(2.0), 3)
+    base = np.array([2.0, 2.0, 9.0])  # pooled: (13 / 40) / (6 / 40), not the mean of the ratios (2, 1, 3)
+    mixed = pooled_speed(seconds, tokens, base, tokens, n_boot=500)
+    assert mixed["speed"] == pytest.approx(13 / 6) and mixed["low"] < mixed["speed"] < mixed["high"]
+    with pytest.raises(ValueError, match="one value per prompt"):
+        pooled_speed(seconds, tokens, base[:2], tokens)

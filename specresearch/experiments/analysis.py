@@ -53,6 +53,7 @@ __all__ = [
     "METRICS",
     "PAPER_TABLE",
     "bootstrap_weights",
+    "pooled_speed",
     "category_table",
     "expected_gain_table",
     "format_markdown",
@@ -226,6 +227,22 @@ def paired_gain(treated, base, *, n_boot: int = 4000, seed: int = 0, level: floa
     weights = bootstrap_weights(len(base), n_boot, seed)
     low, high = _interval(weights @ treated / (weights @ base) - 1, level)
     return {"gain": float(treated.sum() / base.sum() - 1), "low": low, "high": high, "prompts": len(base)}
+
+
+def pooled_speed(seconds, tokens, base_seconds, base_tokens, *, n_boot: int = 2000, seed: int = 0,
+                 level: float = 0.95) -> dict:
+    """Tokens per second over the base's, pooled: (sum base_seconds / sum base_tokens) / (sum seconds / sum tokens),
+    from one value per prompt in each array, with a percentile bootstrap interval over the prompts
+    (``bootstrap_weights``). -> {"speed", "low", "high", "prompts"}."""
+    arrays = [np.asarray(v, dtype=float) for v in (seconds, tokens, base_seconds, base_tokens)]
+    if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or not len(arrays[0]):
+        raise ValueError(f"give one value per prompt in each array, got shapes {[a.shape for a in arrays]}")
+    values = np.stack(arrays, 1)  # [P, 4]
+    pooled = bootstrap_weights(len(values), n_boot, seed) @ values  # [n_boot, 4]
+    low, high = _interval((pooled[:, 2] / pooled[:, 3]) / (pooled[:, 0] / pooled[:, 1]), level)
+    total = values.sum(0)
+    speed = (total[2] / total[3]) / (total[0] / total[1])
+    return {"speed": float(speed), "low": low, "high": high, "prompts": len(values)}
 
 
 def paper_table(records: pd.DataFrame, gamma: int | None = None, **bootstrap) -> pd.DataFrame:
