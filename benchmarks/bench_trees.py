@@ -49,7 +49,7 @@ from specresearch.engine.prompts import (
     prompt_set_file,
 )
 from specresearch.engine.timing import TimedCall, interleaved_medians
-from specresearch.experiments.analysis import pooled_speed
+from specresearch.experiments.draft_analysis import pooled_speeds
 from specresearch.experiments.records import machine_info, record_header
 from specresearch.paths import data_dir, repo_root
 
@@ -200,11 +200,8 @@ def summarise(frame):
     with a 95 % bootstrap interval over the prompts."""
     summary = frame.groupby(["temperature", "run"]).agg(tau=("tau", "mean"), per_scored=("per_scored", "mean"),
                                                         vs_ar=("vs_autoregressive", lambda v: statistics.median(v)))
-    for key, cell in frame.groupby(["temperature", "run"]):
-        sums = cell.groupby("prompt_id")[["seconds", "tokens", "ar_seconds", "ar_tokens"]].sum()
-        speed = pooled_speed(*sums.to_numpy().T)
-        summary.loc[key, ["pooled", "low", "high"]] = speed["speed"], speed["low"], speed["high"]
-    return summary
+    pooled = pooled_speeds(frame).set_index(["temperature", "run"])[["pooled", "low", "high"]]
+    return summary.join(pooled)
 
 
 if __name__ == "__main__":

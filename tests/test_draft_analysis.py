@@ -23,6 +23,7 @@ from specresearch.experiments.draft_analysis import (
     plot_speedup_intervals,
     plot_speedup_vs_gamma,
     plot_tau_against_speed,
+    pooled_speeds,
     read_draft_manifest,
     read_scaling,
     read_wallclock,
@@ -330,3 +331,18 @@ def test_tau_against_speed_draws_the_runs_that_covered_every_prompt():
     left, right = fig.axes[:2]
     assert len(left.texts) == len(right.texts) == 2  # only the labelled source's two runs carry names
     assert [h.get_label() for h in fig.legends[0].legend_handles][:2] == ["cpu", "gpu"]
+
+
+def test_pooled_speeds_sum_prompts_and_repeats_against_their_paired_autoregressive_runs():
+    rows = pd.DataFrame({"prompt_id": ["a", "a", "b", "a", "b"], "temperature": [0.0] * 4 + [1.0],
+                         "run": ["g1", "g1", "g1", "g2", "g1"], "seconds": [1.0, 1.0, 2.0, 4.0, 1.0],
+                         "tokens": [10, 10, 10, 10, 10], "ar_seconds": [2.0, 2.0, 2.0, 2.0, 3.0],
+                         "ar_tokens": [10, 10, 10, 10, 10]})
+    table = pooled_speeds(rows, n_boot=200).set_index(["temperature", "run"])
+    # g1 at T = 0: prompt a twice (2 s of its runs against 4 s of autoregressive), b once (2 s against 2 s): 6 / 4
+    assert table.loc[(0.0, "g1"), "pooled"] == pytest.approx(1.5) and table.loc[(0.0, "g1"), "prompts"] == 2
+    assert table.loc[(0.0, "g1"), "low"] <= 1.5 <= table.loc[(0.0, "g1"), "high"]
+    assert table.loc[(0.0, "g2"), "pooled"] == pytest.approx(0.5)
+    assert table.loc[(1.0, "g1"), "pooled"] == pytest.approx(3.0)
+    by_run = pooled_speeds(rows, by=("run",), n_boot=200).set_index("run")  # one grouping column: keys by name
+    assert by_run.loc["g1", "pooled"] == pytest.approx(9 / 5)

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["expected_tokens", "best_speedup", "speedup_curve", "read_draft_manifest", "corpus_spans", "read_scaling", "read_wallclock",
-           "wallclock_table", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
+           "wallclock_table", "pooled_speeds", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
            "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff", "plot_speedup_intervals",
            "plot_tau_against_speed"]
 
@@ -195,6 +195,23 @@ def wallclock_table(rows: pd.DataFrame, by: Sequence[str] = ("temperature",)) ->
     out = sums.merge(base, on=by)
     out["vs_autoregressive"] = out["tokens_per_second"] / out["ar_tokens_per_second"]
     return out.drop(columns=["ar_tokens_per_second"])
+
+
+def pooled_speeds(rows: pd.DataFrame, by: Sequence[str] = ("temperature", "run"), **bootstrap) -> pd.DataFrame:
+    """Per ``by`` group: tokens per second over the paired autoregressive runs, pooled over prompts and repeats
+    (columns ``prompt_id``, ``seconds``, ``tokens``, ``ar_seconds``, ``ar_tokens``, one row per run as the tree and
+    adaptive benchmarks write them), with a 95 % bootstrap interval over the prompts (``analysis.pooled_speed``,
+    imported here: it imports torch). -> columns ``by``, ``pooled``, ``low``, ``high``, ``prompts``."""
+    from specresearch.experiments.analysis import pooled_speed
+
+    out = []
+    for key, cell in rows.groupby(list(by)):
+        sums = cell.groupby("prompt_id")[["seconds", "tokens", "ar_seconds", "ar_tokens"]].sum()
+        speed = pooled_speed(*sums.to_numpy().T, **bootstrap)
+        key = key if isinstance(key, tuple) else (key,)
+        out.append({**dict(zip(by, key)), "pooled": speed["speed"], "low": speed["low"], "high": speed["high"],
+                    "prompts": speed["prompts"]})
+    return pd.DataFrame(out)
 
 
 def gamma1_costs(rows: pd.DataFrame, temperature: float) -> pd.DataFrame:
