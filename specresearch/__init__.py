@@ -77,6 +77,8 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
     from specresearch.engine.generate import speculative_generate
     from specresearch.engine.prompts import encode_chat
 
+    if announce is not None and not callable(announce):
+        raise TypeError(f"announce must be a callable taking one message (e.g. print), or None; got {announce!r}")
     default_draft = draft is None or draft == GENERATE_DRAFT
     if target is None:
         from specresearch.drafts.registry import load_pair

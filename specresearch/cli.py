@@ -493,7 +493,8 @@ def _run_bench(args) -> int:
     path = Path(args.out) / f"{run}.csv"
     records = bench.run_named(args.target, args.draft, config, path, prompts_path=args.prompts_file, run_id=run,
                               device=args.device, command="specresearch " + " ".join(sys.argv[1:]),
-                              batched=args.batched, default_gamma=args.default_config)
+                              batched=args.batched, default_gamma=args.default_config,
+                              announce=lambda message: print(message, file=sys.stderr))
     print(analysis.summary(records))
     same, units = analysis.t0_agreement(records)
     if units and len(config.verifiers) > 1:

@@ -258,6 +258,7 @@ def test_bench_default_config_times_what_generate_runs(capsys, monkeypatch, tmp_
     def fake_run(target, draft, config, path, **kwargs):
         seen.update(draft=draft, verifiers=config.verifiers, gammas=config.gammas, temperatures=config.temperatures,
                     machine_gamma=kwargs["default_gamma"])
+        kwargs["announce"]("timing")  # the CLI prints what run_named says while it times the machine
         return []
 
     monkeypatch.setattr(bench, "run_named", fake_run)
@@ -266,6 +267,7 @@ def test_bench_default_config_times_what_generate_runs(capsys, monkeypatch, tmp_
     assert main(["bench", "--default-config", "--temperatures", "0", "1", "--out", str(tmp_path)]) == 0
     assert seen == {"draft": GENERATE_DRAFT, "verifiers": ("block",), "gammas": (GENERATE_GAMMA,), "temperatures": (0.0, 1.0),
                     "machine_gamma": True}
+    assert "timing\n" in capsys.readouterr().err
     _user_error(capsys, ["bench", "--default-config", "--gammas", "3"], "--default-config fixes", "--gammas")
 
 
@@ -287,12 +289,14 @@ def test_bench_default_config_runs_the_choice_at_each_temperature(monkeypatch, t
     monkeypatch.setattr(embedded, "load_model", lambda name, device: ("target", Tokenizer()))
     monkeypatch.setattr(bench, "load_bench_draft", lambda name, target: "draft")
     monkeypatch.setattr(bench, "load_bench_prompts", lambda tokenizer, config, path: [])
-    monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, trees: asked.append(trees) or (
-        cost.tree_options((8, 6, 32)) if temperature == 0 else {"gamma": 2}))
+    monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, trees, announce: asked.append(
+        (trees, announce)) or (cost.tree_options((8, 6, 32)) if temperature == 0 else {"gamma": 2}))
     monkeypatch.setattr(bench, "run_bench", lambda target, draft, prompts, config, path, **kwargs: ran.append(
         (config.temperatures, config.verifiers, config.gammas)) or [])
     config = bench.BenchConfig(verifiers=("block",), temperatures=(0.0, 1.0), gammas=(1,))
-    bench.run_named("smollm2-135m-instruct", GENERATE_DRAFT, config, tmp_path / "run.csv", default_gamma=True)
-    assert ran == [((0.0,), ("onehot:8:dynamic:32",), (6,)), ((1.0,), ("block",), (2,))] and asked == [True, True]
+    bench.run_named("smollm2-135m-instruct", GENERATE_DRAFT, config, tmp_path / "run.csv", default_gamma=True,
+                    announce=print)
+    assert ran == [((0.0,), ("onehot:8:dynamic:32",), (6,)), ((1.0,), ("block",), (2,))]
+    assert asked == [(True, print), (True, print)]  # trees weighed; told what to say while timing
     info = json.loads((tmp_path / "run.json").read_text())[-1]
     assert [(c["verifiers"], c["gammas"]) for c in info["chosen"]] == [(["onehot:8:dynamic:32"], [6]), (["block"], [2])]

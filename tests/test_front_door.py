@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import specresearch
@@ -53,6 +54,8 @@ def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_
     specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=2, announce=told.append)
     specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=2, announce=None)
     assert told == ["timing"] and capsys.readouterr().err == "" and len(asked) == 3
+    with pytest.raises(TypeError, match="announce must be a callable"):
+        specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, announce=True)
     del asked[1:]
     tree = specresearch.generate([[1, 2, 3]], target=target, draft=draft, chat=False, max_new_tokens=12, seed=0,
                                  verifier="traversal", num_drafts=2)

@@ -428,13 +428,15 @@ def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConf
 
 def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str | os.PathLike, *,
               prompts_path: str | os.PathLike | None = None, run_id: str | None = None, device: str = "cpu",
-              progress: bool = True, command: str | None = None, batched: bool = False, default_gamma: bool = False):
+              progress: bool = True, command: str | None = None, batched: bool = False, default_gamma: bool = False,
+              announce=None):
     """Load ``target_name`` (embedded name or checkpoint) and ``draft_name`` (``load_bench_draft``), encode
     the prompts (``load_bench_prompts``), record what runs (``write_run_info``) and ``run_bench`` into ``path``.
 
     ``batched``: ``run_batched`` (all prompts per call, BE only) instead of ``run_bench``. ``default_gamma``: at
     each temperature, run what ``specresearch generate`` picks for this pair on this machine
-    (``engine.cost.default_config``: a gamma, or a dynamic tree) instead of ``config.verifiers`` and ``config.gammas``.
+    (``engine.cost.default_config``: a gamma, or a dynamic tree) instead of ``config.verifiers`` and ``config.gammas``;
+    ``announce(message)`` is told when that times the machine's step costs (as for ``specresearch generate``).
     Returns every record in the file (pandas DataFrame).
     """
     from specresearch.drafts.registry import weights_digests
@@ -448,7 +450,7 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
 
         configs = []
         for temperature in config.temperatures:
-            chosen = default_config(target, draft, temperature, trees=draft_name == GENERATE_DRAFT)
+            chosen = default_config(target, draft, temperature, trees=draft_name == GENERATE_DRAFT, announce=announce)
             verifier = (f"onehot:{chosen['num_drafts']}:dynamic:{chosen['tree_nodes']}" if "num_drafts" in chosen
                         else config.verifiers[0])
             configs.append(dataclasses.replace(config, temperatures=(temperature,), verifiers=(verifier,),
