@@ -21,7 +21,8 @@ scoring gamma + 1 tokens costs than one scoring 1).
 
 ``--table RECORD`` prints the tables of a finished run again, with 95% bootstrap intervals over the prompts
 (``draft_analysis.speedup_intervals``, 1,000 resamples, seed 0) and, for each ``--paired A GAMMA_A B GAMMA_B``,
-the paired interval of speed-up A - speed-up B; no model is loaded:
+the paired interval of speed-up A - speed-up B, and the ceiling each draft would reach with its acceptance were drafting
+free (``draft_analysis.free_draft_rows``); no model is loaded:
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --table benchmarks/records/bench_wallclock_2026-11-24c.jsonl \\
         --paired ngram+eagle3-v8k 3 eagle3-v8k 1 --paired eagle3-v8k 1 v8k-4l 1
@@ -43,6 +44,7 @@ from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.experiments import bench
 from specresearch.experiments.draft_analysis import (
+    free_draft_rows,
     read_wallclock,
     speedup_intervals,
     wallclock_table,
@@ -184,6 +186,12 @@ def report(frame: pd.DataFrame, gammas, pairs=()) -> None:
         print(f"  T={r.temperature:g} {r.method} gamma {r.gamma}: {r.speedup:.2f} [{r.low:.2f}, {r.high:.2f}]")
     for r in differences.itertuples():
         print(f"  T={r.temperature:g} {r.a} - {r.b}: {r.difference:+.2f} [{r.low:+.2f}, {r.high:+.2f}] (paired)")
+    if "target_seconds" in frame:
+        ceilings = speedup_intervals(free_draft_rows(frame))[0]
+        print("\nthe ceiling with the same acceptance, were drafting and the engine's per-step work free (each run's prefill and"
+              "\ntarget seconds only; draft_analysis.free_draft_rows), same intervals:\n")
+        for r in ceilings.itertuples():
+            print(f"  T={r.temperature:g} {r.method} gamma {r.gamma}: {r.speedup:.2f} [{r.low:.2f}, {r.high:.2f}]")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from specresearch.experiments.draft_analysis import (
     best_speedup,
     corpus_spans,
     expected_tokens,
+    free_draft_rows,
     gamma1_costs,
     plot_acceptance_by_depth,
     plot_alpha_cost_tradeoff,
@@ -182,6 +183,24 @@ def test_wallclock_table_divides_summed_rates_by_the_baselines():
     assert table.loc[(1.0, "autoregressive"), "vs_autoregressive"] == 1.0
     with pytest.raises(ValueError, match="autoregressive baseline"):
         wallclock_table(rows[rows["method"] != "autoregressive"])
+
+
+def test_free_draft_rows_keep_only_prefill_and_target_time_of_speculative_runs():
+    """A speculative run of 10 tokens in 1.0 s, of which 0.1 s prefill and 0.6 s in the target: without the draft and the
+    rest it would take 0.7 s. Autoregressive decoding (2.0 s) is kept as timed, so the ceiling is 2.0 / 0.7 against
+    the measured 2.0 / 1.0."""
+    rows = pd.DataFrame([
+        {"temperature": 0.0, "prompt": "p", "method": "autoregressive", "gamma": 0, "tokens": 10, "seconds": 2.0,
+         "prefill_seconds": 0.1, "target_seconds": 1.8},
+        {"temperature": 0.0, "prompt": "p", "method": "head", "gamma": 1, "tokens": 10, "seconds": 1.0,
+         "prefill_seconds": 0.1, "target_seconds": 0.6},
+    ])
+    free = free_draft_rows(rows)
+    assert list(free["seconds"]) == pytest.approx([2.0, 0.7]) and list(rows["seconds"]) == [2.0, 1.0]  # a copy
+    measured, ceiling = (speedup_intervals(r, n_boot=10)[0].iloc[0].speedup for r in (rows, free))
+    assert (measured, ceiling) == pytest.approx((2.0, 2.0 / 0.7))
+    with pytest.raises(ValueError, match="target_seconds"):
+        free_draft_rows(rows.drop(columns="target_seconds"))
 
 
 def test_speedup_intervals_resample_prompts_and_pair_the_methods():

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["expected_tokens", "best_speedup", "speedup_curve", "read_draft_manifest", "corpus_spans", "read_scaling", "read_wallclock",
-           "wallclock_table", "pooled_speeds", "speedup_intervals", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
+           "wallclock_table", "pooled_speeds", "speedup_intervals", "free_draft_rows", "best_gammas", "gamma1_costs", "plot_acceptance_by_depth", "plot_data_scaling",
            "plot_speedup_vs_gamma", "plot_speedup_by_category", "plot_alpha_cost_tradeoff", "plot_speedup_intervals",
            "plot_tau_against_speed"]
 
@@ -298,6 +298,21 @@ def speedup_intervals(rows: pd.DataFrame, pairs: Sequence[tuple[tuple[str, int],
             differences.append({"temperature": temperature, "a": f"{a[0]} g{a[1]}", "b": f"{b[0]} g{b[1]}",
                                 "difference": float(ratio[a][0] - ratio[b][0]), "low": float(low), "high": float(high)})
     return pd.DataFrame(speedups), pd.DataFrame(differences)
+
+
+def free_draft_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` (``bench_wallclock``'s schema) as if drafting and the engine's per-step work cost nothing: each
+    speculative run's seconds become its prefill and target seconds, the autoregressive runs stay as timed.
+
+    :func:`speedup_intervals` of the result is the ceiling a cheaper draft (or engine) could reach with the same
+    acceptance: what is left above it needs a draft the target agrees with more often."""
+    missing = {"prefill_seconds", "target_seconds"} - set(rows.columns)
+    if missing:
+        raise ValueError(f"rows lack {sorted(missing)}: the split of each run's time that bench_wallclock records")
+    speculative = rows["method"] != "autoregressive"
+    out = rows.copy()
+    out.loc[speculative, "seconds"] = rows.loc[speculative, "prefill_seconds"] + rows.loc[speculative, "target_seconds"]
+    return out
 
 
 def best_gammas(overall: pd.DataFrame, temperature: float) -> dict[str, int]:
