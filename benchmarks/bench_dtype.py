@@ -43,32 +43,33 @@ def _pooled(values: np.ndarray, n_boot: int) -> tuple[float, float, float]:
     return speed["speed"], speed["low"], speed["high"]
 
 
-def _sums(frame: pd.DataFrame, temperature: float, dtype: str, run: str) -> pd.DataFrame:
-    cell = frame[(frame.temperature == temperature) & (frame.dtype == dtype) & (frame.run == run)]
+def _sums(frame: pd.DataFrame, temperature: float, variant: str, run: str, column: str = "dtype") -> pd.DataFrame:
+    cell = frame[(frame.temperature == temperature) & (frame[column] == variant) & (frame.run == run)]
     return cell.groupby("prompt_id")[["seconds", "tokens"]].sum()
 
 
-def paired(frame: pd.DataFrame, a: tuple[str, str], b: tuple[str, str], n_boot: int = 2000) -> pd.DataFrame:
-    """Per temperature: run ``a`` = (dtype, run) over run ``b``, tokens per second pooled over the same prompts."""
+def paired(frame: pd.DataFrame, a: tuple[str, str], b: tuple[str, str], n_boot: int = 2000, column: str = "dtype") -> pd.DataFrame:
+    """Per temperature: run ``a`` = (variant, run) over run ``b``, tokens per second pooled over the same prompts; the
+    variant (a dtype here, ``bench_native``'s product) is the value of ``column``."""
     rows = []
     for temperature in sorted(frame.temperature.unique()):
-        values = pd.concat([_sums(frame, temperature, *a), _sums(frame, temperature, *b)], axis=1, join="inner")
+        values = pd.concat([_sums(frame, temperature, *a, column), _sums(frame, temperature, *b, column)], axis=1, join="inner")
         point, low, high = _pooled(values.to_numpy(), n_boot)
         rows.append({"temperature": temperature, "a": " ".join(a), "b": " ".join(b), "a_over_b": point, "low": low,
                      "high": high})
     return pd.DataFrame(rows)
 
 
-def speeds(frame: pd.DataFrame, n_boot: int = 2000) -> pd.DataFrame:
-    """Per temperature, dtype and run: tokens per second over float32 autoregressive decoding of the same prompts and
-    repeats (pooled), with a 95 % bootstrap interval over the prompts."""
+def speeds(frame: pd.DataFrame, n_boot: int = 2000, column: str = "dtype", base: str = "float32") -> pd.DataFrame:
+    """Per temperature, variant (``column``) and run: tokens per second over autoregressive decoding of variant ``base``
+    on the same prompts and repeats (pooled, column ``vs_<base>_ar``), with a 95 % bootstrap interval over the prompts."""
     rows = []
-    for (temperature, dtype, run), cell in frame.groupby(["temperature", "dtype", "run"]):
-        base = _sums(frame, temperature, "float32", "autoregressive")
-        values = pd.concat([_sums(frame, temperature, dtype, run), base], axis=1, join="inner")
+    for (temperature, variant, run), cell in frame.groupby(["temperature", column, "run"]):
+        baseline = _sums(frame, temperature, base, "autoregressive", column)
+        values = pd.concat([_sums(frame, temperature, variant, run, column), baseline], axis=1, join="inner")
         point, low, high = _pooled(values.to_numpy(), n_boot)
-        rows.append({"temperature": temperature, "dtype": dtype, "run": run, "tau": cell.tau.mean(),
-                     "ms_per_token": 1000 * cell.seconds.sum() / cell.tokens.sum(), "vs_float32_ar": point,
+        rows.append({"temperature": temperature, column: variant, "run": run, "tau": cell.tau.mean(),
+                     "ms_per_token": 1000 * cell.seconds.sum() / cell.tokens.sum(), f"vs_{base}_ar": point,
                      "low": low, "high": high})
     return pd.DataFrame(rows)
 

@@ -214,7 +214,10 @@ def _shapes(model) -> str:
     inner = getattr(model, "model", None)
     inner = getattr(model, "head", None) if inner is None else inner
     if isinstance(inner, torch.nn.Module):
-        return ";".join(f"{tuple(p.shape)}{p.dtype}" for p in inner.parameters())
+        # with the products its linear layers take per row count (models.kernels): another choice is timed again
+        paths = sorted({(tuple(getattr(m, "skinny_rows", ())), tuple(getattr(m, "kernel_rows", ())))
+                        for m in inner.modules() if isinstance(m, torch.nn.Linear)})
+        return ";".join(f"{tuple(p.shape)}{p.dtype}" for p in inner.parameters()) + f"|paths {paths}"
     return type(model).__name__
 
 

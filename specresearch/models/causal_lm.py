@@ -26,8 +26,10 @@ import torch
 
 from specresearch.models.kernels import (
     SKINNY_ROWS,
+    choose_kernel_rows,
     choose_skinny_rows,
     use_cpu_sdpa,
+    use_kernel_rows,
     use_skinny_linears,
 )
 
@@ -205,7 +207,9 @@ class CausalLM:
         skinny_linear: switch the model's ``nn.Linear`` layers to :class:`SkinnyLinear` and its ``"sdpa"``
             attention to :func:`cpu_sdpa_attention` (module docstring: cheaper verification calls on CPU).
             ``None``: when the model is on the CPU, the layers for the row counts :func:`choose_skinny_rows`
-            finds faster on this machine (none: plain ``nn.Linear``); ``True``: every row count 1-8.
+            finds faster on this machine (none: plain ``nn.Linear``), and the compiled kernel
+            (:mod:`specresearch.models.native`) for those :func:`choose_kernel_rows` finds faster still;
+            ``True``: every row count 1-8, no kernel.
     """
 
     returns_hidden_states = True  # prefill / score take hidden_layers= (module docstring)
@@ -222,6 +226,8 @@ class CausalLM:
         self._cache_argument = cache_argument(self.model)
         if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
             use_skinny_linears(self.model, choose_skinny_rows(self.model) if skinny_linear is None else SKINNY_ROWS)
+            if skinny_linear is None:
+                use_kernel_rows(self.model, choose_kernel_rows(self.model))
             use_cpu_sdpa(self.model)
         self._cache = None
         self._slots: SlotMask | None = None

@@ -42,7 +42,14 @@ import os
 
 import torch
 
-__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_half_weights", "half_input_limit", "cpu_sdpa_attention", "use_cpu_sdpa"]
+from specresearch.models.native import (
+    KERNEL_ROWS,
+    kernel_linear,
+    kernel_source,
+    skinny_kernel,
+)
+
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "cpu_sdpa_attention", "use_cpu_sdpa"]
 
 
 SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
@@ -52,7 +59,7 @@ HALF_ROWS = 4  # up to this many rows, half weights multiply in their own dtype 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  skinny_rows=SKINNY_ROWS, half_limit: float | None = None) -> torch.Tensor:
+                  skinny_rows=SKINNY_ROWS, half_limit: float | None = None, kernel_rows=()) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; on CPU with 1-8 rows computed as ``(W @ x^T)^T`` (module docstring).
 
     ``x``: ``[..., in]``; rows = ``x.numel() / in``. The product takes ``x`` contiguous (a column-major ``x``,
@@ -61,8 +68,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     any other row count (outside ``skinny_rows``), device or an empty input takes ``F.linear`` unchanged. A
     ``weight`` whose dtype differs from ``x``'s (half weights, :func:`use_half_weights`) is multiplied as the
     module docstring says; ``half_limit`` (from :func:`half_input_limit`, computed here when None) bounds its rows.
+    Row counts in ``kernel_rows`` go to the compiled kernel (:func:`specresearch.models.native.kernel_linear`) when it
+    takes the call and no gradient is asked for.
     """
     rows = x.numel() // max(x.shape[-1], 1)
+    if rows in kernel_rows and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        y = kernel_linear(x, weight, bias)
+        if y is not None:
+            return y
     if weight.dtype != x.dtype:  # half weights, float32 activations (use_half_weights)
         if rows <= HALF_ROWS:
             limit = half_input_limit(weight) if half_limit is None else half_limit
@@ -92,9 +105,11 @@ class SkinnyLinear(torch.nn.Linear):
     skinny_rows = SKINNY_ROWS  # the row counts this layer computes its own way (use_skinny_linears may narrow them)
 
     half_limit = None  # set by use_half_weights: the largest |input| a float16 product of this weight takes
+    kernel_rows = ()  # row counts the compiled kernel computes (use_kernel_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias, skinny_rows=self.skinny_rows, half_limit=self.half_limit)
+        return skinny_linear(x, self.weight, self.bias, skinny_rows=self.skinny_rows, half_limit=self.half_limit,
+                             kernel_rows=self.kernel_rows)
 
 
 def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
@@ -222,6 +237,97 @@ def _store_rows(key: tuple, rows: tuple[int, ...]) -> None:
     from specresearch.paths import keep_answer
 
     keep_answer(ROWS_FILE, _machine_key(key), list(rows))
+
+
+def use_kernel_rows(model: torch.nn.Module, rows=KERNEL_ROWS) -> int:
+    """Let ``model``'s linear layers compute ``rows`` (of ``native.KERNEL_ROWS``) with the compiled kernel; returns
+    how many layers take them. Plain float32 ``nn.Linear`` layers become :class:`SkinnyLinear` computing no row count
+    their own skinny way (``skinny_rows = ()``), so their other row counts stay ``F.linear``'s. Empty ``rows``
+    switches the kernel off again (and switches no layer)."""
+    rows = tuple(rows)
+    if not set(rows) <= set(KERNEL_ROWS):
+        raise ValueError(f"rows must lie in {tuple(KERNEL_ROWS)}, got {rows}")
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and rows and module.weight.dtype == torch.float32:
+            module.__class__ = SkinnyLinear
+            module.skinny_rows = ()
+        if isinstance(module, SkinnyLinear):
+            module.kernel_rows = rows
+            count += 1
+    return count
+
+
+KERNEL_ROWS_FILE = "kernel_rows.json"
+_CHOSEN_KERNEL_ROWS: dict[tuple, tuple[int, ...]] = {}
+
+
+def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
+    """The row counts for which the compiled kernel (:mod:`specresearch.models.native`) beats the path ``model``'s
+    float32 linear layers take now (their ``skinny_rows``, else ``F.linear``) on this machine; () where there is no
+    kernel. Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
+    ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
+    takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
+    rows, thread count and kernel source, for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
+    rows) -> seconds`` (path ``"kernel"`` or ``"present"``) replaces the clock (tests)."""
+    import hashlib
+    import statistics
+    import time
+
+    if skinny_kernel() is None and timer is None:
+        return ()
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
+              and m.weight.dtype == torch.float32 and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()]
+    if not layers:
+        return ()
+    present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) if isinstance(m, SkinnyLinear) else () for m in layers)
+    source = hashlib.sha1(kernel_source().encode()).hexdigest()[:12]
+    key = (tuple(tuple(m.weight.shape) for m in layers), torch.get_num_threads(), (present_rows, source))
+    if timer is None and key in _CHOSEN_KERNEL_ROWS:
+        return _CHOSEN_KERNEL_ROWS[key]
+    if timer is None:
+        from specresearch.paths import cached_answer
+
+        stored = cached_answer(KERNEL_ROWS_FILE, _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}")
+        if isinstance(stored, list) and set(stored) <= set(KERNEL_ROWS):
+            _CHOSEN_KERNEL_ROWS[key] = tuple(stored)
+            return tuple(stored)
+
+    def clock(fn, path, rows):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def present(m, x):
+        if isinstance(m, SkinnyLinear):
+            return skinny_linear(x, m.weight, m.bias, skinny_rows=m.skinny_rows)
+        return torch.nn.functional.linear(x, m.weight, m.bias)
+
+    timer = timer or clock
+    sweeps = {}
+    for rows in KERNEL_ROWS:
+        inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], generator=torch.Generator().manual_seed(rows))
+                  for m in layers}
+        sweeps[rows] = {"kernel": lambda x=inputs: [skinny_linear(x[m.weight.shape[1]], m.weight, m.bias, kernel_rows=KERNEL_ROWS)
+                                                    for m in layers],
+                        "present": lambda x=inputs: [present(m, x[m.weight.shape[1]]) for m in layers]}
+    times = {(rows, path): [] for rows in KERNEL_ROWS for path in ("kernel", "present")}
+    with torch.no_grad():
+        for paths in sweeps.values():
+            for fn in paths.values():
+                fn()  # warm (and builds nothing: the kernel is loaded already)
+        for _ in range(repeats):
+            for rows, paths in sweeps.items():
+                for path, fn in paths.items():
+                    times[rows, path].append(timer(fn, path, rows))
+    chosen = tuple(rows for rows in KERNEL_ROWS
+                   if statistics.median(times[rows, "kernel"]) < margin * statistics.median(times[rows, "present"]))
+    if timer is clock:
+        from specresearch.paths import keep_answer
+
+        _CHOSEN_KERNEL_ROWS[key] = chosen
+        keep_answer(KERNEL_ROWS_FILE, _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}", list(chosen))
+    return chosen
 
 
 def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, shared_with: torch.nn.Module | None = None,

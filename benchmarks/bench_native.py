@@ -1,0 +1,120 @@
+"""The compiled 3-8-row product (``models.native``) against MKL's, on the embedded target: the cost curve r_n and the
+head's chains and trees, side by side in one run.
+
+One target, one process: before each run the target's linear layers are given the kernel rows this machine chose
+(``kernels.choose_kernel_rows``, variant ``native``) or none (variant ``mkl``: the products ``CausalLM`` used before the
+kernel). First r_n, a cached call scoring n tokens over one scoring 1, for both variants, interleaved medians. Then for
+each held-out chat prompt, temperature and repeat, autoregressive decoding and the ``--runs`` (labels of
+``bench_trees.RUNS``) in both variants, in a shuffled order. Speeds are over the ``mkl`` variant's autoregressive
+decoding of the same prompts (pooled, 95 % bootstrap intervals over the prompts, ``bench_dtype.speeds``); the two
+variants' autoregressive runs both score one token a call, which the kernel leaves to MKL, so they differ by noise
+alone. The kernel changes float rounding only, so the runs are lossless either way. A benchmark: nothing is asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_native.py --prompts 8 --threads 1
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_native.py --table benchmarks/records/native_amd.csv   (reprint)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+from bench_dtype import paired, speeds
+from bench_trees import RUNS
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import load_pair
+from specresearch.engine.cost import score_seconds
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.experiments.records import machine_info, record_header
+from specresearch.models.kernels import SkinnyLinear, use_kernel_rows
+from specresearch.paths import data_dir, repo_root
+
+DEFAULT_RUNS = ("chain block g1", "chain block g2", "dynamic K3 g1 n3", "dynamic K2 g2 n4", "dynamic K3 g3 n6")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=sorted(RUNS))
+    parser.add_argument("--repeats", type=int, default=2, help="times each run is timed per prompt and temperature")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8], help="widths n of the r_n curve")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft", default="fp16:eagle3-v8k")
+    parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/native_<cpu>)")
+    parser.add_argument("--table", default=None, help="reprint a record's CSV (runs nothing)")
+    args = parser.parse_args()
+    if args.table:
+        report(pd.read_csv(args.table))
+        return 0
+    if args.prompts < 1 or args.repeats < 1 or min(args.ks) < 1:
+        parser.error("--prompts, --repeats and every --ks must be >= 1")
+    torch.set_num_threads(args.threads)
+    target, draft, tokenizer = load_pair(draft=args.draft)
+    chosen = sorted({r for m in target.model.modules() if isinstance(m, SkinnyLinear) for r in m.kernel_rows})
+    if not chosen:
+        print("the kernel is not used on this machine (not built here, or slower than MKL for every row count): "
+              "nothing to compare", file=sys.stderr)
+        return 1
+    print(f"kernel rows chosen here: {chosen}", flush=True)
+    variants = {"mkl": (), "native": tuple(chosen)}
+    curve = {}
+    score_seconds(target, args.ks, repeats=3)  # warm: the first timed calls of a process run slow
+    for name, rows in variants.items():
+        use_kernel_rows(target.model, rows)
+        seconds = score_seconds(target, args.ks, repeats=15)
+        curve[name] = {k: seconds[k] / seconds[1] for k in args.ks}
+        ratios = ", ".join(f"r_{k} = {r:.2f}" for k, r in curve[name].items())
+        print(f"{name}: one-token call {1000 * seconds[1]:.1f} ms; {ratios}", flush=True)
+    prompts = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
+    runs = [(variant, label) for variant in variants for label in ("autoregressive", *args.runs)]
+    machine = machine_info()
+    cpu = machine.get("cpu", "cpu").split()[0].lower()
+    stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"native_{cpu}"
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = encode_chat([prompt], tokenizer)[0].tolist()
+        for temperature in args.temperatures:
+            for repeat in range(args.repeats):
+                for variant, label in random.Random(f"{i} {temperature} {repeat}").sample(runs, len(runs)):
+                    use_kernel_rows(target.model, variants[variant])
+                    common = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(temperature=temperature),
+                                  seed=[1000 + i], eos_token_id=tokenizer.eos_token_id)
+                    out = (autoregressive_generate(target, [ids], **common) if label == "autoregressive" else
+                           speculative_generate(target, draft, [ids], **RUNS[label], **common))
+                    rows.append({"prompt_id": prompt["id"], "temperature": temperature, "repeat": repeat,
+                                 "variant": variant, "run": label, "tau": out.block_efficiency,
+                                 "tokens": out.num_tokens, "seconds": out.seconds})
+        pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)  # after each prompt: a stopped run keeps them
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    table = report(pd.DataFrame(rows))
+    header = record_header("benchmarks/bench_native.py", sys.argv[1:], draft=args.draft, kernel_rows=chosen,
+                           r_n={name: {str(k): round(r, 4) for k, r in c.items()} for name, c in curve.items()},
+                           summary=json.loads(table.to_json(orient="records")))
+    stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
+    return 0
+
+
+def report(frame: pd.DataFrame) -> pd.DataFrame:
+    """Print every run's speed in both variants and each run's native over mkl speed, paired; return the speeds."""
+    table = speeds(frame, column="variant", base="mkl")
+    print(table.round(3).to_string(index=False))
+    runs = [r for r in dict.fromkeys(frame.run) if r != "autoregressive"]
+    pairs = pd.concat([paired(frame, ("native", r), ("mkl", r), column="variant") for r in runs])
+    print(pairs.round(3).to_string(index=False))
+    best = table[table.variant == "native"].groupby("run")["vs_mkl_ar"].mean().drop("autoregressive").idxmax()
+    print(f"native's fastest run, {best}, over mkl's gamma-1 chain:")
+    print(paired(frame, ("native", best), ("mkl", "chain block g1"), column="variant").round(3).to_string(index=False))
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The compiled product for 1-8 rows (specresearch.models.native) and how the linear layers choose it.
+
+The kernel's own tests need a C compiler and an x86 CPU with AVX-512 (where either is missing the kernel is None and
+the layers keep their paths, which the last tests check); they are skipped, with that reason, only there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specresearch.models import native
+from specresearch.models.kernels import (
+    SkinnyLinear,
+    choose_kernel_rows,
+    skinny_linear,
+    use_kernel_rows,
+)
+
+needs_kernel = pytest.mark.skipif(native.skinny_kernel() is None,
+                                  reason="no C compiler or no AVX-512 here: the kernel is not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", native.KERNEL_ROWS)
+@pytest.mark.parametrize("out, bias", [(37, True), (64, False), (5, True)])
+def test_kernel_equals_linear(rows, out, bias):
+    generator = torch.Generator().manual_seed(rows * 100 + out)
+    x = torch.randn(rows, 48, generator=generator)
+    weight = torch.randn(out, 48, generator=generator)
+    b = torch.randn(out, generator=generator) if bias else None
+    got = native.kernel_linear(x, weight, b)
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    batched = native.kernel_linear(x[None], weight, b)  # leading dimensions are kept
+    assert batched.shape == (1, rows, out) and torch.equal(batched[0], got)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """Each row's partial sums are reduced in one fixed order whatever n is: bit for bit the same."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 576, generator=generator)
+    weight = torch.randn(200, 576, generator=generator)
+    alone = torch.cat([native.kernel_linear(x[r:r + 1], weight) for r in range(8)])
+    for n in native.KERNEL_ROWS:
+        assert torch.equal(native.kernel_linear(x[:n], weight), alone[:n]), n
+
+
+@needs_kernel
+def test_the_kernel_declines_what_it_cannot_take():
+    x, weight = torch.randn(2, 32), torch.randn(4, 32)
+    assert native.kernel_linear(torch.randn(9, 32), weight) is None  # more than 8 rows
+    assert native.kernel_linear(torch.randn(2, 30), torch.randn(4, 30)) is None  # width not a multiple of 16
+    assert native.kernel_linear(x.double(), weight.double()) is None
+    assert native.kernel_linear(x, torch.randn(32, 4).t()) is None  # a weight that is not contiguous
+    assert native.kernel_linear(x, weight, torch.randn(8)[::2]) is None  # nor a bias
+
+
+@needs_kernel
+def test_skinny_linear_uses_the_kernel_only_without_a_gradient():
+    x = torch.randn(3, 32)
+    weight = torch.randn(6, 32, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(skinny_linear(x, weight, kernel_rows=(3,)), native.kernel_linear(x, weight))
+    y = skinny_linear(x, weight, kernel_rows=(3,))
+    y.sum().backward()  # the gradient path: F.linear's
+    torch.testing.assert_close(weight.grad, x.sum(0).expand(6, -1))
+
+
+@needs_kernel
+def test_layers_given_kernel_rows_compute_what_they_computed():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16, bias=False))
+    x = torch.randn(2, 4, 32)
+    with torch.no_grad():
+        before = model(x)
+        assert use_kernel_rows(model, (4, 8)) == 2
+        assert all(type(m) is SkinnyLinear and m.kernel_rows == (4, 8) and m.skinny_rows == ()
+                   for m in (model[0], model[2]))
+        after = model(x)  # 8 rows: the kernel
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    assert use_kernel_rows(model, ()) == 2 and model[0].kernel_rows == ()
+    with pytest.raises(ValueError, match="rows must lie in"):
+        use_kernel_rows(model, (0,))
+
+
+def test_kernel_rows_are_chosen_by_timing(monkeypatch):
+    """A row count is chosen where the kernel's median sweep beats the present path's by the margin."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    def timer(fn, path, rows):
+        return (0.5 if rows >= 3 else 0.95) if path == "kernel" else 1.0
+
+    chosen = choose_kernel_rows(model, timer=timer)
+    assert chosen == (3, 4, 5, 6, 7, 8)
+    narrow = torch.nn.Sequential(torch.nn.Linear(30, 16))  # width 30: no layer the kernel takes, nothing timed
+    assert choose_kernel_rows(narrow, timer=lambda *a: pytest.fail("nothing to time")) == ()
+
+
+def test_switched_off_the_kernel_is_none_and_nothing_is_chosen(monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.skinny_kernel() is None and native.kernel_linear(torch.randn(2, 32), torch.randn(4, 32)) is None
+    assert choose_kernel_rows(torch.nn.Sequential(torch.nn.Linear(32, 16))) == ()
+    x, weight = torch.randn(3, 32), torch.randn(6, 32)
+    torch.testing.assert_close(skinny_linear(x, weight, kernel_rows=(3,)), torch.nn.functional.linear(x, weight))
+
+
+def test_the_source_fits_the_registers():
+    """n * OB accumulators, OB weight vectors and one input vector: at most AVX-512's 32 registers, so none spills."""
+    assert all(n * ob + ob + 1 <= 32 for n, ob in native._BLOCK.items())
+    assert set(native._BLOCK) == set(native.KERNEL_ROWS)
+    source = native.kernel_source()
+    assert source.count("static void rows_") == len(native.KERNEL_ROWS) and "int skinny_f32(" in source
