@@ -83,6 +83,17 @@ def test_the_curve_is_timed_once_and_kept(monkeypatch, tmp_path):
     assert len(trees.tree_rounds) == 2 and trees.tree_steps[0][1] == sum(r[0] for r in trees.tree_rounds) / 2
     monkeypatch.setattr(cost, "FLAT", 0.5)  # r climbs past the bound: no tree is timed
     assert cost.measure_cost_curve(target, draft, max_tokens=3, repeats=1, new_tokens=8, trees=((2, 2, 3),)).tree_steps == ()
+    real_seconds = cost.score_seconds
+
+    def wide_is_dear(target, ks, *args, **kwargs):  # flat up to 4 tokens, a 9-token call costs 3
+        return {k: 1.0 if k <= 4 else 3.0 for k in real_seconds(target, ks, *args, **kwargs)}
+
+    monkeypatch.setattr(cost, "FLAT", 1.15)
+    monkeypatch.setattr(cost, "score_seconds", wide_is_dear)
+    narrow_and_wide = cost.measure_cost_curve(target, draft, max_tokens=3, repeats=1, new_tokens=8, rounds=1,
+                                              trees=((2, 2, 3), (2, 4, 8)))
+    assert [shape for shape, _ in narrow_and_wide.tree_steps] == [(2, 2, 3)]  # the 8-node tree's own call is too dear
+    monkeypatch.setattr(cost, "score_seconds", real_seconds)
     monkeypatch.setattr(cost, "measure_cost_curve", refuse)
     assert cost.cost_curve(target, draft, max_tokens=3, announce=told.append) == curve and len(told) == 1
     assert cost.cost_curve(target, draft, max_tokens=3, trees=((2, 2, 3),)) == trees  # tree steps kept too

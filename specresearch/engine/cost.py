@@ -127,7 +127,8 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
     lengths (``ngram+NAME``, which drafts one token where lookup finds no match) is timed on the draft it wraps
     (``.draft``), whose chains gamma sets; a planning draft that wraps none raises ``ValueError``. ``trees``: (K,
     depth, nodes) of dynamic trees whose steps to time the same way (the steps that score the full tree), where r
-    stays within ``FLAT`` and the draft draws trees (elsewhere none is timed).
+    stays within ``FLAT`` up to ``max_tokens`` and at the tree's own width (nodes + 1 tokens), and the draft draws
+    trees (elsewhere none is timed).
     """
     from specresearch.config import SamplingConfig
     from specresearch.engine.generate import (
@@ -168,6 +169,9 @@ def measure_cost_curve(target, draft=None, *, max_tokens: int = 5, context_lengt
         return statistics.mean(s.seconds for s in run.steps if s.scored[0] == full)
 
     shapes = [tuple(shape) for shape in trees] if max(ratios) <= FLAT and isinstance(draft, RowExpander) else []
+    if shapes:  # and r at each tree's own width (its nodes and the pending token) within FLAT too: else it cannot pay
+        wide = score_seconds(target, (1, *sorted({nodes + 1 for _, _, nodes in shapes})), context_length, repeats)
+        shapes = [shape for shape in shapes if wide[shape[2] + 1] / wide[1] <= FLAT]
     step_rounds, tree_rounds = [], []
     for i in range(rounds):
         plain = autoregressive_generate(target, [prompt], max_new_tokens=new_tokens, sampling=sampled, seed=0,
