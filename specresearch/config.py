@@ -23,8 +23,8 @@ GENERATE_GAMMA = 1
 GENERATE_MARGIN = 0.10
 # The head's tokens per step by gamma (T = 1, 8 held-out prompts; record benchmarks/records/adaptive_amd.csv, checked
 # by tests/test_cost.py), which engine.cost.default_config weighs against this machine's step costs.
-GENERATE_TAU = {1: 1.494, 2: 1.806, 3: 2.085}
-GENERATE_TAU_GREEDY = {1: 1.521, 2: 1.809, 3: 1.967}  # the same at T = 0
+GENERATE_TAU = {1: 1.5, 2: 1.745, 3: 2.08}
+GENERATE_TAU_GREEDY = {1: 1.521, 2: 1.818, 3: 1.967}  # the same at T = 0
 # The head's tokens per target call in EAGLE-2's dynamic trees (one-hot rule) by (K children, depth, nodes): (at T = 0,
 # at T = 1), on the same 8 held-out prompts (record benchmarks/records/trees_head_h200.csv, checked by
 # tests/test_cost.py). With the default draft and verifier, engine.cost.default_config weighs them against this

@@ -2,9 +2,9 @@
 little more than one scoring a single token (used by :mod:`specresearch.models.kernels`).
 
 Why: a small model's forward is bound by streaming its weights from memory, so scoring 8 tokens could cost what
-scoring 1 does. MKL's products for 3-8 rows do not get there on one thread: on a 2-core AMD EPYC they take the
-embedded target's weights 1.4x (4 rows) to 2.7x (8 rows) as long as for 1 row, so a tree step costs up to twice a
-chain step. The kernel here multiplies ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading
+scoring 1 does. MKL's products for 3-8 rows do not get there on one thread: on a 2-core AMD EPYC a call of the
+embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls with them, 1.15 / 1.35 with this kernel
+(``benchmarks/bench_native.py``, record ``native_amd``; docs/trees.md). The kernel here multiplies ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading
 each weight once, ``OB`` weight rows at a time, with 16-lane partial sums in registers for every pair of weight row
 and input row (n * OB accumulators, at most 28 of AVX-512's 32 registers) and the next blocks' rows prefetched.
 The partial sums are reduced in a fixed order, so a row's result does not depend on how many rows share the call
