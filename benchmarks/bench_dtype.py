@@ -74,17 +74,23 @@ def speeds(frame: pd.DataFrame, n_boot: int = 2000, column: str = "dtype", base:
     return pd.DataFrame(rows)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_arguments(parser: argparse.ArgumentParser, stem: str) -> None:
+    """The options this benchmark shares with ``bench_native``: prompts, temperatures, tokens, repeats, threads, the
+    draft, the record stem (default ``benchmarks/records/<stem>_<cpu>``) and ``--table``."""
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--repeats", type=int, default=2, help="times each run is timed per prompt and temperature")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft", default="fp16:eagle3-v8k")
-    parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/dtype_<cpu>)")
+    parser.add_argument("--out", default=None, help=f"record stem (default benchmarks/records/{stem}_<cpu>)")
     parser.add_argument("--table", default=None, help="reprint a record's CSV (runs nothing)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_arguments(parser, "dtype")
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3])
     args = parser.parse_args()
     if args.table:
         report(pd.read_csv(args.table))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from bench_dtype import paired, speeds
+from bench_dtype import common_arguments, paired, speeds
 from bench_trees import RUNS
 
 from specresearch.config import SamplingConfig
@@ -41,16 +41,9 @@ DEFAULT_RUNS = ("chain block g1", "chain block g2", "dynamic K3 g1 n3", "dynamic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    common_arguments(parser, "native")
     parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), choices=sorted(RUNS))
-    parser.add_argument("--repeats", type=int, default=2, help="times each run is timed per prompt and temperature")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8], help="widths n of the r_n curve")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--draft", default="fp16:eagle3-v8k")
-    parser.add_argument("--out", default=None, help="record stem (default benchmarks/records/native_<cpu>)")
-    parser.add_argument("--table", default=None, help="reprint a record's CSV (runs nothing)")
     args = parser.parse_args()
     if args.table:
         report(pd.read_csv(args.table))
