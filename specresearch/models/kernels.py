@@ -283,12 +283,13 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) if isinstance(m, SkinnyLinear) else () for m in layers)
     source = hashlib.sha1(kernel_source().encode()).hexdigest()[:12]
     key = (tuple(tuple(m.weight.shape) for m in layers), torch.get_num_threads(), (present_rows, source))
+    entry = _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}"  # in kernel_rows.json
     if timer is None and key in _CHOSEN_KERNEL_ROWS:
         return _CHOSEN_KERNEL_ROWS[key]
     if timer is None:
         from specresearch.paths import cached_answer
 
-        stored = cached_answer(KERNEL_ROWS_FILE, _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}")
+        stored = cached_answer(KERNEL_ROWS_FILE, entry)
         if isinstance(stored, list) and set(stored) <= set(KERNEL_ROWS):
             _CHOSEN_KERNEL_ROWS[key] = tuple(stored)
             return tuple(stored)
@@ -308,8 +309,7 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     for rows in KERNEL_ROWS:
         inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], generator=torch.Generator().manual_seed(rows))
                   for m in layers}
-        sweeps[rows] = {"kernel": lambda x=inputs: [skinny_linear(x[m.weight.shape[1]], m.weight, m.bias, kernel_rows=KERNEL_ROWS)
-                                                    for m in layers],
+        sweeps[rows] = {"kernel": lambda x=inputs: [kernel_linear(x[m.weight.shape[1]], m.weight, m.bias) for m in layers],
                         "present": lambda x=inputs: [present(m, x[m.weight.shape[1]]) for m in layers]}
     times = {(rows, path): [] for rows in KERNEL_ROWS for path in ("kernel", "present")}
     with torch.no_grad():
@@ -326,7 +326,7 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         from specresearch.paths import keep_answer
 
         _CHOSEN_KERNEL_ROWS[key] = chosen
-        keep_answer(KERNEL_ROWS_FILE, _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}", list(chosen))
+        keep_answer(KERNEL_ROWS_FILE, entry, list(chosen))
     return chosen
 
 
