@@ -1,21 +1,23 @@
-"""A compiled product for 3-8 rows on x86 CPUs with AVX-512: what makes a call scoring a tree or a long block cost
+"""A compiled product for 1-8 rows on x86 CPUs with AVX-512: what makes a call scoring a tree or a long block cost
 little more than one scoring a single token (used by :mod:`specresearch.models.kernels`).
 
 Why: a small model's forward is bound by streaming its weights from memory, so scoring 8 tokens could cost what
 scoring 1 does. MKL's products for 3-8 rows do not get there on one thread: on a 2-core AMD EPYC a call of the
 embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls with them, 1.15 / 1.35 with this kernel
-(``benchmarks/bench_native.py``, record ``native_amd``; docs/trees.md). The kernel here multiplies ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading
-each weight once, ``OB`` weight rows at a time, with 16-lane partial sums in registers for every pair of weight row
-and input row (n * OB accumulators, at most 28 of AVX-512's 32 registers) and the next blocks' rows prefetched.
-The partial sums are reduced in a fixed order, so a row's result does not depend on how many rows share the call
-(``tests/test_native.py``), and it equals ``F.linear`` up to float rounding (~1e-6 relative).
+(``benchmarks/bench_native.py``, record ``native_amd``; docs/trees.md). The kernel multiplies
+``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading each weight once, ``OB`` weight rows at a
+time, with 16-lane partial sums in registers for every pair of weight row and input row (n * OB accumulators, at
+most 25 of AVX-512's 32 registers) and the next blocks' rows prefetched. The partial sums are reduced in a fixed
+order, so a row's result does not depend on how many rows share the call (``tests/test_native.py``), and it equals
+``F.linear`` up to float rounding (~1e-6 relative).
 
 How: the C source (:func:`kernel_source`) is compiled once per machine with the system C compiler (``$CC``, else
-``cc``) and ``-O3 -march=native`` into ``<cache_dir>/native/`` and loaded with ``ctypes`` (no torch headers, a
-second to build). Where there is no compiler, no AVX-512, another architecture, or ``$SPECRESEARCH_NATIVE=0``,
+``cc``) and ``-O3 -march=native`` into ``<cache_dir>/native/`` and loaded with ``ctypes`` (no torch headers, about
+two seconds to build). Where there is no compiler, no AVX-512, another architecture, or ``$SPECRESEARCH_NATIVE=0``,
 :func:`skinny_kernel` is None and nothing changes. Whether it is used for a row count is timed on the model's own
-weights, as the skinny rows are (``kernels.choose_kernel_rows``). It has no gradient: ``kernels.skinny_linear``
-uses it only without one, on one thread.
+weights, as the skinny rows are (``kernels.choose_kernel_rows``; here it wins for 3-8 rows). It has no gradient
+(``kernels.skinny_linear`` uses it only where none is asked for) and runs on one thread (with two, MKL's products use
+both cores and the timing keeps them).
 """
 
 from __future__ import annotations
