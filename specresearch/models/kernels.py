@@ -260,12 +260,14 @@ def use_kernel_rows(model: torch.nn.Module, rows=KERNEL_ROWS) -> int:
 
 KERNEL_ROWS_FILE = "kernel_rows.json"
 _CHOSEN_KERNEL_ROWS: dict[tuple, tuple[int, ...]] = {}
+KERNEL_MIN_BYTES = 8 << 20  # weights that fit in a CPU's caches are not streamed: the kernel is not timed for them
 
 
 def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts for which the compiled kernel (:mod:`specresearch.models.native`) beats the path ``model``'s
     float32 linear layers take now (their ``skinny_rows``, else ``F.linear``) on this machine; () where there is no
-    kernel. Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
+    kernel or the layers' float32 weights take less than ``KERNEL_MIN_BYTES`` (8 MiB: they stay in cache, where
+    streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
     ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
     takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
     rows, thread count and kernel source, for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
@@ -278,8 +280,8 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         return ()
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.float32 and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()]
-    if not layers:
-        return ()
+    if not layers or sum(m.weight.numel() * 4 for m in layers) < KERNEL_MIN_BYTES:
+        return ()  # (their timings would be noise, and which rows won would change from run to run)
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) if isinstance(m, SkinnyLinear) else () for m in layers)
     source = hashlib.sha1(kernel_source().encode()).hexdigest()[:12]
     key = (tuple(tuple(m.weight.shape) for m in layers), torch.get_num_threads(), (present_rows, source))
