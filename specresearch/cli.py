@@ -39,6 +39,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _to_stderr(message: str) -> None:
+    """What the engine announces (the step-cost timing of the default configuration), on stderr beside the output."""
+    print(message, file=sys.stderr)
+
+
 def _command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """A subcommand parser whose ``--help`` ends with ``example`` (kept verbatim). No abbreviated flags:
     ``bench --gamma 3`` would otherwise silently mean ``--gammas 3`` and start a different sweep."""
@@ -189,7 +194,7 @@ def _run_generate(args) -> int:
         trees = args.draft is None and not args.verifier_given and args.draft_law == "iid" and args.tree_nodes is None
         chosen = resolve_config(requested, target, draft, temperature=args.temperature, num_drafts=args.num_drafts,
                                 stop_below=args.stop_below, trees=trees,
-                                announce=lambda message: print(message, file=sys.stderr))
+                                announce=_to_stderr)
         options = {"verifier": args.verifier, "num_drafts": args.num_drafts, "draft_law": args.draft_law,
                    "tree_nodes": args.tree_nodes, **chosen}
         args.gamma = options.pop("gamma")
@@ -494,7 +499,7 @@ def _run_bench(args) -> int:
     records = bench.run_named(args.target, args.draft, config, path, prompts_path=args.prompts_file, run_id=run,
                               device=args.device, command="specresearch " + " ".join(sys.argv[1:]),
                               batched=args.batched, default_gamma=args.default_config,
-                              announce=lambda message: print(message, file=sys.stderr))
+                              announce=_to_stderr)
     print(analysis.summary(records))
     same, units = analysis.t0_agreement(records)
     if units and len(config.verifiers) > 1:
