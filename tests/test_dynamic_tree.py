@@ -3,7 +3,8 @@
 * The exact twin (``exact.dynamic``): the tree of a hand-checked draft; the loop of dynamic-tree steps is lossless
   exactly for random models and shapes, and a rule that forgets to zero a rejected child is caught.
 * Torch against the twin: the engine drafts the twin's tree node for node (a ``ToyLM`` draft with distinct
-  probabilities), and ``onehot_tree_verify``'s law on a fixed tree matches ``onehot_tree_law`` (chi-square at N =
+  probabilities), ``greedy_tree_verify`` takes the one-hot rule's decisions on one-hot rows (random trees with
+  repeated sibling tokens), and ``onehot_tree_verify``'s law on a fixed tree matches ``onehot_tree_law`` (chi-square at N =
   20,000, level 1e-6: false-positive rate 1e-6 per case, 3 cases).
 * The static tree (``draft_law="static"``, EAGLE-2's baseline) is checked the same way, beside the dynamic one.
 * Through the engine: T = 0 gives the greedy autoregressive tokens for every draft kind and several tree shapes,
@@ -25,7 +26,7 @@ from helpers import close_draft, markov_toy
 from specresearch import exact
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import sample_from_weights
-from specresearch.core.verify_tree import children_table, onehot_tree_verify
+from specresearch.core.verify_tree import children_table, greedy_tree_verify, onehot_tree_verify
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.topk_tree import draft_dynamic_tree
 from specresearch.exact import dynamic
@@ -300,3 +301,41 @@ def test_the_vectorised_one_hot_rule_takes_the_literal_rules_decisions(seed):
         assert int(result.num_accepted[b]) == accepted and result.path_nodes[b, :accepted].tolist() == path, b
         assert int(result.next_token[b]) == int(sample_from_weights(residual[None], eta[b, length, :1])), b
     assert children.shape[2] >= 4 and bool((result.num_accepted > 0).any()) and bool((result.num_accepted == 0).any())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_greedy_tree_rule_is_the_one_hot_rule_on_one_hot_rows(seed):
+    """At T = 0 the engine verifies with greedy_tree_verify (argmax tokens, no walk by depth): on random trees with
+    padding, up to 8 children a node and a 3-token vocabulary (so siblings repeat tokens and paths run deep), its
+    result is onehot_tree_verify's on the one-hot rows, for any uniforms."""
+    g = torch.Generator().manual_seed(100 + seed)
+    batch, nodes, vocab = 128, 12, 3
+    parents = [[int(torch.randint(0, i + 1, (1,), generator=g)) if i < nodes - 3 or b % 2 else -1 for i in range(nodes)]
+               for b in range(batch)]
+    children = children_table(parents)
+    depth = [0] * (nodes + 1)
+    length = 1
+    for row in parents:
+        for i, parent in enumerate(row, start=1):
+            depth[i] = depth[parent] + 1 if parent >= 0 else 0
+        length = max(length, *depth)
+    call_tokens = torch.randint(0, vocab, (batch, nodes + 1), generator=g)
+    target_tokens = torch.randint(0, vocab, (batch, nodes + 1), generator=g)
+    one_hot = torch.nn.functional.one_hot(target_tokens, vocab).double()
+    uniforms = torch.rand(batch, length + 1, children.shape[2], generator=g, dtype=torch.float64)
+    expected = onehot_tree_verify(one_hot, call_tokens, children, length, uniforms=uniforms)
+    got = greedy_tree_verify(target_tokens, call_tokens, children, length)
+    assert torch.equal(got.num_accepted, expected.num_accepted)
+    assert torch.equal(got.path_nodes, expected.path_nodes)
+    assert torch.equal(got.next_token, expected.next_token)
+    assert int(expected.num_accepted.max()) >= 3 and bool((expected.num_accepted == 0).any())
+
+
+def test_the_greedy_tree_rule_refuses_bad_trees():
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="after its parent"):
+        greedy_tree_verify(tokens, tokens, torch.tensor([[[2], [-1], [1]]]), 2)  # node 1 a child of node 2
+    with pytest.raises(ValueError, match="length"):
+        greedy_tree_verify(tokens, tokens, children_table([[0, 1]]), 0)
+    with pytest.raises(ValueError, match=r"\[B, 1\+n\]"):
+        greedy_tree_verify(tokens[:, :2], tokens, children_table([[0, 1]]), 2)

@@ -11,6 +11,11 @@ so it is lossless for any tree chosen without the verifier's random numbers. Exa
 
 A tree of B rows is given as the target call's rows: index 0 is the pending token (the root), 1..n the nodes.
 ``children [B, 1+n, C]`` lists each call row's children by call index in the order they are tried, -1 padding.
+
+At T = 0 (p one-hot at its first argmax) the rule accepts, at each node, the first child whose token is the target's
+argmax there, and emits the argmax at the last accepted node: :func:`greedy_tree_verify` gives that without walking
+the tree depth by depth (a few dozen tensor calls a step whatever the depth, against ~20 a depth; on a GPU each costs
+the host microseconds).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from specresearch.core.draft_paths import draw_multi_uniforms
 from specresearch.core.draws import sample_from_weights
 
-__all__ = ["TreeVerifyResult", "children_table", "onehot_tree_verify"]
+__all__ = ["TreeVerifyResult", "children_table", "greedy_tree_verify", "onehot_tree_verify"]
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,9 @@ def children_table(parents: Sequence[Sequence[int]]) -> torch.Tensor:
         for i, parent in enumerate(row, start=1):
             if parent >= 0:
                 lists[b][parent].append(i)
-    most = max((len(c) for row in lists for c in row), default=0)
-    table = torch.full((len(parents), width + 1, max(most, 1)), -1, dtype=torch.long)
-    for b, row in enumerate(lists):
-        for node, kids in enumerate(row):
-            table[b, node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
-    return table
+    most = max(max((len(c) for row in lists for c in row), default=0), 1)
+    padded = [[kids + [-1] * (most - len(kids)) for kids in row] for row in lists]
+    return torch.tensor(padded, dtype=torch.long).reshape(len(parents), width + 1, most)  # one call, not one a node
 
 
 def onehot_tree_verify(target_probs, call_tokens, children, length: int, generator=None, *, uniforms=None,
@@ -106,6 +108,64 @@ def onehot_tree_verify(target_probs, call_tokens, children, length: int, generat
         node = torch.where(searching, choice, node)
     next_token = sample_from_weights(weights, eta[:, length, 0])
     return TreeVerifyResult(num_accepted, path_nodes, next_token)
+
+
+def greedy_tree_verify(target_tokens, call_tokens, children, length: int, *, validate=True) -> TreeVerifyResult:
+    """:func:`onehot_tree_verify` when the target's rows are one-hot (T = 0), from their argmax tokens alone.
+
+    A node is accepted iff its token is the argmax at its parent, no earlier sibling (in ``children``' order) has that
+    token, and its parent is accepted; ``next_token`` is the argmax at the deepest accepted node. The same result as
+    the one-hot rule on the one-hot rows, whatever its uniforms (none are drawn here). Nodes must come after their
+    parents (call index order), as :func:`children_table`'s callers give them.
+
+    Args:
+        target_tokens: ``[B, 1+n]`` int64, the target's argmax at every call row (root first).
+        call_tokens: ``[B, 1+n]`` int64, the call's tokens (index 0, the pending token, is not read).
+        children: ``[B, 1+n, C]`` int64 (:func:`children_table`).
+        length: L, the tree's greatest depth.
+        validate: check shapes and values; False skips the checks.
+    """
+    batch, width = call_tokens.shape
+    tried = children.shape[2]
+    if validate:
+        _validate_greedy(target_tokens, call_tokens, children, length)
+    device = call_tokens.device
+    kids = children.reshape(batch, -1)  # [B, (1+n) C]
+    listed = kids >= 0
+    slot = torch.where(listed, kids, width)  # unlisted entries land in a column that is dropped
+    owner = torch.arange(width, device=device).repeat_interleave(tried).expand(batch, -1)
+    rank = torch.arange(tried, device=device).repeat(width).expand(batch, -1)
+    parent = torch.full((batch, width + 1), -1, dtype=torch.long, device=device).scatter_(1, slot, owner)[:, :width]
+    order = torch.zeros(batch, width + 1, dtype=torch.long, device=device).scatter_(1, slot, rank)[:, :width]
+    match = (parent >= 0) & (call_tokens == target_tokens.gather(1, parent.clamp(min=0)))
+    # a sibling tried earlier with the same token is the one the one-hot rule accepts (this one then has p = 0)
+    shadowed = ((parent[:, :, None] == parent[:, None, :]) & match[:, None, :] & (order[:, None, :] < order[:, :, None])).any(2)
+    accepted = match & ~shadowed
+    accepted[:, 0] = True  # the root
+    up = parent.clamp(min=0)
+    for _ in range(length - 1):  # accepted with every ancestor: one gather a level (a path has at most L nodes)
+        accepted = accepted & accepted.gather(1, up)
+    num_accepted = accepted[:, 1:].sum(1)
+    index = torch.arange(width, device=device).expand(batch, -1)
+    path = torch.where(accepted, index, width).sort(1).values[:, 1 : length + 1]  # parents first: the path in order
+    path_nodes = torch.where(path < width, path, 0)
+    deepest = path_nodes.gather(1, (num_accepted - 1).clamp(min=0)[:, None]).squeeze(1)  # 0 (the root) if none
+    next_token = target_tokens.gather(1, deepest[:, None]).squeeze(1)
+    return TreeVerifyResult(num_accepted, path_nodes, next_token)
+
+
+def _validate_greedy(target_tokens, call_tokens, children, length) -> None:
+    if call_tokens.dim() != 2 or tuple(target_tokens.shape) != tuple(call_tokens.shape):
+        raise ValueError(f"target_tokens and call_tokens must both be [B, 1+n], got {tuple(target_tokens.shape)} and "
+                         f"{tuple(call_tokens.shape)}")
+    batch, width = call_tokens.shape
+    if children.dim() != 3 or tuple(children.shape[:2]) != (batch, width):
+        raise ValueError(f"children must be [B, 1+n, C] = [{batch}, {width}, C], got {tuple(children.shape)}")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be an int >= 1, got {length!r}")
+    node = torch.arange(width, device=children.device)[None, :, None]
+    if bool(((children < -1) | (children >= width) | ((children >= 0) & (children <= node))).any()):
+        raise ValueError("children must hold call indices in [0, 1+n) or -1, each after its parent")
 
 
 def _validate(target_probs, call_tokens, children, length, uniforms) -> None:

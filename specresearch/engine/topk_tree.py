@@ -36,7 +36,8 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import wide
-from specresearch.core.verify_tree import children_table, onehot_tree_verify
+from specresearch.core.sampling import check_logits
+from specresearch.core.verify_tree import children_table, greedy_tree_verify, onehot_tree_verify
 from specresearch.engine.steps import StepRecord, _accepted_block, _probs, _refeed
 from specresearch.engine.timing import clock
 from specresearch.engine.tree import node_tensors
@@ -140,9 +141,18 @@ def dynamic_tree_step(target, draft, target_pending, draft_pending, draft_valid,
         logits, features = target.score_tree(call_tokens, depth, tree.visible, hidden_layers=draft.feature_layers)
     else:
         logits, features = target.score_tree(call_tokens, depth, tree.visible), None
-    probs = _probs(logits.to(device), sampling, "target model logits (scoring the draft tree)")  # [B, 1+n, V]
-    t2 = tick()
-    result = onehot_tree_verify(probs, call_tokens, tree.children, gamma, validate=False, **randomness)
+    stage = "target model logits (scoring the draft tree)"
+    if sampling.greedy:  # the one-hot rule on one-hot rows, from their argmax alone (greedy_tree_verify)
+        try:
+            check_logits(logits)
+        except ValueError as error:
+            raise ValueError(f"{stage}: {error}") from error
+        t2 = tick()
+        result = greedy_tree_verify(logits.argmax(-1).to(device), call_tokens, tree.children, gamma, validate=False)
+    else:
+        probs = _probs(logits.to(device), sampling, stage)  # [B, 1+n, V]
+        t2 = tick()
+        result = onehot_tree_verify(probs, call_tokens, tree.children, gamma, validate=False, **randomness)
     accepted = result.num_accepted.tolist()
     batch = call_tokens.shape[0]
     on_path = torch.arange(gamma, device=device)[None] < result.num_accepted[:, None]
