@@ -4,8 +4,8 @@
   exactly for random models and shapes, and a rule that forgets to zero a rejected child is caught.
 * Torch against the twin: the engine drafts the twin's tree node for node (a ``ToyLM`` draft with distinct
   probabilities), ``greedy_tree_verify`` takes the one-hot rule's decisions on one-hot rows (random trees with
-  repeated sibling tokens), and ``onehot_tree_verify``'s law on a fixed tree matches ``onehot_tree_law`` (chi-square at N =
-  20,000, level 1e-6: false-positive rate 1e-6 per case, 3 cases).
+  repeated sibling tokens), and ``onehot_tree_verify``'s law on a fixed tree matches ``onehot_tree_law`` (chi-square
+  at N = 20,000, level 1e-6: false-positive rate 1e-6 per case, 3 cases).
 * The static tree (``draft_law="static"``, EAGLE-2's baseline) is checked the same way, beside the dynamic one.
 * Through the engine: T = 0 gives the greedy autoregressive tokens for every draft kind and several tree shapes,
   with acceptances (block efficiency > 1.2); batched == alone with per-row seeds; statistical losslessness of the

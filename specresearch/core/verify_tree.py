@@ -139,7 +139,8 @@ def greedy_tree_verify(target_tokens, call_tokens, children, length: int, *, val
     order = torch.zeros(batch, width + 1, dtype=torch.long, device=device).scatter_(1, slot, rank)[:, :width]
     match = (parent >= 0) & (call_tokens == target_tokens.gather(1, parent.clamp(min=0)))
     # a sibling tried earlier with the same token is the one the one-hot rule accepts (this one then has p = 0)
-    shadowed = ((parent[:, :, None] == parent[:, None, :]) & match[:, None, :] & (order[:, None, :] < order[:, :, None])).any(2)
+    sibling = parent[:, :, None] == parent[:, None, :]  # [B, i, j]
+    shadowed = (sibling & match[:, None, :] & (order[:, None, :] < order[:, :, None])).any(2)
     accepted = match & ~shadowed
     accepted[:, 0] = True  # the root
     up = parent.clamp(min=0)
