@@ -22,6 +22,8 @@
 #           beside the one-hot top-k tree and a chain: at T = 1, which accepts more per second on a GPU?
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
 # DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script).
+# GPU_DRAFT (default eagle3-v8k: the shipped head with its weights in float32, 37 MB; on a GPU its float16 form,
+# fp16:eagle3-v8k, saves no time and costs a weight conversion or scaling calls in every linear of every draft call).
 set -uo pipefail
 OUT="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,7 +73,7 @@ for part in $PARTS; do
             for set in chat mt-bench; do
                 extra=()
                 [ "$set" = chat ] || extra=(--prompt-set "$set")
-                run "trees_real_$set" 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft fp16:eagle3-v8k \
+                run "trees_real_$set" 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft "${GPU_DRAFT:-eagle3-v8k}" \
                     --prompts "${REAL_PROMPTS:-8}" --max-new-tokens "${REAL_TOKENS:-48}" --temperatures 0 1 \
                     --cost-sizes 4 8 16 32 64 "${extra[@]}" \
                     --runs "${REAL_RUNS[@]}" --out "$OUT/trees_head_${set}_gpu"
@@ -81,7 +83,7 @@ for part in $PARTS; do
         fi ;;
     sampled)
         if has_model; then
-            run trees_sampled_chat 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft fp16:eagle3-v8k \
+            run trees_sampled_chat 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft "${GPU_DRAFT:-eagle3-v8k}" \
                 --prompts "${REAL_PROMPTS:-8}" --max-new-tokens "${REAL_TOKENS:-48}" --temperatures 1 --cost-sizes 4 16 \
                 --runs "${SAMPLED_RUNS[@]}" --out "$OUT/trees_head_sampled_gpu"
         else
