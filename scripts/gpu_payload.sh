@@ -6,10 +6,13 @@
 #   here:            bash scripts/gpu_payload.sh pack
 #   device call 1:   carry [".gpu1"],  command: bash scripts/gpu_payload.sh unpack1
 #   device call 2:   carry [".gpu2"],  command: bash scripts/gpu_payload.sh unpack2 && PYTHONPATH=/tmp/site \
-#                        SPECRESEARCH_COMMIT=<sha> bash scripts/gpu_check.sh $OUT/r real sampled
+#                        SPECRESEARCH_COMMIT=<sha> timeout 540 bash scripts/gpu_check.sh /tmp/r real sampled; \
+#                        tar czf $OUT/r.tgz -C /tmp r
 #   here, after:     bash scripts/gpu_payload.sh restore
 #
-# Call 2 must come within the time the machine stays warm after call 1 (30 s), or call 1's half is gone.
+# Call 2 must come within the time the machine stays warm after call 1 (30 s), or call 1's half is gone. The results
+# travel back as one archive: a call returns at most 8 files from $OUT, and the two parts write 12; `timeout 540` leaves
+# the archive time to be made inside the call's 600 s.
 # pack: splits the GGUF at SPLIT_BYTES (42,000,000) into .gpu1/ (first part, with the head's weights) and .gpu2/ (the
 # rest, the wheel's __init__.py, the sha256 of the whole, the MT-Bench and HumanEval prompt files from the cache and the
 # `gguf` wheel, downloaded unless GPU_PAYLOAD_NO_WHEEL=1), adds both folders to .git/info/exclude, and takes the large
