@@ -23,6 +23,8 @@ A benchmark: nothing is asserted.
     PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --draft fp16:eagle3-v8k --temperatures 1 \
         --runs "chain block g1" "chain block g2" "traversal K2 g1" "traversal K3 g1" "traversal K2 g2" \
         "rrs w/o repl. K2 g1" --out benchmarks/records/trees_head_amd
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --table benchmarks/records/trees_head_h100.csv \
+        benchmarks/records/trees_t0_chat_h100_2.csv benchmarks/records/trees_t0_chat_h100_3.csv   # replicates, pooled
 """
 
 from __future__ import annotations
@@ -164,7 +166,13 @@ def main() -> int:
                         help="time each prompt and temperature this many times, the runs in a shuffled order")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the target's weights and activations (autoregressive decoding runs the same target)")
+    parser.add_argument("--table", nargs="+", metavar="CSV",
+                        help="summarise these records instead of running: replicates of one design (same prompts), "
+                             "pooled")
     args = parser.parse_args()
+    if args.table:
+        print(summarise(read_replicates(args.table)).round(3).to_string())
+        return 0
     if not 0 <= args.start < args.prompts:
         parser.error(f"--start must be in [0, --prompts = {args.prompts}), got {args.start}")
     if args.repeats < 1:
@@ -192,6 +200,23 @@ def main() -> int:
                     first=args.start, repeats=args.repeats)
     print(summarise(pd.DataFrame(rows)).round(3).to_string())
     return 0
+
+
+def read_replicates(paths):
+    """The rows of several records of one design (the same prompts, each record a replicate) as one frame whose
+    ``repeat`` tells the replicates apart, so that :func:`summarise` pools them per prompt."""
+    import pandas as pd
+
+    frames = []
+    for index, path in enumerate(paths):
+        frame = pd.read_csv(path)
+        needed = {"prompt_id", "temperature", "run", "tau", "tokens", "seconds", "ar_tokens", "ar_seconds"}
+        missing = needed - set(frame)
+        if missing:
+            raise ValueError(f"{path} is not a bench_trees record: no {sorted(missing)} columns")
+        frame["repeat"] = index * 1000 + (frame["repeat"] if "repeat" in frame else 0)
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
 
 
 def summarise(frame):

@@ -381,3 +381,25 @@ def test_pooled_speed_is_total_tokens_over_total_seconds_against_the_base():
     assert mixed["speed"] == pytest.approx(13 / 6) and mixed["low"] < mixed["speed"] < mixed["high"]
     with pytest.raises(ValueError, match="one value per prompt"):
         pooled_speed(seconds, tokens, base[:2], tokens)
+
+
+def test_bench_trees_table_pools_replicates(tmp_path):
+    """``bench_trees.py --table A.csv B.csv``: the records are replicates of one design, told apart by ``repeat``; a
+    record given twice pools to its own speeds and tau, and a file that is not a bench_trees record is named."""
+    import importlib.util
+
+    from specresearch.paths import repo_root
+
+    root = repo_root()
+    spec = importlib.util.spec_from_file_location("bench_trees", root / "benchmarks" / "bench_trees.py")
+    bench_trees = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_trees)
+    record = root / "benchmarks" / "records" / "trees_head_h100.csv"
+    once, twice = bench_trees.read_replicates([record]), bench_trees.read_replicates([record, record])
+    assert len(twice) == 2 * len(once) and twice["repeat"].nunique() == 2
+    alone, pooled = bench_trees.summarise(once), bench_trees.summarise(twice)
+    assert np.allclose(alone[["tau", "pooled"]], pooled[["tau", "pooled"]])
+    other = tmp_path / "other.csv"
+    other.write_text("prompt_id,temperature\nx,0\n")
+    with pytest.raises(ValueError, match="not a bench_trees record"):
+        bench_trees.read_replicates([record, other])
