@@ -137,6 +137,9 @@ SKINNY_ROWS_ENV = "SPECRESEARCH_SKINNY_ROWS"
 _CHOSEN_ROWS: dict[tuple, tuple[int, ...]] = {}
 
 
+SKINNY_MIN_BYTES = 8 << 20  # float32 linear weights under this stay in a CPU's caches: not timed, plain products kept
+
+
 def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts (of ``SKINNY_ROWS``) for which :func:`skinny_linear` beats ``F.linear`` on this machine,
     timed on ``model``'s own float32 linear layers (and modules that carry ``skinny_rows``). For each row
@@ -172,8 +175,8 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         timed = isinstance(module, torch.nn.Linear) or hasattr(module, "skinny_rows")
         if timed and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             weights.append(module.weight.detach())
-    if not weights:
-        return ()
+    if not weights or sum(w.numel() * 4 for w in weights) < SKINNY_MIN_BYTES:
+        return ()  # a model this small (under SKINNY_MIN_BYTES) times as noise: which rows won changed from run to run
     key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
     if timer is None and key in _CHOSEN_ROWS:
         return _CHOSEN_ROWS[key]
