@@ -167,8 +167,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the target's weights and activations (autoregressive decoding runs the same target)")
     parser.add_argument("--table", nargs="+", metavar="CSV",
-                        help="summarise these records instead of running: replicates of one design (same prompts), "
-                             "pooled")
+                        help="summarise these records instead of running, pooled per prompt: replicates of one "
+                             "design, or its runs on further prompts")
     args = parser.parse_args()
     if args.table:
         print(summarise(read_replicates(args.table)).round(3).to_string())
@@ -203,8 +203,8 @@ def main() -> int:
 
 
 def read_replicates(paths):
-    """The rows of several records of one design (the same prompts, each record a replicate) as one frame whose
-    ``repeat`` tells the replicates apart, so that :func:`summarise` pools them per prompt."""
+    """The rows of several records of one design (replicates of the same prompts, or runs on other prompts) as one
+    frame whose ``repeat`` tells the records apart, so that :func:`summarise` pools them per prompt."""
     import pandas as pd
 
     frames = []
