@@ -160,7 +160,12 @@ def test_onehot_tree_verify_has_the_twins_law(seed):
 
 @pytest.mark.parametrize("draft_law", ["dynamic", "static"])
 @pytest.mark.parametrize("num_drafts, gamma, tree_nodes", [(2, 3, None), (3, 4, 6), (1, 3, None), (4, 2, 3)])
-def test_greedy_dynamic_trees_are_greedy_decoding(num_drafts, gamma, tree_nodes, draft_law):
+def test_greedy_dynamic_trees_are_greedy_decoding(num_drafts, gamma, tree_nodes, draft_law, monkeypatch):
+    """At T = 0 the engine's tree steps decide with greedy_tree_verify (the one-hot walk is never called) and give
+    greedy decoding's tokens, with acceptances."""
+    import specresearch.engine.topk_tree as topk_tree
+
+    monkeypatch.setattr(topk_tree, "onehot_tree_verify", lambda *a, **k: pytest.fail("a T = 0 step walked the tree"))
     target, draft = tiny_llama(48, seed=0, init_std=0.6), close_draft()
     want = autoregressive_generate(target, PROMPTS, max_new_tokens=24, sampling=GREEDY).tokens
     out = speculative_generate(target, draft, PROMPTS, verifier="onehot", num_drafts=num_drafts, gamma=gamma,
