@@ -526,7 +526,7 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
     from specresearch.models.kernels import SkinnyLinear, choose_skinny_rows
 
     monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
-    monkeypatch.setattr(kernels, "SKINNY_MIN_BYTES", 0)  # the tiny head stands in for a large one
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 0)  # the tiny head stands in for a large one
     head = feature_head(target.model, head_tokens=40)
     layers = [m.weight.shape[0] for m in head.modules() if isinstance(m, (torch.nn.Linear, SubsetHead))]
     swept = []

@@ -298,7 +298,7 @@ def test_skinny_rows_are_chosen_by_timing_or_pinned(monkeypatch):
 
     monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
     assert choose_skinny_rows(fresh(), timer=lambda *a: pytest.fail("a model under 8 MiB is not timed")) == ()
-    monkeypatch.setattr(kernels, "SKINNY_MIN_BYTES", 0)  # the tiny model stands in for a large one from here on
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 0)  # the tiny model stands in for a large one from here on
     fast_for_few = lambda fn, path, rows: (0.5 if rows <= 2 else 1.5) if path == "skinny" else 1.0  # noqa: E731
     assert choose_skinny_rows(fresh(), timer=fast_for_few) == (1, 2)
     assert choose_skinny_rows(fresh(), timer=lambda fn, path, rows: 0.95 if path == "skinny" else 1.0) == ()  # within the margin
@@ -355,7 +355,7 @@ def test_the_skinny_rows_answer_is_timed_once_per_machine(monkeypatch, tmp_path)
     monkeypatch.delenv("SPECRESEARCH_ANSWERS", raising=False)  # the default place: the cache folder
     monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
     monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
-    monkeypatch.setattr(kernels, "SKINNY_MIN_BYTES", 0)  # timed for real, though tiny
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 0)  # timed for real, though tiny
     model = AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB, hidden_size=24), dtype=torch.float32)
     first = kernels.choose_skinny_rows(model, repeats=1)
     stored = json.loads((tmp_path / "skinny_rows.json").read_text())

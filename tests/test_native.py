@@ -90,7 +90,7 @@ def test_kernel_rows_are_chosen_by_timing(monkeypatch):
     in cache are not timed at all (their timings are noise)."""
     model = torch.nn.Sequential(torch.nn.Linear(32, 16))
     assert choose_kernel_rows(model, timer=lambda *a: pytest.fail("a small model is not timed")) == ()
-    monkeypatch.setattr(kernels, "KERNEL_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 0)
     def timer(fn, path, rows):
         return (0.5 if rows >= 3 else 0.95) if path == "kernel" else 1.0
 

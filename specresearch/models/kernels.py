@@ -137,7 +137,13 @@ SKINNY_ROWS_ENV = "SPECRESEARCH_SKINNY_ROWS"
 _CHOSEN_ROWS: dict[tuple, tuple[int, ...]] = {}
 
 
-SKINNY_MIN_BYTES = 8 << 20  # float32 linear weights under this stay in a CPU's caches: not timed, plain products kept
+TIMED_MIN_BYTES = 8 << 20  # float32 weights under this stay in a CPU's caches: timing products on them is noise
+
+
+def _fits_in_cache(weights) -> bool:
+    """True when ``weights`` (float32) take less than ``TIMED_MIN_BYTES``: neither the skinny rows nor the kernel's are
+    timed for them (which rows won would change from run to run), and the present products are kept."""
+    return sum(w.numel() * 4 for w in weights) < TIMED_MIN_BYTES
 
 
 def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
@@ -148,7 +154,8 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     count is chosen when its median skinny sweep takes less than ``margin`` times its median plain one.
     A sweep reads each weight once, so a model larger than the CPU's caches is timed from memory, as its
     forwards run (one weight per shape timed over and over stays in cache, where the plain one-row
-    product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower).
+    product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower); a model whose
+    float32 linear weights take less than ``TIMED_MIN_BYTES`` (8 MiB) stays in cache and is not timed: ().
     Which is faster depends on the CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
     ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times once per machine: answers are kept per layer
     shapes and thread count for the process and in ``<cache_dir>/skinny_rows.json`` for later processes, keyed by the
@@ -175,8 +182,8 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         timed = isinstance(module, torch.nn.Linear) or hasattr(module, "skinny_rows")
         if timed and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             weights.append(module.weight.detach())
-    if not weights or sum(w.numel() * 4 for w in weights) < SKINNY_MIN_BYTES:
-        return ()  # a model this small (under SKINNY_MIN_BYTES) times as noise: which rows won changed from run to run
+    if not weights or _fits_in_cache(weights):
+        return ()
     key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
     if timer is None and key in _CHOSEN_ROWS:
         return _CHOSEN_ROWS[key]
@@ -263,13 +270,12 @@ def use_kernel_rows(model: torch.nn.Module, rows=KERNEL_ROWS) -> int:
 
 KERNEL_ROWS_FILE = "kernel_rows.json"
 _CHOSEN_KERNEL_ROWS: dict[tuple, tuple[int, ...]] = {}
-KERNEL_MIN_BYTES = 8 << 20  # weights that fit in a CPU's caches are not streamed: the kernel is not timed for them
 
 
 def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts for which the compiled kernel (:mod:`specresearch.models.native`) beats the path ``model``'s
     float32 linear layers take now (their ``skinny_rows``, else ``F.linear``) on this machine; () where there is no
-    kernel or the layers' float32 weights take less than ``KERNEL_MIN_BYTES`` (8 MiB: they stay in cache, where
+    kernel or the layers' float32 weights take less than ``TIMED_MIN_BYTES`` (8 MiB: they stay in cache, where
     streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
     ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
     takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
@@ -283,8 +289,8 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         return ()
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.float32 and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()]
-    if not layers or sum(m.weight.numel() * 4 for m in layers) < KERNEL_MIN_BYTES:
-        return ()  # (their timings would be noise, and which rows won would change from run to run)
+    if not layers or _fits_in_cache([m.weight for m in layers]):
+        return ()
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) if isinstance(m, SkinnyLinear) else () for m in layers)
     source = hashlib.sha1(kernel_source().encode()).hexdigest()[:12]
     key = (tuple(tuple(m.weight.shape) for m in layers), torch.get_num_threads(), (present_rows, source))
