@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specresearch.config import SamplingConfig
-from specresearch.core.sampling import LOGITS_ERRORS, logits_flags, logits_to_probs, sample_tokens
+from specresearch.core.sampling import LOGITS_ERRORS, check_logits, logits_flags, logits_to_probs, sample_tokens
 
 __all__ = ["StepRecord", "StepChecks"]
 
@@ -37,6 +37,14 @@ class StepRecord:
     def overhead_seconds(self) -> float:
         """Everything but the two models' forward passes: sampling, verification, bookkeeping."""
         return self.seconds - self.target_seconds - self.draft_seconds
+
+
+def _check(logits: torch.Tensor, stage: str) -> None:
+    """``check_logits`` with :func:`_probs`' error, for a step that reads the logits' argmax alone."""
+    try:
+        check_logits(logits)
+    except ValueError as error:
+        raise ValueError(f"{stage}: {error}") from error
 
 
 def _probs(logits: torch.Tensor, sampling: SamplingConfig, stage: str) -> torch.Tensor:

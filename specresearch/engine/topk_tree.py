@@ -36,9 +36,8 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import wide
-from specresearch.core.sampling import check_logits
 from specresearch.core.verify_tree import children_table, greedy_tree_verify, onehot_tree_verify
-from specresearch.engine.steps import StepRecord, _accepted_block, _probs, _refeed
+from specresearch.engine.steps import StepRecord, _accepted_block, _check, _probs, _refeed
 from specresearch.engine.timing import clock
 from specresearch.engine.tree import node_tensors
 from specresearch.models.protocols import FeatureReader
@@ -143,10 +142,7 @@ def dynamic_tree_step(target, draft, target_pending, draft_pending, draft_valid,
         logits, features = target.score_tree(call_tokens, depth, tree.visible), None
     stage = "target model logits (scoring the draft tree)"
     if sampling.greedy:  # the one-hot rule on one-hot rows, from their argmax alone (greedy_tree_verify)
-        try:
-            check_logits(logits)
-        except ValueError as error:
-            raise ValueError(f"{stage}: {error}") from error
+        _check(logits, stage)
         t2 = tick()
         result = greedy_tree_verify(logits.argmax(-1).to(device), call_tokens, tree.children, gamma, validate=False)
     else:
