@@ -283,6 +283,50 @@ def test_traversal_reproduces_the_papers_worked_example():
     assert kept("rrs") == half
 
 
+def _gbv_first_token_law(p, q, choose):
+    """GBV at K = 2, L = 1, enumerated independently of the library: X* = ``choose(x1, x2)`` of two i.i.d. draws
+    from q; the draft law is q^G(t) = (y(t) + q(t))^2 - y(t)^2, y(t) = the q-mass ranked below t in the order
+    (min(1, p/q), token id); then block verification, which at L = 1 is token verification against q^G."""
+    vocab = range(len(p))
+    rank = sorted(vocab, key=lambda t: (min(F(1), p[t] / q[t]), t))
+    below = {t: sum((q[s] for s in rank[: rank.index(t)]), F(0)) for t in vocab}
+    q_g = [(below[t] + q[t]) ** 2 - below[t] ** 2 for t in vocab]
+    residual = [max(p[t] - q_g[t], F(0)) for t in vocab]
+    emitted = [F(0)] * len(p)
+    for x1, x2 in itertools.product(vocab, repeat=2):
+        x, mass = choose(x1, x2), q[x1] * q[x2]
+        keep = min(F(1), p[x] / q_g[x])
+        emitted[x] += mass * keep
+        for t in vocab:
+            emitted[t] += mass * (1 - keep) * residual[t] / sum(residual)
+    return emitted, rank
+
+
+def test_gbv_selection_and_law_must_rank_ties_alike():
+    """GBV's draft law q^G is the law of the largest of K i.i.d. paths in one order, so the selection must use
+    that same order, ties included (docs/multidraft.md). The reference code released with the paper (its
+    ``gbv_verify``) ranks by min(1, p/q), so every token with p >= q ties at 1; q^G breaks those ties by token id,
+    while the selection keeps the first child drafted. With p = (1/6, 1/3, 1/2) and uniform q (tokens 1 and 2 tie)
+    that rule emits (7/45, 4/9, 2/5) instead of p. The same clipped order used for both emits p: the order is
+    free, its consistency is not. The toolkit's order (p/q unclipped, ties by token id) is one order for both."""
+    third = F(1, 3)
+    p, q = (F(1, 6), third, F(1, 2)), (third, third, third)
+
+    def ratio(t):
+        return min(F(1), p[t] / q[t])
+
+    def first_drafted_among_ties(x1, x2):
+        return x2 if ratio(x2) > ratio(x1) else x1
+
+    emitted, rank = _gbv_first_token_law(p, q, first_drafted_among_ties)
+    assert rank == [0, 1, 2] and ratio(1) == ratio(2) == 1
+    assert emitted == [F(7, 45), F(4, 9), F(2, 5)]
+    consistent, _ = _gbv_first_token_law(p, q, lambda x1, x2: max(x1, x2, key=rank.index))
+    assert consistent == list(p)
+    law = step_distribution_multi(p, q, 2, 1, "gbv")
+    assert [sum(m for seq, m in law.items() if seq[0] == t) for t in range(3)] == list(p)
+
+
 def test_traversal_parent_weight_renormalised_by_the_draft_mass_is_not_lossless():
     """The parent update is w_b <- Z / (Z + 1 - w_b) (docs/multidraft.md). A public re-implementation that names the
     paper's pseudocode (M_b, M_s, p_alpha) instead sets w_b <- min(1, Z / (1 - q(x))), the residual's mass over the

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from itertools import product
+from itertools import combinations, product
 
 import pytest
 import torch
@@ -325,6 +325,34 @@ def test_path_index_is_the_lowest_path_with_the_accepted_prefix():
     for seed in range(20):
         result = MULTI_VERIFIERS["gbv"](target_probs, draft_probs, tokens, torch.Generator().manual_seed(seed))
         assert int(result.path_index) == (1 if int(result.num_accepted) > 0 else 0)
+
+
+def test_traversal_visits_the_papers_figure_1_tree_in_its_order():
+    """Traversal verification's Figure 1 (arXiv 2505.12398): root children X1, X2; X1's children X3, X4; X2's child
+    X5; visited X3, X4, X1, X5, X2 (depth-first post-order, a parent after all its children). For each pair a
+    before b, uniforms 0 at a and b (accepted if visited with weight > 0) and 1 - 1e-12 elsewhere (rejected at
+    weight < 1) must accept a. A pre-order walk (X1 before X3) fails the pair (X3, X1). Rows chosen so every
+    weight stays in (0, 1) along the walk."""
+    p_rows = {"": [0.35, 0.16, 0.19, 0.17, 0.08, 0.05], "X1": [0.01, 0.16, 0.57, 0.06, 0.07, 0.13],
+              "X2": [0.06, 0.6, 0.01, 0.2, 0.01, 0.12], "leaf": [1 / 6] * 6}
+    q_rows = {"": [0.06, 0.34, 0.04, 0.16, 0.12, 0.28], "X1": [0.07, 0.31, 0.11, 0.07, 0.03, 0.41],
+              "X2": [0.12, 0.03, 0.07, 0.01, 0.32, 0.45]}
+
+    def rows(table, names):
+        return torch.tensor([[table[n] for n in path] for path in names], dtype=torch.float64)[None]
+
+    tokens = torch.tensor([[[1, 3], [1, 4], [2, 5]]])  # paths (X1, X3), (X1, X4), (X2, X5)
+    target_probs = rows(p_rows, [["", "X1", "leaf"], ["", "X1", "leaf"], ["", "X2", "leaf"]])
+    draft_probs = rows(q_rows, [["", "X1"], ["", "X1"], ["", "X2"]])
+    slot = {"X1": (0, 0), "X3": (1, 0), "X4": (1, 1), "X2": (0, 2), "X5": (1, 2)}  # (depth - 1, first path)
+    accepted = {"X1": (1, 0), "X3": (2, 0), "X4": (2, 1), "X2": (1, 2), "X5": (2, 2)}  # (tau, lowest path)
+    order = ["X3", "X4", "X1", "X5", "X2"]
+    for a, b in combinations(order, 2):
+        uniforms = torch.full((1, 3, 3), 1 - 1e-12, dtype=torch.float64)
+        for node in (a, b):
+            uniforms[(0, *slot[node])] = 0.0
+        result = traversal_verify(target_probs, draft_probs, tokens, uniforms=uniforms)
+        assert (int(result.num_accepted), int(result.path_index)) == accepted[a], (a, b)
 
 
 def test_zero_probability_drafts_are_never_accepted():
