@@ -271,6 +271,13 @@ def _gbv_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     :func:`specresearch.exact.verify_exact` with ``"block"``) of X* with target p and draft rows q^G.
     Block verification is valid for any autoregressive draft law, so this is lossless exactly when
     q^G is the law of X*, i.e. for i.i.d. paths.
+
+    Checked against the reference code released with the paper (its ``gbv_verify`` and ``compute_skew``): the
+    selection (the child of highest rank at every depth), the recursion A_(v t) = A_v + Q_v q(tokens below t | v)
+    and q^G are the same. One difference, kept on purpose: that code ranks by min(1, p/q), so the tokens with
+    p >= q tie, and its selection keeps the first such child drafted while its q^G orders the tie by token id.
+    The two orders disagree there and the rule is then lossy (``test_gbv_selection_and_law_must_rank_ties_alike``);
+    here one order (p/q unclipped, q = 0 last, ties by token id) serves both.
     """
     best = _gbv_selected(target, draft, paths, prefix)
     draft_rows = gbv_draft_rows(target, draft, best, len(paths), prefix)
@@ -293,17 +300,19 @@ def _traversal_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     child left, else the first leaf below b's next child. On a chain this is block verification in
     its backward form (the h_i of Sun et al. Algorithm 2 are the updated w_b).
 
-    Checked against the paper: its worked example (a parent of ratio 0.5 and a child of ratio 4/3 kept as a
-    sequence with probability 2/3, token by token with 1/2) is reproduced exactly
-    (``test_traversal_reproduces_the_papers_worked_example``); its algorithm box was not readable from this
-    machine (only the abstract and introduction), so the update steps are those of docs/multidraft.md, and the
-    rule is certified by its exact properties: the rule equals block verification
-    on every chain (K = 1), equals RRS without replacement at L = 1, and is lossless for both draft
-    laws on every tested model (tests/test_exact_multi.py); a reading with w_b <- min(1, Z / (1 - q(x))), seen in a
-    public re-implementation, is not (``test_traversal_parent_weight_renormalised_by_the_draft_mass_is_not_lossless``).
-    The sibling update zeroes the rejected
-    token in q, i.e. it treats siblings as drawn without replacement; reading the merged tree makes
-    i.i.d. drafts fine too (distinct children in order of first appearance are such draws).
+    Checked step by step against what of the paper could be read here (sources in docs/multidraft.md): the
+    weights, the post-order walk (its Figure 1 order X3, X4, X1, X5, X2: tests/test_verify_multi.py), accepting the
+    whole path at once, the three parent updates (p, q without the token, w_b) and the bonus token from the
+    current p, against the formulas of its Algorithm 3 as two public summaries of the paper quote them and against
+    the ``traversal_verify`` of the reference code released with GBV (Thomas and Pal); no step differs. Its worked
+    example (a parent of ratio 0.5 and a child of ratio 4/3 kept as a sequence with probability 2/3, token by token
+    with 1/2) is reproduced exactly (``test_traversal_reproduces_the_papers_worked_example``), its theorem 3.4 (a
+    chain is block verification) holds on every chain, and the rule is lossless for both draft laws on every tested
+    model (tests/test_exact_multi.py). A reading with w_b <- min(1, Z / (1 - q(x))), seen in another public
+    re-implementation, is not (``test_traversal_parent_weight_renormalised_by_the_draft_mass_is_not_lossless``).
+    The sibling update zeroes the rejected token in q, i.e. it treats siblings as drawn without replacement;
+    reading the merged tree makes i.i.d. drafts fine too (distinct children in order of first appearance are such
+    draws).
     """
     children = {u: list(c) for u, c in merged_tree(paths).items()}
     p_rows = {u: target(prefix + u) for u in children}
