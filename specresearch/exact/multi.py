@@ -199,6 +199,9 @@ def _rrs_law(target, draft, paths: Paths, prefix: tuple) -> dict:
     merged tree (each distinct child tried once, q unchanged) is lossy with i.i.d. drafts -- an
     ad-hoc run of :func:`smallest_counterexample` on that variant finds V = 3, p = (0, 1/3, 2/3),
     q = (2/3, 0, 1/3), K = 2. Dropping duplicates needs the q update of RRS without replacement.
+    The reference code released with GBV (its SpecInfer solver, citing lines 27-40 of SpecInfer's Algorithm 2)
+    does the same: one occurrence per path, q unchanged, p <- norm(max(p - q, 0)); it tries the occurrences in
+    a uniformly random order, which for i.i.d. paths has the same law as path order.
     """
     def candidates(u: tuple) -> list:
         return [path[len(u)] for path in paths if len(path) > len(u) and path[: len(u)] == u]
