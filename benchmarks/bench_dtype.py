@@ -30,7 +30,7 @@ from specresearch.drafts.registry import load_pair
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.experiments.analysis import pooled_speed
-from specresearch.experiments.records import machine_info, record_header
+from specresearch.experiments.records import machine_info, record_files, record_header
 from specresearch.paths import data_dir, repo_root
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -121,12 +121,12 @@ def main() -> int:
                     rows.append({"prompt_id": prompt["id"], "temperature": temperature, "repeat": repeat, "dtype": name,
                                  "run": "autoregressive" if gamma is None else f"chain block g{gamma}",
                                  "tau": out.block_efficiency, "tokens": out.num_tokens, "seconds": out.seconds})
-        pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)  # after each prompt: a stopped run keeps them
+        pd.DataFrame(rows).to_csv(record_files(stem)[0], index=False)  # after each prompt: a stopped run keeps them
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     table = report(pd.DataFrame(rows))
     header = record_header("benchmarks/bench_dtype.py", sys.argv[1:], draft=args.draft,
                            summary=json.loads(table.to_json(orient="records")))
-    stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
+    record_files(stem)[1].write_text(json.dumps(header, indent=2) + "\n")
     return 0
 
 

@@ -52,7 +52,7 @@ from specresearch.engine.prompts import (
 )
 from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.experiments.draft_analysis import pooled_speeds
-from specresearch.experiments.records import machine_info, record_header
+from specresearch.experiments.records import machine_info, record_files, record_header
 from specresearch.paths import data_dir, repo_root
 
 RUNS = {  # label -> speculative_generate options
@@ -189,12 +189,12 @@ def main() -> int:
     stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"trees_{machine.get('cpu', 'cpu').split()[0].lower()}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     header = record_header("benchmarks/bench_trees.py", sys.argv[1:], draft=args.draft, tree_cost=cost)
-    stem.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
+    record_files(stem)[1].write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1), flush=True)
     import pandas as pd
 
     def write(rows):  # after each prompt, so a run stopped early keeps the prompts it finished
-        pd.DataFrame(rows).to_csv(stem.with_suffix(".csv"), index=False)
+        pd.DataFrame(rows).to_csv(record_files(stem)[0], index=False)
 
     rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs, done=write,
                     first=args.start, repeats=args.repeats)

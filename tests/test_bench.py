@@ -328,6 +328,16 @@ def test_machine_info_names_the_cpu_and_torch(tmp_path):
     assert session["draft"] == "d" and session["cpu"] == info["cpu"] and "started" in session
 
 
+def test_record_files_keep_dots_in_the_stem(tmp_path):
+    """A benchmark's ``--out`` stem named after a draft such as ``dial-mix:0.5`` keeps its text after the dot (Path's
+    ``with_suffix`` would have cut ``trees_dial-mix0.5_amd`` to ``trees_dial-mix0``); a given ending is dropped."""
+    from specresearch.experiments.records import record_files
+
+    stem = tmp_path / "trees_dial-mix0.5_amd"
+    assert record_files(stem) == (tmp_path / "trees_dial-mix0.5_amd.csv", tmp_path / "trees_dial-mix0.5_amd.json")
+    assert record_files(f"{stem}.csv") == record_files(stem) == record_files(f"{stem}.json")
+
+
 def test_a_record_header_names_command_commit_machine_and_weights():
     """Every record's header: the command as typed, the checkout's commit, the machine, and a sha256 per shipped
     weight file the draft name uses (none for weightless drafts)."""

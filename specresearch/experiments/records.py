@@ -8,7 +8,8 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "git_commit", "machine_info", "read_records", "record_header", "write_run_info"]
+__all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "git_commit", "machine_info", "read_records", "record_files", "record_header",
+           "write_run_info"]
 
 
 AUTOREGRESSIVE = "autoregressive"  # the ``verifier`` value of baseline rows (gamma 0, no draft)
@@ -109,6 +110,15 @@ def record_header(script: str, argv: list[str], draft: str | None = None, *,
 
         header.update(draft=draft, draft_sha256=weights_digests(draft))
     return {**header, **extra}
+
+
+def record_files(stem: str | os.PathLike) -> tuple[Path, Path]:
+    """The record pair ``(<stem>.csv, <stem>.json)`` of a benchmark's ``--out`` stem. The stem may hold dots
+    (``trees_dial-mix0.5_amd``: nothing after the dot is lost); a ``.csv`` or ``.json`` ending is dropped first."""
+    stem = Path(stem)
+    if stem.suffix in (".csv", ".json"):
+        stem = stem.with_suffix("")
+    return stem.parent / f"{stem.name}.csv", stem.parent / f"{stem.name}.json"
 
 
 def write_run_info(path: str | os.PathLike, **info) -> Path:
