@@ -26,6 +26,7 @@ verification of each tree's first path alone, the single-draft baseline on the s
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --prompts 16
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_traversal_mt-bench_amd.csv
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_traversal_v8k-4l_mt-bench_amd.csv
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_gbv_mt-bench_amd.csv --base block
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_gbv_dial-mix0.5_mt-bench_amd.csv --base block
 """
