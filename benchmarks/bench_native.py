@@ -72,6 +72,7 @@ def main() -> int:
     machine = machine_info()
     cpu = machine.get("cpu", "cpu").split()[0].lower()
     stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"native_{cpu}"
+    csv_path, json_path = record_files(stem)  # the stem may hold dots
     rows = []
     for i, prompt in enumerate(prompts):
         ids = encode_chat([prompt], tokenizer)[0].tolist()
@@ -86,13 +87,13 @@ def main() -> int:
                     rows.append({"prompt_id": prompt["id"], "temperature": temperature, "repeat": repeat,
                                  "variant": variant, "run": label, "tau": out.block_efficiency,
                                  "tokens": out.num_tokens, "seconds": out.seconds})
-        pd.DataFrame(rows).to_csv(record_files(stem)[0], index=False)  # after each prompt: a stopped run keeps them
+        pd.DataFrame(rows).to_csv(csv_path, index=False)  # after each prompt: a stopped run keeps them
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     table = report(pd.DataFrame(rows))
     header = record_header("benchmarks/bench_native.py", sys.argv[1:], draft=args.draft, kernel_rows=chosen,
                            r_n={name: {str(k): round(r, 4) for k, r in c.items()} for name, c in curve.items()},
                            summary=json.loads(table.to_json(orient="records")))
-    record_files(stem)[1].write_text(json.dumps(header, indent=2) + "\n")
+    json_path.write_text(json.dumps(header, indent=2) + "\n")
     return 0
 
 

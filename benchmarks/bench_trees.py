@@ -187,14 +187,15 @@ def main() -> int:
     cost = tree_cost(target, sizes=tuple(args.cost_sizes))
     machine = machine_info()
     stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"trees_{machine.get('cpu', 'cpu').split()[0].lower()}"
+    csv_path, json_path = record_files(stem)  # the stem may hold dots
     stem.parent.mkdir(parents=True, exist_ok=True)
     header = record_header("benchmarks/bench_trees.py", sys.argv[1:], draft=args.draft, tree_cost=cost)
-    record_files(stem)[1].write_text(json.dumps(header, indent=2) + "\n")
+    json_path.write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1), flush=True)
     import pandas as pd
 
     def write(rows):  # after each prompt, so a run stopped early keeps the prompts it finished
-        pd.DataFrame(rows).to_csv(record_files(stem)[0], index=False)
+        pd.DataFrame(rows).to_csv(csv_path, index=False)
 
     rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs, done=write,
                     first=args.start, repeats=args.repeats)
