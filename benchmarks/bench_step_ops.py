@@ -4,7 +4,9 @@ On an H200 the 135M target's call costs about the same from 1 to 64 tokens (reco
 issuing its ~1,850 torch calls sets the time, about 12-15 µs a call, so a step costs roughly its calls. This counts
 them here, deterministically, on the path a GPU runs (the target without the CPU's skinny kernels), with
 ``engine.timing.HostReads``: every torch operation called from Python (attribute reads excluded) and every host read.
-The shipped head drafts; held-out chat prompts; T = 0 and 1. Nothing is timed and nothing asserted.
+The models issue the calls they would on CUDA (:func:`as_on_cuda`: the target's attention ``CausalLM`` chooses there,
+the draft's float32 layers plain ``nn.Linear``). The shipped head drafts; held-out chat prompts; T = 0 and 1. Nothing
+is timed and nothing asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32
 """
@@ -15,6 +17,8 @@ import argparse
 import json
 import sys
 
+import torch
+
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair
 from specresearch.engine.cost import tree_options
@@ -22,10 +26,36 @@ from specresearch.engine.generate import autoregressive_generate, speculative_ge
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.engine.timing import HostReads
 from specresearch.experiments.records import record_header
+from specresearch.models.kernels import SkinnyLinear, use_packed_sdpa
 from specresearch.paths import data_dir, repo_root
 
 RUNS = {"autoregressive": None, "chain block g1": {"gamma": 1}, "chain block g2": {"gamma": 2},
         "dynamic K4 g4 n10": tree_options((4, 4, 10)), "dynamic K8 g6 n32": tree_options((8, 6, 32))}
+
+
+def as_on_cuda(target, draft) -> None:
+    """Make the CPU models issue the torch calls they issue on CUDA, in place: the target (loaded without skinny
+    linears) gets the attention ``CausalLM`` chooses there (``kernels.packed_sdpa_attention``); the draft's
+    ``SkinnyLinear`` layers, which drafts choose on CPU only, become plain ``nn.Linear`` where their weights are
+    float32 and take ``F.linear`` for every row count where they are float16 (the half path runs on CUDA too)."""
+    use_packed_sdpa(target.model)
+    for module in _modules(draft):
+        for layer in module.modules():
+            if type(layer) is SkinnyLinear and layer.weight.dtype == torch.float32:
+                layer.__class__ = torch.nn.Linear
+            elif hasattr(layer, "skinny_rows"):
+                layer.skinny_rows = ()
+
+
+def _modules(draft, depth: int = 3) -> list[torch.nn.Module]:
+    """The ``nn.Module`` attributes of a draft and of the drafts it wraps (a lookup's trained draft)."""
+    found = []
+    for value in vars(draft).values():
+        if isinstance(value, torch.nn.Module):
+            found.append(value)
+        elif depth and hasattr(value, "__dict__") and not isinstance(value, (type, torch.Tensor)):
+            found.extend(_modules(value, depth - 1))
+    return found
 
 
 def count(target, draft, prompts, temperature: float, max_new_tokens: int) -> list[dict]:
@@ -57,6 +87,7 @@ def main() -> int:
     if args.prompts < 1 or args.max_new_tokens < 1:
         parser.error(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
     target, draft, tokenizer = load_pair(draft=args.draft, skinny_linear=False)  # the GPU's path: plain linear layers
+    as_on_cuda(target, draft)
     chosen = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
     prompts = [row.tolist() for row in encode_chat(chosen, tokenizer)]
     rows = [row for t in (0.0, 1.0) for row in count(target, draft, prompts, t, args.max_new_tokens)]

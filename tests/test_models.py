@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from specresearch.models.causal_lm import CausalLM
-from specresearch.models.kernels import CPU_SDPA, cpu_sdpa_attention
+from specresearch.models.kernels import (
+    CPU_SDPA,
+    PACKED_SDPA,
+    cpu_sdpa_attention,
+    packed_sdpa_attention,
+    use_packed_sdpa,
+)
 from specresearch.models.toy import ToyLM, tiny_llama
 
 ATOL = 1e-4
@@ -276,6 +282,71 @@ def test_cpu_sdpa_attention_is_transformers_sdpa_without_the_kv_copies():
     causal = torch.randn(2, 4, 7, 8, generator=g)
     torch.testing.assert_close(cpu_sdpa_attention(module, causal, key, value, None)[0],
                                sdpa_attention_forward(module, causal, key, value, None)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 3, 7), (1, 1, 3, 7), (2, 4, 3, 7)])
+@pytest.mark.parametrize("additive", [False, True])
+def test_packed_sdpa_attention_is_transformers_sdpa_without_the_kv_copies(mask_shape, additive):
+    """Grouped heads (4 query heads over 2) with a boolean or additive mask, shared by the heads, by the batch or
+    one per head: the same output as transformers' sdpa attention; without a mask transformers' function itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(1)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    query = torch.randn(2, 3, 4, 8, generator=g).transpose(1, 2)  # [B, h, q, d], strided as a model's
+    key, value = (torch.randn(2, 2, 7, 8, generator=g) for _ in range(2))
+    mask = torch.rand(*mask_shape, generator=g) > 0.3
+    mask[..., 0] = True
+    if additive:
+        bias = torch.randn(*mask_shape, generator=g).clamp(-1, 1)
+        mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min) + bias
+    got, weights = packed_sdpa_attention(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert weights is None and got.shape == (2, 3, 4, 8) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    causal = torch.randn(2, 4, 7, 8, generator=g)
+    torch.testing.assert_close(packed_sdpa_attention(module, causal, key, value, None)[0],
+                               sdpa_attention_forward(module, causal, key, value, None)[0], atol=0, rtol=0)
+
+
+def test_packed_sdpa_scores_as_transformers_sdpa_with_fewer_torch_calls():
+    """A tiny grouped-query model switched to packed_sdpa_attention (what CausalLM does on CUDA) scores every
+    cached, masked call (left padding, per-row rollback, a tree) as with transformers' sdpa, and a masked call
+    issues 4 torch calls a layer fewer (benchmarks/bench_step_ops.py counts the calls a GPU step issues)."""
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.engine.timing import HostReads
+    from specresearch.models.toy import tiny_llama_config
+
+    def fresh():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB, num_layers=3, initializer_range=0.5),
+                                                    dtype=torch.float32)
+
+    packed, plain = (CausalLM(fresh(), device="cpu", skinny_linear=False) for _ in range(2))
+    assert use_packed_sdpa(packed.model) and packed.model.config._attn_implementation == PACKED_SDPA
+    ids = torch.tensor([[0, 5, 6, 7, 8], [4, 9, 9, 2, 1]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    for lm in (packed, plain):
+        lm.prefill(ids, mask)
+    calls = {}
+    for k in (2, 3):
+        tokens = torch.arange(9, 9 + 2 * k).view(2, k)
+        for name, lm in (("packed", packed), ("plain", plain)):
+            with HostReads() as counter:
+                calls[name] = (lm.score(tokens), counter.calls)
+            lm.rollback(torch.tensor([k - 1, 0]))
+        torch.testing.assert_close(calls["packed"][0], calls["plain"][0], atol=1e-5, rtol=1e-5)
+        assert calls["plain"][1] - calls["packed"][1] == 4 * 3
+    depth = torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]])
+    visible = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]] * 2, dtype=torch.bool)
+    trees = []
+    for lm in (packed, plain):
+        lm.begin_tree()
+        trees.append(lm.score_tree(torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]]), depth, visible))
+    torch.testing.assert_close(trees[0], trees[1], atol=1e-5, rtol=1e-5)
 
 
 def test_skinny_rows_are_chosen_by_timing_or_pinned(monkeypatch):

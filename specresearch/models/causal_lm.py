@@ -30,6 +30,7 @@ from specresearch.models.kernels import (
     choose_skinny_rows,
     use_cpu_sdpa,
     use_kernel_rows,
+    use_packed_sdpa,
     use_skinny_linears,
 )
 
@@ -195,7 +196,8 @@ class CausalLM:
 
     Uses transformers' own ``DynamicCache`` (``crop`` for rollback); keeps no state on the HF model object
     and never branches on the model class (on CPU it switches the model's ``nn.Linear`` layers to
-    :class:`SkinnyLinear`, see ``skinny_linear``, and its ``"sdpa"`` attention to :func:`cpu_sdpa_attention`).
+    :class:`SkinnyLinear`, see ``skinny_linear``, and its ``"sdpa"`` attention to :func:`cpu_sdpa_attention`; on CUDA
+    to :func:`packed_sdpa_attention`).
     Logits are returned in float32.
 
     Args:
@@ -209,7 +211,8 @@ class CausalLM:
             ``None``: when the model is on the CPU, the layers for the row counts :func:`choose_skinny_rows`
             finds faster on this machine (none: plain ``nn.Linear``), and the compiled kernel
             (:mod:`specresearch.models.native`) for those :func:`choose_kernel_rows` finds faster still;
-            ``True``: every row count 1-8, no kernel.
+            ``True``: every row count 1-8, no kernel. On CUDA, ``None`` switches the attention to
+            :func:`packed_sdpa_attention` and ``False`` leaves it alone.
     """
 
     returns_hidden_states = True  # prefill / score take hidden_layers= (module docstring)
@@ -229,6 +232,8 @@ class CausalLM:
             if skinny_linear is None:
                 use_kernel_rows(self.model, choose_kernel_rows(self.model))
             use_cpu_sdpa(self.model)
+        elif skinny_linear is None and self.device.type == "cuda":
+            use_packed_sdpa(self.model)  # a masked call of a grouped-query layer without transformers' K / V copies
         self._cache = None
         self._slots: SlotMask | None = None
 

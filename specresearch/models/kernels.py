@@ -1,4 +1,4 @@
-"""CPU kernels for small models: skinny linear products, half-precision weights, grouped-query attention.
+"""Kernels for small models: skinny linear products and half-precision weights on CPU, grouped-query attention.
 
 Speed on CPUs: a speculative step scores gamma + 1 tokens in one call, so the target's linear layers
 multiply 2-9 rows by each weight, and autoregressive decoding 1. A forward of a small model is bound by
@@ -20,7 +20,9 @@ mask transformers' ``"sdpa"`` attention copies K and V once per query group of a
 transposed output of ``(W @ x^T)^T``) sends the CPU kernel down its slow unfused path. So
 ``skinny_linear`` returns row-major outputs and ``CausalLM`` on CPU switches ``"sdpa"`` to
 :func:`cpu_sdpa_attention`, which hands the groups to the fused kernel: a two-token call of the embedded
-target then costs about what a one-token call costs (it cost 5-6 ms more, ~10%).
+target then costs about what a one-token call costs (it cost 5-6 ms more, ~10%). On CUDA, where a step is
+bound by the host's torch calls rather than by the copy, ``CausalLM`` switches it to :func:`packed_sdpa_attention`,
+which packs each group's query heads into one head instead (6 calls a layer instead of 10).
 
 Half-precision weights for drafts (:func:`use_half_weights`): a draft's weights stored in float16 halve
 the bytes streamed per call; its activations, biases and everything between the linear layers stay
@@ -49,7 +51,8 @@ from specresearch.models.native import (
     skinny_kernel,
 )
 
-__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "cpu_sdpa_attention", "use_cpu_sdpa"]
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "cpu_sdpa_attention", "use_cpu_sdpa",
+           "packed_sdpa_attention", "use_packed_sdpa"]
 
 
 SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
@@ -393,7 +396,7 @@ def cpu_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    special = any(kwargs.get(name) is not None for name in ("position_bias", "cache", "softcap")) or kwargs.get("output_attentions")
+    special = _special(kwargs)
     if attention_mask is None or groups == 1 or query.device.type != "cpu" or special or key.shape[-1] != value.shape[-1]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -402,15 +405,65 @@ def cpu_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     return out.transpose(1, 2).contiguous(), None
 
 
+PACKED_SDPA = "specresearch_packed_sdpa"  # the attention CausalLM selects on CUDA (packed_sdpa_attention)
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs):
+    """transformers' ``"sdpa"`` attention, except that a masked call of a grouped-query layer packs each group's
+    query heads into one head of ``groups x q`` queries (and the mask alike) instead of copying K and V once per
+    group. Any device; meant for CUDA, whose fused kernels take grouped heads only without a mask.
+
+    The same scores and outputs: query head ``h`` reads K / V head ``h // groups`` either way. A GPU step is
+    bound by the host issuing its torch calls (``benchmarks/bench_step_ops.py``): this takes 6 a layer where
+    transformers' copies take 10, 120 fewer per call of the embedded target. Any other call (no mask, no groups,
+    a mask per head that is not one per query head, position bias, soft-capping, attention weights asked) goes
+    to transformers' own function. Inputs ``query [B, h, q, d]``, ``key / value [B, kv, S, d]``, ``attention_mask
+    [B or 1, 1 or h, q, S]``; returns ``([B, q, h, d], None)`` as transformers' attention functions do.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = _special(kwargs)
+    batch, heads, length, dim = query.shape
+    if (attention_mask is None or groups == 1 or special or key.shape[-1] != value.shape[-1]
+            or attention_mask.ndim != 4 or attention_mask.shape[1] not in (1, heads)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    packed = query.reshape(batch, heads // groups, groups * length, dim)  # head j * groups + r -> rows r * q + t
+    if attention_mask.shape[1] == 1:
+        mask = attention_mask.repeat(1, 1, groups, 1)
+    else:
+        mask = attention_mask.expand(batch, -1, -1, -1).reshape(batch, heads // groups, groups * length, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+def _special(kwargs) -> bool:
+    """Whether an attention call asks for what only transformers' own function does."""
+    return any(kwargs.get(name) is not None for name in ("position_bias", "cache", "softcap")) or bool(kwargs.get("output_attentions"))
+
+
 def use_cpu_sdpa(model) -> bool:
     """Switch a transformers model that uses ``"sdpa"`` attention to :func:`cpu_sdpa_attention` (registered with
     transformers as ``CPU_SDPA``, with transformers' sdpa masks); returns whether it was switched."""
+    return _use_attention(model, CPU_SDPA, cpu_sdpa_attention)
+
+
+def use_packed_sdpa(model) -> bool:
+    """Switch a transformers model that uses ``"sdpa"`` attention to :func:`packed_sdpa_attention` (registered
+    as ``PACKED_SDPA``, with transformers' sdpa masks); returns whether it was switched."""
+    return _use_attention(model, PACKED_SDPA, packed_sdpa_attention)
+
+
+def _use_attention(model, name: str, function) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
-    AttentionInterface.register(CPU_SDPA, cpu_sdpa_attention)
-    AttentionMaskInterface.register(CPU_SDPA, sdpa_mask)
-    model.set_attn_implementation(CPU_SDPA)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
     return True
