@@ -9,6 +9,8 @@ the draft's float32 layers plain ``nn.Linear``). The shipped head drafts; held-o
 is timed and nothing asserted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32 --draft fp16:eagle3-v8k \
+        --out benchmarks/records/step_ops_fp16_amd.json
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--draft", default="fp16:eagle3-v8k")
+    parser.add_argument("--draft", default="eagle3-v8k", help="default: the float32 head, as scripts/gpu_check.sh runs")
     parser.add_argument("--out", default=str(repo_root() / "benchmarks" / "records" / "step_ops_amd.json"))
     args = parser.parse_args()
     if args.prompts < 1 or args.max_new_tokens < 1:

@@ -1,5 +1,6 @@
-"""The timing half of ``scripts/gpu_check.sh``: verifiers at B = 32, the engine's overhead and host reads per step, and
-the device's cost curve r_n with chains against sampled and dynamic trees (what a tree step costs there), on a model
+"""The timing half of ``scripts/gpu_check.sh``: verifiers at B = 32, the engine's overhead and host reads per step,
+the device's cost curve r_n with chains against sampled and dynamic trees (what a tree step costs there), and a
+masked call's attention as transformers computes it against ``CausalLM``'s on CUDA (``packed_sdpa_attention``), on a model
 with SmolLM2-135M's configuration and random weights (``data/configs/smollm2-135m-instruct.json``: no
 shipped weights needed, so a GPU machine gets it with the code). Writes ``OUT/gpu_bench.json``; nothing is asserted.
 
@@ -117,6 +118,39 @@ def trees(device, target, quick: bool) -> dict:
             "target_ms": 1e3 * curve.target_seconds, "runs": runs}
 
 
+def attention(device, target, quick: bool) -> list[dict]:
+    """Per tokens scored k: milliseconds of a masked call (a cached 256-token context, each call rolled back) with
+    transformers' ``"sdpa"`` attention, which copies K and V per query group under a mask, against
+    ``kernels.packed_sdpa_attention`` (what ``CausalLM`` chooses on CUDA), interleaved; and each call's torch calls."""
+    from specresearch.models.kernels import PACKED_SDPA, use_packed_sdpa
+
+    model, before = target.model, target.model.config._attn_implementation
+    use_packed_sdpa(model)  # registers it (the model is switched back and forth below)
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(3, model.config.vocab_size, (1, 32 if quick else 256), generator=generator)
+    target.prefill(context, torch.ones_like(context))
+    rows = []
+    for k in (2, 8) if quick else (2, 8, 32):
+        tokens = torch.randint(3, model.config.vocab_size, (1, k), generator=generator)
+        names = ("sdpa", PACKED_SDPA)
+        calls = [TimedCall(call=lambda: target.score(tokens), setup=lambda name=name: model.set_attn_implementation(name),
+                           reset=lambda: target.rollback(k)) for name in names]
+        medians = interleaved_medians(calls, repeats=5 if quick else 20, warmup=3, device=device)  # ~7 s on a GPU
+        counts = []
+        for name in names:
+            model.set_attn_implementation(name)
+            with HostReads() as reads:
+                target.score(tokens)
+            target.rollback(k)
+            counts.append(reads.calls)
+        rows.append({"tokens": k, "sdpa_ms": 1e3 * medians[0], "packed_ms": 1e3 * medians[1],
+                     "packed_over_sdpa": medians[1] / medians[0], "sdpa_torch_calls": counts[0],
+                     "packed_torch_calls": counts[1]})
+        print(rows[-1], flush=True)
+    model.set_attn_implementation(before)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -139,6 +173,7 @@ def main() -> int:
         "verifiers_ms_B32": verifier_timings(device, 4 if args.quick else 32, config.vocab_size, 5 if args.quick else 50),
         "engine": engine(device, target, args.quick),
         "trees": trees(device, target, args.quick),
+        "attention": attention(device, target, args.quick),
     }
     result["seconds"] = time.perf_counter() - started
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@
 #   tests:  the tests marked `cuda` (tests/test_devices.py: greedy equality and the statistical losslessness test on
 #           CUDA for every draft kind built from a config, a CPU generator with GPU probabilities), and the engine's
 #           tests on the CPU of that machine (tests/test_rows_end_early.py, tests/test_host_reads.py);
-#   timing: scripts/gpu_bench.py: verifier timings at B = 32, the engine's overhead and host reads per step and the
-#           device's cost curve with chains against trees, on a random-weight model with SmolLM2-135M's configuration;
+#   timing: scripts/gpu_bench.py: verifier timings at B = 32, the engine's overhead and host reads per step, the
+#           device's cost curve with chains against trees, and a masked call with transformers' attention against the
+#           packed one CausalLM takes on CUDA, on a random-weight model with SmolLM2-135M's configuration;
 #   real:   benchmarks/bench_trees.py on the device with the embedded target and the shipped feature head (two chains
 #           and three dynamic trees against autoregressive decoding, 8 held-out chat prompts and 8 MT-Bench first turns,
 #           T = 0, each prompt's runs timed twice in a shuffled order, 48 new tokens). Needs the embedded model (the

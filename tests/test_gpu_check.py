@@ -21,6 +21,9 @@ def test_gpu_bench_runs_on_a_cpu_and_writes_its_record(tmp_path):
     assert trees["r"][0] == 1.0 and len(trees["r"]) == 4 and set(trees["runs"]) == {"chain g1", "chain g3", "traversal K2 g2",
                                                                                   "dynamic K4 g4 n10"}
     assert trees["runs"]["dynamic K4 g4 n10"]["scored_per_step"] > trees["runs"]["chain g1"]["scored_per_step"] == 2
+    attention = record["attention"]  # 4 layers: the packed attention issues 4 torch calls a layer fewer
+    assert [row["tokens"] for row in attention] == [2, 8]
+    assert all(row["sdpa_torch_calls"] - row["packed_torch_calls"] == 16 and row["packed_ms"] > 0 for row in attention)
 
 
 def test_gpu_check_script_names_its_parts_and_usage():
