@@ -9,8 +9,8 @@ asserts the exact, conservative Bonferroni p-value > 1e-7, so a correct implemen
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from fractions import Fraction as F
+from pathlib import Path
 
 import pytest
 import torch

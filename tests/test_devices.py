@@ -4,8 +4,8 @@ without CUDA) the engine on a GPU: greedy equality and sampled losslessness for 
 
 import pytest
 import torch
-
 from helpers import feature_head
+
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import draw_uniforms, uniforms, wide
 from specresearch.core.sampling import sample_tokens

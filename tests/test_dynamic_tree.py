@@ -177,6 +177,7 @@ def test_greedy_dynamic_trees_are_greedy_decoding(num_drafts, gamma, tree_nodes,
 @pytest.mark.parametrize("kind", ["ngram", "feature", "lookup+feature"])
 def test_every_draft_kind_drafts_dynamic_trees(kind):
     from helpers import feature_head
+
     from specresearch.drafts.combined import LookupOrDraft
     from specresearch.drafts.feature import FeatureDraft
     from specresearch.drafts.ngram import NGramDraft
@@ -215,6 +216,7 @@ def test_dynamic_trees_are_lossless_through_the_engine(num_drafts, gamma, tree_n
 
 def test_feature_head_dynamic_trees_are_lossless_through_the_engine():
     from helpers import feature_head
+
     from specresearch.drafts.feature import FeatureDraft
 
     target = tiny_llama(16, seed=0, init_std=0.8, num_layers=2)

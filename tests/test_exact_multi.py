@@ -9,10 +9,9 @@ import pytest
 import sympy
 
 from specresearch import exact
-from specresearch.exact import lp
+from specresearch.exact import lp, theory_multi
 from specresearch.exact import multi as exact_multi
 from specresearch.exact import paths as exact_paths
-from specresearch.exact import theory_multi
 from specresearch.exact.multi import (
     MULTI_METHODS,
     expected_accepted_multi,

@@ -4,8 +4,8 @@ embeddings runs a batch whose rows end at different steps."""
 
 import pytest
 import torch
-
 from helpers import feature_head
+
 from specresearch.config import SamplingConfig
 from specresearch.drafts.combined import LookupOrDraft
 from specresearch.drafts.dial import DialDraft

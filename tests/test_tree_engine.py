@@ -130,6 +130,7 @@ def test_tree_rules_are_lossless_through_the_engine(verifier, draft_law, gamma):
 def test_feature_head_trees_are_lossless_through_the_engine(kind):
     """The head drafts each path on its own features and is re-fed the target's along the accepted one."""
     from helpers import feature_head
+
     from specresearch.drafts.combined import LookupOrDraft
     from specresearch.drafts.feature import FeatureDraft
 

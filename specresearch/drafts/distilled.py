@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from specresearch.checks import check_field, named_preset
 from safetensors.torch import load_file, save_file
 
+from specresearch.checks import check_field, named_preset
 from specresearch.drafts.store import (
     _STORAGE_DTYPES,
     _check_fingerprint,
@@ -36,8 +35,8 @@ from specresearch.drafts.store import (
     manifest_path,
     read_manifest,
     shipped_drafts,
-    write_manifest,
     weights_path,
+    write_manifest,
 )
 from specresearch.models.kernels import SKINNY_ROWS, skinny_linear
 

@@ -45,8 +45,8 @@ from specresearch.drafts.store import (
     embedding_fingerprint,
     manifest_path,
     read_manifest,
-    write_manifest,
     weights_path,
+    write_manifest,
 )
 from specresearch.models.causal_lm import SlotMask, check_prompt
 from specresearch.models.kernels import (
