@@ -1,17 +1,18 @@
 """Where things live: the source checkout's ``data/`` folder and the per-machine cache, with the answers timed once
-per machine kept there (``cached_answer`` / ``keep_answer``, keyed by ``cpu_name`` and the question).
+per machine kept there (``cached_answer`` / ``keep_answer``, keyed by ``cpu_key`` and the question).
 
 Pure Python, like :mod:`specresearch.checks`: every room may use it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 from pathlib import Path
 
-__all__ = ["repo_root", "data_dir", "cache_dir", "answers_file", "cpu_fields", "cpu_name", "cached_answer", "keep_answer"]
+__all__ = ["repo_root", "data_dir", "cache_dir", "answers_file", "cpu_fields", "cpu_name", "cpu_key", "cached_answer", "keep_answer"]
 
 
 def repo_root() -> Path:
@@ -47,6 +48,14 @@ def cpu_fields() -> dict[str, str]:
 def cpu_name() -> str:
     """This CPU's model name (``/proc/cpuinfo``), or what ``platform`` says where there is none."""
     return cpu_fields().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_key() -> str:
+    """This CPU as the per-machine caches name it: its model name and a digest of its ``/proc/cpuinfo`` flags. Two
+    CPUs can share a name and not their instruction sets ("AMD EPYC" with and without AVX-512 here): a product timed
+    on one, or a kernel compiled for it with ``-march=native``, does not hold on the other."""
+    flags = cpu_fields().get("flags", "")
+    return f"{cpu_name()} flags {hashlib.sha1(flags.encode()).hexdigest()[:8]}" if flags else cpu_name()
 
 
 def answers_file(file: str) -> Path:

@@ -328,6 +328,22 @@ def test_machine_info_names_the_cpu_and_torch(tmp_path):
     assert session["draft"] == "d" and session["cpu"] == info["cpu"] and "started" in session
 
 
+def test_per_machine_caches_tell_cpus_of_one_name_apart(monkeypatch):
+    """Two CPUs named alike ("AMD EPYC", with and without AVX-512) get different cache keys (paths.cpu_key, which the
+    skinny-rows answer, the cost curve and the compiled kernel's file use): timed or built again, not reused."""
+    from specresearch import paths
+    from specresearch.models import kernels
+
+    keys = {}
+    for flags in ("fpu sse2 avx2", "fpu sse2 avx2 avx512f avx512_bf16"):
+        monkeypatch.setattr(paths, "cpu_fields", lambda flags=flags: {"model name": "AMD EPYC", "flags": flags})
+        keys[flags] = (paths.cpu_key(), kernels._machine_key((((4, 4),), 1)))
+    (avx2, avx2_rows), (avx512, avx512_rows) = keys.values()
+    assert avx2.startswith("AMD EPYC flags ") and avx2 != avx512 and avx2_rows != avx512_rows
+    monkeypatch.setattr(paths, "cpu_fields", lambda: {})
+    assert paths.cpu_key() == paths.cpu_name()
+
+
 def test_record_files_keep_dots_in_the_stem(tmp_path):
     """A benchmark's ``--out`` stem named after a draft such as ``dial-mix:0.5`` keeps its text after the dot (Path's
     ``with_suffix`` would have cut ``trees_dial-mix0.5_amd`` to ``trees_dial-mix0``); a given ending is dropped."""

@@ -42,7 +42,7 @@ from specresearch.config import (
     GENERATE_TREES,
 )
 from specresearch.engine.timing import TimedCall, interleaved_medians
-from specresearch.paths import answers_file, cached_answer, cpu_name, keep_answer
+from specresearch.paths import answers_file, cached_answer, cpu_key, keep_answer
 
 __all__ = ["CostCurve", "MARGIN", "STEADY", "score_seconds", "measure_cost_curve", "steady", "cost_curve",
            "predicted_speedup", "best_gamma", "best_config", "default_config", "resolve_config", "tree_options"]
@@ -227,7 +227,7 @@ def _shapes(model) -> str:
 
 def _key(target, draft, max_tokens: int, trees: Sequence[tuple[int, int, int]] = ()) -> str:
     device = torch.device(target.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_key()
     shapes = hashlib.sha1(f"{_shapes(target)}|{_shapes(draft) if draft is not None else ''}".encode()).hexdigest()[:12]
     # "steps/ar/rounds": s_gamma over an autoregressive step, in rounds (entries of another measurement are timed again)
     key = (f"{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device.type}|{max_tokens}|{shapes}"

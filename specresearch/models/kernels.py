@@ -162,7 +162,7 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     Which is faster depends on the CPU (docs/engine_and_models.md). ``$SPECRESEARCH_SKINNY_ROWS`` pins the answer without timing: ``all``,
     ``none`` or row counts such as ``1,2,3``; ``auto`` (or unset) times once per machine: answers are kept per layer
     shapes and thread count for the process and in ``<cache_dir>/skinny_rows.json`` for later processes, keyed by the
-    CPU's model name and torch's version (delete the file to time again). ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
+    CPU's model name and flags (``paths.cpu_key``) and torch's version (delete the file to time again). ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
     ``"plain"``) replaces the clock that times one sweep ``fn()`` (tests).
     """
     import statistics
@@ -224,14 +224,14 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
 
 
 def _machine_key(key: tuple) -> str:
-    """The cache entry of a skinny-rows answer: this CPU (``paths.cpu_name``), torch's version, the thread count and a
-    digest of the layer shapes."""
+    """The cache entry of a skinny-rows answer: this CPU (``paths.cpu_key``: its name and instruction-set flags),
+    torch's version, the thread count and a digest of the layer shapes."""
     import hashlib
 
-    from specresearch.paths import cpu_name
+    from specresearch.paths import cpu_key
 
     shapes = hashlib.sha1(repr(key[0]).encode()).hexdigest()[:12]
-    return f"{cpu_name()}|torch {torch.__version__}|{key[1]} threads|{shapes}"
+    return f"{cpu_key()}|torch {torch.__version__}|{key[1]} threads|{shapes}"
 
 
 ROWS_FILE = "skinny_rows.json"

@@ -105,8 +105,9 @@ def _load(path: str):
 
 @functools.cache
 def _build() -> str | None:
-    """Compile the source once per machine (cached by source, CPU and compiler); None when it cannot be built here."""
-    from specresearch.paths import cache_dir, cpu_fields, cpu_name
+    """Compile the source once per machine (cached by source, CPU name and flags, and compiler); None when it cannot be
+    built here."""
+    from specresearch.paths import cache_dir, cpu_fields, cpu_key
 
     if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in cpu_fields().get("flags", "").split():
         return None
@@ -114,7 +115,7 @@ def _build() -> str | None:
     if compiler is None:
         return None
     source = kernel_source()
-    digest = hashlib.sha256("|".join((source, cpu_name(), compiler)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("|".join((source, cpu_key(), compiler)).encode()).hexdigest()[:16]
     target = cache_dir("native", f"skinny-{digest}.so")
     if target.exists():
         return str(target)
