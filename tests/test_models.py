@@ -264,31 +264,13 @@ def test_causal_lm_switches_to_skinny_linears_on_cpu_only_when_asked_or_auto():
             lm.rollback(torch.tensor([k - 1, 0]))  # per row: masked slots from here on
 
 
-def test_cpu_sdpa_attention_is_transformers_sdpa_without_the_kv_copies():
-    """Grouped heads (4 query heads over 2), a boolean mask with masked slots: the same output as transformers'
-    sdpa attention (which repeats K and V), and its own function for any call without a mask."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    g = torch.Generator().manual_seed(0)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 2, True
-    query, key, value = (torch.randn(2, h, q, 8, generator=g) for h, q in ((4, 3), (2, 7), (2, 7)))
-    mask = torch.rand(2, 1, 3, 7, generator=g) > 0.3
-    mask[..., 0] = True
-    got, weights = cpu_sdpa_attention(module, query, key, value, mask, scaling=0.3)
-    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-    assert weights is None and got.shape == (2, 3, 4, 8) and got.is_contiguous()
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    causal = torch.randn(2, 4, 7, 8, generator=g)
-    torch.testing.assert_close(cpu_sdpa_attention(module, causal, key, value, None)[0],
-                               sdpa_attention_forward(module, causal, key, value, None)[0], atol=0, rtol=0)
-
-
+@pytest.mark.parametrize("attention", [cpu_sdpa_attention, packed_sdpa_attention], ids=["cpu", "packed"])
 @pytest.mark.parametrize("mask_shape", [(2, 1, 3, 7), (1, 1, 3, 7), (2, 4, 3, 7)])
 @pytest.mark.parametrize("additive", [False, True])
-def test_packed_sdpa_attention_is_transformers_sdpa_without_the_kv_copies(mask_shape, additive):
-    """Grouped heads (4 query heads over 2) with a boolean or additive mask, shared by the heads, by the batch or
-    one per head: the same output as transformers' sdpa attention; without a mask transformers' function itself."""
+def test_grouped_sdpa_attention_is_transformers_sdpa_without_the_kv_copies(attention, mask_shape, additive):
+    """Grouped heads (4 query heads over 2) with a boolean or additive mask, shared by the heads, by the batch or one
+    per head: cpu_sdpa_attention (the groups to the fused kernel) and packed_sdpa_attention (each group's queries in
+    one head) give transformers' sdpa output, which repeats K and V; without a mask, transformers' function itself."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     g = torch.Generator().manual_seed(1)
@@ -301,12 +283,12 @@ def test_packed_sdpa_attention_is_transformers_sdpa_without_the_kv_copies(mask_s
     if additive:
         bias = torch.randn(*mask_shape, generator=g).clamp(-1, 1)
         mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min) + bias
-    got, weights = packed_sdpa_attention(module, query, key, value, mask, scaling=0.3)
+    got, weights = attention(module, query, key, value, mask, scaling=0.3)
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     assert weights is None and got.shape == (2, 3, 4, 8) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     causal = torch.randn(2, 4, 7, 8, generator=g)
-    torch.testing.assert_close(packed_sdpa_attention(module, causal, key, value, None)[0],
+    torch.testing.assert_close(attention(module, causal, key, value, None)[0],
                                sdpa_attention_forward(module, causal, key, value, None)[0], atol=0, rtol=0)
 
 
