@@ -1,7 +1,7 @@
 """The compiled product for 1-8 rows (specresearch.models.native) and how the linear layers choose it.
 
-The kernel's own tests need a C compiler and an x86 CPU with AVX-512 (where either is missing the kernel is None and
-the layers keep their paths, which the last tests check); they are skipped, with that reason, only there."""
+The kernel's own tests need a C compiler and an x86 CPU with AVX-512 or AVX2 and FMA (where either is missing the kernel
+is None and the layers keep their paths, which the last tests check); they are skipped, with that reason, only there."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from specresearch.models.kernels import (
 )
 
 needs_kernel = pytest.mark.skipif(native.skinny_kernel() is None,
-                                  reason="no C compiler or no AVX-512 here: the kernel is not built")
+                                  reason="no C compiler or neither AVX-512 nor AVX2 here: the kernel is not built")
 
 
 @needs_kernel
@@ -108,12 +108,16 @@ def test_switched_off_the_kernel_is_none_and_nothing_is_chosen(monkeypatch):
     torch.testing.assert_close(skinny_linear(x, weight, kernel_rows=(3,)), torch.nn.functional.linear(x, weight))
 
 
-def test_the_source_fits_the_registers():
-    """n * OB accumulators, OB weight vectors and one input vector: at most AVX-512's 32 registers, so none spills."""
-    assert all(n * ob + ob + 1 <= 32 for n, ob in native._BLOCK.items())
-    assert set(native._BLOCK) == set(native.KERNEL_ROWS)
-    source = native.kernel_source()
+@pytest.mark.parametrize("isa, registers", [("avx512", 32), ("avx2", 16)])
+def test_the_source_fits_the_registers(isa, registers):
+    """n * OB accumulators, OB weight vectors and one input vector: at most the instruction set's registers (AVX-512's
+    32, AVX2's 16), so none spills."""
+    blocks = native._BLOCKS[isa]
+    assert all(n * ob + ob + 1 <= registers and ob >= 1 for n, ob in blocks.items())
+    assert set(blocks) == set(native.KERNEL_ROWS)
+    source = native.kernel_source(isa)
     assert source.count("static void rows_") == len(native.KERNEL_ROWS) and "int skinny_f32(" in source
+    assert ("__m512 " in source) == (isa == "avx512") and ("__m256 " in source) == (isa == "avx2")
 
 
 @needs_kernel

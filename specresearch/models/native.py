@@ -1,21 +1,23 @@
-"""A compiled product for 1-8 rows on x86 CPUs with AVX-512: what makes a call scoring a tree or a long block cost
-little more than one scoring a single token (used by :mod:`specresearch.models.kernels`).
+"""A compiled product for 1-8 rows on x86 CPUs with AVX-512 or AVX2: what makes a call scoring a tree or a long block
+cost little more than one scoring a single token (used by :mod:`specresearch.models.kernels`).
 
 Why: a small model's forward is bound by streaming its weights from memory, so scoring 8 tokens could cost what
-scoring 1 does. MKL's products for 3-8 rows do not get there on one thread: on a 2-core AMD EPYC a call of the
-embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls with them, 1.15 / 1.35 with this kernel
-(``benchmarks/bench_native.py``, record ``native_amd``; docs/trees.md). The kernel multiplies
+scoring 1 does. MKL's products for 2-8 rows do not get there on one thread: on a 2-core AMD EPYC with AVX-512 a call
+of the embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls with them, 1.15 / 1.35 with this kernel
+(``benchmarks/bench_native.py``, record ``native_amd``; docs/trees.md); on one with AVX2 only, scoring 2 / 5 tokens
+1.38 / 2.13 with them, 1.16 / 1.49 with it (record ``native_avx2_amd``). The kernel multiplies
 ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading each weight once, ``OB`` weight rows at a
-time, with 16-lane partial sums in registers for every pair of weight row and input row (n * OB accumulators, at
-most 25 of AVX-512's 32 registers) and the next blocks' rows prefetched. The partial sums are reduced in a fixed
-order, so a row's result does not depend on how many rows share the call (``tests/test_native.py``), and it equals
-``F.linear`` up to float rounding (~1e-6 relative).
+time, with 16-lane (AVX-512) or 8-lane (AVX2) partial sums in registers for every pair of weight row and input row
+(n * OB accumulators, at most 25 of AVX-512's 32 registers, 15 of AVX2's 16) and the next blocks' rows prefetched.
+The partial sums are reduced in a fixed order, so a row's result does not depend on how many rows share the call
+(``tests/test_native.py``), and it equals ``F.linear`` up to float rounding (~1e-6 relative).
 
-How: the C source (:func:`kernel_source`) is compiled once per machine with the system C compiler (``$CC``, else
-``cc``) and ``-O3 -march=native`` into ``<cache_dir>/native/`` and loaded with ``ctypes`` (no torch headers, about
-two seconds to build). Where there is no compiler, no AVX-512, another architecture, or ``$SPECRESEARCH_NATIVE=0``,
-:func:`skinny_kernel` is None and nothing changes. Whether it is used for a row count is timed on the model's own
-weights, as the skinny rows are (``kernels.choose_kernel_rows``; here it wins for 3-8 rows). It has no gradient
+How: the C source for this CPU's instruction set (:func:`kernel_source`, :func:`instruction_set`) is compiled once per
+machine with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native`` into ``<cache_dir>/native/`` and
+loaded with ``ctypes`` (no torch headers, about two seconds to build). Where there is no compiler, neither AVX-512 nor
+AVX2 with FMA, another architecture, or ``$SPECRESEARCH_NATIVE=0``, :func:`skinny_kernel` is None and nothing changes.
+Whether it is used for a row count is timed on the model's own weights, as the skinny rows are
+(``kernels.choose_kernel_rows``; with AVX-512 here it wins for 3-8 rows, with AVX2 for 2-8). It has no gradient
 (``kernels.skinny_linear`` uses it only where none is asked for) and runs on one thread (with two, MKL's products use
 both cores and the timing keeps them).
 """
@@ -33,45 +35,77 @@ import tempfile
 
 import torch
 
-__all__ = ["KERNEL_ROWS", "kernel_source", "skinny_kernel", "kernel_linear", "native_enabled"]
+__all__ = ["KERNEL_ROWS", "instruction_set", "kernel_source", "skinny_kernel", "kernel_linear", "native_enabled"]
 
 
 KERNEL_ROWS = range(1, 9)  # row counts the kernel computes
-_BLOCK = {1: 8, 2: 8, 3: 7, 4: 6, 5: 5, 6: 4, 7: 3, 8: 3}  # weight rows per block: n * OB + OB + 1 <= 32 registers
+# Per instruction set: the vector type and its operations, the registers, and the weight rows per block (n * OB
+# accumulators + OB weight vectors + 1 input vector <= the registers, so none spills).
+_ISAS = {
+    "avx512": dict(vector="__m512", load="_mm512_loadu_ps", zero="_mm512_setzero_ps", fma="_mm512_fmadd_ps",
+                   reduce="_mm512_reduce_add_ps", lanes=16, registers=32, macro="__AVX512F__"),
+    "avx2": dict(vector="__m256", load="_mm256_loadu_ps", zero="_mm256_setzero_ps", fma="_mm256_fmadd_ps",
+                 reduce="_sum256", lanes=8, registers=16, macro="__AVX2__"),
+}
+_BLOCKS = {"avx512": {1: 8, 2: 8, 3: 7, 4: 6, 5: 5, 6: 4, 7: 3, 8: 3},
+           "avx2": {n: 15 // (n + 1) for n in KERNEL_ROWS}}  # 7, 5, 3, 3, 2, 2, 1, 1 of AVX2's 16 registers
 _PREFETCH = 4  # blocks ahead
 NATIVE_ENV = "SPECRESEARCH_NATIVE"
+_SUM256 = """
+static inline float _sum256(__m256 v) {  /* a fixed order: (lanes 0-3 + 4-7), then pairs, then the two halves */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}"""
 
 
-def _block(n: int, ob: int, name: str, prefetch: bool) -> str:
+def instruction_set() -> str | None:
+    """The kernel's instruction set on this CPU: ``"avx512"`` (AVX-512F), ``"avx2"`` (AVX2 and FMA), or None (neither,
+    or not x86)."""
+    from specresearch.paths import cpu_fields
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    flags = set(cpu_fields().get("flags", "").split())
+    return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else None
+
+
+def _block(n: int, ob: int, name: str, prefetch: bool, isa: str) -> str:
+    v = _ISAS[isa]
     ahead = f"w + (o + {_PREFETCH * ob} + b) * in + i"
     fetch = (f"        for (int b = 0; b < {ob}; b++) _mm_prefetch((const char *)({ahead}), _MM_HINT_T0);\n"
              if prefetch else "")
     return f"""
 static inline void {name}(const float *x, const float *w, const float *bias, float *y, long in, long out, long o) {{
-    __m512 acc[{ob}][{n}];
+    {v["vector"]} acc[{ob}][{n}];
     _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++)
-        _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) acc[b][r] = _mm512_setzero_ps();
-    for (long i = 0; i < in; i += 16) {{
-        __m512 u[{ob}];
-        _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) u[b] = _mm512_loadu_ps(w + (o + b) * in + i);
+        _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) acc[b][r] = {v["zero"]}();
+    for (long i = 0; i < in; i += {v["lanes"]}) {{
+        {v["vector"]} u[{ob}];
+        _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) u[b] = {v["load"]}(w + (o + b) * in + i);
 {fetch}        _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) {{
-            __m512 xv = _mm512_loadu_ps(x + r * in + i);
-            _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) acc[b][r] = _mm512_fmadd_ps(u[b], xv, acc[b][r]);
+            {v["vector"]} xv = {v["load"]}(x + r * in + i);
+            _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) acc[b][r] = {v["fma"]}(u[b], xv, acc[b][r]);
         }}
     }}
     _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++)
         _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++)
-            y[r * out + o + b] = _mm512_reduce_add_ps(acc[b][r]) + (bias ? bias[o + b] : 0.0f);
+            y[r * out + o + b] = {v["reduce"]}(acc[b][r]) + (bias ? bias[o + b] : 0.0f);
 }}"""
 
 
-def kernel_source() -> str:
-    """The C source: one block function per row count (and a one-row tail), ``skinny_f32`` dispatching on n. It
-    returns 0, or 1 when it cannot take the call (n outside 1-8, ``in`` not a multiple of 16)."""
-    parts = ["#include <immintrin.h>", "#ifndef __AVX512F__", "#error needs AVX-512F", "#endif"]
+def kernel_source(isa: str | None = None) -> str:
+    """The C source for ``isa`` (default: this CPU's, :func:`instruction_set`, else AVX-512): one block function per
+    row count (and a one-row tail), ``skinny_f32`` dispatching on n. It returns 0, or 1 when it cannot take the call
+    (n outside 1-8, ``in`` not a multiple of 16)."""
+    isa = isa or instruction_set() or "avx512"
+    spec = _ISAS[isa]
+    parts = ["#include <immintrin.h>", f"#ifndef {spec['macro']}", f"#error needs {isa}", "#endif"]
+    if isa == "avx2":
+        parts.append(_SUM256)
     for n in KERNEL_ROWS:
-        ob = _BLOCK[n]
-        parts += [_block(n, 1, f"tail_{n}", False), _block(n, ob, f"block_{n}", True), f"""
+        ob = _BLOCKS[isa][n]
+        parts += [_block(n, 1, f"tail_{n}", False, isa), _block(n, ob, f"block_{n}", True, isa), f"""
 static void rows_{n}(const float *x, const float *w, const float *bias, float *y, long in, long out) {{
     long o = 0;
     for (; o + {ob} <= out; o += {ob}) block_{n}(x, w, bias, y, in, out, o);
@@ -107,9 +141,9 @@ def _load(path: str):
 def _build() -> str | None:
     """Compile the source once per machine (cached by source, CPU name and flags, and compiler); None when it cannot be
     built here."""
-    from specresearch.paths import cache_dir, cpu_fields, cpu_key
+    from specresearch.paths import cache_dir, cpu_key
 
-    if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in cpu_fields().get("flags", "").split():
+    if instruction_set() is None:
         return None
     compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if compiler is None:
