@@ -8,7 +8,8 @@ of the embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls wi
 1.38 / 2.13 with them, 1.16 / 1.49 with it (record ``native_avx2_amd``). The kernel multiplies
 ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading each weight once, ``OB`` weight rows at a
 time, with 16-lane (AVX-512) or 8-lane (AVX2) partial sums in registers for every pair of weight row and input row
-(n * OB accumulators, at most 25 of AVX-512's 32 registers, 15 of AVX2's 16) and the next blocks' rows prefetched.
+(n * OB accumulators, OB weight vectors and one input vector fit AVX-512's 32 registers or AVX2's 16) and the
+next blocks' rows prefetched.
 The partial sums are reduced in a fixed order, so a row's result does not depend on how many rows share the call
 (``tests/test_native.py``), and it equals ``F.linear`` up to float rounding (~1e-6 relative).
 
