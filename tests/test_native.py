@@ -34,6 +34,8 @@ def test_kernel_equals_linear(rows, out, bias):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     batched = native.kernel_linear(x[None], weight, b)  # leading dimensions are kept
     assert batched.shape == (1, rows, out) and torch.equal(batched[0], got)
+    strided = torch.randn(48, rows, generator=generator)  # a column-major x: copied, not read where it lies
+    assert torch.equal(native.kernel_linear(strided.t(), weight, b), native.kernel_linear(strided.t().contiguous(), weight, b))
 
 
 @needs_kernel
@@ -55,6 +57,7 @@ def test_the_kernel_declines_what_it_cannot_take():
     assert native.kernel_linear(x.double(), weight.double()) is None
     assert native.kernel_linear(x, torch.randn(32, 4).t()) is None  # a weight that is not contiguous
     assert native.kernel_linear(x, weight, torch.randn(8)[::2]) is None  # nor a bias
+    assert native.kernel_linear(torch.randn(2, 48), weight) is None  # x wider than the weight: never read past its rows
 
 
 @needs_kernel

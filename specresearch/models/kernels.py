@@ -282,9 +282,10 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
     ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
     takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
-    rows, thread count and kernel source, for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
+    rows, thread count and kernel source (C and Python), for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
     rows) -> seconds`` (path ``"kernel"`` or ``"present"``) replaces the clock (tests)."""
     import hashlib
+    import inspect
     import statistics
     import time
 
@@ -295,7 +296,8 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     if not layers or _fits_in_cache([m.weight for m in layers]):
         return ()
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) if isinstance(m, SkinnyLinear) else () for m in layers)
-    source = hashlib.sha1(kernel_source().encode()).hexdigest()[:12]
+    # the kernel's source and its Python wrapper's (whose own work is part of what is timed): either changed, re-time
+    source = hashlib.sha1((kernel_source() + inspect.getsource(kernel_linear)).encode()).hexdigest()[:12]
     key = (tuple(tuple(m.weight.shape) for m in layers), torch.get_num_threads(), (present_rows, source))
     entry = _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}"  # in kernel_rows.json
     if timer is None and key in _CHOSEN_KERNEL_ROWS:
