@@ -180,8 +180,8 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     kernel does not take the call (no kernel, other dtype or device, more rows, a width not a multiple of 16 or not
     the weight's).
 
-    Called once per linear layer of a forward, so its own work is kept to ~12 µs (``F.linear``'s is ~8): a
-    contiguous ``x`` is read where it lies (its rows are already ``[rows, in]`` in memory) and the result is
+    Called once per linear layer of a forward, so its own work is kept small (~19 µs a call on the AVX2 EPYC,
+    ``F.linear``'s ~8): a contiguous ``x`` is read where it lies (its rows are already ``[rows, in]`` in memory) and the result is
     allocated in its final shape.
     """
     kernel = skinny_kernel()
@@ -195,7 +195,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return None
     if not x.is_contiguous():
         x = x.contiguous()
-    out = torch.empty(*x.shape[:-1], weight.shape[0])
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # whatever torch's default dtype
     if kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, width,
               weight.shape[0]):
         return None
