@@ -57,7 +57,7 @@ def test_the_kernel_declines_what_it_cannot_take():
     assert native.kernel_linear(x.double(), weight.double()) is None
     assert native.kernel_linear(x, torch.randn(32, 4).t()) is None  # a weight that is not contiguous
     assert native.kernel_linear(x, weight, torch.randn(8)[::2]) is None  # nor a bias
-    assert native.kernel_linear(torch.randn(2, 48), weight) is None  # x wider than the weight: never read past its rows
+    assert native.kernel_linear(torch.randn(2, 48), weight) is None  # a width other than the weight's: declined, F.linear raises
     default = torch.get_default_dtype()
     try:  # the result is float32 whatever torch's default dtype
         torch.set_default_dtype(torch.float64)
