@@ -285,7 +285,6 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     rows, thread count and kernel source (C and Python), for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
     rows) -> seconds`` (path ``"kernel"`` or ``"present"``) replaces the clock (tests)."""
     import hashlib
-    import inspect
     import statistics
     import time
 
@@ -296,8 +295,9 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     if not layers or _fits_in_cache([m.weight for m in layers]):
         return ()
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) if isinstance(m, SkinnyLinear) else () for m in layers)
-    # the kernel's source and its Python wrapper's (whose own work is part of what is timed): either changed, re-time
-    source = hashlib.sha1((kernel_source() + inspect.getsource(kernel_linear)).encode()).hexdigest()[:12]
+    # the kernel's source and its Python wrapper's code (whose own work is part of what is timed; its bytecode, which
+    # an install without .py files has too): either changed, re-time
+    source = hashlib.sha1(kernel_source().encode() + kernel_linear.__code__.co_code).hexdigest()[:12]
     key = (tuple(tuple(m.weight.shape) for m in layers), torch.get_num_threads(), (present_rows, source))
     entry = _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}"  # in kernel_rows.json
     if timer is None and key in _CHOSEN_KERNEL_ROWS:

@@ -181,8 +181,8 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     the weight's).
 
     Called once per linear layer of a forward, so its own work is kept small (~19 µs a call on the AVX2 EPYC,
-    ``F.linear``'s ~8): a contiguous ``x`` is read where it lies (its rows are already ``[rows, in]`` in memory) and the result is
-    allocated in its final shape.
+    ``F.linear``'s ~8): a contiguous ``x`` is read where it lies (its rows are already ``[rows, in]`` in memory)
+    and the result is allocated in its final shape.
     """
     kernel = skinny_kernel()
     width = x.shape[-1]
@@ -193,8 +193,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return None
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
         return None
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = x.contiguous()  # itself where it already is
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # whatever torch's default dtype
     if kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, width,
               weight.shape[0]):
