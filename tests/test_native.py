@@ -39,6 +39,26 @@ def test_kernel_equals_linear(rows, out, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", native.KERNEL_ROWS)
+def test_float16_weights_are_multiplied_as_their_float32_widening(rows):
+    """A float16 weight is widened as it is read: the float32 product with the float16-rounded weights (no float16
+    arithmetic, so no overflow where the float16 product would overflow)."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=generator)
+    weight = torch.randn(21, 64, generator=generator).half()
+    b = torch.randn(21, generator=generator)
+    got = native.kernel_linear(x, weight, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, 21)
+    torch.testing.assert_close(got.double(), torch.nn.functional.linear(x.double(), weight.double(), b.double()),
+                               rtol=1e-5, atol=1e-5)
+    big = native.kernel_linear(x * 1e4, torch.full((3, 64), 60000.0).half())  # float16's sums would pass 65,504
+    assert torch.isfinite(big).all()
+    torch.testing.assert_close(big, (x * 1e4).sum(-1, keepdim=True).expand(-1, 3) * 60000.0, rtol=1e-4, atol=1.0)
+    assert native.kernel_linear(x, weight, b.half()) is None  # a float16 bias: declined
+    assert native.kernel_linear(x, weight.bfloat16()) is None  # bfloat16 weights: declined
+
+
+@needs_kernel
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     """Each row's partial sums are reduced in one fixed order whatever n is: bit for bit the same."""
     generator = torch.Generator().manual_seed(0)
@@ -125,7 +145,8 @@ def test_the_source_fits_the_registers(isa, registers):
     assert all(n * ob + ob + 1 <= registers and ob >= 1 for n, ob in blocks.items())
     assert set(blocks) == set(native.KERNEL_ROWS)
     source = native.kernel_source(isa)
-    assert source.count("static void rows_") == len(native.KERNEL_ROWS) and "int skinny_f32(" in source
+    assert source.count("static void rows_") == 2 * len(native.KERNEL_ROWS)  # float32 and float16 weights
+    assert "int skinny_f32(" in source and "int skinny_f16(" in source
     assert ("__m512 " in source) == (isa == "avx512") and ("__m256 " in source) == (isa == "avx2")
 
 
@@ -143,3 +164,39 @@ def test_with_the_kernel_for_every_row_count_a_cached_call_equals_the_uncached_f
     _, prompt = target.prefill(seq[:, :4], torch.ones(1, 4, dtype=torch.long), hidden_layers=(1, -1))
     _, block = target.score(seq[:, 4:], hidden_layers=(1, -1))
     assert torch.equal(torch.cat([prompt, block], 1), torch.cat([out.hidden_states[1], out.hidden_states[-1]], -1))
+
+
+def test_float16_layers_are_timed_for_the_kernel_too(monkeypatch):
+    """Half-weight layers (models.kernels.use_half_weights) are timed against their float16 product and given the rows
+    the kernel wins; a model of both dtypes is keyed apart from its float32 self."""
+    from specresearch.drafts.distilled import SubsetHead
+    from specresearch.models.kernels import use_half_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), SubsetHead(torch.randn(4, 16), torch.arange(4), 10))
+    use_half_weights(model, (SubsetHead,))
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 0)
+    timed = []
+
+    def timer(fn, path, rows):
+        timed.append(path)
+        return (0.5 if rows <= 2 else 0.95) if path == "kernel" else 1.0
+
+    assert choose_kernel_rows(model, timer=timer) == (1, 2) and {"kernel", "present"} == set(timed)
+    assert use_kernel_rows(model, (1, 2)) == 2 and model[1].kernel_rows == (1, 2)
+
+
+@needs_kernel
+def test_a_half_weight_subset_head_with_kernel_rows_computes_the_widened_product():
+    from specresearch.drafts.distilled import SubsetHead
+    from specresearch.models.kernels import use_half_weights
+
+    generator = torch.Generator().manual_seed(0)
+    head = SubsetHead(torch.randn(40, 32, generator=generator), torch.arange(0, 80, 2), 80)
+    use_half_weights(head, (SubsetHead,))
+    use_kernel_rows(head, (2,))
+    hidden = torch.randn(1, 2, 32, generator=generator)
+    with torch.no_grad():
+        logits = head(hidden)
+    want = torch.nn.functional.linear(hidden.double(), head.weight.double())
+    torch.testing.assert_close(logits[..., 0::2].double(), want, rtol=1e-5, atol=1e-5)
+    assert (logits[..., 1::2] == torch.finfo(torch.float32).min).all()

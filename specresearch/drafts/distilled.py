@@ -123,6 +123,7 @@ class SubsetHead(torch.nn.Module):
 
     skinny_rows = SKINNY_ROWS  # the row counts skinny_linear computes its own way (models.use_skinny_linears)
     half_limit = None  # with half weights (models.kernels.use_half_weights): the largest |input| their float16 product takes
+    kernel_rows = ()  # the row counts the compiled kernel computes (models.kernels.use_kernel_rows)
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> None:
         super().__init__()
@@ -138,7 +139,8 @@ class SubsetHead(torch.nn.Module):
         self.register_buffer("index_of", index_of, persistent=False)
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(hidden, self.weight, skinny_rows=self.skinny_rows, half_limit=self.half_limit)  # [..., K]
+        return skinny_linear(hidden, self.weight, skinny_rows=self.skinny_rows, half_limit=self.half_limit,
+                             kernel_rows=self.kernel_rows)  # [..., K]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         subset = self.subset_logits(hidden)

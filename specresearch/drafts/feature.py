@@ -51,7 +51,9 @@ from specresearch.drafts.store import (
 from specresearch.models.causal_lm import SlotMask, check_prompt
 from specresearch.models.kernels import (
     SKINNY_ROWS,
+    choose_kernel_rows,
     choose_skinny_rows,
+    use_kernel_rows,
     use_skinny_linears,
 )
 
@@ -368,7 +370,9 @@ class FeatureDraft:
     On CPU the head's ``nn.Linear`` layers are switched to ``models.kernels.SkinnyLinear`` in place, as ``CausalLM``
     does (same parameters; its 1-8-row calls are the drafting ones), computing the row counts
     ``models.kernels.choose_skinny_rows`` times faster on the head's own weights (``skinny_linear``: ``None``, the
-    default), every row count (``True``) or none (``False``).
+    default, which also gives the compiled kernel the row counts ``models.kernels.choose_kernel_rows`` finds faster
+    still), every row count (``True``) or none (``False``). ``chooses_kernel_rows``: whether the kernel's rows were
+    timed here (``drafts.registry.half_weight_draft`` times them again for the float16 weights).
     """
 
     def __init__(self, head: FeatureHead, *, max_context: int | None = None, device="cpu",
@@ -377,6 +381,9 @@ class FeatureDraft:
         if torch.device(device).type == "cpu":
             chosen = choose_skinny_rows(self.head) if skinny_linear is None else SKINNY_ROWS if skinny_linear else ()
             use_skinny_linears(self.head, chosen)
+            if skinny_linear is None:
+                use_kernel_rows(self.head, choose_kernel_rows(self.head))
+        self.chooses_kernel_rows = torch.device(device).type == "cpu" and skinny_linear is None
         self.vocab_size = head.vocab_size
         self.feature_layers = head.feature_layers
         self.feature_size = head.feature_size

@@ -16,7 +16,7 @@ from specresearch.drafts.ngram import NGramDraft
 from specresearch.drafts.store import draft_digest, drafts_dir, manifest_path, shipped_drafts
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.embedded import load_embedded
-from specresearch.models.kernels import use_half_weights
+from specresearch.models.kernels import choose_kernel_rows, use_half_weights, use_kernel_rows
 from specresearch.models.protocols import check_same_tokenizer
 
 __all__ = ["truncated_draft", "draft_from_name", "combined_draft", "half_weight_draft", "HALF_PREFIX", "without_half_prefix", "load_pair",
@@ -98,7 +98,9 @@ def half_weight_draft(draft, target: CausalLM):
     and output head's weights stored in float16, in place (``models.kernels.use_half_weights``); returns it.
 
     On this CPU a drafting step of the shipped feature head (sampling included) takes 3.5 ms against 4.9
-    with float32 weights, at the same held-out alpha to three decimals (``docs/feature_drafts.md``). The
+    with float32 weights, at the same held-out alpha to three decimals (``docs/feature_drafts.md``). Where the draft
+    timed the compiled kernel's rows when it loaded (``chooses_kernel_rows``), they are timed again on the float16
+    weights (``models.kernels.choose_kernel_rows``), which the kernel widens as it reads them. The
     target is never changed (a layer the draft shares with it is refused); drafts without weights
     (``ngram``, ``dial-...``) are refused.
     """
@@ -111,6 +113,8 @@ def half_weight_draft(draft, target: CausalLM):
     else:
         raise ValueError(f"fp16: needs a trained draft (a feature head or a distilled / checkpoint LM), got {type(draft).__name__}")
     use_half_weights(module, (SubsetHead,), shared_with=target.model)
+    if draft.chooses_kernel_rows:
+        use_kernel_rows(module, choose_kernel_rows(module))
     return draft
 
 

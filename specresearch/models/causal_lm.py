@@ -227,6 +227,7 @@ class CausalLM:
             model = model.to(device=resolve_device(device), dtype=dtype)
         self.model = model.eval()
         self._cache_argument = cache_argument(self.model)
+        self.chooses_kernel_rows = skinny_linear is None and self.device.type == "cpu"  # (half_weight_draft re-times)
         if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
             use_skinny_linears(self.model, choose_skinny_rows(self.model) if skinny_linear is None else SKINNY_ROWS)
             if skinny_linear is None:

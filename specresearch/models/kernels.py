@@ -35,7 +35,9 @@ either way; the draft's q is whatever it computes, so losslessness is untouched.
 above it is divided by a power of two first and multiplied back in float32. Powers of two commute with float
 rounding, so rows under the limit compute bit for bit what they did, and rows over it no longer give inf: the
 target's features at a prompt's first token (its attention sink) reach 22,000 in SmolLM2-135M, which made the
-float16 feature head's logits NaN on one-token raw prompts.
+float16 feature head's logits NaN on one-token raw prompts. Where a layer has kernel rows (:func:`use_kernel_rows`;
+``drafts.registry.half_weight_draft`` times them on the float16 weights), the compiled kernel takes those rows
+instead: it widens the float16 weights to float32 as it reads them, so nothing is scaled and nothing can overflow.
 """
 
 from __future__ import annotations
@@ -144,9 +146,9 @@ TIMED_MIN_BYTES = 8 << 20  # float32 weights under this stay in a CPU's caches: 
 
 
 def _fits_in_cache(weights) -> bool:
-    """True when ``weights`` (float32) take less than ``TIMED_MIN_BYTES``: neither the skinny rows nor the kernel's are
-    timed for them (which rows won would change from run to run), and the present products are kept."""
-    return sum(w.numel() * 4 for w in weights) < TIMED_MIN_BYTES
+    """True when ``weights`` take less than ``TIMED_MIN_BYTES``: neither the skinny rows nor the kernel's are timed for
+    them (which rows won would change from run to run), and the present products are kept."""
+    return sum(w.numel() * w.element_size() for w in weights) < TIMED_MIN_BYTES
 
 
 def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
@@ -255,8 +257,10 @@ def _store_rows(key: tuple, rows: tuple[int, ...]) -> None:
 def use_kernel_rows(model: torch.nn.Module, rows=KERNEL_ROWS) -> int:
     """Let ``model``'s linear layers compute ``rows`` (of ``native.KERNEL_ROWS``) with the compiled kernel; returns
     how many layers take them. Plain float32 ``nn.Linear`` layers become :class:`SkinnyLinear` computing no row count
-    their own skinny way (``skinny_rows = ()``), so their other row counts stay ``F.linear``'s. Empty ``rows``
-    switches the kernel off again (and switches no layer)."""
+    their own skinny way (``skinny_rows = ()``), so their other row counts stay ``F.linear``'s; every module that
+    carries a ``kernel_rows`` attribute (:class:`SkinnyLinear`, a draft's vocabulary-subset head) is given ``rows``,
+    float16 weights included (the kernel widens them as it reads them). Empty ``rows`` switches the kernel off again
+    (and switches no layer)."""
     rows = tuple(rows)
     if not set(rows) <= set(KERNEL_ROWS):
         raise ValueError(f"rows must lie in {tuple(KERNEL_ROWS)}, got {rows}")
@@ -265,7 +269,7 @@ def use_kernel_rows(model: torch.nn.Module, rows=KERNEL_ROWS) -> int:
         if type(module) is torch.nn.Linear and rows and module.weight.dtype == torch.float32:
             module.__class__ = SkinnyLinear
             module.skinny_rows = ()
-        if isinstance(module, SkinnyLinear):
+        if hasattr(module, "kernel_rows"):
             module.kernel_rows = rows
             count += 1
     return count
@@ -277,9 +281,9 @@ _CHOSEN_KERNEL_ROWS: dict[tuple, tuple[int, ...]] = {}
 
 def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts for which the compiled kernel (:mod:`specresearch.models.native`) beats the path ``model``'s
-    float32 linear layers take now (their ``skinny_rows``, else ``F.linear``) on this machine; () where there is no
-    kernel or the layers' float32 weights take less than ``TIMED_MIN_BYTES`` (8 MiB: they stay in cache, where
-    streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
+    linear layers with float32 or float16 weights take now (their ``skinny_rows`` and half-weight product, else
+    ``F.linear``) on this machine; () where there is no kernel or the layers' weights take less than
+    ``TIMED_MIN_BYTES`` (8 MiB: they stay in cache, where streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
     ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
     takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
     rows, thread count and kernel source (C and Python), for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
@@ -290,15 +294,16 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
 
     if skinny_kernel() is None and timer is None:
         return ()
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
-              and m.weight.dtype == torch.float32 and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()]
+    layers = [m for m in model.modules() if (isinstance(m, torch.nn.Linear) or hasattr(m, "kernel_rows"))
+              and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.float16)
+              and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()]
     if not layers or _fits_in_cache([m.weight for m in layers]):
         return ()
-    present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) if isinstance(m, SkinnyLinear) else () for m in layers)
+    present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) for m in layers)
     # the kernel's source and its Python wrapper's code (whose own work is part of what is timed; its bytecode, which
     # an install without .py files has too): either changed, re-time
     source = hashlib.sha1(kernel_source().encode() + kernel_linear.__code__.co_code).hexdigest()[:12]
-    key = (tuple(tuple(m.weight.shape) for m in layers), torch.get_num_threads(), (present_rows, source))
+    key = (tuple((*m.weight.shape, str(m.weight.dtype)) for m in layers), torch.get_num_threads(), (present_rows, source))
     entry = _machine_key(key) + f"|{hashlib.sha1(repr(key[2]).encode()).hexdigest()[:12]}"  # in kernel_rows.json
     if timer is None and key in _CHOSEN_KERNEL_ROWS:
         return _CHOSEN_KERNEL_ROWS[key]
@@ -316,16 +321,18 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         return time.perf_counter() - start
 
     def present(m, x):
-        if isinstance(m, SkinnyLinear):
-            return skinny_linear(x, m.weight, m.bias, skinny_rows=m.skinny_rows)
-        return torch.nn.functional.linear(x, m.weight, m.bias)
+        bias = getattr(m, "bias", None)
+        if hasattr(m, "skinny_rows"):
+            return skinny_linear(x, m.weight, bias, skinny_rows=m.skinny_rows, half_limit=getattr(m, "half_limit", None))
+        return torch.nn.functional.linear(x, m.weight, bias)
 
     timer = timer or clock
     sweeps = {}
     for rows in KERNEL_ROWS:
         inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], generator=torch.Generator().manual_seed(rows))
                   for m in layers}
-        sweeps[rows] = {"kernel": lambda x=inputs: [kernel_linear(x[m.weight.shape[1]], m.weight, m.bias) for m in layers],
+        sweeps[rows] = {"kernel": lambda x=inputs: [kernel_linear(x[m.weight.shape[1]], m.weight, getattr(m, "bias", None))
+                                                     for m in layers],
                         "present": lambda x=inputs: [present(m, x[m.weight.shape[1]]) for m in layers]}
     times = {(rows, path): [] for rows in KERNEL_ROWS for path in ("kernel", "present")}
     with torch.no_grad():

@@ -12,13 +12,19 @@ time, with 16-lane (AVX-512) or 8-lane (AVX2) partial sums in registers for ever
 next blocks' rows prefetched.
 The partial sums are reduced in a fixed order, so a row's result does not depend on how many rows share the call
 (``tests/test_native.py``), and it equals ``F.linear`` up to float rounding (~1e-6 relative).
+Float16 weights (a draft's, ``kernels.use_half_weights``) are read as they are stored and widened to float32 in
+registers (F16C), so the stream is half as long and the arithmetic float32's: ``F.linear(x, weight.float())``. On
+the AVX2 EPYC the float16 feature head's ten products took 2.7 / 2.9 ms for 1 / 2 rows this way against 5.0 / 8.3 ms
+by ``kernels.skinny_linear``'s float16 path (torch's float16 product of the scaled rows).
 
 How: the C source for this CPU's instruction set (:func:`kernel_source`, :func:`instruction_set`) is compiled once per
 machine with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native`` into ``<cache_dir>/native/`` and
 loaded with ``ctypes`` (no torch headers, about two seconds to build). Where there is no compiler, neither AVX-512 nor
-AVX2 with FMA, another architecture, or ``$SPECRESEARCH_NATIVE=0``, :func:`skinny_kernel` is None and nothing changes.
+AVX2 with FMA, no F16C, another architecture, or ``$SPECRESEARCH_NATIVE=0``, :func:`skinny_kernel` is None and nothing
+changes.
 Whether it is used for a row count is timed on the model's own weights, as the skinny rows are
-(``kernels.choose_kernel_rows``; with AVX-512 here it wins for 3-8 rows, with AVX2 for 2-8). It has no gradient
+(``kernels.choose_kernel_rows``; with AVX-512 here it wins for 3-8 rows, with AVX2 for 2-8, and for a float16
+draft's layers for 1-8). It has no gradient
 (``kernels.skinny_linear`` uses it only where none is asked for) and runs on one thread (with two, MKL's products use
 both cores and the timing keeps them).
 """
@@ -44,10 +50,15 @@ KERNEL_ROWS = range(1, 9)  # row counts the kernel computes
 # accumulators + OB weight vectors + 1 input vector <= the registers, so none spills).
 _ISAS = {
     "avx512": dict(vector="__m512", load="_mm512_loadu_ps", zero="_mm512_setzero_ps", fma="_mm512_fmadd_ps",
-                   reduce="_mm512_reduce_add_ps", lanes=16, registers=32, macro="__AVX512F__"),
+                   reduce="_mm512_reduce_add_ps", lanes=16, registers=32, macro="__AVX512F__",
+                   load_half="_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)({})))"),
     "avx2": dict(vector="__m256", load="_mm256_loadu_ps", zero="_mm256_setzero_ps", fma="_mm256_fmadd_ps",
-                 reduce="_sum256", lanes=8, registers=16, macro="__AVX2__"),
+                 reduce="_sum256", lanes=8, registers=16, macro="__AVX2__",
+                 load_half="_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)({})))"),
 }
+# Weight storage the kernel reads: the C type of a weight element and the torch dtype it takes. Float16 weights are
+# widened to float32 as they are loaded (F16C), so they multiply float32 inputs with float32 partial sums.
+WEIGHT_TYPES = {torch.float32: ("f32", "float"), torch.float16: ("f16", "unsigned short")}
 _BLOCKS = {"avx512": {1: 8, 2: 8, 3: 7, 4: 6, 5: 5, 6: 4, 7: 3, 8: 3},
            "avx2": {n: 15 // (n + 1) for n in KERNEL_ROWS}}  # 7, 5, 3, 3, 2, 2, 1, 1 of AVX2's 16 registers
 _PREFETCH = 4  # blocks ahead
@@ -62,28 +73,33 @@ static inline float _sum256(__m256 v) {  /* a fixed order: (lanes 0-3 + 4-7), th
 
 def instruction_set() -> str | None:
     """The kernel's instruction set on this CPU: ``"avx512"`` (AVX-512F), ``"avx2"`` (AVX2 and FMA), or None (neither,
-    or not x86)."""
+    no F16C, or not x86)."""
     from specresearch.paths import cpu_fields
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     flags = set(cpu_fields().get("flags", "").split())
+    if "f16c" not in flags:  # float16 weights are widened with it (every CPU with AVX2 or AVX-512 has it)
+        return None
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else None
 
 
-def _block(n: int, ob: int, name: str, prefetch: bool, isa: str) -> str:
+def _block(n: int, ob: int, name: str, prefetch: bool, isa: str, half: bool = False) -> str:
     v = _ISAS[isa]
+    weight_type = "unsigned short" if half else "float"
+    load_weight = v["load_half"].format("w + (o + b) * in + i") if half else f'{v["load"]}(w + (o + b) * in + i)'
     ahead = f"w + (o + {_PREFETCH * ob} + b) * in + i"
     fetch = (f"        for (int b = 0; b < {ob}; b++) _mm_prefetch((const char *)({ahead}), _MM_HINT_T0);\n"
              if prefetch else "")
     return f"""
-static inline void {name}(const float *x, const float *w, const float *bias, float *y, long in, long out, long o) {{
+static inline void {name}(const float *x, const {weight_type} *w, const float *bias, float *y, long in, long out,
+                          long o) {{
     {v["vector"]} acc[{ob}][{n}];
     _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++)
         _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) acc[b][r] = {v["zero"]}();
     for (long i = 0; i < in; i += {v["lanes"]}) {{
         {v["vector"]} u[{ob}];
-        _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) u[b] = {v["load"]}(w + (o + b) * in + i);
+        _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) u[b] = {load_weight};
 {fetch}        _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) {{
             {v["vector"]} xv = {v["load"]}(x + r * in + i);
             _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) acc[b][r] = {v["fma"]}(u[b], xv, acc[b][r]);
@@ -96,25 +112,30 @@ static inline void {name}(const float *x, const float *w, const float *bias, flo
 
 
 def kernel_source(isa: str | None = None) -> str:
-    """The C source for ``isa`` (default: this CPU's, :func:`instruction_set`, else AVX-512): one block function per
-    row count (and a one-row tail), ``skinny_f32`` dispatching on n. It returns 0, or 1 when it cannot take the call
-    (n outside 1-8, ``in`` not a multiple of 16)."""
+    """The C source for ``isa`` (default: this CPU's, :func:`instruction_set`, else AVX-512): per weight storage
+    (:data:`WEIGHT_TYPES`: float32, float16) one block function per row count (and a one-row tail), and
+    ``skinny_f32`` / ``skinny_f16`` dispatching on n. Each returns 0, or 1 when it cannot take the call (n outside
+    1-8, ``in`` not a multiple of 16)."""
     isa = isa or instruction_set() or "avx512"
     spec = _ISAS[isa]
-    parts = ["#include <immintrin.h>", f"#ifndef {spec['macro']}", f"#error needs {isa}", "#endif"]
+    parts = ["#include <immintrin.h>", f"#ifndef {spec['macro']}", f"#error needs {isa}", "#endif",
+             "#ifndef __F16C__", "#error needs F16C", "#endif"]
     if isa == "avx2":
         parts.append(_SUM256)
-    for n in KERNEL_ROWS:
-        ob = _BLOCKS[isa][n]
-        parts += [_block(n, 1, f"tail_{n}", False, isa), _block(n, ob, f"block_{n}", True, isa), f"""
-static void rows_{n}(const float *x, const float *w, const float *bias, float *y, long in, long out) {{
+    for suffix, c_type in WEIGHT_TYPES.values():
+        half = suffix == "f16"
+        for n in KERNEL_ROWS:
+            ob = _BLOCKS[isa][n]
+            parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, half),
+                      _block(n, ob, f"block_{n}_{suffix}", True, isa, half), f"""
+static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long in, long out) {{
     long o = 0;
-    for (; o + {ob} <= out; o += {ob}) block_{n}(x, w, bias, y, in, out, o);
-    for (; o < out; o++) tail_{n}(x, w, bias, y, in, out, o);
+    for (; o + {ob} <= out; o += {ob}) block_{n}_{suffix}(x, w, bias, y, in, out, o);
+    for (; o < out; o++) tail_{n}_{suffix}(x, w, bias, y, in, out, o);
 }}"""]
-    cases = "\n".join(f"    case {n}: rows_{n}(x, w, bias, y, in, out); return 0;" for n in KERNEL_ROWS)
-    parts.append(f"""
-int skinny_f32(const float *x, const float *w, const float *bias, float *y, long n, long in, long out) {{
+        cases = "\n".join(f"    case {n}: rows_{n}_{suffix}(x, w, bias, y, in, out); return 0;" for n in KERNEL_ROWS)
+        parts.append(f"""
+int skinny_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long n, long in, long out) {{
     if (in % 16) return 1;
     switch (n) {{
 {cases}
@@ -130,12 +151,15 @@ def native_enabled() -> bool:
 
 
 @functools.cache
-def _load(path: str):
+def _load(path: str) -> dict:
     library = ctypes.CDLL(path)
-    function = library.skinny_f32
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    function.restype = ctypes.c_int
-    return function
+    functions = {}
+    for dtype, (suffix, _) in WEIGHT_TYPES.items():
+        function = getattr(library, f"skinny_{suffix}")
+        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        function.restype = ctypes.c_int
+        functions[dtype] = function
+    return functions
 
 
 @functools.cache
@@ -167,8 +191,9 @@ def _build() -> str | None:
     return str(target)
 
 
-def skinny_kernel():
-    """The compiled ``skinny_f32`` (a ctypes function), or None where it cannot be built or is switched off."""
+def skinny_kernel() -> dict | None:
+    """The compiled products, ``{weight dtype: ctypes function}`` (``skinny_f32``, ``skinny_f16``), or None where they
+    cannot be built or are switched off."""
     if not native_enabled():
         return None
     path = _build()
@@ -176,22 +201,24 @@ def skinny_kernel():
 
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``F.linear(x, weight, bias)`` by the compiled kernel for float32 CPU tensors of 1-8 rows, or None where the
-    kernel does not take the call (no kernel, other dtype or device, more rows, a width not a multiple of 16 or not
-    the weight's).
+    """``F.linear(x, weight, bias)`` by the compiled kernel for a float32 CPU ``x`` of 1-8 rows and a float32 or
+    float16 weight (float32 bias), or None where the kernel does not take the call (no kernel, other dtypes or device,
+    more rows, a width not a multiple of 16 or not the weight's). A float16 weight is widened as it is read: the
+    result is the float32 product with the float16-rounded weights, ``F.linear(x, weight.float(), bias)`` up to float
+    rounding.
 
     Called once per linear layer of a forward, so its own work is kept small (~19 µs a call on the AVX2 EPYC,
     ``F.linear``'s ~8): a contiguous ``x`` is read where it lies (its rows are already ``[rows, in]`` in memory)
     and the result is allocated in its final shape.
     """
-    kernel = skinny_kernel()
+    kernels = skinny_kernel()
     width = x.shape[-1]
     rows = x.numel() // max(width, 1)
-    if (kernel is None or rows not in KERNEL_ROWS or x.dtype is not torch.float32 or weight.dtype is not torch.float32
-            or not x.is_cpu or not weight.is_cpu or width % 16 or width != weight.shape[1]
-            or not weight.is_contiguous()):
+    if (kernels is None or rows not in KERNEL_ROWS or x.dtype is not torch.float32 or not x.is_cpu
+            or not weight.is_cpu or width % 16 or width != weight.shape[1] or not weight.is_contiguous()):
         return None
-    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+    kernel = kernels.get(weight.dtype)
+    if kernel is None or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
         return None
     x = x.contiguous()  # itself where it already is
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # whatever torch's default dtype
