@@ -139,11 +139,14 @@ def test_switched_off_the_kernel_is_none_and_nothing_is_chosen(monkeypatch):
 
 @pytest.mark.parametrize("isa, registers", [("avx512", 32), ("avx2", 16)])
 def test_the_source_fits_the_registers(isa, registers):
-    """n * OB accumulators, OB weight vectors and one input vector: at most the instruction set's registers (AVX-512's
-    32, AVX2's 16), so none spills."""
-    blocks = native._BLOCKS[isa]
-    assert all(n * ob + ob + 1 <= registers and ob >= 1 for n, ob in blocks.items())
-    assert set(blocks) == set(native.KERNEL_ROWS)
+    """n * OB accumulators and either OB weight vectors and one input vector, or (the inputs held, float32 weights read
+    by the FMAs) n input vectors: at most the instruction set's registers (AVX-512's 32, AVX2's 16), so none spills."""
+    assert set(native._BLOCKS[isa]) == set(native.KERNEL_ROWS)
+    for half in (False, True):
+        for n in native.KERNEL_ROWS:
+            ob, held = native._weight_rows(isa, n, half)
+            assert ob >= 1 and not (held and half)
+            assert (n * ob + n if held else n * ob + ob + 1) <= registers, (n, half)
     source = native.kernel_source(isa)
     assert source.count("static void rows_") == 2 * len(native.KERNEL_ROWS)  # float32 and float16 weights
     assert "int skinny_f32(" in source and "int skinny_f16(" in source

@@ -60,7 +60,22 @@ _ISAS = {
 # widened to float32 as they are loaded (F16C), so they multiply float32 inputs with float32 partial sums.
 WEIGHT_TYPES = {torch.float32: ("f32", "float"), torch.float16: ("f16", "unsigned short")}
 _BLOCKS = {"avx512": {1: 8, 2: 8, 3: 7, 4: 6, 5: 5, 6: 4, 7: 3, 8: 3},
-           "avx2": {n: 15 // (n + 1) for n in KERNEL_ROWS}}  # 7, 5, 3, 3, 2, 2, 1, 1 of AVX2's 16 registers
+           "avx2": {1: 7, 2: 7, 3: 3, 4: 3, 5: 2, 6: 2, 7: 1, 8: 1}}
+# Row counts whose block keeps the n input vectors in registers instead of the OB weight vectors: each weight vector is
+# then read by the FMAs themselves (once per input row, the second time from L1), so n * OB accumulators + n inputs
+# fill the registers. On the AVX2 EPYC this form's 2-row block (OB 7) took 0.90-0.97 of the other's (OB 5) in four
+# micro-benchmark runs of the target's weights; for other row counts neither form won. Float32 weights only: a float16
+# weight vector is widened into a register first, which the held form has none left for, so it keeps the other form
+# (with n * OB + OB + 1 registers: OB 5 for AVX2's 2 rows).
+_INPUTS_HELD = {"avx512": (), "avx2": (2,)}
+
+
+def _weight_rows(isa: str, n: int, half: bool) -> tuple[int, bool]:
+    """(OB, whether the inputs are held) of the block for ``n`` rows."""
+    if n in _INPUTS_HELD[isa] and not half:
+        return _BLOCKS[isa][n], True
+    ob = _BLOCKS[isa][n] if n not in _INPUTS_HELD[isa] else (_ISAS[isa]["registers"] - 1) // (n + 1)
+    return ob, False
 _PREFETCH = 4  # blocks ahead
 NATIVE_ENV = "SPECRESEARCH_NATIVE"
 _SUM256 = """
@@ -84,10 +99,28 @@ def instruction_set() -> str | None:
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else None
 
 
-def _block(n: int, ob: int, name: str, prefetch: bool, isa: str, half: bool = False) -> str:
+def _block(n: int, ob: int, name: str, prefetch: bool, isa: str, half: bool = False, held: bool = False) -> str:
     v = _ISAS[isa]
     weight_type = "unsigned short" if half else "float"
     load_weight = v["load_half"].format("w + (o + b) * in + i") if half else f'{v["load"]}(w + (o + b) * in + i)'
+    if held:  # the inputs in registers, the weights read by the FMAs
+        first = f"""        {v["vector"]} xv[{n}];
+        _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) xv[r] = {v["load"]}(x + r * in + i);
+"""
+        rest = f"""        _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) {{
+            {v["vector"]} u = {load_weight};
+            _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) acc[b][r] = {v["fma"]}(u, xv[r], acc[b][r]);
+        }}
+"""
+    else:  # the block's weight vectors in registers, one input vector at a time
+        first = f"""        {v["vector"]} u[{ob}];
+        _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) u[b] = {load_weight};
+"""
+        rest = f"""        _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) {{
+            {v["vector"]} xv = {v["load"]}(x + r * in + i);
+            _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) acc[b][r] = {v["fma"]}(u[b], xv, acc[b][r]);
+        }}
+"""
     ahead = f"w + (o + {_PREFETCH * ob} + b) * in + i"
     fetch = (f"        for (int b = 0; b < {ob}; b++) _mm_prefetch((const char *)({ahead}), _MM_HINT_T0);\n"
              if prefetch else "")
@@ -98,13 +131,7 @@ static inline void {name}(const float *x, const {weight_type} *w, const float *b
     _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++)
         _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) acc[b][r] = {v["zero"]}();
     for (long i = 0; i < in; i += {v["lanes"]}) {{
-        {v["vector"]} u[{ob}];
-        _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) u[b] = {load_weight};
-{fetch}        _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) {{
-            {v["vector"]} xv = {v["load"]}(x + r * in + i);
-            _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++) acc[b][r] = {v["fma"]}(u[b], xv, acc[b][r]);
-        }}
-    }}
+{first}{fetch}{rest}    }}
     _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++)
         _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++)
             y[r * out + o + b] = {v["reduce"]}(acc[b][r]) + (bias ? bias[o + b] : 0.0f);
@@ -125,9 +152,9 @@ def kernel_source(isa: str | None = None) -> str:
     for suffix, c_type in WEIGHT_TYPES.values():
         half = suffix == "f16"
         for n in KERNEL_ROWS:
-            ob = _BLOCKS[isa][n]
-            parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, half),
-                      _block(n, ob, f"block_{n}_{suffix}", True, isa, half), f"""
+            ob, held = _weight_rows(isa, n, half)
+            parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, half, held),
+                      _block(n, ob, f"block_{n}_{suffix}", True, isa, half, held), f"""
 static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long in, long out) {{
     long o = 0;
     for (; o + {ob} <= out; o += {ob}) block_{n}_{suffix}(x, w, bias, y, in, out, o);
