@@ -416,3 +416,20 @@ def test_the_skinny_rows_answer_is_timed_once_per_machine(monkeypatch, tmp_path)
     monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
     monkeypatch.setattr(kernels, "skinny_linear", lambda *a, **k: pytest.fail("a stored answer times nothing"))
     assert kernels.choose_skinny_rows(model, repeats=1) == first
+
+
+def test_the_cpu_mask_is_transformers_boolean_mask_made_additive_once():
+    """additive_sdpa_mask: where transformers' sdpa mask is None (a call that needs none) so is it; else 0 where the
+    boolean mask attends and -inf elsewhere, what scaled_dot_product_attention would make of it in every layer."""
+    from transformers.masking_utils import sdpa_mask
+
+    from specresearch.models.kernels import additive_sdpa_mask
+
+    padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    common = dict(batch_size=2, q_length=2, kv_length=5, q_offset=3, attention_mask=padding)
+    boolean = sdpa_mask(**common)
+    additive = additive_sdpa_mask(**common, dtype=torch.float32)
+    assert boolean.dtype == torch.bool and additive.dtype == torch.float32 and additive.shape == boolean.shape
+    assert torch.equal(additive, torch.where(boolean, 0.0, float("-inf")))
+    assert sdpa_mask(batch_size=1, q_length=1, kv_length=5, q_offset=4) is None
+    assert additive_sdpa_mask(batch_size=1, q_length=1, kv_length=5, q_offset=4) is None

@@ -456,8 +456,21 @@ def _special(kwargs) -> bool:
 
 def use_cpu_sdpa(model) -> bool:
     """Switch a transformers model that uses ``"sdpa"`` attention to :func:`cpu_sdpa_attention` (registered with
-    transformers as ``CPU_SDPA``, with transformers' sdpa masks); returns whether it was switched."""
-    return _use_attention(model, CPU_SDPA, cpu_sdpa_attention)
+    transformers as ``CPU_SDPA``, with :func:`additive_sdpa_mask`); returns whether it was switched."""
+    return _use_attention(model, CPU_SDPA, cpu_sdpa_attention, additive_sdpa_mask)
+
+
+def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    """transformers' sdpa mask (None where a call needs none), a boolean one made additive once per forward: 0 where
+    attended, -inf elsewhere, in the activations' ``dtype``. ``scaled_dot_product_attention`` makes exactly this of a
+    boolean mask itself, but in every layer: ~30 µs a layer on the AVX2 EPYC, ~1 ms of a two-token call of the
+    embedded target."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def use_packed_sdpa(model) -> bool:
@@ -466,13 +479,13 @@ def use_packed_sdpa(model) -> bool:
     return _use_attention(model, PACKED_SDPA, packed_sdpa_attention)
 
 
-def _use_attention(model, name: str, function) -> bool:
+def _use_attention(model, name: str, function, mask=None) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
     AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, mask or sdpa_mask)
     model.set_attn_implementation(name)
     return True
