@@ -186,6 +186,8 @@ def test_float16_layers_are_timed_for_the_kernel_too(monkeypatch):
 
     assert choose_kernel_rows(model, timer=timer) == (1, 2) and {"kernel", "present"} == set(timed)
     assert use_kernel_rows(model, (1, 2)) == 2 and model[1].kernel_rows == (1, 2)
+    whole = torch.nn.Sequential(torch.nn.Linear(32, 16)).half()  # a float16 model: float16 activations, not timed
+    assert choose_kernel_rows(whole, timer=lambda *a: pytest.fail("a float16 model's layers are not the kernel's")) == ()
 
 
 @needs_kernel

@@ -281,8 +281,8 @@ _CHOSEN_KERNEL_ROWS: dict[tuple, tuple[int, ...]] = {}
 
 def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts for which the compiled kernel (:mod:`specresearch.models.native`) beats the path ``model``'s
-    linear layers with float32 or float16 weights take now (their ``skinny_rows`` and half-weight product, else
-    ``F.linear``) on this machine; () where there is no kernel or the layers' weights take less than
+    linear layers with float32 weights or half weights (:func:`use_half_weights`) take now (their ``skinny_rows`` and
+    half-weight product, else ``F.linear``) on this machine; () where there is no kernel or the layers' weights take less than
     ``TIMED_MIN_BYTES`` (8 MiB: they stay in cache, where streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
     ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
     takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
@@ -294,9 +294,12 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
 
     if skinny_kernel() is None and timer is None:
         return ()
+    # float32 weights, and float16 ones that multiply float32 activations (use_half_weights: a half_limit), not those
+    # of a float16 model, whose activations the kernel does not take
     layers = [m for m in model.modules() if (isinstance(m, torch.nn.Linear) or hasattr(m, "kernel_rows"))
-              and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.float16)
-              and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()]
+              and m.weight.device.type == "cpu" and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()
+              and (m.weight.dtype == torch.float32
+                   or m.weight.dtype == torch.float16 and getattr(m, "half_limit", None) is not None)]
     if not layers or _fits_in_cache([m.weight for m in layers]):
         return ()
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) for m in layers)

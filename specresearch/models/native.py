@@ -8,8 +8,8 @@ of the embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls wi
 1.39 / 2.07 with them, 1.07 / 1.37 with it (record ``native_avx2_amd``). The kernel multiplies
 ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading each weight once, ``OB`` weight rows at a
 time, with 16-lane (AVX-512) or 8-lane (AVX2) partial sums in registers for every pair of weight row and input row
-(n * OB accumulators, OB weight vectors and one input vector fit AVX-512's 32 registers or AVX2's 16) and the
-next blocks' rows prefetched.
+(n * OB accumulators, OB weight vectors and one input vector fit AVX-512's 32 registers or AVX2's 16; AVX2's 2-row
+block holds its two input vectors instead and lets the FMAs read the weights) and the next blocks' rows prefetched.
 The partial sums are reduced in a fixed order, so a row's result does not depend on how many rows share the call
 (``tests/test_native.py``), and it equals ``F.linear`` up to float rounding (~1e-6 relative).
 Float16 weights (a draft's, ``kernels.use_half_weights``) are read as they are stored and widened to float32 in
@@ -47,7 +47,8 @@ __all__ = ["KERNEL_ROWS", "instruction_set", "kernel_source", "skinny_kernel", "
 
 KERNEL_ROWS = range(1, 9)  # row counts the kernel computes
 # Per instruction set: the vector type and its operations, the registers, and the weight rows per block (n * OB
-# accumulators + OB weight vectors + 1 input vector <= the registers, so none spills).
+# accumulators + OB weight vectors + 1 input vector <= the registers, so none spills; for the row counts in
+# _INPUTS_HELD n * OB accumulators + n input vectors).
 _ISAS = {
     "avx512": dict(vector="__m512", load="_mm512_loadu_ps", zero="_mm512_setzero_ps", fma="_mm512_fmadd_ps",
                    reduce="_mm512_reduce_add_ps", lanes=16, registers=32, macro="__AVX512F__",
@@ -76,6 +77,8 @@ def _weight_rows(isa: str, n: int, half: bool) -> tuple[int, bool]:
         return _BLOCKS[isa][n], True
     ob = _BLOCKS[isa][n] if n not in _INPUTS_HELD[isa] else (_ISAS[isa]["registers"] - 1) // (n + 1)
     return ob, False
+
+
 _PREFETCH = 4  # blocks ahead
 NATIVE_ENV = "SPECRESEARCH_NATIVE"
 _SUM256 = """
