@@ -61,22 +61,19 @@ _ISAS = {
 # widened to float32 as they are loaded (F16C), so they multiply float32 inputs with float32 partial sums.
 WEIGHT_TYPES = {torch.float32: ("f32", "float"), torch.float16: ("f16", "unsigned short")}
 _BLOCKS = {"avx512": {1: 8, 2: 8, 3: 7, 4: 6, 5: 5, 6: 4, 7: 3, 8: 3},
-           "avx2": {1: 7, 2: 7, 3: 3, 4: 3, 5: 2, 6: 2, 7: 1, 8: 1}}
-# Row counts whose block keeps the n input vectors in registers instead of the OB weight vectors: each weight vector is
-# then read by the FMAs themselves (once per input row, the second time from L1), so n * OB accumulators + n inputs
-# fill the registers. On the AVX2 EPYC this form's 2-row block (OB 7) took 0.90-0.97 of the other's (OB 5) in four
-# micro-benchmark runs of the target's weights; for other row counts neither form won. Float32 weights only: a float16
-# weight vector is widened into a register first, which the held form has none left for, so it keeps the other form
-# (with n * OB + OB + 1 registers: OB 5 for AVX2's 2 rows).
-_INPUTS_HELD = {"avx512": (), "avx2": (2,)}
+           "avx2": {n: 15 // (n + 1) for n in KERNEL_ROWS}}  # 7, 5, 3, 3, 2, 2, 1, 1 of AVX2's 16 registers
+# Row counts whose float32 block keeps the n input vectors in registers instead of the OB weight vectors, and its OB:
+# each weight vector is then read by the FMAs themselves (once per input row, the second time from L1), so n * OB
+# accumulators + n inputs fill the registers. On the AVX2 EPYC this form's 2-row block (OB 7) took 0.90-0.97 of the
+# other's (OB 5) in four micro-benchmark runs of the target's weights; for other row counts neither form won. A float16
+# weight vector is widened into a register first, which this form has none left for, so float16 keeps _BLOCKS.
+_INPUTS_HELD = {"avx512": {}, "avx2": {2: 7}}
 
 
 def _weight_rows(isa: str, n: int, half: bool) -> tuple[int, bool]:
     """(OB, whether the inputs are held) of the block for ``n`` rows."""
-    if n in _INPUTS_HELD[isa] and not half:
-        return _BLOCKS[isa][n], True
-    ob = _BLOCKS[isa][n] if n not in _INPUTS_HELD[isa] else (_ISAS[isa]["registers"] - 1) // (n + 1)
-    return ob, False
+    held = None if half else _INPUTS_HELD[isa].get(n)
+    return (held, True) if held else (_BLOCKS[isa][n], False)
 
 
 _PREFETCH = 4  # blocks ahead
