@@ -147,6 +147,10 @@ def test_the_source_fits_the_registers(isa, registers):
             ob, held = native._weight_rows(isa, n, half)
             assert ob >= 1 and not (held and half)
             assert (n * ob + n if held else n * ob + ob + 1) <= registers, (n, half)
+    for n, groups in native._GROUPS[isa].items():  # row groups sharing the first group's OB weight rows
+        ob = native._BLOCKS[isa][groups[0]]
+        assert sum(groups) == n and all(g not in native._GROUPS[isa] for g in groups)
+        assert all(g * ob + ob + 1 <= registers for g in groups), n
     source = native.kernel_source(isa)
     assert source.count("static void rows_") == 2 * len(native.KERNEL_ROWS)  # float32 and float16 weights
     assert "int skinny_f32(" in source and "int skinny_f16(" in source

@@ -9,7 +9,8 @@ of the embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls wi
 ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading each weight once, ``OB`` weight rows at a
 time, with 16-lane (AVX-512) or 8-lane (AVX2) partial sums in registers for every pair of weight row and input row
 (n * OB accumulators, OB weight vectors and one input vector fit AVX-512's 32 registers or AVX2's 16; AVX2's 2-row
-block holds its two input vectors instead and lets the FMAs read the weights) and the next blocks' rows prefetched.
+block holds its two input vectors instead and lets the FMAs read the weights) and the next blocks' rows prefetched;
+AVX2 takes 5-8 rows in groups of 4 and fewer that share each block, the later groups reading it from the cache.
 The partial sums are reduced in a fixed order, so a row's result does not depend on how many rows share the call
 (``tests/test_native.py``), and it equals ``F.linear`` up to float rounding (~1e-6 relative).
 Float16 weights (a draft's, ``kernels.use_half_weights``) are read as they are stored and widened to float32 in
@@ -68,6 +69,13 @@ _BLOCKS = {"avx512": {1: 8, 2: 8, 3: 7, 4: 6, 5: 5, 6: 4, 7: 3, 8: 3},
 # other's (OB 5) in four micro-benchmark runs of the target's weights; for other row counts neither form won. A float16
 # weight vector is widened into a register first, which this form has none left for, so float16 keeps _BLOCKS.
 _INPUTS_HELD = {"avx512": {}, "avx2": {2: 7}}
+# Row counts computed in groups of rows that share each block of weight rows (the first group's OB): the first group
+# streams the block from memory, the later ones read it again from L1. AVX2's 4-row block is as fast as its 1-row one
+# (memory-bound), while one pass over 5-8 rows has too few weight rows per block (OB 2, 1). On the AVX2 EPYC (Zen 1)
+# the products of the target's layers for 5 / 6 / 7 / 8 rows took 1.05 / 1.22 / 1.24 / 1.36 of MKL's one-row ones so,
+# 1.42 / 1.50 / 1.37 / 1.48 in one pass; groups of 3 + 2 and 3 + 3, or of 2 rows, were slower. At 8 rows the FMAs
+# bound it there: two 128-bit FMA pipes at 2 GHz need ~1.24 of MKL's one-row time for 8 rows' arithmetic.
+_GROUPS = {"avx512": {}, "avx2": {5: (4, 1), 6: (4, 2), 7: (4, 3), 8: (4, 4)}}
 
 
 def _weight_rows(isa: str, n: int, half: bool) -> tuple[int, bool]:
@@ -152,6 +160,8 @@ def kernel_source(isa: str | None = None) -> str:
     for suffix, c_type in WEIGHT_TYPES.values():
         half = suffix == "f16"
         for n in KERNEL_ROWS:
+            if n in _GROUPS[isa]:
+                continue
             ob, held = _weight_rows(isa, n, half)
             parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, half, held),
                       _block(n, ob, f"block_{n}_{suffix}", True, isa, half, held), f"""
@@ -160,6 +170,7 @@ static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *bi
     for (; o + {ob} <= out; o += {ob}) block_{n}_{suffix}(x, w, bias, y, in, out, o);
     for (; o < out; o++) tail_{n}_{suffix}(x, w, bias, y, in, out, o);
 }}"""]
+        parts += _grouped_rows(isa, suffix, c_type, half)
         cases = "\n".join(f"    case {n}: rows_{n}_{suffix}(x, w, bias, y, in, out); return 0;" for n in KERNEL_ROWS)
         parts.append(f"""
 int skinny_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long n, long in, long out) {{
@@ -170,6 +181,33 @@ int skinny_{suffix}(const float *x, const {c_type} *w, const float *bias, float 
     }}
 }}""")
     return "\n".join(parts) + "\n"
+
+
+def _grouped_rows(isa: str, suffix: str, c_type: str, half: bool) -> list[str]:
+    """``rows_n`` for the row counts of ``_GROUPS[isa]``: per block of OB weight rows (the first group's OB), each group
+    of rows in turn, the first group's block prefetching and reading the weights from memory, the later groups' reading
+    the same OB rows again from the cache. A row's sums are accumulated as in any other block, so its result is the
+    same bit for bit."""
+    parts, made = [], set()
+    for n, groups in _GROUPS[isa].items():
+        ob = _BLOCKS[isa][groups[0]]
+        calls, tails, start = [], [], 0
+        for k, g in enumerate(groups):
+            name = f"block_{g}x{ob}{'_ahead' if k == 0 else ''}_{suffix}"
+            if name not in made:
+                made.add(name)
+                parts.append(_block(g, ob, name, k == 0, isa, half))
+            at = f"x + {start} * in, w, bias, y + {start} * out, in, out, o"
+            calls.append(f"{name}({at});")
+            tails.append(f"tail_{g}_{suffix}({at});")
+            start += g
+        parts.append(f"""
+static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long in, long out) {{
+    long o = 0;
+    for (; o + {ob} <= out; o += {ob}) {{ {" ".join(calls)} }}
+    for (; o < out; o++) {{ {" ".join(tails)} }}
+}}""")
+    return parts
 
 
 def native_enabled() -> bool:
