@@ -74,6 +74,8 @@ RUNS = {  # label -> speculative_generate options
     "dynamic K3 g1 n3": tree_options((3, 1, 3)),
     "dynamic K2 g2 n3": tree_options((2, 2, 3)),
     "dynamic K2 g2 n4": tree_options((2, 2, 4)),
+    "dynamic K2 g3 n4": tree_options((2, 3, 4)),
+    "dynamic K2 g3 n5": tree_options((2, 3, 5)),
     "dynamic K3 g3 n6": tree_options((3, 3, 6)),
     "dynamic K4 g4 n10": tree_options((4, 4, 10)),
     # wider and deeper trees, for a device whose call costs about the same up to tens of tokens (a GPU)
