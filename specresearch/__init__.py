@@ -68,7 +68,8 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             ``stop_below=``, ...). ``gamma="auto"`` (default), as the CLI: for a chain ``engine.cost.default_config``
             (``GENERATE_GAMMA`` unless this machine's step costs, timed once and cached, predict another gamma, or
             with the default draft and verifier one of ``GENERATE_TREES``' dynamic trees, faster by more than
-            ``GENERATE_MARGIN``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
+            ``GENERATE_MARGIN``; with the default draft a chosen chain's gamma is its head's length off a lookup
+            match too, ``engine.cost.fit_default_draft``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
         announce: told, as the CLI prints, when this machine's step costs are timed (the first call, ~25 s here) and
             when a measurement is not kept; default: a line on stderr; None: silent.
     Returns:
@@ -89,12 +90,14 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         from specresearch.drafts.registry import draft_from_name
 
         draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
-    from specresearch.engine.cost import resolve_config
+    from specresearch.engine.cost import fit_default_draft, resolve_config
 
     trees = default_draft and verifier == "block" and not {"draft_law", "tree_nodes"} & set(options)
     chosen = resolve_config(gamma, target, draft, temperature=sampling.temperature,
                             num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"), trees=trees,
                             announce=announce)
+    if gamma == "auto" and default_draft:
+        fit_default_draft(draft, chosen)
     gamma, verifier = chosen.pop("gamma"), chosen.pop("verifier", verifier)
     options = {**options, **chosen}
     rows = [prompts] if isinstance(prompts, str) else list(prompts)

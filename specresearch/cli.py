@@ -189,12 +189,14 @@ def _run_generate(args) -> int:
         result = autoregressive_generate(target, [prompt], **common)
     else:
         draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
-        from specresearch.engine.cost import resolve_config
+        from specresearch.engine.cost import fit_default_draft, resolve_config
 
         trees = args.draft is None and not args.verifier_given and args.draft_law == "iid" and args.tree_nodes is None
         chosen = resolve_config(requested, target, draft, temperature=args.temperature, num_drafts=args.num_drafts,
                                 stop_below=args.stop_below, trees=trees,
                                 announce=_to_stderr)
+        if requested == "auto" and args.draft is None:
+            fit_default_draft(draft, chosen)
         options = {"verifier": args.verifier, "num_drafts": args.num_drafts, "draft_law": args.draft_law,
                    "tree_nodes": args.tree_nodes, **chosen}
         args.gamma = options.pop("gamma")

@@ -17,7 +17,8 @@ __all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GEN
 # The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
 # float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding on the reference CPU,
 # docs/feature_drafts.md), unless the machine's step costs predict another gamma faster by more than GENERATE_MARGIN
-# (engine.cost.default_config; the margin is the step model's error where it was checked, docs/trees.md).
+# (engine.cost.default_config; the margin is the step model's error where it was checked, docs/trees.md). A chain of
+# another gamma is then the head's length off a lookup match too (engine.cost.fit_default_draft).
 GENERATE_DRAFT = "ngram+fp16:eagle3-v8k"
 GENERATE_GAMMA = 1
 GENERATE_MARGIN = 0.10

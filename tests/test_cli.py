@@ -110,8 +110,9 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     import specresearch.drafts.registry as drafts
     from specresearch.cli import CONTRASTIVE_AMATEUR, GENERATE_DRAFT
 
-    names, real = [], drafts.draft_from_name
-    monkeypatch.setattr(drafts, "draft_from_name", lambda name, *a, **k: names.append(name) or real(name, *a, **k))
+    names, made, real = [], [], drafts.draft_from_name
+    monkeypatch.setattr(drafts, "draft_from_name", lambda name, *a, **k: names.append(name) or made.append(
+        real(name, *a, **k)) or made[-1])
     texts = []
     for extra in ([], ["--autoregressive"]):
         assert main(["generate", "Name three rivers.", "--max-new-tokens", "12", "--temperature", "0", *extra]) == 0
@@ -131,6 +132,12 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     assert text == texts[0] and "; onehot tree K 2, depth 2, 3 nodes, block efficiency" in summary
     assert main(["generate", "Name three rivers.", "--max-new-tokens", "2", "--draft", "ngram"]) == 0
     assert asked == [True, False]
+    # a chain the machine picks is the default draft's length off a lookup match too; a named draft keeps its own
+    monkeypatch.setattr(cost, "resolve_config", lambda gamma, target, draft, **kwargs: {"gamma": 2})
+    assert main(["generate", "Name three rivers.", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert made[-1].draft_gamma == 2
+    assert main(["generate", "Name three rivers.", "--max-new-tokens", "4", "--draft", GENERATE_DRAFT]) == 0
+    assert made[-1].draft_gamma == 1
 
 
 @pytest.mark.slow
@@ -285,18 +292,22 @@ def test_bench_default_config_runs_the_choice_at_each_temperature(monkeypatch, t
     class Tokenizer:
         eos_token_id = 0
 
-    ran, asked = [], []
+    class Combined:  # as generate's default draft: one token off a lookup match unless a chain says otherwise
+        draft_gamma = 1
+
+    ran, asked, draft = [], [], Combined()
     monkeypatch.setattr(embedded, "load_model", lambda name, device: ("target", Tokenizer()))
-    monkeypatch.setattr(bench, "load_bench_draft", lambda name, target: "draft")
+    monkeypatch.setattr(bench, "load_bench_draft", lambda name, target: draft)
     monkeypatch.setattr(bench, "load_bench_prompts", lambda tokenizer, config, path: [])
     monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, trees, announce: asked.append(
         (trees, announce)) or (cost.tree_options((8, 6, 32)) if temperature == 0 else {"gamma": 2}))
     monkeypatch.setattr(bench, "run_bench", lambda target, draft, prompts, config, path, **kwargs: ran.append(
-        (config.temperatures, config.verifiers, config.gammas)) or [])
+        (config.temperatures, config.verifiers, config.gammas, draft.draft_gamma)) or [])
     config = bench.BenchConfig(verifiers=("block",), temperatures=(0.0, 1.0), gammas=(1,))
     bench.run_named("smollm2-135m-instruct", GENERATE_DRAFT, config, tmp_path / "run.csv", default_gamma=True,
                     announce=print)
-    assert ran == [((0.0,), ("onehot:8:dynamic:32",), (6,)), ((1.0,), ("block",), (2,))]
+    # the chain's length is the combined draft's off-match length too (engine.cost.fit_default_draft); a tree keeps it
+    assert ran == [((0.0,), ("onehot:8:dynamic:32",), (6,), 1), ((1.0,), ("block",), (2,), 2)]
     assert asked == [(True, print), (True, print)]  # trees weighed; told what to say while timing
     info = json.loads((tmp_path / "run.json").read_text())[-1]
     assert [(c["verifiers"], c["gammas"]) for c in info["chosen"]] == [(["onehot:8:dynamic:32"], [6]), (["block"], [2])]

@@ -21,10 +21,11 @@ from specresearch.engine.cost import (
     CostCurve,
     best_config,
     best_gamma,
+    fit_default_draft,
     predicted_speedup,
     tree_options,
 )
-from specresearch.models.toy import tiny_llama
+from specresearch.models.toy import ToyLM, tiny_llama
 from specresearch.paths import repo_root
 
 
@@ -260,3 +261,25 @@ def test_another_configuration_replaces_the_default_only_where_every_round_agree
     assert best_config(both, GENERATE_TAU_GREEDY, taus, margin=0.10) == tree_options((8, 6, 32))
     chains_in_rounds = CostCurve((1.0,) * 4, 0.1, 0.02, step_ratios=steps, tree_steps=trees, step_rounds=(steps, steps))
     assert best_config(chains_in_rounds, GENERATE_TAU_GREEDY, taus, margin=0.10) == tree_options((8, 6, 32))  # trees kept
+
+
+def test_the_default_combined_draft_drafts_the_chosen_chains_length_off_a_match():
+    """The curve weighs the wrapped draft's chains of each gamma, so a chosen chain sets the combined draft's
+    off-match length (built by name it drafts one token there); a tree, a draft that always drafts the engine's gamma
+    and a draft without the setting are left as they are."""
+    from specresearch.drafts.combined import LookupOrDraft
+
+    combined = LookupOrDraft(ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0))), draft_gamma=1)
+    combined.reset(1)
+    combined.prefill(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long))  # no repeated suffix: no match
+    assert combined.plan_length(3) == 1
+    fit_default_draft(combined, {"gamma": 3})
+    assert combined.draft_gamma == 3 and combined.plan_length(3) == 3
+    fit_default_draft(combined, tree_options((2, 2, 3)))
+    assert combined.draft_gamma == 3
+    free = LookupOrDraft(ToyLM(torch.randn(8, 8)), draft_gamma=None)
+    fit_default_draft(free, {"gamma": 2})
+    assert free.draft_gamma is None
+    plain = ToyLM(torch.randn(8, 8))
+    fit_default_draft(plain, {"gamma": 2})
+    assert not hasattr(plain, "draft_gamma")

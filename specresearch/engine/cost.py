@@ -45,7 +45,8 @@ from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.paths import answers_file, cached_answer, cpu_key, keep_answer
 
 __all__ = ["CostCurve", "MARGIN", "STEADY", "score_seconds", "measure_cost_curve", "steady", "cost_curve",
-           "predicted_speedup", "best_gamma", "best_config", "default_config", "resolve_config", "tree_options"]
+           "predicted_speedup", "best_gamma", "best_config", "default_config", "resolve_config", "fit_default_draft",
+           "tree_options"]
 
 COST_FILE = "score_cost.json"
 MARGIN = GENERATE_MARGIN  # another gamma than the measured default must be predicted this much faster to replace it
@@ -341,6 +342,19 @@ def default_config(target, draft, temperature: float = 1.0, *, trees: bool = Tru
     shapes = {shape: taus[column] for shape, taus in GENERATE_TREES.items()} if trees else {}
     curve = cost_curve(target, draft, max_tokens=max(expected) + 1, trees=tuple(shapes), announce=announce)
     return best_config(curve, expected, shapes, incumbent=GENERATE_GAMMA, margin=margin)
+
+
+def fit_default_draft(draft, chosen: dict) -> None:
+    """Let a combined draft's wrapped draft draft the chosen chain's length where lookup finds no match.
+
+    :func:`default_config` weighs the wrapped draft's chains of each gamma (``cost_curve`` times them). A
+    ``drafts.combined.LookupOrDraft`` built by name drafts one token off a match (``draft_gamma=1``), so with a
+    chosen ``{"gamma": g}`` its ``draft_gamma`` becomes g: the step the curve predicted. Trees and other drafts are
+    left as they are. Used where the draft is the default one (``specresearch generate``, ``specresearch.generate``,
+    ``bench --default-config``); a draft the caller named keeps the lengths its name gave it.
+    """
+    if "num_drafts" not in chosen and getattr(draft, "draft_gamma", None) is not None:
+        draft.draft_gamma = chosen["gamma"]
 
 
 def resolve_config(gamma: int | str, target, draft, *, temperature: float = 1.0, num_drafts: int = 1,

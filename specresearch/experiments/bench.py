@@ -444,17 +444,18 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
 
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
-    configs = [config]
+    configs, choices = [config], [None]
     if default_gamma:
         from specresearch.engine.cost import default_config
 
-        configs = []
+        configs, choices = [], []
         for temperature in config.temperatures:
             chosen = default_config(target, draft, temperature, trees=draft_name == GENERATE_DRAFT, announce=announce)
             verifier = (f"onehot:{chosen['num_drafts']}:dynamic:{chosen['tree_nodes']}" if "num_drafts" in chosen
                         else config.verifiers[0])
             configs.append(dataclasses.replace(config, temperatures=(temperature,), verifiers=(verifier,),
                                                gammas=(chosen["gamma"],)))
+            choices.append(chosen)
     prompts = load_bench_prompts(tokenizer, config, prompts_path)
     write_run_info(path, command=command, commit=git_commit(), target=target_name, draft=draft_name,
                    target_sha256=weights_digest(target_name) if target_name in EMBEDDED else None,
@@ -462,7 +463,11 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
                    prompts=[p.id for p in prompts],
                    **({"chosen": [dataclasses.asdict(c) for c in configs]} if default_gamma else {}))
     run = run_batched if batched else run_bench
-    for each in configs:
+    for each, chosen in zip(configs, choices):
+        if chosen is not None and draft_name == GENERATE_DRAFT:  # as generate runs its default draft
+            from specresearch.engine.cost import fit_default_draft
+
+            fit_default_draft(draft, chosen)
         records = run(target, draft, prompts, each, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
                       progress=progress)
     return records
