@@ -10,9 +10,9 @@ EOS stops a row, ``--max-new-tokens`` at most. A speed-up is (tokens / seconds) 
 the autoregressive runs of the same prompts, summed per category and over all prompts; the
 acceptance rate is the engine's (accepted / drafted). Before and after the runs it times one cached target
 call scoring k = 1 and gamma + 1 tokens (``bench.score_seconds``): what verification costs in target
-forwards here. A benchmark: rows to ``--out`` (JSON lines; the machine, ``machine_info``, as a
-``method = machine`` row first, each prompt's runs as soon as they are timed, so an interrupted run keeps
-the prompts it finished for ``--table``, the score timings as ``method = target_score`` rows last) and
+forwards here. A benchmark: rows to ``--out`` (JSON lines; the machine, ``machine_info``, with the command,
+commit, date and weights' digests as a ``method = machine`` row first, each prompt's runs as soon as they are
+timed, so an interrupted run keeps the prompts it finished for ``--table``, the score timings as ``method = target_score`` rows last) and
 Markdown tables; nothing asserted on time. Both the speed-ups and the best gamma depend on the machine (how much more a call
 scoring gamma + 1 tokens costs than one scoring 1).
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -40,7 +41,7 @@ import pandas as pd
 import torch
 
 from specresearch.config import SamplingConfig
-from specresearch.drafts.registry import draft_from_name
+from specresearch.drafts.registry import draft_from_name, weights_digests
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.experiments import bench
 from specresearch.experiments.draft_analysis import (
@@ -49,7 +50,7 @@ from specresearch.experiments.draft_analysis import (
     speedup_intervals,
     wallclock_table,
 )
-from specresearch.experiments.records import machine_info
+from specresearch.experiments.records import machine_info, record_header
 from specresearch.models.embedded import load_embedded
 from specresearch.models.kernels import SkinnyLinear
 
@@ -148,8 +149,10 @@ def main() -> None:
     costs = bench.score_seconds(lm, ks)  # before and after the runs: the machine's load may drift
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
+        made = record_header("benchmarks/bench_wallclock.py", sys.argv[1:])  # command, commit, date, target's digest
         f.write(json.dumps({"method": "machine", **machine_info(), "target_linear": args.target_linear,
-                            "skinny_rows": skinny_rows}) + "\n")
+                            "skinny_rows": skinny_rows, **{k: v for k, v in made.items() if k != "machine"},
+                            "draft_sha256": {name: weights_digests(name) for name in args.drafts}}) + "\n")
         rows = run(lm, tokenizer, drafts, args, f)
         after = bench.score_seconds(lm, ks)
         f.writelines(json.dumps({"method": "target_score", "k": k, "ms_before": 1e3 * costs[k], "ms_after": 1e3 * after[k]}) + "\n"
