@@ -4,8 +4,8 @@ cost little more than one scoring a single token (used by :mod:`specresearch.mod
 Why: a small model's forward is bound by streaming its weights from memory, so scoring 8 tokens could cost what
 scoring 1 does. MKL's products for 2-8 rows do not get there on one thread: on a 2-core AMD EPYC with AVX-512 a call
 of the embedded target scoring 4 / 8 tokens costs 1.29 / 2.04 one-token calls with them, 1.15 / 1.35 with this kernel
-(``benchmarks/bench_native.py``, record ``native_amd``; docs/trees.md); on one with AVX2 only, scoring 2 / 5 tokens
-1.39 / 2.07 with them, 1.07 / 1.37 with it (record ``native_avx2_amd``). The kernel multiplies
+(``benchmarks/bench_native.py``, record ``native_amd``; docs/trees.md); on one with AVX2 only, scoring 4 / 8 tokens
+1.40 / 2.31 with them, 1.07 / 1.43 with it (record ``native_avx2_amd``). The kernel multiplies
 ``y[r, o] = sum_i x[r, i] W[o, i] (+ b[o])`` for n <= 8 rows by reading each weight once, ``OB`` weight rows at a
 time, with 16-lane (AVX-512) or 8-lane (AVX2) partial sums in registers for every pair of weight row and input row
 (n * OB accumulators, OB weight vectors and one input vector fit AVX-512's 32 registers or AVX2's 16; AVX2's 2-row
@@ -24,8 +24,8 @@ loaded with ``ctypes`` (no torch headers, about two seconds to build). Where the
 AVX2 with FMA, no F16C, another architecture, or ``$SPECRESEARCH_NATIVE=0``, :func:`skinny_kernel` is None and nothing
 changes.
 Whether it is used for a row count is timed on the model's own weights, as the skinny rows are
-(``kernels.choose_kernel_rows``; with AVX-512 here it won for 3-8 rows, with AVX2 for 1-8, and for a float16
-draft's layers for 1-8). It has no gradient
+(``kernels.choose_kernel_rows``; with AVX-512 here it won for 3-8 rows, with AVX2 for 2-8 and at some loads 1, and
+for a float16 draft's layers for 1-8). It has no gradient
 (``kernels.skinny_linear`` uses it only where none is asked for) and runs on one thread (with two, MKL's products use
 both cores and the timing keeps them).
 """
