@@ -12,9 +12,9 @@ acceptance rate is the engine's (accepted / drafted). Before and after the runs 
 call scoring k = 1 and gamma + 1 tokens (``bench.score_seconds``): what verification costs in target
 forwards here. A benchmark: rows to ``--out`` (JSON lines; the machine, ``machine_info``, with the command,
 commit, date and weights' digests as a ``method = machine`` row first, each prompt's runs as soon as they are
-timed, so an interrupted run keeps the prompts it finished for ``--table``, the score timings as ``method = target_score`` rows last) and
-Markdown tables; nothing asserted on time. Both the speed-ups and the best gamma depend on the machine (how much more a call
-scoring gamma + 1 tokens costs than one scoring 1).
+timed, so an interrupted run keeps the prompts it finished for ``--table``, the score timings as
+``method = target_score`` rows last) and Markdown tables; nothing asserted on time. Both the speed-ups and the
+best gamma depend on the machine (how much more a call scoring gamma + 1 tokens costs than one scoring 1).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_wallclock.py --threads 1 \\
         --drafts ngram eagle3-v8k ngram+eagle3-v8k v8k-4l ngram+v8k-4l --gammas 1 2 4
