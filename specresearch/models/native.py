@@ -148,8 +148,8 @@ static inline void {name}(const float *x, const {weight_type} *w, const float *b
 
 def kernel_source(isa: str | None = None) -> str:
     """The C source for ``isa`` (default: this CPU's, :func:`instruction_set`, else AVX-512): per weight storage
-    (:data:`WEIGHT_TYPES`: float32, float16) one block function per row count (and a one-row tail), and
-    ``skinny_f32`` / ``skinny_f16`` dispatching on n. Each returns 0, or 1 when it cannot take the call (n outside
+    (:data:`WEIGHT_TYPES`: float32, float16) a ``rows_n`` function per row count calling its groups' blocks
+    (:func:`_rows`) and one-row tails, and ``skinny_f32`` / ``skinny_f16`` dispatching on n. Each returns 0, or 1 when it cannot take the call (n outside
     1-8, ``in`` not a multiple of 16)."""
     isa = isa or instruction_set() or "avx512"
     spec = _ISAS[isa]
@@ -159,18 +159,10 @@ def kernel_source(isa: str | None = None) -> str:
         parts.append(_SUM256)
     for suffix, c_type in WEIGHT_TYPES.values():
         half = suffix == "f16"
-        for n in KERNEL_ROWS:
-            if n in _GROUPS[isa]:
-                continue
-            ob, held = _weight_rows(isa, n, half)
-            parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, half, held),
-                      _block(n, ob, f"block_{n}_{suffix}", True, isa, half, held), f"""
-static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long in, long out) {{
-    long o = 0;
-    for (; o + {ob} <= out; o += {ob}) block_{n}_{suffix}(x, w, bias, y, in, out, o);
-    for (; o < out; o++) tail_{n}_{suffix}(x, w, bias, y, in, out, o);
-}}"""]
-        parts += _grouped_rows(isa, suffix, c_type, half)
+        made: set[str] = set()
+        parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, half, _weight_rows(isa, n, half)[1])
+                  for n in KERNEL_ROWS if n not in _GROUPS[isa]]
+        parts += [part for n in KERNEL_ROWS for part in _rows(isa, n, suffix, c_type, half, made)]
         cases = "\n".join(f"    case {n}: rows_{n}_{suffix}(x, w, bias, y, in, out); return 0;" for n in KERNEL_ROWS)
         parts.append(f"""
 int skinny_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long n, long in, long out) {{
@@ -183,25 +175,25 @@ int skinny_{suffix}(const float *x, const {c_type} *w, const float *bias, float 
     return "\n".join(parts) + "\n"
 
 
-def _grouped_rows(isa: str, suffix: str, c_type: str, half: bool) -> list[str]:
-    """``rows_n`` for the row counts of ``_GROUPS[isa]``: per block of OB weight rows (the first group's OB), each group
-    of rows in turn, the first group's block prefetching and reading the weights from memory, the later groups' reading
-    the same OB rows again from the cache. A row's sums are accumulated as in any other block, so its result is the
-    same bit for bit."""
-    parts, made = [], set()
-    for n, groups in _GROUPS[isa].items():
-        ob = _BLOCKS[isa][groups[0]]
-        calls, tails, start = [], [], 0
-        for k, g in enumerate(groups):
-            name = f"block_{g}x{ob}{'_ahead' if k == 0 else ''}_{suffix}"
-            if name not in made:
-                made.add(name)
-                parts.append(_block(g, ob, name, k == 0, isa, half))
-            at = f"x + {start} * in, w, bias, y + {start} * out, in, out, o"
-            calls.append(f"{name}({at});")
-            tails.append(f"tail_{g}_{suffix}({at});")
-            start += g
-        parts.append(f"""
+def _rows(isa: str, n: int, suffix: str, c_type: str, half: bool, made: set) -> list[str]:
+    """``rows_n``, and the blocks it calls that ``made`` does not hold yet: per block of OB weight rows, each group of
+    rows of ``_GROUPS[isa]`` (one group of n elsewhere) in turn. The first group's block prefetches and streams the
+    weights from memory and sets OB (its form's, ``_weight_rows``); the later groups' read the same OB rows again from
+    the cache. A row's sums are accumulated alike in every block, so its result is the same bit for bit. The
+    leftover weight rows go through the one-row tails."""
+    groups = _GROUPS[isa].get(n, (n,))
+    ob, held = _weight_rows(isa, groups[0], half)
+    parts, calls, tails, start = [], [], [], 0
+    for k, g in enumerate(groups):
+        name = f"block_{g}x{ob}{'_ahead' if k == 0 else ''}{'_held' if held and k == 0 else ''}_{suffix}"
+        if name not in made:
+            made.add(name)
+            parts.append(_block(g, ob, name, k == 0, isa, half, held and k == 0))
+        at = f"x + {start} * in, w, bias, y + {start} * out, in, out, o"
+        calls.append(f"{name}({at});")
+        tails.append(f"tail_{g}_{suffix}({at});")
+        start += g
+    parts.append(f"""
 static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long in, long out) {{
     long o = 0;
     for (; o + {ob} <= out; o += {ob}) {{ {" ".join(calls)} }}
