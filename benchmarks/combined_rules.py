@@ -36,9 +36,8 @@ from tqdm import tqdm
 
 from specresearch.drafts.feature import load_feature_draft
 from specresearch.drafts.registry import (
-    HALF_PREFIX,
-    half_weight_draft,
-    without_half_prefix,
+    with_weight_storage,
+    without_weight_prefix,
 )
 from specresearch.drafts.store import drafts_dir, shipped_drafts
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
@@ -133,13 +132,13 @@ def main() -> None:
     if args.count < 2 or args.depths < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
         parser.error("--count must be >= 2, --depths and --max-new-tokens >= 1, --temperature > 0")
     torch.set_num_threads(args.threads)
-    base = without_half_prefix(args.draft)
+    base = without_weight_prefix(args.draft)
     directory = drafts_dir() / base if base in shipped_drafts() else Path(base)
     prompts = load_prompts(ROOT / "data" / "prompts.jsonl")
     prompts = evenly_spaced(prompts, args.count)
     target, tokenizer = load_embedded(device="cpu")
     draft = load_feature_draft(target, directory)
-    head = (half_weight_draft(draft, target) if args.draft.startswith(HALF_PREFIX) else draft).head
+    head = with_weight_storage(draft, args.draft, target).head
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     started = time.perf_counter()
     per_prompt = []

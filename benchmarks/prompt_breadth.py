@@ -35,9 +35,8 @@ from tqdm import tqdm
 
 from specresearch.drafts.feature import load_feature_draft
 from specresearch.drafts.registry import (
-    HALF_PREFIX,
-    half_weight_draft,
-    without_half_prefix,
+    with_weight_storage,
+    without_weight_prefix,
 )
 from specresearch.drafts.store import drafts_dir, read_manifest, shipped_drafts
 from specresearch.engine.prompts import encode_chat, load_prompts
@@ -137,13 +136,13 @@ def main() -> None:
     if args.count < 2 or args.depths < 1 or args.max_new_tokens < 1 or any(t <= 0 for t in args.temperatures):
         parser.error("--count must be >= 2, --depths and --max-new-tokens >= 1, --temperatures > 0")
     torch.set_num_threads(args.threads)
-    base = without_half_prefix(args.draft)
+    base = without_weight_prefix(args.draft)
     directory = drafts_dir() / base if base in shipped_drafts() else Path(base)
     manifest = read_manifest(directory)
     sets = prompt_sets(manifest, args.count, args.sets)
     target, tokenizer = load_embedded(device="cpu")
     draft = load_feature_draft(target, directory)
-    head = (half_weight_draft(draft, target) if args.draft.startswith(HALF_PREFIX) else draft).head
+    head = with_weight_storage(draft, args.draft, target).head
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     rows = [0.0, *args.temperatures]
     started = time.perf_counter()

@@ -85,7 +85,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft", default=None,
                    help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head with float16 weights elsewhere; the "
                         "fastest draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, "
-                        "eagle3-v8k; any name under data/drafts/) | fp16:NAME (its weights in float16) | ngram | truncated:N | checkpoint path. "
+                        "eagle3-v8k; any name under data/drafts/) | fp16:NAME / int8:NAME (its weights in float16 / int8) | ngram | truncated:N | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
     p.add_argument("--verifier", default=None, choices=["token", "block", "greedy", *TREE_RULES],
                    help="token | block (default) | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
@@ -443,7 +443,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded model name or local checkpoint path")
     p.add_argument("--draft", default=None,
                    help="v8k-4l (default; a shipped distilled draft; eagle3-v8k the feature head) | ngram | ngram+NAME[@OPTION] | "
-                        "truncated:N | fp16:NAME | dial-mix:LAM (BE only) | checkpoint path")
+                        "truncated:N | fp16:NAME | int8:NAME | dial-mix:LAM (BE only) | checkpoint path")
     p.add_argument("--default-config", action="store_true",
                    help=f"time exactly what `specresearch generate` runs by default ({GENERATE_DRAFT}, block, the gamma "
                         "it picks on this machine) against autoregressive decoding; the prompt, temperature and length flags apply")
@@ -560,12 +560,12 @@ def _user_message(exc: BaseException, args) -> str:
     if isinstance(exc, FileNotFoundError) and exc.filename:
         message = f"{exc.filename}: {exc.strerror or 'no such file'}"
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError) and os.environ.get("HF_HUB_OFFLINE") != "0":
-        from specresearch.drafts.registry import without_half_prefix
+        from specresearch.drafts.registry import without_weight_prefix
 
         # transformers' message for a name it cannot resolve offline does not say which name it was
         for flag in ("model", "target", "draft"):
             name, known = getattr(args, flag, None), known_names(flag)
-            base = without_half_prefix(name) if name else name
+            base = without_weight_prefix(name) if name else name
             if name and not Path(base).exists() and base not in known and not base.startswith("truncated:"):
                 return (f"--{flag} {name!r} is neither a known name ({', '.join(known)}) "
                         f"nor an existing checkpoint directory")

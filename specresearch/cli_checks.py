@@ -99,11 +99,11 @@ def check_model_name(flag: str, name: str, *, embedded_only: bool = False) -> No
 
 def check_draft_name(name: str | None) -> None:
     """``--draft``: a described draft, a shipped one or an existing directory (before any model loads)."""
-    from specresearch.drafts.registry import without_half_prefix
+    from specresearch.drafts.registry import without_weight_prefix
 
     if name is None:
         return
-    base = without_half_prefix(name)
+    base = without_weight_prefix(name)
     described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
     if not (described or base in known_names("draft") or Path(base).exists()):
         raise ValueError(f"--draft {name!r} is neither a known name ({', '.join(known_names('draft'))}) "
@@ -154,5 +154,5 @@ def known_names(flag: str) -> list[str]:
         return sorted(EMBEDDED)
     from specresearch.drafts.store import shipped_drafts
 
-    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
+    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "int8:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
             *shipped_drafts()]

@@ -228,14 +228,54 @@ def test_half_products_of_huge_inputs_do_not_overflow_and_small_ones_are_unchang
     torch.testing.assert_close(got, huge @ weight.float().t(), rtol=2e-3, atol=0)
 
 
-def test_half_weights_never_change_the_target():
-    from specresearch.models.kernels import use_half_weights
+def test_int8_weights_round_each_row_to_its_scale_and_untie():
+    """use_int8_weights: every linear layer gets int8 weights and a float32 scale per output row (max |W[o]| / 127, a
+    row of zeros scale 1); a tied head is untied (the embedding keeps its float32 weights); outputs are float32 and
+    equal the product with the rounded weights, within 1 % of the float32 one, through the kernel (1-8 rows) or the
+    converted weights (9 rows); an int8 weight without its scale raises."""
+    from specresearch.models.kernels import SkinnyLinear, skinny_linear, use_int8_weights
+
+    g = torch.Generator().manual_seed(0)
+    embedding = torch.nn.Embedding(96, 48)
+    head = torch.nn.Linear(48, 96, bias=False)
+    head.weight = embedding.weight  # tied, as SmolLM2's head
+    model = torch.nn.Sequential(embedding, torch.nn.Linear(48, 48, bias=True), head)
+    with torch.no_grad():
+        model[1].weight[3] = 0.0
+    reference = [model[1].weight.detach().clone(), model[1].bias.detach().clone(), embedding.weight.detach().clone()]
+    assert use_int8_weights(model) == 2
+    layer = model[1]
+    assert type(layer) is SkinnyLinear and type(model[2]) is SkinnyLinear
+    assert layer.weight.dtype == model[2].weight.dtype == torch.int8 and not layer.weight.requires_grad
+    assert torch.equal(embedding.weight, reference[2]) and layer.bias.dtype == torch.float32
+    scale = reference[0].abs().amax(-1) / 127
+    assert layer.weight_scale[3] == 1.0 and (layer.weight[3] == 0).all()
+    torch.testing.assert_close(layer.weight_scale[:3], scale[:3])
+    assert int(layer.weight.abs().amax(-1)[0]) == 127
+    rounded = layer.weight.double() * layer.weight_scale.double()[:, None]
+    assert float((rounded - reference[0]).abs().max()) <= float(scale.max()) / 2 + 1e-6
+    for rows in (1, 2, 8, 9):
+        x = torch.randn(rows, 48, generator=g)
+        with torch.no_grad():
+            got = layer(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), x.double() @ rounded.t() + reference[1].double(), atol=1e-5, rtol=1e-5)
+        want = x @ reference[0].t()
+        assert float((got - reference[1] - want).norm() / want.norm()) < 0.01
+    with pytest.raises(ValueError, match="weight_scale"):
+        skinny_linear(torch.randn(1, 48), layer.weight)
+
+
+@pytest.mark.parametrize("use", ["use_half_weights", "use_int8_weights"])
+def test_half_and_int8_weights_never_change_the_target(use):
+    from specresearch.models import kernels
 
     target = torch.nn.Sequential(torch.nn.Linear(8, 8))
     draft = torch.nn.Sequential(torch.nn.Linear(8, 8), target[0])  # a layer shared with the target
     with pytest.raises(ValueError, match="target"):
-        use_half_weights(draft, shared_with=target)
+        getattr(kernels, use)(draft, shared_with=target)
     assert draft[0].weight.dtype == target[0].weight.dtype == torch.float32
+    assert type(draft[0]) is torch.nn.Linear  # nothing was done
 
 
 def test_causal_lm_switches_to_skinny_linears_on_cpu_only_when_asked_or_auto():

@@ -59,14 +59,37 @@ def test_float16_weights_are_multiplied_as_their_float32_widening(rows):
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("rows", native.KERNEL_ROWS)
+def test_int8_weights_are_multiplied_as_their_conversion_times_their_scales(rows):
+    """An int8 weight is converted as it is read and each output row's sum multiplied by its scale:
+    ``F.linear(x, weight.float()) * scale + bias`` up to float rounding; without a float32 scale per row, declined."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=generator)
+    weight = torch.randint(-127, 128, (21, 64), generator=generator, dtype=torch.int8)
+    scale, b = torch.rand(21, generator=generator) / 100, torch.randn(21, generator=generator)
+    got = native.kernel_linear(x, weight, b, scale)
+    assert got.dtype == torch.float32 and got.shape == (rows, 21)
+    want = torch.nn.functional.linear(x.double(), weight.double()) * scale.double() + b.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert native.kernel_linear(x, weight, b) is None  # no scale
+    assert native.kernel_linear(x, weight, b, scale[:20]) is None  # not one per row
+    assert native.kernel_linear(x, weight, b, scale.double()) is None
+    assert native.kernel_linear(x, weight.float(), b, scale) is not None  # a scale beside a float weight: unread
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     """Each row's partial sums are reduced in one fixed order whatever n is: bit for bit the same."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8, 576, generator=generator)
     weight = torch.randn(200, 576, generator=generator)
-    alone = torch.cat([native.kernel_linear(x[r:r + 1], weight) for r in range(8)])
+    scale = None
+    if dtype is torch.int8:
+        weight, scale = torch.randint(-127, 128, (200, 576), generator=generator, dtype=torch.int8), torch.rand(200) / 100
+    alone = torch.cat([native.kernel_linear(x[r:r + 1], weight, None, scale) for r in range(8)])
     for n in native.KERNEL_ROWS:
-        assert torch.equal(native.kernel_linear(x[:n], weight), alone[:n]), n
+        assert torch.equal(native.kernel_linear(x[:n], weight, None, scale), alone[:n]), n
 
 
 @needs_kernel
@@ -142,18 +165,21 @@ def test_the_source_fits_the_registers(isa, registers):
     """n * OB accumulators and either OB weight vectors and one input vector, or (the inputs held, float32 weights read
     by the FMAs) n input vectors: at most the instruction set's registers (AVX-512's 32, AVX2's 16), so none spills."""
     assert set(native._BLOCKS[isa]) == set(native.KERNEL_ROWS)
-    for half in (False, True):
+    for widened in (False, True):  # float32 weights; float16 or int8 ones, widened into a register first
         for n in native.KERNEL_ROWS:
-            ob, held = native._weight_rows(isa, n, half)
-            assert ob >= 1 and not (held and half)
-            assert (n * ob + n if held else n * ob + ob + 1) <= registers, (n, half)
+            ob, held = native._weight_rows(isa, n, widened)
+            assert ob >= 1 and not (held and widened)
+            assert (n * ob + n if held else n * ob + ob + 1) <= registers, (n, widened)
     for n, groups in native._GROUPS[isa].items():  # row groups sharing the first group's OB weight rows
         ob = native._BLOCKS[isa][groups[0]]
         assert sum(groups) == n and all(g not in native._GROUPS[isa] for g in groups)
         assert all(g * ob + ob + 1 <= registers for g in groups), n
     source = native.kernel_source(isa)
-    assert source.count("static void rows_") == 2 * len(native.KERNEL_ROWS)  # float32 and float16 weights
-    assert "int skinny_f32(" in source and "int skinny_f16(" in source
+    assert source.count("static void rows_") == 3 * len(native.KERNEL_ROWS)  # float32, float16 and int8 weights
+    assert "int skinny_f32(" in source and "int skinny_f16(" in source and "int skinny_i8(" in source
+    blocks = source.split("static inline void ")[1:]  # only the int8 blocks multiply by the rows' scales
+    assert [("* scale[o + b]" in block) for block in blocks] == [("const signed char *w" in block) for block in blocks]
+    assert any("const signed char *w" in block for block in blocks)
     assert ("__m512 " in source) == (isa == "avx512") and ("__m256 " in source) == (isa == "avx2")
 
 

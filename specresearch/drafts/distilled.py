@@ -140,7 +140,7 @@ class SubsetHead(torch.nn.Module):
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return skinny_linear(hidden, self.weight, skinny_rows=self.skinny_rows, half_limit=self.half_limit,
-                             kernel_rows=self.kernel_rows)  # [..., K]
+                             kernel_rows=self.kernel_rows, weight_scale=getattr(self, "weight_scale", None))  # [..., K]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         subset = self.subset_logits(hidden)

@@ -16,11 +16,11 @@ from specresearch.drafts.ngram import NGramDraft
 from specresearch.drafts.store import draft_digest, drafts_dir, manifest_path, shipped_drafts
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.embedded import load_embedded
-from specresearch.models.kernels import choose_kernel_rows, use_half_weights, use_kernel_rows
+from specresearch.models.kernels import choose_kernel_rows, use_half_weights, use_int8_weights, use_kernel_rows
 from specresearch.models.protocols import check_same_tokenizer
 
-__all__ = ["truncated_draft", "draft_from_name", "combined_draft", "half_weight_draft", "HALF_PREFIX", "without_half_prefix", "load_pair",
-           "weights_digests"]
+__all__ = ["truncated_draft", "draft_from_name", "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
+           "INT8_PREFIX", "without_weight_prefix", "with_weight_storage", "load_pair", "weights_digests"]
 
 
 def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
@@ -48,11 +48,16 @@ def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
 
 
 HALF_PREFIX = "fp16:"
+INT8_PREFIX = "int8:"
 
 
-def without_half_prefix(name: str) -> str:
-    """``name`` without its ``"fp16:"`` prefix (the draft whose weights :func:`half_weight_draft` halves)."""
-    return name[len(HALF_PREFIX) :] if name.startswith(HALF_PREFIX) else name
+def without_weight_prefix(name: str) -> str:
+    """``name`` without its ``"fp16:"`` or ``"int8:"`` prefix (the draft whose weights :func:`half_weight_draft` or
+    :func:`int8_weight_draft` stores anew)."""
+    for prefix in (HALF_PREFIX, INT8_PREFIX):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 def draft_from_name(name: str, target: CausalLM, tokenizer=None):
@@ -61,7 +66,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     ``"truncated:N"`` (first N target layers), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
     ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
     draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write) or a model path;
-    ``"fp16:<name>"``: draft ``<name>`` with float16 weights (:func:`half_weight_draft`).
+    ``"fp16:<name>"``: draft ``<name>`` with float16 weights (:func:`half_weight_draft`); ``"int8:<name>"``: with
+    int8 weights and a scale per output row (:func:`int8_weight_draft`).
 
     ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
     (``check_same_tokenizer``).
@@ -72,8 +78,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         return dial_draft_from_name(name, target, lambda other: draft_from_name(other, target, tokenizer))
     if name.startswith("ngram+"):
         return combined_draft(name, target, tokenizer)
-    if name.startswith(HALF_PREFIX):
-        return half_weight_draft(draft_from_name(without_half_prefix(name), target, tokenizer), target)
+    if name.startswith((HALF_PREFIX, INT8_PREFIX)):
+        return with_weight_storage(draft_from_name(without_weight_prefix(name), target, tokenizer), name, target)
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
@@ -104,18 +110,45 @@ def half_weight_draft(draft, target: CausalLM):
     target is never changed (a layer the draft shares with it is refused); drafts without weights
     (``ngram``, ``dial-...``) are refused.
     """
-    from specresearch.drafts.feature import FeatureDraft  # imports this module
-
-    if isinstance(draft, FeatureDraft):
-        module = draft.head
-    elif isinstance(draft, CausalLM):
-        module = draft.model
-    else:
-        raise ValueError(f"fp16: needs a trained draft (a feature head or a distilled / checkpoint LM), got {type(draft).__name__}")
+    module = _weights_module(draft, HALF_PREFIX)
     use_half_weights(module, (SubsetHead,), shared_with=target.model)
     if draft.chooses_kernel_rows:
         use_kernel_rows(module, choose_kernel_rows(module))
     return draft
+
+
+def int8_weight_draft(draft, target: CausalLM):
+    """``draft`` (as :func:`half_weight_draft` takes) with its linear layers' and output head's weights stored in int8
+    with a float32 scale per output row, in place (``models.kernels.use_int8_weights``); returns it.
+
+    A quarter of float32's bytes and half of float16's: where the compiled kernel runs (``models.native``), every
+    call of 1-8 rows goes to it (nothing to time: any other path converts the whole weight per call). What the
+    rounding costs in acceptance and what it saves in time: ``docs/feature_drafts.md``. The target is never changed;
+    drafts without weights are refused.
+    """
+    use_int8_weights(_weights_module(draft, INT8_PREFIX), (SubsetHead,), shared_with=target.model)
+    return draft
+
+
+def with_weight_storage(draft, name: str, target: CausalLM):
+    """``draft`` with the weights ``name``'s prefix names: :func:`half_weight_draft` for ``fp16:``,
+    :func:`int8_weight_draft` for ``int8:``, unchanged without one."""
+    if name.startswith(HALF_PREFIX):
+        return half_weight_draft(draft, target)
+    if name.startswith(INT8_PREFIX):
+        return int8_weight_draft(draft, target)
+    return draft
+
+
+def _weights_module(draft, prefix: str) -> torch.nn.Module:
+    """The module whose weights a trained ``draft`` computes with (a feature head's, a ``CausalLM``'s model)."""
+    from specresearch.drafts.feature import FeatureDraft  # imports this module
+
+    if isinstance(draft, FeatureDraft):
+        return draft.head
+    if isinstance(draft, CausalLM):
+        return draft.model
+    raise ValueError(f"{prefix} needs a trained draft (a feature head or a distilled / checkpoint LM), got {type(draft).__name__}")
 
 
 def combined_draft(name: str, target: CausalLM, tokenizer=None) -> LookupOrDraft:
@@ -151,15 +184,15 @@ def load_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, dev
 
     ``draft``: a shipped draft (``drafts.store.shipped_drafts()``, default the distilled ``v8k-4l``), the
     directory a training command wrote, or any other ``drafts.registry.draft_from_name`` description (``ngram``,
-    ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``). A trained draft is rebuilt against this target (its
+    ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``, ``int8:NAME``). A trained draft is rebuilt against this target (its
     embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
     ``skinny_linear``: the target's, as :func:`load_embedded`'s.
     """
-    base = without_half_prefix(draft)
+    base = without_weight_prefix(draft)
     described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
     if not (base in shipped_drafts() or Path(base).is_dir() or described):
         raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
-                         f"drafts.registry.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME), got {draft!r}")
+                         f"drafts.registry.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME, int8:NAME), got {draft!r}")
     target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear)
     return target, draft_from_name(draft, target), tokenizer
 

@@ -38,6 +38,14 @@ target's features at a prompt's first token (its attention sink) reach 22,000 in
 float16 feature head's logits NaN on one-token raw prompts. Where a layer has kernel rows (:func:`use_kernel_rows`;
 ``drafts.registry.half_weight_draft`` times them on the float16 weights), the compiled kernel takes those rows
 instead: it widens the float16 weights to float32 as it reads them, so nothing is scaled and nothing can overflow.
+
+Int8 weights for drafts (:func:`use_int8_weights`): a quarter of float32's bytes, each output row ``o`` stored as
+``round(W[o] / scale[o])`` with ``scale[o] = max_i |W[o, i]| / 127`` (symmetric, per row; ``weight_scale``, a buffer
+beside the weight). :func:`skinny_linear` hands 1-8 rows to the compiled kernel, which converts the weights as it
+reads them and multiplies each row's float32 sum by its scale; any other call multiplies the weights converted to
+the input's dtype (a copy per call: int8 pays off only where the kernel runs). As with float16, the draft's q is
+whatever it computes, so losslessness is untouched; what the rounding costs in acceptance is measured
+(``docs/feature_drafts.md``).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from specresearch.models.native import (
     skinny_kernel,
 )
 
-__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "cpu_sdpa_attention", "use_cpu_sdpa",
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "use_int8_weights", "cpu_sdpa_attention", "use_cpu_sdpa",
            "packed_sdpa_attention", "use_packed_sdpa"]
 
 
@@ -64,7 +72,8 @@ HALF_ROWS = 4  # up to this many rows, half weights multiply in their own dtype 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  skinny_rows=SKINNY_ROWS, half_limit: float | None = None, kernel_rows=()) -> torch.Tensor:
+                  skinny_rows=SKINNY_ROWS, half_limit: float | None = None, kernel_rows=(),
+                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; on CPU with 1-8 rows computed as ``(W @ x^T)^T`` (module docstring).
 
     ``x``: ``[..., in]``; rows = ``x.numel() / in``. The product takes ``x`` contiguous (a column-major ``x``,
@@ -74,9 +83,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``weight`` whose dtype differs from ``x``'s (half weights, :func:`use_half_weights`) is multiplied as the
     module docstring says; ``half_limit`` (from :func:`half_input_limit`, computed here when None) bounds its rows.
     Row counts in ``kernel_rows`` go to the compiled kernel (:func:`specresearch.models.native.kernel_linear`) when it
-    takes the call and no gradient is asked for.
+    takes the call and no gradient is asked for. An int8 ``weight`` (:func:`use_int8_weights`) with its rows'
+    ``weight_scale`` goes to the kernel whenever it takes the call (anything else converts the whole weight), else
+    ``F.linear(x, weight.to(x.dtype)) * weight_scale + bias``.
     """
     rows = x.numel() // max(x.shape[-1], 1)
+    if weight.dtype == torch.int8:  # int8 weights with a scale per output row (use_int8_weights)
+        if weight_scale is None:
+            raise ValueError("an int8 weight needs its rows' weight_scale (models.kernels.use_int8_weights)")
+        y = None if torch.is_grad_enabled() and x.requires_grad else kernel_linear(x, weight, bias, weight_scale)
+        if y is None:
+            y = torch.nn.functional.linear(x, weight.to(x.dtype)) * weight_scale.to(x.dtype)
+            y = y if bias is None else y + bias
+        return y
     if rows in kernel_rows and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         y = kernel_linear(x, weight, bias)
         if y is not None:
@@ -114,7 +133,7 @@ class SkinnyLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias, skinny_rows=self.skinny_rows, half_limit=self.half_limit,
-                             kernel_rows=self.kernel_rows)
+                             kernel_rows=self.kernel_rows, weight_scale=getattr(self, "weight_scale", None))
 
 
 def use_skinny_linears(model: torch.nn.Module, rows=SKINNY_ROWS) -> int:
@@ -370,18 +389,47 @@ def use_half_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *, sh
     """
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    chosen = _weight_layers(model, types, shared_with, "half weights")
+    for module in chosen:
+        module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        module.half_limit = half_input_limit(module.weight)
+    return len(chosen)
+
+
+def use_int8_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *,
+                     shared_with: torch.nn.Module | None = None) -> int:
+    """Give every ``nn.Linear`` (and module of ``types``, as :func:`use_half_weights`) of ``model`` its weight in
+    int8 with a float32 scale per output row (module docstring; the buffer ``weight_scale``); returns how many.
+
+    For inference, as :func:`use_half_weights`: the new weights do not require grad, plain ``nn.Linear`` layers become
+    :class:`SkinnyLinear`, a tied weight is untied, and a layer shared with ``shared_with`` raises before anything is
+    done. A row of zeros gets scale 1 (its int8 row is zeros).
+    """
+    chosen = _weight_layers(model, types, shared_with, "int8 weights")
+    for module in chosen:
+        weight = module.weight.detach().float()
+        scale = weight.abs().amax(-1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        module.weight = torch.nn.Parameter(torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8),
+                                           requires_grad=False)
+        module.register_buffer("weight_scale", scale.contiguous(), persistent=False)
+    return len(chosen)
+
+
+def _weight_layers(model: torch.nn.Module, types: tuple[type, ...], shared_with: torch.nn.Module | None,
+                   what: str) -> list[torch.nn.Module]:
+    """``model``'s ``nn.Linear`` layers (made :class:`SkinnyLinear`) and modules of ``types``, after checking that
+    none of them belongs to ``shared_with``."""
     chosen = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, *types))]
     theirs = set() if shared_with is None else {id(m) for m in shared_with.modules()}
     shared = [type(m).__name__ for m in chosen if id(m) in theirs]
     if shared:
-        raise ValueError(f"half weights: {len(shared)} layer(s) ({shared[0]}, ...) belong to the target too; "
+        raise ValueError(f"{what}: {len(shared)} layer(s) ({shared[0]}, ...) belong to the target too; "
                          "changing them would change the target")
     for module in chosen:
         if type(module) is torch.nn.Linear:
             module.__class__ = SkinnyLinear
-        module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
-        module.half_limit = half_input_limit(module.weight)
-    return len(chosen)
+    return chosen
 
 
 def half_input_limit(weight: torch.Tensor) -> float:

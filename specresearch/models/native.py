@@ -16,7 +16,9 @@ The partial sums are reduced in a fixed order, so a row's result does not depend
 Float16 weights (a draft's, ``kernels.use_half_weights``) are read as they are stored and widened to float32 in
 registers (F16C), so the stream is half as long and the arithmetic float32's: ``F.linear(x, weight.float())``. On
 the AVX2 EPYC the float16 feature head's ten products took 2.7 / 2.9 ms for 1 / 2 rows this way against 5.0 / 8.3 ms
-by ``kernels.skinny_linear``'s float16 path (torch's float16 product of the scaled rows).
+by ``kernels.skinny_linear``'s float16 path (torch's float16 product of the scaled rows). Int8 weights with a float32
+scale per output row (``kernels.use_int8_weights``) are converted as they are read and each row's sum multiplied by its
+scale: a quarter of float32's stream, though on Zen 1 the conversion's arithmetic, not the stream, bounds one row.
 
 How: the C source for this CPU's instruction set (:func:`kernel_source`, :func:`instruction_set`) is compiled once per
 machine with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native`` into ``<cache_dir>/native/`` and
@@ -53,21 +55,24 @@ KERNEL_ROWS = range(1, 9)  # row counts the kernel computes
 _ISAS = {
     "avx512": dict(vector="__m512", load="_mm512_loadu_ps", zero="_mm512_setzero_ps", fma="_mm512_fmadd_ps",
                    reduce="_mm512_reduce_add_ps", lanes=16, registers=32, macro="__AVX512F__",
-                   load_half="_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)({})))"),
+                   load_half="_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)({})))",
+                   load_int8="_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)({}))))"),
     "avx2": dict(vector="__m256", load="_mm256_loadu_ps", zero="_mm256_setzero_ps", fma="_mm256_fmadd_ps",
                  reduce="_sum256", lanes=8, registers=16, macro="__AVX2__",
-                 load_half="_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)({})))"),
+                 load_half="_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)({})))",
+                 load_int8="_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)({}))))"),
 }
 # Weight storage the kernel reads: the C type of a weight element and the torch dtype it takes. Float16 weights are
-# widened to float32 as they are loaded (F16C), so they multiply float32 inputs with float32 partial sums.
-WEIGHT_TYPES = {torch.float32: ("f32", "float"), torch.float16: ("f16", "unsigned short")}
+# widened to float32 as they are loaded (F16C), int8 ones converted (each output row's sum is then multiplied by its
+# scale), so both multiply float32 inputs with float32 partial sums.
+WEIGHT_TYPES = {torch.float32: ("f32", "float"), torch.float16: ("f16", "unsigned short"), torch.int8: ("i8", "signed char")}
 _BLOCKS = {"avx512": {1: 8, 2: 8, 3: 7, 4: 6, 5: 5, 6: 4, 7: 3, 8: 3},
            "avx2": {n: 15 // (n + 1) for n in KERNEL_ROWS}}  # 7, 5, 3, 3, 2, 2, 1, 1 of AVX2's 16 registers
 # Row counts whose float32 block keeps the n input vectors in registers instead of the OB weight vectors, and its OB:
 # each weight vector is then read by the FMAs themselves (once per input row, the second time from L1), so n * OB
 # accumulators + n inputs fill the registers. On the AVX2 EPYC this form's 2-row block (OB 7) took 0.90-0.97 of the
 # other's (OB 5) in four micro-benchmark runs of the target's weights; for other row counts neither form won. A float16
-# weight vector is widened into a register first, which this form has none left for, so float16 keeps _BLOCKS.
+# or int8 weight vector is widened into a register first, which this form has none left for, so they keep _BLOCKS.
 _INPUTS_HELD = {"avx512": {}, "avx2": {2: 7}}
 # Row counts computed in groups of rows that share each block of weight rows (the first group's OB): the first group
 # streams the block from memory, the later ones read it again from L1. AVX2's 4-row block is as fast as its 1-row one
@@ -78,9 +83,9 @@ _INPUTS_HELD = {"avx512": {}, "avx2": {2: 7}}
 _GROUPS = {"avx512": {}, "avx2": {5: (4, 1), 6: (4, 2), 7: (4, 3), 8: (4, 4)}}
 
 
-def _weight_rows(isa: str, n: int, half: bool) -> tuple[int, bool]:
-    """(OB, whether the inputs are held) of the block for ``n`` rows."""
-    held = None if half else _INPUTS_HELD[isa].get(n)
+def _weight_rows(isa: str, n: int, widened: bool) -> tuple[int, bool]:
+    """(OB, whether the inputs are held) of the block for ``n`` rows (``widened``: float16 or int8 weights)."""
+    held = None if widened else _INPUTS_HELD[isa].get(n)
     return (held, True) if held else (_BLOCKS[isa][n], False)
 
 
@@ -107,10 +112,12 @@ def instruction_set() -> str | None:
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else None
 
 
-def _block(n: int, ob: int, name: str, prefetch: bool, isa: str, half: bool = False, held: bool = False) -> str:
+def _block(n: int, ob: int, name: str, prefetch: bool, isa: str, suffix: str = "f32", held: bool = False) -> str:
     v = _ISAS[isa]
-    weight_type = "unsigned short" if half else "float"
-    load_weight = v["load_half"].format("w + (o + b) * in + i") if half else f'{v["load"]}(w + (o + b) * in + i)'
+    weight_type = {s: c for s, c in WEIGHT_TYPES.values()}[suffix]
+    at = "w + (o + b) * in + i"
+    load_weight = {"f32": f'{v["load"]}({at})', "f16": v["load_half"].format(at), "i8": v["load_int8"].format(at)}[suffix]
+    scaled = " * scale[o + b]" if suffix == "i8" else ""
     if held:  # the inputs in registers, the weights read by the FMAs
         first = f"""        {v["vector"]} xv[{n}];
         _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) xv[r] = {v["load"]}(x + r * in + i);
@@ -133,8 +140,8 @@ def _block(n: int, ob: int, name: str, prefetch: bool, isa: str, half: bool = Fa
     fetch = (f"        for (int b = 0; b < {ob}; b++) _mm_prefetch((const char *)({ahead}), _MM_HINT_T0);\n"
              if prefetch else "")
     return f"""
-static inline void {name}(const float *x, const {weight_type} *w, const float *bias, float *y, long in, long out,
-                          long o) {{
+static inline void {name}(const float *x, const {weight_type} *w, const float *scale, const float *bias, float *y,
+                          long in, long out, long o) {{
     {v["vector"]} acc[{ob}][{n}];
     _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++)
         _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++) acc[b][r] = {v["zero"]}();
@@ -142,15 +149,16 @@ static inline void {name}(const float *x, const {weight_type} *w, const float *b
 {first}{fetch}{rest}    }}
     _Pragma("GCC unroll 8") for (int b = 0; b < {ob}; b++)
         _Pragma("GCC unroll 8") for (int r = 0; r < {n}; r++)
-            y[r * out + o + b] = {v["reduce"]}(acc[b][r]) + (bias ? bias[o + b] : 0.0f);
+            y[r * out + o + b] = {v["reduce"]}(acc[b][r]){scaled} + (bias ? bias[o + b] : 0.0f);
 }}"""
 
 
 def kernel_source(isa: str | None = None) -> str:
     """The C source for ``isa`` (default: this CPU's, :func:`instruction_set`, else AVX-512): per weight storage
-    (:data:`WEIGHT_TYPES`: float32, float16) a ``rows_n`` function per row count calling its groups' blocks
-    (:func:`_rows`) and one-row tails, and ``skinny_f32`` / ``skinny_f16`` dispatching on n. Each returns 0, or 1 when it cannot take the call (n outside
-    1-8, ``in`` not a multiple of 16)."""
+    (:data:`WEIGHT_TYPES`: float32, float16, int8) a ``rows_n`` function per row count calling its groups' blocks
+    (:func:`_rows`) and one-row tails, and ``skinny_f32`` / ``skinny_f16`` / ``skinny_i8`` dispatching on n (each takes
+    a ``scale`` pointer, which only int8's reads). Each returns 0, or 1 when it cannot take the call (n outside 1-8,
+    ``in`` not a multiple of 16)."""
     isa = isa or instruction_set() or "avx512"
     spec = _ISAS[isa]
     parts = ["#include <immintrin.h>", f"#ifndef {spec['macro']}", f"#error needs {isa}", "#endif",
@@ -158,14 +166,15 @@ def kernel_source(isa: str | None = None) -> str:
     if isa == "avx2":
         parts.append(_SUM256)
     for suffix, c_type in WEIGHT_TYPES.values():
-        half = suffix == "f16"
+        widened = suffix != "f32"
         made: set[str] = set()
-        parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, half, _weight_rows(isa, n, half)[1])
+        parts += [_block(n, 1, f"tail_{n}_{suffix}", False, isa, suffix, _weight_rows(isa, n, widened)[1])
                   for n in KERNEL_ROWS if n not in _GROUPS[isa]]
-        parts += [part for n in KERNEL_ROWS for part in _rows(isa, n, suffix, c_type, half, made)]
-        cases = "\n".join(f"    case {n}: rows_{n}_{suffix}(x, w, bias, y, in, out); return 0;" for n in KERNEL_ROWS)
+        parts += [part for n in KERNEL_ROWS for part in _rows(isa, n, suffix, c_type, made)]
+        cases = "\n".join(f"    case {n}: rows_{n}_{suffix}(x, w, scale, bias, y, in, out); return 0;" for n in KERNEL_ROWS)
         parts.append(f"""
-int skinny_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long n, long in, long out) {{
+int skinny_{suffix}(const float *x, const {c_type} *w, const float *scale, const float *bias, float *y, long n, long in,
+                    long out) {{
     if (in % 16) return 1;
     switch (n) {{
 {cases}
@@ -175,26 +184,27 @@ int skinny_{suffix}(const float *x, const {c_type} *w, const float *bias, float 
     return "\n".join(parts) + "\n"
 
 
-def _rows(isa: str, n: int, suffix: str, c_type: str, half: bool, made: set) -> list[str]:
+def _rows(isa: str, n: int, suffix: str, c_type: str, made: set) -> list[str]:
     """``rows_n``, and the blocks it calls that ``made`` does not hold yet: per block of OB weight rows, each group of
     rows of ``_GROUPS[isa]`` (one group of n elsewhere) in turn. The first group's block prefetches and streams the
     weights from memory and sets OB (its form's, ``_weight_rows``); the later groups' read the same OB rows again from
     the cache. A row's sums are accumulated alike in every block, so its result is the same bit for bit. The
     leftover weight rows go through the one-row tails."""
     groups = _GROUPS[isa].get(n, (n,))
-    ob, held = _weight_rows(isa, groups[0], half)
+    ob, held = _weight_rows(isa, groups[0], suffix != "f32")
     parts, calls, tails, start = [], [], [], 0
     for k, g in enumerate(groups):
         name = f"block_{g}x{ob}{'_ahead' if k == 0 else ''}{'_held' if held and k == 0 else ''}_{suffix}"
         if name not in made:
             made.add(name)
-            parts.append(_block(g, ob, name, k == 0, isa, half, held and k == 0))
-        at = f"x + {start} * in, w, bias, y + {start} * out, in, out, o"
+            parts.append(_block(g, ob, name, k == 0, isa, suffix, held and k == 0))
+        at = f"x + {start} * in, w, scale, bias, y + {start} * out, in, out, o"
         calls.append(f"{name}({at});")
         tails.append(f"tail_{g}_{suffix}({at});")
         start += g
     parts.append(f"""
-static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *bias, float *y, long in, long out) {{
+static void rows_{n}_{suffix}(const float *x, const {c_type} *w, const float *scale, const float *bias, float *y, long in,
+                          long out) {{
     long o = 0;
     for (; o + {ob} <= out; o += {ob}) {{ {" ".join(calls)} }}
     for (; o < out; o++) {{ {" ".join(tails)} }}
@@ -213,7 +223,7 @@ def _load(path: str) -> dict:
     functions = {}
     for dtype, (suffix, _) in WEIGHT_TYPES.items():
         function = getattr(library, f"skinny_{suffix}")
-        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
         function.restype = ctypes.c_int
         functions[dtype] = function
     return functions
@@ -249,20 +259,22 @@ def _build() -> str | None:
 
 
 def skinny_kernel() -> dict | None:
-    """The compiled products, ``{weight dtype: ctypes function}`` (``skinny_f32``, ``skinny_f16``), or None where they
-    cannot be built or are switched off."""
+    """The compiled products, ``{weight dtype: ctypes function}`` (``skinny_f32``, ``skinny_f16``, ``skinny_i8``), or
+    None where they cannot be built or are switched off."""
     if not native_enabled():
         return None
     path = _build()
     return None if path is None else _load(path)
 
 
-def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` by the compiled kernel for a float32 CPU ``x`` of 1-8 rows and a float32 or
     float16 weight (float32 bias), or None where the kernel does not take the call (no kernel, other dtypes or device,
     more rows, a width not a multiple of 16 or not the weight's). A float16 weight is widened as it is read: the
     result is the float32 product with the float16-rounded weights, ``F.linear(x, weight.float(), bias)`` up to float
-    rounding.
+    rounding. An int8 weight takes its rows' float32 ``scale [out]`` (``kernels.use_int8_weights``) and gives
+    ``F.linear(x, weight.float()) * scale + bias``; without one it is declined.
 
     Called once per linear layer of a forward, so its own work is kept small (~19 µs a call on the AVX2 EPYC,
     ``F.linear``'s ~8): a contiguous ``x`` is read where it lies (its rows are already ``[rows, in]`` in memory)
@@ -277,9 +289,12 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     kernel = kernels.get(weight.dtype)
     if kernel is None or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
         return None
+    if weight.dtype is torch.int8 and (scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous()
+                                       or scale.shape != weight.shape[:1] or not scale.is_cpu):
+        return None
     x = x.contiguous()  # itself where it already is
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # whatever torch's default dtype
-    if kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, width,
-              weight.shape[0]):
+    if kernel(x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
+              None if bias is None else bias.data_ptr(), out.data_ptr(), rows, width, weight.shape[0]):
         return None
     return out
