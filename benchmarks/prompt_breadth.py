@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from specresearch.drafts.registry import (
 from specresearch.drafts.store import drafts_dir, read_manifest, shipped_drafts
 from specresearch.engine.prompts import encode_chat, load_prompts
 from specresearch.experiments.draft_analysis import corpus_spans
+from specresearch.experiments.records import record_header
 from specresearch.models.embedded import load_embedded
 from specresearch.training.feature_corpus import chunk_prompt_order
 from specresearch.training.feature_measure import measure_feature_draft
@@ -189,7 +191,7 @@ def main() -> None:
             d = (summary[a, k, 1][0] - summary[b, k, 1][0], *np.quantile(boot, [0.025, 0.975]))
             differences[f"{a} - {b}", k] = d
             print(f"  {k:>6} {a} - {b}: {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]")
-    record = {"draft": args.draft, "corpus": manifest["corpus"], "count": args.count, "max_new_tokens": args.max_new_tokens,
+    record = {**record_header("benchmarks/prompt_breadth.py", sys.argv[1:], draft=args.draft), "corpus": manifest["corpus"], "count": args.count, "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "seconds": round(time.perf_counter() - started, 1), "per_prompt": per_prompt,
               "summary": [{"set": s, "key": k, "depth": d, "alpha": v[0], "low": v[1], "high": v[2]} for (s, k, d), v in summary.items()],
               "loop_gamma1": [{"set": s, "key": k, "acceptance": v[0], "low": v[1], "high": v[2]} for (s, k), v in loop_summary.items()],

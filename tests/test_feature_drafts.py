@@ -487,9 +487,9 @@ def test_trained_draft_directories_load_by_path(target, tmp_path):
         draft_from_name(str(tmp_path / "head"), tiny_llama(VOCAB, seed=9, init_std=0.6, num_layers=3))
 
 
-# the logits' relative error (norm) each storage may give: float16's is ~1e-3 here; int8's rounding is ~0.4 % of a
-# layer's product (tests/test_models.py), which this tiny random head (weights of std 0.6, sharp attention) amplifies
-@pytest.mark.parametrize("prefix, dtype, tolerance", [("fp16:", torch.float16, 1e-2), ("int8:", torch.int8, 0.2)])
+# the logits' relative error (norm) each storage may give: float16's is ~1e-3 here, int8's ~0.016 / 0.029 (head / LM;
+# a layer's rounding is ~0.4 % of its product, tests/test_models.py, which the tiny random models amplify)
+@pytest.mark.parametrize("prefix, dtype, tolerance", [("fp16:", torch.float16, 1e-2), ("int8:", torch.int8, 0.05)])
 def test_half_and_int8_weight_drafts_stay_exact_and_leave_the_target_alone(target, tmp_path, prefix, dtype, tolerance):
     """fp16:<draft> / int8:<draft>: the feature head and a distilled draft get float16 / int8 weights (the target keeps
     float32), their logits are the float32 ones up to the rounding, greedy speculative decoding still equals greedy
@@ -511,7 +511,11 @@ def test_half_and_int8_weight_drafts_stay_exact_and_leave_the_target_alone(targe
     for name in ("head", "small"):
         full, half = draft_from_name(str(tmp_path / name), target), draft_from_name(f"{prefix}{tmp_path / name}", target)
         module = half.head if name == "head" else half.model
-        assert {m.weight.dtype for m in module.modules() if isinstance(m, (torch.nn.Linear, SubsetHead))} == {dtype}
+        inputs = [m for m in (half.head.fuse, half.head.fc) if m is not None] if name == "head" else []
+        assert inputs or name == "small"  # int8: a feature head's input layers read the raw features: float16
+        assert {m.weight.dtype for m in inputs} <= {torch.float16}
+        assert {m.weight.dtype for m in module.modules()
+                if isinstance(m, (torch.nn.Linear, SubsetHead)) and all(m is not i for i in inputs)} == {dtype}
         assert (half.head.subset_head if name == "head" else half.model.lm_head).weight.dtype == dtype
         assert all(p.dtype == torch.float32 for p in target.model.parameters())
         out = speculative_generate(target, half, PROMPTS, gamma=3, max_new_tokens=12, sampling=GREEDY)

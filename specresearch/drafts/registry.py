@@ -119,14 +119,28 @@ def half_weight_draft(draft, target: CausalLM):
 
 def int8_weight_draft(draft, target: CausalLM):
     """``draft`` (as :func:`half_weight_draft` takes) with its linear layers' and output head's weights stored in int8
-    with a float32 scale per output row, in place (``models.kernels.use_int8_weights``); returns it.
+    with a float32 scale per output row (``models.kernels.use_int8_weights``), in place; returns it. A feature head's
+    input layers (``fuse``, ``fc``) get float16 weights instead (:func:`half_weight_draft`'s): they read the target's
+    raw hidden states, whose few huge dimensions make a row's int8 rounding cost most of the head's agreement (on the
+    shipped head, int8 there took 0.03 of held-out alpha; ``docs/feature_drafts.md``). Every other layer reads a
+    normalised input or its own activations.
 
-    A quarter of float32's bytes and half of float16's: where the compiled kernel runs (``models.native``), every
-    call of 1-8 rows goes to it (nothing to time: any other path converts the whole weight per call). What the
-    rounding costs in acceptance and what it saves in time: ``docs/feature_drafts.md``. The target is never changed;
-    drafts without weights are refused.
+    Where the compiled kernel runs (``models.native``), every int8 call of 1-8 rows goes to it (nothing to time: any
+    other path converts the whole weight per call), and the float16 layers are timed for it as
+    :func:`half_weight_draft` times them. The target is never changed; drafts without weights are refused.
     """
-    use_int8_weights(_weights_module(draft, INT8_PREFIX), (SubsetHead,), shared_with=target.model)
+    from specresearch.drafts.feature import FeatureDraft  # imports this module
+
+    module = _weights_module(draft, INT8_PREFIX)
+    if isinstance(draft, FeatureDraft):
+        inputs = torch.nn.ModuleList(m for m in (module.fuse, module.fc) if m is not None)
+        use_half_weights(inputs, shared_with=target.model)
+        rest = torch.nn.ModuleList([*module.layers, *([module.subset_head] if module.subset_head is not None else [])])
+        use_int8_weights(rest, (SubsetHead,), shared_with=target.model)
+    else:
+        use_int8_weights(module, (SubsetHead,), shared_with=target.model)
+    if draft.chooses_kernel_rows:
+        use_kernel_rows(module, choose_kernel_rows(module))
     return draft
 
 

@@ -301,8 +301,8 @@ _CHOSEN_KERNEL_ROWS: dict[tuple, tuple[int, ...]] = {}
 def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: float = 0.9, timer=None) -> tuple[int, ...]:
     """The row counts for which the compiled kernel (:mod:`specresearch.models.native`) beats the path ``model``'s
     linear layers with float32 weights or half weights (:func:`use_half_weights`) take now (their ``skinny_rows`` and
-    half-weight product, else ``F.linear``) on this machine; () where there is no kernel or the layers' weights take less than
-    ``TIMED_MIN_BYTES`` (8 MiB: they stay in cache, where streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
+    half-weight product, else ``F.linear``) on this machine; () where there is no kernel or the model's linear weights
+    (int8 ones included, which the kernel always takes) take less than ``TIMED_MIN_BYTES`` (8 MiB: they stay in cache, where streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
     ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
     takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
     rows, thread count and kernel source (C and Python), for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
@@ -319,7 +319,10 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
               and m.weight.device.type == "cpu" and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()
               and (m.weight.dtype == torch.float32
                    or m.weight.dtype == torch.float16 and getattr(m, "half_limit", None) is not None)]
-    if not layers or _fits_in_cache([m.weight for m in layers]):
+    # whether a forward streams its weights from memory: every linear weight of the model counts (an int8 draft's
+    # float16 input layers are timed, but its int8 layers stream beside them)
+    streamed = [m.weight for m in model.modules() if (isinstance(m, torch.nn.Linear) or hasattr(m, "kernel_rows"))]
+    if not layers or _fits_in_cache(streamed):
         return ()
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) for m in layers)
     # the kernel's source and its Python wrapper's code (whose own work is part of what is timed; its bytecode, which
