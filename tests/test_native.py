@@ -220,6 +220,26 @@ def test_float16_layers_are_timed_for_the_kernel_too(monkeypatch):
     assert choose_kernel_rows(whole, timer=lambda *a: pytest.fail("a float16 model's layers are not the kernel's")) == ()
 
 
+def test_int8_weights_count_toward_what_a_forward_streams(monkeypatch):
+    """An int8 draft's float16 input layers are timed when the model's weights, int8 ones included, do not fit in the
+    cache, though the float16 ones alone would (drafts.registry.int8_weight_draft)."""
+    from specresearch.models.kernels import use_half_weights, use_int8_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 256))
+    use_half_weights(model[0])  # 1 KiB
+    use_int8_weights(model[1])  # 4 KiB
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 2048)
+    timed = []
+
+    def timer(fn, path, rows):
+        timed.append(path)
+        return 0.5 if path == "kernel" else 1.0
+
+    assert choose_kernel_rows(model, timer=timer) == tuple(native.KERNEL_ROWS) and timed
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 8192)  # all of it fits: nothing timed
+    assert choose_kernel_rows(model, timer=lambda *a: pytest.fail("weights that fit in the cache are not timed")) == ()
+
+
 @needs_kernel
 def test_a_half_weight_subset_head_with_kernel_rows_computes_the_widened_product():
     from specresearch.drafts.distilled import SubsetHead
