@@ -18,7 +18,8 @@ registers (F16C), so the stream is half as long and the arithmetic float32's: ``
 the AVX2 EPYC the float16 feature head's ten products took 2.7 / 2.9 ms for 1 / 2 rows this way against 5.0 / 8.3 ms
 by ``kernels.skinny_linear``'s float16 path (torch's float16 product of the scaled rows). Int8 weights with a float32
 scale per output row (``kernels.use_int8_weights``) are converted as they are read and each row's sum multiplied by its
-scale: a quarter of float32's stream, though on Zen 1 the conversion's arithmetic, not the stream, bounds one row.
+scale: a quarter of float32's stream, though on Zen 1 the conversion's arithmetic, more than the stream, bounds a
+call of few rows (docs/feature_drafts.md, "Weight storage").
 
 How: the C source for this CPU's instruction set (:func:`kernel_source`, :func:`instruction_set`) is compiled once per
 machine with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native`` into ``<cache_dir>/native/`` and
