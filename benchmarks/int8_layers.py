@@ -31,7 +31,7 @@ from specresearch.drafts.registry import draft_from_name, load_pair
 from specresearch.engine.generate import autoregressive_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.experiments.records import record_header
-from specresearch.models.kernels import use_int8_weights
+from specresearch.models.kernels import int8_rows, use_int8_weights
 from specresearch.paths import data_dir
 
 
@@ -56,10 +56,10 @@ def distance(target, draft, sequences, reference) -> dict:
 
 
 def rounding(weight: torch.Tensor) -> float:
+    """``|W8 * scale - W| / |W|`` of ``models.kernels.int8_rows``."""
     weight = weight.detach().float()
-    scale = weight.abs().amax(-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return float((torch.round(weight / scale) * scale - weight).norm() / weight.norm())
+    rows, scale = int8_rows(weight)
+    return float((rows.float() * scale[:, None] - weight).norm() / weight.norm())
 
 
 def main() -> int:

@@ -191,8 +191,8 @@ def main() -> None:
             d = (summary[a, k, 1][0] - summary[b, k, 1][0], *np.quantile(boot, [0.025, 0.975]))
             differences[f"{a} - {b}", k] = d
             print(f"  {k:>6} {a} - {b}: {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]")
-    record = {**record_header("benchmarks/prompt_breadth.py", sys.argv[1:], draft=args.draft), "corpus": manifest["corpus"], "count": args.count, "max_new_tokens": args.max_new_tokens,
-              "threads": args.threads, "seconds": round(time.perf_counter() - started, 1), "per_prompt": per_prompt,
+    record = {**record_header("benchmarks/prompt_breadth.py", sys.argv[1:], draft=args.draft), "corpus": manifest["corpus"],
+              "count": args.count, "max_new_tokens": args.max_new_tokens, "threads": args.threads, "seconds": round(time.perf_counter() - started, 1), "per_prompt": per_prompt,
               "summary": [{"set": s, "key": k, "depth": d, "alpha": v[0], "low": v[1], "high": v[2]} for (s, k, d), v in summary.items()],
               "loop_gamma1": [{"set": s, "key": k, "acceptance": v[0], "low": v[1], "high": v[2]} for (s, k), v in loop_summary.items()],
               "differences": [{"pair": p, "key": k, "difference": v[0], "low": v[1], "high": v[2]} for (p, k), v in differences.items()]}

@@ -279,6 +279,11 @@ class FeatureHead(torch.nn.Module):
         """Target features ``[..., F]`` (``F = len(feature_layers) * H``) -> head inputs ``[..., H]``."""
         return features if self.fuse is None else self.fuse(features)
 
+    def raw_input_layers(self) -> list[torch.nn.Module]:
+        """The layers that read the target's raw hidden states (``fuse``, ``fc``), whose few huge dimensions make them
+        the ones sensitive to rounding their weights (``drafts.registry.int8_weight_draft`` keeps them float16)."""
+        return [m for m in (self.fuse, self.fc) if m is not None]
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Position ids ``[B, k]`` -> cos, sin ``[B, k, d]``."""
         angles = positions.float()[..., None] * self.inv_freq

@@ -133,10 +133,10 @@ def int8_weight_draft(draft, target: CausalLM):
 
     module = _weights_module(draft, INT8_PREFIX)
     if isinstance(draft, FeatureDraft):
-        inputs = torch.nn.ModuleList(m for m in (module.fuse, module.fc) if m is not None)
-        use_half_weights(inputs, shared_with=target.model)
-        rest = torch.nn.ModuleList([*module.layers, *([module.subset_head] if module.subset_head is not None else [])])
-        use_int8_weights(rest, (SubsetHead,), shared_with=target.model)
+        inputs = module.raw_input_layers()
+        rest = [m for m in module.modules() if isinstance(m, (torch.nn.Linear, SubsetHead)) and all(m is not i for i in inputs)]
+        use_half_weights(torch.nn.ModuleList(inputs), shared_with=target.model)
+        use_int8_weights(torch.nn.ModuleList(rest), (SubsetHead,), shared_with=target.model)
     else:
         use_int8_weights(module, (SubsetHead,), shared_with=target.model)
     if draft.chooses_kernel_rows:

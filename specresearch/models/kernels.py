@@ -61,7 +61,7 @@ from specresearch.models.native import (
     skinny_kernel,
 )
 
-__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "use_int8_weights", "cpu_sdpa_attention", "use_cpu_sdpa",
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "use_int8_weights", "int8_rows", "cpu_sdpa_attention", "use_cpu_sdpa",
            "packed_sdpa_attention", "use_packed_sdpa"]
 
 
@@ -410,13 +410,19 @@ def use_int8_weights(model: torch.nn.Module, types: tuple[type, ...] = (), *,
     """
     chosen = _weight_layers(model, types, shared_with, "int8 weights")
     for module in chosen:
-        weight = module.weight.detach().float()
-        scale = weight.abs().amax(-1) / 127
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        module.weight = torch.nn.Parameter(torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8),
-                                           requires_grad=False)
-        module.register_buffer("weight_scale", scale.contiguous(), persistent=False)
+        rows, scale = int8_rows(module.weight.detach())
+        module.weight = torch.nn.Parameter(rows, requires_grad=False)
+        module.register_buffer("weight_scale", scale, persistent=False)
     return len(chosen)
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` -> its int8 rows and their float32 scales ``[out]`` (module docstring): ``round(W[o] /
+    scale[o])`` with ``scale[o] = max_i |W[o, i]| / 127``, 1 for a row of zeros."""
+    weight = weight.float()
+    scale = weight.abs().amax(-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.contiguous()
 
 
 def _weight_layers(model: torch.nn.Module, types: tuple[type, ...], shared_with: torch.nn.Module | None,
