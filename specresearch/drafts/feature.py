@@ -169,9 +169,7 @@ class _Attention(torch.nn.Module):
 
     def attend(self, q, keys, values, allowed: torch.Tensor) -> torch.Tensor:
         """Queries ``[B, h, k, d]`` over ``keys/values [B, kv, S, d]`` where ``allowed [B, k, S]`` -> ``[B, k, H]``."""
-        repeat = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1),
-                                             attn_mask=allowed[:, None])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
 
@@ -198,14 +196,15 @@ class _DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = _RMSNorm(hidden, eps)
         self.mlp = _MLP(hidden, text_config.intermediate_size, bool(getattr(text_config, "mlp_bias", False)))
 
-    def forward(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]], allowed):
-        """``x [B, k, H]``; ``past``: earlier (keys, values) blocks attended to, in key order before this
-        block's own; ``allowed [B, k, S_past + k]``. Returns ``(out [B, k, H], (keys, values) of this block)``."""
-        q, key, value = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        keys = torch.cat([k for k, _ in past] + [key], dim=2)
-        values = torch.cat([v for _, v in past] + [value], dim=2)
+    def forward(self, x, cos, sin, past: tuple[torch.Tensor, torch.Tensor] | None, allowed):
+        """``x [B, k, H]``; ``past``: the earlier (keys, values) attended to, in key order before this block's own
+        (None: none); ``allowed [B, k, S_past + k]``. Returns ``(out [B, k, H], (keys, values))`` with this block's
+        appended: what the next block's ``past`` is."""
+        q, keys, values = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        if past is not None:
+            keys, values = torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
         x = x + self.self_attn.attend(q, keys, values, allowed)
-        return x + self.mlp(self.post_attention_layernorm(x)), (key, value)
+        return x + self.mlp(self.post_attention_layernorm(x)), (keys, values)
 
 
 def _rope_base(text_config) -> float:
@@ -307,11 +306,12 @@ class FeatureHead(torch.nn.Module):
         return self.logits(hidden), None
 
     def block(self, inputs: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-              past: list[list[tuple[torch.Tensor, torch.Tensor]]], allowed: torch.Tensor):
+              past: list[tuple[torch.Tensor, torch.Tensor] | None], allowed: torch.Tensor):
         """One forward of ``k`` slots: ``inputs [B, k, H]`` (g of the previous slot), ``tokens [B, k]``, ``positions [B, k]``.
 
-        ``past[l]``: layer l's earlier (keys, values) blocks; ``allowed [B, k, S]`` over them and this block.
-        Returns the predicted (post-norm) features ``[B, k, H]`` and each layer's new (keys, values).
+        ``past[l]``: layer l's earlier (keys, values) ``[B, kv_heads, S_past, d]`` (None: none); ``allowed [B, k, S]``
+        over them and this block. Returns the predicted (post-norm) features ``[B, k, H]`` and each layer's (keys,
+        values) with this block's appended (the next block's ``past``).
         """
         with torch.no_grad():  # the target's embedding is read, not trained: no [V, H] gradient in training
             embedding = self._frozen["embedding"](tokens).to(inputs.dtype)
@@ -344,7 +344,7 @@ class FeatureHead(torch.nn.Module):
         positions = torch.arange(L, device=features.device).expand(B, L)
         valid = attention_mask.bool()  # [B, L]
         index = torch.arange(L, device=features.device)
-        past = [[] for _ in self.layers]
+        past = [None for _ in self.layers]
         outputs, inputs = [], self.fuse_features(true)
         for k in range(passes):
             old = (index[None, :] <= index[:, None] - k)[None] & valid[:, None, :]  # [B, L, L]: true slots <= j-k
@@ -354,9 +354,7 @@ class FeatureHead(torch.nn.Module):
                 allowed[:, :k] = False
                 diagonal = torch.arange(min(k, L), device=features.device)
                 allowed[:, diagonal, k * L + diagonal] = True
-            hidden, new = self.block(inputs, tokens, positions, past, allowed)
-            for layer_past, kv in zip(past, new):
-                layer_past.append(kv)
+            hidden, past = self.block(inputs, tokens, positions, past, allowed)
             outputs.append(hidden)
             inputs = F.pad(hidden[:, :-1], (0, 0, 1, 0))  # the next pass reads slot j-1's prediction
         return outputs
@@ -449,9 +447,8 @@ class FeatureDraft:
         new = torch.arange(k, device=self.device)
         allowed = self._slots.mask[:, None, :] & (columns[None, None, :] <= old + new[None, :, None])
         allowed[:, new, old + new] = True  # a masked slot sees itself (no empty softmax)
-        past = [[kv] for kv in self._cache] if self._cache else [[] for _ in self.head.layers]
-        hidden, new = self.head.block(inputs, tokens, positions, past, allowed)
-        self._cache = [kv if not p else (torch.cat([p[0][0], kv[0]], 2), torch.cat([p[0][1], kv[1]], 2)) for p, kv in zip(past, new)]
+        past = self._cache or [None for _ in self.head.layers]
+        hidden, self._cache = self.head.block(inputs, tokens, positions, past, allowed)
         self._last = hidden[:, -1]
         return self.head.logits(hidden)
 
