@@ -42,7 +42,7 @@ def _features(target, seq, layers):
 
 def test_cached_drafting_equals_the_rollout_forward(target, draft):
     """Drafting with the KV cache (true features, then own predictions for 1, 2 tokens) gives the logits of
-    the uncached rollout passes 0, 1, 2 at the same slots (atol 1e-4, float32)."""
+    the uncached rollout passes 0, 1, 2 at the same slots (atol 1e-4, float32), outside autograd."""
     head = draft.head
     seq = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11]])
     feats = _features(target, seq, head.feature_layers)
@@ -50,9 +50,12 @@ def test_cached_drafting_equals_the_rollout_forward(target, draft):
     with torch.no_grad():
         passes = [head.logits(h) for h in head.rollout(feats, seq, torch.ones_like(seq), passes=3)]
     draft.observe(before[:, :4])
-    torch.testing.assert_close(draft.prefill(seq[:, :4], torch.ones(1, 4, dtype=torch.long)), passes[0][:, 3], atol=1e-4, rtol=0)
+    prefilled = draft.prefill(seq[:, :4], torch.ones(1, 4, dtype=torch.long))  # the last slot's logits only
+    torch.testing.assert_close(prefilled, passes[0][:, 3], atol=1e-4, rtol=0)
     draft.observe(before[:, 4:6])
-    torch.testing.assert_close(draft.score(seq[:, 4:6]), passes[0][:, 4:6], atol=1e-4, rtol=0)
+    scored = draft.score(seq[:, 4:6])
+    torch.testing.assert_close(scored, passes[0][:, 4:6], atol=1e-4, rtol=0)
+    assert not prefilled.requires_grad and not scored.requires_grad  # drafting builds no autograd graph
     torch.testing.assert_close(draft.score(seq[:, 6:7])[:, 0], passes[1][:, 6], atol=1e-4, rtol=0)
     torch.testing.assert_close(draft.score(seq[:, 7:8])[:, 0], passes[2][:, 7], atol=1e-4, rtol=0)
 

@@ -417,18 +417,23 @@ class FeatureDraft:
                              f"got shape {tuple(features.shape)}")
         self._queued = features.float()
 
+    @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Start a batch from a left-padded prompt ``[B, L]``; needs ``observe`` of ``[B, L, F]`` first. -> ``[B, V]``."""
         check_prompt(input_ids, attention_mask)
         queued = self._queued
         self.reset(input_ids.shape[0])
         self._queued = queued
-        return self.score(input_ids, attention_mask.bool())[:, -1]
+        return self.head.logits(self._append(input_ids, attention_mask.bool())[:, -1])  # the last slot's only
 
     @torch.no_grad()
     def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Append ``tokens [B, k]``; return logits ``[B, k, V]``. Inputs: the queued true features, else (k = 1)
         the head's own prediction at the last slot."""
+        return self.head.logits(self._append(tokens, valid))
+
+    def _append(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`score` up to the predicted features ``[B, k, H]`` (a prompt's logits are read at its last slot only)."""
         if self._slots is None:
             raise ValueError("score called before prefill/reset: start a batch first")
         k = tokens.shape[1]
@@ -450,7 +455,7 @@ class FeatureDraft:
         past = self._cache or [None for _ in self.head.layers]
         hidden, self._cache = self.head.block(inputs, tokens, positions, past, allowed)
         self._last = hidden[:, -1]
-        return self.head.logits(hidden)
+        return hidden
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or ``[B]``); the next ``score`` needs freshly observed features."""
