@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -9,8 +10,11 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from specresearch.config import PRESETS, SamplingConfig
 from specresearch.core.sampling import (
+    LOGITS_ERRORS,
     apply_temperature,
+    check_logits,
     epsilon_filter,
+    logits_flags,
     logits_to_probs,
     sample_tokens,
     top_k_filter,
@@ -81,6 +85,32 @@ def test_config_is_frozen_and_presets():
 def test_bad_logits_raise(bad, message):
     with pytest.raises(ValueError, match=message):
         logits_to_probs(bad, SamplingConfig())
+
+
+def test_logits_flags_name_the_error_the_logits_deserve():
+    """On 2,000 seeded random [3, 4] logits mixing finite values, NaN, +inf and -inf (float32 and float16): the first
+    flag ``logits_flags`` sets, and the error ``check_logits`` raises (it reads the flags), is the first of NaN
+    anywhere, +inf anywhere, a row entirely -inf, found by a plain loop over the values; neither fires otherwise."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.tensor([0.0, 1.5, -2.0, float("nan"), math.inf, -math.inf])
+    weights = torch.tensor([2.0, 2.0, 2.0, 0.3, 0.3, 6.0])
+    met = set()
+    for i in range(2000):
+        logits = values[torch.multinomial(weights, 12, replacement=True, generator=generator)].view(3, 4)
+        logits = logits.half() if i % 2 else logits
+        rows = logits.float().tolist()
+        reasons = [any(math.isnan(x) for row in rows for x in row), any(x == math.inf for row in rows for x in row),
+                   any(all(x == -math.inf for x in row) for row in rows)]
+        expected = reasons.index(True) if any(reasons) else None
+        met.add(expected)
+        flags = logits_flags(logits).tolist()
+        assert (flags.index(1) if any(flags) else None) == expected, (logits, flags)
+        if expected is None:
+            check_logits(logits)
+        else:
+            with pytest.raises(ValueError, match=re.escape(LOGITS_ERRORS[expected])):
+                check_logits(logits)
+    assert met == {None, 0, 1, 2}  # every case met
 
 
 def test_config_type_checked():

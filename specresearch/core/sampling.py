@@ -78,10 +78,12 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
 
 
 def logits_flags(logits: torch.Tensor) -> torch.Tensor:
-    """What :func:`check_logits` would raise for, as a tensor and without reading it back: ``[3]`` int64 (any NaN,
-    any +inf, any row entirely -inf)."""
-    return torch.stack([torch.isnan(logits).any(), torch.isposinf(logits).any(),
-                        (~torch.isfinite(logits).any(dim=-1)).any()]).long()
+    """What :func:`check_logits` would raise for, as a tensor and without reading it back: ``[3]`` int64, read off the
+    rows' maxima in one pass (a row's maximum is NaN if it has a NaN, else +inf if it has +inf, -inf if every entry
+    is): some row has a NaN, some row without NaN has +inf, some row is entirely -inf. The first flag set names the
+    error :func:`check_logits` raises; none is set iff it raises none."""
+    top = logits.amax(dim=-1)
+    return torch.stack([torch.isnan(top).any(), torch.isposinf(top).any(), torch.isneginf(top).any()]).long()
 
 
 LOGITS_ERRORS = ("contains NaN; check the model output (e.g. an overflow in half precision)",
@@ -204,6 +206,8 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig, *, validate: b
         check_logits(logits)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
+    if config.greedy:  # the softmax of _first_argmax_one_hot's logits, without computing it
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.softmax(_transform(logits, config), dim=-1)
 
 

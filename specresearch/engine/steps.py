@@ -70,7 +70,7 @@ class StepChecks:
         flags = logits_flags(logits)
         self.stages.append(stage)
         self.flags.append(flags)
-        return torch.where(flags.any(), torch.full_like(probs, 1.0 / probs.shape[-1]), probs)
+        return probs.masked_fill(flags.any(), 1.0 / probs.shape[-1])
 
     def tensor(self) -> torch.Tensor:
         """``[3 * calls]`` int64, to read back with the step's other values."""
