@@ -429,3 +429,39 @@ def test_bench_trees_table_pools_replicates(tmp_path):
     other.write_text("prompt_id,temperature\nx,0\n")
     with pytest.raises(ValueError, match="not a bench_trees record"):
         bench_trees.read_replicates([record, other])
+
+
+def test_bench_commits_summary_pairs_the_sides_prompt_by_prompt(tmp_path):
+    """``bench_commits.py``'s speed-ups are each side's own speculative over autoregressive tokens per second, and
+    head - base gets a paired interval: a head 10% faster at speculative decoding on every prompt, on prompts whose
+    speed-ups spread (0.8-1.25x, seeded), has a difference near +0.1 x the base's speed-up with an interval far
+    narrower than either side's own (the prompts' spread cancels in the pairs); equal sides give 0 exactly. A file
+    without the header row is named."""
+    import importlib.util
+
+    from specresearch.paths import repo_root
+
+    spec = importlib.util.spec_from_file_location("bench_commits", repo_root() / "benchmarks" / "bench_commits.py")
+    bench_commits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_commits)
+    rows = []
+    spread = np.random.default_rng(0).uniform(0.8, 1.25, 12)
+    for i, scale in enumerate(np.linspace(1.0, 3.0, 12)):
+        for side, faster in (("base", 1.0), ("head", 1.1)):
+            rows.append({"prompt": f"p{i}", "temperature": 0.0, "side": side, "method": "autoregressive", "tokens": 48, "seconds": 4.8 * scale})
+            rows.append({"prompt": f"p{i}", "temperature": 0.0, "side": side, "method": "speculative", "tokens": 48,
+                         "seconds": 3.2 * scale * spread[i] / faster})
+    (row,) = bench_commits.summary(rows)
+    assert row["prompts"] == 12 and row["head_speedup"] == pytest.approx(1.1 * row["base_speedup"])
+    assert row["difference"] == pytest.approx(0.1 * row["base_speedup"])
+    assert row["difference_low"] <= row["difference"] <= row["difference_high"]
+    assert row["difference_high"] - row["difference_low"] < (row["base_high"] - row["base_low"]) / 5
+    assert row["base_low"] < row["base_speedup"] < row["base_high"] and row["head_low"] < row["head_speedup"] < row["head_high"]
+    same = [dict(r, seconds=next(b["seconds"] for b in rows if b["prompt"] == r["prompt"] and b["method"] == r["method"]
+                                 and b["side"] == "base")) for r in rows]
+    (row,) = bench_commits.summary(same)
+    assert row["difference"] == 0 and row["difference_low"] == 0 == row["difference_high"]
+    record = tmp_path / "record.jsonl"
+    record.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match="not a bench_commits record"):
+        bench_commits.load_rows(record)
