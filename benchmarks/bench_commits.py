@@ -17,8 +17,8 @@ Rows go to ``--out`` (JSON lines: a ``method = machine`` row with the command, t
 the weights' digests and each side's revision and commit, then every run as soon as it is timed); ``--table RECORD``
 prints a finished record's table again. A benchmark: nothing asserted on time.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_commits.py --base feb87bc --head . --prompts 16 \\
-        --out benchmarks/records/commits_feb87bc_head.jsonl
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_commits.py --base feb87bc --head . --prompts 32 \\
+        --out benchmarks/records/commits_feb87bc_probs_32.jsonl
 """
 
 from __future__ import annotations
