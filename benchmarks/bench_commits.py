@@ -118,6 +118,8 @@ def load_rows(path) -> tuple[dict, list[dict]]:
 def summary(rows: list[dict], n_boot: int = 1000, seed: int = 0) -> list[dict]:
     """Per temperature: each side's tokens per second for both methods, its speed-up with a bootstrap interval, and the
     paired interval of head - base (the same prompts redrawn for both sides)."""
+    from specresearch.experiments.analysis import bootstrap_weights
+
     out = []
     for temperature in sorted({r["temperature"] for r in rows}):
         at = [r for r in rows if r["temperature"] == temperature]
@@ -126,7 +128,7 @@ def summary(rows: list[dict], n_boot: int = 1000, seed: int = 0) -> list[dict]:
         for r in at:
             table = sums.setdefault((r["side"], r["method"]), np.zeros((len(prompts), 2)))
             table[prompts.index(r["prompt"])] += (r["tokens"], r["seconds"])
-        draws = np.random.default_rng(seed).multinomial(len(prompts), np.full(len(prompts), 1 / len(prompts)), n_boot)
+        draws = bootstrap_weights(len(prompts), n_boot, seed)  # [n_boot, P]
 
         def speed(side, method, weights=None):
             tokens, seconds = (sums[side, method].sum(0) if weights is None else weights @ sums[side, method]).T
