@@ -40,9 +40,11 @@ WORKER_FLAG = "--worker"
 def worker(args) -> None:
     """Serve timing requests on stdin, one JSON line each (``ids``, ``temperature``, ``seed``), with this process's
     ``specresearch`` (the side's checkout, first on ``PYTHONPATH``): autoregressive then speculative decoding."""
-    torch = __import__("torch")
-    torch.set_num_threads(args.threads)
+    import torch
+
     import specresearch
+
+    torch.set_num_threads(args.threads)
     from specresearch.config import SamplingConfig
     from specresearch.drafts.registry import load_pair
     from specresearch.engine.generate import autoregressive_generate, speculative_generate
@@ -86,7 +88,11 @@ class Side:
         command = [sys.executable, str(Path(__file__).resolve()), WORKER_FLAG, "--draft", args.draft, "--gamma", str(args.gamma),
                    "--verifier", args.verifier, "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
         self.process = subprocess.Popen(command, cwd=self.root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()  # loaded
+        try:
+            self._read()  # loaded
+        except RuntimeError:
+            self.close()  # no worktree left registered
+            raise
 
     def run(self, request: dict) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -193,6 +199,11 @@ def main() -> None:
         parser.error(f"--base and --head name the same side ({args.base!r})")
     if args.prompts < 2 or args.max_new_tokens < 1 or args.threads < 1:
         parser.error("--prompts must be >= 2, --max-new-tokens and --threads >= 1")
+    for flag in ("base", "head"):
+        revision = getattr(args, flag)
+        if revision != "." and subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+                                              capture_output=True).returncode:
+            parser.error(f"--{flag} {revision!r} is not a commit of this repository: give a git revision, or '.'")
 
     from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA
     from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompt_set, load_prompts
