@@ -190,7 +190,12 @@ def main() -> None:
     if args.worker:
         return worker(args)
     if args.table:
-        header, rows = load_rows(args.table)
+        if not Path(args.table).is_file():
+            parser.error(f"--table {args.table!r}: no such file (a record bench_commits wrote with --out)")
+        try:
+            header, rows = load_rows(args.table)
+        except ValueError as error:  # not JSON lines, or not bench_commits' rows
+            parser.error(f"--table: {error}")
         print(table(header, rows))
         return
     if args.base is None:

@@ -7,6 +7,7 @@ error. The sweeps on i.i.d. toy models run ~10 s in all (one torch thread, see c
 
 import json
 import os
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -465,3 +466,23 @@ def test_bench_commits_summary_pairs_the_sides_prompt_by_prompt(tmp_path):
     record.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(ValueError, match="not a bench_commits record"):
         bench_commits.load_rows(record)
+
+
+def test_bench_commits_table_names_a_missing_or_foreign_record(tmp_path, monkeypatch, capsys):
+    """``bench_commits.py --table`` of a missing file, or of a file that is not its record, exits 2 naming the flag."""
+    import importlib.util
+
+    from specresearch.paths import repo_root
+
+    spec = importlib.util.spec_from_file_location("bench_commits", repo_root() / "benchmarks" / "bench_commits.py")
+    bench_commits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_commits)
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text(json.dumps({"method": "speculative"}) + "\n")
+    for path, says in ((tmp_path / "missing.jsonl", "no such file"), (foreign, "not a bench_commits record")):
+        monkeypatch.setattr(sys, "argv", ["bench_commits.py", "--table", str(path)])
+        with pytest.raises(SystemExit) as exit_:
+            bench_commits.main()
+        assert exit_.value.code == 2
+        error = capsys.readouterr().err
+        assert "--table" in error and says in error
