@@ -13,7 +13,11 @@ the training corpus) gives q(x) = 0 off its subset, so no draft it makes can be 
 * ``agree_context_rows``: the same when the context's off-subset tokens are added to the head's support with the
   target's own output rows, each such logit placed relative to the head's top subset token,
   ``l(t) = h . w_t - h . w_top + l_head(top)`` (q is what the draft computes either way, so it stays lossless);
-* ``agree_full_readout``: the head's predicted feature read out by the target's whole output layer.
+* ``agree_full_readout``: the head's predicted feature read out by the target's whole output layer;
+* ``top_outside_<K>``: the target's most likely token is off the K tokens sampled most often in the head's training
+  corpus (its committed token ids, ``data/corpora/``), for each ``--subset-sizes`` K: what a larger subset would
+  cover (the head's own subset ranks tokens by teacher probability over the same corpus, ``corpus_overlap`` says how
+  close the two 8,192-token rankings are).
 
 The head runs with its stored weights widened to float32. A measurement: nothing asserted. The record (``--out``,
 JSON) carries its command, commit, machine and weights' digests (``record_header``).
@@ -31,6 +35,7 @@ from pathlib import Path
 import torch
 
 from specresearch.config import SamplingConfig
+from specresearch.drafts.feature import feature_head_dir
 from specresearch.drafts.registry import load_pair
 from specresearch.engine.generate import autoregressive_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompt_set, load_prompts
@@ -38,6 +43,24 @@ from specresearch.experiments.records import record_header
 from specresearch.paths import data_dir
 
 SETS = ("mt-bench", "humaneval", "chat")
+
+
+def corpus_ranking(head_dir: Path, vocab_size: int) -> torch.Tensor:
+    """Token ids by how often the target sampled them in the head's training corpus, most frequent first."""
+    import numpy as np
+
+    from specresearch.drafts.store import read_manifest
+    from specresearch.training.feature_corpus import corpus_token_file
+
+    path = corpus_token_file(read_manifest(head_dir)["corpus"]["cache_key"])
+    with np.load(path, allow_pickle=False) as data:
+        tokens, lengths, prompt_lengths = data["tokens"].astype(np.int64), data["lengths"], data["prompt_lengths"]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    generated = np.ones(len(tokens), dtype=bool)
+    for start, prompt_length in zip(starts, prompt_lengths):
+        generated[start:start + prompt_length] = False
+    counts = torch.from_numpy(np.bincount(tokens[generated], minlength=vocab_size)).double()
+    return torch.sort(counts, descending=True, stable=True).indices
 
 
 def set_prompts(name: str) -> list[dict]:
@@ -54,7 +77,8 @@ def agreement(logits: torch.Tensor, target_logits: torch.Tensor, temperature: fl
 
 
 @torch.no_grad()
-def positions(target, head, prompt: list[int], continuation: list[int], temperature: float, inside: torch.Tensor) -> dict:
+def positions(target, head, prompt: list[int], continuation: list[int], temperature: float, inside: torch.Tensor,
+              larger: dict[int, torch.Tensor]) -> dict:
     """Sums of each measure over the continuation's positions (module docstring) and their count."""
     ids = torch.tensor([prompt + continuation])
     P, L = len(prompt), ids.shape[1]
@@ -85,7 +109,8 @@ def positions(target, head, prompt: list[int], continuation: list[int], temperat
             "top_outside_in_context": float((off & in_context).sum()),
             "agree": float(agreement(head_logits, target_logits, temperature).sum()),
             "agree_context_rows": float(agreement(context_rows, target_logits, temperature).sum()),
-            "agree_full_readout": float(agreement(full, target_logits, temperature).sum())}
+            "agree_full_readout": float(agreement(full, target_logits, temperature).sum()),
+            **{f"top_outside_{size}": float((~mask[top]).sum()) for size, mask in larger.items()}}
 
 
 def main() -> int:
@@ -95,6 +120,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per set")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--subset-sizes", type=int, nargs="*", default=[8192, 16384, 32768],
+                        help="sizes of the corpus-frequency subsets whose coverage is also counted")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="reports/subset_coverage.json")
     args = parser.parse_args()
@@ -110,6 +137,15 @@ def main() -> int:
     head.eval()
     inside = torch.zeros(head.vocab_size, dtype=torch.bool)
     inside[head.subset_head.token_ids] = True
+    if any(not 0 < size <= head.vocab_size for size in args.subset_sizes):
+        parser.error(f"--subset-sizes must lie in [1, {head.vocab_size}], got {args.subset_sizes}")
+    ranking = corpus_ranking(feature_head_dir(args.draft), head.vocab_size) if args.subset_sizes else None
+    larger = {}
+    for size in args.subset_sizes:
+        larger[size] = torch.zeros(head.vocab_size, dtype=torch.bool)
+        larger[size][ranking[:size]] = True
+    own = int(inside.sum())
+    overlap = int((inside & larger[own]).sum()) if own in larger else None  # the two rankings' shared tokens
     rows = []
     for name in args.sets:
         prompts = evenly_spaced(set_prompts(name), args.prompts)
@@ -119,7 +155,7 @@ def main() -> int:
                 ids = encode_chat([prompt], tokenizer)[0].tolist()
                 out = autoregressive_generate(target, [ids], max_new_tokens=args.max_new_tokens,
                                               sampling=SamplingConfig(temperature=temperature), seed=[index])
-                for key, value in positions(target, head, ids, list(out.tokens[0]), temperature, inside).items():
+                for key, value in positions(target, head, ids, list(out.tokens[0]), temperature, inside, larger).items():
                     sums[key] = sums.get(key, 0.0) + value
             n = sums.pop("positions")
             row = {"set": name, "temperature": temperature, "prompts": len(prompts), "positions": int(n),
@@ -128,9 +164,11 @@ def main() -> int:
             print(f"{name:9s} T={temperature:g}  positions {int(n):4d}  top outside {row['top_outside']:.3f} "
                   f"(in context {row['top_outside_in_context']:.3f})  mass outside {row['mass_outside']:.3f}  "
                   f"agree {row['agree']:.3f}  +context rows {row['agree_context_rows']:.3f}  "
-                  f"full readout {row['agree_full_readout']:.3f}", flush=True)
+                  f"full readout {row['agree_full_readout']:.3f}  "
+                  + "  ".join(f"outside top-{size} {row[f'top_outside_{size}']:.3f}" for size in larger), flush=True)
     record = {**record_header("benchmarks/subset_coverage.py", sys.argv[1:], draft=args.draft),
               "subset_size": int(inside.sum()), "vocab_size": head.vocab_size, "max_new_tokens": args.max_new_tokens,
+              "corpus_overlap": overlap,
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
