@@ -15,7 +15,6 @@ commit, machine, the draft's sha256). A benchmark: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -30,7 +29,7 @@ from specresearch.config import (
 )
 from specresearch.drafts.registry import load_pair
 from specresearch.engine.cost import best_gamma, measure_cost_curve, predicted_speedup
-from specresearch.experiments.records import record_header
+from specresearch.experiments.records import record_header, write_json_record
 from specresearch.paths import repo_root
 
 
@@ -61,7 +60,7 @@ def main() -> int:
                            measured_head_t1={g: float(measured.get(f"gamma {g}", float("nan"))) for g in GENERATE_TAU})
     machine = record["machine"]
     out = repo_root() / "benchmarks" / "records" / f"cost_curve_{machine.get('cpu', 'cpu').split()[0].lower()}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_json_record(out, record, indent=2)
     print(f"r_n = {[round(r, 3) for r in ratios]}, c = {draft_ratio:.3f}, o = {overhead:.3f}, s_gamma = {[round(x, 3) for x in steps]}")
     for g in GENERATE_TAU:
         print(f"gamma {g}: predicted from steps {predicted[g]:.3f}x, from calls {from_calls[g]:.3f}x, "

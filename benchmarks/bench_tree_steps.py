@@ -18,7 +18,6 @@ nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -30,7 +29,7 @@ from specresearch.drafts.registry import load_pair
 from specresearch.engine.cost import score_seconds
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
-from specresearch.experiments.records import record_header
+from specresearch.experiments.records import record_header, write_json_record
 from specresearch.paths import data_dir, repo_root
 
 DEFAULT_RUNS = ("chain block g1", "chain block g2", "traversal K2 g1", "traversal K3 g1", "traversal K2 g2",
@@ -90,7 +89,7 @@ def main() -> int:
                            temperature=args.temperature, rows=rows)
     cpu = record["machine"].get("cpu", "cpu").split()[0].lower()
     out = repo_root() / "benchmarks" / "records" / f"tree_steps_{cpu}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_json_record(out, record, indent=2)
     print("r_n: " + ", ".join(f"{r:.2f}" for r in ratios))
     header = ("run", "scored", "r", "target", "draft", "own", "step", "tau", "speed")
     print(f"{header[0]:<18} " + " ".join(f"{name:>6}" for name in header[1:]))

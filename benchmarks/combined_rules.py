@@ -41,6 +41,7 @@ from specresearch.drafts.registry import (
 )
 from specresearch.drafts.store import drafts_dir, shipped_drafts
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
+from specresearch.experiments.records import write_json_record
 from specresearch.models.embedded import load_embedded
 from specresearch.training.feature_measure import measure_lookup_rules
 
@@ -149,8 +150,7 @@ def main() -> None:
     record = {"draft": args.draft, "temperature": args.temperature, "count": len(per_prompt), "max_new_tokens": args.max_new_tokens,
               "draft_gamma": args.draft_gamma, "c": args.c, "threads": args.threads, "seconds": round(time.perf_counter() - started, 1),
               "per_prompt": per_prompt}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record) + "\n")
+    write_json_record(args.out, record, indent=None)
     print_tables(record)
     print(f"{len(per_prompt)} prompts in {record['seconds']:.0f} s; record in {args.out} (its tables again: --table {args.out})")
 

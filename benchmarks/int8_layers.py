@@ -19,9 +19,7 @@ The record (``--out``, JSON) carries its command, commit, machine and weights' d
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -30,7 +28,7 @@ from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.registry import draft_from_name, load_pair
 from specresearch.engine.generate import autoregressive_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
-from specresearch.experiments.records import record_header
+from specresearch.experiments.records import record_header, write_json_record
 from specresearch.models.kernels import int8_rows, use_int8_weights
 from specresearch.paths import data_dir
 
@@ -105,8 +103,7 @@ def main() -> int:
               + (f"  rounding {row['rounding']:.4f}" if "rounding" in row else ""), flush=True)
     record = {**record_header("benchmarks/int8_layers.py", sys.argv[1:], draft=f"int8:{args.draft}"),
               "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    write_json_record(args.out, record)
     print(f"record in {args.out}")
     return 0
 

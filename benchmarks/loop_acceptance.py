@@ -33,6 +33,7 @@ from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import speculative_generate
 from specresearch.experiments import bench
+from specresearch.experiments.records import write_json_record
 from specresearch.models.embedded import load_embedded
 
 CATEGORIES = ("code", "math_reasoning", "multi_turn_chat", "question_answering", "retrieval_augmented", "summarization",
@@ -152,8 +153,7 @@ def main() -> None:
         rows.append({"prompt": prompt.id, "seed": seed, "accepted": accepted, "examined": accepted + sum(n < g for n, g in steps)})
     record = {"draft": args.draft, "gamma": args.gamma, "temperature": args.temperature, "seeds": args.seeds,
               "max_new_tokens": args.max_new_tokens, "seconds": round(time.perf_counter() - started, 1), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record) + "\n")
+    write_json_record(args.out, record, indent=None)
     accepted, examined = sum(r["accepted"] for r in rows), sum(r["examined"] for r in rows)
     print(f"{args.draft}: {accepted} of {examined} drafted tokens accepted = {accepted / examined:.3f} "
           f"({len(prompts)} prompts x {len(args.seeds)} seeds, {record['seconds']:.0f} s); record in {args.out}")

@@ -39,6 +39,7 @@ from specresearch.drafts.store import drafts_dir
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.exact import theory_multi
 from specresearch.experiments.draft_analysis import read_draft_manifest
+from specresearch.experiments.records import write_json_record
 from specresearch.models.embedded import load_embedded
 from specresearch.models.kernels import CPU_SDPA
 from specresearch.training.corpus import sample_continuations
@@ -119,8 +120,7 @@ def main() -> None:
     record = {"draft": args.draft, "c": c, "score_cost_record": args.score_cost, "prompts": [p["id"] for p in chosen],
               "positions": {"t0": len(p0), "t1": len(p1)}, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "seconds": round(time.time() - started, 1), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    write_json_record(args.out, record)
     print(f"{args.draft}: c = {c:.3f}, {len(p0)} / {len(p1)} positions (T = 0 / 1); r_k from {args.score_cost}")
     print(f"{'K':>2} {'r_K+1':>6} {'T0 top-K':>9} {'T1 RRS':>7} {'K-SEQ':>6} {'optimum':>8} {'x T0':>6} {'x T1 K-SEQ':>11} {'x T1 opt':>9}")
     for r in rows:

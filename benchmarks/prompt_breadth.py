@@ -42,7 +42,7 @@ from specresearch.drafts.registry import (
 from specresearch.drafts.store import drafts_dir, read_manifest, shipped_drafts
 from specresearch.engine.prompts import encode_chat, load_prompts
 from specresearch.experiments.draft_analysis import corpus_spans
-from specresearch.experiments.records import record_header
+from specresearch.experiments.records import record_header, write_json_record
 from specresearch.models.embedded import load_embedded
 from specresearch.training.feature_corpus import chunk_prompt_order
 from specresearch.training.feature_measure import measure_feature_draft
@@ -196,8 +196,7 @@ def main() -> None:
               "summary": [{"set": s, "key": k, "depth": d, "alpha": v[0], "low": v[1], "high": v[2]} for (s, k, d), v in summary.items()],
               "loop_gamma1": [{"set": s, "key": k, "acceptance": v[0], "low": v[1], "high": v[2]} for (s, k), v in loop_summary.items()],
               "differences": [{"pair": p, "key": k, "difference": v[0], "low": v[1], "high": v[2]} for (p, k), v in differences.items()]}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    write_json_record(args.out, record)
     print(f"\n{len(per_prompt)} prompts in {record['seconds']:.0f} s; record in {args.out}")
 
 

@@ -28,7 +28,6 @@ JSON) carries its command, commit, machine and weights' digests (``record_header
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from specresearch.drafts.feature import feature_head_dir
 from specresearch.drafts.registry import load_pair
 from specresearch.engine.generate import autoregressive_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompt_set, load_prompts
-from specresearch.experiments.records import record_header
+from specresearch.experiments.records import record_header, write_json_record
 from specresearch.paths import data_dir
 
 SETS = ("mt-bench", "humaneval", "chat")
@@ -170,8 +169,7 @@ def main() -> int:
               "subset_size": int(inside.sum()), "vocab_size": head.vocab_size, "max_new_tokens": args.max_new_tokens,
               "corpus_overlap": overlap,
               "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    write_json_record(args.out, record)
     print(f"record in {args.out}")
     return 0
 

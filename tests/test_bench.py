@@ -355,6 +355,17 @@ def test_record_files_keep_dots_in_the_stem(tmp_path):
     assert record_files(f"{stem}.csv") == record_files(stem) == record_files(f"{stem}.json")
 
 
+def test_a_json_record_is_written_where_asked_in_its_folder(tmp_path):
+    """``write_json_record`` makes the record's folder and writes the object that reads back, indented or on one line."""
+    from specresearch.experiments.records import write_json_record
+
+    record = {"command": "benchmarks/x.py", "rows": [{"a": 1, "b": [0.5, None]}]}
+    path = write_json_record(tmp_path / "new" / "deeper" / "x.json", record)
+    assert json.loads(path.read_text()) == record and len(path.read_text().splitlines()) > 2
+    flat = write_json_record(tmp_path / "flat.json", record, indent=None).read_text()
+    assert flat.endswith("\n") and flat.count("\n") == 1 and json.loads(flat) == record
+
+
 def test_a_record_header_names_command_commit_machine_and_weights():
     """Every record's header: the command as typed, the checkout's commit, the machine, and a sha256 per shipped
     weight file the draft name uses (none for weightless drafts)."""

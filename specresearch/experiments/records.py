@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 __all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "git_commit", "machine_info", "read_records", "record_files", "record_header",
-           "write_run_info"]
+           "write_json_record", "write_run_info"]
 
 
 AUTOREGRESSIVE = "autoregressive"  # the ``verifier`` value of baseline rows (gamma 0, no draft)
@@ -132,6 +132,14 @@ def write_run_info(path: str | os.PathLike, **info) -> Path:
                  "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                  "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     path.write_text(json.dumps(runs, indent=2) + "\n")
+    return path
+
+
+def write_json_record(path: str | os.PathLike, record: dict, *, indent: int | None = 1) -> Path:
+    """Write a benchmark's record, one JSON object (``record_header`` and its rows), at ``path``, making its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=indent) + "\n")
     return path
 
 
