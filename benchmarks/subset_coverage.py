@@ -78,7 +78,7 @@ def agreement(logits: torch.Tensor, target_logits: torch.Tensor, temperature: fl
 @torch.no_grad()
 def positions(target, head, prompt: list[int], continuation: list[int], temperature: float, inside: torch.Tensor,
               larger: dict[int, torch.Tensor]) -> dict:
-    """Sums of each measure over the continuation's positions (module docstring) and their count."""
+    """Each measure of the module docstring at each continuation position, ``{name: [n] float64}``."""
     ids = torch.tensor([prompt + continuation])
     P, L = len(prompt), ids.shape[1]
     out = target.model(ids, output_hidden_states=True)
@@ -102,14 +102,13 @@ def positions(target, head, prompt: list[int], continuation: list[int], temperat
             best = int(head_logits[i].argmax())
             context_rows[i, extra] = full[i, extra] - full[i, best] + head_logits[i, best]
     off = ~inside[top]
-    return {"positions": len(slots),
-            "top_outside": float(off.sum()),
-            "mass_outside": float(p[:, ~inside].sum()) if temperature else float(off.sum()),
-            "top_outside_in_context": float((off & in_context).sum()),
-            "agree": float(agreement(head_logits, target_logits, temperature).sum()),
-            "agree_context_rows": float(agreement(context_rows, target_logits, temperature).sum()),
-            "agree_full_readout": float(agreement(full, target_logits, temperature).sum()),
-            **{f"top_outside_{size}": float((~mask[top]).sum()) for size, mask in larger.items()}}
+    return {"top_outside": off.double(),
+            "mass_outside": p[:, ~inside].sum(-1).double() if temperature else off.double(),
+            "top_outside_in_context": (off & in_context).double(),
+            "agree": agreement(head_logits, target_logits, temperature),
+            "agree_context_rows": agreement(context_rows, target_logits, temperature),
+            "agree_full_readout": agreement(full, target_logits, temperature),
+            **{f"top_outside_{size}": (~mask[top]).double() for size, mask in larger.items()}}
 
 
 def main() -> int:
@@ -149,16 +148,17 @@ def main() -> int:
     for name in args.sets:
         prompts = evenly_spaced(set_prompts(name), args.prompts)
         for temperature in args.temperatures:
-            sums: dict[str, float] = {}
+            measures: dict[str, list[torch.Tensor]] = {}
             for index, prompt in enumerate(prompts):
                 ids = encode_chat([prompt], tokenizer)[0].tolist()
                 out = autoregressive_generate(target, [ids], max_new_tokens=args.max_new_tokens,
                                               sampling=SamplingConfig(temperature=temperature), seed=[index])
                 for key, value in positions(target, head, ids, list(out.tokens[0]), temperature, inside, larger).items():
-                    sums[key] = sums.get(key, 0.0) + value
-            n = sums.pop("positions")
-            row = {"set": name, "temperature": temperature, "prompts": len(prompts), "positions": int(n),
-                   **{key: value / n for key, value in sums.items()}}
+                    measures.setdefault(key, []).append(value)
+            columns = {key: torch.cat(values) for key, values in measures.items()}
+            n = len(columns["agree"])
+            row = {"set": name, "temperature": temperature, "prompts": len(prompts), "positions": n,
+                   **{key: float(value.mean()) for key, value in columns.items()}}
             rows.append(row)
             print(f"{name:9s} T={temperature:g}  positions {int(n):4d}  top outside {row['top_outside']:.3f} "
                   f"(in context {row['top_outside_in_context']:.3f})  mass outside {row['mass_outside']:.3f}  "

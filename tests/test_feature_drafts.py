@@ -784,3 +784,43 @@ def test_lazy_lookup_or_draft_returns_what_feeding_every_slot_returns(target, in
     for got, want in zip(lazy_calls, eager_calls):
         torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
     assert lazy_fed < eager_fed
+
+
+def test_subset_coverage_reads_the_head_as_drafting_does(target):
+    """``benchmarks/subset_coverage.py`` predicts each continuation token from the slot before it, as drafting does:
+    position by position, its alpha at T = 1 is sum_x min(p, q) with the drafting path's q (``FeatureDraft.score`` fed
+    the target's true features) to 1e-5, its T = 0 agreement whether the two top tokens match, its off-subset marks
+    whether the target's top token is outside the head's 40 ids (and, for the in-context mark, occurred before). With
+    no off-subset token in the context, the context-rows readout is the head's own."""
+    import importlib.util
+
+    from specresearch.paths import repo_root
+
+    spec = importlib.util.spec_from_file_location("subset_coverage", repo_root() / "benchmarks" / "subset_coverage.py")
+    coverage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage)
+    head = feature_head(target.model, head_tokens=40, scale=0.02).eval()
+    inside = torch.zeros(VOCAB, dtype=torch.bool)
+    inside[head.subset_head.token_ids] = True
+    prompt, continuation = [44, 9, 2, 3, 7], [11, 4, 30, 2, 41, 8, 19, 6, 44, 1, 13, 45]
+    sequence = torch.tensor([prompt + continuation])
+    with torch.no_grad():
+        _, features = target.prefill(sequence, torch.ones_like(sequence), hidden_layers=head.feature_layers)
+        draft = FeatureDraft(head, skinny_linear=False)
+        draft.reset(1)
+        draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1))
+        q_logits = draft.score(sequence)[0, len(prompt) - 1:-1]
+        p_logits = target.model(sequence).logits[0, len(prompt) - 1:-1]
+    top = p_logits.argmax(-1)
+    alpha = torch.minimum(p_logits.softmax(-1), q_logits.softmax(-1)).sum(-1).double()
+    sampled = coverage.positions(target, head, prompt, continuation, 1.0, inside, {})
+    assert torch.allclose(sampled["agree"], alpha, atol=1e-5) and alpha.std() > 0.01  # positions differ: no shift hides
+    assert torch.allclose(sampled["mass_outside"], p_logits.softmax(-1)[:, 40:].sum(-1).double(), atol=1e-6)
+    greedy = coverage.positions(target, head, prompt, continuation, 0.0, inside, {VOCAB: torch.ones(VOCAB, dtype=torch.bool)})
+    assert torch.equal(greedy["agree"], (q_logits.argmax(-1) == top).double())
+    assert torch.equal(greedy["top_outside"], (top >= 40).double()) and greedy["top_outside"].any()  # the subset: 0-39
+    assert torch.equal(greedy["mass_outside"], greedy["top_outside"]) and not greedy[f"top_outside_{VOCAB}"].any()
+    seen = [int(t) >= 40 and int(t) in (prompt + continuation)[:len(prompt) + i] for i, t in enumerate(top)]
+    assert torch.equal(greedy["top_outside_in_context"], torch.tensor(seen, dtype=torch.float64)) and any(seen)
+    own = coverage.positions(target, head, [t % 40 for t in prompt], [t % 40 for t in continuation], 0.0, inside, {})
+    assert torch.equal(own["agree_context_rows"], own["agree"]) and not own["top_outside_in_context"].any()
