@@ -126,17 +126,16 @@ def write_run_info(path: str | os.PathLike, **info) -> Path:
     file next to the records (``<run>.json``): what produced the rows, for the report."""
 
     path = Path(path).with_suffix(".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     runs = json.loads(path.read_text()) if path.exists() else []
     runs.append({**info, **machine_info(),
                  "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                  "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    path.write_text(json.dumps(runs, indent=2) + "\n")
-    return path
+    return write_json_record(path, runs, indent=2)
 
 
-def write_json_record(path: str | os.PathLike, record: dict, *, indent: int | None = 1) -> Path:
-    """Write a benchmark's record, one JSON object (``record_header`` and its rows), at ``path``, making its folder."""
+def write_json_record(path: str | os.PathLike, record: dict | list, *, indent: int | None = 1) -> Path:
+    """Write a benchmark's record, one JSON value (``record_header`` and its rows; :func:`write_run_info`'s list of
+    runs), at ``path``, making its folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=indent) + "\n")
