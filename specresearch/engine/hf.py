@@ -246,7 +246,7 @@ def _as_language_model(model, name: str) -> LanguageModel:
             raise ValueError(f"{name} is dispatched over several devices (device_map); speculative(...) keeps each "
                              "model on one device: load it with device_map=None or a single device")
         training = model.training
-        wrapped = CausalLM(model, device=model.device, skinny_linear=False)  # leaves its layers and attention alone
+        wrapped = CausalLM(model, device=model.device, skinny_linear=False, switch_attention=False)  # leaves it alone
         model.train(training)  # and its mode: transformers' generate does not switch it either
         return wrapped
     raise ValueError(f"{name} must be a transformers causal LM or a specresearch LanguageModel, "

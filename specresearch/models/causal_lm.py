@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from specresearch.models.attention import attention_layout, exact_kernel
 from specresearch.models.kernels import (
     SKINNY_ROWS,
     choose_kernel_rows,
@@ -54,6 +55,7 @@ class SlotMask:
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask.bool()  # [B, L]
+        self.positions = self.prompt_positions()  # [B, L] each slot's position id (meaningless where not valid)
         self.tree_start: int | None = None  # first slot of the tree being scored (begin_tree .. end_tree)
 
     @property
@@ -73,7 +75,13 @@ class SlotMask:
         valid = valid.bool()
         before = self.counts()[:, None] + valid.long().cumsum(-1) - valid.long()  # [B, k]
         self.mask = torch.cat([self.mask, valid], dim=1)
+        self.positions = torch.cat([self.positions, before], dim=1)
         return before
+
+    def visible_to_last(self, k: int) -> torch.Tensor:
+        """The slots each of the last ``k`` slots sees in a chain call: every valid slot up to itself. -> [B, k, L]."""
+        columns = torch.arange(self.length, device=self.mask.device)
+        return self.mask[:, None, :] & (columns[None, None, :] <= columns[self.length - k :, None])
 
     def begin_tree(self) -> None:
         """Start a tree region at the current end: slots appended with :meth:`append_tree` until :meth:`end_tree`."""
@@ -82,14 +90,15 @@ class SlotMask:
     def append_tree(self, visible: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k`` tree slots (all valid) seen through ``visible [B, k, r + k]`` (which of the region's ``r``
         earlier slots and of the ``k`` new ones each new slot attends to, itself included; ``depth [B, k]`` its
-        offset from the region's first slot). Returns (position ids ``[B, k]``, the attention mask
-        ``[B, 1, k, length]`` of the call: every valid slot before the region, then ``visible``)."""
+        offset from the region's first slot). Returns (position ids ``[B, k]``, the slots each new one sees
+        ``[B, k, length]``: every valid slot before the region, then ``visible``)."""
         start, (batch, k) = self.tree_start, depth.shape
         positions = self.mask[:, :start].sum(-1, keepdim=True) + depth
         before = self.mask[:, :start][:, None, :].expand(batch, k, start)
         region = visible & torch.cat([self.mask[:, start:], torch.ones(batch, k, dtype=torch.bool, device=self.mask.device)], 1)[:, None, :]
         self.mask = torch.cat([self.mask, torch.ones(batch, k, dtype=torch.bool, device=self.mask.device)], 1)
-        return positions, torch.cat([before, region], -1)[:, None]
+        self.positions = torch.cat([self.positions, positions], 1)
+        return positions, torch.cat([before, region], -1)
 
     def end_tree(self, kept: torch.Tensor) -> int:
         """Keep the region's slots where ``kept [B, r]`` (the accepted path); drop the trailing columns no row keeps.
@@ -100,7 +109,7 @@ class SlotMask:
         alive = self.mask.any(0).nonzero()
         end = int(alive[-1]) + 1 if len(alive) else 0
         dropped = self.length - end
-        self.mask = self.mask[:, :end]
+        self.mask, self.positions = self.mask[:, :end], self.positions[:, :end]
         return dropped
 
     def compaction(self) -> torch.Tensor | None:
@@ -113,16 +122,17 @@ class SlotMask:
             return None
         order = torch.sort(self.mask.long(), dim=1, stable=True).indices  # invalid slots first, valid ones in order
         index = order[:, self.length - width :]
+        self.positions = self.positions.gather(1, index)
         self.mask = torch.arange(width, device=self.mask.device)[None] >= (width - counts)[:, None]
         return index
 
     def repeat_rows(self, k: int) -> None:
         """Each row becomes ``k`` consecutive copies (``[B, L]`` -> ``[B*k, L]``)."""
-        self.mask = self.mask.repeat_interleave(k, 0)
+        self.mask, self.positions = self.mask.repeat_interleave(k, 0), self.positions.repeat_interleave(k, 0)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index [B']`` (in that order)."""
-        self.mask = self.mask[index]
+        self.mask, self.positions = self.mask[index], self.positions[index]
 
     def rollback(self, n) -> tuple[int, bool]:
         """Forget the last ``n`` slots (``int``, a sequence of per-row ints, or a ``[B]`` tensor). Returns (trailing
@@ -144,12 +154,11 @@ class SlotMask:
                 f"got {host if host is not None else n.tolist()}"
             )
         common = min(host)
-        if common == max(host):  # every row drops the same: a crop, no masking
-            self.mask = self.mask[:, : self.length - common]
-            return common
-        columns = torch.arange(self.length, device=self.mask.device)
-        self.mask = self.mask & (columns[None, :] < self.length - n[:, None])
-        self.mask = self.mask[:, : self.length - common]
+        if common != max(host):  # rows drop different counts: mask each row's extra slots
+            columns = torch.arange(self.length, device=self.mask.device)
+            self.mask = self.mask & (columns[None, :] < self.length - n[:, None])
+        end = self.length - common
+        self.mask, self.positions = self.mask[:, :end], self.positions[:, :end]
         return common
 
 
@@ -213,12 +222,20 @@ class CausalLM:
             (:mod:`specresearch.models.native`) for those :func:`choose_kernel_rows` finds faster still;
             ``True``: every row count 1-8, no kernel. On CUDA, ``None`` switches the attention to
             :func:`packed_sdpa_attention` and ``False`` leaves it alone.
+        switch_attention: a model whose attention kernel takes no 4-D mask (``flash_attention_2/3``) is switched to
+            ``sdpa`` with a warning (:func:`~specresearch.models.attention.exact_kernel`); ``False``: refused instead
+            (the caller's model stays as it is). A model with layers it cannot mask (chunked or linear attention) is
+            refused either way.
+
+    Every family and kernel gets the masks it applies (:mod:`specresearch.models.attention`): tree calls and, for a
+    model with sliding-window layers, every call carry an additive mask built from the slots' positions; windows are
+    applied here and the cache keeps the whole context (docs/engine_and_models.md, "Families and kernels").
     """
 
     returns_hidden_states = True  # prefill / score take hidden_layers= (module docstring)
 
     def __init__(self, model, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
-                 device_map: str | dict | None = None, skinny_linear: bool | None = None):
+                 device_map: str | dict | None = None, skinny_linear: bool | None = None, switch_attention: bool = True):
         if isinstance(model, (str, os.PathLike)):
             model = _from_pretrained(model, dtype, device_map)
         elif device_map is not None:
@@ -226,6 +243,8 @@ class CausalLM:
         if device_map is None:
             model = model.to(device=resolve_device(device), dtype=dtype)
         self.model = model.eval()
+        self.switched_from = exact_kernel(self.model, may_switch=switch_attention)  # the kernel replaced, or None
+        self._attention = attention_layout(self.model)
         self._cache_argument = cache_argument(self.model)
         self.chooses_kernel_rows = skinny_linear is None and self.device.type == "cpu"  # (half_weight_draft re-times)
         if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
@@ -298,7 +317,7 @@ class CausalLM:
         marked in ``visible [B, k, r + k]`` (its ancestors and itself). Returns logits ``[B, k, V]`` (and hidden
         states with ``hidden_layers``), each equal to an uncached forward of the node's path (tests/test_tree.py)."""
         positions, mask = self._slots.append_tree(visible.to(self.device), depth.to(self.device))
-        logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers, attention_mask=mask)
+        logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers, visible=mask)
         return logits if hidden_layers is None else (logits, hidden)
 
     def end_tree(self, kept: torch.Tensor) -> None:
@@ -338,13 +357,13 @@ class CausalLM:
         if uneven:  # rows dropped different counts: dead slots may have piled up
             self._compact()
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None, attention_mask=None):
-        """-> (logits float32, the requested hidden states concatenated float32 or None). ``attention_mask``: a 4-D
-        boolean mask for tree calls; by default the slot mask."""
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None, visible=None):
+        """-> (logits float32, the requested hidden states concatenated float32 or None). ``visible [B, k, L]``: the
+        slots each new one sees, for tree calls; by default a chain's (``SlotMask.visible_to_last``)."""
         with torch.no_grad():
             out = self.model(
                 input_ids=tokens.to(self.device),
-                attention_mask=self._slots.mask.long() if attention_mask is None else attention_mask,
+                attention_mask=self._mask(positions, visible),
                 position_ids=positions,
                 use_cache=True,
                 **{self._cache_argument: self._cache},
@@ -356,11 +375,21 @@ class CausalLM:
             return out.logits.float(), None
         return out.logits.float(), torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1).float()
 
+    def _mask(self, positions: torch.Tensor, visible: torch.Tensor | None):
+        """The attention mask of a call appending slots at ``positions [B, k]``: the 2-D slot mask where transformers
+        makes the right 4-D one of it (a chain call, no sliding window), else the layout's additive masks."""
+        if visible is None and not self._attention.windowed:
+            return self._slots.mask.long()
+        if visible is None:
+            visible = self._slots.visible_to_last(positions.shape[1])
+        return self._attention.masks(visible, positions, self._slots.positions, self.model.dtype)
+
 
 def _new_cache(model):
+    """Full layers for every layer, sliding-window ones included (windows are masked: models.attention)."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    return DynamicCache()
 
 
 def _from_pretrained(name_or_path, dtype, device_map):

@@ -1,0 +1,135 @@
+"""The family x kernel x step matrix: is the engine's greedy output transformers' own, for every model family?
+
+One case builds a tiny random-weight model of a family (``models.families``) with an attention kernel, a draft close
+to it (the same weights with 10% noise: drafts are often accepted, so rows roll back different counts), and runs
+three left-padded prompts (2-9 tokens; the windowed families' window is 6) through the engine at temperature 0 with a
+chain, a sampled tree or a dynamic tree. The reference is transformers' ``generate(do_sample=False)`` of the same model
+on each prompt alone; an EOS token that ends a row early is taken from that reference. ``tests/test_families.py``
+asserts every case; ``benchmarks/family_matrix.py`` writes the table of docs/engine_and_models.md from the same cases.
+
+A case's status:
+
+* ``exact``: the engine's tokens equal ``generate``'s on the kernel asked for;
+* ``switched``: the wrapper switched the kernel (``models.attention.exact_kernel``) and the tokens are ``generate``'s;
+* ``refused``: the wrapper refused the model before the first step with one line (the case's ``detail``);
+* ``not offered``: transformers itself does not build the family with that kernel;
+* ``DIFFERENT`` / ``ERROR``: a wrong answer or a traceback: what the tests fail on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.engine.generate import speculative_generate
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import FAMILIES, perturbed_copy, tiny_family_model
+from specresearch.models.kernels import use_packed_sdpa
+
+__all__ = ["KERNELS", "STEPS", "PROMPTS", "CaseResult", "run_case", "reference_tokens", "family_wrapper"]
+
+PROMPTS = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12, 13, 14], [20, 21]]
+NEW_TOKENS = 12
+
+# kernel name -> (the attn_implementation the model is built with, how CausalLM wraps it, what the row means)
+KERNELS: dict[str, tuple[str, str, str]] = {
+    "eager": ("eager", "default", "transformers' eager attention"),
+    "sdpa": ("sdpa", "default", "built with sdpa; on the CPU the wrapper's cpu_sdpa_attention (grouped heads in the kernel)"),
+    "sdpa (as loaded)": ("sdpa", "plain", "transformers' own sdpa function (skinny_linear=False: the hf adapter's path)"),
+    "packed sdpa": ("sdpa", "packed", "the wrapper's packed_sdpa_attention, its default on CUDA, run on the CPU"),
+    "flex_attention": ("flex_attention", "default", "torch's flex attention"),
+    "flash_attention_2": ("eager", "flash", "a model whose config names flash_attention_2 (set on the CPU, where "
+                                            "flash-attn cannot run): what the wrapper does with it"),
+}
+# step name -> speculative_generate options (gamma 3; trees of 3 paths)
+STEPS: dict[str, dict] = {
+    "chain": dict(verifier="block", gamma=3),
+    "sampled tree": dict(verifier="traversal", num_drafts=3, gamma=3),
+    "dynamic tree": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic"),
+}
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    family: str
+    kernel: str
+    step: str
+    status: str  # exact / switched / refused / not offered / DIFFERENT / ERROR (module docstring)
+    ran: str = ""  # the attention implementation the wrapper ran
+    detail: str = ""
+    tokens_per_call: float = 0.0  # the engine's block efficiency on the three prompts
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("exact", "switched", "refused", "not offered")
+
+
+def reference_tokens(model, prompts=PROMPTS, max_new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' ``generate(do_sample=False)`` of each prompt alone, ``max_new_tokens`` tokens, no EOS."""
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=model.config.pad_token_id)
+        rows.append(out[0, len(prompt):].tolist())
+    return rows
+
+
+def family_wrapper(model, how: str) -> CausalLM:
+    """``model`` behind ``CausalLM`` as the kernel entry ``how`` says (``KERNELS``)."""
+    if how == "flash":
+        model.config._attn_implementation = "flash_attention_2"
+        return CausalLM(model, device="cpu")
+    wrapped = CausalLM(model, device="cpu", skinny_linear=False if how in ("plain", "packed") else None)
+    if how == "packed":
+        assert use_packed_sdpa(wrapped.model)
+    return wrapped
+
+
+def _eos(reference: list[list[int]]) -> int:
+    """A token that ends the middle row early: its 5th token (each row then ends at its first occurrence)."""
+    return reference[1][4]
+
+
+def run_case(family: str, kernel: str, step: str) -> CaseResult:
+    """One case of the matrix (module docstring)."""
+    implementation, how, _ = KERNELS[kernel]
+    try:
+        model = tiny_family_model(family, implementation)
+    except ValueError as error:  # transformers: this family has no such kernel
+        return CaseResult(family, kernel, step, "not offered", detail=str(error).split(". ")[0])
+    # flex_attention's compiled kernel takes a minute a shape on the CPU, and the wrapper runs another kernel anyway:
+    # its reference is the same weights under eager attention
+    reference = reference_tokens(model if implementation != "flex_attention" else tiny_family_model(family, "eager"))
+    eos = _eos(reference)
+    draft_model = perturbed_copy(model)
+    expected = [row[: row.index(eos) + 1] if eos in row else row for row in reference]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            target = family_wrapper(model, how)
+        except ValueError as error:
+            return CaseResult(family, kernel, step, "refused", detail=str(error))
+        draft = CausalLM(draft_model, device="cpu")
+    switched = [str(w.message) for w in caught if "switched to" in str(w.message)]
+    try:
+        result = speculative_generate(target, draft, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
+                                      sampling=SamplingConfig(temperature=0.0), **STEPS[step])
+    except Exception as error:  # noqa: BLE001 -- a traceback is a finding the matrix reports
+        return CaseResult(family, kernel, step, "ERROR", target.model.config._attn_implementation,
+                          f"{type(error).__name__}: {error}")
+    got = [list(row) for row in result.tokens]
+    ran = target.model.config._attn_implementation
+    if got != expected:
+        return CaseResult(family, kernel, step, "DIFFERENT", ran, f"engine {got} != generate {expected}",
+                          result.block_efficiency)
+    return CaseResult(family, kernel, step, "switched" if switched else "exact", ran,
+                      switched[0] if switched else "", result.block_efficiency)
+
+
+def all_cases(families=tuple(FAMILIES), kernels=tuple(KERNELS), steps=tuple(STEPS)) -> list[tuple[str, str, str]]:
+    """Every (family, kernel, step) of the matrix."""
+    return [(f, k, s) for f in families for k in kernels for s in steps]

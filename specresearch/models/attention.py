@@ -1,0 +1,129 @@
+"""Which attention each layer of a transformers model applies, and the masks :class:`CausalLM` hands it.
+
+Why the wrapper builds masks itself: a tree call (each node sees its ancestors, not its siblings) and a cache with
+masked slots inside it (rows that rolled back different counts) need a mask transformers cannot make from a 2-D
+padding mask. transformers passes a 4-D mask through unchanged (``masking_utils._preprocess_mask_arguments``), and
+then each kernel treats it its own way:
+
+* ``eager`` *adds* it to the scores (``scores + mask``): a boolean mask adds 1 / 0 and masks nothing, so the mask
+  must be additive, 0 where attended and the dtype's lowest value elsewhere (the lowest finite
+  value, not -inf: a row that sees nothing -- a pad slot's query -- then stays finite, and its values cannot turn the
+  other rows' products into NaN);
+* ``sdpa`` (and the wrapper's own :func:`~specresearch.models.kernels.cpu_sdpa_attention` /
+  :func:`~specresearch.models.kernels.packed_sdpa_attention`) takes an additive mask as well;
+* ``flash_attention_2/3`` (and the paged kernels) take no 4-D mask at all: they apply causal order over the physical
+  slots and a 2-D padding mask. No tree, no masked slot inside the cache;
+* ``flex_attention`` adds a 4-D mask too (transformers' ``score_mod``), but on the CPU torch 2.13's compiled flex
+  kernel fails: a batched call with a padding mask does not compile (inductor's CPU template), and one with a 4-D
+  tensor mask corrupted the process's heap (both seen with torch 2.13 on this project's 2-core CPU; tiny Llama and
+  Mistral models). On CUDA it is untested here.
+
+:func:`exact_kernel` switches a model on any kernel but the first three to ``sdpa`` (``eager`` where the model has no
+``sdpa``), with a warning, or refuses where it may not change the model.
+
+Sliding windows (Mistral, Gemma-2/3's local layers, Qwen2 with ``use_sliding_window``, Phi-3): a windowed layer sees
+the keys whose *position* lies within ``window`` of the query's (``q - k < window``: transformers'
+``masking_utils.sliding_window_overlay``). transformers counts that distance in physical cache slots, which is the
+position distance only when no slot inside the cache is masked; in a tree a node's slot is not its position either.
+So the wrapper applies every window itself, from each slot's position (``SlotMask.positions``), and keeps every slot
+of the context in a full cache layer (transformers' sliding layers keep the last ``window`` slots and cannot be
+rolled back past them): a windowed layer's call reads the whole context, masked, instead of the window. That costs
+nothing while the context is shorter than the window (the figures of docs/engine_and_models.md), and memory and
+attention time linear in the context past it. Layer types are transformers' own
+(``cache_utils.get_layer_types_and_kwargs``); any other type than full and sliding attention (chunked attention,
+linear attention, KV sharing) is refused with one line.
+
+A model with one kind of layer takes one mask ``[B, 1, q, L]``; one with full and sliding layers (Gemma-2/3, Qwen2
+with ``max_window_layers``) takes transformers' mapping ``{layer type: mask}``, which those models accept in place of
+a 2-D mask.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AttentionLayout", "attention_layout", "exact_kernel", "additive_mask", "MASKED_KERNELS"]
+
+# Kernels that apply a 4-D additive mask as given (transformers' own and the two CausalLM registers on CPU / CUDA).
+MASKED_KERNELS = ("eager", "sdpa", "specresearch_cpu_sdpa", "specresearch_packed_sdpa")
+_WHY = {"flex_attention": "whose compiled kernel fails on batched masked calls on the CPU (torch 2.13) and is not "
+                          "tested with a tree mask on CUDA"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The attention of one model: its kernel and, per transformers layer type, the sliding window (None: full)."""
+
+    kernel: str
+    windows: tuple[tuple[str, int | None], ...]  # ((layer type, window or None), ...) in order of first use
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer has a sliding window (then every call gets a mask built here)."""
+        return any(window is not None for _, window in self.windows)
+
+    def masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+              dtype: torch.dtype):
+        """The masks of one call: ``allowed [B, q, L]`` (slot j visible to query i, windows aside), the queries'
+        positions ``[B, q]`` and every slot's ``[B, L]`` -> an additive ``[B, 1, q, L]`` mask in ``dtype``, or the
+        mapping {layer type: mask} for a model with several layer types."""
+        distance = query_positions[:, :, None] - key_positions[:, None, :]  # [B, q, L]
+        made = {kind: additive_mask(allowed if window is None else allowed & (distance < window), dtype)
+                for kind, window in self.windows}
+        return next(iter(made.values())) if len(made) == 1 else made
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed [B, q, L]`` bool -> ``[B, 1, q, L]``: 0 where attended, ``dtype``'s lowest value elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def attention_layout(model) -> AttentionLayout:
+    """The layout of a transformers model (module docstring); ``ValueError`` naming the model and the layer type
+    for layers this wrapper cannot mask exactly."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = model.config.get_text_config(decoder=True)
+    kinds, options = get_layer_types_and_kwargs(config)
+    windows: dict[str, int | None] = {}
+    for kind, option in zip(kinds, options):
+        if kind not in _LAYER_TYPES:
+            raise ValueError(f"{_name(model)} has {kind!r} layers; CausalLM masks full and sliding-window attention "
+                             f"only ({', '.join(_LAYER_TYPES)}): use a model of another family")
+        window = option.get("sliding_window") if kind == "sliding_attention" else None
+        if kind == "sliding_attention" and not window:
+            raise ValueError(f"{_name(model)} has sliding-window layers without a window (sliding_window={window!r})")
+        if windows.setdefault(kind, window) != window:
+            raise ValueError(f"{_name(model)} has {kind!r} layers with different windows; CausalLM takes one per type")
+    return AttentionLayout(model.config._attn_implementation, tuple(windows.items()))
+
+
+def exact_kernel(model, *, may_switch: bool = True) -> str | None:
+    """Make sure ``model``'s attention kernel applies the wrapper's masks (module docstring): a kernel that takes no
+    4-D mask is switched to ``sdpa`` (``eager`` where the model has none) with a warning, or, with ``may_switch=False``
+    (the caller's model must stay as it is), refused with one line naming the model, the kernel and what to pass.
+    Returns the kernel switched from, or None."""
+    kernel = model.config._attn_implementation
+    if kernel in MASKED_KERNELS:
+        return None
+    to = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+    reason = _WHY.get(kernel, "which takes no 4-D mask (no draft tree, no masked slot inside the cache)")
+    why = f"{_name(model)} uses attention {kernel!r}, {reason}"
+    if not may_switch:
+        raise ValueError(f"{why}: load it with attn_implementation={to!r} (or 'eager')")
+    model.set_attn_implementation(to)
+    if model.config._attn_implementation != to:
+        raise ValueError(f"{why}, and it cannot be switched to {to!r}: load it with attn_implementation={to!r}")
+    warnings.warn(f"{why}: switched to {to!r}, which is exact (load it with attn_implementation={to!r} to silence "
+                  "this)", stacklevel=3)
+    return kernel
+
+
+def _name(model) -> str:
+    path = getattr(model.config, "_name_or_path", "") or ""
+    return f"{type(model).__name__}{f' ({path})' if path else ''}"

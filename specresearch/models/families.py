@@ -1,0 +1,84 @@
+"""Tiny random-weight models of the families researchers load, built from transformers configs (no weights, no hub).
+
+Each entry sets what makes its family differ where the wrapper's masks and cache could go wrong: grouped-query
+heads, a sliding window shorter than the tests' contexts (6 slots), alternating local / global layers, attention
+soft-capping, absolute or learned positions, parallel attention, mixture-of-experts MLPs. The test matrix
+(``tests/test_families.py``) and the table of docs/engine_and_models.md (``benchmarks/family_matrix.py``) run these.
+
+``tiny_family_model(family, kernel)`` -> a transformers model in float32 on the CPU with the attention ``kernel``
+(``"eager"``, ``"sdpa"``, ``"flex_attention"``, ...), reproducible from ``seed``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy"]
+
+WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
+_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+
+# Gemma's embeddings are scaled by sqrt(hidden) and tied to the output layer: a random tied model repeats its last
+# token, so the Gemma entries untie them. family -> (transformers config class name, what this family's entry exercises, settings over _SIZES)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "Llama 2/3: RoPE, grouped-query heads", {}),
+    "qwen2": ("Qwen2Config", "Qwen2 / Qwen2.5: q/k/v biases", {}),
+    "qwen2-window": ("Qwen2Config", "Qwen2 with use_sliding_window: global then windowed layers",
+                     dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3: q/k norms", dict(head_dim=8)),
+    "mistral": ("MistralConfig", "Mistral: every layer windowed", dict(sliding_window=WINDOW)),
+    "mixtral": ("MixtralConfig", "Mixtral: experts, windowed",
+                dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+    "gemma": ("GemmaConfig", "Gemma: scaled embeddings, GeGLU", dict(head_dim=8, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", "Gemma-2: soft-capping, alternating windowed / global layers",
+               dict(head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                    tie_word_embeddings=False)),
+    "gemma3": ("Gemma3TextConfig", "Gemma-3: local / global layers (5:1; here 1:1), two RoPE bases",
+               dict(head_dim=8, sliding_window=WINDOW, sliding_window_pattern=2,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", "Phi-3: fused qkv, windowed", dict(sliding_window=WINDOW)),
+    "phi": ("PhiConfig", "Phi-2: parallel attention, partial rotary", {}),
+    "gpt2": ("GPT2Config", "GPT-2: learned absolute positions",
+             dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
+    "gpt-neox": ("GPTNeoXConfig", "GPT-NeoX / Pythia: parallel residual, partial rotary", {}),
+    "opt": ("OPTConfig", "OPT: learned positions with an offset",
+            dict(ffn_dim=64, word_embed_proj_dim=32, num_hidden_layers=2, max_position_embeddings=256)),
+    "falcon": ("FalconConfig", "Falcon: multi-query, parallel attention", dict(new_decoder_architecture=False)),
+    "starcoder2": ("Starcoder2Config", "StarCoder2: windowed, biases", dict(sliding_window=WINDOW)),
+}
+
+
+def tiny_family_config(family: str, **overrides):
+    """The tiny config of ``family`` (a key of ``FAMILIES``), ``overrides`` on top."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    class_name, _, settings = FAMILIES[family]
+    return getattr(transformers, class_name)(**{**_SIZES, **settings, **overrides})
+
+
+def tiny_family_model(family: str, kernel: str = "eager", *, seed: int = 0, init_std: float = 0.5):
+    """A float32 random-weight transformers model of ``family`` with attention ``kernel``; ``init_std`` sets the
+    weights' scale (0.5: peaked, context-dependent next-token laws)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_family_config(family, initializer_range=init_std)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=kernel, dtype=torch.float32)
+    return model.eval()
+
+
+def perturbed_copy(model, noise: float = 0.1, seed: int = 1):
+    """A copy of ``model`` with seeded noise of ``noise`` times each weight's std: a draft the target often accepts."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            if parameter.numel() > 1:
+                parameter.add_(noise * torch.randn(parameter.shape, generator=generator) * parameter.std())
+    return draft
