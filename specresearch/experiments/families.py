@@ -133,3 +133,31 @@ def run_case(family: str, kernel: str, step: str) -> CaseResult:
 def all_cases(families=tuple(FAMILIES), kernels=tuple(KERNELS), steps=tuple(STEPS)) -> list[tuple[str, str, str]]:
     """Every (family, kernel, step) of the matrix."""
     return [(f, k, s) for f in families for k in kernels for s in steps]
+
+
+def _cell(rows: list[dict]) -> str:
+    """One table cell from a family's and kernel's rows (one per step)."""
+    statuses = {row["status"] for row in rows}
+    if statuses == {"exact"}:
+        return "exact"
+    if statuses == {"switched"}:
+        return f"switched to {rows[0]['ran'].replace('specresearch_cpu_sdpa', 'sdpa')}, exact"
+    if statuses == {"refused"}:
+        return "refused"
+    if statuses == {"not offered"}:
+        return "not in transformers"
+    return "; ".join(f"{row['step']}: {row['status']}" for row in rows)
+
+
+def matrix_table(rows: list[dict]) -> str:
+    """The markdown table of a matrix record's ``rows`` (``CaseResult`` fields): a row per family, a column per
+    kernel; a cell says what all three steps (chain, sampled tree, dynamic tree) gave, or each step's where they
+    differ."""
+    families = list(dict.fromkeys(row["family"] for row in rows))
+    kernels = list(dict.fromkeys(row["kernel"] for row in rows))
+    lines = ["| family | " + " | ".join(f"`{k}`" for k in kernels) + " |", "|---" * (len(kernels) + 1) + "|"]
+    for family in families:
+        what = FAMILIES[family][1] if family in FAMILIES else ""
+        cells = [_cell([r for r in rows if r["family"] == family and r["kernel"] == k]) for k in kernels]
+        lines.append(f"| {family} ({what}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

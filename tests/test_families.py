@@ -1,0 +1,191 @@
+"""Every family researchers load, on every attention kernel: chains and trees give transformers' own tokens.
+
+* The matrix (``experiments.families``): 16 families x 6 kernels x {chain, sampled tree, dynamic tree}, greedy, three
+  left-padded prompts with a row that ends early at an EOS: the engine's tokens equal ``generate(do_sample=False)``'s,
+  or the wrapper switched the kernel (and then they are equal too), or it refused the model with one line.
+* Cached tree scoring equals an uncached forward of each path, for every family, over several trees (the windowed
+  families' contexts grow past their window; dead slots pile up and the cache is packed on the way).
+* Losslessness at T = 1 through the engine, one tree rule per family (statistical; false-positive rate below).
+* A negative control: the same matrix case with the window left out differs, so the window is what it checks.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, reference_tokens, run_case
+from specresearch.experiments.stats import lossless_test
+from specresearch.models.attention import AttentionLayout, attention_layout
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import FAMILIES, WINDOW, perturbed_copy, tiny_family_config, tiny_family_model
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = json.loads((ROOT / "benchmarks" / "records" / "family_matrix.json").read_text())
+RECORDED = {(row["family"], row["kernel"], row["step"]): row["status"] for row in RECORD["rows"]}
+
+WINDOWED = [f for f in FAMILIES if getattr(tiny_family_config(f), "sliding_window", None)
+            and (f != "qwen2" or tiny_family_config(f).use_sliding_window)]
+
+
+@pytest.mark.parametrize("family, kernel, step", all_cases())
+def test_the_engine_gives_generates_tokens(family, kernel, step):
+    result = run_case(family, kernel, step)
+    assert result.ok, result.detail
+    assert result.status == RECORDED[family, kernel, step], "rerun benchmarks/family_matrix.py --docs"
+    if kernel in ("eager", "sdpa (as loaded)"):  # transformers' own kernels, applied as they are
+        assert result.status in ("exact", "not offered"), result
+    if result.status == "refused":  # one line naming the model, the kernel and what to load instead
+        assert "\n" not in result.detail and family in result.detail.lower() and "attn_implementation=" in result.detail
+
+
+def test_the_matrix_covers_windows_alternating_layers_and_softcapping():
+    """The families' settings are what the matrix claims to test: windows shorter than the contexts, mixed layers."""
+    assert {"mistral", "mixtral", "gemma2", "gemma3", "phi3", "starcoder2", "qwen2-window"} <= set(WINDOWED)
+    longest = max(len(p) for p in PROMPTS) + NEW_TOKENS
+    assert WINDOW < longest
+    for family in ("gemma2", "gemma3", "qwen2-window"):
+        layout = attention_layout(tiny_family_model(family))
+        assert dict(layout.windows) == {"full_attention": None, "sliding_attention": WINDOW}, (family, layout)
+    assert dict(attention_layout(tiny_family_model("mistral")).windows) == {"sliding_attention": WINDOW}
+    assert tiny_family_config("gemma2").attn_logit_softcapping == 50.0
+
+
+def test_without_the_window_the_matrix_sees_a_difference():
+    """Negative control: Mistral with its window dropped from the masks gives other tokens than generate."""
+    model = tiny_family_model("mistral", "eager")
+    reference = reference_tokens(model)
+    draft = CausalLM(perturbed_copy(model), device="cpu")
+    target = CausalLM(model, device="cpu")
+    from specresearch.engine.generate import speculative_generate
+
+    def run():
+        out = speculative_generate(target, draft, PROMPTS, max_new_tokens=12, verifier="block",
+                                   gamma=3, sampling=SamplingConfig(temperature=0.0))
+        return [list(row) for row in out.tokens]
+
+    assert run() == reference
+    target._attention = AttentionLayout("eager", (("sliding_attention", None),))
+    assert run() != reference
+
+
+def _visible(parents):
+    """visible [1, n, n] from parent indices (-1: none)."""
+    v = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            v[i] |= v[p]
+    return v[None]
+
+
+def _uncached(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_cached_tree_scoring_equals_each_path_uncached(family, kernel):
+    try:
+        model = tiny_family_model(family, kernel)
+    except ValueError:
+        assert kernel == "sdpa" and family == "gemma2"  # transformers offers Gemma-2 no sdpa
+        return
+    reference = tiny_family_model(family, "eager")  # an uncached forward of transformers' own, untouched model
+    lm = CausalLM(model, device="cpu")
+    prompts = [[5, 9, 2, 33, 7], [4, 8, 11]]
+    lm.prefill(torch.tensor([[5, 9, 2, 33], [0, 0, 4, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
+    histories = [list(p[:-1]) for p in prompts]
+    pending = [p[-1] for p in prompts]
+    parents = [-1, 0, 1, 0, 3, 2]  # pending; a, b (child of a); c; d (child of c); e (child of b)
+    for step in range(5):  # 5 trees: contexts grow past the window, dead slots are packed on the way
+        tokens = torch.tensor([[pending[b], 10 + step, 20, 30 - step, 40, 12] for b in range(2)])
+        lm.begin_tree()
+        logits = lm.score_tree(tokens, torch.tensor([[0, 1, 2, 1, 2, 3]] * 2), _visible(parents).expand(2, -1, -1))
+        for b in range(2):
+            for i in range(6):
+                path, j = [], i
+                while j >= 0:
+                    path.insert(0, int(tokens[b, j]))
+                    j = parents[j]
+                want = _uncached(reference, histories[b] + path)
+                assert torch.allclose(logits[b, i], want, atol=1e-4), (family, step, b, i)
+        lm.end_tree(torch.tensor([[True, True, True, False, False, True], [True, False, False, True, True, False]]))
+        histories[0] += [pending[0], 10 + step, 20, 12]
+        histories[1] += [pending[1], 30 - step, 40]
+        pending = [7, 9]
+    assert max(len(h) for h in histories) > 3 * WINDOW
+    out = lm.score(torch.tensor([[pending[0]], [pending[1]]]))
+    for b in range(2):
+        assert torch.allclose(out[b, -1], _uncached(reference, histories[b] + [pending[b]]), atol=1e-4)
+
+
+# One tree rule per family, in turn; "onehot" runs EAGLE-2's dynamic tree.
+RULES = ["traversal", "rrs", "rrs_without_replacement", "kseq", "gbv", "onehot"]
+LEVEL, SAMPLES = 1e-6, 10_000
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tree_rules_are_lossless_at_t1_for_every_family(family):
+    """The first 3 tokens after an 8-token prompt (past the window of 6), 10,000 samples: the exact Bonferroni test
+    rejects a lossless engine with probability <= 1e-6 (``stats.FPR_NOTE``); at this N the chi-square test detects a
+    TV of 0.076-0.079 between the cell laws (``detectable_tv``, asserted below so the power is stated, not hoped)."""
+    rule = RULES[list(FAMILIES).index(family) % len(RULES)]
+    model = tiny_family_model(family, "eager", init_std=0.3)
+    target, draft = CausalLM(model, device="cpu"), CausalLM(perturbed_copy(model, noise=0.3), device="cpu")
+    options = dict(draft_law="dynamic") if rule == "onehot" else {}
+    gamma = 1 if rule == "kseq" else 2  # SpecTr's K-SEQ is single-step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = lossless_test(target, draft, rule, [5, 9, 3, 7, 2, 11, 4, 8], sampling=SamplingConfig(), gamma=gamma, k=3,
+                               max_new_tokens=4, num_samples=SAMPLES, seed=11, batch_size=SAMPLES // 2, num_drafts=2,
+                               **options)
+    assert result.detectable_tv(LEVEL) < 0.08, result.detectable_tv(LEVEL)
+    assert result.impossible == 0 and result.bonferroni_p_value > LEVEL, (rule, result.p_value)
+
+
+def test_a_layer_type_it_cannot_mask_is_refused_in_one_line():
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.models.toy import tiny_llama_config
+
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(attention_chunk_size=4))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has 'chunked_attention' layers; CausalLM masks full and"):
+        CausalLM(model, device="cpu")
+
+
+def test_a_kernel_without_masks_is_switched_or_refused():
+    model = tiny_family_model("qwen2", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"  # what a CUDA-loaded model reports
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM uses attention 'flash_attention_2', which takes no 4-D "
+                                         r"mask .*: load it with attn_implementation='sdpa'"):
+        CausalLM(model, device="cpu", switch_attention=False)
+    assert model.config._attn_implementation == "flash_attention_2"  # refused: the caller's model is left alone
+    with pytest.warns(UserWarning, match="switched to 'sdpa'"):
+        lm = CausalLM(model, device="cpu", skinny_linear=False)
+    assert lm.switched_from == "flash_attention_2" and lm.model.config._attn_implementation == "sdpa"
+
+
+def test_the_transformers_adapter_refuses_a_flash_model_instead_of_changing_it():
+    import specresearch.engine.hf as hf
+
+    model = tiny_family_model("llama", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="uses attention 'flash_attention_2'"):
+        model.generate(torch.tensor([[5, 9, 3]]), max_new_tokens=4, do_sample=False,
+                       custom_generate=hf.speculative(tiny_family_model("llama", "sdpa"), gamma=2))
+    assert model.config._attn_implementation == "flash_attention_2"
+
+
+def test_the_docs_table_is_the_records():
+    """docs/engine_and_models.md's matrix is ``matrix_table`` of the committed record, and the record covers every
+    case (``benchmarks/family_matrix.py --docs`` writes both)."""
+    from specresearch.experiments.families import matrix_table
+
+    docs = (ROOT / "docs" / "engine_and_models.md").read_text()
+    block = docs.split("<!-- family-matrix: generated by benchmarks/family_matrix.py -->\n", 1)[1]
+    assert block.split("<!-- family-matrix: end -->", 1)[0] == matrix_table(RECORD["rows"])
+    assert set(RECORDED) == set(all_cases())
