@@ -44,6 +44,14 @@ def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def _announce_draft_format(name: str | None) -> None:
+    """For ``--draft DIR``: which layout the directory was read as, on stderr."""
+    from specresearch.drafts.registry import draft_format, without_weight_prefix
+
+    if name is not None and Path(without_weight_prefix(name)).is_dir():
+        _to_stderr(f"--draft {name}: {draft_format(without_weight_prefix(name))}")
+
+
 def _command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """A subcommand parser whose ``--help`` ends with ``example`` (kept verbatim). No abbreviated flags:
     ``bench --gamma 3`` would otherwise silently mean ``--gammas 3`` and start a different sweep."""
@@ -189,6 +197,7 @@ def _run_generate(args) -> int:
         result = autoregressive_generate(target, [prompt], **common)
     else:
         draft = draft_from_name(args.draft or GENERATE_DRAFT, target, tokenizer)
+        _announce_draft_format(args.draft)
         from specresearch.engine.cost import fit_default_draft, resolve_config
 
         trees = args.draft is None and not args.verifier_given and args.draft_law == "iid" and args.tree_nodes is None

@@ -108,9 +108,13 @@ def check_draft_name(name: str | None) -> None:
     if not (described or base in known_names("draft") or Path(base).exists()):
         raise ValueError(f"--draft {name!r} is neither a known name ({', '.join(known_names('draft'))}) "
                          "nor an existing checkpoint directory")
-    if Path(base).is_dir() and not any((Path(base) / f).is_file() for f in ("config.json", "manifest.json")):
-        raise ValueError(f"--draft {name}: a directory without config.json (a transformers checkpoint) or manifest.json "
-                         "(a draft a training command wrote) is not a draft")
+    if Path(base).is_dir():
+        from specresearch.drafts.registry import draft_format
+
+        try:
+            draft_format(base)
+        except ValueError as error:
+            raise ValueError(f"--draft {name}: {error}") from None
 
 
 def check_generate_flags(args) -> None:

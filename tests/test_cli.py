@@ -229,8 +229,8 @@ def test_generate_flag_errors_come_before_any_model_loads(capsys, monkeypatch, a
     (["feature-distill", "--target", "foo"], "this command works on an embedded model"),
     (["generate", "hi", "--model", "HuggingFaceTB/SmolLM2-360M"], "allow downloads: HF_HUB_OFFLINE=0"),
     (["generate", "hi", "--model", "{tmp}"], "without config.json is not a transformers checkpoint"),
-    (["generate", "hi", "--draft", "{tmp}"], "is not a draft"),
-    (["bench", "--draft", "{tmp}"], "is not a draft"),
+    (["generate", "hi", "--draft", "{tmp}"], "holds no draft layout this toolkit reads"),
+    (["bench", "--draft", "{tmp}"], "holds no draft layout this toolkit reads"),
 ])
 def test_shared_flag_errors_of_every_command_come_before_any_model_loads(capsys, monkeypatch, tmp_path, argv, needle):
     _refuse_model_loads(monkeypatch)

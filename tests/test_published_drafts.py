@@ -1,0 +1,186 @@
+"""Drafts in their published layouts: EAGLE-3 heads as SafeAILab/EAGLE saves them, and transformers assistant models.
+
+* A random-weight EAGLE-3 checkpoint (config.json + model.safetensors or pytorch_model.bin, a draft vocabulary of 40
+  of the target's 64 tokens through d2t) loads, and its draft logits equal a reference forward the test computes from
+  the format's definition (``drafts.eagle``'s docstring: fc over the target's hidden states 2, L // 2, L - 3, a
+  midlayer over [input_layernorm(embedding), hidden_norm(g)], lm_head(norm(h)) mapped by d2t), at the prompt and at
+  a drafted slot that reads the head's own output.
+* It runs chains and trees through the engine (greedy = the target's greedy) and is lossless at T = 1.
+* A wrong tensor name or shape is refused with the name; an unknown directory layout in one line.
+* Saved again in the layout, it loads to the same logits.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.eagle import Eagle3Draft, load_eagle3, save_eagle3
+from specresearch.drafts.registry import EAGLE3_FORMAT, draft_format, draft_from_name
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.experiments.stats import lossless_test
+from specresearch.models.toy import tiny_llama
+
+H, HEADS, KV, INTER, VOCAB, DRAFT_VOCAB, LAYERS = 32, 4, 2, 48, 64, 40, 8
+
+
+def _target():
+    return tiny_llama(VOCAB, seed=0, init_std=0.5, num_layers=LAYERS)
+
+
+def _checkpoint(directory, *, seed=0, safetensors=True, embed=False, rename=None, reshape=None):
+    """A random EAGLE-3 head in the repository's layout; returns its tensors and draft token ids."""
+    g = torch.Generator().manual_seed(seed)
+    token_ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+    d = H // HEADS
+    shapes = {"fc.weight": (H, 3 * H), "midlayer.self_attn.q_proj.weight": (HEADS * d, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (KV * d, 2 * H), "midlayer.self_attn.v_proj.weight": (KV * d, 2 * H),
+              "midlayer.self_attn.o_proj.weight": (H, HEADS * d), "midlayer.mlp.gate_proj.weight": (INTER, H),
+              "midlayer.mlp.up_proj.weight": (INTER, H), "midlayer.mlp.down_proj.weight": (H, INTER),
+              "lm_head.weight": (DRAFT_VOCAB, H)}
+    tensors = {name: torch.randn(shape, generator=g) / math.sqrt(shape[-1]) for name, shape in shapes.items()}
+    for name in ("midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+                 "midlayer.post_attention_layernorm.weight", "norm.weight"):
+        tensors[name] = 1 + 0.1 * torch.randn(H, generator=g)
+    tensors["d2t"] = token_ids - torch.arange(DRAFT_VOCAB)
+    tensors["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, token_ids, True)
+    if embed:
+        tensors["embed_tokens.weight"] = torch.randn(VOCAB, H, generator=g)
+    if rename:
+        tensors[rename[1]] = tensors.pop(rename[0])
+    if reshape:
+        tensors[reshape] = tensors[reshape][:, :-1].contiguous()
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "intermediate_size": INTER,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB, "max_position_embeddings": 256}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if safetensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, directory / "model.safetensors")
+    else:
+        torch.save(tensors, directory / "pytorch_model.bin")
+    return tensors, token_ids
+
+
+def _rms(x, w, eps=1e-6):
+    return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rope(x, positions):
+    d = x.shape[-1]
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    angles = positions.float()[:, None] * inv
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def _reference(t, tokens, inputs, embedding, token_ids):
+    """EAGLE-3's step over a whole sequence from the format's definition, uncached: tokens [n], inputs g [n, H]
+    (already through fc, or a previous output) -> outputs h [n, H] and target-vocabulary log-probabilities [n, V]."""
+    n, d = len(tokens), H // HEADS
+    x = torch.cat([_rms(embedding[tokens], t["midlayer.input_layernorm.weight"]),
+                   _rms(inputs, t["midlayer.hidden_norm.weight"])], -1)
+    positions = torch.arange(n)
+    q = _rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, d).transpose(0, 1), positions)
+    k = _rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, KV, d).transpose(0, 1), positions)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, KV, d).transpose(0, 1)
+    k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(d) + torch.full((n, n), float("-inf")).triu(1)
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1) @ t["midlayer.self_attn.o_proj.weight"].T
+    h = inputs + attn
+    y = _rms(h, t["midlayer.post_attention_layernorm.weight"])
+    mlp = (torch.nn.functional.silu(y @ t["midlayer.mlp.gate_proj.weight"].T) * (y @ t["midlayer.mlp.up_proj.weight"].T))
+    h = h + mlp @ t["midlayer.mlp.down_proj.weight"].T
+    draft_logits = _rms(h, t["norm.weight"]) @ t["lm_head.weight"].T
+    full = torch.full((n, VOCAB), float("-inf")).index_copy(1, token_ids, draft_logits)
+    return h, full.log_softmax(-1)
+
+
+@pytest.mark.parametrize("safetensors, embed", [(True, False), (False, True)])
+def test_eagle3_logits_follow_the_formats_definition(tmp_path, safetensors, embed):
+    target = _target()
+    tensors, token_ids = _checkpoint(tmp_path / "head", safetensors=safetensors, embed=embed)
+    draft = load_eagle3(target, tmp_path / "head")
+    assert isinstance(draft, Eagle3Draft) and draft.feature_layers == (2, LAYERS // 2, LAYERS - 3)
+    prompt = [5, 9, 3, 17, 22, 8, 41]
+    ids = torch.tensor([prompt])
+    _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)  # [1, n, 3H]
+    before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
+    draft.observe(before)
+    got = draft.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0]  # slot of x_6, feature of slot 5
+    embedding = tensors["embed_tokens.weight"] if embed else target.model.get_input_embeddings().weight.detach()
+    g = features[0, :-1] @ tensors["fc.weight"].T  # EAGLE's slots: token x_{j+1} with the feature of slot j
+    h, want = _reference(tensors, torch.tensor(prompt[1:]), g, embedding, token_ids)
+    finite = want[-1].isfinite()
+    assert torch.equal(got.exp() > 0, finite) and torch.allclose(got[finite], want[-1][finite], atol=1e-4)
+    # a drafted slot: token y with the head's own previous output (no fc), attending to the prompt's slots
+    y = 30
+    got_next = draft.score(torch.tensor([[y]])).log_softmax(-1)[0, 0]
+    _, want_next = _reference(tensors, torch.tensor(prompt[1:] + [y]), torch.cat([g, h[-1:]]), embedding, token_ids)
+    assert torch.allclose(got_next[finite], want_next[-1][finite], atol=1e-4)
+
+
+def test_eagle3_runs_chains_and_trees_exactly_and_losslessly(tmp_path):
+    target = _target()
+    _checkpoint(tmp_path / "head")
+    draft = draft_from_name(str(tmp_path / "head"), target)
+    assert isinstance(draft, Eagle3Draft) and draft_format(tmp_path / "head") == EAGLE3_FORMAT
+    prompts = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]]
+    greedy = SamplingConfig(temperature=0.0)
+    want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=greedy).tokens
+    for options in (dict(verifier="block", gamma=3), dict(verifier="traversal", num_drafts=2, gamma=2),
+                    dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")):
+        assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=greedy, **options).tokens == want
+    # T = 1: 6,000 samples of the first 2 tokens; the exact Bonferroni test's false-positive rate is <= 1e-6
+    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=2, k=2,
+                           max_new_tokens=3, num_samples=6_000, seed=3, batch_size=3_000)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
+def test_eagle3_saved_again_loads_to_the_same_logits(tmp_path):
+    target = _target()
+    _checkpoint(tmp_path / "head")
+    first = load_eagle3(target, tmp_path / "head", device="cpu")
+    save_eagle3(first.head, tmp_path / "again", safetensors=False)
+    second = load_eagle3(target, tmp_path / "again")
+    features = torch.randn(1, 4, first.feature_size)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    outs = []
+    for draft in (first, second):
+        draft.observe(features)
+        outs.append(draft.prefill(ids, torch.ones_like(ids)))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_wrong_tensor_is_refused_by_name(tmp_path):
+    target = _target()
+    _checkpoint(tmp_path / "renamed", rename=("fc.weight", "fc1.weight"))
+    with pytest.raises(ValueError, match=r"missing \['fc.weight'\], unknown \['fc1.weight'\]"):
+        load_eagle3(target, tmp_path / "renamed")
+    _checkpoint(tmp_path / "reshaped", reshape="midlayer.self_attn.q_proj.weight")
+    with pytest.raises(ValueError, match=r"tensor midlayer.self_attn.q_proj.weight has shape \(32, 63\), expected "
+                                         r"\(32, 64\)"):
+        load_eagle3(target, tmp_path / "reshaped")
+
+
+def test_an_unknown_directory_layout_is_named_in_one_line(tmp_path):
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "weights.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds no draft layout this toolkit reads: expected") as caught:
+        draft_format(tmp_path / "odd")
+    assert "\n" not in str(caught.value) and "EAGLE-3" in str(caught.value)
+
+
+def test_a_transformers_assistant_directory_is_recognised(tmp_path):
+    target = _target()
+    target.model.save_pretrained(tmp_path / "assistant")
+    assert draft_format(tmp_path / "assistant") == "transformers causal LM"
+    draft = draft_from_name(str(tmp_path / "assistant"), target)
+    prompts = [[5, 9, 3]]
+    greedy = SamplingConfig(temperature=0.0)
+    assert (speculative_generate(target, draft, prompts, max_new_tokens=6, sampling=greedy, gamma=3).tokens
+            == autoregressive_generate(target, prompts, max_new_tokens=6, sampling=greedy).tokens)
