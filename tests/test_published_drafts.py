@@ -1,4 +1,5 @@
-"""Drafts in their published layouts: EAGLE-3 heads as SafeAILab/EAGLE saves them, and transformers assistant models.
+"""Drafts in their published layouts: EAGLE-1/2 and EAGLE-3 heads as SafeAILab/EAGLE saves them, transformers
+assistant models.
 
 * A random-weight EAGLE-3 checkpoint (config.json + model.safetensors or pytorch_model.bin, a draft vocabulary of 40
   of the target's 64 tokens through d2t) loads, and its draft logits equal a reference forward the test computes from
@@ -6,6 +7,7 @@
   midlayer over [input_layernorm(embedding), hidden_norm(g)], lm_head(norm(h)) mapped by d2t), at the prompt and at
   a drafted slot that reads the head's own output.
 * It runs chains and trees through the engine (greedy = the target's greedy) and is lossless at T = 1.
+* The same for an EAGLE-1/2 head (two layers, fc with a bias, the target's head on the output).
 * A wrong tensor name or shape is refused with the name; an unknown directory layout in one line.
 * Saved again in the layout, it loads to the same logits.
 """
@@ -17,8 +19,8 @@ import pytest
 import torch
 
 from specresearch.config import SamplingConfig
-from specresearch.drafts.eagle import Eagle3Draft, load_eagle3, save_eagle3
-from specresearch.drafts.registry import EAGLE3_FORMAT, draft_format, draft_from_name
+from specresearch.drafts.eagle import EagleDraft, load_eagle3, save_eagle3
+from specresearch.drafts.registry import EAGLE1_FORMAT, EAGLE3_FORMAT, draft_format, draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.toy import tiny_llama
@@ -78,25 +80,33 @@ def _rope(x, positions):
     return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
 
 
+def _attention(x, t, at, n):
+    """Causal multi-head attention of the layer ``at`` over rows ``x [n, in]`` (RoPE, grouped KV heads)."""
+    d = H // HEADS
+    positions = torch.arange(n)
+    q = _rope((x @ t[at + "self_attn.q_proj.weight"].T).view(n, HEADS, d).transpose(0, 1), positions)
+    k = _rope((x @ t[at + "self_attn.k_proj.weight"].T).view(n, KV, d).transpose(0, 1), positions)
+    v = (x @ t[at + "self_attn.v_proj.weight"].T).view(n, KV, d).transpose(0, 1)
+    k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(d) + torch.full((n, n), float("-inf")).triu(1)
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1) @ t[at + "self_attn.o_proj.weight"].T
+
+
+def _mlp(h, t, at):
+    y = _rms(h, t[at + "post_attention_layernorm.weight"])
+    return (torch.nn.functional.silu(y @ t[at + "mlp.gate_proj.weight"].T) * (y @ t[at + "mlp.up_proj.weight"].T)
+            ) @ t[at + "mlp.down_proj.weight"].T
+
+
 def _reference(t, tokens, inputs, embedding, token_ids):
     """EAGLE-3's step over a whole sequence from the format's definition, uncached: tokens [n], inputs g [n, H]
     (already through fc, or a previous output) -> outputs h [n, H] and target-vocabulary log-probabilities [n, V]."""
-    n, d = len(tokens), H // HEADS
     x = torch.cat([_rms(embedding[tokens], t["midlayer.input_layernorm.weight"]),
                    _rms(inputs, t["midlayer.hidden_norm.weight"])], -1)
-    positions = torch.arange(n)
-    q = _rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, d).transpose(0, 1), positions)
-    k = _rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, KV, d).transpose(0, 1), positions)
-    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, KV, d).transpose(0, 1)
-    k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
-    scores = (q @ k.transpose(1, 2)) / math.sqrt(d) + torch.full((n, n), float("-inf")).triu(1)
-    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1) @ t["midlayer.self_attn.o_proj.weight"].T
-    h = inputs + attn
-    y = _rms(h, t["midlayer.post_attention_layernorm.weight"])
-    mlp = (torch.nn.functional.silu(y @ t["midlayer.mlp.gate_proj.weight"].T) * (y @ t["midlayer.mlp.up_proj.weight"].T))
-    h = h + mlp @ t["midlayer.mlp.down_proj.weight"].T
+    h = inputs + _attention(x, t, "midlayer.", len(tokens))
+    h = h + _mlp(h, t, "midlayer.")
     draft_logits = _rms(h, t["norm.weight"]) @ t["lm_head.weight"].T
-    full = torch.full((n, VOCAB), float("-inf")).index_copy(1, token_ids, draft_logits)
+    full = torch.full((len(tokens), VOCAB), float("-inf")).index_copy(1, token_ids, draft_logits)
     return h, full.log_softmax(-1)
 
 
@@ -105,7 +115,7 @@ def test_eagle3_logits_follow_the_formats_definition(tmp_path, safetensors, embe
     target = _target()
     tensors, token_ids = _checkpoint(tmp_path / "head", safetensors=safetensors, embed=embed)
     draft = load_eagle3(target, tmp_path / "head")
-    assert isinstance(draft, Eagle3Draft) and draft.feature_layers == (2, LAYERS // 2, LAYERS - 3)
+    assert isinstance(draft, EagleDraft) and draft.feature_layers == (2, LAYERS // 2, LAYERS - 3)
     prompt = [5, 9, 3, 17, 22, 8, 41]
     ids = torch.tensor([prompt])
     _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)  # [1, n, 3H]
@@ -128,7 +138,7 @@ def test_eagle3_runs_chains_and_trees_exactly_and_losslessly(tmp_path):
     target = _target()
     _checkpoint(tmp_path / "head")
     draft = draft_from_name(str(tmp_path / "head"), target)
-    assert isinstance(draft, Eagle3Draft) and draft_format(tmp_path / "head") == EAGLE3_FORMAT
+    assert isinstance(draft, EagleDraft) and draft_format(tmp_path / "head") == EAGLE3_FORMAT
     prompts = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]]
     greedy = SamplingConfig(temperature=0.0)
     want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=greedy).tokens
@@ -184,3 +194,75 @@ def test_a_transformers_assistant_directory_is_recognised(tmp_path):
     greedy = SamplingConfig(temperature=0.0)
     assert (speculative_generate(target, draft, prompts, max_new_tokens=6, sampling=greedy, gamma=3).tokens
             == autoregressive_generate(target, prompts, max_new_tokens=6, sampling=greedy).tokens)
+
+
+EAGLE1_LAYERS = 2
+
+
+def _eagle1_checkpoint(directory, *, seed=0, drop=None):
+    """A random EAGLE-1/2 head (two layers, fc with a bias) in the repository's layout; returns its tensors."""
+    g = torch.Generator().manual_seed(seed)
+    d = H // HEADS
+    shapes = {"fc.weight": (H, 2 * H)}
+    for i in range(EAGLE1_LAYERS):
+        at = f"layers.{i}."
+        shapes |= {at + "self_attn.q_proj.weight": (HEADS * d, H), at + "self_attn.k_proj.weight": (KV * d, H),
+                   at + "self_attn.v_proj.weight": (KV * d, H), at + "self_attn.o_proj.weight": (H, HEADS * d),
+                   at + "mlp.gate_proj.weight": (INTER, H), at + "mlp.up_proj.weight": (INTER, H),
+                   at + "mlp.down_proj.weight": (H, INTER)}
+    tensors = {name: torch.randn(shape, generator=g) / math.sqrt(shape[-1]) for name, shape in shapes.items()}
+    tensors["fc.bias"] = 0.1 * torch.randn(H, generator=g)
+    for i in range(EAGLE1_LAYERS):
+        tensors[f"layers.{i}.post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+        if i:
+            tensors[f"layers.{i}.input_layernorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    if drop:
+        tensors.pop(drop)
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": H, "intermediate_size": INTER,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV, "num_hidden_layers": EAGLE1_LAYERS,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": VOCAB, "bias": True}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    torch.save(tensors, directory / "pytorch_model.bin")
+    return tensors
+
+
+def _eagle1_reference(t, tokens, inputs, embedding, head):
+    """EAGLE-1's step from the format's definition, uncached: -> outputs [n, H], log-probabilities [n, V]."""
+    x = torch.cat([embedding[tokens], inputs], -1) @ t["fc.weight"].T + t["fc.bias"]
+    for i in range(EAGLE1_LAYERS):
+        at = f"layers.{i}."
+        x = x + _attention(_rms(x, t[at + "input_layernorm.weight"]) if i else x, t, at, len(tokens))
+        x = x + _mlp(x, t, at)
+    return x, (x @ head.T).log_softmax(-1)
+
+
+def test_eagle1_logits_follow_the_formats_definition_and_run_in_the_engine(tmp_path):
+    target = _target()
+    tensors = _eagle1_checkpoint(tmp_path / "head")
+    assert draft_format(tmp_path / "head") == EAGLE1_FORMAT
+    draft = draft_from_name(str(tmp_path / "head"), target)
+    assert isinstance(draft, EagleDraft) and draft.format == "EAGLE-1/2" and draft.feature_layers == (LAYERS,)
+    prompt = [5, 9, 3, 17, 22, 8, 41]
+    ids = torch.tensor([prompt])
+    _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)  # post-norm last
+    draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1))
+    got = draft.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0]
+    embedding = target.model.get_input_embeddings().weight.detach()
+    head = target.model.get_output_embeddings().weight.detach()
+    out, want = _eagle1_reference(tensors, torch.tensor(prompt[1:]), features[0, :-1], embedding, head)
+    assert torch.allclose(got, want[-1], atol=1e-4)
+    got_next = draft.score(torch.tensor([[30]])).log_softmax(-1)[0, 0]
+    _, want_next = _eagle1_reference(tensors, torch.tensor(prompt[1:] + [30]), torch.cat([features[0, :-1], out[-1:]]),
+                                     embedding, head)
+    assert torch.allclose(got_next, want_next[-1], atol=1e-4)
+    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12]], SamplingConfig(temperature=0.0)
+    want_tokens = autoregressive_generate(target, prompts, max_new_tokens=8, sampling=greedy).tokens
+    for options in (dict(verifier="block", gamma=3), dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic")):
+        assert speculative_generate(target, draft, prompts, max_new_tokens=8, sampling=greedy, **options).tokens == want_tokens
+
+
+def test_an_eagle1_head_missing_a_layer_norm_is_refused_by_name(tmp_path):
+    _eagle1_checkpoint(tmp_path / "head", drop="layers.1.input_layernorm.weight")
+    with pytest.raises(ValueError, match=r"not the EAGLE-1/2 layout: missing \['layers.1.input_layernorm.weight'\]"):
+        draft_from_name(str(tmp_path / "head"), _target())

@@ -1,7 +1,9 @@
-"""EAGLE-3 heads as their repository saves them: load, run in the engine, save the toolkit's own layout into theirs.
+"""EAGLE-1/2 and EAGLE-3 heads as their repository saves them: load, run in the engine, save.
 
-The format, read from SafeAILab/EAGLE at commit cb7e084 (Li et al. 2025, EAGLE-3, arXiv 2503.01840); our code,
-their facts:
+The formats, read from SafeAILab/EAGLE at commit cb7e084 (Li et al. 2024, EAGLE, arXiv 2401.15077; EAGLE-2, arXiv
+2406.16858, drafts with the same head; Li et al. 2025, EAGLE-3, arXiv 2503.01840); our code, their facts.
+
+EAGLE-3 (``eagle/model/cnets.py``):
 
 * a directory with ``config.json`` (a Llama config plus ``draft_vocab_size``, optionally ``target_hidden_size``;
   ``eagle/model/ea_model.py`` l. 118-123 reads it as ``EConfig``) and ``model.safetensors`` or ``pytorch_model.bin``
@@ -28,9 +30,22 @@ their facts:
   token (``input_ids[:, 1:]``, l. 683), so here the first prompt slot of each row (whose feature the engine gives as
   zeros) is masked out.
 
+EAGLE-1/2 (``eagle/model/cnets1.py``, the ``Model`` that ``ea_model.py`` l. 58-59 builds when ``use_eagle3`` is
+off):
+
+* the same directory (a Llama ``config.json``, whose ``bias`` key, default true, gives ``fc`` a bias:
+  ``ea_model.py`` l. 50-54) with tensors ``fc.weight [H, 2H]`` (+ ``fc.bias``), ``layers.{i}.*`` for
+  ``num_hidden_layers`` Llama decoder layers (``cnets1.py`` l. 392-470; layer 0 has no ``input_layernorm``, l. 399;
+  q/k/v biases iff the config has ``qkv_bias``, l. 209-217), optionally ``embed_tokens.weight``; no norm, no head;
+* features: the target's last hidden state after its final norm (``ea_model.py`` l. 191, ``outputs[0]``),
+  transformers' ``hidden_states[L]``;
+* one step (``cnets1.py`` l. 621-623): ``x = fc(cat(embed(token), f))``, the layers, and the target's own head reads
+  the output directly (``head(out_hidden)``, l. 702, 732): no final norm. Drafted slots read the output as ``f``;
+  the prompt's first token is dropped as in EAGLE-3 (l. 686).
+
 :class:`Eagle3Head` has :class:`~specresearch.drafts.feature.FeatureHead`'s drafting interface (``block``,
-``logits``, ``fuse_features``, ``layers``), so :class:`Eagle3Draft` is a ``FeatureDraft`` with its first slots masked.
-:func:`save_eagle3` writes an :class:`Eagle3Head` in the repository's layout. The toolkit's own trained head
+``logits``, ``fuse_features``, ``layers``), and so has :class:`Eagle1Head`: :class:`EagleDraft` is a ``FeatureDraft``
+with its first slots masked. :func:`save_eagle3` writes an :class:`Eagle3Head` in the repository's layout. The toolkit's own trained head
 (``drafts.feature.FeatureHead``) is another architecture (``fc`` over ``[g, embedding]`` with a bias, no
 ``hidden_norm``, attention over H), so it has no exact EAGLE-3 form: what the toolkit trains reaches other engines
 once the training loop trains an :class:`Eagle3Head` (docs/feature_drafts.md, "Published formats").
@@ -41,14 +56,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from specresearch.drafts.distilled import SubsetHead
-from specresearch.drafts.feature import _MLP, FeatureDraft, _RMSNorm, _rotate_half
+from specresearch.drafts.feature import _MLP, FeatureDraft, _DecoderLayer, _RMSNorm, _rotate_half
 
-__all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle3Draft", "is_eagle3_dir", "load_eagle3", "save_eagle3",
-           "eagle3_feature_layers"]
+__all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
+           "load_eagle3", "save_eagle3", "eagle3_feature_layers"]
 
 # tensor name -> (shape in terms of the config; H = hidden, T = target hidden, Q = heads * d, K = kv_heads * d,
 # I = intermediate, D = draft vocabulary, V = vocabulary)
@@ -121,6 +137,8 @@ class Eagle3Head(torch.nn.Module):
         embedding: ``[V, H]`` the checkpoint's own ``embed_tokens``, or None (the target's).
     """
 
+    format = "EAGLE-3"
+
     def __init__(self, target, config: dict, token_ids: torch.Tensor | None = None,
                  embedding: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -138,14 +156,7 @@ class Eagle3Head(torch.nn.Module):
         draft_vocab = int(config.get("draft_vocab_size") or self.vocab_size)
         ids = torch.arange(draft_vocab) if token_ids is None else token_ids
         self.subset_head = SubsetHead(torch.zeros(draft_vocab, H), ids, self.vocab_size)
-        base = float(config.get("rope_theta", 10000.0))
-        scaling = config.get("rope_scaling")
-        if scaling and scaling.get("type", scaling.get("rope_type")) != "linear":
-            raise ValueError(f"EAGLE-3 head: rope_scaling {scaling!r} is not one this loader applies (none or linear, "
-                             "as the EAGLE repository's cnets.py)")
-        self.position_scale = 1.0 / float(scaling["factor"]) if scaling else 1.0
-        d = H // heads
-        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, d, 2).float() / d), persistent=False)
+        self.position_scale = _register_rope(self, config, H // heads)
         self.embed_tokens = None
         if embedding is not None:
             self.embed_tokens = torch.nn.Embedding.from_pretrained(embedding.float(), freeze=True)
@@ -165,9 +176,7 @@ class Eagle3Head(torch.nn.Module):
         return [self.fc]
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = (positions.float() * self.position_scale)[..., None] * self.inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+        return _rope(self, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's outputs ``h [..., H]`` -> logits over the target vocabulary ``[..., V]`` (lowest value off the
@@ -201,11 +210,101 @@ class Eagle3Head(torch.nn.Module):
         return {name: value.detach().contiguous().clone() for name, value in tensors.items()}
 
 
-class Eagle3Draft(FeatureDraft):
-    """An :class:`Eagle3Head` behind the engine's interface: a ``FeatureDraft`` whose prompt's first slot in each row
-    is masked out (EAGLE drafts from token ``x_{j+1}`` with the feature of slot j; slot 0 has none)."""
+def _register_rope(module: torch.nn.Module, config: dict, head_dim: int) -> float:
+    """RoPE as the repository's heads apply it (``rope_theta``; ``rope_scaling`` none or linear, ``cnets.py`` l.
+    215-236): registers ``inv_freq``; returns the positions' scale."""
+    base = float(config.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("type", scaling.get("rope_type")) != "linear":
+        raise ValueError(f"EAGLE head: rope_scaling {scaling!r} is not one this loader applies (none or linear, as the "
+                         "EAGLE repository's heads)")
+    module.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+    return 1.0 / float(scaling["factor"]) if scaling else 1.0
 
-    format = "eagle3"
+
+def _rope(module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = (positions.float() * module.position_scale)[..., None] * module.inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class Eagle1Head(torch.nn.Module):
+    """An EAGLE-1/2 head over a transformers target (module docstring), with ``FeatureHead``'s drafting interface.
+
+    Args:
+        target: the transformers causal LM it drafts for (its head reads the output; its embedding is used when
+            ``embedding`` is None).
+        config: the head's ``config.json`` as a dict (Llama keys; ``bias``, ``qkv_bias``).
+        embedding: ``[V, H]`` the checkpoint's own ``embed_tokens``, or None (the target's).
+    """
+
+    format = "EAGLE-1/2"
+
+    def __init__(self, target, config: dict, embedding: torch.Tensor | None = None) -> None:
+        super().__init__()
+        text = target.config.get_text_config()
+        H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        self.config = dict(config)
+        self.hidden_size, self.vocab_size = H, int(target.get_output_embeddings().weight.shape[0])
+        self.feature_layers, self.feature_size = (text.num_hidden_layers,), H
+        self.fc = torch.nn.Linear(2 * H, H, bias=bool(config.get("bias", True)))
+        shape = SimpleNamespace(hidden_size=H, rms_norm_eps=float(config["rms_norm_eps"]), num_attention_heads=heads,
+                                head_dim=H // heads, num_key_value_heads=kv_heads, attention_bias=False,
+                                intermediate_size=int(config["intermediate_size"]), mlp_bias=False)
+        self.layers = torch.nn.ModuleList(_DecoderLayer(shape) for _ in range(int(config["num_hidden_layers"])))
+        self.layers[0].input_layernorm = torch.nn.Identity()
+        if config.get("qkv_bias"):
+            for layer in self.layers:
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    old = getattr(layer.self_attn, name)
+                    setattr(layer.self_attn, name, torch.nn.Linear(old.in_features, old.out_features, bias=True))
+        self.position_scale = _register_rope(self, config, H // heads)
+        self.embed_tokens = None
+        if embedding is not None:
+            self.embed_tokens = torch.nn.Embedding.from_pretrained(embedding.float(), freeze=True)
+        self._frozen = {"embedding": target.get_input_embeddings(), "head": target.get_output_embeddings()}
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+    def raw_input_layers(self) -> list[torch.nn.Module]:
+        return [self.fc]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rope(self, positions)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layers' outputs ``[..., H]`` -> the target's head on them ``[..., V]`` (no norm: module docstring)."""
+        head = self._frozen["head"]
+        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight.detach(),
+                                          None if head.bias is None else head.bias.detach()).float()
+
+    def support_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.logits(hidden), None
+
+    def block(self, inputs, tokens, positions, past, allowed):
+        """``FeatureHead.block``: ``x = fc(cat(embedding, inputs))`` through the layers -> (out ``[B, k, H]``, cache)."""
+        table = self.embed_tokens if self.embed_tokens is not None else self._frozen["embedding"]
+        with torch.no_grad():
+            embedding = table(tokens).to(inputs.dtype)
+        x = self.fc(torch.cat([embedding, inputs], dim=-1))
+        cos, sin = self.rope(positions)
+        new = []
+        for layer, layer_past in zip(self.layers, past):
+            x, kv = layer(x, cos, sin, layer_past, allowed)
+            new.append(kv)
+        return x, new
+
+
+class EagleDraft(FeatureDraft):
+    """An EAGLE head (:class:`Eagle3Head`, :class:`Eagle1Head`) behind the engine's interface: a ``FeatureDraft``
+    whose prompt's first slot in each row is masked out (EAGLE drafts from token ``x_{j+1}`` with the feature of slot
+    j; slot 0 has none). ``format``: which layout it was read from."""
+
+    @property
+    def format(self) -> str:
+        return self.head.format
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -217,14 +316,32 @@ class Eagle3Draft(FeatureDraft):
         return self.head.logits(self._append(input_ids, valid & ~first)[:, -1])
 
 
-def is_eagle3_dir(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds an EAGLE-3 head in the repository's layout (a config with ``draft_vocab_size``
-    and a weights file)."""
+def eagle_format(directory: str | os.PathLike) -> str | None:
+    """``"EAGLE-3"`` or ``"EAGLE-1/2"`` when ``directory`` holds such a head in the repository's layout (a
+    ``config.json`` and a weights file whose tensors carry the head's names: ``midlayer.*``, or ``layers.*`` beside
+    ``fc.weight``, with no ``model.`` prefix), else None."""
     directory = Path(directory)
-    config = directory / "config.json"
-    if not config.is_file() or not _weights_file(directory):
-        return False
-    return "draft_vocab_size" in json.loads(config.read_text())
+    weights = _weights_file(directory)
+    if not (directory / "config.json").is_file() or weights is None:
+        return None
+    names = _tensor_names(weights)
+    if any(n.startswith("midlayer.") for n in names):
+        return "EAGLE-3"
+    return "EAGLE-1/2" if {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= names else None
+
+
+def is_eagle3_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds an EAGLE-3 head in the repository's layout."""
+    return eagle_format(directory) == "EAGLE-3"
+
+
+def _tensor_names(path: Path) -> set[str]:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return set(f.keys())
+    return set(_read_tensors(path))
 
 
 def _weights_file(directory: Path) -> Path | None:
@@ -255,27 +372,19 @@ def _expected_shapes(config: dict, target_hidden: int, vocab: int) -> dict[str, 
     return {name: tuple(size(s) for s in shape) for name, shape in {**EAGLE3_TENSORS, **_OPTIONAL}.items()}
 
 
-def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagle3Draft:
+def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> EagleDraft:
     """An EAGLE-3 head saved in the repository's layout (module docstring) as a draft for ``target_lm`` (a
     ``CausalLM``); a missing, unknown or misshapen tensor is refused with its name and the shape expected."""
     directory = Path(directory)
     if not is_eagle3_dir(directory):
-        raise ValueError(f"{directory} is not an EAGLE-3 head: expected config.json with draft_vocab_size and "
-                         "model.safetensors or pytorch_model.bin (the SafeAILab/EAGLE layout)")
+        raise ValueError(f"{directory} is not an EAGLE-3 head: expected config.json and model.safetensors or "
+                         "pytorch_model.bin with fc.weight and midlayer.* (the SafeAILab/EAGLE layout)")
     config = json.loads((directory / "config.json").read_text())
     target = target_lm.model
     text = target.config.get_text_config()
     tensors = _read_tensors(_weights_file(directory))
     expected = _expected_shapes(config, text.hidden_size, int(target.get_output_embeddings().weight.shape[0]))
-    missing = sorted(set(EAGLE3_TENSORS) - set(tensors))
-    unknown = sorted(set(tensors) - set(expected))
-    if missing or unknown:
-        raise ValueError(f"{directory}: not the EAGLE-3 layout: missing {missing}, unknown {unknown} (expected the "
-                         f"tensors {sorted(EAGLE3_TENSORS)}, optionally d2t, t2d, embed_tokens.weight)")
-    for name, value in tensors.items():
-        if tuple(value.shape) != expected[name]:
-            raise ValueError(f"{directory}: tensor {name} has shape {tuple(value.shape)}, expected {expected[name]} "
-                             f"for this config and a target of hidden size {text.hidden_size}")
+    _check_tensors(directory, tensors, expected, set(_OPTIONAL), "EAGLE-3")
     draft_vocab = expected["lm_head.weight"][0]
     token_ids = None
     if "d2t" in tensors and draft_vocab != expected["t2d"][0]:
@@ -287,7 +396,65 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
         head.subset_head.weight.copy_(tensors["lm_head.weight"].float())
         head.layers[0].load_state_dict({k[len("midlayer."):]: v.float() for k, v in tensors.items()
                                         if k.startswith("midlayer.")}, strict=True)
-    return Eagle3Draft(head, max_context=target_lm.max_context, device=device or target_lm.device)
+    return EagleDraft(head, max_context=target_lm.max_context, device=device or target_lm.device)
+
+
+def _eagle1_shapes(config: dict, vocab: int) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(expected shape of every tensor name, the optional names) of an EAGLE-1/2 head (module docstring)."""
+    H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    d, kv, inter = H // heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"])
+    shapes = {"fc.weight": (H, 2 * H), "embed_tokens.weight": (vocab, H)}
+    if config.get("bias", True):
+        shapes["fc.bias"] = (H,)
+    for i in range(int(config["num_hidden_layers"])):
+        at = f"layers.{i}."
+        shapes |= {at + "self_attn.q_proj.weight": (heads * d, H), at + "self_attn.k_proj.weight": (kv * d, H),
+                   at + "self_attn.v_proj.weight": (kv * d, H), at + "self_attn.o_proj.weight": (H, heads * d),
+                   at + "post_attention_layernorm.weight": (H,), at + "mlp.gate_proj.weight": (inter, H),
+                   at + "mlp.up_proj.weight": (inter, H), at + "mlp.down_proj.weight": (H, inter)}
+        if i:
+            shapes[at + "input_layernorm.weight"] = (H,)
+        if config.get("qkv_bias"):
+            shapes |= {at + f"self_attn.{n}_proj.bias": (rows,) for n, rows in (("q", heads * d), ("k", kv * d),
+                                                                               ("v", kv * d))}
+    return shapes, {"embed_tokens.weight"}
+
+
+def _check_tensors(directory: Path, tensors: dict, expected: dict, optional: set[str], what: str) -> None:
+    """Refuse a missing, unknown or misshapen tensor by name."""
+    missing, unknown = sorted(set(expected) - optional - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"{directory}: not the {what} layout: missing {missing}, unknown {unknown} (expected "
+                         f"{len(expected) - len(optional)} tensors such as {sorted(set(expected) - optional)[:4]})")
+    for name, value in tensors.items():
+        if tuple(value.shape) != expected[name]:
+            raise ValueError(f"{directory}: tensor {name} has shape {tuple(value.shape)}, expected {expected[name]} "
+                             f"for this config and target")
+
+
+def load_eagle(target_lm, directory: str | os.PathLike, *, device=None) -> EagleDraft:
+    """An EAGLE-1/2 or EAGLE-3 head in the repository's layout (:func:`eagle_format`) as a draft for ``target_lm``."""
+    kind = eagle_format(directory)
+    if kind == "EAGLE-3":
+        return load_eagle3(target_lm, directory, device=device)
+    if kind is None:
+        raise ValueError(f"{directory} is not an EAGLE head: expected config.json and model.safetensors or "
+                         "pytorch_model.bin with fc.weight and midlayer.* (EAGLE-3) or layers.* (EAGLE-1/2)")
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    target = target_lm.model
+    if int(config["hidden_size"]) != target.config.get_text_config().hidden_size:
+        raise ValueError(f"{directory}: an EAGLE-1/2 head of hidden size {config['hidden_size']} cannot read a target "
+                         f"of hidden size {target.config.get_text_config().hidden_size}")
+    tensors = _read_tensors(_weights_file(directory))
+    expected, optional = _eagle1_shapes(config, int(target.get_output_embeddings().weight.shape[0]))
+    _check_tensors(directory, tensors, expected, optional, "EAGLE-1/2")
+    head = Eagle1Head(target, config, tensors.get("embed_tokens.weight"))
+    state = {k: v.float() for k, v in tensors.items() if k != "embed_tokens.weight"}
+    head.load_state_dict(state, strict=False)
+    loaded = set(head.state_dict()) - {"embed_tokens.weight"}
+    assert loaded == set(state), (loaded ^ set(state))
+    return EagleDraft(head, max_context=target_lm.max_context, device=device or target_lm.device)
 
 
 def save_eagle3(head: Eagle3Head, directory: str | os.PathLike, *, safetensors: bool = True) -> Path:
