@@ -266,3 +266,81 @@ def test_an_eagle1_head_missing_a_layer_norm_is_refused_by_name(tmp_path):
     _eagle1_checkpoint(tmp_path / "head", drop="layers.1.input_layernorm.weight")
     with pytest.raises(ValueError, match=r"not the EAGLE-1/2 layout: missing \['layers.1.input_layernorm.weight'\]"):
         draft_from_name(str(tmp_path / "head"), _target())
+
+
+MEDUSA_HEADS, MEDUSA_LAYERS = 3, 2
+
+
+def _medusa_checkpoint(directory, *, seed=0, safetensors=False, break_repeat=False):
+    """Random Medusa heads in the repository's layout (one ResBlock repeated MEDUSA_LAYERS times per head)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for k in range(MEDUSA_HEADS):
+        weight, bias = torch.randn(H, H, generator=g) / math.sqrt(H), 0.1 * torch.randn(H, generator=g)
+        for j in range(MEDUSA_LAYERS):
+            tensors[f"{k}.{j}.linear.weight"], tensors[f"{k}.{j}.linear.bias"] = weight.clone(), bias.clone()
+        tensors[f"{k}.{MEDUSA_LAYERS}.weight"] = torch.randn(VOCAB, H, generator=g) / math.sqrt(H)
+    if break_repeat:
+        tensors["1.1.linear.bias"] += 1
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"medusa_num_heads": MEDUSA_HEADS, "medusa_num_layers": MEDUSA_LAYERS,
+                                                       "base_model_name_or_path": "tiny-llama"}))
+    if safetensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, directory / "medusa_lm_head.safetensors")
+    else:
+        torch.save(tensors, directory / "medusa_lm_head.pt")
+    return tensors
+
+
+def _medusa_reference(t, k, hidden):
+    """Head k from the format's definition: the head's ResBlock MEDUSA_LAYERS times, then its output layer."""
+    x = hidden
+    for j in range(MEDUSA_LAYERS):
+        x = x + torch.nn.functional.silu(x @ t[f"{k}.{j}.linear.weight"].T + t[f"{k}.{j}.linear.bias"])
+    return (x @ t[f"{k}.{MEDUSA_LAYERS}.weight"].T).log_softmax(-1)
+
+
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_medusa_heads_follow_the_formats_definition(tmp_path, safetensors):
+    from specresearch.drafts.medusa import MedusaDraft
+
+    target = _target()
+    tensors = _medusa_checkpoint(tmp_path / "medusa", safetensors=safetensors)
+    assert draft_format(tmp_path / "medusa").startswith("Medusa heads")
+    draft = draft_from_name(str(tmp_path / "medusa"), target)
+    assert isinstance(draft, MedusaDraft) and draft.feature_layers == (LAYERS,) and draft.plan_length(8) == MEDUSA_HEADS
+    prompt = [5, 9, 3, 17, 22, 8, 41]
+    ids = torch.tensor([prompt])
+    _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)  # [1, 7, H]
+    draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1))
+    got = draft.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0]
+    # the slot of x_6 reads the feature of slot 5: head 0 guesses x_7 (the target's own head gives x_6 there)
+    assert torch.allclose(got, _medusa_reference(tensors, 0, features[0, -2]), atol=1e-5)
+    for depth in (1, 2):  # drafted slots: head `depth` on the same feature
+        got = draft.score(torch.tensor([[30 + depth]])).log_softmax(-1)[0, 0]
+        assert torch.allclose(got, _medusa_reference(tensors, depth, features[0, -2]), atol=1e-5)
+    with pytest.raises(ValueError, match="Medusa has 3 heads: it drafts at most 3 tokens"):
+        draft.score(torch.tensor([[40]]))
+
+
+def test_medusa_runs_chains_and_trees_exactly_and_losslessly(tmp_path):
+    target = _target()
+    _medusa_checkpoint(tmp_path / "medusa")
+    draft = draft_from_name(str(tmp_path / "medusa"), target)
+    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12]], SamplingConfig(temperature=0.0)
+    want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=greedy).tokens
+    for options in (dict(verifier="block", gamma=5), dict(verifier="traversal", num_drafts=2, gamma=3),
+                    dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")):
+        assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=greedy, **options).tokens == want
+    # T = 1: 6,000 samples of the first 3 tokens; the exact Bonferroni test's false-positive rate is <= 1e-6
+    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
+                           max_new_tokens=4, num_samples=6_000, seed=4, batch_size=3_000)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
+def test_medusa_heads_that_do_not_repeat_their_block_are_refused(tmp_path):
+    _medusa_checkpoint(tmp_path / "medusa", break_repeat=True)
+    with pytest.raises(ValueError, match=r"tensor 1.1.linear.bias differs from 1.0.linear.bias: Medusa repeats one"):
+        draft_from_name(str(tmp_path / "medusa"), _target())

@@ -19,7 +19,7 @@ from specresearch.models.embedded import load_embedded
 from specresearch.models.kernels import choose_kernel_rows, use_half_weights, use_int8_weights, use_kernel_rows
 from specresearch.models.protocols import check_same_tokenizer
 
-__all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE1_FORMAT", "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
+__all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE1_FORMAT", "MEDUSA_FORMAT", "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
            "INT8_PREFIX", "without_weight_prefix", "with_weight_storage", "load_pair", "weights_digests"]
 
 
@@ -65,8 +65,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     where the context matches, draft ``<name>`` elsewhere; see :func:`combined_draft` for its ``@`` options),
     ``"truncated:N"`` (first N target layers), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
     ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
-    draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write), an EAGLE-1/2 or EAGLE-3 head saved as
-    its repository saves it (``drafts.eagle``), or a model path (:func:`draft_format` names the layout it finds);
+    draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write), an EAGLE-1/2 or EAGLE-3
+    head or Medusa heads saved as their repositories save them (``drafts.eagle``, ``drafts.medusa``), or a model path (:func:`draft_format` names the layout it finds);
     ``"fp16:<name>"``: draft ``<name>`` with float16 weights (:func:`half_weight_draft`); ``"int8:<name>"``: with
     int8 weights and a scale per output row (:func:`int8_weight_draft`).
 
@@ -84,10 +84,15 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
     trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
-    if trained.is_dir() and draft_format(trained) in (EAGLE3_FORMAT, EAGLE1_FORMAT):
+    layout = draft_format(trained) if trained.is_dir() else None
+    if layout in (EAGLE3_FORMAT, EAGLE1_FORMAT):
         from specresearch.drafts.eagle import load_eagle  # imports drafts.feature, which imports this module
 
         return load_eagle(target, trained)
+    if layout == MEDUSA_FORMAT:
+        from specresearch.drafts.medusa import load_medusa
+
+        return load_medusa(target, trained)
     if manifest_path(trained).exists():
         from specresearch.drafts.feature import (  # imports this module
             is_feature_draft_dir,
@@ -106,14 +111,15 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 
 EAGLE3_FORMAT = "EAGLE-3 head (the SafeAILab/EAGLE layout: fc, midlayer.*, norm, lm_head, d2t / t2d)"
 EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the target's head reads it)"
-_FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE1_FORMAT,
+MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
+_FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE1_FORMAT, MEDUSA_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
 
 
 def draft_format(directory) -> str:
     """Which published layout the draft ``directory`` holds, in words: a draft the toolkit trained (its manifest), an
-    EAGLE-1/2 or EAGLE-3 head as its repository saves it (``drafts.eagle``), or a transformers causal LM (an assistant model
-    sharing the target's tokenizer); ``ValueError`` in one line naming the layouts expected otherwise."""
+    EAGLE-1/2 or EAGLE-3 head or Medusa heads as their repositories save them (``drafts.eagle``, ``drafts.medusa``),
+    or a transformers causal LM (an assistant model sharing the target's tokenizer); ``ValueError`` in one line naming the layouts expected otherwise."""
     import json
 
     directory = Path(directory)
@@ -125,6 +131,10 @@ def draft_format(directory) -> str:
     kind = eagle_format(directory)
     if kind is not None:
         return EAGLE3_FORMAT if kind == "EAGLE-3" else EAGLE1_FORMAT
+    from specresearch.drafts.medusa import is_medusa_dir
+
+    if is_medusa_dir(directory):
+        return MEDUSA_FORMAT
     config = directory / "config.json"
     weights = any(directory.glob("*.safetensors")) or any(directory.glob("*.bin"))
     if config.is_file() and "model_type" in json.loads(config.read_text()) and weights:
