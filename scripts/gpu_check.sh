@@ -8,7 +8,8 @@
 # Runs from a copy of the repository's code and tests (specresearch/, tests/, scripts/, benchmarks/, data/; the package
 # is put on PYTHONPATH, nothing is installed). PYTHON picks the interpreter (default python3). The parts:
 #   tests:  the tests marked `cuda` (tests/test_devices.py: greedy equality and the statistical losslessness test on
-#           CUDA for every draft kind built from a config, a CPU generator with GPU probabilities), and the engine's
+#           CUDA for every draft kind built from a config, a CPU generator with GPU probabilities; tests/test_families.py:
+#           the family x kernel matrix on CUDA, flash-attn's kernel included where installed), and the engine's
 #           tests on the CPU of that machine (tests/test_rows_end_early.py, tests/test_host_reads.py);
 #   timing: scripts/gpu_bench.py: verifier timings at B = 32, the engine's overhead and host reads per step, the
 #           device's cost curve with chains against trees, and a masked call with transformers' attention against the
@@ -67,6 +68,7 @@ for part in $PARTS; do
     case "$part" in
     tests)
         run cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py --junitxml "$OUT/cuda_tests.xml"
+        run family_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_families.py --junitxml "$OUT/family_tests.xml"
         run engine_tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_rows_end_early.py tests/test_host_reads.py ;;
     timing)
         run gpu_bench 120 "$PY" scripts/gpu_bench.py --out "$OUT" ;;

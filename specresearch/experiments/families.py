@@ -2,8 +2,9 @@
 
 One case builds a tiny random-weight model of a family (``models.families``) with an attention kernel, a draft close
 to it (the same weights with 10% noise: drafts are often accepted, so rows roll back different counts), and runs
-three left-padded prompts (2-9 tokens; the windowed families' window is 6) through the engine at temperature 0 with a
-chain, a sampled tree or a dynamic tree. The reference is transformers' ``generate(do_sample=False)`` of the same model
+three left-padded prompts (2-9 tokens; the windowed families' window is 6) through the engine at temperature 0 with
+every step kind the engine has (``STEPS``: block and token chains, the five sampled-tree rules, EAGLE-2's dynamic and
+static trees). The reference is transformers' ``generate(do_sample=False)`` of the same model
 on each prompt alone; an EOS token that ends a row early is taken from that reference. ``tests/test_families.py``
 asserts every case; ``benchmarks/family_matrix.py`` writes the table of docs/engine_and_models.md from the same cases.
 
@@ -29,7 +30,7 @@ from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import FAMILIES, perturbed_copy, tiny_family_model
 from specresearch.models.kernels import use_packed_sdpa
 
-__all__ = ["KERNELS", "STEPS", "PROMPTS", "CaseResult", "run_case", "reference_tokens", "family_wrapper"]
+__all__ = ["KERNELS", "CUDA_KERNELS", "STEPS", "PROMPTS", "CaseResult", "run_case", "reference_tokens", "family_wrapper"]
 
 PROMPTS = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12, 13, 14], [20, 21]]
 NEW_TOKENS = 12
@@ -44,11 +45,22 @@ KERNELS: dict[str, tuple[str, str, str]] = {
     "flash_attention_2": ("eager", "flash", "a model whose config names flash_attention_2 (set on the CPU, where "
                                             "flash-attn cannot run): what the wrapper does with it"),
 }
-# step name -> speculative_generate options (gamma 3; trees of 3 paths)
+# kernels only a CUDA machine loads (flash-attn installed): the wrapper switches them, tests/test_families.py checks it
+CUDA_KERNELS: dict[str, tuple[str, str, str]] = {
+    "flash_attention_2 (loaded)": ("flash_attention_2", "default", "built with flash-attn's kernel on CUDA"),
+}
+# step name -> speculative_generate options (gamma 3; trees of 3 paths): every verifier and draft law of the engine
 STEPS: dict[str, dict] = {
     "chain": dict(verifier="block", gamma=3),
+    "token chain": dict(verifier="token", gamma=3),
     "sampled tree": dict(verifier="traversal", num_drafts=3, gamma=3),
+    "rrs tree": dict(verifier="rrs", num_drafts=3, gamma=3),
+    "rrs w/o replacement": dict(verifier="rrs_without_replacement", num_drafts=3, gamma=3,
+                                draft_law="without_replacement"),
+    "kseq": dict(verifier="kseq", num_drafts=3, gamma=1),
+    "gbv tree": dict(verifier="gbv", num_drafts=3, gamma=3),
     "dynamic tree": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic"),
+    "static tree": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="static"),
 }
 
 
@@ -71,19 +83,19 @@ def reference_tokens(model, prompts=PROMPTS, max_new_tokens: int = NEW_TOKENS) -
     """transformers' ``generate(do_sample=False)`` of each prompt alone, ``max_new_tokens`` tokens, no EOS."""
     rows = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=model.config.pad_token_id)
         rows.append(out[0, len(prompt):].tolist())
     return rows
 
 
-def family_wrapper(model, how: str) -> CausalLM:
-    """``model`` behind ``CausalLM`` as the kernel entry ``how`` says (``KERNELS``)."""
+def family_wrapper(model, how: str, device: str = "cpu") -> CausalLM:
+    """``model`` behind ``CausalLM`` on ``device`` as the kernel entry ``how`` says (``KERNELS``)."""
     if how == "flash":
         model.config._attn_implementation = "flash_attention_2"
-        return CausalLM(model, device="cpu")
-    wrapped = CausalLM(model, device="cpu", skinny_linear=False if how in ("plain", "packed") else None)
+        return CausalLM(model, device=device)
+    wrapped = CausalLM(model, device=device, skinny_linear=False if how in ("plain", "packed") else None)
     if how == "packed":
         assert use_packed_sdpa(wrapped.model)
     return wrapped
@@ -94,26 +106,27 @@ def _eos(reference: list[list[int]]) -> int:
     return reference[1][4]
 
 
-def run_case(family: str, kernel: str, step: str) -> CaseResult:
-    """One case of the matrix (module docstring)."""
-    implementation, how, _ = KERNELS[kernel]
+def run_case(family: str, kernel: str, step: str, device: str = "cpu") -> CaseResult:
+    """One case of the matrix (module docstring), its models on ``device``."""
+    implementation, how, _ = {**KERNELS, **CUDA_KERNELS}[kernel]
     try:
-        model = tiny_family_model(family, implementation)
-    except ValueError as error:  # transformers: this family has no such kernel
+        model = tiny_family_model(family, implementation).to(device)
+    except (ValueError, ImportError) as error:  # transformers: this family (or machine) has no such kernel
         return CaseResult(family, kernel, step, "not offered", detail=str(error).split(". ")[0])
-    # flex_attention's compiled kernel takes a minute a shape on the CPU, and the wrapper runs another kernel anyway:
-    # its reference is the same weights under eager attention
-    reference = reference_tokens(model if implementation != "flex_attention" else tiny_family_model(family, "eager"))
+    # flex_attention's compiled kernel takes a minute a shape on the CPU, flash-attn takes no float32, and the wrapper
+    # runs another kernel for both anyway: their reference is the same weights under eager attention
+    switched = implementation in ("flex_attention", "flash_attention_2")
+    reference = reference_tokens((tiny_family_model(family, "eager") if switched else model).to(device))
     eos = _eos(reference)
     draft_model = perturbed_copy(model)
     expected = [row[: row.index(eos) + 1] if eos in row else row for row in reference]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            target = family_wrapper(model, how)
+            target = family_wrapper(model, how, device)
         except ValueError as error:
             return CaseResult(family, kernel, step, "refused", detail=str(error))
-        draft = CausalLM(draft_model, device="cpu")
+        draft = CausalLM(draft_model, device=device)
     switched = [str(w.message) for w in caught if "switched to" in str(w.message)]
     try:
         result = speculative_generate(target, draft, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
@@ -151,8 +164,7 @@ def _cell(rows: list[dict]) -> str:
 
 def matrix_table(rows: list[dict]) -> str:
     """The markdown table of a matrix record's ``rows`` (``CaseResult`` fields): a row per family, a column per
-    kernel; a cell says what all three steps (chain, sampled tree, dynamic tree) gave, or each step's where they
-    differ."""
+    kernel; a cell says what every step kind gave, or each step's where they differ."""
     families = list(dict.fromkeys(row["family"] for row in rows))
     kernels = list(dict.fromkeys(row["kernel"] for row in rows))
     lines = ["| family | " + " | ".join(f"`{k}`" for k in kernels) + " |", "|---" * (len(kernels) + 1) + "|"]
