@@ -42,3 +42,12 @@ def markov_toy(seed: int, vocab: int = 6):
 
     model = exact.random_rational_model(vocab, random.Random(seed), depth=1, zero_prob=0.2)
     return ToyLM(torch.tensor([[float(p) for p in model((t,))] for t in range(vocab)], dtype=torch.float64).log())
+
+
+class ToyChatTokenizer:
+    """Chat-templates a turn into ids 2..31 of a 32-token vocabulary (one id a character), EOS 1."""
+
+    eos_token_id = 1
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        return [2 + ord(c) % 30 for c in messages[0]["content"]]

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from helpers import feature_head
+from helpers import ToyChatTokenizer, feature_head
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.feature import FeatureDraft, FeatureHead, FeatureHeadConfig
@@ -280,7 +280,8 @@ def test_bf16_autocast_training_reduces_the_loss_keeps_float32_state_and_resumes
     older = dataclasses.asdict(config)
     del older["bf16_autocast"]
     unkeyed = {k: v for k, v in older.items() if k != "tv_loss_weight"}  # the key of runs before either field existed
-    blob = json.dumps([dataclasses.asdict(head_config), unkeyed, "k", 2], sort_keys=True)
+    older_head = {k: v for k, v in dataclasses.asdict(head_config).items() if k != "architecture"}  # nor this one
+    blob = json.dumps([older_head, unkeyed, "k", 2], sort_keys=True)
     assert fd._run_key(head_config, config, "k", 2) == f"t-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
     payload = torch.load(tmp_path / "fp32" / "checkpoint.pt", weights_only=True)
     payload["config"] = older
@@ -353,15 +354,6 @@ def test_a_feature_corpus_is_the_same_data_for_a_distilled_lm(tmp_path):
             assert 0 < kept < chunk.num_generated_tokens
 
 
-class _ToyChatTokenizer:
-    """Chat-templates a turn into ids 2..31 of a 32-token vocabulary (one id a character), EOS 1."""
-
-    eos_token_id = 1
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
-        return [2 + ord(c) % 30 for c in messages[0]["content"]]
-
-
 def test_feature_distillation_end_to_end_and_continued_on_later_chunks(tmp_path, monkeypatch):
     """``run_feature_distillation`` on a tiny target: corpus -> training -> measurement -> saved head and
     manifest. A second run continues that head (``init_from``) on chunks 2-3 only: chunks 0-1 are not
@@ -375,7 +367,7 @@ def test_feature_distillation_end_to_end_and_continued_on_later_chunks(tmp_path,
     from specresearch.training.feature_corpus import FeatureCorpusConfig
 
     monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
-    small, tokenizer = tiny_llama(32, seed=4, init_std=0.8, num_layers=2), _ToyChatTokenizer()
+    small, tokenizer = tiny_llama(32, seed=4, init_std=0.8, num_layers=2), ToyChatTokenizer()
     g = torch.Generator().manual_seed(5)
     for name, count in (("corpus.jsonl", 16), ("heldout.jsonl", 4)):
         rows = [{"id": f"{name}-{i}", "category": "c", "turns": ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (5,), generator=g))]}

@@ -344,3 +344,44 @@ def test_medusa_heads_that_do_not_repeat_their_block_are_refused(tmp_path):
     _medusa_checkpoint(tmp_path / "medusa", break_repeat=True)
     with pytest.raises(ValueError, match=r"tensor 1.1.linear.bias differs from 1.0.linear.bias: Medusa repeats one"):
         draft_from_name(str(tmp_path / "medusa"), _target())
+
+
+def test_the_toolkit_trains_an_eagle3_head_and_saves_it_in_the_repositorys_layout(tmp_path, monkeypatch):
+    """``feature-distill`` with ``architecture="eagle3"``: corpus -> training (the loss falls) -> the toolkit's manifest;
+    ``save_eagle3`` writes it in the EAGLE layout, and ``load_eagle3`` reads back a draft with the same logits."""
+    from helpers import ToyChatTokenizer
+
+    import specresearch.training.feature_distill as fd
+    from specresearch.drafts.eagle import Eagle3Head
+    from specresearch.drafts.feature import FeatureHeadConfig, load_feature_draft, load_feature_head
+    from specresearch.training.feature_corpus import FeatureCorpusConfig
+
+    monkeypatch.setenv("SPECRESEARCH_CACHE", str(tmp_path / "cache"))
+    target = tiny_llama(32, seed=4, init_std=0.8, num_layers=2)
+    g = torch.Generator().manual_seed(5)
+    for name, count in (("corpus.jsonl", 8), ("heldout.jsonl", 2)):
+        rows = [{"id": f"{name}-{i}", "category": "c",
+                 "turns": ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (5,), generator=g))]}
+                for i in range(count)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = FeatureHeadConfig("e3", feature_layers=(0, 1, 2), init_layer=None, head_tokens=16, train_head=True,
+                               architecture="eagle3")
+    manifest = fd.run_feature_distillation(
+        target, ToyChatTokenizer(), config,
+        fd.FeatureTrainConfig(steps=20, batch_size=4, lr=3e-3, warmup_steps=2, rollout=2, feature_loss_weight=0.0),
+        FeatureCorpusConfig(store_layers=(0, 1, -1), chunk_prompts=4, max_new_tokens=8, batch_size=4, teacher_top_k=8),
+        prompts_path=tmp_path / "corpus.jsonl", heldout_path=tmp_path / "heldout.jsonl", chunks=2,
+        out_dir=tmp_path / "trained", heldout_prompts=2, measure_tokens=6, depths=2, progress=False)
+    curve = manifest["training"]["loss_curve"]
+    assert manifest["finished"] and sum(curve[-5:]) < sum(curve[:5])
+    head = load_feature_head(target.model, tmp_path / "trained")
+    assert isinstance(head, Eagle3Head) and head.feature_layers == (0, 1, 2)
+    save_eagle3(head, tmp_path / "exported")
+    ours, theirs = load_feature_draft(target, tmp_path / "trained"), load_eagle3(target, tmp_path / "exported")
+    assert isinstance(ours, EagleDraft)
+    features, ids = torch.randn(1, 5, ours.feature_size), torch.tensor([[3, 4, 5, 6, 7]])
+    outs = []
+    for draft in (ours, theirs):
+        draft.observe(features)
+        outs.append(torch.cat([draft.prefill(ids, torch.ones_like(ids))[:, None], draft.score(torch.tensor([[9]]))], 1))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)

@@ -61,7 +61,7 @@ from types import SimpleNamespace
 import torch
 
 from specresearch.drafts.distilled import SubsetHead
-from specresearch.drafts.feature import _MLP, FeatureDraft, _DecoderLayer, _RMSNorm, _rotate_half
+from specresearch.drafts.feature_draft import MLP, DecoderLayer, FeatureDraft, RMSNorm, rollout, rope_base, rotate_half
 
 __all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
            "load_eagle3", "save_eagle3", "eagle3_feature_layers"]
@@ -99,13 +99,13 @@ class _Eagle3Layer(torch.nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.hidden_norm, self.input_layernorm = _RMSNorm(hidden, eps), _RMSNorm(hidden, eps)
-        self.post_attention_layernorm = _RMSNorm(hidden, eps)
+        self.hidden_norm, self.input_layernorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.self_attn = torch.nn.Module()
         for name, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
             setattr(self.self_attn, name, torch.nn.Linear(2 * hidden, rows * self.head_dim, bias=False))
         self.self_attn.o_proj = torch.nn.Linear(heads * self.head_dim, hidden, bias=False)
-        self.mlp = _MLP(hidden, intermediate, bias=False)
+        self.mlp = MLP(hidden, intermediate, bias=False)
 
     def forward(self, g, embedding, cos, sin, past, allowed):
         """``g, embedding [B, k, H]``; ``past``: earlier (keys, values) ``[B, kv, S, d]`` or None; ``allowed [B, k,
@@ -117,7 +117,7 @@ class _Eagle3Layer(torch.nn.Module):
         keys = attn.k_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
         values = attn.v_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
-        q, keys = q * cos + _rotate_half(q) * sin, keys * cos + _rotate_half(keys) * sin
+        q, keys = q * cos + rotate_half(q) * sin, keys * cos + rotate_half(keys) * sin
         if past is not None:
             keys, values = torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
@@ -145,14 +145,16 @@ class Eagle3Head(torch.nn.Module):
         text = target.config.get_text_config()
         H, T = int(config["hidden_size"]), int(config.get("target_hidden_size") or text.hidden_size)
         heads = int(config["num_attention_heads"])
-        self.config = dict(config)
+        self.eagle_config = dict(config)
+        self.config = None  # the FeatureHeadConfig of a head the toolkit trains (from_feature_config)
         self.hidden_size, self.vocab_size = H, int(target.get_output_embeddings().weight.shape[0])
+        self.num_hidden_states = text.num_hidden_layers + 1
         self.feature_layers = eagle3_feature_layers(config, text.num_hidden_layers)
         self.feature_size = len(self.feature_layers) * T
         self.fc = torch.nn.Linear(self.feature_size, H, bias=False)
         self.layers = torch.nn.ModuleList([_Eagle3Layer(H, heads, int(config.get("num_key_value_heads") or heads),
                                                         int(config["intermediate_size"]), float(config["rms_norm_eps"]))])
-        self.norm = _RMSNorm(H, float(config["rms_norm_eps"]))
+        self.norm = RMSNorm(H, float(config["rms_norm_eps"]))
         draft_vocab = int(config.get("draft_vocab_size") or self.vocab_size)
         ids = torch.arange(draft_vocab) if token_ids is None else token_ids
         self.subset_head = SubsetHead(torch.zeros(draft_vocab, H), ids, self.vocab_size)
@@ -161,6 +163,32 @@ class Eagle3Head(torch.nn.Module):
         if embedding is not None:
             self.embed_tokens = torch.nn.Embedding.from_pretrained(embedding.float(), freeze=True)
         self._frozen = {"embedding": target.get_input_embeddings()}
+
+    @classmethod
+    def from_feature_config(cls, target, config, head_token_ids: torch.Tensor, seed: int = 0) -> "Eagle3Head":
+        """A new head for the toolkit to train (``FeatureHeadConfig`` with ``architecture="eagle3"``): EAGLE-3's shape
+        over the target's sizes, reading ``config.feature_layers``, its draft vocabulary ``head_token_ids`` read out by
+        the target's rows (trained), the layer and ``fc`` seeded at random (``nn.Linear``'s initialisation), norms 1."""
+        text = target.config.get_text_config()
+        layers = tuple(i % (text.num_hidden_layers + 1) for i in config.feature_layers)
+        eagle = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": text.hidden_size,
+                 "intermediate_size": text.intermediate_size, "num_attention_heads": text.num_attention_heads,
+                 "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+                 "num_hidden_layers": 1, "rms_norm_eps": text.rms_norm_eps, "rope_theta": rope_base(text),
+                 "vocab_size": int(target.get_output_embeddings().weight.shape[0]),
+                 "draft_vocab_size": len(head_token_ids), "eagle_aux_hidden_state_layer_ids": list(layers)}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            head = cls(target, eagle, torch.as_tensor(head_token_ids, dtype=torch.long))
+        with torch.no_grad():
+            rows = target.get_output_embeddings().weight.detach()[head.subset_head.token_ids]
+            head.subset_head.weight.copy_(rows.float())
+        head.config = config
+        return head
+
+    def rollout(self, features, tokens, attention_mask, passes: int, feature_noise: float = 0.0, generator=None):
+        """``drafts.feature.rollout`` (EAGLE-3's training-time test): each pass reads the layer's own outputs."""
+        return rollout(self, features, tokens, attention_mask, passes, feature_noise, generator)
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -252,7 +280,7 @@ class Eagle1Head(torch.nn.Module):
         shape = SimpleNamespace(hidden_size=H, rms_norm_eps=float(config["rms_norm_eps"]), num_attention_heads=heads,
                                 head_dim=H // heads, num_key_value_heads=kv_heads, attention_bias=False,
                                 intermediate_size=int(config["intermediate_size"]), mlp_bias=False)
-        self.layers = torch.nn.ModuleList(_DecoderLayer(shape) for _ in range(int(config["num_hidden_layers"])))
+        self.layers = torch.nn.ModuleList(DecoderLayer(shape) for _ in range(int(config["num_hidden_layers"])))
         self.layers[0].input_layernorm = torch.nn.Identity()
         if config.get("qkv_bias"):
             for layer in self.layers:
@@ -462,7 +490,7 @@ def save_eagle3(head: Eagle3Head, directory: str | os.PathLike, *, safetensors: 
     ``pytorch_model.bin``), what ``load_eagle3`` and the engines that load EAGLE-3 heads read."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = {**head.config, "draft_vocab_size": len(head.subset_head.token_ids)}
+    config = {**head.eagle_config, "draft_vocab_size": len(head.subset_head.token_ids)}
     config.setdefault("architectures", ["LlamaForCausalLMEagle3"])
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = head.state_dict_eagle3()

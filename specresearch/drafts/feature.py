@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from specresearch.checks import check_field, named_preset
 from specresearch.drafts.distilled import SubsetHead
+from specresearch.drafts.feature_draft import DecoderLayer, FeatureDraft, RMSNorm, rollout, rope_base
 from specresearch.drafts.store import (
     _STORAGE_DTYPES,
     drafts_dir,
@@ -48,19 +49,13 @@ from specresearch.drafts.store import (
     weights_path,
     write_manifest,
 )
-from specresearch.models.causal_lm import SlotMask, check_prompt
-from specresearch.models.kernels import (
-    SKINNY_ROWS,
-    choose_kernel_rows,
-    choose_skinny_rows,
-    use_kernel_rows,
-    use_skinny_linears,
-)
 
 __all__ = [
     "FeatureHeadConfig",
     "FEATURE_PRESETS",
     "FeatureHead",
+    "build_feature_head",
+    "rollout",
     "FeatureDraft",
     "save_feature_head",
     "load_feature_head",
@@ -92,6 +87,9 @@ class FeatureHeadConfig:
         feature_loss_weight, rollout, feature_noise: training settings stored with the head
             (``feature_distill`` explains them).
         storage_dtype: dtype of the shipped tensors.
+        architecture: ``"specresearch"`` (:class:`FeatureHead`) or ``"eagle3"`` (``drafts.eagle.Eagle3Head``: EAGLE-3's
+            own layer, one of them, over a trained ``head_tokens`` vocabulary; what ``drafts.eagle.save_eagle3`` writes
+            in the EAGLE repository's layout for other engines).
     """
 
     name: str
@@ -101,6 +99,7 @@ class FeatureHeadConfig:
     head_tokens: int | None = None
     train_head: bool = False
     storage_dtype: str = "bfloat16"
+    architecture: str = "specresearch"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
@@ -112,6 +111,10 @@ class FeatureHeadConfig:
                     f"must be None or an int >= 1, got {self.head_tokens!r}")
         check_field(not self.train_head or self.head_tokens is not None, "train_head", "needs head_tokens (the full head stays the target's)")
         check_field(self.storage_dtype in _STORAGE_DTYPES, "storage_dtype", f"must be one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        check_field(self.architecture in ("specresearch", "eagle3"), "architecture",
+                    f"must be 'specresearch' or 'eagle3', got {self.architecture!r}")
+        check_field(self.architecture != "eagle3" or (self.num_layers == 1 and self.train_head), "architecture",
+                    "'eagle3' is one layer with a trained head over head_tokens (num_layers=1, train_head=True)")
 
     @classmethod
     def from_name(cls, name: str) -> "FeatureHeadConfig":
@@ -125,91 +128,12 @@ FEATURE_PRESETS = {
     "eagle1-v8k": FeatureHeadConfig("eagle1-v8k", feature_layers=(-1,), head_tokens=8192, train_head=True),
     # EAGLE-3-style fused low / middle / high features + the final one, 8192-token trained head.
     "eagle3-v8k": FeatureHeadConfig("eagle3-v8k", feature_layers=(4, 15, 26, -1), head_tokens=8192, train_head=True),
+    # EAGLE-3's own architecture over the corpus's low / middle / high features: what save_eagle3 exports.
+    "eagle3-native-v8k": FeatureHeadConfig("eagle3-native-v8k", feature_layers=(4, 15, 26), init_layer=None,
+                                           head_tokens=8192, train_head=True, architecture="eagle3"),
     # The same with two decoder layers (both copies of the target's last): the capacity lever.
     "eagle3-v8k-2l": FeatureHeadConfig("eagle3-v8k-2l", feature_layers=(4, 15, 26, -1), num_layers=2, head_tokens=8192, train_head=True),
 }
-
-
-# --------------------------------------------------------------------------------------------------
-# The head's decoder layer (Llama-style names so a target layer can be copied in)
-
-
-class _RMSNorm(torch.nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-class _Attention(torch.nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=bias)
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x [B, k, H]`` -> queries ``[B, heads, k, d]``, keys and values ``[B, kv_heads, k, d]`` (RoPE applied)."""
-        B, k, _ = x.shape
-        q = self.q_proj(x).view(B, k, self.heads, self.head_dim).transpose(1, 2)
-        key = self.k_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
-        value = self.v_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, k, d]
-        return q * cos + _rotate_half(q) * sin, key * cos + _rotate_half(key) * sin, value
-
-    def attend(self, q, keys, values, allowed: torch.Tensor) -> torch.Tensor:
-        """Queries ``[B, h, k, d]`` over ``keys/values [B, kv, S, d]`` where ``allowed [B, k, S]`` -> ``[B, k, H]``."""
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
-
-
-class _MLP(torch.nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _DecoderLayer(torch.nn.Module):
-    def __init__(self, text_config) -> None:
-        super().__init__()
-        hidden, eps = text_config.hidden_size, text_config.rms_norm_eps
-        heads = text_config.num_attention_heads
-        head_dim = getattr(text_config, "head_dim", None) or hidden // heads
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-        self.input_layernorm = _RMSNorm(hidden, eps)
-        self.self_attn = _Attention(hidden, heads, kv_heads, head_dim, bool(getattr(text_config, "attention_bias", False)))
-        self.post_attention_layernorm = _RMSNorm(hidden, eps)
-        self.mlp = _MLP(hidden, text_config.intermediate_size, bool(getattr(text_config, "mlp_bias", False)))
-
-    def forward(self, x, cos, sin, past: tuple[torch.Tensor, torch.Tensor] | None, allowed):
-        """``x [B, k, H]``; ``past``: the earlier (keys, values) attended to, in key order before this block's own
-        (None: none); ``allowed [B, k, S_past + k]``. Returns ``(out [B, k, H], (keys, values))`` with this block's
-        appended: what the next block's ``past`` is."""
-        q, keys, values = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        if past is not None:
-            keys, values = torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
-        x = x + self.self_attn.attend(q, keys, values, allowed)
-        return x + self.mlp(self.post_attention_layernorm(x)), (keys, values)
-
-
-def _rope_base(text_config) -> float:
-    parameters = getattr(text_config, "rope_parameters", None) or {}
-    return float(parameters.get("rope_theta", getattr(text_config, "rope_theta", 10000.0)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,14 +163,14 @@ class FeatureHead(torch.nn.Module):
         self.feature_layers = tuple(i % self.num_hidden_states for i in config.feature_layers)
         self.feature_size = len(self.feature_layers) * H
         head_dim = getattr(text, "head_dim", None) or H // text.num_attention_heads
-        self.register_buffer("inv_freq", 1.0 / _rope_base(text) ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+        self.register_buffer("inv_freq", 1.0 / rope_base(text) ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
         self._frozen = {"embedding": target.get_input_embeddings(), "head": target.get_output_embeddings()}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.fuse = torch.nn.Linear(self.feature_size, H, bias=False) if len(self.feature_layers) > 1 else None
             self.fc = torch.nn.Linear(2 * H, H, bias=True)
-            self.layers = torch.nn.ModuleList(_DecoderLayer(text) for _ in range(config.num_layers))
-            self.norm = _RMSNorm(H, text.rms_norm_eps)
+            self.layers = torch.nn.ModuleList(DecoderLayer(text) for _ in range(config.num_layers))
+            self.norm = RMSNorm(H, text.rms_norm_eps)
         self.subset_head = None
         if head_token_ids is not None:
             rows = self._frozen["head"].weight.detach()[torch.as_tensor(head_token_ids, dtype=torch.long)]
@@ -325,171 +249,17 @@ class FeatureHead(torch.nn.Module):
 
     def rollout(self, features: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor, passes: int,
                 feature_noise: float = 0.0, generator: torch.Generator | None = None) -> list[torch.Tensor]:
-        """Training-time test over right-padded sequences (EAGLE-3): the head's predictions at depths 1..passes.
-
-        Args:
-            features: ``[B, L, F]`` the target's features at every slot; tokens ``[B, L]``; attention_mask ``[B, L]``.
-            passes: rollout depth D. Pass k at slot j reads its own pass k-1 prediction of slot j-1 and
-                attends to true slots <= j-k plus its own path's slots j-k+1..j (as when drafting).
-            feature_noise: half-width of uniform noise added to the true input features (EAGLE-1).
-        Returns:
-            D tensors ``[B, L, H]``: pass k's predicted feature at slot j, whose logits give q for x_{j+1}
-            at draft depth k+1 (meaningful for j >= k).
-        """
-        B, L, _ = features.shape
-        true = F.pad(features[:, :-1], (0, 0, 1, 0))  # [B, L, F]: feature of slot j-1 (zeros before slot 0)
-        if feature_noise:
-            noise = torch.rand(true.shape, generator=generator, device=generator.device if generator is not None else None)
-            true = true + feature_noise * (2 * noise.to(true.device) - 1)
-        positions = torch.arange(L, device=features.device).expand(B, L)
-        valid = attention_mask.bool()  # [B, L]
-        index = torch.arange(L, device=features.device)
-        past = [None for _ in self.layers]
-        outputs, inputs = [], self.fuse_features(true)
-        for k in range(passes):
-            old = (index[None, :] <= index[:, None] - k)[None] & valid[:, None, :]  # [B, L, L]: true slots <= j-k
-            blocks = [old] + [(index[None, :] == index[:, None] - k + i).expand(B, L, L) for i in range(1, k + 1)]
-            allowed = torch.cat(blocks, dim=2)
-            if k > 0:  # slots j < k have no path of length k: let them see themselves only (excluded from the loss)
-                allowed[:, :k] = False
-                diagonal = torch.arange(min(k, L), device=features.device)
-                allowed[:, diagonal, k * L + diagonal] = True
-            hidden, past = self.block(inputs, tokens, positions, past, allowed)
-            outputs.append(hidden)
-            inputs = F.pad(hidden[:, :-1], (0, 0, 1, 0))  # the next pass reads slot j-1's prediction
-        return outputs
+        """:func:`rollout` of this head."""
+        return rollout(self, features, tokens, attention_mask, passes, feature_noise, generator)
 
 
-# --------------------------------------------------------------------------------------------------
-# The draft behind the engine's interface
+def build_feature_head(target, config: FeatureHeadConfig, head_token_ids: torch.Tensor | None = None, seed: int = 0):
+    """A new head of ``config.architecture``: a :class:`FeatureHead`, or EAGLE-3's (``drafts.eagle.Eagle3Head``)."""
+    if config.architecture == "eagle3":
+        from specresearch.drafts.eagle import Eagle3Head  # imports this module
 
-
-class FeatureDraft:
-    """A :class:`FeatureHead` behind the ``LanguageModel`` interface plus :class:`FeatureReader`.
-
-    Slots fed with a true feature (queued by :meth:`observe`) and slots fed with the head's own
-    prediction of the previous slot (drafting) share one KV cache per layer and one ``SlotMask`` (the
-    only record of the cache length), exactly as ``models.causal_lm.CausalLM``: per-row rollback masks slots out.
-    On CPU the head's ``nn.Linear`` layers are switched to ``models.kernels.SkinnyLinear`` in place, as ``CausalLM``
-    does (same parameters; its 1-8-row calls are the drafting ones), computing the row counts
-    ``models.kernels.choose_skinny_rows`` times faster on the head's own weights (``skinny_linear``: ``None``, the
-    default, which also gives the compiled kernel the row counts ``models.kernels.choose_kernel_rows`` finds faster
-    still), every row count (``True``) or none (``False``). ``chooses_kernel_rows``: whether the kernel's rows were
-    timed here (``drafts.registry.half_weight_draft`` times them again for the float16 weights).
-    """
-
-    def __init__(self, head: FeatureHead, *, max_context: int | None = None, device="cpu",
-                 skinny_linear: bool | None = None) -> None:
-        self.head = head.eval().to(device)  # beside the target it reads (its embedding is the target's, already there)
-        if torch.device(device).type == "cpu":
-            chosen = choose_skinny_rows(self.head) if skinny_linear is None else SKINNY_ROWS if skinny_linear else ()
-            use_skinny_linears(self.head, chosen)
-            if skinny_linear is None:
-                use_kernel_rows(self.head, choose_kernel_rows(self.head))
-        self.chooses_kernel_rows = torch.device(device).type == "cpu" and skinny_linear is None
-        self.vocab_size = head.vocab_size
-        self.feature_layers = head.feature_layers
-        self.feature_size = head.feature_size
-        self.max_context = max_context
-        self.device = torch.device(device)
-        self._slots: SlotMask | None = None
-        self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._queued: torch.Tensor | None = None  # [B, k, F] true features for the next k slots
-        self._last: torch.Tensor | None = None  # [B, H] the head's prediction at the last slot
-
-    @property
-    def cache_length(self) -> int:
-        return 0 if self._slots is None else self._slots.length
-
-    @property
-    def valid_lengths(self) -> torch.Tensor:
-        return self._slots.counts()
-
-    def reset(self, batch_size: int) -> None:
-        self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
-        self._cache, self._last = [], None
-        self._queued = None
-
-    def observe(self, features: torch.Tensor) -> None:
-        """Queue the target's true features ``[B, k, F]`` of the slots before the next ``k`` slots fed."""
-        if features.ndim != 3 or features.shape[-1] != self.feature_size:
-            raise ValueError(f"features must be [B, k, {self.feature_size}] (target hidden states {self.feature_layers}), "
-                             f"got shape {tuple(features.shape)}")
-        self._queued = features.float()
-
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Start a batch from a left-padded prompt ``[B, L]``; needs ``observe`` of ``[B, L, F]`` first. -> ``[B, V]``."""
-        check_prompt(input_ids, attention_mask)
-        queued = self._queued
-        self.reset(input_ids.shape[0])
-        self._queued = queued
-        return self.head.logits(self._append(input_ids, attention_mask.bool())[:, -1])  # the last slot's only
-
-    @torch.no_grad()
-    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Append ``tokens [B, k]``; return logits ``[B, k, V]``. Inputs: the queued true features, else (k = 1)
-        the head's own prediction at the last slot."""
-        return self.head.logits(self._append(tokens, valid))
-
-    def _append(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`score` up to the predicted features ``[B, k, H]`` (a prompt's logits are read at its last slot only)."""
-        if self._slots is None:
-            raise ValueError("score called before prefill/reset: start a batch first")
-        k = tokens.shape[1]
-        if self._queued is not None:
-            if self._queued.shape[:2] != tokens.shape:
-                raise ValueError(f"observed features cover {tuple(self._queued.shape[:2])} slots but tokens are {tuple(tokens.shape)}")
-            inputs, self._queued = self.head.fuse_features(self._queued), None
-        elif k == 1 and self._last is not None:
-            inputs = self._last[:, None]
-        else:
-            raise ValueError("a feature draft needs the target's features (observe) before scoring these tokens")
-        valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if valid is None else valid.bool()
-        old = self._slots.length
-        positions = self._slots.append(valid)
-        columns = torch.arange(old + k, device=self.device)
-        new = torch.arange(k, device=self.device)
-        allowed = self._slots.mask[:, None, :] & (columns[None, None, :] <= old + new[None, :, None])
-        allowed[:, new, old + new] = True  # a masked slot sees itself (no empty softmax)
-        past = self._cache or [None for _ in self.head.layers]
-        hidden, self._cache = self.head.block(inputs, tokens, positions, past, allowed)
-        self._last = hidden[:, -1]
-        return hidden
-
-    def rollback(self, n) -> None:
-        """Forget the last ``n`` slots (``int`` or ``[B]``); the next ``score`` needs freshly observed features."""
-        common, uneven = self._slots.rollback(n)
-        if common:
-            self._cache = [(k[:, :, :-common], v[:, :, :-common]) for k, v in self._cache]
-        self._last = None
-        if uneven:
-            self._compact()
-
-    def repeat_rows(self, k: int) -> None:
-        """Each row becomes ``k`` consecutive copies: cache, slots, queued features and last prediction."""
-        self._rows(lambda t: t.repeat_interleave(k, 0))
-        self._slots.repeat_rows(k)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep rows ``index [B']``, in that order; packs the cache when the rows left behind dead slots."""
-        index = index.to(self.device)
-        self._rows(lambda t: t[index])
-        self._slots.select_rows(index)
-        self._compact()
-
-    def _rows(self, change) -> None:
-        """Apply ``change`` to every per-row tensor (batch first) but the slot mask."""
-        self._cache = [(change(k), change(v)) for k, v in self._cache]
-        self._queued = None if self._queued is None else change(self._queued)
-        self._last = None if self._last is None else change(self._last)
-
-    def _compact(self) -> None:
-        index = self._slots.compaction()
-        if index is not None:
-            gather = index[:, None, :, None]
-            self._cache = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[-1])),
-                            v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[-1]))) for k, v in self._cache]
+        return Eagle3Head.from_feature_config(target, config, head_token_ids, seed)
+    return FeatureHead(target, config, head_token_ids=head_token_ids, seed=seed)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -552,7 +322,7 @@ def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
         raise ValueError(f"target does not match the target the feature head in {directory} was trained on")
     config = FeatureHeadConfig(**{**manifest["feature_head_config"], "init_layer": None})
     tensors = load_file(str(weights_path(directory, _WEIGHTS_FILE)))
-    head = FeatureHead(target, config, head_token_ids=tensors.pop(_HEAD_IDS, None))
+    head = build_feature_head(target, config, head_token_ids=tensors.pop(_HEAD_IDS, None))
     expected = trainable_tensors(head)
     if tensors.keys() != expected.keys():
         raise ValueError(f"directory {directory}: stored tensors {sorted(tensors)} do not match the head's {sorted(expected)}")
@@ -565,4 +335,9 @@ def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
 def load_feature_draft(target_lm, name_or_dir: str | os.PathLike) -> FeatureDraft:
     """A shipped feature draft (name under ``data/drafts/`` or a directory) beside ``target_lm`` (a ``models.causal_lm.CausalLM``)."""
     head = load_feature_head(target_lm.model, feature_head_dir(name_or_dir))
-    return FeatureDraft(head, max_context=getattr(target_lm, "max_context", None), device=target_lm.device)
+    draft = FeatureDraft
+    if head.config.architecture == "eagle3":  # drafts as the EAGLE repository's heads do (its first slot masked)
+        from specresearch.drafts.eagle import EagleDraft  # imports this module
+
+        draft = EagleDraft
+    return draft(head, max_context=getattr(target_lm, "max_context", None), device=target_lm.device)

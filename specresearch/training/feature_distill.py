@@ -259,11 +259,13 @@ _LATER_FIELDS = {"tv_loss_weight": 0.0, "bf16_autocast": False}  # added after r
 def _run_key(head_config, train_config: FeatureTrainConfig, corpus_key: str, chunks: int, first_chunk: int = 0,
              init_weights: str | None = None) -> str:
     """The run's checkpoint directory name. ``first_chunk`` and ``init_weights`` (the starting head's weights
-    digest) are hashed only when set, so the keys of runs from chunk 0 and a fresh head stay."""
+    digest) are hashed only when set, and the head's architecture only when it is not the default, so the keys of runs
+    from chunk 0 and a fresh head of the toolkit's architecture stay."""
     import hashlib
 
     train = {k: v for k, v in dataclasses.asdict(train_config).items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
-    parts = [dataclasses.asdict(head_config), train, corpus_key, chunks]
+    head = {k: v for k, v in dataclasses.asdict(head_config).items() if not (k == "architecture" and v == "specresearch")}
+    parts = [head, train, corpus_key, chunks]
     if first_chunk or init_weights is not None:
         parts.append({"first_chunk": first_chunk, "init_weights": init_weights})
     blob = json.dumps(parts, sort_keys=True)
@@ -310,7 +312,7 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
     same call to resume; the returned manifest has ``finished: False`` (nothing shipped) until training ends.
     """
     from specresearch.drafts.feature import (
-        FeatureHead,
+        build_feature_head,
         round_head_to_storage,
         save_feature_head,
     )
@@ -349,7 +351,7 @@ def run_feature_distillation(target_lm, tokenizer, head_config, train_config: Fe
             # the stored int32 / float16 rows as they are: no widened copy of every row (~1.7 GB at 272 chunks)
             head_ids = head_token_ids(corpus.teacher_ids, corpus.teacher_probs, target.config.get_text_config().vocab_size,
                                       head_config.head_tokens, required=eos)
-        head = FeatureHead(target, head_config, head_token_ids=head_ids, seed=train_config.seed)
+        head = build_feature_head(target, head_config, head_token_ids=head_ids, seed=train_config.seed)
     budget = None if max_seconds is None else max(0.0, max_seconds - (time.perf_counter() - started))
     run = _run_key(head_config, train_config, key, chunks, first_chunk, init_weights)
     result = train_feature_head(head, corpus, corpus_config.store_layers, train_config, checkpoint_dir=cache_dir() / "feature_runs" / run,

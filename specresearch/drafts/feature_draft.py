@@ -1,0 +1,275 @@
+"""What every feature head is built of, and the draft that puts one behind the engine's interface.
+
+* :class:`FeatureDraft`: a head (``drafts.feature.FeatureHead``, ``drafts.eagle.Eagle3Head`` / ``Eagle1Head``) behind
+  the ``LanguageModel`` interface plus ``FeatureReader``: its KV cache, slot mask, rollback and rows;
+* :func:`rollout`: EAGLE-3's training-time test over any such head (Li et al. 2025, arXiv 2503.01840);
+* the Llama-style pieces the heads are made of (:class:`RMSNorm`, :class:`Attention`, :class:`MLP`,
+  :class:`DecoderLayer`, :func:`rotate_half`, :func:`rope_base`).
+
+A head has ``fuse_features``, ``block(inputs, tokens, positions, past, allowed)``, ``logits``, ``layers``,
+``feature_layers`` and ``feature_size`` (``drafts.feature`` describes the toolkit's own head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specresearch.models.causal_lm import SlotMask, check_prompt
+from specresearch.models.kernels import (
+    SKINNY_ROWS,
+    choose_kernel_rows,
+    choose_skinny_rows,
+    use_kernel_rows,
+    use_skinny_linears,
+)
+
+__all__ = ["FeatureDraft", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer", "rotate_half", "rope_base"]
+
+
+# The decoder layer's pieces (Llama-style names so a target layer can be copied in)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=bias)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x [B, k, H]`` -> queries ``[B, heads, k, d]``, keys and values ``[B, kv_heads, k, d]`` (RoPE applied)."""
+        B, k, _ = x.shape
+        q = self.q_proj(x).view(B, k, self.heads, self.head_dim).transpose(1, 2)
+        key = self.k_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, k, d]
+        return q * cos + rotate_half(q) * sin, key * cos + rotate_half(key) * sin, value
+
+    def attend(self, q, keys, values, allowed: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, h, k, d]`` over ``keys/values [B, kv, S, d]`` where ``allowed [B, k, S]`` -> ``[B, k, H]``."""
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, text_config) -> None:
+        super().__init__()
+        hidden, eps = text_config.hidden_size, text_config.rms_norm_eps
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, bool(getattr(text_config, "attention_bias", False)))
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden, text_config.intermediate_size, bool(getattr(text_config, "mlp_bias", False)))
+
+    def forward(self, x, cos, sin, past: tuple[torch.Tensor, torch.Tensor] | None, allowed):
+        """``x [B, k, H]``; ``past``: the earlier (keys, values) attended to, in key order before this block's own
+        (None: none); ``allowed [B, k, S_past + k]``. Returns ``(out [B, k, H], (keys, values))`` with this block's
+        appended: what the next block's ``past`` is."""
+        q, keys, values = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        if past is not None:
+            keys, values = torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
+        x = x + self.self_attn.attend(q, keys, values, allowed)
+        return x + self.mlp(self.post_attention_layernorm(x)), (keys, values)
+
+
+def rope_base(text_config) -> float:
+    parameters = getattr(text_config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta", getattr(text_config, "rope_theta", 10000.0)))
+
+
+def rollout(head, features: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor, passes: int,
+            feature_noise: float = 0.0, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Training-time test over right-padded sequences (EAGLE-3): a head's predictions at depths 1..passes (any head
+    with ``FeatureHead``'s ``fuse_features``, ``block`` and ``layers``).
+
+    Args:
+        features: ``[B, L, F]`` the target's features at every slot; tokens ``[B, L]``; attention_mask ``[B, L]``.
+        passes: rollout depth D. Pass k at slot j reads its own pass k-1 prediction of slot j-1 and
+            attends to true slots <= j-k plus its own path's slots j-k+1..j (as when drafting).
+        feature_noise: half-width of uniform noise added to the true input features (EAGLE-1).
+    Returns:
+        D tensors ``[B, L, H]``: pass k's predicted feature at slot j, whose logits give q for x_{j+1}
+        at draft depth k+1 (meaningful for j >= k).
+    """
+    B, L, _ = features.shape
+    true = F.pad(features[:, :-1], (0, 0, 1, 0))  # [B, L, F]: feature of slot j-1 (zeros before slot 0)
+    if feature_noise:
+        noise = torch.rand(true.shape, generator=generator, device=generator.device if generator is not None else None)
+        true = true + feature_noise * (2 * noise.to(true.device) - 1)
+    positions = torch.arange(L, device=features.device).expand(B, L)
+    valid = attention_mask.bool()  # [B, L]
+    index = torch.arange(L, device=features.device)
+    past = [None for _ in head.layers]
+    outputs, inputs = [], head.fuse_features(true)
+    for k in range(passes):
+        old = (index[None, :] <= index[:, None] - k)[None] & valid[:, None, :]  # [B, L, L]: true slots <= j-k
+        blocks = [old] + [(index[None, :] == index[:, None] - k + i).expand(B, L, L) for i in range(1, k + 1)]
+        allowed = torch.cat(blocks, dim=2)
+        if k > 0:  # slots j < k have no path of length k: let them see themselves only (excluded from the loss)
+            allowed[:, :k] = False
+            diagonal = torch.arange(min(k, L), device=features.device)
+            allowed[:, diagonal, k * L + diagonal] = True
+        hidden, past = head.block(inputs, tokens, positions, past, allowed)
+        outputs.append(hidden)
+        inputs = F.pad(hidden[:, :-1], (0, 0, 1, 0))  # the next pass reads slot j-1's prediction
+    return outputs
+
+
+class FeatureDraft:
+    """A feature head (``drafts.feature.FeatureHead``, an EAGLE head of ``drafts.eagle``) behind the ``LanguageModel``
+    interface plus ``FeatureReader``.
+
+    Slots fed with a true feature (queued by :meth:`observe`) and slots fed with the head's own
+    prediction of the previous slot (drafting) share one KV cache per layer and one ``SlotMask`` (the
+    only record of the cache length), exactly as ``models.causal_lm.CausalLM``: per-row rollback masks slots out.
+    On CPU the head's ``nn.Linear`` layers are switched to ``models.kernels.SkinnyLinear`` in place, as ``CausalLM``
+    does (same parameters; its 1-8-row calls are the drafting ones), computing the row counts
+    ``models.kernels.choose_skinny_rows`` times faster on the head's own weights (``skinny_linear``: ``None``, the
+    default, which also gives the compiled kernel the row counts ``models.kernels.choose_kernel_rows`` finds faster
+    still), every row count (``True``) or none (``False``). ``chooses_kernel_rows``: whether the kernel's rows were
+    timed here (``drafts.registry.half_weight_draft`` times them again for the float16 weights).
+    """
+
+    def __init__(self, head: torch.nn.Module, *, max_context: int | None = None, device="cpu",
+                 skinny_linear: bool | None = None) -> None:
+        self.head = head.eval().to(device)  # beside the target it reads (its embedding is the target's, already there)
+        if torch.device(device).type == "cpu":
+            chosen = choose_skinny_rows(self.head) if skinny_linear is None else SKINNY_ROWS if skinny_linear else ()
+            use_skinny_linears(self.head, chosen)
+            if skinny_linear is None:
+                use_kernel_rows(self.head, choose_kernel_rows(self.head))
+        self.chooses_kernel_rows = torch.device(device).type == "cpu" and skinny_linear is None
+        self.vocab_size = head.vocab_size
+        self.feature_layers = head.feature_layers
+        self.feature_size = head.feature_size
+        self.max_context = max_context
+        self.device = torch.device(device)
+        self._slots: SlotMask | None = None
+        self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._queued: torch.Tensor | None = None  # [B, k, F] true features for the next k slots
+        self._last: torch.Tensor | None = None  # [B, H] the head's prediction at the last slot
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._slots is None else self._slots.length
+
+    @property
+    def valid_lengths(self) -> torch.Tensor:
+        return self._slots.counts()
+
+    def reset(self, batch_size: int) -> None:
+        self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
+        self._cache, self._last = [], None
+        self._queued = None
+
+    def observe(self, features: torch.Tensor) -> None:
+        """Queue the target's true features ``[B, k, F]`` of the slots before the next ``k`` slots fed."""
+        if features.ndim != 3 or features.shape[-1] != self.feature_size:
+            raise ValueError(f"features must be [B, k, {self.feature_size}] (target hidden states {self.feature_layers}), "
+                             f"got shape {tuple(features.shape)}")
+        self._queued = features.float()
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Start a batch from a left-padded prompt ``[B, L]``; needs ``observe`` of ``[B, L, F]`` first. -> ``[B, V]``."""
+        check_prompt(input_ids, attention_mask)
+        queued = self._queued
+        self.reset(input_ids.shape[0])
+        self._queued = queued
+        return self.head.logits(self._append(input_ids, attention_mask.bool())[:, -1])  # the last slot's only
+
+    @torch.no_grad()
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``tokens [B, k]``; return logits ``[B, k, V]``. Inputs: the queued true features, else (k = 1)
+        the head's own prediction at the last slot."""
+        return self.head.logits(self._append(tokens, valid))
+
+    def _append(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`score` up to the predicted features ``[B, k, H]`` (a prompt's logits are read at its last slot only)."""
+        if self._slots is None:
+            raise ValueError("score called before prefill/reset: start a batch first")
+        k = tokens.shape[1]
+        if self._queued is not None:
+            if self._queued.shape[:2] != tokens.shape:
+                raise ValueError(f"observed features cover {tuple(self._queued.shape[:2])} slots but tokens are {tuple(tokens.shape)}")
+            inputs, self._queued = self.head.fuse_features(self._queued), None
+        elif k == 1 and self._last is not None:
+            inputs = self._last[:, None]
+        else:
+            raise ValueError("a feature draft needs the target's features (observe) before scoring these tokens")
+        valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if valid is None else valid.bool()
+        old = self._slots.length
+        positions = self._slots.append(valid)
+        columns = torch.arange(old + k, device=self.device)
+        new = torch.arange(k, device=self.device)
+        allowed = self._slots.mask[:, None, :] & (columns[None, None, :] <= old + new[None, :, None])
+        allowed[:, new, old + new] = True  # a masked slot sees itself (no empty softmax)
+        past = self._cache or [None for _ in self.head.layers]
+        hidden, self._cache = self.head.block(inputs, tokens, positions, past, allowed)
+        self._last = hidden[:, -1]
+        return hidden
+
+    def rollback(self, n) -> None:
+        """Forget the last ``n`` slots (``int`` or ``[B]``); the next ``score`` needs freshly observed features."""
+        common, uneven = self._slots.rollback(n)
+        if common:
+            self._cache = [(k[:, :, :-common], v[:, :, :-common]) for k, v in self._cache]
+        self._last = None
+        if uneven:
+            self._compact()
+
+    def repeat_rows(self, k: int) -> None:
+        """Each row becomes ``k`` consecutive copies: cache, slots, queued features and last prediction."""
+        self._rows(lambda t: t.repeat_interleave(k, 0))
+        self._slots.repeat_rows(k)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index [B']``, in that order; packs the cache when the rows left behind dead slots."""
+        index = index.to(self.device)
+        self._rows(lambda t: t[index])
+        self._slots.select_rows(index)
+        self._compact()
+
+    def _rows(self, change) -> None:
+        """Apply ``change`` to every per-row tensor (batch first) but the slot mask."""
+        self._cache = [(change(k), change(v)) for k, v in self._cache]
+        self._queued = None if self._queued is None else change(self._queued)
+        self._last = None if self._last is None else change(self._last)
+
+    def _compact(self) -> None:
+        index = self._slots.compaction()
+        if index is not None:
+            gather = index[:, None, :, None]
+            self._cache = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[-1])),
+                            v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[-1]))) for k, v in self._cache]
