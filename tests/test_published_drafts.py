@@ -134,6 +134,25 @@ def test_eagle3_logits_follow_the_formats_definition(tmp_path, safetensors, embe
     assert torch.allclose(got_next[finite], want_next[-1][finite], atol=1e-4)
 
 
+def test_eagle3_with_its_layer_saved_as_layers_0_loads_the_same(tmp_path):
+    """The layer under ``layers.0.*`` (the name serving engines' loaders map ``midlayer`` to) is the same head."""
+    from safetensors.torch import load_file, save_file
+
+    target = _target()
+    _checkpoint(tmp_path / "midlayer")
+    (tmp_path / "layers0").mkdir()
+    (tmp_path / "layers0" / "config.json").write_text((tmp_path / "midlayer" / "config.json").read_text())
+    tensors = load_file(tmp_path / "midlayer" / "model.safetensors")
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, tmp_path / "layers0" / "model.safetensors")
+    assert draft_format(tmp_path / "layers0") == EAGLE3_FORMAT
+    features, ids, outs = torch.randn(1, 4, 3 * H), torch.tensor([[3, 4, 5, 6]]), []
+    for name in ("midlayer", "layers0"):
+        draft = load_eagle3(target, tmp_path / name)
+        draft.observe(features)
+        outs.append(draft.prefill(ids, torch.ones_like(ids)))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_eagle3_runs_chains_and_trees_exactly_and_losslessly(tmp_path):
     target = _target()
     _checkpoint(tmp_path / "head")

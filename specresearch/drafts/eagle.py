@@ -8,7 +8,8 @@ EAGLE-3 (``eagle/model/cnets.py``):
 * a directory with ``config.json`` (a Llama config plus ``draft_vocab_size``, optionally ``target_hidden_size``;
   ``eagle/model/ea_model.py`` l. 118-123 reads it as ``EConfig``) and ``model.safetensors`` or ``pytorch_model.bin``
   (l. 124-135);
-* tensors (``eagle/model/cnets.py``, ``Model.__init__``, l. 478-541): ``fc.weight [H, 3 * H_target]`` (no bias),
+* tensors (``eagle/model/cnets.py``, ``Model.__init__``, l. 478-541; the layer may also be saved as ``layers.0.*``, the
+  name serving engines' loaders map ``midlayer`` to): ``fc.weight [H, 3 * H_target]`` (no bias),
   ``midlayer.{hidden_norm, input_layernorm, post_attention_layernorm}.weight [H]``,
   ``midlayer.self_attn.{q,k,v}_proj.weight [heads * d | kv_heads * d, 2 * H]`` and ``o_proj.weight [H, heads * d]``
   (no biases, ``d = H // heads``: l. 191-213), ``midlayer.mlp.{gate,up,down}_proj.weight`` (SwiGLU),
@@ -353,7 +354,7 @@ def eagle_format(directory: str | os.PathLike) -> str | None:
     if not (directory / "config.json").is_file() or weights is None:
         return None
     names = _tensor_names(weights)
-    if any(n.startswith("midlayer.") for n in names):
+    if any(n.startswith("midlayer.") for n in names) or "layers.0.hidden_norm.weight" in names:
         return "EAGLE-3"
     return "EAGLE-1/2" if {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= names else None
 
@@ -411,6 +412,8 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
     target = target_lm.model
     text = target.config.get_text_config()
     tensors = _read_tensors(_weights_file(directory))
+    if "layers.0.hidden_norm.weight" in tensors:  # the layer under the name vLLM's and speculators' loaders give it
+        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
     expected = _expected_shapes(config, text.hidden_size, int(target.get_output_embeddings().weight.shape[0]))
     _check_tensors(directory, tensors, expected, set(_OPTIONAL), "EAGLE-3")
     draft_vocab = expected["lm_head.weight"][0]
