@@ -473,3 +473,62 @@ def test_the_cpu_mask_is_transformers_boolean_mask_made_additive_once():
     assert torch.equal(additive, torch.where(boolean, 0.0, float("-inf")))
     assert sdpa_mask(batch_size=1, q_length=1, kv_length=5, q_offset=4) is None
     assert additive_sdpa_mask(batch_size=1, q_length=1, kv_length=5, q_offset=4) is None
+
+
+def test_calibration_stops_rows_that_clearly_lose_and_keeps_to_its_budget(monkeypatch):
+    """``kernels._race``: a row count whose every candidate sweep is slower than every baseline one after two rounds is
+    not timed again; with the real clock the rounds stop once the budget has passed (a slow machine: each clock reading
+    3 s later than the last); the answer is decided from the rounds timed."""
+    import time
+
+    from specresearch.models import kernels
+
+    calls = []
+
+    def timer(fn, path, rows):
+        calls.append((path, rows))
+        return (2.0 if rows >= 5 else 0.5) if path == "kernel" else 1.0
+
+    sweeps = {rows: {"kernel": lambda: None, "present": lambda: None} for rows in range(1, 9)}
+    assert kernels._race(sweeps, ("kernel", "present"), 5, 0.9, timer) == (1, 2, 3, 4)
+    assert all(calls.count(("kernel", r)) == (2 if r >= 5 else 5) for r in range(1, 9))
+    now = iter(range(0, 10**6, 3))
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(now)))
+    timed = []
+    slow = {rows: {"kernel": lambda r=rows: timed.append(r), "present": lambda: None} for rows in range(1, 9)}
+    kernels._race(slow, ("kernel", "present"), 5, 0.9)
+    assert sorted(timed) == sorted(list(range(1, 9)) * 2)  # the warm-up and one round: then 24 s had passed
+
+
+def test_calibration_sweeps_fewer_weights_where_memory_is_slow(monkeypatch):
+    """``kernels._fitted_subset``: the first weights in module order up to SWEEP_BYTES; where one measured sweep says
+    the rounds would pass the budget (a 1 s sweep: 0.1 GB/s), a prefix small enough to fit it, never empty."""
+    from specresearch.models import kernels
+
+    weights = [torch.zeros(256, 1024) for _ in range(16)]  # 1 MiB each
+    monkeypatch.setattr(kernels, "SWEEP_BYTES", 8 << 20)
+    monkeypatch.setattr(kernels, "_clock", lambda fn, path, rows: 1e-6)
+    fast = kernels._fitted_subset(weights, lambda part: (lambda: None), repeats=5)
+    assert len(fast) == 8 and all(a is b for a, b in zip(fast, weights))
+    monkeypatch.setattr(kernels, "_clock", lambda fn, path, rows: 1.0)
+    slow = kernels._fitted_subset(weights, lambda part: (lambda: None), repeats=5)
+    assert len(slow) == 1 and slow[0] is weights[0]  # 8 s / (16 x 1.3 x 6 sweeps of 1 s): 6 % of the bytes
+
+
+def test_calibration_says_on_stderr_what_it_times_once(monkeypatch, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.models import kernels
+    from specresearch.models.toy import tiny_llama_config
+
+    monkeypatch.setenv("SPECRESEARCH_ANSWERS", str(tmp_path))
+    monkeypatch.setenv("SPECRESEARCH_SKINNY_ROWS", "auto")
+    monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
+    monkeypatch.setattr(kernels, "TIMED_MIN_BYTES", 0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB, hidden_size=24), dtype=torch.float32)
+    kernels.choose_skinny_rows(model, repeats=1)
+    said = capsys.readouterr().err
+    assert "timing the skinny product's row counts on this CPU" in said and "once per machine" in said
+    monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
+    kernels.choose_skinny_rows(model, repeats=1)  # the stored answer: nothing timed, nothing said
+    assert "timing" not in capsys.readouterr().err

@@ -186,9 +186,6 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     CPU's model name and flags (``paths.cpu_key``) and torch's version (delete the file to time again). ``timer(fn, path, rows) -> seconds`` (path ``"skinny"`` or
     ``"plain"``) replaces the clock that times one sweep ``fn()`` (tests).
     """
-    import statistics
-    import time
-
     pinned = os.environ.get(SKINNY_ROWS_ENV, "auto").strip().lower()
     if pinned != "auto":
         if pinned in ("all", "none"):
@@ -215,33 +212,99 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         _CHOSEN_ROWS[key] = stored
         return stored
 
-    def clock(fn, path, rows):
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+    def sweeps(subset):
+        made = {}
+        for rows in SKINNY_ROWS:
+            inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+                      for w in subset}
+            made[rows] = {"skinny": lambda x=inputs: [skinny_linear(x[w.shape[1]], w) for w in subset],
+                          "plain": lambda x=inputs: [torch.nn.functional.linear(x[w.shape[1]], w) for w in subset]}
+        return made
 
-    timer = timer or clock
-    sweeps = {}
-    for rows in SKINNY_ROWS:
-        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
-                  for w in weights}
-        sweeps[rows] = {"skinny": lambda x=inputs: [skinny_linear(x[w.shape[1]], w) for w in weights],
-                        "plain": lambda x=inputs: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights]}
-    times = {(rows, name): [] for rows in SKINNY_ROWS for name in ("skinny", "plain")}
+    real = timer is None
+    subset = _fitted_subset(weights, lambda part: sweeps(part)[1]["plain"], repeats) if real else weights
+    if real:
+        _announce("the skinny product's row counts", subset, ROWS_FILE)
+    chosen = _race(sweeps(subset), ("skinny", "plain"), repeats, margin, timer)
+    if real:
+        _CHOSEN_ROWS[key] = chosen
+        _store_rows(key, chosen)
+    return chosen
+
+
+CALIBRATION_SECONDS = 8.0  # each of choose_skinny_rows and choose_kernel_rows: a first token waits for both
+SWEEP_BYTES = 128 << 20  # a sweep's weights: more than a CPU's caches hold, a quarter of the embedded target's
+
+
+def _clock(fn, path, rows) -> float:
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _fitted_subset(weights: list[torch.Tensor], plain_sweep, repeats: int, seconds: float = CALIBRATION_SECONDS):
+    """The weights a calibration sweeps: the first ones in module order (a forward's order) up to ``SWEEP_BYTES``, as
+    many shapes as a few layers have, then fewer where one measured sweep (``plain_sweep(part)`` -> its function)
+    says that 16 paths x (1 + ``repeats``) sweeps would pass ``seconds``: a machine whose memory streams at 0.1 GB/s
+    calibrates in the budget too, on fewer weights."""
+    subset, total = [], 0
+    for w in weights:
+        if subset and total >= SWEEP_BYTES:
+            break
+        subset.append(w)
+        total += w.numel() * w.element_size()
     with torch.no_grad():
-        for rows, paths in sweeps.items():
-            for fn in paths.values():
+        once = _clock(plain_sweep(subset), "plain", 1)
+    affordable = seconds / max(16 * 1.3 * (1 + repeats) * once, 1e-9)  # fraction of the subset the budget sweeps
+    if affordable < 1:
+        keep, total = [], 0
+        for w in subset:
+            if keep and total + w.numel() * w.element_size() > affordable * sum(x.numel() * x.element_size() for x in subset):
+                break
+            keep.append(w)
+            total += w.numel() * w.element_size()
+        subset = keep
+    return subset
+
+
+def _announce(what: str, subset: list[torch.Tensor], file: str) -> None:
+    """Say on stderr what is timed, that it happens once per machine, and its bound."""
+    import sys
+
+    megabytes = sum(w.numel() * w.element_size() for w in subset) / 2**20
+    print(f"[specresearch] timing {what} on this CPU ({megabytes:.0f} MB of the model's weights, at most "
+          f"~{CALIBRATION_SECONDS:.0f} s); once per machine, kept in <cache>/{file}", file=sys.stderr, flush=True)
+
+
+def _race(sweeps: dict, paths: tuple[str, str], repeats: int, margin: float, timer=None,
+          seconds: float = CALIBRATION_SECONDS) -> tuple[int, ...]:
+    """Round-robin timing of ``sweeps[rows][path]()`` for the two ``paths`` (candidate, baseline): the row counts whose
+    median candidate sweep takes less than ``margin`` times the median baseline one. A row count whose every candidate
+    sweep is slower than every baseline sweep after two rounds is not timed again (it clearly loses); with the real
+    clock (``timer`` None) the rounds stop once ``seconds`` have passed (at least one round is timed)."""
+    import statistics
+    import time
+
+    candidate, baseline = paths
+    clock, started = timer or _clock, time.perf_counter()
+    times = {(rows, path): [] for rows in sweeps for path in paths}
+    alive = list(sweeps)
+    with torch.no_grad():
+        for row_paths in sweeps.values():
+            for fn in row_paths.values():
                 fn()  # warm
-        for _ in range(repeats):  # round robin: a passing slow spell of the host touches every row count alike
-            for rows, paths in sweeps.items():
-                for name, fn in paths.items():
-                    times[rows, name].append(timer(fn, name, rows))
-    chosen = [rows for rows in SKINNY_ROWS
-              if statistics.median(times[rows, "skinny"]) < margin * statistics.median(times[rows, "plain"])]
-    if timer is clock:
-        _CHOSEN_ROWS[key] = tuple(chosen)
-        _store_rows(key, tuple(chosen))
-    return tuple(chosen)
+        for done in range(1, repeats + 1):  # round robin: a passing slow spell of the host touches every row count alike
+            for rows in alive:
+                for path in paths:
+                    times[rows, path].append(clock(sweeps[rows][path], path, rows))
+            if done >= 2:
+                alive = [r for r in alive if min(times[r, candidate]) <= max(times[r, baseline])]
+            if timer is None and time.perf_counter() - started > seconds:
+                break
+    return tuple(rows for rows in sweeps
+                 if statistics.median(times[rows, candidate]) < margin * statistics.median(times[rows, baseline]))
 
 
 def _machine_key(key: tuple) -> str:
@@ -308,8 +371,6 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     rows, thread count and kernel source (C and Python), for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
     rows) -> seconds`` (path ``"kernel"`` or ``"present"``) replaces the clock (tests)."""
     import hashlib
-    import statistics
-    import time
 
     if skinny_kernel() is None and timer is None:
         return ()
@@ -340,37 +401,31 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
             _CHOSEN_KERNEL_ROWS[key] = tuple(stored)
             return tuple(stored)
 
-    def clock(fn, path, rows):
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
     def present(m, x):
         bias = getattr(m, "bias", None)
         if hasattr(m, "skinny_rows"):
             return skinny_linear(x, m.weight, bias, skinny_rows=m.skinny_rows, half_limit=getattr(m, "half_limit", None))
         return torch.nn.functional.linear(x, m.weight, bias)
 
-    timer = timer or clock
-    sweeps = {}
-    for rows in KERNEL_ROWS:
-        inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], generator=torch.Generator().manual_seed(rows))
-                  for m in layers}
-        sweeps[rows] = {"kernel": lambda x=inputs: [kernel_linear(x[m.weight.shape[1]], m.weight, getattr(m, "bias", None))
-                                                     for m in layers],
-                        "present": lambda x=inputs: [present(m, x[m.weight.shape[1]]) for m in layers]}
-    times = {(rows, path): [] for rows in KERNEL_ROWS for path in ("kernel", "present")}
-    with torch.no_grad():
-        for paths in sweeps.values():
-            for fn in paths.values():
-                fn()  # warm (and builds nothing: the kernel is loaded already)
-        for _ in range(repeats):
-            for rows, paths in sweeps.items():
-                for path, fn in paths.items():
-                    times[rows, path].append(timer(fn, path, rows))
-    chosen = tuple(rows for rows in KERNEL_ROWS
-                   if statistics.median(times[rows, "kernel"]) < margin * statistics.median(times[rows, "present"]))
-    if timer is clock:
+    def sweeps(part):
+        made = {}
+        for rows in KERNEL_ROWS:
+            inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], generator=torch.Generator().manual_seed(rows))
+                      for m in part}
+            made[rows] = {"kernel": lambda x=inputs: [kernel_linear(x[m.weight.shape[1]], m.weight,
+                                                                    getattr(m, "bias", None)) for m in part],
+                          "present": lambda x=inputs: [present(m, x[m.weight.shape[1]]) for m in part]}
+        return made
+
+    real = timer is None
+    if real:  # the calibration's weights (_fitted_subset), as modules
+        by_weight = {id(m.weight): m for m in layers}
+        chosen_weights = _fitted_subset([m.weight for m in layers],
+                                        lambda part: sweeps([by_weight[id(w)] for w in part])[1]["present"], repeats)
+        layers = [by_weight[id(w)] for w in chosen_weights]
+        _announce("the compiled kernel's row counts", chosen_weights, KERNEL_ROWS_FILE)
+    chosen = _race(sweeps(layers), ("kernel", "present"), repeats, margin, timer)
+    if real:
         from specresearch.paths import keep_answer
 
         _CHOSEN_KERNEL_ROWS[key] = chosen
