@@ -7,7 +7,7 @@ T(k) / T(1) for the embedded target (``bench.score_seconds``: B = 1, contexts of
 timed in turn, medians) at each ``--threads``, and the same for the target's output layer alone
 (49,152 x 576, the largest single matrix), so the two can be told apart; each in four variants in the
 same run: what ``CausalLM`` uses on CPU (linear layers as ``models.kernels.SkinnyLinear``, attention
-``models.kernels.cpu_sdpa_attention``), the same linear layers with transformers' ``"sdpa"`` attention,
+``models.attention.cpu_sdpa_attention``), the same linear layers with transformers' ``"sdpa"`` attention,
 ``strided``: the same products returned as the transposed (column-major) ``(W @ x^T)^T`` with ``"sdpa"``
 (what ``SkinnyLinear`` returned before it made its outputs row-major; a strided query sends the CPU
 attention kernel down its unfused path), and the peer, plain ``nn.Linear`` with ``"sdpa"``. Contexts
@@ -28,8 +28,9 @@ import torch
 
 from specresearch.experiments import bench
 from specresearch.experiments.records import machine_info
+from specresearch.models.attention import CPU_SDPA
 from specresearch.models.embedded import load_embedded
-from specresearch.models.kernels import CPU_SDPA, SkinnyLinear
+from specresearch.models.kernels import SkinnyLinear
 
 
 class StridedSkinnyLinear(SkinnyLinear):

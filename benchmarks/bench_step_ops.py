@@ -28,7 +28,8 @@ from specresearch.engine.generate import autoregressive_generate, speculative_ge
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.engine.timing import HostReads
 from specresearch.experiments.records import record_header
-from specresearch.models.kernels import SkinnyLinear, use_packed_sdpa
+from specresearch.models.attention import use_packed_sdpa
+from specresearch.models.kernels import SkinnyLinear
 from specresearch.paths import data_dir, repo_root
 
 RUNS = {"autoregressive": None, "chain block g1": {"gamma": 1}, "chain block g2": {"gamma": 2},
@@ -37,7 +38,7 @@ RUNS = {"autoregressive": None, "chain block g1": {"gamma": 1}, "chain block g2"
 
 def as_on_cuda(target, draft) -> None:
     """Make the CPU models issue the torch calls they issue on CUDA, in place: the target (loaded without skinny
-    linears) gets the attention ``CausalLM`` chooses there (``kernels.packed_sdpa_attention``); the draft's
+    linears) gets the attention ``CausalLM`` chooses there (``models.attention.packed_sdpa_attention``); the draft's
     ``SkinnyLinear`` layers, which drafts choose on CPU only, become plain ``nn.Linear`` where their weights are
     float32 and take ``F.linear`` for every row count where they are float16 (the half path runs on CUDA too)."""
     use_packed_sdpa(target.model)

@@ -40,8 +40,8 @@ from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.exact import theory_multi
 from specresearch.experiments.draft_analysis import read_draft_manifest
 from specresearch.experiments.records import write_json_record
+from specresearch.models.attention import CPU_SDPA
 from specresearch.models.embedded import load_embedded
-from specresearch.models.kernels import CPU_SDPA
 from specresearch.training.corpus import sample_continuations
 from specresearch.training.feature_corpus import target_features
 

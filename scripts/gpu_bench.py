@@ -121,8 +121,8 @@ def trees(device, target, quick: bool) -> dict:
 def attention(device, target, quick: bool) -> list[dict]:
     """Per tokens scored k: milliseconds of a masked call (a cached 256-token context, each call rolled back) with
     transformers' ``"sdpa"`` attention, which copies K and V per query group under a mask, against
-    ``kernels.packed_sdpa_attention`` (what ``CausalLM`` chooses on CUDA), interleaved; and each call's torch calls."""
-    from specresearch.models.kernels import PACKED_SDPA, use_packed_sdpa
+    ``models.attention.packed_sdpa_attention`` (what ``CausalLM`` chooses on CUDA), interleaved; and each call's torch calls."""
+    from specresearch.models.attention import PACKED_SDPA, use_packed_sdpa
 
     model, before = target.model, target.model.config._attn_implementation
     use_packed_sdpa(model)  # registers it (the model is switched back and forth below)

@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from specresearch.models.causal_lm import CausalLM
-from specresearch.models.kernels import (
+from specresearch.models.attention import (
     CPU_SDPA,
     PACKED_SDPA,
     cpu_sdpa_attention,
     packed_sdpa_attention,
     use_packed_sdpa,
 )
+from specresearch.models.causal_lm import CausalLM
 from specresearch.models.toy import ToyLM, tiny_llama
 
 ATOL = 1e-4
@@ -463,7 +463,7 @@ def test_the_cpu_mask_is_transformers_boolean_mask_made_additive_once():
     boolean mask attends and -inf elsewhere, what scaled_dot_product_attention would make of it in every layer."""
     from transformers.masking_utils import sdpa_mask
 
-    from specresearch.models.kernels import additive_sdpa_mask
+    from specresearch.models.attention import additive_sdpa_mask
 
     padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     common = dict(batch_size=2, q_length=2, kv_length=5, q_offset=3, attention_mask=padding)

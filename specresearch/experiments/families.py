@@ -26,9 +26,9 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.engine.generate import speculative_generate
+from specresearch.models.attention import use_packed_sdpa
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import FAMILIES, perturbed_copy, tiny_family_model
-from specresearch.models.kernels import use_packed_sdpa
 
 __all__ = ["KERNELS", "CUDA_KERNELS", "STEPS", "PROMPTS", "CaseResult", "run_case", "reference_tokens", "family_wrapper"]
 

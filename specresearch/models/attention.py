@@ -9,8 +9,8 @@ then each kernel treats it its own way:
   must be additive, 0 where attended and the dtype's lowest value elsewhere (the lowest finite
   value, not -inf: a row that sees nothing -- a pad slot's query -- then stays finite, and its values cannot turn the
   other rows' products into NaN);
-* ``sdpa`` (and the wrapper's own :func:`~specresearch.models.kernels.cpu_sdpa_attention` /
-  :func:`~specresearch.models.kernels.packed_sdpa_attention`) takes an additive mask as well;
+* ``sdpa`` (and the wrapper's own :func:`cpu_sdpa_attention` /
+  :func:`packed_sdpa_attention`) takes an additive mask as well;
 * ``flash_attention_2/3`` (and the paged kernels) take no 4-D mask at all: they apply causal order over the physical
   slots and a 2-D padding mask. No tree, no masked slot inside the cache;
 * ``flex_attention`` adds a 4-D mask too (transformers' ``score_mod``), but on the CPU torch 2.13's compiled flex
@@ -33,6 +33,16 @@ attention time linear in the context past it. Layer types are transformers' own
 (``cache_utils.get_layer_types_and_kwargs``); any other type than full and sliding attention (chunked attention,
 linear attention, KV sharing) is refused with one line.
 
+Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
+mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
+(SmolLM2: 9 heads over 3) to keep CUDA's fused kernels, and a query whose last axis is strided (the
+transposed output of ``(W @ x^T)^T``) sends the CPU kernel down its slow unfused path. So
+``kernels.skinny_linear`` returns row-major outputs and ``CausalLM`` on CPU switches ``"sdpa"`` to
+:func:`cpu_sdpa_attention`, which hands the groups to the fused kernel: a two-token call of the embedded
+target then costs about what a one-token call costs (it cost 5-6 ms more, ~10%). On CUDA, where a step is
+bound by the host's torch calls rather than by the copy, ``CausalLM`` switches it to :func:`packed_sdpa_attention`,
+which packs each group's query heads into one head instead (6 calls a layer instead of 10).
+
 A model with one kind of layer takes one mask ``[B, 1, q, L]``; one with full and sliding layers (Gemma-2/3, Qwen2
 with ``max_window_layers``) takes transformers' mapping ``{layer type: mask}``, which those models accept in place of
 a 2-D mask.
@@ -45,7 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionLayout", "attention_layout", "exact_kernel", "additive_mask", "MASKED_KERNELS"]
+__all__ = ["AttentionLayout", "attention_layout", "exact_kernel", "additive_mask", "MASKED_KERNELS", "CPU_SDPA", "PACKED_SDPA",
+           "cpu_sdpa_attention", "packed_sdpa_attention", "use_cpu_sdpa", "use_packed_sdpa", "additive_sdpa_mask"]
 
 # Kernels that apply a 4-D additive mask as given (transformers' own and the two CausalLM registers on CPU / CUDA).
 MASKED_KERNELS = ("eager", "sdpa", "specresearch_cpu_sdpa", "specresearch_packed_sdpa")
@@ -127,3 +138,107 @@ def exact_kernel(model, *, may_switch: bool = True) -> str | None:
 def _name(model) -> str:
     path = getattr(model.config, "_name_or_path", "") or ""
     return f"{type(model).__name__}{f' ({path})' if path else ''}"
+
+
+CPU_SDPA = "specresearch_cpu_sdpa"  # the attention implementation CausalLM selects on CPU (cpu_sdpa_attention)
+
+
+def cpu_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs):
+    """transformers' ``"sdpa"`` attention, except that a masked call of a grouped-query layer on CPU hands the
+    groups to the kernel (``enable_gqa``) instead of copying K and V once per group.
+
+    transformers copies them whenever a mask is given (CUDA's fused kernels take grouped heads only without a
+    mask), and every call that scores 2 or more cached tokens has a mask. On CPU the fused kernel takes both,
+    so the copy (2 x layers x heads x context x head_dim floats per call) is pure cost. Any other call (no
+    mask, no groups, another device, position bias, soft-capping, attention weights asked) goes to
+    transformers' own function. Inputs ``query [B, h, q, d]``, ``key / value [B, kv, S, d]``; returns
+    ``([B, q, h, d], None)`` as transformers' attention functions do.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = _special(kwargs)
+    if attention_mask is None or groups == 1 or query.device.type != "cpu" or special or key.shape[-1] != value.shape[-1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+PACKED_SDPA = "specresearch_packed_sdpa"  # the attention CausalLM selects on CUDA (packed_sdpa_attention)
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs):
+    """transformers' ``"sdpa"`` attention, except that a masked call of a grouped-query layer packs each group's
+    query heads into one head of ``groups x q`` queries (and the mask alike) instead of copying K and V once per
+    group. Any device; meant for CUDA, whose fused kernels take grouped heads only without a mask.
+
+    The same scores and outputs: query head ``h`` reads K / V head ``h // groups`` either way. A GPU step is
+    bound by the host issuing its torch calls (``benchmarks/bench_step_ops.py``): this takes 6 a layer where
+    transformers' copies take 10, 120 fewer per call of the embedded target. Any other call (no mask, no groups,
+    a mask per head that is not one per query head, position bias, soft-capping, attention weights asked) goes
+    to transformers' own function. Inputs ``query [B, h, q, d]``, ``key / value [B, kv, S, d]``, ``attention_mask
+    [B or 1, 1 or h, q, S]``; returns ``([B, q, h, d], None)`` as transformers' attention functions do.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = _special(kwargs)
+    batch, heads, length, dim = query.shape
+    if (attention_mask is None or groups == 1 or special or key.shape[-1] != value.shape[-1]
+            or attention_mask.ndim != 4 or attention_mask.shape[1] not in (1, heads)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    packed = query.reshape(batch, heads // groups, groups * length, dim)  # head j * groups + r -> rows r * q + t
+    if attention_mask.shape[1] == 1:
+        mask = attention_mask.repeat(1, 1, groups, 1)
+    else:
+        mask = attention_mask.expand(batch, -1, -1, -1).reshape(batch, heads // groups, groups * length, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+def _special(kwargs) -> bool:
+    """Whether an attention call asks for what only transformers' own function does."""
+    return any(kwargs.get(name) is not None for name in ("position_bias", "cache", "softcap")) or bool(kwargs.get("output_attentions"))
+
+
+def use_cpu_sdpa(model) -> bool:
+    """Switch a transformers model that uses ``"sdpa"`` attention to :func:`cpu_sdpa_attention` (registered with
+    transformers as ``CPU_SDPA``, with :func:`additive_sdpa_mask`); returns whether it was switched."""
+    return _use_attention(model, CPU_SDPA, cpu_sdpa_attention, additive_sdpa_mask)
+
+
+def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    """transformers' sdpa mask (None where a call needs none), a boolean one made additive once per forward: 0 where
+    attended, -inf elsewhere, in the activations' ``dtype``. ``scaled_dot_product_attention`` makes exactly this of a
+    boolean mask itself, but in every layer: ~30 µs a layer on the AVX2 EPYC, ~1 ms of a two-token call of the
+    embedded target."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def use_packed_sdpa(model) -> bool:
+    """Switch a transformers model that uses ``"sdpa"`` attention to :func:`packed_sdpa_attention` (registered
+    as ``PACKED_SDPA``, with transformers' sdpa masks); returns whether it was switched."""
+    return _use_attention(model, PACKED_SDPA, packed_sdpa_attention)
+
+
+def _use_attention(model, name: str, function, mask=None) -> bool:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, mask or sdpa_mask)
+    model.set_attn_implementation(name)
+    return True

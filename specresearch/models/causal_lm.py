@@ -24,14 +24,12 @@ from typing import Sequence
 
 import torch
 
-from specresearch.models.attention import attention_layout, exact_kernel
+from specresearch.models.attention import attention_layout, exact_kernel, use_cpu_sdpa, use_packed_sdpa
 from specresearch.models.kernels import (
     SKINNY_ROWS,
     choose_kernel_rows,
     choose_skinny_rows,
-    use_cpu_sdpa,
     use_kernel_rows,
-    use_packed_sdpa,
     use_skinny_linears,
 )
 

@@ -14,16 +14,6 @@ AVX-512 and AMX) the plain product is twice as fast for one row, so by default :
 both on the model's own weights when it loads (:func:`choose_skinny_rows`, ~7 s for the embedded
 target) and computes only the row counts where the skinny product wins its own way.
 
-Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
-mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
-(SmolLM2: 9 heads over 3) to keep CUDA's fused kernels, and a query whose last axis is strided (the
-transposed output of ``(W @ x^T)^T``) sends the CPU kernel down its slow unfused path. So
-``skinny_linear`` returns row-major outputs and ``CausalLM`` on CPU switches ``"sdpa"`` to
-:func:`cpu_sdpa_attention`, which hands the groups to the fused kernel: a two-token call of the embedded
-target then costs about what a one-token call costs (it cost 5-6 ms more, ~10%). On CUDA, where a step is
-bound by the host's torch calls rather than by the copy, ``CausalLM`` switches it to :func:`packed_sdpa_attention`,
-which packs each group's query heads into one head instead (6 calls a layer instead of 10).
-
 Half-precision weights for drafts (:func:`use_half_weights`): a draft's weights stored in float16 halve
 the bytes streamed per call; its activations, biases and everything between the linear layers stay
 float32. :func:`skinny_linear` sees the dtypes differ and multiplies 1-4 rows in float16 (a oneDNN
@@ -61,8 +51,7 @@ from specresearch.models.native import (
     skinny_kernel,
 )
 
-__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "use_int8_weights", "int8_rows", "cpu_sdpa_attention", "use_cpu_sdpa",
-           "packed_sdpa_attention", "use_packed_sdpa"]
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "use_int8_weights", "int8_rows"]
 
 
 SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
@@ -175,7 +164,10 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     timed on ``model``'s own float32 linear layers (and modules that carry ``skinny_rows``). For each row
     count, one sweep multiplies an input by every such layer's weight in module order, as a forward
     streams them; ``repeats`` rounds each time both paths' sweeps of every row count in turn, and a row
-    count is chosen when its median skinny sweep takes less than ``margin`` times its median plain one.
+    count is chosen when its median skinny sweep takes less than ``margin`` times its median plain one. A first
+    timing says so on stderr and keeps to a budget (:func:`_race`, :func:`_fitted_subset`): it sweeps the first
+    weights up to ``SWEEP_BYTES`` (fewer where one sweep shows slow memory), stops timing a row count that clearly
+    loses after two rounds, and stops its rounds after ``CALIBRATION_SECONDS``.
     A sweep reads each weight once, so a model larger than the CPU's caches is timed from memory, as its
     forwards run (one weight per shape timed over and over stays in cache, where the plain one-row
     product looked 3x faster than the skinny one on an AMD EPYC whose forwards ran it 1.4x slower); a model whose
@@ -367,7 +359,7 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
     half-weight product, else ``F.linear``) on this machine; () where there is no kernel or the model's linear weights
     (int8 ones included, which the kernel always takes) take less than ``TIMED_MIN_BYTES`` (8 MiB: they stay in cache, where streaming them is not what a call waits for). Timed as :func:`choose_skinny_rows` times: one sweep reads every layer's weight once in module order,
     ``repeats`` round-robin rounds of both paths for every row count, a row count chosen when its median kernel sweep
-    takes less than ``margin`` times its median present one. Answers are kept per layer shapes, the layers' skinny
+    takes less than ``margin`` times its median present one, within the same budget. Answers are kept per layer shapes, the layers' skinny
     rows, thread count and kernel source (C and Python), for the process and in ``<cache_dir>/kernel_rows.json``. ``timer(fn, path,
     rows) -> seconds`` (path ``"kernel"`` or ``"present"``) replaces the clock (tests)."""
     import hashlib
@@ -500,107 +492,3 @@ def half_input_limit(weight: torch.Tensor) -> float:
     """The largest ``max|x|`` of an input row whose product with the half ``weight [out, in]`` stays below half of
     float16's largest value, partial sums included (module docstring)."""
     return float(torch.finfo(torch.float16).max / 2 / weight.float().abs().sum(-1).max().clamp(min=1e-30))
-
-
-CPU_SDPA = "specresearch_cpu_sdpa"  # the attention implementation CausalLM selects on CPU (cpu_sdpa_attention)
-
-
-def cpu_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, **kwargs):
-    """transformers' ``"sdpa"`` attention, except that a masked call of a grouped-query layer on CPU hands the
-    groups to the kernel (``enable_gqa``) instead of copying K and V once per group.
-
-    transformers copies them whenever a mask is given (CUDA's fused kernels take grouped heads only without a
-    mask), and every call that scores 2 or more cached tokens has a mask. On CPU the fused kernel takes both,
-    so the copy (2 x layers x heads x context x head_dim floats per call) is pure cost. Any other call (no
-    mask, no groups, another device, position bias, soft-capping, attention weights asked) goes to
-    transformers' own function. Inputs ``query [B, h, q, d]``, ``key / value [B, kv, S, d]``; returns
-    ``([B, q, h, d], None)`` as transformers' attention functions do.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    special = _special(kwargs)
-    if attention_mask is None or groups == 1 or query.device.type != "cpu" or special or key.shape[-1] != value.shape[-1]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                           scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-PACKED_SDPA = "specresearch_packed_sdpa"  # the attention CausalLM selects on CUDA (packed_sdpa_attention)
-
-
-def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                          is_causal: bool | None = None, **kwargs):
-    """transformers' ``"sdpa"`` attention, except that a masked call of a grouped-query layer packs each group's
-    query heads into one head of ``groups x q`` queries (and the mask alike) instead of copying K and V once per
-    group. Any device; meant for CUDA, whose fused kernels take grouped heads only without a mask.
-
-    The same scores and outputs: query head ``h`` reads K / V head ``h // groups`` either way. A GPU step is
-    bound by the host issuing its torch calls (``benchmarks/bench_step_ops.py``): this takes 6 a layer where
-    transformers' copies take 10, 120 fewer per call of the embedded target. Any other call (no mask, no groups,
-    a mask per head that is not one per query head, position bias, soft-capping, attention weights asked) goes
-    to transformers' own function. Inputs ``query [B, h, q, d]``, ``key / value [B, kv, S, d]``, ``attention_mask
-    [B or 1, 1 or h, q, S]``; returns ``([B, q, h, d], None)`` as transformers' attention functions do.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    special = _special(kwargs)
-    batch, heads, length, dim = query.shape
-    if (attention_mask is None or groups == 1 or special or key.shape[-1] != value.shape[-1]
-            or attention_mask.ndim != 4 or attention_mask.shape[1] not in (1, heads)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    packed = query.reshape(batch, heads // groups, groups * length, dim)  # head j * groups + r -> rows r * q + t
-    if attention_mask.shape[1] == 1:
-        mask = attention_mask.repeat(1, 1, groups, 1)
-    else:
-        mask = attention_mask.expand(batch, -1, -1, -1).reshape(batch, heads // groups, groups * length, -1)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
-                                                           scale=scaling)
-    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None
-
-
-def _special(kwargs) -> bool:
-    """Whether an attention call asks for what only transformers' own function does."""
-    return any(kwargs.get(name) is not None for name in ("position_bias", "cache", "softcap")) or bool(kwargs.get("output_attentions"))
-
-
-def use_cpu_sdpa(model) -> bool:
-    """Switch a transformers model that uses ``"sdpa"`` attention to :func:`cpu_sdpa_attention` (registered with
-    transformers as ``CPU_SDPA``, with :func:`additive_sdpa_mask`); returns whether it was switched."""
-    return _use_attention(model, CPU_SDPA, cpu_sdpa_attention, additive_sdpa_mask)
-
-
-def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
-    """transformers' sdpa mask (None where a call needs none), a boolean one made additive once per forward: 0 where
-    attended, -inf elsewhere, in the activations' ``dtype``. ``scaled_dot_product_attention`` makes exactly this of a
-    boolean mask itself, but in every layer: ~30 µs a layer on the AVX2 EPYC, ~1 ms of a two-token call of the
-    embedded target."""
-    from transformers.masking_utils import sdpa_mask
-
-    mask = sdpa_mask(*args, **kwargs)
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def use_packed_sdpa(model) -> bool:
-    """Switch a transformers model that uses ``"sdpa"`` attention to :func:`packed_sdpa_attention` (registered
-    as ``PACKED_SDPA``, with transformers' sdpa masks); returns whether it was switched."""
-    return _use_attention(model, PACKED_SDPA, packed_sdpa_attention)
-
-
-def _use_attention(model, name: str, function, mask=None) -> bool:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return False
-    AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, mask or sdpa_mask)
-    model.set_attn_implementation(name)
-    return True
