@@ -78,6 +78,39 @@ def test_medusa_nucleus_on_a_chain_emits_p_times_two_minus_p():
     assert sum(v for seq, v in law.items() if seq[0] == 0) == P2[0] * (2 - P2[0])
 
 
+def test_llamacpp_example_verifies_its_paths_in_a_random_order():
+    """p = (1/2, 1/2, 0), q = (3/5, 3/10, 1/10), two paths (tokens 0 and 1): in path order token 0 comes first
+    with probability 5/6; in llama.cpp's uniformly random order (speculative.cpp l. 279-282) the first token's law is
+    (5/12, 7/12) = 1/2 (5/6, 1/6) + 1/2 (0, 1) (token 1 first: p/q = 5/3, always accepted)."""
+    p, q = (F(1, 2), F(1, 2), F(0)), (F(3, 5), F(3, 10), F(1, 10))
+    law = step_law(engine_rule("llamacpp-example", num_drafts=2, gamma=1), p, q)
+    assert [sum((v for s, v in law.items() if s[0] == t), F(0)) for t in range(3)] == [F(5, 12), F(7, 12), 0]
+    assert engine_rule("llamacpp-example").num_drafts == 1 and engine_rule("llamacpp-example").gamma == 3  # its defaults
+    with pytest.raises(ValueError, match="gamma = 1 only"):
+        engine_rule("llamacpp-example", num_drafts=2, gamma=2)
+
+
+def test_medusa_nucleus_compares_each_path_with_its_own_sample():
+    """Two paths of one token, x0 and x1 (q's top two): each is compared with its own draw of p (Medusa's
+    get_nucleus_posterior_mask samples per candidate and position), so x1 comes out when its draw matches and x0's
+    did not, or when neither matched and the fresh draw is x1: p1 (1 - p0) + (1 - p0)(1 - p1) p1. One draw per
+    node would give p1 + (1 - p0 - p1) p1."""
+    p, q = (F(1, 2), F(1, 3), F(1, 6)), (F(1, 2), F(1, 3), F(1, 6))
+    law = step_law(engine_rule("medusa-nucleus", num_drafts=2, gamma=1), p, q)
+    first = [sum((v for s, v in law.items() if s[0] == t), F(0)) for t in range(3)]
+    none = (1 - p[0]) * (1 - p[1])
+    assert first == [p[0] + none * p[0], p[1] * (1 - p[0]) + none * p[1], none * p[2]]
+    assert first[1] != p[1] + (1 - p[0] - p[1]) * p[1]
+
+
+def test_medusa_typical_breaks_a_tie_in_length_by_likelihood():
+    """Both candidates typical (accepted length 1 each): Medusa keeps the likelier one (evaluate_posterior l.
+    496-501), here the second in q's order, and emits it with probability 1."""
+    p, q = (F(1, 5), F(3, 5), F(1, 5)), (F(1, 2), F(3, 10), F(1, 5))  # q's order: token 0, then token 1
+    law = step_law(engine_rule("medusa-typical", num_drafts=2, gamma=1), p, q)
+    assert sum((v for s, v in law.items() if s[0] == 1), F(0)) == 1
+
+
 def test_medusa_typical_threshold_is_decided_exactly():
     """p = (1/2, 1/4, 1/4): exp(-H) = 2^(-3/2), delta exp(-H) = 0.106...; eps = 0.09 is the smaller: 1/4 passes.
     With eps = 1 the entropy term decides: 1/4 > 0.3 * 2^(-3/2) = 0.1060 passes, 1/10 would not."""

@@ -114,13 +114,14 @@ def _typical(row, x: int, epsilon: Fraction, delta: Fraction) -> bool:
 
 def _medusa_typical_law(epsilon: Fraction, delta: Fraction, fast: bool) -> Callable:
     def law(target, draft, paths, prefix):
-        best, best_len = paths[0], -1
-        for path in paths:  # the candidate with the longest typical prefix, the first on ties (argmax)
-            n = 0
+        best, best_len, best_likelihood = paths[0], -1, _ZERO
+        for path in paths:  # the longest typical prefix; ties (fast) by the prefix's likelihood, then the first
+            n, likelihood = 0, _ONE
             while n < len(path) and _typical(target(prefix + path[:n]), path[n], epsilon, delta):
+                likelihood *= target(prefix + path[:n])[path[n]]
                 n += 1
-            if n > best_len:
-                best, best_len = path, n
+            if n > best_len or (fast and n == best_len and n > 0 and likelihood > best_likelihood):
+                best, best_len, best_likelihood = path, n, likelihood
         accepted = best[:best_len]
         row = target(prefix + accepted)
         if fast:
@@ -131,17 +132,26 @@ def _medusa_typical_law(epsilon: Fraction, delta: Fraction, fast: bool) -> Calla
 
 
 def _medusa_nucleus_law(target, draft, paths, prefix) -> dict:
-    """Draw y ~ p at each node; descend if y is a child; otherwise emit a fresh draw from p (not y)."""
-    children, law = merged_tree(paths), defaultdict(Fraction)
+    """One draw y ~ p for every candidate path and position, independent across paths (shared prefixes included);
+    a path's accepted length is its first mismatch; the first path of the longest length wins; then a fresh draw from
+    p after its accepted prefix. Enumerated over every tuple of accepted lengths."""
+    import itertools
 
-    def descend(u: tuple, mass: Fraction) -> None:
-        row = target(prefix + u)
-        for x in children[u]:
-            if row[x]:
-                descend(u + (x,), mass * row[x])
-        _emit(law, u, mass * (1 - sum((row[x] for x in children[u]), _ZERO)), row)
+    def lengths(path: tuple) -> list[Fraction]:  # P(accepted length = l), l = 0 .. len(path)
+        out, reach = [], _ONE
+        for n, x in enumerate(path):
+            px = target(prefix + path[:n])[x]
+            out.append(reach * (1 - px))
+            reach *= px
+        return out + [reach]
 
-    descend((), _ONE)
+    law, laws = defaultdict(Fraction), [lengths(path) for path in paths]
+    for ls in itertools.product(*(range(len(path) + 1) for path in paths)):
+        mass = math.prod((laws[i][l] for i, l in enumerate(ls)), start=_ONE)
+        if mass:
+            best = max(range(len(paths)), key=lambda i: (ls[i], -i))
+            accepted = paths[best][: ls[best]]
+            _emit(law, accepted, mass, target(prefix + accepted))
     return law
 
 
@@ -248,23 +258,29 @@ def eagle1(num_drafts: int = 2, gamma: int = 1) -> Rule:
 
 
 def medusa_typical(num_drafts: int = 2, gamma: int = 1, *, epsilon=0.09, delta=0.3, fast: bool = True) -> Rule:
-    """Medusa typical acceptance (FasterDecoding/Medusa: ``medusa/model/utils.py`` ``evaluate_posterior``,
-    ``medusa_generate``): candidates from a deterministic top-k tree (the heads' top-k, Cartesian; here the
-    draft's top-K tree); a candidate's token is accepted when p(x) > min(epsilon, delta exp(-H(p))), prefix-wise;
-    the candidate with the longest accepted prefix wins (the first on ties); then the next token is the target's
-    argmax (``fast=True``, the default fast mode) or a fresh sample from p. Defaults epsilon = 0.09, delta = 0.3 as
-    ``medusa_generate`` passes them (the utils' signatures list them swapped). Encoded with the exact entropy;
-    Medusa adds 1e-5 inside the log (not encoded). Not exact by design."""
+    """Medusa typical acceptance (FasterDecoding/Medusa at commit e2a5d20, ``medusa/model/utils.py``
+    ``evaluate_posterior`` l. 474-515; ``medusa/model/medusa_model.py`` ``medusa_generate`` l. 235-249, 340-342):
+    candidates from a deterministic top-k tree (the heads' top-k, Cartesian; here the draft's top-K tree); a
+    candidate's token is accepted when p(x) > min(epsilon, delta exp(-H(p))), prefix-wise; the candidate with the
+    longest accepted prefix wins, ties broken by the accepted prefix's likelihood (l. 496-501; then the first); then
+    the next token is the target's argmax (``fast=True``, the default: ``generate_candidates`` l. 281). Defaults
+    epsilon = 0.09, delta = 0.3 as ``medusa_generate`` passes them (the utils' signatures list them swapped).
+    ``fast=False`` encodes the code's other branch (the first longest candidate, l. 513, then a fresh sample from p),
+    though at e2a5d20 it does not run: l. 504 passes six arguments to ``get_typical_posterior_mask`` (l. 404), which
+    takes five. Encoded with the exact entropy; Medusa adds 1e-5 inside the log (not encoded). Not exact by design."""
     epsilon, delta = _fraction("epsilon", epsilon), _fraction("delta", delta, hi=None)
     params = {"epsilon": epsilon, "delta": delta, "fast": fast}
     return Rule("medusa-typical", _medusa_typical_law(epsilon, delta, bool(fast)), "topk", num_drafts, gamma, params, "not exact", medusa_typical.__doc__)
 
 
 def medusa_nucleus(num_drafts: int = 2, gamma: int = 1) -> Rule:
-    """Medusa's non-fast sampling mode (``evaluate_posterior`` with ``sampling="nucleus"``): the target (after its
-    nucleus truncation, taken here as p) is sampled once per node; a candidate equal to the sample is accepted;
-    otherwise the emitted token is a fresh draw from p, not the compared one. For a single chain P(x) =
-    p(x)(2 - p(x)). Read from the engines summary; the redraw was not re-read in the source."""
+    """Medusa's nucleus mode (``evaluate_posterior`` with ``sampling="nucleus"``, ``utils.py`` l. 517-528, at commit
+    e2a5d20): ``get_nucleus_posterior_mask`` (l. 350-402) draws one sample of the target (after its nucleus
+    truncation, taken here as p) for every candidate path and position, independently (``torch.multinomial`` over the
+    flattened [candidates x positions] rows, l. 372-376), so paths that share a prefix are compared with different
+    samples there; a candidate's accepted length is its first mismatch, the first longest candidate wins (l. 527),
+    and the next token is a fresh draw from p after its accepted prefix (``generate_candidates`` l. 285-286), not the
+    compared sample. For a single chain P(x) = p(x)(2 - p(x))."""
     return Rule("medusa-nucleus", _medusa_nucleus_law, "topk", num_drafts, gamma, {}, "not exact", medusa_nucleus.__doc__)
 
 
@@ -328,15 +344,51 @@ def llamacpp_server(num_drafts: int = 1, gamma: int = 2) -> Rule:
     return Rule("llamacpp-server", _sample_and_compare, _chain, num_drafts, gamma, {}, "exact", llamacpp_server.__doc__)
 
 
-def llamacpp_example(num_drafts: int = 2, gamma: int = 1, *, p_split=0.1) -> Rule:
-    """llama.cpp ``examples/speculative`` (``--draft-p-split`` 0.10; SpecInfer's Algorithm 2, PR 5625): a
-    deterministic tree (the top candidate, plus a new path for another token with q > p_split), verified with
-    r <= p/q using the draft's q and the residual max(p - q, 0) with q unchanged (SpecInfer's RRS on the paths).
-    Encoded with full rows: the example subtracts the candidate lists index by index after sorting them by id
-    (not re-read). Not exact: q is not the law of a deterministic draft."""
+def _random_order_rrs_law(target, draft, paths, prefix) -> dict:
+    """At each node the children are verified in a uniformly random order (every order equally likely): r <= p/q
+    with the node's q, the residual norm(max(p - q, 0)) after each rejection, q unchanged; all rejected: a draw
+    from the residual."""
+    import itertools
+
+    children, law = merged_tree(paths), defaultdict(Fraction)
+
+    def descend(u: tuple, mass: Fraction) -> None:
+        q, orders = draft(prefix + u), list(itertools.permutations(children[u]))
+        for order in orders:
+            current, left = target(prefix + u), mass / len(orders)
+            for x in order:
+                accept = min(_ONE, current[x] / q[x]) if q[x] else _ONE
+                if accept:
+                    descend(u + (x,), left * accept)
+                left *= 1 - accept
+                excess = [max(c - d, _ZERO) for c, d in zip(current, q)]
+                total = sum(excess, _ZERO)
+                current = tuple(e / total for e in excess) if total else current
+            _emit(law, u, left, current)
+
+    descend((), _ONE)
+    return law
+
+
+def llamacpp_example(num_drafts: int = 1, gamma: int = 3, *, p_split=0.1) -> Rule:
+    """llama.cpp ``examples/speculative`` (the ``vendor/llama.cpp`` of the llama-cpp-python 0.3.36 sdist,
+    ``examples/speculative/speculative.cpp``; SpecInfer's Algorithm 2, PR 5625): the draft's top candidates
+    (l. 526-575: the top token, and another path for each next token with q > ``p_split`` while fewer than
+    ``n_parallel`` paths exist), verified at each depth by picking an active path **uniformly at random** (l.
+    279-282), accepting its token when r <= p/q with the path's draft list (l. 300-318), else replacing the target's
+    list by max(p - q, 0) renormalised (l. 324-351; the lists are sorted by id and subtracted index by index, which
+    is p - q for full rows, as encoded) and picking again; all rejected: a draw from the residual (l. 378-394).
+    Defaults are the example's: ``n_parallel`` 1 (``common/common.h`` l. 457), ``n_max`` 3 drafted tokens (l.
+    328), ``p_split`` 0.1 (l. 331). Not encoded: after a rejection the example marks the other paths with the same
+    token inactive but erases the rejected path again instead of them (l. 356-361), so such a path is verified once
+    more against the residual; that needs two paths sharing a token at one depth (a tree deeper than one token), so
+    trees of several paths are encoded at gamma = 1 only. Not exact: q is not the law of a deterministic draft."""
     p_split = _fraction("p_split", p_split)
-    return Rule("llamacpp-example", method_law("rrs"), _p_split_tree(p_split), num_drafts, gamma, {"p_split": p_split},
-                "not exact", llamacpp_example.__doc__)
+    if num_drafts > 1 and gamma > 1:
+        raise ValueError("llamacpp-example: trees of several paths are encoded at gamma = 1 only (deeper trees share "
+                         "tokens between paths, which the example verifies again: see the docstring)")
+    return Rule("llamacpp-example", _random_order_rrs_law, _p_split_tree(p_split), num_drafts, gamma,
+                {"p_split": p_split}, "not exact", llamacpp_example.__doc__)
 
 
 def trtllm_relaxed(num_drafts: int = 1, gamma: int = 2, *, relaxed_topk: int | None = None, relaxed_delta=0.6) -> Rule:

@@ -62,18 +62,26 @@ def _medusa_typical(p, q, k, epsilon=0.09, delta=0.3, fast=True):
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1, keepdim=True)
     threshold = torch.minimum(torch.full_like(entropy, float(epsilon)), float(delta) * torch.exp(-entropy))
     candidates = topk_tokens(q, k)
-    typical = p.gather(1, candidates) > threshold  # [N, k]
+    pc = p.gather(1, candidates)
+    typical = pc > threshold  # [N, k]
     hit = typical.any(-1)
-    chosen = candidates.gather(1, typical.long().argmax(-1, keepdim=True)).squeeze(1)  # the first typical candidate
+    if fast:  # among the typical candidates the likeliest (evaluate_posterior's tie-break), the first on equal p
+        pick = torch.where(typical, pc, -1.0).argmax(-1, keepdim=True)
+    else:  # the first typical candidate
+        pick = typical.long().argmax(-1, keepdim=True)
+    chosen = candidates.gather(1, pick).squeeze(1)
     fallback = torch.nn.functional.one_hot(p.argmax(-1), p.shape[-1]).to(p) if fast else p
     r = torch.where(hit[:, None], torch.nn.functional.one_hot(chosen, p.shape[-1]).to(p), fallback)
     return r, hit.to(p.dtype)
 
 
 def _medusa_nucleus(p, q, k):
-    inside = torch.zeros_like(p).scatter_(1, topk_tokens(q, k), 1.0)
-    mass = (p * inside).sum(-1, keepdim=True)
-    return p * inside + (1 - mass) * p, mass.squeeze(1)
+    candidates = topk_tokens(q, k)
+    pc = p.gather(1, candidates)  # [N, k]: each candidate compared with its own draw of p
+    before = torch.cumprod(torch.cat([torch.ones_like(pc[:, :1]), 1 - pc[:, :-1]], 1), 1)  # no earlier candidate hit
+    accept = pc * before  # the first candidate whose draw matched
+    none = 1 - accept.sum(-1, keepdim=True)
+    return (none * p).scatter_add_(1, candidates, accept), accept.sum(-1)
 
 
 def _sglang(p, q, k, threshold_single=1.0, threshold_acc=1.0):
@@ -101,17 +109,27 @@ def _hf_assisted(p, q, k, assistant="sampled"):
 
 
 def _llamacpp_example(p, q, k, p_split=0.1):
+    """The candidates verified in a uniformly random order: the mean over every order of the k positions, skipping
+    the candidates not kept, which is the uniform order over those kept."""
+    import itertools
+
     ranked = topk_tokens(q, p.shape[-1])[:, :k]
     keep = q.gather(1, ranked) > float(p_split)
     keep[:, 0] = True  # the top candidate always
-    current, mass, r = p.clone(), torch.ones_like(p[:, 0]), torch.zeros_like(p)
-    for i in range(ranked.shape[1]):
-        x, on = ranked[:, i : i + 1], keep[:, i]
-        a = torch.where(on, torch.minimum(torch.ones_like(mass), current.gather(1, x).squeeze(1) / q.gather(1, x).squeeze(1)), 0.0)
-        r.scatter_add_(1, x, (mass * a)[:, None])
-        mass = mass * (1 - a)
-        current = torch.where(on[:, None], _normalised((current - q).clamp(min=0), current), current)
-    return r + mass[:, None] * current, 1 - mass
+    orders = list(itertools.permutations(range(ranked.shape[1])))
+    total, accepted = torch.zeros_like(p), torch.zeros_like(p[:, 0])
+    for order in orders:
+        current, mass, r = p.clone(), torch.ones_like(p[:, 0]), torch.zeros_like(p)
+        for i in order:
+            x, on = ranked[:, i : i + 1], keep[:, i]
+            ratio = current.gather(1, x).squeeze(1) / q.gather(1, x).squeeze(1)
+            a = torch.where(on, torch.minimum(torch.ones_like(mass), ratio), 0.0)
+            r.scatter_add_(1, x, (mass * a)[:, None])
+            mass = mass * (1 - a)
+            current = torch.where(on[:, None], _normalised((current - q).clamp(min=0), current), current)
+        total += r + mass[:, None] * current
+        accepted += 1 - mass
+    return total / len(orders), accepted / len(orders)
 
 
 def _trtllm(p, q, k, relaxed_topk=None, relaxed_delta=0.6):
