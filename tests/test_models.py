@@ -502,7 +502,8 @@ def test_calibration_stops_rows_that_clearly_lose_and_keeps_to_its_budget(monkey
 
 def test_calibration_sweeps_fewer_weights_where_memory_is_slow(monkeypatch):
     """``kernels._fitted_subset``: the first weights in module order up to SWEEP_BYTES; where one measured sweep says
-    the rounds would pass the budget (a 1 s sweep: 0.1 GB/s), a prefix small enough to fit it, never empty."""
+    the rounds would pass the budget (a 1 s sweep: 0.1 GB/s), a prefix small enough to fit it, never empty and never
+    under SWEEP_FLOOR_BYTES."""
     from specresearch.models import kernels
 
     weights = [torch.zeros(256, 1024) for _ in range(16)]  # 1 MiB each
@@ -511,8 +512,11 @@ def test_calibration_sweeps_fewer_weights_where_memory_is_slow(monkeypatch):
     fast = kernels._fitted_subset(weights, lambda part: (lambda: None), repeats=5)
     assert len(fast) == 8 and all(a is b for a, b in zip(fast, weights))
     monkeypatch.setattr(kernels, "_clock", lambda fn, path, rows: 1.0)
+    monkeypatch.setattr(kernels, "SWEEP_FLOOR_BYTES", 0)
     slow = kernels._fitted_subset(weights, lambda part: (lambda: None), repeats=5)
     assert len(slow) == 1 and slow[0] is weights[0]  # 8 s / (16 x 1.3 x 6 sweeps of 1 s): 6 % of the bytes
+    monkeypatch.setattr(kernels, "SWEEP_FLOOR_BYTES", 3 << 20)
+    assert len(kernels._fitted_subset(weights, lambda part: (lambda: None), repeats=5)) == 3  # never under the floor
 
 
 def test_calibration_says_on_stderr_what_it_times_once(monkeypatch, tmp_path, capsys):

@@ -226,6 +226,8 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
 
 CALIBRATION_SECONDS = 8.0  # each of choose_skinny_rows and choose_kernel_rows: a first token waits for both
 SWEEP_BYTES = 128 << 20  # a sweep's weights: more than a CPU's caches hold, a quarter of the embedded target's
+# the fewest a sweep reads however slow the memory (at 0.1 GB/s the warm-up and one round of 16 sweeps take ~8 s)
+SWEEP_FLOOR_BYTES = 24 << 20
 
 
 def _clock(fn, path, rows) -> float:
@@ -239,8 +241,8 @@ def _clock(fn, path, rows) -> float:
 def _fitted_subset(weights: list[torch.Tensor], plain_sweep, repeats: int, seconds: float = CALIBRATION_SECONDS):
     """The weights a calibration sweeps: the first ones in module order (a forward's order) up to ``SWEEP_BYTES``, as
     many shapes as a few layers have, then fewer where one measured sweep (``plain_sweep(part)`` -> its function)
-    says that 16 paths x (1 + ``repeats``) sweeps would pass ``seconds``: a machine whose memory streams at 0.1 GB/s
-    calibrates in the budget too, on fewer weights."""
+    says that 16 paths x (1 + ``repeats``) sweeps would pass ``seconds``, down to ``SWEEP_FLOOR_BYTES``: a machine
+    whose memory streams at 0.1 GB/s calibrates on fewer weights, and ``_race``'s deadline ends its rounds."""
     subset, total = [], 0
     for w in weights:
         if subset and total >= SWEEP_BYTES:
@@ -250,10 +252,11 @@ def _fitted_subset(weights: list[torch.Tensor], plain_sweep, repeats: int, secon
     with torch.no_grad():
         once = _clock(plain_sweep(subset), "plain", 1)
     affordable = seconds / max(16 * 1.3 * (1 + repeats) * once, 1e-9)  # fraction of the subset the budget sweeps
-    if affordable < 1:
+    if affordable < 1:  # but not under SWEEP_FLOOR_BYTES: the rounds' deadline bounds a slower machine
         keep, total = [], 0
+        room = max(affordable * sum(x.numel() * x.element_size() for x in subset), SWEEP_FLOOR_BYTES)
         for w in subset:
-            if keep and total + w.numel() * w.element_size() > affordable * sum(x.numel() * x.element_size() for x in subset):
+            if keep and total + w.numel() * w.element_size() > room:
                 break
             keep.append(w)
             total += w.numel() * w.element_size()
