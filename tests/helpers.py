@@ -51,3 +51,21 @@ class ToyChatTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
         return [2 + ord(c) % 30 for c in messages[0]["content"]]
+
+
+def visible_from_parents(parents):
+    """A tree's ``visible [1, n, n]`` (each node sees itself and its ancestors) from parent indices (-1: none)."""
+    v = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            v[i] |= v[p]
+    return v[None]
+
+
+def tree_path(tokens, parents, i) -> list[int]:
+    """The tokens from the root to node ``i`` of a tree (``tokens`` one row, ``parents`` indices, -1: none)."""
+    path = []
+    while i >= 0:
+        path.insert(0, int(tokens[i]))
+        i = parents[i]
+    return path

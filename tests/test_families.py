@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tree_path, visible_from_parents
 
 from specresearch.config import SamplingConfig
 from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, reference_tokens, run_case
@@ -72,15 +73,6 @@ def test_without_the_window_the_matrix_sees_a_difference():
     assert run() != reference
 
 
-def _visible(parents):
-    """visible [1, n, n] from parent indices (-1: none)."""
-    v = torch.eye(len(parents), dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            v[i] |= v[p]
-    return v[None]
-
-
 def _uncached(model, ids):
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
@@ -104,14 +96,11 @@ def test_cached_tree_scoring_equals_each_path_uncached(family, kernel):
     for step in range(5):  # 5 trees: contexts grow past the window, dead slots are packed on the way
         tokens = torch.tensor([[pending[b], 10 + step, 20, 30 - step, 40, 12] for b in range(2)])
         lm.begin_tree()
-        logits = lm.score_tree(tokens, torch.tensor([[0, 1, 2, 1, 2, 3]] * 2), _visible(parents).expand(2, -1, -1))
+        logits = lm.score_tree(tokens, torch.tensor([[0, 1, 2, 1, 2, 3]] * 2),
+                               visible_from_parents(parents).expand(2, -1, -1))
         for b in range(2):
             for i in range(6):
-                path, j = [], i
-                while j >= 0:
-                    path.insert(0, int(tokens[b, j]))
-                    j = parents[j]
-                want = _uncached(reference, histories[b] + path)
+                want = _uncached(reference, histories[b] + tree_path(tokens[b], parents, i))
                 assert torch.allclose(logits[b, i], want, atol=1e-4), (family, step, b, i)
         lm.end_tree(torch.tensor([[True, True, True, False, False, True], [True, False, False, True, True, False]]))
         histories[0] += [pending[0], 10 + step, 20, 12]

@@ -110,6 +110,20 @@ def _reference(t, tokens, inputs, embedding, token_ids):
     return h, full.log_softmax(-1)
 
 
+def _exact_and_lossless(target, draft, *, chain_gamma: int, tree_gamma: int, k: int, seed: int) -> None:
+    """Greedy chains, sampled trees and dynamic trees give the target's greedy tokens (three left-padded prompts);
+    at T = 1, 6,000 samples of the first k tokens pass the exact Bonferroni test, whose false-positive rate is
+    <= 1e-6."""
+    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]], SamplingConfig(temperature=0.0)
+    want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=greedy).tokens
+    for options in (dict(verifier="block", gamma=chain_gamma), dict(verifier="traversal", num_drafts=2, gamma=tree_gamma),
+                    dict(verifier="onehot", num_drafts=2, gamma=tree_gamma, draft_law="dynamic")):
+        assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=greedy, **options).tokens == want
+    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=k, k=k,
+                           max_new_tokens=k + 1, num_samples=6_000, seed=seed, batch_size=3_000)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
 @pytest.mark.parametrize("safetensors, embed", [(True, False), (False, True)])
 def test_eagle3_logits_follow_the_formats_definition(tmp_path, safetensors, embed):
     target = _target()
@@ -158,16 +172,7 @@ def test_eagle3_runs_chains_and_trees_exactly_and_losslessly(tmp_path):
     _checkpoint(tmp_path / "head")
     draft = draft_from_name(str(tmp_path / "head"), target)
     assert isinstance(draft, EagleDraft) and draft_format(tmp_path / "head") == EAGLE3_FORMAT
-    prompts = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]]
-    greedy = SamplingConfig(temperature=0.0)
-    want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=greedy).tokens
-    for options in (dict(verifier="block", gamma=3), dict(verifier="traversal", num_drafts=2, gamma=2),
-                    dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")):
-        assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=greedy, **options).tokens == want
-    # T = 1: 6,000 samples of the first 2 tokens; the exact Bonferroni test's false-positive rate is <= 1e-6
-    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=2, k=2,
-                           max_new_tokens=3, num_samples=6_000, seed=3, batch_size=3_000)
-    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+    _exact_and_lossless(target, draft, chain_gamma=3, tree_gamma=2, k=2, seed=3)
 
 
 def test_eagle3_saved_again_loads_to_the_same_logits(tmp_path):
@@ -348,15 +353,7 @@ def test_medusa_runs_chains_and_trees_exactly_and_losslessly(tmp_path):
     target = _target()
     _medusa_checkpoint(tmp_path / "medusa")
     draft = draft_from_name(str(tmp_path / "medusa"), target)
-    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12]], SamplingConfig(temperature=0.0)
-    want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=greedy).tokens
-    for options in (dict(verifier="block", gamma=5), dict(verifier="traversal", num_drafts=2, gamma=3),
-                    dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")):
-        assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=greedy, **options).tokens == want
-    # T = 1: 6,000 samples of the first 3 tokens; the exact Bonferroni test's false-positive rate is <= 1e-6
-    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
-                           max_new_tokens=4, num_samples=6_000, seed=4, batch_size=3_000)
-    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+    _exact_and_lossless(target, draft, chain_gamma=5, tree_gamma=3, k=3, seed=4)  # gamma 5 > 3 heads: planned to 3
 
 
 def test_medusa_heads_that_do_not_repeat_their_block_are_refused(tmp_path):

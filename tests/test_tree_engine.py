@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import close_draft, markov_toy
+from helpers import close_draft, markov_toy, tree_path, visible_from_parents
 
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import sample_from_weights
@@ -35,16 +35,6 @@ def _uncached(lm, ids):
         return lm.model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
-def _visible(parents):
-    """visible [1, n, n] from parent indices (-1: none)."""
-    n = len(parents)
-    v = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            v[i] |= v[p]
-    return v[None]
-
-
 def test_tree_scoring_equals_each_path_uncached_and_the_cache_goes_on():
     lm = tiny_llama(48, seed=0, init_std=0.6)
     prompts = [[5, 9, 2, 33, 7], [4, 8, 11]]
@@ -59,14 +49,11 @@ def test_tree_scoring_equals_each_path_uncached_and_the_cache_goes_on():
         tokens = torch.tensor([[pending[b], 10 + step, 20, 30 - step, 40, 12] for b in range(2)])
         depth = torch.tensor([[0, 1, 2, 1, 2, 3]] * 2)
         lm.begin_tree()
-        logits = lm.score_tree(tokens, depth, _visible(parents).expand(2, -1, -1))
+        logits = lm.score_tree(tokens, depth, visible_from_parents(parents).expand(2, -1, -1))
         for b in range(2):
             for i in range(6):
-                path, j = [], i
-                while j >= 0:
-                    path.insert(0, int(tokens[b, j]))
-                    j = parents[j]
-                assert torch.allclose(logits[b, i], _uncached(lm, histories[b] + path), atol=1e-4), (step, b, i)
+                want = _uncached(lm, histories[b] + tree_path(tokens[b], parents, i))
+                assert torch.allclose(logits[b, i], want, atol=1e-4), (step, b, i)
         kept = torch.tensor([[True, True, True, False, False, True], [True, False, False, True, True, False]])
         lm.end_tree(kept)
         histories[0] += [pending[0], 10 + step, 20, 12]
