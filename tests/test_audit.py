@@ -111,6 +111,16 @@ def test_medusa_typical_breaks_a_tie_in_length_by_likelihood():
     assert sum((v for s, v in law.items() if s[0] == 1), F(0)) == 1
 
 
+def test_transformers_ensemble_verification_is_lossy_and_accepts_more():
+    """transformers' ``assistant_ensemble_weight`` w accepts against w p + (1 - w) q: on the two-symbol example with
+    w = 1/2 it accepts more than token verification (which it equals as w -> 1) and is not lossless."""
+    token, ensemble = audit("hf-assisted"), audit("hf-assisted", ensemble_weight=F(1, 2))
+    assert token.tv == 0 and ensemble.tv > 0 and ensemble.acceptance > token.acceptance
+    assert "CONTRADICTED" not in str(ensemble)
+    with pytest.raises(ValueError, match="ensemble_weight must lie in"):
+        engine_rule("hf-assisted", ensemble_weight=1)
+
+
 def test_medusa_typical_threshold_is_decided_exactly():
     """p = (1/2, 1/4, 1/4): exp(-H) = 2^(-3/2), delta exp(-H) = 0.106...; eps = 0.09 is the smaller: 1/4 passes.
     With eps = 1 the entropy term decides: 1/4 > 0.3 * 2^(-3/2) = 0.1060 passes, 1/10 would not."""

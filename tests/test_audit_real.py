@@ -18,7 +18,8 @@ from specresearch.audit.engines import ENGINE_RULES
 from specresearch.audit.real import TREE_RULES, distances, one_hot_cost, single_step, summarise
 
 CASES = [(name, {}) for name in ENGINE_RULES] + [(name, params) for name, params in LOSSY_SETTINGS.items()]
-CASES += [("medusa-typical", {"fast": False}), ("sglang", {"threshold_single": 0.3}), ("llamacpp-example", {"p_split": 0.05})]
+CASES += [("medusa-typical", {"fast": False}), ("sglang", {"threshold_single": 0.3}), ("llamacpp-example", {"p_split": 0.05}),
+          ("hf-assisted", {"ensemble_weight": 0.7})]
 
 
 def _row(rng: random.Random, vocab: int) -> tuple:

@@ -317,14 +317,32 @@ def vllm_block(num_drafts: int = 1, gamma: int = 2) -> Rule:
     return Rule("vllm-block", method_law("block"), "iid", num_drafts, gamma, {}, "exact", vllm_block.__doc__, torch_rule="block")
 
 
-def hf_assisted(num_drafts: int = 1, gamma: int = 2, *, assistant: str = "sampled") -> Rule:
-    """transformers assisted generation (``generation/utils.py`` ``_speculative_sampling``): token verification
-    with the assistant's processed scores as q. ``assistant="sampled"``: the assistant samples with the main
-    generation config, so q is the law its tokens came from (exact). ``assistant="greedy"``: a greedy assistant
-    whose softmax is still passed as q (transformers issue 32867): the ratio test then uses a q that is not the
-    law of the drafts."""
+def _ensemble_law(weight: Fraction) -> Callable:
+    """transformers' static ensemble verification: accept with min(1, 1 - w + w p/q), residual norm(max(p - q, 0))
+    (p itself where that has no mass), one chain of sampled drafts."""
+    from specresearch.audit.custom import rule_from_acceptance  # a rule's exact law from its acceptance function
+
+    return rule_from_acceptance(lambda p_x, q_x: min(_ONE, 1 - weight + weight * p_x / q_x), "ratio").law
+
+
+def hf_assisted(num_drafts: int = 1, gamma: int = 2, *, assistant: str = "sampled", ensemble_weight=None) -> Rule:
+    """transformers assisted generation (5.24: ``generation/utils.py`` ``_assisted_decoding`` l. 4113-4124 and
+    ``_speculative_sampling`` l. 4444-4504): token verification with the assistant's processed scores as q.
+    ``assistant="sampled"``: the assistant samples with the main generation config, so q is the law its tokens came
+    from (exact). ``assistant="greedy"``: a greedy assistant whose softmax is still passed as q (transformers issue
+    32867): the ratio test then uses a q that is not the law of the drafts. ``ensemble_weight`` w in (0, 1): the
+    generation config's ``assistant_ensemble_weight`` (DIVERSE's static ensemble verification, opt-in since 5.x,
+    ``configuration_utils.py`` l. 350-355): accept with min(1, 1 - w + w p/q), i.e. against w p + (1 - w) q, residual
+    max(p - q, 0) renormalised, p where it has no mass (l. 4469-4496): lossy by design."""
     if assistant not in ("sampled", "greedy"):
         raise ValueError(f"assistant must be 'sampled' or 'greedy', got {assistant!r}")
+    if ensemble_weight is not None:
+        weight = _fraction("ensemble_weight", ensemble_weight)
+        if not 0 < weight < 1 or assistant != "sampled":
+            raise ValueError(f"ensemble_weight must lie in (0, 1) with a sampling assistant, got {ensemble_weight!r} "
+                             f"with assistant={assistant!r}")
+        return Rule("hf-assisted", _ensemble_law(weight), "iid", num_drafts, gamma, {"ensemble_weight": weight},
+                    "not exact", hf_assisted.__doc__)
     draft_law = "iid" if assistant == "sampled" else _chain
     return Rule("hf-assisted", method_law("token"), draft_law, num_drafts, gamma, {"assistant": assistant},
                 "exact" if assistant == "sampled" else "not exact", hf_assisted.__doc__, torch_rule="token" if assistant == "sampled" else None)
