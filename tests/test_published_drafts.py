@@ -401,3 +401,15 @@ def test_the_toolkit_trains_an_eagle3_head_and_saves_it_in_the_repositorys_layou
         draft.observe(features)
         outs.append(torch.cat([draft.prefill(ids, torch.ones_like(ids))[:, None], draft.score(torch.tensor([[9]]))], 1))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_published_drafts_refuse_a_prompt_that_is_not_left_padded(tmp_path):
+    target = _target()
+    _checkpoint(tmp_path / "eagle3")
+    _medusa_checkpoint(tmp_path / "medusa")
+    ids, right_padded = torch.tensor([[3, 4, 0]]), torch.tensor([[1, 1, 0]])
+    for name in ("eagle3", "medusa"):
+        draft = draft_from_name(str(tmp_path / name), target)
+        draft.observe(torch.zeros(1, 3, draft.feature_size))
+        with pytest.raises(ValueError, match="attention_mask must be left-padded"):
+            draft.prefill(ids, right_padded)

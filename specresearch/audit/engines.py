@@ -20,6 +20,7 @@ as (0.09 -> 9/100), so the exact laws stay rational.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections import defaultdict
@@ -135,8 +136,6 @@ def _medusa_nucleus_law(target, draft, paths, prefix) -> dict:
     """One draw y ~ p for every candidate path and position, independent across paths (shared prefixes included);
     a path's accepted length is its first mismatch; the first path of the longest length wins; then a fresh draw from
     p after its accepted prefix. Enumerated over every tuple of accepted lengths."""
-    import itertools
-
     def lengths(path: tuple) -> list[Fraction]:  # P(accepted length = l), l = 0 .. len(path)
         out, reach = [], _ONE
         for n, x in enumerate(path):
@@ -366,8 +365,6 @@ def _random_order_rrs_law(target, draft, paths, prefix) -> dict:
     """At each node the children are verified in a uniformly random order (every order equally likely): r <= p/q
     with the node's q, the residual norm(max(p - q, 0)) after each rejection, q unchanged; all rejected: a draw
     from the residual."""
-    import itertools
-
     children, law = merged_tree(paths), defaultdict(Fraction)
 
     def descend(u: tuple, mass: Fraction) -> None:

@@ -10,6 +10,7 @@ prefixes from the embedded target and reads the shipped feature head's depth-1 r
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,8 +117,6 @@ def _hf_assisted(p, q, k, assistant="sampled", ensemble_weight=None):
 def _llamacpp_example(p, q, k, p_split=0.1):
     """The candidates verified in a uniformly random order: the mean over every order of the k positions, skipping
     the candidates not kept, which is the uniform order over those kept."""
-    import itertools
-
     ranked = topk_tokens(q, p.shape[-1])[:, :k]
     keep = q.gather(1, ranked) > float(p_split)
     keep[:, 0] = True  # the top candidate always

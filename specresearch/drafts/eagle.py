@@ -337,11 +337,9 @@ class EagleDraft(FeatureDraft):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self._restart(input_ids, attention_mask)
         valid = attention_mask.bool()
         first = valid & (valid.long().cumsum(-1) == 1)
-        queued = self._queued
-        self.reset(input_ids.shape[0])
-        self._queued = queued
         return self.head.logits(self._append(input_ids, valid & ~first)[:, -1])
 
 
@@ -385,20 +383,17 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _expected_shapes(config: dict, target_hidden: int, vocab: int) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: dict, text_config, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every EAGLE-3 tensor's shape for ``config`` over a target of ``text_config`` and ``vocab`` ("3T": the features
+    read, ``len(eagle3_feature_layers)`` of the target's hidden size)."""
     H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     d, kv = H // heads, int(config.get("num_key_value_heads") or heads)
-    sizes = {"H": H, "T": int(config.get("target_hidden_size") or target_hidden), "Q": heads * d, "K": kv * d,
-             "I": int(config["intermediate_size"]), "D": int(config.get("draft_vocab_size") or vocab), "V": vocab}
-    layers = len(eagle3_feature_layers(config, 1 << 20)) if config.get("eagle_aux_hidden_state_layer_ids") or (
-        config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") else 3
+    T = int(config.get("target_hidden_size") or text_config.hidden_size)
+    sizes = {"H": H, "2H": 2 * H, "3T": len(eagle3_feature_layers(config, text_config.num_hidden_layers)) * T,
+             "Q": heads * d, "K": kv * d, "I": int(config["intermediate_size"]),
+             "D": int(config.get("draft_vocab_size") or vocab), "V": vocab}
 
-    def size(symbol: str) -> int:
-        if symbol == "3T":
-            return layers * sizes["T"]
-        return 2 * sizes["H"] if symbol == "2H" else sizes[symbol]
-
-    return {name: tuple(size(s) for s in shape) for name, shape in {**EAGLE3_TENSORS, **_OPTIONAL}.items()}
+    return {name: tuple(sizes[s] for s in shape) for name, shape in {**EAGLE3_TENSORS, **_OPTIONAL}.items()}
 
 
 def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> EagleDraft:
@@ -414,7 +409,7 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
     tensors = _read_tensors(_weights_file(directory))
     if "layers.0.hidden_norm.weight" in tensors:  # the layer under the name vLLM's and speculators' loaders give it
         tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
-    expected = _expected_shapes(config, text.hidden_size, int(target.get_output_embeddings().weight.shape[0]))
+    expected = _expected_shapes(config, text, int(target.get_output_embeddings().weight.shape[0]))
     _check_tensors(directory, tensors, expected, set(_OPTIONAL), "EAGLE-3")
     draft_vocab = expected["lm_head.weight"][0]
     token_ids = None
@@ -481,10 +476,7 @@ def load_eagle(target_lm, directory: str | os.PathLike, *, device=None) -> Eagle
     expected, optional = _eagle1_shapes(config, int(target.get_output_embeddings().weight.shape[0]))
     _check_tensors(directory, tensors, expected, optional, "EAGLE-1/2")
     head = Eagle1Head(target, config, tensors.get("embed_tokens.weight"))
-    state = {k: v.float() for k, v in tensors.items() if k != "embed_tokens.weight"}
-    head.load_state_dict(state, strict=False)
-    loaded = set(head.state_dict()) - {"embed_tokens.weight"}
-    assert loaded == set(state), (loaded ^ set(state))
+    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)  # names checked above
     return EagleDraft(head, max_context=target_lm.max_context, device=device or target_lm.device)
 
 

@@ -24,7 +24,7 @@ from specresearch.models.kernels import (
     use_skinny_linears,
 )
 
-__all__ = ["FeatureDraft", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer", "rotate_half", "rope_base"]
+__all__ = ["FeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer", "rotate_half", "rope_base"]
 
 
 # The decoder layer's pieces (Llama-style names so a target layer can be copied in)
@@ -146,7 +146,36 @@ def rollout(head, features: torch.Tensor, tokens: torch.Tensor, attention_mask: 
     return outputs
 
 
-class FeatureDraft:
+class FeatureQueue:
+    """The target's true features a feature-reading draft is handed (``FeatureReader.observe``) before the slots that
+    read them: shared by :class:`FeatureDraft` and ``drafts.medusa.MedusaDraft`` (which set ``feature_size``,
+    ``feature_layers``, ``device`` and ``reset``)."""
+
+    _queued: torch.Tensor | None = None  # [B, k, F] true features for the next k slots
+
+    def observe(self, features: torch.Tensor) -> None:
+        """Queue the target's true features ``[B, k, F]`` of the slots before the next ``k`` slots fed."""
+        if features.ndim != 3 or features.shape[-1] != self.feature_size:
+            raise ValueError(f"features must be [B, k, {self.feature_size}] (target hidden states {self.feature_layers}), "
+                             f"got shape {tuple(features.shape)}")
+        self._queued = features.float().to(self.device)
+
+    def _restart(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """``prefill``'s start: check the prompt, start a batch of its rows, keep the features observed for it."""
+        check_prompt(input_ids, attention_mask)
+        queued = self._queued
+        self.reset(input_ids.shape[0])
+        self._queued = queued
+
+    def _take_queued(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The queued features for ``tokens [B, k]`` (then none are queued), or None."""
+        queued, self._queued = self._queued, None
+        if queued is not None and queued.shape[:2] != tokens.shape:
+            raise ValueError(f"observed features cover {tuple(queued.shape[:2])} slots but tokens are {tuple(tokens.shape)}")
+        return queued
+
+
+class FeatureDraft(FeatureQueue):
     """A feature head (``drafts.feature.FeatureHead``, an EAGLE head of ``drafts.eagle``) behind the ``LanguageModel``
     interface plus ``FeatureReader``.
 
@@ -193,20 +222,10 @@ class FeatureDraft:
         self._cache, self._last = [], None
         self._queued = None
 
-    def observe(self, features: torch.Tensor) -> None:
-        """Queue the target's true features ``[B, k, F]`` of the slots before the next ``k`` slots fed."""
-        if features.ndim != 3 or features.shape[-1] != self.feature_size:
-            raise ValueError(f"features must be [B, k, {self.feature_size}] (target hidden states {self.feature_layers}), "
-                             f"got shape {tuple(features.shape)}")
-        self._queued = features.float()
-
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Start a batch from a left-padded prompt ``[B, L]``; needs ``observe`` of ``[B, L, F]`` first. -> ``[B, V]``."""
-        check_prompt(input_ids, attention_mask)
-        queued = self._queued
-        self.reset(input_ids.shape[0])
-        self._queued = queued
+        self._restart(input_ids, attention_mask)
         return self.head.logits(self._append(input_ids, attention_mask.bool())[:, -1])  # the last slot's only
 
     @torch.no_grad()
@@ -219,11 +238,9 @@ class FeatureDraft:
         """:meth:`score` up to the predicted features ``[B, k, H]`` (a prompt's logits are read at its last slot only)."""
         if self._slots is None:
             raise ValueError("score called before prefill/reset: start a batch first")
-        k = tokens.shape[1]
-        if self._queued is not None:
-            if self._queued.shape[:2] != tokens.shape:
-                raise ValueError(f"observed features cover {tuple(self._queued.shape[:2])} slots but tokens are {tuple(tokens.shape)}")
-            inputs, self._queued = self.head.fuse_features(self._queued), None
+        k, queued = tokens.shape[1], self._take_queued(tokens)
+        if queued is not None:
+            inputs = self.head.fuse_features(queued)
         elif k == 1 and self._last is not None:
             inputs = self._last[:, None]
         else:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from specresearch.models.causal_lm import SlotMask, check_prompt
+from specresearch.drafts.feature_draft import FeatureQueue
+from specresearch.models.causal_lm import SlotMask
 
 __all__ = ["MedusaHeads", "MedusaDraft", "is_medusa_dir", "load_medusa"]
 
@@ -80,7 +81,7 @@ class MedusaHeads(torch.nn.Module):
                 parameter.copy_(tensors[name].float())
 
 
-class MedusaDraft:
+class MedusaDraft(FeatureQueue):
     """Medusa heads behind the engine's ``LanguageModel`` interface, with ``FeatureReader``, ``PlansLength`` and
     ``RowExpander`` (module docstring). Each slot keeps its anchor (the last true feature, ``[H]``) and its depth
     (drafted slots since it); a slot's logits are head ``depth``'s on its anchor."""
@@ -107,22 +108,13 @@ class MedusaDraft:
         self._depth = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self._queued = None
 
-    def observe(self, features: torch.Tensor) -> None:
-        """Queue the target's true features ``[B, k, H]`` of the slots before the next ``k`` slots fed."""
-        if features.ndim != 3 or features.shape[-1] != self.feature_size:
-            raise ValueError(f"features must be [B, k, {self.feature_size}], got shape {tuple(features.shape)}")
-        self._queued = features.float().to(self.device)
-
     def plan_length(self, gamma: int) -> int:
         """At most one drafted token per head."""
         return min(gamma, self.heads.num_heads)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        check_prompt(input_ids, attention_mask)
-        queued = self._queued
-        self.reset(input_ids.shape[0])
-        self._queued = queued
+        self._restart(input_ids, attention_mask)
         return self.score(input_ids, attention_mask.bool())[:, -1]
 
     @torch.no_grad()
@@ -131,13 +123,9 @@ class MedusaDraft:
         queued) head ``depth`` on the last slot's anchor."""
         if self._slots is None:
             raise ValueError("score called before prefill/reset: start a batch first")
-        batch, k = tokens.shape
-        if self._queued is not None:
-            if self._queued.shape[:2] != tokens.shape:
-                raise ValueError(f"observed features cover {tuple(self._queued.shape[:2])} slots but tokens are "
-                                 f"{tuple(tokens.shape)}")
-            anchor, depth = self._queued, torch.zeros(batch, k, dtype=torch.long, device=self.device)
-            self._queued = None
+        (batch, k), queued = tokens.shape, self._take_queued(tokens)
+        if queued is not None:
+            anchor, depth = queued, torch.zeros(batch, k, dtype=torch.long, device=self.device)
         elif k == 1 and self._slots.length:
             last = self._slots.length - 1 - self._slots.mask.flip(-1).long().argmax(-1)  # [B] each row's last slot
             rows = torch.arange(batch, device=self.device)

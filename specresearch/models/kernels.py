@@ -243,25 +243,24 @@ def _fitted_subset(weights: list[torch.Tensor], plain_sweep, repeats: int, secon
     many shapes as a few layers have, then fewer where one measured sweep (``plain_sweep(part)`` -> its function)
     says that 16 paths x (1 + ``repeats``) sweeps would pass ``seconds``, down to ``SWEEP_FLOOR_BYTES``: a machine
     whose memory streams at 0.1 GB/s calibrates on fewer weights, and ``_race``'s deadline ends its rounds."""
-    subset, total = [], 0
-    for w in weights:
-        if subset and total >= SWEEP_BYTES:
-            break
-        subset.append(w)
-        total += w.numel() * w.element_size()
+    subset = _prefix(weights, SWEEP_BYTES)
     with torch.no_grad():
         once = _clock(plain_sweep(subset), "plain", 1)
     affordable = seconds / max(16 * 1.3 * (1 + repeats) * once, 1e-9)  # fraction of the subset the budget sweeps
     if affordable < 1:  # but not under SWEEP_FLOOR_BYTES: the rounds' deadline bounds a slower machine
-        keep, total = [], 0
-        room = max(affordable * sum(x.numel() * x.element_size() for x in subset), SWEEP_FLOOR_BYTES)
-        for w in subset:
-            if keep and total + w.numel() * w.element_size() > room:
-                break
-            keep.append(w)
-            total += w.numel() * w.element_size()
-        subset = keep
+        subset = _prefix(subset, max(affordable * sum(w.numel() * w.element_size() for w in subset), SWEEP_FLOOR_BYTES))
     return subset
+
+
+def _prefix(weights: list[torch.Tensor], limit: float) -> list[torch.Tensor]:
+    """The first ``weights`` until they hold ``limit`` bytes (at least one)."""
+    kept, total = [], 0
+    for w in weights:
+        if kept and total >= limit:
+            break
+        kept.append(w)
+        total += w.numel() * w.element_size()
+    return kept
 
 
 def _announce(what: str, subset: list[torch.Tensor], file: str) -> None:
