@@ -191,7 +191,8 @@ class _Backlog:
 
     def change_rows(self, change) -> None:
         """Apply ``change`` (e.g. ``t[index]``) to every per-row tensor: tokens, slot mask, features."""
-        self.tokens, self.slots.mask, self.slots.positions = (change(t) for t in (self.tokens, self.slots.mask, self.slots.positions))
+        slots = self.slots
+        self.tokens, slots.mask, slots.positions = (change(t) for t in (self.tokens, slots.mask, slots.positions))
         self.features = [None if f is None else change(f) for f in self.features]
         self.batch = self.tokens.shape[0]
 

@@ -46,10 +46,11 @@ off):
 
 :class:`Eagle3Head` has :class:`~specresearch.drafts.feature.FeatureHead`'s drafting interface (``block``,
 ``logits``, ``fuse_features``, ``layers``), and so has :class:`Eagle1Head`: :class:`EagleDraft` is a ``FeatureDraft``
-with its first slots masked. :func:`save_eagle3` writes an :class:`Eagle3Head` in the repository's layout. The toolkit's own trained head
-(``drafts.feature.FeatureHead``) is another architecture (``fc`` over ``[g, embedding]`` with a bias, no
-``hidden_norm``, attention over H), so it has no exact EAGLE-3 form: what the toolkit trains reaches other engines
-once the training loop trains an :class:`Eagle3Head` (docs/feature_drafts.md, "Published formats").
+with its first slots masked. :func:`save_eagle3` writes an :class:`Eagle3Head` in the repository's layout. The
+toolkit's own shipped head (``drafts.feature.FeatureHead``) is another architecture (``fc`` over ``[g, embedding]``
+with a bias, no ``hidden_norm``, attention over H) with no exact EAGLE-3 form; ``FeatureHeadConfig(architecture=
+"eagle3")`` trains an :class:`Eagle3Head` (:meth:`Eagle3Head.from_feature_config`), which :func:`save_eagle3` exports
+(docs/feature_drafts.md, "Published formats").
 """
 
 from __future__ import annotations
@@ -408,7 +409,8 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
     text = target.config.get_text_config()
     tensors = _read_tensors(_weights_file(directory))
     if "layers.0.hidden_norm.weight" in tensors:  # the layer under the name vLLM's and speculators' loaders give it
-        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+        tensors = {(f"midlayer.{k[len('layers.0.'):]}" if k.startswith("layers.0.") else k): v
+                   for k, v in tensors.items()}
     expected = _expected_shapes(config, text, int(target.get_output_embeddings().weight.shape[0]))
     _check_tensors(directory, tensors, expected, set(_OPTIONAL), "EAGLE-3")
     draft_vocab = expected["lm_head.weight"][0]

@@ -24,7 +24,8 @@ from specresearch.models.kernels import (
     use_skinny_linears,
 )
 
-__all__ = ["FeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer", "rotate_half", "rope_base"]
+__all__ = ["FeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer", "rotate_half",
+           "rope_base"]
 
 
 # The decoder layer's pieces (Llama-style names so a target layer can be copied in)

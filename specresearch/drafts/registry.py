@@ -19,7 +19,8 @@ from specresearch.models.embedded import load_embedded
 from specresearch.models.kernels import choose_kernel_rows, use_half_weights, use_int8_weights, use_kernel_rows
 from specresearch.models.protocols import check_same_tokenizer
 
-__all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE1_FORMAT", "MEDUSA_FORMAT", "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
+__all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE1_FORMAT", "MEDUSA_FORMAT",
+           "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
            "INT8_PREFIX", "without_weight_prefix", "with_weight_storage", "load_pair", "weights_digests"]
 
 
@@ -66,7 +67,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     ``"truncated:N"`` (first N target layers), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
     ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
     draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write), an EAGLE-1/2 or EAGLE-3
-    head or Medusa heads saved as their repositories save them (``drafts.eagle``, ``drafts.medusa``), or a model path (:func:`draft_format` names the layout it finds);
+    head or Medusa heads saved as their repositories save them (``drafts.eagle``, ``drafts.medusa``), or a model path
+    (:func:`draft_format` names the layout it finds);
     ``"fp16:<name>"``: draft ``<name>`` with float16 weights (:func:`half_weight_draft`); ``"int8:<name>"``: with
     int8 weights and a scale per output row (:func:`int8_weight_draft`).
 
@@ -119,7 +121,8 @@ _FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE
 def draft_format(directory) -> str:
     """Which published layout the draft ``directory`` holds, in words: a draft the toolkit trained (its manifest), an
     EAGLE-1/2 or EAGLE-3 head or Medusa heads as their repositories save them (``drafts.eagle``, ``drafts.medusa``),
-    or a transformers causal LM (an assistant model sharing the target's tokenizer); ``ValueError`` in one line naming the layouts expected otherwise."""
+    or a transformers causal LM (an assistant model sharing the target's tokenizer); ``ValueError`` in one line naming
+    the layouts expected otherwise."""
     import json
 
     directory = Path(directory)
