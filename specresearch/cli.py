@@ -19,6 +19,7 @@ from pathlib import Path
 _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
+from specresearch.cli_audit import add_audit_engine  # noqa: E402 (audit-engine lives beside this file)
 from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside the parser)
     TREE_RULES,
     check_common_flags,
@@ -519,7 +520,8 @@ def _run_bench(args) -> int:
     return 0
 
 
-_COMMANDS = [_add_report, _add_generate, _add_distill, _add_feature_distill, _add_warm_cache, _add_bench]
+_COMMANDS = [_add_report, _add_generate, _add_distill, _add_feature_distill, _add_warm_cache, _add_bench,
+             lambda sub: add_audit_engine(sub, _command)]
 
 
 def build_parser() -> argparse.ArgumentParser:

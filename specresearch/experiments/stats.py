@@ -60,6 +60,7 @@ __all__ = [
     "SequenceLaw",
     "LosslessTestResult",
     "sequence_law",
+    "law_from_rows",
     "chi_square",
     "lossless_test",
     "wrong_residual_verify",
@@ -91,7 +92,7 @@ class SequenceLaw:
 
     prompt: tuple[int, ...]
     k: int
-    sampling: SamplingConfig
+    sampling: SamplingConfig | None  # None: the rows came from another engine's sampler (law_from_rows)
     num_samples: int
     min_expected: float
     rows: dict[tuple[int, ...], torch.Tensor]  # expanded prefix -> [V] float64 next-token probabilities
@@ -174,15 +175,16 @@ def _next_token_rows(target, prompt: tuple[int, ...], prefixes, sampling) -> tor
     return torch.cat(out)
 
 
-def _expand(target, prompt, k, sampling, threshold):
-    """Breadth-first expansion of every prefix with probability >= threshold. -> (rows, big)."""
+def _expand(next_rows: Callable, k, threshold):
+    """Breadth-first expansion of every prefix with probability >= threshold (``next_rows(prefixes)``: their
+    next-token laws ``[n, V]`` float64). -> (rows, big)."""
     rows, big, frontier = {}, {}, [()]
     prob = {(): 1.0}
     for _ in range(k):
         if not frontier:
             break
         next_frontier = []
-        for prefix, row in zip(frontier, _next_token_rows(target, prompt, frontier, sampling)):
+        for prefix, row in zip(frontier, next_rows(frontier)):
             rows[prefix] = row
             joint = row * prob[prefix]
             for token in (joint >= threshold).nonzero()[:, 0].tolist():
@@ -230,12 +232,21 @@ def sequence_law(target, prompt, *, sampling: SamplingConfig, k: int, num_sample
         num_samples: N, the number of generations the law will be compared with (sets the cells).
         min_expected: minimum expected count of a cell (>= 1; 5 is the textbook rule).
     """
-    _check_test_args(k, num_samples, min_expected)
     ids = _prompt_ids(prompt, tokenizer)
+    return law_from_rows(lambda prefixes: _next_token_rows(target, ids, prefixes, sampling), ids, sampling=sampling,
+                         k=k, num_samples=num_samples, min_expected=min_expected)
+
+
+def law_from_rows(next_rows: Callable, prompt: Sequence[int], *, sampling: SamplingConfig | None, k: int,
+                  num_samples: int, min_expected: float = 5.0) -> SequenceLaw:
+    """:func:`sequence_law` from any source of next-token laws: ``next_rows(prefixes)`` -> ``[len(prefixes), V]``
+    float64, the law after ``prompt + prefix`` for each (all of one length). It is how another engine's own sampler
+    (``audit.execute``: transformers' processed scores, repetition penalty included) defines the cells."""
+    _check_test_args(k, num_samples, min_expected)
     threshold = min_expected / num_samples
-    rows, big = _expand(target, ids, k, sampling, threshold)
+    rows, big = _expand(next_rows, k, threshold)
     cells, probs, lookup = _partition(rows, big, k, threshold)
-    return SequenceLaw(ids, k, sampling, num_samples, float(min_expected), rows, big, cells, probs, lookup)
+    return SequenceLaw(tuple(prompt), k, sampling, num_samples, float(min_expected), rows, big, cells, probs, lookup)
 
 
 def _check_test_args(k, num_samples, min_expected) -> None:

@@ -1,0 +1,65 @@
+"""Audit by execution, the committed record: transformers' own speculative code run on the embedded pair
+(SmolLM2-135M-Instruct, float32, CPU; the assistant the shipped ``v8k-4l``), each configuration's measured law of the
+first tokens against the target's and the audit's prediction (``specresearch.audit.execute``).
+
+    python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
+
+Resumable: configurations already in the record are kept, the rest run and are written one by one. ``--scale``
+multiplies every N (0.05 for a smoke run into another file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from specresearch.audit.execute import execute
+from specresearch.drafts.registry import load_pair
+from specresearch.experiments.records import record_header, write_json_record
+
+PROMPT = "Name a colour."
+LOOKUP_PROMPT = "Repeat after me: the cat sat on the mat, the cat sat on the mat."
+# (engine, n_tokens, N, temperature, options, prompt)
+CONFIGS = [
+    ("transformers-sampling", 1, 40000, 1.0, {}, PROMPT),
+    ("transformers-sampling", 1, 40000, 1.0, {"assistant_ensemble_weight": 0.5}, PROMPT),
+    ("transformers-sampling", 1, 20000, 0.7, {"top_k": 50}, PROMPT),
+    ("transformers-assisted", 2, 8000, 1.0, {}, PROMPT),
+    ("transformers-assisted", 2, 2000, 1.0, {"assistant_ensemble_weight": 0.5}, PROMPT),
+    ("transformers-assisted", 2, 2000, 0.7, {"top_p": 0.9, "repetition_penalty": 1.2}, PROMPT),
+    ("transformers-lookup", 2, 2000, 1.0, {"prompt_lookup_num_tokens": 3}, LOOKUP_PROMPT),
+]
+
+
+def key(engine, n_tokens, temperature, options, prompt) -> str:
+    return json.dumps([engine, n_tokens, temperature, options, prompt], sort_keys=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/records/audit_executed.json")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    record = json.loads(out.read_text()) if out.exists() else record_header("benchmarks/audit_executed.py", sys.argv[1:] if argv is None else argv, draft="v8k-4l", rows=[])
+    done = {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"]) for r in record["rows"]}
+    target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
+    for engine, n_tokens, n, temperature, options, prompt in CONFIGS:
+        if key(engine, n_tokens, temperature, options, prompt) in done:
+            continue
+        result = execute(engine, prompt=prompt, n_tokens=n_tokens, num_samples=max(20, round(n * args.scale)),
+                         temperature=temperature, target=target.model, draft=draft.model, tokenizer=tokenizer, **options)
+        print(result, flush=True)
+        record["rows"].append({"prompt": prompt} | result.as_record())
+        write_json_record(out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""audit.execute: transformers' own speculative code run on tiny random models, its law against the target's and
+the encoded rule's prediction. Every chi-square decision here is at level 1e-3 with a fixed seed: a correct engine
+fails a "keeps" assertion with probability 1e-3 over seeds, and these seeds are fixed."""
+
+import numpy as np
+import pytest
+import torch
+
+from specresearch.audit.execute import ENGINES, captured_rows, cell_probs, execute, tv_interval
+from specresearch.experiments.stats import law_from_rows
+from specresearch.models.families import perturbed_copy, tiny_family_model
+
+PROMPT = [5, 9, 17, 3, 5, 9]  # repeats an n-gram, so prompt lookup finds candidates
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_family_model("llama", "sdpa", seed=0, init_std=0.5)
+    return target, perturbed_copy(target, noise=1.0, seed=3)
+
+
+def run(pair, engine, **kwargs):
+    target, draft = pair
+    kwargs.setdefault("n_tokens", 1 if engine == "transformers-sampling" else 2)
+    return execute(engine, prompt=PROMPT, target=target, draft=draft, progress=False, **kwargs)
+
+
+def test_speculative_sampling_is_lossless_and_its_ensemble_form_lossy_as_predicted(pair):
+    exact = run(pair, "transformers-sampling", num_samples=4000)
+    assert exact.verdict == "exact" and exact.target.p_value > 1e-3 and exact.finding.startswith("agrees")
+    assert exact.predicted_probs == exact.target_probs and sum(exact.counts) == 4000
+    lossy = run(pair, "transformers-sampling", num_samples=4000, assistant_ensemble_weight=0.3)
+    assert lossy.verdict == "not exact" and lossy.predicted.tv_from_target > 0.05
+    assert lossy.target.p_value < 1e-3 < lossy.predicted.p_value  # the target's law rejected, the prediction kept
+    assert lossy.finding.startswith("agrees: lossy")
+
+
+def test_assisted_generation_and_prompt_lookup_keep_the_target_law(pair):
+    assisted = run(pair, "transformers-assisted", num_samples=300, min_expected=10)
+    lookup = run(pair, "transformers-lookup", num_samples=300, min_expected=10, prompt_lookup_num_tokens=2)
+    for result in (assisted, lookup):
+        assert result.n_tokens == 2 and len(result.cells) >= 4 and result.target.p_value > 1e-3, str(result)
+    lossy = run(pair, "transformers-assisted", num_samples=300, min_expected=10, assistant_ensemble_weight=0.3)
+    assert lossy.predicted.p_value > 1e-3 and lossy.target.p_value < 1e-3, str(lossy)
+
+
+def test_the_assistant_verified_with_twice_warped_rows(pair):
+    """transformers 5.24 passes the main logits processors (its warpers included) to the assistant's generate, which
+    builds its own from the same config: at T != 1 the drafts come from softmax(z / T^2), and that is the q it verifies
+    with. Lossless still; the draft it runs is not the one asked for. At T = 1, no warpers: none."""
+    cold = run(pair, "transformers-sampling", num_samples=200, temperature=0.5)
+    plain = run(pair, "transformers-sampling", num_samples=200)
+    assert cold.draft_tv_intended > 0.05 and cold.notes
+    assert plain.draft_tv_intended < 1e-6 and not plain.notes
+
+
+def test_cell_probs_of_the_law_itself_are_its_cells():
+    generator = torch.Generator().manual_seed(0)
+    table = {}
+
+    def rows(prefixes):
+        out = []
+        for prefix in prefixes:
+            if prefix not in table:
+                logits = 2 * torch.randn(6, generator=generator, dtype=torch.float64)
+                logits[5] = -float("inf")  # a token the target never emits
+                table[prefix] = logits.softmax(-1)
+            out.append(table[prefix])
+        return torch.stack(out)
+
+    law = law_from_rows(rows, [1, 2], sampling=None, k=2, num_samples=500)
+    probs, impossible = cell_probs(law, law.rows)
+    assert impossible == 0 and np.allclose(probs, law.probs, atol=1e-12)
+    other = {prefix: torch.full((6,), 1 / 6, dtype=torch.float64) for prefix in law.rows}
+    probs, impossible = cell_probs(law, other)
+    expanded = sum(len(prefix) == 1 for prefix in law.rows)  # token 5 is reached from the root and from these
+    assert expanded >= 1 and impossible == pytest.approx(1 / 6 + expanded / 36)
+    assert sum(probs) + impossible == pytest.approx(1.0)
+
+
+def test_tv_interval_and_noise_floor():
+    probs = np.full(10, 0.1)
+    tv, (low, high), floor = tv_interval(np.full(10, 100), probs)
+    assert tv == 0 and low == 0 and floor > 0.01
+    tv, (low, high), _ = tv_interval([400, 600], [0.5, 0.5])
+    assert tv == pytest.approx(0.1) and 0.05 < low < 0.1 < high < 0.15
+
+
+def test_captured_rows_restores_the_function():
+    from transformers.generation import utils
+
+    original = utils._speculative_sampling
+    with captured_rows() as calls:
+        assert utils._speculative_sampling is not original and calls == []
+    assert utils._speculative_sampling is original
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(engine="vllm"), "engine must be one of"),
+    (dict(engine="transformers-assisted", top_q=3), "takes options"),
+    (dict(engine="transformers-sampling", n_tokens=2), "n_tokens=1"),
+    (dict(engine="transformers-lookup"), "prompt_lookup_num_tokens"),
+    (dict(engine="transformers-assisted", temperature=0.0), "temperature"),
+    (dict(engine="transformers-assisted", num_samples=5), "num_samples"),
+])
+def test_bad_input_is_refused(pair, kwargs, message):
+    kwargs = dict(num_samples=100) | kwargs
+    with pytest.raises(ValueError, match=message):
+        execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
+    assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling"}
