@@ -43,6 +43,7 @@ VERDICTS = {
     ("hf-assisted", ()): True, ("hf-assisted", (("assistant", "greedy"),)): False,
     ("hf-lookup", ()): True, ("llamacpp-server", ()): True, ("llamacpp-example", ()): False,
     ("trtllm-relaxed", ()): True, ("trtllm-relaxed", (("relaxed_delta", 0.6), ("relaxed_topk", 10))): False,
+    ("llamacpp-server", (("synth_rates", (0.5, 0.25)),)): False,
 }
 
 
@@ -64,6 +65,16 @@ def test_engine_verdicts(name, params):
 def test_llamacpp_example_emits_token_0_with_probability_five_sixths():
     law = step_law(engine_rule("llamacpp-example"), (F(1, 2), F(1, 2)), (F(3, 5), F(2, 5)))
     assert sum(v for seq, v in law.items() if seq[0] == 0) == F(5, 6)
+
+
+def test_llamacpp_synthetic_acceptance_keeps_the_draft_token_at_its_rates():
+    """--spec-synth-rates 1/2,1/4: depth 1 kept with 1/2, depth 2 with (1/4) / (1/2); a rejection emits p's sample."""
+    rule = engine_rule("llamacpp-server", synth_rates=(0.5, 0.25))
+    law = step_law(rule, P2, Q2)  # greedy chain (0, 0); p = (1/3, 2/3) at every prefix
+    assert law[(1,)] == F(1, 2) * P2[1] and law[(0, 0, 1)] == F(1, 4) * P2[1]
+    assert law[(0, 1)] == F(1, 2) * F(1, 2) * P2[1] and sum(law.values()) == 1
+    with pytest.raises(ValueError, match="non-increasing"):
+        engine_rule("llamacpp-server", synth_rates=(0.25, 0.5))
 
 
 def test_sglang_threshold_acc_half_doubles_a_candidate():

@@ -354,11 +354,43 @@ def hf_lookup(num_drafts: int = 1, gamma: int = 2) -> Rule:
     return Rule("hf-lookup", _sample_and_compare, _chain, num_drafts, gamma, {}, "exact", hf_lookup.__doc__)
 
 
-def llamacpp_server(num_drafts: int = 1, gamma: int = 2) -> Rule:
-    """llama.cpp server (``common/speculative.cpp``; ``common/sampling.cpp``
-    ``common_sampler_sample_and_accept_n``): a greedy draft (the first of the draft's top list), the target
-    sampled at every position, the draft kept while equal, the target's token emitted."""
-    return Rule("llamacpp-server", _sample_and_compare, _chain, num_drafts, gamma, {}, "exact", llamacpp_server.__doc__)
+def _synthetic_law(probs: tuple) -> Callable:
+    """llama.cpp's synthetic acceptance: at depth d the draft token is kept with probability ``probs[d]`` whatever p
+    says; otherwise the target's own sample is emitted and the step ends (even when it equals the draft token)."""
+    def law(target, draft, paths, prefix):
+        ((path,),) = [set(paths)]
+        out: dict = defaultdict(Fraction)
+        mass = _ONE
+        for d in range(len(path)):
+            _emit(out, path[:d], mass * (1 - probs[d]), target(prefix + path[:d]))
+            mass *= probs[d]
+        _emit(out, path, mass, target(prefix + path))
+        return out
+    return law
+
+
+def llamacpp_server(num_drafts: int = 1, gamma: int = 2, *, synth_rates=None) -> Rule:
+    """llama.cpp server (llama.cpp 0c1e570, vendored in the llama-cpp-python 0.3.36 sdist): the draft's tokens
+    (``common/speculative.cpp``: a top-k 10 draft sampler, its first candidate, drafting stops below ``p_min``) are
+    verified by ``common_sampler_sample_and_accept_n`` (``common/sampling.cpp`` l. 678-709): the target sampled at
+    every position with the request's sampler chain, the draft kept while equal, the target's token emitted (exact;
+    a drafted end-of-generation token ends the run early, not encoded). ``synth_rates``: the server's synthetic
+    acceptance mode for benchmarking (``--spec-synth-rates P0,P1,...``, non-increasing unconditional probabilities
+    of reaching each depth, ``common/arg.cpp`` l. 4169-4186 and ``common/speculative.cpp`` l. 2365-2397, turned
+    into conditional ones rate_d / rate_(d-1) at l. 2718-2727; ``tools/server/server-context.cpp`` l. 57-97): the
+    draft token is kept with that probability whatever the target says, else the target's own sample ends the step.
+    llama.cpp warns that its output is then not valid: lossy by design. ``--spec-synth-len L`` resolves to rates
+    p, p^2, ... with the mean length L (l. 2399-2432); give those rates here."""
+    if synth_rates is None:
+        return Rule("llamacpp-server", _sample_and_compare, _chain, num_drafts, gamma, {}, "exact",
+                    llamacpp_server.__doc__)
+    rates = [_fraction("synth_rates", rate) for rate in synth_rates]
+    if len(rates) < gamma or any(b > a for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"synth_rates must hold at least gamma = {gamma} non-increasing values in [0, 1] (llama.cpp "
+                         f"takes one per position up to its n_max), got {list(synth_rates)!r}")
+    probs = tuple(rate / before if before else _ZERO for rate, before in zip(rates, [_ONE] + rates[:-1]))[:gamma]
+    return Rule("llamacpp-server", _synthetic_law(probs), _chain, num_drafts, gamma, {"synth_rates": tuple(rates)},
+                "not exact", llamacpp_server.__doc__)
 
 
 def _random_order_rrs_law(target, draft, paths, prefix) -> dict:
@@ -442,6 +474,7 @@ LOSSY_SETTINGS = {
     "sglang": {"threshold_acc": 0.5},
     "hf-assisted": {"assistant": "greedy"},
     "trtllm-relaxed": {"relaxed_topk": 10, "relaxed_delta": 0.6},
+    "llamacpp-server": {"synth_rates": (0.5, 0.25)},
 }
 
 

@@ -1,4 +1,5 @@
-"""The lossy frontier with each rule's (distortion, acceptance) point beside it."""
+"""The lossy frontier with each rule's (distortion, acceptance) point beside it; the engines' executed laws beside the
+target's and the prediction (plot_executed)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from specresearch.audit.real import StepPoint, topk_tokens
 
-__all__ = ["frontier_curves", "plot_frontier"]
+__all__ = ["frontier_curves", "plot_frontier", "plot_executed"]
 
 
 def frontier_curves(target_probs: torch.Tensor, draft_probs: torch.Tensor, eps: np.ndarray, num_drafts: int = 4) -> dict:
@@ -51,3 +52,48 @@ def plot_frontier(panels: Sequence[tuple[str, dict, Sequence[StepPoint]]], eps: 
 
 def _label(point: StepPoint) -> str:
     return point.rule + ("" if point.settings == "defaults" else f" ({point.settings})")
+
+
+def plot_executed(rows: Sequence[dict], top: int = 6):
+    """One panel per row of an ``audit.execute`` record (``ExecutionResult.as_record``): for the ``top`` cells of
+    largest target probability and the rest pooled, the measured frequency (95% normal interval of a binomial
+    proportion) beside the target's and the predicted probabilities. Reads the record only."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.2), squeeze=False, sharey=True)
+    for ax, row in zip(axes[0], rows):
+        counts, target, predicted = (np.asarray(row[k], dtype=float) for k in ("counts", "target_probs", "predicted_probs"))
+        n = counts.sum()
+        order = np.argsort(-target)[:top]
+        rest = np.setdiff1d(np.arange(len(counts)), order)
+        pick = lambda values: np.append(values[order], values[rest].sum())  # noqa: E731
+        measured = pick(counts) / n
+        error = 1.96 * np.sqrt(measured * (1 - measured) / n)
+        x = np.arange(len(order) + 1)
+        ax.bar(x - 0.27, measured, 0.27, yerr=error, capsize=2, label="measured (their code)", color="#4c72b0")
+        ax.bar(x, pick(target), 0.27, label="target's law", color="#55a868")
+        ax.bar(x + 0.27, pick(predicted), 0.27, label="predicted (the audit's rule)", color="#c44e52")
+        ax.set_xticks(x, [_cell_label(row["cells"][i]) for i in order] + ["rest"], rotation=60, fontsize=7)
+        options = ", ".join(f"{k}={v}" for k, v in row["options"].items()) or "defaults"
+        ax.set_title(f"{row['engine']}\n{options}, T={row['temperature']:g}, N={int(n)}\n"
+                     f"p(target) {row['target']['p_value']:.2g}, p(predicted) {row['predicted']['p_value']:.2g}", fontsize=8)
+    axes[0][0].set_ylabel("probability of the cell")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def _cell_label(cell: str) -> str:
+    """A record's cell (its repr) in a few characters: the tokens of a sequence, 'after ...' for a prefix's rest."""
+    import ast
+
+    try:
+        value = ast.literal_eval(cell)
+    except (ValueError, SyntaxError):
+        return cell[:12]
+    kind = value[0]
+    if kind == "seq":
+        return "·".join(str(t) for t in value[1])
+    if kind == "rest":
+        return "rest after " + ("·".join(str(t) for t in value[1]) or "start")
+    return str(kind)[:12]

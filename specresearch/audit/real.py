@@ -45,8 +45,12 @@ def _onehot(p, q, k):
     return p.clone(), p.gather(1, candidates).sum(-1)
 
 
-def _sample_compare(p, q, k):
-    return p.clone(), p.gather(1, topk_tokens(q, 1)).squeeze(1)
+def _sample_compare(p, q, k, synth_rates=None):
+    x = topk_tokens(q, 1)
+    if synth_rates is None:
+        return p.clone(), p.gather(1, x).squeeze(1)
+    s = float(synth_rates[0])  # llama.cpp's synthetic acceptance: x kept with s, else the target's sample
+    return ((1 - s) * p).scatter_add_(1, x, torch.full_like(p[:, :1], s)), torch.full_like(p[:, 0], s)
 
 
 def _token(p, q, k):
