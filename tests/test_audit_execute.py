@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specresearch.audit.execute import ENGINES, captured_rows, cell_probs, execute, tv_interval
+from specresearch.audit.llamacpp import llamacpp_home
 from specresearch.experiments.stats import law_from_rows
 from specresearch.models.families import perturbed_copy, tiny_family_model
 
@@ -102,9 +103,29 @@ def test_captured_rows_restores_the_function():
     (dict(engine="transformers-lookup"), "prompt_lookup_num_tokens"),
     (dict(engine="transformers-assisted", temperature=0.0), "temperature"),
     (dict(engine="transformers-assisted", num_samples=5), "num_samples"),
+    (dict(engine="llamacpp-server", n_tokens=1), "n_tokens >= 2"),
+    (dict(engine="llamacpp-server", assistant_ensemble_weight=0.5), "takes options"),
 ])
 def test_bad_input_is_refused(pair, kwargs, message):
     kwargs = dict(num_samples=100) | kwargs
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
-    assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling"}
+    assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "llamacpp-server"}
+
+
+LLAMACPP = llamacpp_home() / "bin" / "llama-server"
+
+
+@pytest.mark.skipif(not LLAMACPP.is_file(), reason="llama.cpp is not built on this machine (bash scripts/build_llamacpp.sh, "
+                    "tens of minutes; the committed record benchmarks/records/audit_executed.json carries its results)")
+def test_llamacpp_server_keeps_the_target_law_and_its_synthetic_mode_the_predicted_one():
+    from specresearch.drafts.registry import load_pair
+
+    target, _, tokenizer = load_pair(draft="ngram", device="cpu", skinny_linear=False)
+    common = dict(prompt="Name a colour.", n_tokens=2, num_samples=600, target=target.model, tokenizer=tokenizer,
+                  progress=False, min_expected=10)
+    exact = execute("llamacpp-server", **common)
+    assert exact.target.p_value > 1e-3 and exact.version.startswith("llama.cpp"), str(exact)
+    synthetic = execute("llamacpp-server", synth_rates=(0.9, 0.8, 0.7), **common)
+    assert synthetic.predicted.tv_from_target > 0.05, str(synthetic)
+    assert synthetic.predicted.p_value > 1e-3 and synthetic.target.p_value < 1e-3, str(synthetic)

@@ -21,7 +21,7 @@ floor of N samples (:func:`tv_interval`), and the smallest TV the run detects
 states whether the measurement agrees with the verdict (exact: the target is not rejected at 1e-3; not exact: the
 predicted law is not rejected and the target is).
 
-Engines (:data:`ENGINES`), all transformers' (the installed version):
+Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's:
 
 * ``transformers-assisted``: ``generate(assistant_model=draft, do_sample=True)``; rule ``hf-assisted``
   (``assistant_ensemble_weight`` w: its static ensemble verification, predicted lossy). ``max_new_tokens`` is
@@ -31,6 +31,11 @@ Engines (:data:`ENGINES`), all transformers' (the installed version):
 * ``transformers-lookup``: ``generate(prompt_lookup_num_tokens=k, do_sample=True)``; rule ``hf-lookup``.
 * ``transformers-sampling``: transformers' ``_speculative_sampling`` called directly on the real rows of the prompt
   (a draft token sampled from the captured q, the function decides); ``n_tokens`` = 1; cheap, so N can be large.
+* ``llamacpp-server``: llama.cpp's server (:mod:`specresearch.audit.llamacpp`; built once per machine by
+  ``scripts/build_llamacpp.sh``) on the embedded GGUF, the draft a copy with its logits scaled; rule
+  ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
+  server's own sampler chain's final probabilities (``post_sampling_probs``); its first token is never speculated,
+  so ``n_tokens`` >= 2 and the second is the one a drafted step decides.
 
 A generation that ends early (EOS) is padded with EOS; the laws treat EOS as absorbing alike.
 """
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specresearch.audit.engines import engine_rule
 from specresearch.audit.real import single_step
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
@@ -53,12 +59,14 @@ ENGINES = {
     "transformers-assisted": "hf-assisted",
     "transformers-lookup": "hf-lookup",
     "transformers-sampling": "hf-assisted",
+    "llamacpp-server": "llamacpp-server",
 }
 SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty")  # transformers' generate arguments, applied to both laws
 ENGINE_OPTIONS = {
     "transformers-assisted": ("num_assistant_tokens", "assistant_confidence_threshold", "assistant_ensemble_weight"),
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
     "transformers-sampling": ("assistant_ensemble_weight",),
+    "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale"),
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
 _ROW_BATCH = 32
@@ -215,13 +223,47 @@ def captured_rows():
         utils._speculative_sampling = original
 
 
+def _absorbing(next_rows, eos: int, vocab: int):
+    """``next_rows`` with EOS absorbing: after a prefix ending in EOS, EOS again (a generation that stopped)."""
+    def rows(prefixes):
+        live = [p for p in prefixes if not p or p[-1] != eos]
+        computed = iter(next_rows(live)) if live else iter(())
+        one_hot = torch.zeros(vocab, dtype=torch.float64)
+        one_hot[eos] = 1.0
+        return torch.stack([one_hot if p and p[-1] == eos else next(computed) for p in prefixes])
+    return rows
+
+
+def _padded(tokens: list[int], n_tokens: int, eos: int) -> list[int]:
+    tokens = list(tokens)[:n_tokens]
+    return tokens + [eos] * (n_tokens - len(tokens))
+
+
 class _Transformers:
     """transformers' generate on the target (and the draft), one prompt, batch 1 as its assisted decoding needs."""
 
-    def __init__(self, target_model, draft_model, prompt: list[int], eos: int, temperature: float, options: dict):
-        self.target, self.draft, self.prompt, self.eos = target_model, draft_model, list(prompt), eos
+    def __init__(self, engine, target_model, draft_model, prompt: list[int], eos: int, temperature: float, options: dict,
+                 n_tokens: int):
+        import transformers
+
+        self.engine, self.target, self.draft, self.prompt, self.eos = engine, target_model, draft_model, list(prompt), eos
+        self.vocab = target_model.config.vocab_size
         self.sampling = dict(do_sample=True, temperature=temperature, top_k=options.get("top_k", 0),
                              pad_token_id=eos, **{k: options[k] for k in SAMPLING_OPTIONS[1:] if k in options})
+        self.extra = {k: options[k] for k in ENGINE_OPTIONS[engine] if k in options}
+        self.weight = options.get("assistant_ensemble_weight")
+        self.version = f"transformers {transformers.__version__}"
+        self.n_tokens, self.notes, self.draft_tv = n_tokens, [], None
+        if engine == "transformers-assisted":
+            draft_model.generation_config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
+            draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
+            draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
     def _ids(self, prefixes) -> torch.Tensor:
         return torch.tensor([self.prompt + list(p) for p in prefixes], dtype=torch.long, device=self.target.device)
@@ -237,35 +279,27 @@ class _Transformers:
             out.append(scores.double().softmax(-1).cpu())
         return torch.cat(out)
 
-    def absorbing(self, next_rows):
-        """``next_rows`` with EOS absorbing: after a prefix ending in EOS, EOS again."""
-        def rows(prefixes):
-            live = [p for p in prefixes if not p or p[-1] != self.eos]
-            computed = iter(next_rows(live)) if live else iter(())
-            vocab = None
-            result = []
-            for p in prefixes:
-                if p and p[-1] == self.eos:
-                    result.append(None)
-                else:
-                    result.append(next(computed))
-                    vocab = result[-1].shape[0]
-            vocab = vocab or self.target.config.vocab_size
-            one_hot = torch.zeros(vocab, dtype=torch.float64)
-            one_hot[self.eos] = 1.0
-            return torch.stack([one_hot if r is None else r for r in result])
-        return rows
+    def target_rows(self, prefixes) -> torch.Tensor:
+        return self.rows(self.target, prefixes)
+
+    def predicted_rows(self, law) -> dict | None:
+        """The encoded rule's next-token law at every prefix ``law`` expanded (None: the rule is exact), from the
+        rows transformers verifies with; records how far its q is from the draft's own law."""
+        if self.engine == "transformers-lookup":
+            return None
+        live = [s for s in law.rows if not s or s[-1] != self.eos] if self.weight is not None else [()]
+        q, p = self.verified_rows(live)
+        self.draft_tv = 0.5 * float((q[0] - self.rows(self.draft, [()])[0]).abs().sum())
+        if self.draft_tv > 1e-4:
+            self.notes.append("transformers verifies with a q other than the draft's own sampling law at these "
+                              "settings: lossless still, but the draft it runs is another one (draft_tv_intended)")
+        if self.weight is None:
+            return None
+        r, _ = single_step("hf-assisted", p, q, num_drafts=1, ensemble_weight=self.weight)
+        return dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
 
     @torch.no_grad()
-    def generate(self, n_tokens: int, extra: dict, assistant: bool) -> list[int]:
-        ids = self._ids([()])
-        out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens + 1,
-                                   assistant_model=self.draft if assistant else None, **self.sampling, **extra)
-        tokens = out[0, ids.shape[1]:].tolist()[:n_tokens]
-        return tokens + [self.eos] * (n_tokens - len(tokens))
-
-    @torch.no_grad()
-    def verified_rows(self, prefixes, extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def verified_rows(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, p) ``[n, V]`` float64: the rows transformers' assisted decoding verifies the first draft token after
         each prefix with (:func:`captured_rows`, one assisted step per prefix)."""
         qs, ps = [], []
@@ -273,24 +307,120 @@ class _Transformers:
             ids = self._ids([prefix])
             with captured_rows() as calls:
                 self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
-                                     assistant_model=self.draft, **self.sampling, **extra)
+                                     assistant_model=self.draft, **self.sampling, **self.extra)
             if not calls:
                 raise RuntimeError(f"transformers verified no draft after prefix {prefix}: nothing to capture")
             qs.append(calls[0][0][0, 0].double().softmax(-1).cpu())
             ps.append(calls[0][1][0, 0].double().softmax(-1).cpu())
         return torch.stack(qs), torch.stack(ps)
 
+    @torch.no_grad()
+    def draws(self, num_samples: int):
+        """The engine's generations, one token list each (``max_new_tokens`` = n_tokens + 1: every one of the first
+        n_tokens is a verified position, never a bonus token)."""
+        if self.engine == "transformers-sampling":
+            yield from self._function_draws(num_samples)
+            return
+        ids = self._ids([()])
+        assistant = self.draft if self.engine == "transformers-assisted" else None
+        for _ in range(num_samples):
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.n_tokens + 1,
+                                       assistant_model=assistant, **self.sampling, **self.extra)
+            yield _padded(out[0, ids.shape[1]:].tolist(), self.n_tokens, self.eos)
+
+    def _function_draws(self, num_samples: int):
+        from transformers.generation.utils import _speculative_sampling
+
+        ids = self._ids([()])
+        with captured_rows() as calls:
+            self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                                 assistant_model=self.draft, **self.sampling)
+        q_logits, p_logits = calls[0][0][:, :1], calls[0][1][:, :1]
+        new_logits = torch.cat([p_logits, p_logits], 1)  # the bonus row is never read for the first token
+        drafts = torch.multinomial(q_logits[0, 0].double().softmax(-1), num_samples, replacement=True)
+        for x in drafts.tolist():
+            candidate = torch.cat([ids.cpu(), torch.tensor([[x]])], 1)
+            tokens, _ = _speculative_sampling(candidate, q_logits, 1, new_logits, self.weight)
+            yield [int(tokens[0, 0])]
+
+
+class _LlamaCpp:
+    """llama.cpp's server (:mod:`specresearch.audit.llamacpp`) on the embedded GGUF with a scaled copy as the draft."""
+
+    def __init__(self, prompt: list[int], eos: int, vocab: int, temperature: float, options: dict, n_tokens: int,
+                 seed: int):
+        from specresearch.audit.llamacpp import SAMPLING, write_scaled_draft
+        from specresearch.models.embedded import gguf_path
+        from specresearch.paths import cache_dir
+
+        self.prompt, self.eos, self.vocab, self.n_tokens, self.seed = list(prompt), eos, vocab, n_tokens, seed
+        self.sampling = {k: options.get(k, SAMPLING[k]) for k in ("top_k", "top_p", "min_p")} | {"temperature": temperature}
+        if not isinstance(self.sampling["top_k"], int) or not 1 <= self.sampling["top_k"] <= 200:
+            raise ValueError("llamacpp-server needs top_k in 1..200 (its final probabilities are read back as the "
+                             f"top_k most likely tokens), got {self.sampling['top_k']!r}")
+        rates = options.get("synth_rates")
+        self.rates = None if rates is None else tuple(float(r) for r in (rates.split(",") if isinstance(rates, str) else rates))
+        n_max = int(options.get("draft_max", 3))
+        args = ["--spec-draft-n-max", str(n_max), "--spec-draft-p-min", "0"]
+        if self.rates is not None:
+            engine_rule("llamacpp-server", gamma=1, synth_rates=self.rates)  # checks them as llama.cpp does
+            if len(self.rates) != n_max or n_tokens != 2:
+                raise ValueError(f"synth_rates: one rate per drafted position (draft_max = {n_max}), and n_tokens=2 "
+                                 "(the token after the first drafted step; later ones depend on earlier acceptances)")
+            args += ["--spec-synth-rates", ",".join(repr(r) for r in self.rates)]
+        scale = float(options.get("draft_scale", 1.5))
+        draft = write_scaled_draft(gguf_path(), cache_dir("llamacpp", f"draft-scaled-{scale:g}.gguf"), scale)
+        self.server_args = (gguf_path(), draft, args)
+        self.notes = [f"the draft is the target's GGUF with its logits scaled by {scale:g} (write_scaled_draft)",
+                      "the server's first token is the target's own; its speculative steps start at the second"]
+        self.draft_tv = None
+
+    def __enter__(self):
+        from specresearch.audit.llamacpp import LlamaServer
+
+        model, draft, args = self.server_args
+        self.server = LlamaServer(model, draft, args=args).__enter__()
+        self.version = self.server.version()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.__exit__(*exc)
+
+    def target_rows(self, prefixes) -> torch.Tensor:
+        return torch.stack([self.server.row(self.prompt + list(p), self.vocab, self.sampling) for p in prefixes])
+
+    def predicted_rows(self, law) -> dict | None:
+        """Synthetic acceptance after the first token: the draft's greedy token (the target's argmax: the draft is
+        its scaled copy) kept with the first position's probability, else the target's sample (``llamacpp-server``'s
+        float form)."""
+        if self.rates is None:
+            return None
+        rows = dict(law.rows)
+        for prefix, p in law.rows.items():
+            if len(prefix) == 1 and prefix[0] != self.eos:
+                rows[prefix] = single_step("llamacpp-server", p[None], p[None], synth_rates=self.rates)[0][0]
+        return rows
+
+    def draws(self, num_samples: int):
+        for i in range(num_samples):
+            reply = self.server.complete(self.prompt, n_predict=self.n_tokens + 1, seed=self.seed * 1_000_003 + i,
+                                         return_tokens=True, cache_prompt=True, **self.sampling)
+            yield _padded(reply["tokens"], self.n_tokens, self.eos)
+
 
 def _check(engine: str, n_tokens: int, num_samples: int, temperature: float, options: dict) -> None:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
-    unknown = set(options) - set(SAMPLING_OPTIONS) - set(ENGINE_OPTIONS[engine])
+    allowed = ENGINE_OPTIONS[engine] if engine.startswith("llamacpp") else SAMPLING_OPTIONS + ENGINE_OPTIONS[engine]
+    unknown = set(options) - set(allowed)
     if unknown:
-        raise ValueError(f"{engine} takes options {list(SAMPLING_OPTIONS + ENGINE_OPTIONS[engine])}, got {sorted(unknown)}")
+        raise ValueError(f"{engine} takes options {list(allowed)}, got {sorted(unknown)}")
     if not isinstance(n_tokens, int) or not 1 <= n_tokens <= 4:
         raise ValueError(f"n_tokens must be an int in 1..4, got {n_tokens!r}")
     if engine == "transformers-sampling" and n_tokens != 1:
         raise ValueError("transformers-sampling calls the verification function on the prompt's rows: n_tokens=1")
+    if engine.startswith("llamacpp") and n_tokens < 2:
+        raise ValueError(f"{engine} samples its first token from the target alone: n_tokens >= 2")
     if not isinstance(num_samples, int) or num_samples < 20:
         raise ValueError(f"num_samples must be an int >= 20, got {num_samples!r}")
     if not temperature > 0:
@@ -307,6 +437,11 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
     return [int(t) for t in prompt]
 
 
+def _verdict(engine: str, options: dict) -> str:
+    lossy = options.get("assistant_ensemble_weight") is not None or options.get("synth_rates") is not None
+    return "not exact" if lossy else "exact"
+
+
 def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, temperature: float = 1.0, seed: int = 0,
             min_expected: float = 5.0, target=None, draft=None, tokenizer=None, progress: bool = True,
             **options) -> ExecutionResult:
@@ -317,96 +452,58 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         engine: a name of :data:`ENGINES`.
         prompt: a string (chat-templated as the user's turn) or token ids.
         target, draft, tokenizer: transformers models (``PreTrainedModel``) and the tokenizer; default the embedded
-            SmolLM2-135M-Instruct in float32 on the CPU and the shipped draft ``v8k-4l`` (same tokenizer).
-        seed: seeds torch's global generator, which transformers samples from, before the generations.
+            SmolLM2-135M-Instruct in float32 on the CPU and the shipped draft ``v8k-4l`` (same tokenizer). The
+            llama.cpp engines load the embedded GGUF themselves and use ``target`` for its EOS and vocabulary only.
+        seed: seeds torch's global generator, which transformers samples from, before the generations (llama.cpp:
+            request i carries seed ``seed * 1000003 + i``).
         min_expected: a cell's least expected count (:func:`law_from_rows`).
         options: the engine's settings (``SAMPLING_OPTIONS`` and ``ENGINE_OPTIONS[engine]``), passed to
-            ``generate`` as given; ``top_k`` defaults to 0 (transformers' own default is 50).
+            ``generate`` as given; ``top_k`` defaults to 0 there (transformers' own default is 50). For llama.cpp
+            its request's ``top_k`` / ``top_p`` / ``min_p`` (default the server's 40 / 0.95 / 0.05), ``synth_rates``,
+            ``draft_max`` (3) and ``draft_scale`` (1.5).
     """
-    import transformers
-
     _check(engine, n_tokens, num_samples, temperature, options)
     if target is None:
         from specresearch.drafts.registry import load_pair
 
         target_lm, draft_lm, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
         target, draft = target_lm.model, draft if draft is not None else draft_lm.model
-    if draft is None and engine != "transformers-lookup":
+    if draft is None and engine in ("transformers-assisted", "transformers-sampling"):
         raise ValueError(f"{engine} needs a draft model (the assistant)")
     if tokenizer is None and isinstance(prompt, str):
         raise ValueError("a string prompt needs the tokenizer (or pass token ids)")
-    rule = ENGINES[engine]
-    weight = options.get("assistant_ensemble_weight")
-    verdict = "not exact" if weight is not None else "exact"
-    eos = int(target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, int)
-              else target.generation_config.eos_token_id[0])
-    run = _Transformers(target, draft, _prompt_ids(prompt, tokenizer), eos, temperature, options)
-    extra = {k: options[k] for k in ENGINE_OPTIONS[engine] if k in options}
-    notes = []
-    if engine == "transformers-assisted":
-        extra.setdefault("assistant_confidence_threshold", 0.0)
-        extra.setdefault("num_assistant_tokens", n_tokens)
-        draft.generation_config.assistant_confidence_threshold = extra.pop("assistant_confidence_threshold")
-        draft.generation_config.num_assistant_tokens = extra.pop("num_assistant_tokens")
-        draft.generation_config.num_assistant_tokens_schedule = "constant"
+    eos = target.generation_config.eos_token_id
+    eos = int(eos if isinstance(eos, int) else eos[0])
+    ids, vocab = _prompt_ids(prompt, tokenizer), target.config.vocab_size
+    if engine.startswith("llamacpp"):
+        run = _LlamaCpp(ids, eos, vocab, temperature, options, n_tokens, seed)
+    else:
+        run = _Transformers(engine, target, draft, ids, eos, temperature, options, n_tokens)
+    from tqdm.auto import tqdm
 
-    law = law_from_rows(run.absorbing(lambda prefixes: run.rows(target, prefixes)), run.prompt, sampling=None,
-                        k=n_tokens, num_samples=num_samples, min_expected=min_expected)
-    target_probs = list(law.probs) + [0.0]
-    draft_tv = None
-    predicted_probs = target_probs
-    if engine != "transformers-lookup":
-        live = [s for s in law.rows if not s or s[-1] != eos] if weight is not None else [()]
-        q, p = run.verified_rows(live, extra)
-        draft_tv = 0.5 * float((q[0] - run.rows(draft, [()])[0]).abs().sum())
-        if draft_tv > 1e-4:
-            notes.append("transformers verifies with a q other than the draft's own sampling law at these settings: "
-                         "lossless still, but the draft it runs is another one (draft_tv_intended)")
-    if weight is not None:
-        r, _ = single_step(rule, p, q, num_drafts=1, ensemble_weight=weight)
-        rows = dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
-        predicted, impossible = cell_probs(law, rows)
-        predicted_probs = predicted + [impossible]
-
-    counts = [0] * (len(law.cells) + 1)
-    if seed is not None:
-        torch.manual_seed(seed)
-    start = time.perf_counter()
-    for sequence in _draws(engine, run, n_tokens, num_samples, extra, progress):
-        cell = law.index(sequence)
-        counts[len(law.cells) if cell is None else cell] += 1
-    seconds = time.perf_counter() - start
+    with run:
+        law = law_from_rows(_absorbing(run.target_rows, eos, vocab), ids, sampling=None, k=n_tokens,
+                            num_samples=num_samples, min_expected=min_expected)
+        target_probs = list(law.probs) + [0.0]
+        rows = run.predicted_rows(law)
+        if rows is None:
+            predicted_probs = target_probs
+        else:
+            predicted, impossible = cell_probs(law, rows)
+            predicted_probs = predicted + [impossible]
+        counts = [0] * (len(law.cells) + 1)
+        if seed is not None:
+            torch.manual_seed(seed)
+        start = time.perf_counter()
+        for sequence in tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run"):
+            cell = law.index(sequence)
+            counts[len(law.cells) if cell is None else cell] += 1
+        seconds = time.perf_counter() - start
     if not counts[-1] and not predicted_probs[-1]:  # no cell for the impossible then
         counts, target_probs, predicted_probs = counts[:-1], target_probs[:-1], predicted_probs[:-1]
     cells = law.cells + (("outside the target's support",),) * (len(counts) - len(law.cells))
     return ExecutionResult(
-        engine, rule, verdict, dict(options), temperature, n_tokens, num_samples, seed, cells, tuple(counts),
-        tuple(target_probs), tuple(predicted_probs), _compare(counts, target_probs, target_probs, seed),
-        _compare(counts, predicted_probs, target_probs, seed + 1), detectable_tv(num_samples, len(cells)),
-        seconds, f"transformers {transformers.__version__}", draft_tv, tuple(notes))
-
-
-def _draws(engine: str, run: _Transformers, n_tokens: int, num_samples: int, extra: dict, progress: bool):
-    """The engine's generations, one token list each."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=num_samples, desc=engine, disable=not progress, unit="run")
-    if engine == "transformers-sampling":
-        from transformers.generation.utils import _speculative_sampling
-
-        with captured_rows() as calls:
-            run.generate(1, {}, assistant=True)
-        q_logits, p_logits = calls[0][0][:, :1], calls[0][1][:, :1]
-        new_logits = torch.cat([p_logits, p_logits], 1)  # the bonus row is never read for the first token
-        drafts = torch.multinomial(q_logits[0, 0].double().softmax(-1), num_samples, replacement=True)
-        prompt = torch.tensor([run.prompt], dtype=torch.long)
-        for x in drafts.tolist():
-            candidate = torch.cat([prompt, torch.tensor([[x]])], 1)
-            tokens, _ = _speculative_sampling(candidate, q_logits, 1, new_logits, extra.get("assistant_ensemble_weight"))
-            bar.update()
-            yield [int(tokens[0, 0])]
-    else:
-        for _ in range(num_samples):
-            bar.update()
-            yield run.generate(n_tokens, extra, assistant=engine == "transformers-assisted")
-    bar.close()
+        engine, ENGINES[engine], _verdict(engine, options), dict(options), temperature, n_tokens, num_samples, seed,
+        cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
+        _compare(counts, target_probs, target_probs, seed), _compare(counts, predicted_probs, target_probs, seed + 1),
+        detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes))

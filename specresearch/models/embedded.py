@@ -25,7 +25,7 @@ import torch
 from specresearch import paths
 from specresearch.models.causal_lm import CausalLM
 
-__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "load_embedded", "load_model", "weights_digest"]
+__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "gguf_path", "load_embedded", "load_model", "weights_digest"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,13 @@ def weights_digest(name: str = "smollm2-135m-instruct") -> str:
         for block in iter(lambda: file.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def gguf_path(name: str = "smollm2-135m-instruct") -> Path:
+    """The embedded model's GGUF file inside its wheel (what llama.cpp loads as is)."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; one of {sorted(EMBEDDED)}")
+    return _wheel_dir(EMBEDDED[name]) / EMBEDDED[name].gguf_file
 
 
 def _wheel_dir(spec: EmbeddedSpec) -> Path:

@@ -1,0 +1,149 @@
+"""llama.cpp's own code, run: its server (built by ``scripts/build_llamacpp.sh`` from the source vendored in the
+llama-cpp-python sdist) on the embedded GGUF, for :func:`specresearch.audit.execute.execute`.
+
+* :func:`llamacpp_bin` finds the built binaries (``$SPECRESEARCH_LLAMACPP`` or the script's cache folder).
+* :func:`write_scaled_draft` writes the draft llama.cpp's speculative decoding needs as a GGUF: a copy of the target
+  whose ``output_norm.weight`` is multiplied by c, so its logits are c times the target's (the same argmax, a sharper
+  or flatter law; its vocabulary is the target's, which llama.cpp's compatibility check asks for). Written with
+  llama.cpp's own ``gguf-py``.
+* :class:`LlamaServer` starts ``llama-server`` on a local port for one model (and a draft), and
+  :meth:`LlamaServer.complete` posts a ``/completion`` request: token ids in, token ids and the sampler's final
+  probabilities out.
+
+The server samples the first generated token from the target after the prompt; its speculative steps start with
+the second (``tools/server/server-context.cpp``: drafting follows a sampled token). Its drafts are capped at the
+tokens left to generate minus one (``get_n_draft_max``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+__all__ = ["LLAMACPP_VERSION", "llamacpp_bin", "llamacpp_home", "write_scaled_draft", "LlamaServer", "SAMPLING"]
+
+LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp is built (llama.cpp 0c1e570)
+# The server's sampling defaults (common/common.h): what a request that sets nothing gets.
+SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+_START_SECONDS = 120
+
+
+def llamacpp_home() -> Path:
+    """Where ``scripts/build_llamacpp.sh`` builds: ``$SPECRESEARCH_LLAMACPP`` or ``<cache>/llamacpp/<version>``."""
+    from specresearch.paths import cache_dir
+
+    return Path(os.environ.get("SPECRESEARCH_LLAMACPP") or cache_dir("llamacpp", LLAMACPP_VERSION))
+
+
+def llamacpp_bin(name: str = "llama-server") -> Path:
+    """The built binary ``name``; ``FileNotFoundError`` saying how to build it when it is absent."""
+    path = llamacpp_home() / "bin" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is not built: run `bash scripts/build_llamacpp.sh` once on this machine "
+                                "(cmake, tens of minutes on 2 cores)")
+    return path
+
+
+def write_scaled_draft(target_gguf: str | os.PathLike, out: str | os.PathLike, scale: float) -> Path:
+    """A copy of ``target_gguf`` at ``out`` whose ``output_norm.weight`` is multiplied by ``scale``: logits c times
+    the target's. Kept when ``out`` already holds this scale's copy."""
+    out = Path(out)
+    stamp = out.with_suffix(".scale")
+    if out.is_file() and stamp.is_file() and stamp.read_text() == repr(float(scale)):
+        return out
+    home = llamacpp_home() / "gguf-py"
+    if str(home) not in sys.path and home.is_dir():
+        sys.path.insert(0, str(home))
+    try:
+        from gguf import GGUFReader
+    except ImportError as error:
+        raise FileNotFoundError(f"llama.cpp's gguf-py is not at {home}: run `bash scripts/build_llamacpp.sh`") from error
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(target_gguf, out)
+    reader = GGUFReader(out, "r+")
+    (norm,) = [t for t in reader.tensors if t.name == "output_norm.weight"]
+    if norm.data.dtype.kind != "f":
+        raise ValueError(f"output_norm.weight is stored as {norm.data.dtype}, not a float type")
+    norm.data[...] = norm.data * scale
+    reader.data.flush()
+    del reader
+    stamp.write_text(repr(float(scale)))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LlamaServer:
+    """``llama-server`` on ``model`` (and ``draft``) at a free local port, one slot, ``threads`` threads; ``args``:
+    more command-line flags (e.g. ``["--spec-synth-rates", "0.5,0.25,0.125"]``). A context manager."""
+
+    def __init__(self, model, draft=None, *, threads: int = 1, context: int = 1024, args=()):
+        self.command = [str(llamacpp_bin("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+                        "--port", str(_free_port()), "-c", str(context), "-np", "1", "-t", str(threads),
+                        "-tb", str(threads), "--no-warmup", *([] if draft is None else ["-md", str(draft),
+                                                                                   "-td", str(threads)]), *args]
+        self.url = f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
+        self.process = None
+
+    def __enter__(self) -> "LlamaServer":
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{os.getpid()}.log", "w")
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + _START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.process.returncode}: see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"llama-server did not start within {_START_SECONDS} s: see {self.log.name}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+    def complete(self, tokens: list[int], **request) -> dict:
+        """POST ``/completion`` with ``prompt`` = ``tokens`` and ``request``'s fields; the reply's JSON."""
+        body = json.dumps({"prompt": list(tokens), **request}).encode()
+        ask = urllib.request.Request(self.url + "/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(ask, timeout=300) as reply:
+            return json.loads(reply.read())
+
+    def version(self) -> str:
+        with urllib.request.urlopen(self.url + "/props", timeout=10) as reply:
+            props = json.loads(reply.read())
+        return f"llama.cpp {props.get('build_info', '?')} (llama-cpp-python {LLAMACPP_VERSION} sdist)"
+
+    def row(self, tokens: list[int], vocab: int, sampling: dict) -> torch.Tensor:
+        """The law the server samples the next token from after ``tokens``: its sampler chain's final
+        probabilities (``post_sampling_probs``), as a dense ``[vocab]`` float64 row. Needs ``top_k`` >= 1 so that
+        ``n_probs = top_k`` covers the support."""
+        reply = self.complete(tokens, n_predict=1, n_probs=int(sampling["top_k"]), post_sampling_probs=True,
+                              **sampling)
+        row = torch.zeros(vocab, dtype=torch.float64)
+        for entry in reply["completion_probabilities"][0]["top_probs"]:
+            row[int(entry["id"])] = float(entry["prob"])
+        return row / row.sum()
