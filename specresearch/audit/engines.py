@@ -297,15 +297,23 @@ def sglang(num_drafts: int = 2, gamma: int = 1, *, threshold_single=1.0, thresho
 
 
 def vllm_greedy(num_drafts: int = 1, gamma: int = 2) -> Rule:
-    """vLLM V1 (``vllm/v1/sample/rejection_sampler.py``; ``vllm/config/speculative.py``) with the default
-    ``draft_sample_method="greedy"``: argmax drafts without draft probabilities, so q = 1: accept if p(x) >= u;
-    rejected: sample p with x zeroed; bonus token from the target. The one-hot rule on a greedy chain."""
+    """vLLM V1 (``vllm/v1/sample/rejection_sampler.py`` at vllm-project/vllm 7f6fc1c, re-read: ``RejectionSampler.forward``,
+    ``apply_sampling_constraints``, ``rejection_random_sample_kernel``, ``sample_recovered_tokens_kernel``;
+    ``vllm/config/speculative.py``) with the default ``draft_sample_method="greedy"``: argmax drafts without draft
+    probabilities (``NO_DRAFT_PROBS``), so q = 1: accept if p(x) >= u (u float64); rejected: the recovered token,
+    argmax of p with x zeroed over one exponential draw per request (a Gumbel-style sample of p without x); bonus token
+    from the target's own sampler. The one-hot rule on a greedy chain. p is the target after penalties, allowed and
+    bad words, then temperature, top-k and top-p (``apply_sampling_constraints``): truncation is part of p, so top-k /
+    top-p need no parameter here. ``min_p`` and ``logit_bias`` are refused with speculative decoding at request
+    validation (vLLM issue 42744: the rejection sampler would not apply them to verified positions)."""
     return Rule("vllm-greedy", method_law("onehot"), "topk", num_drafts, gamma, {}, "exact", vllm_greedy.__doc__)
 
 
 def vllm_probabilistic(num_drafts: int = 1, gamma: int = 2) -> Rule:
-    """vLLM with ``draft_sample_method="probabilistic"``: drafts sampled from q and q passed; accept if
-    p(x)/q(x) >= u; residual max(p - q, 0): token verification (Leviathan et al. 2023, arXiv 2211.17192)."""
+    """vLLM with ``draft_sample_method="probabilistic"`` (same file and commit as :func:`vllm_greedy`): drafts sampled
+    from q and q passed; accept if q(x) > 0 and p(x)/q(x) >= u; recovered token argmax of max(p - q, 0) over one
+    exponential draw per request (a sample of the normalised residual; one per step is used): token verification
+    (Leviathan et al. 2023, arXiv 2211.17192)."""
     return Rule("vllm-probabilistic", method_law("token"), "iid", num_drafts, gamma, {}, "exact", vllm_probabilistic.__doc__,
                 torch_rule="token")
 

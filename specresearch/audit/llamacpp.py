@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LLAMACPP_VERSION", "llamacpp_bin", "llamacpp_home", "write_scaled_draft", "LlamaServer", "SAMPLING"]
+__all__ = ["LLAMACPP_VERSION", "llamacpp_bin", "llamacpp_home", "write_scaled_draft", "write_truncated_draft", "LlamaServer", "SAMPLING"]
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp is built (llama.cpp 0c1e570)
 # The server's sampling defaults (common/common.h): what a request that sets nothing gets.
@@ -54,6 +54,54 @@ def llamacpp_bin(name: str = "llama-server") -> Path:
     return path
 
 
+def _gguf():
+    """llama.cpp's ``gguf`` package from the built source tree."""
+    home = llamacpp_home() / "gguf-py"
+    if str(home) not in sys.path and home.is_dir():
+        sys.path.insert(0, str(home))
+    try:
+        import gguf
+    except ImportError as error:
+        raise FileNotFoundError(f"llama.cpp's gguf-py is not at {home}: run `bash scripts/build_llamacpp.sh`") from error
+    return gguf
+
+
+def write_truncated_draft(target_gguf: str | os.PathLike, out: str | os.PathLike, layers: int) -> Path:
+    """The first ``layers`` blocks of ``target_gguf`` with its embeddings, final norm and head, at ``out`` (the
+    ``truncated:N`` draft of :func:`specresearch.drafts.registry.truncated_draft` in llama.cpp's format, quantised as
+    the target is). Kept when ``out`` already holds it."""
+    out = Path(out)
+    if out.is_file():
+        return out
+    gguf = _gguf()
+    reader = gguf.GGUFReader(target_gguf)
+    arch = reader.fields["general.architecture"].contents()
+    if not 1 <= layers < reader.fields[f"{arch}.block_count"].contents():
+        raise ValueError(f"layers must be in 1..{reader.fields[f'{arch}.block_count'].contents() - 1}, got {layers}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(partial, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the header's counts and the architecture the writer writes itself
+        value = layers if name == f"{arch}.block_count" else field.contents()
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(name, value, field.types[0], sub_type=field.types[-1] if array else None)
+    if "general.alignment" in reader.fields:
+        writer.data_alignment = reader.fields["general.alignment"].contents()
+    kept = [t for t in reader.tensors if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers)]
+    for tensor in kept:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in kept:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    os.replace(partial, out)
+    return out
+
+
 def write_scaled_draft(target_gguf: str | os.PathLike, out: str | os.PathLike, scale: float) -> Path:
     """A copy of ``target_gguf`` at ``out`` whose ``output_norm.weight`` is multiplied by ``scale``: logits c times
     the target's. Kept when ``out`` already holds this scale's copy."""
@@ -61,13 +109,7 @@ def write_scaled_draft(target_gguf: str | os.PathLike, out: str | os.PathLike, s
     stamp = out.with_suffix(".scale")
     if out.is_file() and stamp.is_file() and stamp.read_text() == repr(float(scale)):
         return out
-    home = llamacpp_home() / "gguf-py"
-    if str(home) not in sys.path and home.is_dir():
-        sys.path.insert(0, str(home))
-    try:
-        from gguf import GGUFReader
-    except ImportError as error:
-        raise FileNotFoundError(f"llama.cpp's gguf-py is not at {home}: run `bash scripts/build_llamacpp.sh`") from error
+    GGUFReader = _gguf().GGUFReader
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(target_gguf, out)
     reader = GGUFReader(out, "r+")
