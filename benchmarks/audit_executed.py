@@ -1,6 +1,7 @@
 """Audit by execution, the committed record: transformers' own speculative code run on the embedded pair
-(SmolLM2-135M-Instruct, float32, CPU; the assistant the shipped ``v8k-4l``), each configuration's measured law of the
-first tokens against the target's and the audit's prediction (``specresearch.audit.execute``).
+(SmolLM2-135M-Instruct, float32, CPU; the assistant the shipped ``v8k-4l``) and llama.cpp's server on its GGUF
+(built by ``scripts/build_llamacpp.sh``; the draft a scaled copy), each configuration's measured law of the first
+tokens against the target's and the audit's prediction (``specresearch.audit.execute``).
 
     python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
 
@@ -32,6 +33,8 @@ CONFIGS = [
     ("transformers-assisted", 2, 2000, 1.0, {"assistant_ensemble_weight": 0.5}, PROMPT),
     ("transformers-assisted", 2, 2000, 0.7, {"top_p": 0.9, "repetition_penalty": 1.2}, PROMPT),
     ("transformers-lookup", 2, 2000, 1.0, {"prompt_lookup_num_tokens": 3}, LOOKUP_PROMPT),
+    ("llamacpp-server", 2, 4000, 1.0, {}, PROMPT),
+    ("llamacpp-server", 2, 2000, 0.8, {"synth_rates": [0.5, 0.25, 0.125]}, PROMPT),
 ]
 
 

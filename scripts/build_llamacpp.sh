@@ -29,9 +29,9 @@ SRC="$HOME_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 echo "[llama.cpp] configuring $SRC" >&2
 cmake -S "$SRC" -B "$HOME_DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-  -DBUILD_SHARED_LIBS=OFF > "$HOME_DIR/configure.log"
+  -DBUILD_SHARED_LIBS=OFF > "$HOME_DIR/configure.log" 2>&1
 echo "[llama.cpp] building ${TARGETS[*]} with ${JOBS:-2} jobs (tens of minutes; log: $HOME_DIR/build.log)" >&2
-cmake --build "$HOME_DIR/build" --config Release -j "${JOBS:-2}" --target "${TARGETS[@]}" > "$HOME_DIR/build.log"
+cmake --build "$HOME_DIR/build" --config Release -j "${JOBS:-2}" --target "${TARGETS[@]}" > "$HOME_DIR/build.log" 2>&1
 mkdir -p "$BIN"
 for target in "${TARGETS[@]}"; do cp "$HOME_DIR/build/bin/$target" "$BIN/"; done
 ln -sfn "$SRC/gguf-py" "$HOME_DIR/gguf-py"

@@ -361,7 +361,7 @@ class _LlamaCpp:
         rates = options.get("synth_rates")
         self.rates = None if rates is None else tuple(float(r) for r in (rates.split(",") if isinstance(rates, str) else rates))
         n_max = int(options.get("draft_max", 3))
-        args = ["--spec-draft-n-max", str(n_max), "--spec-draft-p-min", "0"]
+        args = ["--spec-type", "draft-simple", "--spec-draft-n-max", str(n_max), "--spec-draft-p-min", "0"]
         if self.rates is not None:
             engine_rule("llamacpp-server", gamma=1, synth_rates=self.rates)  # checks them as llama.cpp does
             if len(self.rates) != n_max or n_tokens != 2:
@@ -402,10 +402,17 @@ class _LlamaCpp:
         return rows
 
     def draws(self, num_samples: int):
+        """The server's generations; fails when it drafted nothing (the run would have tested plain sampling)."""
+        drafted = accepted = 0
         for i in range(num_samples):
             reply = self.server.complete(self.prompt, n_predict=self.n_tokens + 1, seed=self.seed * 1_000_003 + i,
                                          return_tokens=True, cache_prompt=True, **self.sampling)
+            drafted += reply.get("timings", {}).get("draft_n", 0) or 0
+            accepted += reply.get("timings", {}).get("draft_n_accepted", 0) or 0
             yield _padded(reply["tokens"], self.n_tokens, self.eos)
+        if not drafted:
+            raise RuntimeError("llama-server drafted no token in the run: its speculative decoding was off")
+        self.notes.append(f"the server drafted {drafted} tokens in the run and kept {accepted} (its timings)")
 
 
 def _check(engine: str, n_tokens: int, num_samples: int, temperature: float, options: dict) -> None:
