@@ -31,6 +31,9 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
 * ``transformers-lookup``: ``generate(prompt_lookup_num_tokens=k, do_sample=True)``; rule ``hf-lookup``.
 * ``transformers-sampling``: transformers' ``_speculative_sampling`` called directly on the real rows of the prompt
   (a draft token sampled from the captured q, the function decides); ``n_tokens`` = 1; cheap, so N can be large.
+* ``python``: any library's sampler, ``sample=callable(prompt_ids, n_tokens)``, against the target's plain law at
+  temperature T (what a library claiming lossless speculative sampling promises); ``benchmarks/audit_libraries.py``
+  runs the PyPI libraries through it.
 * ``llamacpp-server``: llama.cpp's server (:mod:`specresearch.audit.llamacpp`; built once per machine by
   ``scripts/build_llamacpp.sh``) on the embedded GGUF, the draft a copy with its logits scaled; rule
   ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
@@ -60,6 +63,7 @@ ENGINES = {
     "transformers-lookup": "hf-lookup",
     "transformers-sampling": "hf-assisted",
     "llamacpp-server": "llamacpp-server",
+    "python": "token",  # any library's sampler, given as sample=...: its claim (lossless) is what is tested
 }
 SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty")  # transformers' generate arguments, applied to both laws
 ENGINE_OPTIONS = {
@@ -67,6 +71,7 @@ ENGINE_OPTIONS = {
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
     "transformers-sampling": ("assistant_ensemble_weight",),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale"),
+    "python": ("sample", "name", "version"),
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
 _ROW_BATCH = 32
@@ -415,10 +420,46 @@ class _LlamaCpp:
         self.notes.append(f"the server drafted {drafted} tokens in the run and kept {accepted} (its timings)")
 
 
+class _Python:
+    """A library's own sampler, ``sample(prompt_ids, n_tokens) -> tokens`` (at least ``n_tokens`` new ones), against
+    the target's plain law softmax(logits / T) from one uncached forward of the same model: what a library that
+    claims lossless speculative sampling at temperature T promises."""
+
+    def __init__(self, target_model, prompt: list[int], eos: int, temperature: float, options: dict, n_tokens: int):
+        self.target, self.prompt, self.eos, self.temperature, self.n_tokens = target_model, list(prompt), eos, temperature, n_tokens
+        self.sample = options["sample"]
+        self.version = options.get("version", getattr(self.sample, "__module__", "?"))
+        self.notes, self.draft_tv = [f"library: {options.get('name', self.version)}"], None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    @torch.no_grad()
+    def target_rows(self, prefixes) -> torch.Tensor:
+        out = []
+        for start in range(0, len(prefixes), _ROW_BATCH):
+            ids = torch.tensor([self.prompt + list(p) for p in prefixes[start:start + _ROW_BATCH]], dtype=torch.long,
+                               device=self.target.device)
+            logits = self.target(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
+            out.append((logits.double() / self.temperature).softmax(-1).cpu())
+        return torch.cat(out)
+
+    def predicted_rows(self, law) -> dict | None:
+        return None
+
+    def draws(self, num_samples: int):
+        for _ in range(num_samples):
+            yield _padded(self.sample(list(self.prompt), self.n_tokens), self.n_tokens, self.eos)
+
+
 def _check(engine: str, n_tokens: int, num_samples: int, temperature: float, options: dict) -> None:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
-    allowed = ENGINE_OPTIONS[engine] if engine.startswith("llamacpp") else SAMPLING_OPTIONS + ENGINE_OPTIONS[engine]
+    own = engine.startswith("llamacpp") or engine == "python"
+    allowed = ENGINE_OPTIONS[engine] if own else SAMPLING_OPTIONS + ENGINE_OPTIONS[engine]
     unknown = set(options) - set(allowed)
     if unknown:
         raise ValueError(f"{engine} takes options {list(allowed)}, got {sorted(unknown)}")
@@ -432,6 +473,8 @@ def _check(engine: str, n_tokens: int, num_samples: int, temperature: float, opt
         raise ValueError(f"num_samples must be an int >= 20, got {num_samples!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (the engines' sampling mode), got {temperature!r}")
+    if engine == "python" and not callable(options.get("sample")):
+        raise ValueError("engine 'python' needs sample=callable(prompt_ids, n_tokens) -> token ids")
     if engine == "transformers-lookup" and "prompt_lookup_num_tokens" not in options:
         raise ValueError("transformers-lookup needs prompt_lookup_num_tokens (e.g. 3)")
 
@@ -484,6 +527,8 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     ids, vocab = _prompt_ids(prompt, tokenizer), target.config.vocab_size
     if engine.startswith("llamacpp"):
         run = _LlamaCpp(ids, eos, vocab, temperature, options, n_tokens, seed)
+    elif engine == "python":
+        run = _Python(target, ids, eos, temperature, options, n_tokens)
     else:
         run = _Transformers(engine, target, draft, ids, eos, temperature, options, n_tokens)
     from tqdm.auto import tqdm
@@ -510,7 +555,8 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         counts, target_probs, predicted_probs = counts[:-1], target_probs[:-1], predicted_probs[:-1]
     cells = law.cells + (("outside the target's support",),) * (len(counts) - len(law.cells))
     return ExecutionResult(
-        engine, ENGINES[engine], _verdict(engine, options), dict(options), temperature, n_tokens, num_samples, seed,
+        engine, ENGINES[engine], _verdict(engine, options), {k: v for k, v in options.items() if k != "sample"},
+        temperature, n_tokens, num_samples, seed,
         cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
         _compare(counts, target_probs, target_probs, seed), _compare(counts, predicted_probs, target_probs, seed + 1),
         detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes))

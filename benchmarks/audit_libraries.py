@@ -1,0 +1,225 @@
+"""PyPI libraries that claim lossless speculative decoding of transformers models, run on the embedded pair: the law of
+their first generated tokens against the target's (``specresearch.audit.execute``, engine ``python``).
+
+Each library is downloaded from the package index as it is published (``pip download --no-deps``), unpacked into a
+folder of its own under the cache and imported from there by a worker process of its own (nothing installed into
+the project's environment; a library whose pins fight ours still runs on the versions here, or says why it does not).
+Each runs on SmolLM2-135M-Instruct (float32, CPU) with the shipped distilled draft ``v8k-4l`` as its draft model, at
+temperature ``--temperature``, its own defaults otherwise (gamma where it asks for one: ``--gamma``). A library that
+will not run gets one line saying why.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --out benchmarks/records/audit_libraries.json
+
+Resumable: libraries already in the record are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+# name -> (PyPI distribution and version, import name, what runs)
+LIBRARIES = {
+    "specdec": ("specdec==0.2.0", "specdec", "SpecDecoder.generate_small + verify (Leviathan et al.'s loop)"),
+    "seqspecdecod.standard": ("sequential-speculative-decoding==0.1.1", "seqspecdecod", "standard_speculative_step"),
+    "seqspecdecod.naive_hsd": ("sequential-speculative-decoding==0.1.1", "seqspecdecod", "naive_hsd_step (hierarchical SD)"),
+    "seqspecdecod.capped_hsd": ("sequential-speculative-decoding==0.1.1", "seqspecdecod", "capped_hsd_step (hierarchical SD)"),
+    "flashspec": ("flashspec==0.3.1", "flashspec", "SpeculativeEngine.generate, its default strategy"),
+    "eagle-llm": ("eagle-llm==1.2.1", "eagle", "EaModel (EAGLE-1/2)"),
+    "economize": ("economize==0.3.2", "economize", "economize.generate with a speculative technique"),
+}
+
+
+def unpacked(spec: str) -> Path:
+    """The wheel of ``spec`` downloaded and unpacked under the cache (once)."""
+    from specresearch.paths import cache_dir
+
+    folder = cache_dir("pypi_libraries", spec.replace("==", "-"))
+    if not (folder / ".done").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary", ":all:", spec,
+                        "-d", str(folder)], check=True, stdin=subprocess.DEVNULL)
+        (wheel,) = folder.glob("*.whl")
+        zipfile.ZipFile(wheel).extractall(folder / "site")
+        (folder / ".done").write_text(wheel.name)
+    return folder / "site"
+
+
+def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
+    """``sample(prompt_ids, n_tokens) -> token ids`` running library ``name``'s own code (``target_lm`` / ``draft_lm``:
+    the toolkit's wrappers; the libraries get the transformers models inside)."""
+    import torch
+
+    target, draft = target_lm.model, draft_lm.model
+    if name == "specdec":
+        from specdec.decoder import SpecDecoder
+
+        decoder = object.__new__(SpecDecoder)  # its __init__ loads models by hub name; the same attributes, set here
+        decoder.small_model, decoder.big_model, decoder.device = draft, target, "cpu"
+        if temperature != 1.0:
+            raise ValueError("specdec samples at temperature 1 only (softmax of the raw logits)")
+
+        def sample(prompt, n_tokens):
+            ids, out = torch.tensor([prompt]), []
+            while len(out) < n_tokens:
+                tokens, laws = decoder.generate_small(ids, gamma)
+                kept = decoder.verify(ids, tokens, laws)
+                out += kept
+                ids = torch.cat([ids, torch.tensor([kept])], 1)
+            return out
+        return sample
+    if name.startswith("seqspecdecod."):
+        import seqspecdecod.capped_hsd
+        import seqspecdecod.naive_hsd
+        import seqspecdecod.standard_sd
+
+        step = {"standard": seqspecdecod.standard_sd.standard_speculative_step,
+                "naive_hsd": seqspecdecod.naive_hsd.naive_hsd_step,
+                "capped_hsd": seqspecdecod.capped_hsd.capped_hsd_step}[name.split(".")[1]]
+
+        def sample(prompt, n_tokens):
+            ids = torch.tensor([prompt])
+            while ids.shape[1] - len(prompt) < n_tokens:
+                ids = step(draft, target, ids, gamma=gamma, draft_temperature=temperature,
+                           target_temperature=temperature)[0]
+            return ids[0, len(prompt):].tolist()
+        return sample
+    if name == "flashspec":
+        from flashspec import FlashSpecConfig, SamplingConfig, SpeculativeEngine
+        from flashspec.engine.hf_drafter import HuggingFaceDrafter
+        from flashspec.engine.verifier import TargetModel
+
+        config = FlashSpecConfig(drafter_name="v8k-4l", target_name="smollm2-135m-instruct", device="cpu",
+                                 dtype="float32", compile=False,
+                                 sampling=SamplingConfig(gamma=gamma, temperature=temperature, top_p=1.0))
+        engine = SpeculativeEngine(config, [HuggingFaceDrafter("v8k-4l", "cpu", temperature=temperature, model=draft)],
+                                   TargetModel("smollm2-135m-instruct", torch.device("cpu"), torch.float32, model=target))
+
+        def sample(prompt, n_tokens):
+            result = engine.generate(torch.tensor([prompt]), max_new_tokens=n_tokens + 1)
+            return [t for t in result.output_ids[0].tolist() if t >= 0]
+        return sample
+    if name == "eagle-llm":
+        return _eagle_llm(target, temperature)
+    if name == "economize":
+        import copy
+        import itertools
+        import tempfile
+
+        import economize
+        from specresearch.drafts.registry import truncated_draft
+
+        folder = Path(tempfile.mkdtemp(prefix="economize-draft-"))
+        truncated_draft(target_lm, 6).model.save_pretrained(folder)  # a plain causal LM directory, as it loads drafts
+        from economize.techniques.draft_model import DraftModelConfig
+
+        model = economize.apply(copy.deepcopy(target), DraftModelConfig(model=str(folder), dtype="float32"))
+        seeds = itertools.count()
+
+        def sample(prompt, n_tokens):
+            result = model.decode(torch.tensor(prompt), n_tokens + 1,
+                                  decoding=economize.DecodeConfig(cycle_length=gamma + 1, verifier="rejection"),
+                                  selector=economize.TopPSampler(temperature=temperature, top_p=1.0, seed=next(seeds)))
+            return result.tokens.tolist()
+        return sample
+    raise ValueError(f"unknown library {name!r}")
+
+
+def _eagle_llm(target, temperature: float):
+    """eagle-llm's EaModel on the embedded target with a randomly initialised EAGLE-1 head in its own format (the
+    head's quality changes the speed, not the law its verification promises)."""
+    import tempfile
+
+    import torch
+    from eagle.model.cnets import Model
+    from eagle.model.configs import EConfig
+    from eagle.model.ea_model import EaModel
+
+    base = Path(tempfile.mkdtemp(prefix="eagle-base-"))
+    target.save_pretrained(base)
+    head = Path(tempfile.mkdtemp(prefix="eagle-head-"))
+    (head / "config.json").write_text((base / "config.json").read_text())
+    torch.manual_seed(0)
+    try:
+        layer = Model(EConfig.from_pretrained(head / "config.json"), load_emb=False)
+    except KeyError as error:
+        raise RuntimeError(f"eagle-llm's own modelling (eagle/model/cnets.py, _init_rope) reads config.rope_scaling[{error}], "
+                           "which transformers 5.x configs no longer carry; it was written for transformers 4.x (its pins: "
+                           "accelerate 0.21, fschat 0.2.31)") from None
+    torch.save(layer.state_dict(), head / "pytorch_model.bin")
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), torch_dtype=torch.float32)
+
+    def sample(prompt, n_tokens):
+        ids = torch.tensor([prompt])
+        return model.eagenerate(ids, temperature=temperature, max_new_tokens=n_tokens + 1)[0, len(prompt):].tolist()
+    return sample
+
+
+def worker(name: str, args) -> dict:
+    """Run one library in this (fresh) process: its folder first on ``sys.path``."""
+    spec, module, what = LIBRARIES[name]
+    sys.path.insert(0, str(unpacked(spec)))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from specresearch.audit.execute import execute
+    from specresearch.drafts.registry import load_pair
+
+    target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
+    row = {"library": name, "distribution": spec, "runs": what, "temperature": args.temperature, "gamma": args.gamma}
+    try:
+        sample = sampler(name, target, draft, args.temperature, args.gamma)
+        result = execute("python", prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,
+                         temperature=args.temperature, target=target.model, tokenizer=tokenizer, sample=sample,
+                         name=name, version=spec, progress=False)
+    except Exception as error:  # a library that does not run here: one line saying why
+        return row | {"ran": False, "why": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    print(result, flush=True)
+    return row | {"ran": True, "prompt": args.prompt} | result.as_record()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/records/audit_libraries.json")
+    parser.add_argument("--only", nargs="*", help="these libraries (default: all)")
+    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--n-tokens", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--gamma", type=int, default=2)
+    parser.add_argument("--prompt", default="Name a colour.")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        return 0
+    from specresearch.experiments.records import record_header, write_json_record
+
+    out = Path(args.out)
+    command = sys.argv[1:] if argv is None else list(argv)
+    record = (json.loads(out.read_text()) if out.exists()
+              else record_header("benchmarks/audit_libraries.py", command, draft="v8k-4l", rows=[]))
+    done = {row["library"] for row in record["rows"]}
+    for name in args.only or LIBRARIES:
+        if name in done:
+            continue
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("out", "only", "worker")]
+        done_run = subprocess.run([sys.executable, __file__, "--worker", name, *flags], capture_output=True, text=True,
+                                  env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        lines = [line for line in done_run.stdout.splitlines() if line.startswith("RESULT ")]
+        row = (json.loads(lines[-1][7:]) if lines else
+               {"library": name, "distribution": LIBRARIES[name][0], "ran": False,
+                "why": f"its worker exited with {done_run.returncode}: {(done_run.stderr.strip().splitlines() or ['?'])[-1][:300]}"})
+        print(row.get("finding") or row.get("why"), flush=True)
+        record["rows"].append(row)
+        write_json_record(out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
