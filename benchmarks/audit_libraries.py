@@ -112,6 +112,7 @@ def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
         import tempfile
 
         import economize
+
         from specresearch.drafts.registry import truncated_draft
 
         folder = Path(tempfile.mkdtemp(prefix="economize-draft-"))
