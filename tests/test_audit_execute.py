@@ -105,12 +105,14 @@ def test_captured_rows_restores_the_function():
     (dict(engine="transformers-assisted", num_samples=5), "num_samples"),
     (dict(engine="llamacpp-server", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="llamacpp-server", assistant_ensemble_weight=0.5), "takes options"),
+    (dict(engine="python", sample=None), "needs sample="),
 ])
 def test_bad_input_is_refused(pair, kwargs, message):
     kwargs = dict(num_samples=100) | kwargs
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
-    assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "llamacpp-server"}
+    assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "llamacpp-server",
+                            "python"}
 
 
 LLAMACPP = llamacpp_home() / "bin" / "llama-server"
@@ -129,3 +131,27 @@ def test_llamacpp_server_keeps_the_target_law_and_its_synthetic_mode_the_predict
     synthetic = execute("llamacpp-server", synth_rates=(0.9, 0.8, 0.7), **common)
     assert synthetic.predicted.tv_from_target > 0.05, str(synthetic)
     assert synthetic.predicted.p_value > 1e-3 and synthetic.target.p_value < 1e-3, str(synthetic)
+
+
+def test_a_library_sampler_is_held_to_the_target_law(pair):
+    """engine 'python': a correct sampler (plain sampling from the target) keeps the target's law; one that returns
+    the draft's samples, as a verifier that accepts everything would, is a finding."""
+    target, draft = pair
+    generator = torch.Generator().manual_seed(5)
+
+    def from_model(model):
+        def sample(prompt, n_tokens):
+            ids = list(prompt)
+            for _ in range(n_tokens):
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+                ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=generator)))
+            return ids[len(prompt):]
+        return sample
+
+    common = dict(prompt=PROMPT, n_tokens=2, num_samples=600, target=target, progress=False, min_expected=10)
+    honest = execute("python", sample=from_model(target), name="plain sampling", **common)
+    assert honest.target.p_value > 1e-3 and honest.finding.startswith("agrees"), str(honest)
+    accepts_all = execute("python", sample=from_model(draft), name="accept every draft", **common)
+    assert accepts_all.target.p_value < 1e-3 and accepts_all.finding.startswith("FINDING"), str(accepts_all)
+    assert "sample" not in accepts_all.options and accepts_all.options["name"] == "accept every draft"
