@@ -41,8 +41,11 @@ def _options(pairs: list[str]) -> dict:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             raise ValueError(f"--option must be NAME=VALUE, got {pair!r}")
+        if "," in value:  # a list, e.g. synth_rates=0.5,0.25,0.125
+            options[name] = tuple(float(part) for part in value.split(","))
+            continue
         number = float(value)
-        options[name] = int(number) if number.is_integer() and name not in ("top_p", "repetition_penalty",
+        options[name] = int(number) if number.is_integer() and name not in ("top_p", "min_p", "repetition_penalty",
                                                                            "assistant_ensemble_weight") else number
     return options
 
@@ -52,10 +55,11 @@ def _run(args) -> int:
 
     import torch
 
-    from specresearch.audit.execute import execute
+    from specresearch.audit.execute import check_arguments, execute
     from specresearch.drafts.registry import load_pair
 
     options = _options(args.option)
+    check_arguments(args.engine, args.n_tokens, args.samples, args.temperature, options)  # before anything loads
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft, device="cpu", skinny_linear=False)
     result = execute(args.engine, prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,

@@ -72,6 +72,18 @@ def test_argparse_errors_are_one_line_too(capsys):
     _user_error(capsys, ["bench", "--gamma", "3"], "unrecognized arguments: --gamma 3")
 
 
+def test_audit_engine_errors_and_a_run_with_its_record(capsys, tmp_path):
+    _user_error(capsys, ["audit-engine", "transformers-assisted", "--option", "top_k"], "--option must be NAME=VALUE")
+    _user_error(capsys, ["audit-engine", "transformers-assisted", "--option", "top_q=3"], "takes options")
+    _user_error(capsys, ["audit-engine", "transformers-sampling", "--n-tokens", "2"], "n_tokens=1")
+    record = tmp_path / "executed.jsonl"
+    assert main(["audit-engine", "transformers-sampling", "--samples", "300", "--n-tokens", "1", "--record", str(record)]) == 0
+    out = capsys.readouterr().out
+    (row,) = [json.loads(line) for line in record.read_text().splitlines()]
+    assert row["engine"] == "transformers-sampling" and row["num_samples"] == 300 and row["command"].startswith("specresearch")
+    assert row["finding"] in out and sum(row["counts"]) == 300
+
+
 def test_report_user_errors(capsys, tmp_path):
     _user_error(capsys, ["report", "--only", "99_nothing", "--out", str(tmp_path)], "matches no notebook")
     _user_error(capsys, ["report", "--notebooks", str(tmp_path / "missing")], "does not exist")

@@ -56,7 +56,8 @@ from specresearch.audit.engines import engine_rule
 from specresearch.audit.real import single_step
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
-__all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "captured_rows", "cell_probs", "tv_interval"]
+__all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "captured_rows", "cell_probs",
+           "tv_interval"]
 
 ENGINES = {
     "transformers-assisted": "hf-assisted",
@@ -455,7 +456,8 @@ class _Python:
             yield _padded(self.sample(list(self.prompt), self.n_tokens), self.n_tokens, self.eos)
 
 
-def _check(engine: str, n_tokens: int, num_samples: int, temperature: float, options: dict) -> None:
+def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: float, options: dict) -> None:
+    """``ValueError`` for arguments :func:`execute` refuses, before anything loads."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
     own = engine.startswith("llamacpp") or engine == "python"
@@ -512,7 +514,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
             its request's ``top_k`` / ``top_p`` / ``min_p`` (default the server's 40 / 0.95 / 0.05), ``synth_rates``,
             ``draft_max`` (3) and ``draft_scale`` (1.5).
     """
-    _check(engine, n_tokens, num_samples, temperature, options)
+    check_arguments(engine, n_tokens, num_samples, temperature, options)
     if target is None:
         from specresearch.drafts.registry import load_pair
 
