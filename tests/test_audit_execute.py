@@ -155,3 +155,19 @@ def test_a_library_sampler_is_held_to_the_target_law(pair):
     accepts_all = execute("python", sample=from_model(draft), name="accept every draft", **common)
     assert accepts_all.target.p_value < 1e-3 and accepts_all.finding.startswith("FINDING"), str(accepts_all)
     assert "sample" not in accepts_all.options and accepts_all.options["name"] == "accept every draft"
+
+
+def test_the_docs_table_is_the_records_one():
+    """docs/audit.md's table of engines run is computed from the committed records (``audit.report.executed_table``)."""
+    import json
+    from pathlib import Path
+
+    from specresearch.audit.report import executed_table
+
+    root = Path(__file__).resolve().parents[1]
+    rows = [row for name in ("audit_executed", "audit_libraries")
+            for row in json.loads((root / "benchmarks" / "records" / f"{name}.json").read_text())["rows"]]
+    text = (root / "docs" / "audit.md").read_text()
+    table = text.split("<!-- executed table: generated -->\n")[1].split("\n<!-- end of executed table -->")[0]
+    assert table == executed_table(rows)
+    assert any(row.get("engine") == "llamacpp-server" for row in rows)  # llama.cpp's results travel in the record

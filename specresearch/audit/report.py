@@ -26,7 +26,7 @@ from specresearch.exact.single import (
     two_symbol_example,
 )
 
-__all__ = ["AuditReport", "Counterexample", "audit", "engine_table"]
+__all__ = ["AuditReport", "Counterexample", "audit", "engine_table", "executed_table"]
 
 _METHODS = METHODS + MULTI_METHODS
 
@@ -215,3 +215,27 @@ def engine_table() -> str:
 
 def _row(row) -> str:
     return "(" + ", ".join(str(v) for v in row) + ")"
+
+
+def executed_table(rows) -> str:
+    """The table of ``docs/audit.md``, "Their code, run" (markdown) from the rows of the records
+    ``benchmarks/records/audit_executed.json`` and ``audit_libraries.json`` (``ExecutionResult.as_record``, or a
+    library's row saying why it did not run): engine and settings, N, the audit's verdict, the p-values against the
+    target's and the predicted law, the measured TV from the target (and the noise floor), the TV the run detects and
+    the finding."""
+    lines = ["| engine (their code) | settings | N | audit | p vs target | p vs predicted | TV from target (floor) | "
+             "detects TV | finding |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        name = row.get("engine") if row.get("engine") != "python" else row.get("library")
+        if row.get("ran") is False:
+            lines.append(f"| {row['library']} ({row['distribution']}) | - | - | - | - | - | - | - | did not run: {row['why']} |")
+            continue
+        options = {k: v for k, v in row["options"].items() if k not in ("name", "version")}
+        settings = ", ".join(f"{k} = {v}" for k, v in options.items())
+        settings = (f"T = {row['temperature']:g}" + (f", {settings}" if settings else "")
+                    + f", {row['n_tokens']} token{'s' if row['n_tokens'] > 1 else ''}")
+        finding = row["finding"].split(":")[0] if row["finding"].startswith(("agrees", "undecided")) else row["finding"]
+        lines.append(f"| {name} | {settings} | {row['num_samples']:,} | {row['verdict']} | {row['target']['p_value']:.2g} | "
+                     f"{row['predicted']['p_value']:.2g} | {row['target']['tv']:.3f} ({row['target']['tv_floor']:.3f}) | "
+                     f"{row['detectable_tv']:.3f} | {finding} |")
+    return "\n".join(lines)

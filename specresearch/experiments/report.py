@@ -34,6 +34,7 @@ DOCS_FIGURES = (
     "10_tree_step_costs",
     "10_trees_cpu_gpu",
     "11_lossy_frontier",
+    "12_engines_executed",
     "09_data_scaling",
     "09_alpha_vs_cost",
     "09_speedup_vs_gamma",

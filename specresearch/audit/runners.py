@@ -1,0 +1,295 @@
+"""The engines as :func:`specresearch.audit.execute.execute` runs them: one runner per kind of engine, each with the
+same four parts (the target's next-token law at given prefixes, the encoded rule's predicted law or None where the
+rule is exact, the engine's own generations, and notes), and the helpers they share.
+
+* :class:`TransformersRun`: transformers' assisted generation, prompt lookup, or its ``_speculative_sampling`` called
+  on real rows (:func:`captured_rows` records what it verifies with).
+* :class:`LlamaCppRun`: llama.cpp's server (:mod:`specresearch.audit.llamacpp`).
+* :class:`PythonRun`: any library's sampler against the target's plain law.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from specresearch.audit.engines import engine_rule
+from specresearch.audit.real import single_step
+
+__all__ = ["TransformersRun", "LlamaCppRun", "PythonRun", "captured_rows", "quiet_transformers", "absorbing", "padded",
+           "SAMPLING_OPTIONS", "ENGINE_OPTIONS"]
+
+SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty")  # transformers' generate arguments, applied to both laws
+ENGINE_OPTIONS = {
+    "transformers-assisted": ("num_assistant_tokens", "assistant_confidence_threshold", "assistant_ensemble_weight"),
+    "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
+    "transformers-sampling": ("assistant_ensemble_weight",),
+    "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale"),
+    "python": ("sample", "name", "version"),
+}
+_ROW_BATCH = 32
+
+
+@contextlib.contextmanager
+def captured_rows():
+    """Record the rows transformers' assisted decoding verifies with: within the block, every call of
+    ``transformers.generation.utils._speculative_sampling`` appends ``(candidate_logits, new_logits)`` (float32, as
+    passed: the draft's processed scores of the candidates and the target's processed scores) to the yielded list."""
+    from transformers.generation import utils
+
+    original = getattr(utils, "_speculative_sampling", None)
+    if original is None:
+        raise RuntimeError("this transformers has no generation.utils._speculative_sampling: execute() needs 4.x-5.x")
+    calls: list = []
+
+    def recording(candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs):
+        calls.append((candidate_logits.detach().clone(), new_logits.detach().clone()))
+        return original(candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
+
+    utils._speculative_sampling = recording
+    try:
+        yield calls
+    finally:
+        utils._speculative_sampling = original
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own warnings off while its code runs N times (its assisted generation warns on every call that
+    the candidate generator passes a generation config with arguments); restored after."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def absorbing(next_rows, eos: int, vocab: int):
+    """``next_rows`` with EOS absorbing: after a prefix ending in EOS, EOS again (a generation that stopped)."""
+    def rows(prefixes):
+        live = [p for p in prefixes if not p or p[-1] != eos]
+        computed = iter(next_rows(live)) if live else iter(())
+        one_hot = torch.zeros(vocab, dtype=torch.float64)
+        one_hot[eos] = 1.0
+        return torch.stack([one_hot if p and p[-1] == eos else next(computed) for p in prefixes])
+    return rows
+
+
+def padded(tokens: list[int], n_tokens: int, eos: int) -> list[int]:
+    tokens = list(tokens)[:n_tokens]
+    return tokens + [eos] * (n_tokens - len(tokens))
+
+
+class TransformersRun:
+    """transformers' generate on the target (and the draft), one prompt, batch 1 as its assisted decoding needs."""
+
+    def __init__(self, engine, target_model, draft_model, prompt: list[int], eos: int, temperature: float, options: dict,
+                 n_tokens: int):
+        import transformers
+
+        self.engine, self.target, self.draft, self.prompt, self.eos = engine, target_model, draft_model, list(prompt), eos
+        self.vocab = target_model.config.vocab_size
+        self.sampling = dict(do_sample=True, temperature=temperature, top_k=options.get("top_k", 0),
+                             pad_token_id=eos, **{k: options[k] for k in SAMPLING_OPTIONS[1:] if k in options})
+        self.extra = {k: options[k] for k in ENGINE_OPTIONS[engine] if k in options}
+        self.weight = options.get("assistant_ensemble_weight")
+        self.version = f"transformers {transformers.__version__}"
+        self.n_tokens, self.notes, self.draft_tv = n_tokens, [], None
+        if engine == "transformers-assisted":
+            draft_model.generation_config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
+            draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
+            draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def _ids(self, prefixes) -> torch.Tensor:
+        return torch.tensor([self.prompt + list(p) for p in prefixes], dtype=torch.long, device=self.target.device)
+
+    @torch.no_grad()
+    def rows(self, model, prefixes) -> torch.Tensor:
+        """The law ``model`` samples its next token from after each prefix, under the run's settings. -> [n, V]."""
+        out = []
+        for start in range(0, len(prefixes), _ROW_BATCH):
+            ids = self._ids(prefixes[start:start + _ROW_BATCH])
+            scores = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, output_scores=True,
+                                    return_dict_in_generate=True, **self.sampling).scores[0]
+            out.append(scores.double().softmax(-1).cpu())
+        return torch.cat(out)
+
+    def target_rows(self, prefixes) -> torch.Tensor:
+        return self.rows(self.target, prefixes)
+
+    def predicted_rows(self, law) -> dict | None:
+        """The encoded rule's next-token law at every prefix ``law`` expanded (None: the rule is exact), from the
+        rows transformers verifies with; records how far its q is from the draft's own law."""
+        if self.engine == "transformers-lookup":
+            return None
+        live = [s for s in law.rows if not s or s[-1] != self.eos] if self.weight is not None else [()]
+        q, p = self.verified_rows(live)
+        self.draft_tv = 0.5 * float((q[0] - self.rows(self.draft, [()])[0]).abs().sum())
+        if self.draft_tv > 1e-4:
+            self.notes.append("transformers verifies with a q other than the draft's own sampling law at these "
+                              "settings: lossless still, but the draft it runs is another one (draft_tv_intended)")
+        if self.weight is None:
+            return None
+        r, _ = single_step("hf-assisted", p, q, num_drafts=1, ensemble_weight=self.weight)
+        return dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
+
+    @torch.no_grad()
+    def verified_rows(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, p) ``[n, V]`` float64: the rows transformers' assisted decoding verifies the first draft token after
+        each prefix with (:func:`captured_rows`, one assisted step per prefix)."""
+        qs, ps = [], []
+        for prefix in prefixes:
+            ids = self._ids([prefix])
+            with captured_rows() as calls:
+                self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                                     assistant_model=self.draft, **self.sampling, **self.extra)
+            if not calls:
+                raise RuntimeError(f"transformers verified no draft after prefix {prefix}: nothing to capture")
+            qs.append(calls[0][0][0, 0].double().softmax(-1).cpu())
+            ps.append(calls[0][1][0, 0].double().softmax(-1).cpu())
+        return torch.stack(qs), torch.stack(ps)
+
+    @torch.no_grad()
+    def draws(self, num_samples: int):
+        """The engine's generations, one token list each (``max_new_tokens`` = n_tokens + 1: every one of the first
+        n_tokens is a verified position, never a bonus token)."""
+        if self.engine == "transformers-sampling":
+            yield from self._function_draws(num_samples)
+            return
+        ids = self._ids([()])
+        assistant = self.draft if self.engine == "transformers-assisted" else None
+        for _ in range(num_samples):
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.n_tokens + 1,
+                                       assistant_model=assistant, **self.sampling, **self.extra)
+            yield padded(out[0, ids.shape[1]:].tolist(), self.n_tokens, self.eos)
+
+    def _function_draws(self, num_samples: int):
+        from transformers.generation.utils import _speculative_sampling
+
+        ids = self._ids([()])
+        with captured_rows() as calls:
+            self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                                 assistant_model=self.draft, **self.sampling)
+        q_logits, p_logits = calls[0][0][:, :1], calls[0][1][:, :1]
+        new_logits = torch.cat([p_logits, p_logits], 1)  # the bonus row is never read for the first token
+        drafts = torch.multinomial(q_logits[0, 0].double().softmax(-1), num_samples, replacement=True)
+        for x in drafts.tolist():
+            candidate = torch.cat([ids.cpu(), torch.tensor([[x]])], 1)
+            tokens, _ = _speculative_sampling(candidate, q_logits, 1, new_logits, self.weight)
+            yield [int(tokens[0, 0])]
+
+
+class LlamaCppRun:
+    """llama.cpp's server (:mod:`specresearch.audit.llamacpp`) on the embedded GGUF with a scaled copy as the draft."""
+
+    def __init__(self, prompt: list[int], eos: int, vocab: int, temperature: float, options: dict, n_tokens: int,
+                 seed: int):
+        from specresearch.audit.llamacpp import SAMPLING, write_scaled_draft
+        from specresearch.models.embedded import gguf_path
+        from specresearch.paths import cache_dir
+
+        self.prompt, self.eos, self.vocab, self.n_tokens, self.seed = list(prompt), eos, vocab, n_tokens, seed
+        self.sampling = {k: options.get(k, SAMPLING[k]) for k in ("top_k", "top_p", "min_p")} | {"temperature": temperature}
+        if not isinstance(self.sampling["top_k"], int) or not 1 <= self.sampling["top_k"] <= 200:
+            raise ValueError("llamacpp-server needs top_k in 1..200 (its final probabilities are read back as the "
+                             f"top_k most likely tokens), got {self.sampling['top_k']!r}")
+        rates = options.get("synth_rates")
+        self.rates = None if rates is None else tuple(float(r) for r in (rates.split(",") if isinstance(rates, str) else rates))
+        n_max = int(options.get("draft_max", 3))
+        args = ["--spec-type", "draft-simple", "--spec-draft-n-max", str(n_max), "--spec-draft-p-min", "0"]
+        if self.rates is not None:
+            engine_rule("llamacpp-server", gamma=1, synth_rates=self.rates)  # checks them as llama.cpp does
+            if len(self.rates) != n_max or n_tokens != 2:
+                raise ValueError(f"synth_rates: one rate per drafted position (draft_max = {n_max}), and n_tokens=2 "
+                                 "(the token after the first drafted step; later ones depend on earlier acceptances)")
+            args += ["--spec-synth-rates", ",".join(repr(r) for r in self.rates)]
+        scale = float(options.get("draft_scale", 1.5))
+        draft = write_scaled_draft(gguf_path(), cache_dir("llamacpp", f"draft-scaled-{scale:g}.gguf"), scale)
+        self.server_args = (gguf_path(), draft, args)
+        self.notes = [f"the draft is the target's GGUF with its logits scaled by {scale:g} (write_scaled_draft)",
+                      "the server's first token is the target's own; its speculative steps start at the second"]
+        self.draft_tv = None
+
+    def __enter__(self):
+        from specresearch.audit.llamacpp import LlamaServer
+
+        model, draft, args = self.server_args
+        self.server = LlamaServer(model, draft, args=args).__enter__()
+        self.version = self.server.version()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.__exit__(*exc)
+
+    def target_rows(self, prefixes) -> torch.Tensor:
+        return torch.stack([self.server.row(self.prompt + list(p), self.vocab, self.sampling) for p in prefixes])
+
+    def predicted_rows(self, law) -> dict | None:
+        """Synthetic acceptance after the first token: the draft's greedy token (the target's argmax: the draft is
+        its scaled copy) kept with the first position's probability, else the target's sample (``llamacpp-server``'s
+        float form)."""
+        if self.rates is None:
+            return None
+        rows = dict(law.rows)
+        for prefix, p in law.rows.items():
+            if len(prefix) == 1 and prefix[0] != self.eos:
+                rows[prefix] = single_step("llamacpp-server", p[None], p[None], synth_rates=self.rates)[0][0]
+        return rows
+
+    def draws(self, num_samples: int):
+        """The server's generations; fails when it drafted nothing (the run would have tested plain sampling)."""
+        drafted = accepted = 0
+        for i in range(num_samples):
+            reply = self.server.complete(self.prompt, n_predict=self.n_tokens + 1, seed=self.seed * 1_000_003 + i,
+                                         return_tokens=True, cache_prompt=True, **self.sampling)
+            drafted += reply.get("timings", {}).get("draft_n", 0) or 0
+            accepted += reply.get("timings", {}).get("draft_n_accepted", 0) or 0
+            yield padded(reply["tokens"], self.n_tokens, self.eos)
+        if not drafted:
+            raise RuntimeError("llama-server drafted no token in the run: its speculative decoding was off")
+        self.notes.append(f"the server drafted {drafted} tokens in the run and kept {accepted} (its timings)")
+
+
+class PythonRun:
+    """A library's own sampler, ``sample(prompt_ids, n_tokens) -> tokens`` (at least ``n_tokens`` new ones), against
+    the target's plain law softmax(logits / T) from one uncached forward of the same model: what a library that
+    claims lossless speculative sampling at temperature T promises."""
+
+    def __init__(self, target_model, prompt: list[int], eos: int, temperature: float, options: dict, n_tokens: int):
+        self.target, self.prompt, self.eos, self.temperature, self.n_tokens = target_model, list(prompt), eos, temperature, n_tokens
+        self.sample = options["sample"]
+        self.version = options.get("version", getattr(self.sample, "__module__", "?"))
+        self.notes, self.draft_tv = [f"library: {options.get('name', self.version)}"], None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    @torch.no_grad()
+    def target_rows(self, prefixes) -> torch.Tensor:
+        out = []
+        for start in range(0, len(prefixes), _ROW_BATCH):
+            ids = torch.tensor([self.prompt + list(p) for p in prefixes[start:start + _ROW_BATCH]], dtype=torch.long,
+                               device=self.target.device)
+            logits = self.target(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
+            out.append((logits.double() / self.temperature).softmax(-1).cpu())
+        return torch.cat(out)
+
+    def predicted_rows(self, law) -> dict | None:
+        return None
+
+    def draws(self, num_samples: int):
+        for _ in range(num_samples):
+            yield padded(self.sample(list(self.prompt), self.n_tokens), self.n_tokens, self.eos)
