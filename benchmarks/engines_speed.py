@@ -33,7 +33,8 @@ import torch
 from specresearch.audit.llamacpp import LlamaServer, write_truncated_draft
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair, truncated_draft
-from specresearch.engine.generate import autoregressive_generate
+from specresearch.engine.cost import fit_default_draft, resolve_config
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompt_set
 from specresearch.experiments.records import record_header, write_json_record
 from specresearch.models.embedded import gguf_path, load_embedded
@@ -67,8 +68,8 @@ def main(argv=None) -> int:
     n = args.max_new_tokens
 
     target, default_draft, tokenizer = load_pair()  # the toolkit's target (CPU kernels) and generate's default draft
-    plain, _ = load_embedded(device="cpu", skinny_linear=False)  # transformers' model, untouched
-    hf_draft = truncated_draft(plain, args.draft_layers).model
+    plain_lm, _ = load_embedded(device="cpu", skinny_linear=False)  # transformers' model, untouched
+    plain, hf_draft = plain_lm.model, truncated_draft(plain_lm, args.draft_layers).model
     toolkit_truncated = truncated_draft(target, args.draft_layers)
     draft_gguf = write_truncated_draft(gguf_path(), cache_dir("llamacpp", f"draft-truncated-{args.draft_layers}.gguf"),
                                        args.draft_layers)
@@ -98,14 +99,26 @@ def main(argv=None) -> int:
                                  assistant_model=assistant, pad_token_id=eos, **sampling)
             return out.shape[1] - prompt.shape[0], time.perf_counter() - start, {}
 
+        chosen = {}
+
+        def default_configs(temperature):
+            """What specresearch.generate picks on this machine for its default draft at ``temperature`` (once)."""
+            if temperature not in chosen:
+                chosen[temperature] = resolve_config("auto", target, default_draft, temperature=temperature, trees=True,
+                                                     announce=None)
+                fit_default_draft(default_draft, chosen[temperature])
+            return chosen[temperature]
+
         def toolkit(prompt, temperature, seed, draft):
             sampling = SamplingConfig(temperature=temperature)
             start = time.perf_counter()
             if draft is None:
                 result = autoregressive_generate(target, [prompt], max_new_tokens=n, sampling=sampling, seed=seed)
-            elif draft == "default":
-                result = specresearch.generate([prompt.tolist()], target=target, draft=default_draft, tokenizer=tokenizer,
-                                               chat=False, max_new_tokens=n, sampling=sampling, seed=seed, announce=None)
+            elif draft == "default":  # generate's default: its draft, and the configuration chosen once per temperature
+                options = dict(default_configs(temperature))
+                gamma, verifier = options.pop("gamma"), options.pop("verifier", "block")
+                result = speculative_generate(target, default_draft, [prompt], gamma=gamma, verifier=verifier,
+                                              max_new_tokens=n, sampling=sampling, seed=seed, **options)
             else:
                 result = specresearch.generate([prompt.tolist()], target=target, draft=draft, tokenizer=tokenizer,
                                                chat=False, gamma=3, max_new_tokens=n, sampling=sampling, seed=seed,
@@ -121,7 +134,9 @@ def main(argv=None) -> int:
             "toolkit default": lambda p, t, s: toolkit(p, t, s, "default"),
             "toolkit truncated": lambda p, t, s: toolkit(p, t, s, toolkit_truncated),
         }
-        for run in runs.values():  # warm-up: caches, the toolkit's one-time step-cost timing, llama.cpp's buffers
+        for temperature in args.temperatures:  # untimed: the toolkit's choice per temperature (its step costs, cached)
+            default_configs(temperature)
+        for run in runs.values():  # warm-up: caches, llama.cpp's buffers
             run(ids[0][:16], 0.0, 0)
         for temperature in args.temperatures:
             for k, prompt in enumerate(ids):
@@ -133,6 +148,7 @@ def main(argv=None) -> int:
                     print(f"T={temperature:g} {prompts[k]['id']:>22} {name:>28}: {tokens / seconds:6.1f} tokens/s",
                           flush=True)
 
+    configs = {str(t): {k: v for k, v in c.items()} for t, c in chosen.items()}
     summary = []
     for temperature in args.temperatures:
         at = [r for r in rows if r["temperature"] == temperature]
@@ -149,7 +165,7 @@ def main(argv=None) -> int:
     header = record_header("benchmarks/engines_speed.py", sys.argv[1:] if argv is None else list(argv),
                            draft=specresearch.config.GENERATE_DRAFT, engine_versions={"llama.cpp": version,
                            "transformers": __import__("transformers").__version__})
-    write_json_record(args.out, header | {"summary": summary, "rows": rows})
+    write_json_record(args.out, header | {"default_configs": configs, "summary": summary, "rows": rows})
     return 0
 
 
