@@ -238,12 +238,14 @@ def _p_split_tree(p_split: Fraction) -> Callable:
 
 
 def eagle2(num_drafts: int = 2, gamma: int = 1) -> Rule:
-    """EAGLE-2/3 (SafeAILab/EAGLE: ``eagle/model/cnets.py`` ``topK_genrate``; ``eagle/model/utils.py``
-    ``evaluate_posterior``): a deterministic tree of the draft's top-k children (engine defaults top-k 10, depth
-    5-6, 60 nodes chosen by cumulative draft log-probability; here the full top-K tree), verified with q treated
-    as 1: accept x if r <= p(x); on rejection p(x) <- 0, renormalise, next sibling; all rejected: sample what is
-    left (the one-hot rule). Maintainers say it is exact (EAGLE issues 93, 221). Not confirmed here: the
-    node-budget pruning (any deterministic tree gives the same verdict for this rule)."""
+    """EAGLE-2/3 (SafeAILab/EAGLE at cb7e084, re-read: ``eagle/model/cnets.py`` ``topK_genrate``, l. 670 on, defaults
+    l. 479: top-k 8, depth 5, 63 tokens, chosen by cumulative draft log-probability; ``eagle/model/utils.py``
+    ``evaluate_posterior``, l. 337-420): a deterministic tree of the draft's top-k children (here the full top-K
+    tree), verified depth by depth (l. 379) over the distinct children of the accepted prefix with q treated as 1
+    (l. 398): accept x if r <= p(x) (l. 396, Python's ``random.random``); on rejection p(x) <- 0 and renormalise
+    (l. 406), next sibling; a depth with a rejection and no acceptance ends in a draw from what is left (l. 409), one
+    with no candidate in a fresh draw of p: the one-hot rule. Maintainers say it is exact (EAGLE issues 93, 221). The
+    node-budget pruning is deterministic given the context, so it leaves the verdict unchanged."""
     return Rule("eagle2", method_law("onehot"), "topk", num_drafts, gamma, {}, "exact", eagle2.__doc__)
 
 
