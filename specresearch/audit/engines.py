@@ -452,8 +452,10 @@ def trtllm_relaxed(num_drafts: int = 1, gamma: int = 2, *, relaxed_topk: int | N
     """TensorRT-LLM MTP and Modular MAX: exact-match acceptance by default (``relaxed_topk=None``: the target is
     sampled and compared, as llama.cpp's server); opt-in relaxed acceptance (MAX defaults ``relaxed_topk=10``,
     ``relaxed_delta=0.6``): accept x if it is among the target's top ``relaxed_topk`` tokens and log p(x) >= log
-    max p - relaxed_delta. After a rejection the encoded rule emits a fresh target sample: not confirmed in the
-    source (the engines summary leaves it open)."""
+    max p - relaxed_delta. In TensorRT-LLM it is ``use_relaxed_acceptance_for_thinking``: applied only between the
+    model's begin- and end-of-thinking tokens, by the CUDA op ``mtp_relaxed_acceptance_op`` with a per-request delta
+    (``tensorrt_llm/_torch/speculative/mtp.py``, ``sample_and_accept_draft_tokens``; the op's source was not read,
+    so what follows a rejection is encoded as a fresh target sample, unconfirmed)."""
     if relaxed_topk is None:
         return Rule("trtllm-relaxed", _sample_and_compare, _chain, num_drafts, gamma, {"relaxed_topk": None}, "exact", trtllm_relaxed.__doc__)
     if isinstance(relaxed_topk, bool) or not isinstance(relaxed_topk, int) or relaxed_topk < 1:
