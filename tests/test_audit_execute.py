@@ -171,3 +171,27 @@ def test_the_docs_table_is_the_records_one():
     table = text.split("<!-- executed table: generated -->\n")[1].split("\n<!-- end of executed table -->")[0]
     assert table == executed_table(rows)
     assert any(row.get("engine") == "llamacpp-server" for row in rows)  # llama.cpp's results travel in the record
+
+
+@pytest.mark.skipif(not (llamacpp_home() / "gguf-py").is_dir(), reason="llama.cpp's gguf-py comes with its build "
+                    "(bash scripts/build_llamacpp.sh); the drafts are written with it")
+def test_the_gguf_drafts_are_the_target_scaled_and_truncated(tmp_path):
+    import sys
+
+    import numpy as np
+
+    from specresearch.audit.llamacpp import write_scaled_draft, write_truncated_draft
+    from specresearch.models.embedded import gguf_path
+
+    sys.path.insert(0, str(llamacpp_home() / "gguf-py"))
+    from gguf import GGUFReader
+
+    target = GGUFReader(gguf_path())
+    norm = lambda reader: np.array([t for t in reader.tensors if t.name == "output_norm.weight"][0].data)  # noqa: E731
+    scaled = GGUFReader(write_scaled_draft(gguf_path(), tmp_path / "scaled.gguf", 1.5))
+    assert np.allclose(norm(scaled), 1.5 * norm(target)) and len(scaled.tensors) == len(target.tensors)
+    truncated = GGUFReader(write_truncated_draft(gguf_path(), tmp_path / "truncated.gguf", 2))
+    arch = truncated.fields["general.architecture"].contents()
+    assert truncated.fields[f"{arch}.block_count"].contents() == 2
+    blocks = {int(t.name.split(".")[1]) for t in truncated.tensors if t.name.startswith("blk.")}
+    assert blocks == {0, 1} and np.array_equal(norm(truncated), norm(target))
