@@ -20,7 +20,7 @@ import torch
 
 from specresearch.audit.execute import execute
 from specresearch.drafts.registry import load_pair
-from specresearch.experiments.records import record_header, write_json_record
+from specresearch.experiments.records import git_commit, record_header, write_json_record
 
 PROMPT = "Name a colour."
 LOOKUP_PROMPT = "Repeat after me: the cat sat on the mat, the cat sat on the mat."
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         result = execute(engine, prompt=prompt, n_tokens=n_tokens, num_samples=max(20, round(n * args.scale)),
                          temperature=temperature, target=target.model, draft=draft.model, tokenizer=tokenizer, **options)
         print(result, flush=True)
-        record["rows"].append({"prompt": prompt} | result.as_record())
+        record["rows"].append({"prompt": prompt, "commit": git_commit()} | result.as_record())  # rows may come from resumed runs
         write_json_record(out, record)
     return 0
 

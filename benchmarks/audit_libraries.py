@@ -172,7 +172,10 @@ def worker(name: str, args) -> dict:
     from specresearch.drafts.registry import load_pair
 
     target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
-    row = {"library": name, "distribution": spec, "runs": what, "temperature": args.temperature, "gamma": args.gamma}
+    from specresearch.experiments.records import git_commit
+
+    row = {"library": name, "distribution": spec, "runs": what, "temperature": args.temperature, "gamma": args.gamma,
+           "commit": git_commit()}
     try:
         sample = sampler(name, target, draft, args.temperature, args.gamma)
         result = execute("python", prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,
