@@ -35,6 +35,8 @@ CONFIGS = [
     ("transformers-lookup", 2, 2000, 1.0, {"prompt_lookup_num_tokens": 3}, LOOKUP_PROMPT),
     ("llamacpp-server", 2, 4000, 1.0, {}, PROMPT),
     ("llamacpp-server", 2, 2000, 0.8, {"synth_rates": [0.5, 0.25, 0.125]}, PROMPT),
+    # the same without request seeds: the server's synthetic coins then come from a generator of their own
+    ("llamacpp-server", 2, 2000, 0.8, {"synth_rates": [0.5, 0.25, 0.125], "seeded": False}, PROMPT),
 ]
 
 

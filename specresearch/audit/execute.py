@@ -260,7 +260,8 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         options: the engine's settings (``SAMPLING_OPTIONS`` and ``ENGINE_OPTIONS[engine]``), passed to
             ``generate`` as given; ``top_k`` defaults to 0 there (transformers' own default is 50). For llama.cpp
             its request's ``top_k`` / ``top_p`` / ``min_p`` (default the server's 40 / 0.95 / 0.05), ``synth_rates``,
-            ``draft_max`` (3) and ``draft_scale`` (1.5).
+            ``draft_max`` (3), ``draft_scale`` (1.5) and ``seeded`` (True: request i carries a seed; False: none, the
+            server draws one from ``std::random_device`` and the run does not repeat).
     """
     check_arguments(engine, n_tokens, num_samples, temperature, options)
     if target is None:

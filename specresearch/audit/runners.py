@@ -25,7 +25,7 @@ ENGINE_OPTIONS = {
     "transformers-assisted": ("num_assistant_tokens", "assistant_confidence_threshold", "assistant_ensemble_weight"),
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
     "transformers-sampling": ("assistant_ensemble_weight",),
-    "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale"),
+    "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "python": ("sample", "name", "version"),
 }
 _ROW_BATCH = 32
@@ -199,6 +199,7 @@ class LlamaCppRun:
         from specresearch.paths import cache_dir
 
         self.prompt, self.eos, self.vocab, self.n_tokens, self.seed = list(prompt), eos, vocab, n_tokens, seed
+        self.seeded = bool(options.get("seeded", True))  # False: requests carry no seed, the server draws its own
         self.sampling = {k: options.get(k, SAMPLING[k]) for k in ("top_k", "top_p", "min_p")} | {"temperature": temperature}
         if not isinstance(self.sampling["top_k"], int) or not 1 <= self.sampling["top_k"] <= 200:
             raise ValueError("llamacpp-server needs top_k in 1..200 (its final probabilities are read back as the "
@@ -250,8 +251,9 @@ class LlamaCppRun:
         """The server's generations; fails when it drafted nothing (the run would have tested plain sampling)."""
         drafted = accepted = 0
         for i in range(num_samples):
-            reply = self.server.complete(self.prompt, n_predict=self.n_tokens + 1, seed=self.seed * 1_000_003 + i,
-                                         return_tokens=True, cache_prompt=True, **self.sampling)
+            seed = {"seed": self.seed * 1_000_003 + i} if self.seeded else {}
+            reply = self.server.complete(self.prompt, n_predict=self.n_tokens + 1, return_tokens=True, cache_prompt=True,
+                                         **seed, **self.sampling)
             drafted += reply.get("timings", {}).get("draft_n", 0) or 0
             accepted += reply.get("timings", {}).get("draft_n_accepted", 0) or 0
             yield padded(reply["tokens"], self.n_tokens, self.eos)
