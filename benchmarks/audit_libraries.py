@@ -9,8 +9,10 @@ temperature ``--temperature``, its own defaults otherwise (gamma where it asks f
 will not run gets one line saying why.
 
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --out benchmarks/records/audit_libraries.json
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --smallest seqspecdecod.capped_hsd --samples 3000
 
-Resumable: libraries already in the record are kept.
+Resumable: libraries already in the record are kept. ``--smallest NAME`` adds, for a library with a finding, the
+smallest input that shows it (a 64-token random pair, gamma 1 to 3) under ``smallest_inputs``.
 """
 
 from __future__ import annotations
@@ -187,6 +189,30 @@ def worker(name: str, args) -> dict:
     return row | {"ran": True, "prompt": args.prompt} | result.as_record()
 
 
+def smallest(name: str, args) -> dict:
+    """The smallest input that shows a library's finding: a 64-token random pair (``models.families``' tiny Llama and
+    a perturbed copy as its draft), one token, gamma 1 to 3 (``--samples`` each, seed 0)."""
+    spec = LIBRARIES[name][0]
+    sys.path.insert(0, str(unpacked(spec)))
+    from specresearch.audit.execute import execute
+    from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.families import perturbed_copy, tiny_family_model
+
+    target = tiny_family_model("llama", "sdpa", seed=0, init_std=0.5)
+    draft = perturbed_copy(target, noise=1.0, seed=3)
+    wrap = lambda model: CausalLM(model, device="cpu", skinny_linear=False)  # noqa: E731  (what sampler() unwraps)
+    rows = {}
+    for gamma in (1, 2, 3):
+        sample = sampler(name, wrap(target), wrap(draft), 1.0, gamma)
+        result = execute("python", prompt=[5, 9, 17, 3, 5, 9], n_tokens=1, num_samples=args.samples, target=target,
+                         sample=sample, name=name, version=spec, progress=False)
+        rows[f"gamma {gamma}"] = {"p_value": result.target.p_value, "tv": result.target.tv,
+                                  "tv_floor": result.target.tv_floor, "finding": result.finding}
+        print(name, f"gamma {gamma}:", rows[f"gamma {gamma}"], flush=True)
+    return {"library": name, "input": "tiny Llama (64 tokens, seed 0) and a perturbed copy (noise 1.0, seed 3) as draft; "
+            "prompt [5, 9, 17, 3, 5, 9]; the first token, T = 1", "num_samples": args.samples, "by_gamma": rows}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/records/audit_libraries.json")
@@ -197,10 +223,12 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma", type=int, default=2)
     parser.add_argument("--prompt", default="Name a colour.")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smallest", help="a library with a finding: the smallest input that shows it, into the record")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        run = smallest if args.worker.startswith("smallest:") else worker
+        print("RESULT " + json.dumps(run(args.worker.removeprefix("smallest:"), args)), flush=True)
         return 0
     from specresearch.experiments.records import record_header, write_json_record
 
@@ -208,6 +236,16 @@ def main(argv=None) -> int:
     command = sys.argv[1:] if argv is None else list(argv)
     record = (json.loads(out.read_text()) if out.exists()
               else record_header("benchmarks/audit_libraries.py", command, draft="v8k-4l", rows=[]))
+    if args.smallest:
+        flags = [f"--samples={args.samples}", f"--worker=smallest:{args.smallest}"]
+        done_run = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True,
+                                  env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        lines = [line for line in done_run.stdout.splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            raise RuntimeError(done_run.stderr.strip().splitlines()[-1] if done_run.stderr.strip() else "no result")
+        record.setdefault("smallest_inputs", {})[args.smallest] = json.loads(lines[-1][7:])
+        write_json_record(out, record)
+        return 0
     done = {row["library"] for row in record["rows"]}
     for name in args.only or LIBRARIES:
         if name in done:
