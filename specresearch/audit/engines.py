@@ -390,7 +390,9 @@ def llamacpp_server(num_drafts: int = 1, gamma: int = 2, *, synth_rates=None) ->
     into conditional ones rate_d / rate_(d-1) at l. 2718-2727; ``tools/server/server-context.cpp`` l. 57-97): the
     draft token is kept with that probability whatever the target says, else the target's own sample ends the step.
     llama.cpp warns that its output is then not valid: lossy by design. ``--spec-synth-len L`` resolves to rates
-    p, p^2, ... with the mean length L (l. 2399-2432); give those rates here."""
+    p, p^2, ... with the mean length L (l. 2399-2432); give those rates here. Encoded with coins independent of the
+    target's draws, as the server has them for requests without a seed; a request seed also seeds the coins'
+    generator (``server-context.cpp`` l. 1792), which then repeat the sampler's draws (measured: docs/audit.md)."""
     if synth_rates is None:
         return Rule("llamacpp-server", _sample_and_compare, _chain, num_drafts, gamma, {}, "exact",
                     llamacpp_server.__doc__)
