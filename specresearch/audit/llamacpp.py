@@ -123,6 +123,17 @@ def write_scaled_draft(target_gguf: str | os.PathLike, out: str | os.PathLike, s
     return out
 
 
+def _die_with_parent() -> None:
+    """In the server's process, before it starts: ask Linux to end it when this Python process ends, so a killed
+    run leaves no server behind (elsewhere nothing; ``__exit__`` stops it on a normal end)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -143,7 +154,8 @@ class LlamaServer:
 
     def __enter__(self) -> "LlamaServer":
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{os.getpid()}.log", "w")
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent)
         deadline = time.monotonic() + _START_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
