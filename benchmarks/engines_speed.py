@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+import specresearch
 from specresearch.audit.llamacpp import LlamaServer, write_truncated_draft
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import load_pair, truncated_draft
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     n = args.max_new_tokens
 
-    target, default_draft, tokenizer = load_pair()  # the toolkit's target (CPU kernels) and generate's default draft
+    # the toolkit's target (CPU kernels) and generate's default draft
+    target, default_draft, tokenizer = load_pair(draft=specresearch.config.GENERATE_DRAFT)
     plain_lm, _ = load_embedded(device="cpu", skinny_linear=False)  # transformers' model, untouched
     plain, hf_draft = plain_lm.model, truncated_draft(plain_lm, args.draft_layers).model
     toolkit_truncated = truncated_draft(target, args.draft_layers)
@@ -76,7 +78,6 @@ def main(argv=None) -> int:
     prompts = evenly_spaced(load_prompt_set("mt-bench"), args.prompts)
     ids = encode_chat(prompts, tokenizer)
     eos = int(tokenizer.eos_token_id)
-    import specresearch
 
     rows = []
     with LlamaServer(gguf_path()) as ar_server, LlamaServer(gguf_path(), draft_gguf) as spec_server:

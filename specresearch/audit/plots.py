@@ -54,14 +54,18 @@ def _label(point: StepPoint) -> str:
     return point.rule + ("" if point.settings == "defaults" else f" ({point.settings})")
 
 
-def plot_executed(rows: Sequence[dict], top: int = 6):
+def plot_executed(rows: Sequence[dict], top: int = 6, columns: int = 5):
     """One panel per row of an ``audit.execute`` record (``ExecutionResult.as_record``): for the ``top`` cells of
     largest target probability and the rest pooled, the measured frequency (95% normal interval of a binomial
-    proportion) beside the target's and the predicted probabilities. Reads the record only."""
+    proportion) beside the target's and the predicted probabilities, ``columns`` panels a line. Reads the record only."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.2), squeeze=False, sharey=True)
-    for ax, row in zip(axes[0], rows):
+    columns = min(columns, len(rows))
+    lines = -(-len(rows) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(3.6 * columns, 3.4 * lines), squeeze=False, sharey=True)
+    for ax in axes.flat[len(rows):]:
+        ax.set_visible(False)
+    for ax, row in zip(axes.flat, rows):
         counts, target, predicted = (np.asarray(row[k], dtype=float) for k in ("counts", "target_probs", "predicted_probs"))
         n = counts.sum()
         order = np.argsort(-target)[:top]
