@@ -55,16 +55,20 @@ def _run(args) -> int:
 
     import torch
 
-    from specresearch.audit.execute import check_arguments, execute
+    from specresearch.audit.execute import check_arguments, default_pair, execute
     from specresearch.drafts.registry import load_pair
 
     options = _options(args.option)
     check_arguments(args.engine, args.n_tokens, args.samples, args.temperature, options)  # before anything loads
     torch.set_num_threads(args.threads)
-    target, draft, tokenizer = load_pair(draft=args.draft, device="cpu", skinny_linear=False)
+    if args.draft == "v8k-4l":
+        target, draft, tokenizer = default_pair()
+    else:
+        target_lm, draft_lm, tokenizer = load_pair(draft=args.draft, device="cpu", skinny_linear=False)
+        target, draft = target_lm.model, draft_lm.model
     result = execute(args.engine, prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,
                      temperature=args.temperature, seed=args.seed, min_expected=args.min_expected,
-                     target=target.model, draft=draft.model, tokenizer=tokenizer, **options)
+                     target=target, draft=draft, tokenizer=tokenizer, **options)
     print(result)
     if args.record:
         from specresearch.experiments.records import record_header

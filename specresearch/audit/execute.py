@@ -63,7 +63,7 @@ from specresearch.audit.runners import (
 )
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
-__all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "captured_rows", "cell_probs",
+__all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "default_pair", "captured_rows", "cell_probs",
            "tv_interval"]
 
 ENGINES = {
@@ -204,6 +204,17 @@ def cell_probs(law, rows: dict) -> tuple[list[float], float]:
     return probs, impossible
 
 
+def default_pair():
+    """The embedded SmolLM2-135M-Instruct (float32, CPU) and the shipped draft ``v8k-4l`` as plain transformers models
+    (none of the toolkit's CPU kernels, so nothing is timed on a first use), and the tokenizer:
+    ``(target, draft, tokenizer)``."""
+    from specresearch.drafts.distilled import load_trained_draft
+    from specresearch.models.embedded import load_embedded
+
+    target_lm, tokenizer = load_embedded(device="cpu", skinny_linear=False)
+    return target_lm.model, load_trained_draft(target_lm.model, "v8k-4l"), tokenizer
+
+
 def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: float, options: dict) -> None:
     """``ValueError`` for arguments :func:`execute` refuses, before anything loads."""
     if engine not in ENGINES:
@@ -265,10 +276,8 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     """
     check_arguments(engine, n_tokens, num_samples, temperature, options)
     if target is None:
-        from specresearch.drafts.registry import load_pair
-
-        target_lm, draft_lm, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
-        target, draft = target_lm.model, draft if draft is not None else draft_lm.model
+        target, loaded, tokenizer = default_pair()
+        draft = draft if draft is not None else loaded
     if draft is None and engine in ("transformers-assisted", "transformers-sampling"):
         raise ValueError(f"{engine} needs a draft model (the assistant)")
     if tokenizer is None and isinstance(prompt, str):
