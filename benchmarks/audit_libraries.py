@@ -213,6 +213,16 @@ def smallest(name: str, args) -> dict:
             "prompt [5, 9, 17, 3, 5, 9]; the first token, T = 1", "num_samples": args.samples, "by_gamma": rows}
 
 
+def _in_worker(worker: str, flags: list[str]) -> tuple[dict | None, str]:
+    """Run ``--worker worker`` in a fresh process of this script. -> (its result, or None and why it gave none)."""
+    done = subprocess.run([sys.executable, __file__, f"--worker={worker}", *flags], capture_output=True, text=True,
+                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if lines:
+        return json.loads(lines[-1][len("RESULT "):]), ""
+    return None, f"its worker exited with {done.returncode}: {(done.stderr.strip().splitlines() or ['?'])[-1][:300]}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/records/audit_libraries.json")
@@ -237,26 +247,20 @@ def main(argv=None) -> int:
     record = (json.loads(out.read_text()) if out.exists()
               else record_header("benchmarks/audit_libraries.py", command, draft="v8k-4l", rows=[]))
     if args.smallest:
-        flags = [f"--samples={args.samples}", f"--worker=smallest:{args.smallest}"]
-        done_run = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True,
-                                  env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-        lines = [line for line in done_run.stdout.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise RuntimeError(done_run.stderr.strip().splitlines()[-1] if done_run.stderr.strip() else "no result")
-        record.setdefault("smallest_inputs", {})[args.smallest] = json.loads(lines[-1][7:])
+        result, why = _in_worker(f"smallest:{args.smallest}", [f"--samples={args.samples}"])
+        if result is None:
+            raise RuntimeError(why)
+        record.setdefault("smallest_inputs", {})[args.smallest] = result
         write_json_record(out, record)
         return 0
     done = {row["library"] for row in record["rows"]}
     for name in args.only or LIBRARIES:
         if name in done:
             continue
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("out", "only", "worker")]
-        done_run = subprocess.run([sys.executable, __file__, "--worker", name, *flags], capture_output=True, text=True,
-                                  env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-        lines = [line for line in done_run.stdout.splitlines() if line.startswith("RESULT ")]
-        row = (json.loads(lines[-1][7:]) if lines else
-               {"library": name, "distribution": LIBRARIES[name][0], "ran": False,
-                "why": f"its worker exited with {done_run.returncode}: {(done_run.stderr.strip().splitlines() or ['?'])[-1][:300]}"})
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k not in ("out", "only", "worker", "smallest")]
+        row, why = _in_worker(name, flags)
+        row = row or {"library": name, "distribution": LIBRARIES[name][0], "ran": False, "why": why}
         print(row.get("finding") or row.get("why"), flush=True)
         record["rows"].append(row)
         write_json_record(out, record)

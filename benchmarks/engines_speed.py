@@ -149,7 +149,7 @@ def main(argv=None) -> int:
                     print(f"T={temperature:g} {prompts[k]['id']:>22} {name:>28}: {tokens / seconds:6.1f} tokens/s",
                           flush=True)
 
-    configs = {str(t): {k: v for k, v in c.items()} for t, c in chosen.items()}
+    configs = {str(t): dict(c) for t, c in chosen.items()}
     summary = []
     for temperature in args.temperatures:
         at = [r for r in rows if r["temperature"] == temperature]
