@@ -242,10 +242,7 @@ def _as_language_model(model, name: str) -> LanguageModel:
     if isinstance(model, LanguageModel):
         return model
     if isinstance(model, torch.nn.Module) and hasattr(model, "get_output_embeddings"):
-        if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
-            raise ValueError(f"{name} is dispatched over several devices (device_map); speculative(...) keeps each "
-                             "model on one device: load it with device_map=None or a single device")
-        training = model.training
+        training = model.training  # a model split by a device_map or tp_plan stays split (CausalLM.placement)
         wrapped = CausalLM(model, device=model.device, skinny_linear=False, switch_attention=False)  # leaves it alone
         model.train(training)  # and its mode: transformers' generate does not switch it either
         return wrapped

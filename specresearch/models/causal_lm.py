@@ -33,7 +33,8 @@ from specresearch.models.kernels import (
     use_skinny_linears,
 )
 
-__all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device"]
+__all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
+           "placement"]
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -238,19 +239,27 @@ class CausalLM:
             model = _from_pretrained(model, dtype, device_map)
         elif device_map is not None:
             raise ValueError("device_map needs a model name or path (from_pretrained applies it); got an instance")
-        if device_map is None:
+        self.placement = placement(model)  # None, "device_map" or "tensor_parallel": the model is split, left in place
+        if self.placement is None:
             model = model.to(device=resolve_device(device), dtype=dtype)
+        elif dtype is not None and dtype != model.dtype:
+            raise ValueError(f"{type(model).__name__} is split ({self.placement}); it keeps its dtype {model.dtype}: "
+                             "load it with the dtype you want (dtype=... in from_pretrained)")
+        if self.placement is not None and skinny_linear:
+            raise ValueError(f"skinny_linear=True replaces linear layers, which a split model ({self.placement}) "
+                             "keeps as transformers placed them: leave skinny_linear unset")
         self.model = model.eval()
         self.switched_from = exact_kernel(self.model, may_switch=switch_attention)  # the kernel replaced, or None
         self._attention = attention_layout(self.model)
         self._cache_argument = cache_argument(self.model)
-        self.chooses_kernel_rows = skinny_linear is None and self.device.type == "cpu"  # (half_weight_draft re-times)
-        if skinny_linear if skinny_linear is not None else self.device.type == "cpu":
+        whole = self.placement is None
+        self.chooses_kernel_rows = whole and skinny_linear is None and self.device.type == "cpu"  # (half_weight_draft)
+        if whole and (skinny_linear if skinny_linear is not None else self.device.type == "cpu"):
             use_skinny_linears(self.model, choose_skinny_rows(self.model) if skinny_linear is None else SKINNY_ROWS)
             if skinny_linear is None:
                 use_kernel_rows(self.model, choose_kernel_rows(self.model))
             use_cpu_sdpa(self.model)
-        elif skinny_linear is None and self.device.type == "cuda":
+        elif whole and skinny_linear is None and self.device.type == "cuda":
             use_packed_sdpa(self.model)  # a masked call of a grouped-query layer without transformers' K / V copies
         self._cache = None
         self._slots: SlotMask | None = None
@@ -330,8 +339,8 @@ class CausalLM:
         """Pack each row's valid slots to the right when dead slots make up a quarter of the cache."""
         index = self._slots.compaction()
         if index is not None:
-            for layer in self._cache.layers:
-                gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            for layer in self._cache.layers:  # each on its layer's device under a device_map
+                gather = index.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
                 layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
         assert self._cache.get_seq_length() == self._slots.length
 
@@ -343,7 +352,9 @@ class CausalLM:
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index [B']`` of the cache, in that order (the paths the verifier accepted, or the rows still
         generating); packs the cache when the rows left behind dead slots."""
-        self._cache.batch_select_indices(index.to(self.device))
+        for layer in self._cache.layers:  # each on its layer's device under a device_map
+            if layer.keys is not None:
+                layer.batch_select_indices(index.to(layer.keys.device))
         self._slots.select_rows(index.to(self.device))
         self._compact()
 
@@ -371,7 +382,8 @@ class CausalLM:
         assert self._cache.get_seq_length() == self._slots.length
         if hidden_layers is None:
             return out.logits.float(), None
-        return out.logits.float(), torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1).float()
+        hidden = torch.cat([out.hidden_states[i].to(self.device) for i in hidden_layers], dim=-1)  # layers' devices
+        return out.logits.float(), hidden.float()
 
     def _mask(self, positions: torch.Tensor, visible: torch.Tensor | None):
         """The attention mask of a call appending slots at ``positions [B, k]``: the 2-D slot mask where transformers
@@ -381,6 +393,18 @@ class CausalLM:
         if visible is None:
             visible = self._slots.visible_to_last(positions.shape[1])
         return self._attention.masks(visible, positions, self._slots.positions, self.model.dtype)
+
+
+def placement(model) -> str | None:
+    """How a transformers model is split: ``"tensor_parallel"`` (loaded with ``tp_plan``: each process holds a shard
+    of every layer), ``"device_map"`` (accelerate's hooks over several devices, or with layers offloaded to the CPU or
+    disk), or None (one device, where ``CausalLM`` may move it)."""
+    if getattr(model, "tp_size", None) not in (None, 1) or getattr(model, "_tp_size", None) not in (None, 1):
+        return "tensor_parallel"
+    places = set(getattr(model, "hf_device_map", {}).values())
+    if len(places) > 1 or places & {"disk", "meta"}:
+        return "device_map"
+    return None
 
 
 def _new_cache(model):
