@@ -87,9 +87,22 @@ def split_map(model, devices=("cpu", "disk")) -> dict[str, str]:
     return placed
 
 
-def load_split(directory: str | os.PathLike, split: str, kernel: str, devices=("cpu", "disk")):
+_SPLIT_MODELS: dict = {}  # (directory, split, kernel, devices) -> the loaded model, reused by that folder's cases
+
+
+def load_split(directory: str | os.PathLike, split: str, kernel: str, devices=("cpu", "disk"), *, reuse=False):
     """The saved model in ``directory`` loaded back split (module docstring); ``tensor_parallel`` needs the
-    process group ``torchrun`` sets up (transformers initialises it from the environment)."""
+    process group ``torchrun`` sets up (transformers initialises it from the environment). ``reuse``: the model
+    loaded by an earlier call with the same arguments (every tensor-parallel load builds a device mesh whose gloo
+    threads stay alive until the process ends: thousands over a matrix)."""
+    key = (str(directory), split, kernel, tuple(devices))
+    if reuse and key in _SPLIT_MODELS:
+        return _SPLIT_MODELS[key]
+    _SPLIT_MODELS[key] = model = _load_split(directory, split, kernel, devices)
+    return model
+
+
+def _load_split(directory, split: str, kernel: str, devices):
     from transformers import AutoModelForCausalLM
 
     if split == "tensor_parallel":
@@ -150,7 +163,13 @@ def run_split_case(family: str, kernel: str, step: str, draft: str, split: str, 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # accelerate: "some parameters are on the meta device (offloaded)"
-            target = CausalLM(load_split(directory, split, kernel, devices), device="cpu")
+            try:
+                split_model = load_split(directory, split, kernel, devices, reuse=True)
+            except ValueError as error:  # transformers has no tensor-parallel plan for this family
+                if "tp_plan" not in str(error):
+                    raise
+                return CaseResult(family, f"{kernel} / {draft}", step, "not offered", detail=str(error).split(". ")[0])
+            target = CausalLM(split_model, device="cpu")
         if target.placement != split:
             raise AssertionError(f"the target was not split: placement {target.placement!r}")
         result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=eos,

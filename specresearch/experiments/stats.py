@@ -38,7 +38,9 @@ the engine uses cached forwards. They agree to ~1e-6 relative, far below what N 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -63,6 +65,8 @@ __all__ = [
     "law_from_rows",
     "chi_square",
     "lossless_test",
+    "SampleBlock",
+    "sample_block",
     "wrong_residual_verify",
     "describe_cell",
     "plot_cells",
@@ -289,11 +293,72 @@ def _sample_sequences(target, draft, verifier, law: SequenceLaw, *, gamma, num_s
     return sequences, seconds
 
 
+@dataclass(frozen=True)
+class SampleBlock:
+    """One seed block of a test, as a worker runs it (``experiments.executor``): ``size`` generations of ``prompt``
+    seeded by ``seed``, with the models ``models()`` builds (once per worker: ``executor.loaded``)."""
+
+    models: Callable  # picklable recipe -> (target, draft, ...): drafts.registry.load_pair's triple will do
+    verifier: str | Callable
+    prompt: tuple[int, ...]
+    sampling: SamplingConfig
+    k: int
+    gamma: int
+    size: int
+    seed: int
+    max_new_tokens: int
+    tree: dict = field(default_factory=dict)
+    threads: int = 1
+
+
+def sample_block(block: SampleBlock) -> dict:
+    """Run one block: ``{"seed", "sequences" (each row's first k tokens), "seconds"}``."""
+    from specresearch.experiments.executor import loaded
+
+    torch.set_num_threads(block.threads)
+    target, draft = loaded(block.models)[:2]
+    out = speculative_generate(target, draft, [list(block.prompt)] * block.size, verifier=block.verifier,
+                               gamma=block.gamma, max_new_tokens=block.max_new_tokens, sampling=block.sampling,
+                               seed=block.seed, **block.tree)
+    return {"seed": block.seed, "sequences": [list(row[: block.k]) for row in out.tokens], "seconds": out.seconds}
+
+
+def _sample_blocks(executor, models, verifier, law: SequenceLaw, *, gamma, num_samples, seed, batch_size,
+                   max_new_tokens, tree: dict, blocks_file) -> tuple[list[tuple[int, ...]], float]:
+    """The seed blocks of ``_sample_sequences`` run by ``executor``; with ``blocks_file`` (JSON lines) each finished
+    block is appended as it lands and blocks the file already holds are not run again."""
+    if models is None:
+        raise ValueError("an executor runs the blocks in its workers: pass models=, a picklable recipe that returns "
+                         "(target, draft) (e.g. functools.partial of a top-level loader)")
+    sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
+    seeds = _batch_seeds(seed, len(sizes))
+    done: dict[int, dict] = {}
+    path = None if blocks_file is None else Path(blocks_file)
+    if path is not None and path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row["seed"] in seeds:
+                done[row["seed"]] = row
+    blocks = [SampleBlock(models, verifier, law.prompt, law.sampling, law.k, gamma, size, block_seed,
+                          max_new_tokens, tree) for size, block_seed in zip(sizes, seeds) if block_seed not in done]
+
+    def landed(_, row):
+        done[row["seed"]] = row
+        if path is not None:
+            with path.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+
+    executor.run(sample_block, blocks, on_result=landed)
+    sequences = [tuple(s) for block_seed in seeds for s in done[block_seed]["sequences"]]
+    return sequences, sum(done[block_seed]["seconds"] for block_seed in seeds)
+
+
 def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: SamplingConfig, gamma: int,
                   k: int, num_samples: int, seed: int, batch_size: int = 256, min_expected: float = 5.0,
                   max_new_tokens: int | None = None, tokenizer=None, law: SequenceLaw | None = None,
                   num_drafts: int = 1, draft_law: str = "iid", tree_nodes: int | None = None,
-                  stop_below: float | None = None) -> LosslessTestResult:
+                  stop_below: float | None = None, executor=None, models: Callable | None = None,
+                  blocks_file=None) -> LosslessTestResult:
     """Test that speculative generation of ``prompt`` follows the target law (module docstring).
 
     Args:
@@ -311,6 +376,11 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
         num_drafts, draft_law, tree_nodes: draft trees (``speculative_generate``'s; ``verifier`` then a multi-draft
             rule).
         stop_below: adaptive draft lengths (``speculative_generate``'s).
+        executor: an ``experiments.executor`` executor that runs the seed blocks (``--executor ray``: Ray tasks);
+            the counts equal one process's with the same ``seed`` (each block draws from its own seed). ``target``
+            then only computes the law (None with ``law``), and the workers build their models with ``models``, a
+            picklable recipe returning ``(target, draft)``, once per worker.
+        blocks_file: with an executor, a JSON-lines file the finished blocks are appended to; a rerun skips them.
     Returns:
         ``LosslessTestResult``; see ``FPR_NOTE`` for the false-positive rates.
     """
@@ -323,10 +393,14 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
     elif (law.k, law.num_samples, law.sampling, law.prompt) != (k, num_samples, sampling,
                                                                 _prompt_ids(prompt, tokenizer)):
         raise ValueError("law was computed for another prompt, sampling, k or num_samples; recompute it")
+    tree = {"num_drafts": num_drafts, "draft_law": draft_law, "tree_nodes": tree_nodes, "stop_below": stop_below}
+    if executor is not None:
+        sequences, seconds = _sample_blocks(executor, models, verifier, law, gamma=gamma, num_samples=num_samples,
+                                            seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens, tree=tree,
+                                            blocks_file=blocks_file)
+        return _evaluate(law, sequences, seconds)
     sequences, seconds = _sample_sequences(target, draft, verifier, law, gamma=gamma, num_samples=num_samples,
-                                           seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                           tree={"num_drafts": num_drafts, "draft_law": draft_law, "tree_nodes": tree_nodes,
-                                                 "stop_below": stop_below})
+                                           seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens, tree=tree)
     return _evaluate(law, sequences, seconds)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy"]
+__all__ = ["FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -82,3 +82,12 @@ def perturbed_copy(model, noise: float = 0.1, seed: int = 1):
             if parameter.numel() > 1:
                 parameter.add_(noise * torch.randn(parameter.shape, generator=generator) * parameter.std())
     return draft
+
+
+def tiny_family_pair(family: str = "llama", kernel: str = "eager", *, seed: int = 0, noise: float = 0.1):
+    """``(target, draft)`` behind ``CausalLM`` on the CPU: the family's tiny model and its :func:`perturbed_copy`; a
+    picklable recipe as ``functools.partial(tiny_family_pair, ...)`` (``experiments.executor``)."""
+    from specresearch.models.causal_lm import CausalLM
+
+    model = tiny_family_model(family, kernel, seed=seed)
+    return CausalLM(model, device="cpu"), CausalLM(perturbed_copy(model, noise), device="cpu")

@@ -1,0 +1,108 @@
+"""Seed blocks and sweeps on Ray (``experiments.executor``): local Ray with 2 CPUs.
+
+* A lossless test split over Ray workers gives the counts of one process with the same seed (seed blocks).
+* A worker killed (SIGKILL) in the middle of its block: Ray runs the block again; every block's rows arrive once.
+* A blocks file: finished blocks are appended as they land, and a rerun runs only the missing ones.
+* Without an executor nothing imports Ray.
+"""
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specresearch.config import SamplingConfig
+from specresearch.experiments.stats import SampleBlock, lossless_test, sample_block, sequence_law
+from specresearch.models.families import tiny_family_pair
+
+ray = pytest.importorskip("ray")  # a dev dependency: the CI installs it
+ROOT = Path(__file__).resolve().parents[1]
+PAIR = functools.partial(tiny_family_pair, "llama", "eager")
+PROMPT = [5, 9, 3]
+SAMPLING = SamplingConfig(temperature=1.0)
+TEST = dict(sampling=SAMPLING, gamma=2, k=2, num_samples=600, seed=7, batch_size=100, min_expected=5.0)
+
+
+@pytest.fixture(scope="module")
+def executor():
+    from ray import cloudpickle
+
+    from specresearch.experiments.executor import RayExecutor
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the tests' functions travel by value
+    made = RayExecutor(workers=2)
+    yield made
+    made.shutdown()
+
+
+def _dying(marker: str, victim: int, block: SampleBlock) -> dict:
+    """``sample_block``, except that the first attempt at seed ``victim`` kills its own worker process."""
+    if block.seed == victim and not os.path.exists(marker):
+        Path(marker).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sample_block(block) | {"pid": os.getpid()}
+
+
+def test_a_test_split_over_workers_counts_what_one_process_counts(executor, tmp_path):
+    target, draft = PAIR()
+    law = sequence_law(target, PROMPT, sampling=SAMPLING, k=2, num_samples=600)
+    alone = lossless_test(target, draft, "block", PROMPT, law=law, **TEST)
+    split = lossless_test(None, None, "block", PROMPT, law=law, executor=executor, models=PAIR, **TEST)
+    assert split.counts == alone.counts and split.num_samples == 600
+    assert split.p_value == alone.p_value
+    other = lossless_test(None, None, "block", PROMPT, law=law, executor=executor, models=PAIR, **{**TEST, "seed": 8})
+    assert other.counts != alone.counts  # the seed decides the counts: the equality above is not vacuous
+
+
+def test_a_killed_worker_loses_and_duplicates_no_block(executor, tmp_path):
+    blocks = [SampleBlock(PAIR, "block", tuple(PROMPT), SAMPLING, 2, 2, 50, seed, 2) for seed in (11, 12, 13, 14)]
+    marker = str(tmp_path / "killed")
+    landed = []
+    results = executor.run(functools.partial(_dying, marker, 13), blocks, on_result=lambda i, r: landed.append(i))
+    killed = int(Path(marker).read_text())
+    assert sorted(landed) == [0, 1, 2, 3]  # each block once
+    assert results[2]["pid"] != killed  # the victim's block finished in another process
+    expected = [sample_block(block)["sequences"] for block in blocks]  # this process, the same seeds
+    assert [r["sequences"] for r in results] == expected
+
+
+def test_a_rerun_runs_only_the_blocks_its_file_lacks(executor, tmp_path):
+    target, _ = PAIR()
+    law = sequence_law(target, PROMPT, sampling=SAMPLING, k=2, num_samples=600)
+    blocks_file = tmp_path / "blocks.jsonl"
+    first = lossless_test(None, None, "block", PROMPT, law=law, executor=executor, models=PAIR,
+                          blocks_file=blocks_file, **TEST)
+    rows = blocks_file.read_text().splitlines()
+    assert len(rows) == 6 and len({json.loads(r)["seed"] for r in rows}) == 6
+    blocks_file.write_text("\n".join(rows[:4]) + "\n")  # as if the driver died after four blocks
+
+    class Counting:
+        blocks = 0
+
+        def run(self, function, blocks, on_result=None):
+            Counting.blocks += len(blocks)
+            return executor.run(function, blocks, on_result)
+
+    again = lossless_test(None, None, "block", PROMPT, law=law, executor=Counting(), models=PAIR,
+                          blocks_file=blocks_file, **TEST)
+    assert Counting.blocks == 2 and again.counts == first.counts
+    assert len(blocks_file.read_text().splitlines()) == 6
+
+
+def test_without_an_executor_ray_is_not_imported():
+    code = ("import sys, functools; from specresearch.experiments.stats import lossless_test; "
+            "from specresearch.experiments.executor import make_executor, LocalExecutor; "
+            "from specresearch.models.families import tiny_family_pair; from specresearch.config import SamplingConfig; "
+            "t, d = tiny_family_pair(); "
+            "r = lossless_test(t, d, 'block', [5, 9, 3], sampling=SamplingConfig(temperature=1.0), gamma=2, k=2, "
+            "num_samples=50, seed=0, executor=LocalExecutor(), models=functools.partial(tiny_family_pair)); "
+            "assert r.num_samples == 50; print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
