@@ -25,6 +25,7 @@ Realised runs diverge after their first difference, so their intervals are wide.
 verification of each tree's first path alone, the single-draft baseline on the same draws.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --prompts 16
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --prompts 160 --executor ray --address <head>:6379
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_traversal_mt-bench_amd.csv
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_traversal_v8k-4l_mt-bench_amd.csv
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tree_claims.py --same-trees benchmarks/records/trees_gbv_mt-bench_amd.csv --base block
@@ -34,6 +35,7 @@ verification of each tree's first path alone, the single-draft baseline on the s
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from specresearch.drafts.registry import load_pair
 from specresearch.engine.prompts import prompt_set_file
 from specresearch.experiments.analysis import gain_table, paired_gain
 from specresearch.experiments.bench import BenchConfig, load_bench_prompts, run_bench
+from specresearch.experiments.executor import add_executor_arguments, make_executor
 from specresearch.experiments.records import record_header, write_run_info
 from specresearch.paths import repo_root
 
@@ -98,6 +101,7 @@ def main() -> int:
     parser.add_argument("--out-dir", default=str(repo_root() / "benchmarks" / "records"))
     parser.add_argument("--same-trees", metavar="RECORD", help="print the gains on a bench_trees.py record's trees and exit")
     parser.add_argument("--base", default="rrs", help="with --same-trees: the rule the gains are over (block: the first path alone)")
+    add_executor_arguments(parser)
     args = parser.parse_args()
     if args.same_trees:
         try:
@@ -107,6 +111,8 @@ def main() -> int:
         return 0
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft)
+    parallel = {} if args.executor == "local" else dict(  # each prompt a Ray task, its worker loading the pair once
+        executor=make_executor(args), models=functools.partial(load_pair, draft=args.draft, device="cpu"))
     header = record_header("benchmarks/bench_tree_claims.py", sys.argv[1:], draft=args.draft, prompt_set=args.prompt_set)
     cpu = header["machine"].get("cpu", "cpu").split()[0].lower()
     lines = [f"Claims on {args.prompt_set} ({args.prompts} prompts), T = {args.temperature}, {args.max_new_tokens} new tokens, "
@@ -121,7 +127,7 @@ def main() -> int:
         prompts = load_bench_prompts(tokenizer, config, prompt_set_file(args.prompt_set))
         path = Path(args.out_dir) / f"claims_{claim}_t{args.temperature:g}_{cpu}.csv"
         write_run_info(path, **{k: v for k, v in header.items() if k != "machine"}, claim=claim)
-        records = run_bench(target, draft, prompts, config, path, eos_token_id=tokenizer.eos_token_id)
+        records = run_bench(target, draft, prompts, config, path, eos_token_id=tokenizer.eos_token_id, **parallel)
         for baseline, treatment in pairs:
             table = gain_table(records, metrics=("be",), baseline=baseline, treatment=treatment)
             lines += [_row(claim, baseline, treatment, row, paper) for row in table.to_dict("records")]

@@ -17,12 +17,16 @@ the rules compared without the acceptance coins' noise.
    target call (tau) and wall clock against autoregressive decoding of the same prompt in the same round.
 
 Writes ``benchmarks/records/trees_<machine>.csv`` and ``.json`` (command, commit, machine, the weights' sha256).
-A benchmark: nothing is asserted.
+A benchmark: nothing is asserted. The CSV is rewritten after each prompt; ``--resume`` keeps the prompts it holds
+and runs the others. ``--executor ray`` (``--workers``, ``--address``: ``experiments.executor``) runs each prompt as a
+Ray task, every worker loading the pair once; a prompt's speculative and autoregressive runs share its worker, so
+the speed-ups stay paired (on one machine the workers share its memory bandwidth: compare ratios, not tokens/s).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --prompts 8 --max-new-tokens 48 --threads 1
     PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --draft fp16:eagle3-v8k --temperatures 1 \
         --runs "chain block g1" "chain block g2" "traversal K2 g1" "traversal K3 g1" "traversal K2 g2" \
         "rrs w/o repl. K2 g1" --out benchmarks/records/trees_head_amd
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --prompt-set mt-bench --prompts 16 --executor ray --workers 2
     PYTHONPATH=. .venv/bin/python benchmarks/bench_trees.py --table benchmarks/records/trees_head_h100.csv \
         benchmarks/records/trees_t0_chat_h100_2.csv benchmarks/records/trees_t0_chat_h100_3.csv   # replicates, pooled
 """
@@ -30,12 +34,14 @@ A benchmark: nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import random
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +58,7 @@ from specresearch.engine.prompts import (
 )
 from specresearch.engine.timing import TimedCall, interleaved_medians
 from specresearch.experiments.draft_analysis import pooled_speeds
+from specresearch.experiments.executor import add_executor_arguments, loaded, make_executor, run_into_csv
 from specresearch.experiments.records import machine_info, record_files, record_header
 from specresearch.paths import data_dir, repo_root
 
@@ -168,6 +175,8 @@ def main() -> int:
                         help="time each prompt and temperature this many times, the runs in a shuffled order")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the target's weights and activations (autoregressive decoding runs the same target)")
+    parser.add_argument("--resume", action="store_true", help="keep the prompts the CSV holds, run the others")
+    add_executor_arguments(parser)
     parser.add_argument("--table", nargs="+", metavar="CSV",
                         help="summarise these records instead of running, pooled per prompt: replicates of one "
                              "design, or its runs on further prompts")
@@ -182,27 +191,55 @@ def main() -> int:
     if min(args.cost_sizes) < 1:
         parser.error(f"--cost-sizes must be tree sizes >= 1, got {args.cost_sizes}")
     torch.set_num_threads(args.threads)
-    target, draft, tokenizer = load_pair(draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype))
+    executor = make_executor(args)
+    pair = functools.partial(warm_pair, args.draft, args.device, args.dtype, args.threads)  # each worker's, once
+    target, draft, tokenizer = loaded(pair)
     source = prompt_set_file(args.prompt_set) if args.prompt_set else data_dir() / "prompts.jsonl"
     prompts = evenly_spaced(load_prompts(source), args.prompts)[args.start:]
-    speculative_generate(target, draft, [encode_chat([prompts[0]], tokenizer)[0].tolist()], max_new_tokens=4)  # warm-up
     cost = tree_cost(target, sizes=tuple(args.cost_sizes))
     machine = machine_info()
     stem = Path(args.out) if args.out else repo_root() / "benchmarks" / "records" / f"trees_{machine.get('cpu', 'cpu').split()[0].lower()}"
     csv_path, json_path = record_files(stem)  # the stem may hold dots
     stem.parent.mkdir(parents=True, exist_ok=True)
-    header = record_header("benchmarks/bench_trees.py", sys.argv[1:], draft=args.draft, tree_cost=cost)
+    header = record_header("benchmarks/bench_trees.py", sys.argv[1:], draft=args.draft, tree_cost=cost,
+                           executor=args.executor, workers=getattr(executor, "workers", 1))
     json_path.write_text(json.dumps(header, indent=2) + "\n")
     print(json.dumps(cost, indent=1), flush=True)
     import pandas as pd
 
-    def write(rows):  # after each prompt, so a run stopped early keeps the prompts it finished
-        pd.DataFrame(rows).to_csv(csv_path, index=False)
-
-    rows = generate(target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.runs, done=write,
-                    first=args.start, repeats=args.repeats)
+    blocks = [PromptBlock(pair, prompt, args.start + i, tuple(args.temperatures), args.max_new_tokens, tuple(args.runs),
+                          args.repeats) for i, prompt in enumerate(prompts)]
+    rows = run_into_csv(executor, run_prompt, blocks, [p["id"] for p in prompts], csv_path, key_column="prompt_id",
+                        resume=args.resume)
     print(summarise(pd.DataFrame(rows)).round(3).to_string())
     return 0
+
+
+def warm_pair(draft: str, device: str, dtype: str, threads: int):
+    """The pair and tokenizer (``load_pair``), warmed up by one short generation: a worker's recipe."""
+    torch.set_num_threads(threads)
+    target, draft_model, tokenizer = load_pair(draft=draft, device=device, dtype=getattr(torch, dtype))
+    speculative_generate(target, draft_model, [[1, 2, 3, 4]], max_new_tokens=4)
+    return target, draft_model, tokenizer
+
+
+class PromptBlock(NamedTuple):
+    """One prompt of the sweep: its index (its seed is 1000 + index), the temperatures and runs."""
+
+    pair: object
+    prompt: dict
+    index: int
+    temperatures: tuple
+    max_new_tokens: int
+    runs: tuple
+    repeats: int
+
+
+def run_prompt(block: PromptBlock) -> list[dict]:
+    """The rows of one prompt (``generate`` on it alone), in the worker that runs it."""
+    target, draft, tokenizer = loaded(block.pair)
+    return generate(target, draft, tokenizer, [block.prompt], list(block.temperatures), block.max_new_tokens,
+                    block.runs, first=block.index, repeats=block.repeats)
 
 
 def read_replicates(paths):

@@ -15,11 +15,17 @@ the smallest total-variation deviation its N detects (power 0.9 at level 1e-3, `
         --num-samples 25000 --min-expected 25 --json benchmarks/records/lossless_power_fp16-eagle3-v8k.jsonl
     .venv/bin/python benchmarks/run_lossless.py --draft fp16:eagle3-v8k --samplings T=1.0 --verifiers traversal \
         --num-drafts 2 --gamma 2 --num-samples 25000 --min-expected 50 --json benchmarks/records/lossless_trees_fp16-eagle3-v8k.jsonl
+
+``--executor ray`` (``--address`` a cluster's head, ``--workers`` CPUs here) runs each test's seed blocks of
+``--batch-size`` generations as Ray tasks, each worker loading the pair once; the counts are those of one process
+(``experiments.executor``). With ``--json``, finished blocks are appended to ``<json>.blocks.jsonl`` as they land, and a
+rerun of the same command runs only the blocks that file lacks.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -28,7 +34,8 @@ from dataclasses import asdict
 import torch
 
 from specresearch.config import SamplingConfig
-from specresearch.drafts.registry import draft_from_name, truncated_draft
+from specresearch.drafts.registry import draft_from_name, load_pair, truncated_draft
+from specresearch.experiments.executor import add_executor_arguments, make_executor
 from specresearch.experiments.records import record_header
 from specresearch.experiments.stats import (
     lossless_test,
@@ -74,7 +81,13 @@ def main() -> None:
     parser.add_argument("--tree-nodes", type=int, help="nodes of a dynamic or static tree (default num-drafts x gamma)")
     parser.add_argument("--min-expected", type=float, default=5.0, help="smallest expected count of a cell")
     parser.add_argument("--json", help="also write one JSON record per run to this file")
+    parser.add_argument("--batch-size", type=int, default=256, help="generations per seed block (a Ray task)")
+    add_executor_arguments(parser)
     args = parser.parse_args()
+    executor = None if args.executor == "local" else make_executor(args)
+    # the workers' recipe for the same pair (drafts.registry.load_pair); the blocks file of a resumable run
+    models = functools.partial(load_pair, draft=args.draft or f"truncated:{args.draft_layers}", device="cpu")
+    blocks_file = f"{args.json}.blocks.jsonl" if args.json and executor is not None else None
     samplings = {n: s for n, s in SAMPLINGS.items() if not args.samplings or n in args.samplings.split(",")}
     wanted = args.verifiers.split(",") if args.verifiers else None
     torch.set_num_threads(args.threads)
@@ -100,7 +113,8 @@ def main() -> None:
             start = time.perf_counter()
             result = lossless_test(target, draft, verifier, prompt, sampling=sampling, gamma=args.gamma, k=args.k,
                                    num_samples=args.num_samples, seed=args.seed + 10 * index + offset, law=law,
-                                   min_expected=args.min_expected, **tree)
+                                   min_expected=args.min_expected, batch_size=args.batch_size, executor=executor,
+                                   models=models, blocks_file=blocks_file, **tree)
             seconds = time.perf_counter() - start
             print(f"| {name} | {verifier_name} | {result.num_samples} | {len(result.cells)} | {result.detectable_tv():.3f} | "
                   f"{result.p_value:.3g} | {result.bonferroni_p_value:.3g} | {'yes' if result.rejects(1e-3) else 'no'} | "
@@ -108,7 +122,7 @@ def main() -> None:
             record = {k: v for k, v in asdict(result).items() if k not in ("cells", "note")}
             records.append({"sampling": name, "verifier": verifier_name, **record, "wall_seconds": seconds,
                             "cells": len(result.cells), "detectable_tv": result.detectable_tv(),
-                            **header, **tree})
+                            "executor": args.executor, "workers": getattr(executor, "workers", 1), **header, **tree})
     if args.json:
         with open(args.json, "w") as out:
             out.writelines(json.dumps(r) + "\n" for r in records)

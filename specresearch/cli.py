@@ -474,6 +474,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, auto, ...")
     p.add_argument("--batched", action="store_true",
                    help="all prompts in one call per setting: cheaper, BE only (no wall-clock); for dial-* drafts")
+    from specresearch.experiments.executor import add_executor_arguments
+
+    add_executor_arguments(p)  # --executor ray: each prompt a Ray task (experiments.executor)
     p.set_defaults(func=_run_bench)
 
 
@@ -508,10 +511,12 @@ def _run_bench(args) -> int:
     prefix = ("quick-" if args.quick else "") + ("default-" if args.default_config else "")
     run = args.run or bench.default_run_id(args.target, args.draft, config, prefix)
     path = Path(args.out) / f"{run}.csv"
+    from specresearch.experiments.executor import make_executor
+
     records = bench.run_named(args.target, args.draft, config, path, prompts_path=args.prompts_file, run_id=run,
                               device=args.device, command="specresearch " + " ".join(sys.argv[1:]),
                               batched=args.batched, default_gamma=args.default_config,
-                              announce=_to_stderr)
+                              announce=_to_stderr, executor=None if args.executor == "local" else make_executor(args))
     print(analysis.summary(records))
     same, units = analysis.t0_agreement(records)
     if units and len(config.verifiers) > 1:

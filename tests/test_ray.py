@@ -106,3 +106,48 @@ def test_without_an_executor_ray_is_not_imported():
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_a_bench_sweep_on_ray_writes_the_rows_of_one_process(executor, tmp_path):
+    """``run_bench`` with the prompts as Ray tasks: the same rows (tokens, tau, acceptance; not the seconds) as the
+    sweep in this process, appended to the same kind of file; a rerun finds nothing left to run."""
+    from specresearch.experiments.bench import BenchConfig, BenchPrompt, run_bench
+
+    prompts = [BenchPrompt(f"p{i}", "c", tuple(range(2 + i, 6 + 2 * i))) for i in range(3)]
+    config = BenchConfig(verifiers=("token", "block"), temperatures=(0.0, 1.0), gammas=(2,), max_new_tokens=8)
+    target, draft = PAIR()
+    alone = run_bench(target, draft, prompts, config, tmp_path / "alone.csv", progress=False)
+    split = run_bench(None, None, prompts, config, tmp_path / "ray.csv", progress=False, executor=executor, models=PAIR)
+    columns = ["prompt_id", "verifier", "temperature", "gamma", "output_hash", "new_tokens", "accepted_tokens"]
+    order = ["prompt_id", "verifier", "temperature"]
+    assert len(alone) == len(split) == 3 * 2 * 3  # prompts x temperatures x (two verifiers and the baseline)
+    assert (alone[columns].sort_values(order).reset_index(drop=True)
+            .equals(split[columns].sort_values(order).reset_index(drop=True)))
+
+    class Nothing:
+        def run(self, function, blocks, on_result=None):
+            assert not blocks
+            return []
+
+    again = run_bench(None, None, prompts, config, tmp_path / "ray.csv", progress=False, executor=Nothing(), models=PAIR)
+    assert len(again) == len(split)
+
+
+def test_run_into_csv_keeps_a_finished_prompt_and_runs_the_rest(executor, tmp_path):
+    from specresearch.experiments.executor import LocalExecutor, run_into_csv
+
+    path = tmp_path / "sweep.csv"
+    blocks = [("a", 1), ("b", 2), ("c", 3)]
+    first = run_into_csv(LocalExecutor(), _rows, blocks[:1], ["a"], path, key_column="prompt_id")
+    assert [r["prompt_id"] for r in first] == ["a", "a"]
+    rows = run_into_csv(executor, _rows, blocks, ["a", "b", "c"], path, key_column="prompt_id")
+    assert [r["prompt_id"] for r in rows] == ["a", "a", "b", "b", "c", "c"]
+    assert [r["value"] for r in rows] == [1, 2, 2, 4, 3, 6]
+    import pandas as pd
+
+    assert pd.read_csv(path)["prompt_id"].tolist() == ["a", "a", "b", "b", "c", "c"]
+
+
+def _rows(block):
+    name, value = block
+    return [{"prompt_id": name, "value": value}, {"prompt_id": name, "value": 2 * value}]

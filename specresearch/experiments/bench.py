@@ -56,6 +56,7 @@ A short untimed warm-up run precedes the sweep. ``seconds`` include the prefill 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -331,7 +332,7 @@ def _units(prompts, config: BenchConfig):
 
 
 def run_bench(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig, path: str | os.PathLike, *,
-              run_id: str | None = None, eos_token_id=None, progress: bool = True):
+              run_id: str | None = None, eos_token_id=None, progress: bool = True, executor=None, models=None):
     """Run the sweep (module docstring) and append its records to the CSV ``path``; skip rows already there.
 
     Args:
@@ -341,6 +342,10 @@ def run_bench(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig
         path: the CSV file (created with its parent directory if missing).
         run_id: stored in every new row (default: the file name without ``.csv``).
         eos_token_id: ends a row early (e.g. ``tokenizer.eos_token_id``); None = always max_new_tokens.
+        executor, models: an ``experiments.executor`` executor (``--executor ray``) that runs each prompt's missing
+            settings as one block in a worker, which builds its pair with ``models`` (a picklable recipe returning
+            ``(target, draft, ...)``) once; ``target`` and ``draft`` are then unused (None will do). Rows are appended
+            as each prompt lands, so the file resumes as before.
     Returns:
         every record in the file after the sweep (pandas DataFrame, ``RECORD_COLUMNS``).
     """
@@ -353,28 +358,95 @@ def run_bench(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig
     units = list(_units(prompts, config))
     todo = [(u, g) for u in units for g in config.gammas
             if any(_key(u[0].id, v, u[1], g, u[2]) not in done for v in config.verifiers)]
-    if todo:
-        _warmup(target, draft, todo[0][0][0], config)
     bar = tqdm(total=len(todo), desc=f"bench {run_id}", unit="setting", disable=not progress)
+
+    def write(rows: list[dict]) -> None:
+        _append(path, rows)
+        done.update({_key(r["prompt_id"], r["verifier"], r["temperature"], r["gamma"], r["seed"]): r for r in rows})
+
+    if executor is None:
+        if todo:
+            _warmup(target, draft, todo[0][0][0], config)
+        _run_settings(target, draft, todo, done, config, eos_token_id, run_id, write, bar)
+    else:
+        if models is None:
+            raise ValueError("an executor runs the prompts in its workers: pass models=, a picklable recipe that "
+                             "returns (target, draft, ...) (e.g. functools.partial(bench_models, target, draft))")
+        by_prompt: dict = {}
+        for item in todo:
+            by_prompt.setdefault(item[0][0].id, []).append(item)
+        blocks = [BenchBlock(models, tuple(items), {k: v for k, v in done.items() if k[0] == str(prompt_id)}, config,
+                             eos_token_id, run_id) for prompt_id, items in by_prompt.items()]
+
+        def landed(index, rows):
+            write(rows)
+            bar.update(len(blocks[index].todo))
+
+        executor.run(run_bench_block, blocks, on_result=landed)
+    bar.close()
+    return read_records(path)
+
+
+def _run_settings(target, draft, todo, done, config, eos_token_id, run_id, write, bar=None) -> None:
+    """The (prompt, temperature, seed) x gamma settings ``todo``: each one's baseline (unless ``done`` has it) and
+    verifiers; ``write(rows)`` after each, which also records them in ``done``."""
     for index, ((prompt, temperature, seed), gamma) in enumerate(todo):
         base = {"run_id": run_id, "prompt_id": prompt.id, "category": prompt.category,
                 "temperature": temperature, "seed": seed}
         baseline_key = _key(prompt.id, AUTOREGRESSIVE, temperature, 0, seed)
         if baseline_key not in done:
-            done[baseline_key] = _run_baseline(target, prompt, base, config, eos_token_id)
-            _append(path, [done[baseline_key]])
+            write([_run_baseline(target, prompt, base, config, eos_token_id)])
         baseline = done[baseline_key]
         shift = index % len(config.verifiers)  # alternate which verifier runs first
         order = config.verifiers[shift:] + config.verifiers[:shift]
         rows = _run_unit(target, draft, prompt, base, gamma, order, config, eos_token_id)
-        new = [{**r, "ar_seconds": baseline["ar_seconds"], "ar_tokens": baseline["ar_tokens"]} for r in rows
-               if _key(prompt.id, r["verifier"], temperature, gamma, seed) not in done]
-        _append(path, new)
-        done.update({_key(prompt.id, r["verifier"], temperature, gamma, seed): r for r in new})
-        bar.update(1)
-        bar.set_postfix(prompt=prompt.id, T=temperature, gamma=gamma)
-    bar.close()
-    return read_records(path)
+        write([{**r, "ar_seconds": baseline["ar_seconds"], "ar_tokens": baseline["ar_tokens"]} for r in rows
+               if _key(prompt.id, r["verifier"], temperature, gamma, seed) not in done])
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(prompt=prompt.id, T=temperature, gamma=gamma)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchBlock:
+    """One prompt's missing settings, as a worker runs them (``run_bench_block``)."""
+
+    models: object
+    todo: tuple
+    done: dict  # the rows the file already holds for this prompt (its baselines are reused)
+    config: BenchConfig
+    eos_token_id: object
+    run_id: str
+
+
+def run_bench_block(block: BenchBlock) -> list[dict]:
+    """The new rows of one prompt's settings, computed with the worker's pair (built once: ``executor.loaded``)."""
+    from specresearch.experiments.executor import loaded
+
+    target, draft = loaded(block.models)[:2]
+    _warmup(target, draft, block.todo[0][0][0], block.config)
+    done, rows = dict(block.done), []
+
+    def write(new):
+        rows.extend(new)
+        done.update({_key(r["prompt_id"], r["verifier"], r["temperature"], r["gamma"], r["seed"]): r for r in new})
+
+    _run_settings(target, draft, list(block.todo), done, block.config, block.eos_token_id, block.run_id, write)
+    return rows
+
+
+def bench_models(target_name: str, draft_name: str, device: str = "cpu", chosen: tuple = ()):
+    """``(target, draft)`` as ``run_named`` loads them (``chosen``: a default configuration's items, fitted to the
+    draft as ``specresearch generate`` fits it): the recipe its Ray workers build."""
+    from specresearch.models.embedded import load_model
+
+    target, _ = load_model(target_name, device=device)
+    draft = load_bench_draft(draft_name, target)
+    if chosen:
+        from specresearch.engine.cost import fit_default_draft
+
+        fit_default_draft(draft, dict(chosen))
+    return target, draft
 
 
 def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConfig, path: str | os.PathLike, *,
@@ -429,7 +501,7 @@ def run_batched(target, draft, prompts: Sequence[BenchPrompt], config: BenchConf
 def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str | os.PathLike, *,
               prompts_path: str | os.PathLike | None = None, run_id: str | None = None, device: str = "cpu",
               progress: bool = True, command: str | None = None, batched: bool = False, default_gamma: bool = False,
-              announce=None):
+              announce=None, executor=None):
     """Load ``target_name`` (embedded name or checkpoint) and ``draft_name`` (``load_bench_draft``), encode
     the prompts (``load_bench_prompts``), record what runs (``write_run_info``) and ``run_bench`` into ``path``.
 
@@ -437,8 +509,11 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     each temperature, run what ``specresearch generate`` picks for this pair on this machine
     (``engine.cost.default_config``: a gamma, or a dynamic tree) instead of ``config.verifiers`` and ``config.gammas``;
     ``announce(message)`` is told when that times the machine's step costs (as for ``specresearch generate``).
+    ``executor``: run the prompts as its blocks (``run_bench``; each worker loads the pair once, ``bench_models``).
     Returns every record in the file (pandas DataFrame).
     """
+    if executor is not None and batched:
+        raise ValueError("a batched sweep runs every prompt in one call per setting: leave out the executor")
     from specresearch.drafts.registry import weights_digests
     from specresearch.models.embedded import EMBEDDED, load_model, weights_digest
 
@@ -468,8 +543,13 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
             from specresearch.engine.cost import fit_default_draft
 
             fit_default_draft(draft, chosen)
+        options = {}
+        if executor is not None:
+            fitted = tuple(sorted(chosen.items())) if chosen is not None and draft_name == GENERATE_DRAFT else ()
+            options = dict(executor=executor, models=functools.partial(bench_models, target_name, draft_name, device,
+                                                                       fitted))
         records = run(target, draft, prompts, each, path, run_id=run_id, eos_token_id=tokenizer.eos_token_id,
-                      progress=progress)
+                      progress=progress, **options)
     return records
 
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["LocalExecutor", "RayExecutor", "make_executor", "add_executor_arguments", "loaded"]
+__all__ = ["LocalExecutor", "RayExecutor", "make_executor", "add_executor_arguments", "loaded", "recipe_key",
+           "run_into_csv"]
 
 _LOADED: dict[Any, Any] = {}
 
@@ -33,15 +35,16 @@ def loaded(recipe: Callable[[], Any]) -> Any:
     """``recipe()``, built once per process and reused by the process's later blocks. A recipe is a top-level function
     or a ``functools.partial`` of one with hashable arguments; it is known again by its function's name and its
     arguments (every block brings its own unpickled copy)."""
-    key = _key(recipe)
+    key = recipe_key(recipe)
     if key not in _LOADED:
         _LOADED[key] = recipe()
     return _LOADED[key]
 
 
-def _key(recipe) -> tuple:
+def recipe_key(recipe) -> tuple:
+    """A recipe by value: its function's module and name, and a partial's arguments."""
     if isinstance(recipe, functools.partial):
-        return (_key(recipe.func), recipe.args, tuple(sorted(recipe.keywords.items())))
+        return (recipe_key(recipe.func), recipe.args, tuple(sorted(recipe.keywords.items())))
     return (getattr(recipe, "__module__", None), getattr(recipe, "__qualname__", repr(recipe)))
 
 
@@ -125,3 +128,26 @@ def make_executor(args) -> LocalExecutor | RayExecutor:
     if args.address or args.workers:
         raise ValueError("--address and --workers go with --executor ray")
     return LocalExecutor()
+
+
+def run_into_csv(executor, function: Callable, blocks: Sequence, keys: Sequence, path, *, key_column: str,
+                 resume: bool = True) -> list[dict]:
+    """The rows (dicts) of ``function(block)`` for every block, written to the CSV ``path`` after each block lands
+    (rows in block order), so a stopped run keeps what finished. ``keys[i]``: block i's value in ``key_column`` of
+    its rows; with ``resume``, blocks whose key the file already holds are not run again and their rows are kept."""
+    import pandas as pd
+
+    path = Path(path)
+    held: dict = {key: [] for key in keys}
+    if resume and path.exists() and path.stat().st_size:
+        for row in pd.read_csv(path).to_dict("records"):
+            if row.get(key_column) in held:
+                held[row[key_column]].append(row)
+    todo = [(block, key) for block, key in zip(blocks, keys) if not held[key]]
+
+    def landed(index, rows):
+        held[todo[index][1]] = list(rows)
+        pd.DataFrame([row for key in keys for row in held[key]]).to_csv(path, index=False)
+
+    executor.run(function, [block for block, _ in todo], on_result=landed)
+    return [row for key in keys for row in held[key]]

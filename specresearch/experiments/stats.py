@@ -67,6 +67,7 @@ __all__ = [
     "lossless_test",
     "SampleBlock",
     "sample_block",
+    "block_key",
     "wrong_residual_verify",
     "describe_cell",
     "plot_cells",
@@ -308,19 +309,30 @@ class SampleBlock:
     seed: int
     max_new_tokens: int
     tree: dict = field(default_factory=dict)
-    threads: int = 1
+    threads: int | None = None  # torch threads (None: as they are; a Ray worker has its task's CPUs)
 
 
 def sample_block(block: SampleBlock) -> dict:
     """Run one block: ``{"seed", "sequences" (each row's first k tokens), "seconds"}``."""
     from specresearch.experiments.executor import loaded
 
-    torch.set_num_threads(block.threads)
+    if block.threads is not None:
+        torch.set_num_threads(block.threads)
     target, draft = loaded(block.models)[:2]
     out = speculative_generate(target, draft, [list(block.prompt)] * block.size, verifier=block.verifier,
                                gamma=block.gamma, max_new_tokens=block.max_new_tokens, sampling=block.sampling,
                                seed=block.seed, **block.tree)
-    return {"seed": block.seed, "sequences": [list(row[: block.k]) for row in out.tokens], "seconds": out.seconds}
+    return {"key": block_key(block), "seed": block.seed, "sequences": [list(row[: block.k]) for row in out.tokens],
+            "seconds": out.seconds}
+
+
+def block_key(block: SampleBlock) -> str:
+    """What a block's rows depend on, as text: a blocks file's rows are reused only by a block with the same key."""
+    from specresearch.experiments.executor import recipe_key
+
+    verifier = block.verifier if isinstance(block.verifier, str) else getattr(block.verifier, "__qualname__", "?")
+    return repr((recipe_key(block.models), verifier, block.prompt, block.sampling, block.k, block.gamma, block.size,
+                 block.seed, block.max_new_tokens, sorted(block.tree.items())))
 
 
 def _sample_blocks(executor, models, verifier, law: SequenceLaw, *, gamma, num_samples, seed, batch_size,
@@ -331,26 +343,26 @@ def _sample_blocks(executor, models, verifier, law: SequenceLaw, *, gamma, num_s
         raise ValueError("an executor runs the blocks in its workers: pass models=, a picklable recipe that returns "
                          "(target, draft) (e.g. functools.partial of a top-level loader)")
     sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
-    seeds = _batch_seeds(seed, len(sizes))
-    done: dict[int, dict] = {}
+    blocks = [SampleBlock(models, verifier, law.prompt, law.sampling, law.k, gamma, size, block_seed, max_new_tokens,
+                          tree) for size, block_seed in zip(sizes, _batch_seeds(seed, len(sizes)))]
+    keys = [block_key(block) for block in blocks]
+    done: dict[str, dict] = {}
     path = None if blocks_file is None else Path(blocks_file)
     if path is not None and path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            if row["seed"] in seeds:
-                done[row["seed"]] = row
-    blocks = [SampleBlock(models, verifier, law.prompt, law.sampling, law.k, gamma, size, block_seed,
-                          max_new_tokens, tree) for size, block_seed in zip(sizes, seeds) if block_seed not in done]
+            if row.get("key") in keys:
+                done[row["key"]] = row
 
     def landed(_, row):
-        done[row["seed"]] = row
+        done[row["key"]] = row
         if path is not None:
             with path.open("a") as out:
                 out.write(json.dumps(row) + "\n")
 
-    executor.run(sample_block, blocks, on_result=landed)
-    sequences = [tuple(s) for block_seed in seeds for s in done[block_seed]["sequences"]]
-    return sequences, sum(done[block_seed]["seconds"] for block_seed in seeds)
+    executor.run(sample_block, [b for b, key in zip(blocks, keys) if key not in done], on_result=landed)
+    sequences = [tuple(s) for key in keys for s in done[key]["sequences"]]
+    return sequences, sum(done[key]["seconds"] for key in keys)
 
 
 def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: SamplingConfig, gamma: int,
