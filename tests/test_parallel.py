@@ -110,3 +110,24 @@ def test_tensor_parallel_over_two_processes_gives_generates_tokens(tmp_path):
     assert all(row["detail"].startswith("tp 2: ") for row in rows)
     shard, whole = rows[0]["detail"].split(": ", 1)[1].split(" of ")
     assert shard.split(" ", 1)[1] != whole  # this process's part is smaller than the parameter
+
+
+def _script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_quote_the_split_records():
+    """docs/parallel.md's tables are the records' (rerun the scripts with --docs); every recorded case passed."""
+    docs = (ROOT / "docs" / "parallel.md").read_text()
+    matrix = _script("parallel_matrix")
+    rows = json.loads((ROOT / "benchmarks" / "records" / "parallel_matrix.json").read_text())["rows"]
+    assert f"{matrix.START}\n{matrix.table(rows)}{matrix.END}" in docs
+    assert all(r["status"] in ("exact", "not offered") and r.get("ranks_agree", True) for r in rows)
+    assert {r["split"] for r in rows if r["status"] == "exact"} == {"device_map", "tensor_parallel"}
+    cost = _script("parallel_cost")
+    assert f"{cost.START}\n{cost.table(cost.ASSUMED['allreduce_latency_s'])[1]}{cost.END}" in docs
