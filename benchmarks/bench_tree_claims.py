@@ -111,8 +111,9 @@ def main() -> int:
         return 0
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair(draft=args.draft)
-    parallel = {} if args.executor == "local" else dict(  # each prompt a Ray task, its worker loading the pair once
-        executor=make_executor(args), models=functools.partial(load_pair, draft=args.draft, device="cpu"))
+    executor = make_executor(args, local=None)  # --executor ray: each prompt a Ray task, its worker loading the pair once
+    parallel = {} if executor is None else dict(executor=executor,
+                                                models=functools.partial(load_pair, draft=args.draft, device="cpu"))
     header = record_header("benchmarks/bench_tree_claims.py", sys.argv[1:], draft=args.draft, prompt_set=args.prompt_set)
     cpu = header["machine"].get("cpu", "cpu").split()[0].lower()
     lines = [f"Claims on {args.prompt_set} ({args.prompts} prompts), T = {args.temperature}, {args.max_new_tokens} new tokens, "

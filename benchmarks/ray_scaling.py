@@ -98,6 +98,12 @@ def docs_table(record: dict) -> str:
     lines += ["", f"Projected for the lossless test from its blocks' mean {test['block_seconds_mean']:.1f} s, the "
               f"driver's {test['driver_setup_seconds']:.0f} s of set-up and a worker's {test['worker_overhead_seconds']:.0f} s "
               f"start: {projected}."]
+    grid = 54  # six tree rules x three temperatures x three drafts, each a test like this one
+    rounds = math.ceil(grid * test["blocks"] / 64)
+    lines += [f"A grid of {grid} such tests (six tree rules x three temperatures x three drafts) at this block cost: "
+              f"{grid * test['one_process_seconds'] / 3600:.1f} h in one process, "
+              f"{(rounds * test['block_seconds_mean'] + test['driver_setup_seconds'] * grid + test['worker_overhead_seconds']) / 60:.0f} "
+              f"min on 64 workers ({rounds} rounds of blocks; the driver computes each test's law in turn)."]
     return "\n".join(lines) + "\n"
 
 

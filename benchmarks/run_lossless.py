@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="generations per seed block (a Ray task)")
     add_executor_arguments(parser)
     args = parser.parse_args()
-    executor = None if args.executor == "local" else make_executor(args)
+    executor = make_executor(args, local=None)
     # the workers' recipe for the same pair (drafts.registry.load_pair); the blocks file of a resumable run
     models = functools.partial(load_pair, draft=args.draft or f"truncated:{args.draft_layers}", device="cpu")
     blocks_file = f"{args.json}.blocks.jsonl" if args.json and executor is not None else None

@@ -516,7 +516,7 @@ def _run_bench(args) -> int:
     records = bench.run_named(args.target, args.draft, config, path, prompts_path=args.prompts_file, run_id=run,
                               device=args.device, command="specresearch " + " ".join(sys.argv[1:]),
                               batched=args.batched, default_gamma=args.default_config,
-                              announce=_to_stderr, executor=None if args.executor == "local" else make_executor(args))
+                              announce=_to_stderr, executor=make_executor(args, local=None))
     print(analysis.summary(records))
     same, units = analysis.t0_agreement(records)
     if units and len(config.verifiers) > 1:

@@ -96,7 +96,7 @@ def test_hf_speculative_takes_a_split_target(tmp_path):
 
 def test_tensor_parallel_over_two_processes_gives_generates_tokens(tmp_path):
     """torchrun, 2 processes, gloo: chains, a sampled and a dynamic tree; a windowed and a soft-capped family; the
-    three draft kinds. Every case exact, the ranks agree, and the weights really are sharded (half the rows)."""
+    four draft kinds. Every case exact, the ranks agree, and the weights really are sharded (half the rows)."""
     out = tmp_path / "tp.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
@@ -105,7 +105,7 @@ def test_tensor_parallel_over_two_processes_gives_generates_tokens(tmp_path):
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 27 and all(row["ranks_agree"] for row in rows)
+    assert len(rows) == 36 and all(row["ranks_agree"] for row in rows)
     assert {row["status"] for row in rows} == {"exact"}, [r for r in rows if r["status"] != "exact"][:2]
     assert all(row["detail"].startswith("tp 2: ") for row in rows)
     shard, whole = rows[0]["detail"].split(": ", 1)[1].split(" of ")
@@ -131,3 +131,7 @@ def test_docs_quote_the_split_records():
     assert {r["split"] for r in rows if r["status"] == "exact"} == {"device_map", "tensor_parallel"}
     cost = _script("parallel_cost")
     assert f"{cost.START}\n{cost.table(cost.ASSUMED['allreduce_latency_s'])[1]}{cost.END}" in docs
+    ray_scaling = _script("ray_scaling")
+    record = json.loads((ROOT / "benchmarks" / "records" / "ray_scaling_amd.json").read_text())
+    assert f"{ray_scaling.START}\n{ray_scaling.docs_table(record)}{ray_scaling.END}" in docs
+    assert record["lossless"]["identical_counts"] and record["sweep"]["identical_results"]

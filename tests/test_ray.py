@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray  # noqa: F401 -- a dev dependency (pyproject's [dev]): its absence fails here, loudly
 
 from specresearch.config import SamplingConfig
 from specresearch.experiments.stats import SampleBlock, lossless_test, sample_block, sequence_law
 from specresearch.models.families import tiny_family_pair
 
-ray = pytest.importorskip("ray")  # a dev dependency: the CI installs it
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = functools.partial(tiny_family_pair, "llama", "eager")
 PROMPT = [5, 9, 3]
@@ -151,3 +151,21 @@ def test_run_into_csv_keeps_a_finished_prompt_and_runs_the_rest(executor, tmp_pa
 def _rows(block):
     name, value = block
     return [{"prompt_id": name, "value": value}, {"prompt_id": name, "value": 2 * value}]
+
+
+def test_the_executor_flags_are_checked_before_anything_starts():
+    import argparse
+
+    from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
+
+    parser = argparse.ArgumentParser()
+    add_executor_arguments(parser)
+    assert isinstance(make_executor(parser.parse_args([])), LocalExecutor)
+    assert make_executor(parser.parse_args([]), local=None) is None
+    for flags in (["--workers", "2"], ["--address", "10.0.0.1:6379"]):
+        with pytest.raises(ValueError, match="go with --executor ray"):
+            make_executor(parser.parse_args(flags))
+    with pytest.raises(ValueError, match="--workers must be >= 1"):
+        make_executor(parser.parse_args(["--executor", "ray", "--workers", "0"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--executor", "dask"])

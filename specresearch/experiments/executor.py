@@ -121,13 +121,16 @@ def add_executor_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, help="with --executor ray on this machine: CPUs Ray may use")
 
 
-def make_executor(args) -> LocalExecutor | RayExecutor:
-    """The executor ``add_executor_arguments``' flags ask for."""
+def make_executor(args, local=LocalExecutor):
+    """The executor ``add_executor_arguments``' flags ask for; without ``--executor ray``, ``local()`` (pass
+    ``local=None`` for None: the caller's own in-process path). ``--address`` / ``--workers`` alone raise."""
     if args.executor == "ray":
+        if args.workers is not None and args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
         return RayExecutor(address=args.address, workers=args.workers)
     if args.address or args.workers:
         raise ValueError("--address and --workers go with --executor ray")
-    return LocalExecutor()
+    return None if local is None else local()
 
 
 def run_into_csv(executor, function: Callable, blocks: Sequence, keys: Sequence, path, *, key_column: str,

@@ -18,13 +18,14 @@ Two splits, each the way transformers loads a model too large for one device:
 
 A case: a family's tiny random-weight model (``models.families``), saved and loaded back split, wrapped in
 ``CausalLM`` (which leaves a split model's layers and attention kernel as transformers placed them), a draft of one
-kind (``DRAFTS``: a whole perturbed copy, a feature head reading the split target's hidden states, prompt lookup),
+kind (``DRAFTS``: a whole perturbed copy, a feature head and Medusa heads reading the split target's hidden states,
+prompt lookup),
 one step kind of ``experiments.families.STEPS``, greedy, three left-padded prompts with a row that ends at an EOS;
 the reference is ``generate(do_sample=False)`` of the unsplit model. Statuses as in ``experiments.families``.
 
-Where the verifier runs: on the target's input device (``CausalLM.device``), where the next step's tokens go; the
-step's logits ``[B, k, V]`` are copied there from the last layer's device (module docstring of docs/parallel.md for
-the cost).
+Where the verifier runs: where the logits land, which is the target's input device (``CausalLM.device``): accelerate's
+hook on the whole model returns its outputs on its inputs' device, and the tensor-parallel LM head gathers them on
+each process's device (docs/parallel.md gives the copy's cost).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from specresearch.models.families import FAMILIES, perturbed_copy, tiny_family_m
 __all__ = ["SPLITS", "DRAFTS", "split_map", "load_split", "run_split_case", "split_cases", "tensor_parallel_rank"]
 
 SPLITS = ("device_map", "tensor_parallel")
-DRAFTS = ("model", "feature head", "n-gram")
+DRAFTS = ("model", "feature head", "medusa", "n-gram")
 KERNELS = ("eager", "sdpa")
 
 
@@ -132,6 +133,16 @@ def _draft(kind: str, model, device):
         from specresearch.drafts.ngram import NGramDraft
 
         return NGramDraft(model.config.get_text_config().vocab_size, device=device)
+    if kind == "medusa":  # three heads on the last hidden state, each the target's own head (drafts get accepted)
+        from specresearch.drafts.medusa import MedusaDraft, MedusaHeads
+
+        text, head = model.config.get_text_config(), model.get_output_embeddings()
+        heads = MedusaHeads(text.hidden_size, head.weight.shape[0], 3, 1)
+        with torch.no_grad():
+            for block, out in zip(heads.blocks, heads.outputs):
+                block.weight.zero_(), block.bias.zero_()
+                out.weight.copy_(head.weight)
+        return MedusaDraft(heads, text.num_hidden_layers, device=device)
     if kind == "feature head":
         from specresearch.drafts.feature import FeatureHead, FeatureHeadConfig
         from specresearch.drafts.feature_draft import FeatureDraft
