@@ -72,6 +72,11 @@ class StepChecks:
         self.flags.append(flags)
         return probs.masked_fill(flags.any(), 1.0 / probs.shape[-1])
 
+    def check(self, logits: torch.Tensor, stage: str) -> None:
+        """Defer ``check_logits`` for a stage that reads the logits' argmax alone."""
+        self.stages.append(stage)
+        self.flags.append(logits_flags(logits))
+
     def tensor(self) -> torch.Tensor:
         """``[3 * calls]`` int64, to read back with the step's other values."""
         return torch.cat(self.flags) if self.flags else torch.zeros(0, dtype=torch.long)

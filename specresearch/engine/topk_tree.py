@@ -37,7 +37,7 @@ import torch
 from specresearch.config import SamplingConfig
 from specresearch.core.draws import wide
 from specresearch.core.verify_tree import children_table, greedy_tree_verify, onehot_tree_verify
-from specresearch.engine.steps import StepRecord, _accepted_block, _check, _probs, _refeed
+from specresearch.engine.steps import StepChecks, StepRecord, _accepted_block, _refeed, read_step
 from specresearch.engine.timing import clock
 from specresearch.engine.tree import node_tensors
 from specresearch.models.protocols import FeatureReader
@@ -71,8 +71,9 @@ def draft_dynamic_tree(draft, pending, pending_valid, num_drafts: int, gamma: in
     """Draft one dynamic tree per row (module docstring, stage 1). The draft is left with K copies per row when
     gamma > 1 (one per expanded node of depth L - 1), each having been fed L - 1 tokens. ``static``: the static
     tree of the same K, L and node count instead (``draft_law="static"``)."""
+    checks = StepChecks()  # read back with the tree (_read_tree)
     logits = draft.score(pending, pending_valid)[:, -1]
-    q = _probs(logits.to(device), _RAW, "draft model logits (drafting the tree's first depth)")
+    q = checks.probs(logits.to(device), _RAW, "draft model logits (drafting the tree's first depth)")
     batch = q.shape[0]
     beam_value, beam_token = q.topk(num_drafts, dim=1)  # [B, K]
     beam_value = wide(beam_value)
@@ -85,7 +86,7 @@ def draft_dynamic_tree(draft, pending, pending_valid, num_drafts: int, gamma: in
     rows = torch.arange(batch, device=q.device)[:, None]
     for d in range(2, gamma + 1):
         logits = draft.score(beam_token.reshape(-1, 1))[:, -1]
-        q = _probs(logits.to(device), _RAW, f"draft model logits (drafting the tree's depth {d})")  # [B*K, V]
+        q = checks.probs(logits.to(device), _RAW, f"draft model logits (drafting the tree's depth {d})")  # [B*K, V]
         child_q, child_token = q.topk(num_drafts, dim=1)
         child_value = (beam_value[:, :, None] * wide(child_q).view(batch, num_drafts, num_drafts)).view(batch, -1)
         child_token = child_token.view(batch, -1)
@@ -101,7 +102,16 @@ def draft_dynamic_tree(draft, pending, pending_valid, num_drafts: int, gamma: in
     values, tokens, parents = torch.cat(values, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
     kept = _best(values, min(tree_nodes, values.shape[1]), static)  # [B, N]
     positive = values.gather(1, kept) > 0
-    return _node_form(kept.tolist(), positive.tolist(), tokens.tolist(), parents.tolist(), device)
+    return _node_form(*_read_tree(checks, kept, positive, tokens, parents), device)
+
+
+def _read_tree(checks: StepChecks, kept, positive, tokens, parents) -> tuple[list, list, list, list]:
+    """The drafted tree's one host read (its layout decides the target call's width), with the drafting's deferred
+    logits checks: raises their error. -> ``kept``, ``positive``, ``tokens``, ``parents`` as lists of rows."""
+    rows = read_step(checks, kept, positive, tokens, parents)
+    n, m = kept.shape[1], tokens.shape[1]
+    bounds = [0, n, 2 * n, 2 * n + m, 2 * n + 2 * m]
+    return tuple([row[a:b] for row in rows] for a, b in zip(bounds, bounds[1:]))
 
 
 def _node_form(kept, positive, tokens, parents, device) -> DynamicTree:
@@ -140,16 +150,19 @@ def dynamic_tree_step(target, draft, target_pending, draft_pending, draft_valid,
         logits, features = target.score_tree(call_tokens, depth, tree.visible, hidden_layers=draft.feature_layers)
     else:
         logits, features = target.score_tree(call_tokens, depth, tree.visible), None
-    stage = "target model logits (scoring the draft tree)"
+    stage, checks = "target model logits (scoring the draft tree)", StepChecks()  # read back with the result
     if sampling.greedy:  # the one-hot rule on one-hot rows, from their argmax alone (greedy_tree_verify)
-        _check(logits, stage)
+        checks.check(logits, stage)
         t2 = tick()
         result = greedy_tree_verify(logits.argmax(-1).to(device), call_tokens, tree.children, gamma, validate=False)
     else:
-        probs = _probs(logits.to(device), sampling, stage)  # [B, 1+n, V]
+        probs = checks.probs(logits.to(device), sampling, stage)  # [B, 1+n, V]
         t2 = tick()
         result = onehot_tree_verify(probs, call_tokens, tree.children, gamma, validate=False, **randomness)
-    accepted = result.num_accepted.tolist()
+    chosen = call_tokens.gather(1, result.path_nodes)  # [B, L]; past num_accepted: not read
+    rows = read_step(checks, result.num_accepted, chosen, result.next_token)  # the step's one read of its result
+    accepted = [row[0] for row in rows]
+    emitted = [row[1 : 1 + n] + [row[-1]] for row, n in zip(rows, accepted)]
     batch = call_tokens.shape[0]
     on_path = torch.arange(gamma, device=device)[None] < result.num_accepted[:, None]
     kept = torch.zeros(batch, call_tokens.shape[1], dtype=torch.bool, device=device)
@@ -158,14 +171,12 @@ def dynamic_tree_step(target, draft, target_pending, draft_pending, draft_valid,
     if gamma > 1:
         draft.select_rows(torch.arange(batch, device=device) * num_drafts)
         draft.rollback(gamma - 1)
-    chosen = call_tokens.gather(1, result.path_nodes)  # [B, L]; past num_accepted: not read
     if reads:
         along = torch.cat([torch.zeros_like(result.path_nodes[:, :1]), result.path_nodes], 1)  # [B, L+1]
         path_features = features.gather(1, along[:, :, None].expand(-1, -1, features.shape[-1]))
         draft_pending, draft_valid = _refeed(draft, chosen, result, path_features, max(accepted))
     else:
         draft_pending, draft_valid, _ = _accepted_block(chosen, result, max(accepted))
-    emitted = [d[:n] + [t] for d, n, t in zip(chosen.tolist(), accepted, result.next_token.tolist())]
     scored = tuple(1 + len(p) for p in tree.parents)
     record = StepRecord(tuple(accepted), tuple(active), gamma, 1, gamma, tick() - t0, t2 - t1, t1 - t0, scored=scored)
     return emitted, result.next_token[:, None], draft_pending, draft_valid, record
