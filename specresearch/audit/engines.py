@@ -27,8 +27,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from fractions import Fraction
 
-import mpmath
-
 from specresearch.audit.rules import Rule
 from specresearch.exact.multi import verify_multi_exact
 from specresearch.exact.paths import merged_tree, topk_children
@@ -187,27 +185,21 @@ def _sglang_law(threshold_single: Fraction, threshold_acc: Fraction) -> Callable
 
 
 def _relaxed_accepts(row, x: int, top_k: int, delta: Fraction) -> bool:
-    """x among the target's top_k tokens and log p(x) >= log max p - delta; exp(-delta) is transcendental for
-    delta > 0, so the comparison is decided with 50 significant digits (never a tie for rational p)."""
-    if x not in topk_children(row, top_k):
-        return False
-    if delta == 0:
-        return row[x] >= max(row)
-    with mpmath.workdps(50):
-        diff = mpmath.mpf(row[x].numerator) / row[x].denominator - mpmath.mpf(max(row).numerator) / max(row).denominator * mpmath.exp(-mpmath.mpf(delta.numerator) / delta.denominator)
-        return diff >= 0
+    """TensorRT-LLM's ``mtpRelaxedAcceptanceKernel``: x among the target's top_k tokens with p(x) >= max p - delta, the
+    threshold in probabilities (the kernel's "logprobs" are ``torch.softmax`` outputs); the top token always passes."""
+    return x in topk_children(row, top_k) and row[x] >= max(row) - delta
 
 
 def _relaxed_law(top_k: int, delta: Fraction) -> Callable:
     def law(target, draft, paths, prefix):
         ((path,),) = [set(paths)]
-        out, mass = defaultdict(Fraction), _ONE
+        out = defaultdict(Fraction)
         for d, x in enumerate(path):
             row = target(prefix + path[:d])
             if not _relaxed_accepts(row, x, top_k, delta):
-                _emit(out, path[:d], mass, row)  # a fresh target sample (encoded; see the builder)
+                out[path[:d] + (_argmax(row),)] += _ONE  # the "golden token": the target's top-1
                 return out
-        _emit(out, path, mass, target(prefix + path))
+        out[path + (_argmax(target(prefix + path)),)] += _ONE
         return out
 
     return law
@@ -451,13 +443,18 @@ def llamacpp_example(num_drafts: int = 1, gamma: int = 3, *, p_split=0.1) -> Rul
 
 
 def trtllm_relaxed(num_drafts: int = 1, gamma: int = 2, *, relaxed_topk: int | None = None, relaxed_delta=0.6) -> Rule:
-    """TensorRT-LLM MTP and Modular MAX: exact-match acceptance by default (``relaxed_topk=None``: the target is
-    sampled and compared, as llama.cpp's server); opt-in relaxed acceptance (MAX defaults ``relaxed_topk=10``,
-    ``relaxed_delta=0.6``): accept x if it is among the target's top ``relaxed_topk`` tokens and log p(x) >= log
-    max p - relaxed_delta. In TensorRT-LLM it is ``use_relaxed_acceptance_for_thinking``: applied only between the
-    model's begin- and end-of-thinking tokens, by the CUDA op ``mtp_relaxed_acceptance_op`` with a per-request delta
-    (``tensorrt_llm/_torch/speculative/mtp.py``, ``sample_and_accept_draft_tokens``; the op's source was not read,
-    so what follows a rejection is encoded as a fresh target sample, unconfirmed)."""
+    """TensorRT-LLM MTP. Strict acceptance (``relaxed_topk=None``, the default) is exact-match verification: the
+    target's token compared with the draft's, which with a sampled target token is lossless (the sampling-mode
+    encoding; ``llmapi/llm_args.py`` describes "exact-match verification on non-greedy batches"; in ``MTPWorker`` at
+    NVIDIA/TensorRT-LLM 23ee85e the target's token is its argmax, greedy only). Relaxed acceptance
+    (``use_relaxed_acceptance_for_thinking``, re-read at that commit: ``tensorrt_llm/_torch/speculative/mtp.py``
+    ``MTPWorker.sample_and_accept_draft_tokens``, ``process_generation_logits``, ``topk_kernel``; the op's kernel
+    ``cpp/tensorrt_llm/kernels/speculativeDecoding/mtpKernels.cu`` ``mtpRelaxedAcceptanceKernel`` at b35ac1b): the
+    target's top ``relaxed_topk`` of ``torch.softmax`` (probabilities, though the code names them logprobs); a draft
+    token is accepted if it is one of them with p(x) >= max p - delta (the top token always), depth by depth; after
+    the accepted prefix comes the target's top-1 token (the "golden token"), never a sample. Applied only between
+    the begin- and end-of-thinking tokens (delta set at the begin token, 0 at the end: greedy). Lines are not cited:
+    the sources were read through the code index, which numbers characters."""
     if relaxed_topk is None:
         return Rule("trtllm-relaxed", _sample_and_compare, _chain, num_drafts, gamma, {"relaxed_topk": None}, "exact", trtllm_relaxed.__doc__)
     if isinstance(relaxed_topk, bool) or not isinstance(relaxed_topk, int) or relaxed_topk < 1:

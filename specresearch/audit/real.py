@@ -11,7 +11,6 @@ prefixes from the embedded target and reads the shipped feature head's depth-1 r
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -145,9 +144,10 @@ def _trtllm(p, q, k, relaxed_topk=None, relaxed_delta=0.6):
         return _sample_compare(p, q, k)
     x = topk_tokens(q, 1)
     in_top = (topk_tokens(p, relaxed_topk) == x).any(-1)
-    close = p.gather(1, x).squeeze(1) >= p.max(-1).values * math.exp(-float(relaxed_delta))
+    close = p.gather(1, x).squeeze(1) >= p.max(-1).values - float(relaxed_delta)  # in probabilities (engines.py)
     accepted = in_top & close
-    r = torch.where(accepted[:, None], torch.nn.functional.one_hot(x.squeeze(1), p.shape[-1]).to(p), p)
+    golden = torch.nn.functional.one_hot(p.argmax(-1), p.shape[-1]).to(p)  # rejected: the target's top-1
+    r = torch.where(accepted[:, None], torch.nn.functional.one_hot(x.squeeze(1), p.shape[-1]).to(p), golden)
     return r, accepted.to(p.dtype)
 
 
