@@ -278,12 +278,13 @@ def medusa_nucleus(num_drafts: int = 2, gamma: int = 1) -> Rule:
 
 
 def sglang(num_drafts: int = 2, gamma: int = 1, *, threshold_single=1.0, threshold_acc=1.0) -> Rule:
-    """SGLang (``sgl-kernel/csrc/speculative/speculative_sampling.cuh`` ``TreeSpeculativeSamplingTargetOnly``;
-    ``server_args.py``): a deterministic top-k tree of the draft's softmax; draft probabilities passed as zeros.
-    One coin per node; siblings in turn with prob_acc += p(x); accept when coin <= prob_acc / threshold_acc or
-    p(x) >= threshold_single (prob_acc and the coin renewed after an acceptance); all rejected: sample
-    relu(p - p at the rejected siblings). Re-read in the kernel: the comparison, the reset and the residual.
-    Exact at the defaults (1.0, 1.0), where it is an inverse-CDF draw over the siblings."""
+    """SGLang (``sgl-kernel/csrc/speculative/speculative_sampling.cuh`` ``TreeSpeculativeSamplingTargetOnly`` at
+    sgl-project/sglang b227f63, re-read; ``server_args.py``): a deterministic top-k tree of the draft's softmax; draft
+    probabilities passed as zeros. One coin per accepted node (l. 66, renewed l. 84); siblings in turn with
+    prob_acc += p(x) (l. 74-78); accept when coin <= prob_acc / threshold_acc or p(x) >= threshold_single (l. 80;
+    prob_acc reset l. 82); a rejected sibling's p copied into the draft row (l. 92), so that all rejected samples
+    relu(p - p at the rejected siblings) with a second coin (l. 100 to the kernel's end; nothing subtracted for the
+    bonus token, l. 112-115). Exact at the defaults (1.0, 1.0), where it is an inverse-CDF draw over the siblings."""
     params = {"threshold_single": _fraction("threshold_single", threshold_single),
               "threshold_acc": _fraction("threshold_acc", threshold_acc)}
     claim = "exact" if params["threshold_single"] == params["threshold_acc"] == 1 else "not exact"
