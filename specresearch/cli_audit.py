@@ -5,6 +5,7 @@ Kept beside ``cli.py``, which registers it, so that each stays one screenful of 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def add_audit_engine(sub, command) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--record", help="append the result as one JSON line (with command, commit, machine) to this file")
+    from specresearch.experiments.executor import add_executor_arguments
+
+    add_executor_arguments(p)  # --executor ray: seed blocks of --batch-size as Ray tasks (audit.execute)
+    p.add_argument("--batch-size", type=int, default=500, help="generations per seed block (with --executor ray)")
     p.set_defaults(func=_run)
 
 
@@ -57,18 +62,25 @@ def _run(args) -> int:
 
     from specresearch.audit.execute import check_arguments, default_pair, execute
     from specresearch.drafts.registry import load_pair
+    from specresearch.experiments.executor import make_executor
 
     options = _options(args.option)
     check_arguments(args.engine, args.n_tokens, args.samples, args.temperature, options)  # before anything loads
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    executor = make_executor(args, local=None)
     torch.set_num_threads(args.threads)
     if args.draft == "v8k-4l":
         target, draft, tokenizer = default_pair()
+        models = functools.partial(default_pair)
     else:
         target_lm, draft_lm, tokenizer = load_pair(draft=args.draft, device="cpu", skinny_linear=False)
         target, draft = target_lm.model, draft_lm.model
+        models = functools.partial(plain_pair, args.draft)
     result = execute(args.engine, prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,
                      temperature=args.temperature, seed=args.seed, min_expected=args.min_expected,
-                     target=target, draft=draft, tokenizer=tokenizer, **options)
+                     target=target, draft=draft, tokenizer=tokenizer, executor=executor, models=models,
+                     batch_size=args.batch_size, **options)
     print(result)
     if args.record:
         from specresearch.experiments.records import record_header
@@ -81,3 +93,11 @@ def _run(args) -> int:
             handle.write(json.dumps(row) + "\n")
         print(f"appended to {path}")
     return 0
+
+
+def plain_pair(draft: str):
+    """The embedded target and ``draft`` as plain transformers models (a Ray worker's recipe)."""
+    from specresearch.drafts.registry import load_pair
+
+    target_lm, draft_lm, _ = load_pair(draft=draft, device="cpu", skinny_linear=False)
+    return target_lm.model, draft_lm.model

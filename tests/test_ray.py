@@ -169,3 +169,28 @@ def test_the_executor_flags_are_checked_before_anything_starts():
         make_executor(parser.parse_args(["--executor", "ray", "--workers", "0"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--executor", "dask"])
+
+
+def _tiny_hf_pair():
+    """The tiny pair as plain transformers models (audit.execute's kind), a recipe the workers build."""
+    from specresearch.models.families import perturbed_copy, tiny_family_model
+
+    target = tiny_family_model("llama", "sdpa", seed=0, init_std=0.5)
+    return target, perturbed_copy(target, noise=1.0, seed=3)
+
+
+def test_an_engine_run_split_into_seed_blocks_counts_the_same_anywhere(executor):
+    """audit.execute with seed blocks: Ray workers count what this process counts block by block (and the verdict of
+    transformers' own speculative sampling stays: the target's law not rejected)."""
+    from specresearch.audit.execute import execute
+    from specresearch.experiments.executor import LocalExecutor
+
+    target, draft = _tiny_hf_pair()
+    common = dict(prompt=[5, 9, 3], n_tokens=1, num_samples=3000, seed=4, target=target, draft=draft, progress=False,
+                  models=functools.partial(_tiny_hf_pair), batch_size=1000)
+    here = execute("transformers-sampling", executor=LocalExecutor(), **common)
+    there = execute("transformers-sampling", executor=executor, **common)
+    assert here.counts == there.counts and sum(there.counts) == 3000
+    assert there.target.p_value > 1e-3
+    with pytest.raises(ValueError, match="pass models="):
+        execute("transformers-sampling", executor=executor, **{**common, "models": None})

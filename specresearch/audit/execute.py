@@ -41,10 +41,16 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   so ``n_tokens`` >= 2 and the second is the one a drafted step decides.
 
 A generation that ends early (EOS) is padded with EOS; the laws treat EOS as absorbing alike.
+
+With ``executor=`` (``experiments.executor``: ``--executor ray`` on the command line) the N generations run as seed
+blocks of ``batch_size`` (each block seeds its own draws, ``stats.block_seeds``), each in a worker that builds the
+models once from ``models`` (default: :func:`default_pair`); the counts then depend on the seed and the block size,
+not on the number of workers.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -64,7 +70,7 @@ from specresearch.audit.runners import (
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
 __all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "default_pair", "captured_rows", "cell_probs",
-           "tv_interval"]
+           "tv_interval", "DrawBlock", "draw_block"]
 
 ENGINES = {
     "transformers-assisted": "hf-assisted",
@@ -204,6 +210,23 @@ def cell_probs(law, rows: dict) -> tuple[list[float], float]:
     return probs, impossible
 
 
+def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options, n_tokens, num_samples, batch_size,
+                 seed, progress) -> list[tuple[int, ...]]:
+    """Every block's generations, in block order, the blocks run by ``executor``."""
+    from tqdm.auto import tqdm
+
+    from specresearch.experiments.stats import block_seeds
+
+    sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
+    blocks = [DrawBlock(engine, models, tuple(ids), eos, vocab, temperature, tuple(sorted(options.items())),
+                        n_tokens, size, block_seed) for size, block_seed in zip(sizes, block_seeds(seed, len(sizes)))]
+    bar = tqdm(total=num_samples, desc=f"{engine} ({getattr(executor, 'name', 'executor')})", disable=not progress,
+               unit="run")
+    results = executor.run(draw_block, blocks, on_result=lambda i, _: bar.update(blocks[i].size))
+    bar.close()
+    return [sequence for block in results for sequence in block]
+
+
 def default_pair():
     """The embedded SmolLM2-135M-Instruct (float32, CPU) and the shipped draft ``v8k-4l`` as plain transformers models
     (none of the toolkit's CPU kernels, so nothing is timed on a first use), and the tokenizer:
@@ -253,9 +276,45 @@ def _verdict(engine: str, options: dict) -> str:
     return "not exact" if lossy else "exact"
 
 
+@dataclass(frozen=True)
+class DrawBlock:
+    """One seed block of :func:`execute`'s generations, as a worker runs it (:func:`draw_block`)."""
+
+    engine: str
+    models: object  # picklable recipe -> (target, draft, ...)
+    ids: tuple
+    eos: int
+    vocab: int
+    temperature: float
+    options: tuple  # the engine's options as (name, value) pairs
+    n_tokens: int
+    size: int
+    seed: int
+
+
+def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
+    """The block's generations (first ``n_tokens`` tokens each), drawn with its own seed in this worker."""
+    from specresearch.experiments.executor import loaded
+
+    target, draft = loaded(block.models)[:2]
+    run = _make_run(block.engine, target, draft, list(block.ids), block.eos, block.vocab, block.temperature,
+                    dict(block.options), block.n_tokens, block.seed)
+    with run, quiet_transformers():
+        torch.manual_seed(block.seed)
+        return [tuple(sequence) for sequence in run.draws(block.size)]
+
+
+def _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed):
+    if engine.startswith("llamacpp"):
+        return LlamaCppRun(ids, eos, vocab, temperature, options, n_tokens, seed)
+    if engine == "python":
+        return PythonRun(target, ids, eos, temperature, options, n_tokens)
+    return TransformersRun(engine, target, draft, ids, eos, temperature, options, n_tokens)
+
+
 def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, temperature: float = 1.0, seed: int = 0,
             min_expected: float = 5.0, target=None, draft=None, tokenizer=None, progress: bool = True,
-            **options) -> ExecutionResult:
+            executor=None, models=None, batch_size: int = 500, **options) -> ExecutionResult:
     """Run ``engine``'s own implementation ``num_samples`` times on ``prompt`` and test the law of its first
     ``n_tokens`` tokens (module docstring).
 
@@ -273,8 +332,14 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
             its request's ``top_k`` / ``top_p`` / ``min_p`` (default the server's 40 / 0.95 / 0.05), ``synth_rates``,
             ``draft_max`` (3), ``draft_scale`` (1.5) and ``seeded`` (True: request i carries a seed; False: none, the
             server draws one from ``std::random_device`` and the run does not repeat).
+        executor, models, batch_size: run the generations as seed blocks of ``batch_size`` on ``executor`` (module
+            docstring), the workers building ``models()`` (a picklable recipe returning ``(target, draft, ...)``;
+            default :func:`default_pair`, required when ``target`` is given).
     """
     check_arguments(engine, n_tokens, num_samples, temperature, options)
+    if executor is not None and models is None and target is not None:
+        raise ValueError("an executor runs the generations in its workers: pass models=, a picklable recipe that "
+                         "returns (target, draft, ...), with target=")
     if target is None:
         target, loaded, tokenizer = default_pair()
         draft = draft if draft is not None else loaded
@@ -285,12 +350,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     eos = target.generation_config.eos_token_id
     eos = int(eos if isinstance(eos, int) else eos[0])
     ids, vocab = _prompt_ids(prompt, tokenizer), target.config.vocab_size
-    if engine.startswith("llamacpp"):
-        run = LlamaCppRun(ids, eos, vocab, temperature, options, n_tokens, seed)
-    elif engine == "python":
-        run = PythonRun(target, ids, eos, temperature, options, n_tokens)
-    else:
-        run = TransformersRun(engine, target, draft, ids, eos, temperature, options, n_tokens)
+    run = _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed)
     from tqdm.auto import tqdm
 
     with run, quiet_transformers():
@@ -307,7 +367,12 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         if seed is not None:
             torch.manual_seed(seed)
         start = time.perf_counter()
-        for sequence in tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run"):
+        if executor is None:
+            draws = tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run")
+        else:
+            draws = _block_draws(executor, models or functools.partial(default_pair), engine, ids, eos, vocab,
+                                 temperature, options, n_tokens, num_samples, batch_size, seed, progress)
+        for sequence in draws:
             cell = law.index(sequence)
             counts[len(law.cells) if cell is None else cell] += 1
         seconds = time.perf_counter() - start

@@ -68,6 +68,7 @@ __all__ = [
     "SampleBlock",
     "sample_block",
     "block_key",
+    "block_seeds",
     "wrong_residual_verify",
     "describe_cell",
     "plot_cells",
@@ -276,7 +277,7 @@ def chi_square(counts: Sequence[int], probs: Sequence[float]) -> tuple[float, in
     return statistic, dof, p_value, float(min(1.0, len(binomial) * min(binomial)))
 
 
-def _batch_seeds(seed: int, batches: int) -> list[int]:
+def block_seeds(seed: int, batches: int) -> list[int]:
     """Independent, non-overlapping generator seeds for the batches of one test (numpy SeedSequence)."""
     return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(batches)]
 
@@ -286,7 +287,7 @@ def _sample_sequences(target, draft, verifier, law: SequenceLaw, *, gamma, num_s
     """``num_samples`` speculative generations of ``law.prompt``, first ``k`` tokens each, and the seconds."""
     sequences, seconds = [], 0.0
     sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
-    for size, batch_seed in zip(sizes, _batch_seeds(seed, len(sizes))):
+    for size, batch_seed in zip(sizes, block_seeds(seed, len(sizes))):
         out = speculative_generate(target, draft, [list(law.prompt)] * size, verifier=verifier, gamma=gamma,
                                    max_new_tokens=max_new_tokens, sampling=law.sampling, seed=batch_seed, **tree)
         seconds += out.seconds
@@ -344,7 +345,7 @@ def _sample_blocks(executor, models, verifier, law: SequenceLaw, *, gamma, num_s
                          "(target, draft) (e.g. functools.partial of a top-level loader)")
     sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
     blocks = [SampleBlock(models, verifier, law.prompt, law.sampling, law.k, gamma, size, block_seed, max_new_tokens,
-                          tree) for size, block_seed in zip(sizes, _batch_seeds(seed, len(sizes)))]
+                          tree) for size, block_seed in zip(sizes, block_seeds(seed, len(sizes)))]
     keys = [block_key(block) for block in blocks]
     done: dict[str, dict] = {}
     path = None if blocks_file is None else Path(blocks_file)
