@@ -6,20 +6,25 @@ tokens against the target's and the audit's prediction (``specresearch.audit.exe
     python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
 
 Resumable: configurations already in the record are kept, the rest run and are written one by one. ``--scale``
-multiplies every N (0.05 for a smoke run into another file).
+multiplies every N (0.05 for a smoke run into another file). ``--power`` adds the configurations run at an N that
+detects TV 0.03 (``POWER``; best with ``--executor ray``: seed blocks of ``--batch-size`` on Ray workers).
+
+    python benchmarks/audit_executed.py --power --executor ray --workers 2 --batch-size 2500
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from specresearch.audit.execute import execute
+from specresearch.audit.execute import default_pair, execute
 from specresearch.drafts.registry import load_pair
+from specresearch.experiments.executor import add_executor_arguments, make_executor
 from specresearch.experiments.records import git_commit, record_header, write_json_record
 
 PROMPT = "Name a colour."
@@ -40,8 +45,14 @@ CONFIGS = [
 ]
 
 
-def key(engine, n_tokens, temperature, options, prompt) -> str:
-    return json.dumps([engine, n_tokens, temperature, options, prompt], sort_keys=True)
+# the same configurations at an N whose test detects TV 0.03 (the issue's bar for a lossless verdict), in seed blocks
+POWER = [
+    ("llamacpp-server", 2, 30000, 1.0, {}, PROMPT),
+]
+
+
+def key(engine, n_tokens, temperature, options, prompt, n=None) -> str:
+    return json.dumps([engine, n_tokens, temperature, options, prompt] + ([] if n is None else [n]), sort_keys=True)
 
 
 def main(argv=None) -> int:
@@ -49,19 +60,31 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/records/audit_executed.json")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--power", action="store_true", help="also the POWER configurations")
+    parser.add_argument("--batch-size", type=int, default=2500, help="generations per seed block (with an executor)")
+    add_executor_arguments(parser)
     args = parser.parse_args(argv)
+    executor = make_executor(args, local=None)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.exists() else record_header("benchmarks/audit_executed.py", sys.argv[1:] if argv is None else argv, draft="v8k-4l", rows=[])
-    done = {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"]) for r in record["rows"]}
+    done = {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"], r.get("power_n"))
+            for r in record["rows"]}
     target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
-    for engine, n_tokens, n, temperature, options, prompt in CONFIGS:
-        if key(engine, n_tokens, temperature, options, prompt) in done:
+    runs = [(config, None) for config in CONFIGS] + [(config, config[2]) for config in (POWER if args.power else [])]
+    for (engine, n_tokens, n, temperature, options, prompt), power_n in runs:
+        if key(engine, n_tokens, temperature, options, prompt, power_n) in done:
             continue
+        parallel = {} if power_n is None or executor is None else dict(
+            executor=executor, models=functools.partial(default_pair), batch_size=args.batch_size)
         result = execute(engine, prompt=prompt, n_tokens=n_tokens, num_samples=max(20, round(n * args.scale)),
-                         temperature=temperature, target=target.model, draft=draft.model, tokenizer=tokenizer, **options)
+                         temperature=temperature, target=target.model, draft=draft.model, tokenizer=tokenizer,
+                         **parallel, **options)
         print(result, flush=True)
-        record["rows"].append({"prompt": prompt, "commit": git_commit()} | result.as_record())  # rows may come from resumed runs
+        row = {"prompt": prompt, "commit": git_commit()} | result.as_record()  # rows may come from resumed runs
+        if power_n is not None:
+            row |= {"power_n": power_n, "executor": args.executor, "batch_size": args.batch_size if parallel else None}
+        record["rows"].append(row)
         write_json_record(out, record)
     return 0
 
