@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "parallel_cost_70b.json"))
     parser.add_argument("--docs", action="store_true")
     args = parser.parse_args(argv)
-    from specresearch.experiments.records import record_header, write_json_record
+    from specresearch.experiments.records import record_header, replace_generated, write_json_record
 
     rows, text = table(args.latency)
     sensitivity = {f"{1e6 * lat:g}us": table(lat)[0][0]["step_ms"] for lat in (5e-6, 10e-6, 20e-6)}
@@ -133,8 +133,7 @@ def main(argv: list[str]) -> int:
                                  "tp8_step_ms_by_allreduce_latency": sensitivity,
                                  "one_h200_fp8_ar_tokens_per_s": one_h200_fp8})
     if args.docs:
-        head, rest = DOCS.read_text().split(START, 1)
-        DOCS.write_text(f"{head}{START}\n{text}{END}{rest.split(END, 1)[1]}")
+        replace_generated(DOCS, START, END, text)
     print(text)
     print(json.dumps(sensitivity), f"one H200, FP8: {one_h200_fp8:.0f} tokens/s")
     return 0

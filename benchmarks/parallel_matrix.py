@@ -23,7 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specresearch.experiments.parallel import run_split_case, split_cases
-from specresearch.experiments.records import record_header, write_json_record
+from specresearch.experiments.records import record_header, replace_generated, write_json_record
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "parallel.md"
@@ -87,8 +87,7 @@ def main(argv: list[str]) -> int:
     write_json_record(args.out, {**header, "rows": rows})
     text = table(rows)
     if args.docs:
-        head, rest = DOCS.read_text().split(START, 1)
-        DOCS.write_text(f"{head}{START}\n{text}{END}{rest.split(END, 1)[1]}")
+        replace_generated(DOCS, START, END, text)
     print(text)
     bad = [r for r in rows if r["status"] not in ("exact", "not offered") or not r.get("ranks_agree", True)]
     for r in bad:

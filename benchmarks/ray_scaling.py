@@ -108,8 +108,9 @@ def docs_table(record: dict) -> str:
 
 
 def write_docs(record: dict) -> None:
-    head, rest = DOCS.read_text().split(START, 1)
-    DOCS.write_text(f"{head}{START}\n{docs_table(record)}{END}{rest.split(END, 1)[1]}")
+    from specresearch.experiments.records import replace_generated
+
+    replace_generated(DOCS, START, END, docs_table(record))
 
 
 def main(argv: list[str]) -> int:

@@ -215,11 +215,10 @@ def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options
     """Every block's generations, in block order, the blocks run by ``executor``."""
     from tqdm.auto import tqdm
 
-    from specresearch.experiments.stats import block_seeds
+    from specresearch.experiments.stats import seed_blocks
 
-    sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
     blocks = [DrawBlock(engine, models, tuple(ids), eos, vocab, temperature, tuple(sorted(options.items())),
-                        n_tokens, size, block_seed) for size, block_seed in zip(sizes, block_seeds(seed, len(sizes)))]
+                        n_tokens, size, block_seed) for size, block_seed in seed_blocks(num_samples, batch_size, seed)]
     bar = tqdm(total=num_samples, desc=f"{engine} ({getattr(executor, 'name', 'executor')})", disable=not progress,
                unit="run")
     results = executor.run(draw_block, blocks, on_result=lambda i, _: bar.update(blocks[i].size))

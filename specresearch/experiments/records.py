@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "git_commit", "machine_info", "read_records", "record_files", "record_header",
+__all__ = ["AUTOREGRESSIVE", "RECORD_COLUMNS", "replace_generated", "git_commit", "machine_info", "read_records", "record_files", "record_header",
            "write_json_record", "write_run_info"]
 
 
@@ -149,3 +149,11 @@ def read_records(path: str | os.PathLike):
     if not Path(path).exists():
         return pd.DataFrame(columns=list(RECORD_COLUMNS))
     return pd.read_csv(path, dtype={"prompt_id": str, "category": str, "verifier": str, "output_hash": str})
+
+
+def replace_generated(path: str | os.PathLike, start: str, end: str, block: str) -> None:
+    """Rewrite the generated block of a docs file: what lies between the markers ``start`` and ``end`` becomes
+    ``block`` (a benchmark's ``--docs``)."""
+    text = Path(path).read_text()
+    head, rest = text.split(start, 1)
+    Path(path).write_text(f"{head}{start}\n{block}{end}{rest.split(end, 1)[1]}")

@@ -69,6 +69,7 @@ __all__ = [
     "sample_block",
     "block_key",
     "block_seeds",
+    "seed_blocks",
     "wrong_residual_verify",
     "describe_cell",
     "plot_cells",
@@ -277,6 +278,13 @@ def chi_square(counts: Sequence[int], probs: Sequence[float]) -> tuple[float, in
     return statistic, dof, p_value, float(min(1.0, len(binomial) * min(binomial)))
 
 
+def seed_blocks(num_samples: int, batch_size: int, seed: int) -> list[tuple[int, int]]:
+    """``num_samples`` generations cut into blocks of at most ``batch_size``: ``(size, seed)`` per block, each seed its
+    own (:func:`block_seeds`), so a block draws the same wherever it runs."""
+    sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
+    return list(zip(sizes, block_seeds(seed, len(sizes))))
+
+
 def block_seeds(seed: int, batches: int) -> list[int]:
     """Independent, non-overlapping generator seeds for the batches of one test (numpy SeedSequence)."""
     return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(batches)]
@@ -286,8 +294,7 @@ def _sample_sequences(target, draft, verifier, law: SequenceLaw, *, gamma, num_s
                       max_new_tokens, tree: dict) -> tuple[list[tuple[int, ...]], float]:
     """``num_samples`` speculative generations of ``law.prompt``, first ``k`` tokens each, and the seconds."""
     sequences, seconds = [], 0.0
-    sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
-    for size, batch_seed in zip(sizes, block_seeds(seed, len(sizes))):
+    for size, batch_seed in seed_blocks(num_samples, batch_size, seed):
         out = speculative_generate(target, draft, [list(law.prompt)] * size, verifier=verifier, gamma=gamma,
                                    max_new_tokens=max_new_tokens, sampling=law.sampling, seed=batch_seed, **tree)
         seconds += out.seconds
@@ -343,9 +350,8 @@ def _sample_blocks(executor, models, verifier, law: SequenceLaw, *, gamma, num_s
     if models is None:
         raise ValueError("an executor runs the blocks in its workers: pass models=, a picklable recipe that returns "
                          "(target, draft) (e.g. functools.partial of a top-level loader)")
-    sizes = [min(batch_size, num_samples - start) for start in range(0, num_samples, batch_size)]
     blocks = [SampleBlock(models, verifier, law.prompt, law.sampling, law.k, gamma, size, block_seed, max_new_tokens,
-                          tree) for size, block_seed in zip(sizes, block_seeds(seed, len(sizes)))]
+                          tree) for size, block_seed in seed_blocks(num_samples, batch_size, seed)]
     keys = [block_key(block) for block in blocks]
     done: dict[str, dict] = {}
     path = None if blocks_file is None else Path(blocks_file)
