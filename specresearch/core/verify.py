@@ -129,16 +129,20 @@ def token_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uni
     return VerifyResult(num_accepted=num_accepted, next_token=next_token)
 
 
-def block_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True):
+def block_verify(target_probs, draft_probs, draft_tokens, generator=None, *, uniforms=None, validate=True, scan=None):
     """Block verification (Sun et al., ICLR 2025, arXiv 2403.10444, Algorithm 2, backward form).
 
     tau = the last i with eta_i < h_i (see the module docstring for p_i, w_i, h_i and the equivalence
-    with the forward form of the two-symbol post). Same arguments and return value as ``token_verify``.
+    with the forward form of the two-symbol post). Same arguments and return value as ``token_verify``; ``scan``:
+    None picks the backward scan on the CPU above 4096 tokens (the fastest there), False computes every h_i at once
+    (no host read: a captured step's form), True forces the scan. The same tau and token either way.
     """
     eta = _prepare(target_probs, draft_probs, draft_tokens, generator, uniforms, validate)  # [B, gamma+1]
     p_x, q_x = _drafted_probs(target_probs, draft_probs, draft_tokens)  # [B, gamma]
     scale = _block_scales(p_x, q_x)  # [B, gamma]: p_1..p_gamma
-    if target_probs.shape[-1] <= _DENSE_TAU_MAX_ELEMENTS or target_probs.device.type != "cpu":
+    if scan is None:
+        scan = target_probs.shape[-1] > _DENSE_TAU_MAX_ELEMENTS and target_probs.device.type == "cpu"
+    if not scan:
         tau = _block_tau_dense(target_probs, draft_probs, scale, eta[:, :-1])  # [B]
         next_token = _sample_residual(target_probs, draft_probs, tau, _scale_at(scale, tau), eta[:, -1])
     else:

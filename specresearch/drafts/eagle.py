@@ -63,7 +63,16 @@ from types import SimpleNamespace
 import torch
 
 from specresearch.drafts.distilled import SubsetHead
-from specresearch.drafts.feature_draft import MLP, DecoderLayer, FeatureDraft, RMSNorm, rollout, rope_base, rotate_half
+from specresearch.drafts.feature_draft import (
+    MLP,
+    DecoderLayer,
+    FeatureDraft,
+    RMSNorm,
+    extend_past,
+    rollout,
+    rope_base,
+    rotate_half,
+)
 
 __all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
            "load_eagle3", "save_eagle3", "eagle3_feature_layers"]
@@ -120,8 +129,7 @@ class _Eagle3Layer(torch.nn.Module):
         values = attn.v_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
         q, keys = q * cos + rotate_half(q) * sin, keys * cos + rotate_half(keys) * sin
-        if past is not None:
-            keys, values = torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
+        keys, values = extend_past(past, keys, values)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
                                                                enable_gqa=self.heads != self.kv_heads)
         h = g + attn.o_proj(out.transpose(1, 2).reshape(B, k, -1))
@@ -331,6 +339,8 @@ class EagleDraft(FeatureDraft):
     """An EAGLE head (:class:`Eagle3Head`, :class:`Eagle1Head`) behind the engine's interface: a ``FeatureDraft``
     whose prompt's first slot in each row is masked out (EAGLE drafts from token ``x_{j+1}`` with the feature of slot
     j; slot 0 has none). ``format``: which layout it was read from."""
+
+    skips_first_slot = True
 
     @property
     def format(self) -> str:

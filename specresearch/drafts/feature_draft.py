@@ -23,9 +23,10 @@ from specresearch.models.kernels import (
     use_kernel_rows,
     use_skinny_linears,
 )
+from specresearch.models.static_cache import StaticPast, StaticRows, keep_path
 
-__all__ = ["FeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer", "rotate_half",
-           "rope_base"]
+__all__ = ["FeatureDraft", "StaticFeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer",
+           "rotate_half", "rope_base", "extend_past"]
 
 
 # The decoder layer's pieces (Llama-style names so a target layer can be copied in)
@@ -98,10 +99,20 @@ class DecoderLayer(torch.nn.Module):
         (None: none); ``allowed [B, k, S_past + k]``. Returns ``(out [B, k, H], (keys, values))`` with this block's
         appended: what the next block's ``past`` is."""
         q, keys, values = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        if past is not None:
-            keys, values = torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
+        keys, values = extend_past(past, keys, values)
         x = x + self.self_attn.attend(q, keys, values, allowed)
         return x + self.mlp(self.post_attention_layernorm(x)), (keys, values)
+
+
+def extend_past(past, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's ``keys / values [B, kv, k, d]`` with its ``past`` before them: None (nothing earlier), a pair of
+    earlier tensors (concatenated: the growing cache), or a static one (``models.static_cache.StaticPast``: written at
+    the call's slots, the whole buffers returned)."""
+    if past is None:
+        return keys, values
+    if isinstance(past, StaticPast):
+        return past.extend(keys, values)
+    return torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
 
 
 def rope_base(text_config) -> float:
@@ -191,6 +202,8 @@ class FeatureDraft(FeatureQueue):
     timed here (``drafts.registry.half_weight_draft`` times them again for the float16 weights).
     """
 
+    skips_first_slot = False  # EagleDraft: each row's first prompt slot is left out of its context
+
     def __init__(self, head: torch.nn.Module, *, max_context: int | None = None, device="cpu",
                  skinny_linear: bool | None = None) -> None:
         self.head = head.eval().to(device)  # beside the target it reads (its embedding is the target's, already there)
@@ -258,6 +271,10 @@ class FeatureDraft(FeatureQueue):
         self._last = hidden[:, -1]
         return hidden
 
+    def static_form(self) -> "StaticFeatureDraft":
+        """This head over a static KV cache (:class:`StaticFeatureDraft`), for the engine's captured steps."""
+        return StaticFeatureDraft(self)
+
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or ``[B]``); the next ``score`` needs freshly observed features."""
         common, uneven = self._slots.rollback(n)
@@ -291,3 +308,58 @@ class FeatureDraft(FeatureQueue):
             gather = index[:, None, :, None]
             self._cache = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[-1])),
                             v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[-1]))) for k, v in self._cache]
+
+
+class StaticFeatureDraft:
+    """A feature draft's head over a static KV cache (``models.static_cache``): the static form of a
+    :class:`FeatureDraft` (``models.protocols.StaticFeatureModel``), sharing its head and its layers' kernels.
+
+    Each slot's input is given to :meth:`forward` (``inputs [B, k, H]``): the fused true features of the target
+    (:meth:`fuse`), or the head's own predictions, which ``forward`` returns beside the logits (drafting: the
+    prediction at a slot is the next slot's input, as :class:`FeatureDraft` drafts). Nothing but ``allocate`` and
+    ``prefill`` reads the host."""
+
+    def __init__(self, draft: FeatureDraft):
+        self.head = draft.head
+        self.vocab_size, self.device, self.max_context = draft.vocab_size, draft.device, draft.max_context
+        self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
+        self._skip = int(draft.skips_first_slot)
+        self.rows: StaticRows | None = None
+        self._pasts: list[StaticPast] = []
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.rows = StaticRows(batch, capacity, self.device)
+        self._pasts = [StaticPast(batch, capacity) for _ in self.head.layers]
+
+    @torch.no_grad()
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features ``[B, k, F]`` -> the head's inputs ``[B, k, H]``."""
+        return self.head.fuse_features(features.float().to(self.device))
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0,
+                inputs: torch.Tensor | None = None):
+        """Start a batch: write and keep the prompt's first ``L - leave`` columns, slot j read with ``inputs[:, j]``
+        (``[B, L - leave, H]``). -> (the last written slot's logits ``[B, V]``, the predictions), or (None, None)."""
+        self.rows.begin(attention_mask.to(self.device), skip=self._skip)
+        fed = input_ids.shape[1] - leave
+        if fed <= 0:
+            return None, None
+        logits, hidden = self.forward(input_ids[:, :fed].to(self.device), inputs=inputs[:, :fed])
+        self.rows.advance(fed)
+        return logits[:, -1], hidden
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, *, inputs: torch.Tensor, offset: int = 0, depth=None, visible=None):
+        """Write ``tokens [B, k]`` read with ``inputs [B, k, H]`` past each row's length (``StaticRows.call``); keeps
+        nothing. -> (logits ``[B, k, V]`` float32, the head's predictions ``[B, k, H]``)."""
+        call = self.rows.call(tokens.shape[1], offset, depth, visible)
+        for past in self._pasts:
+            past.slots = call.slots
+        hidden, _ = self.head.block(inputs, tokens, call.positions, self._pasts, call.allowed)
+        return self.head.logits(hidden), hidden
+
+    def commit(self, n) -> None:
+        self.rows.advance(n)
+
+    def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
+        keep_path([past.kv for past in self._pasts], self.rows, source, n)

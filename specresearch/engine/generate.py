@@ -50,8 +50,7 @@ batch of one row, and a planning draft's row differs alone and batched.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -62,6 +61,16 @@ from specresearch.core.draws import draw_uniforms
 from specresearch.core.tree_expectations import TREE_EXPECTATIONS
 from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
+from specresearch.engine.results import (
+    GenerationResult,
+    _check_context,
+    _eos_set,
+    _generators,
+    _result,
+    _Rows,
+    _untimed,
+)
+from specresearch.engine.static import plan_for, runner_mode, static_available, static_generate
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
 from specresearch.engine.timing import clock, step_clock
 from specresearch.engine.topk_tree import dynamic_tree_step
@@ -75,96 +84,6 @@ __all__ = [
     "autoregressive_generate",
     "encode_prompts",
 ]
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """Tokens and per-step records of one generation call."""
-
-    tokens: tuple[tuple[int, ...], ...]  # [B] rows of new tokens (prompt excluded), each <= max_new_tokens
-    steps: tuple[StepRecord, ...]
-    prefill_seconds: float
-    text: tuple[str, ...] | None = None  # decoded rows when a tokenizer was given
-    method: str = "speculative"
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(row) for row in self.tokens)
-
-    @property
-    def seconds(self) -> float:
-        return self.prefill_seconds + sum(s.seconds for s in self.steps)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_tokens / self.seconds
-
-    @property
-    def target_calls(self) -> int:
-        return sum(s.target_calls for s in self.steps)
-
-    @property
-    def draft_calls(self) -> int:
-        return sum(s.draft_calls for s in self.steps)
-
-    @property
-    def block_efficiency(self) -> float:
-        """Mean tokens emitted per target call per active row, num_accepted + 1, before truncation."""
-        counts = [n + 1 for s in self.steps for n, a in zip(s.num_accepted, s.active) if a]
-        return sum(counts) / len(counts)
-
-    @property
-    def tokens_per_scored(self) -> float:
-        """Tokens emitted per token the target scored (pending + drafted tokens; a tree's distinct nodes), over the
-        active rows: what a step's target call buys per unit of its width, the measure for trees of different sizes."""
-        emitted = [(n + 1, c) for s in self.steps for n, a, c in zip(s.num_accepted, s.active, s.scored) if a]
-        return sum(e for e, _ in emitted) / sum(c for _, c in emitted) if emitted else float("nan")
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Estimate of alpha: accepted drafts / drafts examined (a rejection ends a step's examination).
-
-        The maximum-likelihood estimate when acceptances are i.i.d. Bernoulli(alpha), the assumption
-        behind E[tokens] = (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan et al. 2023). Exact for token
-        verification under that assumption; a summary statistic for block verification.
-        """
-        rows = [(n, s.gamma) for s in self.steps for n, a in zip(s.num_accepted, s.active) if a and s.gamma]
-        accepted = sum(n for n, _ in rows)
-        examined = accepted + sum(n < g for n, g in rows)
-        return accepted / examined if examined else float("nan")
-
-    def speedup_over(self, baseline: "GenerationResult") -> float:
-        """Wall-clock speedup in tokens per second over ``baseline`` (e.g. an autoregressive result)."""
-        return self.tokens_per_second / baseline.tokens_per_second
-
-
-@dataclass
-class _Rows:
-    """Per-row output being built: tokens so far and whether the row is done."""
-
-    limit: int
-    eos: frozenset[int]
-    tokens: list[list[int]] = field(default_factory=list)
-    done: list[bool] = field(default_factory=list)
-    stop: Callable[[int, list[int]], bool] | None = None  # (row, its tokens so far) -> True ends it, like EOS
-
-    def add(self, emitted: list[list[int]]) -> list[list[int]]:
-        """Append each active row's emitted tokens, cut at EOS / the limit; return what was kept."""
-        kept = []
-        for b, new in enumerate(emitted):
-            new = [] if self.done[b] else new[: self.limit - len(self.tokens[b])]
-            stop = next((i for i, t in enumerate(new) if t in self.eos or self._stops(b, new[: i + 1])), None)
-            new = new if stop is None else new[: stop + 1]
-            self.tokens[b].extend(new)
-            self.done[b] = self.done[b] or stop is not None or len(self.tokens[b]) >= self.limit
-            kept.append(new)
-        return kept
-
-    def _stops(self, b: int, head: list[int]) -> bool:
-        return self.stop is not None and self.stop(b, self.tokens[b] + head)
-
-    def remaining(self) -> int:
-        return max(self.limit - len(t) for t, d in zip(self.tokens, self.done) if not d)
 
 
 class _Batch:
@@ -211,51 +130,11 @@ def _check_generation_args(max_new_tokens: int, gamma: int = 1, verifier="token"
                          f"num_drafts > 1, take one of {sorted(TREE_VERIFIERS)})")
 
 
-def _check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int = 0) -> None:
-    """Raise unless the prompt ids are in the model's vocabulary and prompt + new tokens + lookahead fit its
-    positions (``max_context``, if it has one)."""
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= model.vocab_size:
-        raise ValueError(
-            f"prompt token ids must be in [0, vocab_size={model.vocab_size}), got values in [{low}, {high}]: "
-            "encode the prompt with this model's tokenizer (its tokenizer may be larger than its logits)"
-        )
-    limit = getattr(model, "max_context", None)
-    need = ids.shape[1] + max_new_tokens + lookahead
-    if limit is not None and need > limit:
-        raise ValueError(
-            f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + gamma lookahead {lookahead} "
-            f"needs {need} positions but the model's context is {limit}: shorten the prompt or lower max_new_tokens"
-        )
-
-
-def _generators(seed, batch: int, device) -> torch.Generator | list[torch.Generator]:
-    """One generator shared by the batch (``seed`` an int, or a ``torch.Generator`` used as it is) or a list, one per
-    row (one int per prompt)."""
-    if isinstance(seed, torch.Generator):
-        return seed
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        return torch.Generator(device=device).manual_seed(seed)
-    seeds = list(seed) if isinstance(seed, Sequence) else []
-    if len(seeds) != batch or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-        raise ValueError(f"seed must be an int, a torch.Generator or a list of one int per prompt ({batch} prompts), "
-                         f"got {seed!r}")
-    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
-
-
 def _uniforms(generators, gamma: int, device) -> dict:
     """Verification randomness: the shared generator, or per-row uniforms ``[B, gamma+1]`` from per-row generators."""
     if isinstance(generators, torch.Generator):
         return {"generator": generators}
     return {"uniforms": torch.stack([draw_uniforms(1, gamma, g, device=device)[0] for g in generators])}
-
-
-def _eos_set(eos_token_id, tokenizer) -> frozenset[int]:
-    if eos_token_id is None and tokenizer is not None:
-        eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
 def _start(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -351,6 +230,7 @@ def speculative_generate(
     tree_nodes: int | None = None,
     stop_below: float | None = None,
     step_timing: bool | None = None,
+    compile: str = "off",
 ) -> GenerationResult:
     """Speculative decoding of ``prompts`` with ``target`` and ``draft`` (module docstring; arXiv 2211.17192).
 
@@ -389,6 +269,9 @@ def speculative_generate(
         step_timing: time each step's draft, target and overhead (``engine.timing.step_clock``: on a GPU each reading
             waits for the device, four host syncs a step). Default: on the CPU, off on CUDA, where the call's total
             is still exact (one wait at the end) and the per-step split is NaN.
+        compile: ``"off"`` this loop; ``"on"`` / ``"auto"`` / ``"static"`` / a runner mode: captured steps over
+            static caches (:mod:`specresearch.engine.static`, ``COMPILE_CHOICES``: chains and dynamic / static trees
+            with a whole-model draft or a feature head); ``"auto"`` takes them on CUDA where the run has them.
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
@@ -410,6 +293,13 @@ def speculative_generate(
         raise ValueError(f"expectations must be a sequence of {sorted(VERIFIERS)} (on draft trees: of "
                          f"{TREE_EXPECTATIONS}), got {expectations!r}")
     check_same_vocab(target, draft)
+    why_not = static_available(target, draft, verifier=verifier, num_drafts=num_drafts, draft_law=draft_law,
+                               stop_below=stop_below, expectations=expectations)
+    mode = runner_mode(compile, target.device, why_not)
+    if mode is not None:
+        return static_generate(target, draft, prompts, plan=plan_for(verifier, gamma, num_drafts, draft_law, tree_nodes),
+                               max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer,
+                               eos_token_id=eos_token_id, on_step=on_step, stop_when=stop_when, mode=mode)
     verify = verifier if callable(verifier) or tree else VERIFIERS[verifier]
     ids, mask = encode_prompts(prompts, tokenizer)
     _check_context(target, ids, max_new_tokens, gamma)
@@ -520,14 +410,20 @@ def autoregressive_generate(
     eos_token_id: int | Sequence[int] | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
     step_timing: bool | None = None,
+    compile: str = "off",
 ) -> GenerationResult:
     """Plain decoding from ``target``: one target call per token, same sampling and stopping rules.
 
     ``seed``: an int, a ``torch.Generator`` (used as it is), or one int per prompt (per-row generators: a row's tokens
     do not depend on the batch). The classic decoding methods (:mod:`specresearch.engine.decoding`) run in this loop.
-    ``step_timing``: as :func:`speculative_generate`'s.
+    ``step_timing``, ``compile``: as :func:`speculative_generate`'s (captured steps: one target call a step).
     """
     _check_generation_args(max_new_tokens)
+    mode = runner_mode(compile, target.device, static_available(target))
+    if mode is not None:
+        return static_generate(target, None, prompts, plan=plan_for("", 0, autoregressive=True),
+                               max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer,
+                               eos_token_id=eos_token_id, on_step=on_step, mode=mode)
     ids, mask = encode_prompts(prompts, tokenizer)
     _check_context(target, ids, max_new_tokens)
     device = target.device
@@ -561,20 +457,3 @@ def autoregressive_generate(
     return _result(rows, _untimed(steps, tick, device), prefill_seconds, tokenizer, "autoregressive")
 
 
-def _untimed(steps: list[StepRecord], tick, device) -> list[StepRecord]:
-    """With per-step timing off (host clock): wait for the device once and give the last step the wait, so the steps'
-    seconds add up to the call's; the per-step target / draft split is NaN (host dispatch times mean nothing)."""
-    if tick is not time.perf_counter or not steps:
-        return steps
-    end = time.perf_counter()
-    wait = clock(device) - end
-    nan = float("nan")
-    steps = [replace(s, target_seconds=nan, draft_seconds=nan) for s in steps]
-    steps[-1] = replace(steps[-1], seconds=steps[-1].seconds + wait)
-    return steps
-
-
-def _result(rows: _Rows, steps, prefill_seconds, tokenizer, method) -> GenerationResult:
-    tokens = tuple(tuple(r) for r in rows.tokens)
-    text = None if tokenizer is None else tuple(tokenizer.decode(list(r)) for r in tokens)
-    return GenerationResult(tokens, tuple(steps), prefill_seconds, text, method)

@@ -73,6 +73,7 @@ from specresearch.engine.generate import (
     autoregressive_generate,
     speculative_generate,
 )
+from specresearch.engine.static import COMPILE_CHOICES
 from specresearch.engine.tree import parse_verifier
 from specresearch.experiments.records import (
     AUTOREGRESSIVE,
@@ -104,6 +105,7 @@ class BenchConfig:
     max_new_tokens: int = 32
     num_prompts: int | None = None  # evenly spaced over the selected prompts; None = all of them
     categories: tuple[str, ...] | None = None  # None = every category
+    compile: str = "off"  # speculative_generate's: "off" the growing loop, "on" / "static" / ... captured steps
 
     def __post_init__(self) -> None:
         if not self.verifiers or isinstance(self.verifiers, str):
@@ -123,6 +125,8 @@ class BenchConfig:
             _check_tuple("num_prompts", (self.num_prompts,), int, 1, "an integer >= 1 or None (one value)")
         if self.categories is not None and not self.categories:
             raise ValueError("categories must be None (all) or a non-empty tuple of category names")
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {self.compile!r}")
 
     @classmethod
     def from_name(cls, name: str) -> "BenchConfig":
@@ -195,7 +199,10 @@ def load_bench_draft(name: str, target):
 
 def default_run_id(target_name: str, draft_name: str, config: BenchConfig, prefix: str = "") -> str:
     """``<prefix><draft>-<8 hex of the settings>``: the same command maps to the same file (resumes)."""
-    settings = json.dumps([target_name, draft_name, dataclasses.asdict(config)], sort_keys=True)
+    fields = dataclasses.asdict(config)
+    if fields["compile"] == "off":  # the growing loop's runs keep the ids they had before captured steps existed
+        del fields["compile"]
+    settings = json.dumps([target_name, draft_name, fields], sort_keys=True)
     slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(draft_name).name or draft_name)
     return f"{prefix}{slug}-{hashlib.sha1(settings.encode()).hexdigest()[:8]}"
 
@@ -284,7 +291,7 @@ def _record(result: GenerationResult, base: dict, verifier: str, gamma: int, ord
 def _run_baseline(target, prompt: BenchPrompt, base: dict, config: BenchConfig, eos) -> dict:
     result = autoregressive_generate(target, [list(prompt.token_ids)], max_new_tokens=config.max_new_tokens,
                                      sampling=SamplingConfig(temperature=base["temperature"]),
-                                     seed=[run_seed(prompt.id, base["seed"])], eos_token_id=eos)
+                                     seed=[run_seed(prompt.id, base["seed"])], eos_token_id=eos, compile=config.compile)
     row = _record(result, base, AUTOREGRESSIVE, 0, 0)
     return {**row, "ar_seconds": row["seconds"], "ar_tokens": row["new_tokens"]}
 
@@ -300,7 +307,8 @@ def _run_unit(target, draft, prompt: BenchPrompt, base: dict, gamma: int, order:
             target, draft, [list(prompt.token_ids)], verifier=name, gamma=1 if name == "kseq" else gamma,
             num_drafts=num_drafts, draft_law=draft_law, tree_nodes=tree_nodes, max_new_tokens=config.max_new_tokens,
             sampling=SamplingConfig(temperature=base["temperature"]), seed=[run_seed(prompt.id, base["seed"])],
-            eos_token_id=eos, expectations=() if tree else EXPECTED_METHODS)
+            eos_token_id=eos, expectations=() if tree or config.compile != "off" else EXPECTED_METHODS,
+            compile=config.compile)
     rows = []
     for position, verifier in enumerate(order):
         row = _record(results[verifier], base, verifier, gamma, position)
@@ -317,10 +325,14 @@ def _warmup(target, draft, prompt: BenchPrompt, config: BenchConfig) -> None:
     """Untimed: first forward passes allocate caches and pick kernels."""
     ids = [list(prompt.token_ids)]
     name, num_drafts, draft_law, tree_nodes = parse_verifier(config.verifiers[0])
-    speculative_generate(target, draft, ids, verifier=name, gamma=1 if name == "kseq" else max(config.gammas),
-                         num_drafts=num_drafts, draft_law=draft_law, tree_nodes=tree_nodes, max_new_tokens=2,
-                         sampling=SamplingConfig(temperature=1.0), seed=[0])
-    autoregressive_generate(target, ids, max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), seed=[0])
+    for temperature in config.temperatures:  # a compiled or captured step is built per sampling configuration
+        sampling = SamplingConfig(temperature=temperature)
+        speculative_generate(target, draft, ids, verifier=name, gamma=1 if name == "kseq" else max(config.gammas),
+                             num_drafts=num_drafts, draft_law=draft_law, tree_nodes=tree_nodes, max_new_tokens=2,
+                             sampling=sampling, seed=[0], compile=config.compile)
+        autoregressive_generate(target, ids, max_new_tokens=2, sampling=sampling, seed=[0], compile=config.compile)
+        if config.compile == "off":  # one warm-up is enough for the growing loop
+            break
 
 
 def _units(prompts, config: BenchConfig):

@@ -377,7 +377,7 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
                   max_new_tokens: int | None = None, tokenizer=None, law: SequenceLaw | None = None,
                   num_drafts: int = 1, draft_law: str = "iid", tree_nodes: int | None = None,
                   stop_below: float | None = None, executor=None, models: Callable | None = None,
-                  blocks_file=None) -> LosslessTestResult:
+                  blocks_file=None, compile: str = "off") -> LosslessTestResult:
     """Test that speculative generation of ``prompt`` follows the target law (module docstring).
 
     Args:
@@ -395,6 +395,7 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
         num_drafts, draft_law, tree_nodes: draft trees (``speculative_generate``'s; ``verifier`` then a multi-draft
             rule).
         stop_below: adaptive draft lengths (``speculative_generate``'s).
+        compile: ``speculative_generate``'s (``"static"``: the captured steps, run eagerly).
         executor: an ``experiments.executor`` executor that runs the seed blocks (``--executor ray``: Ray tasks);
             the counts equal one process's with the same ``seed`` (each block draws from its own seed). ``target``
             then only computes the law (None with ``law``), and the workers build their models with ``models``, a
@@ -413,6 +414,8 @@ def lossless_test(target, draft, verifier: str | Callable, prompt, *, sampling: 
                                                                 _prompt_ids(prompt, tokenizer)):
         raise ValueError("law was computed for another prompt, sampling, k or num_samples; recompute it")
     tree = {"num_drafts": num_drafts, "draft_law": draft_law, "tree_nodes": tree_nodes, "stop_below": stop_below}
+    if compile != "off":  # (absent otherwise: the seed blocks' keys stay those of earlier records)
+        tree["compile"] = compile
     if executor is not None:
         sequences, seconds = _sample_blocks(executor, models, verifier, law, gamma=gamma, num_samples=num_samples,
                                             seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens, tree=tree,

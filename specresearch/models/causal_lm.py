@@ -32,6 +32,7 @@ from specresearch.models.kernels import (
     use_kernel_rows,
     use_skinny_linears,
 )
+from specresearch.models.static_lm import StaticCausalLM
 
 __all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
            "placement"]
@@ -357,6 +358,11 @@ class CausalLM:
                 layer.batch_select_indices(index.to(layer.keys.device))
         self._slots.select_rows(index.to(self.device))
         self._compact()
+
+    def static_form(self) -> StaticCausalLM:
+        """This model over a static KV cache (:class:`~specresearch.models.static_lm.StaticCausalLM`): the same
+        weights, kernels and masks, for the engine's captured steps."""
+        return StaticCausalLM(self)
 
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""

@@ -24,7 +24,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["LanguageModel", "PlansLength", "check_same_vocab", "check_same_tokenizer", "FeatureReader", "TreeScorer", "RowExpander"]
+__all__ = ["LanguageModel", "PlansLength", "check_same_vocab", "check_same_tokenizer", "FeatureReader", "TreeScorer", "RowExpander",
+           "StaticModel", "StaticFeatureModel", "HasStaticForm"]
 
 
 @runtime_checkable
@@ -116,3 +117,44 @@ class RowExpander(Protocol):
 
     def repeat_rows(self, k: int) -> None: ...
     def select_rows(self, index: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class StaticModel(Protocol):
+    """A model over a static KV cache (``models.static_cache``): what the engine's captured steps drive
+    (``engine.static``). Nothing but ``allocate`` and ``prefill`` may read the host or allocate.
+
+    ``allocate(batch, capacity)``; ``prefill(input_ids [B, L], attention_mask [B, L], *, leave=0)`` writes and keeps
+    all but the last ``leave`` columns and returns (logits ``[B, V]`` or None, hidden states or None);
+    ``forward(tokens [B, k], *, offset=0, depth=None, visible=None)`` writes ``tokens`` past each row's length
+    (a chain, or a tree: ``models.static_cache.StaticRows.call``) and returns (logits ``[B, k, V]``, extra);
+    ``commit(n [B])`` keeps the first ``n`` slots written; ``keep_path(source [B, m], n [B])`` keeps a tree's path.
+    """
+
+    vocab_size: int
+    device: torch.device
+
+    def allocate(self, batch: int, capacity: int) -> None: ...
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0): ...
+    def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None): ...
+    def commit(self, n) -> None: ...
+    def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class StaticFeatureModel(StaticModel, Protocol):
+    """A static draft that reads the target's hidden states (``FeatureReader``'s static form): ``forward`` and
+    ``prefill`` take ``inputs=`` (``fuse(features)``, or its own predictions ``[B, k, H]`` returned by the last
+    ``forward`` as its extra) for each slot."""
+
+    feature_layers: tuple[int, ...]
+    feature_size: int
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class HasStaticForm(Protocol):
+    """A model with a static form sharing its weights (``static_form()`` -> a ``StaticModel``)."""
+
+    def static_form(self): ...

@@ -1,0 +1,74 @@
+"""How a captured step runs: eagerly, compiled by ``torch.compile``, or captured once as a CUDA graph and replayed.
+
+A step here is a function of no arguments that reads and writes preallocated tensors in place
+(:mod:`specresearch.engine.static`), never reads the host and never changes a shape, so each of these runs it:
+
+* ``"eager"``: as it is (the CPU default: the step's kernels, not Python, bound a small model's step there);
+* ``"inductor"``: ``torch.compile(step, fullgraph=True, dynamic=False)`` on any device (one graph, no break);
+* ``"reduce-overhead"``: the same with ``mode="reduce-overhead"`` (inductor's CUDA graphs), CUDA only;
+* ``"cudagraph"``: ``torch.cuda.CUDAGraph`` captures the eager step after a warm-up on a side stream and every call
+  replays it, CUDA only. The warm-up runs the step for real, so the small state it changes (``state``: lengths,
+  pending tokens, logs; not the caches' buffers, which a step writes only past the rows' lengths) is saved before it
+  and put back after; capture itself runs nothing.
+
+Random numbers never come from inside the step: its uniforms are drawn into a buffer before each call (the
+engine's ``_draw``), so a replay uses the run's generator and a seed repeats a run in every mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specresearch.models.static_cache import mark_static
+
+__all__ = ["RUNNER_MODES", "StepRunner"]
+
+RUNNER_MODES = ("eager", "inductor", "reduce-overhead", "cudagraph")
+_CUDA_ONLY = ("reduce-overhead", "cudagraph")
+
+
+class StepRunner:
+    """Calls ``step`` as ``mode`` says (module docstring); ``state``: the tensors the step changes but the caches'
+    buffers; ``device``: where they live."""
+
+    def __init__(self, step: Callable[[], None], mode: str, state: Sequence[torch.Tensor], device):
+        if mode not in RUNNER_MODES:
+            raise ValueError(f"mode must be one of {RUNNER_MODES}, got {mode!r}")
+        device = torch.device(device)
+        if mode in _CUDA_ONLY and device.type != "cuda":
+            raise ValueError(f"mode {mode!r} captures CUDA graphs: it needs a CUDA device, the models are on {device} "
+                             "(use 'inductor' or 'eager')")
+        self.step, self.mode, self.state, self.device = step, mode, list(state), device
+        mark_static(*self.state)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._call = step
+        if mode == "inductor":
+            self._call = torch.compile(step, fullgraph=True, dynamic=False)
+        elif mode == "reduce-overhead":
+            self._call = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+    def __call__(self) -> None:
+        if self.mode != "cudagraph":
+            self._call()
+            return
+        if self._graph is None:
+            self._graph = self._capture()
+        self._graph.replay()
+
+    def _capture(self) -> "torch.cuda.CUDAGraph":
+        """Warm the step up on a side stream (its state given back), then capture it."""
+        saved = [t.clone() for t in self.state]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for tensor, value in zip(self.state, saved):
+            tensor.copy_(value)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step()
+        return graph
