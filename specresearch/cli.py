@@ -28,7 +28,7 @@ from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside
     known_names,
     shorten,
 )
-from specresearch.config import GENERATE_DRAFT, GENERATE_GAMMA, GENERATE_MARGIN  # noqa: E402 (the defaults the front door shares)
+from specresearch.config import COMPILE_CHOICES, GENERATE_DRAFT, GENERATE_GAMMA, GENERATE_MARGIN  # noqa: E402 (shared)
 
 CONTRASTIVE_AMATEUR = "v8k-4l"
 
@@ -126,6 +126,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     p.add_argument("--autoregressive", action="store_true", help="plain decoding with the target (no draft)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
+    p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
+                   help="captured steps over static caches (engine.static): auto = on CUDA where the run has them "
+                        "(a whole-model draft or a feature head: --draft eagle3-v8k), else the growing loop; on; off")
     _add_decoding_arguments(p)
     p.set_defaults(func=_run_generate)
 
@@ -193,7 +196,7 @@ def _run_generate(args) -> int:
         return _run_decoding(args, target, tokenizer, prompt, sampling)
     stream = _Stream(tokenizer, args.max_new_tokens)
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, tokenizer=tokenizer,
-                  on_step=stream)
+                  on_step=stream, compile=args.compile)
     if args.autoregressive:
         result = autoregressive_generate(target, [prompt], **common)
     else:
@@ -472,6 +475,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--out", default="results", help="directory of the records")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="cpu, cuda, auto, ...")
+    p.add_argument("--compile", default="off", choices=COMPILE_CHOICES,
+                   help="off: the growing loop (its records carry the per-step expectations); on / static / ...: "
+                        "captured steps over static caches (engine.static)")
     p.add_argument("--batched", action="store_true",
                    help="all prompts in one call per setting: cheaper, BE only (no wall-clock); for dial-* drafts")
     from specresearch.experiments.executor import add_executor_arguments
@@ -504,7 +510,7 @@ def _run_bench(args) -> int:
     torch.set_num_threads(args.threads)
     fields = {"verifiers": args.verifiers, "temperatures": args.temperatures, "gammas": args.gammas,
               "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
-              "categories": args.categories}
+              "categories": args.categories, "compile": None if args.compile == "off" else args.compile}
     preset = bench.BenchConfig.from_name("quick" if args.quick else "full")
     config = dataclasses.replace(preset, **{k: tuple(v) if isinstance(v, list) else v
                                             for k, v in fields.items() if v is not None})

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from specresearch.checks import check_int, check_real, named_preset
 
 __all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU", "GENERATE_TAU_GREEDY",
-           "GENERATE_TREES", "GENERATE_MARGIN"]
+           "GENERATE_TREES", "GENERATE_MARGIN", "COMPILE_CHOICES"]
 
 # The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
 # float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding on the reference CPU,
@@ -31,6 +31,11 @@ GENERATE_TAU_GREEDY = {1: 1.521, 2: 1.818, 3: 1.967}  # the same at T = 0
 # tests/test_cost.py). With the default draft and verifier, engine.cost.default_config weighs them against this
 # machine's tree steps: a device where scoring is nearly free (a GPU) can make a tree the default at T = 0.
 GENERATE_TREES = {(4, 4, 10): (2.496, 1.935), (8, 6, 32): (3.132, 2.066)}
+# speculative_generate(compile=...) / --compile: "off" the growing loop (engine.generate); "static" the captured steps
+# over static caches run eagerly (engine.static); "on" the captured steps compiled for the device (CUDA: captured
+# graphs; elsewhere torch.compile's inductor); "auto" "on" on CUDA where the run has captured steps, else "off" (on the
+# CPU the step's kernels, not Python, bound a small model's step: docs/engine_and_models.md); or a runner mode by name.
+COMPILE_CHOICES = ("auto", "on", "off", "static", "inductor", "reduce-overhead", "cudagraph")
 
 
 @dataclass(frozen=True)

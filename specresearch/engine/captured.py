@@ -26,6 +26,7 @@ from specresearch.models.static_cache import mark_static
 __all__ = ["RUNNER_MODES", "StepRunner"]
 
 RUNNER_MODES = ("eager", "inductor", "reduce-overhead", "cudagraph")
+RECOMPILE_LIMIT = 64  # compiled forms of the step dynamo keeps (one per run's shapes and settings)
 _CUDA_ONLY = ("reduce-overhead", "cudagraph")
 
 
@@ -44,10 +45,12 @@ class StepRunner:
         mark_static(*self.state)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._call = step
-        if mode == "inductor":
-            self._call = torch.compile(step, fullgraph=True, dynamic=False)
-        elif mode == "reduce-overhead":
-            self._call = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        if mode in ("inductor", "reduce-overhead"):
+            # every run's step is the same code, compiled again for each run's tensors: let dynamo keep as many
+            # compiled forms as the engine keeps runs (engine.static.SESSIONS_KEPT per target), not its default 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            options = {"mode": "reduce-overhead"} if mode == "reduce-overhead" else {}
+            self._call = torch.compile(step, fullgraph=True, dynamic=False, **options)
 
     def __call__(self) -> None:
         if self.mode != "cudagraph":

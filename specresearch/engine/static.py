@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specresearch.config import SamplingConfig
+from specresearch.config import COMPILE_CHOICES, SamplingConfig
 from specresearch.core.draws import inverse_cdf, uniforms, wide
 from specresearch.core.verify import block_verify, greedy_verify, token_verify
 from specresearch.core.verify_tree import greedy_tree_verify, onehot_tree_verify
@@ -54,14 +54,9 @@ from specresearch.engine.timing import clock
 from specresearch.engine.topk_tree import _best
 from specresearch.models.protocols import HasStaticForm, StaticFeatureModel
 
-__all__ = ["COMPILE_CHOICES", "CAPACITY_STEP", "StaticPlan", "static_available", "static_generate", "build_run", "start_run",
-           "runner_mode", "plan_for"]
+__all__ = ["CAPACITY_STEP", "SESSIONS_KEPT", "StaticPlan", "static_available", "static_generate", "build_run", "start_run",
+           "cache_capacity", "runner_mode", "plan_for"]
 
-# speculative_generate(compile=...) / --compile: "off" the growing loop (engine.generate); "static" the captured steps
-# run eagerly; "on" the captured steps compiled for the device (CUDA: captured graphs; elsewhere torch.compile's
-# inductor); "auto" "on" on CUDA where the run has a captured form, else "off" (on the CPU the step's kernels bound a
-# small model's step, not Python: docs/benchmarks.md); or a StepRunner mode by name.
-COMPILE_CHOICES = ("auto", "on", "off", "static", "inductor", "reduce-overhead", "cudagraph")
 
 _RAW = SamplingConfig()  # a tree ranks its candidates by the draft's own softmax (engine.topk_tree)
 _CHAIN_VERIFIERS = {"token": token_verify, "block": block_verify, "greedy": greedy_verify}
@@ -410,7 +405,7 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
         _check_context(draft, ids, max_new_tokens, plan.draft_width())
     eos = _eos_set(eos_token_id, tokenizer)
     generators = _generators(seed, batch, device)
-    run, runner = _session(target, draft, plan, sampling, batch, _capacity(ids.shape[1] + max_new_tokens, plan), eos,
+    run, runner = _session(target, draft, plan, sampling, batch, cache_capacity(ids.shape[1] + max_new_tokens, plan), eos,
                            steps_per_read, mode)
     t0 = clock(device)
     run.start(ids, mask, max_new_tokens)
@@ -441,10 +436,10 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
 
 
 CAPACITY_STEP = 64  # a static cache has a power of two of slots, at least this many: prompts of other lengths
-_SESSIONS_KEPT = 4  # reuse a session's step (sessions: a run and its compiled or captured step, per target)
+SESSIONS_KEPT = 8  # sessions (a run, its buffers and its compiled or captured step) a target keeps, the latest used
 
 
-def _capacity(length: int, plan: StaticPlan) -> tuple[int, int]:
+def cache_capacity(length: int, plan: StaticPlan) -> tuple[int, int]:
     """(target, draft) cache slots for prompt + new tokens ``length``: room for two steps past it, rounded up to a
     power of two (at least ``CAPACITY_STEP``)."""
     def bucket(need: int) -> int:
@@ -466,7 +461,7 @@ def _session(target, draft, plan, sampling, batch, capacity, eos, steps_per_read
     run = build_run(target, draft, plan=plan, sampling=sampling, batch=batch, capacity=capacity, eos=eos,
                     steps_per_read=steps_per_read)
     kept[key] = (draft, run, StepRunner(run.step, mode, run.small_state(), target.device))  # draft: kept alive (id)
-    while len(kept) > _SESSIONS_KEPT:
+    while len(kept) > SESSIONS_KEPT:
         kept.popitem(last=False)
     return kept[key][1:]
 
@@ -492,7 +487,7 @@ def start_run(target, draft, ids: torch.Tensor, mask: torch.Tensor, *, plan: Sta
     """A new run (:func:`build_run`) started on the left-padded prompts ``ids / mask [B, L]``: its ``step()`` is one
     captured step (what :func:`static_generate` runs, and what tests compile)."""
     run = build_run(target, draft, plan=plan, sampling=sampling, batch=ids.shape[0],
-                    capacity=_capacity(ids.shape[1] + max_new_tokens, plan), eos=eos, steps_per_read=steps_per_read)
+                    capacity=cache_capacity(ids.shape[1] + max_new_tokens, plan), eos=eos, steps_per_read=steps_per_read)
     run.start(ids, mask, max_new_tokens)
     return run
 

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Sequence
 
 from specresearch.checks import named_preset
-from specresearch.config import GENERATE_DRAFT, SamplingConfig
+from specresearch.config import COMPILE_CHOICES, GENERATE_DRAFT, SamplingConfig
 from specresearch.core.verify import VERIFIERS
 from specresearch.engine.cost import score_seconds
 from specresearch.engine.generate import (
@@ -73,7 +73,6 @@ from specresearch.engine.generate import (
     autoregressive_generate,
     speculative_generate,
 )
-from specresearch.engine.static import COMPILE_CHOICES
 from specresearch.engine.tree import parse_verifier
 from specresearch.experiments.records import (
     AUTOREGRESSIVE,

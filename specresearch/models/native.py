@@ -279,23 +279,62 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     Called once per linear layer of a forward, so its own work is kept small (~19 µs a call on the AVX2 EPYC,
     ``F.linear``'s ~8): a contiguous ``x`` is read where it lies (its rows are already ``[rows, in]`` in memory)
-    and the result is allocated in its final shape.
+    and the result is allocated in its final shape. Inside ``torch.compile`` the call is the custom operator
+    ``specresearch::kernel_linear`` (what it takes is decided from shapes and dtypes alone), so a compiled step keeps
+    the kernel and traces as one graph.
     """
+    if not _takes(x, weight, bias, scale):
+        return None
+    if torch.compiler.is_compiling():
+        return _kernel_op(x, weight, bias, scale)
+    return _run_kernel(x, weight, bias, scale)
+
+
+@torch._dynamo.assume_constant_result  # a compiled step reads it once, as a constant (building it is no tensor work)
+def _kernel_dtypes() -> str:
+    """The weight dtypes the compiled kernel takes here, by name ("float32 float16 int8"; empty where it cannot be
+    built or is switched off): a string, which a compiled graph can guard on."""
     kernels = skinny_kernel()
+    return "" if kernels is None else " ".join(str(dtype).removeprefix("torch.") for dtype in kernels)
+
+
+def _takes(x, weight, bias, scale) -> bool:
+    """Whether the kernel takes the call, from shapes, dtypes and devices only."""
     width = x.shape[-1]
     rows = x.numel() // max(width, 1)
-    if (kernels is None or rows not in KERNEL_ROWS or x.dtype is not torch.float32 or not x.is_cpu
+    if (rows not in KERNEL_ROWS or x.dtype is not torch.float32 or not x.is_cpu
             or not weight.is_cpu or width % 16 or width != weight.shape[1] or not weight.is_contiguous()):
-        return None
-    kernel = kernels.get(weight.dtype)
-    if kernel is None or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
-        return None
-    if weight.dtype is torch.int8 and (scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous()
-                                       or scale.shape != weight.shape[:1] or not scale.is_cpu):
-        return None
+        return False
+    if str(weight.dtype).removeprefix("torch.") not in _kernel_dtypes().split() or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
+        return False
+    return weight.dtype is not torch.int8 or (scale is not None and scale.dtype is torch.float32 and scale.is_contiguous()
+                                              and scale.shape == weight.shape[:1] and scale.is_cpu)
+
+
+def _run_kernel(x, weight, bias, scale) -> torch.Tensor | None:
+    """The ctypes call (the caller checked :func:`_takes`); None if the kernel declined at run time."""
     x = x.contiguous()  # itself where it already is
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # whatever torch's default dtype
-    if kernel(x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
-              None if bias is None else bias.data_ptr(), out.data_ptr(), rows, width, weight.shape[0]):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if skinny_kernel()[weight.dtype](x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(), rows, x.shape[-1],
+                                     weight.shape[0]):
         return None
     return out
+
+
+@torch.library.custom_op("specresearch::kernel_linear", mutates_args=())
+def _kernel_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               scale: torch.Tensor | None) -> torch.Tensor:
+    """:func:`kernel_linear` as one operator for ``torch.compile`` (the same product; ``F.linear`` if it declines)."""
+    out = _run_kernel(x, weight, bias, scale)
+    if out is not None:
+        return out
+    y = torch.nn.functional.linear(x, weight.float())
+    y = y if scale is None else y * scale
+    return y if bias is None else y + bias
+
+
+@_kernel_op.register_fake
+def _(x, weight, bias, scale):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)

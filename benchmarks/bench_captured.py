@@ -1,0 +1,238 @@
+"""Captured steps against the growing loop and transformers' fastest generate, side by side in one run (issue #67).
+
+On the embedded target (SmolLM2-135M-Instruct) with the shipped feature head (``--draft``, default ``eagle3-v8k``),
+over MT-Bench first turns (chat template, ``--prompts`` evenly spaced), for each temperature, prompt and repeat, in
+an order shuffled each time: autoregressive decoding and each speculative run (``--runs``: chains, EAGLE-2's dynamic
+trees) under each compile mode (``--modes``: ``off`` the growing loop, ``static`` the captured steps eagerly,
+``inductor``, ``cudagraph``, ``reduce-overhead``; ``engine.static``), and with ``--peer`` transformers' own
+``generate`` on a plain model with the same weights (sdpa, ``cache_implementation="static"``: on CUDA transformers
+compiles its forward itself, ``torch.compile(mode="reduce-overhead")``; elsewhere it runs eagerly). Each run is timed
+end to end, prompt included, with the same seed for every run of a prompt. Before anything is timed every (run, mode,
+temperature) decodes one prompt of each cache size the prompts need, so no compile or capture is timed.
+
+Writes ``<out>.csv`` (a row a run) and ``<out>.json``: the header (command, commit, machine, weights' digests) and the
+summary: per temperature, run and mode, tokens/s and the speed over the fastest autoregressive decoding of that
+temperature (over the prompts pooled, 95 % bootstrap intervals), and the keys ``ar_tokens_per_s``,
+``peer_tokens_per_s``, ``best_speedup_t0``, ``best_speedup_t1`` with the runs and modes they come from. A benchmark:
+nothing is asserted.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_captured.py --device cuda --dtype bfloat16 --prompts 16 \
+        --modes off cudagraph reduce-overhead --peer --out benchmarks/records/gpu_speed_h100
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_captured.py --draft fp16:eagle3-v8k --prompts 8 \
+        --modes off static inductor --runs autoregressive "chain block g1" --out benchmarks/records/captured_cpu_avx2_amd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specresearch.config import COMPILE_CHOICES, SamplingConfig
+from specresearch.drafts.registry import load_pair
+from specresearch.engine import static
+from specresearch.engine.cost import tree_options
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts, prompt_set_file
+from specresearch.engine.timing import clock
+from specresearch.experiments.draft_analysis import pooled_speeds
+from specresearch.experiments.records import record_files, record_header
+
+RUNS = {
+    "autoregressive": None,
+    "chain block g1": dict(verifier="block", gamma=1),
+    "chain block g2": dict(verifier="block", gamma=2),
+    "chain block g3": dict(verifier="block", gamma=3),
+    "dynamic K4 g4 n10": tree_options((4, 4, 10)),
+    "dynamic K8 g6 n32": tree_options((8, 6, 32)),
+    "dynamic K10 g6 n60": tree_options((10, 6, 60)),
+}
+PEER = "transformers static"
+
+
+def decode(target, draft, run: str, mode: str, ids: list[int], sampling, seed: int, max_new_tokens: int, eos):
+    """One timed decoding -> (tokens, seconds, tokens per target call)."""
+    common = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=[seed], eos_token_id=eos, compile=mode)
+    if RUNS[run] is None:
+        out = autoregressive_generate(target, [ids], **common)
+    else:
+        out = speculative_generate(target, draft, [ids], **RUNS[run], **common)
+    return out.num_tokens, out.seconds, out.block_efficiency
+
+
+def peer_decode(model, ids: list[int], sampling, seed: int, max_new_tokens: int, eos, max_cache_len: int):
+    """transformers' ``generate`` with a static cache of ``max_cache_len`` slots whatever the prompt (so its compiled
+    forward is compiled once; on CUDA transformers compiles it itself) -> (tokens, seconds, 1)."""
+    device = model.device
+    torch.manual_seed(seed)
+    inputs = torch.tensor([ids], device=device)
+    options = dict(do_sample=True, temperature=sampling.temperature, top_k=None, top_p=None) \
+        if sampling.temperature > 0 else dict(do_sample=False)
+    start = clock(device)
+    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                         eos_token_id=eos, pad_token_id=eos, cache_implementation="static",
+                         max_cache_len=max_cache_len, **options)
+    seconds = clock(device) - start
+    return int(out.shape[1] - inputs.shape[1]), seconds, 1.0
+
+
+def plain_model(target, dtype):
+    """The embedded target's weights in a plain transformers model (sdpa; none of the toolkit's kernels)."""
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.models.embedded import cache_dir
+
+    model = AutoModelForCausalLM.from_pretrained(cache_dir() / "smollm2-135m-instruct", dtype=dtype,
+                                                 attn_implementation="sdpa", local_files_only=True)
+    return model.to(target.device).eval()
+
+
+def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, eos, max_cache_len) -> None:
+    """Every (run, mode) cell at every temperature once on a prompt of each cache size the prompts need; the peer once
+    at each temperature (its cache has one size)."""
+    for run, mode in cells:
+        if run == PEER:
+            continue
+        options = RUNS[_base(run)]
+        plan = static.plan_for("", 0, autoregressive=True) if options is None else static.plan_for(
+            options["verifier"], options["gamma"], options.get("num_drafts", 1), options.get("draft_law", "iid"),
+            options.get("tree_nodes"))
+        sizes = {}
+        for ids in prompts:
+            sizes.setdefault(static.cache_capacity(len(ids) + max_new_tokens, plan), ids)
+        for temperature in temperatures:
+            for ids in (sizes.values() if mode != "off" else [prompts[0]]):
+                decode(targets[_dtype(run)], draft, _base(run), mode, ids, SamplingConfig(temperature=temperature), 0,
+                       max_new_tokens, eos)
+    if peer is not None:
+        for temperature in temperatures:
+            peer_decode(peer, prompts[0], SamplingConfig(temperature=temperature), 0, max_new_tokens, eos, max_cache_len)
+
+
+def _base(run: str) -> str:
+    """``"autoregressive (float32)"`` -> ``"autoregressive"``: the run of a label that names another target dtype."""
+    return run.split(" (")[0]
+
+
+def _dtype(run: str) -> str | None:
+    return run.split(" (")[1].rstrip(")") if " (" in run else None
+
+
+def summary(rows: list[dict]) -> dict:
+    """Speeds over the fastest autoregressive decoding of each temperature, pooled over prompts (module docstring)."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    frame["label"] = frame["run"] + " / " + frame["mode"]
+    out = {"cells": []}
+    for temperature, at in frame.groupby("temperature"):
+        ar = at[at["run"].str.startswith("autoregressive")]
+        speeds = ar.groupby("label").apply(lambda c: c["tokens"].sum() / c["seconds"].sum())
+        base_label = speeds.idxmax()
+        base = ar[ar["label"] == base_label].set_index(["prompt_id", "repeat"])[["tokens", "seconds"]]
+        paired = at.join(base.rename(columns={"tokens": "ar_tokens", "seconds": "ar_seconds"}), on=["prompt_id", "repeat"])
+        pooled = pooled_speeds(paired, by=("label",))
+        for _, cell in pooled.iterrows():
+            mine = paired[paired["label"] == cell["label"]]
+            out["cells"].append({"temperature": float(temperature), "label": cell["label"],
+                                 "tokens_per_s": float(mine["tokens"].sum() / mine["seconds"].sum()),
+                                 "tau": float(mine["tau"].mean()), "speedup": cell["pooled"], "low": cell["low"],
+                                 "high": cell["high"], "prompts": int(cell["prompts"]), "baseline": base_label})
+        key = "t0" if temperature == 0 else "t1" if temperature == 1 else f"t{temperature:g}"
+        spec = [c for c in out["cells"] if c["temperature"] == temperature and not c["label"].startswith(("autoregressive", PEER))]
+        if spec:
+            best = max(spec, key=lambda c: c["speedup"])
+            out[f"best_speedup_{key}"], out[f"best_config_{key}"] = best["speedup"], best["label"]
+        out[f"ar_tokens_per_s_{key}"] = {label: float(v) for label, v in speeds.items()}
+        peer = at[at["run"] == PEER]
+        if len(peer):
+            out[f"peer_tokens_per_s_{key}"] = float(peer["tokens"].sum() / peer["seconds"].sum())
+    out["ar_tokens_per_s"] = max(v for k, d in out.items() if k.startswith("ar_tokens_per_s_") for v in d.values())
+    peers = [v for k, v in out.items() if k.startswith("peer_tokens_per_s_")]
+    out["peer_tokens_per_s"] = max(peers) if peers else None
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the target's weights")
+    parser.add_argument("--draft", default="eagle3-v8k")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-set", default="mt-bench", choices=["mt-bench", "humaneval"])
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--modes", nargs="+", default=["off", "static"], choices=COMPILE_CHOICES)
+    parser.add_argument("--cells", nargs="+", metavar="RUN:MODE",
+                        help="exactly these (run, mode) pairs instead of --runs x --modes, e.g. 'chain block g1:cudagraph'")
+    parser.add_argument("--ar-dtypes", nargs="+", default=[], choices=["float32", "bfloat16"],
+                        help="autoregressive decoding of a target in these dtypes too, under every mode of --modes")
+    parser.add_argument("--peer", action="store_true", help="time transformers' generate with a static cache too")
+    parser.add_argument("--capacity-step", type=int, default=static.CAPACITY_STEP,
+                        help="the fewest slots of a static cache (engine.static.CAPACITY_STEP; 512: one cache size, one "
+                             "capture a run, for prompts up to ~400 tokens), and the peer's max_cache_len")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True, help="record stem: <out>.csv and <out>.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    static.CAPACITY_STEP = args.capacity_step
+    cells = ([tuple(cell.rsplit(":", 1)) for cell in args.cells] if args.cells else
+             [(run, mode) for run in args.runs for mode in args.modes])
+    cells += [(f"autoregressive ({dtype})", mode) for dtype in args.ar_dtypes if dtype != args.dtype for mode in args.modes]
+    unknown = [f"{r}:{m}" for r, m in cells if _base(r) not in RUNS or m not in COMPILE_CHOICES]
+    if unknown:
+        parser.error(f"unknown cells {unknown}: RUN is one of {list(RUNS)}, MODE one of {COMPILE_CHOICES}")
+    static.SESSIONS_KEPT = max(static.SESSIONS_KEPT, 4 * len(cells) * len(args.temperatures))
+    target, draft, tokenizer = load_pair(draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype))
+    targets = {None: target}
+    for dtype in {_dtype(r) for r, _ in cells} - {None}:
+        from specresearch.models.embedded import load_embedded
+
+        targets[dtype] = load_embedded(device=args.device, dtype=getattr(torch, dtype))[0]
+    eos = tokenizer.eos_token_id
+    rows_in = evenly_spaced(load_prompts(prompt_set_file(args.prompt_set)), args.prompts)
+    prompts = [ids.tolist() for ids in encode_chat(rows_in, tokenizer)]
+    peer = plain_model(target, getattr(torch, args.dtype)) if args.peer else None
+    cells += [(PEER, "transformers")] if peer else []
+    started = time.time()
+    warm_up(targets, draft, peer, prompts, cells, args.temperatures, args.max_new_tokens, eos, args.capacity_step)
+    print(f"warmed up in {time.time() - started:.0f} s", flush=True)
+    rows = []
+    for temperature in args.temperatures:
+        sampling = SamplingConfig(temperature=temperature)
+        for i, (row, ids) in enumerate(zip(rows_in, prompts)):
+            for repeat in range(args.repeats):
+                order = random.Random(f"{temperature} {i} {repeat}").sample(cells, len(cells))
+                for run, mode in order:
+                    if run == PEER:
+                        tokens, seconds, tau = peer_decode(peer, ids, sampling, 1000 + i, args.max_new_tokens, eos,
+                                                           args.capacity_step)
+                    else:
+                        tokens, seconds, tau = decode(targets[_dtype(run)], draft, _base(run), mode, ids, sampling,
+                                                      1000 + i, args.max_new_tokens, eos)
+                    rows.append({"prompt_id": row["id"], "temperature": temperature, "repeat": repeat, "run": run,
+                                 "mode": mode, "tokens": tokens, "seconds": seconds, "tau": tau})
+            print(f"T {temperature} prompt {i + 1}/{len(prompts)}", flush=True)
+    import pandas as pd
+
+    csv_path, json_path = record_files(Path(args.out))
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(csv_path, index=False)
+    header = record_header("benchmarks/bench_captured.py", argv, draft=args.draft, dtype=args.dtype)
+    result = {**header, "summary": summary(rows)}
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    for cell in result["summary"]["cells"]:
+        print(f"T {cell['temperature']:g}  {cell['label']:<42} {cell['tokens_per_s']:8.1f} tok/s  tau {cell['tau']:.2f}  "
+              f"{cell['speedup']:.2f}x [{cell['low']:.2f}, {cell['high']:.2f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,319 @@
+"""Captured steps over static caches (``engine.static``, ``models.static_cache``): a static cache scores as an uncached
+forward does, the static forms of the drafts draft what their growing forms draft, the captured loop gives the
+target's greedy tokens and keeps its law at T = 1, reads the host once a step, compiles as one graph without a break
+and computes compiled what it computes eagerly. The family x kernel matrix holds the captured steps against
+transformers' ``generate`` too (``tests/test_families.py``)."""
+
+import math
+
+import pytest
+import torch
+from helpers import close_draft, feature_head, visible_from_parents
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.eagle import Eagle3Head, EagleDraft
+from specresearch.drafts.feature import FeatureDraft, FeatureHeadConfig
+from specresearch.drafts.ngram import NGramDraft
+from specresearch.engine import static
+from specresearch.engine.captured import StepRunner
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_prompts
+from specresearch.engine.static import StaticPlan, start_run
+from specresearch.engine.timing import HostReads
+from specresearch.experiments.stats import lossless_test
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import tiny_family_model
+from specresearch.models.toy import tiny_llama
+
+VOCAB = 48
+GREEDY, SAMPLED = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
+PROMPTS = [[5, 9, 2, 33, 7, 5, 9], [4, 8], [16, 23, 42, 3], [7]]
+EOS = 21  # ends some rows early (token 21 is frequent in the target's greedy continuations)
+PLANS = {
+    "chain block g3": StaticPlan("chain", "block", 3),
+    "chain token g2": StaticPlan("chain", "token", 2),
+    "chain greedy g1": StaticPlan("chain", "greedy", 1),
+    "dynamic K3 g3 n7": StaticPlan("tree", "onehot", 3, 3, 7),
+    "static K2 g4 n6": StaticPlan("tree", "onehot", 4, 2, 6, static=True),
+}
+OPTIONS = {  # the same runs through speculative_generate
+    "chain block g3": dict(verifier="block", gamma=3),
+    "chain token g2": dict(verifier="token", gamma=2),
+    "chain greedy g1": dict(verifier="greedy", gamma=1),
+    "dynamic K3 g3 n7": dict(verifier="onehot", gamma=3, num_drafts=3, tree_nodes=7, draft_law="dynamic"),
+    "static K2 g4 n6": dict(verifier="onehot", gamma=4, num_drafts=2, tree_nodes=6, draft_law="static"),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, init_std=0.6, num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    config = FeatureHeadConfig("e3", feature_layers=(0, 1, 2), init_layer=None, head_tokens=16, train_head=True,
+                               architecture="eagle3")
+    eagle = EagleDraft(Eagle3Head.from_feature_config(target.model, config, torch.arange(16) * 3, seed=3))
+    return {"model": close_draft(), "feature": FeatureDraft(feature_head(target.model)), "eagle3": eagle}
+
+
+# -- the static cache -------------------------------------------------------------------------------------------------
+
+
+def _uncached(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt2"])
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_a_static_cache_scores_chains_and_trees_as_an_uncached_forward(family, kernel):
+    """Two left-padded rows of 9 and 4 tokens (past Mistral's and Gemma-2's 6-slot windows), a chain call whose last
+    token is dropped, a tree call of five nodes (two branches) and the tree's path kept: each logit row equals an
+    uncached forward of its own sequence (atol 1e-4, float32)."""
+    try:
+        model = tiny_family_model(family, kernel)
+    except (ValueError, ImportError):
+        pytest.skip(f"transformers has no {kernel} {family}")
+    lm = CausalLM(model, device="cpu", skinny_linear=False).static_form()
+    rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
+    ids, mask = encode_prompts(rows)
+    lm.allocate(2, 64)
+    lm.prefill(ids, mask)
+    logits, _ = lm.forward(torch.tensor([[20, 21], [22, 23]]))
+    for b, row in enumerate(rows):
+        torch.testing.assert_close(logits[b, 1], _uncached(model, row + [[20, 21], [22, 23]][b]), atol=1e-4, rtol=0)
+    lm.commit(1)  # keep the first chain token; the second is rolled back
+    rows = [row + [t] for row, t in zip(rows, (20, 22))]
+    parents = [-1, 0, 1, 0, 3]  # root, then two branches of two nodes
+    tokens = torch.tensor([[30, 31, 32, 33, 34], [35, 36, 37, 38, 39]])
+    depth = torch.tensor([[0, 1, 2, 1, 2]] * 2)
+    logits, _ = lm.forward(tokens, depth=depth, visible=visible_from_parents(parents).expand(2, -1, -1))
+    for b, row in enumerate(rows):
+        for i in range(5):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, int(tokens[b, j]))
+                j = parents[j]
+            torch.testing.assert_close(logits[b, i], _uncached(model, row + path), atol=1e-4, rtol=0)
+    lm.keep_path(torch.tensor([[0, 3, 4], [0, 3, 4]]), torch.tensor([3, 2]))  # rows keep 3 and 2 of the path
+    kept = [rows[0] + [30, 33, 34], rows[1] + [35, 38]]
+    logits, _ = lm.forward(torch.tensor([[40], [41]]))
+    for b, row in enumerate(kept):
+        torch.testing.assert_close(logits[b, 0], _uncached(model, row + [[40], [41]][b]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["feature", "eagle3"])
+def test_a_static_feature_head_drafts_what_its_growing_form_drafts(target, drafts, kind):
+    """A prompt with true features, then two drafted slots read with the head's own predictions: the static form's
+    logits equal the growing form's (``FeatureDraft``; EAGLE's first prompt slot left out in both), atol 1e-5."""
+    draft = drafts[kind]
+    ids, mask = encode_prompts([[3, 4, 5, 6, 7], [1, 1, 8, 9, 10]])
+    mask[1, :2] = 0
+    features = torch.randn(2, 5, draft.feature_size, generator=torch.Generator().manual_seed(0))
+    draft.observe(features)
+    grown = [draft.prefill(ids, mask)]
+    for token in (11, 12):
+        grown.append(draft.score(torch.tensor([[token], [token]]))[:, 0])
+    still = draft.static_form()
+    still.allocate(2, 32)
+    logits, hidden = still.prefill(ids, mask, inputs=still.fuse(features))
+    static = [logits]
+    carry = hidden[:, -1:]
+    for i, token in enumerate((11, 12)):
+        logits, carry = still.forward(torch.tensor([[token], [token]]), inputs=carry, offset=i)
+        static.append(logits[:, 0])
+    for mine, theirs in zip(static, grown):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+
+
+# -- the captured loop ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("kind", ["model", "feature", "eagle3"])
+def test_captured_steps_give_the_targets_greedy_tokens(target, drafts, kind, plan):
+    """Four left-padded prompts (one a single token), an EOS ending rows early: the captured steps' tokens are
+    greedy autoregressive decoding's, and their accepted counts the growing loop's (the same drafts)."""
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=14, sampling=GREEDY, eos_token_id=EOS)
+    out = speculative_generate(target, drafts[kind], PROMPTS, max_new_tokens=14, sampling=GREEDY, eos_token_id=EOS,
+                               compile="static", **OPTIONS[plan])
+    grown = speculative_generate(target, drafts[kind], PROMPTS, max_new_tokens=14, sampling=GREEDY, eos_token_id=EOS,
+                                 **OPTIONS[plan])
+    assert out.tokens == want.tokens
+    assert out.block_efficiency == pytest.approx(grown.block_efficiency, abs=0.35)  # the last steps' blocks are cut
+    assert all(math.isnan(s.target_seconds) for s in out.steps) and out.seconds > 0
+
+
+def test_captured_autoregressive_decoding_is_the_growing_loops(target):
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY, eos_token_id=EOS)
+    assert autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY, eos_token_id=EOS,
+                                   compile="static").tokens == want.tokens
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["T0", "T1"])
+def test_reading_every_few_steps_changes_nothing(target, drafts, sampling):
+    """``steps_per_read=3`` (the host reads three steps' tokens at once; rows stop on the device) gives the tokens
+    and accepted counts of one read a step, from the same seed."""
+    runs = [static.static_generate(target, drafts["model"], PROMPTS, plan=PLANS["chain block g3"], max_new_tokens=12,
+                                   sampling=sampling, seed=5, eos_token_id=EOS, steps_per_read=n) for n in (1, 3)]
+    assert runs[0].tokens == runs[1].tokens
+    counts = [[s.num_accepted for s in r.steps if any(s.active)] for r in runs]
+    assert counts[1][: len(counts[0])] == counts[0]
+
+
+@pytest.mark.parametrize("plan", ["chain block g3", "dynamic K3 g3 n7"])
+def test_seeded_captured_runs_repeat(target, drafts, plan):
+    """T = 1: the same seed gives the same tokens (uniforms drawn from the caller's generator before each step),
+    another seed others; one generator per row works as well."""
+    def run(seed):
+        return speculative_generate(target, drafts["feature"], PROMPTS, max_new_tokens=12, sampling=SAMPLED, seed=seed,
+                                    compile="static", **OPTIONS[plan]).tokens
+    assert run(3) == run(3) and run(3) != run(4)
+    assert run([1, 2, 3, 4]) == run([1, 2, 3, 4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, plan", [("model", "chain block g3"), ("feature", "chain token g2"),
+                                        ("model", "dynamic K3 g3 n7"), ("feature", "static K2 g4 n6")])
+def test_captured_steps_keep_the_target_law(target, drafts, kind, plan):
+    """T = 1, the first 3 tokens of 6,000 runs against the exact target law (``experiments.stats.lossless_test``):
+    no impossible sequence and the Bonferroni p-value above 1e-6 (the false-positive rate, ``FPR_NOTE``)."""
+    options = dict(OPTIONS[plan])
+    result = lossless_test(target, drafts[kind], options.pop("verifier"), [5, 9, 3, 17], sampling=SAMPLED,
+                           gamma=options.pop("gamma"), k=3, max_new_tokens=4, num_samples=6_000, seed=11,
+                           batch_size=3_000, compile="static", **options)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result
+
+
+# -- one read a step, one graph a step ----------------------------------------------------------------------------------
+
+
+def _reads_per_step(run) -> float:
+    counts, steps = [], []
+    for tokens in (8, 24):
+        with HostReads() as reads:
+            out = run(tokens)
+        counts.append(reads.count)
+        steps.append(len(out.steps))
+    return (counts[1] - counts[0]) / (steps[1] - steps[0])
+
+
+@pytest.mark.parametrize("plan", ["autoregressive", "chain block g3", "dynamic K3 g3 n7", "static K2 g4 n6"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_captured_step_reads_the_host_once(target, drafts, plan, rows):
+    """Every read a step makes, counted as the growing loop's are (``engine.timing.HostReads``, long minus short run):
+    one, at B = 1 and at B = 4 with rows ending at different steps (they stop on the device)."""
+    def run(n):
+        if plan == "autoregressive":
+            return autoregressive_generate(target, PROMPTS[:rows], max_new_tokens=n, sampling=SAMPLED, compile="static")
+        return speculative_generate(target, drafts["feature"], PROMPTS[:rows], max_new_tokens=n, sampling=SAMPLED,
+                                    compile="static", **OPTIONS[plan])
+    assert _reads_per_step(run) == 1.0
+
+
+STEP_KINDS = [("autoregressive", None, StaticPlan("autoregressive")), ("chain model", "model", PLANS["chain block g3"]),
+              ("chain feature", "feature", PLANS["chain token g2"]), ("chain eagle3", "eagle3", PLANS["chain greedy g1"]),
+              ("tree model", "model", PLANS["dynamic K3 g3 n7"]), ("tree feature", "feature", PLANS["static K2 g4 n6"])]
+
+
+def _run(target, drafts, kind, plan, sampling, steps_per_read=1):
+    ids, mask = encode_prompts(PROMPTS[:2])
+    return start_run(target, None if kind is None else drafts[kind], ids, mask, plan=plan, sampling=sampling,
+                     max_new_tokens=10, eos={EOS}, steps_per_read=steps_per_read)
+
+
+@pytest.mark.parametrize("name, kind, plan", STEP_KINDS, ids=[k[0] for k in STEP_KINDS])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["T0", "T1"])
+def test_every_step_compiles_as_one_graph(target, drafts, name, kind, plan, sampling):
+    """``torch.compile(fullgraph=True, dynamic=False)``'s tracer on each step kind: one graph, no break
+    (``torch._dynamo.explain``)."""
+    explained = torch._dynamo.explain(_run(target, drafts, kind, plan, sampling).step)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def _logs(run, step, steps: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        run.state.uniforms.copy_(torch.rand(run.state.uniforms.shape, generator=generator, dtype=torch.float64))
+        step()
+    return run.state.log.clone()
+
+
+@pytest.mark.parametrize("name, kind, plan", STEP_KINDS, ids=[k[0] for k in STEP_KINDS])
+def test_compiled_steps_compute_what_eager_steps_compute(target, drafts, name, kind, plan):
+    """Five steps at T = 1 from the same uniforms, eager and compiled (``fullgraph=True``; the ``aot_eager`` backend:
+    dynamo's graph and its functionalised in-place updates, without inductor's code generation): the same log."""
+    run = _run(target, drafts, kind, plan, SAMPLED, 5)
+    eager = _logs(run, run.step, 5)
+    run = _run(target, drafts, kind, plan, SAMPLED, 5)
+    compiled = _logs(run, torch.compile(run.step, fullgraph=True, dynamic=False, backend="aot_eager"), 5)
+    assert torch.equal(eager, compiled)
+
+
+@pytest.mark.slow
+def test_an_inductor_compiled_tree_step_computes_what_the_eager_step_computes(target, drafts):
+    """The same with inductor's CPU code (``StepRunner`` mode ``"inductor"``: about a minute to compile here) on a
+    feature head's static tree, the step with the most kinds of operation."""
+    name, kind, plan = STEP_KINDS[-1]
+    run = _run(target, drafts, kind, plan, SAMPLED, 4)
+    eager = _logs(run, run.step, 4)
+    run = _run(target, drafts, kind, plan, SAMPLED, 4)
+    assert torch.equal(eager, _logs(run, StepRunner(run.step, "inductor", run.small_state(), "cpu"), 4))
+
+
+def test_a_session_is_kept_and_replayed(target, drafts):
+    """A second call with the same shapes reuses the first's run (its buffers and its step): same tokens as the
+    first, a session per shape, at most ``SESSIONS_KEPT`` of them."""
+    static._SESSIONS.pop(target, None)
+    first = speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=8, sampling=SAMPLED, seed=2,
+                                 compile="static", **OPTIONS["chain block g3"])
+    again = speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=8, sampling=SAMPLED, seed=2,
+                                 compile="static", **OPTIONS["chain block g3"])
+    assert first.tokens == again.tokens and len(static._SESSIONS[target]) == 1
+    for gamma in range(1, static.SESSIONS_KEPT + 2):
+        speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="static", gamma=gamma)
+    assert len(static._SESSIONS[target]) == static.SESSIONS_KEPT
+
+
+# -- what has no captured form ------------------------------------------------------------------------------------------
+
+
+def test_compile_choices_are_checked_and_explained(target, drafts):
+    with pytest.raises(ValueError, match="compile must be one of"):
+        speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="fast")
+    with pytest.raises(ValueError, match="prompt lookup.*compile='off'"):
+        speculative_generate(target, NGramDraft(VOCAB), PROMPTS, max_new_tokens=4, compile="on")
+    with pytest.raises(ValueError, match="sampled trees.*dynamic trees"):
+        speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="static", verifier="traversal",
+                             num_drafts=2, gamma=2)
+    with pytest.raises(ValueError, match="expectations"):
+        speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="static",
+                             expectations=("token",))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        StepRunner(lambda: None, "cudagraph", [], "cpu")
+    # auto on the CPU: the growing loop (whose steps are timed on the CPU), and no error for a host-side draft
+    auto = speculative_generate(target, NGramDraft(VOCAB), PROMPTS, max_new_tokens=4, compile="auto")
+    assert all(not math.isnan(s.target_seconds) for s in auto.steps)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it)")
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("mode", ["cudagraph", "reduce-overhead"])
+@pytest.mark.parametrize("plan", ["chain block g3", "dynamic K3 g3 n7"])
+def test_cuda_captured_steps_replay_what_eager_steps_compute(mode, plan):
+    """On CUDA: greedy tokens of captured graphs = greedy autoregressive decoding; at T = 1 the captured run's tokens
+    equal the eager run's from the same seed (same uniforms), and repeat."""
+    cuda_target = CausalLM(tiny_llama(VOCAB, seed=0, init_std=0.6, num_layers=3).model, device="cuda")
+    draft = FeatureDraft(feature_head(cuda_target.model), device="cuda")
+    want = autoregressive_generate(cuda_target, PROMPTS, max_new_tokens=12, sampling=GREEDY)
+    got = speculative_generate(cuda_target, draft, PROMPTS, max_new_tokens=12, sampling=GREEDY, compile=mode,
+                               **OPTIONS[plan])
+    assert got.tokens == want.tokens
+    runs = [speculative_generate(cuda_target, draft, PROMPTS, max_new_tokens=12, sampling=SAMPLED, seed=7, compile=m,
+                                 **OPTIONS[plan]).tokens for m in ("static", mode, mode)]
+    assert runs[0] == runs[1] == runs[2]
