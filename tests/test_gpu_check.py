@@ -30,11 +30,40 @@ def test_gpu_check_script_names_its_parts_and_usage():
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
     assert out.returncode != 0 and "usage: bash scripts/gpu_check.sh RESULTS_DIR" in out.stderr
-    for part in ("-m cuda tests/test_devices.py", "scripts/gpu_bench.py", "benchmarks/bench_trees.py --device"):
+    for part in ("-m cuda tests/test_devices.py tests/test_static.py", "scripts/gpu_bench.py",
+                 "benchmarks/bench_trees.py --device", "benchmarks/bench_captured.py --device", "benchmarks/gpu_cost_8b.py"):
         assert part in text
 
 
 def test_gpu_check_refuses_a_part_it_does_not_have(tmp_path):
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "bogus"], capture_output=True,
                          text=True, timeout=300)
-    assert out.returncode != 0 and "unknown part bogus (tests, timing, real, sampled)" in out.stdout
+    assert out.returncode != 0 and "unknown part bogus (tests, timing, real, sampled, speed)" in out.stdout
+
+
+def test_the_speed_parts_scripts_run_on_a_cpu(tmp_path):
+    """The speed part's two scripts on a CPU, so a GPU run does not fail on a typo: gpu_cost_8b.py on a 2-layer model
+    of its family (eager steps) writes its record's keys; bench_captured.py accepts the part's cells (SPEED_CELLS, read
+    from the script) and, on CPU-able modes, writes the summary's keys."""
+    import re
+
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_cost_8b.py"), "--device", "cpu", "--tiny",
+                    "--repeats", "2", "--context", "16", "--sizes", "1", "2", "11", "--out", str(tmp_path / "cost.json")],
+                   check=True, capture_output=True, timeout=600, cwd=ROOT)
+    cost = json.loads((tmp_path / "cost.json").read_text())
+    assert {"ar_tokens_per_s_t0", "best_speedup_t1", "calls", "steps"} <= set(cost)
+    assert cost["calls"]["r_chain"]["1"] == 1.0 and set(cost["steps"]["t0"]) >= {"autoregressive", "dynamic K8 g6 n32"}
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    cells = re.findall(r'"([^"]+:[a-z-]+)"', text.split("SPEED_CELLS=(", 1)[1].split(")\n", 1)[0])
+    assert len(cells) >= 8 and "autoregressive:cudagraph" in cells
+    bench = [sys.executable, str(ROOT / "benchmarks" / "bench_captured.py")]
+    subprocess.run([*bench, "--cells", *cells, "--validate-only", "--out", str(tmp_path / "x")], check=True,
+                   capture_output=True, timeout=120, cwd=ROOT)
+    cpu_cells = ["autoregressive:off", "autoregressive:static", "autoregressive (bfloat16):static",
+                 "chain block g1:static", "dynamic K4 g4 n10:static"]
+    subprocess.run([*bench, "--draft", "fp16:eagle3-v8k", "--prompts", "2", "--max-new-tokens", "4", "--peer",
+                    "--cells", *cpu_cells, "--out", str(tmp_path / "speed")], check=True, capture_output=True,
+                   timeout=900, cwd=ROOT)
+    summary = json.loads((tmp_path / "speed.json").read_text())["summary"]
+    assert {"ar_tokens_per_s", "peer_tokens_per_s", "best_speedup_t0", "best_speedup_t1", "best_config_t0"} <= set(summary)
+    assert {c["label"] for c in summary["cells"]} >= {"dynamic K4 g4 n10 / static", "transformers static / transformers"}
