@@ -21,8 +21,8 @@ tokens per step on the embedded pair: ``--tau RECORD`` (a ``bench_captured.py`` 
 ``config.GENERATE_TAU`` / ``GENERATE_TAU_GREEDY`` / ``GENERATE_TREES`` (8 held-out prompts). Writes one JSON record.
 A benchmark: nothing is asserted; it needs a CUDA device with ~20 GB free.
 
-    PYTHONPATH=. python benchmarks/gpu_cost_8b.py --out benchmarks/records/gpu_cost_8b_h100.json \
-        --tau benchmarks/records/gpu_speed_h100.json
+    PYTHONPATH=. python benchmarks/gpu_cost_8b.py --out RESULTS/gpu_cost_8b_gpu.json --tau RESULTS/gpu_speed_gpu.json
+    PYTHONPATH=. .venv/bin/python benchmarks/gpu_cost_8b.py --device cpu --tiny --out /tmp/cost.json   # the check
 """
 
 from __future__ import annotations

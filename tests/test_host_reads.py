@@ -83,9 +83,30 @@ def test_a_dynamic_tree_step_reads_its_layout_and_its_result_once_each(target, s
     """EAGLE-2's trees: the drafted tree's layout in one read (with the drafting's logits checks), the result in one
     (with the target's); what remains is the cache's bookkeeping (tree end, packing checks: causal_lm) and
     transformers' own mask code ("other"): 7-7.2 a step here (16 when each drafted depth and the result were read on
-    their own). Issue #67 asks for <= 1: the static cache removes the bookkeeping."""
+    their own). The captured steps over static caches read once (tests/test_static.py)."""
     draft = truncated_draft(target, 1)
     per_step = _per_step(lambda n: speculative_generate(
         target, draft, PROMPTS[:1], max_new_tokens=n, sampling=SamplingConfig(temperature=1.0), verifier="onehot",
         num_drafts=3, gamma=3, draft_law="static" if static else "dynamic"))
     assert per_step["specresearch"] <= 8.0, per_step
+
+
+def test_a_sampled_tree_step_reads_no_more_than_its_tree_and_bookkeeping(target):
+    """Traversal over 3 paths of 3: the paths' equal prefixes merged into a tree on the host and the cache's bookkeeping
+    (16.8 a step here); the multi-draft rule itself reads none (it was ~27 while it visited nodes by host-read
+    index)."""
+    from specresearch.core import verify_multi
+
+    draft = truncated_draft(target, 1)
+    per_step = _per_step(lambda n: speculative_generate(
+        target, draft, PROMPTS[:1], max_new_tokens=n, sampling=SamplingConfig(temperature=1.0), verifier="traversal",
+        num_drafts=3, gamma=3))
+    assert per_step["specresearch"] <= 18.0, per_step
+    import torch
+
+    p = torch.softmax(torch.randn(1, 3, 4, 48), -1)
+    q = torch.softmax(torch.randn(1, 3, 3, 48), -1)
+    with HostReads() as reads:
+        verify_multi.traversal_verify(p, q, torch.randint(0, 48, (1, 3, 3)), uniforms=torch.rand(1, 4, 3),
+                                      validate=False)
+    assert reads.count == 0

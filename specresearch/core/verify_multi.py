@@ -333,27 +333,19 @@ def _recursive_rejection(target_probs, draft_probs, draft_tokens, eta, merged, o
 def _reject(residual, mass, draft, draft_mass, rejected):
     """After rejecting a candidate on the ``rejected`` rows: p <- norm(max(p - q, 0)) with p = residual / mass,
     q = draft / draft_mass, kept unnormalised (mass 1, draft_mass 1: exactly max(p - q, 0), as token_verify);
-    a zero-mass residual keeps the current row. Updates ``residual`` [B, V] and ``mass`` [B] in place."""
-    index = rejected.nonzero().squeeze(1)
-    if index.numel() == 0:
-        return residual, mass
-    current, current_mass, current_draft_mass = residual[index], mass[index], draft_mass[index]
-    scale = torch.where(current_draft_mass > 0, current_mass / current_draft_mass, torch.zeros_like(current_mass))
-    updated = (current - scale[:, None] * draft[index]).clamp_(min=0)  # [n, V]; q = 0 row: p unchanged
+    a zero-mass residual keeps the current row. Computed on every row and kept on the rejected ones (no host read:
+    a captured step's form). Returns the new ``residual`` [B, V] and ``mass`` [B]."""
+    scale = torch.where(draft_mass > 0, mass / draft_mass, torch.zeros_like(mass))
+    updated = (residual - scale[:, None] * draft).clamp_(min=0)  # [B, V]; q = 0 row: p unchanged
     updated_mass = updated.sum(-1)
-    keep = updated_mass > 0
-    residual[index] = torch.where(keep[:, None], updated, current)
-    mass[index] = torch.where(keep, updated_mass, current_mass)
-    return residual, mass
+    keep = rejected & (updated_mass > 0)
+    return torch.where(keep[:, None], updated, residual), torch.where(keep, updated_mass, mass)
 
 
 def _remove_token(draft, draft_mass, x, rejected):
-    """q <- q with token x zeroed (renormalised through ``draft_mass``) on the ``rejected`` rows, in place."""
-    index = rejected.nonzero().squeeze(1)
-    if index.numel() > 0:
-        draft[index, x[index, 0]] = 0
-        draft_mass[index] = draft[index].sum(-1)
-    return draft, draft_mass
+    """q <- q with token x ``[B, 1]`` zeroed (renormalised through ``draft_mass``) on the ``rejected`` rows."""
+    removed = draft.scatter(1, x, 0.0)
+    return torch.where(rejected[:, None], removed, draft), torch.where(rejected, removed.sum(-1), draft_mass)
 
 
 def _owners(draft_tokens):
@@ -391,7 +383,9 @@ def _post_order(owners):
 
 
 def _traversal(target_probs, draft_probs, draft_tokens, eta):
-    """Traversal verification, vectorised over B; one loop step visits one node of every undecided row.
+    """Traversal verification, vectorised over B; loop step t visits the t-th node (post-order) of every row that is
+    still undecided: every row computes, the undecided ones keep what they computed (no host read, so a captured
+    step can run it; the loop runs over all K L + 1 slots).
 
     State for the current node's ancestors (slot = depth 0..L-1): ``weight [B, L+1]`` (the chain's current
     weights), and once a child was deleted ``modified``, ``residual`` / ``mass`` (p = residual / mass) and
@@ -407,48 +401,45 @@ def _traversal(target_probs, draft_probs, draft_tokens, eta):
     fresh_ratio = torch.where(q_x > 0, p_x / q_x, torch.zeros_like(p_x))  # [B, K, L]
     first_chain = block_scales(p_x[:, 0], q_x[:, 0])  # [B, L]: path 0's weights, as block_verify's p_i
     weight = torch.cat([torch.ones_like(first_chain[:, :1]), first_chain], 1)  # [B, L+1]
-    residual = target_probs.new_empty(batch, length, vocab)  # read only where ``modified``
-    draft = torch.empty_like(residual)
+    residual = target_probs.new_zeros(batch, length, vocab)  # read only where ``modified``
+    draft = torch.zeros_like(residual)
     mass, draft_mass = residual.new_ones(batch, length), residual.new_ones(batch, length)
     modified = torch.zeros(batch, length, dtype=torch.bool, device=rows.device)
     done = torch.zeros(batch, dtype=torch.bool, device=rows.device)
     num_accepted, path = torch.zeros_like(rows), torch.zeros_like(rows)
     weights = target_probs.new_zeros(batch, vocab)  # sampling weights of the decided rows
+    state = (residual, draft, mass, draft_mass, modified, weight)
     for t in range(order_path.shape[1]):
         k, e = order_path[:, t], order_depth[:, t]
         parent = (e - 1).clamp(min=0)
         passed = ~done & ((e == 0) | (eta[rows, parent, k] < weight.gather(1, e[:, None]).squeeze(1)))
-        accepted = passed.nonzero().squeeze(1)  # [n]: a leaf emits from p, an inner node from its residual
-        if accepted.numel() > 0:
-            at, depth = k[accepted], e[accepted]
-            leaf_row = _take_rows(target_probs, accepted, at, length)
-            inner_row = _take_rows(residual, accepted, depth.clamp(max=length - 1))
-            weights[accepted] = torch.where((depth == length)[:, None], leaf_row, inner_row)
+        # an accepted leaf emits from p, an accepted inner node from its residual (its children were all deleted)
+        emitted = torch.where((e == length)[:, None], _take_rows(target_probs, rows, k, length),
+                              _take_rows(state[0], rows, e.clamp(max=length - 1)))
+        weights = torch.where(passed[:, None], emitted, weights)
         num_accepted, path = torch.where(passed, e, num_accepted), torch.where(passed, k, path)
         rejected = ~done & ~passed
         done = done | passed
-        if bool(done.all()):
+        if t + 1 == order_path.shape[1]:
             break
-        state = (residual, draft, mass, draft_mass, modified, weight)
-        _delete_node(target_probs, draft_probs, draft_tokens, state, rows[rejected], k[rejected], e[rejected])
+        state = _delete_node(target_probs, draft_probs, draft_tokens, state, rejected, k, e)
         nxt_k, nxt_e = order_path[:, t + 1], order_depth[:, t + 1]
         descend = rejected & (nxt_e != parent)  # next node: first leaf below a remaining sibling
-        if bool(descend.any()):
-            _chain_weights(state, fresh_ratio, draft_tokens, rows[descend], nxt_k[descend], e[descend])
+        _chain_weights(state, fresh_ratio, draft_tokens, descend, nxt_k, e)
     next_token = sample_from_weights(weights, eta[:, length, 0])
     return MultiVerifyResult(num_accepted, _lowest_path(draft_tokens, path, num_accepted), next_token)
 
 
-def _delete_node(target_probs, draft_probs, draft_tokens, state, rows, k, e):
-    """Delete node (path k, depth e >= 1) of ``rows`` ``[n]`` and update its parent (slot e - 1) in ``state``."""
+def _delete_node(target_probs, draft_probs, draft_tokens, state, rejected, k, e):
+    """Delete node (path k, depth e >= 1) of the ``rejected [B]`` rows and update its parent (slot e - 1); every
+    row computes, the rejected ones keep it. -> the new ``state`` (``weight`` and ``modified`` updated in place)."""
     residual, draft, mass, draft_mass, modified, weight = state
-    slot = e - 1
+    rows = torch.arange(rejected.shape[0], device=rejected.device)
+    slot = (e - 1).clamp(min=0)
     was_modified = modified[rows, slot]
-    cur_p, cur_q = _take_rows(target_probs, rows, k, slot), _take_rows(draft_probs, rows, k, slot)  # fresh rows, then
-    again = was_modified.nonzero().squeeze(1)  # the parents already updated read their current rows
-    if again.numel() > 0:
-        cur_p[again] = _take_rows(residual, rows[again], slot[again])
-        cur_q[again] = _take_rows(draft, rows[again], slot[again])
+    own_p, own_q = _take_rows(residual, rows, slot), _take_rows(draft, rows, slot)  # [B, V]
+    cur_p = torch.where(was_modified[:, None], own_p, _take_rows(target_probs, rows, k, slot))  # fresh rows, or
+    cur_q = torch.where(was_modified[:, None], own_q, _take_rows(draft_probs, rows, k, slot))  # the updated ones
     cur_mass = torch.where(was_modified, mass[rows, slot], torch.ones_like(mass[rows, slot]))
     cur_draft_mass = torch.where(was_modified, draft_mass[rows, slot], torch.ones_like(cur_mass))
     w = weight[rows, slot]
@@ -456,36 +447,43 @@ def _delete_node(target_probs, draft_probs, draft_tokens, state, rows, k, e):
     q_now = cur_q / torch.where(cur_draft_mass > 0, cur_draft_mass, torch.ones_like(cur_draft_mass))[:, None]
     r = torch.addcmul(q_now, cur_p, (w / cur_mass)[:, None], value=-1).clamp_(max=0).neg_()
     total = r.sum(-1)
-    weight[rows, slot] = (total / (total + 1 - w)).nan_to_num_(0.0).minimum(w)  # h, as verify's residual share
+    weight[rows, slot] = torch.where(rejected, (total / (total + 1 - w)).nan_to_num_(0.0).minimum(w), w)  # h
     has_mass = total > 0
-    _put_rows(residual, torch.where(has_mass[:, None], r, cur_p), rows, slot)  # zero mass: keep the current p
-    mass[rows, slot] = torch.where(has_mass, total, cur_mass)
+    keep = rejected[:, None]
+    residual = _with_rows(residual, torch.where(keep, torch.where(has_mass[:, None], r, cur_p), own_p), rows, slot)
+    mass = mass.index_put((rows, slot), torch.where(rejected, torch.where(has_mass, total, cur_mass), mass[rows, slot]))
     removed = cur_q.scatter(1, draft_tokens[rows, k, slot][:, None], 0)
-    _put_rows(draft, removed, rows, slot)
-    draft_mass[rows, slot] = removed.sum(-1)
-    modified[rows, slot] = True
+    draft = _with_rows(draft, torch.where(keep, removed, own_q), rows, slot)
+    draft_mass = draft_mass.index_put((rows, slot), torch.where(rejected, removed.sum(-1), draft_mass[rows, slot]))
+    modified[rows, slot] = modified[rows, slot] | rejected
     length = modified.shape[1]
-    inner = e < length  # the deleted node's own slot is free again
-    modified[rows[inner], e[inner]] = False
+    inner = rejected & (e < length)  # the deleted node's own slot is free again
+    below = e.clamp(max=length - 1)
+    modified[rows, below] = modified[rows, below] & ~inner
+    return residual, draft, mass, draft_mass, modified, weight
 
 
-def _chain_weights(state, fresh_ratio, draft_tokens, rows, k, e):
-    """Weights of the chain from the updated parent (slot e - 1) down path k to depth L, for ``rows`` [n]:
+def _with_rows(buffer, values, rows, slot):
+    """``buffer`` ``[B, L, V]`` with row (b, slot[b]) replaced by ``values[b]`` for every b."""
+    return buffer.index_put((rows, slot), values)
+
+
+def _chain_weights(state, fresh_ratio, draft_tokens, descend, k, e):
+    """Weights of the chain from the updated parent (slot e - 1) down path k to depth L, for the ``descend [B]`` rows:
     the first node reads the parent's current rows, deeper nodes the fresh ratios p(x)/q(x) of path k."""
     residual, draft, mass, draft_mass, _, weight = state
-    slot = e - 1
+    rows = torch.arange(descend.shape[0], device=descend.device)
+    slot = (e - 1).clamp(min=0)
     x = draft_tokens[rows, k, slot]
     p_now = residual[rows, slot, x] / mass[rows, slot]
     q_now = draft[rows, slot, x] / draft_mass[rows, slot]
     top = torch.where(q_now > 0, weight[rows, slot] * p_now / q_now, torch.zeros_like(p_now)).clamp(max=1)
-    weight[rows, e] = top
+    weight[rows, e] = torch.where(descend, top, weight[rows, e])
     length = draft_tokens.shape[2]
     for depth in range(2, length + 1):
-        below = depth > e
+        below = descend & (depth > e)
         w = (weight[rows, depth - 1] * fresh_ratio[rows, k, depth - 1]).clamp(max=1)
         weight[rows, depth] = torch.where(below, w, weight[rows, depth])
-
-
 
 
 def _validate(target_probs, draft_probs, draft_tokens, generator, uniforms):

@@ -43,15 +43,14 @@ from typing import Callable, Sequence
 import torch
 
 from specresearch.config import COMPILE_CHOICES, SamplingConfig
-from specresearch.core.draws import inverse_cdf, uniforms, wide
+from specresearch.core.draws import inverse_cdf, uniforms
 from specresearch.core.verify import block_verify, greedy_verify, token_verify
-from specresearch.core.verify_tree import greedy_tree_verify, onehot_tree_verify
 from specresearch.engine.captured import StepRunner
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.results import GenerationResult, _check_context, _eos_set, _generators, _result, _Rows
+from specresearch.engine.static_trees import CAPTURED_TREE_RULES, draft_tree, tree_uniforms, verify_tree
 from specresearch.engine.steps import StepChecks, StepRecord
 from specresearch.engine.timing import clock
-from specresearch.engine.topk_tree import _best
 from specresearch.models.protocols import HasStaticForm, StaticFeatureModel
 
 __all__ = ["CAPACITY_STEP", "SESSIONS_KEPT", "StaticPlan", "static_available", "static_generate", "build_run", "start_run",
@@ -65,14 +64,16 @@ _CHAIN_VERIFIERS = {"token": token_verify, "block": block_verify, "greedy": gree
 @dataclass(frozen=True)
 class StaticPlan:
     """What one run's steps are: ``kind`` ``"autoregressive"``, ``"chain"`` (``verifier``, ``gamma``) or ``"tree"``
-    (K = ``num_drafts`` children, depth ``gamma``, ``tree_nodes`` nodes; ``static``: EAGLE-1's static tree)."""
+    (K = ``num_drafts``, depth ``gamma``, ``tree_nodes`` nodes; ``law``: ``"dynamic"`` / ``"static"`` top-k trees
+    verified by ``"onehot"``, or ``"iid"`` / ``"without_replacement"`` sampled paths, K gamma nodes, verified by
+    ``verifier``: ``engine.static_trees``)."""
 
     kind: str
     verifier: str = "block"
     gamma: int = 1
     num_drafts: int = 1
     tree_nodes: int = 0
-    static: bool = False
+    law: str = "dynamic"
 
     @property
     def width(self) -> int:
@@ -90,7 +91,7 @@ class StaticPlan:
         return self.refeed + drafted
 
     def num_uniforms(self) -> int:
-        return {"autoregressive": 1, "chain": 2 * self.gamma + 1, "tree": (self.gamma + 1) * self.num_drafts}[self.kind]
+        return {"autoregressive": 1, "chain": 2 * self.gamma + 1}.get(self.kind) or tree_uniforms(self)
 
 
 def static_available(target, draft=None, *, verifier: str = "block", num_drafts: int = 1, draft_law: str = "iid",
@@ -107,11 +108,14 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
                 "static form: use a whole-model draft or a feature head")
     if stop_below is not None or expectations:
         return "adaptive chains (stop_below) and expectations= are the growing loop's"
-    if num_drafts == 1 and draft_law == "iid":
-        return None if verifier in _CHAIN_VERIFIERS else f"verifier {verifier!r} has no captured chain step"
-    if draft_law in ("dynamic", "static") and verifier == "onehot":
+    tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
+    if not tree:
         return None
-    return f"sampled trees (draft_law {draft_law!r}, verifier {verifier!r}) have no captured step: use dynamic trees"
+    if draft_law in ("dynamic", "static") or verifier in CAPTURED_TREE_RULES:
+        return None
+    if verifier == "gbv":
+        return "GBV's verifier reads the host (it computes q^G only for the rows that need it): use another tree rule"
+    return f"verifier {verifier!r} has no captured step"
 
 
 def runner_mode(compile: str, device, why_not: str | None) -> str | None:
@@ -135,9 +139,11 @@ def plan_for(verifier: str, gamma: int, num_drafts: int = 1, draft_law: str = "i
     """The :class:`StaticPlan` of ``speculative_generate``'s arguments (a run :func:`static_available` accepts)."""
     if autoregressive:
         return StaticPlan("autoregressive")
-    if num_drafts == 1 and draft_law == "iid":
+    if num_drafts == 1 and draft_law == "iid" and verifier in _CHAIN_VERIFIERS:
         return StaticPlan("chain", verifier, gamma)
-    return StaticPlan("tree", "onehot", gamma, num_drafts, tree_nodes or num_drafts * gamma, draft_law == "static")
+    if draft_law in ("dynamic", "static"):
+        return StaticPlan("tree", "onehot", gamma, num_drafts, tree_nodes or num_drafts * gamma, draft_law)
+    return StaticPlan("tree", verifier, gamma, num_drafts, num_drafts * gamma, draft_law)
 
 
 class _State:
@@ -263,25 +269,17 @@ class _Run:
         return n, block
 
     def _tree(self, checks: StepChecks):
+        """A tree step (``engine.static_trees``): draft, one target call on the tree, the rule, keep the path."""
         s, plan = self.state, self.plan
-        K, L, batch = plan.num_drafts, plan.gamma, s.pending.shape[0]
         logits, carry = self._refeed()
-        drafted = _draft_tree(self, logits, carry, checks)
-        call_tokens, depth, visible, children = _node_tensors(drafted, s.pending, L, K)
+        tree = draft_tree(self, logits, carry, checks)
         layers = self.draft.feature_layers if self.reads else None
-        logits, features = self.target.forward(call_tokens, depth=depth, visible=visible, hidden_layers=layers)
-        stage = "target model logits (scoring the draft tree)"
-        if self.sampling.greedy:
-            checks.check(logits, stage)
-            result = greedy_tree_verify(logits.argmax(-1), call_tokens, children, L, validate=False)
-        else:
-            probs = checks.probs(logits, self.sampling, stage)
-            result = onehot_tree_verify(probs, call_tokens, children, L, validate=False,
-                                        uniforms=s.uniforms.view(batch, L + 1, K))
-        n, along = result.num_accepted, torch.cat([torch.zeros_like(result.path_nodes[:, :1]), result.path_nodes], 1)
+        logits, features = self.target.forward(tree.call_tokens, depth=tree.depth, visible=tree.visible,
+                                               hidden_layers=layers)
+        n, along, next_token = verify_tree(self, tree, logits, checks)  # along: [B, L+1] call rows of the kept path
         self.target.keep_path(along, (n + 1) * s.active)
-        chosen = call_tokens.gather(1, result.path_nodes)  # [B, L]
-        block = torch.cat([chosen, chosen[:, :1]], 1).scatter(1, n[:, None], result.next_token[:, None])
+        chosen = tree.call_tokens.gather(1, along[:, 1:])  # [B, L]
+        block = torch.cat([chosen, chosen[:, :1]], 1).scatter(1, n[:, None], next_token[:, None])
         if features is not None:
             s.refeed_features.copy_(features.gather(1, along[:, :, None].expand(-1, -1, features.shape[-1])))
         return n, torch.cat([block, block[:, :1].expand(-1, plan.width - block.shape[1])], 1)
@@ -303,85 +301,6 @@ class _Run:
         s.pending.copy_(block.gather(1, n[:, None])[:, 0])
         s.refeed_tokens.copy_(block[:, : s.refeed_tokens.shape[1]])
         s.refeed_count.copy_(n + 1)
-
-
-@dataclass(frozen=True)
-class _Drafted:
-    """The drafted nodes of a tree step, in drafting order (as ``engine.topk_tree.draft_dynamic_tree`` orders them)."""
-
-    kept: torch.Tensor  # [B, N] drafted indices of the kept nodes, increasing
-    tokens: torch.Tensor  # [B, M] every drafted node's token
-    parents: torch.Tensor  # [B, M] its parent's drafted index, -1: the root
-    depth: torch.Tensor  # [M] its depth (1: a child of the root)
-
-
-def _draft_tree(run: _Run, logits: torch.Tensor, carry, checks: StepChecks) -> _Drafted:
-    """EAGLE-2's drafting (``engine.topk_tree.draft_dynamic_tree``) with each depth's K expanded nodes fed as one tree
-    call: node j of depth d - 1 sees its ancestors (the region's earlier groups) and itself."""
-    plan = run.plan
-    K, L = plan.num_drafts, plan.gamma
-    q = checks.probs(logits, _RAW, "draft model logits (drafting the tree's first depth)")
-    batch = q.shape[0]
-    beam_value, beam_token = q.topk(K, dim=1)  # [B, K]
-    beam_value = wide(beam_value)
-    values, tokens, parents = [beam_value], [beam_token], [torch.full_like(beam_token, -1)]
-    beam_index = torch.arange(K, device=q.device)[None].expand(batch, -1)
-    inputs = None if carry is None else carry[:, None].expand(-1, K, -1)
-    region = max(L - 1, 1) * K
-    # [B, region, region] 0 / 1: which drafted slots each one sees (int, not bool: inductor's CPU code for a bool
-    # gather inside a masked update does not compile in torch 2.13)
-    seen = torch.eye(region, dtype=torch.long, device=q.device)[None].repeat(batch, 1, 1)
-    count = K
-    for d in range(2, L + 1):
-        group = d - 2
-        rows = slice(group * K, (group + 1) * K)
-        depth = torch.full((batch, K), group, dtype=torch.long, device=q.device)
-        out, hidden = run._draft_call(beam_token, inputs, offset=group * K, depth=depth,
-                                      visible=seen[:, rows, : (group + 1) * K] > 0)
-        q = checks.probs(out, _RAW, f"draft model logits (drafting the tree's depth {d})")  # [B, K, V]
-        child_q, child_token = q.topk(K, dim=-1)  # [B, K, K]
-        child_value = (beam_value[:, :, None] * wide(child_q)).reshape(batch, -1)
-        child_token = child_token.reshape(batch, -1)
-        values.append(child_value)
-        tokens.append(child_token)
-        parents.append(beam_index.repeat_interleave(K, 1))
-        if d < L:
-            chosen = _best(child_value, K, plan.static)  # [B, K]
-            parent = chosen // K  # the beam node (of this group) each chosen node descends from
-            beam_value, beam_token = child_value.gather(1, chosen), child_token.gather(1, chosen)
-            beam_index = count + chosen
-            inputs = None if hidden is None else hidden.gather(1, parent[:, :, None].expand(-1, -1, hidden.shape[-1]))
-            lineage = seen[:, rows].gather(1, parent[:, :, None].expand(-1, -1, region))  # [B, K, region]
-            seen[:, (group + 1) * K : (group + 2) * K] |= lineage
-        count += K * K
-    values, tokens, parents = torch.cat(values, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
-    depth = torch.tensor([1] * K + [d for d in range(2, L + 1) for _ in range(K * K)], device=q.device)
-    kept = _best(values, min(plan.tree_nodes, values.shape[1]), plan.static)  # [B, N]
-    return _Drafted(kept, tokens, parents, depth)
-
-
-def _node_tensors(drafted: _Drafted, pending: torch.Tensor, length: int, num_drafts: int):
-    """The target call of a drafted tree, on the device: (call tokens ``[B, 1+N]`` (the pending token first), depth
-    ``[B, 1+N]``, visible ``[B, 1+N, 1+N]`` (ancestors and itself), children ``[B, 1+N, K]`` (call indices in
-    drafting order, -1 padding))."""
-    kept = drafted.kept
-    batch, nodes = kept.shape
-    device = kept.device
-    parent = drafted.parents.gather(1, kept)  # [B, N] drafted index, -1: the root
-    call_parent = torch.where(parent >= 0, torch.searchsorted(kept, parent.clamp(min=0)) + 1, 0)  # a kept node's
-    call_parent = torch.cat([torch.zeros_like(call_parent[:, :1]), call_parent], 1)  # [B, 1+N]; the root's: itself
-    call_tokens = torch.cat([pending[:, None], drafted.tokens.gather(1, kept)], 1)
-    depth = torch.cat([torch.zeros_like(kept[:, :1]), drafted.depth[kept]], 1)
-    eye = torch.eye(nodes + 1, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
-    visible = eye
-    for _ in range(length):  # each row: itself and its parent's row (a path has at most L nodes below the root)
-        visible = eye | visible.gather(1, call_parent[:, :, None].expand(-1, -1, nodes + 1))
-    index = torch.arange(1, nodes + 1, device=device)
-    siblings = (call_parent[:, 1:, None] == call_parent[:, None, 1:]) & (index[None, None] < index[None, :, None])
-    rank = siblings.sum(-1)  # [B, N]: earlier siblings (children are tried in drafting order)
-    children = torch.full((batch, (nodes + 1) * num_drafts), -1, dtype=torch.long, device=device)
-    children.scatter_(1, call_parent[:, 1:] * num_drafts + rank, index[None].expand(batch, -1))
-    return call_tokens, depth, visible, children.view(batch, nodes + 1, num_drafts)
 
 
 def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens: int = 64,

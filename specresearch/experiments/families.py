@@ -4,7 +4,7 @@ One case builds a tiny random-weight model of a family (``models.families``) wit
 to it (the same weights with 10% noise: drafts are often accepted, so rows roll back different counts), and runs
 three left-padded prompts (2-9 tokens; the windowed families' window is 6) through the engine at temperature 0 with
 every step kind the engine has (``STEPS``: block and token chains, the five sampled-tree rules, EAGLE-2's dynamic and
-static trees, and the captured steps over static caches: chains and both top-k trees). The reference is transformers' ``generate(do_sample=False)`` of the same model
+static trees, and the captured steps over static caches: chains, both top-k trees and sampled paths). The reference is transformers' ``generate(do_sample=False)`` of the same model
 on each prompt alone; an EOS token that ends a row early is taken from that reference. ``tests/test_families.py``
 asserts every case; ``benchmarks/family_matrix.py`` writes the table of docs/engine_and_models.md from the same cases.
 
@@ -66,6 +66,7 @@ STEPS: dict[str, dict] = {
     "captured token chain": dict(verifier="token", gamma=3, compile="static"),
     "captured dynamic tree": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic", compile="static"),
     "captured static tree": dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="static", compile="static"),
+    "captured sampled tree": dict(verifier="traversal", num_drafts=3, gamma=3, compile="static"),
 }
 
 
