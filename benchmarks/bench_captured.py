@@ -193,6 +193,7 @@ def main(argv: list[str]) -> int:
     if args.validate_only:
         return 0
     static.SESSIONS_KEPT = max(static.SESSIONS_KEPT, 4 * len(cells) * len(args.temperatures))
+    header = record_header("benchmarks/bench_captured.py", argv, draft=args.draft, dtype=args.dtype)  # the code run
     target, draft, tokenizer = load_pair(draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype))
     targets = {None: target}
     for dtype in {_dtype(r) for r, _ in cells} - {None}:
@@ -228,7 +229,6 @@ def main(argv: list[str]) -> int:
     csv_path, json_path = record_files(Path(args.out))
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(csv_path, index=False)
-    header = record_header("benchmarks/bench_captured.py", argv, draft=args.draft, dtype=args.dtype)
     result = {**header, "summary": summary(rows)}
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     for cell in result["summary"]["cells"]:

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from specresearch.config import GENERATE_DRAFT
+
 TREE_RULES = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")  # engine.tree.TREE_VERIFIERS
 
 
@@ -130,6 +132,21 @@ def check_generate_flags(args) -> None:
                          "--method speculative")
     args.verifier = args.verifier or "block"
     check_tree_flags(args)
+    check_compile_flags(args)
+
+
+def check_compile_flags(args) -> None:
+    """``--compile`` asking for captured steps where the flags alone show the run has none (engine.static)."""
+    if args.compile in ("auto", "off") or args.autoregressive or args.method != "speculative":
+        return
+    draft = args.draft or GENERATE_DRAFT
+    why = ("prompt lookup decides on the host" if draft.startswith("ngram")
+           else "a dial draft runs the target on the host's schedule" if draft.startswith("dial-")
+           else "adaptive chains (--stop-below) decide on the host" if args.stop_below is not None
+           else "GBV's verifier reads the host" if args.verifier == "gbv" else None)
+    if why:
+        raise ValueError(f"--compile {args.compile} runs captured steps, but {why} (draft {draft}): use --draft "
+                         "eagle3-v8k (a feature head) or another whole-model draft, or --compile off")
 
 
 def check_tree_flags(args) -> None:

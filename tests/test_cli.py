@@ -72,6 +72,18 @@ def test_argparse_errors_are_one_line_too(capsys):
     _user_error(capsys, ["bench", "--gamma", "3"], "unrecognized arguments: --gamma 3")
 
 
+@pytest.mark.slow
+def test_compile_on_names_what_has_no_captured_step_and_a_captured_run_prints_its_figures(capsys):
+    """``--compile on`` with generate's default draft (prompt lookup decides on the host): one line, before any model
+    loads, saying why and what runs it; with the feature head, captured steps (eager here: ``--compile static``) print
+    the usual figures."""
+    _user_error(capsys, ["generate", "hi", "--compile", "on", "--max-new-tokens", "2"], "--compile on runs captured steps",
+                "prompt lookup decides on the host", "--draft eagle3-v8k", "--compile off")
+    assert main(["generate", "hi", "--draft", "fp16:eagle3-v8k", "--gamma", "2", "--compile", "static",
+                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    assert "gamma 2, block efficiency" in capsys.readouterr().out
+
+
 def test_audit_engine_errors_and_a_run_with_its_record(capsys, tmp_path):
     _user_error(capsys, ["audit-engine", "transformers-assisted", "--option", "top_k"], "--option must be NAME=VALUE")
     _user_error(capsys, ["audit-engine", "transformers-assisted", "--option", "top_q=3"], "takes options")

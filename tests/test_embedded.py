@@ -168,3 +168,47 @@ def test_greedy_trees_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_re
                                gamma=gamma, draft_law=draft_law, max_new_tokens=32, sampling=GREEDY)
     assert out.tokens == reference.tokens
     assert out.block_efficiency > 1.2
+
+
+@pytest.mark.parametrize("options", [dict(verifier="block", gamma=2), dict(verifier="traversal", num_drafts=2, gamma=2),
+                                     dict(verifier="onehot", num_drafts=4, gamma=4, tree_nodes=10, draft_law="dynamic")],
+                         ids=["chain", "sampled tree", "dynamic tree"])
+def test_captured_steps_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_reference, options):
+    """The shipped head (float16 weights, the CPU's kernels) in captured steps gives the target's greedy tokens
+    token for token, with the growing loop's accepted counts but for the last block (cut there, not shortened)."""
+    from specresearch.drafts.registry import draft_from_name
+
+    lm, tokenizer = smollm
+    prompts, reference = greedy_reference
+    draft = draft_from_name("fp16:eagle3-v8k", lm, tokenizer)
+    out = speculative_generate(lm, draft, prompts, tokenizer=tokenizer, max_new_tokens=32, sampling=GREEDY,
+                               compile="static", **options)
+    grown = speculative_generate(lm, draft, prompts, tokenizer=tokenizer, max_new_tokens=32, sampling=GREEDY, **options)
+    assert out.tokens == reference.tokens
+    assert out.block_efficiency > 1.2 and abs(out.block_efficiency - grown.block_efficiency) < 0.3
+
+
+def test_a_compiled_captured_step_on_the_embedded_pair_computes_the_eager_steps_tokens(smollm):
+    """The embedded target and the float16 head, a block chain at T = 1: six steps compiled whole
+    (``torch.compile(fullgraph=True)``, the ``aot_eager`` backend: dynamo's one graph of the 30-layer target, the head
+    and the verifier, with the CPU's compiled product as the custom operator ``specresearch::kernel_linear``) log the
+    eager steps' tokens from the same uniforms."""
+    from specresearch.drafts.registry import draft_from_name
+    from specresearch.engine.prompts import encode_chat
+    from specresearch.engine.static import StaticPlan, start_run
+
+    lm, tokenizer = smollm
+    draft = draft_from_name("fp16:eagle3-v8k", lm, tokenizer)
+    ids = encode_chat(QUESTIONS[:1], tokenizer)[0][None]
+    logs = []
+    for compiled in (False, True):
+        run = start_run(lm, draft, ids, torch.ones_like(ids), plan=StaticPlan("chain", "block", 2),
+                        sampling=SamplingConfig(temperature=1.0), max_new_tokens=32, steps_per_read=6)
+        step = torch.compile(run.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else run.step
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(6):
+            run.state.uniforms.copy_(torch.rand(run.state.uniforms.shape, generator=generator, dtype=torch.float64))
+            step()
+        logs.append(run.state.log.clone())
+    assert torch.equal(logs[0], logs[1])
+    assert logs[0][:, 0, 1].sum() > 0  # some drafts were accepted

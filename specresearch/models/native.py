@@ -305,7 +305,12 @@ def _takes(x, weight, bias, scale) -> bool:
     if (rows not in KERNEL_ROWS or x.dtype is not torch.float32 or not x.is_cpu
             or not weight.is_cpu or width % 16 or width != weight.shape[1] or not weight.is_contiguous()):
         return False
-    if str(weight.dtype).removeprefix("torch.") not in _kernel_dtypes().split() or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
+    if torch.compiler.is_compiling():  # read once, as a constant
+        available = str(weight.dtype).removeprefix("torch.") in _kernel_dtypes().split()
+    else:
+        kernels = skinny_kernel()
+        available = kernels is not None and weight.dtype in kernels
+    if not available or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
         return False
     return weight.dtype is not torch.int8 or (scale is not None and scale.dtype is torch.float32 and scale.is_contiguous()
                                               and scale.shape == weight.shape[:1] and scale.is_cpu)
