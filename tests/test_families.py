@@ -195,3 +195,26 @@ def test_the_engine_gives_generates_tokens_on_cuda():
     wrong = [r for r in results if not r.ok or (r.kernel in ("eager", "sdpa (as loaded)")
                                                  and r.status not in ("exact", "not offered"))]
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_every_familys_captured_steps_trace_as_one_graph(family, kernel):
+    """A captured chain step and a dynamic-tree step of each family (a close draft, two left-padded prompts, T = 1)
+    trace as one graph with no break (``torch._dynamo.explain``: what ``torch.compile(fullgraph=True)`` and a CUDA graph
+    need): no host read or Python branch on a value in transformers' code of any family either."""
+    from specresearch.engine.prompts import encode_prompts
+    from specresearch.engine.static import StaticPlan, start_run
+
+    try:
+        model = tiny_family_model(family, kernel)
+    except (ValueError, ImportError):
+        pytest.skip(f"transformers has no {kernel} {family}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        target, draft = CausalLM(model, device="cpu"), CausalLM(perturbed_copy(model), device="cpu")
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    for plan in (StaticPlan("chain", "block", 2), StaticPlan("tree", "onehot", 2, 2, 4)):
+        run = start_run(target, draft, ids, mask, plan=plan, sampling=SamplingConfig(temperature=1.0), max_new_tokens=8)
+        explained = torch._dynamo.explain(run.step)()
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (plan, explained.break_reasons)

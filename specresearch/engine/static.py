@@ -311,7 +311,7 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
     """Decode ``prompts`` with captured steps (module docstring): ``target`` (and ``draft``, None for
     autoregressive) are models with a static form (``models.protocols.HasStaticForm``), run as ``plan`` says.
 
-    ``mode``: how a step runs (:class:`~specresearch.engine.captured.StepRunner`: ``"eager"``, ``"compile"``,
+    ``mode``: how a step runs (:class:`~specresearch.engine.captured.StepRunner`: ``"eager"``, ``"inductor"``,
     ``"cudagraph"``, ``"reduce-overhead"``). ``steps_per_read``: steps between host reads (their tokens come back
     together; ``on_step`` and ``stop_when`` then see them together). Other arguments as
     :func:`specresearch.engine.generate.speculative_generate`'s. -> ``GenerationResult`` whose step records have NaN
