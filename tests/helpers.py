@@ -69,3 +69,18 @@ def tree_path(tokens, parents, i) -> list[int]:
         path.insert(0, int(tokens[i]))
         i = parents[i]
     return path
+
+
+def reads_per_step(run, lengths=(12, 36)) -> dict[str, float]:
+    """Host reads a step of ``run(max_new_tokens)`` (a generation call), by whose code made them and in all, as the
+    difference between a long and a short run (so a call's one-off reads cancel): ``engine.timing.HostReads``."""
+    from specresearch.engine.timing import HostReads
+
+    counts, steps = [], []
+    for tokens in lengths:
+        with HostReads() as reads:
+            out = run(tokens)
+        counts.append({**reads.by_origin, "all": reads.count})
+        steps.append(len(out.steps))
+    return {where: (counts[1].get(where, 0) - counts[0].get(where, 0)) / (steps[1] - steps[0])
+            for where in ("specresearch", "other", "all")}

@@ -4,6 +4,7 @@
 cancel). docs/engine_and_models.md states the counts."""
 
 import pytest
+from helpers import reads_per_step
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import truncated_draft
@@ -15,13 +16,7 @@ PROMPTS = [[5, 9, 2, 33, 7], [4, 8, 1], [16, 23, 42, 3], [7, 7]]
 
 
 def _per_step(run) -> dict[str, float]:
-    counts, steps = [], []
-    for tokens in (12, 36):
-        with HostReads() as reads:
-            out = run(tokens)
-        counts.append(reads.by_origin)
-        steps.append(len(out.steps))
-    return {where: (counts[1][where] - counts[0][where]) / (steps[1] - steps[0]) for where in ("specresearch", "other")}
+    return reads_per_step(run)
 
 
 @pytest.fixture(scope="module")

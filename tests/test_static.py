@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import close_draft, feature_head, visible_from_parents
+from helpers import close_draft, feature_head, reads_per_step, visible_from_parents
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.eagle import Eagle3Head, EagleDraft
@@ -19,7 +19,6 @@ from specresearch.engine.captured import StepRunner
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.static import StaticPlan, start_run
-from specresearch.engine.timing import HostReads
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import tiny_family_model
@@ -196,16 +195,6 @@ def test_captured_steps_keep_the_target_law(target, drafts, kind, plan):
 # -- one read a step, one graph a step ----------------------------------------------------------------------------------
 
 
-def _reads_per_step(run) -> float:
-    counts, steps = [], []
-    for tokens in (8, 24):
-        with HostReads() as reads:
-            out = run(tokens)
-        counts.append(reads.count)
-        steps.append(len(out.steps))
-    return (counts[1] - counts[0]) / (steps[1] - steps[0])
-
-
 @pytest.mark.parametrize("plan", ["autoregressive", "chain block g3", "dynamic K3 g3 n7", "static K2 g4 n6",
                                   "traversal K3 g2", "rrs w/o repl. K2 g3"])
 @pytest.mark.parametrize("rows", [1, 4])
@@ -217,7 +206,7 @@ def test_a_captured_step_reads_the_host_once(target, drafts, plan, rows):
             return autoregressive_generate(target, PROMPTS[:rows], max_new_tokens=n, sampling=SAMPLED, compile="static")
         return speculative_generate(target, drafts["feature"], PROMPTS[:rows], max_new_tokens=n, sampling=SAMPLED,
                                     compile="static", **OPTIONS[plan])
-    assert _reads_per_step(run) == 1.0
+    assert reads_per_step(run, (8, 24))["all"] == 1.0
 
 
 STEP_KINDS = [("autoregressive", None, StaticPlan("autoregressive")), ("chain model", "model", PLANS["chain block g3"]),
