@@ -1,7 +1,8 @@
 """Audit by execution, the committed record: transformers' own speculative code run on the embedded pair
-(SmolLM2-135M-Instruct, float32, CPU; the assistant the shipped ``v8k-4l``) and llama.cpp's server on its GGUF
-(built by ``scripts/build_llamacpp.sh``; the draft a scaled copy), each configuration's measured law of the first
-tokens against the target's and the audit's prediction (``specresearch.audit.execute``).
+(SmolLM2-135M-Instruct, float32, CPU; the assistant the shipped ``v8k-4l``) and llama.cpp's server and its
+``llama-speculative`` example on its GGUF (built by ``scripts/build_llamacpp.sh``; the draft a scaled copy), each
+configuration's measured law of the first tokens against the target's and the audit's prediction
+(``specresearch.audit.execute``).
 
     python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
 
@@ -42,6 +43,9 @@ CONFIGS = [
     ("llamacpp-server", 2, 2000, 0.8, {"synth_rates": [0.5, 0.25, 0.125]}, PROMPT),
     # the same without request seeds: the server's synthetic coins then come from a generator of their own
     ("llamacpp-server", 2, 2000, 0.8, {"synth_rates": [0.5, 0.25, 0.125], "seeded": False}, PROMPT),
+    # llama-speculative, the example: its own defaults (T 0.8, one branch), then two branches in a random order
+    ("llamacpp-example", 2, 1500, 0.8, {}, PROMPT),
+    ("llamacpp-example", 2, 1500, 0.8, {"n_parallel": 2}, PROMPT),
 ]
 
 

@@ -89,9 +89,23 @@ def test_medusa_nucleus_on_a_chain_emits_p_times_two_minus_p():
     assert sum(v for seq, v in law.items() if seq[0] == 0) == P2[0] * (2 - P2[0])
 
 
+def test_llamacpp_example_subtracts_the_draft_list_position_by_position():
+    """The target's list {0, 1, 2}, the draft's {0, 2} (min-p kept fewer tokens of the sharper draft): the draft's
+    token 0 is accepted with (1/2) / (3/4) = 2/3; on a rejection the example sorts both lists by id and subtracts
+    position by position (speculative.cpp l. 335-351), so token 1 loses token 2's q (1/4 - 1/4) and token 2 keeps
+    its 1/4: the residual is token 2, never token 1, where the textbook max(p - q, 0) is token 1."""
+    from specresearch.audit.engines import list_aligned
+
+    p, q = (F(1, 2), F(1, 4), F(1, 4), F(0)), (F(3, 4), F(0), F(1, 4), F(0))
+    assert list_aligned(p, q) == [F(3, 4), F(1, 4), 0, 0]
+    law = step_law(engine_rule("llamacpp-example", gamma=1), p, q)
+    assert [sum((v for s, v in law.items() if s[0] == t), F(0)) for t in range(4)] == [F(2, 3), 0, F(1, 3), 0]
+    assert list_aligned(P2, Q2) == list(Q2)  # the same lists: q itself
+
+
 def test_llamacpp_example_verifies_its_paths_in_a_random_order():
     """p = (1/2, 1/2, 0), q = (3/5, 3/10, 1/10), two paths (tokens 0 and 1): in path order token 0 comes first
-    with probability 5/6; in llama.cpp's uniformly random order (speculative.cpp l. 279-282) the first token's law is
+    with probability 5/6; in llama.cpp's uniformly random order (speculative.cpp l. 280-282) the first token's law is
     (5/12, 7/12) = 1/2 (5/6, 1/6) + 1/2 (0, 1) (token 1 first: p/q = 5/3, always accepted)."""
     p, q = (F(1, 2), F(1, 2), F(0)), (F(3, 5), F(3, 10), F(1, 10))
     law = step_law(engine_rule("llamacpp-example", num_drafts=2, gamma=1), p, q)

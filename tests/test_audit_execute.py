@@ -105,6 +105,8 @@ def test_captured_rows_restores_the_function():
     (dict(engine="transformers-assisted", num_samples=5), "num_samples"),
     (dict(engine="llamacpp-server", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="llamacpp-server", assistant_ensemble_weight=0.5), "takes options"),
+    (dict(engine="llamacpp-example", n_tokens=3), "n_tokens=2"),
+    (dict(engine="llamacpp-example", synth_rates=(0.5,)), "takes options"),
     (dict(engine="python", sample=None), "needs sample="),
 ])
 def test_bad_input_is_refused(pair, kwargs, message):
@@ -112,7 +114,7 @@ def test_bad_input_is_refused(pair, kwargs, message):
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
     assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "llamacpp-server",
-                            "python"}
+                            "llamacpp-example", "python"}
 
 
 LLAMACPP = llamacpp_home() / "bin" / "llama-server"
@@ -135,6 +137,38 @@ def test_llamacpp_server_keeps_the_target_law_and_its_synthetic_mode_the_predict
     assert synthetic.predicted.tv_from_target > 0.05, str(synthetic)
     assert synthetic.target.p_value < 1e-3 and synthetic.predicted.p_value < 1e-3, str(synthetic)
     assert synthetic.finding.startswith("FINDING"), str(synthetic)
+
+
+def test_llama_speculatives_tokens_are_read_from_its_debug_log():
+    from specresearch.audit.llamacpp import speculative_tokens
+
+    log = ("D the sampled target token (1205, 'Blue') did not match, or we ran out of drafted tokens\n"
+           "D verifying sequence #0 at pos #0 from 1 active sequence(s)\n"
+           "D draft token 0 of sequence 0 (30, '.') accepted\n"
+           "D draft token 1 of sequence 1 (2, ''') accepted\nBlue.\n"
+           "D the sampled target token (198, '\n') did not match, or we ran out of drafted tokens\n")
+    assert speculative_tokens(log) == [1205, 30, 2, 198]
+    assert speculative_tokens("no tokens here") == []
+
+
+SPECULATIVE = llamacpp_home() / "bin" / "llama-speculative"
+
+
+@pytest.mark.skipif(not (SPECULATIVE.is_file() and LLAMACPP.is_file()), reason="llama.cpp is not built on this "
+                    "machine (bash scripts/build_llamacpp.sh); the committed record audit_executed.json carries its results")
+def test_llama_speculative_follows_its_list_residual_not_the_textbook_one():
+    """llama-speculative (one branch, the scaled draft) at N = 600: the target's law is rejected (its draft is the
+    argmax: not exact) and the predicted one is not (FPR 1e-3 for that half). At this N the run need not reject the
+    textbook residual, so that comparison is only checked to be there."""
+    from specresearch.drafts.registry import load_pair
+
+    target, _, tokenizer = load_pair(draft="ngram", device="cpu", skinny_linear=False)
+    result = execute("llamacpp-example", prompt="Name a colour.", n_tokens=2, num_samples=600, target=target.model,
+                     tokenizer=tokenizer, progress=False, min_expected=10)
+    assert result.verdict == "not exact" and "llama-speculative" in result.version, str(result)
+    assert result.predicted.p_value > 1e-3 and result.target.p_value < 1e-3, str(result)
+    assert set(result.alternatives) == {"residual p - q token by token"}
+    assert result.as_record()["alternatives"]["residual p - q token by token"]["p_value"] >= 0
 
 
 def test_a_library_sampler_is_held_to_the_target_law(pair):

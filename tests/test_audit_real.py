@@ -60,3 +60,40 @@ def test_distances_and_summaries():
     assert cost["onehot, top-1"] == 0.5 and cost["token, sampled"] == pytest.approx(0.7)
     with pytest.raises(ValueError, match="unknown engine rule"):
         single_step("nope", p, q)
+
+
+def _truncated_row(rng: random.Random, vocab: int, kept: int) -> tuple:
+    """A candidate list of ``kept`` tokens (as a sampler chain leaves it), zeros elsewhere, no ties among the kept."""
+    tokens, weights = rng.sample(range(vocab), kept), rng.sample(range(1, 400), kept)
+    row = [F(0)] * vocab
+    for token, weight in zip(tokens, weights):
+        row[token] = F(weight, sum(weights))
+    return tuple(row)
+
+
+@pytest.mark.parametrize("num_drafts", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+def test_llamacpp_example_on_truncated_lists_equals_the_exact_twin(num_drafts, seed):
+    """Lists of different tokens (the case where the example's position-by-position residual differs from p - q):
+    the float form equals the exact twin (the next test shows where it parts from the textbook residual)."""
+    rng = random.Random(seed)
+    vocab = 7
+    p, q = _truncated_row(rng, vocab, rng.randint(3, 6)), _truncated_row(rng, vocab, rng.randint(2, 5))
+    law = step_law(engine_rule("llamacpp-example", num_drafts=num_drafts, gamma=1, p_split=0.05), p, q)
+    first = [sum((v for s, v in law.items() if s[0] == t), F(0)) for t in range(vocab)]
+    to = lambda row: torch.tensor([[float(v) for v in row]], dtype=torch.float64)  # noqa: E731
+    r, _ = single_step("llamacpp-example", to(p), to(q), num_drafts=num_drafts, p_split=0.05, lists="support")
+    assert torch.allclose(r, to(first), atol=1e-12), (p, q, r, first)
+
+
+def test_llamacpp_example_residual_differs_from_the_textbook_one_on_different_lists():
+    p = torch.tensor([[0.5, 0.25, 0.25, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[0.75, 0.0, 0.25, 0.0]], dtype=torch.float64)
+    lists = single_step("llamacpp-example", p, q, num_drafts=1, lists="support")[0]
+    tokens = single_step("llamacpp-example", p, q, num_drafts=1)[0]  # full lists, the float form's default
+    assert torch.allclose(lists, torch.tensor([[2 / 3, 0, 1 / 3, 0]], dtype=torch.float64))
+    assert torch.allclose(tokens, torch.tensor([[2 / 3, 1 / 3, 0, 0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="lists"):
+        single_step("llamacpp-example", p, q, num_drafts=1, lists="other")
+    full = step_law(engine_rule("llamacpp-example", gamma=1, lists="full"), tuple(map(F, p[0].tolist())), tuple(map(F, q[0].tolist())))
+    assert [float(sum((v for s, v in full.items() if s[0] == t), F(0))) for t in range(4)] == pytest.approx(tokens[0].tolist())

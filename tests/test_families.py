@@ -200,11 +200,13 @@ def test_the_engine_gives_generates_tokens_on_cuda():
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_every_familys_captured_steps_trace_as_one_graph(family, kernel):
-    """A captured chain step and a dynamic-tree step of each family (a close draft, two left-padded prompts, T = 1)
-    trace as one graph with no break (``torch._dynamo.explain``: what ``torch.compile(fullgraph=True)`` and a CUDA graph
-    need): no host read or Python branch on a value in transformers' code of any family either."""
+    """What a captured step asks of each family's own code: the static target's calls of a chain step and of a tree
+    step (a chain of 3 tokens, commit, a 4-node tree with its visibility, keep its path; two left-padded rows) trace
+    as one graph with no break (``torch._dynamo.explain``: what ``torch.compile(fullgraph=True)`` and a CUDA graph
+    need), so no host read or Python branch on a value in transformers' code of any family. The rest of a step
+    (drafting, verifiers, bookkeeping) is family-free and traced whole in tests/test_static.py; the matrix above runs
+    every family's captured steps against ``generate``."""
     from specresearch.engine.prompts import encode_prompts
-    from specresearch.engine.static import StaticPlan, start_run
 
     try:
         model = tiny_family_model(family, kernel)
@@ -212,9 +214,20 @@ def test_every_familys_captured_steps_trace_as_one_graph(family, kernel):
         pytest.skip(f"transformers has no {kernel} {family}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        target, draft = CausalLM(model, device="cpu"), CausalLM(perturbed_copy(model), device="cpu")
+        lm = CausalLM(model, device="cpu").static_form()
     ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
-    for plan in (StaticPlan("chain", "block", 2), StaticPlan("tree", "onehot", 2, 2, 4)):
-        run = start_run(target, draft, ids, mask, plan=plan, sampling=SamplingConfig(temperature=1.0), max_new_tokens=8)
-        explained = torch._dynamo.explain(run.step)()
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (plan, explained.break_reasons)
+    lm.allocate(2, 32)
+    lm.prefill(ids, mask)
+    tokens = torch.tensor([[3, 4, 5, 6], [6, 5, 4, 3]])
+    depth = torch.tensor([[0, 1, 1, 2]]).expand(2, -1)
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None].expand(2, -1, -1)
+
+    def calls():
+        chain, _ = lm.forward(tokens[:, :3])
+        lm.commit(torch.tensor([2, 1]))
+        tree, _ = lm.forward(tokens, depth=depth, visible=visible)
+        lm.keep_path(torch.tensor([[0, 1, 3], [0, 2, 0]]), torch.tensor([3, 2]))
+        return chain, tree
+
+    explained = torch._dynamo.explain(calls)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

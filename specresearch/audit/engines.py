@@ -24,7 +24,7 @@ import itertools
 import math
 import numbers
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from specresearch.audit.rules import Rule
@@ -398,49 +398,80 @@ def llamacpp_server(num_drafts: int = 1, gamma: int = 2, *, synth_rates=None) ->
                 "not exact", llamacpp_server.__doc__)
 
 
-def _random_order_rrs_law(target, draft, paths, prefix) -> dict:
+def list_aligned(p: Sequence, q: Sequence) -> list:
+    """q as llama.cpp's example subtracts it from p's list: both candidate lists (the tokens each law keeps, its
+    support) sorted by token id and paired position by position, so p's i-th token (by id) loses the q of q's i-th
+    token. Where the two lists hold the same tokens this is q itself; where q's list is shorter or holds other tokens
+    (a sampler chain truncates each model's list on its own: top-k, top-p, min-p) a token loses another token's q.
+    -> the q each of p's tokens loses (0 outside p's list and past the end of q's)."""
+    shifted, q_ids = [0 * q[0]] * len(p), [i for i, v in enumerate(q) if v > 0]
+    for rank, token in enumerate(i for i, v in enumerate(p) if v > 0):
+        if rank < len(q_ids):
+            shifted[token] = q[q_ids[rank]]
+    return shifted
+
+
+def _random_order_rrs(lists: str) -> Callable:
     """At each node the children are verified in a uniformly random order (every order equally likely): r <= p/q
-    with the node's q, the residual norm(max(p - q, 0)) after each rejection, q unchanged; all rejected: a draw
-    from the residual."""
-    children, law = merged_tree(paths), defaultdict(Fraction)
+    with the node's q, after each rejection the residual norm(max(p - q', 0)), q unchanged; all rejected: a draw
+    from the residual. ``lists="support"``: q' = :func:`list_aligned` (p, q), the candidate lists being the laws'
+    supports (p's list keeps its tokens, zeros included, so q' is paired against the target's list at the node);
+    ``"full"``: q' = q, every token on both lists."""
 
-    def descend(u: tuple, mass: Fraction) -> None:
-        q, orders = draft(prefix + u), list(itertools.permutations(children[u]))
-        for order in orders:
-            current, left = target(prefix + u), mass / len(orders)
-            for x in order:
-                accept = min(_ONE, current[x] / q[x]) if q[x] else _ONE
-                if accept:
-                    descend(u + (x,), left * accept)
-                left *= 1 - accept
-                excess = [max(c - d, _ZERO) for c, d in zip(current, q)]
-                total = sum(excess, _ZERO)
-                current = tuple(e / total for e in excess) if total else current
-            _emit(law, u, left, current)
+    def law_fn(target, draft, paths, prefix) -> dict:
+        children, law = merged_tree(paths), defaultdict(Fraction)
 
-    descend((), _ONE)
-    return law
+        def descend(u: tuple, mass: Fraction) -> None:
+            q, orders = draft(prefix + u), list(itertools.permutations(children[u]))
+            shifted = list_aligned(target(prefix + u), q) if lists == "support" else q
+            for order in orders:
+                current, left = target(prefix + u), mass / len(orders)
+                for x in order:
+                    accept = min(_ONE, current[x] / q[x]) if q[x] else _ONE
+                    if accept:
+                        descend(u + (x,), left * accept)
+                    left *= 1 - accept
+                    excess = [max(c - d, _ZERO) for c, d in zip(current, shifted)]
+                    total = sum(excess, _ZERO)
+                    current = tuple(e / total for e in excess) if total else current
+                _emit(law, u, left, current)
+
+        descend((), _ONE)
+        return law
+
+    return law_fn
 
 
-def llamacpp_example(num_drafts: int = 1, gamma: int = 3, *, p_split=0.1) -> Rule:
+def llamacpp_example(num_drafts: int = 1, gamma: int = 3, *, p_split=0.1, lists: str = "support") -> Rule:
     """llama.cpp ``examples/speculative`` (the ``vendor/llama.cpp`` of the llama-cpp-python 0.3.36 sdist,
     ``examples/speculative/speculative.cpp``; SpecInfer's Algorithm 2, PR 5625): the draft's top candidates
-    (l. 526-575: the top token, and another path for each next token with q > ``p_split`` while fewer than
-    ``n_parallel`` paths exist), verified at each depth by picking an active path **uniformly at random** (l.
-    279-282), accepting its token when r <= p/q with the path's draft list (l. 300-318), else replacing the target's
-    list by max(p - q, 0) renormalised (l. 324-351; the lists are sorted by id and subtracted index by index, which
-    is p - q for full rows, as encoded) and picking again; all rejected: a draw from the residual (l. 378-394).
+    (l. 509-590: the top token of the draft's sampled list, and another path for each next token with q >
+    ``p_split`` while fewer than ``n_parallel`` paths exist), verified at each depth by picking an active path
+    **uniformly at random** (l. 280-282), accepting its token when r <= p/q with the path's draft list (l. 303-325),
+    else replacing the target's list by max(p - q, 0) renormalised (l. 326-362) and picking again; all rejected: a
+    draw from the residual (l. 379-395). The subtraction sorts both lists by token id and subtracts position by
+    position (l. 335-351), so where the sampler chain left the two models different lists (top-k 40, top-p 0.95,
+    min-p 0.05 by default, each on its own model) a token loses another token's q: encoded as such
+    with ``lists="support"`` (the default: p and q are the laws the sampler chain leaves, their supports its lists;
+    :func:`list_aligned`), while ``lists="full"`` puts every token on both lists (untruncated sampling: p - q).
+    Found by running the example (``audit.execute("llamacpp-example")``), which rejects the plain p - q on the
+    embedded pair's lists.
     Defaults are the example's: ``n_parallel`` 1 (``common/common.h`` l. 457), ``n_max`` 3 drafted tokens (l.
     328), ``p_split`` 0.1 (l. 331). Not encoded: after a rejection the example marks the other paths with the same
-    token inactive but erases the rejected path again instead of them (l. 356-361), so such a path is verified once
+    token inactive but erases the rejected path again instead of them (l. 364-376), so such a path is verified once
     more against the residual; that needs two paths sharing a token at one depth (a tree deeper than one token), so
-    trees of several paths are encoded at gamma = 1 only. Not exact: q is not the law of a deterministic draft."""
+    trees of several paths are encoded at gamma = 1 only; nor that ``p_tgt`` is not reset between the paths it
+    tries (l. 276), so a path whose token the target's list lacks is tested with the previous path's p (it needs a
+    draft list holding a token the target's lacks). Not exact: q is not the law of a deterministic draft."""
     p_split = _fraction("p_split", p_split)
     if num_drafts > 1 and gamma > 1:
         raise ValueError("llamacpp-example: trees of several paths are encoded at gamma = 1 only (deeper trees share "
                          "tokens between paths, which the example verifies again: see the docstring)")
-    return Rule("llamacpp-example", _random_order_rrs_law, _p_split_tree(p_split), num_drafts, gamma,
-                {"p_split": p_split}, "not exact", llamacpp_example.__doc__)
+    if lists not in ("support", "full"):
+        raise ValueError(f"lists must be 'support' or 'full', got {lists!r}")
+    return Rule("llamacpp-example", _random_order_rrs(lists), _p_split_tree(p_split), num_drafts, gamma,
+                {"p_split": p_split} | ({} if lists == "support" else {"lists": lists}), "not exact",
+                llamacpp_example.__doc__)
 
 
 def trtllm_relaxed(num_drafts: int = 1, gamma: int = 2, *, relaxed_topk: int | None = None, relaxed_delta=0.6) -> Rule:

@@ -39,6 +39,10 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
   server's own sampler chain's final probabilities (``post_sampling_probs``); its first token is never speculated,
   so ``n_tokens`` >= 2 and the second is the one a drafted step decides.
+* ``llamacpp-example``: llama.cpp's ``llama-speculative`` example (one process a generation), ``n_parallel``
+  branches verified in a random order; rule ``llamacpp-example`` (not exact: its draft is the argmax). ``n_tokens``
+  = 2: its first token is the target's own, the second the first drafted position (later ones depend on how the
+  step ended). Also held against the rule with the textbook residual p - q (``alternatives``).
 
 A generation that ends early (EOS) is padded with EOS; the laws treat EOS as absorbing alike.
 
@@ -61,6 +65,7 @@ from specresearch.audit.runners import (
     ENGINE_OPTIONS,
     SAMPLING_OPTIONS,
     LlamaCppRun,
+    LlamaSpeculativeRun,
     PythonRun,
     TransformersRun,
     absorbing,
@@ -77,6 +82,7 @@ ENGINES = {
     "transformers-lookup": "hf-lookup",
     "transformers-sampling": "hf-assisted",
     "llamacpp-server": "llamacpp-server",
+    "llamacpp-example": "llamacpp-example",
     "python": "token",  # any library's sampler, given as sample=...: its claim (lossless) is what is tested
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
@@ -120,6 +126,7 @@ class ExecutionResult:
     version: str  # the engine's version
     draft_tv_intended: float | None = None  # TV between the q the engine verifies with and the draft's own law
     notes: tuple[str, ...] = field(default=())
+    alternatives: dict = field(default_factory=dict)  # name -> LawComparison: the run against other candidate laws
 
     @property
     def finding(self) -> str:
@@ -142,6 +149,8 @@ class ExecutionResult:
                                                    "detectable_tv", "seconds", "version", "draft_tv_intended", "notes")}
         row["cells"] = [repr(cell) for cell in self.cells]
         row["target"], row["predicted"] = vars(self.target), vars(self.predicted)
+        if self.alternatives:
+            row["alternatives"] = {name: vars(comparison) for name, comparison in self.alternatives.items()}
         row["finding"] = self.finding
         return row
 
@@ -154,6 +163,9 @@ class ExecutionResult:
                  f"[{self.predicted.tv_interval[0]:.4f}, {self.predicted.tv_interval[1]:.4f}] "
                  f"(predicted vs target: {self.predicted.tv_from_target:.4f})",
                  f"  detects TV >= {self.detectable_tv:.4f}; {self.finding}"]
+        for name, other in self.alternatives.items():
+            lines.append(f"  vs {name}: p = {other.p_value:.3g}, TV {other.tv:.4f} "
+                         f"[{other.tv_interval[0]:.4f}, {other.tv_interval[1]:.4f}]")
         if self.draft_tv_intended is not None:
             lines.append(f"  the q it verifies with is TV {self.draft_tv_intended:.4f} from the draft's own law")
         return "\n".join(lines + [f"  note: {note}" for note in self.notes])
@@ -252,6 +264,9 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
         raise ValueError("transformers-sampling calls the verification function on the prompt's rows: n_tokens=1")
     if engine.startswith("llamacpp") and n_tokens < 2:
         raise ValueError(f"{engine} samples its first token from the target alone: n_tokens >= 2")
+    if engine == "llamacpp-example" and n_tokens != 2:
+        raise ValueError("llamacpp-example: n_tokens=2 (the token after its first drafted step; later ones depend on "
+                         "how that step ended)")
     if not isinstance(num_samples, int) or num_samples < 20:
         raise ValueError(f"num_samples must be an int >= 20, got {num_samples!r}")
     if not temperature > 0:
@@ -272,7 +287,7 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
 
 def _verdict(engine: str, options: dict) -> str:
     lossy = options.get("assistant_ensemble_weight") is not None or options.get("synth_rates") is not None
-    return "not exact" if lossy else "exact"
+    return "not exact" if lossy or engine == "llamacpp-example" else "exact"
 
 
 @dataclass(frozen=True)
@@ -304,6 +319,8 @@ def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
 
 
 def _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed):
+    if engine == "llamacpp-example":
+        return LlamaSpeculativeRun(ids, eos, vocab, temperature, options, n_tokens, seed)
     if engine.startswith("llamacpp"):
         return LlamaCppRun(ids, eos, vocab, temperature, options, n_tokens, seed)
     if engine == "python":
@@ -362,6 +379,10 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         else:
             predicted, impossible = cell_probs(law, rows)
             predicted_probs = predicted + [impossible]
+        others = {}
+        for name, other_rows in (run.alternative_rows(law) if hasattr(run, "alternative_rows") else {}).items():
+            probs, impossible = cell_probs(law, other_rows)
+            others[name] = probs + [impossible]
         counts = [0] * (len(law.cells) + 1)
         if seed is not None:
             torch.manual_seed(seed)
@@ -375,12 +396,14 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
             cell = law.index(sequence)
             counts[len(law.cells) if cell is None else cell] += 1
         seconds = time.perf_counter() - start
-    if not counts[-1] and not predicted_probs[-1]:  # no cell for the impossible then
-        counts, target_probs, predicted_probs = counts[:-1], target_probs[:-1], predicted_probs[:-1]
+    if not counts[-1] and not predicted_probs[-1] and not any(probs[-1] for probs in others.values()):
+        counts, target_probs, predicted_probs = counts[:-1], target_probs[:-1], predicted_probs[:-1]  # no such cell
+        others = {name: probs[:-1] for name, probs in others.items()}
     cells = law.cells + (("outside the target's support",),) * (len(counts) - len(law.cells))
     return ExecutionResult(
         engine, ENGINES[engine], _verdict(engine, options), {k: v for k, v in options.items() if k != "sample"},
         temperature, n_tokens, num_samples, seed,
         cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
         _compare(counts, target_probs, target_probs, seed), _compare(counts, predicted_probs, target_probs, seed + 1),
-        detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes))
+        detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes),
+        {name: _compare(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LLAMACPP_VERSION", "llamacpp_bin", "llamacpp_home", "write_scaled_draft", "write_truncated_draft", "LlamaServer", "SAMPLING"]
+__all__ = ["LLAMACPP_VERSION", "llamacpp_bin", "llamacpp_home", "write_scaled_draft", "write_truncated_draft", "LlamaServer", "SAMPLING",
+           "run_speculative", "speculative_tokens"]
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp is built (llama.cpp 0c1e570)
 # The server's sampling defaults (common/common.h): what a request that sets nothing gets.
@@ -186,6 +188,19 @@ class LlamaServer:
         with urllib.request.urlopen(ask, timeout=300) as reply:
             return json.loads(reply.read())
 
+    def _post(self, path: str, body: dict) -> dict:
+        ask = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(ask, timeout=60) as reply:
+            return json.loads(reply.read())
+
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` as llama.cpp's command-line examples tokenize a prompt (``common_tokenize(ctx, prompt, true,
+        true)``: the vocabulary's BOS added if it asks for one, special tokens parsed)."""
+        return [int(t) for t in self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True})["tokens"]]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._post("/detokenize", {"tokens": list(tokens)})["content"]
+
     def version(self) -> str:
         with urllib.request.urlopen(self.url + "/props", timeout=10) as reply:
             props = json.loads(reply.read())
@@ -201,3 +216,37 @@ class LlamaServer:
         for entry in reply["completion_probabilities"][0]["top_probs"]:
             row[int(entry["id"])] = float(entry["prob"])
         return row / row.sum()
+
+
+# llama-speculative's debug lines that name an emitted token (examples/speculative/speculative.cpp l. 324 and 448):
+# an accepted draft token, and the token each step ends with (a residual draw, or the target's own after the drafts).
+_EMITTED = re.compile(r"draft token \d+ of sequence \d+ \((\d+), '|the sampled target token \((\d+), '")
+
+
+def speculative_tokens(log: str) -> list[int]:
+    """The tokens ``llama-speculative`` generated, in order, from its debug log (``-lv 5``)."""
+    return [int(a or b) for a, b in _EMITTED.findall(log)]
+
+
+def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sampling: dict, n_parallel: int = 1,
+                    draft_max: int = 3, p_split: float = 0.1, threads: int = 1, context: int = 512) -> list[int]:
+    """One run of llama.cpp's ``llama-speculative`` example (unmodified) on ``model`` with ``draft``, sampling with
+    ``sampling`` (temperature, top_k, top_p, min_p) and ``seed`` (its verifier's and samplers' seed): the tokens it
+    generated, one step past ``n_predict`` (it stops after the step that passes it) unless an end-of-generation
+    token came first. ``-fit off``: the models are loaded once each, not probed for memory first.
+
+    The example's verifier draws from ``std::default_random_engine`` seeded with ``seed`` (l. 69), in libstdc++
+    ``minstd_rand0``, whose first draw is 16807 x seed mod (2^31 - 1): consecutive seeds give nearly equal first
+    uniforms, so runs meant to be independent need seeds spread over its range (``LlamaSpeculativeRun`` draws them)."""
+    command = [str(llamacpp_bin("llama-speculative")), "-m", str(model), "-md", str(draft), "-p", prompt,
+               "-n", str(n_predict), "-s", str(seed), "-np", str(n_parallel), "--spec-draft-n-max", str(draft_max),
+               "--spec-draft-p-split", repr(float(p_split)), "-t", str(threads), "-tb", str(threads), "-c", str(context),
+               "--temp", repr(float(sampling["temperature"])), "--top-k", str(int(sampling["top_k"])),
+               "--top-p", repr(float(sampling["top_p"])), "--min-p", repr(float(sampling["min_p"])),
+               "-fit", "off", "--no-escape", "-lv", "5"]
+    done = subprocess.run(command, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
+                          timeout=300, preexec_fn=_die_with_parent)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout)[-2000:]
+        raise RuntimeError(f"llama-speculative exited with {done.returncode}:\n{tail}")
+    return speculative_tokens(done.stderr + done.stdout)

@@ -19,7 +19,7 @@ import torch
 
 from specresearch.exact.theory_multi import optimal_acceptance_iid, rrs_without_replacement_acceptance_mc
 
-__all__ = ["TREE_RULES", "StepPoint", "distances", "next_token_rows", "one_hot_cost", "single_step", "summarise", "topk_tokens"]
+__all__ = ["TREE_RULES", "StepPoint", "distances", "list_aligned", "next_token_rows", "one_hot_cost", "single_step", "summarise", "topk_tokens"]
 
 TREE_RULES = ("eagle2", "eagle1", "medusa-typical", "medusa-nucleus", "sglang", "llamacpp-example")
 
@@ -117,14 +117,32 @@ def _hf_assisted(p, q, k, assistant="sampled", ensemble_weight=None):
     return r.scatter_add_(1, x, a), a.squeeze(1)
 
 
-def _llamacpp_example(p, q, k, p_split=0.1):
+def list_aligned(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[N, V] q as llama.cpp's example subtracts it from p's candidate list (``audit.engines.list_aligned``, rows
+    batched): p's i-th kept token by id loses the q of q's i-th kept token by id; q itself where both rows keep the
+    same tokens (full rows always)."""
+    vocab = p.shape[-1]
+    ids = torch.arange(vocab, device=p.device).expand_as(q)
+    by_id = torch.where(q > 0, ids, ids + vocab).argsort(-1)  # q's kept tokens first, in id order
+    q_by_rank = q.gather(1, by_id)  # its values in that order; 0 past the end of its list
+    rank = (p > 0).long().cumsum(-1) - 1  # each of p's kept tokens' place in p's list by id
+    return torch.where(p > 0, q_by_rank.gather(1, rank.clamp(min=0)), torch.zeros_like(q))
+
+
+def _llamacpp_example(p, q, k, p_split=0.1, lists="full"):
     """The candidates verified in a uniformly random order: the mean over every order of the k positions, skipping
-    the candidates not kept, which is the uniform order over those kept."""
+    the candidates not kept, which is the uniform order over those kept. Each rejection leaves the residual of p's
+    list less q: ``lists="full"`` (the default here: full next-token rows, untruncated sampling, every token on both
+    lists) token by token; ``lists="support"`` (the rows are the lists a truncating sampler chain left, as the
+    example's own rows are; the exact twin's default) less :func:`list_aligned` (p, q), as the example pairs them."""
+    if lists not in ("full", "support"):
+        raise ValueError(f"lists must be 'full' or 'support', got {lists!r}")
     ranked = topk_tokens(q, p.shape[-1])[:, :k]
     keep = q.gather(1, ranked) > float(p_split)
     keep[:, 0] = True  # the top candidate always
     orders = list(itertools.permutations(range(ranked.shape[1])))
     total, accepted = torch.zeros_like(p), torch.zeros_like(p[:, 0])
+    shifted = list_aligned(p, q) if lists == "support" else q
     for order in orders:
         current, mass, r = p.clone(), torch.ones_like(p[:, 0]), torch.zeros_like(p)
         for i in order:
@@ -133,7 +151,7 @@ def _llamacpp_example(p, q, k, p_split=0.1):
             a = torch.where(on, torch.minimum(torch.ones_like(mass), ratio), 0.0)
             r.scatter_add_(1, x, (mass * a)[:, None])
             mass = mass * (1 - a)
-            current = torch.where(on[:, None], _normalised((current - q).clamp(min=0), current), current)
+            current = torch.where(on[:, None], _normalised((current - shifted).clamp(min=0), current), current)
         total += r + mass[:, None] * current
         accepted += 1 - mass
     return total / len(orders), accepted / len(orders)

@@ -222,7 +222,7 @@ def executed_table(rows) -> str:
     ``benchmarks/records/audit_executed.json`` and ``audit_libraries.json`` (``ExecutionResult.as_record``, or a
     library's row saying why it did not run): engine and settings, N, the audit's verdict, the p-values against the
     target's and the predicted law, the measured TV from the target (and the noise floor), the TV the run detects and
-    the finding."""
+    the finding (with the p-value against each alternative law the run was also held to)."""
     lines = ["| engine (their code) | settings | N | audit | p vs target | p vs predicted | TV from target (floor) | "
              "detects TV | finding |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -235,6 +235,8 @@ def executed_table(rows) -> str:
         settings = (f"T = {row['temperature']:g}" + (f", {settings}" if settings else "")
                     + f", {row['n_tokens']} token{'s' if row['n_tokens'] > 1 else ''}")
         finding = row["finding"].split(":")[0] if row["finding"].startswith(("agrees", "undecided")) else row["finding"]
+        for other, comparison in row.get("alternatives", {}).items():  # the run against other candidate laws
+            finding += f"; vs {other}: p = {comparison['p_value']:.2g}"
         lines.append(f"| {name} | {settings} | {row['num_samples']:,} | {row['verdict']} | {row['target']['p_value']:.2g} | "
                      f"{row['predicted']['p_value']:.2g} | {row['target']['tv']:.3f} ({row['target']['tv_floor']:.3f}) | "
                      f"{row['detectable_tv']:.3f} | {finding} |")

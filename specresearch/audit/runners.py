@@ -5,6 +5,7 @@ rule is exact, the engine's own generations, and notes), and the helpers they sh
 * :class:`TransformersRun`: transformers' assisted generation, prompt lookup, or its ``_speculative_sampling`` called
   on real rows (:func:`captured_rows` records what it verifies with).
 * :class:`LlamaCppRun`: llama.cpp's server (:mod:`specresearch.audit.llamacpp`).
+* :class:`LlamaSpeculativeRun`: llama.cpp's ``llama-speculative`` example, one process a generation.
 * :class:`PythonRun`: any library's sampler against the target's plain law.
 """
 
@@ -17,7 +18,7 @@ import torch
 from specresearch.audit.engines import engine_rule
 from specresearch.audit.real import single_step
 
-__all__ = ["TransformersRun", "LlamaCppRun", "PythonRun", "captured_rows", "quiet_transformers", "absorbing", "padded",
+__all__ = ["TransformersRun", "LlamaCppRun", "LlamaSpeculativeRun", "PythonRun", "captured_rows", "quiet_transformers", "absorbing", "padded",
            "SAMPLING_OPTIONS", "ENGINE_OPTIONS"]
 
 SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty")  # transformers' generate arguments, applied to both laws
@@ -26,6 +27,7 @@ ENGINE_OPTIONS = {
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
     "transformers-sampling": ("assistant_ensemble_weight",),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
+    "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "python": ("sample", "name", "version"),
 }
 _ROW_BATCH = 32
@@ -260,6 +262,109 @@ class LlamaCppRun:
         if not drafted:
             raise RuntimeError("llama-server drafted no token in the run: its speculative decoding was off")
         self.notes.append(f"the server drafted {drafted} tokens in the run and kept {accepted} (its timings)")
+
+
+class LlamaSpeculativeRun:
+    """llama.cpp's ``llama-speculative`` example (:func:`specresearch.audit.llamacpp.run_speculative`: SpecInfer-style
+    verification of ``n_parallel`` draft branches in a random order) on the embedded GGUF with a scaled copy as the
+    draft, one process a generation (``jobs`` at once). Its first token is the target's own sample; the second is the
+    first a drafted step decides, so ``n_tokens`` = 2. The target's and the draft's lists (their sampler chains' final
+    probabilities) come from two ``llama-server`` processes on the same files; the prediction is the encoded rule
+    ``llamacpp-example`` on them (its lists the rows' supports), and the run is also held against the same rule with
+    the residual taken token by token (p - q, every token on both lists), the encoding before this runner ran."""
+
+    def __init__(self, prompt: list[int], eos: int, vocab: int, temperature: float, options: dict, n_tokens: int,
+                 seed: int):
+        import os
+
+        from specresearch.audit.llamacpp import SAMPLING, write_scaled_draft
+        from specresearch.models.embedded import gguf_path
+        from specresearch.paths import cache_dir
+
+        self.prompt, self.eos, self.vocab, self.n_tokens, self.seed = list(prompt), eos, vocab, n_tokens, seed
+        self.sampling = {k: options.get(k, SAMPLING[k]) for k in ("top_k", "top_p", "min_p")} | {"temperature": temperature}
+        if not isinstance(self.sampling["top_k"], int) or not 1 <= self.sampling["top_k"] <= 200:
+            raise ValueError(f"llamacpp-example needs top_k in 1..200, got {self.sampling['top_k']!r}")
+        self.n_parallel, self.draft_max = int(options.get("n_parallel", 1)), int(options.get("draft_max", 3))
+        self.p_split = float(options.get("p_split", 0.1))
+        if not 1 <= self.n_parallel <= 4 or self.draft_max < 1:
+            raise ValueError(f"llamacpp-example: n_parallel in 1..4 and draft_max >= 1, got {self.n_parallel}, {self.draft_max}")
+        self.jobs = int(options.get("jobs", min(2, os.cpu_count() or 1)))
+        scale = float(options.get("draft_scale", 1.5))
+        self.model = gguf_path()
+        self.draft = write_scaled_draft(self.model, cache_dir("llamacpp", f"draft-scaled-{scale:g}.gguf"), scale)
+        self.notes = [f"the draft is the target's GGUF with its logits scaled by {scale:g} (write_scaled_draft)",
+                      "llama-speculative's first token is the target's own; the second is the first it drafts for"]
+        self.draft_tv = None
+
+    def __enter__(self):
+        from specresearch.audit.llamacpp import LlamaServer
+
+        self.servers = [LlamaServer(self.model).__enter__()]
+        try:
+            self.servers.append(LlamaServer(self.draft).__enter__())
+        except BaseException:
+            self.servers[0].__exit__(None, None, None)
+            raise
+        target_server = self.servers[0]
+        self.text = target_server.detokenize(self.prompt)
+        tokens = target_server.tokenize(self.text)
+        if tokens != self.prompt:
+            self.notes.append(f"llama.cpp tokenizes the prompt's text as {len(tokens)} tokens (the toolkit's: "
+                              f"{len(self.prompt)}); the laws use llama.cpp's")
+            self.prompt = tokens
+        self.version = target_server.version() + ", llama-speculative"
+        return self
+
+    def __exit__(self, *exc):
+        for server in self.servers:
+            server.__exit__(*exc)
+
+    def _rows(self, server, prefixes) -> torch.Tensor:
+        return torch.stack([server.row(self.prompt + list(p), self.vocab, self.sampling) for p in prefixes])
+
+    def target_rows(self, prefixes) -> torch.Tensor:
+        return self._rows(self.servers[0], prefixes)
+
+    def _step_rows(self, law, lists: str) -> dict:
+        rows = dict(law.rows)
+        drafted = [prefix for prefix in law.rows if len(prefix) == 1 and prefix[0] != self.eos]
+        if drafted:
+            q = self._rows(self.servers[1], drafted)
+            p = torch.stack([law.rows[prefix] for prefix in drafted])
+            r = single_step("llamacpp-example", p, q, num_drafts=self.n_parallel, p_split=self.p_split,
+                            lists=lists)[0]
+            rows.update(zip(drafted, r))
+        return rows
+
+    def predicted_rows(self, law) -> dict:
+        """The first token: the target's; the second: ``llamacpp-example``'s float form on the target's and the
+        draft's lists after the first (its residual on the lists as the example pairs them)."""
+        return self._step_rows(law, "support")
+
+    def alternative_rows(self, law) -> dict:
+        return {"residual p - q token by token": self._step_rows(law, "full")}
+
+    def draws(self, num_samples: int):
+        """The example's generations, ``jobs`` processes at a time, in order. Each run's seed is drawn uniformly from
+        [1, 2^31 - 2] by a generator seeded with the run's ``seed``: the example's verifier generator
+        (``minstd_rand0``) gives consecutive seeds nearly equal first draws, which would make the runs dependent."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import numpy as np
+
+        from specresearch.audit.llamacpp import run_speculative
+
+        seeds = np.random.default_rng(self.seed).integers(1, 2**31 - 1, size=num_samples).tolist()
+
+        def one(seed: int) -> list[int]:
+            return run_speculative(self.model, self.draft, self.text, seed=seed, n_predict=self.n_tokens - 1,
+                                   sampling=self.sampling, n_parallel=self.n_parallel, draft_max=self.draft_max,
+                                   p_split=self.p_split)
+
+        with ThreadPoolExecutor(self.jobs) as pool:
+            for tokens in pool.map(one, seeds):
+                yield padded(tokens, self.n_tokens, self.eos)
 
 
 class PythonRun:
