@@ -43,6 +43,8 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   branches verified in a random order; rule ``llamacpp-example`` (not exact: its draft is the argmax). ``n_tokens``
   = 2: its first token is the target's own, the second the first drafted position (later ones depend on how the
   step ended). Also held against the rule with the textbook residual p - q (``alternatives``).
+* ``llamacpp-simple``: llama.cpp's ``llama-speculative-simple`` example, the server's loop (sample the target,
+  compare with the draft's token); rule ``llamacpp-server`` (exact); its first token is already drafted for.
 
 A generation that ends early (EOS) is padded with EOS; the laws treat EOS as absorbing alike.
 
@@ -83,6 +85,7 @@ ENGINES = {
     "transformers-sampling": "hf-assisted",
     "llamacpp-server": "llamacpp-server",
     "llamacpp-example": "llamacpp-example",
+    "llamacpp-simple": "llamacpp-server",  # the same loop as the server's (common_sampler_sample_and_accept_n)
     "python": "token",  # any library's sampler, given as sample=...: its claim (lossless) is what is tested
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
@@ -262,7 +265,7 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
         raise ValueError(f"n_tokens must be an int in 1..4, got {n_tokens!r}")
     if engine == "transformers-sampling" and n_tokens != 1:
         raise ValueError("transformers-sampling calls the verification function on the prompt's rows: n_tokens=1")
-    if engine.startswith("llamacpp") and n_tokens < 2:
+    if engine in ("llamacpp-server", "llamacpp-example") and n_tokens < 2:
         raise ValueError(f"{engine} samples its first token from the target alone: n_tokens >= 2")
     if engine == "llamacpp-example" and n_tokens != 2:
         raise ValueError("llamacpp-example: n_tokens=2 (the token after its first drafted step; later ones depend on "
@@ -319,8 +322,8 @@ def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
 
 
 def _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed):
-    if engine == "llamacpp-example":
-        return LlamaSpeculativeRun(ids, eos, vocab, temperature, options, n_tokens, seed)
+    if engine in ("llamacpp-example", "llamacpp-simple"):
+        return LlamaSpeculativeRun(ids, eos, vocab, temperature, options, n_tokens, seed, simple=engine == "llamacpp-simple")
     if engine.startswith("llamacpp"):
         return LlamaCppRun(ids, eos, vocab, temperature, options, n_tokens, seed)
     if engine == "python":

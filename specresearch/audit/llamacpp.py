@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["LLAMACPP_VERSION", "llamacpp_bin", "llamacpp_home", "write_scaled_draft", "write_truncated_draft", "LlamaServer", "SAMPLING",
-           "run_speculative", "speculative_tokens"]
+           "run_speculative", "simple_tokens", "speculative_tokens"]
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp is built (llama.cpp 0c1e570)
 # The server's sampling defaults (common/common.h): what a request that sets nothing gets.
@@ -218,18 +218,44 @@ class LlamaServer:
         return row / row.sum()
 
 
-# llama-speculative's debug lines that name an emitted token (examples/speculative/speculative.cpp l. 324 and 448):
-# an accepted draft token, and the token each step ends with (a residual draw, or the target's own after the drafts).
-_EMITTED = re.compile(r"draft token \d+ of sequence \d+ \((\d+), '|the sampled target token \((\d+), '")
+# llama-speculative's debug lines about a token (examples/speculative/speculative.cpp l. 324, 327 and 448): a draft
+# token accepted or rejected, and the token each step ends with (a residual draw, or the target's own after the
+# drafts). A token's text may hold anything, a line break too: each line is matched up to its closing "') ".
+_VERDICT = re.compile(r"draft token \d+ of sequence \d+ \((\d+), '.*?'\) (accepted|rejected)\n", re.DOTALL)
+_STEP_END = re.compile(r"the sampled target token \((\d+), '.*?'\) did not match", re.DOTALL)
 
 
 def speculative_tokens(log: str) -> list[int]:
-    """The tokens ``llama-speculative`` generated, in order, from its debug log (``-lv 5``)."""
-    return [int(a or b) for a, b in _EMITTED.findall(log)]
+    """The tokens ``llama-speculative`` generated, in order, from its debug log (``-lv 5``): each accepted draft token
+    and each step's last token (a rejected draft token is not emitted)."""
+    found = [(m.start(), int(m.group(1))) for m in _VERDICT.finditer(log) if m.group(2) == "accepted"]
+    found += [(m.start(), int(m.group(1))) for m in _STEP_END.finditer(log)]
+    return [token for _, token in sorted(found)]
+
+
+# llama-speculative-simple's (examples/speculative-simple/speculative-simple.cpp l. 323): each step's accepted count
+# and last token; its drafted tokens are the draft's top candidates, logged as candidate 0 at each position
+# (common/speculative.cpp l. 357).
+_SIMPLE_STEP = re.compile(r"accepted (\d+)/\d+ draft tokens, the last target token is: \((\d+)\)")
+_SIMPLE_DRAFT = re.compile(r"draft candidate +0, pos +\d+: +(\d+) ")
+
+
+def simple_tokens(log: str) -> list[int]:
+    """The tokens ``llama-speculative-simple`` generated, in order, from its debug log (``-lv 5``): at each step the
+    first ``accepted`` of the tokens it drafted, then the step's last token."""
+    tokens, drafted = [], []
+    for line in log.splitlines():
+        if (draft := _SIMPLE_DRAFT.search(line)) is not None:
+            drafted.append(int(draft.group(1)))
+        elif (step := _SIMPLE_STEP.search(line)) is not None:
+            tokens += drafted[: int(step.group(1))] + [int(step.group(2))]
+            drafted = []
+    return tokens
 
 
 def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sampling: dict, n_parallel: int = 1,
-                    draft_max: int = 3, p_split: float = 0.1, threads: int = 1, context: int = 512) -> list[int]:
+                    draft_max: int = 3, p_split: float = 0.1, threads: int = 1, context: int = 512,
+                    simple: bool = False) -> list[int]:
     """One run of llama.cpp's ``llama-speculative`` example (unmodified) on ``model`` with ``draft``, sampling with
     ``sampling`` (temperature, top_k, top_p, min_p) and ``seed`` (its verifier's and samplers' seed): the tokens it
     generated, one step past ``n_predict`` (it stops after the step that passes it) unless an end-of-generation
@@ -237,10 +263,18 @@ def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sam
 
     The example's verifier draws from ``std::default_random_engine`` seeded with ``seed`` (l. 69), in libstdc++
     ``minstd_rand0``, whose first draw is 16807 x seed mod (2^31 - 1): consecutive seeds give nearly equal first
-    uniforms, so runs meant to be independent need seeds spread over its range (``LlamaSpeculativeRun`` draws them)."""
-    command = [str(llamacpp_bin("llama-speculative")), "-m", str(model), "-md", str(draft), "-p", prompt,
-               "-n", str(n_predict), "-s", str(seed), "-np", str(n_parallel), "--spec-draft-n-max", str(draft_max),
-               "--spec-draft-p-split", repr(float(p_split)), "-t", str(threads), "-tb", str(threads), "-c", str(context),
+    uniforms, so runs meant to be independent need seeds spread over its range (``LlamaSpeculativeRun`` draws them).
+
+    ``simple=True``: ``llama-speculative-simple`` instead, the common speculative loop the server runs (drafts of the
+    draft model's top tokens, ``--spec-draft-p-min 0`` so that it drafts whatever their probability, verified by
+    sampling the target and comparing); ``n_parallel`` and ``p_split`` do not apply."""
+    if simple:
+        binary, extra = "llama-speculative-simple", ["--spec-type", "draft-simple", "--spec-draft-p-min", "0"]
+    else:
+        binary, extra = "llama-speculative", ["-np", str(n_parallel), "--spec-draft-p-split", repr(float(p_split))]
+    command = [str(llamacpp_bin(binary)), "-m", str(model), "-md", str(draft), "-p", prompt,
+               "-n", str(n_predict), "-s", str(seed), "--spec-draft-n-max", str(draft_max), *extra,
+               "-t", str(threads), "-tb", str(threads), "-c", str(context),
                "--temp", repr(float(sampling["temperature"])), "--top-k", str(int(sampling["top_k"])),
                "--top-p", repr(float(sampling["top_p"])), "--min-p", repr(float(sampling["min_p"])),
                "-fit", "off", "--no-escape", "-lv", "5"]
@@ -248,5 +282,8 @@ def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sam
                           timeout=300, preexec_fn=_die_with_parent)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout)[-2000:]
-        raise RuntimeError(f"llama-speculative exited with {done.returncode}:\n{tail}")
-    return speculative_tokens(done.stderr + done.stdout)
+        raise RuntimeError(f"{binary} exited with {done.returncode}:\n{tail}")
+    log = done.stderr + done.stdout
+    if simple and "draft candidate" not in log:
+        raise RuntimeError("llama-speculative-simple drafted nothing: its speculative decoding was off")
+    return (simple_tokens if simple else speculative_tokens)(log)

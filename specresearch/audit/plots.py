@@ -79,8 +79,10 @@ def plot_executed(rows: Sequence[dict], top: int = 6, columns: int = 5):
         ax.bar(x + 0.27, pick(predicted), 0.27, label="predicted (the audit's rule)", color="#c44e52")
         ax.set_xticks(x, [_cell_label(row["cells"][i]) for i in order] + ["rest"], rotation=60, fontsize=7)
         options = ", ".join(f"{k}={v}" for k, v in row["options"].items()) or "defaults"
+        others = "".join(f"\np({name}) {c['p_value']:.2g}" for name, c in row.get("alternatives", {}).items())
         ax.set_title(f"{row['engine']}\n{options}, T={row['temperature']:g}, N={int(n)}\n"
-                     f"p(target) {row['target']['p_value']:.2g}, p(predicted) {row['predicted']['p_value']:.2g}", fontsize=8)
+                     f"p(target) {row['target']['p_value']:.2g}, p(predicted) {row['predicted']['p_value']:.2g}{others}",
+                     fontsize=8)
     axes[0][0].set_ylabel("probability of the cell")
     axes[0][0].legend(fontsize=7, loc="upper right")
     fig.tight_layout()

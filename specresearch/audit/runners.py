@@ -28,6 +28,7 @@ ENGINE_OPTIONS = {
     "transformers-sampling": ("assistant_ensemble_weight",),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
+    "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
     "python": ("sample", "name", "version"),
 }
 _ROW_BATCH = 32
@@ -82,7 +83,11 @@ def absorbing(next_rows, eos: int, vocab: int):
 
 
 def padded(tokens: list[int], n_tokens: int, eos: int) -> list[int]:
-    tokens = list(tokens)[:n_tokens]
+    """The first ``n_tokens`` of ``tokens``, EOS absorbing: cut after the first EOS, padded with EOS."""
+    tokens = list(tokens)
+    if eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    tokens = tokens[:n_tokens]
     return tokens + [eos] * (n_tokens - len(tokens))
 
 
@@ -271,10 +276,13 @@ class LlamaSpeculativeRun:
     first a drafted step decides, so ``n_tokens`` = 2. The target's and the draft's lists (their sampler chains' final
     probabilities) come from two ``llama-server`` processes on the same files; the prediction is the encoded rule
     ``llamacpp-example`` on them (its lists the rows' supports), and the run is also held against the same rule with
-    the residual taken token by token (p - q, every token on both lists), the encoding before this runner ran."""
+    the residual taken token by token (p - q, every token on both lists), the encoding before this runner ran.
+
+    ``simple=True``: ``llama-speculative-simple`` (the loop the server runs, sample-and-compare: exact), whose first
+    token is already drafted for; the prediction is the target's law."""
 
     def __init__(self, prompt: list[int], eos: int, vocab: int, temperature: float, options: dict, n_tokens: int,
-                 seed: int):
+                 seed: int, simple: bool = False):
         import os
 
         from specresearch.audit.llamacpp import SAMPLING, write_scaled_draft
@@ -293,7 +301,9 @@ class LlamaSpeculativeRun:
         scale = float(options.get("draft_scale", 1.5))
         self.model = gguf_path()
         self.draft = write_scaled_draft(self.model, cache_dir("llamacpp", f"draft-scaled-{scale:g}.gguf"), scale)
+        self.simple = simple
         self.notes = [f"the draft is the target's GGUF with its logits scaled by {scale:g} (write_scaled_draft)",
+                      "llama-speculative-simple drafts for its first token already (--spec-draft-p-min 0)" if simple else
                       "llama-speculative's first token is the target's own; the second is the first it drafts for"]
         self.draft_tv = None
 
@@ -301,11 +311,12 @@ class LlamaSpeculativeRun:
         from specresearch.audit.llamacpp import LlamaServer
 
         self.servers = [LlamaServer(self.model).__enter__()]
-        try:
-            self.servers.append(LlamaServer(self.draft).__enter__())
-        except BaseException:
-            self.servers[0].__exit__(None, None, None)
-            raise
+        if not self.simple:  # the draft's lists, for the prediction
+            try:
+                self.servers.append(LlamaServer(self.draft).__enter__())
+            except BaseException:
+                self.servers[0].__exit__(None, None, None)
+                raise
         target_server = self.servers[0]
         self.text = target_server.detokenize(self.prompt)
         tokens = target_server.tokenize(self.text)
@@ -313,7 +324,7 @@ class LlamaSpeculativeRun:
             self.notes.append(f"llama.cpp tokenizes the prompt's text as {len(tokens)} tokens (the toolkit's: "
                               f"{len(self.prompt)}); the laws use llama.cpp's")
             self.prompt = tokens
-        self.version = target_server.version() + ", llama-speculative"
+        self.version = target_server.version() + (", llama-speculative-simple" if self.simple else ", llama-speculative")
         return self
 
     def __exit__(self, *exc):
@@ -337,13 +348,14 @@ class LlamaSpeculativeRun:
             rows.update(zip(drafted, r))
         return rows
 
-    def predicted_rows(self, law) -> dict:
+    def predicted_rows(self, law) -> dict | None:
         """The first token: the target's; the second: ``llamacpp-example``'s float form on the target's and the
-        draft's lists after the first (its residual on the lists as the example pairs them)."""
-        return self._step_rows(law, "support")
+        draft's lists after the first (its residual on the lists as the example pairs them). None (the target's
+        law) for the simple loop."""
+        return None if self.simple else self._step_rows(law, "support")
 
     def alternative_rows(self, law) -> dict:
-        return {"residual p - q token by token": self._step_rows(law, "full")}
+        return {} if self.simple else {"residual p - q token by token": self._step_rows(law, "full")}
 
     def draws(self, num_samples: int):
         """The example's generations, ``jobs`` processes at a time, in order. Each run's seed is drawn uniformly from
@@ -358,9 +370,10 @@ class LlamaSpeculativeRun:
         seeds = np.random.default_rng(self.seed).integers(1, 2**31 - 1, size=num_samples).tolist()
 
         def one(seed: int) -> list[int]:
-            return run_speculative(self.model, self.draft, self.text, seed=seed, n_predict=self.n_tokens - 1,
+            return run_speculative(self.model, self.draft, self.text, seed=seed,
+                                   n_predict=self.n_tokens if self.simple else self.n_tokens - 1,
                                    sampling=self.sampling, n_parallel=self.n_parallel, draft_max=self.draft_max,
-                                   p_split=self.p_split)
+                                   p_split=self.p_split, simple=self.simple)
 
         with ThreadPoolExecutor(self.jobs) as pool:
             for tokens in pool.map(one, seeds):
