@@ -6,7 +6,8 @@ configuration's measured law of the first tokens against the target's and the au
 
     python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
 
-Resumable: configurations already in the record are kept, the rest run and are written one by one. ``--scale``
+Resumable: configurations already in the record are kept, the rest run and are written one by one; ``--docs``
+rewrites docs/audit.md's table of engines run from this record and ``audit_libraries.json``. ``--scale``
 multiplies every N (0.05 for a smoke run into another file). ``--power`` adds the configurations run at an N that
 detects TV 0.03 (``POWER``; best with ``--executor ray``: seed blocks of ``--batch-size`` on Ray workers).
 
@@ -24,9 +25,11 @@ from pathlib import Path
 import torch
 
 from specresearch.audit.execute import default_pair, execute
+from specresearch.audit.report import executed_table
 from specresearch.drafts.registry import load_pair
 from specresearch.experiments.executor import add_executor_arguments, make_executor
-from specresearch.experiments.records import git_commit, record_header, write_json_record
+from specresearch.experiments.records import git_commit, record_header, replace_generated, write_json_record
+from specresearch.paths import repo_root
 
 PROMPT = "Name a colour."
 LOOKUP_PROMPT = "Repeat after me: the cat sat on the mat, the cat sat on the mat."
@@ -45,7 +48,8 @@ CONFIGS = [
     ("llamacpp-server", 2, 2000, 0.8, {"synth_rates": [0.5, 0.25, 0.125], "seeded": False}, PROMPT),
     # llama-speculative, the example: its own defaults (T 0.8, one branch), then two branches in a random order
     ("llamacpp-example", 2, 1200, 0.8, {}, PROMPT),
-    ("llamacpp-example", 2, 600, 0.8, {"n_parallel": 2}, PROMPT),
+    ("llamacpp-example", 2, 600, 0.8, {"n_parallel": 2}, PROMPT),  # its tree batch fails without -kvu
+    ("llamacpp-example", 2, 400, 0.8, {"n_parallel": 2, "kv_unified": True}, PROMPT),
     # llama-speculative-simple: the server's loop as a command-line example, its first token already drafted for
     ("llamacpp-simple", 2, 400, 0.8, {}, PROMPT),
 ]
@@ -67,9 +71,17 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--power", action="store_true", help="also the POWER configurations")
+    parser.add_argument("--docs", action="store_true", help="rewrite docs/audit.md's table of engines run and stop")
     parser.add_argument("--batch-size", type=int, default=2500, help="generations per seed block (with an executor)")
     add_executor_arguments(parser)
     args = parser.parse_args(argv)
+    if args.docs:
+        records = repo_root() / "benchmarks" / "records"
+        rows = [row for name in ("audit_executed", "audit_libraries")
+                for row in json.loads((records / f"{name}.json").read_text())["rows"]]
+        replace_generated(repo_root() / "docs" / "audit.md", "<!-- executed table: generated -->",
+                          "<!-- end of executed table -->", executed_table(rows) + "\n")
+        return 0
     executor = make_executor(args, local=None)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
