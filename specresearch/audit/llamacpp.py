@@ -255,7 +255,7 @@ def simple_tokens(log: str) -> list[int]:
 
 def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sampling: dict, n_parallel: int = 1,
                     draft_max: int = 3, p_split: float = 0.1, threads: int = 1, context: int = 512,
-                    simple: bool = False, kv_unified: bool = False, with_log: bool = False):
+                    simple: bool = False, with_log: bool = False):
     """One run of llama.cpp's ``llama-speculative`` example (unmodified) on ``model`` with ``draft``, sampling with
     ``sampling`` (temperature, top_k, top_p, min_p) and ``seed`` (its verifier's and samplers' seed): the tokens it
     generated, one step past ``n_predict`` (it stops after the step that passes it) unless an end-of-generation
@@ -267,14 +267,18 @@ def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sam
 
     ``simple=True``: ``llama-speculative-simple`` instead, the common speculative loop the server runs (drafts of the
     draft model's top tokens, ``--spec-draft-p-min 0`` so that it drafts whatever their probability, verified by
-    sampling the target and comparing); ``n_parallel`` and ``p_split`` do not apply. ``kv_unified``: ``-kvu``, one KV
-    buffer for all sequences, which the example's tree batch of several branches needs in this version (without it
-    the batch fails to decode, logged, and the example goes on). ``with_log``: return ``(tokens, log)``."""
+    sampling the target and comparing); ``n_parallel`` and ``p_split`` do not apply. ``with_log``: return
+    ``(tokens, log)``.
+
+    With ``n_parallel`` > 1 the example's tree batch (branches as coupled sequences) fails to decode in this version
+    ("split_equal: sequential split is not supported when there are coupled sequences", then "failed to find a
+    memory slot"), logged, not fatal: it asks for a unified KV cache, which the example cannot be given (``-kvu`` is
+    registered for the server, perplexity, batched, bench and parallel examples only, ``common/arg.cpp`` l. 1724-1730,
+    and ``LLAMA_ARG_KV_UNIFIED`` does not reach it either)."""
     if simple:
         binary, extra = "llama-speculative-simple", ["--spec-type", "draft-simple", "--spec-draft-p-min", "0"]
     else:
         binary, extra = "llama-speculative", ["-np", str(n_parallel), "--spec-draft-p-split", repr(float(p_split))]
-    extra += ["-kvu"] if kv_unified else []
     command = [str(llamacpp_bin(binary)), "-m", str(model), "-md", str(draft), "-p", prompt,
                "-n", str(n_predict), "-s", str(seed), "--spec-draft-n-max", str(draft_max), *extra,
                "-t", str(threads), "-tb", str(threads), "-c", str(context),

@@ -27,8 +27,7 @@ ENGINE_OPTIONS = {
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
     "transformers-sampling": ("assistant_ensemble_weight",),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
-    "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs",
-                         "kv_unified"),
+    "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
     "python": ("sample", "name", "version"),
 }
@@ -296,7 +295,6 @@ class LlamaSpeculativeRun:
             raise ValueError(f"llamacpp-example needs top_k in 1..200, got {self.sampling['top_k']!r}")
         self.n_parallel, self.draft_max = int(options.get("n_parallel", 1)), int(options.get("draft_max", 3))
         self.p_split = float(options.get("p_split", 0.1))
-        self.kv_unified = bool(options.get("kv_unified", False))
         if not 1 <= self.n_parallel <= 4 or self.draft_max < 1:
             raise ValueError(f"llamacpp-example: n_parallel in 1..4 and draft_max >= 1, got {self.n_parallel}, {self.draft_max}")
         self.jobs = int(options.get("jobs", min(2, os.cpu_count() or 1)))
@@ -375,7 +373,7 @@ class LlamaSpeculativeRun:
             return run_speculative(self.model, self.draft, self.text, seed=seed,
                                    n_predict=self.n_tokens if self.simple else self.n_tokens - 1,
                                    sampling=self.sampling, n_parallel=self.n_parallel, draft_max=self.draft_max,
-                                   p_split=self.p_split, simple=self.simple, kv_unified=self.kv_unified, with_log=True)
+                                   p_split=self.p_split, simple=self.simple, with_log=True)
 
         failed = 0
         with ThreadPoolExecutor(self.jobs) as pool:
@@ -384,8 +382,8 @@ class LlamaSpeculativeRun:
                 yield padded(tokens, self.n_tokens, self.eos)
         if failed:
             self.notes.append(f"in {failed} of {num_samples} runs the target's batch failed to decode ('failed to find a "
-                              "memory slot', with several branches and no -kvu) and the example went on with the "
-                              "previous step's logits")
+                              "memory slot': several branches need a unified KV cache, which the example cannot be "
+                              "given) and the example went on with the previous step's list")
 
 
 class PythonRun:
