@@ -9,15 +9,17 @@ configuration's measured law of the first tokens against the target's and the au
 Resumable: configurations already in the record are kept, the rest run and are written one by one; ``--docs``
 rewrites docs/audit.md's table of engines run from this record and ``audit_libraries.json``. ``--scale``
 multiplies every N (0.05 for a smoke run into another file). ``--power`` adds the configurations run at an N that
-detects TV 0.03 (``POWER``; best with ``--executor ray``: seed blocks of ``--batch-size`` on Ray workers).
+detects TV 0.03 (``POWER``) as seed blocks of ``--batch-size``, each stored in ``benchmarks/records/blocks/`` as it
+lands (a stopped run resumes from its last block); ``--executor ray`` runs the blocks on Ray workers.
 
-    python benchmarks/audit_executed.py --power --executor ray --workers 2 --batch-size 2500
+    python benchmarks/audit_executed.py --power [--executor ray --workers 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -27,7 +29,7 @@ import torch
 from specresearch.audit.execute import default_pair, execute
 from specresearch.audit.report import executed_table
 from specresearch.drafts.registry import load_pair
-from specresearch.experiments.executor import add_executor_arguments, make_executor
+from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
 from specresearch.experiments.records import git_commit, record_header, replace_generated, write_json_record
 from specresearch.paths import repo_root
 
@@ -55,13 +57,24 @@ CONFIGS = [
 
 
 # the same configurations at an N whose test detects TV 0.03 (the issue's bar for a lossless verdict), in seed blocks
+# stored as they land (benchmarks/records/blocks/), so a run of hours resumes where it stopped
+# transformers at T = 1 leaves the whole vocabulary: cells of expected count >= 50 (not 5), whose fewer cells let
+# N = 24,000 detect TV 0.03 (at >= 5, 40,000 runs detect 0.038); rarer sequences pool into their prefix's rest
 POWER = [
     ("llamacpp-server", 2, 30000, 1.0, {}, PROMPT),
+    ("transformers-assisted", 2, 24000, 1.0, {}, PROMPT, {"min_expected": 50.0}),
 ]
+BLOCKS = Path("benchmarks/records/blocks")
 
 
 def key(engine, n_tokens, temperature, options, prompt, n=None) -> str:
     return json.dumps([engine, n_tokens, temperature, options, prompt] + ([] if n is None else [n]), sort_keys=True)
+
+
+def blocks_name(engine, n_tokens, temperature, options, prompt, n, args) -> str:
+    """A configuration's block file's name: its key and block size, hashed."""
+    text = key(engine, n_tokens, temperature, options, prompt, n) + f"{args.batch_size}:{args.scale}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def main(argv=None) -> int:
@@ -71,7 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--power", action="store_true", help="also the POWER configurations")
     parser.add_argument("--docs", action="store_true", help="rewrite docs/audit.md's table of engines run and stop")
-    parser.add_argument("--batch-size", type=int, default=2500, help="generations per seed block (with an executor)")
+    parser.add_argument("--batch-size", type=int, default=500, help="generations per seed block (--power)")
     add_executor_arguments(parser)
     args = parser.parse_args(argv)
     if args.docs:
@@ -89,18 +102,19 @@ def main(argv=None) -> int:
             for r in record["rows"]}
     target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
     runs = [(config, None) for config in CONFIGS] + [(config, config[2]) for config in (POWER if args.power else [])]
-    for (engine, n_tokens, n, temperature, options, prompt), power_n in runs:
+    for (engine, n_tokens, n, temperature, options, prompt, *test), power_n in runs:
         if key(engine, n_tokens, temperature, options, prompt, power_n) in done:
             continue
-        parallel = {} if power_n is None or executor is None else dict(
-            executor=executor, models=functools.partial(default_pair), batch_size=args.batch_size)
+        parallel = {} if power_n is None else dict(
+            executor=executor or LocalExecutor(), models=functools.partial(default_pair), batch_size=args.batch_size,
+            blocks_file=BLOCKS / f"{engine}-{blocks_name(engine, n_tokens, temperature, options, prompt, n, args)}.jsonl")
         result = execute(engine, prompt=prompt, n_tokens=n_tokens, num_samples=max(20, round(n * args.scale)),
                          temperature=temperature, target=target.model, draft=draft.model, tokenizer=tokenizer,
-                         **parallel, **options)
+                         **(test[0] if test else {}), **parallel, **options)
         print(result, flush=True)
         row = {"prompt": prompt, "commit": git_commit()} | result.as_record()  # rows may come from resumed runs
         if power_n is not None:
-            row |= {"power_n": power_n, "executor": args.executor, "batch_size": args.batch_size if parallel else None}
+            row |= {"power_n": power_n, "executor": args.executor, "batch_size": args.batch_size} | (test[0] if test else {})
         record["rows"].append(row)
         write_json_record(out, record)
     return 0

@@ -36,7 +36,10 @@ def add_audit_engine(sub, command) -> None:
     from specresearch.experiments.executor import add_executor_arguments
 
     add_executor_arguments(p)  # --executor ray: seed blocks of --batch-size as Ray tasks (audit.execute)
-    p.add_argument("--batch-size", type=int, default=500, help="generations per seed block (with --executor ray)")
+    p.add_argument("--batch-size", type=int, default=500,
+                   help="generations per seed block (with --executor ray or --blocks-file)")
+    p.add_argument("--blocks-file", help="store each finished seed block in this JSON-lines file; rerun the same "
+                                         "command to resume a stopped run from its last block")
     p.set_defaults(func=_run)
 
 
@@ -69,6 +72,10 @@ def _run(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     executor = make_executor(args, local=None)
+    if executor is None and args.blocks_file:
+        from specresearch.experiments.executor import LocalExecutor
+
+        executor = LocalExecutor()
     torch.set_num_threads(args.threads)
     if args.draft == "v8k-4l":
         target, draft, tokenizer = default_pair()
@@ -80,7 +87,7 @@ def _run(args) -> int:
     result = execute(args.engine, prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,
                      temperature=args.temperature, seed=args.seed, min_expected=args.min_expected,
                      target=target, draft=draft, tokenizer=tokenizer, executor=executor, models=models,
-                     batch_size=args.batch_size, **options)
+                     batch_size=args.batch_size, blocks_file=args.blocks_file, **options)
     print(result)
     if args.record:
         from specresearch.experiments.records import record_header

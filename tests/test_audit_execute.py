@@ -2,22 +2,30 @@
 the encoded rule's prediction. Every chi-square decision here is at level 1e-3 with a fixed seed: a correct engine
 fails a "keeps" assertion with probability 1e-3 over seeds, and these seeds are fixed."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 from specresearch.audit.execute import ENGINES, captured_rows, cell_probs, execute, tv_interval
 from specresearch.audit.llamacpp import llamacpp_home
+from specresearch.experiments.executor import LocalExecutor
 from specresearch.experiments.stats import law_from_rows
 from specresearch.models.families import perturbed_copy, tiny_family_model
 
 PROMPT = [5, 9, 17, 3, 5, 9]  # repeats an n-gram, so prompt lookup finds candidates
 
 
-@pytest.fixture(scope="module")
-def pair():
+def tiny_pair():
+    """The tiny target and its perturbed copy as the draft (also a recipe executors' workers build)."""
     target = tiny_family_model("llama", "sdpa", seed=0, init_std=0.5)
     return target, perturbed_copy(target, noise=1.0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
 
 
 def run(pair, engine, **kwargs):
@@ -108,6 +116,10 @@ def test_captured_rows_restores_the_function():
     (dict(engine="llamacpp-example", n_tokens=3), "n_tokens=2"),
     (dict(engine="llamacpp-example", synth_rates=(0.5,)), "takes options"),
     (dict(engine="python", sample=None), "needs sample="),
+    (dict(engine="llamacpp-server", top_k=500), "llamacpp-server needs top_k in 1..200"),
+    (dict(engine="llamacpp-example", top_k=0), "llamacpp-example needs top_k"),
+    (dict(engine="llamacpp-simple", top_k=0), "llamacpp-simple needs top_k"),
+    (dict(engine="llamacpp-example", n_parallel=5), "llamacpp-example: n_parallel in 1..4"),
 ])
 def test_bad_input_is_refused(pair, kwargs, message):
     kwargs = dict(num_samples=100) | kwargs
@@ -187,6 +199,35 @@ def test_llama_speculative_follows_its_list_residual_and_speculative_simple_the_
     simple = execute("llamacpp-simple", prompt="Name a colour.", n_tokens=2, num_samples=100, temperature=0.8,
                      target=target.model, tokenizer=tokenizer, progress=False, min_expected=10)
     assert simple.verdict == "exact" and simple.target.p_value > 1e-3, str(simple)
+
+
+class CountingExecutor(LocalExecutor):
+    def __init__(self):
+        self.blocks = 0
+
+    def run(self, function, blocks, on_result=None):
+        self.blocks += len(blocks)
+        return super().run(function, blocks, on_result)
+
+
+def test_a_stopped_run_resumes_from_its_stored_blocks(pair, tmp_path):
+    """blocks_file=: every finished seed block is stored; a run stopped after two of three blocks draws only the
+    third when run again and counts what the uninterrupted run counts; a file of another run is refused."""
+    common = dict(n_tokens=1, num_samples=3000, seed=4, batch_size=1000, models=functools.partial(tiny_pair))
+    path = tmp_path / "blocks.jsonl"
+    whole = run(pair, "transformers-sampling", executor=LocalExecutor(), **common)
+    stored = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
+    lines = path.read_text().splitlines()
+    assert stored.counts == whole.counts and len(lines) == 4 and sum(whole.counts) == 3000
+    path.write_text("\n".join(lines[:3]) + "\n")  # stopped after its second block
+    counting = CountingExecutor()
+    resumed = run(pair, "transformers-sampling", executor=counting, blocks_file=path, **common)
+    assert counting.blocks == 1 and resumed.counts == whole.counts and len(path.read_text().splitlines()) == 4
+    assert resumed.seconds > 0
+    with pytest.raises(ValueError, match="blocks of another run"):
+        run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common | {"seed": 5})
+    with pytest.raises(ValueError, match="pass an executor"):
+        run(pair, "transformers-sampling", blocks_file=path, num_samples=3000)
 
 
 def test_a_library_sampler_is_held_to_the_target_law(pair):

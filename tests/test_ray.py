@@ -194,3 +194,36 @@ def test_an_engine_run_split_into_seed_blocks_counts_the_same_anywhere(executor)
     assert there.target.p_value > 1e-3
     with pytest.raises(ValueError, match="pass models="):
         execute("transformers-sampling", executor=executor, **{**common, "models": None})
+
+
+def test_ray_is_started_again_when_its_node_misses_the_startup_wait(monkeypatch):
+    """Ray waits a fixed 30 s for its node to register; on a loaded machine it can miss it: RayExecutor starts Ray
+    again (up to start_attempts), and any other error, or the last attempt's, is raised."""
+    import ray as real
+
+    from specresearch.experiments.executor import RayExecutor
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append("init")
+        if calls.count("init") <= failures:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(real, "is_initialized", lambda: False)
+    monkeypatch.setattr(real, "init", init)
+    monkeypatch.setattr(real, "shutdown", lambda: calls.append("shutdown"))
+    failures = 2
+    RayExecutor(workers=2, start_attempts=3)
+    assert calls == ["init", "shutdown", "init", "shutdown", "init"]
+    calls.clear()
+    with pytest.raises(Exception, match="timed out during startup"):
+        RayExecutor(workers=2, start_attempts=2)
+    assert calls == ["init", "shutdown", "init"]
+
+    def broken(**kwargs):
+        raise ValueError("another failure")
+
+    monkeypatch.setattr(real, "init", broken)
+    with pytest.raises(ValueError, match="another failure"):
+        RayExecutor(workers=2)

@@ -51,7 +51,8 @@ A generation that ends early (EOS) is padded with EOS; the laws treat EOS as abs
 With ``executor=`` (``experiments.executor``: ``--executor ray`` on the command line) the N generations run as seed
 blocks of ``batch_size`` (each block seeds its own draws, ``stats.block_seeds``), each in a worker that builds the
 models once from ``models`` (default: :func:`default_pair`); the counts then depend on the seed and the block size,
-not on the number of workers.
+not on the number of workers. ``blocks_file=`` keeps each finished block in a JSON-lines file (:class:`BlockStore`): a
+run of hours stopped anywhere resumes from its last block and counts what one uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ from specresearch.audit.runners import (
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
 __all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "default_pair", "captured_rows", "cell_probs",
-           "tv_interval", "DrawBlock", "draw_block"]
+           "tv_interval", "BlockStore", "DrawBlock", "draw_block", "timed_block"]
 
 ENGINES = {
     "transformers-assisted": "hf-assisted",
@@ -226,19 +227,63 @@ def cell_probs(law, rows: dict) -> tuple[list[float], float]:
 
 
 def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options, n_tokens, num_samples, batch_size,
-                 seed, progress) -> list[tuple[int, ...]]:
-    """Every block's generations, in block order, the blocks run by ``executor``."""
+                 seed, progress, store=None) -> tuple[list[tuple[int, ...]], float]:
+    """Every block's generations, in block order, the blocks run by ``executor`` (those ``store`` already holds read
+    back from it, each new one appended as it lands), and the seconds the blocks took, summed."""
     from tqdm.auto import tqdm
 
     from specresearch.experiments.stats import seed_blocks
 
     blocks = [DrawBlock(engine, models, tuple(ids), eos, vocab, temperature, tuple(sorted(options.items())),
                         n_tokens, size, block_seed) for size, block_seed in seed_blocks(num_samples, batch_size, seed)]
-    bar = tqdm(total=num_samples, desc=f"{engine} ({getattr(executor, 'name', 'executor')})", disable=not progress,
-               unit="run")
-    results = executor.run(draw_block, blocks, on_result=lambda i, _: bar.update(blocks[i].size))
+    kept = {} if store is None else store.read()
+    todo = [block for block in blocks if (block.size, block.seed) not in kept]
+    bar = tqdm(total=num_samples, initial=num_samples - sum(block.size for block in todo), unit="run",
+               desc=f"{engine} ({getattr(executor, 'name', 'executor')})", disable=not progress)
+
+    def landed(index, result):
+        block = todo[index]
+        kept[(block.size, block.seed)] = result
+        if store is not None:
+            store.append(block.size, block.seed, *result)
+        bar.update(block.size)
+
+    executor.run(timed_block, todo, on_result=landed)
     bar.close()
-    return [sequence for block in results for sequence in block]
+    draws = [kept[(block.size, block.seed)] for block in blocks]
+    return [tuple(sequence) for sequences, _ in draws for sequence in sequences], sum(seconds for _, seconds in draws)
+
+
+class BlockStore:
+    """A JSON-lines file of one :func:`execute` run's finished seed blocks, so a long run resumes where it stopped:
+    a first line naming the run (engine, prompt ids, settings, N, block size, seed), then one line a block
+    (``size``, ``seed``, its generations, its seconds). A file naming another run is refused."""
+
+    def __init__(self, path, run: dict):
+        from pathlib import Path
+
+        self.path, self.run = Path(path), run
+
+    def read(self) -> dict:
+        """``{(size, seed): (generations, seconds)}`` of the blocks already stored; writes the header if new."""
+        import json
+
+        if not self.path.exists() or not self.path.read_text().strip():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"run": self.run}) + "\n")
+            return {}
+        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        if lines[0].get("run") != json.loads(json.dumps(self.run)):
+            raise ValueError(f"{self.path} holds the blocks of another run ({lines[0].get('run')}); this one is "
+                             f"{self.run}: pass another path, or remove the file to start again")
+        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"]) for row in lines[1:]}
+
+    def append(self, size: int, seed: int, draws, seconds: float) -> None:
+        import json
+
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"size": size, "seed": seed, "seconds": round(seconds, 3),
+                                     "draws": [list(s) for s in draws]}, separators=(",", ":")) + "\n")
 
 
 def default_pair():
@@ -309,6 +354,13 @@ class DrawBlock:
     seed: int
 
 
+def timed_block(block: DrawBlock) -> tuple[list[tuple[int, ...]], float]:
+    """:func:`draw_block` and the seconds it took in its worker."""
+    start = time.perf_counter()
+    draws = draw_block(block)
+    return draws, time.perf_counter() - start
+
+
 def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
     """The block's generations (first ``n_tokens`` tokens each), drawn with its own seed in this worker."""
     from specresearch.experiments.executor import loaded
@@ -333,7 +385,7 @@ def _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_to
 
 def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, temperature: float = 1.0, seed: int = 0,
             min_expected: float = 5.0, target=None, draft=None, tokenizer=None, progress: bool = True,
-            executor=None, models=None, batch_size: int = 500, **options) -> ExecutionResult:
+            executor=None, models=None, batch_size: int = 500, blocks_file=None, **options) -> ExecutionResult:
     """Run ``engine``'s own implementation ``num_samples`` times on ``prompt`` and test the law of its first
     ``n_tokens`` tokens (module docstring).
 
@@ -354,8 +406,14 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         executor, models, batch_size: run the generations as seed blocks of ``batch_size`` on ``executor`` (module
             docstring), the workers building ``models()`` (a picklable recipe returning ``(target, draft, ...)``;
             default :func:`default_pair`, required when ``target`` is given).
+        blocks_file: with an executor, a JSON-lines path (:class:`BlockStore`) each finished seed block is appended
+            to; a rerun with the same arguments reads those blocks back and draws only the rest (``seconds`` is then
+            the blocks' own seconds, summed).
     """
     check_arguments(engine, n_tokens, num_samples, temperature, options)
+    if blocks_file is not None and executor is None:
+        raise ValueError("blocks_file= stores seed blocks: pass an executor too (experiments.executor.LocalExecutor() "
+                         "runs them in this process)")
     if executor is not None and models is None and target is not None:
         raise ValueError("an executor runs the generations in its workers: pass models=, a picklable recipe that "
                          "returns (target, draft, ...), with target=")
@@ -393,12 +451,16 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         if executor is None:
             draws = tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run")
         else:
-            draws = _block_draws(executor, models or functools.partial(default_pair), engine, ids, eos, vocab,
-                                 temperature, options, n_tokens, num_samples, batch_size, seed, progress)
+            store = None if blocks_file is None else BlockStore(blocks_file, dict(
+                engine=engine, ids=list(ids), temperature=temperature, n_tokens=n_tokens, num_samples=num_samples,
+                batch_size=batch_size, seed=seed, options={k: v for k, v in sorted(options.items()) if k != "sample"}))
+            draws, block_seconds = _block_draws(executor, models or functools.partial(default_pair), engine, ids, eos,
+                                                vocab, temperature, options, n_tokens, num_samples, batch_size, seed,
+                                                progress, store)
         for sequence in draws:
             cell = law.index(sequence)
             counts[len(law.cells) if cell is None else cell] += 1
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start if executor is None or blocks_file is None else block_seconds
     if not counts[-1] and not predicted_probs[-1] and not any(probs[-1] for probs in others.values()):
         counts, target_probs, predicted_probs = counts[:-1], target_probs[:-1], predicted_probs[:-1]  # no such cell
         others = {name: probs[:-1] for name, probs in others.items()}

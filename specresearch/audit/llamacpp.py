@@ -6,7 +6,7 @@ llama-cpp-python sdist) on the embedded GGUF, for :func:`specresearch.audit.exec
   whose ``output_norm.weight`` is multiplied by c, so its logits are c times the target's (the same argmax, a sharper
   or flatter law; its vocabulary is the target's, which llama.cpp's compatibility check asks for). Written with
   llama.cpp's own ``gguf-py``.
-* :class:`LlamaServer` starts ``llama-server`` on a local port for one model (and a draft), and
+* :class:`LlamaServer` starts ``llama-server`` on a local port the system picks for one model (and a draft), and
   :meth:`LlamaServer.complete` posts a ``/completion`` request: token ids in, token ids and the sampler's final
   probabilities out.
 
@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp
 # The server's sampling defaults (common/common.h): what a request that sets nothing gets.
 SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 _START_SECONDS = 120
+_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
 
 
 def llamacpp_home() -> Path:
@@ -136,41 +136,48 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server`` on ``model`` (and ``draft``) at a free local port, one slot, ``threads`` threads; ``args``:
     more command-line flags (e.g. ``["--spec-synth-rates", "0.5,0.25,0.125"]``). A context manager."""
 
     def __init__(self, model, draft=None, *, threads: int = 1, context: int = 1024, args=()):
+        self.alias = f"specresearch-{os.getpid()}-{os.urandom(4).hex()}"  # its name in /props and its log's
         self.command = [str(llamacpp_bin("llama-server")), "-m", str(model), "--host", "127.0.0.1",
-                        "--port", str(_free_port()), "-c", str(context), "-np", "1", "-t", str(threads),
-                        "-tb", str(threads), "--no-warmup", *([] if draft is None else ["-md", str(draft),
-                                                                                   "-td", str(threads)]), *args]
-        self.url = f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
+                        "--port", "0", "-c", str(context), "-np", "1", "-t", str(threads),
+                        "-tb", str(threads), "--no-warmup", "--alias", self.alias,
+                        *([] if draft is None else ["-md", str(draft), "-td", str(threads)]), *args]
         self.process = None
 
     def __enter__(self) -> "LlamaServer":
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{os.getpid()}.log", "w")
+        # --port 0: the server binds a port the system picks and logs it, so two servers never race for one
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{self.alias}.log", "w")
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + _START_SECONDS
+        self.url, deadline = None, time.monotonic() + _START_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {self.process.returncode}: see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self.url is None:
+                bound = _LISTENING.search(Path(self.log.name).read_text(errors="replace"))
+                self.url = bound and f"http://127.0.0.1:{bound.group(1)}"
+            if self.url is not None and self._answers():
+                return self
             time.sleep(0.2)
         self.__exit__(None, None, None)
         raise RuntimeError(f"llama-server did not start within {_START_SECONDS} s: see {self.log.name}")
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                if reply.status != 200:
+                    return False
+            with urllib.request.urlopen(self.url + "/props", timeout=10) as reply:
+                alias = json.loads(reply.read()).get("model_alias")
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+        if alias != self.alias:
+            raise RuntimeError(f"another server ({alias!r}) answers on {self.url}, which {self.log.name} says is this one's")
+        return True
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -212,6 +219,9 @@ class LlamaServer:
         ``n_probs = top_k`` covers the support."""
         reply = self.complete(tokens, n_predict=1, n_probs=int(sampling["top_k"]), post_sampling_probs=True,
                               **sampling)
+        if not reply.get("completion_probabilities"):
+            raise RuntimeError(f"llama-server returned no probabilities after {len(tokens)} tokens: "
+                               f"{ {k: v for k, v in reply.items() if k != 'tokens'} }")
         row = torch.zeros(vocab, dtype=torch.float64)
         for entry in reply["completion_probabilities"][0]["top_probs"]:
             row[int(entry["id"])] = float(entry["prob"])

@@ -196,21 +196,36 @@ class TransformersRun:
             yield [int(tokens[0, 0])]
 
 
+def _llama_sampling(engine: str, options: dict, temperature: float) -> dict:
+    """A llama.cpp run's sampler settings (the server's defaults where ``options`` has none); ``ValueError`` for a
+    ``top_k`` outside 1..200 (the final probabilities are read back as the ``top_k`` most likely tokens)."""
+    from specresearch.audit.llamacpp import SAMPLING
+
+    sampling = {k: options.get(k, SAMPLING[k]) for k in ("top_k", "top_p", "min_p")} | {"temperature": temperature}
+    if not isinstance(sampling["top_k"], int) or not 1 <= sampling["top_k"] <= 200:
+        raise ValueError(f"{engine} needs top_k in 1..200 (its final probabilities are read back as the top_k most "
+                         f"likely tokens), got {sampling['top_k']!r}")
+    return sampling
+
+
+def _scaled_draft(options: dict):
+    """``(target GGUF, draft GGUF, scale)``: the draft the target's copy with its logits scaled by ``draft_scale``."""
+    from specresearch.audit.llamacpp import write_scaled_draft
+    from specresearch.models.embedded import gguf_path
+    from specresearch.paths import cache_dir
+
+    scale = float(options.get("draft_scale", 1.5))
+    return gguf_path(), write_scaled_draft(gguf_path(), cache_dir("llamacpp", f"draft-scaled-{scale:g}.gguf"), scale), scale
+
+
 class LlamaCppRun:
     """llama.cpp's server (:mod:`specresearch.audit.llamacpp`) on the embedded GGUF with a scaled copy as the draft."""
 
     def __init__(self, prompt: list[int], eos: int, vocab: int, temperature: float, options: dict, n_tokens: int,
                  seed: int):
-        from specresearch.audit.llamacpp import SAMPLING, write_scaled_draft
-        from specresearch.models.embedded import gguf_path
-        from specresearch.paths import cache_dir
-
         self.prompt, self.eos, self.vocab, self.n_tokens, self.seed = list(prompt), eos, vocab, n_tokens, seed
         self.seeded = bool(options.get("seeded", True))  # False: requests carry no seed, the server draws its own
-        self.sampling = {k: options.get(k, SAMPLING[k]) for k in ("top_k", "top_p", "min_p")} | {"temperature": temperature}
-        if not isinstance(self.sampling["top_k"], int) or not 1 <= self.sampling["top_k"] <= 200:
-            raise ValueError("llamacpp-server needs top_k in 1..200 (its final probabilities are read back as the "
-                             f"top_k most likely tokens), got {self.sampling['top_k']!r}")
+        self.sampling = _llama_sampling("llamacpp-server", options, temperature)
         rates = options.get("synth_rates")
         self.rates = None if rates is None else tuple(float(r) for r in (rates.split(",") if isinstance(rates, str) else rates))
         n_max = int(options.get("draft_max", 3))
@@ -221,9 +236,8 @@ class LlamaCppRun:
                 raise ValueError(f"synth_rates: one rate per drafted position (draft_max = {n_max}), and n_tokens=2 "
                                  "(the token after the first drafted step; later ones depend on earlier acceptances)")
             args += ["--spec-synth-rates", ",".join(repr(r) for r in self.rates)]
-        scale = float(options.get("draft_scale", 1.5))
-        draft = write_scaled_draft(gguf_path(), cache_dir("llamacpp", f"draft-scaled-{scale:g}.gguf"), scale)
-        self.server_args = (gguf_path(), draft, args)
+        model, draft, scale = _scaled_draft(options)
+        self.server_args = (model, draft, args)
         self.notes = [f"the draft is the target's GGUF with its logits scaled by {scale:g} (write_scaled_draft)",
                       "the server's first token is the target's own; its speculative steps start at the second"]
         self.draft_tv = None
@@ -285,23 +299,16 @@ class LlamaSpeculativeRun:
                  seed: int, simple: bool = False):
         import os
 
-        from specresearch.audit.llamacpp import SAMPLING, write_scaled_draft
-        from specresearch.models.embedded import gguf_path
-        from specresearch.paths import cache_dir
-
         self.prompt, self.eos, self.vocab, self.n_tokens, self.seed = list(prompt), eos, vocab, n_tokens, seed
-        self.sampling = {k: options.get(k, SAMPLING[k]) for k in ("top_k", "top_p", "min_p")} | {"temperature": temperature}
-        if not isinstance(self.sampling["top_k"], int) or not 1 <= self.sampling["top_k"] <= 200:
-            raise ValueError(f"llamacpp-example needs top_k in 1..200, got {self.sampling['top_k']!r}")
+        engine = "llamacpp-simple" if simple else "llamacpp-example"
+        self.sampling = _llama_sampling(engine, options, temperature)
         self.n_parallel, self.draft_max = int(options.get("n_parallel", 1)), int(options.get("draft_max", 3))
         self.p_split = float(options.get("p_split", 0.1))
         if not 1 <= self.n_parallel <= 4 or self.draft_max < 1:
-            raise ValueError(f"llamacpp-example: n_parallel in 1..4 and draft_max >= 1, got {self.n_parallel}, {self.draft_max}")
+            raise ValueError(f"{engine}: n_parallel in 1..4 and draft_max >= 1, got {self.n_parallel}, {self.draft_max}")
         self.jobs = int(options.get("jobs", min(2, os.cpu_count() or 1)))
-        scale = float(options.get("draft_scale", 1.5))
-        self.model = gguf_path()
-        self.draft = write_scaled_draft(self.model, cache_dir("llamacpp", f"draft-scaled-{scale:g}.gguf"), scale)
-        self.simple = simple
+        self.model, self.draft, scale = _scaled_draft(options)
+        self.simple, self._draft_rows = simple, {}
         self.notes = [f"the draft is the target's GGUF with its logits scaled by {scale:g} (write_scaled_draft)",
                       "llama-speculative-simple drafts for its first token already (--spec-draft-p-min 0)" if simple else
                       "llama-speculative's first token is the target's own; the second is the first it drafts for"]
@@ -341,7 +348,10 @@ class LlamaSpeculativeRun:
         rows = dict(law.rows)
         drafted = [prefix for prefix in law.rows if len(prefix) == 1 and prefix[0] != self.eos]
         if drafted:
-            q = self._rows(self.servers[1], drafted)
+            missing = [prefix for prefix in drafted if prefix not in self._draft_rows]
+            if missing:  # the prediction and the alternative share the draft's lists
+                self._draft_rows.update(zip(missing, self._rows(self.servers[1], missing)))
+            q = torch.stack([self._draft_rows[prefix] for prefix in drafted])
             p = torch.stack([law.rows[prefix] for prefix in drafted])
             r = single_step("llamacpp-example", p, q, num_drafts=self.n_parallel, p_split=self.p_split,
                             lists=lists)[0]

@@ -71,12 +71,14 @@ class RayExecutor:
         workers: CPUs Ray may use on this machine (with ``address=None``; default all), one task per CPU.
         max_retries: times a task whose worker died is run again.
         cpus_per_task: CPUs each task reserves (its torch threads: the block function sets them).
+        start_attempts: times Ray is started when its node does not register within Ray's fixed 30 s (a machine under
+            load; ``ray.init``'s "timed out during startup").
     """
 
     name = "ray"
 
     def __init__(self, address: str | None = None, workers: int | None = None, max_retries: int = 3,
-                 cpus_per_task: int = 1):
+                 cpus_per_task: int = 1, start_attempts: int = 3):
         import ray
 
         self.ray, self.max_retries, self.cpus_per_task = ray, max_retries, cpus_per_task
@@ -85,7 +87,14 @@ class RayExecutor:
             env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
                                 "OMP_NUM_THREADS": str(cpus_per_task)}}
             options = dict(include_dashboard=False, log_to_driver=False) if address is None else {}
-            ray.init(address=address, num_cpus=workers if address is None else None, runtime_env=env, **options)
+            for attempt in range(start_attempts):
+                try:
+                    ray.init(address=address, num_cpus=workers if address is None else None, runtime_env=env, **options)
+                    break
+                except Exception as error:  # Ray waits a fixed 30 s for its node to register: a loaded machine misses it
+                    if "timed out during startup" not in str(error) or attempt == start_attempts - 1:
+                        raise
+                    ray.shutdown()
 
     @property
     def workers(self) -> int:
