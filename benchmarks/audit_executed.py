@@ -59,10 +59,15 @@ CONFIGS = [
 # the same configurations at an N whose test detects TV 0.03 (the bar for a lossless verdict), in seed blocks
 # stored as they land (benchmarks/records/blocks/), so a run of hours resumes where it stopped
 # transformers at T = 1 leaves the whole vocabulary: cells of expected count >= 50 (not 5), whose fewer cells let
-# N = 24,000 detect TV 0.03 (at >= 5, 40,000 runs detect 0.038); rarer sequences pool into their prefix's rest
+# these N detect TV 0.03 or less (at >= 5, 40,000 runs of the first detect 0.038); rarer sequences pool into their
+# prefix's rest. In the order they run: the lossless verdicts first, each N the least that detects <= 0.03 (rounded up)
+COARSE = {"min_expected": 50.0}
 POWER = [
     ("llamacpp-server", 2, 30000, 1.0, {}, PROMPT),
-    ("transformers-assisted", 2, 24000, 1.0, {}, PROMPT, {"min_expected": 50.0}),
+    ("transformers-assisted", 2, 24000, 1.0, {}, PROMPT, COARSE),  # detects 0.028
+    ("transformers-lookup", 2, 16000, 1.0, {"prompt_lookup_num_tokens": 3}, LOOKUP_PROMPT, COARSE),  # 0.030
+    ("transformers-assisted", 2, 18000, 0.7, {"top_p": 0.9, "repetition_penalty": 1.2}, PROMPT, COARSE),  # 0.029
+    ("transformers-assisted", 2, 22000, 1.0, {"assistant_ensemble_weight": 0.5}, PROMPT, COARSE),  # 0.030
 ]
 BLOCKS = Path("benchmarks/records/blocks")
 

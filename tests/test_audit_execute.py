@@ -151,6 +151,56 @@ def test_llamacpp_server_keeps_the_target_law_and_its_synthetic_mode_the_predict
     assert synthetic.finding.startswith("FINDING"), str(synthetic)
 
 
+@pytest.mark.skipif(not LLAMACPP.is_file(), reason="llama.cpp is not built on this machine (bash scripts/build_llamacpp.sh, "
+                    "tens of minutes)")
+@pytest.mark.parametrize("sampling", [dict(top_k=40, top_p=0.95, min_p=0.05, temperature=1.0),
+                                      dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8),
+                                      dict(top_k=100, top_p=0.5, min_p=0.0, temperature=0.7),
+                                      dict(top_k=200, top_p=1.0, min_p=0.1, temperature=1.3)])
+def test_the_sampler_chain_is_llama_servers_own(sampling):
+    """audit.real.llamacpp_chain on the server's raw next-token law (its full softmax's top 200) gives the lists its
+    sampler chain leaves (post_sampling_probs): the same tokens, the probabilities within float32 rounding."""
+    import math
+
+    from specresearch.audit.llamacpp import LlamaServer
+    from specresearch.audit.real import llamacpp_chain
+    from specresearch.models.embedded import gguf_path
+
+    vocab = 49152
+    with LlamaServer(gguf_path()) as server:
+        for tokens in ([1, 9690, 198, 2683], [1, 504, 3295, 282, 253], [1, 9690, 198, 2683, 359, 253, 5356]):
+            reply = server.complete(tokens, n_predict=1, n_probs=200, post_sampling_probs=False, **sampling)
+            raw = torch.zeros(1, vocab, dtype=torch.float64)
+            for entry in reply["completion_probabilities"][0]["top_logprobs"]:
+                raw[0, int(entry["id"])] = math.exp(entry["logprob"])
+            ours, theirs = llamacpp_chain(raw, **sampling)[0], server.row(tokens, vocab, sampling)
+            assert torch.equal(ours > 0, theirs > 0), (tokens, sampling)
+            assert torch.allclose(ours, theirs, atol=2e-6), (tokens, sampling)
+
+
+def test_a_row_is_asked_again_when_the_drawn_token_ends_inside_a_character():
+    """llama-server leaves a sampled token out of its reply, probabilities and all, while its text ends inside a UTF-8
+    character; LlamaServer.row draws again with another seed (the law does not depend on the draw), and says so
+    when every draw is such a token."""
+    from specresearch.audit.llamacpp import LlamaServer
+
+    class Replies(LlamaServer):
+        def __init__(self, partial: int):
+            self.partial, self.seeds = partial, []
+
+        def complete(self, tokens, **request):
+            self.seeds.append(request["seed"])
+            if len(self.seeds) <= self.partial:
+                return {"content": "\ufffd", "completion_probabilities": []}
+            return {"completion_probabilities": [{"top_probs": [{"id": 3, "prob": 0.75}, {"id": 1, "prob": 0.25}]}]}
+
+    sampling = dict(top_k=40, top_p=0.95, min_p=0.05, temperature=1.0)
+    server = Replies(partial=2)
+    assert server.row([1, 2], 5, sampling).tolist() == [0, 0.25, 0, 0.75, 0] and server.seeds == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="inside a UTF-8 character"):
+        Replies(partial=10**6).row([1, 2], 5, sampling)
+
+
 def test_llama_speculatives_tokens_are_read_from_its_debug_log():
     from specresearch.audit.llamacpp import simple_tokens, speculative_tokens
     from specresearch.audit.runners import padded

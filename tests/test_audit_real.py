@@ -97,3 +97,25 @@ def test_llamacpp_example_residual_differs_from_the_textbook_one_on_different_li
         single_step("llamacpp-example", p, q, num_drafts=1, lists="other")
     full = step_law(engine_rule("llamacpp-example", gamma=1, lists="full"), tuple(map(F, p[0].tolist())), tuple(map(F, q[0].tolist())))
     assert [float(sum((v for s, v in full.items() if s[0] == t), F(0))) for t in range(4)] == pytest.approx(tokens[0].tolist())
+
+
+def test_llamacpps_sampler_chain_by_hand():
+    """llamacpp_chain: top-k, then top-p on the survivors (the token that reaches p kept), then min-p against the
+    likeliest, then the temperature; each sampler off at its neutral setting. (tests/test_audit_execute.py holds it
+    against llama-server's own chain when llama.cpp is built.)"""
+    from specresearch.audit.real import llamacpp_chain
+
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.04, 0.01]], dtype=torch.float64)
+    # top-3 -> (0.5, 0.3, 0.15) / 0.95; cumulative before each: 0, 0.526, 0.842 -> top-p 0.8 keeps two
+    assert llamacpp_chain(p, top_k=3, top_p=0.8, min_p=0.0)[0].tolist() == pytest.approx([0.625, 0.375, 0, 0, 0])
+    assert llamacpp_chain(p, top_k=3, top_p=0.8, min_p=0.0, temperature=0.5)[0].tolist() == pytest.approx(
+        [0.25 / 0.34, 0.09 / 0.34, 0, 0, 0])
+    # min-p 0.1 keeps p >= 0.05: three tokens; off switches leave p itself
+    assert llamacpp_chain(p, top_k=0, top_p=1.0, min_p=0.1)[0].tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0])
+    assert torch.allclose(llamacpp_chain(p, top_k=0, top_p=1.0, min_p=0.0), p)
+    # a tie at the top-k boundary is broken by token id; a zero never comes back
+    tied = torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.0]], dtype=torch.float64)
+    assert llamacpp_chain(tied, top_k=2, top_p=1.0, min_p=0.0)[0].tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0, 0])
+    assert llamacpp_chain(tied, top_k=0, top_p=1.0, min_p=0.0, temperature=2.0)[0, 4] == 0
+    with pytest.raises(ValueError, match="temperature"):
+        llamacpp_chain(p, temperature=0.0)

@@ -55,7 +55,7 @@ def test_a_test_split_over_workers_counts_what_one_process_counts(executor, tmp_
     split = lossless_test(None, None, "block", PROMPT, law=law, executor=executor, models=PAIR, **TEST)
     assert split.counts == alone.counts and split.num_samples == 600
     assert split.p_value == alone.p_value
-    other = lossless_test(None, None, "block", PROMPT, law=law, executor=executor, models=PAIR, **{**TEST, "seed": 8})
+    other = lossless_test(target, draft, "block", PROMPT, law=law, **{**TEST, "seed": 8})
     assert other.counts != alone.counts  # the seed decides the counts: the equality above is not vacuous
 
 

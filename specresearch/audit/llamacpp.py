@@ -37,6 +37,7 @@ LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp
 # The server's sampling defaults (common/common.h): what a request that sets nothing gets.
 SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 _START_SECONDS = 120
+_ROW_ATTEMPTS = 64
 _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
 
 
@@ -217,11 +218,17 @@ class LlamaServer:
         """The law the server samples the next token from after ``tokens``: its sampler chain's final
         probabilities (``post_sampling_probs``), as a dense ``[vocab]`` float64 row. Needs ``top_k`` >= 1 so that
         ``n_probs = top_k`` covers the support."""
-        reply = self.complete(tokens, n_predict=1, n_probs=int(sampling["top_k"]), post_sampling_probs=True,
-                              **sampling)
-        if not reply.get("completion_probabilities"):
-            raise RuntimeError(f"llama-server returned no probabilities after {len(tokens)} tokens: "
-                               f"{ {k: v for k, v in reply.items() if k != 'tokens'} }")
+        for seed in range(_ROW_ATTEMPTS):
+            # a sampled token that ends inside a UTF-8 character is reported without its probabilities (the server
+            # adds a token to its reply only once its text is whole: server-context.cpp l. 1825-1859); the law does
+            # not depend on the draw, so draw again
+            reply = self.complete(tokens, n_predict=1, n_probs=int(sampling["top_k"]), post_sampling_probs=True,
+                                  seed=seed, **sampling)
+            if reply.get("completion_probabilities"):
+                break
+        else:
+            raise RuntimeError(f"llama-server returned no probabilities after {len(tokens)} tokens in {_ROW_ATTEMPTS} "
+                               f"draws (each a token ending inside a UTF-8 character?): {reply.get('content')!r}")
         row = torch.zeros(vocab, dtype=torch.float64)
         for entry in reply["completion_probabilities"][0]["top_probs"]:
             row[int(entry["id"])] = float(entry["prob"])

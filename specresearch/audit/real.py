@@ -19,7 +19,7 @@ import torch
 
 from specresearch.exact.theory_multi import optimal_acceptance_iid, rrs_without_replacement_acceptance_mc
 
-__all__ = ["TREE_RULES", "StepPoint", "distances", "list_aligned", "next_token_rows", "one_hot_cost", "single_step", "summarise", "topk_tokens"]
+__all__ = ["TREE_RULES", "StepPoint", "distances", "list_aligned", "llamacpp_chain", "next_token_rows", "one_hot_cost", "single_step", "summarise", "topk_tokens"]
 
 TREE_RULES = ("eagle2", "eagle1", "medusa-typical", "medusa-nucleus", "sglang", "llamacpp-example")
 
@@ -115,6 +115,31 @@ def _hf_assisted(p, q, k, assistant="sampled", ensemble_weight=None):
     a = torch.minimum(torch.ones_like(p[:, :1]), p.gather(1, x) / q.gather(1, x))
     r = (1 - a) * _normalised((p - q).clamp(min=0), p)
     return r.scatter_add_(1, x, a), a.squeeze(1)
+
+
+def llamacpp_chain(probs: torch.Tensor, *, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """[N, V] float64: the law llama.cpp's default sampler chain draws from, given the model's law ``probs`` [N, V]:
+    top-k, top-p, min-p, then temperature (the order of ``common/common.h`` l. 263-273; the samplers of
+    ``src/llama-sampler.cpp``, llama-cpp-python 0.3.36's vendored copy). Top-k keeps the k likeliest (ties by token
+    id); top-p, on the survivors renormalised, keeps each token the likelier ones before it leave below p (the first
+    to reach p included, l. 1577-1585); min-p keeps p_i >= min_p x the likeliest (on logits, l. 1766-1769); the
+    temperature divides the kept logits. ``top_k <= 0``, ``top_p >= 1``, ``min_p <= 0`` switch a sampler off."""
+    p = probs.double()
+    if p.dim() != 2 or not temperature > 0:
+        raise ValueError(f"probs must be [N, V] and temperature > 0, got {list(p.shape)} and {temperature!r}")
+    ranked, order = torch.sort(p, dim=-1, descending=True, stable=True)
+    keep = ranked > 0
+    if top_k > 0:
+        keep &= torch.arange(p.shape[-1], device=p.device) < top_k
+    if top_p < 1:
+        survivors = torch.where(keep, ranked, 0.0)
+        survivors = survivors / survivors.sum(-1, keepdim=True)
+        keep &= survivors.cumsum(-1) - survivors < top_p
+    if min_p > 0:
+        keep &= ranked >= min_p * ranked[:, :1]
+    logits = torch.where(keep, ranked.clamp_min(1e-300).log() / temperature, float("-inf"))
+    return torch.zeros_like(p).scatter_(1, order, logits.softmax(-1))
 
 
 def list_aligned(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
