@@ -269,7 +269,7 @@ def test_a_stopped_run_resumes_from_its_stored_blocks(pair, tmp_path):
     stored = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
     lines = path.read_text().splitlines()
     assert stored.counts == whole.counts and len(lines) == 4 and sum(whole.counts) == 3000
-    path.write_text("\n".join(lines[:3]) + "\n")  # stopped after its second block
+    path.write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])  # killed while writing its third block
     counting = CountingExecutor()
     resumed = run(pair, "transformers-sampling", executor=counting, blocks_file=path, **common)
     assert counting.blocks == 1 and resumed.counts == whole.counts and len(path.read_text().splitlines()) == 4

@@ -257,7 +257,8 @@ def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options
 class BlockStore:
     """A JSON-lines file of one :func:`execute` run's finished seed blocks, so a long run resumes where it stopped:
     a first line naming the run (engine, prompt ids, settings, N, block size, seed), then one line a block
-    (``size``, ``seed``, its generations, its seconds). A file naming another run is refused."""
+    (``size``, ``seed``, its generations, its seconds). A last line cut short (the run killed while writing it) is
+    dropped and its block drawn again; a file naming another run is refused."""
 
     def __init__(self, path, run: dict):
         from pathlib import Path
@@ -268,11 +269,17 @@ class BlockStore:
         """``{(size, seed): (generations, seconds)}`` of the blocks already stored; writes the header if new."""
         import json
 
-        if not self.path.exists() or not self.path.read_text().strip():
+        text = [line for line in self.path.read_text().splitlines() if line.strip()] if self.path.exists() else []
+        try:
+            json.loads(text[-1] if text else "{}")
+        except json.JSONDecodeError:  # a run killed while it wrote its last block: that block is drawn again
+            text = text[:-1]
+            self.path.write_text("".join(line + "\n" for line in text))
+        if not text:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"run": self.run}) + "\n")
             return {}
-        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in text]
         if lines[0].get("run") != json.loads(json.dumps(self.run)):
             raise ValueError(f"{self.path} holds the blocks of another run ({lines[0].get('run')}); this one is "
                              f"{self.run}: pass another path, or remove the file to start again")
