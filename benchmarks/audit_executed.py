@@ -10,9 +10,11 @@ Resumable: configurations already in the record are kept, the rest run and are w
 rewrites docs/audit.md's table of engines run from this record and ``audit_libraries.json``. ``--scale``
 multiplies every N (0.05 for a smoke run into another file). ``--power`` adds the configurations run at an N that
 detects TV 0.03 (``POWER``) as seed blocks of ``--batch-size``, each stored in ``benchmarks/records/blocks/`` as it
-lands (a stopped run resumes from its last block); ``--executor ray`` runs the blocks on Ray workers.
+lands (a stopped run resumes from its last block); ``--executor ray`` runs the blocks on Ray workers, and ``--only
+ENGINE`` keeps one engine's configurations, so that two processes on one machine run two engines.
 
     python benchmarks/audit_executed.py --power [--executor ray --workers 2]
+    python benchmarks/audit_executed.py --power --only transformers-lookup   # beside a run of the others
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--power", action="store_true", help="also the POWER configurations")
     parser.add_argument("--docs", action="store_true", help="rewrite docs/audit.md's table of engines run and stop")
+    parser.add_argument("--only", action="append", metavar="ENGINE",
+                        help="run only this engine's configurations (repeatable): two processes on two engines share "
+                             "the record")
     parser.add_argument("--batch-size", type=int, default=500, help="generations per seed block (--power)")
     add_executor_arguments(parser)
     args = parser.parse_args(argv)
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
     target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
     runs = [(config, None) for config in CONFIGS] + [(config, config[2]) for config in (POWER if args.power else [])]
     for (engine, n_tokens, n, temperature, options, prompt, *test), power_n in runs:
-        if key(engine, n_tokens, temperature, options, prompt, power_n) in done:
+        if key(engine, n_tokens, temperature, options, prompt, power_n) in done or (args.only and engine not in args.only):
             continue
         parallel = {} if power_n is None else dict(
             executor=executor or LocalExecutor(), models=functools.partial(default_pair), batch_size=args.batch_size,
@@ -120,6 +125,8 @@ def main(argv=None) -> int:
         row = {"prompt": prompt, "commit": git_commit()} | result.as_record()  # rows may come from resumed runs
         if power_n is not None:
             row |= {"power_n": power_n, "executor": args.executor, "batch_size": args.batch_size} | (test[0] if test else {})
+        if out.exists():  # another process (--only) may have added a row since
+            record = json.loads(out.read_text())
         record["rows"].append(row)
         write_json_record(out, record)
     return 0
