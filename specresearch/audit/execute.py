@@ -58,8 +58,10 @@ run of hours stopped anywhere resumes from its last block and counts what one un
 from __future__ import annotations
 
 import functools
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -261,14 +263,10 @@ class BlockStore:
     dropped and its block drawn again; a file naming another run is refused."""
 
     def __init__(self, path, run: dict):
-        from pathlib import Path
-
         self.path, self.run = Path(path), run
 
     def read(self) -> dict:
         """``{(size, seed): (generations, seconds)}`` of the blocks already stored; writes the header if new."""
-        import json
-
         text = [line for line in self.path.read_text().splitlines() if line.strip()] if self.path.exists() else []
         try:
             json.loads(text[-1] if text else "{}")
@@ -286,8 +284,6 @@ class BlockStore:
         return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"]) for row in lines[1:]}
 
     def append(self, size: int, seed: int, draws, seconds: float) -> None:
-        import json
-
         with self.path.open("a") as handle:
             handle.write(json.dumps({"size": size, "seed": seed, "seconds": round(seconds, 3),
                                      "draws": [list(s) for s in draws]}, separators=(",", ":")) + "\n")
