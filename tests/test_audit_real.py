@@ -119,3 +119,19 @@ def test_llamacpps_sampler_chain_by_hand():
     assert llamacpp_chain(tied, top_k=0, top_p=1.0, min_p=0.0, temperature=2.0)[0, 4] == 0
     with pytest.raises(ValueError, match="temperature"):
         llamacpp_chain(p, temperature=0.0)
+
+
+def test_llamacpp_example_tests_a_token_off_the_targets_list_with_the_p_read_before():
+    """llama-speculative sets p_tgt only when the path's token is on the target's list and never resets it between
+    paths (speculative.cpp l. 276, 299-304): with two paths, tokens 0 (q 3/5) and 2 (q 2/5, off the target's list
+    p = (3/10, 7/10, 0)), the order (0, 2) rejects 0 half the time and then tests 2 with 0's p = 3/10: token 2, which
+    the target's sampler chain excludes, is emitted with probability 1/2 x 1/2 x 3/4 = 3/16."""
+    p, q = (F(3, 10), F(7, 10), F(0)), (F(3, 5), F(0), F(2, 5))
+    law = step_law(engine_rule("llamacpp-example", num_drafts=2, gamma=1), p, q)
+    first = [sum((v for s, v in law.items() if s[0] == t), F(0)) for t in range(3)]
+    assert first == [F(1, 4), F(9, 16), F(3, 16)]
+    to = lambda row: torch.tensor([[float(v) for v in row]], dtype=torch.float64)  # noqa: E731
+    r, _ = single_step("llamacpp-example", to(p), to(q), num_drafts=2, lists="support")
+    assert torch.allclose(r, to(first), atol=1e-12)
+    full = single_step("llamacpp-example", to(p), to(q), num_drafts=2, lists="full")[0]  # untruncated: no such token
+    assert full[0, 2] == 0

@@ -415,19 +415,23 @@ def _random_order_rrs(lists: str) -> Callable:
     """At each node the children are verified in a uniformly random order (every order equally likely): r <= p/q
     with the node's q, after each rejection the residual norm(max(p - q', 0)), q unchanged; all rejected: a draw
     from the residual. ``lists="support"``: q' = :func:`list_aligned` (p, q), the candidate lists being the laws'
-    supports (p's list keeps its tokens, zeros included, so q' is paired against the target's list at the node);
+    supports (p's list keeps its tokens, zeros included, so q' is paired against the target's list at the node), and a
+    child the target's list lacks is tested with the p read for the child tried before it (0 for the first);
     ``"full"``: q' = q, every token on both lists."""
 
     def law_fn(target, draft, paths, prefix) -> dict:
         children, law = merged_tree(paths), defaultdict(Fraction)
 
         def descend(u: tuple, mass: Fraction) -> None:
-            q, orders = draft(prefix + u), list(itertools.permutations(children[u]))
-            shifted = list_aligned(target(prefix + u), q) if lists == "support" else q
+            q, orders, listed = draft(prefix + u), list(itertools.permutations(children[u])), target(prefix + u)
+            shifted = list_aligned(listed, q) if lists == "support" else q
             for order in orders:
-                current, left = target(prefix + u), mass / len(orders)
+                current, left, read = listed, mass / len(orders), _ZERO
                 for x in order:
-                    accept = min(_ONE, current[x] / q[x]) if q[x] else _ONE
+                    if lists == "full" or listed[x] > 0:  # on the target's list (its zeros after a residual too)
+                        read = current[x]
+                    # else the example's p_tgt keeps what it read for the path tried before (0 for the first)
+                    accept = min(_ONE, read / q[x]) if q[x] else _ONE
                     if accept:
                         descend(u + (x,), left * accept)
                     left *= 1 - accept
@@ -460,9 +464,11 @@ def llamacpp_example(num_drafts: int = 1, gamma: int = 3, *, p_split=0.1, lists:
     328), ``p_split`` 0.1 (l. 331). Not encoded: after a rejection the example marks the other paths with the same
     token inactive but erases the rejected path again instead of them (l. 364-376), so such a path is verified once
     more against the residual; that needs two paths sharing a token at one depth (a tree deeper than one token), so
-    trees of several paths are encoded at gamma = 1 only; nor that ``p_tgt`` is not reset between the paths it
-    tries (l. 276), so a path whose token the target's list lacks is tested with the previous path's p (it needs a
-    draft list holding a token the target's lacks). Not exact: q is not the law of a deterministic draft."""
+    trees of several paths are encoded at gamma = 1 only. Encoded: ``p_tgt`` is set only when the path's token is
+    on the target's list (l. 276, 299-304; the list keeps its tokens through the residuals, zeros included) and is
+    not reset between the paths tried, so a path whose token the target's list lacks is tested with the p read for
+    the path tried before it (0 if it is the first): with two paths such a token can be emitted, which the target's
+    sampler chain excludes. Not exact: q is not the law of a deterministic draft."""
     p_split = _fraction("p_split", p_split)
     if num_drafts > 1 and gamma > 1:
         raise ValueError("llamacpp-example: trees of several paths are encoded at gamma = 1 only (deeper trees share "

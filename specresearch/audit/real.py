@@ -159,7 +159,8 @@ def _llamacpp_example(p, q, k, p_split=0.1, lists="full"):
     the candidates not kept, which is the uniform order over those kept. Each rejection leaves the residual of p's
     list less q: ``lists="full"`` (the default here: full next-token rows, untruncated sampling, every token on both
     lists) token by token; ``lists="support"`` (the rows are the lists a truncating sampler chain left, as the
-    example's own rows are; the exact twin's default) less :func:`list_aligned` (p, q), as the example pairs them."""
+    example's own rows are; the exact twin's default) less :func:`list_aligned` (p, q), as the example pairs them,
+    and a candidate off p's list tested with the p read for the candidate tried before it (the example's p_tgt)."""
     if lists not in ("full", "support"):
         raise ValueError(f"lists must be 'full' or 'support', got {lists!r}")
     ranked = topk_tokens(q, p.shape[-1])[:, :k]
@@ -170,9 +171,13 @@ def _llamacpp_example(p, q, k, p_split=0.1, lists="full"):
     shifted = list_aligned(p, q) if lists == "support" else q
     for order in orders:
         current, mass, r = p.clone(), torch.ones_like(p[:, 0]), torch.zeros_like(p)
+        read = torch.zeros_like(mass)  # the example's p_tgt: kept from the path before when the token is off p's list
         for i in order:
             x, on = ranked[:, i : i + 1], keep[:, i]
-            ratio = current.gather(1, x).squeeze(1) / q.gather(1, x).squeeze(1)
+            listed = p.gather(1, x).squeeze(1) > 0 if lists == "support" else torch.ones_like(on)
+            value = torch.where(listed, current.gather(1, x).squeeze(1), read)
+            read = torch.where(on, value, read)
+            ratio = value / q.gather(1, x).squeeze(1)
             a = torch.where(on, torch.minimum(torch.ones_like(mass), ratio), 0.0)
             r.scatter_add_(1, x, (mass * a)[:, None])
             mass = mass * (1 - a)
