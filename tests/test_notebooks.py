@@ -59,6 +59,10 @@ def test_unprinted_numbers_are_found(tmp_path):
     assert unprinted_numbers(tmp_path / "n.ipynb") == ["0.42"]
 
 
+ANNOUNCED = re.compile(r"\[specresearch\] timing .+ on this CPU \(\d+ MB of the model's weights, at most ~\d+ s\); once "
+                       r"per machine, kept in <cache>/\w+\.json$")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(notebook, tmp_path, monkeypatch, capfd):
@@ -67,8 +71,12 @@ def test_notebook_executes(notebook, tmp_path, monkeypatch, capfd):
     assert run.executed.is_file()
     assert not _outputs(run.executed, "error")
     assert unprinted_numbers(run.executed) == [], "the notebook's prose states numbers its run did not print"
-    # quiet: no warnings or progress bars written by the cells, no transport warnings from the kernel
-    assert not _outputs(run.executed, "stderr"), [o.text[:300] for o in _outputs(run.executed, "stderr")]
+    # quiet: no warnings or progress bars written by the cells, no transport warnings from the kernel; the one line a
+    # once-per-machine kernel calibration announces is said on purpose (the suite's answers live in a folder of its
+    # own, so a notebook run alone calibrates there; run in the suite it finds an earlier test's answers)
+    said = [o.text for o in _outputs(run.executed, "stderr")]
+    unannounced = [line for text in said for line in text.splitlines() if not ANNOUNCED.match(line)]
+    assert not unannounced, [line[:300] for line in unannounced]
     assert run.kernel_messages() == []
     assert capfd.readouterr().err == ""
 
