@@ -80,8 +80,8 @@ def citations() -> dict[str, list[str]]:
              if p.is_file() and p.name != "index_records.py"}
     found = {p: (set(re.findall(r"[\w+\-]+(?:\.[\w+\-]+)*", text)), _patterns(text)) for p, text in pages.items()}
     cited = {path.name: sorted({str(p.relative_to(ROOT)) for p, (tokens, patterns) in found.items()
-                                if cites(tokens, patterns, path)})
-             for path in sorted(RECORDS.iterdir()) if path.name != "INDEX.md"}
+                                if (f"records/{path.name}/" in pages[p] if path.is_dir() else cites(tokens, patterns, path))})
+             for path in sorted(RECORDS.iterdir()) if path.name != "INDEX.md"}  # a folder is cited by its path
     for name in cited:  # a table's header (stem.json beside stem.csv) is cited with the table
         table = name.removesuffix(".json") + ".csv"
         if name.endswith(".json") and table in cited:
@@ -115,7 +115,7 @@ def index_markdown() -> str:
         name = path.name
         citing = cited[name]
         header = path.with_suffix(".json") if path.suffix == ".csv" and path.with_suffix(".json").exists() else path
-        made = _made_by(header) if path.is_file() else f"{sum(1 for f in path.rglob('*') if f.is_file())} files"
+        made = _made_by(header) if path.is_file() else "a folder of records (each file states what made it)"
         if name in provenance:
             made = _with_provenance(made, provenance[name])
         lines.append(f"| `{name}` | {made} | {', '.join(citing) if citing else 'none'} |")
