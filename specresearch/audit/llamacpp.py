@@ -147,7 +147,7 @@ class LlamaServer:
                         "--port", "0", "-c", str(context), "-np", "1", "-t", str(threads),
                         "-tb", str(threads), "--no-warmup", "--alias", self.alias,
                         *([] if draft is None else ["-md", str(draft), "-td", str(threads)]), *args]
-        self.process = None
+        self.process, self.started = None, False
 
     def __enter__(self) -> "LlamaServer":
         # --port 0: the server binds a port the system picks and logs it, so two servers never race for one
@@ -162,6 +162,7 @@ class LlamaServer:
                 bound = _LISTENING.search(Path(self.log.name).read_text(errors="replace"))
                 self.url = bound and f"http://127.0.0.1:{bound.group(1)}"
             if self.url is not None and self._answers():
+                self.started = True
                 return self
             time.sleep(0.2)
         self.__exit__(None, None, None)
@@ -188,6 +189,8 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         self.log.close()
+        if self.started and exc[0] is None:  # a log is kept only where something went wrong
+            Path(self.log.name).unlink(missing_ok=True)
 
     def complete(self, tokens: list[int], **request) -> dict:
         """POST ``/completion`` with ``prompt`` = ``tokens`` and ``request``'s fields; the reply's JSON."""
