@@ -15,6 +15,7 @@ ENGINE`` keeps one engine's configurations, so that two processes on one machine
 
     python benchmarks/audit_executed.py --power [--executor ray --workers 2]
     python benchmarks/audit_executed.py --power --only transformers-lookup   # beside a run of the others
+    python benchmarks/audit_executed.py --status   # each POWER run's blocks so far and the CPU time it still needs
 """
 
 from __future__ import annotations
@@ -84,6 +85,30 @@ def blocks_name(engine, n_tokens, temperature, options, prompt, n, args) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def status(args, record: dict) -> list[str]:
+    """One line a POWER configuration: in the record, or its stored blocks' runs of N and, at their seconds a run,
+    the CPU time it still needs (one process)."""
+    done = {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"], r.get("power_n"))
+            for r in record["rows"]}
+    lines = []
+    for engine, n_tokens, n, temperature, options, prompt, *_ in POWER:
+        name = f"{engine} {json.dumps(options)} T {temperature} N {n}"
+        if key(engine, n_tokens, temperature, options, prompt, n) in done:
+            lines.append(f"{name}: done, in the record")
+            continue
+        path = BLOCKS / f"{engine}-{blocks_name(engine, n_tokens, temperature, options, prompt, n, args)}.jsonl"
+        blocks = []
+        for line in path.read_text().splitlines()[1:] if path.exists() else []:
+            try:
+                blocks.append(json.loads(line))
+            except json.JSONDecodeError:  # a block cut short: drawn again when the run resumes
+                pass
+        runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
+        left = f", about {(n - runs) * seconds / runs / 3600:.1f} CPU-hours left at {seconds / runs:.2f} s a run" if runs else ""
+        lines.append(f"{name}: {runs} of {n} runs in {len(blocks)} blocks ({path}){left}")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/records/audit_executed.json")
@@ -95,6 +120,7 @@ def main(argv=None) -> int:
                         help="run only this engine's configurations (repeatable): two processes on two engines share "
                              "the record")
     parser.add_argument("--batch-size", type=int, default=500, help="generations per seed block (--power)")
+    parser.add_argument("--status", action="store_true", help="print each POWER run's progress and stop")
     add_executor_arguments(parser)
     args = parser.parse_args(argv)
     if args.docs:
@@ -104,10 +130,13 @@ def main(argv=None) -> int:
         replace_generated(repo_root() / "docs" / "audit.md", "<!-- executed table: generated -->",
                           "<!-- end of executed table -->", executed_table(rows) + "\n")
         return 0
-    executor = make_executor(args, local=None)
-    torch.set_num_threads(args.threads)
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.exists() else record_header("benchmarks/audit_executed.py", sys.argv[1:] if argv is None else argv, draft="v8k-4l", rows=[])
+    if args.status:
+        print("\n".join(status(args, record)))
+        return 0
+    executor = make_executor(args, local=None)
+    torch.set_num_threads(args.threads)
     done = {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"], r.get("power_n"))
             for r in record["rows"]}
     target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)

@@ -348,3 +348,32 @@ def test_the_gguf_drafts_are_the_target_scaled_and_truncated(tmp_path):
     assert truncated.fields[f"{arch}.block_count"].contents() == 2
     blocks = {int(t.name.split(".")[1]) for t in truncated.tensors if t.name.startswith("blk.")}
     assert blocks == {0, 1} and np.array_equal(norm(truncated), norm(target))
+
+
+def test_the_power_runs_status_reads_their_blocks(tmp_path, monkeypatch):
+    """``audit_executed.py --status``: a POWER configuration in the record is done; one with stored blocks shows its
+    runs of N and the CPU time left at its blocks' seconds a run (a block cut short not counted); one without, none."""
+    import argparse
+    import importlib.util
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("audit_executed", root / "benchmarks" / "audit_executed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "BLOCKS", tmp_path)
+    args = argparse.Namespace(batch_size=500, scale=1.0)
+    first, second, third = script.POWER[:3]
+    engine, n_tokens, n, temperature, options, prompt, *_ = second
+    path = tmp_path / f"{engine}-{script.blocks_name(engine, n_tokens, temperature, options, prompt, n, args)}.jsonl"
+    path.write_text(json.dumps({"run": {}}) + "\n" + "".join(json.dumps({"size": 500, "seed": s, "seconds": 250.0,
+                                                                          "draws": []}) + "\n" for s in (1, 2))
+                    + '{"size": 500, "se')
+    engine0, n_tokens0, n0, temperature0, options0, prompt0, *_ = first
+    record = {"rows": [{"engine": engine0, "n_tokens": n_tokens0, "temperature": temperature0, "options": options0,
+                        "prompt": prompt0, "power_n": n0}]}
+    lines = script.status(args, record)
+    assert len(lines) == len(script.POWER) and lines[0].endswith("done, in the record")
+    hours = (n - 1000) * 0.5 / 3600
+    assert f"1000 of {n} runs in 2 blocks" in lines[1] and f"about {hours:.1f} CPU-hours left at 0.50 s a run" in lines[1]
+    assert f"0 of {third[2]} runs in 0 blocks" in lines[2] and "CPU-hours" not in lines[2]
