@@ -71,6 +71,8 @@ POWER = [
     ("transformers-lookup", 2, 16000, 1.0, {"prompt_lookup_num_tokens": 3}, LOOKUP_PROMPT, COARSE),  # 0.030
     ("transformers-assisted", 2, 18000, 0.7, {"top_p": 0.9, "repetition_penalty": 1.2}, PROMPT, COARSE),  # 0.029
     ("transformers-assisted", 2, 22000, 1.0, {"assistant_ensemble_weight": 0.5}, PROMPT, COARSE),  # 0.030
+    # llama-speculative-simple, exact: a process a generation (~1 s each here), the longest of them
+    ("llamacpp-simple", 2, 18000, 0.8, {}, PROMPT, COARSE),  # 0.030
 ]
 BLOCKS = Path("benchmarks/records/blocks")
 
