@@ -87,18 +87,28 @@ def blocks_name(engine, n_tokens, temperature, options, prompt, n, args) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def done_keys(record: dict) -> set[str]:
+    """The keys of the configurations the record already holds."""
+    return {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"], r.get("power_n"))
+            for r in record["rows"]}
+
+
+def blocks_path(engine, n_tokens, temperature, options, prompt, n, args) -> Path:
+    """Where a POWER configuration's seed blocks are stored."""
+    return BLOCKS / f"{engine}-{blocks_name(engine, n_tokens, temperature, options, prompt, n, args)}.jsonl"
+
+
 def status(args, record: dict) -> list[str]:
     """One line a POWER configuration: in the record, or its stored blocks' runs of N and, at their seconds a run,
     the CPU time it still needs (one process)."""
-    done = {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"], r.get("power_n"))
-            for r in record["rows"]}
+    done = done_keys(record)
     lines = []
     for engine, n_tokens, n, temperature, options, prompt, *_ in POWER:
         name = f"{engine} {json.dumps(options)} T {temperature} N {n}"
         if key(engine, n_tokens, temperature, options, prompt, n) in done:
             lines.append(f"{name}: done, in the record")
             continue
-        path = BLOCKS / f"{engine}-{blocks_name(engine, n_tokens, temperature, options, prompt, n, args)}.jsonl"
+        path = blocks_path(engine, n_tokens, temperature, options, prompt, n, args)
         blocks = []
         for line in path.read_text().splitlines()[1:] if path.exists() else []:
             try:
@@ -139,8 +149,7 @@ def main(argv=None) -> int:
         return 0
     executor = make_executor(args, local=None)
     torch.set_num_threads(args.threads)
-    done = {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"], r.get("power_n"))
-            for r in record["rows"]}
+    done = done_keys(record)
     target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
     runs = [(config, None) for config in CONFIGS] + [(config, config[2]) for config in (POWER if args.power else [])]
     for (engine, n_tokens, n, temperature, options, prompt, *test), power_n in runs:
@@ -148,7 +157,7 @@ def main(argv=None) -> int:
             continue
         parallel = {} if power_n is None else dict(
             executor=executor or LocalExecutor(), models=functools.partial(default_pair), batch_size=args.batch_size,
-            blocks_file=BLOCKS / f"{engine}-{blocks_name(engine, n_tokens, temperature, options, prompt, n, args)}.jsonl")
+            blocks_file=blocks_path(engine, n_tokens, temperature, options, prompt, n, args))
         result = execute(engine, prompt=prompt, n_tokens=n_tokens, num_samples=max(20, round(n * args.scale)),
                          temperature=temperature, target=target.model, draft=draft.model, tokenizer=tokenizer,
                          **(test[0] if test else {}), **parallel, **options)
