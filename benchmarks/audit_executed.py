@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specresearch.audit.execute import default_pair, execute
+from specresearch.audit.execute import BlockStore, default_pair, execute
 from specresearch.audit.report import executed_table
 from specresearch.drafts.registry import load_pair
 from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
@@ -109,12 +109,7 @@ def status(args, record: dict) -> list[str]:
             lines.append(f"{name}: done, in the record")
             continue
         path = blocks_path(engine, n_tokens, temperature, options, prompt, n, args)
-        blocks = []
-        for line in path.read_text().splitlines()[1:] if path.exists() else []:
-            try:
-                blocks.append(json.loads(line))
-            except json.JSONDecodeError:  # a block cut short: drawn again when the run resumes
-                pass
+        _, blocks, _ = BlockStore.stored(path)  # a block cut short is drawn again when the run resumes
         runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
         left = f", about {(n - runs) * seconds / runs / 3600:.1f} CPU-hours left at {seconds / runs:.2f} s a run" if runs else ""
         lines.append(f"{name}: {runs} of {n} runs in {len(blocks)} blocks ({path}){left}")

@@ -279,6 +279,7 @@ def test_a_stopped_run_resumes_from_its_stored_blocks(pair, tmp_path):
     counting = CountingExecutor()
     resumed = run(pair, "transformers-sampling", executor=counting, blocks_file=path, **common)
     assert counting.blocks == 1 and resumed.counts == whole.counts and len(path.read_text().splitlines()) == 4
+    assert path.read_text().splitlines()[:3] == lines[:3]  # the kept lines as they were written
     assert resumed.seconds > 0
     with pytest.raises(ValueError, match="blocks of another run"):
         run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common | {"seed": 5})
@@ -352,7 +353,8 @@ def test_the_gguf_drafts_are_the_target_scaled_and_truncated(tmp_path):
 
 def test_the_power_runs_status_reads_their_blocks(tmp_path, monkeypatch):
     """``audit_executed.py --status``: a POWER configuration in the record is done; one with stored blocks shows its
-    runs of N and the CPU time left at its blocks' seconds a run (a block cut short not counted); one without, none."""
+    runs of N and the CPU time left at its blocks' seconds a run (a block cut short not counted, and left in the file);
+    one without, none."""
     import argparse
     import importlib.util
     import json
@@ -372,7 +374,9 @@ def test_the_power_runs_status_reads_their_blocks(tmp_path, monkeypatch):
     engine0, n_tokens0, n0, temperature0, options0, prompt0, *_ = first
     record = {"rows": [{"engine": engine0, "n_tokens": n_tokens0, "temperature": temperature0, "options": options0,
                         "prompt": prompt0, "power_n": n0}]}
+    before = path.read_text()
     lines = script.status(args, record)
+    assert path.read_text() == before  # read only: the cut line is the run's to drop when it resumes
     assert len(lines) == len(script.POWER) and lines[0].endswith("done, in the record")
     hours = (n - 1000) * 0.5 / 3600
     assert f"1000 of {n} runs in 2 blocks" in lines[1] and f"about {hours:.1f} CPU-hours left at 0.50 s a run" in lines[1]

@@ -265,23 +265,35 @@ class BlockStore:
     def __init__(self, path, run: dict):
         self.path, self.run = Path(path), run
 
-    def read(self) -> dict:
-        """``{(size, seed): (generations, seconds)}`` of the blocks already stored; writes the header if new."""
-        text = [line for line in self.path.read_text().splitlines() if line.strip()] if self.path.exists() else []
+    @staticmethod
+    def stored(path) -> tuple[dict | None, list[dict], bool]:
+        """What a block file holds, read only: ``(header, blocks, cut)`` -- its first line (``None`` for a missing or
+        empty file), one dict a block (``size``, ``seed``, ``seconds``, ``draws``) and whether a last line was cut
+        short (that block is left out)."""
+        text = [line for line in Path(path).read_text().splitlines() if line.strip()] if Path(path).exists() else []
         try:
             json.loads(text[-1] if text else "{}")
-        except json.JSONDecodeError:  # a run killed while it wrote its last block: that block is drawn again
-            text = text[:-1]
-            self.path.write_text("".join(line + "\n" for line in text))
-        if not text:
+            cut = False
+        except json.JSONDecodeError:  # a run killed while it wrote its last block
+            text, cut = text[:-1], True
+        lines = [json.loads(line) for line in text]
+        return (lines[0] if lines else None), lines[1:], cut
+
+    def read(self) -> dict:
+        """``{(size, seed): (generations, seconds)}`` of the blocks already stored; writes the header if new and drops
+        a last line cut short (its block is drawn again)."""
+        header, blocks, cut = self.stored(self.path)
+        if header is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"run": self.run}) + "\n")
             return {}
-        lines = [json.loads(line) for line in text]
-        if lines[0].get("run") != json.loads(json.dumps(self.run)):
-            raise ValueError(f"{self.path} holds the blocks of another run ({lines[0].get('run')}); this one is "
+        if header.get("run") != json.loads(json.dumps(self.run)):
+            raise ValueError(f"{self.path} holds the blocks of another run ({header.get('run')}); this one is "
                              f"{self.run}: pass another path, or remove the file to start again")
-        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"]) for row in lines[1:]}
+        if cut:
+            self.path.write_text(json.dumps(header) + "\n" + "".join(
+                json.dumps(row, separators=(",", ":")) + "\n" for row in blocks))
+        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"]) for row in blocks}
 
     def append(self, size: int, seed: int, draws, seconds: float) -> None:
         with self.path.open("a") as handle:
