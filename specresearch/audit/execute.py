@@ -97,8 +97,9 @@ _BOOTSTRAP = 400
 
 @dataclass(frozen=True)
 class LawComparison:
-    """The measured cell law against one law: chi-square p-value, TV (measured vs law), its bootstrap 95% interval and
-    the noise floor of N samples (:func:`tv_interval`), and the TV between this law and the target's (0 for the
+    """The measured cell law against one law: chi-square p-value, TV (measured vs law), the bias-corrected bootstrap
+    95% interval of the true TV (it can lie below the measured TV, which noise biases upwards) and the noise floor of N
+    samples (:func:`tv_interval`), and the TV between this law and the target's (0 for the
     target itself)."""
 
     p_value: float
@@ -163,14 +164,16 @@ class ExecutionResult:
     def __str__(self) -> str:
         lines = [f"{self.engine} ({self.rule}, audit: {self.verdict}; {self.version}) options {self.options or 'none'}, "
                  f"T = {self.temperature}, first {self.n_tokens} token(s), N = {self.num_samples}, {len(self.cells)} cells",
-                 f"  vs target:    p = {self.target.p_value:.3g}, TV {self.target.tv:.4f} "
+                 f"  vs target:    p = {self.target.p_value:.3g}, TV {self.target.tv:.4f}, bias-corrected 95% "
                  f"[{self.target.tv_interval[0]:.4f}, {self.target.tv_interval[1]:.4f}] (noise floor {self.target.tv_floor:.4f})",
-                 f"  vs predicted: p = {self.predicted.p_value:.3g}, TV {self.predicted.tv:.4f} "
+                 f"  vs predicted: p = {self.predicted.p_value:.3g}, TV {self.predicted.tv:.4f}, bias-corrected 95% "
                  f"[{self.predicted.tv_interval[0]:.4f}, {self.predicted.tv_interval[1]:.4f}] "
                  f"(predicted vs target: {self.predicted.tv_from_target:.4f})",
-                 f"  detects TV >= {self.detectable_tv:.4f}; {self.finding}"]
+                 f"  detects TV >= {self.detectable_tv:.4f}; {self.finding}",
+                 "  (a measured TV is biased upwards by sampling noise; its interval is of the true TV and can lie "
+                 "below it)"]
         for name, other in self.alternatives.items():
-            lines.append(f"  vs {name}: p = {other.p_value:.3g}, TV {other.tv:.4f} "
+            lines.append(f"  vs {name}: p = {other.p_value:.3g}, TV {other.tv:.4f}, bias-corrected 95% "
                          f"[{other.tv_interval[0]:.4f}, {other.tv_interval[1]:.4f}]")
         if self.draft_tv_intended is not None:
             lines.append(f"  the q it verifies with is TV {self.draft_tv_intended:.4f} from the draft's own law")
