@@ -293,9 +293,9 @@ class BlockStore:
         if header.get("run") != json.loads(json.dumps(self.run)):
             raise ValueError(f"{self.path} holds the blocks of another run ({header.get('run')}); this one is "
                              f"{self.run}: pass another path, or remove the file to start again")
-        if cut:
-            self.path.write_text(json.dumps(header) + "\n" + "".join(
-                json.dumps(row, separators=(",", ":")) + "\n" for row in blocks))
+        if cut:  # keep the whole lines as they were written, without the cut one
+            kept = [line for line in self.path.read_text().splitlines() if line.strip()][:-1]
+            self.path.write_text("".join(line + "\n" for line in kept))
         return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"]) for row in blocks}
 
     def append(self, size: int, seed: int, draws, seconds: float) -> None:
