@@ -7,7 +7,8 @@ configuration's measured law of the first tokens against the target's and the au
     python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
 
 Resumable: configurations already in the record are kept, the rest run and are written one by one; ``--docs``
-rewrites docs/audit.md's table of engines run from this record and ``audit_libraries.json``. ``--scale``
+rewrites docs/audit.md's table of engines run from this record and ``audit_libraries.json``, and notebook 12's
+figure in docs/figures from this record (what the notebook draws, without its live runs). ``--scale``
 multiplies every N (0.05 for a smoke run into another file). ``--power`` adds the configurations run at an N that
 detects TV 0.03 (``POWER``) as seed blocks of ``--batch-size``, each stored in ``benchmarks/records/blocks/`` as it
 lands (a stopped run resumes from its last block); ``--executor ray`` runs the blocks on Ray workers, and ``--only
@@ -30,10 +31,13 @@ from pathlib import Path
 import torch
 
 from specresearch.audit.execute import BlockStore, default_pair, execute
-from specresearch.audit.report import executed_table
+from specresearch.audit.plots import plot_executed
+from specresearch.audit.report import executed_table, largest_runs
 from specresearch.drafts.registry import load_pair
 from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
+from specresearch.experiments.plotting import save_figure
 from specresearch.experiments.records import git_commit, record_header, replace_generated, write_json_record
+from specresearch.experiments.report import publish_figures
 from specresearch.paths import repo_root
 
 PROMPT = "Name a colour."
@@ -75,6 +79,7 @@ POWER = [
     ("llamacpp-simple", 2, 18000, 0.8, {}, PROMPT, COARSE),  # 0.030
 ]
 BLOCKS = Path("benchmarks/records/blocks")
+FIGURE = "12_engines_executed"  # notebook 12's figure, one panel a configuration at its largest N
 
 
 def key(engine, n_tokens, temperature, options, prompt, n=None) -> str:
@@ -122,7 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--power", action="store_true", help="also the POWER configurations")
-    parser.add_argument("--docs", action="store_true", help="rewrite docs/audit.md's table of engines run and stop")
+    parser.add_argument("--docs", action="store_true",
+                        help="rewrite docs/audit.md's table of engines run and notebook 12's figure in docs/figures, and stop")
     parser.add_argument("--only", action="append", metavar="ENGINE",
                         help="run only this engine's configurations (repeatable): two processes on two engines share "
                              "the record")
@@ -132,10 +138,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.docs:
         records = repo_root() / "benchmarks" / "records"
-        rows = [row for name in ("audit_executed", "audit_libraries")
-                for row in json.loads((records / f"{name}.json").read_text())["rows"]]
+        executed, libraries = (json.loads((records / f"{name}.json").read_text())["rows"]
+                               for name in ("audit_executed", "audit_libraries"))
+        rows = executed + libraries
         replace_generated(repo_root() / "docs" / "audit.md", "<!-- executed table: generated -->",
                           "<!-- end of executed table -->", executed_table(rows) + "\n")
+        figure = publish_figures(save_figure(plot_executed(largest_runs(executed)), FIGURE).parent,
+                                 repo_root() / "docs" / "figures", names=(FIGURE,))
+        print(f"wrote docs/audit.md's table and {figure[0].relative_to(repo_root())}")
         return 0
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.exists() else record_header("benchmarks/audit_executed.py", sys.argv[1:] if argv is None else argv, draft="v8k-4l", rows=[])

@@ -327,6 +327,23 @@ def test_the_docs_table_is_the_records_one():
     assert any(row.get("engine") == "llamacpp-server" for row in rows)  # llama.cpp's results travel in the record
 
 
+def test_the_figure_shows_each_configuration_once_at_its_largest_n():
+    """Notebook 12's figure (and ``audit_executed.py --docs``'s) has one panel a configuration: the power run where
+    there is one, in the order the configurations first appear."""
+    from specresearch.audit.report import largest_runs
+
+    def row(engine, n, options=None, temperature=1.0):
+        return {"engine": engine, "n_tokens": 2, "temperature": temperature, "options": options or {},
+                "prompt": "Hi", "num_samples": n}
+
+    rows = [row("a", 2000), row("b", 400, {"w": 0.5}), row("a", 24000), row("b", 400, {"w": 0.5}, 0.7),
+            row("a", 8000), row("b", 22000, {"w": 0.5})]
+    picked = largest_runs(rows)
+    assert [(r["engine"], r["num_samples"], r["temperature"]) for r in picked] == [("a", 24000, 1.0), ("b", 22000, 1.0),
+                                                                                ("b", 400, 0.7)]
+    assert picked[0] is rows[2] and largest_runs([]) == []
+
+
 @pytest.mark.skipif(not (llamacpp_home() / "gguf-py").is_dir(), reason="llama.cpp's gguf-py comes with its build "
                     "(bash scripts/build_llamacpp.sh); the drafts are written with it")
 def test_the_gguf_drafts_are_the_target_scaled_and_truncated(tmp_path):

@@ -26,7 +26,7 @@ from specresearch.exact.single import (
     two_symbol_example,
 )
 
-__all__ = ["AuditReport", "Counterexample", "audit", "engine_table", "executed_table"]
+__all__ = ["AuditReport", "Counterexample", "audit", "engine_table", "executed_table", "largest_runs"]
 
 _METHODS = METHODS + MULTI_METHODS
 
@@ -241,3 +241,15 @@ def executed_table(rows) -> str:
                      f"{row['predicted']['p_value']:.2g} | {row['target']['tv']:.3f} ({row['target']['tv_floor']:.3f}) | "
                      f"{row['detectable_tv']:.3f} | {finding} |")
     return "\n".join(lines)
+
+
+def largest_runs(rows) -> list[dict]:
+    """Of the rows of ``benchmarks/records/audit_executed.json``, the one of largest N for each configuration (engine,
+    tokens, temperature, settings, prompt), in the order the configurations first appear: a power run stands in for
+    the smaller run of the same settings, for a figure of one panel a configuration."""
+    best: dict[str, dict] = {}  # a replaced value keeps its key's place
+    for row in rows:
+        config = repr((row["engine"], row["n_tokens"], row["temperature"], sorted(row["options"].items()), row["prompt"]))
+        if config not in best or row["num_samples"] > best[config]["num_samples"]:
+            best[config] = row
+    return list(best.values())
