@@ -16,7 +16,7 @@ ENGINE`` keeps one engine's configurations, so that two processes on one machine
 
     python benchmarks/audit_executed.py --power [--executor ray --workers 2]
     python benchmarks/audit_executed.py --power --only transformers-lookup   # beside a run of the others
-    python benchmarks/audit_executed.py --status   # each POWER run's blocks so far and the CPU time it still needs
+    python benchmarks/audit_executed.py --status   # each POWER run's blocks so far and the worker-hours it still needs
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def blocks_path(engine, n_tokens, temperature, options, prompt, n, args) -> Path
 
 def status(args, record: dict) -> list[str]:
     """One line a POWER configuration: in the record, or its stored blocks' runs of N and, at their seconds a run,
-    the CPU time it still needs (one process)."""
+    the hours one worker would still need (a block's seconds are its wall time on the worker that ran it, beside
+    the others: ``--workers`` W side by side finish in about 1/W of it)."""
     done = done_keys(record)
     lines = []
     for engine, n_tokens, n, temperature, options, prompt, *_ in POWER:
@@ -116,7 +117,7 @@ def status(args, record: dict) -> list[str]:
         path = blocks_path(engine, n_tokens, temperature, options, prompt, n, args)
         _, blocks, _ = BlockStore.stored(path)  # a block cut short is drawn again when the run resumes
         runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
-        left = f", about {(n - runs) * seconds / runs / 3600:.1f} CPU-hours left at {seconds / runs:.2f} s a run" if runs else ""
+        left = f", about {(n - runs) * seconds / runs / 3600:.1f} worker-hours left at {seconds / runs:.2f} s a run" if runs else ""
         lines.append(f"{name}: {runs} of {n} runs in {len(blocks)} blocks ({path}){left}")
     return lines
 

@@ -370,7 +370,7 @@ def test_the_gguf_drafts_are_the_target_scaled_and_truncated(tmp_path):
 
 def test_the_power_runs_status_reads_their_blocks(tmp_path, monkeypatch):
     """``audit_executed.py --status``: a POWER configuration in the record is done; one with stored blocks shows its
-    runs of N and the CPU time left at its blocks' seconds a run (a block cut short not counted, and left in the file);
+    runs of N and the worker-hours left at its blocks' seconds a run (a block cut short not counted, and left in the file);
     one without, none."""
     import argparse
     import importlib.util
@@ -396,5 +396,5 @@ def test_the_power_runs_status_reads_their_blocks(tmp_path, monkeypatch):
     assert path.read_text() == before  # read only: the cut line is the run's to drop when it resumes
     assert len(lines) == len(script.POWER) and lines[0].endswith("done, in the record")
     hours = (n - 1000) * 0.5 / 3600
-    assert f"1000 of {n} runs in 2 blocks" in lines[1] and f"about {hours:.1f} CPU-hours left at 0.50 s a run" in lines[1]
-    assert f"0 of {third[2]} runs in 0 blocks" in lines[2] and "CPU-hours" not in lines[2]
+    assert f"1000 of {n} runs in 2 blocks" in lines[1] and f"about {hours:.1f} worker-hours left at 0.50 s a run" in lines[1]
+    assert f"0 of {third[2]} runs in 0 blocks" in lines[2] and "hours" not in lines[2]
