@@ -32,7 +32,7 @@ import torch
 
 from specresearch.audit.execute import BlockStore, default_pair, execute
 from specresearch.audit.plots import plot_executed
-from specresearch.audit.report import executed_table, largest_runs
+from specresearch.audit.report import config_key as key, executed_table, largest_runs
 from specresearch.drafts.registry import load_pair
 from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
 from specresearch.experiments.plotting import save_figure
@@ -80,10 +80,6 @@ POWER = [
 ]
 BLOCKS = Path("benchmarks/records/blocks")
 FIGURE = "12_engines_executed"  # notebook 12's figure, one panel a configuration at its largest N
-
-
-def key(engine, n_tokens, temperature, options, prompt, n=None) -> str:
-    return json.dumps([engine, n_tokens, temperature, options, prompt] + ([] if n is None else [n]), sort_keys=True)
 
 
 def blocks_name(engine, n_tokens, temperature, options, prompt, n, args) -> str:

@@ -12,6 +12,7 @@ statistical test through the generation engine on the embedded pair (:func:`spec
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -26,7 +27,7 @@ from specresearch.exact.single import (
     two_symbol_example,
 )
 
-__all__ = ["AuditReport", "Counterexample", "audit", "engine_table", "executed_table", "largest_runs"]
+__all__ = ["AuditReport", "Counterexample", "audit", "engine_table", "config_key", "executed_table", "largest_runs"]
 
 _METHODS = METHODS + MULTI_METHODS
 
@@ -243,13 +244,20 @@ def executed_table(rows) -> str:
     return "\n".join(lines)
 
 
+def config_key(engine, n_tokens, temperature, options, prompt, n=None) -> str:
+    """A run's configuration (engine, tokens, temperature, settings, prompt, and for a power run its N) as one JSON
+    text, settings in key order: what names a configuration in ``benchmarks/records/audit_executed.json`` and its
+    resumable seed blocks (``benchmarks/audit_executed.py`` hashes it into the blocks' file name)."""
+    return json.dumps([engine, n_tokens, temperature, options, prompt] + ([] if n is None else [n]), sort_keys=True)
+
+
 def largest_runs(rows) -> list[dict]:
-    """Of the rows of ``benchmarks/records/audit_executed.json``, the one of largest N for each configuration (engine,
-    tokens, temperature, settings, prompt), in the order the configurations first appear: a power run stands in for
-    the smaller run of the same settings, for a figure of one panel a configuration."""
+    """Of the rows of ``benchmarks/records/audit_executed.json``, the one of largest N for each configuration
+    (:func:`config_key` without N), in the order the configurations first appear: a power run stands in for the
+    smaller run of the same settings, for a figure of one panel a configuration."""
     best: dict[str, dict] = {}  # a replaced value keeps its key's place
     for row in rows:
-        config = repr((row["engine"], row["n_tokens"], row["temperature"], sorted(row["options"].items()), row["prompt"]))
+        config = config_key(row["engine"], row["n_tokens"], row["temperature"], row["options"], row["prompt"])
         if config not in best or row["num_samples"] > best[config]["num_samples"]:
             best[config] = row
     return list(best.values())
