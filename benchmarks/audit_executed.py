@@ -67,7 +67,8 @@ CONFIGS = [
 # stored as they land (benchmarks/records/blocks/), so a run of hours resumes where it stopped
 # transformers at T = 1 leaves the whole vocabulary: cells of expected count >= 50 (not 5), whose fewer cells let
 # these N detect TV 0.03 or less (at >= 5, 40,000 runs of the first detect 0.038); rarer sequences pool into their
-# prefix's rest. In the order they run: the lossless verdicts first, each N the least that detects <= 0.03 (rounded up)
+# prefix's rest. In the order they run, each N the least that detects <= 0.03 (rounded up): a lossless verdict's
+# target law and a lossy one's predicted law must both hold at such an N
 COARSE = {"min_expected": 50.0}
 POWER = [
     ("llamacpp-server", 2, 30000, 1.0, {}, PROMPT),
@@ -75,8 +76,12 @@ POWER = [
     ("transformers-lookup", 2, 16000, 1.0, {"prompt_lookup_num_tokens": 3}, LOOKUP_PROMPT, COARSE),  # 0.030
     ("transformers-assisted", 2, 18000, 0.7, {"top_p": 0.9, "repetition_penalty": 1.2}, PROMPT, COARSE),  # 0.029
     ("transformers-assisted", 2, 22000, 1.0, {"assistant_ensemble_weight": 0.5}, PROMPT, COARSE),  # 0.030
-    # llama-speculative-simple, exact: a process a generation (~1 s each here), the longest of them
+    # llama-speculative-simple, exact: a process a generation (~0.5 s each alone here)
     ("llamacpp-simple", 2, 18000, 0.8, {}, PROMPT, COARSE),  # 0.030
+    # then the lossy llama.cpp verdicts at the same N (the same target law, so the same cells): the server's
+    # synthetic acceptance without request seeds, and llama-speculative at its defaults (one branch)
+    ("llamacpp-server", 2, 18000, 0.8, {"synth_rates": [0.5, 0.25, 0.125], "seeded": False}, PROMPT, COARSE),
+    ("llamacpp-example", 2, 18000, 0.8, {}, PROMPT, COARSE),
 ]
 BLOCKS = Path("benchmarks/records/blocks")
 FIGURE = "12_engines_executed"  # notebook 12's figure, one panel a configuration at its largest N
