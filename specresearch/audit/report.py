@@ -27,7 +27,7 @@ from specresearch.exact.single import (
     two_symbol_example,
 )
 
-__all__ = ["AuditReport", "Counterexample", "audit", "engine_table", "config_key", "executed_table", "largest_runs"]
+__all__ = ["AuditReport", "Counterexample", "audit", "config_key", "engine_table", "executed_table", "largest_runs"]
 
 _METHODS = METHODS + MULTI_METHODS
 
