@@ -10,14 +10,21 @@ will not run gets one line saying why.
 
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --out benchmarks/records/audit_libraries.json
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --smallest seqspecdecod.capped_hsd --samples 3000
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --only specdec   # beside another library
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --status
 
 Resumable: libraries already in the record are kept. ``--smallest NAME`` adds, for a library with a finding, the
-smallest input that shows it (a 64-token random pair, gamma 1 to 3) under ``smallest_inputs``.
+smallest input that shows it (a 64-token random pair, gamma 1 to 3) under ``smallest_inputs``. ``--power N`` runs
+the libraries at N (22,000 at T = 1 detects TV 0.030 on cells of expected count >= ``--min-expected`` 50, as
+``benchmarks/audit_executed.py``'s power runs) as seed blocks of ``--batch-size``, each stored in
+``benchmarks/records/blocks/`` as it lands, so that a run of hours resumes where it stopped; two processes with
+``--only`` run two libraries side by side and share the record; ``--status`` prints each library's blocks so far.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -35,6 +42,27 @@ LIBRARIES = {
     "eagle-llm": ("eagle-llm==1.2.1", "eagle", "EaModel (EAGLE-1/2)"),
     "economize": ("economize==0.3.2", "economize", "economize.generate with a speculative technique"),
 }
+BLOCKS = Path("benchmarks/records/blocks")
+
+
+def pair():
+    """The embedded target and the shipped ``v8k-4l`` as the toolkit's wrappers, and the tokenizer: a recipe
+    (``experiments.executor.loaded``), built once a process."""
+    from specresearch.drafts.registry import load_pair
+
+    return load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
+
+
+def blocks_path(name: str, args) -> Path:
+    """Where library ``name``'s power run at ``args``' settings stores its seed blocks."""
+    text = json.dumps([name, LIBRARIES[name][0], args.prompt, args.n_tokens, args.temperature, args.gamma, args.power,
+                       args.batch_size])
+    return BLOCKS / f"library-{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.jsonl"
+
+
+def done_key(row: dict) -> tuple:
+    """A record row's library and, for a power run, its N."""
+    return row["library"], row.get("power_n")
 
 
 def unpacked(spec: str) -> Path:
@@ -110,7 +138,6 @@ def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
         return _eagle_llm(target, temperature)
     if name == "economize":
         import copy
-        import itertools
         import tempfile
 
         import economize
@@ -122,12 +149,14 @@ def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
         from economize.techniques.draft_model import DraftModelConfig
 
         model = economize.apply(copy.deepcopy(target), DraftModelConfig(model=str(folder), dtype="float32"))
-        seeds = itertools.count()
+        # its sampler draws from a private generator seeded per call: the seeds come from torch's global generator,
+        # which execute() seeds (per seed block with an executor), so a resumed run draws new generations
+        next_seed = lambda: int(torch.randint(2**62, ()))  # noqa: E731
 
         def sample(prompt, n_tokens):
             result = model.decode(torch.tensor(prompt), n_tokens + 1,
                                   decoding=economize.DecodeConfig(cycle_length=gamma + 1, verifier="rejection"),
-                                  selector=economize.TopPSampler(temperature=temperature, top_p=1.0, seed=next(seeds)))
+                                  selector=economize.TopPSampler(temperature=temperature, top_p=1.0, seed=next_seed()))
             return result.tokens.tolist()
         return sample
     raise ValueError(f"unknown library {name!r}")
@@ -171,22 +200,27 @@ def worker(name: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     from specresearch.audit.execute import execute
-    from specresearch.drafts.registry import load_pair
-
-    target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
+    from specresearch.experiments.executor import LocalExecutor, loaded
     from specresearch.experiments.records import git_commit
+
+    target, draft, tokenizer = loaded(pair)
+    power = {} if args.power is None else dict(
+        num_samples=args.power, min_expected=args.min_expected, executor=LocalExecutor(), models=pair,
+        batch_size=args.batch_size, blocks_file=blocks_path(name, args))
 
     row = {"library": name, "distribution": spec, "runs": what, "temperature": args.temperature, "gamma": args.gamma,
            "commit": git_commit()}
     try:
         sample = sampler(name, target, draft, args.temperature, args.gamma)
-        result = execute("python", prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,
+        result = execute("python", prompt=args.prompt, n_tokens=args.n_tokens, **({"num_samples": args.samples} | power),
                          temperature=args.temperature, target=target.model, tokenizer=tokenizer, sample=sample,
                          name=name, version=spec, progress=False)
     except Exception as error:  # a library that does not run here: one line saying why
         return row | {"ran": False, "why": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
     print(result, flush=True)
-    return row | {"ran": True, "prompt": args.prompt} | result.as_record()
+    extra = {} if args.power is None else {"power_n": args.power, "batch_size": args.batch_size,
+                                           "min_expected": args.min_expected}
+    return row | {"ran": True, "prompt": args.prompt} | result.as_record() | extra
 
 
 def smallest(name: str, args) -> dict:
@@ -234,6 +268,10 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", default="Name a colour.")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smallest", help="a library with a finding: the smallest input that shows it, into the record")
+    parser.add_argument("--power", type=int, help="run at this N in stored seed blocks (module docstring)")
+    parser.add_argument("--batch-size", type=int, default=500, help="generations per seed block (--power)")
+    parser.add_argument("--min-expected", type=float, default=50.0, help="a cell's least expected count (--power)")
+    parser.add_argument("--status", action="store_true", help="with --power: each library's stored blocks, and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -253,18 +291,49 @@ def main(argv=None) -> int:
         record.setdefault("smallest_inputs", {})[args.smallest] = result
         write_json_record(out, record)
         return 0
-    done = {row["library"] for row in record["rows"]}
+    if args.status:
+        print("\n".join(status(args, record)))
+        return 0
+    done = {done_key(row) for row in record["rows"]}
     for name in args.only or LIBRARIES:
-        if name in done:
+        if (name, args.power) in done or (args.power is not None and not _agreed(record, name)):
             continue
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("out", "only", "worker", "smallest")]
+                 if k not in ("out", "only", "worker", "smallest", "status") and v is not None]
         row, why = _in_worker(name, flags)
         row = row or {"library": name, "distribution": LIBRARIES[name][0], "ran": False, "why": why}
         print(row.get("finding") or row.get("why"), flush=True)
+        if out.exists():  # another process (--only) may have added a row since
+            record = json.loads(out.read_text())
         record["rows"].append(row)
         write_json_record(out, record)
     return 0
+
+
+def _agreed(record: dict, name: str) -> bool:
+    """Whether library ``name`` ran here and kept the target's law: a power run is for those (one that does not run
+    would say so again, and one whose law the smaller run already rejected is a finding at that N)."""
+    return any(row["library"] == name and row.get("ran") and row["finding"].startswith("agrees") for row in record["rows"])
+
+
+def status(args, record: dict) -> list[str]:
+    """One line a library whose smaller run kept the target's law: its power run in the record, or its stored blocks' runs of ``--power``
+    and, at their seconds a run, the hours one process would still need."""
+    from specresearch.audit.execute import BlockStore
+
+    lines = []
+    for name in args.only or LIBRARIES:
+        if not _agreed(record, name):
+            continue
+        if (name, args.power) in {done_key(row) for row in record["rows"]}:
+            lines.append(f"{name} N {args.power}: done, in the record")
+            continue
+        path = blocks_path(name, args)
+        _, blocks, _ = BlockStore.stored(path)
+        runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
+        left = f", about {(args.power - runs) * seconds / runs / 3600:.1f} hours left at {seconds / runs:.2f} s a run" if runs else ""
+        lines.append(f"{name} N {args.power}: {runs} of {args.power} runs in {len(blocks)} blocks ({path}){left}")
+    return lines
 
 
 if __name__ == "__main__":
