@@ -398,3 +398,34 @@ def test_the_power_runs_status_reads_their_blocks(tmp_path, monkeypatch):
     hours = (n - 1000) * 0.5 / 3600
     assert f"1000 of {n} runs in 2 blocks" in lines[1] and f"about {hours:.1f} worker-hours left at 0.50 s a run" in lines[1]
     assert f"0 of {third[2]} runs in 0 blocks" in lines[2] and "hours" not in lines[2]
+
+
+def test_the_libraries_power_runs_are_those_that_kept_the_law_and_their_status_reads_their_blocks(tmp_path, monkeypatch):
+    """``audit_libraries.py --power N --status``: only libraries whose smaller run kept the target's law get a power run
+    (not one that did not run, nor one already a finding); one in the record at N is done; one with stored blocks shows
+    its runs of N and the hours left at its blocks' seconds a run; the blocks' file is another for another N."""
+    import argparse
+    import importlib.util
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("audit_libraries", root / "benchmarks" / "audit_libraries.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "BLOCKS", tmp_path)
+    args = argparse.Namespace(only=None, power=4000, batch_size=500, prompt="Hi", n_tokens=2, temperature=1.0, gamma=2)
+    agrees = {"ran": True, "finding": "agrees: lossless as the audit says"}
+    record = {"rows": [{"library": "specdec"} | agrees, {"library": "specdec", "power_n": 4000} | agrees,
+                       {"library": "flashspec"} | agrees, {"library": "economize"} | agrees,
+                       {"library": "seqspecdecod.capped_hsd", "ran": True, "finding": "FINDING: ..."},
+                       {"library": "eagle-llm", "ran": False, "why": "..."}]}
+    script.blocks_path("flashspec", args).write_text(
+        json.dumps({"run": {}}) + "\n" + "".join(json.dumps({"size": 500, "seed": s, "seconds": 150.0, "draws": []}) + "\n"
+                                                 for s in (1, 2, 3)))
+    lines = script.status(args, record)
+    assert [line.split(" N ")[0] for line in lines] == ["specdec", "flashspec", "economize"]
+    assert lines[0] == "specdec N 4000: done, in the record"
+    assert "1500 of 4000 runs in 3 blocks" in lines[1] and "about 0.2 hours left at 0.30 s a run" in lines[1]
+    assert "0 of 4000 runs in 0 blocks" in lines[2] and "hours" not in lines[2]
+    assert script.blocks_path("flashspec", args) != script.blocks_path("flashspec", argparse.Namespace(
+        **vars(args) | {"power": 8000}))
