@@ -32,7 +32,7 @@ import torch
 
 from specresearch.audit.execute import BlockStore, default_pair, execute
 from specresearch.audit.plots import plot_executed
-from specresearch.audit.report import config_key as key, executed_table, largest_runs
+from specresearch.audit.report import config_key as key, executed_table, largest_runs, row_config_key
 from specresearch.drafts.registry import load_pair
 from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
 from specresearch.experiments.plotting import save_figure
@@ -95,8 +95,7 @@ def blocks_name(engine, n_tokens, temperature, options, prompt, n, args) -> str:
 
 def done_keys(record: dict) -> set[str]:
     """The keys of the configurations the record already holds."""
-    return {key(r["engine"], r["n_tokens"], r["temperature"], r["options"], r["prompt"], r.get("power_n"))
-            for r in record["rows"]}
+    return {row_config_key(row) for row in record["rows"]}
 
 
 def blocks_path(engine, n_tokens, temperature, options, prompt, n, args) -> Path:

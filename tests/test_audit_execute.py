@@ -311,6 +311,26 @@ def test_a_library_sampler_is_held_to_the_target_law(pair):
     assert "sample" not in accepts_all.options and accepts_all.options["name"] == "accept every draft"
 
 
+def test_a_finding_counts_the_generations_the_target_cannot_emit(pair):
+    """A sequence the target cannot emit (here a token id past its vocabulary, as a library with an added token could
+    return) has a cell of expected count 0 that alone rejects the target's law: the finding says how many landed there."""
+    target, _ = pair
+    calls = iter(range(10**6))
+
+    def sample(prompt, n_tokens):
+        if next(calls) % 20 == 0:  # 1 in 20, deterministically
+            return [target.config.vocab_size] * n_tokens
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([list(prompt)])).logits[0, -1].double()
+        return [int(torch.multinomial(logits.softmax(-1), 1))] * n_tokens
+
+    result = execute("python", sample=sample, prompt=PROMPT, n_tokens=1, num_samples=200, target=target,
+                     progress=False, name="a token past the vocabulary")
+    assert result.cells[-1] == ("outside the target's support",) and result.counts[-1] == 10
+    assert result.finding.startswith("FINDING") and result.finding.endswith(
+        "; 10 of 200 generations outside the target's support"), result.finding
+
+
 def test_the_docs_table_is_the_records_one():
     """docs/audit.md's table of engines run is computed from the committed records (``audit.report.executed_table``)."""
     import json
@@ -330,7 +350,7 @@ def test_the_docs_table_is_the_records_one():
 def test_the_figure_shows_each_configuration_once_at_its_largest_n():
     """Notebook 12's figure (and ``audit_executed.py --docs``'s) has one panel a configuration: the power run where
     there is one, in the order the configurations first appear."""
-    from specresearch.audit.report import largest_runs
+    from specresearch.audit.report import config_key, largest_runs, row_config_key
 
     def row(engine, n, options=None, temperature=1.0):
         return {"engine": engine, "n_tokens": 2, "temperature": temperature, "options": options or {},
@@ -342,6 +362,9 @@ def test_the_figure_shows_each_configuration_once_at_its_largest_n():
     assert [(r["engine"], r["num_samples"], r["temperature"]) for r in picked] == [("a", 24000, 1.0), ("b", 22000, 1.0),
                                                                                 ("b", 400, 0.7)]
     assert picked[0] is rows[2] and largest_runs([]) == []
+    power = rows[2] | {"power_n": 24000}  # a power run is its own configuration, and the same one without its N
+    assert row_config_key(power) == config_key("a", 2, 1.0, {}, "Hi", 24000) != row_config_key(rows[2])
+    assert row_config_key(power, with_n=False) == row_config_key(rows[2]) == config_key("a", 2, 1.0, {}, "Hi")
 
 
 @pytest.mark.skipif(not (llamacpp_home() / "gguf-py").is_dir(), reason="llama.cpp's gguf-py comes with its build "

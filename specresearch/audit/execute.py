@@ -93,6 +93,7 @@ ENGINES = {
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
 _BOOTSTRAP = 400
+OUTSIDE = ("outside the target's support",)  # the cell of the sequences the target cannot emit
 
 
 @dataclass(frozen=True)
@@ -141,13 +142,20 @@ class ExecutionResult:
         keeps = self.target.p_value > LEVEL
         if self.verdict == "exact":
             return ("agrees: lossless as the audit says" if keeps else
-                    f"FINDING: the audit says exact, the measured law rejects the target's (p = {self.target.p_value:.2g})")
+                    f"FINDING: the audit says exact, the measured law rejects the target's (p = {self.target.p_value:.2g})"
+                    + self._outside())
         if self.predicted.p_value > LEVEL and not keeps:
             return "agrees: lossy as the audit predicts (the predicted law holds, the target's is rejected)"
         if self.predicted.p_value <= LEVEL:
             return f"FINDING: the measured law rejects the predicted one (p = {self.predicted.p_value:.2g})"
         return (f"undecided: the run does not tell the predicted law from the target's (their TV "
                 f"{self.predicted.tv_from_target:.3f}, detectable {self.detectable_tv:.3f}); raise num_samples")
+
+    def _outside(self) -> str:
+        """How many generations the target cannot emit, where any were drawn: one such cell of expected count 0
+        alone rejects the target's law, whatever the rest of the cells say."""
+        outside = self.counts[-1] if self.cells and self.cells[-1] == OUTSIDE else 0
+        return f"; {outside} of {self.num_samples} generations outside the target's support" if outside else ""
 
     def as_record(self) -> dict:
         """A JSON-ready row (cells as strings)."""
@@ -482,7 +490,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     if not counts[-1] and not predicted_probs[-1] and not any(probs[-1] for probs in others.values()):
         counts, target_probs, predicted_probs = counts[:-1], target_probs[:-1], predicted_probs[:-1]  # no such cell
         others = {name: probs[:-1] for name, probs in others.items()}
-    cells = law.cells + (("outside the target's support",),) * (len(counts) - len(law.cells))
+    cells = law.cells + (OUTSIDE,) * (len(counts) - len(law.cells))
     return ExecutionResult(
         engine, ENGINES[engine], _verdict(engine, options), {k: v for k, v in options.items() if k != "sample"},
         temperature, n_tokens, num_samples, seed,

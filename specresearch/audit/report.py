@@ -27,7 +27,8 @@ from specresearch.exact.single import (
     two_symbol_example,
 )
 
-__all__ = ["AuditReport", "Counterexample", "audit", "config_key", "engine_table", "executed_table", "largest_runs"]
+__all__ = ["AuditReport", "Counterexample", "audit", "config_key", "engine_table", "executed_table", "largest_runs",
+           "row_config_key"]
 
 _METHODS = METHODS + MULTI_METHODS
 
@@ -251,13 +252,20 @@ def config_key(engine, n_tokens, temperature, options, prompt, n=None) -> str:
     return json.dumps([engine, n_tokens, temperature, options, prompt] + ([] if n is None else [n]), sort_keys=True)
 
 
+def row_config_key(row: dict, *, with_n: bool = True) -> str:
+    """:func:`config_key` of a row of ``benchmarks/records/audit_executed.json``: with its power run's N
+    (``power_n``; none for a row of ``CONFIGS``), or without (``with_n=False``: every N of the configuration)."""
+    n = row.get("power_n") if with_n else None
+    return config_key(row["engine"], row["n_tokens"], row["temperature"], row["options"], row["prompt"], n)
+
+
 def largest_runs(rows) -> list[dict]:
     """Of the rows of ``benchmarks/records/audit_executed.json``, the one of largest N for each configuration
-    (:func:`config_key` without N), in the order the configurations first appear: a power run stands in for the
+    (:func:`row_config_key` without N), in the order the configurations first appear: a power run stands in for the
     smaller run of the same settings, for a figure of one panel a configuration."""
     best: dict[str, dict] = {}  # a replaced value keeps its key's place
     for row in rows:
-        config = config_key(row["engine"], row["n_tokens"], row["temperature"], row["options"], row["prompt"])
+        config = row_config_key(row, with_n=False)
         if config not in best or row["num_samples"] > best[config]["num_samples"]:
             best[config] = row
     return list(best.values())
