@@ -104,9 +104,7 @@ def blocks_path(engine, n_tokens, temperature, options, prompt, n, args) -> Path
 
 
 def status(args, record: dict) -> list[str]:
-    """One line a POWER configuration: in the record, or its stored blocks' runs of N and, at their seconds a run,
-    the hours one worker would still need (a block's seconds are its wall time on the worker that ran it, beside
-    the others: ``--workers`` W side by side finish in about 1/W of it)."""
+    """One line a POWER configuration: in the record, or how far its stored blocks are (``BlockStore.progress``)."""
     done = done_keys(record)
     lines = []
     for engine, n_tokens, n, temperature, options, prompt, *_ in POWER:
@@ -114,11 +112,7 @@ def status(args, record: dict) -> list[str]:
         if key(engine, n_tokens, temperature, options, prompt, n) in done:
             lines.append(f"{name}: done, in the record")
             continue
-        path = blocks_path(engine, n_tokens, temperature, options, prompt, n, args)
-        _, blocks, _ = BlockStore.stored(path)  # a block cut short is drawn again when the run resumes
-        runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
-        left = f", about {(n - runs) * seconds / runs / 3600:.1f} worker-hours left at {seconds / runs:.2f} s a run" if runs else ""
-        lines.append(f"{name}: {runs} of {n} runs in {len(blocks)} blocks ({path}){left}")
+        lines.append(f"{name}: {BlockStore.progress(blocks_path(engine, n_tokens, temperature, options, prompt, n, args), n)}")
     return lines
 
 

@@ -274,6 +274,8 @@ def main(argv=None) -> int:
     parser.add_argument("--status", action="store_true", help="with --power: each library's stored blocks, and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.status and args.power is None:
+        parser.error("--status reads the blocks of a power run: pass --power N too")
     if args.worker:
         run = smallest if args.worker.startswith("smallest:") else worker
         print("RESULT " + json.dumps(run(args.worker.removeprefix("smallest:"), args)), flush=True)
@@ -317,23 +319,14 @@ def _agreed(record: dict, name: str) -> bool:
 
 
 def status(args, record: dict) -> list[str]:
-    """One line a library whose smaller run kept the target's law: its power run in the record, or its stored blocks' runs of ``--power``
-    and, at their seconds a run, the hours one process would still need."""
+    """One line a library whose smaller run kept the target's law: its power run at ``--power`` in the record, or how
+    far its stored blocks are (``BlockStore.progress``)."""
     from specresearch.audit.execute import BlockStore
 
-    lines = []
-    for name in args.only or LIBRARIES:
-        if not _agreed(record, name):
-            continue
-        if (name, args.power) in {done_key(row) for row in record["rows"]}:
-            lines.append(f"{name} N {args.power}: done, in the record")
-            continue
-        path = blocks_path(name, args)
-        _, blocks, _ = BlockStore.stored(path)
-        runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
-        left = f", about {(args.power - runs) * seconds / runs / 3600:.1f} hours left at {seconds / runs:.2f} s a run" if runs else ""
-        lines.append(f"{name} N {args.power}: {runs} of {args.power} runs in {len(blocks)} blocks ({path}){left}")
-    return lines
+    done = {done_key(row) for row in record["rows"]}
+    return [f"{name} N {args.power}: " + ("done, in the record" if (name, args.power) in done
+                                         else BlockStore.progress(blocks_path(name, args), args.power))
+            for name in args.only or LIBRARIES if _agreed(record, name)]
 
 
 if __name__ == "__main__":

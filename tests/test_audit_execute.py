@@ -448,7 +448,7 @@ def test_the_libraries_power_runs_are_those_that_kept_the_law_and_their_status_r
     lines = script.status(args, record)
     assert [line.split(" N ")[0] for line in lines] == ["specdec", "flashspec", "economize"]
     assert lines[0] == "specdec N 4000: done, in the record"
-    assert "1500 of 4000 runs in 3 blocks" in lines[1] and "about 0.2 hours left at 0.30 s a run" in lines[1]
+    assert "1500 of 4000 runs in 3 blocks" in lines[1] and "about 0.2 worker-hours left at 0.30 s a run" in lines[1]
     assert "0 of 4000 runs in 0 blocks" in lines[2] and "hours" not in lines[2]
     assert script.blocks_path("flashspec", args) != script.blocks_path("flashspec", argparse.Namespace(
         **vars(args) | {"power": 8000}))

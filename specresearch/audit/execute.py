@@ -290,6 +290,17 @@ class BlockStore:
         lines = [json.loads(line) for line in text]
         return (lines[0] if lines else None), lines[1:], cut
 
+    @staticmethod
+    def progress(path, num_samples: int) -> str:
+        """How far the run stored at ``path`` is, read only: its runs of ``num_samples`` in how many blocks and, at its
+        blocks' seconds a run, the worker-hours it still needs (a block's seconds are its wall time on the worker that
+        ran it, beside any others: W workers side by side finish in about 1/W of it)."""
+        _, blocks, _ = BlockStore.stored(path)  # a block cut short is drawn again when the run resumes
+        runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
+        left = (f", about {(num_samples - runs) * seconds / runs / 3600:.1f} worker-hours left at {seconds / runs:.2f} s "
+                "a run") if runs else ""
+        return f"{runs} of {num_samples} runs in {len(blocks)} blocks ({path}){left}"
+
     def read(self) -> dict:
         """``{(size, seed): (generations, seconds)}`` of the blocks already stored; writes the header if new and drops
         a last line cut short (its block is drawn again)."""
