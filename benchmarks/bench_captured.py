@@ -10,7 +10,8 @@ compiles its forward itself, ``torch.compile(mode="reduce-overhead")``; elsewher
 end to end, prompt included, with the same seed for every run of a prompt. Before anything is timed every (run, mode,
 temperature) decodes one prompt of each cache size the prompts need, so no compile or capture is timed.
 
-Writes ``<out>.csv`` (a row a run) and ``<out>.json``: the header (command, commit, machine, weights' digests) and the
+Writes ``<out>.csv`` (a row a run) and ``<out>.json`` after every prompt (``complete`` says whether all ran; a
+cell whose warm-up raises is left out and its error kept under ``failed_cells``): the header (command, commit, machine, weights' digests) and the
 summary: per temperature, run and mode, tokens/s and the speed over the fastest autoregressive decoding of that
 temperature (over the prompts pooled, 95 % bootstrap intervals), and the keys ``ar_tokens_per_s``,
 ``peer_tokens_per_s``, ``best_speedup_t0``, ``best_speedup_t1`` with the runs and modes they come from. A benchmark:
@@ -92,26 +93,33 @@ def plain_model(target, dtype):
     return model.to(target.device).eval()
 
 
-def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, eos, max_cache_len) -> None:
+def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, eos, max_cache_len) -> dict:
     """Every (run, mode) cell at every temperature once on a prompt of each cache size the prompts need; the peer once
-    at each temperature (its cache has one size)."""
+    at each temperature (its cache has one size). A cell that raises is left out of the timed runs: returns
+    ``{"run:mode": "the error"}`` for those (a device run is one call: one broken cell must not cost the others)."""
+    failed = {}
     for run, mode in cells:
-        if run == PEER:
-            continue
-        options = RUNS[_base(run)]
-        plan = static.plan_for("", 0, autoregressive=True) if options is None else static.plan_for(
-            options["verifier"], options["gamma"], options.get("num_drafts", 1), options.get("draft_law", "iid"),
-            options.get("tree_nodes"))
-        sizes = {}
-        for ids in prompts:
-            sizes.setdefault(static.cache_capacity(len(ids) + max_new_tokens, plan), ids)
-        for temperature in temperatures:
-            for ids in (sizes.values() if mode != "off" else [prompts[0]]):
-                decode(targets[_dtype(run)], draft, _base(run), mode, ids, SamplingConfig(temperature=temperature), 0,
-                       max_new_tokens, eos)
-    if peer is not None:
-        for temperature in temperatures:
-            peer_decode(peer, prompts[0], SamplingConfig(temperature=temperature), 0, max_new_tokens, eos, max_cache_len)
+        try:
+            if run == PEER:
+                for temperature in temperatures:
+                    peer_decode(peer, prompts[0], SamplingConfig(temperature=temperature), 0, max_new_tokens, eos,
+                                max_cache_len)
+                continue
+            options = RUNS[_base(run)]
+            plan = static.plan_for("", 0, autoregressive=True) if options is None else static.plan_for(
+                options["verifier"], options["gamma"], options.get("num_drafts", 1), options.get("draft_law", "iid"),
+                options.get("tree_nodes"))
+            sizes = {}
+            for ids in prompts:
+                sizes.setdefault(static.cache_capacity(len(ids) + max_new_tokens, plan), ids)
+            for temperature in temperatures:
+                for ids in (sizes.values() if mode != "off" else [prompts[0]]):
+                    decode(targets[_dtype(run)], draft, _base(run), mode, ids, SamplingConfig(temperature=temperature),
+                           0, max_new_tokens, eos)
+        except Exception as error:  # noqa: BLE001 -- reported in the record, the cell left out
+            failed[f"{run}:{mode}"] = f"{type(error).__name__}: {error}"[:2000]
+            print(f"cell {run}:{mode} failed in its warm-up and is left out: {failed[f'{run}:{mode}']}", flush=True)
+    return failed
 
 
 def _base(run: str) -> str:
@@ -132,6 +140,12 @@ def summary(rows: list[dict]) -> dict:
     out = {"cells": []}
     for temperature, at in frame.groupby("temperature"):
         ar = at[at["run"].str.startswith("autoregressive")]
+        if ar.empty:  # no baseline (its cells failed): speeds only
+            for label, mine in at.groupby("label"):
+                out["cells"].append({"temperature": float(temperature), "label": label,
+                                     "tokens_per_s": float(mine["tokens"].sum() / mine["seconds"].sum()),
+                                     "tau": float(mine["tau"].mean()), "prompts": int(mine["prompt_id"].nunique())})
+            continue
         speeds = ar.groupby("label").apply(lambda c: c["tokens"].sum() / c["seconds"].sum())
         base_label = speeds.idxmax()
         base = ar[ar["label"] == base_label].set_index(["prompt_id", "repeat"])[["tokens", "seconds"]]
@@ -152,10 +166,23 @@ def summary(rows: list[dict]) -> dict:
         peer = at[at["run"] == PEER]
         if len(peer):
             out[f"peer_tokens_per_s_{key}"] = float(peer["tokens"].sum() / peer["seconds"].sum())
-    out["ar_tokens_per_s"] = max(v for k, d in out.items() if k.startswith("ar_tokens_per_s_") for v in d.values())
+    out["ar_tokens_per_s"] = max((v for k, d in list(out.items()) if k.startswith("ar_tokens_per_s_")
+                                  for v in d.values()), default=None)
     peers = [v for k, v in out.items() if k.startswith("peer_tokens_per_s_")]
     out["peer_tokens_per_s"] = max(peers) if peers else None
     return out
+
+
+def write_record(out: Path, header: dict, rows: list[dict], failed: dict, *, complete: bool) -> dict:
+    """``<out>.csv`` and ``<out>.json`` of the rows so far; ``complete`` False while prompts are still to come."""
+    import pandas as pd
+
+    csv_path, json_path = record_files(out)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(csv_path, index=False)
+    result = {**header, "complete": complete, "failed_cells": failed, "summary": summary(rows)}
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def main(argv: list[str]) -> int:
@@ -206,12 +233,14 @@ def main(argv: list[str]) -> int:
     peer = plain_model(target, getattr(torch, args.dtype)) if args.peer else None
     cells += [(PEER, "transformers")] if peer else []
     started = time.time()
-    warm_up(targets, draft, peer, prompts, cells, args.temperatures, args.max_new_tokens, eos, args.capacity_step)
+    failed = warm_up(targets, draft, peer, prompts, cells, args.temperatures, args.max_new_tokens, eos,
+                     args.capacity_step)
+    cells = [cell for cell in cells if f"{cell[0]}:{cell[1]}" not in failed]
     print(f"warmed up in {time.time() - started:.0f} s", flush=True)
     rows = []
-    for temperature in args.temperatures:
-        sampling = SamplingConfig(temperature=temperature)
-        for i, (row, ids) in enumerate(zip(rows_in, prompts)):
+    for i, (row, ids) in enumerate(zip(rows_in, prompts)):  # prompts outermost: a run cut short has every temperature
+        for temperature in args.temperatures:
+            sampling = SamplingConfig(temperature=temperature)
             for repeat in range(args.repeats):
                 order = random.Random(f"{temperature} {i} {repeat}").sample(cells, len(cells))
                 for run, mode in order:
@@ -223,17 +252,14 @@ def main(argv: list[str]) -> int:
                                                       1000 + i, args.max_new_tokens, eos)
                     rows.append({"prompt_id": row["id"], "temperature": temperature, "repeat": repeat, "run": run,
                                  "mode": mode, "tokens": tokens, "seconds": seconds, "tau": tau})
-            print(f"T {temperature} prompt {i + 1}/{len(prompts)}", flush=True)
-    import pandas as pd
-
-    csv_path, json_path = record_files(Path(args.out))
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).to_csv(csv_path, index=False)
-    result = {**header, "summary": summary(rows)}
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
+        # the record so far after every prompt: a run stopped at its time limit still leaves what it measured
+        write_record(Path(args.out), header, rows, failed, complete=False)
+        print(f"prompt {i + 1}/{len(prompts)} at {time.time() - started:.0f} s", flush=True)
+    result = write_record(Path(args.out), header, rows, failed, complete=True)
     for cell in result["summary"]["cells"]:
+        speed = f"{cell['speedup']:.2f}x [{cell['low']:.2f}, {cell['high']:.2f}]" if "speedup" in cell else ""
         print(f"T {cell['temperature']:g}  {cell['label']:<42} {cell['tokens_per_s']:8.1f} tok/s  tau {cell['tau']:.2f}  "
-              f"{cell['speedup']:.2f}x [{cell['low']:.2f}, {cell['high']:.2f}]")
+              f"{speed}")
     return 0
 
 
