@@ -63,6 +63,27 @@ def test_the_matrix_covers_windows_alternating_layers_and_softcapping():
     assert tiny_family_config("gemma2").attn_logit_softcapping == 50.0
 
 
+def test_the_layout_reads_transformers_older_form_of_the_layers_kwargs(monkeypatch):
+    """transformers 5.17 (the GPU machine's) gives one kwargs mapping for all layers where newer ones give a list of
+    them: the layout is the same either way (zipping the mapping gave no layer and an empty layout, whose mask was a
+    dict transformers could not read), and a model naming no layer type is refused."""
+    import transformers.cache_utils as cache_utils
+
+    newer = cache_utils.get_layer_types_and_kwargs
+    expected = {family: attention_layout(tiny_family_model(family)) for family in ("gemma2", "mistral", "llama")}
+
+    def older(config):
+        kinds, options = newer(config)
+        return kinds, options if isinstance(options, dict) else next((o for o in options if o), {})
+
+    monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs", older)
+    for family, layout in expected.items():
+        assert attention_layout(tiny_family_model(family)) == layout, family
+    monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs", lambda config: ([], {}))
+    with pytest.raises(ValueError, match="names no attention layer types"):
+        attention_layout(tiny_family_model("llama"))
+
+
 def test_without_the_window_the_matrix_sees_a_difference():
     """Negative control: Mistral with its window dropped from the masks gives other tokens than generate."""
     model = tiny_family_model("mistral", "eager")

@@ -101,6 +101,10 @@ def attention_layout(model) -> AttentionLayout:
 
     config = model.config.get_text_config(decoder=True)
     kinds, options = get_layer_types_and_kwargs(config)
+    if isinstance(options, dict):  # older transformers (5.17): one kwargs mapping for every layer, not one per layer
+        options = [options] * len(kinds)
+    if not kinds:
+        raise ValueError(f"{_name(model)}: transformers names no attention layer types for it")
     windows: dict[str, int | None] = {}
     for kind, option in zip(kinds, options):
         if kind not in _LAYER_TYPES:
