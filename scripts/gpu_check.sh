@@ -31,7 +31,8 @@
 #           Llama-3.1-8B's captured calls and steps and the speed-ups the head's measured tau would give there
 #           (gpu_cost_8b_gpu.json). Needs the embedded model as the real part does (gpu_cost_8b does not).
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
-# DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script).
+# DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script);
+# SPEED_LIMIT (360) and COST_LIMIT (150) are the speed part's two limits in seconds (a short lease: smaller).
 # GPU_DRAFT (default eagle3-v8k: the shipped head with its weights in float32, 37 MB; on a GPU its float16 form,
 # fp16:eagle3-v8k, saves no time and costs a weight conversion or scaling calls in every linear of every draft call).
 set -uo pipefail
@@ -111,7 +112,7 @@ for part in $PARTS; do
         fi ;;
     speed)
         if has_model; then
-            run gpu_speed 360 "$PY" benchmarks/bench_captured.py --device "${DEVICE:-cuda}" --dtype bfloat16 \
+            run gpu_speed "${SPEED_LIMIT:-360}" "$PY" benchmarks/bench_captured.py --device "${DEVICE:-cuda}" --dtype bfloat16 \
                 --draft "${GPU_DRAFT:-eagle3-v8k}" --prompts "${SPEED_PROMPTS:-16}" --max-new-tokens "${REAL_TOKENS:-48}" \
                 --capacity-step 512 --peer --cells "${SPEED_CELLS[@]}" --out "$OUT/gpu_speed_gpu"
         else
@@ -119,7 +120,7 @@ for part in $PARTS; do
         fi
         tau=()
         [ -f "$OUT/gpu_speed_gpu.json" ] && tau=(--tau "$OUT/gpu_speed_gpu.json")
-        run gpu_cost_8b 150 "$PY" benchmarks/gpu_cost_8b.py --out "$OUT/gpu_cost_8b_gpu.json" "${tau[@]}" ;;
+        run gpu_cost_8b "${COST_LIMIT:-150}" "$PY" benchmarks/gpu_cost_8b.py --out "$OUT/gpu_cost_8b_gpu.json" "${tau[@]}" ;;
     *) echo "unknown part $part (tests, timing, real, sampled, speed)"; failed=1 ;;
     esac
 done

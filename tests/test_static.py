@@ -15,7 +15,7 @@ from specresearch.drafts.eagle import Eagle3Head, EagleDraft
 from specresearch.drafts.feature import FeatureDraft, FeatureHeadConfig
 from specresearch.drafts.ngram import NGramDraft
 from specresearch.engine import static
-from specresearch.engine.captured import StepRunner
+from specresearch.engine.captured import StepRunner, warm_up
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.static import StaticPlan, start_run
@@ -258,6 +258,37 @@ def test_an_inductor_compiled_tree_step_computes_what_the_eager_step_computes(ta
     eager = _logs(run, run.step, 4)
     run = _run(target, drafts, kind, plan, SAMPLED, 4)
     assert torch.equal(eager, _logs(run, StepRunner(run.step, "inductor", run.small_state(), "cpu"), 4))
+
+
+@pytest.mark.parametrize("name, kind, plan", STEP_KINDS, ids=[k[0] for k in STEP_KINDS])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["T0", "T1"])
+def test_a_step_neither_reads_nor_writes_the_host(target, drafts, name, kind, plan, sampling):
+    """Inside a step (what a CUDA graph captures) no host read and no tensor made from host data (a copy a graph
+    cannot capture: the dynamic tree's depths were one): ``engine.timing.HostReads`` over three steps."""
+    from specresearch.engine.timing import HostReads
+
+    run = _run(target, drafts, kind, plan, sampling, 3)
+    with HostReads() as reads:
+        for _ in range(3):
+            run.step()
+    assert (reads.count, reads.writes) == (0, 0)
+
+
+@pytest.mark.parametrize("name, kind, plan", [STEP_KINDS[0], STEP_KINDS[4]], ids=["autoregressive", "tree model"])
+def test_a_graphs_warm_up_leaves_the_run_as_it_found_it(target, drafts, name, kind, plan):
+    """What ``cudagraph`` runs before it captures (``captured.warm_up``), on the CPU: two steps, each from the state
+    it found, on a run that reads the host after every step (a log of one row: two steps in a row would write past
+    it, the device-side assert of the first GPU run); the state after is the state before, and the steps after it
+    log what a run without the warm-up logs."""
+    run = _run(target, drafts, kind, plan, SAMPLED, 1)
+    before = [t.clone() for t in run.small_state()]
+    warm_up(run.step, run.small_state())
+    assert all(torch.equal(a, b) for a, b in zip(before, run.small_state()))
+    plain = _run(target, drafts, kind, plan, SAMPLED, 1)
+    assert torch.equal(_logs(run, run.step, 1), _logs(plain, plain.step, 1))
+    with pytest.raises(IndexError):  # the old warm-up: two steps in a row from one read
+        for _ in range(2):
+            run.step()
 
 
 def test_a_session_is_kept_and_replayed(target, drafts):

@@ -9,7 +9,7 @@ A step here is a function of no arguments that reads and writes preallocated ten
 * ``"cudagraph"``: ``torch.cuda.CUDAGraph`` captures the eager step after a warm-up on a side stream and every call
   replays it, CUDA only. The warm-up runs the step for real, so the small state it changes (``state``: lengths,
   pending tokens, logs; not the caches' buffers, which a step writes only past the rows' lengths) is saved before it
-  and put back after; capture itself runs nothing.
+  and put back after each call (:func:`warm_up`); capture itself runs nothing.
 
 Random numbers never come from inside the step: its uniforms are drawn into a buffer before each call (the
 engine's ``_draw``), so a replay uses the run's generator and a seed repeats a run in every mode.
@@ -23,11 +23,22 @@ import torch
 
 from specresearch.models.static_cache import mark_static
 
-__all__ = ["RUNNER_MODES", "StepRunner"]
+__all__ = ["RUNNER_MODES", "StepRunner", "warm_up"]
 
 RUNNER_MODES = ("eager", "inductor", "reduce-overhead", "cudagraph")
 RECOMPILE_LIMIT = 64  # compiled forms of the step dynamo keeps (one per run's shapes and settings)
 _CUDA_ONLY = ("reduce-overhead", "cudagraph")
+
+
+def warm_up(step: Callable[[], None], state: Sequence[torch.Tensor], times: int = 2) -> None:
+    """Run ``step`` ``times`` times, each from the state it found (``state`` put back after every call): a warm-up
+    changes nothing, and never runs a step from a state no real call would see (two steps in a row from one read
+    would write the log past its ``steps_per_read`` rows: the device-side assert of the first GPU run)."""
+    saved = [t.clone() for t in state]
+    for _ in range(times):
+        step()
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
 
 
 class StepRunner:
@@ -62,15 +73,11 @@ class StepRunner:
 
     def _capture(self) -> "torch.cuda.CUDAGraph":
         """Warm the step up on a side stream (its state given back), then capture it."""
-        saved = [t.clone() for t in self.state]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step()
+            warm_up(self.step, self.state)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for tensor, value in zip(self.state, saved):
-            tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.step()

@@ -186,7 +186,10 @@ def _draft_topk(run, logits: torch.Tensor, carry, checks: StepChecks) -> _Drafte
             seen[:, (group + 1) * K : (group + 2) * K] |= lineage
         count += K * K
     values, tokens, parents = torch.cat(values, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
-    depth = torch.tensor([1] * K + [d for d in range(2, L + 1) for _ in range(K * K)], device=q.device)
+    # [1] * K, then each depth 2..L K * K times: made on the device (a tensor from a host list inside a step is a copy
+    # a CUDA graph cannot capture)
+    depth = torch.cat([torch.ones(K, dtype=torch.long, device=q.device),
+                       torch.arange(2, L + 1, device=q.device)[:, None].expand(-1, K * K).reshape(-1)])
     kept = _best(values, min(plan.tree_nodes, values.shape[1]), plan.law == "static")  # [B, N]
     return _Drafted(kept, tokens, parents, depth)
 

@@ -21,6 +21,8 @@ __all__ = ["clock", "step_clock", "TimedCall", "interleaved_medians", "HostReads
 # Tensor methods that hand a value to the host (so, on a GPU, wait for the work queued before them).
 HOST_READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
                         "equal", "unique", "masked_select", "argwhere"})
+# tensors made from host data: a copy to the device each call, which a CUDA graph cannot capture inside a step
+HOST_WRITES = frozenset({"tensor", "as_tensor", "from_numpy"})
 
 
 class HostReads(TorchFunctionMode):
@@ -29,17 +31,19 @@ class HostReads(TorchFunctionMode):
     this package or in an installed library). Works on any device, so a CPU run counts what a GPU would wait for.
     ``reads.calls`` counts the torch operations called from Python (the modules' own included, attribute reads such
     as ``.shape`` not): each costs the host microseconds and most launch a kernel, which bounds a small model's step
-    on a GPU."""
+    on a GPU. ``reads.writes`` counts the tensors made from host data (``torch.tensor`` of a list, ...)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.writes = 0
         self.calls = 0
         self.by_origin = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         self.calls += name != "__get__"
+        self.writes += name in HOST_WRITES
         if name in HOST_READS:
             self.count += 1
             files = [f.filename for f in traceback.extract_stack()[:-1]]
