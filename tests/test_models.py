@@ -332,6 +332,29 @@ def test_grouped_sdpa_attention_is_transformers_sdpa_without_the_kv_copies(atten
                                sdpa_attention_forward(module, causal, key, value, None)[0], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("attention", [cpu_sdpa_attention, packed_sdpa_attention], ids=["cpu", "packed"])
+def test_grouped_sdpa_attention_takes_a_kernels_output_in_any_layout(attention, monkeypatch):
+    """CUDA's memory-efficient kernel (what float32 gets there) returns ``[B, h, q, d]`` laid out as ``[B, q, h, d]``:
+    the grouped attentions take it as they take a contiguous output (a ``view`` of it raised on the H200)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def strided(*args, **kwargs):
+        return fused(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    g = torch.Generator().manual_seed(2)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    query = torch.randn(2, 4, 3, 8, generator=g)
+    key, value = (torch.randn(2, 2, 7, 8, generator=g) for _ in range(2))
+    mask = torch.rand(2, 1, 3, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided)
+    torch.testing.assert_close(attention(module, query, key, value, mask, scaling=0.3)[0], want, atol=1e-6, rtol=1e-5)
+
+
 def test_packed_sdpa_scores_as_transformers_sdpa_with_fewer_torch_calls():
     """A tiny grouped-query model switched to packed_sdpa_attention (what CausalLM does on CUDA) scores every
     cached, masked call (left padding, per-row rollback, a tree) as with transformers' sdpa, and a masked call

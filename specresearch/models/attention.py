@@ -203,7 +203,8 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         mask = attention_mask.expand(batch, -1, -1, -1).reshape(batch, heads // groups, groups * length, -1)
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
-    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+    # reshape, not view: CUDA's memory-efficient kernel (float32 there) returns [B, h, q, d] strided as [B, q, h, d]
+    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
 
 
 def _special(kwargs) -> bool:
