@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from helpers import tree_path, visible_from_parents
 
 from specresearch.config import SamplingConfig
@@ -44,7 +45,9 @@ CASES = [case for case in all_cases() if case[1] not in SWITCHED or case[2] in S
 def test_the_engine_gives_generates_tokens(family, kernel, step):
     result = run_case(family, kernel, step)
     assert result.ok, result.detail
-    assert result.status == RECORDED[family, kernel, step], "rerun benchmarks/family_matrix.py --docs"
+    assert result.status == RECORDED[family, kernel, step], (
+        f"rerun benchmarks/family_matrix.py --docs (record made with transformers {RECORD['transformers']}, this is "
+        f"{transformers.__version__})")
     if kernel in ("eager", "sdpa (as loaded)"):  # transformers' own kernels, applied as they are
         assert result.status in ("exact", "not offered"), result
     if result.status == "refused":  # one line naming the model, the kernel and what to load instead
