@@ -11,8 +11,8 @@ end to end, prompt included, with the same seed for every run of a prompt. Befor
 temperature) decodes one prompt of each cache size the prompts need, so no compile or capture is timed.
 
 Writes ``<out>.csv`` (a row a run) and ``<out>.json`` after every prompt (``complete`` says whether all ran; a
-cell whose warm-up raises is left out and its error kept under ``failed_cells``): the header (command, commit, machine, weights' digests) and the
-summary: per temperature, run and mode, tokens/s and the speed over the fastest autoregressive decoding of that
+cell whose warm-up raises is left out and its error kept under ``failed_cells``): the header (command, commit,
+machine, weights' digests) and the summary: per temperature, run and mode, tokens/s and the speed over the fastest autoregressive decoding of that
 temperature (over the prompts pooled, 95 % bootstrap intervals), and the keys ``ar_tokens_per_s``,
 ``peer_tokens_per_s``, ``best_speedup_t0``, ``best_speedup_t1`` with the runs and modes they come from. A benchmark:
 nothing is asserted.

