@@ -11,6 +11,12 @@ is timed and nothing asserted.
     PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32
     PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32 --draft fp16:eagle3-v8k \
         --out benchmarks/records/step_ops_fp16_amd.json
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32 --compile static \
+        --out benchmarks/records/step_ops_static_amd.json
+
+``--compile static`` counts the captured steps' calls (run eagerly: the calls a CUDA graph of the step holds, each one
+kernel or more, which a replay launches without the host); per step, the prompt's prefill and the run's set-up
+included, as for the growing loop.
 """
 
 from __future__ import annotations
@@ -61,21 +67,22 @@ def _modules(draft, depth: int = 3) -> list[torch.nn.Module]:
     return found
 
 
-def count(target, draft, prompts, temperature: float, max_new_tokens: int) -> list[dict]:
+def count(target, draft, prompts, temperature: float, max_new_tokens: int, compile: str = "off") -> list[dict]:
     """Per run: torch calls and host reads per step, summed over the prompts, and tokens per step."""
     rows = []
     for label, options in RUNS.items():
         calls = reads = steps = tokens = 0
         for i, ids in enumerate(prompts):
             sampling = SamplingConfig(temperature=temperature)
-            common = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 + i)
+            common = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 + i, compile=compile)
             with HostReads() as counter:
                 out = (autoregressive_generate(target, [ids], **common) if options is None
                        else speculative_generate(target, draft, [ids], **options, **common))
             calls, reads = calls + counter.calls, reads + counter.count
             steps, tokens = steps + len(out.steps), tokens + out.num_tokens
-        rows.append({"temperature": temperature, "run": label, "torch_calls_per_step": calls / steps,
-                     "host_reads_per_step": reads / steps, "tokens_per_step": tokens / steps})
+        rows.append({"temperature": temperature, "run": label, "compile": compile,
+                     "torch_calls_per_step": calls / steps, "host_reads_per_step": reads / steps,
+                     "tokens_per_step": tokens / steps})
         print(rows[-1], flush=True)
     return rows
 
@@ -85,6 +92,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--draft", default="eagle3-v8k", help="default: the float32 head, as scripts/gpu_check.sh runs")
+    parser.add_argument("--compile", choices=["off", "static"], default="off",
+                        help="off: the growing loop; static: the captured steps run eagerly (the calls a CUDA graph of "
+                             "the step holds: each launches one kernel or more, replayed without the host)")
     parser.add_argument("--out", default=str(repo_root() / "benchmarks" / "records" / "step_ops_amd.json"))
     args = parser.parse_args()
     if args.prompts < 1 or args.max_new_tokens < 1:
@@ -93,7 +103,7 @@ def main() -> int:
     as_on_cuda(target, draft)
     chosen = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
     prompts = [row.tolist() for row in encode_chat(chosen, tokenizer)]
-    rows = [row for t in (0.0, 1.0) for row in count(target, draft, prompts, t, args.max_new_tokens)]
+    rows = [row for t in (0.0, 1.0) for row in count(target, draft, prompts, t, args.max_new_tokens, args.compile)]
     record = record_header("benchmarks/bench_step_ops.py", sys.argv[1:], draft=args.draft, rows=rows)
     with open(args.out, "w") as file:
         file.write(json.dumps(record, indent=2) + "\n")
