@@ -4,6 +4,7 @@
 cancel). docs/engine_and_models.md states the counts."""
 
 import pytest
+import torch
 from helpers import reads_per_step
 
 from specresearch.config import SamplingConfig
@@ -105,3 +106,46 @@ def test_a_sampled_tree_step_reads_no_more_than_its_tree_and_bookkeeping(target)
         verify_multi.traversal_verify(p, q, torch.randint(0, 48, (1, 3, 3)), uniforms=torch.rand(1, 4, 3),
                                       validate=False)
     assert reads.count == 0
+
+
+def test_kernels_counts_the_operators_that_launch_work_and_not_the_views():
+    """``engine.timing.Kernels``: a linear layer is one ``mm`` (a bias-free one; ``addmm`` with a bias), pointwise
+    operators one each, a copy made contiguous one ``clone``; views, transposes and expands none."""
+    from specresearch.engine.timing import Kernels
+
+    x, weight = torch.randn(4, 8), torch.randn(16, 8)
+    with Kernels() as kernels:
+        y = torch.nn.functional.linear(x, weight)
+        (y * 2 + 1).t().contiguous()
+        y.view(-1)
+        x.expand(2, 4, 8)
+        x[:, None]
+    assert dict(kernels.by_op) == {"mm": 1, "mul": 1, "add": 1, "clone": 1}
+    assert kernels.count == 4 and kernels.views >= 5
+
+
+def test_an_inductor_wrappers_launches_are_read_from_its_code():
+    """``bench_step_ops.wrapper_launches`` on the code inductor generates here for a matrix product followed by
+    pointwise work and a reduction: one library ``mm``, and the generated kernels fuse the rest (fewer than the
+    eager operators; at least one)."""
+    import importlib.util
+    from pathlib import Path
+
+    from torch._inductor.codecache import PyCodeCache
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_step_ops", root / "benchmarks" / "bench_step_ops.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def f(x, w):
+        return (torch.relu(x @ w) * 3 + 1).sum(-1)
+
+    torch._dynamo.reset()
+    PyCodeCache.cache_clear()
+    torch.compile(f, fullgraph=True, dynamic=False)(torch.randn(8, 32), torch.randn(32, 16))
+    graphs = [g for g in (script.wrapper_launches(Path(m.__file__).read_text()) for m in script._loaded(PyCodeCache)) if g]
+    assert len(graphs) == 1, graphs
+    (launches,) = graphs
+    assert launches["extern_kernels.mm"] == 1 and 1 <= launches["generated"] < 4, launches
+    assert script.wrapper_launches("x = 1\n") == {}

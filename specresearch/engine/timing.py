@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["clock", "step_clock", "TimedCall", "interleaved_medians", "HostReads", "HOST_READS"]
+__all__ = ["clock", "step_clock", "TimedCall", "interleaved_medians", "HostReads", "HOST_READS", "Kernels"]
 
 # Tensor methods that hand a value to the host (so, on a GPU, wait for the work queued before them).
 HOST_READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
@@ -49,6 +50,33 @@ class HostReads(TorchFunctionMode):
             files = [f.filename for f in traceback.extract_stack()[:-1]]
             inner = next((f for f in reversed(files) if "site-packages" in f or "specresearch" in f), "")
             self.by_origin["other" if "site-packages" in inner else "specresearch"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Kernels(TorchDispatchMode):
+    """Counts the operators that launch device work while active (``with Kernels() as kernels: ...``):
+    ``kernels.count``, and ``kernels.by_op`` by ATen operator. Counted below autograd and the composite operators,
+    where a call has become the kernels that run (one ``F.linear`` is one ``mm``; an RMS norm five pointwise and
+    reduction kernels); views and aliases (``view``, ``transpose``, ``expand``, ``_unsafe_view``, ``detach``, ...),
+    which only change a tensor's metadata, are left out (``kernels.views``). What a CUDA graph of an eager step holds,
+    one kernel per count, counted on any device: the CPU dispatches the same operators but for a few whose CUDA forms
+    differ (attention's kernel: one call either way)."""
+
+    METADATA = frozenset({"_unsafe_view", "detach", "lift_fresh", "alias", "_reshape_alias"})
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.views = 0
+        self.by_op = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.is_view or name in self.METADATA:
+            self.views += 1
+        else:
+            self.count += 1
+            self.by_op[name] += 1
         return func(*args, **(kwargs or {}))
 
 
