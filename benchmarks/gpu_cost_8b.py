@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from specresearch.config import GENERATE_TAU, GENERATE_TAU_GREEDY, GENERATE_TREES, SamplingConfig
-from specresearch.engine.captured import StepRunner
+from specresearch.engine.captured import SavedState, StepRunner
 from specresearch.engine.static import build_run, plan_for
 from specresearch.engine.timing import clock
 from specresearch.experiments.records import record_header
@@ -94,17 +94,15 @@ def head_for(target, head_tokens: int = 32000):
 def replay_seconds(runner: StepRunner, state: list[torch.Tensor], repeats: int) -> tuple[float, float]:
     """Median seconds of one call of ``runner`` on its device, and of the host issuing it (a CUDA graph's replay
     returns before the device is done); the state is put back before each call."""
-    saved = [t.clone() for t in state]
+    saved = SavedState(state)
     times, issue = [], []
     for _ in range(repeats):
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
+        saved.put_back()
         start = clock(runner.device)
         runner()
         issue.append(time.perf_counter() - start)
         times.append(clock(runner.device) - start)
-    for tensor, value in zip(state, saved):
-        tensor.copy_(value)
+    saved.put_back()
     return statistics.median(times), statistics.median(issue)
 
 

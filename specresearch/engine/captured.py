@@ -23,22 +23,34 @@ import torch
 
 from specresearch.models.static_cache import mark_static
 
-__all__ = ["RUNNER_MODES", "StepRunner", "warm_up"]
+__all__ = ["RUNNER_MODES", "StepRunner", "SavedState", "warm_up"]
 
 RUNNER_MODES = ("eager", "inductor", "reduce-overhead", "cudagraph")
 RECOMPILE_LIMIT = 64  # compiled forms of the step dynamo keeps (one per run's shapes and settings)
 _CUDA_ONLY = ("reduce-overhead", "cudagraph")
 
 
+class SavedState:
+    """A copy of a step's small state (``state``: the tensors it changes in place), taken now; :meth:`put_back`
+    writes it back into the same tensors (their addresses kept, as a captured step needs), as often as asked."""
+
+    def __init__(self, state: Sequence[torch.Tensor]):
+        self.state = list(state)
+        self.saved = [t.clone() for t in self.state]
+
+    def put_back(self) -> None:
+        for tensor, value in zip(self.state, self.saved):
+            tensor.copy_(value)
+
+
 def warm_up(step: Callable[[], None], state: Sequence[torch.Tensor], times: int = 2) -> None:
     """Run ``step`` ``times`` times, each from the state it found (``state`` put back after every call): a warm-up
     changes nothing, and never runs a step from a state no real call would see (two steps in a row from one read
     would write the log past its ``steps_per_read`` rows: the device-side assert of the first GPU run)."""
-    saved = [t.clone() for t in state]
+    saved = SavedState(state)
     for _ in range(times):
         step()
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
+        saved.put_back()
 
 
 class StepRunner:
