@@ -207,7 +207,7 @@ def test_a_row_is_asked_again_when_the_drawn_token_ends_inside_a_character():
 
 
 def test_llama_speculatives_tokens_are_read_from_its_debug_log():
-    from specresearch.audit.llamacpp import simple_tokens, speculative_tokens
+    from specresearch.audit.llamacpp import simple_steps, simple_tokens, speculative_tokens
     from specresearch.audit.runners import padded
 
     log = ("D the sampled target token (1205, 'Blue') did not match, or we ran out of drafted tokens\n"
@@ -228,6 +228,7 @@ def test_llama_speculatives_tokens_are_read_from_its_debug_log():
               "D spec        draft:  - seq_id 0, draft candidate   0, pos   1:   1222 (   0.447) 'day'\n"
               "D accepted 0/2 draft tokens, the last target token is: (2256)\n")
     assert simple_tokens(simple) == [29, 12018, 2256]
+    assert simple_steps(simple) == [([29], 1, 12018), ([29, 1222], 0, 2256)]
     assert padded([5, 2, 7, 8], 3, eos=2) == [5, 2, 2]  # EOS absorbing: nothing after it counts
 
 

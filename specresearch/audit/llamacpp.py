@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["LLAMACPP_VERSION", "llamacpp_bin", "llamacpp_home", "write_scaled_draft", "write_truncated_draft", "LlamaServer", "SAMPLING",
-           "run_speculative", "simple_tokens", "speculative_tokens"]
+           "run_speculative", "simple_steps", "simple_tokens", "speculative_tokens"]
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp is built (llama.cpp 0c1e570)
 # The server's sampling defaults (common/common.h): what a request that sets nothing gets.
@@ -260,17 +260,23 @@ _SIMPLE_STEP = re.compile(r"accepted (\d+)/\d+ draft tokens, the last target tok
 _SIMPLE_DRAFT = re.compile(r"draft candidate +0, pos +\d+: +(\d+) ")
 
 
-def simple_tokens(log: str) -> list[int]:
-    """The tokens ``llama-speculative-simple`` generated, in order, from its debug log (``-lv 5``): at each step the
-    first ``accepted`` of the tokens it drafted, then the step's last token."""
-    tokens, drafted = [], []
+def simple_steps(log: str) -> list[tuple[list[int], int, int]]:
+    """``llama-speculative-simple``'s steps from its debug log (``-lv 5``), in order: ``(drafted, accepted, last)``,
+    the tokens it drafted for the step, how many of them it kept and the step's last token."""
+    steps, drafted = [], []
     for line in log.splitlines():
         if (draft := _SIMPLE_DRAFT.search(line)) is not None:
             drafted.append(int(draft.group(1)))
         elif (step := _SIMPLE_STEP.search(line)) is not None:
-            tokens += drafted[: int(step.group(1))] + [int(step.group(2))]
+            steps.append((drafted, int(step.group(1)), int(step.group(2))))
             drafted = []
-    return tokens
+    return steps
+
+
+def simple_tokens(log: str) -> list[int]:
+    """The tokens ``llama-speculative-simple`` generated, in order, from its debug log (``-lv 5``): at each step the
+    first ``accepted`` of the tokens it drafted, then the step's last token."""
+    return [token for drafted, accepted, last in simple_steps(log) for token in drafted[:accepted] + [last]]
 
 
 def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sampling: dict, n_parallel: int = 1,
