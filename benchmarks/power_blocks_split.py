@@ -1,0 +1,73 @@
+"""A power run's stored seed blocks, tested in parts against the target law its record row holds: whether a finding
+comes from all of the blocks or from some of them (blocks resumed in another session were drawn on another machine,
+by that machine's build of the engine).
+
+For ``llamacpp-simple`` (``benchmarks/records/blocks/llamacpp-simple-*.jsonl``, row ``power_n`` 18,000 of
+``benchmarks/records/audit_executed.json``): every generation outside the target's lists lies in the first 8 blocks,
+the 4,000 drawn in the first session, and the other 28 blocks keep the target's law.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/power_blocks_split.py --engine llamacpp-simple --power 18000 --split 8
+
+Each part's generations are placed in the row's cells (a sequence in no named cell counts in the row's ``tail``
+cell: the record keeps no law to tell the tail from outside the support, so a part is never rejected for a sequence
+it merely holds alone); a chi-square p-value and the TV with its noise floor per part (``audit.execute``'s
+comparison), and how many generations in no named cell each part holds that the other part never drew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+RECORD = Path("benchmarks/records/audit_executed.json")
+BLOCKS = Path("benchmarks/records/blocks")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", default="llamacpp-simple")
+    parser.add_argument("--power", type=int, default=18000, help="the row's power_n")
+    parser.add_argument("--split", type=int, default=8, help="blocks before this index form the first part")
+    args = parser.parse_args()
+    from specresearch.audit.execute import _compare, detectable_tv
+
+    row = next(r for r in json.loads(RECORD.read_text())["rows"]
+               if r.get("engine") == args.engine and r.get("power_n") == args.power)
+    (path,) = [p for p in BLOCKS.glob(f"{args.engine}-*.jsonl")
+               if json.loads(p.read_text().splitlines()[0])["run"]["num_samples"] == args.power]
+    blocks = [json.loads(line) for line in path.read_text().splitlines()[1:] if line.strip()]
+    cells = [ast.literal_eval(c) for c in row["cells"]]
+    seqs = {c[1]: i for i, c in enumerate(cells) if c[0] == "seq"}
+    rests = {c[1]: i for i, c in enumerate(cells) if c[0] == "rest"}
+    tail = next(i for i, c in enumerate(cells) if c[0] == "tail")
+    probs = np.array(row["target_probs"])
+    parts = {f"blocks 0-{args.split - 1}": blocks[: args.split], f"blocks {args.split}-{len(blocks) - 1}": blocks[args.split:]}
+    unnamed = {name: Counter(tuple(d) for b in part for d in b["draws"]
+                             if tuple(d) not in seqs and tuple(d)[:1] not in rests) for name, part in parts.items()}
+    (first, second) = parts
+    only = {first: sorted(set(unnamed[first]) - set(unnamed[second])),
+            second: sorted(set(unnamed[second]) - set(unnamed[first]))}
+    print(f"{path}: {len(blocks)} blocks; row: {row['finding']}")
+    for name, part in parts.items():
+        counts = np.zeros(len(cells))
+        for block in part:
+            for draw in map(tuple, block["draws"]):
+                index = seqs.get(draw, rests.get(draw[:1]))
+                counts[tail if index is None else index] += 1
+        result = _compare(counts, probs, probs, 0)
+        n = int(counts.sum())
+        print(f"{name}: N {n}, p = {result.p_value:.3g}, TV {result.tv:.3f} (floor {result.tv_floor:.3f}, detects "
+              f"{detectable_tv(n, len(cells)):.3f}); in no named cell and never drawn by the other part: "
+              f"{sum(unnamed[name][s] for s in only[name])} generations ({len(only[name])} sequences: "
+              f"{only[name][:6]}{' ...' if len(only[name]) > 6 else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
