@@ -288,6 +288,34 @@ def test_a_stopped_run_resumes_from_its_stored_blocks(pair, tmp_path):
         run(pair, "transformers-sampling", blocks_file=path, num_samples=3000)
 
 
+def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
+    """Each stored block names the machine that drew it (``audit.execute.block_machine``); a resumed run whose stored
+    blocks came from another kind of machine refuses to draw beside them (the first llamacpp-simple power run pooled
+    two machines' laws into a finding), and blocks written before blocks named their machine are counted in the
+    result's notes, not refused."""
+    import json
+
+    from specresearch.audit.execute import block_machine
+
+    common = dict(n_tokens=1, num_samples=3000, seed=4, batch_size=1000, models=functools.partial(tiny_pair))
+    path = tmp_path / "blocks.jsonl"
+    whole = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
+    header, *blocks = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [b["machine"] for b in blocks] == [block_machine()] * 3 and not any("no machine" in n for n in whole.notes)
+    other = dict(block_machine(), cpu_flags=["avx512f"] if "avx512f" not in block_machine()["cpu_flags"] else [])
+    lines = [header, {**blocks[0], "machine": other}, blocks[1]]  # the third block to draw here
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    counting = CountingExecutor()
+    with pytest.raises(ValueError, match="one kind of machine"):
+        run(pair, "transformers-sampling", executor=counting, blocks_file=path, **common)
+    assert counting.blocks == 0  # refused before drawing
+    lines = [header, {k: v for k, v in blocks[0].items() if k != "machine"}, blocks[1]]  # an older, unstamped block
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    resumed = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
+    assert resumed.counts == whole.counts
+    assert any("1 of the stored seed blocks carry no machine" in note for note in resumed.notes), resumed.notes
+
+
 def test_a_library_sampler_is_held_to_the_target_law(pair):
     """engine 'python': a correct sampler (plain sampling from the target) keeps the target's law; one that returns
     the draft's samples, as a verifier that accepts everything would, is a finding."""

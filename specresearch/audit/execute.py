@@ -251,6 +251,8 @@ def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options
                         n_tokens, size, block_seed) for size, block_seed in seed_blocks(num_samples, batch_size, seed)]
     kept = {} if store is None else store.read()
     todo = [block for block in blocks if (block.size, block.seed) not in kept]
+    if todo and store is not None and getattr(executor, "name", "") == "local":
+        store.check_machine(block_machine(), "this machine")  # before drawing here, not after the first block
     bar = tqdm(total=num_samples, initial=num_samples - sum(block.size for block in todo), unit="run",
                desc=f"{engine} ({getattr(executor, 'name', 'executor')})", disable=not progress)
 
@@ -264,17 +266,23 @@ def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options
     executor.run(timed_block, todo, on_result=landed)
     bar.close()
     draws = [kept[(block.size, block.seed)] for block in blocks]
-    return [tuple(sequence) for sequences, _ in draws for sequence in sequences], sum(seconds for _, seconds in draws)
+    return ([tuple(sequence) for sequences, *_ in draws for sequence in sequences],
+            sum(seconds for _, seconds, *_ in draws))
 
 
 class BlockStore:
     """A JSON-lines file of one :func:`execute` run's finished seed blocks, so a long run resumes where it stopped:
     a first line naming the run (engine, prompt ids, settings, N, block size, seed), then one line a block
-    (``size``, ``seed``, its generations, its seconds). A last line cut short (the run killed while writing it) is
-    dropped and its block drawn again; a file naming another run is refused."""
+    (``size``, ``seed``, its generations, its seconds, the machine that drew it: :func:`block_machine`). A last line
+    cut short (the run killed while writing it) is dropped and its block drawn again; a file naming another run is
+    refused, and so is a block drawn on another kind of machine than the blocks before it (:meth:`check_machine`):
+    pooled, two machines' laws make a finding of their own (the first ``llamacpp-simple`` power run's, docs/audit.md).
+    Blocks written before blocks recorded their machine carry none; they are counted (``unstamped``), not checked."""
 
     def __init__(self, path, run: dict):
         self.path, self.run = Path(path), run
+        self.machine: dict | None = None  # the machine every stamped block so far was drawn on
+        self.unstamped = 0
 
     @staticmethod
     def stored(path) -> tuple[dict | None, list[dict], bool]:
@@ -302,8 +310,9 @@ class BlockStore:
         return f"{runs} of {num_samples} runs in {len(blocks)} blocks ({path}){left}"
 
     def read(self) -> dict:
-        """``{(size, seed): (generations, seconds)}`` of the blocks already stored; writes the header if new and drops
-        a last line cut short (its block is drawn again)."""
+        """``{(size, seed): (generations, seconds, machine)}`` of the blocks already stored; writes the header if new
+        and drops a last line cut short (its block is drawn again). ``ValueError`` where they were drawn on different
+        machines."""
         header, blocks, cut = self.stored(self.path)
         if header is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -315,12 +324,39 @@ class BlockStore:
         if cut:  # keep the whole lines as they were written, without the cut one
             kept = [line for line in self.path.read_text().splitlines() if line.strip()][:-1]
             self.path.write_text("".join(line + "\n" for line in kept))
-        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"]) for row in blocks}
+        for row in blocks:
+            self.check_machine(row.get("machine"), f"block (size {row['size']}, seed {row['seed']})")
+        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"], row.get("machine"))
+                for row in blocks}
 
-    def append(self, size: int, seed: int, draws, seconds: float) -> None:
+    def check_machine(self, machine: dict | None, what: str) -> None:
+        """Hold a block's ``machine`` against the run's: the first stamped block sets it, every later one must match
+        (``ValueError`` naming both); None (an older block) is counted in ``unstamped``."""
+        if machine is None:
+            self.unstamped += 1
+            return
+        machine = json.loads(json.dumps(machine))
+        if self.machine is None:
+            self.machine = machine
+        elif machine != self.machine:
+            raise ValueError(f"{self.path}: {what} was drawn on {machine}, the run's earlier blocks on {self.machine}. "
+                             "One run's seed blocks must come from one kind of machine (an engine's logits, and the "
+                             "tokens at a truncation's edge, move with the CPU's kernels and the libraries' versions): "
+                             "draw this run on that machine, or pass another blocks_file to start it here")
+
+    def append(self, size: int, seed: int, draws, seconds: float, machine: dict | None = None) -> None:
+        if machine is not None:
+            self.check_machine(machine, f"the new block (size {size}, seed {seed})")
+        row = {"size": size, "seed": seed, "seconds": round(seconds, 3)} | ({} if machine is None else {"machine": machine})
         with self.path.open("a") as handle:
-            handle.write(json.dumps({"size": size, "seed": seed, "seconds": round(seconds, 3),
-                                     "draws": [list(s) for s in draws]}, separators=(",", ":")) + "\n")
+            handle.write(json.dumps(row | {"draws": [list(s) for s in draws]}, separators=(",", ":")) + "\n")
+
+
+def _block_notes(store) -> tuple[str, ...]:
+    if store is None or not store.unstamped:
+        return ()
+    return (f"{store.unstamped} of the stored seed blocks carry no machine (written before blocks recorded it): "
+            "whether they share the others' machine is not checked",)
 
 
 def default_pair():
@@ -391,11 +427,22 @@ class DrawBlock:
     seed: int
 
 
-def timed_block(block: DrawBlock) -> tuple[list[tuple[int, ...]], float]:
-    """:func:`draw_block` and the seconds it took in its worker."""
+def timed_block(block: DrawBlock) -> tuple[list[tuple[int, ...]], float, dict]:
+    """:func:`draw_block`, the seconds it took in its worker and the worker's machine (:func:`block_machine`)."""
     start = time.perf_counter()
     draws = draw_block(block)
-    return draws, time.perf_counter() - start
+    return draws, time.perf_counter() - start, block_machine()
+
+
+def block_machine() -> dict:
+    """What an engine's numbers depend on where a seed block is drawn: the CPU's model and vector extensions (which
+    kernels llama.cpp's native build and torch's CPU kernels take), torch's and transformers' versions and the GPU.
+    A token at a truncation's edge (min-p, top-p) moves with them: blocks of one run must share it
+    (:class:`BlockStore`)."""
+    from specresearch.experiments.records import machine_info
+
+    info = machine_info()
+    return {key: info[key] for key in ("cpu", "cpu_flags", "torch", "transformers", "gpu") if key in info}
 
 
 def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
@@ -484,7 +531,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         counts = [0] * (len(law.cells) + 1)
         if seed is not None:
             torch.manual_seed(seed)
-        start = time.perf_counter()
+        start, store = time.perf_counter(), None
         if executor is None:
             draws = tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run")
         else:
@@ -507,5 +554,5 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         temperature, n_tokens, num_samples, seed,
         cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
         _compare(counts, target_probs, target_probs, seed), _compare(counts, predicted_probs, target_probs, seed + 1),
-        detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes),
+        detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes) + _block_notes(store),
         {name: _compare(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())})
