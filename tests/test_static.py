@@ -108,6 +108,39 @@ def test_a_static_cache_scores_chains_and_trees_as_an_uncached_forward(family, k
         torch.testing.assert_close(logits[b, 0], _uncached(model, row + [[40], [41]][b]), atol=1e-4, rtol=0)
 
 
+def test_a_kept_path_is_copied_in_the_same_kernels_for_every_layer_count():
+    """A target's layers share one ``KVStack``, so keeping a tree's path copies all of them in one gather and one
+    scatter a buffer: the same kernels for 2 and 6 layers (``engine.timing.Kernels``; a buffer a layer took 4 more a
+    layer). And a stack's copy is the layers' own: a stack and per-layer buffers holding the same keys and values
+    agree after the same copy (overlapping source and destination slots)."""
+    from specresearch.engine.timing import Kernels
+    from specresearch.models.static_cache import KVStack, StaticKV
+
+    counts = []
+    for layers in (2, 6):
+        lm = tiny_llama(48, seed=0, num_layers=layers).static_form()
+        lm.allocate(2, 32)
+        ids, mask = encode_prompts([[5, 9, 3, 7], [12, 13]])
+        lm.prefill(ids, mask)
+        lm.forward(torch.tensor([[30, 31, 32], [35, 36, 37]]), depth=torch.tensor([[0, 1, 1]] * 2),
+                   visible=visible_from_parents([-1, 0, 0]).expand(2, -1, -1))
+        assert len({id(kv.stack) for kv in lm._kvs}) == 1 and len(lm._kvs) == layers
+        with Kernels() as kernels:
+            lm.keep_path(torch.tensor([[0, 2], [0, 1]]), torch.tensor([2, 1]))
+        counts.append(kernels.count)
+    assert counts[0] == counts[1], counts
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 3, 6, 4, generator=generator), torch.randn(2, 2, 3, 6, 4, generator=generator)
+    stack = KVStack(2, 2, 6, keys[0, :, :, :1], values[0, :, :, :1])
+    stack.keys.copy_(keys), stack.values.copy_(values)
+    own = [StaticKV(keys[i].clone(), values[i].clone()) for i in range(2)]
+    source, destination = torch.tensor([[2, 4], [1, 3]]), torch.tensor([[1, 2], [1, 2]])
+    stack.copy_slots(source, destination)
+    for i, kv in enumerate(own):
+        kv.copy_slots(source, destination)
+        assert torch.equal(stack.take().keys, kv.keys) and torch.equal(stack.values[i], kv.values)
+
+
 @pytest.mark.parametrize("kind", ["feature", "eagle3"])
 def test_a_static_feature_head_drafts_what_its_growing_form_drafts(target, drafts, kind):
     """A prompt with true features, then two drafted slots read with the head's own predictions: the static form's

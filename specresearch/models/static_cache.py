@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StaticRows", "StaticCall", "StaticKV", "StaticPast", "static_kv_cache", "keep_path", "mark_static"]
+__all__ = ["StaticRows", "StaticCall", "StaticKV", "StackedKV", "KVStack", "StaticPast", "static_kv_cache", "keep_path",
+           "mark_static"]
 
 
 def mark_static(*tensors: torch.Tensor) -> None:
@@ -127,9 +128,60 @@ class StaticKV:
 
     def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy each row's slots ``source [B, m]`` to ``destination [B, m]`` (gathered first, so they may overlap)."""
-        for buffer in (self.keys, self.values):
-            index = lambda s: s[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[-1])  # noqa: E731
-            buffer.scatter_(2, index(destination), buffer.gather(2, index(source)))
+        _copy_slots((self.keys, self.values), source, destination, dim=2)
+
+
+def _copy_slots(buffers, source: torch.Tensor, destination: torch.Tensor, dim: int) -> None:
+    """Within each buffer ``[..., B, heads, capacity, d]`` (the slot dimension ``dim``), copy each row's slots
+    ``source [B, m]`` to ``destination [B, m]``: one gather and one scatter a buffer, however many layers it stacks."""
+    lead = dim - 2  # stacked layers' dimensions before B
+    for buffer in buffers:
+        shape = buffer.shape[:lead] + (-1, buffer.shape[dim - 1], -1, buffer.shape[-1])
+        index = lambda s: s[(None,) * lead + (slice(None), None, slice(None), None)].expand(*shape)  # noqa: E731
+        buffer.scatter_(dim, index(destination), buffer.gather(dim, index(source)))
+
+
+class StackedKV(StaticKV):
+    """One layer's keys and values as layer ``index`` of a :class:`KVStack`: read through the stack on every use, so
+    a compiled step sees one buffer a stack (not a view of it a layer, which would alias the stack's input)."""
+
+    def __init__(self, stack: "KVStack", index: int):  # no buffers of its own: StaticKV.__init__ is not called
+        self.stack, self.index = stack, index
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.stack.keys[self.index]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.stack.values[self.index]
+
+
+class KVStack:
+    """The keys and values of a model's layers in one pair of buffers ``[layers, B, heads, capacity, d]``, so that
+    keeping a tree's path (:func:`keep_path`) copies every layer's slots in one gather and one scatter a buffer
+    (4 kernels, where a buffer a layer takes 4 a layer). Layers take their places in order (:meth:`take`)."""
+
+    def __init__(self, layers: int, batch: int, capacity: int, keys: torch.Tensor, values: torch.Tensor):
+        shape = lambda t: (layers, batch, t.shape[1], capacity, t.shape[-1])  # noqa: E731
+        self.keys, self.values = keys.new_zeros(shape(keys)), values.new_zeros(shape(values))
+        mark_static(self.keys, self.values)
+        self.taken = 0
+
+    def fits(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether a layer with a call's ``keys / values [B, h, k, d]`` has a free place here (same heads, sizes,
+        dtype and device)."""
+        same = lambda buffer, t: (buffer.shape[2], buffer.shape[-1], buffer.dtype, buffer.device) == (  # noqa: E731
+            t.shape[1], t.shape[-1], t.dtype, t.device)
+        return self.taken < self.keys.shape[0] and same(self.keys, keys) and same(self.values, values)
+
+    def take(self) -> StackedKV:
+        self.taken += 1
+        return StackedKV(self, self.taken - 1)
+
+    def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Every layer's slots ``source [B, m]`` copied to ``destination [B, m]`` (:meth:`StaticKV.copy_slots`)."""
+        _copy_slots((self.keys, self.values), source, destination, dim=3)
 
 
 class StaticPast:
@@ -154,8 +206,14 @@ def keep_path(kvs, rows: StaticRows, source: torch.Tensor, n: torch.Tensor) -> N
     in every layer of ``kvs``, then advance. Slots past ``n`` receive copies no query will read."""
     destination = rows.length[:, None] + torch.arange(source.shape[1], device=source.device)
     origin = rows.length[:, None] + source
+    stacks = {}
     for kv in kvs:
-        kv.copy_slots(origin, destination)
+        if isinstance(kv, StackedKV):
+            stacks[id(kv.stack)] = kv.stack
+        else:
+            kv.copy_slots(origin, destination)
+    for stack in stacks.values():  # every layer of a stack at once
+        stack.copy_slots(origin, destination)
     rows.positions.scatter_(1, destination, rows.positions.gather(1, origin))
     rows.advance(n)
 
@@ -168,18 +226,22 @@ class _Writes:
 
 def static_kv_cache(num_layers: int, batch: int, capacity: int):
     """A transformers ``Cache`` whose layers write at the slots set in ``cache.writes.slots`` and return whole
-    :class:`StaticKV` buffers (allocated on the first call, from its keys' heads, size, dtype and device).
+    buffers, allocated on the first call from its keys' heads, size, dtype and device: every layer's in one
+    :class:`KVStack` (a layer whose shapes differ from the first layer's: a :class:`StaticKV` of its own).
     -> (cache, its layers' ``StaticKV`` list, filled as they allocate)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
-    writes, kvs = _Writes(), []
+    writes, kvs, stacks = _Writes(), [], []
 
     class _Layer(CacheLayerMixin):
         is_compileable = True
         is_sliding = False  # windows are masked (module docstring): every layer keeps the whole context
 
         def lazy_initialization(self, key_states, value_states):
-            self.kv = StaticKV.like(batch, capacity, key_states, value_states)
+            if not stacks:  # the first layer's shapes: a stack for every layer (a layer of other shapes: its own)
+                stacks.append(KVStack(num_layers, batch, capacity, key_states, value_states))
+            fits = stacks[0].fits(key_states, value_states)
+            self.kv = stacks[0].take() if fits else StaticKV.like(batch, capacity, key_states, value_states)
             self.keys, self.values = self.kv.keys, self.kv.values
             kvs.append(self.kv)
             self.is_initialized = True
