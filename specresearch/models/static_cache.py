@@ -121,10 +121,11 @@ class StaticKV:
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys / values [B, h, k, d]`` at ``slots [B, k]``; -> the whole buffers (what attention reads)."""
+        buffers = self.keys, self.values  # once a call: a stacked layer's are views of its stack, made on each read
         index = slots[:, None, :, None]
-        self.keys.scatter_(2, index.expand(-1, keys.shape[1], -1, keys.shape[-1]), keys.to(self.keys.dtype))
-        self.values.scatter_(2, index.expand(-1, values.shape[1], -1, values.shape[-1]), values.to(self.values.dtype))
-        return self.keys, self.values
+        for buffer, new in zip(buffers, (keys, values)):
+            buffer.scatter_(2, index.expand(-1, new.shape[1], -1, new.shape[-1]), new.to(buffer.dtype))
+        return buffers
 
     def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy each row's slots ``source [B, m]`` to ``destination [B, m]`` (gathered first, so they may overlap)."""
