@@ -177,11 +177,14 @@ def test_every_public_name_exists():
 
 
 def test_tracked_files_fit_what_a_gpu_machine_receives():
-    """A GPU machine receives at most 64 MiB per run: the tracked files stay under 60 MB (shipped weights xz-packed)."""
-    listed = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=ROOT, check=True).stdout.split(b"\0")
+    """A device call carries at most 64 MiB: the tracked files and the untracked ones git does not ignore (what a call
+    sends with no carried paths) stay under 60 MiB, 4 MiB left for the paths a call carries (shipped weights
+    xz-packed; scripts/gpu_payload.sh stashes the records, figures and weights when the model travels too)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True,
+                            cwd=ROOT, check=True).stdout.split(b"\0")
     sizes = {name.decode(): (ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file()}
     largest = sorted(sizes, key=sizes.get)[-3:]
-    assert sum(sizes.values()) < 60e6, f"{sum(sizes.values()) / 1e6:.1f} MB tracked; largest: {largest}"
+    assert sum(sizes.values()) < 60 * 2**20, f"{sum(sizes.values()) / 2**20:.1f} MiB sent; largest: {largest}"
 
 
 def _index_records():
