@@ -2,7 +2,8 @@
 compaction done by index. It is the cache a captured step needs (a CUDA graph or ``torch.compile``): no tensor
 changes shape or address from one step to the next, and no step reads the host to know where it writes.
 
-Layout. Every layer holds ``keys / values [B, heads, capacity, d]``. Row b's context is slots ``start[b] ..
+Layout. Every layer holds ``keys / values [B, heads, capacity, d]`` (a target's layers as slices of one
+:class:`KVStack`, so that a kept path is copied for all of them at once). Row b's context is slots ``start[b] ..
 length[b] - 1`` of its own row (``start[b]``: its prompt's left padding), slot s at position ``s - start[b]``. A
 call of k tokens writes slots ``length[b] + offset .. + k - 1`` of each row with one scatter (``offset``: a Python
 int, the tokens a draft has already fed this step), so rows of different lengths write at different slots and no
