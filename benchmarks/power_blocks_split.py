@@ -1,10 +1,11 @@
 """A power run's stored seed blocks, tested in parts against the target law its record row holds: whether a finding
-comes from all of the blocks or from some of them (blocks resumed in another session were drawn on another machine,
+comes from all of the blocks or from some of them (a run resumed elsewhere may have drawn some on another machine,
 by that machine's build of the engine).
 
 For ``llamacpp-simple`` (``benchmarks/records/blocks/llamacpp-simple-*.jsonl``, row ``power_n`` 18,000 of
 ``benchmarks/records/audit_executed.json``): every generation outside the target's lists lies in the first 8 blocks,
-the 4,000 drawn in the first session, and the other 28 blocks keep the target's law.
+4,000 generations drawn at twice the others' seconds a block (another machine), and the other 28 blocks keep the
+target's law.
 
     PYTHONPATH=. .venv/bin/python benchmarks/power_blocks_split.py --engine llamacpp-simple --power 18000 --split 8
 
