@@ -51,17 +51,14 @@ def build(home: Path) -> Path:
 
 
 def chain(logits: np.ndarray, sampling: dict) -> dict[int, float]:
-    """The server's sampler chain on one logit row: top-k, top-p (the shortest prefix reaching it), min-p (a token's
-    probability over the top one's, both before the temperature), then the temperature. -> {token: probability}."""
-    order = np.argsort(-logits.astype(np.float64), kind="stable")[: sampling["top_k"]]
-    kept = logits[order].astype(np.float64)
-    probs = np.exp(kept - kept[0]) / np.exp(kept - kept[0]).sum()
-    cut = int(np.searchsorted(np.cumsum(probs), sampling["top_p"]) + 1)
-    order, kept = order[:cut], kept[:cut]
-    inside = kept >= kept[0] + np.log(sampling["min_p"])
-    order, kept = order[inside], kept[inside]
-    final = np.exp((kept - kept[0]) / sampling["temperature"])
-    return {int(t): float(p) for t, p in zip(order, final / final.sum())}
+    """The server's sampler chain on one logit row (``audit.real.llamacpp_chain``) -> {kept token: probability}."""
+    import torch
+
+    from specresearch.audit.real import llamacpp_chain
+
+    probs = torch.from_numpy(logits.astype(np.float64)).softmax(-1)[None]
+    law = llamacpp_chain(probs, **sampling)[0]
+    return {int(t): float(law[t]) for t in law.nonzero().flatten()}
 
 
 def main() -> int:
