@@ -17,12 +17,20 @@ ENGINE`` keeps one engine's configurations, so that two processes on one machine
     python benchmarks/audit_executed.py --power [--executor ray --workers 2]
     python benchmarks/audit_executed.py --power --only transformers-lookup   # beside a run of the others
     python benchmarks/audit_executed.py --status   # each POWER run's blocks so far and the worker-hours it still needs
+    python benchmarks/audit_executed.py --pack     # gzip every finished run's blocks (this script's and the libraries')
+    python benchmarks/audit_executed.py --supersede llamacpp-simple --why "..."   # draw that engine's power run again
+
+A packed file (``<name>.jsonl.gz``, ``BlockStore.pack``) reads as the plain one did, so a finished run's row is rebuilt
+from it the same way; a run that draws more blocks into it unpacks it first. ``--supersede ENGINE --why TEXT`` takes
+that engine's power rows out of ``rows`` into the record's ``superseded`` list (each with ``why``) and keeps their
+blocks, packed, as ``<name>.superseded.jsonl.gz``: the next ``--power`` run draws them again from nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import hashlib
 import json
 import sys
@@ -30,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from specresearch.audit.execute import BlockStore, default_pair, execute
+from specresearch.audit.blocks import BlockStore, packed_path
+from specresearch.audit.execute import default_pair, execute
 from specresearch.audit.plots import plot_executed
 from specresearch.audit.report import config_key as key, executed_table, largest_runs, row_config_key
 from specresearch.drafts.registry import load_pair
@@ -116,6 +125,33 @@ def status(args, record: dict) -> list[str]:
     return lines
 
 
+def supersede(record: dict, out: Path, args) -> list[str]:
+    """``--supersede``: move ``args.supersede``'s power rows out of ``rows`` (module docstring). -> what was moved."""
+    if not args.why:
+        raise SystemExit("--supersede needs --why: the reason the rows no longer stand, kept with them")
+    lines, kept = [], []
+    for row in record["rows"]:
+        if row.get("engine") != args.supersede or "power_n" not in row:
+            kept.append(row)
+            continue
+        config = next(c for c in POWER if c[0] == row["engine"] and key(*c[:2], c[3], c[4], c[5], c[2]) == row_config_key(row))
+        path = blocks_path(config[0], config[1], config[3], config[4], config[5], config[2], args)
+        stored = [p for p in (path, packed_path(path)) if p.exists()]
+        aside = path.with_name(path.stem + ".superseded.jsonl.gz")
+        if stored:
+            aside.write_bytes(gzip.compress(BlockStore._text(path).encode(), compresslevel=9, mtime=0))
+            for p in stored:
+                p.unlink()
+        record.setdefault("superseded", []).append(row | {"why": args.why, "blocks": str(aside) if stored else None})
+        lines.append(f"{row['engine']} N {row['power_n']}: moved to 'superseded'"
+                     f"{f', its blocks to {aside}' if stored else ''}")
+    if not lines:
+        raise SystemExit(f"no power row of {args.supersede!r} in {out}")
+    record["rows"] = kept
+    write_json_record(out, record)
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/records/audit_executed.json")
@@ -129,6 +165,10 @@ def main(argv=None) -> int:
                              "the record")
     parser.add_argument("--batch-size", type=int, default=500, help="generations per seed block (--power)")
     parser.add_argument("--status", action="store_true", help="print each POWER run's progress and stop")
+    parser.add_argument("--pack", action="store_true", help="gzip the block files of finished runs and stop")
+    parser.add_argument("--supersede", metavar="ENGINE", help="move ENGINE's power rows to 'superseded' (with --why), "
+                        "keep their blocks aside, and stop")
+    parser.add_argument("--why", help="with --supersede: why the rows no longer stand")
     add_executor_arguments(parser)
     args = parser.parse_args(argv)
     if args.docs:
@@ -142,10 +182,22 @@ def main(argv=None) -> int:
                                  repo_root() / "docs" / "figures", names=(FIGURE,))
         print(f"wrote docs/audit.md's table and {figure[0].relative_to(repo_root())}")
         return 0
+    if args.pack:
+        for path in sorted(BLOCKS.glob("*.jsonl")):
+            if BlockStore.finished(path):
+                size = path.stat().st_size
+                packed = BlockStore.pack(path)
+                print(f"{path} -> {packed.name}: {size:,} -> {packed.stat().st_size:,} bytes")
+            else:
+                print(f"{path}: still drawing, left as it is")
+        return 0
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.exists() else record_header("benchmarks/audit_executed.py", sys.argv[1:] if argv is None else argv, draft="v8k-4l", rows=[])
     if args.status:
         print("\n".join(status(args, record)))
+        return 0
+    if args.supersede:
+        print("\n".join(supersede(record, out, args)))
         return 0
     executor = make_executor(args, local=None)
     torch.set_num_threads(args.threads)

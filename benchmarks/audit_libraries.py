@@ -321,7 +321,7 @@ def _agreed(record: dict, name: str) -> bool:
 def status(args, record: dict) -> list[str]:
     """One line a library whose smaller run kept the target's law: its power run at ``--power`` in the record, or how
     far its stored blocks are (``BlockStore.progress``)."""
-    from specresearch.audit.execute import BlockStore
+    from specresearch.audit.blocks import BlockStore
 
     done = {done_key(row) for row in record["rows"]}
     return [f"{name} N {args.power}: " + ("done, in the record" if (name, args.power) in done

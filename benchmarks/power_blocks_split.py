@@ -35,14 +35,21 @@ def main() -> int:
     parser.add_argument("--engine", default="llamacpp-simple")
     parser.add_argument("--power", type=int, default=18000, help="the row's power_n")
     parser.add_argument("--split", type=int, default=8, help="blocks before this index form the first part")
+    parser.add_argument("--file", help="the block file (plain or packed; default: the engine's run at --power)")
     args = parser.parse_args()
-    from specresearch.audit.execute import _compare, detectable_tv
+    from specresearch.audit.blocks import BlockStore
+    from specresearch.audit.execute import compare_counts
+    from specresearch.experiments.stats import detectable_tv
 
-    row = next(r for r in json.loads(RECORD.read_text())["rows"]
+    record = json.loads(RECORD.read_text())
+    row = next(r for r in record["rows"] + record.get("superseded", [])
                if r.get("engine") == args.engine and r.get("power_n") == args.power)
-    (path,) = [p for p in BLOCKS.glob(f"{args.engine}-*.jsonl")
-               if json.loads(p.read_text().splitlines()[0])["run"]["num_samples"] == args.power]
-    blocks = [json.loads(line) for line in path.read_text().splitlines()[1:] if line.strip()]
+    if args.file or row.get("blocks"):  # a superseded row names where its blocks were put aside
+        path = Path(args.file or row["blocks"])
+    else:
+        (path,) = [p for p in sorted(BLOCKS.glob(f"{args.engine}-*.jsonl*"))
+                   if (BlockStore.stored(p)[0] or {}).get("run", {}).get("num_samples") == args.power]
+    _, blocks, _ = BlockStore.stored(path)
     cells = [ast.literal_eval(c) for c in row["cells"]]
     seqs = {c[1]: i for i, c in enumerate(cells) if c[0] == "seq"}
     rests = {c[1]: i for i, c in enumerate(cells) if c[0] == "rest"}
@@ -61,7 +68,7 @@ def main() -> int:
             for draw in map(tuple, block["draws"]):
                 index = seqs.get(draw, rests.get(draw[:1]))
                 counts[tail if index is None else index] += 1
-        result = _compare(counts, probs, probs, 0)
+        result = compare_counts(counts, probs, probs)
         n = int(counts.sum())
         print(f"{name}: N {n}, p = {result.p_value:.3g}, TV {result.tv:.3f} (floor {result.tv_floor:.3f}, detects "
               f"{detectable_tv(n, len(cells)):.3f}); in no named cell and never drawn by the other part: "

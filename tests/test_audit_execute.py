@@ -295,7 +295,7 @@ def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
     result's notes, not refused."""
     import json
 
-    from specresearch.audit.execute import block_machine
+    from specresearch.audit.blocks import block_machine
 
     common = dict(n_tokens=1, num_samples=3000, seed=4, batch_size=1000, models=functools.partial(tiny_pair))
     path = tmp_path / "blocks.jsonl"
@@ -314,6 +314,74 @@ def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
     resumed = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
     assert resumed.counts == whole.counts
     assert any("1 of the stored seed blocks carry no machine" in note for note in resumed.notes), resumed.notes
+
+
+def test_a_finished_runs_blocks_pack_and_read_the_same(pair, tmp_path):
+    """``BlockStore.pack``: a finished run's blocks gzipped (the same bytes each time) give the same result when the
+    run is read again, without drawing; a run still drawing is not packed, and one that draws more blocks into a packed
+    file unpacks it first and appends."""
+    import gzip
+
+    from specresearch.audit.blocks import BlockStore, packed_path
+
+    common = dict(n_tokens=1, seed=4, batch_size=1000, models=functools.partial(tiny_pair))
+    path = tmp_path / "blocks.jsonl"
+    whole = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, num_samples=2000, **common)
+    text = path.read_text()
+    packed = BlockStore.pack(path)
+    assert packed == packed_path(path) and not path.exists() and gzip.decompress(packed.read_bytes()).decode() == text
+    assert BlockStore.stored(packed) == BlockStore.stored(path) and BlockStore.finished(path)
+    counting = CountingExecutor()
+    again = run(pair, "transformers-sampling", executor=counting, blocks_file=path, num_samples=2000, **common)
+    assert counting.blocks == 0 and again.counts == whole.counts and not path.exists()
+    other = tmp_path / "other.jsonl"
+    other.write_text(text.splitlines()[0].replace('"num_samples": 2000', '"num_samples": 3000') + "\n"
+                     + "\n".join(text.splitlines()[1:]) + "\n")
+    with pytest.raises(ValueError, match="has not drawn all"):
+        BlockStore.pack(other)
+    bigger = tmp_path / "bigger.jsonl"
+    bigger.write_text(other.read_text())
+    packed_path(bigger).write_bytes(gzip.compress(bigger.read_bytes()))
+    bigger.unlink()
+    counting = CountingExecutor()
+    grown = run(pair, "transformers-sampling", executor=counting, blocks_file=bigger, num_samples=3000, **common)
+    assert counting.blocks == 1 and bigger.exists() and not packed_path(bigger).exists()
+    assert len(bigger.read_text().splitlines()) == 4 and sum(grown.counts) == 3000
+
+
+def test_a_superseded_power_row_leaves_the_table_and_keeps_its_blocks(tmp_path, monkeypatch):
+    """``audit_executed.py --supersede ENGINE --why TEXT``: that engine's power rows move to the record's ``superseded``
+    list with the reason and where their blocks were put (packed), the blocks' file is gone so the next power run draws
+    from nothing, the other rows stay; without a reason, or with no such row, it refuses."""
+    import argparse
+    import importlib.util
+    import json
+
+    from specresearch.audit.blocks import BlockStore
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("audit_executed", root / "benchmarks" / "audit_executed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "BLOCKS", tmp_path)
+    engine, n_tokens, n, temperature, options, prompt, *_ = next(c for c in script.POWER if c[0] == "llamacpp-simple")
+    args = argparse.Namespace(batch_size=500, scale=1.0, supersede=engine, why="pooled two machines")
+    path = script.blocks_path(engine, n_tokens, temperature, options, prompt, n, args)
+    lines = [{"run": {"num_samples": 1000}}, {"size": 500, "seed": 1, "seconds": 1.0, "draws": [[1, 2]]}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = {"engine": engine, "n_tokens": n_tokens, "temperature": temperature, "options": options, "prompt": prompt}
+    record = {"rows": [row, row | {"power_n": n}]}
+    out = tmp_path / "record.json"
+    moved = script.supersede(record, out, args)
+    written = json.loads(out.read_text())
+    assert len(moved) == 1 and written["rows"] == [row] and not path.exists()
+    (gone,) = written["superseded"]
+    assert gone["why"] == "pooled two machines" and gone["power_n"] == n and gone["blocks"].endswith(".superseded.jsonl.gz")
+    assert BlockStore.stored(gone["blocks"])[1] == lines[1:]
+    with pytest.raises(SystemExit, match="no power row"):
+        script.supersede(written, out, args)
+    with pytest.raises(SystemExit, match="needs --why"):
+        script.supersede(record, out, argparse.Namespace(**vars(args) | {"why": None}))
 
 
 def test_a_library_sampler_is_held_to_the_target_law(pair):

@@ -58,14 +58,13 @@ run of hours stopped anywhere resumes from its last block and counts what one un
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from specresearch.audit.blocks import BlockStore, block_machine, block_notes
 from specresearch.audit.runners import (
     ENGINE_OPTIONS,
     SAMPLING_OPTIONS,
@@ -80,7 +79,7 @@ from specresearch.audit.runners import (
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
 __all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "default_pair", "captured_rows", "cell_probs",
-           "tv_interval", "BlockStore", "DrawBlock", "draw_block", "timed_block"]
+           "tv_interval", "compare_counts", "DrawBlock", "draw_block", "timed_block"]
 
 ENGINES = {
     "transformers-assisted": "hf-assisted",
@@ -203,7 +202,10 @@ def tv_interval(counts, probs, *, seed: int = 0, repeats: int = _BOOTSTRAP) -> t
     return tv, (low, high), float(np.quantile(floor, 0.95))
 
 
-def _compare(counts, probs, target_probs, seed: int) -> LawComparison:
+def compare_counts(counts, probs, target_probs, seed: int = 0) -> LawComparison:
+    """Cell ``counts`` of N generations held against a cell law ``probs``: chi-square p-value (0 where a cell the law
+    cannot give was drawn), TV with its bootstrap interval (``seed``) and noise floor, and ``probs``' TV to
+    ``target_probs``."""
     counts, probs = np.asarray(counts, dtype=float), np.asarray(probs, dtype=float)
     if np.any((probs <= 0) & (counts > 0)):  # a sequence this law cannot give was generated
         p_value = 0.0
@@ -268,95 +270,6 @@ def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options
     draws = [kept[(block.size, block.seed)] for block in blocks]
     return ([tuple(sequence) for sequences, *_ in draws for sequence in sequences],
             sum(seconds for _, seconds, *_ in draws))
-
-
-class BlockStore:
-    """A JSON-lines file of one :func:`execute` run's finished seed blocks, so a long run resumes where it stopped:
-    a first line naming the run (engine, prompt ids, settings, N, block size, seed), then one line a block
-    (``size``, ``seed``, its generations, its seconds, the machine that drew it: :func:`block_machine`). A last line
-    cut short (the run killed while writing it) is dropped and its block drawn again; a file naming another run is
-    refused, and so is a block drawn on another kind of machine than the blocks before it (:meth:`check_machine`):
-    pooled, two machines' laws make a finding of their own (the first ``llamacpp-simple`` power run's, docs/audit.md).
-    Blocks written before blocks recorded their machine carry none; they are counted (``unstamped``), not checked."""
-
-    def __init__(self, path, run: dict):
-        self.path, self.run = Path(path), run
-        self.machine: dict | None = None  # the machine every stamped block so far was drawn on
-        self.unstamped = 0
-
-    @staticmethod
-    def stored(path) -> tuple[dict | None, list[dict], bool]:
-        """What a block file holds, read only: ``(header, blocks, cut)`` -- its first line (``None`` for a missing or
-        empty file), one dict a block (``size``, ``seed``, ``seconds``, ``draws``) and whether a last line was cut
-        short (that block is left out)."""
-        text = [line for line in Path(path).read_text().splitlines() if line.strip()] if Path(path).exists() else []
-        try:
-            json.loads(text[-1] if text else "{}")
-            cut = False
-        except json.JSONDecodeError:  # a run killed while it wrote its last block
-            text, cut = text[:-1], True
-        lines = [json.loads(line) for line in text]
-        return (lines[0] if lines else None), lines[1:], cut
-
-    @staticmethod
-    def progress(path, num_samples: int) -> str:
-        """How far the run stored at ``path`` is, read only: its runs of ``num_samples`` in how many blocks and, at its
-        blocks' seconds a run, the worker-hours it still needs (a block's seconds are its wall time on the worker that
-        ran it, beside any others: W workers side by side finish in about 1/W of it)."""
-        _, blocks, _ = BlockStore.stored(path)  # a block cut short is drawn again when the run resumes
-        runs, seconds = sum(b["size"] for b in blocks), sum(b["seconds"] for b in blocks)
-        left = (f", about {(num_samples - runs) * seconds / runs / 3600:.1f} worker-hours left at {seconds / runs:.2f} s "
-                "a run") if runs else ""
-        return f"{runs} of {num_samples} runs in {len(blocks)} blocks ({path}){left}"
-
-    def read(self) -> dict:
-        """``{(size, seed): (generations, seconds, machine)}`` of the blocks already stored; writes the header if new
-        and drops a last line cut short (its block is drawn again). ``ValueError`` where they were drawn on different
-        machines."""
-        header, blocks, cut = self.stored(self.path)
-        if header is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"run": self.run}) + "\n")
-            return {}
-        if header.get("run") != json.loads(json.dumps(self.run)):
-            raise ValueError(f"{self.path} holds the blocks of another run ({header.get('run')}); this one is "
-                             f"{self.run}: pass another path, or remove the file to start again")
-        if cut:  # keep the whole lines as they were written, without the cut one
-            kept = [line for line in self.path.read_text().splitlines() if line.strip()][:-1]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        for row in blocks:
-            self.check_machine(row.get("machine"), f"block (size {row['size']}, seed {row['seed']})")
-        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"], row.get("machine"))
-                for row in blocks}
-
-    def check_machine(self, machine: dict | None, what: str) -> None:
-        """Hold a block's ``machine`` against the run's: the first stamped block sets it, every later one must match
-        (``ValueError`` naming both); None (an older block) is counted in ``unstamped``."""
-        if machine is None:
-            self.unstamped += 1
-            return
-        machine = json.loads(json.dumps(machine))
-        if self.machine is None:
-            self.machine = machine
-        elif machine != self.machine:
-            raise ValueError(f"{self.path}: {what} was drawn on {machine}, the run's earlier blocks on {self.machine}. "
-                             "One run's seed blocks must come from one kind of machine (an engine's logits, and the "
-                             "tokens at a truncation's edge, move with the CPU's kernels and the libraries' versions): "
-                             "draw this run on that machine, or pass another blocks_file to start it here")
-
-    def append(self, size: int, seed: int, draws, seconds: float, machine: dict | None = None) -> None:
-        if machine is not None:
-            self.check_machine(machine, f"the new block (size {size}, seed {seed})")
-        row = {"size": size, "seed": seed, "seconds": round(seconds, 3)} | ({} if machine is None else {"machine": machine})
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(row | {"draws": [list(s) for s in draws]}, separators=(",", ":")) + "\n")
-
-
-def _block_notes(store) -> tuple[str, ...]:
-    if store is None or not store.unstamped:
-        return ()
-    return (f"{store.unstamped} of the stored seed blocks carry no machine (written before blocks recorded it): "
-            "whether they share the others' machine is not checked",)
 
 
 def default_pair():
@@ -432,17 +345,6 @@ def timed_block(block: DrawBlock) -> tuple[list[tuple[int, ...]], float, dict]:
     start = time.perf_counter()
     draws = draw_block(block)
     return draws, time.perf_counter() - start, block_machine()
-
-
-def block_machine() -> dict:
-    """What an engine's numbers depend on where a seed block is drawn: the CPU's model and vector extensions (which
-    kernels llama.cpp's native build and torch's CPU kernels take), torch's and transformers' versions and the GPU.
-    A token at a truncation's edge (min-p, top-p) moves with them: blocks of one run must share it
-    (:class:`BlockStore`)."""
-    from specresearch.experiments.records import machine_info
-
-    info = machine_info()
-    return {key: info[key] for key in ("cpu", "cpu_flags", "torch", "transformers", "gpu") if key in info}
 
 
 def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
@@ -553,6 +455,6 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         engine, ENGINES[engine], _verdict(engine, options), {k: v for k, v in options.items() if k != "sample"},
         temperature, n_tokens, num_samples, seed,
         cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
-        _compare(counts, target_probs, target_probs, seed), _compare(counts, predicted_probs, target_probs, seed + 1),
-        detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes) + _block_notes(store),
-        {name: _compare(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())})
+        compare_counts(counts, target_probs, target_probs, seed), compare_counts(counts, predicted_probs, target_probs, seed + 1),
+        detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes) + block_notes(store),
+        {name: compare_counts(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())})
