@@ -2,12 +2,13 @@
 comes from all of the blocks or from some of them (a run resumed elsewhere may have drawn some on another machine,
 by that machine's build of the engine).
 
-For ``llamacpp-simple`` (``benchmarks/records/blocks/llamacpp-simple-*.jsonl``, row ``power_n`` 18,000 of
-``benchmarks/records/audit_executed.json``): every generation outside the target's lists lies in the first 8 blocks,
+For ``llamacpp-simple``'s first power run (its blocks kept in
+``benchmarks/records/blocks/llamacpp-simple-1fbcfbff49d7.superseded.jsonl.gz``, its row, ``power_n`` 18,000, in the
+``superseded`` list of ``benchmarks/records/audit_executed.json``): every generation outside the target's lists lies in the first 8 blocks,
 4,000 generations drawn at twice the others' seconds a block (another machine), and the other 28 blocks keep the
 target's law.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/power_blocks_split.py --engine llamacpp-simple --power 18000 --split 8
+    PYTHONPATH=. .venv/bin/python benchmarks/power_blocks_split.py --engine llamacpp-simple --power 18000 --split 8 --superseded
 
 Each part's generations are placed in the row's cells (a sequence in no named cell counts in the row's ``tail``
 cell: the record keeps no law to tell the tail from outside the support, so a part is never rejected for a sequence
@@ -35,6 +36,7 @@ def main() -> int:
     parser.add_argument("--engine", default="llamacpp-simple")
     parser.add_argument("--power", type=int, default=18000, help="the row's power_n")
     parser.add_argument("--split", type=int, default=8, help="blocks before this index form the first part")
+    parser.add_argument("--superseded", action="store_true", help="the record's superseded row of that run, not its current one")
     parser.add_argument("--file", help="the block file (plain or packed; default: the engine's run at --power)")
     args = parser.parse_args()
     from specresearch.audit.blocks import BlockStore
@@ -42,7 +44,7 @@ def main() -> int:
     from specresearch.experiments.stats import detectable_tv
 
     record = json.loads(RECORD.read_text())
-    row = next(r for r in record["rows"] + record.get("superseded", [])
+    row = next(r for r in record["superseded" if args.superseded else "rows"]
                if r.get("engine") == args.engine and r.get("power_n") == args.power)
     if args.file or row.get("blocks"):  # a superseded row names where its blocks were put aside
         path = Path(args.file or row["blocks"])
