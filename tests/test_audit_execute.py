@@ -232,6 +232,45 @@ def test_llama_speculatives_tokens_are_read_from_its_debug_log():
     assert padded([5, 2, 7, 8], 3, eos=2) == [5, 2, 2]  # EOS absorbing: nothing after it counts
 
 
+def test_a_speculative_run_whose_log_was_cut_short_is_run_again(monkeypatch):
+    """llama.cpp's examples log from a thread of their own and may exit before it has written their last lines (seen
+    here on a loaded machine: a generation's second token missing, which read as an end of generation). A log without
+    the counts printed after the loop is run again with the same seed; five cut logs in a row are an error, and a
+    generation logged short without an end of generation is refused, not padded."""
+    import subprocess
+
+    import specresearch.audit.llamacpp as llamacpp
+    from specresearch.audit.runners import LlamaSpeculativeRun
+
+    step = "D accepted 0/1 draft tokens, the last target token is: (12018)\n"
+    draft = "D spec        draft:  - seq_id 0, draft candidate   0, pos   0:     29 (   0.983) '-'\n"
+    whole = draft + step + draft + "D accepted 1/1 draft tokens, the last target token is: (7)\nI n_accept  = 1\n"
+    cut = draft + step
+    logs, commands = [cut, cut, whole], []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr=logs.pop(0))
+
+    monkeypatch.setattr(llamacpp, "llamacpp_bin", lambda name: Path("/bin") / name)
+    monkeypatch.setattr(llamacpp.subprocess, "run", fake_run)
+    sampling = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    tokens = llamacpp.run_speculative("t.gguf", "d.gguf", "Hi", seed=11, n_predict=2, sampling=sampling, simple=True)
+    assert tokens == [12018, 29, 7] and len(commands) == 3 and len({tuple(c) for c in commands}) == 1  # the same seed
+    logs[:] = [cut] * 5
+    with pytest.raises(RuntimeError, match="cut short in 5 runs of seed 11"):
+        llamacpp.run_speculative("t.gguf", "d.gguf", "Hi", seed=11, n_predict=2, sampling=sampling, simple=True)
+
+    run = LlamaSpeculativeRun.__new__(LlamaSpeculativeRun)
+    run.seed, run.n_tokens, run.eos, run.jobs, run.simple, run.notes = 0, 2, 2, 1, True, []
+    run.model = run.draft = run.text = run.sampling = run.n_parallel = run.draft_max = run.p_split = None
+    monkeypatch.setattr(llamacpp, "run_speculative", lambda *a, **k: ([12018], "I n_accept  = 0\n"))
+    with pytest.raises(RuntimeError, match="logged 1 tokens of 2 and no end of generation"):
+        list(run.draws(1))
+    monkeypatch.setattr(llamacpp, "run_speculative", lambda *a, **k: ([2], "I n_accept  = 0\n"))
+    assert list(run.draws(1)) == [[2, 2]]  # an end of generation, EOS absorbing
+
+
 SPECULATIVE = llamacpp_home() / "bin" / "llama-speculative"
 
 

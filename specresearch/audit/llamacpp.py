@@ -279,6 +279,12 @@ def simple_tokens(log: str) -> list[int]:
     return [token for drafted, accepted, last in simple_steps(log) for token in drafted[:accepted] + [last]]
 
 
+# llama.cpp's examples print this line after their loop (examples/speculative/speculative.cpp l. 645,
+# examples/speculative-simple/speculative-simple.cpp l. 356): a log that holds it holds every step before it
+_LOG_END = "n_accept  = "
+_LOG_ATTEMPTS = 5
+
+
 def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sampling: dict, n_parallel: int = 1,
                     draft_max: int = 3, p_split: float = 0.1, threads: int = 1, context: int = 512,
                     simple: bool = False, with_log: bool = False):
@@ -300,7 +306,14 @@ def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sam
     ("split_equal: sequential split is not supported when there are coupled sequences", then "failed to find a
     memory slot"), logged, not fatal: it asks for a unified KV cache, which the example cannot be given (``-kvu`` is
     registered for the server, perplexity, batched, bench and parallel examples only, ``common/arg.cpp`` l. 1724-1730,
-    and ``LLAMA_ARG_KV_UNIFIED`` does not reach it either)."""
+    and ``LLAMA_ARG_KV_UNIFIED`` does not reach it either).
+
+    The tokens are read from the debug log, which llama.cpp writes from a thread of its own and does not flush when
+    the program ends (``common/log.cpp``, ``common_log_main``: "this design may cause logs to be lost if not flushed
+    before the program exits"): on a loaded machine a run's last lines, its last step among them, can be lost. A log
+    is whole when it holds the counts both examples print after their loop (``n_accept  =``); one without is run
+    again with the same seed (the same generation: the run is a function of its seed), up to ``_LOG_ATTEMPTS`` times,
+    then ``RuntimeError``. Redrawing on a condition that does not depend on the tokens leaves the law as it is."""
     if simple:
         binary, extra = "llama-speculative-simple", ["--spec-type", "draft-simple", "--spec-draft-p-min", "0"]
     else:
@@ -311,12 +324,18 @@ def run_speculative(model, draft, prompt: str, *, seed: int, n_predict: int, sam
                "--temp", repr(float(sampling["temperature"])), "--top-k", str(int(sampling["top_k"])),
                "--top-p", repr(float(sampling["top_p"])), "--min-p", repr(float(sampling["min_p"])),
                "-fit", "off", "--no-escape", "-lv", "5"]
-    done = subprocess.run(command, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
-                          timeout=300, preexec_fn=_die_with_parent)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout)[-2000:]
-        raise RuntimeError(f"{binary} exited with {done.returncode}:\n{tail}")
-    log = done.stderr + done.stdout
+    for _ in range(_LOG_ATTEMPTS):
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
+                              timeout=300, preexec_fn=_die_with_parent)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout)[-2000:]
+            raise RuntimeError(f"{binary} exited with {done.returncode}:\n{tail}")
+        log = done.stderr + done.stdout
+        if _LOG_END in log:
+            break
+    else:
+        raise RuntimeError(f"{binary}'s log was cut short in {_LOG_ATTEMPTS} runs of seed {seed} (no {_LOG_END.strip()!r} "
+                           "line): its tokens cannot be read from it")
     if simple and "draft candidate" not in log:
         raise RuntimeError("llama-speculative-simple drafted nothing: its speculative decoding was off")
     tokens = (simple_tokens if simple else speculative_tokens)(log)

@@ -387,8 +387,12 @@ class LlamaSpeculativeRun:
 
         failed = 0
         with ThreadPoolExecutor(self.jobs) as pool:
-            for tokens, log in pool.map(one, seeds):
+            for seed, (tokens, log) in zip(seeds, pool.map(one, seeds)):
                 failed += "failed to find a memory slot" in log
+                if len(tokens) < self.n_tokens and self.eos not in tokens:
+                    raise RuntimeError(f"{'llama-speculative-simple' if self.simple else 'llama-speculative'} (seed "
+                                       f"{seed}) logged {len(tokens)} tokens of {self.n_tokens} and no end of "
+                                       "generation: its log does not show what it generated")
                 yield padded(tokens, self.n_tokens, self.eos)
         if failed:
             self.notes.append(f"in {failed} of {num_samples} runs the target's batch failed to decode ('failed to find a "
