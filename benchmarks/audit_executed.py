@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gzip
 import hashlib
 import json
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from specresearch.audit.blocks import BlockStore, packed_path
+from specresearch.audit.blocks import BlockStore
 from specresearch.audit.execute import default_pair, execute
 from specresearch.audit.plots import plot_executed
 from specresearch.audit.report import config_key as key, executed_table, largest_runs, row_config_key
@@ -134,17 +133,11 @@ def supersede(record: dict, out: Path, args) -> list[str]:
         if row.get("engine") != args.supersede or "power_n" not in row:
             kept.append(row)
             continue
-        config = next(c for c in POWER if c[0] == row["engine"] and key(*c[:2], c[3], c[4], c[5], c[2]) == row_config_key(row))
-        path = blocks_path(config[0], config[1], config[3], config[4], config[5], config[2], args)
-        stored = [p for p in (path, packed_path(path)) if p.exists()]
-        aside = path.with_name(path.stem + ".superseded.jsonl.gz")
-        if stored:
-            aside.write_bytes(gzip.compress(BlockStore._text(path).encode(), compresslevel=9, mtime=0))
-            for p in stored:
-                p.unlink()
-        record.setdefault("superseded", []).append(row | {"why": args.why, "blocks": str(aside) if stored else None})
-        lines.append(f"{row['engine']} N {row['power_n']}: moved to 'superseded'"
-                     f"{f', its blocks to {aside}' if stored else ''}")
+        path = blocks_path(row["engine"], row["n_tokens"], row["temperature"], row["options"], row["prompt"],
+                           row["power_n"], args)
+        aside = BlockStore.set_aside(path, path.with_name(path.stem + ".superseded.jsonl.gz"))
+        record.setdefault("superseded", []).append(row | {"why": args.why, "blocks": aside and str(aside)})
+        lines.append(f"{row['engine']} N {row['power_n']}: moved to 'superseded'{f', its blocks to {aside}' if aside else ''}")
     if not lines:
         raise SystemExit(f"no power row of {args.supersede!r} in {out}")
     record["rows"] = kept

@@ -79,9 +79,22 @@ class BlockStore:
             raise ValueError(f"{path}: the run has not drawn all its generations; pack it when it has")
         packed = packed_path(path)
         if path.exists():
-            packed.write_bytes(gzip.compress(path.read_bytes(), compresslevel=9, mtime=0))
+            packed.write_bytes(_gzip(path.read_text()))
             path.unlink()
         return packed
+
+    @staticmethod
+    def set_aside(path, aside) -> Path | None:
+        """Move the blocks stored at ``path`` (plain or packed, finished or not) to ``aside``, packed, so that a run at
+        ``path`` starts from nothing. Returns ``aside``, or None where nothing was stored."""
+        path = Path(path)
+        stored = [p for p in (path, packed_path(path)) if p.exists()]
+        if not stored:
+            return None
+        Path(aside).write_bytes(_gzip(BlockStore._text(path)))
+        for p in stored:
+            p.unlink()
+        return Path(aside)
 
     def _unpack(self) -> None:
         """Before a packed run draws more blocks: back to the plain file it appends to."""
@@ -144,6 +157,10 @@ class BlockStore:
         self._unpack()
         with self.path.open("a") as handle:
             handle.write(json.dumps(row | {"draws": [list(s) for s in draws]}, separators=(",", ":")) + "\n")
+
+
+def _gzip(text: str) -> bytes:
+    return gzip.compress(text.encode(), compresslevel=9, mtime=0)  # no time stamp: the same bytes each time
 
 
 def packed_path(path) -> Path:
