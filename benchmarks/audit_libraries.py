@@ -11,6 +11,7 @@ will not run gets one line saying why.
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --out benchmarks/records/audit_libraries.json
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --smallest seqspecdecod.capped_hsd --samples 3000
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --only specdec   # beside another library
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --only economize --executor ray --workers 2
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --status
 
 Resumable: libraries already in the record are kept. ``--smallest NAME`` adds, for a library with a finding, the
@@ -18,12 +19,16 @@ smallest input that shows it (a 64-token random pair, gamma 1 to 3) under ``smal
 the libraries at N (22,000 at T = 1 detects TV 0.030 on cells of expected count >= ``--min-expected`` 50, as
 ``benchmarks/audit_executed.py``'s power runs) as seed blocks of ``--batch-size``, each stored in
 ``benchmarks/records/blocks/`` as it lands, so that a run of hours resumes where it stopped; two processes with
-``--only`` run two libraries side by side and share the record; ``--status`` prints each library's blocks so far.
+``--only`` run two libraries side by side and share the record; ``--executor ray`` runs one library's blocks as Ray
+tasks (``--workers`` CPUs here, or ``--address`` a cluster), each worker building the library's sampler once
+(``library_sampler``): the blocks, and so the counts, are those a local run draws; ``--status`` prints each library's
+blocks so far.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -51,6 +56,19 @@ def pair():
     from specresearch.drafts.registry import load_pair
 
     return load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
+
+
+def library_sampler(name: str, temperature: float, gamma: int):
+    """Library ``name``'s sampler on the embedded pair, its folder first on ``sys.path``: a recipe (``loaded``) for the
+    workers of ``--executor ray``, which build it once each (a sampler holds the library's models and does not
+    travel)."""
+    folder = str(unpacked(LIBRARIES[name][0]))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    from specresearch.experiments.executor import loaded
+
+    target, draft, _ = loaded(pair)
+    return sampler(name, target, draft, temperature, gamma)
 
 
 def blocks_path(name: str, args) -> Path:
@@ -200,26 +218,34 @@ def worker(name: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     from specresearch.audit.execute import execute
-    from specresearch.experiments.executor import LocalExecutor, loaded
+    from specresearch.experiments.executor import LocalExecutor, loaded, make_executor
     from specresearch.experiments.records import git_commit
 
     target, draft, tokenizer = loaded(pair)
+    executor = None if args.power is None else make_executor(args, local=LocalExecutor)
+    if executor is not None and executor.name != "local":  # the workers import the recipes from this file as a module
+        from benchmarks import audit_libraries as this
+    else:
+        this = sys.modules[__name__]
     power = {} if args.power is None else dict(
-        num_samples=args.power, min_expected=args.min_expected, executor=LocalExecutor(), models=pair,
+        num_samples=args.power, min_expected=args.min_expected, executor=executor, models=this.pair,
         batch_size=args.batch_size, blocks_file=blocks_path(name, args))
 
     row = {"library": name, "distribution": spec, "runs": what, "temperature": args.temperature, "gamma": args.gamma,
            "commit": git_commit()}
     try:
-        sample = sampler(name, target, draft, args.temperature, args.gamma)
+        if power and executor.name != "local":
+            library = dict(sampler=functools.partial(this.library_sampler, name, args.temperature, args.gamma))
+        else:
+            library = dict(sample=sampler(name, target, draft, args.temperature, args.gamma))
         result = execute("python", prompt=args.prompt, n_tokens=args.n_tokens, **({"num_samples": args.samples} | power),
-                         temperature=args.temperature, target=target.model, tokenizer=tokenizer, sample=sample,
+                         temperature=args.temperature, target=target.model, tokenizer=tokenizer, **library,
                          name=name, version=spec, progress=False)
     except Exception as error:  # a library that does not run here: one line saying why
         return row | {"ran": False, "why": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
     print(result, flush=True)
     extra = {} if args.power is None else {"power_n": args.power, "batch_size": args.batch_size,
-                                           "min_expected": args.min_expected}
+                                           "min_expected": args.min_expected, "executor": executor.name}
     return row | {"ran": True, "prompt": args.prompt} | result.as_record() | extra
 
 
@@ -273,7 +299,12 @@ def main(argv=None) -> int:
     parser.add_argument("--min-expected", type=float, default=50.0, help="a cell's least expected count (--power)")
     parser.add_argument("--status", action="store_true", help="with --power: each library's stored blocks, and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    from specresearch.experiments.executor import add_executor_arguments
+
+    add_executor_arguments(parser)
     args = parser.parse_args(argv)
+    if args.executor != "local" and args.power is None:
+        parser.error("--executor runs a power run's seed blocks: pass --power N too")
     if args.status and args.power is None:
         parser.error("--status reads the blocks of a power run: pass --power N too")
     if args.worker:

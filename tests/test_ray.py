@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import ray  # noqa: F401 -- a dev dependency (pyproject's [dev]): its absence fails here, loudly
 
 from specresearch.config import SamplingConfig
@@ -194,6 +195,41 @@ def test_an_engine_run_split_into_seed_blocks_counts_the_same_anywhere(executor)
     assert there.target.p_value > 1e-3
     with pytest.raises(ValueError, match="pass models="):
         execute("transformers-sampling", executor=executor, **{**common, "models": None})
+
+
+def _tiny_library_sampler():
+    """A library's sampler as ``benchmarks/audit_libraries.py`` builds one in each worker: plain sampling from the tiny
+    target (torch's global generator, which each seed block seeds), its model loaded once a process."""
+    from specresearch.experiments.executor import loaded
+
+    target, _ = loaded(_tiny_hf_pair)
+
+    def sample(prompt, n_tokens):
+        ids = list(prompt)
+        for _ in range(n_tokens):
+            with torch.no_grad():
+                logits = target(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            ids.append(int(torch.multinomial(logits.softmax(-1), 1)))
+        return ids[len(prompt):]
+    return sample
+
+
+def test_a_library_sampler_built_in_each_worker_counts_what_one_given_here_counts(executor):
+    """engine 'python' with sampler= (a recipe each Ray worker builds once, for a library's sampler, which holds its
+    models and does not travel) counts, block by block, what the same sampler handed over as sample= counts here."""
+    from specresearch.audit.execute import execute
+    from specresearch.experiments.executor import LocalExecutor
+
+    target, _ = _tiny_hf_pair()
+    common = dict(prompt=[5, 9, 3], n_tokens=2, num_samples=400, seed=4, target=target, progress=False,
+                  models=functools.partial(_tiny_hf_pair), batch_size=100, min_expected=10, name="plain sampling")
+    here = execute("python", executor=LocalExecutor(), sample=_tiny_library_sampler(), **common)
+    there = execute("python", executor=executor, sampler=functools.partial(_tiny_library_sampler), **common)
+    assert here.counts == there.counts and sum(there.counts) == 400 and len(there.counts) > 5
+    assert there.target.p_value > 1e-3 and "sampler" not in there.options and there.options["name"] == "plain sampling"
+    with pytest.raises(ValueError, match="one of the two"):
+        execute("python", executor=executor, sample=_tiny_library_sampler(),
+                sampler=functools.partial(_tiny_library_sampler), **common)
 
 
 def test_ray_is_started_again_when_its_node_misses_the_startup_wait(monkeypatch):

@@ -33,7 +33,8 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   (a draft token sampled from the captured q, the function decides); ``n_tokens`` = 1; cheap, so N can be large.
 * ``python``: any library's sampler, ``sample=callable(prompt_ids, n_tokens)``, against the target's plain law at
   temperature T (what a library claiming lossless speculative sampling promises); ``benchmarks/audit_libraries.py``
-  runs the PyPI libraries through it.
+  runs the PyPI libraries through it. With a Ray executor give ``sampler=``, a picklable recipe that builds the
+  sampler in each worker, instead.
 * ``llamacpp-server``: llama.cpp's server (:mod:`specresearch.audit.llamacpp`; built once per machine by
   ``scripts/build_llamacpp.sh``) on the embedded GGUF, the draft a copy with its logits scaled; rule
   ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
@@ -92,6 +93,7 @@ ENGINES = {
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
 _BOOTSTRAP = 400
+_CALLABLES = ("sample", "sampler")  # the python engine's sampler (or its recipe): neither is a setting of the run
 OUTSIDE = ("outside the target's support",)  # the cell of the sequences the target cannot emit
 
 
@@ -305,8 +307,11 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
         raise ValueError(f"num_samples must be an int >= 20, got {num_samples!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (the engines' sampling mode), got {temperature!r}")
-    if engine == "python" and not callable(options.get("sample")):
-        raise ValueError("engine 'python' needs sample=callable(prompt_ids, n_tokens) -> token ids")
+    if engine == "python" and ("sample" in options) == ("sampler" in options):
+        raise ValueError("engine 'python' needs sample=callable(prompt_ids, n_tokens) -> token ids, or sampler=, a "
+                         "picklable recipe returning one (one of the two)")
+    if engine == "python" and not callable(options.get("sample", options.get("sampler"))):
+        raise ValueError("engine 'python': sample= (or sampler=) must be callable")
     if engine == "transformers-lookup" and "prompt_lookup_num_tokens" not in options:
         raise ValueError("transformers-lookup needs prompt_lookup_num_tokens (e.g. 3)")
 
@@ -439,7 +444,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         else:
             store = None if blocks_file is None else BlockStore(blocks_file, dict(
                 engine=engine, ids=list(ids), temperature=temperature, n_tokens=n_tokens, num_samples=num_samples,
-                batch_size=batch_size, seed=seed, options={k: v for k, v in sorted(options.items()) if k != "sample"}))
+                batch_size=batch_size, seed=seed, options={k: v for k, v in sorted(options.items()) if k not in _CALLABLES}))
             draws, block_seconds = _block_draws(executor, models or functools.partial(default_pair), engine, ids, eos,
                                                 vocab, temperature, options, n_tokens, num_samples, batch_size, seed,
                                                 progress, store)
@@ -452,7 +457,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         others = {name: probs[:-1] for name, probs in others.items()}
     cells = law.cells + (OUTSIDE,) * (len(counts) - len(law.cells))
     return ExecutionResult(
-        engine, ENGINES[engine], _verdict(engine, options), {k: v for k, v in options.items() if k != "sample"},
+        engine, ENGINES[engine], _verdict(engine, options), {k: v for k, v in options.items() if k not in _CALLABLES},
         temperature, n_tokens, num_samples, seed,
         cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
         compare_counts(counts, target_probs, target_probs, seed), compare_counts(counts, predicted_probs, target_probs, seed + 1),

@@ -29,7 +29,7 @@ ENGINE_OPTIONS = {
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
-    "python": ("sample", "name", "version"),
+    "python": ("sample", "sampler", "name", "version"),
 }
 _ROW_BATCH = 32
 
@@ -403,11 +403,17 @@ class LlamaSpeculativeRun:
 class PythonRun:
     """A library's own sampler, ``sample(prompt_ids, n_tokens) -> tokens`` (at least ``n_tokens`` new ones), against
     the target's plain law softmax(logits / T) from one uncached forward of the same model: what a library that
-    claims lossless speculative sampling at temperature T promises."""
+    claims lossless speculative sampling at temperature T promises.
+
+    ``options["sampler"]`` instead of ``options["sample"]``: a recipe (``experiments.executor.loaded``) that builds the
+    sampler, once a process, so that seed blocks can run in workers that did not build it (a library's sampler holds
+    its models and does not travel). Built here, before a block seeds its draws, as a given sampler was."""
 
     def __init__(self, target_model, prompt: list[int], eos: int, temperature: float, options: dict, n_tokens: int):
+        from specresearch.experiments.executor import loaded
+
         self.target, self.prompt, self.eos, self.temperature, self.n_tokens = target_model, list(prompt), eos, temperature, n_tokens
-        self.sample = options["sample"]
+        self.sample = options["sample"] if "sample" in options else loaded(options["sampler"])
         self.version = options.get("version", getattr(self.sample, "__module__", "?"))
         self.notes, self.draft_tv = [f"library: {options.get('name', self.version)}"], None
 
