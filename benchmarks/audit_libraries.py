@@ -221,12 +221,10 @@ def worker(name: str, args) -> dict:
     from specresearch.experiments.executor import LocalExecutor, loaded, make_executor
     from specresearch.experiments.records import git_commit
 
-    target, draft, tokenizer = loaded(pair)
+    from benchmarks import audit_libraries as this  # the recipes by their module's name, here and in Ray's workers
+
+    target, draft, tokenizer = loaded(this.pair)
     executor = None if args.power is None else make_executor(args, local=LocalExecutor)
-    if executor is not None and executor.name != "local":  # the workers import the recipes from this file as a module
-        from benchmarks import audit_libraries as this
-    else:
-        this = sys.modules[__name__]
     power = {} if args.power is None else dict(
         num_samples=args.power, min_expected=args.min_expected, executor=executor, models=this.pair,
         batch_size=args.batch_size, blocks_file=blocks_path(name, args))
