@@ -333,7 +333,7 @@ def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
     """Each stored block names the machine that drew it (``audit.execute.block_machine``); a resumed run whose stored
     blocks came from another kind of machine refuses to draw beside them (the first llamacpp-simple power run pooled
     two machines' laws into a finding), and blocks written before blocks named their machine are counted in the
-    result's notes, not refused."""
+    result's notes, not refused. The result (and its record row) names the machines its generations came from."""
     import json
 
     from specresearch.audit.blocks import block_machine
@@ -343,6 +343,7 @@ def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
     whole = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
     header, *blocks = [json.loads(line) for line in path.read_text().splitlines()]
     assert [b["machine"] for b in blocks] == [block_machine()] * 3 and not any("no machine" in n for n in whole.notes)
+    assert whole.machines == (block_machine(),) and whole.as_record()["machines"] == [block_machine()]
     other = dict(block_machine(), cpu_flags=["avx512f"] if "avx512f" not in block_machine()["cpu_flags"] else [])
     lines = [header, {**blocks[0], "machine": other}, blocks[1]]  # the third block to draw here
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -355,6 +356,8 @@ def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
     resumed = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
     assert resumed.counts == whole.counts
     assert any("1 of the stored seed blocks carry no machine" in note for note in resumed.notes), resumed.notes
+    assert resumed.machines == (block_machine(),)  # the unstamped block adds none
+    assert run(pair, "transformers-sampling", n_tokens=1, num_samples=20).machines == (block_machine(),)  # in process
 
 
 def test_a_finished_runs_blocks_pack_and_read_the_same(pair, tmp_path):

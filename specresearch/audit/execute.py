@@ -136,6 +136,7 @@ class ExecutionResult:
     draft_tv_intended: float | None = None  # TV between the q the engine verifies with and the draft's own law
     notes: tuple[str, ...] = field(default=())
     alternatives: dict = field(default_factory=dict)  # name -> LawComparison: the run against other candidate laws
+    machines: tuple[dict, ...] = ()  # the machines that drew the generations (block_machine), one where they all agree
 
     @property
     def finding(self) -> str:
@@ -163,6 +164,7 @@ class ExecutionResult:
         row = {key: getattr(self, key) for key in ("engine", "rule", "verdict", "options", "temperature", "n_tokens",
                                                    "num_samples", "seed", "counts", "target_probs", "predicted_probs",
                                                    "detectable_tv", "seconds", "version", "draft_tv_intended", "notes")}
+        row["machines"] = list(self.machines)
         row["cells"] = [repr(cell) for cell in self.cells]
         row["target"], row["predicted"] = vars(self.target), vars(self.predicted)
         if self.alternatives:
@@ -244,9 +246,10 @@ def cell_probs(law, rows: dict) -> tuple[list[float], float]:
 
 
 def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options, n_tokens, num_samples, batch_size,
-                 seed, progress, store=None) -> tuple[list[tuple[int, ...]], float]:
+                 seed, progress, store=None) -> tuple[list[tuple[int, ...]], float, tuple[dict, ...]]:
     """Every block's generations, in block order, the blocks run by ``executor`` (those ``store`` already holds read
-    back from it, each new one appended as it lands), and the seconds the blocks took, summed."""
+    back from it, each new one appended as it lands), the seconds the blocks took, summed, and the distinct machines
+    that drew them (blocks stored before blocks named their machine add none)."""
     from tqdm.auto import tqdm
 
     from specresearch.experiments.stats import seed_blocks
@@ -270,8 +273,12 @@ def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options
     executor.run(timed_block, todo, on_result=landed)
     bar.close()
     draws = [kept[(block.size, block.seed)] for block in blocks]
+    machines = []
+    for _, _, machine in draws:
+        if machine is not None and machine not in machines:
+            machines.append(machine)
     return ([tuple(sequence) for sequences, *_ in draws for sequence in sequences],
-            sum(seconds for _, seconds, *_ in draws))
+            sum(seconds for _, seconds, *_ in draws), tuple(machines))
 
 
 def default_pair():
@@ -438,16 +445,16 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         counts = [0] * (len(law.cells) + 1)
         if seed is not None:
             torch.manual_seed(seed)
-        start, store = time.perf_counter(), None
+        start, store, machines = time.perf_counter(), None, (block_machine(),)
         if executor is None:
             draws = tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run")
         else:
             store = None if blocks_file is None else BlockStore(blocks_file, dict(
                 engine=engine, ids=list(ids), temperature=temperature, n_tokens=n_tokens, num_samples=num_samples,
                 batch_size=batch_size, seed=seed, options={k: v for k, v in sorted(options.items()) if k not in _CALLABLES}))
-            draws, block_seconds = _block_draws(executor, models or functools.partial(default_pair), engine, ids, eos,
-                                                vocab, temperature, options, n_tokens, num_samples, batch_size, seed,
-                                                progress, store)
+            draws, block_seconds, machines = _block_draws(
+                executor, models or functools.partial(default_pair), engine, ids, eos, vocab, temperature, options,
+                n_tokens, num_samples, batch_size, seed, progress, store)
         for sequence in draws:
             cell = law.index(sequence)
             counts[len(law.cells) if cell is None else cell] += 1
@@ -462,4 +469,5 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
         compare_counts(counts, target_probs, target_probs, seed), compare_counts(counts, predicted_probs, target_probs, seed + 1),
         detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes) + block_notes(store),
-        {name: compare_counts(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())})
+        {name: compare_counts(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())},
+        machines)
