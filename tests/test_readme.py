@@ -30,7 +30,9 @@ def test_readme_python_tour_runs(capsys):
     assert out[2].startswith("VerifyResult(num_accepted=tensor([")
     assert out[3].startswith("p = (1/2, 1/2), q = (0, 1) (context-free grid); TV = 0.2071"), out[3]  # the audit's verdict
     text, calls = out[4].rsplit(" [", 1)  # specresearch.generate: the chat-templated answer, then tokens per target call
-    assert len(text.split()) >= 5 and calls.endswith(" tokens per target call]") and float(calls.split()[0]) >= 1
+    # gamma="auto" picks its configuration by this machine's step costs, timed under whatever else runs, and the seeded
+    # sample follows the configuration: its words vary ("Monza, Needla, and Massif." once, on a loaded machine)
+    assert text.split() and calls.endswith(" tokens per target call]") and float(calls.split()[0]) >= 1
     assert out[5].strip()  # the transformers route's answer
 
 
