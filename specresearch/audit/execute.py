@@ -445,8 +445,9 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         counts = [0] * (len(law.cells) + 1)
         if seed is not None:
             torch.manual_seed(seed)
-        start, store, machines = time.perf_counter(), None, (block_machine(),)
+        start, store = time.perf_counter(), None
         if executor is None:
+            machines = (block_machine(),)
             draws = tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run")
         else:
             store = None if blocks_file is None else BlockStore(blocks_file, dict(
