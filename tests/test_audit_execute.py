@@ -329,21 +329,25 @@ def test_a_stopped_run_resumes_from_its_stored_blocks(pair, tmp_path):
         run(pair, "transformers-sampling", blocks_file=path, num_samples=3000)
 
 
-def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
+def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path, monkeypatch):
     """Each stored block names the machine that drew it (``audit.execute.block_machine``); a resumed run whose stored
     blocks came from another kind of machine refuses to draw beside them (the first llamacpp-simple power run pooled
     two machines' laws into a finding), and blocks written before blocks named their machine are counted in the
-    result's notes, not refused. The result (and its record row) names the machines its generations came from."""
+    result's notes, not refused. The result (and its record row) names the machines its generations came from, and
+    the commits of the code that drew them (each block's, recorded, not compared)."""
     import json
 
     from specresearch.audit.blocks import block_machine
 
+    monkeypatch.setenv("SPECRESEARCH_COMMIT", "feedbee")  # what records.git_commit names, with or without a .git
     common = dict(n_tokens=1, num_samples=3000, seed=4, batch_size=1000, models=functools.partial(tiny_pair))
     path = tmp_path / "blocks.jsonl"
     whole = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
     header, *blocks = [json.loads(line) for line in path.read_text().splitlines()]
     assert [b["machine"] for b in blocks] == [block_machine()] * 3 and not any("no machine" in n for n in whole.notes)
     assert whole.machines == (block_machine(),) and whole.as_record()["machines"] == [block_machine()]
+    assert [b["commit"] for b in blocks] == ["feedbee"] * 3
+    assert whole.commits == ("feedbee",) and whole.as_record()["commits"] == ["feedbee"]
     other = dict(block_machine(), cpu_flags=["avx512f"] if "avx512f" not in block_machine()["cpu_flags"] else [])
     lines = [header, {**blocks[0], "machine": other}, blocks[1]]  # the third block to draw here
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -351,13 +355,20 @@ def test_a_run_refuses_to_pool_blocks_drawn_on_another_machine(pair, tmp_path):
     with pytest.raises(ValueError, match="one kind of machine"):
         run(pair, "transformers-sampling", executor=counting, blocks_file=path, **common)
     assert counting.blocks == 0  # refused before drawing
-    lines = [header, {k: v for k, v in blocks[0].items() if k != "machine"}, blocks[1]]  # an older, unstamped block
+    unstamped = {k: v for k, v in blocks[0].items() if k not in ("machine", "commit")}  # an older block
+    lines = [header, unstamped, {**blocks[1], "commit": "0123abc"}]  # one drawn at another commit: recorded, not refused
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     resumed = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=path, **common)
     assert resumed.counts == whole.counts
     assert any("1 of the stored seed blocks carry no machine" in note for note in resumed.notes), resumed.notes
     assert resumed.machines == (block_machine(),)  # the unstamped block adds none
-    assert run(pair, "transformers-sampling", n_tokens=1, num_samples=20).machines == (block_machine(),)  # in process
+    assert resumed.commits == ("0123abc", "feedbee")  # in block order
+    in_process = run(pair, "transformers-sampling", n_tokens=1, num_samples=20)
+    assert in_process.machines == (block_machine(),) and in_process.commits == ("feedbee",)
+    monkeypatch.setattr("specresearch.audit.execute.git_commit", lambda: "")  # a checkout that names no commit
+    assert run(pair, "transformers-sampling", n_tokens=1, num_samples=20).commits == ()
+    nameless = run(pair, "transformers-sampling", executor=LocalExecutor(), blocks_file=tmp_path / "none.jsonl", **common)
+    assert nameless.commits == () and "commit" not in json.loads((tmp_path / "none.jsonl").read_text().splitlines()[1])
 
 
 def test_a_finished_runs_blocks_pack_and_read_the_same(pair, tmp_path):

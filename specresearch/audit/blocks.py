@@ -26,11 +26,13 @@ def block_machine() -> dict:
 class BlockStore:
     """A JSON-lines file of one :func:`execute` run's finished seed blocks, so a long run resumes where it stopped:
     a first line naming the run (engine, prompt ids, settings, N, block size, seed), then one line a block
-    (``size``, ``seed``, its generations, its seconds, the machine that drew it: :func:`block_machine`). A last line
+    (``size``, ``seed``, its generations, its seconds, the machine that drew it: :func:`block_machine`, and the commit
+    of the code that drew it: ``records.git_commit``, recorded, not compared). A last line
     cut short (the run killed while writing it) is dropped and its block drawn again; a file naming another run is
     refused, and so is a block drawn on another kind of machine than the blocks before it (:meth:`check_machine`):
     pooled, two machines' laws make a finding of their own (the first ``llamacpp-simple`` power run's, docs/audit.md).
-    Blocks written before blocks recorded their machine carry none; they are counted (``unstamped``), not checked.
+    Blocks written before blocks recorded their machine carry none; they are counted (``unstamped``), not checked
+    (those written before blocks recorded their commit name none either).
 
     A finished run's file may be packed (:meth:`pack`: ``<path>.gz``, a quarter of the size): it reads the same, and a
     run that draws more blocks into it unpacks it first."""
@@ -115,7 +117,8 @@ class BlockStore:
         return f"{runs} of {num_samples} runs in {len(blocks)} blocks ({path}){left}"
 
     def read(self) -> dict:
-        """``{(size, seed): (generations, seconds, machine)}`` of the blocks already stored; writes the header if new
+        """``{(size, seed): (generations, seconds, machine, commit)}`` of the blocks already stored (None for what a
+        block does not name); writes the header if new
         and drops a last line cut short (its block is drawn again). ``ValueError`` where they were drawn on different
         machines."""
         header, blocks, cut = self.stored(self.path)
@@ -132,8 +135,8 @@ class BlockStore:
             self.path.write_text("".join(line + "\n" for line in kept))
         for row in blocks:
             self.check_machine(row.get("machine"), f"block (size {row['size']}, seed {row['seed']})")
-        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"], row.get("machine"))
-                for row in blocks}
+        return {(row["size"], row["seed"]): ([tuple(s) for s in row["draws"]], row["seconds"], row.get("machine"),
+                                             row.get("commit")) for row in blocks}
 
     def check_machine(self, machine: dict | None, what: str) -> None:
         """Hold a block's ``machine`` against the run's: the first stamped block sets it, every later one must match
@@ -150,10 +153,14 @@ class BlockStore:
                              "tokens at a truncation's edge, move with the CPU's kernels and the libraries' versions): "
                              "draw this run on that machine, or pass another blocks_file to start it here")
 
-    def append(self, size: int, seed: int, draws, seconds: float, machine: dict | None = None) -> None:
+    def append(self, size: int, seed: int, draws, seconds: float, machine: dict | None = None,
+               commit: str | None = None) -> None:
+        """Store a finished block: its generations, seconds, the machine that drew it (checked against the run's) and
+        the commit of the code that drew it."""
         if machine is not None:
             self.check_machine(machine, f"the new block (size {size}, seed {seed})")
-        row = {"size": size, "seed": seed, "seconds": round(seconds, 3)} | ({} if machine is None else {"machine": machine})
+        row = {"size": size, "seed": seed, "seconds": round(seconds, 3)}
+        row |= ({} if machine is None else {"machine": machine}) | ({} if commit is None else {"commit": commit})
         self._unpack()
         with self.path.open("a") as handle:
             handle.write(json.dumps(row | {"draws": [list(s) for s in draws]}, separators=(",", ":")) + "\n")

@@ -77,6 +77,7 @@ from specresearch.audit.runners import (
     captured_rows,
     quiet_transformers,
 )
+from specresearch.experiments.records import git_commit
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
 __all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "default_pair", "captured_rows", "cell_probs",
@@ -137,6 +138,7 @@ class ExecutionResult:
     notes: tuple[str, ...] = field(default=())
     alternatives: dict = field(default_factory=dict)  # name -> LawComparison: the run against other candidate laws
     machines: tuple[dict, ...] = ()  # the machines that drew the generations (block_machine), one where they all agree
+    commits: tuple[str, ...] = ()  # the commits of the code that drew them (records.git_commit), in block order
 
     @property
     def finding(self) -> str:
@@ -164,7 +166,7 @@ class ExecutionResult:
         row = {key: getattr(self, key) for key in ("engine", "rule", "verdict", "options", "temperature", "n_tokens",
                                                    "num_samples", "seed", "counts", "target_probs", "predicted_probs",
                                                    "detectable_tv", "seconds", "version", "draft_tv_intended", "notes")}
-        row["machines"] = list(self.machines)
+        row["machines"], row["commits"] = list(self.machines), list(self.commits)
         row["cells"] = [repr(cell) for cell in self.cells]
         row["target"], row["predicted"] = vars(self.target), vars(self.predicted)
         if self.alternatives:
@@ -246,10 +248,11 @@ def cell_probs(law, rows: dict) -> tuple[list[float], float]:
 
 
 def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options, n_tokens, num_samples, batch_size,
-                 seed, progress, store=None) -> tuple[list[tuple[int, ...]], float, tuple[dict, ...]]:
+                 seed, progress, store=None
+                 ) -> tuple[list[tuple[int, ...]], float, tuple[dict, ...], tuple[str, ...]]:
     """Every block's generations, in block order, the blocks run by ``executor`` (those ``store`` already holds read
     back from it, each new one appended as it lands), the seconds the blocks took, summed, and the distinct machines
-    that drew them (blocks stored before blocks named their machine add none)."""
+    and commits that drew them (blocks stored before blocks named their machine or commit add none)."""
     from tqdm.auto import tqdm
 
     from specresearch.experiments.stats import seed_blocks
@@ -273,12 +276,14 @@ def _block_draws(executor, models, engine, ids, eos, vocab, temperature, options
     executor.run(timed_block, todo, on_result=landed)
     bar.close()
     draws = [kept[(block.size, block.seed)] for block in blocks]
-    machines = []
-    for _, _, machine in draws:
+    machines, commits = [], []
+    for _, _, machine, commit in draws:
         if machine is not None and machine not in machines:
             machines.append(machine)
+        if commit and commit not in commits:
+            commits.append(commit)
     return ([tuple(sequence) for sequences, *_ in draws for sequence in sequences],
-            sum(seconds for _, seconds, *_ in draws), tuple(machines))
+            sum(seconds for _, seconds, *_ in draws), tuple(machines), tuple(commits))
 
 
 def default_pair():
@@ -352,11 +357,12 @@ class DrawBlock:
     seed: int
 
 
-def timed_block(block: DrawBlock) -> tuple[list[tuple[int, ...]], float, dict]:
-    """:func:`draw_block`, the seconds it took in its worker and the worker's machine (:func:`block_machine`)."""
+def timed_block(block: DrawBlock) -> tuple[list[tuple[int, ...]], float, dict, str | None]:
+    """:func:`draw_block`, the seconds it took in its worker, the worker's machine (:func:`block_machine`) and the
+    commit of its checkout (``records.git_commit``; None where none is known)."""
     start = time.perf_counter()
     draws = draw_block(block)
-    return draws, time.perf_counter() - start, block_machine()
+    return draws, time.perf_counter() - start, block_machine(), git_commit() or None
 
 
 def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
@@ -447,13 +453,13 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
             torch.manual_seed(seed)
         start, store = time.perf_counter(), None
         if executor is None:
-            machines = (block_machine(),)
+            machines, commits = (block_machine(),), tuple(filter(None, [git_commit()]))
             draws = tqdm(run.draws(num_samples), total=num_samples, desc=engine, disable=not progress, unit="run")
         else:
             store = None if blocks_file is None else BlockStore(blocks_file, dict(
                 engine=engine, ids=list(ids), temperature=temperature, n_tokens=n_tokens, num_samples=num_samples,
                 batch_size=batch_size, seed=seed, options={k: v for k, v in sorted(options.items()) if k not in _CALLABLES}))
-            draws, block_seconds, machines = _block_draws(
+            draws, block_seconds, machines, commits = _block_draws(
                 executor, models or functools.partial(default_pair), engine, ids, eos, vocab, temperature, options,
                 n_tokens, num_samples, batch_size, seed, progress, store)
         for sequence in draws:
@@ -471,4 +477,4 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         compare_counts(counts, target_probs, target_probs, seed), compare_counts(counts, predicted_probs, target_probs, seed + 1),
         detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes) + block_notes(store),
         {name: compare_counts(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())},
-        machines)
+        machines, commits)
