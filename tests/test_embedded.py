@@ -44,6 +44,8 @@ def test_loads_offline_with_a_working_tokenizer(smollm):
     assert "<|im_start|>user" in prompt and prompt.rstrip().endswith("assistant")
     out = autoregressive_generate(lm, [prompt], tokenizer=tokenizer, max_new_tokens=12, sampling=GREEDY)
     assert "Paris" in out.text[0]  # the dequantised weights are the real model, not noise
+    # the answer ends with the EOS token (<|im_end|>); .text leaves it out, as the CLI prints the answer
+    assert out.tokens[0][-1] == tokenizer.eos_token_id and out.text[0] == "The capital of France is Paris."
 
 
 def test_plain_linear_layers_on_request_give_the_same_model(smollm):

@@ -23,7 +23,7 @@ class GenerationResult:
     tokens: tuple[tuple[int, ...], ...]  # [B] rows of new tokens (prompt excluded), each <= max_new_tokens
     steps: tuple[StepRecord, ...]
     prefill_seconds: float
-    text: tuple[str, ...] | None = None  # decoded rows when a tokenizer was given
+    text: tuple[str, ...] | None = None  # decoded rows when a tokenizer was given, special tokens (an EOS) left out
     method: str = "speculative"
 
     @property
@@ -161,5 +161,5 @@ def _untimed(steps: list[StepRecord], tick, device) -> list[StepRecord]:
 
 def _result(rows: _Rows, steps, prefill_seconds, tokenizer, method) -> GenerationResult:
     tokens = tuple(tuple(r) for r in rows.tokens)
-    text = None if tokenizer is None else tuple(tokenizer.decode(list(r)) for r in tokens)
+    text = None if tokenizer is None else tuple(tokenizer.decode(list(r), skip_special_tokens=True) for r in tokens)
     return GenerationResult(tokens, tuple(steps), prefill_seconds, text, method)
