@@ -376,7 +376,7 @@ def test_a_record_header_names_command_commit_machine_and_weights():
 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     header = record_header("benchmarks/x.py", ["--prompt", "a b"], draft="ngram", seed=3)
-    assert header["command"] == "benchmarks/x.py --prompt 'a b'" and header["commit"] == head
+    assert header["command"] == "benchmarks/x.py --prompt 'a b'" and header["commit"] in (head, f"{head}+dirty")
     assert header["machine"]["cpu"] == machine_info()["cpu"] and header["seed"] == 3
     assert header["draft_sha256"] == {}
     name = sorted(shipped_drafts())[0]
@@ -393,6 +393,40 @@ def test_a_record_header_names_command_commit_machine_and_weights():
     assert header["target"] == "smollm2-135m-instruct" and header["target_sha256"] == gguf
     assert header["machine"]["transformers"] == importlib.metadata.version("transformers")
     assert "target_sha256" not in record_header("benchmarks/x.py", [], target=None)
+
+
+def test_a_record_names_a_checkout_with_uncommitted_code_dirty(tmp_path, monkeypatch):
+    """``git_commit``: the short hash of HEAD; ``+dirty`` where a tracked file of code differs from it; a changed
+    record or page leaves it clean (runs write records, and the prose says nothing a run computes)."""
+    import shutil
+    import subprocess
+
+    from specresearch.experiments import records
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    for path in ("specresearch/mod.py", "benchmarks/records/r.json", "docs/page.md", "README.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("0\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+    head = git("rev-parse", "--short", "HEAD")
+    monkeypatch.setattr("specresearch.paths.repo_root", lambda: tmp_path)
+    monkeypatch.delenv("SPECRESEARCH_COMMIT", raising=False)
+    for path in ("benchmarks/records/r.json", "docs/page.md", "README.md"):
+        (tmp_path / path).write_text("1\n")
+    (tmp_path / "scratch.py").write_text("untracked\n")
+    assert records.git_commit() == head
+    (tmp_path / "specresearch/mod.py").write_text("1\n")
+    assert records.git_commit() == f"{head}+dirty"
+    monkeypatch.setenv("SPECRESEARCH_COMMIT", "feedbee")  # a copy sent to a GPU machine says its commit
+    assert records.git_commit() == "feedbee"
+    monkeypatch.delenv("SPECRESEARCH_COMMIT")
+    shutil.rmtree(tmp_path / ".git")
+    assert records.git_commit() == ""  # no checkout: nothing to name
 
 
 def test_paired_gain_is_a_ratio_of_sums_with_a_bootstrap_over_prompts():

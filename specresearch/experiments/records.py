@@ -73,21 +73,31 @@ def machine_info() -> dict:
     return info
 
 
+# Tracked paths whose changes leave what a run computes as the commit has it: the records runs write, and prose.
+_NOT_CODE = (":(exclude)benchmarks/records", ":(exclude)*.md")
+
+
 def git_commit() -> str:
-    """The checkout's commit (short hash): what every record names as its code. ``SPECRESEARCH_COMMIT``, where set,
-    says it instead: a copy of the working tree sent to a GPU machine may carry no ``.git``, or an older one;
-    '' where neither says."""
+    """The checkout's commit (short hash): what every record names as its code, with ``+dirty`` appended where a tracked
+    file other than the records (``benchmarks/records/``) and the pages (``*.md``) differs from it: a record made by
+    uncommitted code does not name a commit that could not have made it. ``SPECRESEARCH_COMMIT``, where set, says it instead: a copy of
+    the working tree sent to a GPU machine may carry no ``.git``, or an older one; '' where neither says."""
     import subprocess
 
     from specresearch.paths import repo_root
 
     if os.environ.get("SPECRESEARCH_COMMIT"):
         return os.environ["SPECRESEARCH_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=repo_root()).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=repo_root()).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        changed = head and git("status", "--porcelain", "--untracked-files=no", "--", ".", *_NOT_CODE)
     except OSError:
         return ""
+    return f"{head}+dirty" if changed else head
 
 
 def record_header(script: str, argv: list[str], draft: str | None = None, *,
