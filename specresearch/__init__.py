@@ -70,6 +70,9 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             with the default draft and verifier one of ``GENERATE_TREES``' dynamic trees, faster by more than
             ``GENERATE_MARGIN``; with the default draft a chosen chain's gamma is its head's length off a lookup
             match too, ``engine.cost.fit_default_draft``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
+            Every configuration is lossless, but a seeded sample depends on the configuration as well as the seed: under
+            ``"auto"`` the same seed gives the same text on later calls once this machine's costs are cached, and may
+            give another on another machine or under another load; give ``gamma`` a count to fix the configuration.
         announce: told, as the CLI prints, when this machine's step costs are timed (the first call, ~25 s here) and
             when a measurement is not kept; default: a line on stderr; None: silent.
     Returns:
