@@ -80,8 +80,9 @@ _NOT_CODE = (":(exclude)benchmarks/records", ":(exclude)*.md")
 def git_commit() -> str:
     """The checkout's commit (short hash): what every record names as its code, with ``+dirty`` appended where a tracked
     file other than the records (``benchmarks/records/``) and the pages (``*.md``) differs from it: a record made by
-    uncommitted code does not name a commit that could not have made it. ``SPECRESEARCH_COMMIT``, where set, says it instead: a copy of
-    the working tree sent to a GPU machine may carry no ``.git``, or an older one; '' where neither says."""
+    uncommitted code does not name a commit that could not have made it. ``SPECRESEARCH_COMMIT``, where set, says it
+    instead: a copy of the working tree sent to a GPU machine may carry no ``.git``, or an older one; '' where neither
+    says."""
     import subprocess
 
     from specresearch.paths import repo_root
