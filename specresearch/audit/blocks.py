@@ -27,10 +27,10 @@ class BlockStore:
     """A JSON-lines file of one :func:`execute` run's finished seed blocks, so a long run resumes where it stopped:
     a first line naming the run (engine, prompt ids, settings, N, block size, seed), then one line a block
     (``size``, ``seed``, its generations, its seconds, the machine that drew it: :func:`block_machine`, and the commit
-    of the code that drew it: ``records.git_commit``, recorded, not compared). A last line
-    cut short (the run killed while writing it) is dropped and its block drawn again; a file naming another run is
-    refused, and so is a block drawn on another kind of machine than the blocks before it (:meth:`check_machine`):
-    pooled, two machines' laws make a finding of their own (the first ``llamacpp-simple`` power run's, docs/audit.md).
+    of the code that drew it: ``records.git_commit``, recorded, not compared). A last line cut short (the run killed
+    while writing it) is dropped and its block drawn again; a file naming another run is refused, and so is a block
+    drawn on another kind of machine than the blocks before it (:meth:`check_machine`): pooled, two machines' laws
+    make a finding of their own (the first ``llamacpp-simple`` power run's, docs/audit.md).
     Blocks written before blocks recorded their machine carry none; they are counted (``unstamped``), not checked
     (those written before blocks recorded their commit name none either).
 
@@ -118,9 +118,8 @@ class BlockStore:
 
     def read(self) -> dict:
         """``{(size, seed): (generations, seconds, machine, commit)}`` of the blocks already stored (None for what a
-        block does not name); writes the header if new
-        and drops a last line cut short (its block is drawn again). ``ValueError`` where they were drawn on different
-        machines."""
+        block does not name); writes the header if new and drops a last line cut short (its block is drawn again).
+        ``ValueError`` where they were drawn on different machines."""
         header, blocks, cut = self.stored(self.path)
         if header is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
