@@ -96,12 +96,14 @@ def reference_tokens(model, prompts=PROMPTS, max_new_tokens: int = NEW_TOKENS) -
     return rows
 
 
-def family_wrapper(model, how: str, device: str = "cpu") -> CausalLM:
-    """``model`` behind ``CausalLM`` on ``device`` as the kernel entry ``how`` says (``KERNELS``)."""
+def family_wrapper(model, how: str, device: str = "cpu", fuse_projections: bool | None = None) -> CausalLM:
+    """``model`` behind ``CausalLM`` on ``device`` as the kernel entry ``how`` says (``KERNELS``); ``fuse_projections``
+    as ``CausalLM``'s."""
     if how == "flash":
         model.config._attn_implementation = "flash_attention_2"
-        return CausalLM(model, device=device)
-    wrapped = CausalLM(model, device=device, skinny_linear=False if how in ("plain", "packed") else None)
+        return CausalLM(model, device=device, fuse_projections=fuse_projections)
+    wrapped = CausalLM(model, device=device, skinny_linear=False if how in ("plain", "packed") else None,
+                       fuse_projections=fuse_projections)
     if how == "packed":
         assert use_packed_sdpa(wrapped.model)
     return wrapped
@@ -115,8 +117,9 @@ def _eos(reference: list[list[int]]) -> int:
 _REFERENCES: dict[tuple[str, str, str], list[list[int]]] = {}  # generate's tokens per family, kernel and device
 
 
-def run_case(family: str, kernel: str, step: str, device: str = "cpu") -> CaseResult:
-    """One case of the matrix (module docstring), its models on ``device``."""
+def run_case(family: str, kernel: str, step: str, device: str = "cpu", fuse_projections: bool | None = None) -> CaseResult:
+    """One case of the matrix (module docstring), its models on ``device``; ``fuse_projections`` as ``CausalLM``'s
+    (None: on CUDA only), for the target and the draft."""
     implementation, how, _ = {**KERNELS, **CUDA_KERNELS}[kernel]
     try:
         model = tiny_family_model(family, implementation).to(device)
@@ -135,10 +138,10 @@ def run_case(family: str, kernel: str, step: str, device: str = "cpu") -> CaseRe
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            target = family_wrapper(model, how, device)
+            target = family_wrapper(model, how, device, fuse_projections)
         except ValueError as error:
             return CaseResult(family, kernel, step, "refused", detail=str(error))
-        draft = CausalLM(draft_model, device=device)
+        draft = CausalLM(draft_model, device=device, fuse_projections=fuse_projections)
     switched = [str(w.message) for w in caught if "switched to" in str(w.message)]
     try:
         result = speculative_generate(target, draft, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=eos,

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from specresearch.models import fused
 from specresearch.models.attention import attention_layout, exact_kernel, use_cpu_sdpa, use_packed_sdpa
 from specresearch.models.kernels import (
     SKINNY_ROWS,
@@ -226,6 +227,9 @@ class CausalLM:
             ``sdpa`` with a warning (:func:`~specresearch.models.attention.exact_kernel`); ``False``: refused instead
             (the caller's model stays as it is). A model with layers it cannot mask (chunked or linear attention) is
             refused either way.
+        fuse_projections: compute each layer's query / key / value projections, and its MLP's gate / up pair, as one
+            matrix product (:mod:`specresearch.models.fused`: fewer kernels a step, the same weights). ``None``: on
+            CUDA (where a small model's step costs its kernels), not elsewhere.
 
     Every family and kernel gets the masks it applies (:mod:`specresearch.models.attention`): tree calls and, for a
     model with sliding-window layers, every call carry an additive mask built from the slots' positions; windows are
@@ -235,7 +239,8 @@ class CausalLM:
     returns_hidden_states = True  # prefill / score take hidden_layers= (module docstring)
 
     def __init__(self, model, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
-                 device_map: str | dict | None = None, skinny_linear: bool | None = None, switch_attention: bool = True):
+                 device_map: str | dict | None = None, skinny_linear: bool | None = None, switch_attention: bool = True,
+                 fuse_projections: bool | None = None):
         if isinstance(model, (str, os.PathLike)):
             model = _from_pretrained(model, dtype, device_map)
         elif device_map is not None:
@@ -262,8 +267,20 @@ class CausalLM:
             use_cpu_sdpa(self.model)
         elif whole and skinny_linear is None and self.device.type == "cuda":
             use_packed_sdpa(self.model)  # a masked call of a grouped-query layer without transformers' K / V copies
+        if fuse_projections and not whole:
+            raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "
+                             "keeps as transformers placed them: leave fuse_projections unset")
+        self.fuses = whole and (fuse_projections if fuse_projections is not None else self.device.type == "cuda")
+        if self.fuses:
+            fused.fuse_projections(self.model)
         self._cache = None
         self._slots: SlotMask | None = None
+
+    def check_fused(self) -> None:
+        """Fuse the projections again where a group no longer holds (``models.fused``: the model was moved or
+        converted since); called as each batch starts."""
+        if self.fuses and not fused.fused_intact(self.model):
+            fused.fuse_projections(self.model)
 
     @property
     def device(self) -> torch.device:
@@ -291,6 +308,7 @@ class CausalLM:
         return self._slots.counts()
 
     def reset(self, batch_size: int) -> None:
+        self.check_fused()
         self._cache = _new_cache(self.model)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 

@@ -48,12 +48,14 @@ def cache_dir() -> Path:
 
 
 def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.device = "auto",
-                  dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None):
+                  dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None,
+                  fuse_projections: bool | None = None):
     """Load an embedded model and its tokenizer offline. Returns ``(CausalLM, tokenizer)``.
 
     The tokenizer is left-padding (batched prompts) and has a pad token; its chat template, if any,
     is the one stored in the GGUF file. ``skinny_linear``: as ``CausalLM``'s (``None``: on the CPU;
     ``False`` keeps plain ``nn.Linear`` layers, the faster path on some CPUs, docs/engine_and_models.md).
+    ``fuse_projections``: as ``CausalLM``'s (``None``: on CUDA).
     """
     if name not in EMBEDDED:
         raise ValueError(f"name must be one of {sorted(EMBEDDED)}, got {name!r}")
@@ -68,7 +70,7 @@ def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.de
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype)
-    return CausalLM(model, device=device, skinny_linear=skinny_linear), tokenizer
+    return CausalLM(model, device=device, skinny_linear=skinny_linear, fuse_projections=fuse_projections), tokenizer
 
 
 @functools.cache

@@ -477,13 +477,17 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _weight_layers(model: torch.nn.Module, types: tuple[type, ...], shared_with: torch.nn.Module | None,
                    what: str) -> list[torch.nn.Module]:
     """``model``'s ``nn.Linear`` layers (made :class:`SkinnyLinear`) and modules of ``types``, after checking that
-    none of them belongs to ``shared_with``."""
+    none of them belongs to ``shared_with``; fused projections (``models.fused.FusedLinear``: a layer with ``unfuse``)
+    are unfused first, each layer then given its own weight."""
     chosen = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, *types))]
     theirs = set() if shared_with is None else {id(m) for m in shared_with.modules()}
     shared = [type(m).__name__ for m in chosen if id(m) in theirs]
     if shared:
         raise ValueError(f"{what}: {len(shared)} layer(s) ({shared[0]}, ...) belong to the target too; "
                          "changing them would change the target")
+    for module in chosen:
+        if hasattr(module, "unfuse"):
+            module.unfuse()
     for module in chosen:
         if type(module) is torch.nn.Linear:
             module.__class__ = SkinnyLinear

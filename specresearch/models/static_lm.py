@@ -61,6 +61,7 @@ class StaticCausalLM:
         nothing is written."""
         if self.rows is None or self.rows.batch != input_ids.shape[0]:
             raise ValueError(f"allocate(batch={input_ids.shape[0]}, capacity) before prefill")
+        self.lm.check_fused()
         self.rows.begin(attention_mask.to(self.device))
         fed = input_ids.shape[1] - leave
         if fed <= 0:

@@ -1,0 +1,203 @@
+"""Fused projections (``models.fused``): each layer's q / k / v projections and its MLP's gate / up pair as one product.
+
+* On every family and both of transformers' kernels: cached, chain and tree scoring compute what the unfused layers
+  compute (float tolerance), with the matrix products a call launches fewer by exactly the fused members; families
+  that fuse their own projections (Phi-3, GPT-2, GPT-NeoX, Falcon) are left as they are.
+* The engine's chains and trees, growing and captured, give transformers' ``generate`` tokens with fused models.
+* A captured step of fused models still traces as one graph (no break).
+* The weights are held once (views of the group's tensor) and the state dict is unchanged; a model moved or converted
+  after fusing is fused again as a batch starts; gradients reach every member's weight; unfusing gives the classes back.
+"""
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from specresearch.engine.prompts import encode_prompts
+from specresearch.engine.timing import Kernels
+from specresearch.experiments.families import run_case
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import FAMILIES, tiny_family_model
+from specresearch.models.fused import FusedLinear, fuse_projections, fused_intact, unfuse_projections
+
+PRODUCTS = ("mm", "addmm", "kernel_linear")  # the operators a linear layer's product dispatches to
+OWN_FUSION = {"phi3", "gpt2", "gpt-neox", "falcon"}  # families whose checkpoints lay q / k / v end to end already
+
+
+def _model(family, kernel):
+    try:
+        return tiny_family_model(family, kernel)
+    except (ValueError, ImportError):
+        pytest.skip(f"transformers has no {kernel} {family}")
+
+
+def _calls(lm, ids, mask):
+    """Prefill, a 2-token chain and a 3-node tree; -> (the three calls' logits, matrix products launched)."""
+    with Kernels() as kernels, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = lm.prefill(ids, mask)
+        chain = lm.score(torch.tensor([[3, 4], [5, 6]]))
+        lm.begin_tree()
+        visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].expand(2, -1, -1)
+        tree = lm.score_tree(torch.tensor([[7, 8, 9], [9, 8, 7]]), torch.tensor([[0, 1, 1]]).expand(2, -1), visible)
+    return (first, chain, tree), sum(kernels.by_op[name] for name in PRODUCTS)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_fused_layers_compute_what_the_layers_compute_with_fewer_products(family, kernel):
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    plain = CausalLM(_model(family, kernel), device="cpu", fuse_projections=False)
+    fused = CausalLM(_model(family, kernel), device="cpu", fuse_projections=True)
+    members = [m for m in fused.model.modules() if isinstance(m, FusedLinear)]
+    expected, plain_products = _calls(plain, ids, mask)
+    got, fused_products = _calls(fused, ids, mask)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    groups = {id(m.group): len(m.group.sizes) for m in members}
+    saved = sum(size - 1 for size in groups.values())  # a group of n members: n products become one
+    assert plain_products - fused_products == 3 * saved  # three calls
+    if family in OWN_FUSION:
+        assert not members
+    else:
+        layers = fused.model.config.get_text_config().num_hidden_layers
+        assert len(groups) >= layers and saved >= 2 * layers  # q / k / v in every layer, gate / up where gated
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in OWN_FUSION])
+def test_the_engine_gives_generates_tokens_with_fused_models(family):
+    """The matrix's cases (experiments.families: greedy, three left-padded prompts, an EOS ending a row early) with the
+    target and the draft fused: growing and captured chains and trees equal ``generate``'s tokens."""
+    results = [run_case(family, kernel, step, fuse_projections=True) for kernel in ("eager", "sdpa")
+               for step in ("chain", "dynamic tree", "captured chain", "captured dynamic tree", "captured sampled tree")]
+    wrong = [r for r in results if r.status not in ("exact", "not offered")]
+    assert not wrong, wrong
+    assert any(r.status == "exact" for r in results)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mistral"])
+def test_a_fused_captured_step_traces_as_one_graph(family):
+    model = tiny_family_model(family, "eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = CausalLM(model, device="cpu", fuse_projections=True).static_form()
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    lm.allocate(2, 32)
+    lm.prefill(ids, mask)
+    tokens = torch.tensor([[3, 4, 5, 6], [6, 5, 4, 3]])
+    depth = torch.tensor([[0, 1, 1, 2]]).expand(2, -1)
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None].expand(2, -1, -1)
+
+    def calls():
+        chain, _ = lm.forward(tokens[:, :3])
+        lm.commit(torch.tensor([2, 1]))
+        tree, _ = lm.forward(tokens, depth=depth, visible=visible)
+        lm.keep_path(torch.tensor([[0, 1, 3], [0, 2, 0]]), torch.tensor([3, 2]))
+        return chain, tree
+
+    explained = torch._dynamo.explain(calls)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    layers = model.config.num_hidden_layers
+    products = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes
+                if node.op == "call_function" and re.search(r"linear|\bmm\b|addmm", str(node.target))]
+    assert len(products) == 2 * (4 * layers + 1), products  # two calls: q/k/v, o, gate/up and down a layer, the head
+    assert all(m.group.input is None for m in model.modules() if isinstance(m, FusedLinear))  # nothing left held
+
+
+def test_weights_are_held_once_and_the_state_dict_is_unchanged():
+    model = tiny_family_model("qwen2")  # q / k / v with biases
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    count = fuse_projections(model)
+    assert count == 2 * model.config.num_hidden_layers
+    assert fuse_projections(model) == count  # idempotent: laid out again
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    attention = model.model.layers[0].self_attn
+    group = attention.q_proj.group
+    assert attention.k_proj.group is group and attention.v_proj.group is group
+    for member in (attention.q_proj, attention.k_proj, attention.v_proj):
+        assert member.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+        assert member.bias.untyped_storage().data_ptr() == group.bias.untyped_storage().data_ptr()
+    assert unfuse_projections(model) == 5 * model.config.num_hidden_layers
+    assert not any(isinstance(m, FusedLinear) for m in model.modules())
+    assert type(attention.q_proj) is torch.nn.Linear and not hasattr(attention.q_proj, "group")
+
+
+def test_a_model_moved_after_fusing_is_fused_again_as_a_batch_starts():
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    lm = CausalLM(tiny_family_model("llama", "sdpa"), device="cpu", fuse_projections=True, skinny_linear=False)
+    reference = CausalLM(tiny_family_model("llama", "sdpa").double(), device="cpu", fuse_projections=False,
+                         skinny_linear=False)  # (transformers' eager attention gives float64's padded rows NaN)
+    lm.model.double()  # every parameter converted: the members' weights leave their groups' tensors
+    assert not fused_intact(lm.model)
+    torch.testing.assert_close(lm.prefill(ids.clone(), mask), reference.prefill(ids.clone(), mask))
+    assert fused_intact(lm.model)
+    with torch.no_grad():  # a weight changed in place after fusing: the group reads it (a view)
+        lm.model.model.layers[0].self_attn.k_proj.weight.mul_(2)
+        reference.model.model.layers[0].self_attn.k_proj.weight.mul_(2)
+    assert fused_intact(lm.model)
+    torch.testing.assert_close(lm.prefill(ids.clone(), mask), reference.prefill(ids.clone(), mask))
+    for model in (lm.model, reference.model):  # a weight replaced: that group no longer holds
+        gate = model.model.layers[1].mlp.gate_proj
+        gate.weight = torch.nn.Parameter(gate.weight.detach() * 3)
+    assert not fused_intact(lm.model)
+    torch.testing.assert_close(lm.prefill(ids.clone(), mask), reference.prefill(ids.clone(), mask))
+
+
+def test_gradients_reach_every_member():
+    ids = torch.tensor([[5, 9, 3, 7, 2]])
+    plain, fused = tiny_family_model("llama"), tiny_family_model("llama")
+    fuse_projections(fused)
+    for model in (plain, fused):
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), fused.named_parameters()):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fusing_is_off_on_the_cpu_by_default_and_refused_for_a_split_model():
+    lm = CausalLM(tiny_family_model("llama"), device="cpu")
+    assert not lm.fuses and not any(isinstance(m, FusedLinear) for m in lm.model.modules())
+    model = tiny_family_model("llama")
+    model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "meta", "lm_head": "cpu"}
+    with pytest.raises(ValueError, match="fuse_projections=True lays weights end to end"):
+        CausalLM(model, device="cpu", fuse_projections=True)
+
+
+def test_half_weights_after_fusing_unfuse_the_layers_they_convert():
+    """``drafts.registry.half_weight_draft`` on a draft fused where it loaded (CUDA's default): every layer gets its
+    float16 weight, none is left computing from the group's float32 copy."""
+    from specresearch.models.kernels import use_half_weights
+
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    fused = CausalLM(tiny_family_model("llama", "sdpa"), device="cpu", fuse_projections=True, skinny_linear=False)
+    plain = CausalLM(tiny_family_model("llama", "sdpa"), device="cpu", fuse_projections=False, skinny_linear=False)
+    for lm in (fused, plain):
+        use_half_weights(lm.model)
+    assert not any(isinstance(m, FusedLinear) for m in fused.model.modules())
+    assert fused.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+    torch.testing.assert_close(fused.prefill(ids.clone(), mask), plain.prefill(ids.clone(), mask), rtol=0, atol=0)
+
+
+def test_the_embedded_target_fused_scores_what_it_scores_unfused():
+    """SmolLM2-135M on the path CUDA runs (plain linear layers), fused and not: prefill and a 4-token chain's logits
+    agree to float tolerance, with 90 fewer products a call (2 of every layer's q / k / v, 1 of its gate / up)."""
+    from specresearch.models import embedded
+
+    plain, tokenizer = embedded.load_embedded("smollm2-135m-instruct", device="cpu", skinny_linear=False)
+    fused, _ = embedded.load_embedded("smollm2-135m-instruct", device="cpu", skinny_linear=False,
+                                      fuse_projections=True)
+    ids, mask = encode_prompts(["The capital of France is", "Hi"], tokenizer)
+    chain = torch.tensor([[264, 3575, 282, 1345], [28, 1073, 314, 1345]])
+    logits, products = {}, {}
+    for name, lm in (("plain", plain), ("fused", fused)):
+        with Kernels() as kernels:
+            logits[name] = (lm.prefill(ids, mask), lm.score(chain))
+        products[name] = sum(kernels.by_op[op] for op in PRODUCTS)
+    for a, b in zip(logits["plain"], logits["fused"]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert products["plain"] - products["fused"] == 2 * 90
