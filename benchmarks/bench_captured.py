@@ -8,7 +8,10 @@ trees) under each compile mode (``--modes``: ``off`` the growing loop, ``static`
 ``generate`` on a plain model with the same weights (sdpa, ``cache_implementation="static"``: on CUDA transformers
 compiles its forward itself, ``torch.compile(mode="reduce-overhead")``; elsewhere it runs eagerly). Each run is timed
 end to end, prompt included, with the same seed for every run of a prompt. Before anything is timed every (run, mode,
-temperature) decodes one prompt of each cache size the prompts need, so no compile or capture is timed.
+temperature) decodes one prompt of each cache size the prompts need, so no compile or capture is timed. A run's
+label may name another target in parentheses (``TARGETS``): ``"autoregressive (float32)"`` the target in float32,
+``"autoregressive (unfused)"`` the ``--dtype`` target without fused projections (``models.fused``, which CUDA's
+``CausalLM`` applies).
 
 Writes ``<out>.csv`` (a row a run) and ``<out>.json`` after every prompt (``complete`` says whether all ran; a
 cell whose warm-up raises is left out and its error kept under ``failed_cells``): the header (command, commit,
@@ -123,12 +126,17 @@ def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, 
 
 
 def _base(run: str) -> str:
-    """``"autoregressive (float32)"`` -> ``"autoregressive"``: the run of a label that names another target dtype."""
+    """``"autoregressive (float32)"`` -> ``"autoregressive"``: the run of a label that names another target (``TARGETS``)."""
     return run.split(" (")[0]
 
 
 def _dtype(run: str) -> str | None:
+    """``"autoregressive (float32)"`` -> ``"float32"``: the other target a label names (``TARGETS``), or None."""
     return run.split(" (")[1].rstrip(")") if " (" in run else None
+
+
+TARGETS = ("float32", "bfloat16", "float16", "unfused")  # a label's other target: a dtype, or the --dtype target with
+# its projections unfused (models.fused; CUDA's CausalLM fuses them): their cost side by side in one run
 
 
 def summary(rows: list[dict]) -> dict:
@@ -214,19 +222,22 @@ def main(argv: list[str]) -> int:
     cells = ([tuple(cell.rsplit(":", 1)) for cell in args.cells] if args.cells else
              [(run, mode) for run in args.runs for mode in args.modes])
     cells += [(f"autoregressive ({dtype})", mode) for dtype in args.ar_dtypes if dtype != args.dtype for mode in args.modes]
-    unknown = [f"{r}:{m}" for r, m in cells if _base(r) not in RUNS or m not in COMPILE_CHOICES]
+    unknown = [f"{r}:{m}" for r, m in cells if _base(r) not in RUNS or m not in COMPILE_CHOICES
+               or _dtype(r) not in (None, *TARGETS)]
     if unknown:
-        parser.error(f"unknown cells {unknown}: RUN is one of {list(RUNS)}, MODE one of {COMPILE_CHOICES}")
+        parser.error(f"unknown cells {unknown}: RUN is one of {list(RUNS)}, optionally followed by ' (TARGET)' with "
+                     f"TARGET one of {list(TARGETS)}; MODE one of {COMPILE_CHOICES}")
     if args.validate_only:
         return 0
     static.SESSIONS_KEPT = max(static.SESSIONS_KEPT, 4 * len(cells) * len(args.temperatures))
     header = record_header("benchmarks/bench_captured.py", argv, draft=args.draft, dtype=args.dtype)  # the code run
     target, draft, tokenizer = load_pair(draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype))
     targets = {None: target}
-    for dtype in {_dtype(r) for r, _ in cells} - {None}:
+    for other in {_dtype(r) for r, _ in cells} - {None}:
         from specresearch.models.embedded import load_embedded
 
-        targets[dtype] = load_embedded(device=args.device, dtype=getattr(torch, dtype))[0]
+        targets[other] = (load_embedded(device=args.device, dtype=getattr(torch, args.dtype), fuse_projections=False)
+                          if other == "unfused" else load_embedded(device=args.device, dtype=getattr(torch, other)))[0]
     eos = tokenizer.eos_token_id
     rows_in = evenly_spaced(load_prompts(prompt_set_file(args.prompt_set)), args.prompts)
     prompts = [ids.tolist() for ids in encode_chat(rows_in, tokenizer)]

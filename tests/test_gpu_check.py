@@ -60,6 +60,9 @@ def test_the_speed_parts_scripts_run_on_a_cpu(tmp_path):
     bench = [sys.executable, str(ROOT / "benchmarks" / "bench_captured.py")]
     subprocess.run([*bench, "--cells", *cells, "--validate-only", "--out", str(tmp_path / "x")], check=True,
                    capture_output=True, timeout=120, cwd=ROOT)
+    refused = subprocess.run([*bench, "--cells", "autoregressive (int4):off", "--validate-only", "--out",
+                              str(tmp_path / "x")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode != 0 and "unknown cells ['autoregressive (int4):off']" in refused.stderr
     # bfloat16 is slow here; a cudagraph cell cannot run on a CPU: left out, its error kept, the others measured
     cpu_cells = ["autoregressive:off", "chain block g1:static", "dynamic K4 g4 n10:static", "chain block g2:cudagraph"]
     subprocess.run([*bench, "--draft", "fp16:eagle3-v8k", "--prompts", "2", "--max-new-tokens", "4", "--peer",
