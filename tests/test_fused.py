@@ -201,3 +201,44 @@ def test_the_embedded_target_fused_scores_what_it_scores_unfused():
     for a, b in zip(logits["plain"], logits["fused"]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     assert products["plain"] - products["fused"] == 2 * 90
+
+
+def test_a_fused_feature_head_drafts_what_it_drafts_unfused():
+    """A feature head (q / k / v and gate / up in its layers) fused as CUDA's FeatureDraft fuses it: its cached
+    drafting equals the unfused head's, and greedy chains and trees with it, growing and captured, give the target's
+    greedy tokens."""
+    import copy
+
+    from helpers import feature_head
+
+    from specresearch.config import SamplingConfig
+    from specresearch.drafts.feature import FeatureDraft
+    from specresearch.engine.generate import autoregressive_generate, speculative_generate
+    from specresearch.models.toy import tiny_llama
+
+    target = tiny_llama(48, seed=0, init_std=0.6, num_layers=3)
+    head = feature_head(target.model)
+    plain = FeatureDraft(head)
+    fused = FeatureDraft(copy.deepcopy(head), fuse_projections=True)
+    assert not plain.fuses and fused.fuses
+    assert sum(isinstance(m, FusedLinear) for m in fused.head.modules()) >= 5
+    seq = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        out = target.model(input_ids=seq, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i] for i in head.feature_layers], -1)
+    before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # slot j reads the feature of j - 1
+    logits = []
+    for draft in (plain, fused):
+        draft.observe(before[:, :4])
+        prefilled = draft.prefill(seq[:, :4], torch.ones(1, 4, dtype=torch.long))
+        draft.observe(before[:, 4:6])
+        logits.append((prefilled, draft.score(seq[:, 4:6]), draft.score(seq[:, 5:6])))  # the last: its own prediction
+    for a, b in zip(*logits):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    prompts, greedy = [[5, 9, 2, 33, 7], [4, 8]], SamplingConfig(temperature=0.0)
+    expected = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=greedy).tokens
+    for compile in ("off", "static"):
+        for options in (dict(gamma=3), dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic")):
+            got = speculative_generate(target, fused, prompts, max_new_tokens=10, sampling=greedy, compile=compile,
+                                       **options).tokens
+            assert got == expected, (compile, options)

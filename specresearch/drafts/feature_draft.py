@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specresearch.models import fused
 from specresearch.models.causal_lm import SlotMask, check_prompt
 from specresearch.models.kernels import (
     SKINNY_ROWS,
@@ -200,12 +201,14 @@ class FeatureDraft(FeatureQueue):
     default, which also gives the compiled kernel the row counts ``models.kernels.choose_kernel_rows`` finds faster
     still), every row count (``True``) or none (``False``). ``chooses_kernel_rows``: whether the kernel's rows were
     timed here (``drafts.registry.half_weight_draft`` times them again for the float16 weights).
+    ``fuse_projections``: the head's q / k / v and gate / up projections as one product each (``models.fused``),
+    as ``CausalLM``'s: ``None`` on CUDA only.
     """
 
     skips_first_slot = False  # EagleDraft: each row's first prompt slot is left out of its context
 
     def __init__(self, head: torch.nn.Module, *, max_context: int | None = None, device="cpu",
-                 skinny_linear: bool | None = None) -> None:
+                 skinny_linear: bool | None = None, fuse_projections: bool | None = None) -> None:
         self.head = head.eval().to(device)  # beside the target it reads (its embedding is the target's, already there)
         if torch.device(device).type == "cpu":
             chosen = choose_skinny_rows(self.head) if skinny_linear is None else SKINNY_ROWS if skinny_linear else ()
@@ -213,6 +216,9 @@ class FeatureDraft(FeatureQueue):
             if skinny_linear is None:
                 use_kernel_rows(self.head, choose_kernel_rows(self.head))
         self.chooses_kernel_rows = torch.device(device).type == "cpu" and skinny_linear is None
+        self.fuses = fuse_projections if fuse_projections is not None else torch.device(device).type == "cuda"
+        if self.fuses:
+            fused.fuse_projections(self.head)
         self.vocab_size = head.vocab_size
         self.feature_layers = head.feature_layers
         self.feature_size = head.feature_size
@@ -231,7 +237,14 @@ class FeatureDraft(FeatureQueue):
     def valid_lengths(self) -> torch.Tensor:
         return self._slots.counts()
 
+    def check_fused(self) -> None:
+        """Fuse the head's projections again where a group no longer holds (``models.fused``: moved or converted
+        since); called as each batch starts."""
+        if self.fuses and not fused.fused_intact(self.head):
+            fused.fuse_projections(self.head)
+
     def reset(self, batch_size: int) -> None:
+        self.check_fused()
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
         self._cache, self._last = [], None
         self._queued = None
@@ -320,6 +333,7 @@ class StaticFeatureDraft:
     ``prefill`` reads the host."""
 
     def __init__(self, draft: FeatureDraft):
+        self.draft = draft
         self.head = draft.head
         self.vocab_size, self.device, self.max_context = draft.vocab_size, draft.device, draft.max_context
         self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
@@ -340,6 +354,7 @@ class StaticFeatureDraft:
                 inputs: torch.Tensor | None = None):
         """Start a batch: write and keep the prompt's first ``L - leave`` columns, slot j read with ``inputs[:, j]``
         (``[B, L - leave, H]``). -> (the last written slot's logits ``[B, V]``, the predictions), or (None, None)."""
+        self.draft.check_fused()
         self.rows.begin(attention_mask.to(self.device), skip=self._skip)
         fed = input_ids.shape[1] - leave
         if fed <= 0:
