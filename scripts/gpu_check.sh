@@ -87,7 +87,7 @@ has_model() {
 for part in $PARTS; do
     case "$part" in
     tests)
-        run cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_static.py --junitxml "$OUT/cuda_tests.xml"
+        run cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_static.py tests/test_fused.py --junitxml "$OUT/cuda_tests.xml"
         run family_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_families.py --junitxml "$OUT/family_tests.xml"
         run engine_tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_rows_end_early.py tests/test_host_reads.py ;;
     timing)

@@ -242,3 +242,17 @@ def test_a_fused_feature_head_drafts_what_it_drafts_unfused():
             got = speculative_generate(target, fused, prompts, max_new_tokens=10, sampling=greedy, compile=compile,
                                        **options).tokens
             assert got == expected, (compile, options)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_fusing_is_the_default_and_computes_what_the_layers_compute(dtype):
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    fused = CausalLM(tiny_family_model("qwen2", "sdpa").to(dtype), device="cuda")
+    plain = CausalLM(tiny_family_model("qwen2", "sdpa").to(dtype), device="cuda", fuse_projections=False)
+    assert fused.fuses and any(isinstance(m, FusedLinear) for m in fused.model.modules())
+    tolerance = dict(rtol=0.05, atol=0.1) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)  # a rounding apart
+    torch.testing.assert_close(fused.prefill(ids, mask), plain.prefill(ids, mask), **tolerance)
+    chain = torch.tensor([[3, 4], [5, 6]], device="cuda")
+    torch.testing.assert_close(fused.score(chain), plain.score(chain), **tolerance)
