@@ -256,3 +256,52 @@ def test_on_cuda_fusing_is_the_default_and_computes_what_the_layers_compute(dtyp
     torch.testing.assert_close(fused.prefill(ids, mask), plain.prefill(ids, mask), **tolerance)
     chain = torch.tensor([[3, 4], [5, 6]], device="cuda")
     torch.testing.assert_close(fused.score(chain), plain.score(chain), **tolerance)
+
+
+@pytest.mark.parametrize("kind, options", [("feature", dict(verifier="block", gamma=3)),
+                                           ("feature", dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic")),
+                                           ("eagle3", dict(verifier="greedy", gamma=1))])
+def test_fused_captured_steps_compile_to_what_they_compute_eagerly(kind, options):
+    """Fused target and head: five captured steps at T = 1 from the same uniforms log the same accepted counts and
+    tokens eagerly, compiled (``fullgraph=True``, ``aot_eager``: dynamo's graph of the groups' held products) and
+    unfused."""
+    from helpers import feature_head
+
+    from specresearch.config import SamplingConfig
+    from specresearch.drafts.eagle import Eagle3Head, EagleDraft
+    from specresearch.drafts.feature import FeatureDraft, FeatureHeadConfig
+    from specresearch.engine.static import plan_for, start_run
+    from specresearch.models.toy import tiny_llama
+
+    def pair(fuse: bool):
+        target = tiny_llama(48, seed=0, init_std=0.6)
+        if kind == "feature":
+            head = FeatureDraft(feature_head(target.model), fuse_projections=fuse)
+        else:
+            config = FeatureHeadConfig("e3", feature_layers=(0, 1, 2), init_layer=None, head_tokens=16,
+                                       train_head=True, architecture="eagle3")
+            head = EagleDraft(Eagle3Head.from_feature_config(target.model, config, torch.arange(16) * 3, seed=3),
+                              fuse_projections=fuse)
+        if fuse:
+            target.fuses = fuse_projections(target.model) > 0
+        return target, head
+
+    def logs(fuse: bool, compiled: bool) -> torch.Tensor:
+        target, head = pair(fuse)
+        ids, mask = encode_prompts([[5, 9, 2, 33, 7, 5, 9], [4, 8]])
+        plan = plan_for(options["verifier"], options["gamma"], options.get("num_drafts", 1),
+                        options.get("draft_law", "iid"), None)
+        run = start_run(target, head, ids, mask, plan=plan, sampling=SamplingConfig(temperature=1.0),
+                        max_new_tokens=10, eos={21}, steps_per_read=5)  # the log holds the five steps
+        step = torch.compile(run.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else run.step
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            run.state.uniforms.copy_(torch.rand(run.state.uniforms.shape, generator=generator, dtype=torch.float64))
+            step()
+        assert not fuse or any(isinstance(m, FusedLinear) for m in head.head.modules())
+        return run.state.log.clone()
+
+    torch._dynamo.reset()
+    eager = logs(True, False)
+    assert torch.equal(logs(True, True), eager)
+    assert torch.equal(logs(False, False), eager)
