@@ -70,8 +70,8 @@ def test_fused_layers_compute_what_the_layers_compute_with_fewer_products(family
 def test_the_engine_gives_generates_tokens_with_fused_models(family):
     """The matrix's cases (experiments.families: greedy, three left-padded prompts, an EOS ending a row early) with the
     target and the draft fused: growing and captured chains and trees equal ``generate``'s tokens."""
-    results = [run_case(family, kernel, step, fuse_projections=True) for kernel in ("eager", "sdpa")
-               for step in ("chain", "dynamic tree", "captured chain", "captured dynamic tree", "captured sampled tree")]
+    steps = ("chain", "dynamic tree", "captured chain", "captured dynamic tree", "captured sampled tree")
+    results = [run_case(family, kernel, step, fuse_projections=True) for kernel in ("eager", "sdpa") for step in steps]
     wrong = [r for r in results if r.status not in ("exact", "not offered")]
     assert not wrong, wrong
     assert any(r.status == "exact" for r in results)
@@ -88,7 +88,8 @@ def test_a_fused_captured_step_traces_as_one_graph(family):
     lm.prefill(ids, mask)
     tokens = torch.tensor([[3, 4, 5, 6], [6, 5, 4, 3]])
     depth = torch.tensor([[0, 1, 1, 2]]).expand(2, -1)
-    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None].expand(2, -1, -1)
+    parents = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    visible = torch.tensor(parents, dtype=torch.bool)[None].expand(2, -1, -1)
 
     def calls():
         chain, _ = lm.forward(tokens[:, :3])
@@ -252,15 +253,16 @@ def test_on_cuda_fusing_is_the_default_and_computes_what_the_layers_compute(dtyp
     fused = CausalLM(tiny_family_model("qwen2", "sdpa").to(dtype), device="cuda")
     plain = CausalLM(tiny_family_model("qwen2", "sdpa").to(dtype), device="cuda", fuse_projections=False)
     assert fused.fuses and any(isinstance(m, FusedLinear) for m in fused.model.modules())
-    tolerance = dict(rtol=0.05, atol=0.1) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)  # a rounding apart
+    tolerance = dict(rtol=0.05, atol=0.1) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused.prefill(ids, mask), plain.prefill(ids, mask), **tolerance)
     chain = torch.tensor([[3, 4], [5, 6]], device="cuda")
     torch.testing.assert_close(fused.score(chain), plain.score(chain), **tolerance)
 
 
-@pytest.mark.parametrize("kind, options", [("feature", dict(verifier="block", gamma=3)),
-                                           ("feature", dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic")),
-                                           ("eagle3", dict(verifier="greedy", gamma=1))])
+@pytest.mark.parametrize("kind, options", [
+    ("feature", dict(verifier="block", gamma=3)),
+    ("feature", dict(verifier="onehot", num_drafts=3, gamma=3, draft_law="dynamic")),
+    ("eagle3", dict(verifier="greedy", gamma=1))])
 def test_fused_captured_steps_compile_to_what_they_compute_eagerly(kind, options):
     """Fused target and head: five captured steps at T = 1 from the same uniforms log the same accepted counts and
     tokens eagerly, compiled (``fullgraph=True``, ``aot_eager``: dynamo's graph of the groups' held products) and

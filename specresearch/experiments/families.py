@@ -117,7 +117,8 @@ def _eos(reference: list[list[int]]) -> int:
 _REFERENCES: dict[tuple[str, str, str], list[list[int]]] = {}  # generate's tokens per family, kernel and device
 
 
-def run_case(family: str, kernel: str, step: str, device: str = "cpu", fuse_projections: bool | None = None) -> CaseResult:
+def run_case(family: str, kernel: str, step: str, device: str = "cpu",
+             fuse_projections: bool | None = None) -> CaseResult:
     """One case of the matrix (module docstring), its models on ``device``; ``fuse_projections`` as ``CausalLM``'s
     (None: on CUDA only), for the target and the draft."""
     implementation, how, _ = {**KERNELS, **CUDA_KERNELS}[kernel]

@@ -106,7 +106,8 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
             first = members[0]
             plain = type(first) is torch.nn.Linear  # F.linear for every row count, as nn.Linear computes
-            skinny = dict(skinny_rows=() if plain else first.skinny_rows, kernel_rows=() if plain else first.kernel_rows)
+            skinny = dict(skinny_rows=() if plain else first.skinny_rows,
+                          kernel_rows=() if plain else first.kernel_rows)
             group = _Group(weight, bias, [m.out_features for m in members], skinny)
             start = 0
             for index, m in enumerate(members):
