@@ -25,6 +25,14 @@ captures on a GPU (whose Triton code fuses alike but not identically: a predicti
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 1 --max-new-tokens 12 --compile inductor \
         --out benchmarks/records/step_ops_inductor_amd.json
+
+``--fuse`` counts the target and the draft with their projections fused (``models.fused``), as they run on CUDA now;
+the records above were made without, as the H200's run (commit eebeadf) ran them:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32 --compile static \
+        --fuse --out benchmarks/records/step_ops_static_fused_amd.json
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 1 --max-new-tokens 12 --compile inductor \
+        --fuse --out benchmarks/records/step_ops_inductor_fused_amd.json
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.engine.timing import HostReads, Kernels
 from specresearch.experiments.records import record_header
 from specresearch.models.attention import use_packed_sdpa
+from specresearch.models.fused import fuse_projections
 from specresearch.models.kernels import SkinnyLinear
 from specresearch.paths import data_dir, repo_root
 
@@ -55,11 +64,13 @@ RUNS = {"autoregressive": None, "chain block g1": {"gamma": 1}, "chain block g2"
         "dynamic K8 g6 n32": tree_options((8, 6, 32)), "dynamic K10 g6 n60": tree_options((10, 6, 60))}
 
 
-def as_on_cuda(target, draft) -> None:
+def as_on_cuda(target, draft, fuse: bool = False) -> None:
     """Make the CPU models issue the torch calls they issue on CUDA, in place: the target (loaded without skinny
     linears) gets the attention ``CausalLM`` chooses there (``models.attention.packed_sdpa_attention``); the draft's
     ``SkinnyLinear`` layers, which drafts choose on CPU only, become plain ``nn.Linear`` where their weights are
-    float32 and take ``F.linear`` for every row count where they are float16 (the half path runs on CUDA too)."""
+    float32 and take ``F.linear`` for every row count where they are float16 (the half path runs on CUDA too). With
+    ``fuse``, both models' projections are fused as ``CausalLM`` and ``FeatureDraft`` fuse them there
+    (``models.fused``)."""
     use_packed_sdpa(target.model)
     for module in _modules(draft):
         for layer in module.modules():
@@ -67,6 +78,9 @@ def as_on_cuda(target, draft) -> None:
                 layer.__class__ = torch.nn.Linear
             elif hasattr(layer, "skinny_rows"):
                 layer.skinny_rows = ()
+    if fuse:
+        for module in [target.model, *_modules(draft)]:
+            fuse_projections(module)
 
 
 def _modules(draft, depth: int = 3) -> list[torch.nn.Module]:
@@ -164,12 +178,15 @@ def main() -> int:
                         help="off: the growing loop; static: the captured steps run eagerly (the calls a CUDA graph of "
                              "the step holds: each launches one kernel or more, replayed without the host); inductor: "
                              "the kernels of each step as inductor compiles it here")
+    parser.add_argument("--fuse", action="store_true",
+                        help="the target's and the draft's q / k / v and gate / up projections fused, as they run on "
+                             "CUDA (models.fused); without it, unfused as the H200's run (commit eebeadf) ran them")
     parser.add_argument("--out", default=str(repo_root() / "benchmarks" / "records" / "step_ops_amd.json"))
     args = parser.parse_args()
     if args.prompts < 1 or args.max_new_tokens < 1:
         parser.error(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
     target, draft, tokenizer = load_pair(draft=args.draft, skinny_linear=False)  # the GPU's path: plain linear layers
-    as_on_cuda(target, draft)
+    as_on_cuda(target, draft, fuse=args.fuse)
     chosen = evenly_spaced(load_prompts(data_dir() / "prompts.jsonl"), args.prompts)
     prompts = [row.tolist() for row in encode_chat(chosen, tokenizer)]
     counter = count_fused if args.compile == "inductor" else functools.partial(count, compile=args.compile)
