@@ -84,3 +84,26 @@ def reads_per_step(run, lengths=(12, 36)) -> dict[str, float]:
         steps.append(len(out.steps))
     return {where: (counts[1].get(where, 0) - counts[0].get(where, 0)) / (steps[1] - steps[0])
             for where in ("specresearch", "other", "all")}
+
+
+def explain_static_calls(lm):
+    """``torch._dynamo.explain`` of a static model's calls in a captured step, two left-padded rows: a chain of 3
+    tokens, commit, a 4-node tree with its visibility, keep its path. ``lm``: a ``StaticCausalLM``, allocated here."""
+    from specresearch.engine.prompts import encode_prompts
+
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    lm.allocate(2, 32)
+    lm.prefill(ids, mask)
+    tokens = torch.tensor([[3, 4, 5, 6], [6, 5, 4, 3]])
+    depth = torch.tensor([[0, 1, 1, 2]]).expand(2, -1)
+    parents = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    visible = torch.tensor(parents, dtype=torch.bool)[None].expand(2, -1, -1)
+
+    def calls():
+        chain, _ = lm.forward(tokens[:, :3])
+        lm.commit(torch.tensor([2, 1]))
+        tree, _ = lm.forward(tokens, depth=depth, visible=visible)
+        lm.keep_path(torch.tensor([[0, 1, 3], [0, 2, 0]]), torch.tensor([3, 2]))
+        return chain, tree
+
+    return torch._dynamo.explain(calls)()

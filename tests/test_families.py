@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import tree_path, visible_from_parents
+from helpers import explain_static_calls, tree_path, visible_from_parents
 
 from specresearch.config import SamplingConfig
 from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, reference_tokens, run_case
@@ -238,8 +238,6 @@ def test_every_familys_captured_steps_trace_as_one_graph(family, kernel):
     need), so no host read or Python branch on a value in transformers' code of any family. The rest of a step
     (drafting, verifiers, bookkeeping) is family-free and traced whole in tests/test_static.py; the matrix above runs
     every family's captured steps against ``generate``."""
-    from specresearch.engine.prompts import encode_prompts
-
     try:
         model = tiny_family_model(family, kernel)
     except (ValueError, ImportError):
@@ -247,19 +245,5 @@ def test_every_familys_captured_steps_trace_as_one_graph(family, kernel):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = CausalLM(model, device="cpu").static_form()
-    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
-    lm.allocate(2, 32)
-    lm.prefill(ids, mask)
-    tokens = torch.tensor([[3, 4, 5, 6], [6, 5, 4, 3]])
-    depth = torch.tensor([[0, 1, 1, 2]]).expand(2, -1)
-    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None].expand(2, -1, -1)
-
-    def calls():
-        chain, _ = lm.forward(tokens[:, :3])
-        lm.commit(torch.tensor([2, 1]))
-        tree, _ = lm.forward(tokens, depth=depth, visible=visible)
-        lm.keep_path(torch.tensor([[0, 1, 3], [0, 2, 0]]), torch.tensor([3, 2]))
-        return chain, tree
-
-    explained = torch._dynamo.explain(calls)()
+    explained = explain_static_calls(lm)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

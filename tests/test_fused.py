@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import explain_static_calls
 
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.timing import Kernels
@@ -83,22 +84,7 @@ def test_a_fused_captured_step_traces_as_one_graph(family):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = CausalLM(model, device="cpu", fuse_projections=True).static_form()
-    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
-    lm.allocate(2, 32)
-    lm.prefill(ids, mask)
-    tokens = torch.tensor([[3, 4, 5, 6], [6, 5, 4, 3]])
-    depth = torch.tensor([[0, 1, 1, 2]]).expand(2, -1)
-    parents = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
-    visible = torch.tensor(parents, dtype=torch.bool)[None].expand(2, -1, -1)
-
-    def calls():
-        chain, _ = lm.forward(tokens[:, :3])
-        lm.commit(torch.tensor([2, 1]))
-        tree, _ = lm.forward(tokens, depth=depth, visible=visible)
-        lm.keep_path(torch.tensor([[0, 1, 3], [0, 2, 0]]), torch.tensor([3, 2]))
-        return chain, tree
-
-    explained = torch._dynamo.explain(calls)()
+    explained = explain_static_calls(lm)  # a chain and a tree call (tests/helpers.py)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     layers = model.config.num_hidden_layers
     products = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes
