@@ -9,8 +9,10 @@
   after fusing is fused again as a batch starts; gradients reach every member's weight; unfusing gives the classes back.
 """
 
+import json
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +20,13 @@ from helpers import explain_static_calls
 
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.timing import Kernels
-from specresearch.experiments.families import run_case
+from specresearch.experiments.families import KERNELS, run_case
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import FAMILIES, tiny_family_model
 from specresearch.models.fused import FusedLinear, fuse_projections, fused_intact, unfuse_projections
 
 PRODUCTS = ("mm", "addmm", "kernel_linear")  # the operators a linear layer's product dispatches to
+MATRIX = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "records" / "family_matrix.json").read_text())
 OWN_FUSION = {"phi3", "gpt2", "gpt-neox", "falcon"}  # families whose checkpoints lay q / k / v end to end already
 
 
@@ -70,10 +73,14 @@ def test_fused_layers_compute_what_the_layers_compute_with_fewer_products(family
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in OWN_FUSION])
 def test_the_engine_gives_generates_tokens_with_fused_models(family):
     """The matrix's cases (experiments.families: greedy, three left-padded prompts, an EOS ending a row early) with the
-    target and the draft fused: growing and captured chains and trees equal ``generate``'s tokens."""
+    target and the draft fused, on every kernel the matrix runs on the CPU (the ones the wrapper switches included):
+    growing and captured chains and trees equal ``generate``'s tokens, or the case is refused as unfused."""
     steps = ("chain", "dynamic tree", "captured chain", "captured dynamic tree", "captured sampled tree")
-    results = [run_case(family, kernel, step, fuse_projections=True) for kernel in ("eager", "sdpa") for step in steps]
-    wrong = [r for r in results if r.status not in ("exact", "not offered")]
+    results = [run_case(family, kernel, step, fuse_projections=True) for kernel in KERNELS for step in steps]
+    recorded = {(row["kernel"], row["step"]): row["status"] for row in MATRIX["rows"] if row["family"] == family}
+    differ = {(r.kernel, r.step): r.status for r in results if recorded[r.kernel, r.step] != r.status}
+    assert not differ, differ  # fused, each case ends as the matrix's record says it does unfused
+    wrong = [r for r in results if r.status not in ("exact", "switched", "refused", "not offered")]
     assert not wrong, wrong
     assert any(r.status == "exact" for r in results)
 
