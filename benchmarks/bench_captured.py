@@ -117,7 +117,7 @@ def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, 
                 sizes.setdefault(static.cache_capacity(len(ids) + max_new_tokens, plan), ids)
             for temperature in temperatures:
                 for ids in (sizes.values() if mode != "off" else [prompts[0]]):
-                    decode(targets[_dtype(run)], draft, _base(run), mode, ids, SamplingConfig(temperature=temperature),
+                    decode(targets[_target(run)], draft, _base(run), mode, ids, SamplingConfig(temperature=temperature),
                            0, max_new_tokens, eos)
         except Exception as error:  # noqa: BLE001 -- reported in the record, the cell left out
             failed[f"{run}:{mode}"] = f"{type(error).__name__}: {error}"[:2000]
@@ -130,7 +130,7 @@ def _base(run: str) -> str:
     return run.split(" (")[0]
 
 
-def _dtype(run: str) -> str | None:
+def _target(run: str) -> str | None:
     """``"autoregressive (float32)"`` -> ``"float32"``: the other target a label names (``TARGETS``), or None."""
     return run.split(" (")[1].rstrip(")") if " (" in run else None
 
@@ -223,7 +223,7 @@ def main(argv: list[str]) -> int:
              [(run, mode) for run in args.runs for mode in args.modes])
     cells += [(f"autoregressive ({dtype})", mode) for dtype in args.ar_dtypes if dtype != args.dtype for mode in args.modes]
     unknown = [f"{r}:{m}" for r, m in cells if _base(r) not in RUNS or m not in COMPILE_CHOICES
-               or _dtype(r) not in (None, *TARGETS)]
+               or _target(r) not in (None, *TARGETS)]
     if unknown:
         parser.error(f"unknown cells {unknown}: RUN is one of {list(RUNS)}, optionally followed by ' (TARGET)' with "
                      f"TARGET one of {list(TARGETS)}; MODE one of {COMPILE_CHOICES}")
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> int:
     header = record_header("benchmarks/bench_captured.py", argv, draft=args.draft, dtype=args.dtype)  # the code run
     target, draft, tokenizer = load_pair(draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype))
     targets = {None: target}
-    for other in {_dtype(r) for r, _ in cells} - {None}:
+    for other in {_target(r) for r, _ in cells} - {None}:
         from specresearch.models.embedded import load_embedded
 
         targets[other] = (load_embedded(device=args.device, dtype=getattr(torch, args.dtype), fuse_projections=False)
@@ -259,7 +259,7 @@ def main(argv: list[str]) -> int:
                         tokens, seconds, tau = peer_decode(peer, ids, sampling, 1000 + i, args.max_new_tokens, eos,
                                                            args.capacity_step)
                     else:
-                        tokens, seconds, tau = decode(targets[_dtype(run)], draft, _base(run), mode, ids, sampling,
+                        tokens, seconds, tau = decode(targets[_target(run)], draft, _base(run), mode, ids, sampling,
                                                       1000 + i, args.max_new_tokens, eos)
                     rows.append({"prompt_id": row["id"], "temperature": temperature, "repeat": repeat, "run": run,
                                  "mode": mode, "tokens": tokens, "seconds": seconds, "tau": tau})

@@ -237,14 +237,9 @@ class FeatureDraft(FeatureQueue):
     def valid_lengths(self) -> torch.Tensor:
         return self._slots.counts()
 
-    def check_fused(self) -> None:
-        """Fuse the head's projections again where a group no longer holds (``models.fused``: moved or converted
-        since); called as each batch starts."""
-        if self.fuses and not fused.fused_intact(self.head):
-            fused.fuse_projections(self.head)
-
     def reset(self, batch_size: int) -> None:
-        self.check_fused()
+        if self.fuses:
+            fused.keep_fused(self.head)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
         self._cache, self._last = [], None
         self._queued = None
@@ -354,7 +349,8 @@ class StaticFeatureDraft:
                 inputs: torch.Tensor | None = None):
         """Start a batch: write and keep the prompt's first ``L - leave`` columns, slot j read with ``inputs[:, j]``
         (``[B, L - leave, H]``). -> (the last written slot's logits ``[B, V]``, the predictions), or (None, None)."""
-        self.draft.check_fused()
+        if self.draft.fuses:
+            fused.keep_fused(self.head)
         self.rows.begin(attention_mask.to(self.device), skip=self._skip)
         fed = input_ids.shape[1] - leave
         if fed <= 0:

@@ -276,12 +276,6 @@ class CausalLM:
         self._cache = None
         self._slots: SlotMask | None = None
 
-    def check_fused(self) -> None:
-        """Fuse the projections again where a group no longer holds (``models.fused``: the model was moved or
-        converted since); called as each batch starts."""
-        if self.fuses and not fused.fused_intact(self.model):
-            fused.fuse_projections(self.model)
-
     @property
     def device(self) -> torch.device:
         """Where inputs go: the device of the input embeddings (the first shard under a device_map)."""
@@ -308,7 +302,8 @@ class CausalLM:
         return self._slots.counts()
 
     def reset(self, batch_size: int) -> None:
-        self.check_fused()
+        if self.fuses:
+            fused.keep_fused(self.model)
         self._cache = _new_cache(self.model)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 

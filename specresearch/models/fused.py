@@ -3,8 +3,8 @@ projections, computed as one matrix product over their weights laid end to end (
 layers and gpt-fast's ``wqkv`` do).
 
 Why: on a GPU a step of a small model costs its kernels, not its weights (docs/engine_and_models.md, "Captured
-steps"). An autoregressive step of SmolLM2-135M holds 211 matrix products, 7 a layer; fused, 3 a layer and the output
-head: 91. The weights read are the same bytes; what goes is 120 launches a step, in every step kind.
+steps"). An autoregressive step of SmolLM2-135M holds 211 matrix products, 7 a layer and the output head; fused, 4 a
+layer and the head: 121. The weights read are the same bytes; what goes is 90 launches a call, in every step kind.
 
 How: :func:`fuse_projections` lays a group's weights (and biases) end to end in one tensor and makes each member's
 weight a view of its rows, so the model holds each weight once and its state dict is unchanged. The members become
@@ -17,8 +17,9 @@ views are separate leaves, so training sees every parameter). Nothing reads the 
 (``torch.compile(fullgraph=True)``, a CUDA graph).
 
 A member whose weight no longer lies in its group's tensor (the model was moved or converted after fusing, a weight
-replaced) would read stale rows: :func:`fused_intact` says whether every group holds, and
-:class:`~specresearch.models.causal_lm.CausalLM` checks it as each batch starts and fuses again where one does not.
+replaced) would read stale rows: :func:`fused_intact` says whether every group holds, and :func:`keep_fused`, which
+:class:`~specresearch.models.causal_lm.CausalLM` and the feature drafts call as each batch starts, fuses again where
+one does not.
 Groups are found by name (``GROUPS``) among each module's children: plain ``nn.Linear`` layers (or the CPU's
 ``SkinnyLinear`` with float weights) of one input size, dtype and device, all with or all without a bias. Anything
 else (half or int8 weights, a family that fuses its own, such as Phi-3's ``qkv_proj`` or GPT-2's ``c_attn``) is left
@@ -31,7 +32,7 @@ import torch
 
 from specresearch.models.kernels import SkinnyLinear, skinny_linear
 
-__all__ = ["GROUPS", "FusedLinear", "fuse_projections", "unfuse_projections", "fused_intact"]
+__all__ = ["GROUPS", "FusedLinear", "fuse_projections", "unfuse_projections", "fused_intact", "keep_fused"]
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # children computed as one product
 
@@ -146,3 +147,10 @@ def _holds(module: FusedLinear) -> bool:
 def fused_intact(model: torch.nn.Module) -> bool:
     """Whether every fused member of ``model`` still reads its weight (and bias) from its group's tensor."""
     return all(_holds(m) for m in model.modules() if isinstance(m, FusedLinear))
+
+
+def keep_fused(model: torch.nn.Module) -> None:
+    """Fuse ``model``'s projections again where a group no longer holds (:func:`fused_intact`: moved or converted
+    since it was fused)."""
+    if not fused_intact(model):
+        fuse_projections(model)

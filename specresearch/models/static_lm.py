@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from specresearch.models import fused
 from specresearch.models.static_cache import StaticRows, keep_path, static_kv_cache
 
 __all__ = ["StaticCausalLM"]
@@ -61,7 +62,8 @@ class StaticCausalLM:
         nothing is written."""
         if self.rows is None or self.rows.batch != input_ids.shape[0]:
             raise ValueError(f"allocate(batch={input_ids.shape[0]}, capacity) before prefill")
-        self.lm.check_fused()
+        if self.lm.fuses:
+            fused.keep_fused(self.model)
         self.rows.begin(attention_mask.to(self.device))
         fed = input_ids.shape[1] - leave
         if fed <= 0:
