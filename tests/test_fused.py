@@ -120,6 +120,50 @@ def test_weights_are_held_once_and_the_state_dict_is_unchanged():
     assert type(attention.q_proj) is torch.nn.Linear and not hasattr(attention.q_proj, "group")
 
 
+def test_the_kernel_calibrations_time_each_group_once_by_its_whole_weight():
+    """``kernels.choose_skinny_rows`` / ``choose_kernel_rows`` time the products a forward computes: fused, a group's
+    weight where its first member stands, its other members not at all (their columns come from that product)."""
+    from specresearch.models import kernels
+
+    model = tiny_family_model("qwen2")  # q / k / v with biases
+    plain = [m.weight for m in kernels._products(model, "kernel_rows")]
+    fuse_projections(model)
+    products = kernels._products(model, "kernel_rows")
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    expected = []
+    for layer in model.model.layers:
+        expected += [layer.self_attn.q_proj.group.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_proj.group.weight,
+                     layer.mlp.down_proj.weight]
+    expected.append(model.lm_head.weight)
+    assert [p.weight for p in products] == expected and len(plain) == len(expected) + 3 * len(model.model.layers)
+    assert sum(p.weight.numel() for p in products) == sum(w.numel() for w in plain)  # the same bytes streamed
+    assert products[0].bias is attention.q_proj.group.bias and products[2].bias is None
+    assert products[0].skinny_rows == attention.q_proj.skinny_rows and mlp.gate_proj.computes == (
+        mlp.gate_proj.group.weight, None) and mlp.up_proj.computes == (None, None)
+
+
+def test_a_group_computes_with_the_row_options_given_after_fusing(monkeypatch):
+    """The calibrations run on the fused model and ``use_kernel_rows`` gives its answer to every member afterwards: the
+    group's product takes them (it does not keep the options its members had when fused)."""
+    from specresearch.models import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "kernel_linear", lambda x, weight, bias=None, scale=None: calls.append(weight.shape))
+    lm = CausalLM(tiny_family_model("llama", "sdpa"), device="cpu", fuse_projections=True, skinny_linear=False)
+    ids, mask = encode_prompts([[5, 9, 3, 7]])
+    lm.prefill(ids, mask)
+    lm.score(torch.tensor([[3]]))
+    assert calls == []  # no kernel rows: none offered to the kernel
+    kernels.use_kernel_rows(lm.model, (1,))
+    lm.score(torch.tensor([[4]]))
+    config = lm.model.config
+    head = config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head
+    per_layer = [(qkv, config.hidden_size), (config.hidden_size, config.hidden_size),
+                 (2 * config.intermediate_size, config.hidden_size), (config.hidden_size, config.intermediate_size)]
+    assert calls == per_layer * config.num_hidden_layers + [tuple(lm.model.lm_head.weight.shape)]
+
+
 def test_a_model_moved_after_fusing_is_fused_again_as_a_batch_starts():
     ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
     lm = CausalLM(tiny_family_model("llama", "sdpa"), device="cpu", fuse_projections=True, skinny_linear=False)

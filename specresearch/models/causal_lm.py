@@ -259,6 +259,12 @@ class CausalLM:
         self._attention = attention_layout(self.model)
         self._cache_argument = cache_argument(self.model)
         whole = self.placement is None
+        if fuse_projections and not whole:
+            raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "
+                             "keeps as transformers placed them: leave fuse_projections unset")
+        self.fuses = whole and (fuse_projections if fuse_projections is not None else self.device.type == "cuda")
+        if self.fuses:  # before the calibrations below, which then time the fused products
+            fused.fuse_projections(self.model)
         self.chooses_kernel_rows = whole and skinny_linear is None and self.device.type == "cpu"  # (half_weight_draft)
         if whole and (skinny_linear if skinny_linear is not None else self.device.type == "cpu"):
             use_skinny_linears(self.model, choose_skinny_rows(self.model) if skinny_linear is None else SKINNY_ROWS)
@@ -267,12 +273,6 @@ class CausalLM:
             use_cpu_sdpa(self.model)
         elif whole and skinny_linear is None and self.device.type == "cuda":
             use_packed_sdpa(self.model)  # a masked call of a grouped-query layer without transformers' K / V copies
-        if fuse_projections and not whole:
-            raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "
-                             "keeps as transformers placed them: leave fuse_projections unset")
-        self.fuses = whole and (fuse_projections if fuse_projections is not None else self.device.type == "cuda")
-        if self.fuses:
-            fused.fuse_projections(self.model)
         self._cache = None
         self._slots: SlotMask | None = None
 

@@ -20,6 +20,10 @@ A member whose weight no longer lies in its group's tensor (the model was moved 
 replaced) would read stale rows: :func:`fused_intact` says whether every group holds, and :func:`keep_fused`, which
 :class:`~specresearch.models.causal_lm.CausalLM` and the feature drafts call as each batch starts, fuses again where
 one does not.
+On the CPU a group multiplies as its members would (``kernels.skinny_linear`` with the row options
+``kernels.use_skinny_linears`` / ``use_kernel_rows`` give them), and the calibrations that choose those options
+(``choose_skinny_rows``, ``choose_kernel_rows``) time its product, by its whole weight, as a forward computes it
+(``CausalLM`` fuses before it calibrates).
 Groups are found by name (``GROUPS``) among each module's children: plain ``nn.Linear`` layers (or the CPU's
 ``SkinnyLinear`` with float weights) of one input size, dtype and device, all with or all without a bias. Anything
 else (half or int8 weights, a family that fuses its own, such as Phi-3's ``qkv_proj`` or GPT-2's ``c_attn``) is left
@@ -41,23 +45,25 @@ class _Group:
     """A fused group's weight ``[sum(out), in]`` (bias or None), its members' output sizes, and the last product:
     the input it was computed from and its columns, kept until every member has taken its own."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], skinny: dict):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
         self.weight = weight
         self.bias = bias
         self.sizes = sizes
-        self.skinny = skinny  # skinny_linear's options (the first member's, on CPU)
         self.input = None
         self.outputs = None
         self.left = 0
 
-    def product(self, x: torch.Tensor, index: int) -> torch.Tensor:
+    def product(self, x: torch.Tensor, index: int, skinny_rows, kernel_rows) -> torch.Tensor:
+        """Member ``index``'s columns of ``x``'s product, computed with the calling member's row options (which
+        ``kernels.use_skinny_linears`` / ``use_kernel_rows`` give every member alike)."""
         if self.input is not None and x is self.input:
             out = self.outputs[index]
             self.left -= 1
             if self.left <= 0:
                 self.input = self.outputs = None
             return out
-        outputs = skinny_linear(x, self.weight, self.bias, **self.skinny).split(self.sizes, -1)
+        outputs = skinny_linear(x, self.weight, self.bias, skinny_rows=skinny_rows,
+                                kernel_rows=kernel_rows).split(self.sizes, -1)
         self.input, self.outputs, self.left = x, outputs, len(self.sizes) - 1
         return outputs[index]
 
@@ -72,7 +78,14 @@ class FusedLinear(SkinnyLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return super().forward(x)
-        return self.group.product(x, self.index)
+        return self.group.product(x, self.index, self.skinny_rows, self.kernel_rows)
+
+    @property
+    def computes(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The weight and bias this member's calls multiply by (what the kernel calibrations of
+        :mod:`~specresearch.models.kernels` time): the group's for its first member, none for the others, whose
+        columns come from the first one's product."""
+        return (self.group.weight, self.group.bias) if self.index == 0 else (None, None)
 
     def unfuse(self) -> None:
         """Become the layer it was (its weight stays a view: the same values)."""
@@ -105,18 +118,14 @@ def fuse_projections(model: torch.nn.Module) -> int:
             with torch.no_grad():
                 weight = torch.cat([m.weight.detach() for m in members])
                 bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
-            first = members[0]
-            plain = type(first) is torch.nn.Linear  # F.linear for every row count, as nn.Linear computes
-            skinny = dict(skinny_rows=() if plain else first.skinny_rows,
-                          kernel_rows=() if plain else first.kernel_rows)
-            group = _Group(weight, bias, [m.out_features for m in members], skinny)
+            group = _Group(weight, bias, [m.out_features for m in members])
             start = 0
             for index, m in enumerate(members):
                 rows = slice(start, start + m.out_features)
                 start += m.out_features
                 m.was = type(m)
                 if m.was is torch.nn.Linear:
-                    m.skinny_rows = ()  # with gradients it computes as nn.Linear did
+                    m.skinny_rows = ()  # F.linear for every row count, as nn.Linear computes
                 m.weight = torch.nn.Parameter(weight[rows], requires_grad=m.weight.requires_grad)
                 if bias is not None:
                     m.bias = torch.nn.Parameter(bias[rows], requires_grad=m.bias.requires_grad)

@@ -153,6 +153,32 @@ _CHOSEN_ROWS: dict[tuple, tuple[int, ...]] = {}
 TIMED_MIN_BYTES = 8 << 20  # float32 weights under this stay in a CPU's caches: timing products on them is noise
 
 
+class _Product:
+    """A fused group's product as the calibrations time it: its weight and bias, and its first member's options."""
+
+    def __init__(self, member: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.member, self.weight, self.bias = member, weight, bias
+
+    def __getattr__(self, name):
+        return getattr(self.member, name)
+
+
+def _products(model: torch.nn.Module, attribute: str) -> list:
+    """The products a forward of ``model`` computes, in module order: its ``nn.Linear`` layers and the modules that
+    carry ``attribute``, a fused group (``models.fused``: members with a ``computes`` weight) once, by its whole
+    weight, where its first member stands."""
+    layers = []
+    for module in model.modules():
+        if not (isinstance(module, torch.nn.Linear) or hasattr(module, attribute)):
+            continue
+        computes = getattr(type(module), "computes", None)
+        if computes is None:
+            layers.append(module)
+        elif (weights := module.computes)[0] is not None:
+            layers.append(_Product(module, *weights))
+    return layers
+
+
 def _fits_in_cache(weights) -> bool:
     """True when ``weights`` take less than ``TIMED_MIN_BYTES``: neither the skinny rows nor the kernel's are timed for
     them (which rows won would change from run to run), and the present products are kept."""
@@ -190,11 +216,8 @@ def choose_skinny_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
             raise ValueError(f"${SKINNY_ROWS_ENV} must be auto, all, none or row counts in {tuple(SKINNY_ROWS)} "
                              f"separated by commas, got {pinned!r}")
         return rows
-    weights = []
-    for module in model.modules():
-        timed = isinstance(module, torch.nn.Linear) or hasattr(module, "skinny_rows")
-        if timed and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
-            weights.append(module.weight.detach())
+    weights = [layer.weight.detach() for layer in _products(model, "skinny_rows")
+               if layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32]
     if not weights or _fits_in_cache(weights):
         return ()
     key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
@@ -370,13 +393,13 @@ def choose_kernel_rows(model: torch.nn.Module, *, repeats: int = 5, margin: floa
         return ()
     # float32 weights, and float16 ones that multiply float32 activations (use_half_weights: a half_limit), not those
     # of a float16 model, whose activations the kernel does not take
-    layers = [m for m in model.modules() if (isinstance(m, torch.nn.Linear) or hasattr(m, "kernel_rows"))
-              and m.weight.device.type == "cpu" and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()
+    layers = [m for m in _products(model, "kernel_rows")
+              if m.weight.device.type == "cpu" and m.weight.shape[1] % 16 == 0 and m.weight.is_contiguous()
               and (m.weight.dtype == torch.float32
                    or m.weight.dtype == torch.float16 and getattr(m, "half_limit", None) is not None)]
     # whether a forward streams its weights from memory: every linear weight of the model counts (an int8 draft's
     # float16 input layers are timed, but its int8 layers stream beside them)
-    streamed = [m.weight for m in model.modules() if (isinstance(m, torch.nn.Linear) or hasattr(m, "kernel_rows"))]
+    streamed = [m.weight for m in _products(model, "kernel_rows")]
     if not layers or _fits_in_cache(streamed):
         return ()
     present_rows = tuple(tuple(getattr(m, "skinny_rows", ())) for m in layers)
