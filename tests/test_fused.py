@@ -132,8 +132,8 @@ def test_the_kernel_calibrations_time_each_group_once_by_its_whole_weight():
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     expected = []
     for layer in model.model.layers:
-        expected += [layer.self_attn.q_proj.group.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_proj.group.weight,
-                     layer.mlp.down_proj.weight]
+        expected += [layer.self_attn.q_proj.group.weight, layer.self_attn.o_proj.weight,
+                     layer.mlp.gate_proj.group.weight, layer.mlp.down_proj.weight]
     expected.append(model.lm_head.weight)
     assert [p.weight for p in products] == expected and len(plain) == len(expected) + 3 * len(model.model.layers)
     assert sum(p.weight.numel() for p in products) == sum(w.numel() for w in plain)  # the same bytes streamed
@@ -197,9 +197,10 @@ def test_gradients_reach_every_member():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_fusing_is_off_on_the_cpu_by_default_and_refused_for_a_split_model():
+def test_fusing_is_on_by_default_and_refused_for_a_split_model():
     lm = CausalLM(tiny_family_model("llama"), device="cpu")
-    assert not lm.fuses and not any(isinstance(m, FusedLinear) for m in lm.model.modules())
+    assert lm.fuses and sum(isinstance(m, FusedLinear) for m in lm.model.modules()) == 5 * 2  # 2 layers
+    assert not CausalLM(tiny_family_model("llama"), device="cpu", fuse_projections=False).fuses
     model = tiny_family_model("llama")
     model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "meta", "lm_head": "cpu"}
     with pytest.raises(ValueError, match="fuse_projections=True lays weights end to end"):
@@ -229,7 +230,8 @@ def test_the_embedded_target_fused_scores_what_it_scores_unfused(skinny_linear):
     this machine's calibration may choose for some row counts, runs outside torch's dispatcher, uncounted)."""
     from specresearch.models import embedded
 
-    plain, tokenizer = embedded.load_embedded("smollm2-135m-instruct", device="cpu", skinny_linear=skinny_linear)
+    plain, tokenizer = embedded.load_embedded("smollm2-135m-instruct", device="cpu", skinny_linear=skinny_linear,
+                                              fuse_projections=False)
     fused, _ = embedded.load_embedded("smollm2-135m-instruct", device="cpu", skinny_linear=skinny_linear,
                                       fuse_projections=True)
     ids, mask = encode_prompts(["The capital of France is", "Hi"], tokenizer)

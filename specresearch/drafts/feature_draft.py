@@ -202,7 +202,8 @@ class FeatureDraft(FeatureQueue):
     still), every row count (``True``) or none (``False``). ``chooses_kernel_rows``: whether the kernel's rows were
     timed here (``drafts.registry.half_weight_draft`` times them again for the float16 weights).
     ``fuse_projections``: the head's q / k / v and gate / up projections as one product each (``models.fused``),
-    as ``CausalLM``'s: ``None`` on CUDA only.
+    ``None``: on CUDA only (on the CPU, where ``CausalLM`` fuses by default, the drafts ``specresearch generate``
+    uses hold float16 weights, which fusing leaves alone; a float32 head's drafting was not measured fused).
     """
 
     skips_first_slot = False  # EagleDraft: each row's first prompt slot is left out of its context
@@ -210,15 +211,15 @@ class FeatureDraft(FeatureQueue):
     def __init__(self, head: torch.nn.Module, *, max_context: int | None = None, device="cpu",
                  skinny_linear: bool | None = None, fuse_projections: bool | None = None) -> None:
         self.head = head.eval().to(device)  # beside the target it reads (its embedding is the target's, already there)
+        self.fuses = fuse_projections if fuse_projections is not None else torch.device(device).type == "cuda"
+        if self.fuses:  # before the calibrations, which then time the fused products
+            fused.fuse_projections(self.head)
         if torch.device(device).type == "cpu":
             chosen = choose_skinny_rows(self.head) if skinny_linear is None else SKINNY_ROWS if skinny_linear else ()
             use_skinny_linears(self.head, chosen)
             if skinny_linear is None:
                 use_kernel_rows(self.head, choose_kernel_rows(self.head))
         self.chooses_kernel_rows = torch.device(device).type == "cpu" and skinny_linear is None
-        self.fuses = fuse_projections if fuse_projections is not None else torch.device(device).type == "cuda"
-        if self.fuses:
-            fused.fuse_projections(self.head)
         self.vocab_size = head.vocab_size
         self.feature_layers = head.feature_layers
         self.feature_size = head.feature_size

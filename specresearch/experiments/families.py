@@ -120,7 +120,7 @@ _REFERENCES: dict[tuple[str, str, str], list[list[int]]] = {}  # generate's toke
 def run_case(family: str, kernel: str, step: str, device: str = "cpu",
              fuse_projections: bool | None = None) -> CaseResult:
     """One case of the matrix (module docstring), its models on ``device``; ``fuse_projections`` as ``CausalLM``'s
-    (None: on CUDA only), for the target and the draft."""
+    (None: fused), for the target and the draft."""
     implementation, how, _ = {**KERNELS, **CUDA_KERNELS}[kernel]
     try:
         model = tiny_family_model(family, implementation).to(device)

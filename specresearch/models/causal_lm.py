@@ -228,8 +228,8 @@ class CausalLM:
             (the caller's model stays as it is). A model with layers it cannot mask (chunked or linear attention) is
             refused either way.
         fuse_projections: compute each layer's query / key / value projections, and its MLP's gate / up pair, as one
-            matrix product (:mod:`specresearch.models.fused`: fewer kernels a step, the same weights). ``None``: on
-            CUDA (where a small model's step costs its kernels), not elsewhere.
+            matrix product (:mod:`specresearch.models.fused`: fewer kernels a step on a GPU, fewer products and Python
+            calls on the CPU, the same weights). ``None``: fused wherever the model is whole (not split).
 
     Every family and kernel gets the masks it applies (:mod:`specresearch.models.attention`): tree calls and, for a
     model with sliding-window layers, every call carry an additive mask built from the slots' positions; windows are
@@ -262,7 +262,7 @@ class CausalLM:
         if fuse_projections and not whole:
             raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "
                              "keeps as transformers placed them: leave fuse_projections unset")
-        self.fuses = whole and (fuse_projections if fuse_projections is not None else self.device.type == "cuda")
+        self.fuses = whole and (fuse_projections if fuse_projections is not None else True)
         if self.fuses:  # before the calibrations below, which then time the fused products
             fused.fuse_projections(self.model)
         self.chooses_kernel_rows = whole and skinny_linear is None and self.device.type == "cpu"  # (half_weight_draft)

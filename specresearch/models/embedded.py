@@ -55,7 +55,7 @@ def load_embedded(name: str = "smollm2-135m-instruct", *, device: str | torch.de
     The tokenizer is left-padding (batched prompts) and has a pad token; its chat template, if any,
     is the one stored in the GGUF file. ``skinny_linear``: as ``CausalLM``'s (``None``: on the CPU;
     ``False`` keeps plain ``nn.Linear`` layers, the faster path on some CPUs, docs/engine_and_models.md).
-    ``fuse_projections``: as ``CausalLM``'s (``None``: on CUDA).
+    ``fuse_projections``: as ``CausalLM``'s (``None``: fused).
     """
     if name not in EMBEDDED:
         raise ValueError(f"name must be one of {sorted(EMBEDDED)}, got {name!r}")
