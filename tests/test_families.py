@@ -144,6 +144,34 @@ def test_cached_tree_scoring_equals_each_path_uncached(family, kernel):
         assert torch.allclose(out[b, -1], _uncached(reference, histories[b] + [pending[b]]), atol=1e-4)
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "mixtral"])  # torch's grouped_mm takes no float64
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_float64_models_score_a_left_padded_row_as_they_score_it_alone(family, kernel):
+    """In float64 (exact comparisons), a left-padded row's prefill, chain and tree logits equal those of the same row
+    alone, unpadded. transformers fills a padding mask with float64's lowest value, which ``eager`` attention's
+    float32 softmax reads as -inf: a pad slot's query, which sees nothing, gave NaN, and the NaN spread to its row
+    (``CausalLM`` hands a float64 model its own masks, ``models.attention.additive_mask``)."""
+    try:
+        models = [tiny_family_model(family, kernel) for _ in range(2)]
+    except ValueError:
+        assert kernel == "sdpa" and family == "gemma2"  # transformers offers Gemma-2 no sdpa
+        return
+    padded, alone = (CausalLM(model, device="cpu", dtype=torch.float64) for model in models)
+    got = [padded.prefill(torch.tensor([[0, 0, 5, 9, 2], [4, 8, 11, 6, 3]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5]))]
+    want = [alone.prefill(torch.tensor([[5, 9, 2]]), torch.ones(1, 3, dtype=torch.long))]
+    got.append(padded.score(torch.tensor([[7, 12], [7, 12]])))
+    want.append(alone.score(torch.tensor([[7, 12]])))
+    parents, depth = [-1, 0, 0], torch.tensor([[0, 1, 1]])
+    padded.begin_tree()
+    alone.begin_tree()
+    got.append(padded.score_tree(torch.tensor([[13, 14, 15]] * 2), depth.expand(2, -1),
+                                 visible_from_parents(parents).expand(2, -1, -1)))
+    want.append(alone.score_tree(torch.tensor([[13, 14, 15]]), depth, visible_from_parents(parents)))
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all(), family
+        torch.testing.assert_close(g[:1], w, rtol=1e-9, atol=1e-9)
+
+
 # One tree rule per family, in turn; "onehot" runs EAGLE-2's dynamic tree.
 RULES = ["traversal", "rrs", "rrs_without_replacement", "kseq", "gbv", "onehot"]
 LEVEL, SAMPLES = 1e-6, 10_000

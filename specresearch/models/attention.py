@@ -89,9 +89,11 @@ class AttentionLayout:
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``allowed [B, q, L]`` bool -> ``[B, 1, q, L]``: 0 where attended, ``dtype``'s lowest value elsewhere."""
+    """``allowed [B, q, L]`` bool -> ``[B, 1, q, L]``: 0 where attended, ``dtype``'s lowest value elsewhere, or
+    float32's for a wider dtype: ``eager`` takes its softmax in float32, where float64's lowest value is -inf, and a
+    pad slot's query, which sees nothing, would turn its row into NaN (module docstring)."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return mask.masked_fill_(~allowed, max(torch.finfo(dtype).min, torch.finfo(torch.float32).min))[:, None]
 
 
 def attention_layout(model) -> AttentionLayout:

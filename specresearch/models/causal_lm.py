@@ -406,8 +406,11 @@ class CausalLM:
 
     def _mask(self, positions: torch.Tensor, visible: torch.Tensor | None):
         """The attention mask of a call appending slots at ``positions [B, k]``: the 2-D slot mask where transformers
-        makes the right 4-D one of it (a chain call, no sliding window), else the layout's additive masks."""
-        if visible is None and not self._attention.windowed:
+        makes the right 4-D one of it (a chain call, no sliding window, weights no wider than float32), else the
+        layout's additive masks (float64: transformers fills its mask with float64's lowest value, which ``eager``'s
+        float32 softmax reads as -inf, so a left-padded row's pad slots turned the row into NaN;
+        ``models.attention.additive_mask``)."""
+        if visible is None and not self._attention.windowed and self.model.dtype != torch.float64:
             return self._slots.mask.long()
         if visible is None:
             visible = self._slots.visible_to_last(positions.shape[1])
