@@ -122,8 +122,10 @@ def load_rows(path) -> tuple[dict, list[dict]]:
 
 
 def summary(rows: list[dict], n_boot: int = 1000, seed: int = 0) -> list[dict]:
-    """Per temperature: each side's tokens per second for both methods, its speed-up with a bootstrap interval, and the
-    paired interval of head - base (the same prompts redrawn for both sides)."""
+    """Per temperature: each side's tokens per second for both methods, its speed-up with a bootstrap interval, the
+    paired interval of head - base (the same prompts redrawn for both sides), and for each method head's tokens per
+    second over base's with its paired interval (``ar_faster``, ``spec_faster``: a change that speeds up the target
+    speeds up both methods, and may lower the speed-up while both run faster)."""
     from specresearch.experiments.analysis import bootstrap_weights
 
     out = []
@@ -150,6 +152,11 @@ def summary(rows: list[dict], n_boot: int = 1000, seed: int = 0) -> list[dict]:
                         f"{side}_speedup": ratio[side][0], f"{side}_low": low, f"{side}_high": high})
         low, high = np.percentile(ratio["head"][1] - ratio["base"][1], [2.5, 97.5])
         row.update(difference=ratio["head"][0] - ratio["base"][0], difference_low=low, difference_high=high)
+        for method, key in (("autoregressive", "ar"), ("speculative", "spec")):  # head's speed over base's, paired
+            faster = speed("head", method, draws) / speed("base", method, draws)
+            low, high = np.percentile(faster, [2.5, 97.5])
+            row.update({f"{key}_faster": speed("head", method) / speed("base", method), f"{key}_faster_low": low,
+                        f"{key}_faster_high": high})
         out.append(row)
     return out
 
@@ -159,13 +166,16 @@ def table(header: dict, rows: list[dict]) -> str:
     lines = [f"base {sides['base']['revision']} ({sides['base']['commit']}), head {sides['head']['revision']} "
              f"({sides['head']['commit']}); draft {header['draft']}, gamma {header['gamma']}, {header['verifier']} verification",
              "", "| T | prompts | AR tok/s base / head | spec tok/s base / head | speed-up base [95%] | speed-up head [95%] "
-             "| head - base [paired 95%] |", "|---|---|---|---|---|---|---|"]
+             "| head - base [paired 95%] | AR head / base [paired 95%] | spec head / base [paired 95%] |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summary(rows):
         lines.append(f"| {s['temperature']:g} | {s['prompts']} | {s['base_ar_tok_s']:.2f} / {s['head_ar_tok_s']:.2f} "
                      f"| {s['base_spec_tok_s']:.2f} / {s['head_spec_tok_s']:.2f} "
                      f"| {s['base_speedup']:.3f} [{s['base_low']:.3f}, {s['base_high']:.3f}] "
                      f"| {s['head_speedup']:.3f} [{s['head_low']:.3f}, {s['head_high']:.3f}] "
-                     f"| {s['difference']:+.3f} [{s['difference_low']:+.3f}, {s['difference_high']:+.3f}] |")
+                     f"| {s['difference']:+.3f} [{s['difference_low']:+.3f}, {s['difference_high']:+.3f}] "
+                     f"| {s['ar_faster']:.3f} [{s['ar_faster_low']:.3f}, {s['ar_faster_high']:.3f}] "
+                     f"| {s['spec_faster']:.3f} [{s['spec_faster_low']:.3f}, {s['spec_faster_high']:.3f}] |")
     return "\n".join(lines)
 
 

@@ -503,6 +503,8 @@ def test_bench_commits_summary_pairs_the_sides_prompt_by_prompt(tmp_path):
     assert row["difference_low"] <= row["difference"] <= row["difference_high"]
     assert row["difference_high"] - row["difference_low"] < (row["base_high"] - row["base_low"]) / 5
     assert row["base_low"] < row["base_speedup"] < row["base_high"] and row["head_low"] < row["head_speedup"] < row["head_high"]
+    assert row["spec_faster"] == pytest.approx(1.1) and row["ar_faster"] == pytest.approx(1.0)  # head / base, paired
+    assert row["spec_faster_low"] == pytest.approx(1.1) == pytest.approx(row["spec_faster_high"])  # 1.1x every prompt
     same = [dict(r, seconds=next(b["seconds"] for b in rows if b["prompt"] == r["prompt"] and b["method"] == r["method"]
                                  and b["side"] == "base")) for r in rows]
     (row,) = bench_commits.summary(same)
