@@ -197,6 +197,16 @@ def test_a_planning_draft_is_keyed_by_the_draft_it_wraps():
     assert cost._key(target, LookupOrDraft(one), 3) != cost._key(target, LookupOrDraft(two), 3)
 
 
+def test_a_fused_target_is_timed_apart_from_the_same_target_unfused():
+    """Fusing keeps the parameters (and their shapes) and changes the products: the cost curve's cache tells them
+    apart."""
+    from specresearch.models.fused import unfuse_projections
+
+    fused, plain = tiny_llama(48, seed=0), tiny_llama(48, seed=0)
+    assert fused.fuses and unfuse_projections(plain.model) > 0
+    assert cost._key(fused, None, 3) != cost._key(plain, None, 3)
+
+
 def test_auto_resolves_to_the_machines_configuration_for_chains_only(monkeypatch):
     asked = []
     monkeypatch.setattr(cost, "default_config", lambda target, draft, temperature, **kwargs: asked.append(

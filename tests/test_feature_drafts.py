@@ -556,7 +556,8 @@ def test_feature_draft_computes_the_row_counts_chosen_for_its_own_layers(target,
     config = DraftConfig("t", num_layers=1, init_layers=(0,), head_tokens=40, train_head=True)
     small = CausalLM(build_draft(target.model, config, seed=0, head_token_ids=torch.arange(40)), device="cpu")
     assert [m.skinny_rows for m in small.model.modules() if isinstance(m, SubsetHead)] == [()]
-    assert not any(isinstance(m, SkinnyLinear) for m in small.model.modules())
+    assert not any(type(m) is SkinnyLinear for m in small.model.modules())  # nn.Linear, or fused (the default):
+    assert all(tuple(m.skinny_rows) == () for m in small.model.modules() if isinstance(m, SkinnyLinear))  # F.linear's
     for length in (2, 3, 4):
         seq = torch.tensor([[3, 4, 5, 6][:length]])
         feats = _features(target, seq, built[None].feature_layers)

@@ -213,8 +213,8 @@ def tree_options(shape: tuple[int, int, int]) -> dict:
 
 
 def _shapes(model) -> str:
-    """The shapes of a model's parameters (of the draft a planning draft wraps, which is what is timed), or its class
-    name when it has none visible."""
+    """The shapes of a model's parameters (of the draft a planning draft wraps, which is what is timed), the products
+    its linear layers take and whether they are fused, or its class name when it has none visible."""
     model = getattr(model, "draft", None) or model
     inner = getattr(model, "model", None)
     inner = getattr(model, "head", None) if inner is None else inner
@@ -222,7 +222,9 @@ def _shapes(model) -> str:
         # with the products its linear layers take per row count (models.kernels): another choice is timed again
         paths = sorted({(tuple(getattr(m, "skinny_rows", ())), tuple(getattr(m, "kernel_rows", ())))
                         for m in inner.modules() if isinstance(m, torch.nn.Linear)})
-        return ";".join(f"{tuple(p.shape)}{p.dtype}" for p in inner.parameters()) + f"|paths {paths}"
+        # and whether its projections are fused (models.fused: the same parameters, other products)
+        fused = any(hasattr(m, "group") for m in inner.modules() if isinstance(m, torch.nn.Linear))
+        return ";".join(f"{tuple(p.shape)}{p.dtype}" for p in inner.parameters()) + f"|paths {paths}|fused {fused}"
     return type(model).__name__
 
 
