@@ -262,7 +262,7 @@ class CausalLM:
         if fuse_projections and not whole:
             raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "
                              "keeps as transformers placed them: leave fuse_projections unset")
-        self.fuses = whole and (fuse_projections if fuse_projections is not None else True)
+        self.fuses = whole and fuse_projections is not False
         if self.fuses:  # before the calibrations below, which then time the fused products
             fused.fuse_projections(self.model)
         self.chooses_kernel_rows = whole and skinny_linear is None and self.device.type == "cpu"  # (half_weight_draft)
