@@ -5,7 +5,9 @@ Changes worth a few percent drown in the drift of this kind of machine between r
 side (``--base`` and ``--head``: a git revision, checked out for the run with ``git worktree``, or ``.``, this
 working tree as it is) runs in its own worker process that imports that side's ``specresearch`` and loads the same
 target and ``--draft`` (default ``specresearch generate``'s, with its gamma on the reference CPU, block verification).
-For every prompt (``--prompt-set``'s first turns, or ``--prompts-file``; ``--prompts``
+Without ``--draft`` (or with ``--fit-draft``) a combined draft drafts ``--gamma`` tokens where lookup finds no match
+too, as ``specresearch generate``'s default draft does (``engine.cost.fit_default_draft``; records made before this
+option drafted one there). For every prompt (``--prompt-set``'s first turns, or ``--prompts-file``; ``--prompts``
 evenly spaced; token ids encoded once, here) and temperature, each side times autoregressive decoding and then
 speculative decoding (``--gamma``, ``--verifier``) of the same prompt with the same seed; the sides take turns,
 alternating which goes first. A side's speed-up is (tokens / seconds) of its speculative runs over that of its own
@@ -53,6 +55,8 @@ def worker(args) -> None:
     if root not in Path(specresearch.__file__).resolve().parents:
         raise RuntimeError(f"worker for {root} imported specresearch from {specresearch.__file__}")
     target, draft, tokenizer = load_pair(draft=args.draft)
+    if args.fit_draft and getattr(draft, "draft_gamma", None) is not None:  # as specresearch generate's default draft
+        draft.draft_gamma = args.gamma  # drafts gamma tokens off a lookup match too (engine.cost.fit_default_draft)
     options = dict(gamma=args.gamma, verifier=args.verifier)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -86,7 +90,8 @@ class Side:
             self.commit += "+changes"
         env = {**os.environ, "PYTHONPATH": str(self.root), "BENCH_COMMITS_ROOT": str(self.root)}
         command = [sys.executable, str(Path(__file__).resolve()), WORKER_FLAG, "--draft", args.draft, "--gamma", str(args.gamma),
-                   "--verifier", args.verifier, "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
+                   "--verifier", args.verifier, "--max-new-tokens", str(args.max_new_tokens),
+                   "--threads", str(args.threads), *(["--fit-draft"] if args.fit_draft else [])]
         self.process = subprocess.Popen(command, cwd=self.root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             self._read()  # loaded
@@ -186,6 +191,10 @@ def main() -> None:
     parser.add_argument("--draft", default=None, help="draft name (default: config.GENERATE_DRAFT)")
     parser.add_argument("--gamma", type=int, default=None, help="default: config.GENERATE_GAMMA")
     parser.add_argument("--verifier", default="block")
+    parser.add_argument("--fit-draft", action="store_true",
+                        help="a combined draft drafts --gamma tokens where lookup finds no match, as specresearch "
+                             "generate's default draft does (implied without --draft; a named draft keeps its "
+                             "own length)")
     parser.add_argument("--prompt-set", default="mt-bench", help="engine.prompts.load_prompt_set name (first turns)")
     parser.add_argument("--prompts-file", help="a prompts file (data/prompts.jsonl's schema) instead of --prompt-set")
     parser.add_argument("--prompts", type=int, default=16, help="prompts, evenly spaced")
@@ -227,6 +236,7 @@ def main() -> None:
     from specresearch.models.embedded import load_embedded
     from specresearch.paths import repo_root
 
+    args.fit_draft = args.fit_draft or args.draft is None  # gamma tokens off a match too, as generate's default draft
     args.draft = args.draft or GENERATE_DRAFT
     args.gamma = GENERATE_GAMMA if args.gamma is None else args.gamma
     prompts = evenly_spaced(load_prompts(args.prompts_file) if args.prompts_file else load_prompt_set(args.prompt_set), args.prompts)
@@ -240,7 +250,7 @@ def main() -> None:
             for name in ("base", "head"):
                 sides[name] = Side(name, getattr(args, name), args, repo, Path(scratch))
             header = record_header("benchmarks/bench_commits.py", sys.argv[1:], args.draft, method="machine",
-                                   gamma=args.gamma, verifier=args.verifier,
+                                   gamma=args.gamma, verifier=args.verifier, fit_draft=args.fit_draft,
                                    sides={n: {"revision": s.revision, "commit": s.commit} for n, s in sides.items()})
             rows = []
             started = time.perf_counter()

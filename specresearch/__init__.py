@@ -68,8 +68,9 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             ``stop_below=``, ...). ``gamma="auto"`` (default), as the CLI: for a chain ``engine.cost.default_config``
             (``GENERATE_GAMMA`` unless this machine's step costs, timed once and cached, predict another gamma, or
             with the default draft and verifier one of ``GENERATE_TREES``' dynamic trees, faster by more than
-            ``GENERATE_MARGIN``; with the default draft a chosen chain's gamma is its head's length off a lookup
-            match too, ``engine.cost.fit_default_draft``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``.
+            ``GENERATE_MARGIN``); with ``num_drafts > 1`` or ``stop_below``, ``GENERATE_GAMMA``. With the default
+            draft a chain's gamma, chosen or given, is its head's length off a lookup match too
+            (``engine.cost.fit_default_draft``).
             Every configuration is lossless, but a seeded sample depends on the configuration as well as the seed: under
             ``"auto"`` the same seed gives the same text on later calls once this machine's costs are cached, and may
             give another on another machine or under another load; give ``gamma`` a count to fix the configuration.
@@ -99,7 +100,7 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
     chosen = resolve_config(gamma, target, draft, temperature=sampling.temperature,
                             num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"), trees=trees,
                             announce=announce)
-    if gamma == "auto" and default_draft:
+    if default_draft:  # its head drafts the chain's length off a lookup match too, chosen or asked for
         fit_default_draft(draft, chosen)
     gamma, verifier = chosen.pop("gamma"), chosen.pop("verifier", verifier)
     options = {**options, **chosen}

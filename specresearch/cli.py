@@ -104,7 +104,8 @@ def _add_generate(sub) -> None:
                         "reference CPU) unless this machine's step costs (engine.cost, timed once and cached) predict another "
                         f"gamma faster by more than {round(100 * GENERATE_MARGIN)}%%, or with the default --draft and "
                         "--verifier a dynamic tree (where scoring is nearly free, e.g. a GPU at T = 0); with "
-                        f"--num-drafts or --stop-below {GENERATE_GAMMA}")
+                        f"--num-drafts or --stop-below {GENERATE_GAMMA}. With the default --draft a chain's gamma, "
+                        "chosen or given, is also its head's length where lookup finds no match")
     p.add_argument("--num-drafts", type=int, default=1,
                    help="draft paths per step, scored as one tree in one target call (default 1: a chain; K > 1 needs a "
                         "multi-draft --verifier; every draft draws trees)")
@@ -208,7 +209,7 @@ def _run_generate(args) -> int:
         chosen = resolve_config(requested, target, draft, temperature=args.temperature, num_drafts=args.num_drafts,
                                 stop_below=args.stop_below, trees=trees,
                                 announce=_to_stderr)
-        if requested == "auto" and args.draft is None:
+        if args.draft is None:  # its head drafts the chain's length off a lookup match too, chosen or asked for
             fit_default_draft(draft, chosen)
         options = {"verifier": args.verifier, "num_drafts": args.num_drafts, "draft_law": args.draft_law,
                    "tree_nodes": args.tree_nodes, **chosen}

@@ -147,7 +147,7 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     # a tree this machine's costs would pick runs as such (greedy: the same text), trees weighed for the default draft only
     import specresearch.engine.cost as cost
 
-    asked = []
+    asked, real_resolve = [], cost.resolve_config
     capsys.readouterr()
     monkeypatch.setattr(cost, "resolve_config", lambda gamma, target, draft, **kwargs: asked.append(kwargs["trees"]) or
                         cost.tree_options((2, 2, 3)))
@@ -161,6 +161,12 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     assert main(["generate", "Name three rivers.", "--max-new-tokens", "4", "--temperature", "0"]) == 0
     assert made[-1].draft_gamma == 2
     assert main(["generate", "Name three rivers.", "--max-new-tokens", "4", "--draft", GENERATE_DRAFT]) == 0
+    assert made[-1].draft_gamma == 1
+    monkeypatch.setattr(cost, "resolve_config", real_resolve)  # a gamma given is the off-match length too
+    assert main(["generate", "Name three rivers.", "--max-new-tokens", "4", "--gamma", "3"]) == 0
+    assert made[-1].draft_gamma == 3 and "; gamma 3, block efficiency" in capsys.readouterr().out
+    assert main(["generate", "Name three rivers.", "--max-new-tokens", "4", "--gamma", "3",
+                 "--draft", GENERATE_DRAFT]) == 0
     assert made[-1].draft_gamma == 1
 
 

@@ -351,9 +351,10 @@ def fit_default_draft(draft, chosen: dict) -> None:
 
     :func:`default_config` weighs the wrapped draft's chains of each gamma (``cost_curve`` times them). A
     ``drafts.combined.LookupOrDraft`` built by name drafts one token off a match (``draft_gamma=1``), so with a
-    chosen ``{"gamma": g}`` its ``draft_gamma`` becomes g: the step the curve predicted. Trees and other drafts are
-    left as they are. Used where the draft is the default one (``specresearch generate``, ``specresearch.generate``,
-    ``bench --default-config``); a draft the caller named keeps the lengths its name gave it.
+    chosen ``{"gamma": g}`` its ``draft_gamma`` becomes g: the step the curve predicted, or the one asked for. Trees
+    and other drafts are left as they are. Used where the draft is the default one (``specresearch generate`` and
+    ``specresearch.generate``, whether gamma is chosen or given, ``bench --default-config``); a draft the caller named
+    keeps the lengths its name gave it.
     """
     if "num_drafts" not in chosen and getattr(draft, "draft_gamma", None) is not None:
         draft.draft_gamma = chosen["gamma"]
