@@ -205,11 +205,12 @@ def _run_generate(args) -> int:
         _announce_draft_format(args.draft)
         from specresearch.engine.cost import fit_default_draft, resolve_config
 
-        trees = args.draft is None and not args.verifier_given and args.draft_law == "iid" and args.tree_nodes is None
+        default = args.draft in (None, GENERATE_DRAFT)  # named or not, as specresearch.generate and bench take it
+        trees = default and not args.verifier_given and args.draft_law == "iid" and args.tree_nodes is None
         chosen = resolve_config(requested, target, draft, temperature=args.temperature, num_drafts=args.num_drafts,
                                 stop_below=args.stop_below, trees=trees,
                                 announce=_to_stderr)
-        if args.draft is None:  # its head drafts the chain's length off a lookup match too, chosen or asked for
+        if default:  # its head drafts the chain's length off a lookup match too, chosen or asked for
             fit_default_draft(draft, chosen)
         options = {"verifier": args.verifier, "num_drafts": args.num_drafts, "draft_law": args.draft_law,
                    "tree_nodes": args.tree_nodes, **chosen}
