@@ -329,8 +329,7 @@ class StaticFeatureDraft:
     ``prefill`` reads the host."""
 
     def __init__(self, draft: FeatureDraft):
-        self.draft = draft
-        self.head = draft.head
+        self.head, self.fuses = draft.head, draft.fuses
         self.vocab_size, self.device, self.max_context = draft.vocab_size, draft.device, draft.max_context
         self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
         self._skip = int(draft.skips_first_slot)
@@ -350,7 +349,7 @@ class StaticFeatureDraft:
                 inputs: torch.Tensor | None = None):
         """Start a batch: write and keep the prompt's first ``L - leave`` columns, slot j read with ``inputs[:, j]``
         (``[B, L - leave, H]``). -> (the last written slot's logits ``[B, V]``, the predictions), or (None, None)."""
-        if self.draft.fuses:
+        if self.fuses:
             fused.keep_fused(self.head)
         self.rows.begin(attention_mask.to(self.device), skip=self._skip)
         fed = input_ids.shape[1] - leave
