@@ -10,8 +10,8 @@ compiles its forward itself, ``torch.compile(mode="reduce-overhead")``; elsewher
 end to end, prompt included, with the same seed for every run of a prompt. Before anything is timed every (run, mode,
 temperature) decodes one prompt of each cache size the prompts need, so no compile or capture is timed. A run's
 label may name another target in parentheses (``TARGETS``): ``"autoregressive (float32)"`` the target in float32,
-``"autoregressive (unfused)"`` the ``--dtype`` target without fused projections (``models.fused``, which CUDA's
-``CausalLM`` applies).
+``"autoregressive (unfused)"`` the ``--dtype`` target without fused projections (``models.fused``, which
+``CausalLM`` applies by default).
 
 Writes ``<out>.csv`` (a row a run) and ``<out>.json`` after every prompt (``complete`` says whether all ran; a
 cell whose warm-up raises is left out and its error kept under ``failed_cells``): the header (command, commit,
@@ -136,7 +136,7 @@ def _target(run: str) -> str | None:
 
 
 TARGETS = ("float32", "bfloat16", "float16", "unfused")  # a label's other target: a dtype, or the --dtype target with
-# its projections unfused (models.fused; CUDA's CausalLM fuses them): their cost side by side in one run
+# its projections unfused (models.fused; CausalLM fuses them by default): their cost side by side in one run
 
 
 def summary(rows: list[dict]) -> dict:

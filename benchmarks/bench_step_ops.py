@@ -27,7 +27,7 @@ captures on a GPU (whose Triton code fuses alike but not identically: a predicti
         --out benchmarks/records/step_ops_inductor_amd.json
 
 ``--fuse`` counts the target and the draft with their projections fused (``models.fused``), as they run on CUDA now;
-the records above were made without, as the H200's run (commit eebeadf) ran them:
+without it neither is fused, as in the records above and the H200's run (commit eebeadf):
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_step_ops.py --prompts 4 --max-new-tokens 32 --compile static \
         --fuse --out benchmarks/records/step_ops_static_fused_amd.json
@@ -55,7 +55,7 @@ from specresearch.engine.prompts import encode_chat, evenly_spaced, load_prompts
 from specresearch.engine.timing import HostReads, Kernels
 from specresearch.experiments.records import record_header
 from specresearch.models.attention import use_packed_sdpa
-from specresearch.models.fused import fuse_projections
+from specresearch.models.fused import fuse_projections, unfuse_projections
 from specresearch.models.kernels import SkinnyLinear
 from specresearch.paths import data_dir, repo_root
 
@@ -70,16 +70,20 @@ def as_on_cuda(target, draft, fuse: bool = False) -> None:
     ``SkinnyLinear`` layers, which drafts choose on CPU only, become plain ``nn.Linear`` where their weights are
     float32 and take ``F.linear`` for every row count where they are float16 (the half path runs on CUDA too). With
     ``fuse``, both models' projections are fused as ``CausalLM`` and ``FeatureDraft`` fuse them there
-    (``models.fused``)."""
+    (``models.fused``); without, neither model's are (``CausalLM`` fuses its own by default on every device)."""
     use_packed_sdpa(target.model)
-    for module in _modules(draft):
+    modules = [target.model, *_modules(draft)]
+    for module in modules:
+        unfuse_projections(module)
+    for module in modules[1:]:
         for layer in module.modules():
             if type(layer) is SkinnyLinear and layer.weight.dtype == torch.float32:
                 layer.__class__ = torch.nn.Linear
             elif hasattr(layer, "skinny_rows"):
                 layer.skinny_rows = ()
+    target.fuses = fuse
     if fuse:
-        for module in [target.model, *_modules(draft)]:
+        for module in modules:
             fuse_projections(module)
 
 

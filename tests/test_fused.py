@@ -247,6 +247,30 @@ def test_the_embedded_target_fused_scores_what_it_scores_unfused(skinny_linear):
         assert products["plain"] - products["fused"] == 3 * 90
 
 
+def test_bench_step_ops_counts_both_models_fused_only_when_asked():
+    """``bench_step_ops.as_on_cuda`` (the calls a CUDA step issues, counted on the CPU): with ``fuse`` both the target
+    and the draft are fused; without, neither is, although ``CausalLM`` fuses by default (its records without
+    ``--fuse`` are the unfused path the H200 ran). The target computes the same logits either way."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_step_ops", root / "benchmarks" / "bench_step_ops.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ids, mask = encode_prompts([[5, 9, 3, 7], [4, 8]])
+    logits = {}
+    for fuse in (False, True):
+        target, draft = (CausalLM(tiny_family_model("llama", "sdpa"), device="cpu", skinny_linear=False)
+                         for _ in range(2))
+        assert target.fuses and fused_intact(target.model)  # the default
+        script.as_on_cuda(target, draft, fuse=fuse)
+        for model in (target.model, draft.model):
+            members = [m for m in model.modules() if isinstance(m, FusedLinear)]
+            assert len(members) == (5 * model.config.num_hidden_layers if fuse else 0)
+        logits[fuse] = target.prefill(ids, mask)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
 def test_a_fused_feature_head_drafts_what_it_drafts_unfused():
     """A feature head (q / k / v and gate / up in its layers) fused as CUDA's FeatureDraft fuses it: its cached
     drafting equals the unfused head's, and greedy chains and trees with it, growing and captured, give the target's
