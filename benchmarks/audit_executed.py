@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     executor = make_executor(args, local=None)
     torch.set_num_threads(args.threads)
     done = done_keys(record)
-    target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
+    target, draft, tokenizer = load_pair(draft="v8k-4l", device="cpu", skinny_linear=False, fuse_projections=False)
     runs = [(config, None) for config in CONFIGS] + [(config, config[2]) for config in (POWER if args.power else [])]
     for (engine, n_tokens, n, temperature, options, prompt, *test), power_n in runs:
         if key(engine, n_tokens, temperature, options, prompt, power_n) in done or (args.only and engine not in args.only):

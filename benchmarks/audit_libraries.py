@@ -55,7 +55,7 @@ def pair():
     (``experiments.executor.loaded``), built once a process."""
     from specresearch.drafts.registry import load_pair
 
-    return load_pair(draft="v8k-4l", device="cpu", skinny_linear=False)
+    return load_pair(draft="v8k-4l", device="cpu", skinny_linear=False, fuse_projections=False)
 
 
 def library_sampler(name: str, temperature: float, gamma: int):
@@ -258,7 +258,10 @@ def smallest(name: str, args) -> dict:
 
     target = tiny_family_model("llama", "sdpa", seed=0, init_std=0.5)
     draft = perturbed_copy(target, noise=1.0, seed=3)
-    wrap = lambda model: CausalLM(model, device="cpu", skinny_linear=False)  # noqa: E731  (what sampler() unwraps)
+
+    def wrap(model):  # what sampler() unwraps: the model as transformers built it
+        return CausalLM(model, device="cpu", skinny_linear=False, fuse_projections=False)
+
     rows = {}
     for gamma in (1, 2, 3):
         sample = sampler(name, wrap(target), wrap(draft), 1.0, gamma)

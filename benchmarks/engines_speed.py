@@ -70,7 +70,7 @@ def main(argv=None) -> int:
 
     # the toolkit's target (CPU kernels) and generate's default draft
     target, default_draft, tokenizer = load_pair(draft=specresearch.config.GENERATE_DRAFT)
-    plain_lm, _ = load_embedded(device="cpu", skinny_linear=False)  # transformers' model, untouched
+    plain_lm, _ = load_embedded(device="cpu", skinny_linear=False, fuse_projections=False)  # transformers' model
     plain, hf_draft = plain_lm.model, truncated_draft(plain_lm, args.draft_layers).model
     toolkit_truncated = truncated_draft(target, args.draft_layers)
     draft_gguf = write_truncated_draft(gguf_path(), cache_dir("llamacpp", f"draft-truncated-{args.draft_layers}.gguf"),

@@ -81,7 +81,8 @@ def _run(args) -> int:
         target, draft, tokenizer = default_pair()
         models = functools.partial(default_pair)
     else:
-        target_lm, draft_lm, tokenizer = load_pair(draft=args.draft, device="cpu", skinny_linear=False)
+        target_lm, draft_lm, tokenizer = load_pair(draft=args.draft, device="cpu", skinny_linear=False,
+                                                   fuse_projections=False)
         target, draft = target_lm.model, draft_lm.model
         models = functools.partial(plain_pair, args.draft)
     result = execute(args.engine, prompt=args.prompt, n_tokens=args.n_tokens, num_samples=args.samples,
@@ -106,5 +107,5 @@ def plain_pair(draft: str):
     """The embedded target and ``draft`` as plain transformers models (a Ray worker's recipe)."""
     from specresearch.drafts.registry import load_pair
 
-    target_lm, draft_lm, _ = load_pair(draft=draft, device="cpu", skinny_linear=False)
+    target_lm, draft_lm, _ = load_pair(draft=draft, device="cpu", skinny_linear=False, fuse_projections=False)
     return target_lm.model, draft_lm.model

@@ -271,6 +271,29 @@ def test_bench_step_ops_counts_both_models_fused_only_when_asked():
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_drafts_by_name_are_fused_as_their_target_is(fuse):
+    """A draft ``draft_from_name`` wraps in ``CausalLM`` (a truncated target, DIAL's base over the target's own
+    model) fuses as its target does: a target left unfused (``load_pair(fuse_projections=False)``, what the audits
+    hand to other code) keeps its draft, and its own model, as transformers built them."""
+    from specresearch.drafts.registry import draft_from_name
+
+    target = CausalLM(tiny_family_model("llama", "sdpa"), device="cpu", fuse_projections=fuse)
+    truncated = draft_from_name("truncated:1", target)
+    dial = draft_from_name("dial-temp:1.5", target)
+    assert truncated.fuses is fuse and dial.base.fuses is fuse
+    for model in (target.model, truncated.model):
+        assert any(isinstance(m, FusedLinear) for m in model.modules()) is fuse
+
+
+def test_the_audits_plain_pair_is_unfused():
+    """``audit.execute.default_pair``: the models other engines' code runs, as transformers built them."""
+    from specresearch.audit.execute import default_pair
+
+    target, draft, _ = default_pair()
+    assert not any(isinstance(m, FusedLinear) for model in (target, draft) for m in model.modules())
+
+
 def test_a_fused_feature_head_drafts_what_it_drafts_unfused():
     """A feature head (q / k / v and gate / up in its layers) fused as CUDA's FeatureDraft fuses it: its cached
     drafting equals the unfused head's, and greedy chains and trees with it, growing and captured, give the target's

@@ -71,6 +71,25 @@ def test_greedy_equals_transformers_greedy(models, verifier, batch):
     assert torch.equal(out, reference)
 
 
+def test_the_callers_models_are_left_as_transformers_built_them():
+    """``generate`` wraps the caller's models to decode, and leaves them as they were: the same parameter objects
+    (an optimizer built on them still holds them), the same module classes (no fused projections), the same mode."""
+    from specresearch.models.families import tiny_family_model
+
+    target = tiny_family_model("llama", "sdpa", seed=0, init_std=0.5)
+    draft = tiny_family_model("llama", "sdpa", seed=1, init_std=0.5)
+    target.train()
+    before = {model: (list(model.parameters()), [type(m) for m in model.modules()]) for model in (target, draft)}
+    reference = target.generate(IDS, attention_mask=MASK, do_sample=False, max_new_tokens=8)
+    out = target.generate(IDS, attention_mask=MASK, do_sample=False, max_new_tokens=8,
+                          custom_generate=hf.speculative(draft, gamma=3))
+    assert torch.equal(out, reference)
+    for model, (parameters, classes) in before.items():
+        assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))
+        assert [type(m) for m in model.modules()] == classes
+    assert target.training and not draft.training
+
+
 @pytest.mark.parametrize("options", [dict(verifier="traversal", num_drafts=2),
                                      dict(verifier="onehot", num_drafts=3, draft_law="dynamic", tree_nodes=5)])
 def test_greedy_trees_equal_transformers_greedy(models, options):

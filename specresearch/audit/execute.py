@@ -293,7 +293,7 @@ def default_pair():
     from specresearch.drafts.distilled import load_trained_draft
     from specresearch.models.embedded import load_embedded
 
-    target_lm, tokenizer = load_embedded(device="cpu", skinny_linear=False)
+    target_lm, tokenizer = load_embedded(device="cpu", skinny_linear=False, fuse_projections=False)
     return target_lm.model, load_trained_draft(target_lm.model, "v8k-4l"), tokenizer
 
 

@@ -129,7 +129,7 @@ def dial_draft_from_name(name: str, target: CausalLM, resolve=None) -> DialDraft
     except ValueError:
         raise ValueError(f"name {name!r}: {parts[1]!r} is not a number (e.g. dial-mix:0.5)") from None
     kind = _PREFIXES[parts[0]]
-    base = CausalLM(target.model, device=target.device)
+    base = CausalLM(target.model, device=target.device, fuse_projections=getattr(target, "fuses", None))  # as it
     other = None
     if kind == "mix":
         if resolve is None:

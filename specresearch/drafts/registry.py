@@ -45,7 +45,7 @@ def truncated_draft(target: CausalLM, num_layers: int) -> CausalLM:
     if missing:
         raise ValueError(f"target weights do not cover the truncated model: missing {missing[:5]}")
     draft.generation_config = copy.deepcopy(target.model.generation_config)
-    return CausalLM(draft, device=target.device)
+    return CausalLM(draft, device=target.device, fuse_projections=_fuses(target))
 
 
 HALF_PREFIX = "fp16:"
@@ -103,12 +103,20 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 
         if is_feature_draft_dir(trained):
             return load_feature_draft(target, trained)
-        return CausalLM(load_draft(target.model, trained), device=target.device)
+        return CausalLM(load_draft(target.model, trained), device=target.device, fuse_projections=_fuses(target))
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
         check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(name, local_files_only=True))
-    return CausalLM(name, device=target.device)
+    return CausalLM(name, device=target.device, fuse_projections=_fuses(target))
+
+
+def _fuses(target) -> bool | None:
+    """``fuse_projections`` for a draft wrapped in ``CausalLM`` for ``target``: ``False`` where a whole target was
+    left unfused (``load_pair(fuse_projections=False)``: both models as transformers built them), else ``None``,
+    ``CausalLM``'s default (a split target is never fused; its draft is whole)."""
+    whole = getattr(target, "placement", None) is None
+    return False if whole and getattr(target, "fuses", None) is False else None
 
 
 EAGLE3_FORMAT = "EAGLE-3 head (the SafeAILab/EAGLE layout: fc, midlayer.*, norm, lm_head, d2t / t2d)"
@@ -239,21 +247,25 @@ def combined_draft(name: str, target: CausalLM, tokenizer=None) -> LookupOrDraft
 
 
 def load_pair(name: str = "smollm2-135m-instruct", draft: str = "v8k-4l", *, device: str | torch.device = "auto",
-                       dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None):
+                       dtype: torch.dtype | None = torch.float32, skinny_linear: bool | None = None,
+                       fuse_projections: bool | None = None):
     """The embedded target (:func:`specresearch.models.embedded.load_embedded`), a draft for it and the tokenizer: ``(target, draft, tokenizer)``.
 
     ``draft``: a shipped draft (``drafts.store.shipped_drafts()``, default the distilled ``v8k-4l``), the
     directory a training command wrote, or any other ``drafts.registry.draft_from_name`` description (``ngram``,
     ``ngram+NAME``, ``truncated:N``, ``dial-...``, ``fp16:NAME``, ``int8:NAME``). A trained draft is rebuilt against this target (its
     embedding is the target's) and checked to belong to it. An unknown name fails before the target loads.
-    ``skinny_linear``: the target's, as :func:`load_embedded`'s.
+    ``skinny_linear``: the target's, as :func:`load_embedded`'s. ``fuse_projections``: the target's, as
+    :func:`load_embedded`'s, and a draft's wrapped in ``CausalLM`` (``False``: both models as transformers built them,
+    for code other than the toolkit's to run).
     """
     base = without_weight_prefix(draft)
     described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
     if not (base in shipped_drafts() or Path(base).is_dir() or described):
         raise ValueError(f"draft must be a shipped draft {shipped_drafts()}, a trained draft's directory or a "
                          f"drafts.registry.draft_from_name description (ngram, ngram+NAME, truncated:N, dial-..., fp16:NAME, int8:NAME), got {draft!r}")
-    target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear)
+    target, tokenizer = load_embedded(name, device=device, dtype=dtype, skinny_linear=skinny_linear,
+                                      fuse_projections=fuse_projections)
     return target, draft_from_name(draft, target), tokenizer
 
 

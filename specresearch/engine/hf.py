@@ -243,7 +243,8 @@ def _as_language_model(model, name: str) -> LanguageModel:
         return model
     if isinstance(model, torch.nn.Module) and hasattr(model, "get_output_embeddings"):
         training = model.training  # a model split by a device_map or tp_plan stays split (CausalLM.placement)
-        wrapped = CausalLM(model, device=model.device, skinny_linear=False, switch_attention=False)  # leaves it alone
+        wrapped = CausalLM(model, device=model.device, skinny_linear=False, switch_attention=False,
+                           fuse_projections=False)  # leaves it alone
         model.train(training)  # and its mode: transformers' generate does not switch it either
         return wrapped
     raise ValueError(f"{name} must be a transformers causal LM or a specresearch LanguageModel, "
