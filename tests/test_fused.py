@@ -286,6 +286,15 @@ def test_drafts_by_name_are_fused_as_their_target_is(fuse):
         assert any(isinstance(m, FusedLinear) for m in model.modules()) is fuse
 
 
+def test_the_matrixs_hf_adapter_row_runs_unfused():
+    """The family matrix's ``"sdpa (as loaded)"`` row is ``engine.hf``'s path, unfused; its other rows fuse."""
+    from specresearch.experiments.families import family_wrapper
+
+    for how, fuses in (("plain", False), ("default", True)):
+        lm = family_wrapper(tiny_family_model("llama", "sdpa"), how)
+        assert lm.fuses is fuses and any(isinstance(m, FusedLinear) for m in lm.model.modules()) is fuses
+
+
 def test_the_audits_plain_pair_is_unfused():
     """``audit.execute.default_pair``: the models other engines' code runs, as transformers built them."""
     from specresearch.audit.execute import default_pair

@@ -39,7 +39,7 @@ NEW_TOKENS = 12
 KERNELS: dict[str, tuple[str, str, str]] = {
     "eager": ("eager", "default", "transformers' eager attention"),
     "sdpa": ("sdpa", "default", "built with sdpa; on the CPU the wrapper's cpu_sdpa_attention (grouped heads in the kernel)"),
-    "sdpa (as loaded)": ("sdpa", "plain", "transformers' own sdpa function (skinny_linear=False: the hf adapter's path)"),
+    "sdpa (as loaded)": ("sdpa", "plain", "transformers' own sdpa function (skinny_linear=False, unfused: the hf adapter's path)"),
     "packed sdpa": ("sdpa", "packed", "the wrapper's packed_sdpa_attention, its default on CUDA, run on the CPU"),
     "flex_attention": ("flex_attention", "default", "torch's flex attention"),
     "flash_attention_2": ("eager", "flash", "a model whose config names flash_attention_2 (set on the CPU, where "
@@ -98,7 +98,9 @@ def reference_tokens(model, prompts=PROMPTS, max_new_tokens: int = NEW_TOKENS) -
 
 def family_wrapper(model, how: str, device: str = "cpu", fuse_projections: bool | None = None) -> CausalLM:
     """``model`` behind ``CausalLM`` on ``device`` as the kernel entry ``how`` says (``KERNELS``); ``fuse_projections``
-    as ``CausalLM``'s."""
+    as ``CausalLM``'s (``None`` with ``how="plain"``: unfused, as ``engine.hf`` wraps a caller's model)."""
+    if how == "plain" and fuse_projections is None:
+        fuse_projections = False
     if how == "flash":
         model.config._attn_implementation = "flash_attention_2"
         return CausalLM(model, device=device, fuse_projections=fuse_projections)
@@ -120,7 +122,7 @@ _REFERENCES: dict[tuple[str, str, str], list[list[int]]] = {}  # generate's toke
 def run_case(family: str, kernel: str, step: str, device: str = "cpu",
              fuse_projections: bool | None = None) -> CaseResult:
     """One case of the matrix (module docstring), its models on ``device``; ``fuse_projections`` as ``CausalLM``'s
-    (None: fused), for the target and the draft."""
+    (None: fused, but unfused on ``"sdpa (as loaded)"``, the hf adapter's path), for the target and the draft."""
     implementation, how, _ = {**KERNELS, **CUDA_KERNELS}[kernel]
     try:
         model = tiny_family_model(family, implementation).to(device)
@@ -142,7 +144,7 @@ def run_case(family: str, kernel: str, step: str, device: str = "cpu",
             target = family_wrapper(model, how, device, fuse_projections)
         except ValueError as error:
             return CaseResult(family, kernel, step, "refused", detail=str(error))
-        draft = CausalLM(draft_model, device=device, fuse_projections=fuse_projections)
+        draft = CausalLM(draft_model, device=device, fuse_projections=target.fuses and fuse_projections)
     switched = [str(w.message) for w in caught if "switched to" in str(w.message)]
     try:
         result = speculative_generate(target, draft, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
