@@ -229,7 +229,9 @@ class CausalLM:
             refused either way.
         fuse_projections: compute each layer's query / key / value projections, and its MLP's gate / up pair, as one
             matrix product (:mod:`specresearch.models.fused`: fewer kernels a step on a GPU, fewer products and Python
-            calls on the CPU, the same weights). ``None``: fused wherever the model is whole (not split).
+            calls on the CPU, the same weights). ``None``: fused wherever the model is whole (not split). Fusing
+            works on ``model`` in place: each member's parameter becomes a new one, a view of its group's tensor (an
+            optimizer built on the old ones no longer reaches them); ``False`` leaves them as they are.
 
     Every family and kernel gets the masks it applies (:mod:`specresearch.models.attention`): tree calls and, for a
     model with sliding-window layers, every call carry an additive mask built from the slots' positions; windows are
