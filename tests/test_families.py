@@ -23,7 +23,7 @@ from specresearch.config import SamplingConfig
 from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, reference_tokens, run_case
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.attention import AttentionLayout, attention_layout
-from specresearch.models.causal_lm import CausalLM
+from specresearch.models.causal_lm import CausalLM, experts_in_float64
 from specresearch.models.families import FAMILIES, WINDOW, perturbed_copy, tiny_family_config, tiny_family_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,13 +144,14 @@ def test_cached_tree_scoring_equals_each_path_uncached(family, kernel):
         assert torch.allclose(out[b, -1], _uncached(reference, histories[b] + [pending[b]]), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "mixtral"])  # torch's grouped_mm takes no float64
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_float64_models_score_a_left_padded_row_as_they_score_it_alone(family, kernel):
     """In float64 (exact comparisons), a left-padded row's prefill, chain and tree logits equal those of the same row
     alone, unpadded. transformers fills a padding mask with float64's lowest value, which ``eager`` attention's
     float32 softmax reads as -inf: a pad slot's query, which sees nothing, gave NaN, and the NaN spread to its row
-    (``CausalLM`` hands a float64 model its own masks, ``models.attention.additive_mask``)."""
+    (``CausalLM`` hands a float64 model its own masks, ``models.attention.additive_mask``). Mixtral's experts run
+    torch's ``grouped_mm`` by default, which takes no float64 (``CausalLM`` switches them, ``experts_in_float64``)."""
     try:
         models = [tiny_family_model(family, kernel) for _ in range(2)]
     except ValueError:
@@ -171,6 +172,17 @@ def test_float64_models_score_a_left_padded_row_as_they_score_it_alone(family, k
         assert torch.isfinite(g).all(), family
         torch.testing.assert_close(g[:1], w, rtol=1e-9, atol=1e-9)
 
+
+
+def test_only_a_float64_model_has_its_experts_switched():
+    """torch's ``grouped_mm`` (Mixtral's default experts) takes float32 and half types, not float64: a float32 model
+    keeps it, a float64 one runs transformers' eager loop (the same function), and a dense model is left alone."""
+    kept = CausalLM(tiny_family_model("mixtral", "sdpa"), device="cpu")
+    assert kept.model.get_experts_implementation() == {"": "grouped_mm"}
+    wide = tiny_family_model("mixtral", "sdpa").to(torch.float64)
+    assert experts_in_float64(wide) == {"": "grouped_mm"} and wide.get_experts_implementation() == {"": "eager"}
+    assert experts_in_float64(wide) == {}
+    assert experts_in_float64(tiny_family_model("llama", "sdpa").to(torch.float64)) == {}
 
 # One tree rule per family, in turn; "onehot" runs EAGLE-2's dynamic tree.
 RULES = ["traversal", "rrs", "rrs_without_replacement", "kseq", "gbv", "onehot"]

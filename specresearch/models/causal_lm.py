@@ -36,7 +36,7 @@ from specresearch.models.kernels import (
 from specresearch.models.static_lm import StaticCausalLM
 
 __all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
-           "placement"]
+           "placement", "experts_in_float64"]
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -213,7 +213,8 @@ class CausalLM:
     Args:
         model: a model name or local path (loaded with ``AutoModelForCausalLM.from_pretrained``), or an instance.
         device: ``"auto"`` (cuda > mps > cpu) or a torch device; ignored when ``device_map`` is given.
-        dtype: e.g. ``torch.float32`` / ``torch.bfloat16``; ``None`` keeps the checkpoint's (or instance's) dtype.
+        dtype: e.g. ``torch.float32`` / ``torch.bfloat16``; ``None`` keeps the checkpoint's (or instance's) dtype. A
+            float64 mixture-of-experts model runs transformers' eager experts (:func:`experts_in_float64`).
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"``: accelerate shards a large target across
             the available GPUs, then CPU). Only with a name or path.
         skinny_linear: switch the model's ``nn.Linear`` layers to :class:`SkinnyLinear` and its ``"sdpa"``
@@ -258,6 +259,7 @@ class CausalLM:
                              "keeps as transformers placed them: leave skinny_linear unset")
         self.model = model.eval()
         self.switched_from = exact_kernel(self.model, may_switch=switch_attention)  # the kernel replaced, or None
+        experts_in_float64(self.model)
         self._attention = attention_layout(self.model)
         self._cache_argument = cache_argument(self.model)
         whole = self.placement is None
@@ -417,6 +419,22 @@ class CausalLM:
         if visible is None:
             visible = self._slots.visible_to_last(positions.shape[1])
         return self._attention.masks(visible, positions, self._slots.positions, self.model.dtype)
+
+
+FLOAT64_EXPERTS = ("eager", "batched_mm")  # transformers' experts implementations that torch computes in float64
+
+
+def experts_in_float64(model) -> dict[str, str]:
+    """A float64 mixture-of-experts model (Mixtral) whose experts run torch's ``grouped_mm`` (transformers' default),
+    which takes no float64, is switched to ``"eager"`` (transformers' loop over the experts: the same function). Any
+    other model is left as it is. Returns the implementations switched from, by sub-config (``""``: the model's own)."""
+    if model.dtype != torch.float64 or not hasattr(model, "get_experts_implementation"):
+        return {}
+    switched = {key: kind for key, kind in model.get_experts_implementation().items()
+                if kind is not None and kind not in FLOAT64_EXPERTS}
+    if switched:
+        model.set_experts_implementation({key: "eager" for key in switched})
+    return switched
 
 
 def placement(model) -> str | None:
