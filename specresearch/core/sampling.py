@@ -86,7 +86,8 @@ def logits_flags(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.isnan(top).any(), torch.isposinf(top).any(), torch.isneginf(top).any()]).long()
 
 
-LOGITS_ERRORS = ("contains NaN; check the model output (e.g. an overflow in half precision)",
+LOGITS_ERRORS = ("contains NaN; check the model output (e.g. an overflow in float16: try bfloat16 or float32; NaN "
+                 "weights or inputs; a custom attention mask that hides every key from a query)",
                  "contains +inf; logits must be finite or -inf (for masked tokens)",
                  "has a row where every entry is -inf (all tokens masked); nothing can be sampled")
 
