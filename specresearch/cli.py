@@ -218,8 +218,9 @@ def _run_generate(args) -> int:
         result = speculative_generate(target, draft, [prompt], gamma=args.gamma, stop_below=args.stop_below, **options,
                                       **common)
     stream.close()
-    print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s; "
-          f"{result.target_calls} target calls", end="")
+    compiled = f" (after compiling the step in {result.compile_seconds:.1f} s)" if result.compile_seconds else ""
+    print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s"
+          f"{compiled}; {result.target_calls} target calls", end="")
     if not args.autoregressive:
         nodes = options["tree_nodes"] or options["num_drafts"] * args.gamma
         shape = (f"; {options['verifier']} tree K {options['num_drafts']}, depth {args.gamma}, {nodes} nodes"

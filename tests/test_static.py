@@ -290,7 +290,30 @@ def test_an_inductor_compiled_tree_step_computes_what_the_eager_step_computes(ta
     run = _run(target, drafts, kind, plan, SAMPLED, 4)
     eager = _logs(run, run.step, 4)
     run = _run(target, drafts, kind, plan, SAMPLED, 4)
-    assert torch.equal(eager, _logs(run, StepRunner(run.step, "inductor", run.small_state(), "cpu"), 4))
+    runner = StepRunner(run.step, "inductor", run.small_state(), "cpu")
+    before = [t.clone() for t in run.small_state()]
+    runner.prepare()  # compiles: the state given back
+    assert runner.prepared and all(torch.equal(a, b) for a, b in zip(before, run.small_state()))
+    assert torch.equal(eager, _logs(run, runner, 4))
+
+
+def test_a_runner_compiles_before_its_first_call_and_gives_the_state_back():
+    """``StepRunner.prepare`` (what ``static_generate`` times apart as ``compile_seconds``): inductor's compile and
+    warm-up leave the step's state as they found it, the next call runs one step, a second ``prepare`` does
+    nothing; an eager runner has nothing to prepare."""
+    counter = torch.zeros(3)
+
+    def step():
+        counter.add_(1)
+
+    runner = StepRunner(step, "inductor", [counter], "cpu")
+    assert not runner.prepared
+    runner.prepare()
+    assert runner.prepared and torch.equal(counter, torch.zeros(3))
+    runner()
+    runner.prepare()
+    assert torch.equal(counter, torch.ones(3))
+    assert StepRunner(step, "eager", [counter], "cpu").prepared
 
 
 @pytest.mark.parametrize("name, kind, plan", STEP_KINDS, ids=[k[0] for k in STEP_KINDS])
@@ -333,6 +356,7 @@ def test_a_session_is_kept_and_replayed(target, drafts):
     again = speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=8, sampling=SAMPLED, seed=2,
                                  compile="static", **OPTIONS["chain block g3"])
     assert first.tokens == again.tokens and len(static._SESSIONS[target]) == 1
+    assert first.compile_seconds == again.compile_seconds == 0.0  # eager: nothing compiled or captured
     for gamma in range(1, static.SESSIONS_KEPT + 2):
         speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="static", gamma=gamma)
     assert len(static._SESSIONS[target]) == static.SESSIONS_KEPT
@@ -376,5 +400,7 @@ def test_cuda_captured_steps_replay_what_eager_steps_compute(mode, plan):
                                **OPTIONS[plan])
     assert got.tokens == want.tokens
     runs = [speculative_generate(cuda_target, draft, PROMPTS, max_new_tokens=12, sampling=SAMPLED, seed=7, compile=m,
-                                 **OPTIONS[plan]).tokens for m in ("static", mode, mode)]
-    assert runs[0] == runs[1] == runs[2]
+                                 **OPTIONS[plan]) for m in ("static", mode, mode)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    # the first run of a session compiles or captures before its first step, timed apart; the next replays
+    assert got.compile_seconds > 0 and runs[1].compile_seconds > 0 and runs[2].compile_seconds == 0

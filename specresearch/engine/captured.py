@@ -68,12 +68,25 @@ class StepRunner:
         mark_static(*self.state)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._call = step
+        self.prepared = mode == "eager"  # nothing to compile or capture
         if mode in ("inductor", "reduce-overhead"):
             # every run's step is the same code, compiled again for each run's tensors: let dynamo keep as many
             # compiled forms as the engine keeps runs (engine.static.SESSIONS_KEPT per target), not its default 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             options = {"mode": "reduce-overhead"} if mode == "reduce-overhead" else {}
             self._call = torch.compile(step, fullgraph=True, dynamic=False, **options)
+
+    def prepare(self) -> None:
+        """Compile or capture the step now, if not yet done (eager: nothing), so that no call pays for it: the
+        compiled step is warmed up from the state it finds (given back after each call, :func:`warm_up`), a CUDA
+        graph captured. The caller may time it apart (``GenerationResult.compile_seconds``)."""
+        if self.prepared:
+            return
+        if self.mode == "cudagraph":
+            self._graph = self._capture()
+        else:  # reduce-overhead: the first call compiles, the second records inductor's graph
+            warm_up(self._call, self.state)
+        self.prepared = True
 
     def __call__(self) -> None:
         if self.mode != "cudagraph":

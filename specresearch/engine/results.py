@@ -25,6 +25,7 @@ class GenerationResult:
     prefill_seconds: float
     text: tuple[str, ...] | None = None  # decoded rows when a tokenizer was given, special tokens (an EOS) left out
     method: str = "speculative"
+    compile_seconds: float = 0.0  # compiling or capturing a captured step before the first (engine.static); not in seconds
 
     @property
     def num_tokens(self) -> int:
@@ -159,7 +160,7 @@ def _untimed(steps: list[StepRecord], tick, device) -> list[StepRecord]:
     return steps
 
 
-def _result(rows: _Rows, steps, prefill_seconds, tokenizer, method) -> GenerationResult:
+def _result(rows: _Rows, steps, prefill_seconds, tokenizer, method, compile_seconds: float = 0.0) -> GenerationResult:
     tokens = tuple(tuple(r) for r in rows.tokens)
     text = None if tokenizer is None else tuple(tokenizer.decode(list(r), skip_special_tokens=True) for r in tokens)
-    return GenerationResult(tokens, tuple(steps), prefill_seconds, text, method)
+    return GenerationResult(tokens, tuple(steps), prefill_seconds, text, method, compile_seconds)

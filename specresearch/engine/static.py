@@ -315,7 +315,9 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
     ``"cudagraph"``, ``"reduce-overhead"``). ``steps_per_read``: steps between host reads (their tokens come back
     together; ``on_step`` and ``stop_when`` then see them together). Other arguments as
     :func:`specresearch.engine.generate.speculative_generate`'s. -> ``GenerationResult`` whose step records have NaN
-    target / draft seconds (a captured step is not split) and each step's share of its read's wall time.
+    target / draft seconds (a captured step is not split) and each step's share of its read's wall time; the first
+    run of a target with these shapes and settings compiles or captures its step before the first (``mode`` other
+    than eager: ``compile_seconds``, which ``seconds`` leaves out; a later run replays it).
     """
     ids, mask = encode_prompts(prompts, tokenizer)
     batch, device = ids.shape[0], target.device
@@ -329,6 +331,11 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
     t0 = clock(device)
     run.start(ids, mask, max_new_tokens)
     prefill_seconds = clock(device) - t0
+    compile_seconds = 0.0
+    if not runner.prepared:  # the first run of these shapes compiles or captures its step: timed apart, not a step
+        t0 = clock(device)
+        runner.prepare()
+        compile_seconds = clock(device) - t0
     state = run.state
     rows = _Rows(max_new_tokens, eos, [[] for _ in range(batch)], [False] * batch, stop_when)
     steps: list[StepRecord] = []
@@ -351,7 +358,8 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
         start = now
         if any(done and running for done, running in zip(rows.done, still)):  # ended on the host (stop_when)
             state.active.copy_(torch.tensor([not done for done in rows.done], device=device))
-    return _result(rows, steps, prefill_seconds, tokenizer, "autoregressive" if draft is None else "speculative")
+    return _result(rows, steps, prefill_seconds, tokenizer, "autoregressive" if draft is None else "speculative",
+                   compile_seconds)
 
 
 CAPACITY_STEP = 64  # a static cache has a power of two of slots, at least this many: prompts of other lengths
