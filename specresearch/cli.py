@@ -173,10 +173,7 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
 def _run_generate(args) -> int:
     from specresearch.config import SamplingConfig
     from specresearch.drafts.registry import draft_from_name
-    from specresearch.engine.generate import (
-        autoregressive_generate,
-        speculative_generate,
-    )
+    from specresearch.engine.generate import autoregressive_generate, speculative_generate
     from specresearch.models.embedded import load_model
 
     args.gamma_given, args.verifier_given = args.gamma is not None, args.verifier is not None
