@@ -176,13 +176,19 @@ def test_float64_models_score_a_left_padded_row_as_they_score_it_alone(family, k
 
 def test_only_a_float64_model_has_its_experts_switched():
     """torch's ``grouped_mm`` (Mixtral's default experts) takes float32 and half types, not float64: a float32 model
-    keeps it, a float64 one runs transformers' eager loop (the same function), and a dense model is left alone."""
+    keeps it, a float64 one runs transformers' eager loop (the same function), or is refused where the caller's
+    model must stay as it is, and a dense model is left alone."""
     kept = CausalLM(tiny_family_model("mixtral", "sdpa"), device="cpu")
     assert kept.model.get_experts_implementation() == {"": "grouped_mm"}
     wide = tiny_family_model("mixtral", "sdpa").to(torch.float64)
     assert experts_in_float64(wide) == {"": "grouped_mm"} and wide.get_experts_implementation() == {"": "eager"}
     assert experts_in_float64(wide) == {}
+    kept = tiny_family_model("mixtral", "sdpa").to(torch.float64)  # the hf adapter's call: the model stays as it is
+    with pytest.raises(ValueError, match="experts_implementation='eager'"):
+        CausalLM(kept, device="cpu", switch_attention=False)
+    assert kept.get_experts_implementation() == {"": "grouped_mm"}
     assert experts_in_float64(tiny_family_model("llama", "sdpa").to(torch.float64)) == {}
+
 
 # One tree rule per family, in turn; "onehot" runs EAGLE-2's dynamic tree.
 RULES = ["traversal", "rrs", "rrs_without_replacement", "kseq", "gbv", "onehot"]

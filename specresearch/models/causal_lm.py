@@ -226,8 +226,8 @@ class CausalLM:
             :func:`packed_sdpa_attention` and ``False`` leaves it alone.
         switch_attention: a model whose attention kernel takes no 4-D mask (``flash_attention_2/3``) is switched to
             ``sdpa`` with a warning (:func:`~specresearch.models.attention.exact_kernel`); ``False``: refused instead
-            (the caller's model stays as it is). A model with layers it cannot mask (chunked or linear attention) is
-            refused either way.
+            (the caller's model stays as it is), as a float64 model's grouped experts are (:func:`experts_in_float64`).
+            A model with layers it cannot mask (chunked or linear attention) is refused either way.
         fuse_projections: compute each layer's query / key / value projections, and its MLP's gate / up pair, as one
             matrix product (:mod:`specresearch.models.fused`: fewer kernels a step on a GPU, fewer products and Python
             calls on the CPU, the same weights). ``None``: fused wherever the model is whole (not split). Fusing
@@ -259,7 +259,7 @@ class CausalLM:
                              "keeps as transformers placed them: leave skinny_linear unset")
         self.model = model.eval()
         self.switched_from = exact_kernel(self.model, may_switch=switch_attention)  # the kernel replaced, or None
-        experts_in_float64(self.model)
+        experts_in_float64(self.model, may_switch=switch_attention)
         self._attention = attention_layout(self.model)
         self._cache_argument = cache_argument(self.model)
         whole = self.placement is None
@@ -424,14 +424,19 @@ class CausalLM:
 FLOAT64_EXPERTS = ("eager", "batched_mm")  # transformers' experts implementations that torch computes in float64
 
 
-def experts_in_float64(model) -> dict[str, str]:
+def experts_in_float64(model, *, may_switch: bool = True) -> dict[str, str]:
     """A float64 mixture-of-experts model (Mixtral) whose experts run torch's ``grouped_mm`` (transformers' default),
-    which takes no float64, is switched to ``"eager"`` (transformers' loop over the experts: the same function). Any
-    other model is left as it is. Returns the implementations switched from, by sub-config (``""``: the model's own)."""
+    which takes no float64, is switched to ``"eager"`` (transformers' loop over the experts: the same function), or,
+    with ``may_switch=False`` (the caller's model must stay as it is), refused with one line saying what to load.
+    Any other model is left as it is. Returns the implementations switched from, by sub-config (``""``: the
+    model's own)."""
     if model.dtype != torch.float64 or not hasattr(model, "get_experts_implementation"):
         return {}
     switched = {key: kind for key, kind in model.get_experts_implementation().items()
                 if kind is not None and kind not in FLOAT64_EXPERTS}
+    if switched and not may_switch:
+        raise ValueError(f"{type(model).__name__} is float64 and its experts run {sorted(set(switched.values()))}, "
+                         "which takes no float64: load it with experts_implementation='eager'")
     if switched:
         model.set_experts_implementation({key: "eager" for key in switched})
     return switched
