@@ -80,7 +80,7 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         ``engine.generate.GenerationResult`` with ``.text`` decoded.
     """
     from specresearch.engine.generate import speculative_generate
-    from specresearch.engine.prompts import encode_chat
+    from specresearch.engine.prompts import encode_chat, encode_prompts
 
     if announce is not None and not callable(announce):
         raise TypeError(f"announce must be a callable taking one message (e.g. print), or None; got {announce!r}")
@@ -95,7 +95,12 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
 
         draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
     from specresearch.engine.cost import fit_default_draft, resolve_config
+    from specresearch.engine.results import check_context
 
+    rows = [prompts] if isinstance(prompts, str) else list(prompts)
+    if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]
+    check_context(target, encode_prompts(rows, tokenizer)[0], max_new_tokens)  # bad prompts fail before any timing
     trees = default_draft and verifier == "block" and not {"draft_law", "tree_nodes"} & set(options)
     chosen = resolve_config(gamma, target, draft, temperature=sampling.temperature,
                             num_drafts=options.get("num_drafts", 1), stop_below=options.get("stop_below"), trees=trees,
@@ -104,8 +109,5 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
         fit_default_draft(draft, chosen)
     gamma, verifier = chosen.pop("gamma"), chosen.pop("verifier", verifier)
     options = {**options, **chosen}
-    rows = [prompts] if isinstance(prompts, str) else list(prompts)
-    if chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        rows = [encode_chat([row], tokenizer)[0].tolist() if isinstance(row, str) else row for row in rows]
     return speculative_generate(target, draft, rows, tokenizer=tokenizer, verifier=verifier, gamma=gamma,
                                 max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, **options)

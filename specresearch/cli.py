@@ -174,6 +174,8 @@ def _run_generate(args) -> int:
     from specresearch.config import SamplingConfig
     from specresearch.drafts.registry import draft_from_name
     from specresearch.engine.generate import autoregressive_generate, speculative_generate
+    from specresearch.engine.prompts import encode_prompts
+    from specresearch.engine.results import check_context
     from specresearch.models.embedded import load_model
 
     args.gamma_given, args.verifier_given = args.gamma is not None, args.verifier is not None
@@ -192,6 +194,7 @@ def _run_generate(args) -> int:
                                                tokenize=False)
     if args.method != "speculative":
         return _run_decoding(args, target, tokenizer, prompt, sampling)
+    check_context(target, encode_prompts([prompt], tokenizer)[0], args.max_new_tokens)  # before any draft or timing
     stream = _Stream(tokenizer, args.max_new_tokens)
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, tokenizer=tokenizer,
                   on_step=stream, compile=args.compile)
@@ -488,7 +491,6 @@ def _add_bench(sub) -> None:
 
 def _run_bench(args) -> int:
     import dataclasses
-    from pathlib import Path
 
     import torch
 

@@ -127,6 +127,24 @@ def test_generate_unknown_draft_and_model_names(capsys, tmp_path):
     _user_error(capsys, ["generate", "hi", "--gamma", "0", "--max-new-tokens", "2", "--draft", "ngram"], "gamma")
 
 
+
+def test_generate_refuses_a_prompt_its_model_cannot_read_before_loading_a_draft(capsys, monkeypatch, tmp_path):
+    """A checkpoint whose logits are smaller than its tokenizer (a random-weight Qwen2 of 64 tokens saved with the
+    embedded tokenizer): the engine's one-line error, before a draft loads or this machine's step costs are timed."""
+    from transformers import AutoTokenizer
+
+    import specresearch.drafts.registry as drafts
+    from specresearch.models.embedded import cache_dir, load_embedded
+    from specresearch.models.families import tiny_family_model
+
+    if not (cache_dir() / "smollm2-135m-instruct" / "config.json").exists():
+        load_embedded(device="cpu")  # converts the GGUF once (the tokenizer comes with it)
+    AutoTokenizer.from_pretrained(cache_dir() / "smollm2-135m-instruct", local_files_only=True).save_pretrained(tmp_path)
+    tiny_family_model("qwen2", "sdpa").save_pretrained(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    monkeypatch.setattr(drafts, "draft_from_name", lambda *args, **kwargs: pytest.fail("a draft loaded first"))
+    _user_error(capsys, ["generate", "hi", "--model", str(tmp_path)], "prompt token ids must be in [0, vocab_size=64)")
+
 @pytest.mark.slow
 def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch):
     """``generate`` without --draft uses GENERATE_DRAFT (its greedy text equals --autoregressive's), and

@@ -35,6 +35,18 @@ def test_generate_builds_a_named_draft_for_the_given_target():
     assert len(out.tokens[0]) == 6
 
 
+
+def test_generate_refuses_a_prompt_the_target_cannot_read_before_it_times_anything(monkeypatch):
+    """A token id past the target's vocabulary fails with the engine's error (as a prompt too long for its context
+    does) before ``gamma="auto"`` times this machine's step costs (tens of seconds on a large model)."""
+    import specresearch.engine.cost as cost
+
+    monkeypatch.setattr(cost, "default_config", lambda *args, **kwargs: pytest.fail("timed before checking the prompt"))
+    target = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    draft = ToyLM(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, vocab_size=8\)"):
+        specresearch.generate([[1, 2, 8]], target=target, draft=draft, chat=False)
+
 def test_generate_takes_the_machines_gamma_for_a_chain_and_the_measured_one_for_trees(monkeypatch, capsys):
     """``gamma="auto"`` (the default, as the CLI): ``engine.cost.default_config`` for a chain (trees weighed only with
     the default draft and verifier); ``GENERATE_GAMMA`` with ``num_drafts > 1`` or ``stop_below``, where the

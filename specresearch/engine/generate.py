@@ -63,7 +63,7 @@ from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.results import (
     GenerationResult,
-    _check_context,
+    check_context,
     _eos_set,
     _generators,
     _result,
@@ -302,8 +302,8 @@ def speculative_generate(
                                eos_token_id=eos_token_id, on_step=on_step, stop_when=stop_when, mode=mode)
     verify = verifier if callable(verifier) or tree else VERIFIERS[verifier]
     ids, mask = encode_prompts(prompts, tokenizer)
-    _check_context(target, ids, max_new_tokens, gamma)
-    _check_context(draft, ids, max_new_tokens, gamma)
+    check_context(target, ids, max_new_tokens, gamma)
+    check_context(draft, ids, max_new_tokens, gamma)
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids), stop_when)
@@ -425,7 +425,7 @@ def autoregressive_generate(
                                max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer,
                                eos_token_id=eos_token_id, on_step=on_step, mode=mode)
     ids, mask = encode_prompts(prompts, tokenizer)
-    _check_context(target, ids, max_new_tokens)
+    check_context(target, ids, max_new_tokens)
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))

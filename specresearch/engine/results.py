@@ -13,7 +13,7 @@ import torch
 from specresearch.engine.steps import StepRecord
 from specresearch.engine.timing import clock
 
-__all__ = ["GenerationResult"]
+__all__ = ["GenerationResult", "check_context"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class _Rows:
         return max(self.limit - len(t) for t, d in zip(self.tokens, self.done) if not d)
 
 
-def _check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int = 0) -> None:
+def check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int = 0) -> None:
     """Raise unless the prompt ids are in the model's vocabulary and prompt + new tokens + lookahead fit its
     positions (``max_context``, if it has one)."""
     low, high = int(ids.min()), int(ids.max())
