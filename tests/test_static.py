@@ -297,10 +297,10 @@ def test_an_inductor_compiled_tree_step_computes_what_the_eager_step_computes(ta
     assert torch.equal(eager, _logs(run, runner, 4))
 
 
-def test_a_runner_compiles_before_its_first_call_and_gives_the_state_back():
+def test_a_runner_compiles_before_its_first_call_and_gives_the_state_back(capsys):
     """``StepRunner.prepare`` (what ``static_generate`` times apart as ``compile_seconds``): inductor's compile and
-    warm-up leave the step's state as they found it, the next call runs one step, a second ``prepare`` does
-    nothing; an eager runner has nothing to prepare."""
+    warm-up leave the step's state as they found it (a line on stderr says it compiles), the next call runs one step,
+    a second ``prepare`` does nothing; an eager runner has nothing to prepare."""
     counter = torch.zeros(3)
 
     def step():
@@ -310,8 +310,10 @@ def test_a_runner_compiles_before_its_first_call_and_gives_the_state_back():
     assert not runner.prepared
     runner.prepare()
     assert runner.prepared and torch.equal(counter, torch.zeros(3))
+    assert "[specresearch] compiling a captured step (inductor, cpu)" in capsys.readouterr().err
     runner()
     runner.prepare()
+    assert capsys.readouterr().err == ""
     assert torch.equal(counter, torch.ones(3))
     assert StepRunner(step, "eager", [counter], "cpu").prepared
 

@@ -17,6 +17,7 @@ engine's ``_draw``), so a replay uses the run's generator and a seed repeats a r
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -78,13 +79,16 @@ class StepRunner:
 
     def prepare(self) -> None:
         """Compile or capture the step now, if not yet done (eager: nothing), so that no call pays for it: the
-        compiled step is warmed up from the state it finds (given back after each call, :func:`warm_up`), a CUDA
-        graph captured. The caller may time it apart (``GenerationResult.compile_seconds``)."""
+        compiled step is warmed up from the state it finds (given back after each call, :func:`warm_up`; a line on
+        stderr says so), a CUDA graph captured. The caller may time it apart (``GenerationResult.compile_seconds``)."""
         if self.prepared:
             return
         if self.mode == "cudagraph":
             self._graph = self._capture()
         else:  # reduce-overhead: the first call compiles, the second records inductor's graph
+            print(f"[specresearch] compiling a captured step ({self.mode}, {self.device.type}): once per step kind, "
+                  "sampling and cache size in a process (on a CPU a minute or two, less once inductor's disk cache "
+                  "holds it)", file=sys.stderr, flush=True)
             warm_up(self._call, self.state)
         self.prepared = True
 
