@@ -97,8 +97,8 @@ def _add_generate(sub) -> None:
                         "eagle3-v8k; any name under data/drafts/) | fp16:NAME / int8:NAME (its weights in float16 / int8) | ngram | truncated:N | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
     p.add_argument("--verifier", default=None, choices=["token", "block", "greedy", *TREE_RULES],
-                   help="token | block (default) | greedy for one draft path; with --num-drafts K > 1 a multi-draft rule: "
-                        + " | ".join(TREE_RULES))
+                   help="token | block (default; onehot with --draft-law dynamic / static) | greedy for one draft path; "
+                        "with --num-drafts K > 1 a multi-draft rule: " + " | ".join(TREE_RULES))
     p.add_argument("--gamma", type=_gamma_arg, default=None,
                    help=f"draft tokens per step. Default ('auto'): for a chain {GENERATE_GAMMA} (measured fastest on the "
                         "reference CPU) unless this machine's step costs (engine.cost, timed once and cached) predict another "

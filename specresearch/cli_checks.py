@@ -130,7 +130,7 @@ def check_generate_flags(args) -> None:
     if args.method != "speculative" and (args.verifier is not None or args.gamma_given or args.num_drafts != 1):
         raise ValueError(f"--method {args.method} decodes without a draft: --verifier, --gamma and --num-drafts are for "
                          "--method speculative")
-    args.verifier = args.verifier or "block"
+    args.verifier = args.verifier or ("onehot" if args.draft_law in ("dynamic", "static") else "block")  # their one rule
     check_tree_flags(args)
     check_compile_flags(args)
 

@@ -243,6 +243,20 @@ def _refuse_model_loads(monkeypatch) -> None:
         monkeypatch.setattr(module, name, refuse)
 
 
+def test_a_top_k_tree_is_verified_by_its_one_rule_unless_another_is_named():
+    """``--draft-law dynamic`` / ``static`` without ``--verifier``: onehot, the only rule their trees take (a named
+    other rule is refused, below); a chain's default stays block."""
+    from specresearch.cli import build_parser
+    from specresearch.cli_checks import check_generate_flags
+
+    for extra, want in ((["--draft-law", "dynamic", "--num-drafts", "3"], "onehot"), (["--draft-law", "static"], "onehot"),
+                        ([], "block"), (["--num-drafts", "2", "--verifier", "traversal"], "traversal")):
+        args = build_parser().parse_args(["generate", "hi", *extra])
+        args.gamma_given, args.verifier_given, args.gamma = False, args.verifier is not None, 3
+        check_generate_flags(args)
+        assert args.verifier == want, extra
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "hi", "--device", "foo"], "--device 'foo' is not a device"),
     (["generate", "hi", "--device", "cuda:0"], "no CUDA device"),
