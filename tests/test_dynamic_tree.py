@@ -235,7 +235,8 @@ def test_dynamic_tree_arguments_are_checked():
                (dict(verifier="rrs", num_drafts=2, draft_law="static"), "verified by 'onehot'"),
                (dict(verifier="traversal", num_drafts=2, tree_nodes=4), "tree_nodes is for draft_law 'dynamic'"),
                (dict(verifier="block", tree_nodes=4), "tree_nodes is for draft_law 'dynamic'"),
-               (dict(verifier="onehot", num_drafts=2, draft_law="dynamic", tree_nodes=0), "tree_nodes")]
+               (dict(verifier="onehot", num_drafts=2, draft_law="dynamic", tree_nodes=0), "tree_nodes"),
+               (dict(num_drafts=2, draft_law="dynamic"), "a top-k tree's: verifier='onehot'")]  # block, the default
     for options, message in refused:
         with pytest.raises(ValueError, match=message):
             speculative_generate(target, draft, PROMPTS, **options)

@@ -47,8 +47,9 @@ def check_tree_args(target, draft, verifier, num_drafts: int, draft_law: str, ga
                     tree_nodes=None) -> None:
     """Clear errors for a tree run the engine cannot do, before any model work."""
     if not callable(verifier) and verifier not in TREE_VERIFIERS:
+        one = " (a top-k tree's: verifier='onehot')" if draft_law in TOPK_LAWS else ""
         raise ValueError(f"with num_drafts > 1 or draft_law {draft_law!r} the verifier must be a multi-draft rule "
-                         f"{sorted(TREE_VERIFIERS)}, got {verifier!r}")
+                         f"{sorted(TREE_VERIFIERS)}{one}, got {verifier!r}")
     if draft_law not in TREE_DRAFT_LAWS:
         raise ValueError(f"draft_law must be one of {TREE_DRAFT_LAWS}, got {draft_law!r}")
     if draft_law in TOPK_LAWS and verifier != "onehot":
