@@ -14,7 +14,8 @@ label may name another target in parentheses (``TARGETS``): ``"autoregressive (f
 ``CausalLM`` applies by default).
 
 Writes ``<out>.csv`` (a row a run) and ``<out>.json`` after every prompt (``complete`` says whether all ran; a
-cell whose warm-up raises is left out and its error kept under ``failed_cells``): the header (command, commit,
+cell whose warm-up raises is left out and its error kept under ``failed_cells``, and each cell's warm-up wall time,
+its compiles or captures included, under ``warm_up_seconds``): the header (command, commit,
 machine, weights' digests) and the summary: per temperature, run and mode, tokens/s and the speed over the fastest autoregressive decoding of that
 temperature (over the prompts pooled, 95 % bootstrap intervals), and the keys ``ar_tokens_per_s``,
 ``peer_tokens_per_s``, ``best_speedup_t0``, ``best_speedup_t1`` with the runs and modes they come from. A benchmark:
@@ -96,33 +97,43 @@ def plain_model(target, dtype):
     return model.to(target.device).eval()
 
 
-def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, eos, max_cache_len) -> dict:
+def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, eos,
+            max_cache_len) -> tuple[dict, dict]:
     """Every (run, mode) cell at every temperature once on a prompt of each cache size the prompts need; the peer once
-    at each temperature (its cache has one size). A cell that raises is left out of the timed runs: returns
-    ``{"run:mode": "the error"}`` for those (a device run is one call: one broken cell must not cost the others)."""
-    failed = {}
+    at each temperature (its cache has one size). A cell that raises is left out of the timed runs. Returns
+    ``{"run:mode": "the error"}`` for those (a device run is one call: one broken cell must not cost the others) and
+    ``{"run:mode": seconds}``, each other cell's warm-up wall time (what its compiles or captures cost)."""
+    failed, seconds = {}, {}
     for run, mode in cells:
+        started = time.perf_counter()
         try:
             if run == PEER:
                 for temperature in temperatures:
                     peer_decode(peer, prompts[0], SamplingConfig(temperature=temperature), 0, max_new_tokens, eos,
                                 max_cache_len)
-                continue
-            options = RUNS[_base(run)]
-            plan = static.plan_for("", 0, autoregressive=True) if options is None else static.plan_for(
-                options["verifier"], options["gamma"], options.get("num_drafts", 1), options.get("draft_law", "iid"),
-                options.get("tree_nodes"))
-            sizes = {}
-            for ids in prompts:
-                sizes.setdefault(static.cache_capacity(len(ids) + max_new_tokens, plan), ids)
-            for temperature in temperatures:
-                for ids in (sizes.values() if mode != "off" else [prompts[0]]):
-                    decode(targets[_target(run)], draft, _base(run), mode, ids, SamplingConfig(temperature=temperature),
-                           0, max_new_tokens, eos)
+            else:
+                _warm_up_run(targets[_target(run)], draft, _base(run), mode, prompts, temperatures, max_new_tokens, eos)
         except Exception as error:  # noqa: BLE001 -- reported in the record, the cell left out
             failed[f"{run}:{mode}"] = f"{type(error).__name__}: {error}"[:2000]
             print(f"cell {run}:{mode} failed in its warm-up and is left out: {failed[f'{run}:{mode}']}", flush=True)
-    return failed
+            continue
+        seconds[f"{run}:{mode}"] = round(time.perf_counter() - started, 2)
+    return failed, seconds
+
+
+def _warm_up_run(target, draft, run: str, mode: str, prompts, temperatures, max_new_tokens: int, eos) -> None:
+    """``run`` under ``mode`` at each temperature on a prompt of each cache size the prompts need (the growing loop:
+    one prompt)."""
+    options = RUNS[run]
+    plan = static.plan_for("", 0, autoregressive=True) if options is None else static.plan_for(
+        options["verifier"], options["gamma"], options.get("num_drafts", 1), options.get("draft_law", "iid"),
+        options.get("tree_nodes"))
+    sizes = {}
+    for ids in prompts:
+        sizes.setdefault(static.cache_capacity(len(ids) + max_new_tokens, plan), ids)
+    for temperature in temperatures:
+        for ids in (sizes.values() if mode != "off" else [prompts[0]]):
+            decode(target, draft, run, mode, ids, SamplingConfig(temperature=temperature), 0, max_new_tokens, eos)
 
 
 def _base(run: str) -> str:
@@ -244,8 +255,8 @@ def main(argv: list[str]) -> int:
     peer = plain_model(target, getattr(torch, args.dtype)) if args.peer else None
     cells += [(PEER, "transformers")] if peer else []
     started = time.time()
-    failed = warm_up(targets, draft, peer, prompts, cells, args.temperatures, args.max_new_tokens, eos,
-                     args.capacity_step)
+    failed, header["warm_up_seconds"] = warm_up(targets, draft, peer, prompts, cells, args.temperatures,
+                                                args.max_new_tokens, eos, args.capacity_step)
     cells = [cell for cell in cells if f"{cell[0]}:{cell[1]}" not in failed]
     print(f"warmed up in {time.time() - started:.0f} s", flush=True)
     rows = []
