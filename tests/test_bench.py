@@ -271,6 +271,9 @@ def test_summary_for_any_subset_of_verifiers(tmp_path, verifiers):
     assert ("BE gain" in text) == (len(verifiers) == 2)
     if len(verifiers) == 1:
         assert f"| {verifiers[0]} |" in text and "ws" in text
+    assert "(3 prompts: intervals from resampling so few cover well below 95 %)" in text  # < FEW_PROMPTS
+    many = pd.concat([records.assign(prompt_id=records["prompt_id"] + f"-{k}") for k in range(4)])  # 12 prompts
+    assert "intervals from resampling so few" not in analysis.summary(many, n_boot=50)
 
 
 def test_batched_sweep_matches_one_prompt_at_a_time(tmp_path):

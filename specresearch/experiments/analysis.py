@@ -49,41 +49,17 @@ import pandas as pd
 
 from specresearch.experiments.records import AUTOREGRESSIVE, read_records
 
-__all__ = [
-    "METRICS",
-    "PAPER_TABLE",
-    "bootstrap_weights",
-    "pooled_speed",
-    "category_table",
-    "expected_gain_table",
-    "format_markdown",
-    "format_paper_table",
-    "gain_table",
-    "paired_difference",
-    "paired_gain",
-    "gain_vs_alpha_table",
-    "latest_run",
-    "metric_table",
-    "metric_value",
-    "paper_points",
-    "paper_table",
-    "paper_alpha",
-    "plot_gain_vs_alpha",
-    "plot_gain_vs_temperature",
-    "plot_metric_vs_gamma",
-    "prompt_sums",
-    "read_records",
-    "read_sweep",
-    "speculative_records",
-    "summary",
-    "t0_agreement",
-    "two_symbol_curve",
-    "two_symbol_gain",
-]
+__all__ = ["METRICS", "PAPER_TABLE", "FEW_PROMPTS", "bootstrap_weights", "pooled_speed", "category_table",
+           "expected_gain_table", "format_markdown", "format_paper_table", "gain_table", "paired_difference",
+           "paired_gain", "gain_vs_alpha_table", "latest_run", "metric_table", "metric_value", "paper_points",
+           "paper_table", "paper_alpha", "plot_gain_vs_alpha", "plot_gain_vs_temperature", "plot_metric_vs_gamma",
+           "prompt_sums", "read_records", "read_sweep", "speculative_records", "summary", "t0_agreement",
+           "two_symbol_curve", "two_symbol_gain"]
 
 _SUM_COLUMNS = ["accepted_tokens", "examined_drafts", "target_calls", "new_tokens", "seconds", "ar_seconds",
                 "ar_tokens"]
 METRICS = ("be", "be_emitted", "ws", "alpha")
+FEW_PROMPTS = 10  # summary(): fewer prompts than this and the percentile bootstrap's intervals undercover
 
 # Sun et al. 2025 (the table of their OpenReview rebuttal): Vicuna-7B-v1.3 target + Vicuna-68M draft, Spec-Bench, gamma = 8, H100.
 PAPER_TABLE = pd.DataFrame({
@@ -333,8 +309,8 @@ def summary(records: pd.DataFrame, **bootstrap) -> str:
 
     Token and block both present: ``paper_table`` at the largest gamma where both ran, then the realised
     and expected gains per (temperature, gamma). Otherwise: BE and alpha per (verifier, temperature,
-    gamma) (WS too when timed), and the expected BE of token and block on those runs' steps.
-    """
+    gamma) (WS too when timed), and the expected BE of token and block on those runs' steps. Under
+    ``FEW_PROMPTS`` prompts a line says that the intervals undercover."""
     spec = speculative_records(records)
     if spec.empty:
         return "no speculative records"
@@ -350,6 +326,8 @@ def summary(records: pd.DataFrame, **bootstrap) -> str:
         table = expected_gain_table(records, **bootstrap)
         parts.append("Expected BE given each drafted block (both verifiers on the same steps):\n"
                      + format_markdown(table, percent=("exp_gain", "exp_gain_lo", "exp_gain_hi")))
+    if (prompts := spec["prompt_id"].nunique()) < FEW_PROMPTS:  # the bootstrap's spread shrinks by sqrt((P - 1) / P)
+        parts.append(f"({prompts} prompts: intervals from resampling so few cover well below 95 %)")
     return "\n\n".join(parts)
 
 
