@@ -218,7 +218,7 @@ def _run_generate(args) -> int:
         result = speculative_generate(target, draft, [prompt], gamma=args.gamma, stop_below=args.stop_below, **options,
                                       **common)
     stream.close()
-    compiled = f" (after compiling the step in {result.compile_seconds:.1f} s)" if result.compile_seconds else ""
+    compiled = f" (step compiled or captured first: {result.compile_seconds:.1f} s)" if result.compile_seconds else ""
     print(f"\n\n{result.num_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_second:.1f} tokens/s"
           f"{compiled}; {result.target_calls} target calls", end="")
     if not args.autoregressive:
