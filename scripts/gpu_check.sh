@@ -23,7 +23,7 @@
 #           (scripts/gpu_payload.sh takes the model, the head and the prompt files to a device machine in two calls);
 #   sampled: T = 1 on the chat prompts, trees drawn at random (traversal, RRS without replacement) beside the one-hot
 #           top-k tree and two chains: at T = 1, which accepts more per second on a GPU?
-#   speed:  the captured steps (engine.static) at the hardware's speed, at most ~7 minutes: benchmarks/bench_captured.py
+#   speed:  the captured steps (engine.static) at the hardware's speed, at most 11 minutes: benchmarks/bench_captured.py
 #           on 16 MT-Bench first turns, T = 0 and 1, 48 tokens, bfloat16 (record gpu_speed_gpu.json): autoregressive
 #           decoding in the growing loop, captured as CUDA graphs and under reduce-overhead, and in float32;
 #           transformers' generate with a static cache and its own torch.compile as the peer; three chains and three
@@ -33,7 +33,8 @@
 #           shape (gpu_cost_135m_gpu.json: its steps' device time, against bench_captured's wall time a token). Needs the embedded model as the real part does (gpu_cost_8b does not).
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
 # DEVICE (default cuda), REAL_PROMPTS (8) and REAL_TOKENS (48) size the real part (a small CPU run checks the script);
-# SPEED_LIMIT (420) and COST_LIMIT (150) are the speed part's two limits in seconds (a short lease: smaller).
+# SPEED_LIMIT (420) and COST_LIMIT (150) are the speed part's two limits in seconds, beside gpu_cost_135m's 90 (one
+# device call of 600 s: 360 and 100, as scripts/gpu_payload.sh's header gives them; a short lease: smaller).
 # GPU_DRAFT (default eagle3-v8k: the shipped head with its weights in float32, 37 MB; on a GPU its float16 form,
 # fp16:eagle3-v8k, saves no time and costs a weight conversion or scaling calls in every linear of every draft call).
 set -uo pipefail
