@@ -93,7 +93,8 @@ def head_for(target, head_tokens: int = 32000):
 
 def replay_seconds(runner: StepRunner, state: list[torch.Tensor], repeats: int) -> tuple[float, float]:
     """Median seconds of one call of ``runner`` on its device, and of the host issuing it (a CUDA graph's replay
-    returns before the device is done); the state is put back before each call."""
+    returns before the device is done); the state is put back before each call, the capture made before the first."""
+    runner.prepare()
     saved = SavedState(state)
     times, issue = [], []
     for _ in range(repeats):

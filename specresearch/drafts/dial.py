@@ -129,7 +129,8 @@ def dial_draft_from_name(name: str, target: CausalLM, resolve=None) -> DialDraft
     except ValueError:
         raise ValueError(f"name {name!r}: {parts[1]!r} is not a number (e.g. dial-mix:0.5)") from None
     kind = _PREFIXES[parts[0]]
-    base = CausalLM(target.model, device=target.device, fuse_projections=getattr(target, "fuses", None))  # as it
+    fuses = getattr(target, "fuses", None)  # the same model object: fused as the target left it
+    base = CausalLM(target.model, device=target.device, fuse_projections=fuses)
     other = None
     if kind == "mix":
         if resolve is None:

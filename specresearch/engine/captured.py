@@ -93,12 +93,12 @@ class StepRunner:
         self.prepared = True
 
     def __call__(self) -> None:
-        if self.mode != "cudagraph":
+        if not self.prepared:  # compiled or captured once, here if the caller did not ask for it first
+            self.prepare()
+        if self._graph is not None:
+            self._graph.replay()
+        else:
             self._call()
-            return
-        if self._graph is None:
-            self._graph = self._capture()
-        self._graph.replay()
 
     def _capture(self) -> "torch.cuda.CUDAGraph":
         """Warm the step up on a side stream (its state given back), then capture it."""
