@@ -316,6 +316,11 @@ def test_a_runner_compiles_before_its_first_call_and_gives_the_state_back(capsys
     assert capsys.readouterr().err == ""
     assert torch.equal(counter, torch.ones(3))
     assert StepRunner(step, "eager", [counter], "cpu").prepared
+    lazy = StepRunner(step, "inductor", [counter], "cpu")  # called first: it prepares there, once
+    lazy()
+    assert lazy.prepared and torch.equal(counter, torch.full((3,), 2.0))
+    lazy.prepare()
+    assert torch.equal(counter, torch.full((3,), 2.0)) and capsys.readouterr().err.count("compiling") == 1
 
 
 @pytest.mark.parametrize("name, kind, plan", STEP_KINDS, ids=[k[0] for k in STEP_KINDS])
