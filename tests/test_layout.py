@@ -31,7 +31,7 @@ ALLOWED = {
     "front": {"base", "core", "exact", "models", "drafts", "engine", "training", "experiments", "audit"},
 }
 BASE = {"checks", "paths", "config"}
-FRONT = {"__init__", "__main__", "cli", "cli_checks", "cli_audit"}
+FRONT = {"__init__", "__main__", "cli", "cli_checks", "cli_audit", "cli_train"}
 MAX_LINES = 600
 
 
