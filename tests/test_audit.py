@@ -207,6 +207,9 @@ def test_the_lossless_residual_makes_any_smaller_acceptance_exact():
 def test_bad_rules_and_arguments_are_refused():
     with pytest.raises(ValueError, match="not a probability"):
         audit(rule_from_acceptance(lambda p_x, q_x: 2 * p_x / q_x))
+    for returned in (None, "1", 1j, float("nan")):  # not numbers in [0, 1]: named, not a TypeError from a comparison
+        with pytest.raises(ValueError, match=r"accept returned .* at p\(x\) = .*: not a probability"):
+            audit(rule_from_acceptance(lambda p_x, q_x, returned=returned: returned))
     with pytest.raises(ValueError, match="residual must be"):
         rule_from_acceptance(lambda p_x, q_x: 1, residual="nope")
     with pytest.raises(ValueError, match="unknown engine rule"):

@@ -58,9 +58,7 @@ def _exact_law(accept: Callable, residual, numeric: bool) -> Callable:
         with mpmath.workdps(DIGITS):
             for d, x in enumerate(path):
                 p_row, q_row = convert(target(prefix + path[:d])), convert(draft(prefix + path[:d]))
-                a = accept(p_row[x], q_row[x]) if q_row[x] else 0
-                if not 0 <= a <= 1:
-                    raise ValueError(f"accept returned {a} at p(x) = {p_row[x]}, q(x) = {q_row[x]}: not a probability")
+                a = _probability(accept(p_row[x], q_row[x]), p_row[x], q_row[x]) if q_row[x] else 0
                 weights = _residual_row(residual, p_row, q_row, accept)
                 total = sum(weights)
                 row = [w / total for w in weights] if total else p_row
@@ -74,6 +72,18 @@ def _exact_law(accept: Callable, residual, numeric: bool) -> Callable:
         return out
 
     return law
+
+
+def _probability(a, p_x, q_x):
+    """``a`` when it is a number in [0, 1]; else a ValueError naming the point (None, a string and a complex
+    number included, which ``0 <= a`` would meet with a TypeError that names neither the rule nor the point)."""
+    try:
+        if 0 <= a <= 1:
+            return a
+    except TypeError:
+        pass
+    shown = repr(a) if isinstance(a, str) else a
+    raise ValueError(f"accept returned {shown} at p(x) = {p_x}, q(x) = {q_x}: not a probability")
 
 
 def _is_exact(accept: Callable) -> bool:
