@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from specresearch.config import GENERATE_DRAFT
+from specresearch.config import CUDA_GRAPH_MODES, GENERATE_DRAFT
 
 TREE_RULES = ("rrs", "rrs_without_replacement", "kseq", "gbv", "traversal", "onehot")  # engine.tree.TREE_VERIFIERS
 
@@ -61,6 +61,21 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device}: torch sees no Apple GPU (MPS) on this machine; use --device cpu or auto")
 
 
+def check_graph_device(args) -> None:
+    """``--compile reduce-overhead`` / ``cudagraph`` (CUDA graphs) where the run will not be on a CUDA device."""
+    mode, device = getattr(args, "compile", None), getattr(args, "device", None) or "auto"
+    if mode not in CUDA_GRAPH_MODES:
+        return
+    import torch
+
+    anywhere = device == "auto" or getattr(args, "device_map", None) is not None  # where torch finds a device
+    if torch.cuda.is_available() if anywhere else torch.device(device).type == "cuda":
+        return
+    where = "torch sees no CUDA device on this machine" if anywhere else f"the run is on --device {device}"
+    raise ValueError(f"--compile {mode} captures CUDA graphs, and {where}: --compile on compiles the step for the device "
+                     "(inductor off CUDA), --compile static runs the captured steps eagerly, --compile off the growing loop")
+
+
 def check_common_flags(args) -> None:
     """The flags several commands share (``--threads``, ``--device``, ``--model`` / ``--target``, ``--draft``), checked
     for every command before it runs: one line and exit code 2 instead of a traceback after a model load."""
@@ -69,6 +84,7 @@ def check_common_flags(args) -> None:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     if getattr(args, "device", None) is not None:
         check_device(args.device)
+    check_graph_device(args)
     embedded_only = args.command in ("distill", "feature-distill", "warm-cache")  # these train or cache the embedded model
     for flag in ("model", "target"):
         if getattr(args, flag, None) is not None:

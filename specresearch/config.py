@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from specresearch.checks import check_int, check_real, named_preset
 
 __all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU", "GENERATE_TAU_GREEDY",
-           "GENERATE_TREES", "GENERATE_MARGIN", "COMPILE_CHOICES"]
+           "GENERATE_TREES", "GENERATE_MARGIN", "COMPILE_CHOICES",
+           "CUDA_GRAPH_MODES"]
 
 # The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
 # float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding on the reference CPU,
@@ -36,6 +37,7 @@ GENERATE_TREES = {(4, 4, 10): (2.496, 1.935), (8, 6, 32): (3.132, 2.066)}
 # graphs; elsewhere torch.compile's inductor); "auto" "on" on CUDA where the run has captured steps, else "off" (on the
 # CPU the step's kernels, not Python, bound a small model's step: docs/engine_and_models.md); or a runner mode by name.
 COMPILE_CHOICES = ("auto", "on", "off", "static", "inductor", "reduce-overhead", "cudagraph")
+CUDA_GRAPH_MODES = ("reduce-overhead", "cudagraph")  # the choices (and engine.captured modes) that capture CUDA graphs
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,21 @@ def test_argparse_errors_are_one_line_too(capsys):
     _user_error(capsys, ["bench", "--gamma", "3"], "unrecognized arguments: --gamma 3")
 
 
+def test_cuda_graph_modes_off_cuda_are_refused_before_a_model_loads(capsys, monkeypatch):
+    import torch
+
+    import specresearch.models.embedded as embedded
+
+    monkeypatch.setattr(embedded, "load_embedded", lambda *a, **k: pytest.fail("a model loaded"))
+    for command in (["generate", "hi", "--draft", "eagle3-v8k"], ["bench", "--draft", "v8k-4l"]):
+        _user_error(capsys, [*command, "--compile", "cudagraph", "--device", "cpu"], "--compile cudagraph captures CUDA "
+                    "graphs, and the run is on --device cpu", "--compile on", "--compile static")
+    if not torch.cuda.is_available():  # where torch finds no CUDA device, auto and --device-map name that
+        for extra in ([], ["--device-map", "auto"]):
+            _user_error(capsys, ["generate", "hi", "--compile", "reduce-overhead", *extra], "--compile reduce-overhead "
+                        "captures CUDA graphs, and torch sees no CUDA device on this machine")
+
+
 @pytest.mark.slow
 def test_compile_on_names_what_has_no_captured_step_and_a_captured_run_prints_its_figures(capsys):
     """``--compile on`` with generate's default draft (prompt lookup decides on the host): one line, before any model

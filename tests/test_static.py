@@ -385,6 +385,10 @@ def test_compile_choices_are_checked_and_explained(target, drafts):
                              expectations=("token",))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         StepRunner(lambda: None, "cudagraph", [], "cpu")
+    for mode in ("cudagraph", "reduce-overhead"):  # refused in the caller's words before the run is built
+        with pytest.raises(ValueError, match=f"compile='{mode}' captures CUDA graphs, and the target is on cpu: "
+                                             "compile='on'"):
+            speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile=mode)
     # auto on the CPU: the growing loop (whose steps are timed on the CPU), and no error for a host-side draft
     auto = speculative_generate(target, NGramDraft(VOCAB), PROMPTS, max_new_tokens=4, compile="auto")
     assert all(not math.isnan(s.target_seconds) for s in auto.steps)

@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specresearch.config import CUDA_GRAPH_MODES
 from specresearch.models.static_cache import mark_static
 
 __all__ = ["RUNNER_MODES", "StepRunner", "SavedState", "warm_up"]
 
 RUNNER_MODES = ("eager", "inductor", "reduce-overhead", "cudagraph")
 RECOMPILE_LIMIT = 64  # compiled forms of the step dynamo keeps (one per run's shapes and settings)
-_CUDA_ONLY = ("reduce-overhead", "cudagraph")
 
 
 class SavedState:
@@ -62,7 +62,7 @@ class StepRunner:
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {RUNNER_MODES}, got {mode!r}")
         device = torch.device(device)
-        if mode in _CUDA_ONLY and device.type != "cuda":
+        if mode in CUDA_GRAPH_MODES and device.type != "cuda":
             raise ValueError(f"mode {mode!r} captures CUDA graphs: it needs a CUDA device, the models are on {device} "
                              "(use 'inductor' or 'eager')")
         self.step, self.mode, self.state, self.device = step, mode, list(state), device

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specresearch.config import COMPILE_CHOICES, SamplingConfig
+from specresearch.config import COMPILE_CHOICES, CUDA_GRAPH_MODES, SamplingConfig
 from specresearch.core.draws import inverse_cdf, uniforms
 from specresearch.core.verify import block_verify, greedy_verify, token_verify
 from specresearch.engine.captured import StepRunner
@@ -125,6 +125,10 @@ def runner_mode(compile: str, device, why_not: str | None) -> str | None:
     if compile not in COMPILE_CHOICES:
         raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {compile!r}")
     cuda = torch.device(device).type == "cuda"
+    if compile in CUDA_GRAPH_MODES and not cuda:  # before the run is built, in the caller's words
+        raise ValueError(f"compile={compile!r} captures CUDA graphs, and the target is on {torch.device(device)}: "
+                         "compile='on' compiles the step for its device (inductor off CUDA), 'static' runs the "
+                         "captured steps eagerly, 'off' the growing loop")
     if compile == "off" or (compile == "auto" and (why_not is not None or not cuda)):
         return None
     if why_not is not None:
