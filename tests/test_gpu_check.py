@@ -70,7 +70,7 @@ def test_the_speed_parts_scripts_run_on_a_cpu(tmp_path):
                    timeout=900, cwd=ROOT)
     record = json.loads((tmp_path / "speed.json").read_text())
     assert record["complete"] and list(record["failed_cells"]) == ["chain block g2:cudagraph"]
-    assert "needs a CUDA device" in record["failed_cells"]["chain block g2:cudagraph"]
+    assert "captures CUDA graphs" in record["failed_cells"]["chain block g2:cudagraph"]
     assert set(record["warm_up_seconds"]) == {*cpu_cells[:3], "transformers static:transformers"}
     summary = record["summary"]
     assert {"ar_tokens_per_s", "peer_tokens_per_s", "best_speedup_t0", "best_speedup_t1", "best_config_t0"} <= set(summary)
