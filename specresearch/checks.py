@@ -8,7 +8,11 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_int", "check_field", "check_real", "named_preset"]
+__all__ = ["check_int", "check_field", "check_real", "named_preset", "OutdatedDependency"]
+
+
+class OutdatedDependency(ImportError):
+    """A dependency older than the package supports; the message names both versions and the fix."""
 
 
 def check_int(name: str, value, minimum: int = 1, meaning: str = "") -> None:

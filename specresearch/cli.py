@@ -29,6 +29,7 @@ from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside
     shorten,
 )
 from specresearch.cli_train import add_distill, add_feature_distill  # noqa: E402 (so do the training commands)
+from specresearch.checks import OutdatedDependency  # noqa: E402 (what an old environment raises)
 from specresearch.config import COMPILE_CHOICES, GENERATE_DRAFT, GENERATE_GAMMA, GENERATE_MARGIN  # noqa: E402 (shared)
 
 CONTRASTIVE_AMATEUR = "v8k-4l"
@@ -378,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors become one line on stderr and exit code 2 (module docstring)."""
+    try:
+        import specresearch.models  # noqa: F401 (checks transformers' version; the parser imports the engines)
+    except OutdatedDependency as exc:
+        print(f"specresearch: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand's parser, so the line names the command

@@ -13,7 +13,7 @@ from specresearch.checks import check_int, check_real, named_preset
 
 __all__ = ["SamplingConfig", "PRESETS", "GENERATE_DRAFT", "GENERATE_GAMMA", "GENERATE_TAU", "GENERATE_TAU_GREEDY",
            "GENERATE_TREES", "GENERATE_MARGIN", "COMPILE_CHOICES",
-           "CUDA_GRAPH_MODES"]
+           "CUDA_GRAPH_MODES", "TRANSFORMERS_FLOOR"]
 
 # The default of `specresearch generate` and `specresearch.generate`: prompt lookup, the shipped feature head with
 # float16 weights elsewhere, at gamma 1 (the fastest measured against autoregressive decoding on the reference CPU,
@@ -37,6 +37,10 @@ GENERATE_TREES = {(4, 4, 10): (2.496, 1.935), (8, 6, 32): (3.132, 2.066)}
 # graphs; elsewhere torch.compile's inductor); "auto" "on" on CUDA where the run has captured steps, else "off" (on the
 # CPU the step's kernels, not Python, bound a small model's step: docs/engine_and_models.md); or a runner mode by name.
 COMPILE_CHOICES = ("auto", "on", "off", "static", "inductor", "reduce-overhead", "cudagraph")
+# The oldest transformers the package supports (pyproject.toml's floor, checked when specresearch.models is imported):
+# on 5.17 the whole suite runs and its only failures are what 5.25 (scripts/constraints.txt, the records' version)
+# changed in transformers itself; before 5.14 the attention layout cannot be read at all (docs/environments.md).
+TRANSFORMERS_FLOOR = "5.17"
 CUDA_GRAPH_MODES = ("reduce-overhead", "cudagraph")  # the choices (and engine.captured modes) that capture CUDA graphs
 
 

@@ -559,3 +559,34 @@ def test_calibration_says_on_stderr_what_it_times_once(monkeypatch, tmp_path, ca
     monkeypatch.setattr(kernels, "_CHOSEN_ROWS", {})
     kernels.choose_skinny_rows(model, repeats=1)  # the stored answer: nothing timed, nothing said
     assert "timing" not in capsys.readouterr().err
+
+
+def test_an_older_transformers_is_named_with_its_fix():
+    """Below ``config.TRANSFORMERS_FLOOR`` the package fails at import with both versions and the pip line (before 5.14
+    it failed deep inside the first model load: ``cannot import name 'get_layer_types_and_kwargs'``); pyproject's
+    floor is the same version, and the command line says it in one line."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from specresearch.checks import OutdatedDependency
+    from specresearch.config import TRANSFORMERS_FLOOR
+    from specresearch.models import check_transformers
+
+    with pytest.raises(ImportError, match=rf"transformers 4\.57\.6 is installed, and specresearch needs >= "
+                                          rf"{TRANSFORMERS_FLOOR}: pip install -U 'transformers>={TRANSFORMERS_FLOOR}'"):
+        check_transformers("4.57.6")
+    for fine in (TRANSFORMERS_FLOOR, "5.25.0", "5.26.0.dev0", "6.0.0"):
+        check_transformers(fine)
+    check_transformers()  # this environment's
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'"transformers>=([0-9.]+)"', pyproject).group(1) == TRANSFORMERS_FLOOR
+    old = ("import importlib.metadata as m; real = m.version; "
+           "m.version = lambda name: '5.0.0' if name == 'transformers' else real(name); "
+           "from specresearch.cli import main; raise SystemExit(main(['generate', 'hi']))")
+    run = subprocess.run([sys.executable, "-c", old], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        f"specresearch: error: transformers 5.0.0 is installed, and specresearch needs >= {TRANSFORMERS_FLOOR}: pip "
+        f"install -U 'transformers>={TRANSFORMERS_FLOOR}' (docs/environments.md)"], run.stderr
+    assert issubclass(OutdatedDependency, ImportError)
