@@ -160,6 +160,34 @@ def test_generate_refuses_a_prompt_its_model_cannot_read_before_loading_a_draft(
     monkeypatch.setattr(drafts, "draft_from_name", lambda *args, **kwargs: pytest.fail("a draft loaded first"))
     _user_error(capsys, ["generate", "hi", "--model", str(tmp_path)], "prompt token ids must be in [0, vocab_size=64)")
 
+
+def test_a_checkpoint_without_its_tokenizer_or_with_another_targets_draft_is_named(capsys, tmp_path):
+    """Weights saved without a tokenizer (transformers' own error named a tokenizer backend), and a checkpoint the
+    default draft was not trained for (a random-weight Llama with the embedded vocabulary): one line each, saying what
+    to save or which drafts serve it; prompt lookup then decodes it."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from specresearch.models.embedded import cache_dir, load_embedded
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    capsys.readouterr()
+    _user_error(capsys, ["generate", "hi", "--model", str(tmp_path)], f"{tmp_path} holds a model but no tokenizer",
+                f"tokenizer.save_pretrained('{tmp_path}')")
+    assert main(["generate", "hi", "--draft", str(tmp_path)]) == 2  # as a draft: after the target (and its calibration)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"specresearch generate: error: {tmp_path} "
+                                                                       "holds a model but no tokenizer")
+    if not (cache_dir() / "smollm2-135m-instruct" / "config.json").exists():
+        load_embedded(device="cpu")
+    AutoTokenizer.from_pretrained(cache_dir() / "smollm2-135m-instruct", local_files_only=True).save_pretrained(tmp_path)
+    capsys.readouterr()
+    for draft in ([], ["--draft", "v8k-4l"]):
+        _user_error(capsys, ["generate", "hi", "--model", str(tmp_path), *draft], "was trained for another target "
+                    "(hidden size 576, vocabulary 49152; this target's: 32, 49152)", "prompt lookup ('ngram')")
+    assert main(["generate", "hi", "--model", str(tmp_path), "--draft", "ngram", "--max-new-tokens", "3"]) == 0
+
 @pytest.mark.slow
 def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch):
     """``generate`` without --draft uses GENERATE_DRAFT (its greedy text equals --autoregressive's), and

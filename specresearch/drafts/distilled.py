@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from specresearch.checks import check_field, named_preset
 from specresearch.drafts.store import (
     _STORAGE_DTYPES,
-    _check_fingerprint,
+    check_fingerprint,
     drafts_dir,
     embedding_fingerprint,
     manifest_path,
@@ -247,7 +247,7 @@ def load_draft(target, directory: str | os.PathLike):
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    _check_fingerprint(target, manifest["target"], directory)
+    check_fingerprint(target, manifest["target"], directory)
     config = DraftConfig(**{**manifest["draft_config"], "init_layers": None})
     tensors = load_file(str(weights_path(directory, _WEIGHTS_FILE)))
     head_ids = tensors.pop(_HEAD_IDS, None)

@@ -28,7 +28,6 @@ a true feature and re-feeds the accepted tokens with the target's true features.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.feature_draft import DecoderLayer, FeatureDraft, RMSNorm, rollout, rope_base
 from specresearch.drafts.store import (
     _STORAGE_DTYPES,
+    check_fingerprint,
     drafts_dir,
     embedding_fingerprint,
     manifest_path,
@@ -315,11 +315,7 @@ def load_feature_head(target, directory: str | os.PathLike) -> FeatureHead:
     """Rebuild a shipped feature head against ``target`` (checked to be the target it was trained on)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    expected_target = manifest["target"]
-    actual = embedding_fingerprint(target)
-    if any(actual[k] != expected_target[k] for k in ("vocab_size", "hidden_size")) or not all(
-            math.isclose(actual[k], expected_target[k], rel_tol=1e-3, abs_tol=1e-3) for k in ("embedding_sum", "embedding_sq_sum")):
-        raise ValueError(f"target does not match the target the feature head in {directory} was trained on")
+    check_fingerprint(target, manifest["target"], directory)
     config = FeatureHeadConfig(**{**manifest["feature_head_config"], "init_layer": None})
     tensors = load_file(str(weights_path(directory, _WEIGHTS_FILE)))
     head = build_feature_head(target, config, head_token_ids=tensors.pop(_HEAD_IDS, None))

@@ -15,7 +15,7 @@ from specresearch.drafts.distilled import SubsetHead, load_draft
 from specresearch.drafts.ngram import NGramDraft
 from specresearch.drafts.store import draft_digest, drafts_dir, manifest_path, shipped_drafts
 from specresearch.models.causal_lm import CausalLM
-from specresearch.models.embedded import load_embedded
+from specresearch.models.embedded import load_embedded, load_tokenizer
 from specresearch.models.kernels import choose_kernel_rows, use_half_weights, use_int8_weights, use_kernel_rows
 from specresearch.models.protocols import check_same_tokenizer
 
@@ -105,9 +105,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
             return load_feature_draft(target, trained)
         return CausalLM(load_draft(target.model, trained), device=target.device, fuse_projections=_fuses(target))
     if tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(name, local_files_only=True))
+        check_same_tokenizer(tokenizer, load_tokenizer(name, local_files_only=True))
     return CausalLM(name, device=target.device, fuse_projections=_fuses(target))
 
 

@@ -19,8 +19,8 @@ import torch
 
 from specresearch.paths import cache_dir, data_dir
 
-__all__ = ["drafts_dir", "shipped_drafts", "embedding_fingerprint", "manifest_path", "read_manifest", "write_manifest",
-           "weights_path", "pack_weights", "draft_digest"]
+__all__ = ["drafts_dir", "shipped_drafts", "embedding_fingerprint", "check_fingerprint", "manifest_path", "read_manifest",
+           "write_manifest", "weights_path", "pack_weights", "draft_digest"]
 
 _PACKED = ".xz"
 
@@ -55,12 +55,19 @@ def embedding_fingerprint(model) -> dict:
     }
 
 
-def _check_fingerprint(target, expected: dict, where: Path) -> None:
+def check_fingerprint(target, expected: dict, where: Path) -> None:
+    """Raise unless ``target`` is the target the draft saved in ``where`` was trained on (``expected``: its manifest's
+    :func:`embedding_fingerprint`), saying what a draft for another target is."""
     actual = embedding_fingerprint(target)
     same_shape = all(actual[k] == expected[k] for k in ("vocab_size", "hidden_size"))
     close = all(math.isclose(actual[k], expected[k], rel_tol=1e-3, abs_tol=1e-3) for k in ("embedding_sum", "embedding_sq_sum"))
     if not (same_shape and close):
-        raise ValueError(f"target does not match the target the draft in {where} was trained on: {actual} vs {expected}")
+        shapes = "same sizes, other embedding weights" if same_shape else (
+            f"hidden size {expected['hidden_size']}, vocabulary {expected['vocab_size']}; this target's: "
+            f"{actual['hidden_size']}, {actual['vocab_size']}")
+        raise ValueError(f"the draft in {where} was trained for another target ({shapes}): a trained draft serves "
+                         "its own target (the shipped ones the embedded smollm2-135m-instruct); for this one use prompt "
+                         "lookup ('ngram'), 'truncated:N' (its own first N layers) or a draft trained for it")
 
 
 def manifest_path(directory: str | os.PathLike) -> Path:

@@ -25,7 +25,8 @@ import torch
 from specresearch import paths
 from specresearch.models.causal_lm import CausalLM
 
-__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "gguf_path", "load_embedded", "load_model", "weights_digest"]
+__all__ = ["EmbeddedSpec", "EMBEDDED", "cache_dir", "gguf_path", "load_embedded", "load_model", "load_tokenizer",
+           "weights_digest"]
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,24 @@ def load_model(name_or_path: str, *, device: str | torch.device = "auto", dtype:
     """
     if name_or_path in EMBEDDED:
         return load_embedded(name_or_path, device=device, dtype=dtype if dtype is not None else torch.float32)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=os.path.isdir(name_or_path))
+    tokenizer = load_tokenizer(name_or_path)
     tokenizer.padding_side = "left"
     return CausalLM(name_or_path, device=device, dtype=dtype, device_map=device_map), tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(name_or_path: str, local_files_only: bool | None = None):
+    """A checkpoint's tokenizer (``local_files_only``: default, for a directory). A directory holding none of
+    ``TOKENIZER_FILES`` (weights saved without their tokenizer) is refused with what to save; transformers' own message
+    names a backend instead."""
+    from transformers import AutoTokenizer
+
+    local = os.path.isdir(name_or_path)
+    if local and not any((Path(name_or_path) / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"{name_or_path} holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                         f"save the tokenizer it was trained with beside its weights, "
+                         f"tokenizer.save_pretrained({name_or_path!r})")
+    offline = local if local_files_only is None else local_files_only
+    return AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline)
