@@ -61,8 +61,11 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
     Args:
         prompts: a string or a list of strings (user messages; with ``chat=False`` used as they are), or token ids.
         target, draft, tokenizer: a pair (``load_pair``) or None: the embedded SmolLM2-135M-Instruct and the CLI's
-            default draft ``GENERATE_DRAFT`` (``ngram+fp16:eagle3-v8k``), loaded once per call; ``draft`` may also be
-            a name (``drafts.registry.draft_from_name``) for the given or the embedded target.
+            default draft ``GENERATE_DRAFT`` (``ngram+fp16:eagle3-v8k``), loaded once per call. ``target`` may also be
+            a name or checkpoint directory (``models.embedded.load_model``, its tokenizer taken unless one is given)
+            or a transformers causal LM (wrapped in ``CausalLM``, which works on it in place); ``draft`` a name
+            (``drafts.registry.draft_from_name``) for the given or the embedded target, or a transformers causal LM
+            sharing the target's tokenizer.
         chat: wrap each string in the tokenizer's chat template (as the CLI does unless ``--raw``).
         verifier, gamma, max_new_tokens, sampling, seed, options: as :func:`speculative_generate` (``num_drafts=``,
             ``stop_below=``, ...). ``gamma="auto"`` (default), as the CLI: for a chain ``engine.cost.default_config``
@@ -85,6 +88,9 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
     if announce is not None and not callable(announce):
         raise TypeError(f"announce must be a callable taking one message (e.g. print), or None; got {announce!r}")
     default_draft = draft is None or draft == GENERATE_DRAFT
+    if target is not None:
+        target, tokenizer = _as_target(target, tokenizer)
+        draft = draft if draft is None or isinstance(draft, str) else _as_model(draft, "draft", target.device)
     if target is None:
         from specresearch.drafts.registry import load_pair
 
@@ -111,3 +117,30 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
     options = {**options, **chosen}
     return speculative_generate(target, draft, rows, tokenizer=tokenizer, verifier=verifier, gamma=gamma,
                                 max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, **options)
+
+
+def _as_target(target, tokenizer):
+    """``generate``'s target as a model the engine drives, and the tokenizer (a checkpoint's own unless given)."""
+    import os
+
+    if isinstance(target, (str, os.PathLike)):
+        from specresearch.models.embedded import load_model
+
+        target, own = load_model(str(target))
+        return target, tokenizer if tokenizer is not None else own
+    return _as_model(target, "target", "auto"), tokenizer
+
+
+def _as_model(model, role: str, device):
+    """A transformers causal LM wrapped in ``CausalLM``; anything else as given, but a target must be one of the
+    engine's models (``prefill`` / ``score``)."""
+    import torch
+
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config") and not hasattr(model, "prefill"):
+        from specresearch.models.causal_lm import CausalLM
+
+        return CausalLM(model, device=device)
+    if role == "target" and not (hasattr(model, "prefill") and hasattr(model, "score")):
+        raise TypeError(f"target must be a name, a checkpoint directory, a transformers causal LM or one of the "
+                        f"toolkit's models (load_pair, models.CausalLM), got {type(model).__name__}")
+    return model

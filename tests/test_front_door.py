@@ -36,6 +36,36 @@ def test_generate_builds_a_named_draft_for_the_given_target():
 
 
 
+def test_generate_takes_a_transformers_model_or_a_checkpoint_directory(tmp_path):
+    """A transformers causal LM (target or draft) is wrapped in ``CausalLM``, a directory loaded with its tokenizer:
+    the tokens of the same pair driven through the engine; anything else is named (it raised AttributeError)."""
+    from transformers import AutoTokenizer
+
+    from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.embedded import cache_dir, load_embedded
+    from specresearch.models.families import perturbed_copy, tiny_family_model
+
+    def pair():
+        target = tiny_family_model("qwen2", "sdpa")
+        return target, perturbed_copy(target, noise=0.3)
+
+    kwargs = dict(gamma=2, max_new_tokens=8, seed=1)
+    target, draft = pair()
+    want = specresearch.speculative_generate(CausalLM(target, device="cpu"), CausalLM(draft, device="cpu"), [[1, 2, 3]],
+                                             **kwargs)
+    kwargs["chat"] = False
+    target, draft = pair()
+    assert specresearch.generate([[1, 2, 3]], target=target, draft=draft, **kwargs).tokens == want.tokens
+    if not (cache_dir() / "smollm2-135m-instruct" / "config.json").exists():
+        load_embedded(device="cpu")  # its tokenizer, saved beside the checkpoint
+    AutoTokenizer.from_pretrained(cache_dir() / "smollm2-135m-instruct", local_files_only=True).save_pretrained(tmp_path)
+    target, draft = pair()
+    target.save_pretrained(tmp_path)
+    assert specresearch.generate([[1, 2, 3]], target=str(tmp_path), draft=draft, **kwargs).tokens == want.tokens
+    with pytest.raises(TypeError, match="target must be a name, a checkpoint directory, a transformers causal LM"):
+        specresearch.generate([[1, 2, 3]], target=3, draft="ngram", **kwargs)
+
+
 def test_generate_refuses_a_prompt_the_target_cannot_read_before_it_times_anything(monkeypatch):
     """A token id past the target's vocabulary fails with the engine's error (as a prompt too long for its context
     does) before ``gamma="auto"`` times this machine's step costs (tens of seconds on a large model)."""
