@@ -54,6 +54,22 @@ def test_all_masked_row_is_an_error():
         logits_to_probs(torch.full((2, VOCAB), -math.inf), SamplingConfig())
 
 
+def test_a_transformers_model_or_other_object_is_named_not_an_attribute_error():
+    """A transformers model handed to the engine as it is (it raised AttributeError: no 'prefill') is told to be wrapped;
+    another object is named by what it lacks."""
+    hf = tiny_llama(VOCAB).model  # the transformers LlamaForCausalLM inside the wrapper
+    wrap = r"got LlamaForCausalLM: wrap a transformers model in models.causal_lm.CausalLM\(model\)"
+    with pytest.raises(TypeError, match=r"^target must be a language model the engine drives \(prefill, score, "
+                                        r"rollback missing.*" + wrap):
+        speculative_generate(hf, _toy(), [[1, 2]])
+    with pytest.raises(TypeError, match="^draft must be a language model.*" + wrap):
+        speculative_generate(_toy(), hf, [[1, 2]])
+    with pytest.raises(TypeError, match=r"^target must be .*\(prefill, score missing.*" + wrap):
+        autoregressive_generate(hf, [[1, 2]])
+    with pytest.raises(TypeError, match=r"draft must be .*\(prefill, score, rollback missing.*\), got str$"):
+        speculative_generate(_toy(), "v8k-4l", [[1, 2]])
+
+
 def test_mismatched_vocab_sizes():
     with pytest.raises(ValueError, match=r"draft vocab_size 9 != target vocab_size 8.*same tokenizer"):
         speculative_generate(_toy(), _toy(1, vocab=9), [[1, 2]])

@@ -75,7 +75,13 @@ from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _r
 from specresearch.engine.timing import clock, step_clock
 from specresearch.engine.topk_tree import dynamic_tree_step
 from specresearch.engine.tree import TOPK_LAWS, TREE_VERIFIERS, check_tree_args, tree_randomness, tree_step
-from specresearch.models.protocols import FeatureReader, PlansLength, RowExpander, check_same_vocab
+from specresearch.models.protocols import (
+    FeatureReader,
+    PlansLength,
+    RowExpander,
+    check_language_model,
+    check_same_vocab,
+)
 
 __all__ = [
     "StepRecord",
@@ -275,6 +281,8 @@ def speculative_generate(
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
+    check_language_model(target, "target")
+    check_language_model(draft, "draft")
     tree = num_drafts != 1 or draft_law != "iid" or (isinstance(verifier, str) and verifier in TREE_VERIFIERS)
     check_int("num_drafts", num_drafts, meaning="draft paths per step")
     if stop_below is not None and (isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0 <= stop_below <= 1):
@@ -419,6 +427,7 @@ def autoregressive_generate(
     ``step_timing``, ``compile``: as :func:`speculative_generate`'s (captured steps: one target call a step).
     """
     _check_generation_args(max_new_tokens)
+    check_language_model(target, "target", ("prefill", "score"))
     mode = runner_mode(compile, target.device, static_available(target))
     if mode is not None:
         return static_generate(target, None, prompts, plan=plan_for("", 0, autoregressive=True),

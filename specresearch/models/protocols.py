@@ -24,8 +24,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["LanguageModel", "PlansLength", "check_same_vocab", "check_same_tokenizer", "FeatureReader", "TreeScorer", "RowExpander",
-           "StaticModel", "StaticFeatureModel", "HasStaticForm"]
+__all__ = ["LanguageModel", "PlansLength", "check_language_model", "check_same_vocab", "check_same_tokenizer",
+           "FeatureReader", "TreeScorer", "RowExpander", "StaticModel", "StaticFeatureModel", "HasStaticForm"]
 
 
 @runtime_checkable
@@ -39,6 +39,17 @@ class LanguageModel(Protocol):
     def reset(self, batch_size: int) -> None: ...
     def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor: ...
     def rollback(self, n) -> None: ...
+
+def check_language_model(model, role: str, methods: tuple[str, ...] = ("prefill", "score", "rollback")) -> None:
+    """Raise ``TypeError`` unless ``model`` has :class:`LanguageModel`'s ``methods`` (``role``: its name in the
+    message); a transformers model is told how to wrap it (``models.causal_lm.CausalLM``)."""
+    missing = [name for name in methods if not callable(getattr(model, name, None))]
+    if missing:
+        wrap = (": wrap a transformers model in models.causal_lm.CausalLM(model)"
+                if isinstance(model, torch.nn.Module) and hasattr(model, "config") else "")
+        raise TypeError(f"{role} must be a language model the engine drives ({', '.join(missing)} missing: "
+                        f"models.protocols.LanguageModel), got {type(model).__name__}{wrap}")
+
 
 def check_same_vocab(target, draft) -> None:
     """Raise ``ValueError`` unless ``target.vocab_size == draft.vocab_size``."""
