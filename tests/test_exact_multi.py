@@ -378,3 +378,18 @@ def test_traversal_parent_weight_renormalised_by_the_draft_mass_is_not_lossless(
     law = step_distribution_multi(p, q, 2, 1, "traversal", draft_law="without_replacement")
     first = [sum(m for seq, m in law.items() if seq[0] == y) for y in vocab]
     assert first == list(p)
+
+
+def test_a_large_step_law_shows_its_progress(monkeypatch, capsys):
+    """From ``PROGRESS_FROM`` draft tuples a step's enumeration draws a bar on stderr naming the step; the law is the
+    same. Below it, nothing is drawn."""
+    import specresearch.exact.multi as multi
+
+    p, q = exact.two_symbol_example()
+    quiet = multi.expected_accepted_multi(p, q, 2, 2, "traversal")
+    assert "exact traversal" not in capsys.readouterr().err
+    monkeypatch.setattr(multi, "PROGRESS_FROM", 1)
+    assert multi.expected_accepted_multi(p, q, 2, 2, "traversal") == quiet
+    assert "exact traversal step law, K = 2, gamma = 2, V = 2" in capsys.readouterr().err
+    multi.step_distribution_multi(p, q, 2, 1, "kseq")
+    assert "exact kseq step law, K = 2, gamma = 1, V = 2" in capsys.readouterr().err

@@ -436,10 +436,26 @@ def _check_step_args(draft, num_drafts, gamma, method, draft_law):
     return num_drafts, gamma, _check_method(method, num_drafts, gamma), _check_draft_law(draft_law)
 
 
+# Draft tuples in one step's law from which enumerating it shows a progress bar: (V^gamma)^K grows fast (V = 4, K = 3,
+# gamma = 3: 262,144 tuples, about 80 s of traversal's law here), and a bare loop says nothing meanwhile.
+PROGRESS_FROM = 20_000
+
+
+def _draft_tuples(draft, num_drafts: int, gamma: int, draft_law: str, prefix: tuple, method: str):
+    """``draft_paths_law``'s (paths, probability) pairs, behind a progress bar from ``PROGRESS_FROM`` of them."""
+    law = draft_paths_law(draft, num_drafts, gamma, draft_law, prefix)
+    if len(law) < PROGRESS_FROM:
+        return law.items()
+    from tqdm.auto import tqdm
+
+    return tqdm(law.items(), total=len(law), unit="drafts", leave=False,
+                desc=f"exact {method} step law, K = {num_drafts}, gamma = {gamma}, V = {len(draft(prefix))}")
+
+
 def _step_law(target, draft, num_drafts: int, gamma: int, method: str, draft_law: str, prefix: tuple) -> dict:
     """{emitted: P} of one step with Fractions (every method but K-SEQ)."""
     law_fn, out = _law_fn(method), defaultdict(Fraction)
-    for paths, prob in draft_paths_law(draft, num_drafts, gamma, draft_law, prefix).items():
+    for paths, prob in _draft_tuples(draft, num_drafts, gamma, draft_law, prefix, method):
         for seq, p in law_fn(target, draft, paths, prefix).items():
             out[seq] += prob * p
     return {seq: v for seq, v in out.items() if v}
@@ -448,7 +464,7 @@ def _step_law(target, draft, num_drafts: int, gamma: int, method: str, draft_law
 def _kseq_step_law(target, draft, num_drafts: int, draft_law: str, prefix: tuple):
     """(field, {emitted: element of Q(rho*)}) of one K-SEQ step; rho* depends on the prefix only."""
     field, out = RhoField(kseq_rho(target(prefix), draft(prefix), num_drafts)), {}
-    for paths, prob in draft_paths_law(draft, num_drafts, 1, draft_law, prefix).items():
+    for paths, prob in _draft_tuples(draft, num_drafts, 1, draft_law, prefix, "kseq"):
         _, law = kseq_law(target, draft, paths, prefix, field)
         for seq, v in law.items():
             out[seq] = out.get(seq, field.zero) + field.num(prob) * v
