@@ -437,7 +437,7 @@ def _check_step_args(draft, num_drafts, gamma, method, draft_law):
 
 
 # Draft tuples in one step's law from which enumerating it shows a progress bar: (V^gamma)^K grows fast (V = 4, K = 3,
-# gamma = 3: 262,144 tuples, about 80 s of traversal's law here), and a bare loop says nothing meanwhile.
+# gamma = 3: 262,144 tuples, 60 s for traversal's expected acceptance here), and a bare loop says nothing meanwhile.
 PROGRESS_FROM = 20_000
 
 
