@@ -45,20 +45,13 @@ def shorten(text: str, limit: int = 160) -> str:
 
 
 def check_device(device: str) -> None:
-    """``--device``: a device torch knows and this machine has (before any model loads)."""
-    import torch
+    """``--device``: a device torch knows and this machine has (before any model loads; the API's message, flagged)."""
+    from specresearch.models.causal_lm import resolve_device
 
-    if device == "auto":
-        return
     try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {device!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: torch sees no CUDA device on this machine (a CPU build of torch, or no GPU); "
-                         "use --device cpu or auto")
-    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError(f"--device {device}: torch sees no Apple GPU (MPS) on this machine; use --device cpu or auto")
+        resolve_device(device)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
 
 
 def check_graph_device(args) -> None:

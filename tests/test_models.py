@@ -590,3 +590,24 @@ def test_an_older_transformers_is_named_with_its_fix():
         f"specresearch: error: transformers 5.0.0 is installed, and specresearch needs >= {TRANSFORMERS_FLOOR}: pip "
         f"install -U 'transformers>={TRANSFORMERS_FLOOR}' (docs/environments.md)"], run.stderr
     assert issubclass(OutdatedDependency, ImportError)
+
+
+def test_a_device_this_machine_lacks_is_named():
+    """``resolve_device`` (every model load goes through it): an unknown device, or one this machine lacks, is a
+    ValueError naming it and what to pass; torch's own was an AssertionError ("Torch not compiled with CUDA enabled")."""
+    from specresearch.models.causal_lm import resolve_device
+
+    with pytest.raises(ValueError, match=r"device 'tpu' is not a device: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"):
+        resolve_device("tpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=rf"device 'cuda:99': this machine has {torch.cuda.device_count()} CUDA"):
+            resolve_device("cuda:99")
+    else:
+        for device in ("cuda", "cuda:1", torch.device("cuda")):
+            with pytest.raises(ValueError, match="torch sees no CUDA device on this machine.*use 'cpu' or 'auto'"):
+                resolve_device(device)
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match="torch sees no Apple GPU"):
+            resolve_device("mps")
+    assert resolve_device("cpu") == torch.device("cpu") == resolve_device(torch.device("cpu"))
+    assert resolve_device("auto").type in ("cuda", "mps", "cpu")

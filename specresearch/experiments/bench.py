@@ -526,8 +526,10 @@ def run_named(target_name: str, draft_name: str, config: BenchConfig, path: str 
     if executor is not None and batched:
         raise ValueError("a batched sweep runs every prompt in one call per setting: leave out the executor")
     from specresearch.drafts.registry import weights_digests
+    from specresearch.engine.prompts import load_prompts
     from specresearch.models.embedded import EMBEDDED, load_model, weights_digest
 
+    select_prompts(load_prompts(prompts_path or default_prompts_path()), config.categories)  # before a model loads
     target, tokenizer = load_model(target_name, device=device)
     draft = load_bench_draft(draft_name, target)
     configs, choices = [config], [None]

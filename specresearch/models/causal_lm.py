@@ -40,14 +40,29 @@ __all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_c
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"`` -> cuda if available, else mps, else cpu; anything else is passed to ``torch.device``."""
-    if str(device) != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    """``"auto"`` -> cuda if available, else mps, else cpu; anything else is passed to ``torch.device``. A device this
+    machine lacks is a ``ValueError`` saying so (torch's own errors, an ``AssertionError`` "Torch not compiled with
+    CUDA enabled" at the first tensor, name neither the argument nor what to pass)."""
+    if str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps") if _mps_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device {device!r} is not a device: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA device on this machine (a CPU build of torch, or no "
+                         "GPU); use 'cpu' or 'auto'")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if resolved.type == "mps" and not _mps_available():
+        raise ValueError(f"device {device!r}: torch sees no Apple GPU (MPS) on this machine; use 'cpu' or 'auto'")
+    return resolved
+
+
+def _mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
 class SlotMask:
