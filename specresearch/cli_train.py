@@ -12,26 +12,45 @@ from specresearch.cli_checks import check_prompts_file
 __all__ = ["add_distill", "add_feature_distill"]
 
 
-def add_distill(sub, command) -> None:
-    p = command(sub, "distill",
-                 "train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)",
-                 "  specresearch distill --preset v8k-1l --prompts data/distill_prompts.jsonl --steps 40 "
-                 "--out /tmp/my-draft --max-minutes 10")
-    p.add_argument("--preset", default="v8k-4l", help="draft preset (specresearch.drafts.distilled.DRAFT_PRESETS)")
+# The flags both commands share with their config's fields (each command adds its own after these)
+_COMMON_FIELDS = [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float),
+                  ("--warmup-steps", int), ("--checkpoint-every", int)]
+
+
+def _training_command(sub, command, name: str, what: str, example: str, preset: str, presets: str, config: str,
+                      fields: list):
+    """A training command's parser: its preset (default ``preset``; ``presets``: that flag's help), the embedded
+    target and one flag per field of its ``config`` dataclass (``_COMMON_FIELDS`` + ``fields``)."""
+    p = command(sub, name, what, example)
+    p.add_argument("--preset", default=preset, help=presets)
     p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
-    for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float),
-                       ("--warmup-steps", int), ("--corpus-temperature", float), ("--corpus-max-new-tokens", int),
-                       ("--corpus-samples-per-prompt", int), ("--corpus-batch-size", int), ("--checkpoint-every", int),
-                       ("--teacher-top-k", int), ("--weight-decay", float)]:
-        p.add_argument(flag, type=kind, help="TrainConfig field (default: the dataclass default)")
+    for flag, kind in _COMMON_FIELDS + fields:
+        p.add_argument(flag, type=kind, help=f"{config} field (default: the dataclass default)")
+    return p
+
+
+def add_distill(sub, command) -> None:
+    p = _training_command(sub, command, "distill",
+                          "train a KL-distilled draft for the embedded target (resumable; ships to data/drafts/)",
+                          "  specresearch distill --preset v8k-1l --prompts data/distill_prompts.jsonl --steps 40 "
+                          "--out /tmp/my-draft --max-minutes 10", "v8k-4l", "draft preset (specresearch.drafts.distilled.DRAFT_PRESETS)",
+                          "TrainConfig",
+                          [("--corpus-temperature", float), ("--corpus-max-new-tokens", int),
+                           ("--corpus-samples-per-prompt", int), ("--corpus-batch-size", int), ("--teacher-top-k", int),
+                           ("--weight-decay", float)])
     p.add_argument("--prompts", default="data/distill_prompts.jsonl", help="distillation prompts")
+    p.add_argument("--measure-tokens", type=int, default=64, help="continuation length in the measurement")
+    _add_run_flags(p)
+    p.set_defaults(func=_run_distill)
+
+
+def _add_run_flags(p) -> None:
+    """The flags both training commands share: the held-out measurement, where the draft goes, time and threads."""
     p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")
     p.add_argument("--heldout-prompts", type=int, default=14, help="how many held-out prompts (evenly spaced)")
-    p.add_argument("--measure-tokens", type=int, default=64, help="continuation length in the measurement")
     p.add_argument("--out", help="output directory (default data/drafts/<preset>)")
     p.add_argument("--max-minutes", type=float, help="stop and checkpoint after this long; rerun the command to resume")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.set_defaults(func=_run_distill)
 
 
 def _run_distill(args) -> int:
@@ -63,16 +82,13 @@ def _run_distill(args) -> int:
 
 
 def add_feature_distill(sub, command) -> None:
-    p = command(sub, "feature-distill",
-                 "train an EAGLE-style feature draft for the embedded target (resumable; ships to data/drafts/)",
-                 "  specresearch feature-distill --preset eagle3-v8k --chunks 1 --steps 20 --out /tmp/my-head "
-                 "--max-minutes 10")
-    p.add_argument("--preset", default="eagle3-v8k", help="feature head preset (specresearch.drafts.feature.FEATURE_PRESETS)")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="embedded target model")
-    for flag, kind in [("--seed", int), ("--steps", int), ("--batch-size", int), ("--seq-len", int), ("--lr", float), ("--warmup-steps", int),
-                       ("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float), ("--checkpoint-every", int),
-                       ("--tv-loss-weight", float)]:
-        p.add_argument(flag, type=kind, help="FeatureTrainConfig field (default: the dataclass default)")
+    p = _training_command(sub, command, "feature-distill",
+                          "train an EAGLE-style feature draft for the embedded target (resumable; ships to data/drafts/)",
+                          "  specresearch feature-distill --preset eagle3-v8k --chunks 1 --steps 20 --out /tmp/my-head "
+                          "--max-minutes 10", "eagle3-v8k",
+                          "feature head preset (specresearch.drafts.feature.FEATURE_PRESETS)", "FeatureTrainConfig",
+                          [("--rollout", int), ("--feature-loss-weight", float), ("--feature-noise", float),
+                           ("--tv-loss-weight", float)])
     p.add_argument("--bf16-autocast", action="store_true", default=None,
                    help="train under bfloat16 autocast (FeatureTrainConfig.bf16_autocast; float32 weights and optimiser)")
     p.add_argument("--prompts", default="data/distill_prompts_xl.jsonl", help="corpus prompts")
@@ -90,11 +106,7 @@ def add_feature_distill(sub, command) -> None:
                         "committed); collection and training rebuild the chunks it holds instead of sampling them. With "
                         "--first-chunk N (at most the chunks the file holds) only chunks N on are collected, and the file "
                         "keeps the ids it holds")
-    p.add_argument("--heldout", default="data/prompts.jsonl", help="held-out prompts for the measurement")
-    p.add_argument("--heldout-prompts", type=int, default=14, help="how many held-out prompts (evenly spaced)")
-    p.add_argument("--out", help="output directory (default data/drafts/<preset>)")
-    p.add_argument("--max-minutes", type=float, help="stop and checkpoint after this long; rerun the command to resume")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    _add_run_flags(p)
     p.set_defaults(func=_run_feature_distill)
 
 
