@@ -40,7 +40,8 @@ import torch
 from specresearch.audit.blocks import BlockStore
 from specresearch.audit.execute import default_pair, execute
 from specresearch.audit.plots import plot_executed
-from specresearch.audit.report import config_key as key, executed_table, largest_runs, row_config_key
+from specresearch.audit.report import config_key as key
+from specresearch.audit.report import executed_table, largest_runs, row_config_key
 from specresearch.drafts.registry import load_pair
 from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
 from specresearch.experiments.plotting import save_figure

@@ -217,11 +217,10 @@ def worker(name: str, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
+    from benchmarks import audit_libraries as this  # the recipes by their module's name, here and in Ray's workers
     from specresearch.audit.execute import execute
     from specresearch.experiments.executor import LocalExecutor, loaded, make_executor
     from specresearch.experiments.records import git_commit
-
-    from benchmarks import audit_libraries as this  # the recipes by their module's name, here and in Ray's workers
 
     target, draft, tokenizer = loaded(this.pair)
     executor = None if args.power is None else make_executor(args, local=LocalExecutor)

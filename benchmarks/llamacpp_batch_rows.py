@@ -70,7 +70,13 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/records/llamacpp_batch_rows.json")
     args = parser.parse_args()
 
-    from specresearch.audit.llamacpp import LlamaServer, llamacpp_home, run_speculative, simple_steps, write_scaled_draft
+    from specresearch.audit.llamacpp import (
+        LlamaServer,
+        llamacpp_home,
+        run_speculative,
+        simple_steps,
+        write_scaled_draft,
+    )
     from specresearch.engine.prompts import encode_chat
     from specresearch.experiments.records import record_header, write_json_record
     from specresearch.models.embedded import gguf_path, load_embedded

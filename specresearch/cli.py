@@ -19,6 +19,7 @@ from pathlib import Path
 _USER_ERRORS = (ValueError, OSError)
 # specresearch generate's drafts: the fastest on this CPU at its default gamma (docs/feature_drafts.md), and
 # a plain language model for --method contrastive, which scores whole prefixes with it.
+from specresearch.checks import OutdatedDependency  # noqa: E402 (what an old environment raises)
 from specresearch.cli_audit import add_audit_engine  # noqa: E402 (audit-engine lives beside this file)
 from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside the parser)
     TREE_RULES,
@@ -29,7 +30,6 @@ from specresearch.cli_checks import (  # noqa: E402 (the flag checks live beside
     shorten,
 )
 from specresearch.cli_train import add_distill, add_feature_distill  # noqa: E402 (so do the training commands)
-from specresearch.checks import OutdatedDependency  # noqa: E402 (what an old environment raises)
 from specresearch.config import COMPILE_CHOICES, GENERATE_DRAFT, GENERATE_GAMMA, GENERATE_MARGIN  # noqa: E402 (shared)
 
 CONTRASTIVE_AMATEUR = "v8k-4l"

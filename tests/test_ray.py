@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import ray  # noqa: F401 -- a dev dependency (pyproject's [dev]): its absence fails here, loudly
+import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.experiments.stats import SampleBlock, lossless_test, sample_block, sequence_law

@@ -63,12 +63,12 @@ from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.results import (
     GenerationResult,
-    check_context,
     _eos_set,
     _generators,
     _result,
     _Rows,
     _untimed,
+    check_context,
 )
 from specresearch.engine.static import plan_for, runner_mode, static_available, static_generate
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step

@@ -47,7 +47,7 @@ from specresearch.core.draws import inverse_cdf, uniforms
 from specresearch.core.verify import block_verify, greedy_verify, token_verify
 from specresearch.engine.captured import StepRunner
 from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.results import GenerationResult, check_context, _eos_set, _generators, _result, _Rows
+from specresearch.engine.results import GenerationResult, _eos_set, _generators, _result, _Rows, check_context
 from specresearch.engine.static_trees import CAPTURED_TREE_RULES, draft_tree, tree_uniforms, verify_tree
 from specresearch.engine.steps import StepChecks, StepRecord
 from specresearch.engine.timing import clock
