@@ -132,15 +132,17 @@ def _as_target(target, tokenizer):
 
 
 def _as_model(model, role: str, device):
-    """A transformers causal LM wrapped in ``CausalLM``; anything else as given, but a target must be one of the
-    engine's models (``prefill`` / ``score``)."""
+    """A transformers causal LM wrapped in ``CausalLM``; anything else as given, a target checked to be one the
+    engine drives (``models.protocols.check_language_model``, the engine's own check, before the front door uses it)."""
     import torch
 
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and not hasattr(model, "prefill"):
         from specresearch.models.causal_lm import CausalLM
 
         return CausalLM(model, device=device)
-    if role == "target" and not (hasattr(model, "prefill") and hasattr(model, "score")):
-        raise TypeError(f"target must be a name, a checkpoint directory, a transformers causal LM or one of the "
-                        f"toolkit's models (load_pair, models.CausalLM), got {type(model).__name__}")
+    if role == "target":
+        from specresearch.models.protocols import check_language_model
+
+        check_language_model(model, "target", takes="a name, a checkpoint directory, a transformers causal LM or one "
+                                                    "of the toolkit's models (load_pair, models.CausalLM)")
     return model

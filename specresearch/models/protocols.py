@@ -40,15 +40,17 @@ class LanguageModel(Protocol):
     def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor: ...
     def rollback(self, n) -> None: ...
 
-def check_language_model(model, role: str, methods: tuple[str, ...] = ("prefill", "score", "rollback")) -> None:
+def check_language_model(model, role: str, methods: tuple[str, ...] = ("prefill", "score", "rollback"),
+                         takes: str = "a language model the engine drives") -> None:
     """Raise ``TypeError`` unless ``model`` has :class:`LanguageModel`'s ``methods`` (``role``: its name in the
-    message); a transformers model is told how to wrap it (``models.causal_lm.CausalLM``)."""
+    message, ``takes``: what the caller accepts there); a transformers model is told how to wrap it
+    (``models.causal_lm.CausalLM``)."""
     missing = [name for name in methods if not callable(getattr(model, name, None))]
     if missing:
         wrap = (": wrap a transformers model in models.causal_lm.CausalLM(model)"
                 if isinstance(model, torch.nn.Module) and hasattr(model, "config") else "")
-        raise TypeError(f"{role} must be a language model the engine drives ({', '.join(missing)} missing: "
-                        f"models.protocols.LanguageModel), got {type(model).__name__}{wrap}")
+        raise TypeError(f"{role} must be {takes} ({', '.join(missing)} missing: models.protocols.LanguageModel), "
+                        f"got {type(model).__name__}{wrap}")
 
 
 def check_same_vocab(target, draft) -> None:
