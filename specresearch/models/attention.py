@@ -31,7 +31,10 @@ rolled back past them): a windowed layer's call reads the whole context, masked,
 nothing while the context is shorter than the window (the figures of docs/engine_and_models.md), and memory and
 attention time linear in the context past it. Layer types are transformers' own
 (``cache_utils.get_layer_types_and_kwargs``); any other type than full and sliding attention (chunked attention,
-linear attention, KV sharing) is refused with one line.
+linear attention, KV sharing) is refused with one line. So is a model whose attention places a key by its slot in
+the cache rather than by the position ids the wrapper passes (the ALiBi of Bloom, MPT and Falcon-RW, GPT-Neo's
+windowed local layers, which mask over slots in their own buffer): in a tree or after a rollback its logits would be
+wrong without an error; and a model without a KV cache (GPT-1).
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
 mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
@@ -102,6 +105,16 @@ def attention_layout(model) -> AttentionLayout:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
+    import inspect
+
+    if not {"cache", "past_key_values"} & set(inspect.signature(model.forward).parameters):  # 5.25's name, 5.17's
+        raise ValueError(f"{_name(model)} takes no KV cache, so it cannot score drafts after a cached context: use a "
+                         "model of another family")
+    reads_slots = _positions_from_slots(config)
+    if reads_slots:
+        raise ValueError(f"{_name(model)} {reads_slots}, not from the positions CausalLM passes: in a draft tree, a "
+                         "rolled-back row or a static cache a token's slot is not its position, and its logits would "
+                         "be wrong: use a model of another family")
     kinds, options = get_layer_types_and_kwargs(config)
     if isinstance(options, dict):  # older transformers (5.17): one kwargs mapping for every layer, not one per layer
         options = [options] * len(kinds)
@@ -118,6 +131,20 @@ def attention_layout(model) -> AttentionLayout:
         if windows.setdefault(kind, window) != window:
             raise ValueError(f"{_name(model)} has {kind!r} layers with different windows; CausalLM takes one per type")
     return AttentionLayout(model.config._attn_implementation, tuple(windows.items()))
+
+
+def _positions_from_slots(config) -> str | None:
+    """What a model's attention takes token positions from where it is not the position ids and additive mask the
+    wrapper hands it (module docstring), or None: transformers' ALiBi families (Bloom, Falcon with ``alibi``, MPT)
+    and GPT-Neo's local layers (a window over slots, from the attention's own buffer) place a key by its slot."""
+    kind = getattr(config, "model_type", "")
+    if kind == "bloom" or (kind == "falcon" and getattr(config, "alibi", False)):
+        return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
+    if kind == "mpt":
+        return "computes ALiBi from each key's slot in the cache"
+    if kind == "gpt_neo" and "local" in getattr(config, "attention_layers", ()):
+        return "windows its local layers over cache slots (its attention's own causal buffer)"
+    return None
 
 
 def exact_kernel(model, *, may_switch: bool = True) -> str | None:
