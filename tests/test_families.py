@@ -8,6 +8,9 @@
   families' contexts grow past their window; dead slots pile up and the cache is packed on the way).
 * Losslessness at T = 1 through the engine, one tree rule per family (statistical; false-positive rate below).
 * A negative control: the same matrix case with the window left out differs, so the window is what it checks.
+* A second matrix: 17 more families on transformers' own kernels and one step kind of each loop; the families whose
+  attention places keys by cache slot (ALiBi, GPT-Neo's local layers) or keeps no cache are refused in one line, and
+  let through they give wrong tree logits (the negative control of that refusal).
 """
 
 import json
@@ -20,15 +23,25 @@ import transformers
 from helpers import explain_static_calls, tree_path, visible_from_parents
 
 from specresearch.config import SamplingConfig
-from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, reference_tokens, run_case
+from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, more_cases, reference_tokens, run_case
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.attention import AttentionLayout, attention_layout
 from specresearch.models.causal_lm import CausalLM, experts_in_float64
-from specresearch.models.families import FAMILIES, WINDOW, perturbed_copy, tiny_family_config, tiny_family_model
+from specresearch.models.families import (
+    FAMILIES,
+    MORE_FAMILIES,
+    REFUSED_FAMILIES,
+    WINDOW,
+    perturbed_copy,
+    tiny_family_config,
+    tiny_family_model,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = json.loads((ROOT / "benchmarks" / "records" / "family_matrix.json").read_text())
 RECORDED = {(row["family"], row["kernel"], row["step"]): row["status"] for row in RECORD["rows"]}
+RECORD_MORE = json.loads((ROOT / "benchmarks" / "records" / "family_matrix_more.json").read_text())
+RECORDED_MORE = {(row["family"], row["kernel"], row["step"]): row["status"] for row in RECORD_MORE["rows"]}
 
 WINDOWED = [f for f in FAMILIES if getattr(tiny_family_config(f), "sliding_window", None)
             and (f != "qwen2" or tiny_family_config(f).use_sliding_window)]
@@ -52,6 +65,67 @@ def test_the_engine_gives_generates_tokens(family, kernel, step):
         assert result.status in ("exact", "not offered"), result
     if result.status == "refused":  # one line naming the model, the kernel and what to load instead
         assert "\n" not in result.detail and family in result.detail.lower() and "attn_implementation=" in result.detail
+
+
+@pytest.mark.parametrize("family, kernel, step", more_cases())
+def test_more_families_give_generates_tokens_or_are_refused(family, kernel, step):
+    """The second matrix: more families on transformers' own kernels give ``generate``'s tokens (or transformers
+    offers no such kernel); the families whose attention places keys by cache slot, or that keep no cache, are
+    refused before the first step in one line naming the model and why."""
+    result = run_case(family, kernel, step)
+    assert result.status == RECORDED_MORE[family, kernel, step], (
+        f"rerun benchmarks/family_matrix.py --more --docs ({result})")
+    if family in MORE_FAMILIES:
+        assert result.status in ("exact", "not offered"), result
+    else:
+        assert result.status in ("refused", "not offered"), result
+    if result.status == "refused":
+        assert "\n" not in result.detail and "use a model of another family" in result.detail
+        assert result.detail.startswith(type(tiny_family_model(family, "eager")).__name__), result.detail
+
+
+@pytest.mark.parametrize("family", [f for f in REFUSED_FAMILIES if f != "gpt-1"])  # GPT-1: no cache at all
+def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch):
+    """Negative control: let a refused family through (the check names no problem) and its cached tree logits differ
+    from an uncached forward of each path (MPT, GPT-Neo: wrong without an error), or its tree call fails (Bloom,
+    Falcon-RW, whose ALiBi takes a 2-D mask only)."""
+    import specresearch.models.attention as attention
+
+    monkeypatch.setattr(attention, "_positions_from_slots", lambda config: None)
+    reference = tiny_family_model(family, "eager")
+    lm = CausalLM(tiny_family_model(family, "eager"), device="cpu")
+    lm.prefill(torch.tensor([[5, 9, 2, 33, 7, 8, 3, 4]]), torch.ones(1, 8, dtype=torch.long))
+    parents = [-1, 0, 0, 2]  # a, b, c (child of b), d (child of c): b and c sit one slot past their positions
+    lm.begin_tree()
+    try:
+        logits = lm.score_tree(torch.tensor([[10, 20, 30, 40]]), torch.tensor([[0, 0, 1, 2]]),
+                               visible_from_parents(parents))
+    except ValueError:
+        assert family in ("bloom", "falcon-rw")
+        return
+    history = [5, 9, 2, 33, 7, 8, 3, 4]
+    worst = max((logits[0, i] - _uncached(reference, history + tree_path(torch.tensor([10, 20, 30, 40]), parents, i)))
+                .abs().max().item() for i in range(4))
+    assert worst > 1e-3, (family, worst)
+
+
+def test_gpt_neo_without_local_layers_is_taken():
+    """The refusal names GPT-Neo's local layers, not the family: one whose layers are all global gives generate's
+    tokens through chains and trees."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_family_config("gpt-neo", attention_types=[[["global"], 2]], initializer_range=0.5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference = reference_tokens(model)
+    from specresearch.engine.generate import speculative_generate
+
+    target, draft = CausalLM(model, device="cpu"), CausalLM(perturbed_copy(model), device="cpu")
+    for options in (dict(verifier="block", gamma=3), dict(verifier="traversal", num_drafts=3, gamma=3)):
+        out = speculative_generate(target, draft, PROMPTS, max_new_tokens=NEW_TOKENS,
+                                   sampling=SamplingConfig(temperature=0.0), **options)
+        assert [list(row) for row in out.tokens] == reference, options
 
 
 def test_the_matrix_covers_windows_alternating_layers_and_softcapping():
@@ -110,13 +184,16 @@ def _uncached(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+NO_SDPA = ("gemma2", "gpt-oss", "xglm")  # families transformers offers no sdpa
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_cached_tree_scoring_equals_each_path_uncached(family, kernel):
     try:
         model = tiny_family_model(family, kernel)
     except ValueError:
-        assert kernel == "sdpa" and family == "gemma2"  # transformers offers Gemma-2 no sdpa
+        assert kernel == "sdpa" and family in NO_SDPA
         return
     reference = tiny_family_model(family, "eager")  # an uncached forward of transformers' own, untouched model
     lm = CausalLM(model, device="cpu")
@@ -256,6 +333,9 @@ def test_the_docs_table_is_the_records():
     block = docs.split("<!-- family-matrix: generated by benchmarks/family_matrix.py -->\n", 1)[1]
     assert block.split("<!-- family-matrix: end -->", 1)[0] == matrix_table(RECORD["rows"])
     assert set(RECORDED) == set(all_cases())
+    block = docs.split("<!-- family-matrix-more: generated by benchmarks/family_matrix.py --more -->\n", 1)[1]
+    assert block.split("<!-- family-matrix-more: end -->", 1)[0] == matrix_table(RECORD_MORE["rows"])
+    assert set(RECORDED_MORE) == set(more_cases())
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it)")
@@ -275,7 +355,7 @@ def test_the_engine_gives_generates_tokens_on_cuda():
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_every_familys_captured_steps_trace_as_one_graph(family, kernel):
     """What a captured step asks of each family's own code: the static target's calls of a chain step and of a tree

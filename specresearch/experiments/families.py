@@ -7,6 +7,8 @@ every step kind the engine has (``STEPS``: block and token chains, the five samp
 static trees, and the captured steps over static caches: chains, both top-k trees and sampled paths). The reference is transformers' ``generate(do_sample=False)`` of the same model
 on each prompt alone; an EOS token that ends a row early is taken from that reference. ``tests/test_families.py``
 asserts every case; ``benchmarks/family_matrix.py`` writes the table of docs/engine_and_models.md from the same cases.
+A second matrix (``more_cases``) runs more families on transformers' own kernels and one step kind of each loop, and
+the families the wrapper refuses.
 
 A case's status:
 
@@ -28,9 +30,9 @@ from specresearch.config import SamplingConfig
 from specresearch.engine.generate import speculative_generate
 from specresearch.models.attention import use_packed_sdpa
 from specresearch.models.causal_lm import CausalLM
-from specresearch.models.families import FAMILIES, perturbed_copy, tiny_family_model
+from specresearch.models.families import FAMILIES, MORE_FAMILIES, REFUSED_FAMILIES, perturbed_copy, tiny_family_model
 
-__all__ = ["KERNELS", "CUDA_KERNELS", "STEPS", "PROMPTS", "CaseResult", "run_case", "reference_tokens", "family_wrapper"]
+__all__ = ["KERNELS", "CUDA_KERNELS", "STEPS", "MORE_KERNELS", "MORE_STEPS", "more_cases", "PROMPTS", "CaseResult", "run_case", "reference_tokens", "family_wrapper"]
 
 PROMPTS = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12, 13, 14], [20, 21]]
 NEW_TOKENS = 12
@@ -166,6 +168,17 @@ def all_cases(families=tuple(FAMILIES), kernels=tuple(KERNELS), steps=tuple(STEP
     return [(f, k, s) for f in families for k in kernels for s in steps]
 
 
+# The second matrix: more families on transformers' own two kernels and one step kind of each loop
+MORE_KERNELS = ("eager", "sdpa")
+MORE_STEPS = ("chain", "sampled tree", "dynamic tree", "captured chain", "captured sampled tree")
+
+
+def more_cases() -> list[tuple[str, str, str]]:
+    """The cases of ``MORE_FAMILIES`` and ``REFUSED_FAMILIES`` (``models.families``): ``MORE_KERNELS`` x
+    ``MORE_STEPS``."""
+    return all_cases((*MORE_FAMILIES, *REFUSED_FAMILIES), MORE_KERNELS, MORE_STEPS)
+
+
 def _cell(rows: list[dict]) -> str:
     """One table cell from a family's and kernel's rows (one per step)."""
     statuses = {row["status"] for row in rows}
@@ -187,7 +200,7 @@ def matrix_table(rows: list[dict]) -> str:
     kernels = list(dict.fromkeys(row["kernel"] for row in rows))
     lines = ["| family | " + " | ".join(f"`{k}`" for k in kernels) + " |", "|---" * (len(kernels) + 1) + "|"]
     for family in families:
-        what = FAMILIES[family][1] if family in FAMILIES else ""
+        what = {**FAMILIES, **MORE_FAMILIES, **REFUSED_FAMILIES}.get(family, ("", ""))[1]
         cells = [_cell([r for r in rows if r["family"] == family and r["kernel"] == k]) for k in kernels]
         lines.append(f"| {family} ({what}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -3,7 +3,9 @@
 Each entry sets what makes its family differ where the wrapper's masks and cache could go wrong: grouped-query
 heads, a sliding window shorter than the tests' contexts (6 slots), alternating local / global layers, attention
 soft-capping, absolute or learned positions, parallel attention, mixture-of-experts MLPs. The test matrix
-(``tests/test_families.py``) and the table of docs/engine_and_models.md (``benchmarks/family_matrix.py``) run these.
+(``tests/test_families.py``) and the table of docs/engine_and_models.md (``benchmarks/family_matrix.py``) run
+``FAMILIES`` on every kernel and step kind, ``MORE_FAMILIES`` on transformers' own kernels and the main step kinds,
+and ``REFUSED_FAMILIES``, which the wrapper refuses in one line.
 
 ``tiny_family_model(family, kernel)`` -> a transformers model in float32 on the CPU with the attention ``kernel``
 (``"eager"``, ``"sdpa"``, ``"flex_attention"``, ...), reproducible from ``seed``.
@@ -13,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair"]
+__all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1)
 
 # Gemma's embeddings are scaled by sqrt(hidden) and tied to the output layer: a random tied model repeats its last
-# token, so the Gemma entries untie them. family -> (transformers config class name, what this family's entry exercises, settings over _SIZES)
+# token, so the Gemma entries (and XGLM, BioGPT below) untie or unscale them. family -> (transformers config class name, what this family's entry exercises, settings over _SIZES)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "Llama 2/3: RoPE, grouped-query heads", {}),
     "qwen2": ("Qwen2Config", "Qwen2 / Qwen2.5: q/k/v biases", {}),
@@ -48,14 +50,59 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "starcoder2": ("Starcoder2Config", "StarCoder2: windowed, biases", dict(sliding_window=WINDOW)),
 }
 
+_ALTERNATING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+# More families, on transformers' own kernels and the engine's main step kinds (experiments.families.more_cases)
+MORE_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "deepseek-v3": ("DeepseekV3Config", "DeepSeek-V2/V3, Kimi-K2: latent attention (keys and values of other widths), "
+                    "experts", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                                    qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                    first_k_dense_replace=1, n_group=1, topk_group=1, moe_intermediate_size=16)),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3 MoE: q/k norms, experts",
+                  dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    "gpt-oss": ("GptOssConfig", "gpt-oss: attention sinks, alternating windowed / global layers, experts",
+                dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, **_ALTERNATING)),
+    "cohere2": ("Cohere2Config", "Command R7B: alternating windowed / global layers, parallel block", _ALTERNATING),
+    "exaone4": ("Exaone4Config", "EXAONE 4: alternating windowed / global layers, q/k norms",
+                dict(sliding_window_pattern=2, **_ALTERNATING)),
+    "ministral": ("MinistralConfig", "Ministral: alternating windowed / global layers", dict(head_dim=8, **_ALTERNATING)),
+    "smollm3": ("SmolLM3Config", "SmolLM3: layers without RoPE", dict(no_rope_layers=[1, 0])),
+    "olmo2": ("Olmo2Config", "OLMo 2: norms after attention and MLP, q/k norms", {}),
+    "granite": ("GraniteConfig", "Granite: scaled embeddings, residuals and logits", {}),
+    "cohere": ("CohereConfig", "Command R: parallel block, scaled tied logits", {}),
+    "glm4": ("Glm4Config", "GLM-4: partial rotary, extra norms", dict(head_dim=8)),
+    "stablelm": ("StableLmConfig", "StableLM: partial rotary, layer norms", {}),
+    "gpt-j": ("GPTJConfig", "GPT-J: parallel block, interleaved rotary",
+              dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256)),
+    "codegen": ("CodeGenConfig", "CodeGen: fused qkv in blocks, rotary",
+                dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, n_ctx=256)),
+    "gpt-bigcode": ("GPTBigCodeConfig", "StarCoder 1 / SantaCoder: multi-query, learned positions",
+                    dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
+    "xglm": ("XGLMConfig", "XGLM: sinusoidal positions", dict(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
+                                                                tie_word_embeddings=False)),
+    "biogpt": ("BioGptConfig", "BioGPT: learned positions", dict(scale_embedding=False)),
+}
+# Families CausalLM refuses in one line (models.attention): they place a key by its cache slot, or keep no cache
+REFUSED_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "bloom": ("BloomConfig", "BLOOM: ALiBi from the padding mask", dict(n_embed=32, n_layer=2, n_head=4)),
+    "falcon-rw": ("FalconConfig", "Falcon-RW: ALiBi from the padding mask", dict(new_decoder_architecture=False,
+                                                                                alibi=True)),
+    "mpt": ("MptConfig", "MPT: ALiBi over cache slots", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256)),
+    "gpt-neo": ("GPTNeoConfig", "GPT-Neo: local layers windowed over cache slots",
+                dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                     window_size=WINDOW, max_position_embeddings=256)),
+    "gpt-1": ("OpenAIGPTConfig", "GPT-1: no KV cache", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
+}
+
 
 def tiny_family_config(family: str, **overrides):
-    """The tiny config of ``family`` (a key of ``FAMILIES``), ``overrides`` on top."""
+    """The tiny config of ``family`` (a key of ``FAMILIES``, ``MORE_FAMILIES`` or ``REFUSED_FAMILIES``), ``overrides``
+    on top."""
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
-    class_name, _, settings = FAMILIES[family]
+    known = {**FAMILIES, **MORE_FAMILIES, **REFUSED_FAMILIES}
+    if family not in known:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(known)}")
+    class_name, _, settings = known[family]
     return getattr(transformers, class_name)(**{**_SIZES, **settings, **overrides})
 
 
