@@ -324,3 +324,37 @@ def test_cli_generate_parses_into_a_command():
                                       "--draft", "truncated:4", "--temperature", "0"])
     assert args.func.__name__ == "_run_generate" and (args.gamma, args.top_k, args.draft) == (3, 5, "truncated:4")
     assert build_parser().parse_args(["report"]).command == "report"  # the existing command is intact
+
+
+def test_a_chat_ends_where_transformers_generate_ends_it():
+    """With a tokenizer the engine stops where transformers' ``generate`` stops: at the tokenizer's EOS and at every id
+    of the target's generation config (Gemma's ``<end_of_turn>``, Phi-3's ``<|end|>``, which end a chat turn while the
+    tokenizer's EOS is another token); chains, captured steps and plain decoding alike. An explicit ``eos_token_id``
+    is taken as it is."""
+    from types import SimpleNamespace
+
+    from specresearch.experiments.families import reference_tokens
+    from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.families import perturbed_copy, tiny_family_model
+
+    model = tiny_family_model("llama")
+    prompt = [5, 9, 3]
+    tokenizer = SimpleNamespace(eos_token_id=1, decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    reference = reference_tokens(model, [prompt], 12)[0]
+    stop = reference[4]
+    assert 1 not in reference and reference.index(stop) < 11
+    model.generation_config.eos_token_id = [1, stop]
+    ended = reference[: reference.index(stop) + 1]
+    generated = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=1)
+    assert generated[0, len(prompt):].tolist() == ended
+    target, draft = CausalLM(model, device="cpu"), CausalLM(perturbed_copy(model), device="cpu")
+    runs = {"chain": speculative_generate(target, draft, [prompt], gamma=3, tokenizer=tokenizer, max_new_tokens=12,
+                                          sampling=GREEDY),
+            "captured": speculative_generate(target, draft, [prompt], gamma=3, tokenizer=tokenizer, max_new_tokens=12,
+                                             sampling=GREEDY, compile="static"),
+            "plain": autoregressive_generate(target, [prompt], tokenizer=tokenizer, max_new_tokens=12, sampling=GREEDY)}
+    for name, out in runs.items():
+        assert list(out.tokens[0]) == ended, name
+    given = speculative_generate(target, draft, [prompt], gamma=3, tokenizer=tokenizer, eos_token_id=1,
+                                 max_new_tokens=12, sampling=GREEDY)
+    assert list(given.tokens[0]) == reference

@@ -251,7 +251,8 @@ def speculative_generate(
         sampling: applied identically to target and draft logits (``sampling.logits_to_probs``).
         seed: seeds the single ``torch.Generator`` used for all randomness (or is that generator); or one int per
             prompt for per-row generators (batch-independent rows; see the module docstring).
-        eos_token_id: int or ids ending a row (default: ``tokenizer.eos_token_id`` if a tokenizer is given).
+        eos_token_id: int or ids ending a row (default, with a tokenizer: its EOS and those of the target's
+            transformers generation config, where ``generate`` stops; without either, none).
         on_step: called after each step with the tokens each row kept (for streaming).
         stop_when: ``stop_when(b, tokens)`` is asked for each new token of row b with the row's new tokens up to
             and including it; True ends the row after that token, as EOS does (inside an accepted block too).
@@ -314,7 +315,7 @@ def speculative_generate(
     check_context(draft, ids, max_new_tokens, gamma)
     device = target.device
     generators = _generators(seed, len(ids), device)
-    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids), stop_when)
+    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids), stop_when)
     t0 = clock(device)
     reads = isinstance(draft, FeatureReader)  # reads the target's hidden states: re-fed true features each step
     if reads:
@@ -437,7 +438,7 @@ def autoregressive_generate(
     check_context(target, ids, max_new_tokens)
     device = target.device
     generators = _generators(seed, len(ids), device)
-    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer), [[] for _ in ids], [False] * len(ids))
+    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids))
     t0 = clock(device)
     _start(target, ids.to(device), mask.to(device))
     prefill_seconds = clock(device) - t0

@@ -139,12 +139,21 @@ def _generators(seed, batch: int, device) -> torch.Generator | list[torch.Genera
     return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
-def _eos_set(eos_token_id, tokenizer) -> frozenset[int]:
+def _eos_set(eos_token_id, tokenizer, target=None) -> frozenset[int]:
+    """The ids that end a row: ``eos_token_id`` as given; without it, with a tokenizer, the tokenizer's EOS and those
+    of ``target``'s transformers generation config, where transformers' ``generate`` stops too (Gemma's
+    ``<end_of_turn>``, Phi-3's ``<|end|>``: a chat turn ends there, not at the tokenizer's EOS)."""
     if eos_token_id is None and tokenizer is not None:
-        eos_token_id = tokenizer.eos_token_id
+        config = getattr(getattr(target, "model", None), "generation_config", None)
+        ids = [tokenizer.eos_token_id, *_ids(getattr(config, "eos_token_id", None))]
+        return frozenset(i for i in ids if i is not None)
+    return frozenset(_ids(eos_token_id))
+
+
+def _ids(eos_token_id) -> list[int]:
     if eos_token_id is None:
-        return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        return []
+    return [eos_token_id] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
 
 
 def _untimed(steps: list[StepRecord], tick, device) -> list[StepRecord]:

@@ -328,7 +328,7 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
     check_context(target, ids, max_new_tokens, plan.width)
     if draft is not None:
         check_context(draft, ids, max_new_tokens, plan.draft_width())
-    eos = _eos_set(eos_token_id, tokenizer)
+    eos = _eos_set(eos_token_id, tokenizer, target)
     generators = _generators(seed, batch, device)
     run, runner = _session(target, draft, plan, sampling, batch, cache_capacity(ids.shape[1] + max_new_tokens, plan), eos,
                            steps_per_read, mode)
