@@ -358,3 +358,43 @@ def test_a_chat_ends_where_transformers_generate_ends_it():
     given = speculative_generate(target, draft, [prompt], gamma=3, tokenizer=tokenizer, eos_token_id=1,
                                  max_new_tokens=12, sampling=GREEDY)
     assert list(given.tokens[0]) == reference
+
+
+@pytest.mark.parametrize("width", [60, 70])
+def test_a_draft_with_another_number_of_output_rows_runs_fitted_to_the_target(width, tmp_path):
+    """A draft that shares the target's tokenizer but not its number of output rows (Qwen2.5-0.5B's 151,936 against
+    the 7B's 152,064): refused as it is, with the fix in the message; as ``CausalLM(model, vocab_size=target's)``
+    its logits are cut or padded with -inf, greedy speculative decoding gives the target's tokens (chains, trees,
+    captured steps), and at T = 1 the first 3 tokens follow the target's law (exact Bonferroni chi-square over
+    10,000 samples: a lossless engine is rejected with probability <= 1e-6). A checkpoint draft whose tokenizer is the
+    target's is fitted by ``drafts.registry``."""
+    from specresearch.experiments.stats import lossless_test
+    from specresearch.models.causal_lm import CausalLM
+
+    target = tiny_llama(64, seed=0, init_std=0.6)
+    other = tiny_llama(width, seed=1, init_std=0.6).model
+    with pytest.raises(ValueError, match=r"CausalLM\(model, vocab_size=64\)"):
+        speculative_generate(target, CausalLM(other, device="cpu"), PROMPTS, max_new_tokens=4)
+    draft = CausalLM(other, device="cpu", vocab_size=64)
+    assert (draft.vocab_size, draft.own_vocab_size) == (64, width)
+    logits = draft.prefill(torch.tensor([[5, 9, 2]]), torch.ones(1, 3, dtype=torch.long))
+    assert logits.shape == (1, 64) and (torch.isinf(logits[0, width:]).all() if width < 64 else True)
+    reference = autoregressive_generate(target, PROMPTS, max_new_tokens=16, sampling=GREEDY)
+    for options in (dict(gamma=3), dict(gamma=3, compile="static"), dict(verifier="traversal", num_drafts=3, gamma=2)):
+        out = speculative_generate(target, draft, PROMPTS, max_new_tokens=16, sampling=GREEDY, **options)
+        assert out.tokens == reference.tokens, options
+    result = lossless_test(target, draft, "block", [5, 9, 2, 33], sampling=SamplingConfig(), gamma=3, k=3,
+                           max_new_tokens=4, num_samples=10_000, seed=3, batch_size=5_000)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specresearch.drafts.registry import draft_from_name
+
+    vocab = {"<unk>": 0, "x": 1, "y": 2}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+    other.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = draft_from_name(str(tmp_path), target, tokenizer=tokenizer)
+    assert (loaded.vocab_size, loaded.own_vocab_size) == (64, width)

@@ -73,7 +73,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     int8 weights and a scale per output row (:func:`int8_weight_draft`).
 
     ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
-    (``check_same_tokenizer``).
+    (``check_same_tokenizer``), and its logits are fitted to the target's width where their numbers of output rows
+    differ (``CausalLM(vocab_size=...)``: Qwen2.5-0.5B for Qwen2.5-7B).
     """
     if name == "ngram":
         return NGramDraft(target.vocab_size, device=target.device)
@@ -104,9 +105,11 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         if is_feature_draft_dir(trained):
             return load_feature_draft(target, trained)
         return CausalLM(load_draft(target.model, trained), device=target.device, fuse_projections=_fuses(target))
-    if tokenizer is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(name, local_files_only=True))
-    return CausalLM(name, device=target.device, fuse_projections=_fuses(target))
+    if tokenizer is None:
+        return CausalLM(name, device=target.device, fuse_projections=_fuses(target))
+    check_same_tokenizer(tokenizer, load_tokenizer(name, local_files_only=True))
+    # the same tokenizer: rows past its ids are padding, so logits of another width are fitted to the target's
+    return CausalLM(name, device=target.device, fuse_projections=_fuses(target), vocab_size=target.vocab_size)
 
 
 def _fuses(target) -> bool | None:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from specresearch.checks import check_int
 from specresearch.models import fused
 from specresearch.models.attention import attention_layout, exact_kernel, use_cpu_sdpa, use_packed_sdpa
 from specresearch.models.kernels import (
@@ -33,7 +34,7 @@ from specresearch.models.kernels import (
     use_kernel_rows,
     use_skinny_linears,
 )
-from specresearch.models.static_lm import StaticCausalLM
+from specresearch.models.static_lm import StaticCausalLM, fit_width, readable
 
 __all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
            "placement", "experts_in_float64"]
@@ -248,6 +249,13 @@ class CausalLM:
             calls on the CPU, the same weights). ``None``: fused wherever the model is whole (not split). Fusing
             works on ``model`` in place: each member's parameter becomes a new one, a view of its group's tensor (an
             optimizer built on the old ones no longer reaches them); ``False`` leaves them as they are.
+        vocab_size: the logits' width, when it is not the model's own: a draft that shares its target's tokenizer
+            but not its number of output rows (Qwen2.5-0.5B's 151,936 against Qwen2.5-7B's 152,064: rows past the
+            tokenizer's ids are padding) gets logits over the target's ids, its own cut or padded with -inf (a
+            token it cannot propose has probability 0, which every verifier takes; the output law stays the
+            target's). A narrower model reads an id past its rows (one the shared tokenizer never produces; a random
+            target may) as its last row: that changes what it proposes, never the output law.
+            ``drafts.registry`` passes it for a checkpoint draft whose tokenizer is the target's.
 
     Every family and kernel gets the masks it applies (:mod:`specresearch.models.attention`): tree calls and, for a
     model with sliding-window layers, every call carry an additive mask built from the slots' positions; windows are
@@ -258,7 +266,9 @@ class CausalLM:
 
     def __init__(self, model, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
                  device_map: str | dict | None = None, skinny_linear: bool | None = None, switch_attention: bool = True,
-                 fuse_projections: bool | None = None):
+                 fuse_projections: bool | None = None, vocab_size: int | None = None):
+        if vocab_size is not None:
+            check_int("vocab_size", vocab_size, meaning="the logits' width")
         if isinstance(model, (str, os.PathLike)):
             model = _from_pretrained(model, dtype, device_map)
         elif device_map is not None:
@@ -294,6 +304,7 @@ class CausalLM:
             use_packed_sdpa(self.model)  # a masked call of a grouped-query layer without transformers' K / V copies
         self._cache = None
         self._slots: SlotMask | None = None
+        self.width = vocab_size if vocab_size != self.own_vocab_size else None  # the logits' width, when not own
 
     @property
     def device(self) -> torch.device:
@@ -302,7 +313,12 @@ class CausalLM:
 
     @property
     def vocab_size(self) -> int:
-        """Size of the logits' last dimension (may exceed ``len(tokenizer)``)."""
+        """Size of the logits' last dimension (may exceed ``len(tokenizer)``; ``vocab_size=`` where given)."""
+        return self.width if self.width is not None else self.own_vocab_size
+
+    @property
+    def own_vocab_size(self) -> int:
+        """The model's own number of output rows."""
         head = self.model.get_output_embeddings()  # out_features: nn.Linear, or a head over a token subset
         return int(getattr(head, "out_features", head.weight.shape[0])) if head is not None else int(self.model.config.get_text_config().vocab_size)
 
@@ -410,7 +426,7 @@ class CausalLM:
         slots each new one sees, for tree calls; by default a chain's (``SlotMask.visible_to_last``)."""
         with torch.no_grad():
             out = self.model(
-                input_ids=tokens.to(self.device),
+                input_ids=readable(tokens.to(self.device), self),
                 attention_mask=self._mask(positions, visible),
                 position_ids=positions,
                 use_cache=True,
@@ -419,10 +435,11 @@ class CausalLM:
                 output_hidden_states=hidden_layers is not None,
             )
         assert self._cache.get_seq_length() == self._slots.length
+        logits = fit_width(out.logits.float(), self.width)
         if hidden_layers is None:
-            return out.logits.float(), None
+            return logits, None
         hidden = torch.cat([out.hidden_states[i].to(self.device) for i in hidden_layers], dim=-1)  # layers' devices
-        return out.logits.float(), hidden.float()
+        return logits, hidden.float()
 
     def _mask(self, positions: torch.Tensor, visible: torch.Tensor | None):
         """The attention mask of a call appending slots at ``positions [B, k]``: the 2-D slot mask where transformers
@@ -489,3 +506,4 @@ def _from_pretrained(name_or_path, dtype, device_map):
 def _gather_slots(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``cache [B, heads, L, width]`` with each row's slots ``index [B, L']`` in that order."""
     return cache.gather(2, index[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[-1]))
+

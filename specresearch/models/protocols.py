@@ -58,7 +58,9 @@ def check_same_vocab(target, draft) -> None:
     if target.vocab_size != draft.vocab_size:
         raise ValueError(
             f"draft vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}: the draft must "
-            "produce logits over the target's vocabulary (same tokenizer, same logits size)"
+            "produce logits over the target's vocabulary (same tokenizer, same logits size); a transformers draft "
+            "with the target's tokenizer and another number of output rows (Qwen2.5-0.5B for Qwen2.5-7B) runs as "
+            f"CausalLM(model, vocab_size={target.vocab_size})"
         )
 
 

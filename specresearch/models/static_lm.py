@@ -22,7 +22,7 @@ import torch
 from specresearch.models import fused
 from specresearch.models.static_cache import StaticRows, keep_path, static_kv_cache
 
-__all__ = ["StaticCausalLM"]
+__all__ = ["StaticCausalLM", "fit_width", "readable"]
 
 
 class StaticCausalLM:
@@ -82,12 +82,13 @@ class StaticCausalLM:
         self._cache.writes.slots = call.slots
         mask = self._attention.masks(call.allowed, call.positions, call.key_positions, self.model.dtype)
         with torch.no_grad():
-            out = self.model(input_ids=tokens, attention_mask=mask, position_ids=call.positions, use_cache=True,
+            out = self.model(input_ids=readable(tokens, self.lm), attention_mask=mask, position_ids=call.positions, use_cache=True,
                              **{self._cache_argument: self._cache}, logits_to_keep=logits_to_keep,
                              output_hidden_states=hidden_layers is not None)
+        logits = fit_width(out.logits.float(), self.lm.width)
         if hidden_layers is None:
-            return out.logits.float(), None
-        return out.logits.float(), torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1).float()
+            return logits, None
+        return logits, torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1).float()
 
     def commit(self, n: torch.Tensor | int) -> None:
         """Keep the first ``n [B]`` slots the last calls wrote past each row's length."""
@@ -96,3 +97,21 @@ class StaticCausalLM:
     def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
         """Keep a tree call's path: ``source [B, m]`` its call indices in order, the first ``n [B]`` kept."""
         keep_path(self._kvs, self.rows, source, n)
+
+
+def fit_width(logits: torch.Tensor, width: int | None) -> torch.Tensor:
+    """``logits [..., V]`` over ``width`` ids (``CausalLM``'s ``vocab_size``): cut, or padded with -inf; as they are
+    for ``None``."""
+    if width is None or width == logits.shape[-1]:
+        return logits
+    if width < logits.shape[-1]:
+        return logits[..., :width]
+    return torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
+
+
+def readable(tokens: torch.Tensor, lm) -> torch.Tensor:
+    """``tokens`` as ``lm`` (a ``CausalLM``) reads them: an id past a narrower model's own rows (``vocab_size=``
+    wider than its own) becomes its last row."""
+    if lm.width is None or lm.width <= lm.own_vocab_size:
+        return tokens
+    return tokens.clamp(max=lm.own_vocab_size - 1)
