@@ -126,6 +126,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
     p.add_argument("--device-map", default=None, help='e.g. "auto": shard a large --model across GPUs')
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the target's weights and arithmetic (a checkpoint draft takes the target's): auto = the "
+                        "checkpoint's (the embedded model's float32). In bfloat16 greedy speculative decoding can part "
+                        "from greedy autoregressive decoding where logits nearly tie (docs/engine_and_models.md)")
     p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     p.add_argument("--autoregressive", action="store_true", help="plain decoding with the target (no draft)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
@@ -184,12 +188,13 @@ def _run_generate(args) -> int:
     requested = "auto" if args.gamma is None else args.gamma  # resolved once the models are loaded
     args.gamma = GENERATE_GAMMA if requested == "auto" else requested  # (the flag checks need a count)
     check_generate_flags(args)
-    if args.threads:
-        import torch
+    import torch
 
+    if args.threads:
         torch.set_num_threads(args.threads)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, epsilon=args.epsilon)
-    target, tokenizer = load_model(args.model, device=args.device, device_map=args.device_map)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    target, tokenizer = load_model(args.model, device=args.device, device_map=args.device_map, dtype=dtype)
     prompt = args.prompt
     if not args.raw and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

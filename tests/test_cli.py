@@ -420,3 +420,35 @@ def test_bench_default_config_runs_the_choice_at_each_temperature(monkeypatch, t
     assert asked == [(True, print), (True, print)]  # trees weighed; told what to say while timing
     info = json.loads((tmp_path / "run.json").read_text())[-1]
     assert [(c["verifiers"], c["gammas"]) for c in info["chosen"]] == [(["onehot:8:dynamic:32"], [6]), (["block"], [2])]
+
+
+def test_generate_dtype_sets_the_targets_arithmetic_and_a_checkpoint_draft_follows(capsys, monkeypatch, tmp_path):
+    """``--dtype``: ``auto`` keeps a checkpoint's dtype (bfloat16 here, as transformers loads it), ``float32`` loads it
+    in float32 (the arithmetic in which greedy speculative decoding keeps autoregressive decoding's tokens on a CPU);
+    a checkpoint draft (saved in float32) computes in the target's dtype."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    import specresearch.drafts.registry as drafts
+    import specresearch.models.embedded as embedded
+
+    if not (embedded.cache_dir() / "smollm2-135m-instruct" / "config.json").exists():
+        embedded.load_embedded(device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(embedded.cache_dir() / "smollm2-135m-instruct", local_files_only=True)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    for name, dtype in (("target", torch.bfloat16), ("draft", torch.float32)):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(dtype).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    loaded, load_model, draft_from_name = [], embedded.load_model, drafts.draft_from_name
+    monkeypatch.setattr(embedded, "load_model", lambda *a, **k: loaded.append(load_model(*a, **k)[0]) or
+                        (loaded[-1], tokenizer))
+    monkeypatch.setattr(drafts, "draft_from_name", lambda *a, **k: loaded.append(draft_from_name(*a, **k)) or loaded[-1])
+    capsys.readouterr()
+    for flag, dtype in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        assert main(["generate", "hi", "--model", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                     "--dtype", flag, "--max-new-tokens", "3", "--temperature", "0"]) == 0
+        assert [lm.model.dtype for lm in loaded[-2:]] == [dtype, dtype], flag
+    capsys.readouterr()
+    _user_error(capsys, ["generate", "hi", "--dtype", "float64"], "invalid choice: 'float64'")

@@ -74,7 +74,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
 
     ``tokenizer``: the target's; when given, a checkpoint draft's own tokenizer must equal it
     (``check_same_tokenizer``), and its logits are fitted to the target's width where their numbers of output rows
-    differ (``CausalLM(vocab_size=...)``: Qwen2.5-0.5B for Qwen2.5-7B).
+    differ (``CausalLM(vocab_size=...)``: Qwen2.5-0.5B for Qwen2.5-7B). A checkpoint draft takes the target's dtype.
     """
     if name == "ngram":
         return NGramDraft(target.vocab_size, device=target.device)
@@ -105,11 +105,12 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         if is_feature_draft_dir(trained):
             return load_feature_draft(target, trained)
         return CausalLM(load_draft(target.model, trained), device=target.device, fuse_projections=_fuses(target))
+    dtype = getattr(getattr(target, "model", None), "dtype", None)  # a checkpoint draft computes as its target does
     if tokenizer is None:
-        return CausalLM(name, device=target.device, fuse_projections=_fuses(target))
+        return CausalLM(name, device=target.device, dtype=dtype, fuse_projections=_fuses(target))
     check_same_tokenizer(tokenizer, load_tokenizer(name, local_files_only=True))
     # the same tokenizer: rows past its ids are padding, so logits of another width are fitted to the target's
-    return CausalLM(name, device=target.device, fuse_projections=_fuses(target), vocab_size=target.vocab_size)
+    return CausalLM(name, device=target.device, dtype=dtype, fuse_projections=_fuses(target), vocab_size=target.vocab_size)
 
 
 def _fuses(target) -> bool | None:
