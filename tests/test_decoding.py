@@ -499,3 +499,29 @@ def test_cli_generate_accepts_every_decoding_method():
         args = build_parser().parse_args(["generate", "hi", "--method", method, "--num-beams", "2",
                                           "--no-repeat-ngram", "3", "--epsilon", "0.01"])
         assert args.method == method and args.num_beams == 2 and args.no_repeat_ngram == 3
+
+
+def test_several_eos_ids_end_hypotheses_and_rows():
+    """A chat turn may end at one of several ids (the tokenizer's EOS and the generation config's, as Gemma's
+    ``<end_of_turn>``): beam search finishes a hypothesis at any of them (its list equals every hypothesis enumerated,
+    best first), and sampling ends a row at any of them, padded after it."""
+    fn, prompt, ends = markov2(seed=2, scale=1.5), [2, 0], (3, 1)
+    hypotheses = set()
+    for seq in itertools.product(range(4), repeat=3):
+        cut = next((i for i, t in enumerate(seq[:-1]) if t in ends), None)
+        seq = seq if cut is None else seq[: cut + 1]
+        hypotheses.add((sequence_log_probs(fn, torch.tensor([prompt]), torch.tensor([seq])).sum().item(), seq))
+    want = [seq for _, seq in sorted(hypotheses, key=lambda item: -item[0])[:16]]
+    got = beam_search(fn, torch.tensor([prompt]), 16, 3, eos_token_id=list(ends))
+    got_seqs = [tuple(s[2 : 2 + n].tolist()) for s, n in zip(got.sequences, got.num_generated.tolist())]
+    assert got_seqs == want
+    assert {s[-1] for s in got_seqs if len(s) < 3} == set(ends)  # hypotheses ended at each id
+    p = torch.tensor([[0.5, 0.25, 0.25], [1 / 3] * 3, [1 / 3] * 3])  # from 0: go on, or end at 1 or at 2
+    out = sample(table_fn(p.log()), torch.tensor([[0]] * 8), SamplingConfig(), 30,
+                 generator=torch.Generator().manual_seed(0), eos_token_id=[1, 2], pad_token_id=7)
+    last = set()
+    for row, n in zip(out.sequences.tolist(), out.num_generated.tolist()):
+        generated = row[1 : 1 + n]
+        assert not {1, 2} & set(generated[:-1]) and n < 30 and all(t == 7 for t in row[1 + n :])
+        last.add(generated[-1])
+    assert last == {1, 2}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -367,7 +367,7 @@ def _autoregressive(transform, logits_fn, input_ids, attention_mask, max_new_tok
     out = autoregressive_generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=generator,
                                   eos_token_id=eos_token_id, step_timing=False)
     log_probs = model.finish([row[-1] if row else None for row in out.tokens])
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    pad = _pad_id(pad_token_id, eos_token_id)
     width = max(len(row) for row in out.tokens)
     new = torch.tensor([list(row) + [pad] * (width - len(row)) for row in out.tokens], dtype=torch.long)
     generated = torch.tensor([len(row) for row in out.tokens], dtype=torch.long, device=input_ids.device)
@@ -383,7 +383,7 @@ def _blocking(ngram_size):
 
 def sample(logits_fn: LogitsFn, input_ids: torch.Tensor, sampling: SamplingConfig, max_new_tokens: int, *,
            generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-           eos_token_id: int | None = None, pad_token_id: int | None = None,
+           eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
            no_repeat_ngram_size: int | None = None) -> DecodeResult:
     """Sample ``max_new_tokens`` tokens per row from ``logits_to_probs(logits, sampling)`` (the decoding survey,
     "Sampling").
@@ -404,7 +404,8 @@ def greedy(logits_fn: LogitsFn, input_ids: torch.Tensor, max_new_tokens: int, **
 
 
 def contrastive(expert_fn: LogitsFn, amateur_fn: LogitsFn, input_ids: torch.Tensor, max_new_tokens: int, *,
-                alpha: float = 0.1, attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+                alpha: float = 0.1, attention_mask: torch.Tensor | None = None,
+                eos_token_id: int | Sequence[int] | None = None,
                 pad_token_id: int | None = None, no_repeat_ngram_size: int | None = None) -> DecodeResult:
     """Greedy contrastive decoding (Li et al. 2023): next token = argmax of :func:`contrastive_scores`.
 
@@ -449,7 +450,8 @@ def _normalised(log_prob: float, length: int, alpha: float) -> float:
 
 
 def beam_search(logits_fn: LogitsFn, input_ids: torch.Tensor, num_beams: int, max_new_tokens: int, *,
-                length_penalty: float = 0.0, eos_token_id: int | None = None, pad_token_id: int | None = None,
+                length_penalty: float = 0.0, eos_token_id: int | Sequence[int] | None = None,
+                pad_token_id: int | None = None,
                 no_repeat_ngram_size: int | None = None) -> DecodeResult:
     """Beam search (the decoding survey, "Beam Search Algorithm") for ONE prompt ``input_ids [1, T]``.
 
@@ -476,10 +478,11 @@ def beam_search(logits_fn: LogitsFn, input_ids: torch.Tensor, num_beams: int, ma
         if len(finished.items) == num_beams and bound <= finished.worst():
             break
         alive, alive_logp = _beam_step(logits_fn, prompt, alive, alive_logp, finished, step, num_beams,
-                                       length_penalty, eos_token_id, no_repeat_ngram_size, last=step == max_new_tokens)
+                                       length_penalty, _ends(eos_token_id), no_repeat_ngram_size,
+                                       last=step == max_new_tokens)
         if not alive:
             break
-    return _hypotheses_result(prompt, finished, pad_token_id if pad_token_id is not None else (eos_token_id or 0))
+    return _hypotheses_result(prompt, finished, _pad_id(pad_token_id, eos_token_id))
 
 
 def _beam_step(logits_fn, prompt, alive, alive_logp, finished, step, num_beams, alpha, eos, ngram, last):
@@ -499,7 +502,7 @@ def _beam_step(logits_fn, prompt, alive, alive_logp, finished, step, num_beams, 
         if score == -math.inf or len(new_alive) == num_beams or ended == num_beams and last:
             break
         tokens = alive[flat // vocab] + [flat % vocab]
-        if last or flat % vocab == eos:
+        if last or flat % vocab in eos:
             finished.add(_normalised(score, step, alpha), score, tokens)
             ended += 1
         else:
@@ -522,6 +525,18 @@ def _hypotheses_result(prompt, finished: _Hypotheses, pad: int) -> DecodeResult:
 # ----------------------------------------------------------------------------- entry point
 
 
+def _ends(eos_token_id) -> frozenset[int]:
+    """``eos_token_id`` (an id, several, or None) as a set."""
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([int(eos_token_id)] if isinstance(eos_token_id, int) else (int(i) for i in eos_token_id))
+
+
+def _pad_id(pad_token_id: int | None, eos_token_id) -> int:
+    """What pads a finished row: ``pad_token_id``, else the lowest EOS id, else 0."""
+    return pad_token_id if pad_token_id is not None else min(_ends(eos_token_id), default=0)
+
+
 def _concat(results: list[DecodeResult], pad: int) -> DecodeResult:
     """Stack results of different widths, right-padding the sequences."""
     width = max(r.sequences.shape[1] for r in results)
@@ -532,7 +547,7 @@ def _concat(results: list[DecodeResult], pad: int) -> DecodeResult:
 
 def decode(logits_fn: LogitsFn, input_ids: torch.Tensor, config: DecodingConfig, *,
            amateur_fn: LogitsFn | None = None, generator: torch.Generator | None = None,
-           attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+           attention_mask: torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
            pad_token_id: int | None = None) -> DecodeResult:
     """Decode ``input_ids [B, T]`` with ``config`` (see :class:`DecodingConfig`); the one entry point.
 
@@ -553,7 +568,7 @@ def decode(logits_fn: LogitsFn, input_ids: torch.Tensor, config: DecodingConfig,
     if config.method == "beam":
         runs = [beam_search(logits_fn, row[None], config.num_beams, config.max_new_tokens,
                             length_penalty=config.length_penalty, **common) for row in input_ids]
-        return _concat(runs, pad_token_id if pad_token_id is not None else (eos_token_id or 0))
+        return _concat(runs, _pad_id(pad_token_id, eos_token_id))
     sampling = SamplingConfig(temperature=0.0) if config.method == "greedy" else config.sampling
     return sample(logits_fn, input_ids, sampling, config.max_new_tokens, generator=generator,
                   attention_mask=attention_mask, **common)

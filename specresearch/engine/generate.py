@@ -63,12 +63,12 @@ from specresearch.core.verify import VERIFIERS, expected_num_accepted
 from specresearch.engine.prompts import encode_prompts
 from specresearch.engine.results import (
     GenerationResult,
-    _eos_set,
     _generators,
     _result,
     _Rows,
     _untimed,
     check_context,
+    eos_ids,
 )
 from specresearch.engine.static import plan_for, runner_mode, static_available, static_generate
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
@@ -315,7 +315,7 @@ def speculative_generate(
     check_context(draft, ids, max_new_tokens, gamma)
     device = target.device
     generators = _generators(seed, len(ids), device)
-    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids), stop_when)
+    rows = _Rows(max_new_tokens, eos_ids(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids), stop_when)
     t0 = clock(device)
     reads = isinstance(draft, FeatureReader)  # reads the target's hidden states: re-fed true features each step
     if reads:
@@ -438,7 +438,7 @@ def autoregressive_generate(
     check_context(target, ids, max_new_tokens)
     device = target.device
     generators = _generators(seed, len(ids), device)
-    rows = _Rows(max_new_tokens, _eos_set(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids))
+    rows = _Rows(max_new_tokens, eos_ids(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids))
     t0 = clock(device)
     _start(target, ids.to(device), mask.to(device))
     prefill_seconds = clock(device) - t0

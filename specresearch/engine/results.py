@@ -13,7 +13,7 @@ import torch
 from specresearch.engine.steps import StepRecord
 from specresearch.engine.timing import clock
 
-__all__ = ["GenerationResult", "check_context"]
+__all__ = ["eos_ids", "GenerationResult", "check_context"]
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def _generators(seed, batch: int, device) -> torch.Generator | list[torch.Genera
     return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
-def _eos_set(eos_token_id, tokenizer, target=None) -> frozenset[int]:
+def eos_ids(eos_token_id, tokenizer, target=None) -> frozenset[int]:
     """The ids that end a row: ``eos_token_id`` as given; without it, with a tokenizer, the tokenizer's EOS and those
     of ``target``'s transformers generation config, where transformers' ``generate`` stops too (Gemma's
     ``<end_of_turn>``, Phi-3's ``<|end|>``: a chat turn ends there, not at the tokenizer's EOS)."""
