@@ -304,7 +304,7 @@ class CausalLM:
             use_packed_sdpa(self.model)  # a masked call of a grouped-query layer without transformers' K / V copies
         self._cache = None
         self._slots: SlotMask | None = None
-        self.width = vocab_size if vocab_size != self.own_vocab_size else None  # the logits' width, when not own
+        self.logits_width = vocab_size if vocab_size != self.own_vocab_size else None  # the logits' width, when not own
 
     @property
     def device(self) -> torch.device:
@@ -314,7 +314,7 @@ class CausalLM:
     @property
     def vocab_size(self) -> int:
         """Size of the logits' last dimension (may exceed ``len(tokenizer)``; ``vocab_size=`` where given)."""
-        return self.width if self.width is not None else self.own_vocab_size
+        return self.logits_width if self.logits_width is not None else self.own_vocab_size
 
     @property
     def own_vocab_size(self) -> int:
@@ -435,7 +435,7 @@ class CausalLM:
                 output_hidden_states=hidden_layers is not None,
             )
         assert self._cache.get_seq_length() == self._slots.length
-        logits = fit_width(out.logits.float(), self.width)
+        logits = fit_width(out.logits.float(), self.logits_width)
         if hidden_layers is None:
             return logits, None
         hidden = torch.cat([out.hidden_states[i].to(self.device) for i in hidden_layers], dim=-1)  # layers' devices

@@ -85,7 +85,7 @@ class StaticCausalLM:
             out = self.model(input_ids=readable(tokens, self.lm), attention_mask=mask, position_ids=call.positions, use_cache=True,
                              **{self._cache_argument: self._cache}, logits_to_keep=logits_to_keep,
                              output_hidden_states=hidden_layers is not None)
-        logits = fit_width(out.logits.float(), self.lm.width)
+        logits = fit_width(out.logits.float(), self.lm.logits_width)
         if hidden_layers is None:
             return logits, None
         return logits, torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1).float()
@@ -112,6 +112,6 @@ def fit_width(logits: torch.Tensor, width: int | None) -> torch.Tensor:
 def readable(tokens: torch.Tensor, lm) -> torch.Tensor:
     """``tokens`` as ``lm`` (a ``CausalLM``) reads them: an id past a narrower model's own rows (``vocab_size=``
     wider than its own) becomes its last row."""
-    if lm.width is None or lm.width <= lm.own_vocab_size:
+    if lm.logits_width is None or lm.logits_width <= lm.own_vocab_size:
         return tokens
     return tokens.clamp(max=lm.own_vocab_size - 1)
