@@ -53,6 +53,7 @@ a 2-D mask.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -105,9 +106,8 @@ def attention_layout(model) -> AttentionLayout:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
-    import inspect
-
-    if not {"cache", "past_key_values"} & set(inspect.signature(model.forward).parameters):  # 5.25's name, 5.17's
+    # the cache's argument: "cache" in transformers 5.25, "past_key_values" before
+    if not {"cache", "past_key_values"} & set(inspect.signature(model.forward).parameters):
         raise ValueError(f"{_name(model)} takes no KV cache, so it cannot score drafts after a cached context: use a "
                          "model of another family")
     reads_slots = _positions_from_slots(config)

@@ -389,9 +389,9 @@ class CausalLM:
         index = self._slots.compaction()
         if index is not None:
             for layer in self._cache.layers:  # each on its layer's device under a device_map
-                index = index.to(layer.keys.device)
-                # keys and values may differ in heads and width (DeepSeek-V2/V3's latent attention caches 16 / 4 wide)
-                layer.keys, layer.values = (_gather_slots(layer.keys, index), _gather_slots(layer.values, index))
+                slots = index.to(layer.keys.device)
+                # keys and values may differ in heads and width (DeepSeek-V2/V3's latent attention: 16 and 4 wide here)
+                layer.keys, layer.values = _gather_slots(layer.keys, slots), _gather_slots(layer.values, slots)
         assert self._cache.get_seq_length() == self._slots.length
 
     def repeat_rows(self, k: int) -> None:
@@ -506,4 +506,3 @@ def _from_pretrained(name_or_path, dtype, device_map):
 def _gather_slots(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``cache [B, heads, L, width]`` with each row's slots ``index [B, L']`` in that order."""
     return cache.gather(2, index[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[-1]))
-

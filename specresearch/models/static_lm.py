@@ -82,8 +82,8 @@ class StaticCausalLM:
         self._cache.writes.slots = call.slots
         mask = self._attention.masks(call.allowed, call.positions, call.key_positions, self.model.dtype)
         with torch.no_grad():
-            out = self.model(input_ids=readable(tokens, self.lm), attention_mask=mask, position_ids=call.positions, use_cache=True,
-                             **{self._cache_argument: self._cache}, logits_to_keep=logits_to_keep,
+            out = self.model(input_ids=readable(tokens, self.lm), attention_mask=mask, position_ids=call.positions,
+                             use_cache=True, **{self._cache_argument: self._cache}, logits_to_keep=logits_to_keep,
                              output_hidden_states=hidden_layers is not None)
         logits = fit_width(out.logits.float(), self.lm.logits_width)
         if hidden_layers is None:
