@@ -170,7 +170,8 @@ def _run_decoding(args, target, tokenizer, prompt: str, sampling) -> int:
 
         amateur = lm_logits_fn(draft_from_name(args.draft or CONTRASTIVE_AMATEUR, target))
     out = decode(lm_logits_fn(target), ids, config, amateur_fn=amateur,
-                 eos_token_id=sorted(eos_ids(None, tokenizer, target)), generator=torch.Generator(device=target.device).manual_seed(args.seed))
+                 eos_token_id=sorted(eos_ids(None, tokenizer, target)),
+                 generator=torch.Generator(device=target.device).manual_seed(args.seed))
     for row, n, score in zip(out.sequences.tolist(), out.num_generated.tolist(), out.scores.tolist()):
         text = tokenizer.decode(row[ids.shape[1] : ids.shape[1] + n], skip_special_tokens=True)
         print(f"{text}\n[{n} tokens, score {score:.3f}]\n")
