@@ -15,7 +15,7 @@ turns (chat template, evenly spaced over the categories): ours, ``autoregressive
 ``assistant_model``. A row records whether the two agree for ``--tokens`` tokens (no EOS) and where they first differ.
 A measurement: nothing is asserted.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/greedy_precision.py --prompts 16 --out benchmarks/records/greedy_precision.json
+    PYTHONPATH=. .venv/bin/python benchmarks/greedy_precision.py --prompts 8 --out benchmarks/records/greedy_precision.json
 """
 
 from __future__ import annotations
