@@ -8,7 +8,7 @@ record's statuses are what the cases give now).
 
     PYTHONPATH=. .venv/bin/python benchmarks/family_matrix.py --out benchmarks/records/family_matrix.json --docs
 
-``--more`` runs the second matrix (``experiments.families.more_cases``: more families on transformers' own kernels,
+``--more`` runs the second matrix (``experiments.families.more_cases``: more families on every kernel but flex attention,
 and the families the wrapper refuses) into its own record and table:
 
     PYTHONPATH=. .venv/bin/python benchmarks/family_matrix.py --more --out benchmarks/records/family_matrix_more.json --docs

@@ -7,8 +7,8 @@ every step kind the engine has (``STEPS``: block and token chains, the five samp
 static trees, and the captured steps over static caches: chains, both top-k trees and sampled paths). The reference is transformers' ``generate(do_sample=False)`` of the same model
 on each prompt alone; an EOS token that ends a row early is taken from that reference. ``tests/test_families.py``
 asserts every case; ``benchmarks/family_matrix.py`` writes the table of docs/engine_and_models.md from the same cases.
-A second matrix (``more_cases``) runs more families on transformers' own kernels and one step kind of each loop, and
-the families the wrapper refuses.
+A second matrix (``more_cases``) runs more families on every kernel but ``flex_attention`` and one step kind of each
+loop, and the families the wrapper refuses.
 
 A case's status:
 
@@ -168,8 +168,9 @@ def all_cases(families=tuple(FAMILIES), kernels=tuple(KERNELS), steps=tuple(STEP
     return [(f, k, s) for f in families for k in kernels for s in steps]
 
 
-# The second matrix: more families on transformers' own two kernels and one step kind of each loop
-MORE_KERNELS = ("eager", "sdpa")
+# The second matrix: more families on every kernel but flex_attention (whose compiled kernel takes a minute a shape on
+# the CPU, and which the wrapper switches to sdpa anyway) and one step kind of each loop
+MORE_KERNELS = ("eager", "sdpa", "sdpa (as loaded)", "packed sdpa", "flash_attention_2")
 MORE_STEPS = ("chain", "sampled tree", "dynamic tree", "captured chain", "captured sampled tree")
 
 

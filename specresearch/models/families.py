@@ -4,7 +4,7 @@ Each entry sets what makes its family differ where the wrapper's masks and cache
 heads, a sliding window shorter than the tests' contexts (6 slots), alternating local / global layers, attention
 soft-capping, absolute or learned positions, parallel attention, mixture-of-experts MLPs. The test matrix
 (``tests/test_families.py``) and the table of docs/engine_and_models.md (``benchmarks/family_matrix.py``) run
-``FAMILIES`` on every kernel and step kind, ``MORE_FAMILIES`` on transformers' own kernels and the main step kinds,
+``FAMILIES`` on every kernel and step kind, ``MORE_FAMILIES`` on every kernel but flex attention and the main step kinds,
 and ``REFUSED_FAMILIES``, which the wrapper refuses in one line.
 
 ``tiny_family_model(family, kernel)`` -> a transformers model in float32 on the CPU with the attention ``kernel``
@@ -51,7 +51,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }
 
 _ALTERNATING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
-# More families, on transformers' own kernels and the engine's main step kinds (experiments.families.more_cases)
+# More families, on every kernel but flex attention and the engine's main step kinds (experiments.families.more_cases)
 MORE_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "deepseek-v3": ("DeepseekV3Config", "DeepSeek-V2/V3, Kimi-K2: latent attention (keys and values of other widths), "
                     "experts", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
