@@ -40,6 +40,7 @@ from specresearch.config import SamplingConfig
 from specresearch.core.draws import wide
 from specresearch.core.sampling import check_logits
 from specresearch.engine.generate import autoregressive_generate
+from specresearch.engine.results import eos_ids
 
 __all__ = [
     "LogitsFn",
@@ -478,7 +479,7 @@ def beam_search(logits_fn: LogitsFn, input_ids: torch.Tensor, num_beams: int, ma
         if len(finished.items) == num_beams and bound <= finished.worst():
             break
         alive, alive_logp = _beam_step(logits_fn, prompt, alive, alive_logp, finished, step, num_beams,
-                                       length_penalty, _ends(eos_token_id), no_repeat_ngram_size,
+                                       length_penalty, eos_ids(eos_token_id, None), no_repeat_ngram_size,
                                        last=step == max_new_tokens)
         if not alive:
             break
@@ -525,16 +526,9 @@ def _hypotheses_result(prompt, finished: _Hypotheses, pad: int) -> DecodeResult:
 # ----------------------------------------------------------------------------- entry point
 
 
-def _ends(eos_token_id) -> frozenset[int]:
-    """``eos_token_id`` (an id, several, or None) as a set."""
-    if eos_token_id is None:
-        return frozenset()
-    return frozenset([int(eos_token_id)] if isinstance(eos_token_id, int) else (int(i) for i in eos_token_id))
-
-
 def _pad_id(pad_token_id: int | None, eos_token_id) -> int:
     """What pads a finished row: ``pad_token_id``, else the lowest EOS id, else 0."""
-    return pad_token_id if pad_token_id is not None else min(_ends(eos_token_id), default=0)
+    return pad_token_id if pad_token_id is not None else min(eos_ids(eos_token_id, None), default=0)
 
 
 def _concat(results: list[DecodeResult], pad: int) -> DecodeResult:

@@ -34,7 +34,7 @@ attention time linear in the context past it. Layer types are transformers' own
 linear attention, KV sharing) is refused with one line. So is a model whose attention places a key by its slot in
 the cache rather than by the position ids the wrapper passes (the ALiBi of Bloom, MPT and Falcon-RW, GPT-Neo's
 windowed local layers, which mask over slots in their own buffer): in a tree or after a rollback its logits would be
-wrong without an error; and a model without a KV cache (GPT-1).
+wrong without an error. (A model without a KV cache, GPT-1, is refused by ``causal_lm.cache_argument``.)
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
 mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
@@ -53,7 +53,6 @@ a 2-D mask.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -106,10 +105,6 @@ def attention_layout(model) -> AttentionLayout:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
-    # the cache's argument: "cache" in transformers 5.25, "past_key_values" before
-    if not {"cache", "past_key_values"} & set(inspect.signature(model.forward).parameters):
-        raise ValueError(f"{_name(model)} takes no KV cache, so it cannot score drafts after a cached context: use a "
-                         "model of another family")
     reads_slots = _positions_from_slots(config)
     if reads_slots:
         raise ValueError(f"{_name(model)} {reads_slots}, not from the positions CausalLM passes: in a draft tree, a "

@@ -207,8 +207,13 @@ def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
 
 def cache_argument(model) -> str:
     """The keyword a transformers model's forward takes its KV cache under: ``"cache"`` (transformers >= 5.24,
-    where ``past_key_values`` is deprecated) or ``"past_key_values"``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    where ``past_key_values`` is deprecated) or ``"past_key_values"``; ``ValueError`` for a model that takes neither
+    (GPT-1 keeps no cache: it cannot score drafts after a cached context)."""
+    parameters = inspect.signature(model.forward).parameters
+    if "cache" not in parameters and "past_key_values" not in parameters:
+        raise ValueError(f"{type(model).__name__} takes no KV cache, so it cannot score drafts after a cached context: "
+                         "use a model of another family")
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def output_cache(output):
@@ -285,8 +290,8 @@ class CausalLM:
         self.model = model.eval()
         self.switched_from = exact_kernel(self.model, may_switch=switch_attention)  # the kernel replaced, or None
         experts_in_float64(self.model, may_switch=switch_attention)
+        self._cache_argument = cache_argument(self.model)  # refuses a model that keeps no cache
         self._attention = attention_layout(self.model)
-        self._cache_argument = cache_argument(self.model)
         whole = self.placement is None
         if fuse_projections and not whole:
             raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "
