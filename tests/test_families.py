@@ -8,9 +8,10 @@
   families' contexts grow past their window; dead slots pile up and the cache is packed on the way).
 * Losslessness at T = 1 through the engine, one tree rule per family (statistical; false-positive rate below).
 * A negative control: the same matrix case with the window left out differs, so the window is what it checks.
-* A second matrix: 17 more families on every kernel but flex attention and one step kind of each loop; the families whose
-  attention places keys by cache slot (ALiBi, GPT-Neo's local layers) or keeps no cache are refused in one line, and
-  let through they give wrong tree logits (the negative control of that refusal).
+* A second matrix: 19 more families on every kernel but flex attention and one step kind of each loop, Bloom and
+  GPT-Neo among them, whose attention places keys by cache slot (ALiBi, local windows) until the wrapper makes them
+  read positions off the masks; Falcon-RW and MPT (ALiBi over slots) and a model without a cache are refused in one
+  line. Let through, or left unmended, they give wrong tree logits (the negative control).
 """
 
 import json
@@ -25,7 +26,7 @@ from helpers import explain_static_calls, tree_path, visible_from_parents
 from specresearch.config import SamplingConfig
 from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, more_cases, reference_tokens, run_case
 from specresearch.experiments.stats import lossless_test
-from specresearch.models.attention import AttentionLayout, attention_layout
+from specresearch.models.attention import AttentionLayout, attention_layout, positions_from_masks
 from specresearch.models.causal_lm import CausalLM, experts_in_float64
 from specresearch.models.families import (
     FAMILIES,
@@ -88,14 +89,16 @@ def test_more_families_give_generates_tokens_or_are_refused(family, kernel, step
         assert result.detail.startswith(type(tiny_family_model(family, "eager")).__name__), result.detail
 
 
-@pytest.mark.parametrize("family", [f for f in REFUSED_FAMILIES if f != "gpt-1"])  # GPT-1: no cache at all
+@pytest.mark.parametrize("family", [*(f for f in REFUSED_FAMILIES if f != "gpt-1"), "bloom", "gpt-neo"])  # GPT-1: no cache
 def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch):
-    """Negative control: let a refused family through (the check names no problem) and its cached tree logits differ
-    from an uncached forward of each path (MPT, GPT-Neo: wrong without an error), or its tree call fails (Bloom,
-    Falcon-RW, whose ALiBi takes a 2-D mask only)."""
+    """Negative control: let a refused family through (the check names no problem), or Bloom and GPT-Neo without
+    ``positions_from_masks``, and its cached tree logits differ from an uncached forward of each path (MPT, GPT-Neo:
+    wrong without an error), or its tree call fails (Bloom, Falcon-RW, whose ALiBi takes a 2-D mask only)."""
     import specresearch.models.attention as attention
+    import specresearch.models.causal_lm as causal_lm
 
-    monkeypatch.setattr(attention, "_positions_from_slots", lambda config: None)
+    monkeypatch.setattr(attention, "_positions_from_slots", lambda model, config: None)
+    monkeypatch.setattr(causal_lm, "positions_from_masks", lambda model: False)
     reference = tiny_family_model(family, "eager")
     lm = CausalLM(tiny_family_model(family, "eager"), device="cpu")
     lm.prefill(torch.tensor([[5, 9, 2, 33, 7, 8, 3, 4]]), torch.ones(1, 8, dtype=torch.long))
@@ -113,9 +116,33 @@ def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch
     assert worst > 1e-3, (family, worst)
 
 
+def test_bloom_and_gpt_neo_are_refused_until_they_take_positions_from_the_masks():
+    """``attention_layout`` refuses Bloom and a GPT-Neo with local layers as transformers builds them (``CausalLM``
+    mends them first, ``positions_from_masks``); mending twice hooks each local layer once and keeps Bloom's own
+    ALiBi for a 2-D mask, and a GPT-Neo whose layers are all global needs nothing."""
+    model = tiny_family_model("gpt-neo", "eager")
+    with pytest.raises(ValueError, match="windows its local layers over cache slots"):
+        attention_layout(model)
+    assert positions_from_masks(model) and positions_from_masks(model)
+    assert attention_layout(model).kernel == "eager"
+    local = [m for m in model.modules() if getattr(m, "attention_type", None) == "local" and hasattr(m, "bias")]
+    assert len(local) == 1 and len(local[0]._forward_pre_hooks) == 1
+    bloom = tiny_family_model("bloom", "eager")
+    with pytest.raises(ValueError, match="ALiBi from a 2-D padding mask"):
+        attention_layout(bloom)
+    own = type(bloom.transformer).build_alibi_tensor.__get__(bloom.transformer)
+    assert positions_from_masks(bloom) and positions_from_masks(bloom)
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert torch.equal(bloom.transformer.build_alibi_tensor(padding, 4, torch.float32), own(padding, 4, torch.float32))
+    assert not positions_from_masks(tiny_family_model("llama", "eager"))
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_family_config("gpt-neo", attention_types=[[["global"], 2]])
+    assert not positions_from_masks(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+
+
 def test_gpt_neo_without_local_layers_is_taken():
-    """The refusal names GPT-Neo's local layers, not the family: one whose layers are all global gives generate's
-    tokens through chains and trees."""
+    """A GPT-Neo whose layers are all global gives generate's tokens through chains and trees."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_family_config("gpt-neo", attention_types=[[["global"], 2]], initializer_range=0.5)
@@ -188,7 +215,7 @@ def _uncached(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
-NO_SDPA = ("gemma2", "gpt-oss", "xglm")  # families transformers offers no sdpa
+NO_SDPA = ("gemma2", "gpt-oss", "xglm", "gpt-neo", "bloom")  # families transformers offers no sdpa
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])

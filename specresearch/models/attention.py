@@ -32,9 +32,10 @@ nothing while the context is shorter than the window (the figures of docs/engine
 attention time linear in the context past it. Layer types are transformers' own
 (``cache_utils.get_layer_types_and_kwargs``); any other type than full and sliding attention (chunked attention,
 linear attention, KV sharing) is refused with one line. So is a model whose attention places a key by its slot in
-the cache rather than by the position ids the wrapper passes (the ALiBi of Bloom, MPT and Falcon-RW, GPT-Neo's
-windowed local layers, which mask over slots in their own buffer): in a tree or after a rollback its logits would be
-wrong without an error. (A model without a KV cache, GPT-1, is refused by ``causal_lm.cache_argument``.)
+the cache rather than by the position ids the wrapper passes (the ALiBi of MPT and Falcon-RW): in a tree or after a
+rollback its logits would be wrong without an error. Bloom's ALiBi and GPT-Neo's windowed local layers place keys by
+slot too; :func:`positions_from_masks` makes them read positions off the masks instead. (A model without a KV cache,
+GPT-1, is refused by ``causal_lm.cache_argument``.)
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
 mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
@@ -55,11 +56,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 __all__ = ["AttentionLayout", "attention_layout", "exact_kernel", "additive_mask", "MASKED_KERNELS", "CPU_SDPA", "PACKED_SDPA",
-           "cpu_sdpa_attention", "packed_sdpa_attention", "use_cpu_sdpa", "use_packed_sdpa", "additive_sdpa_mask"]
+           "cpu_sdpa_attention", "packed_sdpa_attention", "use_cpu_sdpa", "use_packed_sdpa", "additive_sdpa_mask",
+           "positions_from_masks"]
 
 # Kernels that apply a 4-D additive mask as given (transformers' own and the two CausalLM registers on CPU / CUDA).
 MASKED_KERNELS = ("eager", "sdpa", "specresearch_cpu_sdpa", "specresearch_packed_sdpa")
@@ -105,7 +108,7 @@ def attention_layout(model) -> AttentionLayout:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
-    reads_slots = _positions_from_slots(config)
+    reads_slots = _positions_from_slots(model, config)
     if reads_slots:
         raise ValueError(f"{_name(model)} {reads_slots}, not from the positions CausalLM passes: in a draft tree, a "
                          "rolled-back row or a static cache a token's slot is not its position, and its logits would "
@@ -128,18 +131,87 @@ def attention_layout(model) -> AttentionLayout:
     return AttentionLayout(model.config._attn_implementation, tuple(windows.items()))
 
 
-def _positions_from_slots(config) -> str | None:
+def _positions_from_slots(model, config) -> str | None:
     """What a model's attention takes token positions from where it is not the position ids and additive mask the
-    wrapper hands it (module docstring), or None: transformers' ALiBi families (Bloom, Falcon with ``alibi``, MPT)
-    and GPT-Neo's local layers (a window over slots, from the attention's own buffer) place a key by its slot."""
+    wrapper hands it, or None: transformers' ALiBi of Falcon-RW (Falcon with ``alibi``) and MPT places a key by its
+    slot, and so do Bloom's ALiBi and GPT-Neo's local layers until :func:`positions_from_masks` has mended them."""
     kind = getattr(config, "model_type", "")
-    if kind == "bloom" or (kind == "falcon" and getattr(config, "alibi", False)):
+    if kind == "falcon" and getattr(config, "alibi", False):
         return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
     if kind == "mpt":
         return "computes ALiBi from each key's slot in the cache"
-    if kind == "gpt_neo" and "local" in getattr(config, "attention_layers", ()):
-        return "windows its local layers over cache slots (its attention's own causal buffer)"
+    if any(not getattr(module, _MENDED, False) for module in _slot_placed(model)):
+        return {"bloom": "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)",
+                "gpt_neo": "windows its local layers over cache slots (its attention's own causal buffer)"}[kind]
     return None
+
+
+_MENDED = "specresearch_positions_from_masks"  # set on each module positions_from_masks has mended
+
+
+def positions_from_masks(model) -> bool:
+    """Make Bloom's ALiBi and GPT-Neo's local windows place each key by its position; whether ``model`` needed it.
+
+    Both read a key's position off its slot: Bloom builds ALiBi (``slope * key position``) from a 2-D padding mask
+    (a tree's 4-D mask fails with "too many values to unpack"), GPT-Neo's local layers apply their window
+    (``q - k < window_size``) from a causal buffer of their own over the cache's slots; in a tree, after a row's
+    rollback or in a static cache a slot is not a position. Every mask the wrapper (or transformers, from a 2-D
+    padding mask) builds lets a query see exactly one key at each position from 0 to its own, in slot order, so the
+    mask itself gives each key's position: the number of keys a query sees before it, and ``q - k`` the number it
+    sees after. So Bloom's model builds its ALiBi from a 4-D mask that way (a 2-D one as before), and each of GPT-Neo's
+    local attentions takes the global layers' buffer (causal over slots, which the wrapper's masks make exact) and a
+    forward pre-hook that narrows the mask it is handed to the window. A model of another family is left as it is."""
+    modules = _slot_placed(model)
+    for module in modules:
+        if getattr(module, _MENDED, False):
+            continue
+        if hasattr(module, "build_alibi_tensor"):  # Bloom's model
+            module.build_alibi_tensor = partial(_alibi_from_mask, module.build_alibi_tensor)
+        else:  # one of GPT-Neo's local attentions
+            module.bias = torch.tril(torch.ones_like(module.bias))
+            module.register_forward_pre_hook(partial(_windowed_mask, window=model.config.window_size),
+                                             with_kwargs=True)
+        setattr(module, _MENDED, True)
+    return bool(modules)
+
+
+def _slot_placed(model) -> list:
+    kind = getattr(model.config, "model_type", "")
+    if kind == "bloom":
+        return [module for module in model.modules() if type(module).__name__ == "BloomModel"]
+    if kind == "gpt_neo":
+        return [module for module in model.modules()
+                if getattr(module, "attention_type", None) == "local" and hasattr(module, "bias")]
+    return []
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    """A 4-D mask, additive (0 where attended) or boolean -> ``[B, 1, q, L]`` bool, True where attended."""
+    return mask == 0 if mask.is_floating_point() else mask.bool()
+
+
+def _alibi_from_mask(own, attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    if attention_mask.ndim != 4:
+        return own(attention_mask, num_heads, dtype)
+    seen = _visible(attention_mask)[:, 0].long()  # [B, q, L]
+    positions = ((seen.cumsum(-1) - 1) * seen).amax(1)  # each key's position, from any query that sees it
+    slopes = own(torch.ones(1, 2, dtype=torch.long, device=attention_mask.device), num_heads, torch.float32)[:, 0, 1]
+    alibi = slopes[None, :, None] * positions[:, None, :]  # [B, H, L], as transformers' (float32, then dtype)
+    return alibi.reshape(-1, 1, positions.shape[-1]).to(dtype)
+
+
+def _windowed_mask(module, args, kwargs, *, window: int):
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        raise ValueError(f"{type(module).__name__}: a local layer needs the attention mask to apply its window")
+    seen = _visible(mask).long()
+    after = seen.flip(-1).cumsum(-1).flip(-1) - seen  # the keys seen after each slot: how many positions back it lies
+    outside = seen.bool() & (after >= window)
+    if mask.is_floating_point():
+        mask = mask.masked_fill(outside, max(torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min))
+    else:
+        mask = mask & ~outside
+    return args, {**kwargs, "attention_mask": mask}
 
 
 def exact_kernel(model, *, may_switch: bool = True) -> str | None:

@@ -26,7 +26,13 @@ import torch
 
 from specresearch.checks import check_int
 from specresearch.models import fused
-from specresearch.models.attention import attention_layout, exact_kernel, use_cpu_sdpa, use_packed_sdpa
+from specresearch.models.attention import (
+    attention_layout,
+    exact_kernel,
+    positions_from_masks,
+    use_cpu_sdpa,
+    use_packed_sdpa,
+)
 from specresearch.models.kernels import (
     SKINNY_ROWS,
     choose_kernel_rows,
@@ -291,6 +297,7 @@ class CausalLM:
         self.switched_from = exact_kernel(self.model, may_switch=switch_attention)  # the kernel replaced, or None
         experts_in_float64(self.model, may_switch=switch_attention)
         self._cache_argument = cache_argument(self.model)  # refuses a model that keeps no cache
+        positions_from_masks(self.model)  # Bloom's ALiBi, GPT-Neo's local windows: from the masks, not the slots
         self._attention = attention_layout(self.model)
         whole = self.placement is None
         if fuse_projections and not whole:

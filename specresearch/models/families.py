@@ -80,16 +80,16 @@ MORE_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "xglm": ("XGLMConfig", "XGLM: sinusoidal positions", dict(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
                                                                 tie_word_embeddings=False)),
     "biogpt": ("BioGptConfig", "BioGPT: learned positions", dict(scale_embedding=False)),
+    "gpt-neo": ("GPTNeoConfig", "GPT-Neo: alternating global / local layers, windowed in their own buffer",
+                dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                     window_size=WINDOW, max_position_embeddings=256)),
+    "bloom": ("BloomConfig", "BLOOM: ALiBi, built from the padding mask", dict(n_embed=32, n_layer=2, n_head=4)),
 }
 # Families CausalLM refuses in one line (models.attention): they place a key by its cache slot, or keep no cache
 REFUSED_FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "bloom": ("BloomConfig", "BLOOM: ALiBi from the padding mask", dict(n_embed=32, n_layer=2, n_head=4)),
     "falcon-rw": ("FalconConfig", "Falcon-RW: ALiBi from the padding mask", dict(new_decoder_architecture=False,
                                                                                 alibi=True)),
     "mpt": ("MptConfig", "MPT: ALiBi over cache slots", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256)),
-    "gpt-neo": ("GPTNeoConfig", "GPT-Neo: local layers windowed over cache slots",
-                dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
-                     window_size=WINDOW, max_position_embeddings=256)),
     "gpt-1": ("OpenAIGPTConfig", "GPT-1: no KV cache", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
 }
 
