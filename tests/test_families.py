@@ -8,10 +8,10 @@
   families' contexts grow past their window; dead slots pile up and the cache is packed on the way).
 * Losslessness at T = 1 through the engine, one tree rule per family (statistical; false-positive rate below).
 * A negative control: the same matrix case with the window left out differs, so the window is what it checks.
-* A second matrix: 19 more families on every kernel but flex attention and one step kind of each loop, Bloom and
-  GPT-Neo among them, whose attention places keys by cache slot (ALiBi, local windows) until the wrapper makes them
-  read positions off the masks; Falcon-RW and MPT (ALiBi over slots) and a model without a cache are refused in one
-  line. Let through, or left unmended, they give wrong tree logits (the negative control).
+* A second matrix: 20 more families on every kernel but flex attention and one step kind of each loop, Bloom, Falcon-RW
+  and GPT-Neo among them, whose attention places keys by cache slot (ALiBi, local windows) until the wrapper makes
+  them read positions off the masks; MPT (ALiBi over slots) and a model without a cache are refused in one line. Let
+  through, or left unmended, they give wrong tree logits or fail (the negative control).
 """
 
 import json
@@ -89,9 +89,9 @@ def test_more_families_give_generates_tokens_or_are_refused(family, kernel, step
         assert result.detail.startswith(type(tiny_family_model(family, "eager")).__name__), result.detail
 
 
-@pytest.mark.parametrize("family", [*(f for f in REFUSED_FAMILIES if f != "gpt-1"), "bloom", "gpt-neo"])  # GPT-1: no cache
+@pytest.mark.parametrize("family", [*(f for f in REFUSED_FAMILIES if f != "gpt-1"), "bloom", "falcon-rw", "gpt-neo"])
 def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch):
-    """Negative control: let a refused family through (the check names no problem), or Bloom and GPT-Neo without
+    """Negative control: let MPT through (the check names no problem; GPT-1, refused too, keeps no cache), or Bloom, Falcon-RW and GPT-Neo without
     ``positions_from_masks``, and its cached tree logits differ from an uncached forward of each path (MPT, GPT-Neo:
     wrong without an error), or its tree call fails (Bloom, Falcon-RW, whose ALiBi takes a 2-D mask only)."""
     import specresearch.models.attention as attention
@@ -116,10 +116,10 @@ def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch
     assert worst > 1e-3, (family, worst)
 
 
-def test_bloom_and_gpt_neo_are_refused_until_they_take_positions_from_the_masks():
-    """``attention_layout`` refuses Bloom and a GPT-Neo with local layers as transformers builds them (``CausalLM``
-    mends them first, ``positions_from_masks``); mending twice hooks each local layer once and keeps Bloom's own
-    ALiBi for a 2-D mask, and a GPT-Neo whose layers are all global needs nothing."""
+def test_slot_placed_families_are_refused_until_they_take_positions_from_the_masks():
+    """``attention_layout`` refuses Bloom, Falcon-RW and a GPT-Neo with local layers as transformers builds them
+    (``CausalLM`` mends them first, ``positions_from_masks``), and MPT, which it cannot mend; mending twice hooks each
+    layer once and keeps Bloom's own ALiBi for a 2-D mask, and a GPT-Neo whose layers are all global needs nothing."""
     model = tiny_family_model("gpt-neo", "eager")
     with pytest.raises(ValueError, match="windows its local layers over cache slots"):
         attention_layout(model)
@@ -134,6 +134,13 @@ def test_bloom_and_gpt_neo_are_refused_until_they_take_positions_from_the_masks(
     assert positions_from_masks(bloom) and positions_from_masks(bloom)
     padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert torch.equal(bloom.transformer.build_alibi_tensor(padding, 4, torch.float32), own(padding, 4, torch.float32))
+    falcon = tiny_family_model("falcon-rw", "eager")
+    with pytest.raises(ValueError, match="ALiBi from a 2-D padding mask"):
+        attention_layout(falcon)
+    assert positions_from_masks(falcon) and positions_from_masks(falcon) and not falcon.transformer.use_alibi
+    assert all(len(layer._forward_pre_hooks) == 1 for layer in falcon.transformer.h)
+    with pytest.raises(ValueError, match="computes ALiBi from each key's slot"):
+        attention_layout(tiny_family_model("mpt", "eager"))
     assert not positions_from_masks(tiny_family_model("llama", "eager"))
     from transformers import AutoModelForCausalLM
 

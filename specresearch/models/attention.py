@@ -32,8 +32,8 @@ nothing while the context is shorter than the window (the figures of docs/engine
 attention time linear in the context past it. Layer types are transformers' own
 (``cache_utils.get_layer_types_and_kwargs``); any other type than full and sliding attention (chunked attention,
 linear attention, KV sharing) is refused with one line. So is a model whose attention places a key by its slot in
-the cache rather than by the position ids the wrapper passes (the ALiBi of MPT and Falcon-RW): in a tree or after a
-rollback its logits would be wrong without an error. Bloom's ALiBi and GPT-Neo's windowed local layers place keys by
+the cache rather than by the position ids the wrapper passes (MPT's ALiBi): in a tree or after a rollback its logits
+would be wrong without an error. The ALiBi of Bloom and Falcon-RW and GPT-Neo's windowed local layers place keys by
 slot too; :func:`positions_from_masks` makes them read positions off the masks instead. (A model without a KV cache,
 GPT-1, is refused by ``causal_lm.cache_argument``.)
 
@@ -54,6 +54,8 @@ a 2-D mask.
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -133,16 +135,16 @@ def attention_layout(model) -> AttentionLayout:
 
 def _positions_from_slots(model, config) -> str | None:
     """What a model's attention takes token positions from where it is not the position ids and additive mask the
-    wrapper hands it, or None: transformers' ALiBi of Falcon-RW (Falcon with ``alibi``) and MPT places a key by its
-    slot, and so do Bloom's ALiBi and GPT-Neo's local layers until :func:`positions_from_masks` has mended them."""
+    wrapper hands it, or None: transformers' MPT computes ALiBi over slots, and the ALiBi of Bloom and Falcon-RW
+    (Falcon with ``alibi``) and GPT-Neo's local layers place a key by its slot until :func:`positions_from_masks` has
+    mended them."""
     kind = getattr(config, "model_type", "")
-    if kind == "falcon" and getattr(config, "alibi", False):
-        return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
     if kind == "mpt":
         return "computes ALiBi from each key's slot in the cache"
     if any(not getattr(module, _MENDED, False) for module in _slot_placed(model)):
-        return {"bloom": "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)",
-                "gpt_neo": "windows its local layers over cache slots (its attention's own causal buffer)"}[kind]
+        if kind == "gpt_neo":
+            return "windows its local layers over cache slots (its attention's own causal buffer)"
+        return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
     return None
 
 
@@ -150,23 +152,34 @@ _MENDED = "specresearch_positions_from_masks"  # set on each module positions_fr
 
 
 def positions_from_masks(model) -> bool:
-    """Make Bloom's ALiBi and GPT-Neo's local windows place each key by its position; whether ``model`` needed it.
+    """Make the ALiBi of Bloom and Falcon-RW and GPT-Neo's local windows place each key by its position; whether
+    ``model`` needed it.
 
-    Both read a key's position off its slot: Bloom builds ALiBi (``slope * key position``) from a 2-D padding mask
-    (a tree's 4-D mask fails with "too many values to unpack"), GPT-Neo's local layers apply their window
-    (``q - k < window_size``) from a causal buffer of their own over the cache's slots; in a tree, after a row's
-    rollback or in a static cache a slot is not a position. Every mask the wrapper (or transformers, from a 2-D
+    All three read a key's position off its slot: Bloom and Falcon-RW build ALiBi (``slope * key position``) from a
+    2-D padding mask (a tree's 4-D mask fails with "too many values to unpack"), GPT-Neo's local layers apply their
+    window (``q - k < window_size``) from a causal buffer of their own over the cache's slots; in a tree, after a
+    row's rollback or in a static cache a slot is not a position. Every mask the wrapper (or transformers, from a 2-D
     padding mask) builds lets a query see exactly one key at each position from 0 to its own, in slot order, so the
     mask itself gives each key's position: the number of keys a query sees before it, and ``q - k`` the number it
-    sees after. So Bloom's model builds its ALiBi from a 4-D mask that way (a 2-D one as before), and each of GPT-Neo's
-    local attentions takes the global layers' buffer (causal over slots, which the wrapper's masks make exact) and a
-    forward pre-hook that narrows the mask it is handed to the window. A model of another family is left as it is."""
+    sees after. So Bloom's model builds its ALiBi from a 4-D mask that way (a 2-D one as before); Falcon-RW's model
+    leaves ALiBi out and each of its layers adds it to the mask it is handed (a forward pre-hook, with transformers'
+    slopes, rounding and scale); each of GPT-Neo's local attentions takes the global layers' buffer (causal over
+    slots, which the wrapper's masks make exact) and a pre-hook that narrows its mask to the window. Where
+    transformers builds the mask itself nothing changes. A model of another family is left as it is."""
     modules = _slot_placed(model)
     for module in modules:
         if getattr(module, _MENDED, False):
             continue
         if hasattr(module, "build_alibi_tensor"):  # Bloom's model
             module.build_alibi_tensor = partial(_alibi_from_mask, module.build_alibi_tensor)
+        elif hasattr(module, "use_alibi"):  # Falcon-RW's model: its layers add ALiBi
+            module.use_alibi = False
+        elif hasattr(module, "self_attention"):  # one of Falcon-RW's layers
+            config = model.config
+            build = sys.modules[type(module).__module__].build_alibi_tensor
+            slopes = build(torch.ones(1, 2, dtype=torch.long), config.num_attention_heads, torch.float32)[:, 0, 1]
+            module.register_forward_pre_hook(partial(_falcon_alibi, slopes=slopes, scale=math.sqrt(
+                config.hidden_size // config.num_attention_heads)), with_kwargs=True)
         else:  # one of GPT-Neo's local attentions
             module.bias = torch.tril(torch.ones_like(module.bias))
             module.register_forward_pre_hook(partial(_windowed_mask, window=model.config.window_size),
@@ -179,10 +192,17 @@ def _slot_placed(model) -> list:
     kind = getattr(model.config, "model_type", "")
     if kind == "bloom":
         return [module for module in model.modules() if type(module).__name__ == "BloomModel"]
+    if kind == "falcon" and getattr(model.config, "alibi", False):
+        return [module for module in model.modules() if type(module).__name__ in ("FalconModel", "FalconDecoderLayer")]
     if kind == "gpt_neo":
         return [module for module in model.modules()
                 if getattr(module, "attention_type", None) == "local" and hasattr(module, "bias")]
     return []
+
+
+def _key_positions(seen: torch.Tensor) -> torch.Tensor:
+    """``seen [B, q, L]`` (0 / 1, the keys each query sees) -> each key's position ``[B, L]`` (0 where none sees it)."""
+    return ((seen.cumsum(-1) - 1) * seen).amax(1)
 
 
 def _visible(mask: torch.Tensor) -> torch.Tensor:
@@ -193,11 +213,24 @@ def _visible(mask: torch.Tensor) -> torch.Tensor:
 def _alibi_from_mask(own, attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
     if attention_mask.ndim != 4:
         return own(attention_mask, num_heads, dtype)
-    seen = _visible(attention_mask)[:, 0].long()  # [B, q, L]
-    positions = ((seen.cumsum(-1) - 1) * seen).amax(1)  # each key's position, from any query that sees it
+    positions = _key_positions(_visible(attention_mask)[:, 0].long())
     slopes = own(torch.ones(1, 2, dtype=torch.long, device=attention_mask.device), num_heads, torch.float32)[:, 0, 1]
     alibi = slopes[None, :, None] * positions[:, None, :]  # [B, H, L], as transformers' (float32, then dtype)
     return alibi.reshape(-1, 1, positions.shape[-1]).to(dtype)
+
+
+def _falcon_alibi(module, args, kwargs, *, slopes: torch.Tensor, scale: float):
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        raise ValueError(f"{type(module).__name__}: an ALiBi layer needs the attention mask to place its keys")
+    visible = _visible(mask)[:, :1]  # [B, 1, q, L]
+    positions = _key_positions(visible[:, 0].long())
+    dtype = (args[0] if args else kwargs["hidden_states"]).dtype
+    # transformers' Falcon: bfloat16 slopes times positions, then the model's dtype, scaled, masked (float64's mask
+    # value as additive_mask's, which eager's float32 softmax reads as finite)
+    alibi = (slopes.to(mask.device).bfloat16()[None, :, None] * positions[:, None, :]).to(dtype)[:, :, None, :] / scale
+    mask = alibi.masked_fill(~visible, max(torch.finfo(dtype).min, torch.finfo(torch.float32).min))  # [B, H, q, L]
+    return args, {**kwargs, "attention_mask": mask}
 
 
 def _windowed_mask(module, args, kwargs, *, window: int):

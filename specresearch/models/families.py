@@ -84,11 +84,11 @@ MORE_FAMILIES: dict[str, tuple[str, str, dict]] = {
                 dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
                      window_size=WINDOW, max_position_embeddings=256)),
     "bloom": ("BloomConfig", "BLOOM: ALiBi, built from the padding mask", dict(n_embed=32, n_layer=2, n_head=4)),
+    "falcon-rw": ("FalconConfig", "Falcon-RW: ALiBi, built from the padding mask", dict(new_decoder_architecture=False,
+                                                                                alibi=True)),
 }
 # Families CausalLM refuses in one line (models.attention): they place a key by its cache slot, or keep no cache
 REFUSED_FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "falcon-rw": ("FalconConfig", "Falcon-RW: ALiBi from the padding mask", dict(new_decoder_architecture=False,
-                                                                                alibi=True)),
     "mpt": ("MptConfig", "MPT: ALiBi over cache slots", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256)),
     "gpt-1": ("OpenAIGPTConfig", "GPT-1: no KV cache", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
 }
