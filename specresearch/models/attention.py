@@ -177,7 +177,8 @@ def positions_from_masks(model) -> bool:
         elif hasattr(module, "self_attention"):  # one of Falcon-RW's layers
             config = model.config
             build = sys.modules[type(module).__module__].build_alibi_tensor
-            slopes = build(torch.ones(1, 2, dtype=torch.long), config.num_attention_heads, torch.float32)[:, 0, 1]
+            ones = torch.ones(1, 2, dtype=torch.long, device=next(module.parameters()).device)  # the layer's device
+            slopes = build(ones, config.num_attention_heads, torch.float32)[:, 0, 1]
             module.register_forward_pre_hook(partial(_falcon_alibi, slopes=slopes, scale=math.sqrt(
                 config.hidden_size // config.num_attention_heads)), with_kwargs=True)
         else:  # one of GPT-Neo's local attentions
