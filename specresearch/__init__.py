@@ -65,7 +65,8 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
             a name or checkpoint directory (``models.embedded.load_model``, its tokenizer taken unless one is given)
             or a transformers causal LM (wrapped in ``CausalLM``, which works on it in place); ``draft`` a name
             (``drafts.registry.draft_from_name``) for the given or the embedded target, or a transformers causal LM
-            sharing the target's tokenizer.
+            sharing the target's tokenizer (its logits cut or padded to the target's width where both models' rows
+            hold every id of the tokenizer: Qwen2.5-0.5B for Qwen2.5-7B).
         chat: wrap each string in the tokenizer's chat template (as the CLI does unless ``--raw``).
         verifier, gamma, max_new_tokens, sampling, seed, options: as :func:`speculative_generate` (``num_drafts=``,
             ``stop_below=``, ...). ``gamma="auto"`` (default), as the CLI: for a chain ``engine.cost.default_config``
@@ -88,18 +89,23 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
     if announce is not None and not callable(announce):
         raise TypeError(f"announce must be a callable taking one message (e.g. print), or None; got {announce!r}")
     default_draft = draft is None or draft == GENERATE_DRAFT
-    if target is not None:
-        target, tokenizer = _as_target(target, tokenizer)
-        draft = draft if draft is None or isinstance(draft, str) else _as_model(draft, "draft", target.device)
-    if target is None:
+    if target is None and (draft is None or isinstance(draft, str)):
         from specresearch.drafts.registry import load_pair
 
-        target, loaded, tokenizer = load_pair(draft=draft if isinstance(draft, str) else GENERATE_DRAFT)
-        draft = loaded if draft is None or isinstance(draft, str) else draft
-    elif draft is None or isinstance(draft, str):
-        from specresearch.drafts.registry import draft_from_name
+        target, draft, tokenizer = load_pair(draft=draft or GENERATE_DRAFT)
+    else:
+        if target is None:  # the embedded target, for the draft given
+            from specresearch.models.embedded import load_embedded
 
-        draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
+            target, tokenizer = load_embedded()
+        else:
+            target, tokenizer = _as_target(target, tokenizer)
+        if draft is None or isinstance(draft, str):
+            from specresearch.drafts.registry import draft_from_name
+
+            draft = draft_from_name(draft or GENERATE_DRAFT, target, tokenizer)
+        else:
+            draft = _as_model(draft, "draft", target.device, vocab_size=_fitted_width(draft, target, tokenizer))
     from specresearch.engine.cost import fit_default_draft, resolve_config
     from specresearch.engine.results import check_context
 
@@ -119,6 +125,23 @@ def generate(prompts, *, target=None, draft=None, tokenizer=None, chat: bool = T
                                 max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, **options)
 
 
+def _is_transformers_model(model) -> bool:
+    import torch
+
+    return isinstance(model, torch.nn.Module) and hasattr(model, "config") and not hasattr(model, "prefill")
+
+
+def _fitted_width(draft, target, tokenizer) -> int | None:
+    """The target's number of output rows for a transformers draft whose own rows, and the target's, hold every id of
+    the tokenizer (the rows past them are padding: Qwen2.5-0.5B's 151,936 against Qwen2.5-7B's 152,064), else None
+    (the engine then refuses a draft of another width, naming the fix)."""
+    if tokenizer is None or not _is_transformers_model(draft):
+        return None
+    from specresearch.models.causal_lm import output_rows
+
+    return target.vocab_size if len(tokenizer) <= min(output_rows(draft), target.vocab_size) else None
+
+
 def _as_target(target, tokenizer):
     """``generate``'s target as a model the engine drives, and the tokenizer (a checkpoint's own unless given)."""
     import os
@@ -131,15 +154,14 @@ def _as_target(target, tokenizer):
     return _as_model(target, "target", "auto"), tokenizer
 
 
-def _as_model(model, role: str, device):
-    """A transformers causal LM wrapped in ``CausalLM``; anything else as given, a target checked to be one the
-    engine drives (``models.protocols.check_language_model``, the engine's own check, before the front door uses it)."""
-    import torch
-
-    if isinstance(model, torch.nn.Module) and hasattr(model, "config") and not hasattr(model, "prefill"):
+def _as_model(model, role: str, device, vocab_size: int | None = None):
+    """A transformers causal LM wrapped in ``CausalLM`` (its logits ``vocab_size`` wide where given); anything else as
+    given, a target checked to be one the engine drives (``models.protocols.check_language_model``, the engine's own
+    check, before the front door uses it)."""
+    if _is_transformers_model(model):
         from specresearch.models.causal_lm import CausalLM
 
-        return CausalLM(model, device=device)
+        return CausalLM(model, device=device, vocab_size=vocab_size)
     if role == "target":
         from specresearch.models.protocols import check_language_model
 

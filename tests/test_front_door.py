@@ -66,6 +66,43 @@ def test_generate_takes_a_transformers_model_or_a_checkpoint_directory(tmp_path)
         specresearch.generate([[1, 2, 3]], target=3, draft="ngram", **kwargs)
 
 
+def test_generate_fits_a_draft_model_of_another_width_and_takes_one_for_the_embedded_target():
+    """A transformers draft whose rows and the target's hold every id of the tokenizer, but another number of them
+    (Qwen2.5-0.5B's 151,936 against Qwen2.5-7B's 152,064), runs fitted to the target's width: greedy, the target's
+    own tokens; without a tokenizer to tell padding rows, the engine refuses it naming the fix. A draft model given
+    without a target runs against the embedded one (it was handed to the engine unwrapped and refused)."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from specresearch.config import SamplingConfig
+    from specresearch.models.causal_lm import CausalLM, output_rows
+    from specresearch.models.embedded import load_embedded
+    from specresearch.models.families import tiny_family_config, tiny_family_model
+
+    greedy = dict(chat=False, gamma=2, max_new_tokens=8, sampling=SamplingConfig(temperature=0.0))
+    width = output_rows(tiny_family_model("qwen2", "sdpa"))
+
+    def draft():
+        torch.manual_seed(1)
+        return AutoModelForCausalLM.from_config(tiny_family_config("qwen2", vocab_size=width + 8)).eval()
+
+    vocab = {"<unk>": 0, "x": 1, "y": 2}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+    want = specresearch.autoregressive_generate(CausalLM(tiny_family_model("qwen2", "sdpa"), device="cpu"), [[1, 2, 1]],
+                                                max_new_tokens=8, sampling=greedy["sampling"])
+    out = specresearch.generate([[1, 2, 1]], target=tiny_family_model("qwen2", "sdpa"), draft=draft(),
+                                tokenizer=tokenizer, **greedy)
+    assert out.tokens == want.tokens
+    with pytest.raises(ValueError, match=rf"CausalLM\(model, vocab_size={width}\)"):
+        specresearch.generate([[1, 2, 1]], target=tiny_family_model("qwen2", "sdpa"), draft=draft(), **greedy)
+    embedded, _ = load_embedded(device="cpu")
+    torch.manual_seed(2)
+    small = AutoModelForCausalLM.from_config(tiny_family_config("llama", vocab_size=embedded.vocab_size)).eval()
+    out = specresearch.generate([[1, 2, 1]], draft=small, **greedy)
+    want = specresearch.autoregressive_generate(embedded, [[1, 2, 1]], max_new_tokens=8, sampling=greedy["sampling"])
+    assert out.tokens == want.tokens
+
+
 def test_generate_refuses_a_prompt_the_target_cannot_read_before_it_times_anything(monkeypatch):
     """A token id past the target's vocabulary fails with the engine's error (as a prompt too long for its context
     does) before ``gamma="auto"`` times this machine's step costs (tens of seconds on a large model)."""

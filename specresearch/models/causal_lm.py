@@ -42,7 +42,7 @@ from specresearch.models.kernels import (
 )
 from specresearch.models.static_lm import StaticCausalLM, fit_width, readable
 
-__all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
+__all__ = ["CausalLM", "output_rows", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
            "placement", "experts_in_float64"]
 
 
@@ -198,6 +198,12 @@ def _host_counts(n, batch: int) -> list[int] | None:
     return [int(n)] * batch if isinstance(n, int) else [int(c) for c in n]
 
 
+def output_rows(model) -> int:
+    """A transformers causal LM's number of output rows (its logits' width)."""
+    head = model.get_output_embeddings()  # out_features: nn.Linear, or a head over a token subset
+    return int(getattr(head, "out_features", head.weight.shape[0])) if head is not None else int(model.config.get_text_config().vocab_size)
+
+
 def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
     """Raise ``ValueError`` unless ``input_ids [B, L]`` (L >= 1) has a left-padded ``attention_mask`` of its shape."""
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
@@ -331,8 +337,7 @@ class CausalLM:
     @property
     def own_vocab_size(self) -> int:
         """The model's own number of output rows."""
-        head = self.model.get_output_embeddings()  # out_features: nn.Linear, or a head over a token subset
-        return int(getattr(head, "out_features", head.weight.shape[0])) if head is not None else int(self.model.config.get_text_config().vocab_size)
+        return output_rows(self.model)
 
     @property
     def max_context(self) -> int | None:
