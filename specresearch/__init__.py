@@ -137,7 +137,7 @@ def _fitted_width(draft, target, tokenizer) -> int | None:
     (the engine then refuses a draft of another width, naming the fix)."""
     if tokenizer is None or not _is_transformers_model(draft):
         return None
-    from specresearch.models.causal_lm import output_rows
+    from specresearch.models.widths import output_rows
 
     return target.vocab_size if len(tokenizer) <= min(output_rows(draft), target.vocab_size) else None
 

@@ -75,9 +75,10 @@ def test_generate_fits_a_draft_model_of_another_width_and_takes_one_for_the_embe
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from specresearch.config import SamplingConfig
-    from specresearch.models.causal_lm import CausalLM, output_rows
+    from specresearch.models.causal_lm import CausalLM
     from specresearch.models.embedded import load_embedded
     from specresearch.models.families import tiny_family_config, tiny_family_model
+    from specresearch.models.widths import output_rows
 
     greedy = dict(chat=False, gamma=2, max_new_tokens=8, sampling=SamplingConfig(temperature=0.0))
     width = output_rows(tiny_family_model("qwen2", "sdpa"))

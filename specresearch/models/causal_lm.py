@@ -40,9 +40,10 @@ from specresearch.models.kernels import (
     use_kernel_rows,
     use_skinny_linears,
 )
-from specresearch.models.static_lm import StaticCausalLM, fit_width, readable
+from specresearch.models.static_lm import StaticCausalLM
+from specresearch.models.widths import fit_width, output_rows, readable
 
-__all__ = ["CausalLM", "output_rows", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
+__all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
            "placement", "experts_in_float64"]
 
 
@@ -196,12 +197,6 @@ def _host_counts(n, batch: int) -> list[int] | None:
     if isinstance(n, torch.Tensor):
         return None
     return [int(n)] * batch if isinstance(n, int) else [int(c) for c in n]
-
-
-def output_rows(model) -> int:
-    """A transformers causal LM's number of output rows (its logits' width)."""
-    head = model.get_output_embeddings()  # out_features: nn.Linear, or a head over a token subset
-    return int(getattr(head, "out_features", head.weight.shape[0])) if head is not None else int(model.config.get_text_config().vocab_size)
 
 
 def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:

@@ -21,8 +21,9 @@ import torch
 
 from specresearch.models import fused
 from specresearch.models.static_cache import StaticRows, keep_path, static_kv_cache
+from specresearch.models.widths import fit_width, readable
 
-__all__ = ["StaticCausalLM", "fit_width", "readable"]
+__all__ = ["StaticCausalLM"]
 
 
 class StaticCausalLM:
@@ -97,21 +98,3 @@ class StaticCausalLM:
     def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
         """Keep a tree call's path: ``source [B, m]`` its call indices in order, the first ``n [B]`` kept."""
         keep_path(self._kvs, self.rows, source, n)
-
-
-def fit_width(logits: torch.Tensor, width: int | None) -> torch.Tensor:
-    """``logits [..., V]`` over ``width`` ids (``CausalLM``'s ``vocab_size``): cut, or padded with -inf; as they are
-    for ``None``."""
-    if width is None or width == logits.shape[-1]:
-        return logits
-    if width < logits.shape[-1]:
-        return logits[..., :width]
-    return torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
-
-
-def readable(tokens: torch.Tensor, lm) -> torch.Tensor:
-    """``tokens`` as ``lm`` (a ``CausalLM``) reads them: an id past a narrower model's own rows (``vocab_size=``
-    wider than its own) becomes its last row."""
-    if lm.logits_width is None or lm.logits_width <= lm.own_vocab_size:
-        return tokens
-    return tokens.clamp(max=lm.own_vocab_size - 1)
