@@ -40,6 +40,7 @@ from specresearch.models.kernels import (
     use_kernel_rows,
     use_skinny_linears,
 )
+from specresearch.models.probe import CHECKED_TYPES, check_cached_tree
 from specresearch.models.static_lm import StaticCausalLM
 from specresearch.models.widths import fit_width, output_rows, readable
 
@@ -268,6 +269,10 @@ class CausalLM:
             target's). A narrower model reads an id past its rows (one the shared tokenizer never produces; a random
             target may) as its last row: that changes what it proposes, never the output law.
             ``drafts.registry`` passes it for a checkpoint draft whose tokenizer is the target's.
+        probe: score a 3-node draft tree and a token after a dead slot, each against an uncached forward, and refuse
+            the model in one line where they differ (:mod:`specresearch.models.probe`: a family whose attention places
+            keys otherwise than by the positions and masks passed here). ``None``: for a family the matrices of
+            ``tests/test_families.py`` do not check; ``False``: never.
 
     Every family and kernel gets the masks it applies (:mod:`specresearch.models.attention`): tree calls and, for a
     model with sliding-window layers, every call carry an additive mask built from the slots' positions; windows are
@@ -278,7 +283,7 @@ class CausalLM:
 
     def __init__(self, model, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None,
                  device_map: str | dict | None = None, skinny_linear: bool | None = None, switch_attention: bool = True,
-                 fuse_projections: bool | None = None, vocab_size: int | None = None):
+                 fuse_projections: bool | None = None, vocab_size: int | None = None, probe: bool | None = None):
         if vocab_size is not None:
             check_int("vocab_size", vocab_size, meaning="the logits' width")
         if isinstance(model, (str, os.PathLike)):
@@ -318,6 +323,11 @@ class CausalLM:
         self._cache = None
         self._slots: SlotMask | None = None
         self.logits_width = vocab_size if vocab_size != self.own_vocab_size else None  # the logits' width, when not own
+        if probe if probe is not None else self.model.config.model_type not in CHECKED_TYPES:
+            try:
+                check_cached_tree(self)
+            finally:
+                self._cache, self._slots = None, None
 
     @property
     def device(self) -> torch.device:

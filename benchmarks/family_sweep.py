@@ -1,0 +1,190 @@
+"""Every causal-LM type transformers builds, tiny and random, through ``CausalLM``: does its cache score a draft tree
+as uncached forwards do, and does the wrapper take it or refuse it?
+
+For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
+defaults made tiny (the sizes below, where the config has them; eager attention, float32, seeded), or "not built"
+where that config does not build or run an uncached forward (a tiny size it rejects, a library it needs). Then
+
+* ``unprobed``: the model behind ``CausalLM(..., probe=False)``, two left-padded rows, 4 draft trees of 6 nodes
+  (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
+  each node's logits against an uncached forward of its path: "exact" (max |difference| below 1e-3), "different"
+  (the worst difference) or "fails" (the error);
+* ``wrapper``: what ``CausalLM(model)`` does with its defaults, the probe included (``models.probe``): "taken" or
+  "refused" (the message).
+
+A type whose unprobed status is not "exact" must be refused: ``tests/test_probe.py`` checks the record for that.
+Each type runs in a process of its own (8 GB at most, 240 s), two at a time:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/family_sweep.py --out benchmarks/records/family_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+SIZES = dict(hidden_size=32, n_embd=32, d_model=32, n_embed=32, num_hidden_layers=2, n_layer=2, num_layers=2,
+             n_layers=2, num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, attention_heads=4,
+             num_key_value_heads=2, head_dim=8, intermediate_size=64, ffn_dim=64, n_inner=64, vocab_size=128,
+             max_position_embeddings=256, n_positions=256, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, initializer_range=0.5,
+             sliding_window=6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             decoder_start_token_id=1)
+MEMORY = 8 * 2**30
+SECONDS = 240
+
+
+def tiny_model(kind: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    defaults = AutoConfig.for_model(kind)
+    sizes = {key: value for key, value in SIZES.items() if hasattr(defaults, key)}
+    try:
+        config = AutoConfig.for_model(kind, **sizes, is_decoder=True)
+    except Exception:  # noqa: BLE001 -- a config that takes its sizes otherwise: set what it allows
+        config = defaults
+        for key, value in sizes.items():
+            try:
+                setattr(config, key, value)
+            except Exception:  # noqa: BLE001
+                pass
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _uncached(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def _path(tokens: list[int], parents: list[int], i: int) -> list[int]:
+    path = []
+    while i >= 0:
+        path.append(tokens[i])
+        i = parents[i]
+    return path[::-1]
+
+
+def unprobed(kind: str) -> tuple[str, str]:
+    """The cached-tree comparison of the module docstring, on the wrapper with ``probe=False``."""
+    import torch
+
+    from specresearch.models.causal_lm import CausalLM
+
+    model, reference = tiny_model(kind), tiny_model(kind)
+    try:
+        lm = CausalLM(model, device="cpu", probe=False)
+    except ValueError as error:
+        return "refused", " ".join(str(error).split())[:300]
+    parents = [-1, 0, 1, 0, 3, 2]
+    visible = torch.eye(6, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            visible[i] |= visible[parent]
+    try:
+        lm.prefill(torch.tensor([[5, 9, 2, 33], [0, 0, 4, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
+        histories, pending, worst = [[5, 9, 2, 33], [4, 8]], [7, 11], 0.0
+        for step in range(4):
+            rows = [[pending[b], 10 + step, 20, 30 - step, 40, 12] for b in range(2)]
+            lm.begin_tree()
+            logits = lm.score_tree(torch.tensor(rows), torch.tensor([[0, 1, 2, 1, 2, 3]] * 2), visible.expand(2, -1, -1))
+            for b in range(2):
+                for i in range(6):
+                    want = _uncached(reference, histories[b] + _path(rows[b], parents, i))
+                    worst = max(worst, (logits[b, i, :want.shape[-1]] - want).abs().max().item())
+            lm.end_tree(torch.tensor([[True, True, True, False, False, True], [True, False, False, True, True, False]]))
+            histories[0] += [pending[0], 10 + step, 20, 12]
+            histories[1] += [pending[1], 30 - step, 40]
+            pending = [7, 9]
+        out = lm.score(torch.tensor([[pending[0]], [pending[1]]]))
+        for b in range(2):
+            worst = max(worst, (out[b, -1] - _uncached(reference, histories[b] + [pending[b]])).abs().max().item())
+    except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
+        return "fails", " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
+
+
+def one(kind: str) -> dict:
+    """One type's row of the record."""
+    from specresearch.models.causal_lm import CausalLM
+
+    warnings.simplefilter("ignore")
+    row = dict(model_type=kind)
+    try:
+        _uncached(tiny_model(kind), [5, 9, 2, 33])
+    except Exception as error:  # noqa: BLE001 -- a tiny config it rejects, or a library it needs
+        return {**row, "built": False, "detail": " ".join(f"{type(error).__name__}: {error}".split())[:200]}
+    row["built"] = True
+    row["unprobed"], row["unprobed_detail"] = unprobed(kind)
+    try:
+        CausalLM(tiny_model(kind), device="cpu")
+        row["wrapper"], row["wrapper_detail"] = "taken", ""
+    except ValueError as error:
+        row["wrapper"], row["wrapper_detail"] = "refused", " ".join(str(error).split())[:400]
+    return row
+
+
+def _limits() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+
+
+def _run(kind: str) -> dict:
+    command = [sys.executable, __file__, "--one", kind]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS, preexec_fn=_limits)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if lines:
+            return json.loads(lines[-1])
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    except subprocess.TimeoutExpired:
+        reason = f"over {SECONDS} s"
+    return dict(model_type=kind, built=False, detail=f"its process ended without a row ({reason})")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="the record (default benchmarks/records/family_sweep.json)")
+    parser.add_argument("--jobs", type=int, default=2, help="types run at once (default 2)")
+    parser.add_argument("--types", nargs="*", help="these model types only (default: every one)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(args.one)), flush=True)
+        return 0
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from specresearch.experiments.records import record_header, write_json_record
+
+    kinds = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(tqdm(pool.map(_run, kinds), total=len(kinds), desc="model types"))
+    built = [row for row in rows if row["built"]]
+    summary = {"types": len(rows), "built": len(built),
+               **{f"unprobed {status}": sum(row["unprobed"] == status for row in built)
+                  for status in ("exact", "different", "fails", "refused")},
+               "taken": sum(row["wrapper"] == "taken" for row in built),
+               "taken but not exact": sum(row["wrapper"] == "taken" and row["unprobed"] != "exact" for row in built)}
+    out = Path(args.out or Path(__file__).resolve().parent / "records" / "family_sweep.json")
+    import transformers
+
+    write_json_record(out, {**record_header("benchmarks/family_sweep.py", argv, target=None,
+                                            transformers=transformers.__version__),
+                            "sizes": SIZES, "summary": summary, "rows": rows})
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,81 @@
+"""A probe of a family the matrices do not check: does its cache score a draft tree as uncached forwards do?
+
+``CausalLM`` is exact on a family when the family's attention takes each token's position from the position ids the
+wrapper passes and applies the masks it hands over (:mod:`specresearch.models.attention`). The families of
+``models.families`` are held to that by the matrices of ``tests/test_families.py``; transformers builds some two
+hundred more. Tried tiny and random (``benchmarks/family_sweep.py``), most are exact, and some are not, without an
+error: RoBERTa's kin used as decoders (CamemBERT, XLM-R, Data2Vec-Text) count positions from the padding index,
+RoFormer and TrOCR from the cache's length, Moshi windows over slots, and GIT and HRM score otherwise too; seq2seq decoders (BART,
+Blenderbot, ProphetNet), XLM and CPM-Ant fail inside transformers on a tree.
+
+So ``CausalLM`` probes any model of another family before its first use (:func:`check_cached_tree`): a prompt,
+a 3-node draft tree whose last node sits one slot past its position, one of its two paths kept (a dead slot inside
+the cache) and a token after it, each call's logits against an uncached forward of the same tokens through the same
+model. A model that differs by more than its dtype's rounding, or fails, is refused in one line. The prompt is 3
+tokens, and as long again as a sliding window its config names (up to ``MAX_WINDOW``), so that a window the model
+applies itself, over slots rather than positions, beside the masks' (Moshi's), shows; it costs 7 forwards of the prompt and up to 4 more tokens,
+once per ``CausalLM``; ``probe=False`` skips it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CHECKED_TYPES", "check_cached_tree"]
+
+# a model's max |cached - uncached| logit difference allowed, relative to its logits' scale, by its weights' dtype
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+LOW_PRECISION_TOLERANCE = 5e-2  # bfloat16 / float16: a call of k tokens rounds otherwise than k calls of one
+MAX_WINDOW = 4096  # a config's sliding window the probe's prompt spans, at most
+
+
+# the transformers ``model_type`` s of ``models.families``' FAMILIES and MORE_FAMILIES, which the matrices check and
+# which are not probed (tests/test_probe.py holds the two lists equal)
+CHECKED_TYPES = frozenset({
+    "biogpt", "bloom", "codegen", "cohere", "cohere2", "deepseek_v3", "exaone4", "falcon", "gemma", "gemma2",
+    "gemma3_text", "glm4", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "llama",
+    "ministral", "mistral", "mixtral", "olmo2", "opt", "phi", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3",
+    "stablelm", "starcoder2", "xglm"})
+
+
+def check_cached_tree(lm) -> None:
+    """Raise ``ValueError`` (one line) unless ``lm`` (a ``CausalLM``) scores the probe's calls as uncached forwards of
+    the same tokens do (module docstring). ``lm`` is left with the probe's batch in its cache: start another with
+    ``prefill``."""
+    model, name = lm.model, f"{type(lm.model).__name__} ({lm.model.config.model_type})"
+    config = model.config.get_text_config()
+    vocab = min(lm.own_vocab_size, int(getattr(config, "vocab_size", lm.own_vocab_size)))
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    length = 3 + (min(int(window), MAX_WINDOW) if isinstance(window, int) and window > 0 else 0)
+    prompt, (a, b, c, d) = [(5 + 7 * i) % vocab for i in range(length)], [i % vocab for i in (10, 20, 30, 40)]
+    device = lm.device
+    calls = []  # (what, cached logits [V], the tokens an uncached forward reads)
+    try:
+        logits = lm.prefill(torch.tensor([prompt], device=device), torch.ones(1, length, dtype=torch.long, device=device))
+        calls.append(("the prompt", logits[0], prompt))
+        lm.begin_tree()
+        visible = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)  # a; b and c children of a
+        tree = lm.score_tree(torch.tensor([[a, b, c]], device=device), torch.tensor([[0, 1, 1]]), visible)
+        calls += [("a tree's root", tree[0, 0], prompt + [a]), ("a tree's node", tree[0, 1], prompt + [a, b]),
+                  ("a tree's node one slot past its position", tree[0, 2], prompt + [a, c])]
+        lm.end_tree(torch.tensor([[True, False, True]]))  # b's slot dies inside the cache
+        after = lm.score(torch.tensor([[d]], device=device))
+        calls.append(("a token after a dead slot", after[0, -1], prompt + [a, c, d]))
+        worst, where = 0.0, ""
+        for what, cached, tokens in calls:
+            with torch.no_grad():
+                want = model(input_ids=torch.tensor([tokens], device=device)).logits[0, -1].float()
+            width = min(want.shape[-1], cached.shape[-1])
+            gap = (cached[:width].to(want.device) - want[:width]).abs().max().item() / (1.0 + want.abs().max().item())
+            if not gap <= worst:  # NaN included
+                worst, where = gap, what
+    except Exception as error:  # noqa: BLE001 -- a family's own failure, reported in one line
+        detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        raise ValueError(f"{name} fails CausalLM's probe of a cached draft tree ({detail}): a family the matrices "
+                         "do not check (models.probe); use a model of another family") from error
+    tolerance = TOLERANCE.get(model.dtype, LOW_PRECISION_TOLERANCE)
+    if not worst <= tolerance:
+        raise ValueError(f"{name} scores {where} otherwise than an uncached forward of the same tokens (max |difference| "
+                         f"{worst:.3g} of the logits' scale, allowed {tolerance:g}): its attention does not take "
+                         "positions and masks as CausalLM passes them, so its speculative outputs would be wrong "
+                         "(models.probe); use a model of another family, or probe=False to run it unchecked")

@@ -1,0 +1,124 @@
+"""The probe of families the matrices do not check (``models.probe``): those whose cache scores a draft tree otherwise
+than uncached forwards are refused in one line, those that score alike are taken, and the matrices' families are not
+probed. Tiny random-weight models of transformers' own classes, on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tree_path, visible_from_parents
+
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import FAMILIES, MORE_FAMILIES
+from specresearch.models.probe import CHECKED_TYPES, check_cached_tree
+
+SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=64, max_position_embeddings=256, initializer_range=0.5)
+
+
+def tiny(name: str, **settings):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = getattr(transformers, name)(**{**SIZES, **settings})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+WRONG = {  # family: (config class, its settings)
+    "roberta": ("RobertaConfig", dict(is_decoder=True, pad_token_id=1)),  # positions counted past the padding id
+    "roformer": ("RoFormerConfig", dict(is_decoder=True, embedding_size=32)),  # positions from the cache's length
+    "moshi": ("MoshiConfig", dict(num_key_value_heads=4, sliding_window=6, audio_vocab_size=16, num_codebooks=2)),
+}
+
+
+@pytest.mark.parametrize("family", WRONG)
+def test_a_family_whose_cache_scores_otherwise_is_refused_and_wrong_unprobed(family):
+    """RoBERTa as a decoder counts positions from its padding id, RoFormer from the cache's length, Moshi windows its
+    attention over slots: each is refused in one line naming the call that differs most; with ``probe=False`` the same
+    model is taken and its cached tree logits differ from an uncached forward of each path (the probe's negative
+    control)."""
+    name, settings = WRONG[family]
+    calls = "the prompt|a tree's root|a tree's node|a tree's node one slot past its position|a token after a dead slot"
+    with pytest.raises(ValueError, match=f"scores ({calls}) otherwise than an uncached forward") as refused:
+        CausalLM(tiny(name, **settings), device="cpu")
+    assert "\n" not in str(refused.value) and f"({tiny(name, **settings).config.model_type})" in str(refused.value)
+    lm, reference = CausalLM(tiny(name, **settings), device="cpu", probe=False), tiny(name, **settings)
+    prompt = [(5 + 7 * i) % 128 for i in range(9)]
+    lm.prefill(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long))
+    parents, tokens = [-1, 0, 0, 2], torch.tensor([[10, 20, 30, 40]])
+    lm.begin_tree()
+    logits = lm.score_tree(tokens, torch.tensor([[0, 1, 1, 2]]), visible_from_parents(parents))
+    with torch.no_grad():
+        worst = max((logits[0, i] - reference(input_ids=torch.tensor([prompt + tree_path(tokens[0], parents, i)]))
+                     .logits[0, -1]).abs().max().item() for i in range(4))
+    assert worst > 1e-2, (family, worst)
+
+
+def test_a_family_that_fails_inside_transformers_on_a_tree_is_refused_in_one_line():
+    """ProphetNet's decoder takes a cache for one token at a time: its assertion becomes a one-line refusal."""
+    from transformers import ProphetNetConfig, ProphetNetForCausalLM
+
+    config = ProphetNetConfig(vocab_size=128, hidden_size=32, num_encoder_layers=1, num_decoder_layers=1,
+                              num_encoder_attention_heads=4, num_decoder_attention_heads=4, decoder_ffn_dim=64,
+                              encoder_ffn_dim=64, max_position_embeddings=256, is_decoder=True)
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="fails CausalLM's probe of a cached draft tree .AssertionError") as refused:
+        CausalLM(ProphetNetForCausalLM(config).eval(), device="cpu")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("name, settings", [("OlmoConfig", {}), ("Qwen2MoeConfig", dict(num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=16))])
+def test_an_unchecked_family_that_scores_alike_is_taken_and_left_fresh(name, settings, monkeypatch):
+    """OLMo and Qwen2-MoE (a window in its config that it does not use) are not in the matrices: probed, taken, and
+    the wrapper starts a batch as a fresh one does (the same greedy continuation as an unprobed wrapper)."""
+    import specresearch.models.causal_lm as causal_lm
+    from specresearch.config import SamplingConfig
+    from specresearch.engine.generate import autoregressive_generate
+
+    model = tiny(name, **settings)
+    assert model.config.model_type not in CHECKED_TYPES
+    probed = []
+    monkeypatch.setattr(causal_lm, "check_cached_tree", lambda lm: probed.append(check_cached_tree(lm)))
+    lm = CausalLM(model, device="cpu")
+    assert len(probed) == 1 and lm.cache_length == 0
+    greedy = dict(max_new_tokens=8, sampling=SamplingConfig(temperature=0.0))
+    assert (autoregressive_generate(lm, [[5, 9, 2]], **greedy).tokens
+            == autoregressive_generate(CausalLM(tiny(name, **settings), device="cpu", probe=False), [[5, 9, 2]],
+                                       **greedy).tokens)
+
+
+def test_the_matrices_families_are_not_probed(monkeypatch):
+    """Every family of ``models.families`` is checked by the matrices, so never probed (the embedded target's Llama
+    included); ``probe=True`` probes one anyway."""
+    import transformers
+
+    import specresearch.models.causal_lm as causal_lm
+    from specresearch.models.families import tiny_family_model
+
+    assert {getattr(transformers, name).model_type for name, _, _ in (*FAMILIES.values(), *MORE_FAMILIES.values())} \
+        == CHECKED_TYPES
+    probed = []
+    monkeypatch.setattr(causal_lm, "check_cached_tree", probed.append)
+    CausalLM(tiny_family_model("llama"), device="cpu")
+    assert not probed
+    CausalLM(tiny_family_model("llama"), device="cpu", probe=True)
+    assert len(probed) == 1
+
+
+def test_the_sweeps_record_takes_no_type_whose_cache_scores_otherwise():
+    """``benchmarks/family_sweep.py``'s record: of every causal-LM type transformers builds tiny, none whose cached
+    tree differs from uncached forwards (or fails) is taken, and the probe refuses none that scores alike unless the
+    wrapper refuses its layers anyway (no false refusal)."""
+    import json
+    from pathlib import Path
+
+    record = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "records" / "family_sweep.json")
+                        .read_text())
+    built = [row for row in record["rows"] if row["built"]]
+    assert len(record["rows"]) >= 190 and len(built) >= 120
+    assert not [row["model_type"] for row in built if row["unprobed"] != "exact" and row["wrapper"] == "taken"]
+    assert not [row["model_type"] for row in built if row["unprobed"] == "exact" and "probe" in row["wrapper_detail"]]
+    assert record["summary"]["taken but not exact"] == 0
