@@ -5,16 +5,18 @@ wrapper passes and applies the masks it hands over (:mod:`specresearch.models.at
 ``models.families`` are held to that by the matrices of ``tests/test_families.py``; transformers builds some two
 hundred more. Tried tiny and random (``benchmarks/family_sweep.py``), most are exact, and some are not, without an
 error: RoBERTa's kin used as decoders (CamemBERT, XLM-R, Data2Vec-Text) count positions from the padding index,
-RoFormer and TrOCR from the cache's length, Moshi windows over slots, and GIT and HRM score otherwise too; seq2seq decoders (BART,
+RoFormer and TrOCR from the cache's length, Moshi windows over slots, GIT widens a 2-D mask by image tokens it
+assumes are cached, and HRM's recurrent loops amplify rounding past it; seq2seq decoders (BART,
 Blenderbot, ProphetNet), XLM and CPM-Ant fail inside transformers on a tree.
 
-So ``CausalLM`` probes any model of another family before its first use (:func:`check_cached_tree`): a prompt,
-a 3-node draft tree whose last node sits one slot past its position, one of its two paths kept (a dead slot inside
-the cache) and a token after it, each call's logits against an uncached forward of the same tokens through the same
-model. A model that differs by more than its dtype's rounding, or fails, is refused in one line. The prompt is 3
-tokens, and as long again as a sliding window its config names (up to ``MAX_WINDOW``), so that a window the model
-applies itself, over slots rather than positions, beside the masks' (Moshi's), shows; it costs 7 forwards of the prompt and up to 4 more tokens,
-once per ``CausalLM``; ``probe=False`` skips it.
+So ``CausalLM`` probes any model of another family before its first use (:func:`check_cached_tree`): two prompts,
+one left-padded; two draft trees of 6 nodes in two branches (nodes sit slots past their positions), each row keeping
+another path (dead slots inside the cache); a token after them; each node's and call's logits against an uncached
+forward of the same tokens through the same model. A model that differs by more than its dtype's rounding, or fails,
+is refused in one line. The prompt is 3 tokens, and as long again as a sliding window its config names (up to
+``MAX_WINDOW``), so that a window the model applies itself, over slots rather than positions, beside the masks'
+(Moshi's) shows. It costs 4 cached calls and 28 uncached forwards of the prompt and up to 8 more tokens, once per
+``CausalLM``; ``probe=False`` skips it.
 """
 
 from __future__ import annotations
@@ -47,20 +49,26 @@ def check_cached_tree(lm) -> None:
     vocab = min(lm.own_vocab_size, int(getattr(config, "vocab_size", lm.own_vocab_size)))
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     length = 3 + (min(int(window), MAX_WINDOW) if isinstance(window, int) and window > 0 else 0)
-    prompt, (a, b, c, d) = [(5 + 7 * i) % vocab for i in range(length)], [i % vocab for i in (10, 20, 30, 40)]
+    ids = [(5 + 7 * i) % vocab for i in range(length + 12)]
+    histories = [ids[:length], ids[2:length]]  # the second row left-padded by two
     device = lm.device
     calls = []  # (what, cached logits [V], the tokens an uncached forward reads)
     try:
-        logits = lm.prefill(torch.tensor([prompt], device=device), torch.ones(1, length, dtype=torch.long, device=device))
-        calls.append(("the prompt", logits[0], prompt))
-        lm.begin_tree()
-        visible = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)  # a; b and c children of a
-        tree = lm.score_tree(torch.tensor([[a, b, c]], device=device), torch.tensor([[0, 1, 1]]), visible)
-        calls += [("a tree's root", tree[0, 0], prompt + [a]), ("a tree's node", tree[0, 1], prompt + [a, b]),
-                  ("a tree's node one slot past its position", tree[0, 2], prompt + [a, c])]
-        lm.end_tree(torch.tensor([[True, False, True]]))  # b's slot dies inside the cache
-        after = lm.score(torch.tensor([[d]], device=device))
-        calls.append(("a token after a dead slot", after[0, -1], prompt + [a, c, d]))
+        padded = torch.tensor([histories[0], [0, 0, *histories[1]]], device=device)
+        logits = lm.prefill(padded, torch.tensor([[1] * length, [0, 0] + [1] * (length - 2)], device=device))
+        calls += [("the prompt", logits[row], histories[row]) for row in range(2)]
+        for step in range(2):
+            nodes = [[ids[length + 6 * step + i] for i in range(6)]] * 2
+            lm.begin_tree()
+            tree = lm.score_tree(torch.tensor(nodes, device=device), torch.tensor([TREE_DEPTHS] * 2),
+                                 _visible(TREE_PARENTS).expand(2, -1, -1))
+            for row in range(2):
+                calls += [(_NODE_NAMES[i], tree[row, i], histories[row] + _path(nodes[row], i)) for i in range(6)]
+            lm.end_tree(torch.tensor(KEPT))  # each row keeps another path: dead slots inside the cache
+            for row in range(2):
+                histories[row] = histories[row] + [t for t, kept in zip(nodes[row], KEPT[row]) if kept]
+        after = lm.score(torch.tensor([[ids[0]], [ids[1]]], device=device))
+        calls += [("a token after dead slots", after[row, -1], histories[row] + [ids[row]]) for row in range(2)]
         worst, where = 0.0, ""
         for what, cached, tokens in calls:
             with torch.no_grad():
@@ -79,3 +87,26 @@ def check_cached_tree(lm) -> None:
                          f"{worst:.3g} of the logits' scale, allowed {tolerance:g}): its attention does not take "
                          "positions and masks as CausalLM passes them, so its speculative outputs would be wrong "
                          "(models.probe); use a model of another family, or probe=False to run it unchecked")
+
+
+TREE_PARENTS = (-1, 0, 1, 0, 3, 2)  # two branches off the root, one two deep
+TREE_DEPTHS = (0, 1, 2, 1, 2, 3)
+KEPT = ((True, True, True, False, False, True), (True, False, False, True, True, False))
+_NODE_NAMES = ("a tree's root", "a tree's node", "a tree's node", "a tree's node past a sibling's slots",
+               "a tree's node past a sibling's slots", "a tree's node")
+
+
+def _visible(parents) -> torch.Tensor:
+    visible = torch.eye(len(parents), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            visible[i] |= visible[parent]
+    return visible[None]
+
+
+def _path(tokens: list[int], i: int) -> list[int]:
+    path = []
+    while i >= 0:
+        path.append(tokens[i])
+        i = TREE_PARENTS[i]
+    return path[::-1]
