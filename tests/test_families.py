@@ -91,7 +91,7 @@ def test_more_families_give_generates_tokens_or_are_refused(family, kernel, step
 
 @pytest.mark.parametrize("family", [*(f for f in REFUSED_FAMILIES if f != "gpt-1"), "bloom", "falcon-rw", "gpt-neo"])
 def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch):
-    """Negative control: let MPT through (the check names no problem; GPT-1, refused too, keeps no cache), or Bloom, Falcon-RW and GPT-Neo without
+    """Negative control: let MPT through (the check names no problem, and no probe; GPT-1, refused too, keeps no cache), or Bloom, Falcon-RW and GPT-Neo without
     ``positions_from_masks``, and its cached tree logits differ from an uncached forward of each path (MPT, GPT-Neo:
     wrong without an error), or its tree call fails (Bloom, Falcon-RW, whose ALiBi takes a 2-D mask only)."""
     import specresearch.models.attention as attention
@@ -100,7 +100,7 @@ def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch
     monkeypatch.setattr(attention, "_positions_from_slots", lambda model, config: None)
     monkeypatch.setattr(causal_lm, "positions_from_masks", lambda model: False)
     reference = tiny_family_model(family, "eager")
-    lm = CausalLM(tiny_family_model(family, "eager"), device="cpu")
+    lm = CausalLM(tiny_family_model(family, "eager"), device="cpu", probe=False)  # MPT: unchecked, so probed too
     lm.prefill(torch.tensor([[5, 9, 2, 33, 7, 8, 3, 4]]), torch.ones(1, 8, dtype=torch.long))
     parents = [-1, 0, 0, 2]  # a, b, c (child of b), d (child of c): b and c sit one slot past their positions
     lm.begin_tree()
