@@ -171,16 +171,16 @@ def positions_from_masks(model) -> bool:
         if getattr(module, _MENDED, False):
             continue
         if hasattr(module, "build_alibi_tensor"):  # Bloom's model
-            module.build_alibi_tensor = partial(_alibi_from_mask, module.build_alibi_tensor)
+            own = module.build_alibi_tensor
+            module.build_alibi_tensor = partial(_alibi_from_mask, own, _slopes(own, module, module.num_heads))
         elif hasattr(module, "use_alibi"):  # Falcon-RW's model: its layers add ALiBi
             module.use_alibi = False
         elif hasattr(module, "self_attention"):  # one of Falcon-RW's layers
             config = model.config
             build = sys.modules[type(module).__module__].build_alibi_tensor
-            ones = torch.ones(1, 2, dtype=torch.long, device=next(module.parameters()).device)  # the layer's device
-            slopes = build(ones, config.num_attention_heads, torch.float32)[:, 0, 1]
-            module.register_forward_pre_hook(partial(_falcon_alibi, slopes=slopes, scale=math.sqrt(
-                config.hidden_size // config.num_attention_heads)), with_kwargs=True)
+            module.register_forward_pre_hook(partial(_falcon_alibi, slopes=_slopes(build, module, module.num_heads),
+                                                     scale=math.sqrt(config.hidden_size // config.num_attention_heads)),
+                                             with_kwargs=True)
         else:  # one of GPT-Neo's local attentions
             module.bias = torch.tril(torch.ones_like(module.bias))
             module.register_forward_pre_hook(partial(_windowed_mask, window=model.config.window_size),
@@ -211,11 +211,19 @@ def _visible(mask: torch.Tensor) -> torch.Tensor:
     return mask == 0 if mask.is_floating_point() else mask.bool()
 
 
-def _alibi_from_mask(own, attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+def _slopes(build, module, num_heads: int) -> torch.Tensor:
+    """Each head's ALiBi slope as transformers' ``build`` (mask, heads, dtype) makes it: its bias at position 1, on
+    ``module``'s device."""
+    ones = torch.ones(1, 2, dtype=torch.long, device=next(module.parameters()).device)
+    return build(ones, num_heads, torch.float32)[:, 0, 1]
+
+
+def _alibi_from_mask(own, slopes: torch.Tensor, attention_mask: torch.Tensor, num_heads: int,
+                     dtype: torch.dtype) -> torch.Tensor:
     if attention_mask.ndim != 4:
         return own(attention_mask, num_heads, dtype)
     positions = _key_positions(_visible(attention_mask)[:, 0].long())
-    slopes = own(torch.ones(1, 2, dtype=torch.long, device=attention_mask.device), num_heads, torch.float32)[:, 0, 1]
+    slopes = slopes.to(attention_mask.device)
     alibi = slopes[None, :, None] * positions[:, None, :]  # [B, H, L], as transformers' (float32, then dtype)
     return alibi.reshape(-1, 1, positions.shape[-1]).to(dtype)
 

@@ -61,7 +61,7 @@ def check_cached_tree(lm) -> None:
             nodes = [[ids[length + 6 * step + i] for i in range(6)]] * 2
             lm.begin_tree()
             tree = lm.score_tree(torch.tensor(nodes, device=device), torch.tensor([TREE_DEPTHS] * 2),
-                                 _visible(TREE_PARENTS).expand(2, -1, -1))
+                                 _tree_visibility(TREE_PARENTS).expand(2, -1, -1))
             for row in range(2):
                 calls += [(_NODE_NAMES[i], tree[row, i], histories[row] + _path(nodes[row], i)) for i in range(6)]
             lm.end_tree(torch.tensor(KEPT))  # each row keeps another path: dead slots inside the cache
@@ -96,7 +96,7 @@ _NODE_NAMES = ("a tree's root", "a tree's node", "a tree's node", "a tree's node
                "a tree's node past a sibling's slots", "a tree's node")
 
 
-def _visible(parents) -> torch.Tensor:
+def _tree_visibility(parents) -> torch.Tensor:
     visible = torch.eye(len(parents), dtype=torch.bool)
     for i, parent in enumerate(parents):
         if parent >= 0:
