@@ -51,7 +51,11 @@ def _announce_draft_format(name: str | None) -> None:
     """For ``--draft DIR``: which layout the directory was read as, on stderr."""
     from specresearch.drafts.registry import draft_format, without_weight_prefix
 
-    if name is not None and Path(without_weight_prefix(name)).is_dir():
+    if name == "mtp":
+        from specresearch.drafts.registry import MTP_FORMAT
+
+        _to_stderr(f"--draft mtp: {MTP_FORMAT}")
+    elif name is not None and Path(without_weight_prefix(name)).is_dir():
         _to_stderr(f"--draft {name}: {draft_format(without_weight_prefix(name))}")
 
 
@@ -96,7 +100,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft", default=None,
                    help=f"{GENERATE_DRAFT} (default: prompt lookup, the shipped feature head with float16 weights elsewhere; the "
                         "fastest draft measured on a 2-core CPU) | ngram+NAME[@OPTION] | a shipped draft (v8k-4l, "
-                        "eagle3-v8k; any name under data/drafts/) | fp16:NAME / int8:NAME (its weights in float16 / int8) | ngram | truncated:N | checkpoint path. "
+                        "eagle3-v8k; any name under data/drafts/) | fp16:NAME / int8:NAME (its weights in float16 / int8) | "
+                        "ngram | truncated:N | mtp (the --model checkpoint's own MTP layer) | checkpoint path. "
                         f"--method contrastive: the amateur (default {CONTRASTIVE_AMATEUR})")
     p.add_argument("--verifier", default=None, choices=["token", "block", "greedy", *TREE_RULES],
                    help="token | block (default; onehot with --draft-law dynamic / static) | greedy for one draft path; "

@@ -27,7 +27,7 @@ from specresearch.models.kernels import (
 from specresearch.models.static_cache import StaticPast, StaticRows, keep_path
 
 __all__ = ["FeatureDraft", "StaticFeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer",
-           "rotate_half", "rope_base", "extend_past"]
+           "rotate_half", "rope_base", "extend_past", "windowed"]
 
 
 # The decoder layer's pieces (Llama-style names so a target layer can be copied in)
@@ -114,6 +114,15 @@ def extend_past(past, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.T
     if isinstance(past, StaticPast):
         return past.extend(keys, values)
     return torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2)
+
+
+def windowed(allowed: torch.Tensor, window: int | None, positions: torch.Tensor, key_positions: torch.Tensor):
+    """``allowed [B, k, S]`` narrowed to the keys less than ``window`` positions before each query (transformers'
+    sliding window: ``positions [B, k]``, ``key_positions [B, S]``); as it is where ``window`` is None. A head with a
+    windowed layer (``drafts.mtp``: Mellum's) sets ``window``."""
+    if not window:
+        return allowed
+    return allowed & (positions[:, :, None] - key_positions[:, None, :] < window)
 
 
 def rope_base(text_config) -> float:
@@ -275,6 +284,7 @@ class FeatureDraft(FeatureQueue):
         columns = torch.arange(old + k, device=self.device)
         new = torch.arange(k, device=self.device)
         allowed = self._slots.mask[:, None, :] & (columns[None, None, :] <= old + new[None, :, None])
+        allowed = windowed(allowed, getattr(self.head, "window", None), positions, self._slots.positions)
         allowed[:, new, old + new] = True  # a masked slot sees itself (no empty softmax)
         past = self._cache or [None for _ in self.head.layers]
         hidden, self._cache = self.head.block(inputs, tokens, positions, past, allowed)
@@ -367,7 +377,8 @@ class StaticFeatureDraft:
         call = self.rows.call(tokens.shape[1], offset, depth, visible)
         for past in self._pasts:
             past.slots = call.slots
-        hidden, _ = self.head.block(inputs, tokens, call.positions, self._pasts, call.allowed)
+        allowed = windowed(call.allowed, getattr(self.head, "window", None), call.positions, call.key_positions)
+        hidden, _ = self.head.block(inputs, tokens, call.positions, self._pasts, allowed)
         return self.head.logits(hidden), hidden
 
     def commit(self, n) -> None:

@@ -20,6 +20,7 @@ from specresearch.models.kernels import choose_kernel_rows, use_half_weights, us
 from specresearch.models.protocols import check_same_tokenizer
 
 __all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE1_FORMAT", "MEDUSA_FORMAT",
+           "MTP_FORMAT",
            "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
            "INT8_PREFIX", "without_weight_prefix", "with_weight_storage", "load_pair", "weights_digests"]
 
@@ -64,7 +65,8 @@ def without_weight_prefix(name: str) -> str:
 def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     """A draft from a short description: ``"ngram"``, ``"ngram+<name>"`` (:class:`LookupOrDraft`: prompt lookup
     where the context matches, draft ``<name>`` elsewhere; see :func:`combined_draft` for its ``@`` options),
-    ``"truncated:N"`` (first N target layers), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
+    ``"truncated:N"`` (first N target layers), ``"mtp"`` (the MTP layer of the target's own checkpoint:
+    ``drafts.mtp``), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
     ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
     draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write), an EAGLE-1/2 or EAGLE-3
     head or Medusa heads saved as their repositories save them (``drafts.eagle``, ``drafts.medusa``), or a model path
@@ -86,6 +88,10 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         return with_weight_storage(draft_from_name(without_weight_prefix(name), target, tokenizer), name, target)
     if name.startswith("truncated:"):
         return truncated_draft(target, int(name.split(":", 1)[1]))
+    if name == "mtp":
+        from specresearch.drafts.mtp import load_mtp  # imports drafts.eagle, which imports this module
+
+        return load_mtp(target)
     trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
     layout = draft_format(trained) if trained.is_dir() else None
     if layout in (EAGLE3_FORMAT, EAGLE1_FORMAT):
@@ -123,6 +129,7 @@ def _fuses(target) -> bool | None:
 
 EAGLE3_FORMAT = "EAGLE-3 head (the SafeAILab/EAGLE layout: fc, midlayer.*, norm, lm_head, d2t / t2d)"
 EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the target's head reads it)"
+MTP_FORMAT = "MTP layers in the target's own checkpoint (num_nextn_predict_layers; --draft mtp reads them)"
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
 _FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE1_FORMAT, MEDUSA_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
