@@ -7,7 +7,7 @@ configuration's measured law of the first tokens against the target's and the au
     python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
 
 Resumable: configurations already in the record are kept, the rest run and are written one by one; ``--docs``
-rewrites docs/audit.md's table of engines run from this record and ``audit_libraries.json``, and notebook 12's
+rewrites docs/audit.md's table of engines run from this record, ``audit_libraries.json`` and ``audit_mtp.json``, and notebook 12's
 figure in docs/figures from this record (what the notebook draws, without its live runs). ``--scale``
 multiplies every N (0.05 for a smoke run into another file). ``--power`` adds the configurations run at an N that
 detects TV 0.03 (``POWER``) as seed blocks of ``--batch-size``, each stored in ``benchmarks/records/blocks/`` as it
@@ -40,8 +40,8 @@ import torch
 from specresearch.audit.blocks import BlockStore
 from specresearch.audit.execute import default_pair, execute
 from specresearch.audit.plots import plot_executed
+from specresearch.audit.report import EXECUTED_RECORDS, executed_table, largest_runs, row_config_key
 from specresearch.audit.report import config_key as key
-from specresearch.audit.report import executed_table, largest_runs, row_config_key
 from specresearch.drafts.registry import load_pair
 from specresearch.experiments.executor import LocalExecutor, add_executor_arguments, make_executor
 from specresearch.experiments.plotting import save_figure
@@ -167,9 +167,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.docs:
         records = repo_root() / "benchmarks" / "records"
-        executed, libraries = (json.loads((records / f"{name}.json").read_text())["rows"]
-                               for name in ("audit_executed", "audit_libraries"))
-        rows = executed + libraries
+        rows = [row for name in EXECUTED_RECORDS for row in json.loads((records / f"{name}.json").read_text())["rows"]]
+        executed = json.loads((records / "audit_executed.json").read_text())["rows"]
         replace_generated(repo_root() / "docs" / "audit.md", "<!-- executed table: generated -->",
                           "<!-- end of executed table -->", executed_table(rows) + "\n")
         figure = publish_figures(save_figure(plot_executed(largest_runs(executed)), FIGURE).parent,

@@ -13,7 +13,7 @@ from specresearch.audit.execute import ENGINES, captured_rows, cell_probs, execu
 from specresearch.audit.llamacpp import llamacpp_home
 from specresearch.experiments.executor import LocalExecutor
 from specresearch.experiments.stats import law_from_rows
-from specresearch.models.families import perturbed_copy, tiny_family_model
+from specresearch.models.families import perturbed_copy, tiny_family_model, tiny_mtp_checkpoint
 
 PROMPT = [5, 9, 17, 3, 5, 9]  # repeats an n-gram, so prompt lookup finds candidates
 
@@ -52,6 +52,34 @@ def test_assisted_generation_and_prompt_lookup_keep_the_target_law(pair):
         assert result.n_tokens == 2 and len(result.cells) >= 4 and result.target.p_value > 1e-3, str(result)
     lossy = run(pair, "transformers-assisted", num_samples=300, min_expected=10, assistant_ensemble_weight=0.3)
     assert lossy.predicted.p_value > 1e-3 and lossy.target.p_value < 1e-3, str(lossy)
+
+
+def test_transformers_mtp_drafting_keeps_the_target_law_and_a_verifier_accepting_all_does_not(tmp_path, monkeypatch):
+    """transformers' generate(use_mtp=True) on a tiny Mellum checkpoint with an MTP layer (models.families
+    .tiny_mtp_checkpoint): the run verifies MTP drafts (its notes count them) and keeps the target's law over the first
+    two tokens (300 runs); with transformers' verification replaced by one accepting every draft, the same run
+    rejects it (both at level 1e-3, fixed seeds). A target is required: the embedded model has no MTP layers."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation import utils
+
+    tiny_mtp_checkpoint(tmp_path / "m", "mellum")
+    target = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
+    common = dict(prompt=[5, 9, 3], n_tokens=2, num_samples=300, min_expected=10, target=target, progress=False)
+    result = execute("transformers-mtp", **common)
+    assert result.verdict == "exact" and result.target.p_value > 1e-3 and result.finding.startswith("agrees"), str(result)
+    assert "MTP-drafted token" in result.notes[0]
+
+    def accept_all(candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs):
+        drafted = candidate_input_ids[:, -candidate_length:]
+        bonus = torch.multinomial(new_logits[0, -1].softmax(-1), 1)[None]
+        return torch.cat([drafted, bonus], 1), candidate_length
+
+    monkeypatch.setattr(utils, "_speculative_sampling", accept_all)
+    broken = execute("transformers-mtp", **common)
+    assert broken.target.p_value < 1e-3, str(broken)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="needs target="):
+        execute("transformers-mtp", prompt=[5, 9, 3], num_samples=100, progress=False)
 
 
 def test_the_assistant_verified_with_twice_warped_rows(pair):
@@ -113,6 +141,8 @@ def test_captured_rows_restores_the_function():
     (dict(engine="transformers-assisted", temperature=0.0), "temperature"),
     (dict(engine="transformers-assisted", num_samples=5), "num_samples"),
     (dict(engine="llamacpp-server", n_tokens=1), "n_tokens >= 2"),
+    (dict(engine="transformers-mtp", n_tokens=1), "n_tokens >= 2"),
+    (dict(engine="transformers-mtp", prompt_lookup_num_tokens=2), "takes options"),
     (dict(engine="llamacpp-server", assistant_ensemble_weight=0.5), "takes options"),
     (dict(engine="llamacpp-example", n_tokens=3), "n_tokens=2"),
     (dict(engine="llamacpp-example", synth_rates=(0.5,)), "takes options"),
@@ -128,8 +158,8 @@ def test_bad_input_is_refused(pair, kwargs, message):
     kwargs = dict(num_samples=100) | kwargs
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
-    assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "llamacpp-server",
-                            "llamacpp-example", "llamacpp-simple", "python"}
+    assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "transformers-mtp",
+                            "llamacpp-server", "llamacpp-example", "llamacpp-simple", "python"}
 
 
 LLAMACPP = llamacpp_home() / "bin" / "llama-server"

@@ -29,6 +29,10 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   is a verified draft position (transformers' default 0.4 stops drafting on unconfident tokens; the next token is
   then the target's own, which changes nothing for a lossless rule and moves a lossy one's law towards the target).
 * ``transformers-lookup``: ``generate(prompt_lookup_num_tokens=k, do_sample=True)``; rule ``hf-lookup``.
+* ``transformers-mtp``: ``generate(use_mtp=True, do_sample=True)`` on a ``target`` loaded from a checkpoint with MTP
+  layers (``drafts.mtp``; no draft model): the layers draft one token a step each, verified by ``_speculative_sampling``
+  (rule ``hf-assisted``); its first token is the target's own, so ``n_tokens`` >= 2. The run first checks that one
+  generation does verify MTP drafts (its notes say how many).
 * ``transformers-sampling``: transformers' ``_speculative_sampling`` called directly on the real rows of the prompt
   (a draft token sampled from the captured q, the function decides); ``n_tokens`` = 1; cheap, so N can be large.
 * ``python``: any library's sampler, ``sample=callable(prompt_ids, n_tokens)``, against the target's plain law at
@@ -87,6 +91,7 @@ ENGINES = {
     "transformers-assisted": "hf-assisted",
     "transformers-lookup": "hf-lookup",
     "transformers-sampling": "hf-assisted",
+    "transformers-mtp": "hf-assisted",  # the MTP layers' draft, verified by the same _speculative_sampling
     "llamacpp-server": "llamacpp-server",
     "llamacpp-example": "llamacpp-example",
     "llamacpp-simple": "llamacpp-server",  # the same loop as the server's (common_sampler_sample_and_accept_n)
@@ -310,7 +315,7 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
         raise ValueError(f"n_tokens must be an int in 1..4, got {n_tokens!r}")
     if engine == "transformers-sampling" and n_tokens != 1:
         raise ValueError("transformers-sampling calls the verification function on the prompt's rows: n_tokens=1")
-    if engine in ("llamacpp-server", "llamacpp-example") and n_tokens < 2:
+    if engine in ("llamacpp-server", "llamacpp-example", "transformers-mtp") and n_tokens < 2:
         raise ValueError(f"{engine} samples its first token from the target alone: n_tokens >= 2")
     if engine == "llamacpp-example" and n_tokens != 2:
         raise ValueError("llamacpp-example: n_tokens=2 (the token after its first drafted step; later ones depend on "
@@ -421,6 +426,9 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     if executor is not None and models is None and target is not None:
         raise ValueError("an executor runs the generations in its workers: pass models=, a picklable recipe that "
                          "returns (target, draft, ...), with target=")
+    if target is None and engine == "transformers-mtp":
+        raise ValueError("transformers-mtp needs target=, a transformers model loaded from a checkpoint with MTP layers "
+                         "(the embedded SmolLM2 has none)")
     if target is None:
         target, loaded, tokenizer = default_pair()
         draft = draft if draft is not None else loaded

@@ -27,7 +27,7 @@ from specresearch.exact.single import (
     two_symbol_example,
 )
 
-__all__ = ["AuditReport", "Counterexample", "audit", "config_key", "engine_table", "executed_table", "largest_runs",
+__all__ = ["AuditReport", "Counterexample", "audit", "config_key", "engine_table", "executed_table", "largest_runs", "EXECUTED_RECORDS",
            "row_config_key"]
 
 _METHODS = METHODS + MULTI_METHODS
@@ -219,9 +219,12 @@ def _row(row) -> str:
     return "(" + ", ".join(str(v) for v in row) + ")"
 
 
+EXECUTED_RECORDS = ("audit_executed", "audit_libraries", "audit_mtp")  # benchmarks/records/<name>.json: the engines run
+
+
 def executed_table(rows) -> str:
     """The table of ``docs/audit.md``, "Their code, run" (markdown) from the rows of the records
-    ``benchmarks/records/audit_executed.json`` and ``audit_libraries.json`` (``ExecutionResult.as_record``, or a
+    :data:`EXECUTED_RECORDS` (``ExecutionResult.as_record``, or a
     library's row saying why it did not run): engine and settings, N, the audit's verdict, the p-values against the
     target's and the predicted law, the measured TV from the target (and the noise floor), the TV the run detects and
     the finding (with the p-value against each alternative law the run was also held to)."""
@@ -229,6 +232,8 @@ def executed_table(rows) -> str:
              "detects TV | finding |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         name = row.get("engine") if row.get("engine") != "python" else row.get("library")
+        if row.get("model"):  # a run on another target than the embedded pair's (audit_mtp.json)
+            name = f"{name} on a {row['model']}"
         if row.get("ran") is False:
             lines.append(f"| {row['library']} ({row['distribution']}) | - | - | - | - | - | - | - | did not run: {row['why']} |")
             continue

@@ -26,6 +26,7 @@ ENGINE_OPTIONS = {
     "transformers-assisted": ("num_assistant_tokens", "assistant_confidence_threshold", "assistant_ensemble_weight"),
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
     "transformers-sampling": ("assistant_ensemble_weight",),
+    "transformers-mtp": (),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
@@ -106,6 +107,8 @@ class TransformersRun:
         self.weight = options.get("assistant_ensemble_weight")
         self.version = f"transformers {transformers.__version__}"
         self.n_tokens, self.notes, self.draft_tv = n_tokens, [], None
+        if engine == "transformers-mtp":  # the target's own MTP layers draft (transformers' MTPCandidateGenerator)
+            self.extra["use_mtp"] = True
         if engine == "transformers-assisted":
             draft_model.generation_config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
             draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
@@ -139,6 +142,9 @@ class TransformersRun:
         rows transformers verifies with; records how far its q is from the draft's own law."""
         if self.engine == "transformers-lookup":
             return None
+        if self.engine == "transformers-mtp":
+            self._check_mtp_drafts()
+            return None
         live = [s for s in law.rows if not s or s[-1] != self.eos] if self.weight is not None else [()]
         q, p = self.verified_rows(live)
         self.draft_tv = 0.5 * float((q[0] - self.rows(self.draft, [()])[0]).abs().sum())
@@ -149,6 +155,20 @@ class TransformersRun:
             return None
         r, _ = single_step("hf-assisted", p, q, num_drafts=1, ensemble_weight=self.weight)
         return dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
+
+    @torch.no_grad()
+    def _check_mtp_drafts(self) -> None:
+        """``RuntimeError`` unless one generation of ``n_tokens + 1`` tokens verifies MTP drafts with
+        ``_speculative_sampling`` (the path whose law the run measures); the count goes into the notes."""
+        ids = self._ids([()])
+        with captured_rows() as calls:
+            self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.n_tokens + 1,
+                                 **self.sampling, **self.extra)
+        if not calls:
+            raise RuntimeError("transformers' generate(use_mtp=True) verified no MTP draft: nothing of MTP to measure")
+        drafted = sum(int(q.shape[1]) for q, _ in calls)
+        self.notes.append(f"one generation of {self.n_tokens + 1} tokens: {len(calls)} verification call(s) of "
+                          f"_speculative_sampling over {drafted} MTP-drafted token(s)")
 
     @torch.no_grad()
     def verified_rows(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair"]
+__all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair",
+           "MTP_LAYOUTS", "tiny_mtp_checkpoint"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -138,3 +139,73 @@ def tiny_family_pair(family: str = "llama", kernel: str = "eager", *, seed: int 
 
     model = tiny_family_model(family, kernel, seed=seed)
     return CausalLM(model, device="cpu"), CausalLM(perturbed_copy(model, noise), device="cpu")
+
+
+_MTP_HIDDEN = 32
+_MTP_SIZES = dict(_SIZES, hidden_size=_MTP_HIDDEN, initializer_range=0.5)
+_EXPERTS = dict(moe_intermediate_size=16, num_experts_per_tok=2)
+# Tiny checkpoints with MTP layers in their published layouts (drafts.mtp; tests/test_mtp.py, benchmarks/audit_mtp.py):
+# layout -> (config class, settings, the model's layers L: the MTP layer is the checkpoint's layer L, where indexed)
+MTP_LAYOUTS: dict[str, tuple[str | None, dict, int]] = {
+    "deepseek-v3": (None, {}, 61),
+    "glm4-moe": ("Glm4MoeConfig", dict(head_dim=8, n_routed_experts=4, n_group=1, topk_group=1,
+                                       first_k_dense_replace=1, **_EXPERTS), 46),
+    "ernie4.5-moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                                                 moe_layer_start_index=0), 2),
+    "mellum": ("MellumConfig", dict(head_dim=8, num_experts=4, sliding_window=4, **_EXPERTS), 2),
+}
+
+
+def _mtp_config(layout: str, layers: int):
+    import transformers
+
+    name, settings, _ = MTP_LAYOUTS[layout]
+    if name is None:
+        return tiny_family_config("deepseek-v3", num_hidden_layers=layers, initializer_range=0.5)
+    if layout == "mellum":  # windowed and global layers, as Mellum ships (the rotary embedding serves both kinds)
+        settings = {**settings, "layer_types": (["sliding_attention", "full_attention"] * layers)[:layers]}
+    return getattr(transformers, name)(**{**_MTP_SIZES, **settings, "num_hidden_layers": layers})
+
+
+def tiny_mtp_checkpoint(directory, layout: str, *, seed: int = 0) -> None:
+    """Write to ``directory`` a random-weight checkpoint in ``layout`` (a key of ``MTP_LAYOUTS``) with one MTP layer
+    (``drafts.mtp``): a model of L + 1 layers saved by transformers, its last layer's tensors moved under the layout's
+    MTP names beside random ``enorm``, ``hnorm``, ``eh_proj`` and post-norm tensors, the config set to L layers and
+    one MTP layer. L is what transformers' class expects of the published model where it names the layer by index
+    (DeepSeek-V3's 61, GLM-4.5's 46). Reproducible from ``seed``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    directory, L = Path(directory), MTP_LAYOUTS[layout][2]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_mtp_config(layout, L + 1), dtype=torch.float32)
+    model.save_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
+    block = {k[len(f"model.layers.{L}."):]: tensors.pop(k) for k in list(tensors) if k.startswith(f"model.layers.{L}.")}
+    g = torch.Generator().manual_seed(seed + 1)
+    norm = lambda: 1 + 0.2 * torch.randn(_MTP_HIDDEN, generator=g)  # noqa: E731
+    proj = 0.3 * torch.randn(_MTP_HIDDEN, 2 * _MTP_HIDDEN, generator=g)
+    if layout in ("deepseek-v3", "glm4-moe"):
+        prefix = f"model.layers.{L}."
+        extras = {"enorm.weight": norm(), "hnorm.weight": norm(), "eh_proj.weight": proj,
+                  "shared_head.norm.weight": norm(), "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                  "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+        tensors.update({prefix + k: v for k, v in {**block, **extras}.items()})
+    elif layout == "ernie4.5-moe":  # its post-norm is the model's final norm
+        tensors.update({f"mtp_block.0.{k}": v for k, v in block.items()})
+        tensors.update({"mtp_emb_norm.0.weight": norm(), "mtp_hidden_norm.0.weight": norm(),
+                        "mtp_linear_proj.0.weight": proj})
+    else:
+        tensors.update({f"mtp.layers.0.{k}": v for k, v in block.items()})
+        tensors.update({"mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),
+                        "mtp.fc.weight": proj, "mtp.norm.weight": norm()})
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    for key in ("layer_types", "mlp_layer_types"):
+        if key in config:
+            config[key] = config[key][:L]
+    (directory / "config.json").write_text(json.dumps(config))
