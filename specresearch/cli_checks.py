@@ -84,6 +84,22 @@ def check_common_flags(args) -> None:
             check_model_name(f"--{flag}", getattr(args, flag), embedded_only=embedded_only)
     if args.command == "bench":
         check_draft_name(args.draft)
+    if getattr(args, "draft", None) == "mtp":
+        check_mtp_model(getattr(args, "model", None) or getattr(args, "target", None))
+
+
+def check_mtp_model(name: str | None) -> None:
+    """``--draft mtp``: the model's own checkpoint announces MTP layers (its ``config.json``), before anything loads."""
+    config = Path(str(name)) / "config.json"
+    if not config.is_file():
+        if os.environ.get("HF_HUB_OFFLINE", "1") == "0" and name not in known_names("model"):
+            return  # a hub id: transformers resolves it, and load_mtp says what it lacks
+        raise ValueError(f"--draft mtp drafts with the MTP layers of the model's own checkpoint, and {name!r} is no "
+                         "checkpoint directory (the embedded models have none)")
+    settings = json.loads(config.read_text())
+    text = settings.get("text_config") or settings
+    if not (text.get("num_nextn_predict_layers") or text.get("num_mtp_layers")):
+        raise ValueError(f"--draft mtp: {name}'s config announces no MTP layers (num_nextn_predict_layers)")
 
 
 def check_model_name(flag: str, name: str, *, embedded_only: bool = False) -> None:
@@ -115,7 +131,7 @@ def check_draft_name(name: str | None) -> None:
     if name is None:
         return
     base = without_weight_prefix(name)
-    described = base == "ngram" or base.startswith(("ngram+", "truncated:", "dial-"))
+    described = base in ("ngram", "mtp") or base.startswith(("ngram+", "truncated:", "dial-"))
     if not (described or base in known_names("draft") or Path(base).exists()):
         raise ValueError(f"--draft {name!r} is neither a known name ({', '.join(known_names('draft'))}) "
                          "nor an existing checkpoint directory")
@@ -184,5 +200,5 @@ def known_names(flag: str) -> list[str]:
         return sorted(EMBEDDED)
     from specresearch.drafts.store import shipped_drafts
 
-    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "fp16:NAME", "int8:NAME", "dial-mix:LAM[:DRAFT]", "dial-uniform:LAM", "dial-temp:S",
-            *shipped_drafts()]
+    return ["ngram", "ngram+NAME[@OPTION]", "truncated:N", "mtp", "fp16:NAME", "int8:NAME", "dial-mix:LAM[:DRAFT]",
+            "dial-uniform:LAM", "dial-temp:S", *shipped_drafts()]

@@ -518,15 +518,16 @@ def test_the_docs_table_is_the_records_one():
     import json
     from pathlib import Path
 
-    from specresearch.audit.report import executed_table
+    from specresearch.audit.report import EXECUTED_RECORDS, executed_table
 
     root = Path(__file__).resolve().parents[1]
-    rows = [row for name in ("audit_executed", "audit_libraries")
+    rows = [row for name in EXECUTED_RECORDS
             for row in json.loads((root / "benchmarks" / "records" / f"{name}.json").read_text())["rows"]]
     text = (root / "docs" / "audit.md").read_text()
     table = text.split("<!-- executed table: generated -->\n")[1].split("\n<!-- end of executed table -->")[0]
     assert table == executed_table(rows)
     assert any(row.get("engine") == "llamacpp-server" for row in rows)  # llama.cpp's results travel in the record
+    assert any(row.get("engine") == "transformers-mtp" for row in rows)
 
 
 def test_the_figure_shows_each_configuration_once_at_its_largest_n():

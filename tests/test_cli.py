@@ -310,6 +310,7 @@ def test_a_top_k_tree_is_verified_by_its_one_rule_unless_another_is_named():
     (["generate", "hi", "--gamma", "fast"], "--gamma must be a count >= 1 or 'auto'"),
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "hi", "--draft", "v9-nope"], "--draft 'v9-nope' is neither a known name"),
+    (["generate", "hi", "--draft", "mtp"], "the embedded models have none"),
     (["generate", "  "], "the prompt is empty"),
     (["generate", "hi", "--method", "beam", "--verifier", "token"], "--method beam decodes without a draft"),
     (["generate", "hi", "--method", "beam", "--gamma", "3"], "--method beam decodes without a draft"),
@@ -345,6 +346,14 @@ def test_shared_flag_errors_of_every_command_come_before_any_model_loads(capsys,
     _refuse_model_loads(monkeypatch)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     _user_error(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], needle)
+
+
+def test_draft_mtp_needs_a_checkpoint_announcing_mtp_layers_before_any_model_loads(capsys, monkeypatch, tmp_path):
+    import json
+
+    _refuse_model_loads(monkeypatch)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _user_error(capsys, ["generate", "hi", "--model", str(tmp_path), "--draft", "mtp"], "announces no MTP layers")
 
 
 def test_a_hub_name_goes_through_when_downloads_are_allowed(monkeypatch):

@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.mtp import MtpDraft, load_mtp
@@ -89,8 +92,12 @@ def test_mtp_is_refused_in_one_line_without_layers_directory_or_tensors(tmp_path
         load_mtp(tiny_llama())
     tiny_mtp_checkpoint(tmp_path / "m", "mellum")
     target = _target(tmp_path / "m")
-    with pytest.raises(ValueError, match="checkpoint directory"):
+    with pytest.raises(ValueError, match="no checkpoint directory"):
         load_mtp(target, tmp_path / "nowhere")
+    config = copy.deepcopy(target.model.config)
+    config.name_or_path = ""
+    with pytest.raises(ValueError, match="no checkpoint directory"):  # a model built from its config has none
+        load_mtp(CausalLM(AutoModelForCausalLM.from_config(config), device="cpu"))
     tensors = load_file(tmp_path / "m" / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if k != "mtp.fc.weight"}, tmp_path / "m" / "model.safetensors")
     with pytest.raises(RuntimeError, match="eh_proj"):

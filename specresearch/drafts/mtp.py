@@ -151,11 +151,12 @@ def load_mtp(target_lm, directory: str | os.PathLike | None = None, *, device=No
 
     Args:
         target_lm: ``models.causal_lm.CausalLM`` over a transformers model whose config announces MTP layers.
-        directory: the checkpoint to read them from (default: the one the model was loaded from).
+        directory: the checkpoint directory to read them from (default: the one the model was loaded from, a
+            directory or a hub id transformers resolves).
         device: where the draft runs (default: the target's).
 
-    ``ValueError`` in one line where the config announces none or no checkpoint directory is known; transformers'
-    ``RuntimeError`` names the tensors a checkpoint lacks.
+    ``ValueError`` in one line where the config announces none or no checkpoint is known (a model built from a
+    config); transformers' ``RuntimeError`` names the tensors a checkpoint lacks.
     """
     from transformers.modeling_layers import MtpModel
 
@@ -163,12 +164,12 @@ def load_mtp(target_lm, directory: str | os.PathLike | None = None, *, device=No
     if mtp_layer_count(model) == 0:
         raise ValueError(f"{type(model).__name__} has no MTP layers: its config sets no num_nextn_predict_layers "
                          "(num_mtp_layers)")
-    path = Path(directory) if directory is not None else Path(str(model.config.name_or_path or ""))
-    if not str(path) or not path.is_dir():
-        raise ValueError(f"MTP layers are read from the target's checkpoint directory, and {str(path)!r} is none: "
-                         "load the target from its directory or pass directory=")
+    source = str(directory) if directory is not None else str(model.config.name_or_path or "")
+    if not source or (directory is not None and not Path(source).is_dir()):
+        raise ValueError(f"MTP layers are read from the target's checkpoint, and {source!r} is no checkpoint directory: "
+                         "load the target from its directory (or hub id) or pass directory=")
     device = torch.device(device if device is not None else target_lm.device)
-    saved, model.config.name_or_path = model.config.name_or_path, str(path)
+    saved, model.config.name_or_path = model.config.name_or_path, source
     try:
         mtp_model = MtpModel.from_pretrained(model, device_map={"": device})
     finally:
