@@ -20,7 +20,13 @@ import torch
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.eagle import EagleDraft, load_eagle3, save_eagle3
-from specresearch.drafts.registry import EAGLE1_FORMAT, EAGLE3_FORMAT, draft_format, draft_from_name
+from specresearch.drafts.registry import (
+    EAGLE1_FORMAT,
+    EAGLE3_FORMAT,
+    EAGLE3_SPECULATORS_FORMAT,
+    draft_format,
+    draft_from_name,
+)
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.toy import tiny_llama
@@ -84,8 +90,10 @@ def _attention(x, t, at, n):
     """Causal multi-head attention of the layer ``at`` over rows ``x [n, in]`` (RoPE, grouped KV heads)."""
     d = H // HEADS
     positions = torch.arange(n)
-    q = _rope((x @ t[at + "self_attn.q_proj.weight"].T).view(n, HEADS, d).transpose(0, 1), positions)
-    k = _rope((x @ t[at + "self_attn.k_proj.weight"].T).view(n, KV, d).transpose(0, 1), positions)
+    q, k = (x @ t[at + "self_attn.q_proj.weight"].T).view(n, HEADS, d), (x @ t[at + "self_attn.k_proj.weight"].T).view(n, KV, d)
+    if at + "self_attn.q_norm.weight" in t:  # a qwen3 layer: q and k normed per head before RoPE
+        q, k = _rms(q, t[at + "self_attn.q_norm.weight"]), _rms(k, t[at + "self_attn.k_norm.weight"])
+    q, k = _rope(q.transpose(0, 1), positions), _rope(k.transpose(0, 1), positions)
     v = (x @ t[at + "self_attn.v_proj.weight"].T).view(n, KV, d).transpose(0, 1)
     k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
     scores = (q @ k.transpose(1, 2)) / math.sqrt(d) + torch.full((n, n), float("-inf")).triu(1)
@@ -98,12 +106,13 @@ def _mlp(h, t, at):
             ) @ t[at + "mlp.down_proj.weight"].T
 
 
-def _reference(t, tokens, inputs, embedding, token_ids):
+def _reference(t, tokens, inputs, embedding, token_ids, norm_before_residual=False):
     """EAGLE-3's step over a whole sequence from the format's definition, uncached: tokens [n], inputs g [n, H]
-    (already through fc, or a previous output) -> outputs h [n, H] and target-vocabulary log-probabilities [n, V]."""
-    x = torch.cat([_rms(embedding[tokens], t["midlayer.input_layernorm.weight"]),
-                   _rms(inputs, t["midlayer.hidden_norm.weight"])], -1)
-    h = inputs + _attention(x, t, "midlayer.", len(tokens))
+    (already through fc, or a previous output) -> outputs h [n, H] and target-vocabulary log-probabilities [n, V].
+    ``norm_before_residual`` (speculators' option): the residual is hidden_norm(g), not g."""
+    normed = _rms(inputs, t["midlayer.hidden_norm.weight"])
+    x = torch.cat([_rms(embedding[tokens], t["midlayer.input_layernorm.weight"]), normed], -1)
+    h = (normed if norm_before_residual else inputs) + _attention(x, t, "midlayer.", len(tokens))
     h = h + _mlp(h, t, "midlayer.")
     draft_logits = _rms(h, t["norm.weight"]) @ t["lm_head.weight"].T
     full = torch.full((len(tokens), VOCAB), float("-inf")).index_copy(1, token_ids, draft_logits)
@@ -165,6 +174,83 @@ def test_eagle3_with_its_layer_saved_as_layers_0_loads_the_same(tmp_path):
         draft.observe(features)
         outs.append(draft.prefill(ids, torch.ones_like(ids)))
     assert torch.equal(outs[0], outs[1])
+
+
+def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, layer=None, qk_norm=False):
+    """A random EAGLE-3 head as vllm-project/speculators saves it: ``layers.0.*`` beside ``fc`` (with a bias, as its
+    first releases), the layer's Llama config under ``transformer_layer_config``; returns its tensors (under the
+    repository's names) and draft token ids."""
+    from safetensors.torch import save_file
+
+    tensors, token_ids = _checkpoint(directory.parent / f"{directory.name}-plain", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors["fc.bias"] = 0.1 * torch.randn(H, generator=g)
+    if qk_norm:
+        tensors |= {f"midlayer.self_attn.{n}_norm.weight": 1 + 0.3 * torch.randn(H // HEADS, generator=g) for n in "qk"}
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": DRAFT_VOCAB,
+              "norm_before_residual": norm_before_residual, "target_hidden_size": None,
+              "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "a tiny Llama"}},
+              "transformer_layer_config": {"model_type": "llama", "hidden_size": H, "intermediate_size": INTER,
+                                           "num_attention_heads": HEADS, "num_key_value_heads": KV,
+                                           "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                                           "vocab_size": VOCAB, "max_position_embeddings": 256, **(layer or {})}}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, directory / "model.safetensors")
+    return tensors, token_ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_speculators_eagle3_head_follows_its_definition_and_runs_in_the_engine(tmp_path, kind):
+    """speculators' layout: its config flattened (``drafts.eagle.speculators_eagle3_config``), ``fc``'s bias read,
+    ``norm_before_residual`` honoured (the residual is hidden_norm(g)), a qwen3 layer's q/k norms: logits as the
+    definition at the prompt and at a drafted slot; read with the option off, they differ; greedy chains and dynamic
+    trees give the target's tokens."""
+    target = _target()
+    layer = {"model_type": "qwen3", "head_dim": H // HEADS} if kind == "qwen3" else None
+    tensors, token_ids = _speculators_checkpoint(tmp_path / "head", layer=layer, qk_norm=kind == "qwen3")
+    assert draft_format(tmp_path / "head") == EAGLE3_SPECULATORS_FORMAT
+    draft = draft_from_name(str(tmp_path / "head"), target)
+    assert isinstance(draft, EagleDraft) and draft.feature_layers == (2, LAYERS // 2, LAYERS - 3)
+    prompt = [5, 9, 3, 17, 22, 8, 41]
+    ids = torch.tensor([prompt])
+    _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)
+    before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
+    draft.observe(before)
+    got = draft.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0]
+    embedding = target.model.get_input_embeddings().weight.detach()
+    g = features[0, :-1] @ tensors["fc.weight"].T + tensors["fc.bias"]
+    h, want = _reference(tensors, torch.tensor(prompt[1:]), g, embedding, token_ids, norm_before_residual=True)
+    finite = want[-1].isfinite()
+    assert torch.equal(got.exp() > 0, finite) and torch.allclose(got[finite], want[-1][finite], atol=1e-4)
+    got_next = draft.score(torch.tensor([[30]])).log_softmax(-1)[0, 0]
+    _, want_next = _reference(tensors, torch.tensor(prompt[1:] + [30]), torch.cat([g, h[-1:]]), embedding, token_ids,
+                              norm_before_residual=True)
+    assert torch.allclose(got_next[finite], want_next[-1][finite], atol=1e-4)
+    _speculators_checkpoint(tmp_path / "off", norm_before_residual=False, layer=layer, qk_norm=kind == "qwen3")
+    off = draft_from_name(str(tmp_path / "off"), target)
+    off.observe(before)
+    assert not torch.allclose(off.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0][finite], want[-1][finite],
+                              atol=1e-2)
+    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12]], SamplingConfig(temperature=0.0)
+    want_tokens = autoregressive_generate(target, prompts, max_new_tokens=8, sampling=greedy).tokens
+    for options in (dict(verifier="block", gamma=3), dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic")):
+        assert speculative_generate(target, draft, prompts, max_new_tokens=8, sampling=greedy, **options).tokens == want_tokens
+
+
+def test_speculators_heads_this_loader_does_not_build_are_refused_and_llama3_rope_is_applied(tmp_path):
+    target = _target()
+    for name, layer in (("mistral", {"model_type": "mistral"}), ("two", {"num_hidden_layers": 2})):
+        _speculators_checkpoint(tmp_path / name, layer=layer)
+        with pytest.raises(ValueError, match="this loader builds one llama or qwen3 layer"):
+            draft_from_name(str(tmp_path / name), target)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    _speculators_checkpoint(tmp_path / "llama3", layer={"rope_scaling": scaling})
+    _speculators_checkpoint(tmp_path / "plain")
+    positions = torch.arange(40)[None]
+    scaled, plain = (draft_from_name(str(tmp_path / n), target).head.rope(positions)[0] for n in ("llama3", "plain"))
+    assert not torch.allclose(scaled, plain)  # the layer's RoPE is transformers' Llama one, scaling included
 
 
 def test_eagle3_runs_chains_and_trees_exactly_and_losslessly(tmp_path):

@@ -1,4 +1,5 @@
-"""EAGLE-1/2 and EAGLE-3 heads as their repository saves them: load, run in the engine, save.
+"""EAGLE-1/2 and EAGLE-3 heads as their repository (and vllm-project/speculators) saves them: load, run in the engine,
+save.
 
 The formats, read from SafeAILab/EAGLE at commit cb7e084 (Li et al. 2024, EAGLE, arXiv 2401.15077; EAGLE-2, arXiv
 2406.16858, drafts with the same head; Li et al. 2025, EAGLE-3, arXiv 2503.01840); our code, their facts.
@@ -30,6 +31,19 @@ EAGLE-3 (``eagle/model/cnets.py``):
 * the head at the slot of token ``x_{j+1}`` reads the feature of slot j: EAGLE's prefill drops the prompt's first
   token (``input_ids[:, 1:]``, l. 683), so here the first prompt slot of each row (whose feature the engine gives as
   zeros) is masked out.
+
+EAGLE-3 as vllm-project/speculators saves it (the format vLLM reads; ``src/speculators/models/eagle3/config.py``,
+``core.py``, ``model_definitions.py``), read by :func:`speculators_eagle3_config` into the same head:
+
+* ``config.json`` with ``speculators_model_type: "eagle3"``, the layer's Llama config under
+  ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``, ``norm_before_fc``,
+  ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``; tensors ``fc`` (with a bias in the first releases,
+  ``eagle3.py`` then), ``layers.0.*`` (the layer above), ``norm``, ``lm_head``, ``d2t`` / ``t2d``, optionally
+  ``input_norm`` and ``embed_tokens``;
+* ``norm_before_residual``: the layer's residual is ``hidden_norm(g)`` instead of ``g``; ``norm_before_fc``: an RMS
+  norm over the features before ``fc``; RoPE, ``head_dim`` and biases as transformers' Llama layer of that config; a
+  qwen3 layer (``Qwen3DecoderEagle3FirstLayer``) also RMS-norms q and k per head before RoPE (``q_norm``,
+  ``k_norm``). Another layer type or more than one layer is refused.
 
 EAGLE-1/2 (``eagle/model/cnets1.py``, the ``Model`` that ``ea_model.py`` l. 58-59 builds when ``use_eagle3`` is
 off):
@@ -75,7 +89,7 @@ from specresearch.drafts.feature_draft import (
 )
 
 __all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
-           "load_eagle3", "save_eagle3", "eagle3_feature_layers"]
+           "load_eagle3", "save_eagle3", "eagle3_feature_layers", "speculators_eagle3_config", "is_speculators_dir"]
 
 # tensor name -> (shape in terms of the config; H = hidden, T = target hidden, Q = heads * d, K = kv_heads * d,
 # I = intermediate, D = draft vocabulary, V = vocabulary)
@@ -97,6 +111,26 @@ EAGLE3_TENSORS = {
 _OPTIONAL = {"d2t": ("D",), "t2d": ("V",), "embed_tokens.weight": ("V", "H")}
 
 
+SPECULATORS_KEY = "speculators_model_type"  # a config read from the vllm-project/speculators layout keeps it
+
+
+def speculators_eagle3_config(config: dict) -> dict:
+    """An EAGLE-3 head's ``config.json`` as vllm-project/speculators saves it (``speculators_model_type: "eagle3"``,
+    the layer's Llama config under ``transformer_layer_config``) flattened to the keys :class:`Eagle3Head` reads;
+    ``ValueError`` in one line for a layer this loader does not build (another model type, more than one layer)."""
+    layer = dict(config.get("transformer_layer_config") or {})
+    kind, count = layer.get("model_type", "llama"), int(layer.get("num_hidden_layers") or 1)
+    if kind not in ("llama", "qwen3") or count != 1:
+        raise ValueError(f"speculators EAGLE-3 head with {count} {kind!r} layer(s): this loader builds one llama or "
+                         "qwen3 layer (further decoder layers are not read yet)")
+    flat = {**layer, SPECULATORS_KEY: "eagle3", "draft_vocab_size": config.get("draft_vocab_size"),
+            "qk_norm": kind == "qwen3"}
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc"):
+        if config.get(key) is not None:
+            flat[key] = config[key]
+    return flat
+
+
 def eagle3_feature_layers(config: dict, target_layers: int) -> tuple[int, ...]:
     """The target ``hidden_states`` indices an EAGLE-3 head reads (module docstring)."""
     ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
@@ -107,32 +141,42 @@ def eagle3_feature_layers(config: dict, target_layers: int) -> tuple[int, ...]:
 class _Eagle3Layer(torch.nn.Module):
     """EAGLE-3's ``midlayer``: attention over ``[input_layernorm(embedding), hidden_norm(g)]`` (2H), residual g."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, *,
+                 head_dim: int | None = None, bias: bool = False, mlp_bias: bool = False,
+                 norm_before_residual: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or hidden // heads
+        self.norm_before_residual = norm_before_residual  # speculators' option: the residual is hidden_norm(g)
+        self.qk_norm = qk_norm  # speculators' qwen3 layer: q and k RMS-normed per head before RoPE
         self.hidden_norm, self.input_layernorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.self_attn = torch.nn.Module()
         for name, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
-            setattr(self.self_attn, name, torch.nn.Linear(2 * hidden, rows * self.head_dim, bias=False))
-        self.self_attn.o_proj = torch.nn.Linear(heads * self.head_dim, hidden, bias=False)
-        self.mlp = MLP(hidden, intermediate, bias=False)
+            setattr(self.self_attn, name, torch.nn.Linear(2 * hidden, rows * self.head_dim, bias=bias))
+        self.self_attn.o_proj = torch.nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        if qk_norm:
+            self.self_attn.q_norm, self.self_attn.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
+        self.mlp = MLP(hidden, intermediate, bias=mlp_bias)
 
     def forward(self, g, embedding, cos, sin, past, allowed):
         """``g, embedding [B, k, H]``; ``past``: earlier (keys, values) ``[B, kv, S, d]`` or None; ``allowed [B, k,
         S + k]``. -> (``h [B, k, H]``, (keys, values) with this block's appended)."""
         B, k, _ = g.shape
-        x = torch.cat([self.input_layernorm(embedding), self.hidden_norm(g)], dim=-1)
+        normed = self.hidden_norm(g)
+        x = torch.cat([self.input_layernorm(embedding), normed], dim=-1)
         attn = self.self_attn
-        q = attn.q_proj(x).view(B, k, self.heads, self.head_dim).transpose(1, 2)
-        keys = attn.k_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = attn.q_proj(x).view(B, k, self.heads, self.head_dim)
+        keys = attn.k_proj(x).view(B, k, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, keys = attn.q_norm(q), attn.k_norm(keys)
+        q, keys = q.transpose(1, 2), keys.transpose(1, 2)
         values = attn.v_proj(x).view(B, k, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
         q, keys = q * cos + rotate_half(q) * sin, keys * cos + rotate_half(keys) * sin
         keys, values = extend_past(past, keys, values)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
                                                                enable_gqa=self.heads != self.kv_heads)
-        h = g + attn.o_proj(out.transpose(1, 2).reshape(B, k, -1))
+        h = (normed if self.norm_before_residual else g) + attn.o_proj(out.transpose(1, 2).reshape(B, k, -1))
         return h + self.mlp(self.post_attention_layernorm(h)), (keys, values)
 
 
@@ -150,25 +194,38 @@ class Eagle3Head(torch.nn.Module):
     format = "EAGLE-3"
 
     def __init__(self, target, config: dict, token_ids: torch.Tensor | None = None,
-                 embedding: torch.Tensor | None = None) -> None:
+                 embedding: torch.Tensor | None = None, *, fc_bias: bool = False) -> None:
         super().__init__()
         text = target.config.get_text_config()
         H, T = int(config["hidden_size"]), int(config.get("target_hidden_size") or text.hidden_size)
         heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or H // heads)
         self.eagle_config = dict(config)
         self.config = None  # the FeatureHeadConfig of a head the toolkit trains (from_feature_config)
         self.hidden_size, self.vocab_size = H, int(target.get_output_embeddings().weight.shape[0])
         self.num_hidden_states = text.num_hidden_layers + 1
         self.feature_layers = eagle3_feature_layers(config, text.num_hidden_layers)
         self.feature_size = len(self.feature_layers) * T
-        self.fc = torch.nn.Linear(self.feature_size, H, bias=False)
-        self.layers = torch.nn.ModuleList([_Eagle3Layer(H, heads, int(config.get("num_key_value_heads") or heads),
-                                                        int(config["intermediate_size"]), float(config["rms_norm_eps"]))])
-        self.norm = RMSNorm(H, float(config["rms_norm_eps"]))
+        eps = float(config["rms_norm_eps"])
+        self.input_norm = RMSNorm(self.feature_size, eps) if config.get("norm_before_fc") else None  # speculators'
+        self.fc = torch.nn.Linear(self.feature_size, H, bias=fc_bias)
+        self.layers = torch.nn.ModuleList([_Eagle3Layer(
+            H, heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"]), eps,
+            head_dim=head_dim, bias=bool(config.get("attention_bias")), mlp_bias=bool(config.get("mlp_bias")),
+            norm_before_residual=bool(config.get("norm_before_residual")), qk_norm=bool(config.get("qk_norm")))])
+        self.norm = RMSNorm(H, eps)
         draft_vocab = int(config.get("draft_vocab_size") or self.vocab_size)
         ids = torch.arange(draft_vocab) if token_ids is None else token_ids
         self.subset_head = SubsetHead(torch.zeros(draft_vocab, H), ids, self.vocab_size)
-        self.position_scale = _register_rope(self, config, H // heads)
+        self.rotary = None
+        if config.get(SPECULATORS_KEY):  # a transformers Llama layer's RoPE (any rope_type transformers applies)
+            from transformers import LlamaConfig
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            keys = set(LlamaConfig().to_dict()) | {"rope_theta", "rope_scaling"}  # the older names it still takes
+            self.rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in config.items() if k in keys}))
+        else:
+            self.position_scale = _register_rope(self, config, head_dim)
         self.embed_tokens = None
         if embedding is not None:
             self.embed_tokens = torch.nn.Embedding.from_pretrained(embedding.float(), freeze=True)
@@ -207,13 +264,15 @@ class Eagle3Head(torch.nn.Module):
         return ids - torch.arange(len(ids), device=ids.device)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's features ``[..., 3 T]`` -> ``g [..., H]``."""
-        return self.fc(features)
+        """The target's features ``[..., 3 T]`` -> ``g [..., H]`` (through ``input_norm`` first where it has one)."""
+        return self.fc(features if self.input_norm is None else self.input_norm(features))
 
     def raw_input_layers(self) -> list[torch.nn.Module]:
         return [self.fc]
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rotary is not None:
+            return self.rotary(self.norm.weight, positions)
         return _rope(self, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -238,6 +297,10 @@ class Eagle3Head(torch.nn.Module):
         layer = self.layers[0]
         tensors = {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight,
                    "lm_head.weight": self.subset_head.weight}
+        if self.fc.bias is not None:
+            tensors["fc.bias"] = self.fc.bias
+        if self.input_norm is not None:
+            tensors["input_norm.weight"] = self.input_norm.weight
         for name, value in layer.state_dict().items():
             tensors[f"midlayer.{name}"] = value
         if len(self.subset_head.token_ids) != self.vocab_size:
@@ -368,6 +431,12 @@ def eagle_format(directory: str | os.PathLike) -> str | None:
     return "EAGLE-1/2" if {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= names else None
 
 
+def is_speculators_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``directory``'s config is an EAGLE-3 head's as vllm-project/speculators saves it."""
+    config = Path(directory) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get(SPECULATORS_KEY) == "eagle3"
+
+
 def is_eagle3_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds an EAGLE-3 head in the repository's layout."""
     return eagle_format(directory) == "EAGLE-3"
@@ -398,13 +467,21 @@ def _expected_shapes(config: dict, text_config, vocab: int) -> dict[str, tuple[i
     """Every EAGLE-3 tensor's shape for ``config`` over a target of ``text_config`` and ``vocab`` ("3T": the features
     read, ``len(eagle3_feature_layers)`` of the target's hidden size)."""
     H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    d, kv = H // heads, int(config.get("num_key_value_heads") or heads)
+    d, kv = int(config.get("head_dim") or H // heads), int(config.get("num_key_value_heads") or heads)
     T = int(config.get("target_hidden_size") or text_config.hidden_size)
     sizes = {"H": H, "2H": 2 * H, "3T": len(eagle3_feature_layers(config, text_config.num_hidden_layers)) * T,
-             "Q": heads * d, "K": kv * d, "I": int(config["intermediate_size"]),
+             "Q": heads * d, "K": kv * d, "I": int(config["intermediate_size"]), "d": d,
              "D": int(config.get("draft_vocab_size") or vocab), "V": vocab}
-
-    return {name: tuple(sizes[s] for s in shape) for name, shape in {**EAGLE3_TENSORS, **_OPTIONAL}.items()}
+    shapes = {**EAGLE3_TENSORS, **_OPTIONAL, "fc.bias": ("H",)}  # fc's bias: speculators' first releases
+    if config.get("norm_before_fc"):
+        shapes["input_norm.weight"] = ("3T",)
+    if config.get("attention_bias"):
+        shapes |= {f"midlayer.self_attn.{n}_proj.bias": (r,) for n, r in (("q", "Q"), ("k", "K"), ("v", "K"), ("o", "H"))}
+    if config.get("qk_norm"):
+        shapes |= {f"midlayer.self_attn.{n}_norm.weight": ("d",) for n in ("q", "k")}
+    if config.get("mlp_bias"):
+        shapes |= {f"midlayer.mlp.{n}_proj.bias": (r,) for n, r in (("gate", "I"), ("up", "I"), ("down", "H"))}
+    return {name: tuple(sizes[s] for s in shape) for name, shape in shapes.items()}
 
 
 def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> EagleDraft:
@@ -415,6 +492,8 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
         raise ValueError(f"{directory} is not an EAGLE-3 head: expected config.json and model.safetensors or "
                          "pytorch_model.bin with fc.weight and midlayer.* (the SafeAILab/EAGLE layout)")
     config = json.loads((directory / "config.json").read_text())
+    if config.get(SPECULATORS_KEY) == "eagle3" and "transformer_layer_config" in config:
+        config = speculators_eagle3_config(config)
     target = target_lm.model
     text = target.config.get_text_config()
     tensors = _read_tensors(_weights_file(directory))
@@ -422,14 +501,18 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
         tensors = {(f"midlayer.{k[len('layers.0.'):]}" if k.startswith("layers.0.") else k): v
                    for k, v in tensors.items()}
     expected = _expected_shapes(config, text, int(target.get_output_embeddings().weight.shape[0]))
-    _check_tensors(directory, tensors, expected, set(_OPTIONAL), "EAGLE-3")
+    _check_tensors(directory, tensors, expected, set(_OPTIONAL) | {"fc.bias"}, "EAGLE-3")
     draft_vocab = expected["lm_head.weight"][0]
     token_ids = None
     if "d2t" in tensors and draft_vocab != expected["t2d"][0]:
         token_ids = torch.arange(draft_vocab) + tensors["d2t"].long()
-    head = Eagle3Head(target, config, token_ids, tensors.get("embed_tokens.weight"))
+    head = Eagle3Head(target, config, token_ids, tensors.get("embed_tokens.weight"), fc_bias="fc.bias" in tensors)
     with torch.no_grad():
         head.fc.weight.copy_(tensors["fc.weight"].float())
+        if "fc.bias" in tensors:
+            head.fc.bias.copy_(tensors["fc.bias"].float())
+        if head.input_norm is not None:
+            head.input_norm.weight.copy_(tensors["input_norm.weight"].float())
         head.norm.weight.copy_(tensors["norm.weight"].float())
         head.subset_head.weight.copy_(tensors["lm_head.weight"].float())
         head.layers[0].load_state_dict({k[len("midlayer."):]: v.float() for k, v in tensors.items()

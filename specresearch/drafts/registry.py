@@ -19,8 +19,8 @@ from specresearch.models.embedded import load_embedded, load_tokenizer
 from specresearch.models.kernels import choose_kernel_rows, use_half_weights, use_int8_weights, use_kernel_rows
 from specresearch.models.protocols import check_same_tokenizer
 
-__all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE1_FORMAT", "MEDUSA_FORMAT",
-           "MTP_FORMAT",
+__all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE3_SPECULATORS_FORMAT",
+           "EAGLE1_FORMAT", "MEDUSA_FORMAT", "MTP_FORMAT",
            "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
            "INT8_PREFIX", "without_weight_prefix", "with_weight_storage", "load_pair", "weights_digests"]
 
@@ -94,7 +94,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         return load_mtp(target)
     trained = drafts_dir() / name if name in shipped_drafts() else Path(name)
     layout = draft_format(trained) if trained.is_dir() else None
-    if layout in (EAGLE3_FORMAT, EAGLE1_FORMAT):
+    if layout in (EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, EAGLE1_FORMAT):
         from specresearch.drafts.eagle import load_eagle  # imports drafts.feature, which imports this module
 
         return load_eagle(target, trained)
@@ -128,10 +128,13 @@ def _fuses(target) -> bool | None:
 
 
 EAGLE3_FORMAT = "EAGLE-3 head (the SafeAILab/EAGLE layout: fc, midlayer.*, norm, lm_head, d2t / t2d)"
+EAGLE3_SPECULATORS_FORMAT = ("EAGLE-3 head (the vllm-project/speculators layout: speculators_model_type eagle3, "
+                             "transformer_layer_config, fc, layers.0.*, norm, lm_head, d2t / t2d)")
 EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the target's head reads it)"
 MTP_FORMAT = "MTP layers in the target's own checkpoint (num_nextn_predict_layers; --draft mtp reads them)"
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
-_FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE1_FORMAT, MEDUSA_FORMAT,
+_FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, EAGLE1_FORMAT,
+            MEDUSA_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
 
 
@@ -146,11 +149,13 @@ def draft_format(directory) -> str:
     if manifest_path(directory).exists():
         manifest = json.loads(manifest_path(directory).read_text())
         return "feature head this toolkit trained" if "feature_head_config" in manifest else "draft this toolkit trained"
-    from specresearch.drafts.eagle import eagle_format
+    from specresearch.drafts.eagle import eagle_format, is_speculators_dir
 
     kind = eagle_format(directory)
     if kind is not None:
-        return EAGLE3_FORMAT if kind == "EAGLE-3" else EAGLE1_FORMAT
+        if kind == "EAGLE-3":
+            return EAGLE3_SPECULATORS_FORMAT if is_speculators_dir(directory) else EAGLE3_FORMAT
+        return EAGLE1_FORMAT
     from specresearch.drafts.medusa import is_medusa_dir
 
     if is_medusa_dir(directory):
