@@ -13,7 +13,7 @@ from specresearch.audit.execute import ENGINES, captured_rows, cell_probs, execu
 from specresearch.audit.llamacpp import llamacpp_home
 from specresearch.experiments.executor import LocalExecutor
 from specresearch.experiments.stats import law_from_rows
-from specresearch.models.families import perturbed_copy, tiny_family_model, tiny_mtp_checkpoint
+from specresearch.models.families import perturbed_copy, tiny_family_model, tiny_gemma4_pair, tiny_mtp_checkpoint
 
 PROMPT = [5, 9, 17, 3, 5, 9]  # repeats an n-gram, so prompt lookup finds candidates
 
@@ -82,6 +82,19 @@ def test_transformers_mtp_drafting_keeps_the_target_law_and_a_verifier_accepting
         execute("transformers-mtp", prompt=[5, 9, 3], num_samples=100, progress=False)
 
 
+def test_the_gemma4_assistant_path_is_lossy_as_predicted():
+    """transformers 5.25's Gemma 4 assistant path (``SinglePositionMultiTokenCandidateGenerator``) drafts the
+    assistant's argmax and hands its logits to ``_speculative_sampling`` as q: on a tiny Gemma 4 pair
+    (``models.families.tiny_gemma4_pair``) at T = 1, 2,000 runs reject the target's law and keep the law the rule
+    ``hf-assisted`` with ``assistant="greedy"`` predicts from the rows transformers verifies with (level 1e-3 each,
+    fixed seed)."""
+    target, assistant = tiny_gemma4_pair()
+    result = execute("transformers-gemma4-assistant", prompt=[5, 9, 17, 3], n_tokens=2, num_samples=2000,
+                     target=target, draft=assistant, min_expected=10, progress=False)
+    assert result.verdict == "not exact" and result.finding.startswith("agrees: lossy"), str(result)
+    assert result.target.p_value < 1e-3 < result.predicted.p_value and result.predicted.tv_from_target > 0.05
+
+
 def test_the_assistant_verified_with_twice_warped_rows(pair):
     """transformers 5.24 passes the main logits processors (its warpers included) to the assistant's generate, which
     builds its own from the same config: at T != 1 the drafts come from softmax(z / T^2), and that is the q it verifies
@@ -143,6 +156,7 @@ def test_captured_rows_restores_the_function():
     (dict(engine="llamacpp-server", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="transformers-mtp", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="transformers-mtp", prompt_lookup_num_tokens=2), "takes options"),
+    (dict(engine="transformers-gemma4-assistant", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="llamacpp-server", assistant_ensemble_weight=0.5), "takes options"),
     (dict(engine="llamacpp-example", n_tokens=3), "n_tokens=2"),
     (dict(engine="llamacpp-example", synth_rates=(0.5,)), "takes options"),
@@ -159,7 +173,8 @@ def test_bad_input_is_refused(pair, kwargs, message):
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
     assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "transformers-mtp",
-                            "llamacpp-server", "llamacpp-example", "llamacpp-simple", "python"}
+                            "transformers-gemma4-assistant", "llamacpp-server", "llamacpp-example", "llamacpp-simple",
+                            "python"}
 
 
 LLAMACPP = llamacpp_home() / "bin" / "llama-server"

@@ -332,7 +332,10 @@ def hf_assisted(num_drafts: int = 1, gamma: int = 2, *, assistant: str = "sample
     ``_speculative_sampling`` l. 4444-4504): token verification with the assistant's processed scores as q.
     ``assistant="sampled"``: the assistant samples with the main generation config, so q is the law its tokens came
     from (exact). ``assistant="greedy"``: a greedy assistant whose softmax is still passed as q (transformers issue
-    32867): the ratio test then uses a q that is not the law of the drafts. ``ensemble_weight`` w in (0, 1): the
+    32867): the ratio test then uses a q that is not the law of the drafts. transformers 5.25 ships this with its Gemma 4
+    assistants at ``do_sample=True``: ``SinglePositionMultiTokenCandidateGenerator`` (``candidate_generator.py``)
+    drafts ``outputs.logits.argmax`` and returns ``outputs.logits`` as the candidates' logits (issue 47932 lists it);
+    ``audit.execute``'s ``transformers-gemma4-assistant`` runs it. ``ensemble_weight`` w in (0, 1): the
     generation config's ``assistant_ensemble_weight`` (DIVERSE's static ensemble verification, opt-in since 5.x,
     ``configuration_utils.py`` l. 350-355): accept with min(1, 1 - w + w p/q), i.e. against w p + (1 - w) q, residual
     max(p - q, 0) renormalised, p where it has no mass (l. 4469-4496): lossy by design."""

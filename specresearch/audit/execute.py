@@ -39,6 +39,12 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   temperature T (what a library claiming lossless speculative sampling promises); ``benchmarks/audit_libraries.py``
   runs the PyPI libraries through it. With a Ray executor give ``sampler=``, a picklable recipe that builds the
   sampler in each worker, instead.
+* ``transformers-gemma4-assistant``: ``generate(assistant_model=assistant, do_sample=True)`` with a Gemma 4 assistant
+  (``Gemma4AssistantForCausalLM``; the target a Gemma 4 model, whose KV states it shares): transformers 5.25's
+  ``SinglePositionMultiTokenCandidateGenerator`` drafts the assistant's argmax and hands its logits to
+  ``_speculative_sampling`` as q, the rule ``hf-assisted`` with ``assistant="greedy"`` (predicted lossy). Its first
+  token is the target's own (``n_tokens`` >= 2); the prediction reads the rows transformers verifies with after each
+  expanded prefix, the generation started one token short with the prefix's last token forced.
 * ``llamacpp-server``: llama.cpp's server (:mod:`specresearch.audit.llamacpp`; built once per machine by
   ``scripts/build_llamacpp.sh``) on the embedded GGUF, the draft a copy with its logits scaled; rule
   ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
@@ -92,6 +98,7 @@ ENGINES = {
     "transformers-lookup": "hf-lookup",
     "transformers-sampling": "hf-assisted",
     "transformers-mtp": "hf-assisted",  # the MTP layers' draft, verified by the same _speculative_sampling
+    "transformers-gemma4-assistant": "hf-assisted",  # assistant="greedy": argmax drafts, their softmax passed as q
     "llamacpp-server": "llamacpp-server",
     "llamacpp-example": "llamacpp-example",
     "llamacpp-simple": "llamacpp-server",  # the same loop as the server's (common_sampler_sample_and_accept_n)
@@ -315,7 +322,7 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
         raise ValueError(f"n_tokens must be an int in 1..4, got {n_tokens!r}")
     if engine == "transformers-sampling" and n_tokens != 1:
         raise ValueError("transformers-sampling calls the verification function on the prompt's rows: n_tokens=1")
-    if engine in ("llamacpp-server", "llamacpp-example", "transformers-mtp") and n_tokens < 2:
+    if engine in ("llamacpp-server", "llamacpp-example", "transformers-mtp", "transformers-gemma4-assistant") and n_tokens < 2:
         raise ValueError(f"{engine} samples its first token from the target alone: n_tokens >= 2")
     if engine == "llamacpp-example" and n_tokens != 2:
         raise ValueError("llamacpp-example: n_tokens=2 (the token after its first drafted step; later ones depend on "
@@ -343,7 +350,7 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
 
 def _verdict(engine: str, options: dict) -> str:
     lossy = options.get("assistant_ensemble_weight") is not None or options.get("synth_rates") is not None
-    return "not exact" if lossy or engine == "llamacpp-example" else "exact"
+    return "not exact" if lossy or engine in ("llamacpp-example", "transformers-gemma4-assistant") else "exact"
 
 
 @dataclass(frozen=True)
@@ -432,7 +439,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     if target is None:
         target, loaded, tokenizer = default_pair()
         draft = draft if draft is not None else loaded
-    if draft is None and engine in ("transformers-assisted", "transformers-sampling"):
+    if draft is None and engine in ("transformers-assisted", "transformers-sampling", "transformers-gemma4-assistant"):
         raise ValueError(f"{engine} needs a draft model (the assistant)")
     if tokenizer is None and isinstance(prompt, str):
         raise ValueError("a string prompt needs the tokenizer (or pass token ids)")

@@ -27,6 +27,7 @@ ENGINE_OPTIONS = {
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
     "transformers-sampling": ("assistant_ensemble_weight",),
     "transformers-mtp": (),
+    "transformers-gemma4-assistant": ("num_assistant_tokens",),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
@@ -109,6 +110,8 @@ class TransformersRun:
         self.n_tokens, self.notes, self.draft_tv = n_tokens, [], None
         if engine == "transformers-mtp":  # the target's own MTP layers draft (transformers' MTPCandidateGenerator)
             self.extra["use_mtp"] = True
+        if engine == "transformers-gemma4-assistant":  # its candidate generator reads the assistant's config only
+            draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
         if engine == "transformers-assisted":
             draft_model.generation_config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
             draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
@@ -145,6 +148,11 @@ class TransformersRun:
         if self.engine == "transformers-mtp":
             self._check_mtp_drafts()
             return None
+        if self.engine == "transformers-gemma4-assistant":  # the first token is the target's own
+            live = [s for s in law.rows if s and s[-1] != self.eos]
+            q, p = self._rows_after_forced(live)
+            r, _ = single_step("hf-assisted", p, q, num_drafts=1, assistant="greedy")
+            return dict(law.rows) | dict(zip(live, r))
         live = [s for s in law.rows if not s or s[-1] != self.eos] if self.weight is not None else [()]
         q, p = self.verified_rows(live)
         self.draft_tv = 0.5 * float((q[0] - self.rows(self.draft, [()])[0]).abs().sum())
@@ -171,6 +179,37 @@ class TransformersRun:
                           f"_speculative_sampling over {drafted} MTP-drafted token(s)")
 
     @torch.no_grad()
+    def _rows_after_forced(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, p) ``[n, V]`` float64 the first verification verifies the draft after each prefix with, for an engine
+        whose first token is the target's own (never drafted): the generation starts one token short, and a logits
+        processor makes the prefix's last token its first (the rows after it are the engine's own)."""
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Force(LogitsProcessor):
+            def __init__(self, length: int, token: int):
+                self.length, self.token = length, token
+
+            def __call__(self, input_ids, scores):
+                if input_ids.shape[1] != self.length:
+                    return scores
+                forced = torch.full_like(scores, float("-inf"))
+                forced[:, self.token] = 0.0
+                return forced
+
+        qs, ps = [], []
+        for prefix in prefixes:
+            ids = self._ids([prefix[:-1]])
+            with captured_rows() as calls:
+                self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,  # room for a draft
+                                     logits_processor=LogitsProcessorList([Force(ids.shape[1], prefix[-1])]),
+                                     assistant_model=self.draft, **self.sampling, **self.extra)
+            if not calls:
+                raise RuntimeError(f"transformers verified no draft after prefix {prefix}: nothing to capture")
+            qs.append(calls[0][0][0, 0].double().softmax(-1).cpu())
+            ps.append(calls[0][1][0, 0].double().softmax(-1).cpu())
+        return torch.stack(qs), torch.stack(ps)
+
+    @torch.no_grad()
     def verified_rows(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, p) ``[n, V]`` float64: the rows transformers' assisted decoding verifies the first draft token after
         each prefix with (:func:`captured_rows`, one assisted step per prefix)."""
@@ -194,7 +233,7 @@ class TransformersRun:
             yield from self._function_draws(num_samples)
             return
         ids = self._ids([()])
-        assistant = self.draft if self.engine == "transformers-assisted" else None
+        assistant = self.draft if self.engine in ("transformers-assisted", "transformers-gemma4-assistant") else None
         for _ in range(num_samples):
             out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.n_tokens + 1,
                                        assistant_model=assistant, **self.sampling, **self.extra)

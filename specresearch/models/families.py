@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair",
-           "MTP_LAYOUTS", "tiny_mtp_checkpoint"]
+           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "tiny_gemma4_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -209,3 +209,25 @@ def tiny_mtp_checkpoint(directory, layout: str, *, seed: int = 0) -> None:
         if key in config:
             config[key] = config[key][:L]
     (directory / "config.json").write_text(json.dumps(config))
+
+
+def tiny_gemma4_pair(*, seed: int = 0, init_std: float = 0.3, num_assistant_tokens: int = 2):
+    """``(target, assistant)``: a random-weight Gemma 4 text model (two layers, windowed then global, its embeddings
+    untied: a random tied one repeats its last token) and a Gemma 4
+    assistant for it (``Gemma4AssistantForCausalLM``, drafting from the target's shared KV states: transformers'
+    ``SinglePositionMultiTokenCandidateGenerator``), float32 on the CPU, reproducible from ``seed``; the assistant's
+    generation config drafts ``num_assistant_tokens`` a step. ``init_std`` 0.3: next-token laws neither flat nor one
+    token's (the audit's runs need both several cells and a visible second token)."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+
+    sizes = dict(_SIZES, head_dim=8, global_head_dim=8, num_hidden_layers=2, sliding_window=WINDOW,
+                 layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+                 vocab_size_per_layer_input=0, initializer_range=init_std, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        target = Gemma4ForCausalLM(Gemma4TextConfig(**sizes)).eval()
+        assistant = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(
+            text_config=Gemma4TextConfig(**sizes), backbone_hidden_size=sizes["hidden_size"], num_centroids=8,
+            centroid_intermediate_top_k=4)).eval()
+    assistant.generation_config.num_assistant_tokens = num_assistant_tokens
+    return target, assistant
