@@ -7,7 +7,7 @@ configuration's measured law of the first tokens against the target's and the au
     python benchmarks/audit_executed.py [--out benchmarks/records/audit_executed.json] [--scale 1.0]
 
 Resumable: configurations already in the record are kept, the rest run and are written one by one; ``--docs``
-rewrites docs/audit.md's table of engines run from this record, ``audit_libraries.json`` and ``audit_mtp.json``, and notebook 12's
+rewrites docs/audit.md's table of engines run from this record and the others of ``audit.report.EXECUTED_RECORDS``, and notebook 12's
 figure in docs/figures from this record (what the notebook draws, without its live runs). ``--scale``
 multiplies every N (0.05 for a smoke run into another file). ``--power`` adds the configurations run at an N that
 detects TV 0.03 (``POWER``) as seed blocks of ``--batch-size``, each stored in ``benchmarks/records/blocks/`` as it
