@@ -13,7 +13,13 @@ from specresearch.audit.execute import ENGINES, captured_rows, cell_probs, execu
 from specresearch.audit.llamacpp import llamacpp_home
 from specresearch.experiments.executor import LocalExecutor
 from specresearch.experiments.stats import law_from_rows
-from specresearch.models.families import perturbed_copy, tiny_family_model, tiny_gemma4_pair, tiny_mtp_checkpoint
+from specresearch.models.families import (
+    perturbed_copy,
+    tiny_dflash_pair,
+    tiny_family_model,
+    tiny_gemma4_pair,
+    tiny_mtp_checkpoint,
+)
 
 PROMPT = [5, 9, 17, 3, 5, 9]  # repeats an n-gram, so prompt lookup finds candidates
 
@@ -54,6 +60,13 @@ def test_assisted_generation_and_prompt_lookup_keep_the_target_law(pair):
     assert lossy.predicted.p_value > 1e-3 and lossy.target.p_value < 1e-3, str(lossy)
 
 
+def _accept_every_draft(candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs):
+    """A broken ``_speculative_sampling``: every draft kept, the target sampled after them (a negative control)."""
+    drafted = candidate_input_ids[:, -candidate_length:]
+    bonus = torch.multinomial(new_logits[0, -1].softmax(-1), 1)[None]
+    return torch.cat([drafted, bonus], 1), candidate_length
+
+
 def test_transformers_mtp_drafting_keeps_the_target_law_and_a_verifier_accepting_all_does_not(tmp_path, monkeypatch):
     """transformers' generate(use_mtp=True) on a tiny Mellum checkpoint with an MTP layer (models.families
     .tiny_mtp_checkpoint): the run verifies MTP drafts (its notes count them) and keeps the target's law over the first
@@ -69,17 +82,30 @@ def test_transformers_mtp_drafting_keeps_the_target_law_and_a_verifier_accepting
     assert result.verdict == "exact" and result.target.p_value > 1e-3 and result.finding.startswith("agrees"), str(result)
     assert "MTP-drafted token" in result.notes[0]
 
-    def accept_all(candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs):
-        drafted = candidate_input_ids[:, -candidate_length:]
-        bonus = torch.multinomial(new_logits[0, -1].softmax(-1), 1)[None]
-        return torch.cat([drafted, bonus], 1), candidate_length
-
-    monkeypatch.setattr(utils, "_speculative_sampling", accept_all)
+    monkeypatch.setattr(utils, "_speculative_sampling", _accept_every_draft)
     broken = execute("transformers-mtp", **common)
     assert broken.target.p_value < 1e-3, str(broken)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="needs target="):
         execute("transformers-mtp", prompt=[5, 9, 3], num_samples=100, progress=False)
+
+
+def test_transformers_dflash_drafting_keeps_the_target_law_and_a_verifier_accepting_all_does_not(monkeypatch):
+    """transformers' DFlash path (``speculation_type="dflash"``) on a tiny Llama with a DFlash block drafter
+    (``models.families.tiny_dflash_pair``): the run verifies DFlash drafts and keeps the target's law over the first
+    two tokens (400 runs); with the verification replaced by one accepting every draft, the same run rejects it (both
+    at level 1e-3, fixed seeds)."""
+    from transformers.generation import utils
+
+    target, assistant = tiny_dflash_pair()
+    common = dict(prompt=[5, 9, 3], n_tokens=2, num_samples=400, min_expected=10, target=target, draft=assistant,
+                  progress=False)
+    result = execute("transformers-dflash", **common)
+    assert result.verdict == "exact" and result.target.p_value > 1e-3 and result.finding.startswith("agrees"), str(result)
+    assert "DFlash-drafted token" in result.notes[0]
+
+    monkeypatch.setattr(utils, "_speculative_sampling", _accept_every_draft)
+    assert execute("transformers-dflash", **common).target.p_value < 1e-3
 
 
 def test_the_gemma4_assistant_path_is_lossy_as_predicted():
@@ -157,6 +183,7 @@ def test_captured_rows_restores_the_function():
     (dict(engine="transformers-mtp", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="transformers-mtp", prompt_lookup_num_tokens=2), "takes options"),
     (dict(engine="transformers-gemma4-assistant", n_tokens=1), "n_tokens >= 2"),
+    (dict(engine="transformers-dflash", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="llamacpp-server", assistant_ensemble_weight=0.5), "takes options"),
     (dict(engine="llamacpp-example", n_tokens=3), "n_tokens=2"),
     (dict(engine="llamacpp-example", synth_rates=(0.5,)), "takes options"),
@@ -173,8 +200,8 @@ def test_bad_input_is_refused(pair, kwargs, message):
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
     assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "transformers-mtp",
-                            "transformers-gemma4-assistant", "llamacpp-server", "llamacpp-example", "llamacpp-simple",
-                            "python"}
+                            "transformers-gemma4-assistant", "transformers-dflash", "llamacpp-server", "llamacpp-example",
+                            "llamacpp-simple", "python"}
 
 
 LLAMACPP = llamacpp_home() / "bin" / "llama-server"

@@ -176,7 +176,8 @@ def test_eagle3_with_its_layer_saved_as_layers_0_loads_the_same(tmp_path):
     assert torch.equal(outs[0], outs[1])
 
 
-def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, layer=None, qk_norm=False):
+def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, layer=None, qk_norm=False,
+                            norm_before_fc=False):
     """A random EAGLE-3 head as vllm-project/speculators saves it: ``layers.0.*`` beside ``fc`` (with a bias, as its
     first releases), the layer's Llama config under ``transformer_layer_config``; returns its tensors (under the
     repository's names) and draft token ids."""
@@ -187,8 +188,10 @@ def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, lay
     tensors["fc.bias"] = 0.1 * torch.randn(H, generator=g)
     if qk_norm:
         tensors |= {f"midlayer.self_attn.{n}_norm.weight": 1 + 0.3 * torch.randn(H // HEADS, generator=g) for n in "qk"}
+    if norm_before_fc:
+        tensors["input_norm.weight"] = 1 + 0.3 * torch.randn(3 * H, generator=g)
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": DRAFT_VOCAB,
-              "norm_before_residual": norm_before_residual, "target_hidden_size": None,
+              "norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "target_hidden_size": None,
               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "a tiny Llama"}},
               "transformer_layer_config": {"model_type": "llama", "hidden_size": H, "intermediate_size": INTER,
                                            "num_attention_heads": HEADS, "num_key_value_heads": KV,
@@ -200,15 +203,16 @@ def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, lay
     return tensors, token_ids
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3 with norm_before_fc"])
 def test_a_speculators_eagle3_head_follows_its_definition_and_runs_in_the_engine(tmp_path, kind):
     """speculators' layout: its config flattened (``drafts.eagle.speculators_eagle3_config``), ``fc``'s bias read,
-    ``norm_before_residual`` honoured (the residual is hidden_norm(g)), a qwen3 layer's q/k norms: logits as the
-    definition at the prompt and at a drafted slot; read with the option off, they differ; greedy chains and dynamic
-    trees give the target's tokens."""
+    ``norm_before_residual`` honoured (the residual is hidden_norm(g)), a qwen3 layer's q/k norms, ``norm_before_fc``'s
+    norm over the features: logits as the definition at the prompt and at a drafted slot; read with
+    ``norm_before_residual`` off, they differ; greedy chains and dynamic trees give the target's tokens."""
     target = _target()
-    layer = {"model_type": "qwen3", "head_dim": H // HEADS} if kind == "qwen3" else None
-    tensors, token_ids = _speculators_checkpoint(tmp_path / "head", layer=layer, qk_norm=kind == "qwen3")
+    qwen3 = kind != "llama"
+    layer = {"model_type": "qwen3", "head_dim": H // HEADS} if qwen3 else None
+    tensors, token_ids = _speculators_checkpoint(tmp_path / "head", layer=layer, qk_norm=qwen3, norm_before_fc=qwen3)
     assert draft_format(tmp_path / "head") == EAGLE3_SPECULATORS_FORMAT
     draft = draft_from_name(str(tmp_path / "head"), target)
     assert isinstance(draft, EagleDraft) and draft.feature_layers == (2, LAYERS // 2, LAYERS - 3)
@@ -219,7 +223,8 @@ def test_a_speculators_eagle3_head_follows_its_definition_and_runs_in_the_engine
     draft.observe(before)
     got = draft.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0]
     embedding = target.model.get_input_embeddings().weight.detach()
-    g = features[0, :-1] @ tensors["fc.weight"].T + tensors["fc.bias"]
+    read = _rms(features[0, :-1], tensors["input_norm.weight"]) if qwen3 else features[0, :-1]
+    g = read @ tensors["fc.weight"].T + tensors["fc.bias"]
     h, want = _reference(tensors, torch.tensor(prompt[1:]), g, embedding, token_ids, norm_before_residual=True)
     finite = want[-1].isfinite()
     assert torch.equal(got.exp() > 0, finite) and torch.allclose(got[finite], want[-1][finite], atol=1e-4)
@@ -227,7 +232,7 @@ def test_a_speculators_eagle3_head_follows_its_definition_and_runs_in_the_engine
     _, want_next = _reference(tensors, torch.tensor(prompt[1:] + [30]), torch.cat([g, h[-1:]]), embedding, token_ids,
                               norm_before_residual=True)
     assert torch.allclose(got_next[finite], want_next[-1][finite], atol=1e-4)
-    _speculators_checkpoint(tmp_path / "off", norm_before_residual=False, layer=layer, qk_norm=kind == "qwen3")
+    _speculators_checkpoint(tmp_path / "off", norm_before_residual=False, layer=layer, qk_norm=qwen3, norm_before_fc=qwen3)
     off = draft_from_name(str(tmp_path / "off"), target)
     off.observe(before)
     assert not torch.allclose(off.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0][finite], want[-1][finite],

@@ -45,6 +45,11 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   ``_speculative_sampling`` as q, the rule ``hf-assisted`` with ``assistant="greedy"`` (predicted lossy). Its first
   token is the target's own (``n_tokens`` >= 2); the prediction reads the rows transformers verifies with after each
   expanded prefix, the generation started one token short with the prefix's last token forced.
+* ``transformers-dflash``: ``generate(assistant_model=assistant, speculation_type="dflash", do_sample=True)`` with a
+  DFlash block drafter (``MuseGlimmerAssistantModel``, reading the target's hidden states at its
+  ``target_layer_ids``): transformers 5.25's ``DFlashTokenCandidateGenerator`` drafts ``block_size - 1`` tokens a
+  step from the processed logits it also hands on as q (rule ``hf-assisted``, exact); its first token is the
+  target's own (``n_tokens`` >= 2), and the run first checks that a generation verifies DFlash drafts.
 * ``llamacpp-server``: llama.cpp's server (:mod:`specresearch.audit.llamacpp`; built once per machine by
   ``scripts/build_llamacpp.sh``) on the embedded GGUF, the draft a copy with its logits scaled; rule
   ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
@@ -91,7 +96,7 @@ from specresearch.experiments.records import git_commit
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
 __all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "default_pair", "captured_rows", "cell_probs",
-           "tv_interval", "compare_counts", "DrawBlock", "draw_block", "timed_block"]
+           "tv_interval", "compare_counts", "DrawBlock", "draw_block", "timed_block", "TinyRun", "record_tiny_runs"]
 
 ENGINES = {
     "transformers-assisted": "hf-assisted",
@@ -99,6 +104,7 @@ ENGINES = {
     "transformers-sampling": "hf-assisted",
     "transformers-mtp": "hf-assisted",  # the MTP layers' draft, verified by the same _speculative_sampling
     "transformers-gemma4-assistant": "hf-assisted",  # assistant="greedy": argmax drafts, their softmax passed as q
+    "transformers-dflash": "hf-assisted",  # a block drafted from the processed logits it hands on as q
     "llamacpp-server": "llamacpp-server",
     "llamacpp-example": "llamacpp-example",
     "llamacpp-simple": "llamacpp-server",  # the same loop as the server's (common_sampler_sample_and_accept_n)
@@ -322,7 +328,8 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
         raise ValueError(f"n_tokens must be an int in 1..4, got {n_tokens!r}")
     if engine == "transformers-sampling" and n_tokens != 1:
         raise ValueError("transformers-sampling calls the verification function on the prompt's rows: n_tokens=1")
-    if engine in ("llamacpp-server", "llamacpp-example", "transformers-mtp", "transformers-gemma4-assistant") and n_tokens < 2:
+    if engine in ("llamacpp-server", "llamacpp-example", "transformers-mtp", "transformers-gemma4-assistant",
+                  "transformers-dflash") and n_tokens < 2:
         raise ValueError(f"{engine} samples its first token from the target alone: n_tokens >= 2")
     if engine == "llamacpp-example" and n_tokens != 2:
         raise ValueError("llamacpp-example: n_tokens=2 (the token after its first drafted step; later ones depend on "
@@ -439,7 +446,8 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     if target is None:
         target, loaded, tokenizer = default_pair()
         draft = draft if draft is not None else loaded
-    if draft is None and engine in ("transformers-assisted", "transformers-sampling", "transformers-gemma4-assistant"):
+    if draft is None and engine in ("transformers-assisted", "transformers-sampling", "transformers-gemma4-assistant",
+                                    "transformers-dflash"):
         raise ValueError(f"{engine} needs a draft model (the assistant)")
     if tokenizer is None and isinstance(prompt, str):
         raise ValueError("a string prompt needs the tokenizer (or pass token ids)")
@@ -493,3 +501,49 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         detectable_tv(num_samples, len(cells)), seconds, run.version, run.draft_tv, tuple(run.notes) + block_notes(store),
         {name: compare_counts(counts, probs, target_probs, seed + 2 + i) for i, (name, probs) in enumerate(others.items())},
         machines, commits)
+
+
+@dataclass(frozen=True)
+class TinyRun:
+    """One configuration of :func:`record_tiny_runs`: ``engine`` on the models ``build()`` returns (``(target, draft,
+    row fields)``: a draft of None for the engines without one, fields such as a checkpoint's digest), named
+    ``model`` in the record."""
+
+    model: str
+    build: object  # () -> (target, draft, dict)
+    engine: str
+    n_tokens: int
+    num_samples: int
+    temperature: float = 1.0
+    options: dict = field(default_factory=dict)
+    prompt: tuple = (5, 9, 3)
+
+
+def record_tiny_runs(out, command: str, argv, runs, *, scale: float = 1.0, min_expected: float = 20.0) -> dict:
+    """The resumable record of execution runs on tiny random-weight models (``benchmarks/audit_mtp.py``,
+    ``audit_gemma4.py``, ``audit_dflash.py``: transformers' paths the embedded pair cannot run): ``runs``
+    (:class:`TinyRun`) already in the JSON record ``out`` (by model, engine, settings and prompt) are kept, the others
+    run at ``num_samples * scale`` (at least 20) and are written one by one, each row naming its model and commit."""
+    import json
+    from pathlib import Path
+
+    from specresearch.audit.report import config_key
+    from specresearch.experiments.records import record_header, write_json_record
+
+    out = Path(out)
+    record = json.loads(out.read_text()) if out.exists() else record_header(
+        command, argv, target=None, models="tiny random-weight models, named in each row", rows=[])
+    done = {config_key(r["engine"], r["n_tokens"], r["temperature"], r["options"], [r["model"], r["prompt"]])
+            for r in record["rows"]}
+    for run in runs:
+        if config_key(run.engine, run.n_tokens, run.temperature, run.options, [run.model, list(run.prompt)]) in done:
+            continue
+        target, draft, fields = run.build()
+        result = execute(run.engine, prompt=list(run.prompt), n_tokens=run.n_tokens, temperature=run.temperature,
+                         num_samples=max(20, round(run.num_samples * scale)), target=target, draft=draft,
+                         min_expected=min_expected, **run.options)
+        print(result, flush=True)
+        record["rows"].append({"model": run.model, **fields, "prompt": list(run.prompt), "commit": git_commit()}
+                              | result.as_record())
+        write_json_record(out, record)
+    return record

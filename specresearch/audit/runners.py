@@ -28,6 +28,7 @@ ENGINE_OPTIONS = {
     "transformers-sampling": ("assistant_ensemble_weight",),
     "transformers-mtp": (),
     "transformers-gemma4-assistant": ("num_assistant_tokens",),
+    "transformers-dflash": (),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
@@ -110,6 +111,8 @@ class TransformersRun:
         self.n_tokens, self.notes, self.draft_tv = n_tokens, [], None
         if engine == "transformers-mtp":  # the target's own MTP layers draft (transformers' MTPCandidateGenerator)
             self.extra["use_mtp"] = True
+        if engine == "transformers-dflash":  # a DFlash assistant drafts a block a step (DFlashTokenCandidateGenerator)
+            self.extra["speculation_type"] = "dflash"
         if engine == "transformers-gemma4-assistant":  # its candidate generator reads the assistant's config only
             draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
         if engine == "transformers-assisted":
@@ -145,8 +148,8 @@ class TransformersRun:
         rows transformers verifies with; records how far its q is from the draft's own law."""
         if self.engine == "transformers-lookup":
             return None
-        if self.engine == "transformers-mtp":
-            self._check_mtp_drafts()
+        if self.engine in ("transformers-mtp", "transformers-dflash"):
+            self._check_drafted("MTP" if self.engine == "transformers-mtp" else "DFlash")
             return None
         if self.engine == "transformers-gemma4-assistant":  # the first token is the target's own
             live = [s for s in law.rows if s and s[-1] != self.eos]
@@ -165,18 +168,18 @@ class TransformersRun:
         return dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
 
     @torch.no_grad()
-    def _check_mtp_drafts(self) -> None:
-        """``RuntimeError`` unless one generation of ``n_tokens + 1`` tokens verifies MTP drafts with
-        ``_speculative_sampling`` (the path whose law the run measures); the count goes into the notes."""
+    def _check_drafted(self, kind: str) -> None:
+        """``RuntimeError`` unless one generation of ``n_tokens + 1`` tokens verifies ``kind`` drafts (MTP's, DFlash's)
+        with ``_speculative_sampling`` (the path whose law the run measures); the count goes into the notes."""
         ids = self._ids([()])
         with captured_rows() as calls:
             self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.n_tokens + 1,
-                                 **self.sampling, **self.extra)
+                                 assistant_model=self.draft, **self.sampling, **self.extra)
         if not calls:
-            raise RuntimeError("transformers' generate(use_mtp=True) verified no MTP draft: nothing of MTP to measure")
+            raise RuntimeError(f"transformers' {kind} path verified no draft: nothing of it to measure")
         drafted = sum(int(q.shape[1]) for q, _ in calls)
         self.notes.append(f"one generation of {self.n_tokens + 1} tokens: {len(calls)} verification call(s) of "
-                          f"_speculative_sampling over {drafted} MTP-drafted token(s)")
+                          f"_speculative_sampling over {drafted} {kind}-drafted token(s)")
 
     @torch.no_grad()
     def _rows_after_forced(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +236,8 @@ class TransformersRun:
             yield from self._function_draws(num_samples)
             return
         ids = self._ids([()])
-        assistant = self.draft if self.engine in ("transformers-assisted", "transformers-gemma4-assistant") else None
+        assistant = self.draft if self.engine in ("transformers-assisted", "transformers-gemma4-assistant",
+                                                  "transformers-dflash") else None
         for _ in range(num_samples):
             out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.n_tokens + 1,
                                        assistant_model=assistant, **self.sampling, **self.extra)

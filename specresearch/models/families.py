@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair",
-           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "tiny_gemma4_pair"]
+           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -230,4 +230,24 @@ def tiny_gemma4_pair(*, seed: int = 0, init_std: float = 0.3, num_assistant_toke
             text_config=Gemma4TextConfig(**sizes), backbone_hidden_size=sizes["hidden_size"], num_centroids=8,
             centroid_intermediate_top_k=4)).eval()
     assistant.generation_config.num_assistant_tokens = num_assistant_tokens
+    return target, assistant
+
+
+def tiny_dflash_pair(*, seed: int = 0, block_size: int = 3):
+    """``(target, assistant)``: the tiny Llama of :func:`tiny_family_model` and a DFlash block drafter for it
+    (transformers' ``MuseGlimmerAssistantModel``: one layer over the target's hidden states after its layers 0 and 1,
+    ``block_size - 1`` tokens drafted a step, the last token id its mask), float32 on the CPU, reproducible from
+    ``seed``."""
+    from transformers import MuseGlimmerAssistantConfig
+    from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import MuseGlimmerAssistantModel
+
+    target = tiny_family_model("llama", "sdpa", seed=seed)
+    config = MuseGlimmerAssistantConfig(
+        hidden_size=_SIZES["hidden_size"], intermediate_size=_SIZES["intermediate_size"], num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=64,
+        block_size=block_size, mask_token_id=_SIZES["vocab_size"] - 1, target_layer_ids=[0, 1],
+        vocab_size=_SIZES["vocab_size"], bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        assistant = MuseGlimmerAssistantModel(config).eval()
     return target, assistant
