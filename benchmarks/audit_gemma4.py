@@ -13,12 +13,9 @@ written one by one. The rows join docs/audit.md's table of engines run (``benchm
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import torch
-
-from specresearch.audit.execute import TinyRun, record_tiny_runs
+from specresearch.audit.execute import TinyRun, tiny_runs_main
 from specresearch.models.families import tiny_gemma4_pair
 
 SEED = 0  # the pair's weights
@@ -38,15 +35,7 @@ RUNS = [_run(12000), _run(8000, 0.7, {"top_k": 20}), _run(8000, options={"num_as
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/records/audit_gemma4.json")
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    record_tiny_runs(args.out, "benchmarks/audit_gemma4.py", sys.argv[1:] if argv is None else argv, RUNS,
-                     scale=args.scale)
-    return 0
+    return tiny_runs_main(__doc__, "audit_gemma4", RUNS, argv)
 
 
 if __name__ == "__main__":

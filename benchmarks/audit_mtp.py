@@ -13,7 +13,6 @@ written one by one. The rows join docs/audit.md's table of engines run (``benchm
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import functools
 import hashlib
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specresearch.audit.execute import TinyRun, record_tiny_runs
+from specresearch.audit.execute import TinyRun, tiny_runs_main
 from specresearch.models.families import tiny_mtp_checkpoint
 
 PROMPT = (5, 9, 3)
@@ -55,14 +54,7 @@ RUNS = [_run("mellum", 20000), _run("mellum", 12000, 0.7, {"top_p": 0.9}),
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/records/audit_mtp.json")
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    record_tiny_runs(args.out, "benchmarks/audit_mtp.py", sys.argv[1:] if argv is None else argv, RUNS, scale=args.scale)
-    return 0
+    return tiny_runs_main(__doc__, "audit_mtp", RUNS, argv)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ from specresearch.experiments.records import git_commit
 from specresearch.experiments.stats import chi_square, detectable_tv, law_from_rows
 
 __all__ = ["ENGINES", "ExecutionResult", "LawComparison", "execute", "check_arguments", "default_pair", "captured_rows", "cell_probs",
-           "tv_interval", "compare_counts", "DrawBlock", "draw_block", "timed_block", "TinyRun", "record_tiny_runs"]
+           "tv_interval", "compare_counts", "DrawBlock", "draw_block", "timed_block", "TinyRun", "record_tiny_runs",
+           "tiny_runs_main"]
 
 ENGINES = {
     "transformers-assisted": "hf-assisted",
@@ -547,3 +548,20 @@ def record_tiny_runs(out, command: str, argv, runs, *, scale: float = 1.0, min_e
                               | result.as_record())
         write_json_record(out, record)
     return record
+
+
+def tiny_runs_main(doc: str, name: str, runs, argv=None) -> int:
+    """The command line of a tiny-model record's script (``benchmarks/<name>.py``, its docstring ``doc``): ``--out``
+    (default ``benchmarks/records/<name>.json``), ``--scale`` (every N), ``--threads``; runs
+    :func:`record_tiny_runs`."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=f"benchmarks/records/{name}.json")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record_tiny_runs(args.out, f"benchmarks/{name}.py", sys.argv[1:] if argv is None else argv, runs, scale=args.scale)
+    return 0

@@ -199,29 +199,26 @@ class TransformersRun:
                 forced[:, self.token] = 0.0
                 return forced
 
-        qs, ps = [], []
-        for prefix in prefixes:
-            ids = self._ids([prefix[:-1]])
-            with captured_rows() as calls:
-                self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,  # room for a draft
-                                     logits_processor=LogitsProcessorList([Force(ids.shape[1], prefix[-1])]),
-                                     assistant_model=self.draft, **self.sampling, **self.extra)
-            if not calls:
-                raise RuntimeError(f"transformers verified no draft after prefix {prefix}: nothing to capture")
-            qs.append(calls[0][0][0, 0].double().softmax(-1).cpu())
-            ps.append(calls[0][1][0, 0].double().softmax(-1).cpu())
-        return torch.stack(qs), torch.stack(ps)
+        return self._first_verified([(prefix, prefix[:-1], dict(
+            max_new_tokens=3,  # room for a draft after the forced token
+            logits_processor=LogitsProcessorList([Force(len(self.prompt) + len(prefix) - 1, prefix[-1])])))
+            for prefix in prefixes])
 
     @torch.no_grad()
     def verified_rows(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, p) ``[n, V]`` float64: the rows transformers' assisted decoding verifies the first draft token after
         each prefix with (:func:`captured_rows`, one assisted step per prefix)."""
+        return self._first_verified([(prefix, prefix, dict(max_new_tokens=2)) for prefix in prefixes])
+
+    def _first_verified(self, calls_to_make) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, p) of the first verification of each generation ``(prefix, start, generate's settings)`` started from
+        the prompt and ``start`` (:func:`captured_rows`)."""
         qs, ps = [], []
-        for prefix in prefixes:
-            ids = self._ids([prefix])
+        for prefix, start, settings in calls_to_make:
+            ids = self._ids([start])
             with captured_rows() as calls:
-                self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
-                                     assistant_model=self.draft, **self.sampling, **self.extra)
+                self.target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=self.draft,
+                                     **settings, **self.sampling, **self.extra)
             if not calls:
                 raise RuntimeError(f"transformers verified no draft after prefix {prefix}: nothing to capture")
             qs.append(calls[0][0][0, 0].double().softmax(-1).cpu())
