@@ -84,7 +84,9 @@ def check_common_flags(args) -> None:
             check_model_name(f"--{flag}", getattr(args, flag), embedded_only=embedded_only)
     if args.command == "bench":
         check_draft_name(args.draft)
-    if getattr(args, "draft", None) == "mtp":
+    from specresearch.drafts.registry import without_weight_prefix
+
+    if getattr(args, "draft", None) and without_weight_prefix(args.draft) == "mtp":  # fp16:mtp, int8:mtp too
         check_mtp_model(getattr(args, "model", None) or getattr(args, "target", None))
 
 

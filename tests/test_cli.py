@@ -311,6 +311,7 @@ def test_a_top_k_tree_is_verified_by_its_one_rule_unless_another_is_named():
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "hi", "--draft", "v9-nope"], "--draft 'v9-nope' is neither a known name"),
     (["generate", "hi", "--draft", "mtp"], "the embedded models have none"),
+    (["generate", "hi", "--draft", "fp16:mtp"], "the embedded models have none"),
     (["generate", "  "], "the prompt is empty"),
     (["generate", "hi", "--method", "beam", "--verifier", "token"], "--method beam decodes without a draft"),
     (["generate", "hi", "--method", "beam", "--gamma", "3"], "--method beam decodes without a draft"),

@@ -67,9 +67,9 @@ def test_mtp_logits_equal_transformers_own_mtp_model(tmp_path, layout):
 
 @pytest.mark.parametrize("layout", ["deepseek-v3", "mellum"])
 def test_mtp_drafts_chains_and_trees_exactly_and_losslessly(tmp_path, layout):
-    """Greedy chains, sampled trees and dynamic trees (dynamic caches, and a static-cache chain) give the target's
-    greedy tokens for three left-padded prompts; at T = 1, 6,000 samples of the first three tokens pass the exact
-    Bonferroni test, whose false-positive rate is <= 1e-6."""
+    """Greedy chains, sampled trees and dynamic trees (dynamic caches, and static-cache chains and trees; the layer's
+    weights also in float16 and int8) give the target's greedy tokens for three left-padded prompts; at T = 1, 6,000
+    samples of the first three tokens pass the exact Bonferroni test, whose false-positive rate is <= 1e-6."""
     tiny_mtp_checkpoint(tmp_path / "m", layout)
     target = _target(tmp_path / "m")
     draft = draft_from_name("mtp", target)
@@ -80,6 +80,9 @@ def test_mtp_drafts_chains_and_trees_exactly_and_losslessly(tmp_path, layout):
                     dict(verifier="block", gamma=3, compile="static"),
                     dict(verifier="onehot", num_drafts=2, gamma=2, draft_law="dynamic", compile="static")):
         assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=greedy, **options).tokens == want
+    for stored in ("fp16:mtp", "int8:mtp"):  # the layer's weights stored in float16 / int8 (drafts.registry)
+        half = draft_from_name(stored, target)
+        assert speculative_generate(target, half, prompts, max_new_tokens=10, sampling=greedy, gamma=3).tokens == want
     result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
                            max_new_tokens=4, num_samples=6_000, seed=11, batch_size=3_000)
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
