@@ -190,6 +190,15 @@ def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, lay
         tensors |= {f"midlayer.self_attn.{n}_norm.weight": 1 + 0.3 * torch.randn(H // HEADS, generator=g) for n in "qk"}
     if norm_before_fc:
         tensors["input_norm.weight"] = 1 + 0.3 * torch.randn(3 * H, generator=g)
+    for i in range(1, int((layer or {}).get("num_hidden_layers", 1)) if not qk_norm else 1):  # further Llama layers
+        d, at = H // HEADS, f"layers.{i}."
+        for name, shape in (("self_attn.q_proj.weight", (HEADS * d, H)), ("self_attn.k_proj.weight", (KV * d, H)),
+                            ("self_attn.v_proj.weight", (KV * d, H)), ("self_attn.o_proj.weight", (H, HEADS * d)),
+                            ("mlp.gate_proj.weight", (INTER, H)), ("mlp.up_proj.weight", (INTER, H)),
+                            ("mlp.down_proj.weight", (H, INTER))):
+            tensors[at + name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            tensors[at + name] = 1 + 0.1 * torch.randn(H, generator=g)
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": DRAFT_VOCAB,
               "norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "target_hidden_size": None,
               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "a tiny Llama"}},
@@ -243,11 +252,48 @@ def test_a_speculators_eagle3_head_follows_its_definition_and_runs_in_the_engine
         assert speculative_generate(target, draft, prompts, max_new_tokens=8, sampling=greedy, **options).tokens == want_tokens
 
 
+def _further_layer(t, h, at):
+    """A plain Llama decoder layer ``at`` over rows ``h [n, H]`` (speculators' layers after the first)."""
+    h = h + _attention(_rms(h, t[at + "input_layernorm.weight"]), t, at, len(h))
+    return h + _mlp(h, t, at)
+
+
+def test_a_speculators_head_of_two_layers_runs_the_second_over_the_first(tmp_path):
+    """A llama head of two layers: the EAGLE-3 layer, then a plain Llama layer over its output, whose output is the
+    logits' input and what the drafted slot reads (the definition, at the prompt and at a drafted slot)."""
+    target = _target()
+    tensors, token_ids = _speculators_checkpoint(tmp_path / "head", layer={"num_hidden_layers": 2})
+    draft = draft_from_name(str(tmp_path / "head"), target)
+    assert len(draft.head.layers) == 2
+    prompt = [5, 9, 3, 17, 22, 8, 41]
+    ids = torch.tensor([prompt])
+    _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)
+    draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1))
+    got = draft.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0]
+    embedding = target.model.get_input_embeddings().weight.detach()
+
+    def reference(tokens, inputs):
+        first, _ = _reference(tensors, tokens, inputs, embedding, token_ids, norm_before_residual=True)
+        h = _further_layer(tensors, first, "layers.1.")
+        logits = _rms(h, tensors["norm.weight"]) @ tensors["lm_head.weight"].T
+        return h, torch.full((len(tokens), VOCAB), float("-inf")).index_copy(1, token_ids, logits).log_softmax(-1)
+
+    g = features[0, :-1] @ tensors["fc.weight"].T + tensors["fc.bias"]
+    h, want = reference(torch.tensor(prompt[1:]), g)
+    finite = want[-1].isfinite()
+    assert torch.allclose(got[finite], want[-1][finite], atol=1e-4)
+    got_next = draft.score(torch.tensor([[30]])).log_softmax(-1)[0, 0]
+    _, want_next = reference(torch.tensor(prompt[1:] + [30]), torch.cat([g, h[-1:]]))
+    assert torch.allclose(got_next[finite], want_next[-1][finite], atol=1e-4)
+    with pytest.raises(ValueError, match="no form in the repository's layout"):
+        save_eagle3(draft.head, tmp_path / "out")
+
+
 def test_speculators_heads_this_loader_does_not_build_are_refused_and_llama3_rope_is_applied(tmp_path):
     target = _target()
-    for name, layer in (("mistral", {"model_type": "mistral"}), ("two", {"num_hidden_layers": 2})):
+    for name, layer in (("mistral", {"model_type": "mistral"}), ("two", {"model_type": "qwen3", "num_hidden_layers": 2})):
         _speculators_checkpoint(tmp_path / name, layer=layer)
-        with pytest.raises(ValueError, match="this loader builds one llama or qwen3 layer"):
+        with pytest.raises(ValueError, match="this loader builds llama layers or one qwen3 layer"):
             draft_from_name(str(tmp_path / name), target)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}

@@ -32,18 +32,11 @@ EAGLE-3 (``eagle/model/cnets.py``):
   token (``input_ids[:, 1:]``, l. 683), so here the first prompt slot of each row (whose feature the engine gives as
   zeros) is masked out.
 
-EAGLE-3 as vllm-project/speculators saves it (the format vLLM reads; ``src/speculators/models/eagle3/config.py``,
-``core.py``, ``model_definitions.py``), read by :func:`speculators_eagle3_config` into the same head:
-
-* ``config.json`` with ``speculators_model_type: "eagle3"``, the layer's Llama config under
-  ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``, ``norm_before_fc``,
-  ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``; tensors ``fc`` (with a bias in the first releases,
-  ``eagle3.py`` then), ``layers.0.*`` (the layer above), ``norm``, ``lm_head``, ``d2t`` / ``t2d``, optionally
-  ``input_norm`` and ``embed_tokens``;
-* ``norm_before_residual``: the layer's residual is ``hidden_norm(g)`` instead of ``g``; ``norm_before_fc``: an RMS
-  norm over the features before ``fc``; RoPE, ``head_dim`` and biases as transformers' Llama layer of that config; a
-  qwen3 layer (``Qwen3DecoderEagle3FirstLayer``) also RMS-norms q and k per head before RoPE (``q_norm``,
-  ``k_norm``). Another layer type or more than one layer is refused.
+EAGLE-3 as vllm-project/speculators saves it (the format vLLM reads): the same head, its config flattened by
+``drafts.speculators``, with the options that layout adds: ``norm_before_residual`` (the layer's residual is
+``hidden_norm(g)`` instead of ``g``), ``norm_before_fc`` (an RMS norm over the features before ``fc``), a bias on ``fc``
+(its first releases), ``head_dim`` and biases, a qwen3 layer's per-head q/k norms, transformers' Llama RoPE (any
+``rope_type``), and further plain Llama layers after the first.
 
 EAGLE-1/2 (``eagle/model/cnets1.py``, the ``Model`` that ``ea_model.py`` l. 58-59 builds when ``use_eagle3`` is
 off):
@@ -87,9 +80,15 @@ from specresearch.drafts.feature_draft import (
     rope_base,
     rotate_half,
 )
+from specresearch.drafts.speculators import (
+    SPECULATORS_KEY,
+    further_layer_shapes,
+    further_layers,
+    speculators_eagle3_config,
+)
 
 __all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
-           "load_eagle3", "save_eagle3", "eagle3_feature_layers", "speculators_eagle3_config", "is_speculators_dir"]
+           "load_eagle3", "save_eagle3", "eagle3_feature_layers"]
 
 # tensor name -> (shape in terms of the config; H = hidden, T = target hidden, Q = heads * d, K = kv_heads * d,
 # I = intermediate, D = draft vocabulary, V = vocabulary)
@@ -109,26 +108,6 @@ EAGLE3_TENSORS = {
     "lm_head.weight": ("D", "H"),
 }
 _OPTIONAL = {"d2t": ("D",), "t2d": ("V",), "embed_tokens.weight": ("V", "H")}
-
-
-SPECULATORS_KEY = "speculators_model_type"  # a config read from the vllm-project/speculators layout keeps it
-
-
-def speculators_eagle3_config(config: dict) -> dict:
-    """An EAGLE-3 head's ``config.json`` as vllm-project/speculators saves it (``speculators_model_type: "eagle3"``,
-    the layer's Llama config under ``transformer_layer_config``) flattened to the keys :class:`Eagle3Head` reads;
-    ``ValueError`` in one line for a layer this loader does not build (another model type, more than one layer)."""
-    layer = dict(config.get("transformer_layer_config") or {})
-    kind, count = layer.get("model_type", "llama"), int(layer.get("num_hidden_layers") or 1)
-    if kind not in ("llama", "qwen3") or count != 1:
-        raise ValueError(f"speculators EAGLE-3 head with {count} {kind!r} layer(s): this loader builds one llama or "
-                         "qwen3 layer (further decoder layers are not read yet)")
-    flat = {**layer, SPECULATORS_KEY: "eagle3", "draft_vocab_size": config.get("draft_vocab_size"),
-            "qk_norm": kind == "qwen3"}
-    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc"):
-        if config.get(key) is not None:
-            flat[key] = config[key]
-    return flat
 
 
 def eagle3_feature_layers(config: dict, target_layers: int) -> tuple[int, ...]:
@@ -213,6 +192,7 @@ class Eagle3Head(torch.nn.Module):
             H, heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"]), eps,
             head_dim=head_dim, bias=bool(config.get("attention_bias")), mlp_bias=bool(config.get("mlp_bias")),
             norm_before_residual=bool(config.get("norm_before_residual")), qk_norm=bool(config.get("qk_norm")))])
+        self.layers.extend(further_layers(config))  # speculators' heads of more than one layer
         self.norm = RMSNorm(H, eps)
         draft_vocab = int(config.get("draft_vocab_size") or self.vocab_size)
         ids = torch.arange(draft_vocab) if token_ids is None else token_ids
@@ -290,10 +270,17 @@ class Eagle3Head(torch.nn.Module):
             embedding = table(tokens).to(inputs.dtype)
         cos, sin = self.rope(positions)
         h, kv = self.layers[0](inputs, embedding, cos, sin, past[0], allowed)
-        return h, [kv]
+        new = [kv]
+        for layer, layer_past in zip(self.layers[1:], past[1:]):  # speculators' further layers
+            h, kv = layer(h, cos, sin, layer_past, allowed)
+            new.append(kv)
+        return h, new
 
     def state_dict_eagle3(self) -> dict[str, torch.Tensor]:
         """The tensors under the repository's names (``EAGLE3_TENSORS``, ``d2t``, ``t2d``, ``embed_tokens``)."""
+        if len(self.layers) != 1:
+            raise ValueError(f"an EAGLE-3 head of {len(self.layers)} layers has no form in the repository's layout "
+                             "(one midlayer)")
         layer = self.layers[0]
         tensors = {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight,
                    "lm_head.weight": self.subset_head.weight}
@@ -431,12 +418,6 @@ def eagle_format(directory: str | os.PathLike) -> str | None:
     return "EAGLE-1/2" if {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= names else None
 
 
-def is_speculators_dir(directory: str | os.PathLike) -> bool:
-    """Whether ``directory``'s config is an EAGLE-3 head's as vllm-project/speculators saves it."""
-    config = Path(directory) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get(SPECULATORS_KEY) == "eagle3"
-
-
 def is_eagle3_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds an EAGLE-3 head in the repository's layout."""
     return eagle_format(directory) == "EAGLE-3"
@@ -481,6 +462,7 @@ def _expected_shapes(config: dict, text_config, vocab: int) -> dict[str, tuple[i
         shapes |= {f"midlayer.self_attn.{n}_norm.weight": ("d",) for n in ("q", "k")}
     if config.get("mlp_bias"):
         shapes |= {f"midlayer.mlp.{n}_proj.bias": (r,) for n, r in (("gate", "I"), ("up", "I"), ("down", "H"))}
+    shapes |= further_layer_shapes(config)
     return {name: tuple(sizes[s] for s in shape) for name, shape in shapes.items()}
 
 
@@ -517,6 +499,9 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
         head.subset_head.weight.copy_(tensors["lm_head.weight"].float())
         head.layers[0].load_state_dict({k[len("midlayer."):]: v.float() for k, v in tensors.items()
                                         if k.startswith("midlayer.")}, strict=True)
+        for i, layer in enumerate(head.layers[1:], start=1):
+            at = f"layers.{i}."
+            layer.load_state_dict({k[len(at):]: v.float() for k, v in tensors.items() if k.startswith(at)}, strict=True)
     return EagleDraft(head, max_context=target_lm.max_context, device=device or target_lm.device)
 
 

@@ -149,7 +149,8 @@ def draft_format(directory) -> str:
     if manifest_path(directory).exists():
         manifest = json.loads(manifest_path(directory).read_text())
         return "feature head this toolkit trained" if "feature_head_config" in manifest else "draft this toolkit trained"
-    from specresearch.drafts.eagle import eagle_format, is_speculators_dir
+    from specresearch.drafts.eagle import eagle_format
+    from specresearch.drafts.speculators import is_speculators_dir
 
     kind = eagle_format(directory)
     if kind is not None:

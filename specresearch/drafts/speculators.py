@@ -1,0 +1,81 @@
+"""EAGLE-3 heads as vllm-project/speculators saves them (the format vLLM reads): what differs from the SafeAILab/EAGLE
+layout that ``drafts.eagle`` loads, read from speculators' ``src/speculators/models/eagle3/config.py``, ``core.py``
+and ``model_definitions.py`` (our code, their facts).
+
+* ``config.json`` with ``speculators_model_type: "eagle3"`` and the layer's config under ``transformer_layer_config``
+  (llama, or qwen3 with per-head q/k norms), beside ``draft_vocab_size``, ``norm_before_residual``,
+  ``norm_before_fc``, ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids``: :func:`speculators_eagle3_config`
+  flattens it to the keys ``drafts.eagle.Eagle3Head`` reads;
+* a llama head of N layers: the EAGLE-3 layer, then N - 1 plain Llama decoder layers (``layers.{i}.*``) over its
+  output (:func:`further_layers`, :func:`further_layer_shapes`); the last one's output is the logits' input and what
+  the next drafted slot reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from specresearch.drafts.feature_draft import DecoderLayer
+
+__all__ = ["SPECULATORS_KEY", "speculators_eagle3_config", "is_speculators_dir", "further_layers",
+           "further_layer_shapes"]
+
+SPECULATORS_KEY = "speculators_model_type"  # a config read from the vllm-project/speculators layout keeps it
+
+
+def speculators_eagle3_config(config: dict) -> dict:
+    """An EAGLE-3 head's ``config.json`` as vllm-project/speculators saves it flattened to the keys
+    ``drafts.eagle.Eagle3Head`` reads; ``ValueError`` in one line for layers this loader does not build (another model
+    type, a qwen3 head of more than one layer)."""
+    layer = dict(config.get("transformer_layer_config") or {})
+    kind, count = layer.get("model_type", "llama"), int(layer.get("num_hidden_layers") or 1)
+    if kind not in ("llama", "qwen3") or (kind == "qwen3" and count != 1):
+        raise ValueError(f"speculators EAGLE-3 head with {count} {kind!r} layer(s): this loader builds llama layers "
+                         "or one qwen3 layer")
+    flat = {**layer, SPECULATORS_KEY: "eagle3", "draft_vocab_size": config.get("draft_vocab_size"),
+            "qk_norm": kind == "qwen3"}
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc"):
+        if config.get(key) is not None:
+            flat[key] = config[key]
+    return flat
+
+
+def is_speculators_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``directory``'s config is an EAGLE-3 head's as vllm-project/speculators saves it."""
+    config = Path(directory) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get(SPECULATORS_KEY) == "eagle3"
+
+
+def _count(config: dict) -> int:
+    return int(config.get("num_hidden_layers") or 1) if config.get(SPECULATORS_KEY) else 1
+
+
+def further_layers(config: dict) -> list[DecoderLayer]:
+    """The plain Llama decoder layers after the EAGLE-3 layer of a (flattened) speculators config; none otherwise."""
+    H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    shape = SimpleNamespace(hidden_size=H, rms_norm_eps=float(config["rms_norm_eps"]), num_attention_heads=heads,
+                            head_dim=int(config.get("head_dim") or H // heads),
+                            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                            attention_bias=bool(config.get("attention_bias")),
+                            intermediate_size=int(config["intermediate_size"]), mlp_bias=bool(config.get("mlp_bias")))
+    return [DecoderLayer(shape) for _ in range(_count(config) - 1)]
+
+
+def further_layer_shapes(config: dict) -> dict[str, tuple[str, ...]]:
+    """Those layers' tensors (``layers.{i}.*``, i >= 1) by name, their shapes in ``drafts.eagle``'s size letters."""
+    shapes = {}
+    for i in range(1, _count(config)):
+        at = f"layers.{i}."
+        shapes |= {at + "input_layernorm.weight": ("H",), at + "post_attention_layernorm.weight": ("H",),
+                   at + "self_attn.q_proj.weight": ("Q", "H"), at + "self_attn.k_proj.weight": ("K", "H"),
+                   at + "self_attn.v_proj.weight": ("K", "H"), at + "self_attn.o_proj.weight": ("H", "Q"),
+                   at + "mlp.gate_proj.weight": ("I", "H"), at + "mlp.up_proj.weight": ("I", "H"),
+                   at + "mlp.down_proj.weight": ("H", "I")}
+        if config.get("attention_bias"):
+            shapes |= {at + f"self_attn.{n}_proj.bias": (r,) for n, r in (("q", "Q"), ("k", "K"), ("v", "K"), ("o", "H"))}
+        if config.get("mlp_bias"):
+            shapes |= {at + f"mlp.{n}_proj.bias": (r,) for n, r in (("gate", "I"), ("up", "I"), ("down", "H"))}
+    return shapes
