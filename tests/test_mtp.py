@@ -31,7 +31,7 @@ def _target(directory) -> CausalLM:
     return CausalLM(str(directory), device="cpu", dtype=torch.float32)
 
 
-def _theirs(target, ids, draft):
+def _theirs(target, ids):
     """transformers' MtpModel over the prompt ``ids [1, L]`` and one drafted token after it: logits ``[L, V]``."""
     from transformers.cache_utils import MtpCache
     from transformers.modeling_layers import MtpModel
@@ -56,7 +56,7 @@ def test_mtp_logits_equal_transformers_own_mtp_model(tmp_path, layout):
     assert isinstance(draft, MtpDraft) and draft.feature_layers == (MTP_LAYOUTS[layout][2],)
     assert draft.head.window == (4 if layout == "mellum" else None)
     ids = torch.tensor([[5, 9, 3, 17, 22, 8, 41]])  # longer than Mellum's window
-    want, states = _theirs(target, ids, draft)
+    want, states = _theirs(target, ids)
     _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)
     assert torch.allclose(features, states, atol=1e-5)  # the state the layer reads: the last, after the final norm
     draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1))

@@ -76,6 +76,7 @@ from specresearch.drafts.feature_draft import (
     FeatureDraft,
     RMSNorm,
     extend_past,
+    frozen_logits,
     rollout,
     rope_base,
     rotate_half,
@@ -251,7 +252,7 @@ class Eagle3Head(torch.nn.Module):
         return [self.fc]
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rotary is not None:
+        if self.rotary is not None:  # transformers' rotary reads only the dtype and device of its first argument
             return self.rotary(self.norm.weight, positions)
         return _rope(self, positions)
 
@@ -364,9 +365,7 @@ class Eagle1Head(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layers' outputs ``[..., H]`` -> the target's head on them ``[..., V]`` (no norm: module docstring)."""
-        head = self._frozen["head"]
-        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight.detach(),
-                                          None if head.bias is None else head.bias.detach()).float()
+        return frozen_logits(self._frozen["head"], hidden)
 
     def support_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.logits(hidden), None

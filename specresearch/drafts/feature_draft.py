@@ -27,7 +27,7 @@ from specresearch.models.kernels import (
 from specresearch.models.static_cache import StaticPast, StaticRows, keep_path
 
 __all__ = ["FeatureDraft", "StaticFeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer",
-           "rotate_half", "rope_base", "extend_past", "windowed"]
+           "rotate_half", "rope_base", "extend_past", "windowed", "frozen_logits"]
 
 
 # The decoder layer's pieces (Llama-style names so a target layer can be copied in)
@@ -123,6 +123,13 @@ def windowed(allowed: torch.Tensor, window: int | None, positions: torch.Tensor,
     if not window:
         return allowed
     return allowed & (positions[:, :, None] - key_positions[:, None, :] < window)
+
+
+def frozen_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A target's own output layer ``head`` (used, not trained: outside the draft's modules) on ``hidden [..., H]``
+    -> float32 logits ``[..., V]``, computed in the head's dtype (``drafts.eagle.Eagle1Head``, ``drafts.mtp``)."""
+    bias = None if head.bias is None else head.bias.detach()
+    return F.linear(hidden.to(head.weight.dtype), head.weight.detach(), bias).float()
 
 
 def rope_base(text_config) -> float:

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from specresearch.drafts.eagle import EagleDraft
-from specresearch.drafts.feature_draft import extend_past
+from specresearch.drafts.feature_draft import extend_past, frozen_logits
+from specresearch.models.attention import additive_mask
 from specresearch.models.causal_lm import experts_in_float64
 
 __all__ = ["MtpHead", "MtpDraft", "load_mtp", "mtp_layer_count"]
@@ -112,9 +113,7 @@ class MtpHead(torch.nn.Module):
         multiplier = getattr(self.config, "logits_mup_width_multiplier", None)
         if multiplier is not None:
             hidden = hidden / multiplier
-        head = self._frozen["head"]
-        logits = torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight.detach(),
-                                            None if head.bias is None else head.bias.detach()).float()
+        logits = frozen_logits(self._frozen["head"], hidden)
         unpadded = getattr(self.config, "unpadded_vocab_size", None)
         return logits[..., :unpadded] if unpadded is not None and unpadded < logits.shape[-1] else logits
 
@@ -131,11 +130,9 @@ class MtpHead(torch.nn.Module):
         position_embeddings = None
         if rotary is not None:
             position_embeddings = rotary(embedding, position_ids=positions, **self._rope_kwargs)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
         cache = _LayerPast(past[0])
         hidden = self.layers[0](embedding, inputs.to(dtype), position_embeddings=position_embeddings,
-                                attention_mask=mask, position_ids=positions, cache=cache)
+                                attention_mask=additive_mask(allowed, dtype), position_ids=positions, cache=cache)
         if self.shared_post_norm is not None:
             hidden = self.shared_post_norm(hidden)
         return hidden, [cache.kv]
