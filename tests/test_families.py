@@ -16,6 +16,7 @@
 
 import json
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,6 @@ from specresearch.models.causal_lm import CausalLM, experts_in_float64
 from specresearch.models.families import (
     FAMILIES,
     MORE_FAMILIES,
-    REFUSED_FAMILIES,
     WINDOW,
     perturbed_copy,
     tiny_family_config,
@@ -89,18 +89,18 @@ def test_more_families_give_generates_tokens_or_are_refused(family, kernel, step
         assert result.detail.startswith(type(tiny_family_model(family, "eager")).__name__), result.detail
 
 
-@pytest.mark.parametrize("family", [*(f for f in REFUSED_FAMILIES if f != "gpt-1"), "bloom", "falcon-rw", "gpt-neo"])
+@pytest.mark.parametrize("family", ["mpt", "bloom", "falcon-rw", "gpt-neo"])
 def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch):
-    """Negative control: let MPT through (the check names no problem, and no probe; GPT-1, refused too, keeps no cache), or Bloom, Falcon-RW and GPT-Neo without
-    ``positions_from_masks``, and its cached tree logits differ from an uncached forward of each path (MPT, GPT-Neo:
-    wrong without an error), or its tree call fails (Bloom, Falcon-RW, whose ALiBi takes a 2-D mask only)."""
+    """Negative control: let MPT, Bloom, Falcon-RW and GPT-Neo through without ``positions_from_masks`` (the check
+    names no problem, and no probe), and its cached tree logits differ from an uncached forward of each path (MPT,
+    GPT-Neo: wrong without an error), or its tree call fails (Bloom, Falcon-RW, whose ALiBi takes a 2-D mask only)."""
     import specresearch.models.attention as attention
     import specresearch.models.causal_lm as causal_lm
 
     monkeypatch.setattr(attention, "_positions_from_slots", lambda model, config: None)
     monkeypatch.setattr(causal_lm, "positions_from_masks", lambda model: False)
     reference = tiny_family_model(family, "eager")
-    lm = CausalLM(tiny_family_model(family, "eager"), device="cpu", probe=False)  # MPT: unchecked, so probed too
+    lm = CausalLM(tiny_family_model(family, "eager"), device="cpu", probe=False)
     lm.prefill(torch.tensor([[5, 9, 2, 33, 7, 8, 3, 4]]), torch.ones(1, 8, dtype=torch.long))
     parents = [-1, 0, 0, 2]  # a, b, c (child of b), d (child of c): b and c sit one slot past their positions
     lm.begin_tree()
@@ -117,9 +117,10 @@ def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch
 
 
 def test_slot_placed_families_are_refused_until_they_take_positions_from_the_masks():
-    """``attention_layout`` refuses Bloom, Falcon-RW and a GPT-Neo with local layers as transformers builds them
-    (``CausalLM`` mends them first, ``positions_from_masks``), and MPT, which it cannot mend; mending twice hooks each
-    layer once and keeps Bloom's own ALiBi for a 2-D mask, and a GPT-Neo whose layers are all global needs nothing."""
+    """``attention_layout`` refuses Bloom, Falcon-RW, MPT and a GPT-Neo with local layers as transformers builds them
+    (``CausalLM`` mends them first, ``positions_from_masks``); mending twice hooks each layer once and keeps Bloom's
+    own ALiBi for a 2-D mask, MPT's attention gives transformers' own outputs where slots are positions (its slopes,
+    its bias relative to the last key, a padded row), and a GPT-Neo whose layers are all global needs nothing."""
     model = tiny_family_model("gpt-neo", "eager")
     with pytest.raises(ValueError, match="windows its local layers over cache slots"):
         attention_layout(model)
@@ -139,8 +140,15 @@ def test_slot_placed_families_are_refused_until_they_take_positions_from_the_mas
         attention_layout(falcon)
     assert positions_from_masks(falcon) and positions_from_masks(falcon) and not falcon.transformer.use_alibi
     assert all(len(layer._forward_pre_hooks) == 1 for layer in falcon.transformer.h)
+    mpt = tiny_family_model("mpt", "eager")
     with pytest.raises(ValueError, match="computes ALiBi from each key's slot"):
-        attention_layout(tiny_family_model("mpt", "eager"))
+        attention_layout(mpt)
+    ids, padded = torch.tensor([[5, 9, 2, 33, 7], [0, 0, 4, 8, 11]]), torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    own = mpt(ids, attention_mask=padded).logits
+    assert positions_from_masks(mpt) and positions_from_masks(mpt)
+    assert attention_layout(mpt).kernel == "eager"
+    assert all(isinstance(block.attn.forward, partial) for block in mpt.transformer.blocks)
+    assert torch.equal(mpt(ids, attention_mask=padded).logits[padded.bool()], own[padded.bool()])
     assert not positions_from_masks(tiny_family_model("llama", "eager"))
     from transformers import AutoModelForCausalLM
 
@@ -222,7 +230,7 @@ def _uncached(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
-NO_SDPA = ("gemma2", "gpt-oss", "xglm", "gpt-neo", "bloom")  # families transformers offers no sdpa
+NO_SDPA = ("gemma2", "gpt-oss", "xglm", "gpt-neo", "bloom", "mpt")  # families transformers offers no sdpa
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])

@@ -32,10 +32,10 @@ nothing while the context is shorter than the window (the figures of docs/engine
 attention time linear in the context past it. Layer types are transformers' own
 (``cache_utils.get_layer_types_and_kwargs``); any other type than full and sliding attention (chunked attention,
 linear attention, KV sharing) is refused with one line. So is a model whose attention places a key by its slot in
-the cache rather than by the position ids the wrapper passes (MPT's ALiBi): in a tree or after a rollback its logits
-would be wrong without an error. The ALiBi of Bloom and Falcon-RW and GPT-Neo's windowed local layers place keys by
-slot too; :func:`positions_from_masks` makes them read positions off the masks instead. (A model without a KV cache,
-GPT-1, is refused by ``causal_lm.cache_argument``.)
+the cache rather than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong
+without an error. The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot;
+:func:`positions_from_masks` makes them read positions off the masks instead. (A model without a KV cache, GPT-1, is
+refused by ``causal_lm.cache_argument``.)
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
 mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
@@ -135,15 +135,14 @@ def attention_layout(model) -> AttentionLayout:
 
 def _positions_from_slots(model, config) -> str | None:
     """What a model's attention takes token positions from where it is not the position ids and additive mask the
-    wrapper hands it, or None: transformers' MPT computes ALiBi over slots, and the ALiBi of Bloom and Falcon-RW
-    (Falcon with ``alibi``) and GPT-Neo's local layers place a key by its slot until :func:`positions_from_masks` has
-    mended them."""
+    wrapper hands it, or None: the ALiBi of Bloom, Falcon-RW (Falcon with ``alibi``) and MPT and GPT-Neo's local
+    layers place a key by its slot until :func:`positions_from_masks` has mended them."""
     kind = getattr(config, "model_type", "")
-    if kind == "mpt":
-        return "computes ALiBi from each key's slot in the cache"
     if any(not getattr(module, _MENDED, False) for module in _slot_placed(model)):
         if kind == "gpt_neo":
             return "windows its local layers over cache slots (its attention's own causal buffer)"
+        if kind == "mpt":
+            return "computes ALiBi from each key's slot in the cache"
         return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
     return None
 
@@ -152,20 +151,25 @@ _MENDED = "specresearch_positions_from_masks"  # set on each module positions_fr
 
 
 def positions_from_masks(model) -> bool:
-    """Make the ALiBi of Bloom and Falcon-RW and GPT-Neo's local windows place each key by its position; whether
+    """Make the ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's local windows place each key by its position; whether
     ``model`` needed it.
 
-    All three read a key's position off its slot: Bloom and Falcon-RW build ALiBi (``slope * key position``) from a
-    2-D padding mask (a tree's 4-D mask fails with "too many values to unpack"), GPT-Neo's local layers apply their
-    window (``q - k < window_size``) from a causal buffer of their own over the cache's slots; in a tree, after a
-    row's rollback or in a static cache a slot is not a position. Every mask the wrapper (or transformers, from a 2-D
-    padding mask) builds lets a query see exactly one key at each position from 0 to its own, in slot order, so the
-    mask itself gives each key's position: the number of keys a query sees before it, and ``q - k`` the number it
-    sees after. So Bloom's model builds its ALiBi from a 4-D mask that way (a 2-D one as before); Falcon-RW's model
-    leaves ALiBi out and each of its layers adds it to the mask it is handed (a forward pre-hook, with transformers'
-    slopes, rounding and scale); each of GPT-Neo's local attentions takes the global layers' buffer (causal over
-    slots, which the wrapper's masks make exact) and a pre-hook that narrows its mask to the window. Where
-    transformers builds the mask itself nothing changes. A model of another family is left as it is."""
+    All four read a key's position off its slot: Bloom and Falcon-RW build ALiBi (``slope * key position``) from a
+    2-D padding mask (a tree's 4-D mask fails with "too many values to unpack"), MPT's attention adds
+    ``slope * (slot - last slot)`` (one ``[heads, 1, slots]`` bias for every row, which no batch axis can correct),
+    GPT-Neo's local layers apply their window (``q - k < window_size``) from a causal buffer of their own over the
+    cache's slots; in a tree, after a row's rollback or in a static cache a slot is not a position. Every mask the
+    wrapper (or transformers, from a 2-D padding mask) builds lets a query see exactly one key at each position from
+    0 to its own, in slot order, so the mask itself gives each key's position: the number of keys a query sees before
+    it, and ``q - k`` the number it sees after. So Bloom's model builds its ALiBi from a 4-D mask that way (a 2-D one
+    as before); Falcon-RW's model leaves ALiBi out and each of its layers adds it to the mask it is handed (a forward
+    pre-hook, with transformers' slopes, rounding and scale); each of MPT's attentions runs :func:`_mpt_attention`,
+    transformers' computation with the bias ``slope * (position - the row's last position)`` (equal to MPT's own
+    where slots are positions, and a softmax ignores a constant per row in any case); each of GPT-Neo's local
+    attentions takes the global layers' buffer (causal over slots, which the wrapper's masks make exact) and a
+    pre-hook that narrows its mask to the window. Where transformers builds the mask itself nothing changes but MPT's
+    masked value in float64 (float32's lowest, as :func:`additive_mask`). A model of another family is left as it
+    is."""
     modules = _slot_placed(model)
     for module in modules:
         if getattr(module, _MENDED, False):
@@ -175,6 +179,10 @@ def positions_from_masks(model) -> bool:
             module.build_alibi_tensor = partial(_alibi_from_mask, own, _slopes(own, module, module.num_heads))
         elif hasattr(module, "use_alibi"):  # Falcon-RW's model: its layers add ALiBi
             module.use_alibi = False
+        elif hasattr(module, "Wqkv"):  # one of MPT's attentions
+            build = next(m for m in model.modules() if hasattr(m, "build_mpt_alibi_tensor")).build_mpt_alibi_tensor
+            slopes = -build(module.n_heads, 2, device=next(module.parameters()).device)[:, 0, 0]  # bias at -1
+            module.forward = partial(_mpt_attention, module, slopes=slopes)
         elif hasattr(module, "self_attention"):  # one of Falcon-RW's layers
             config = model.config
             build = sys.modules[type(module).__module__].build_alibi_tensor
@@ -195,6 +203,8 @@ def _slot_placed(model) -> list:
         return [module for module in model.modules() if type(module).__name__ == "BloomModel"]
     if kind == "falcon" and getattr(model.config, "alibi", False):
         return [module for module in model.modules() if type(module).__name__ in ("FalconModel", "FalconDecoderLayer")]
+    if kind == "mpt":
+        return [module for module in model.modules() if type(module).__name__ == "MptAttention"]
     if kind == "gpt_neo":
         return [module for module in model.modules()
                 if getattr(module, "attention_type", None) == "local" and hasattr(module, "bias")]
@@ -240,6 +250,33 @@ def _falcon_alibi(module, args, kwargs, *, slopes: torch.Tensor, scale: float):
     alibi = (slopes.to(mask.device).bfloat16()[None, :, None] * positions[:, None, :]).to(dtype)[:, :, None, :] / scale
     mask = alibi.masked_fill(~visible, max(torch.finfo(dtype).min, torch.finfo(torch.float32).min))  # [B, H, q, L]
     return args, {**kwargs, "attention_mask": mask}
+
+
+def _mpt_attention(module, hidden_states: torch.Tensor, position_bias=None, cache=None, attention_mask=None, *,
+                   slopes: torch.Tensor, **kwargs):
+    """transformers' ``MptAttention.forward`` (5.25) with each key's ALiBi from its position (:func:`positions_from_masks`):
+    ``attention_mask`` is the boolean ``[B, 1, q, L]`` mask MPT's model makes of the additive one, True where masked;
+    ``position_bias`` (by slot) is not read."""
+    if attention_mask is None:
+        raise ValueError(f"{type(module).__name__}: an ALiBi layer needs the attention mask to place its keys")
+    batch, length = hidden_states.shape[:2]
+    mixed = module.Wqkv(hidden_states)
+    if module.clip_qkv:
+        mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    query, key, value = (part.reshape(batch, length, module.n_heads, module.head_dim).transpose(1, 2)
+                         for part in mixed.chunk(3, dim=2))
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * module.softmax_scale
+    positions = _key_positions((~attention_mask[:, 0]).long())  # [B, L]
+    relative = positions - positions.amax(-1, keepdim=True)  # MPT's slot - last slot, where slots are positions
+    scores = scores + relative[:, None, None, :].to(torch.int32) * slopes.to(scores.device)[None, :, None, None]
+    dtype = query.dtype
+    scores = scores.masked_fill(attention_mask, max(torch.finfo(dtype).min, torch.finfo(torch.float32).min))
+    weights = torch.nn.functional.softmax(scores.float(), dim=-1).to(value.dtype)
+    weights = torch.nn.functional.dropout(weights, p=module.attn_dropout_p, training=module.training)
+    context = torch.matmul(weights, value).permute(0, 2, 1, 3).contiguous().view(batch, length, -1)
+    return module.out_proj(context), weights
 
 
 def _windowed_mask(module, args, kwargs, *, window: int):

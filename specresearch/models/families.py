@@ -87,10 +87,11 @@ MORE_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "bloom": ("BloomConfig", "BLOOM: ALiBi, built from the padding mask", dict(n_embed=32, n_layer=2, n_head=4)),
     "falcon-rw": ("FalconConfig", "Falcon-RW: ALiBi, built from the padding mask", dict(new_decoder_architecture=False,
                                                                                 alibi=True)),
+    "mpt": ("MptConfig", "MPT: ALiBi over cache slots, added in its attention",
+            dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256)),
 }
-# Families CausalLM refuses in one line (models.attention): they place a key by its cache slot, or keep no cache
+# Families CausalLM refuses in one line (models.attention): they keep no cache
 REFUSED_FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "mpt": ("MptConfig", "MPT: ALiBi over cache slots", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256)),
     "gpt-1": ("OpenAIGPTConfig", "GPT-1: no KV cache", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
 }
 
