@@ -19,6 +19,7 @@ from specresearch.models.families import (
     tiny_family_model,
     tiny_gemma4_pair,
     tiny_mtp_checkpoint,
+    tiny_usd_pair,
 )
 
 PROMPT = [5, 9, 17, 3, 5, 9]  # repeats an n-gram, so prompt lookup finds candidates
@@ -121,6 +122,37 @@ def test_the_gemma4_assistant_path_is_lossy_as_predicted():
     assert result.target.p_value < 1e-3 < result.predicted.p_value and result.predicted.tv_from_target > 0.05
 
 
+def test_universal_speculative_decoding_with_a_pruned_head_is_lossy_as_predicted():
+    """transformers 5.25's speculative decoding across vocabularies (``UniversalSpeculativeDecodingGenerator``) on a
+    tiny pair whose assistant has 12 words the target lacks (``models.families.tiny_usd_pair``): transformers prunes
+    the assistant's head to the shared tokens in ``get_vocab()``'s order and writes those logits to the target's ids
+    in the order of the assistant's ids, so the q it verifies with is the draft's law on other tokens' ids (far from
+    it in TV). 600 runs at T = 1 reject the target's law and keep the law predicted from the draft's own law and the
+    captured rows (level 1e-3 each, fixed seed)."""
+    target, draft, target_tokenizer, assistant_tokenizer = tiny_usd_pair()
+    result = execute("transformers-usd", prompt=target_tokenizer("w9 w12 w30")["input_ids"], n_tokens=2,
+                     num_samples=600, target=target, draft=draft, tokenizer=target_tokenizer,
+                     assistant_tokenizer=assistant_tokenizer, min_expected=20, progress=False)
+    assert result.verdict == "not exact" and result.finding.startswith("agrees: lossy"), str(result)
+    assert result.target.p_value < 1e-3 < result.predicted.p_value and result.draft_tv_intended > 0.3
+    assert "prunes its head" in result.notes[0]
+
+
+def test_universal_speculative_decoding_fails_where_the_assistant_vocabulary_is_a_subset():
+    """The same path with an assistant whose words are all the target's (no token to prune): transformers 5.25 still
+    reads the pruned head's index, which it built only where something was pruned, and fails on the first draft (its
+    PR 45320 mended the same guard in ``unmap_input_ids`` only). The runner names the two tokenizers it needs."""
+    target, draft, target_tokenizer, assistant_tokenizer = tiny_usd_pair(assistant_only=0)
+    common = dict(prompt=target_tokenizer("w9 w12 w30")["input_ids"], n_tokens=2, num_samples=20, target=target,
+                  draft=draft, tokenizer=target_tokenizer, progress=False)
+    with pytest.raises(AttributeError, match="assistant_overlap_token_ids"):
+        execute("transformers-usd", assistant_tokenizer=assistant_tokenizer, **common)
+    with pytest.raises(ValueError, match="assistant_tokenizer="):
+        execute("transformers-usd", **common)
+    with pytest.raises(ValueError, match="temperature alone"):
+        execute("transformers-usd", assistant_tokenizer=assistant_tokenizer, top_k=20, **common)
+
+
 def test_the_assistant_verified_with_twice_warped_rows(pair):
     """transformers 5.24 passes the main logits processors (its warpers included) to the assistant's generate, which
     builds its own from the same config: at T != 1 the drafts come from softmax(z / T^2), and that is the q it verifies
@@ -200,7 +232,8 @@ def test_bad_input_is_refused(pair, kwargs, message):
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
     assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "transformers-mtp",
-                            "transformers-gemma4-assistant", "transformers-dflash", "llamacpp-server", "llamacpp-example",
+                            "transformers-gemma4-assistant", "transformers-dflash", "transformers-usd", "llamacpp-server",
+                            "llamacpp-example",
                             "llamacpp-simple", "python"}
 
 

@@ -135,3 +135,24 @@ def test_llamacpp_example_tests_a_token_off_the_targets_list_with_the_p_read_bef
     assert torch.allclose(r, to(first), atol=1e-12)
     full = single_step("llamacpp-example", to(p), to(q), num_drafts=2, lists="full")[0]  # untruncated: no such token
     assert full[0, 2] == 0
+
+
+def test_hf_assisted_with_drafts_from_another_law():
+    """``drafted=``: drafts sampled from d, verified with q. d = q is the token rule (lossless); d the one-hot argmax of
+    q is the greedy assistant's form; a permuted q is lossy, and the law is d x min(1, p / q) plus the rejected mass
+    spread on max(p - q, 0), by hand on a three-token row."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.rand(5, 7, generator=generator, dtype=torch.float64).softmax(-1)
+    q = (3 * torch.rand(5, 7, generator=generator, dtype=torch.float64)).softmax(-1)
+    same, _ = single_step("hf-assisted", p, q, num_drafts=1, drafted=q)
+    assert torch.allclose(same, p, atol=1e-12)
+    greedy = torch.zeros_like(q).scatter_(1, q.argmax(-1, keepdim=True), 1.0)
+    assert torch.allclose(single_step("hf-assisted", p, q, num_drafts=1, drafted=greedy)[0],
+                          single_step("hf-assisted", p, q, num_drafts=1, assistant="greedy")[0], atol=1e-12)
+    permuted, accepted = single_step("hf-assisted", p, q, num_drafts=1, drafted=q[:, [1, 2, 3, 4, 5, 6, 0]])
+    assert (distances(permuted, p)[0] > 1e-3).all() and torch.allclose(permuted.sum(-1), torch.ones(5, dtype=torch.float64))
+    p1, q1, d1 = (torch.tensor([row], dtype=torch.float64) for row in ([0.5, 0.3, 0.2], [0.2, 0.3, 0.5], [0.5, 0.2, 0.3]))
+    law, kept = single_step("hf-assisted", p1, q1, num_drafts=1, drafted=d1)
+    # accepted: 0.5 x 1, 0.2 x 1, 0.3 x 0.4; rejected 0.18 goes to max(p - q, 0) = (0.3, 0, 0), all on token 0
+    assert torch.allclose(law, torch.tensor([[0.5 + 0.18, 0.2, 0.12]], dtype=torch.float64))
+    assert torch.allclose(kept, torch.tensor([0.82], dtype=torch.float64))

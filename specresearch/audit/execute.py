@@ -50,6 +50,11 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   ``target_layer_ids``): transformers 5.25's ``DFlashTokenCandidateGenerator`` drafts ``block_size - 1`` tokens a
   step from the processed logits it also hands on as q (rule ``hf-assisted``, exact); its first token is the
   target's own (``n_tokens`` >= 2), and the run first checks that a generation verifies DFlash drafts.
+* ``transformers-usd``: ``generate(assistant_model=draft, tokenizer=..., assistant_tokenizer=..., do_sample=True)``,
+  a draft of another vocabulary (transformers 5.25's ``UniversalSpeculativeDecodingGenerator``: drafts on the shared
+  tokens, rule ``hf-assisted``). Where the draft has tokens the target lacks, transformers prunes its head and hands
+  on as q the draft's law on other tokens' ids (``runners.TransformersRun._usd_setup``): predicted lossy, the draft's
+  own law computed from an untouched copy of it. One process only (the permutation is the tokenizer's hash order).
 * ``llamacpp-server``: llama.cpp's server (:mod:`specresearch.audit.llamacpp`; built once per machine by
   ``scripts/build_llamacpp.sh``) on the embedded GGUF, the draft a copy with its logits scaled; rule
   ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
@@ -106,6 +111,7 @@ ENGINES = {
     "transformers-mtp": "hf-assisted",  # the MTP layers' draft, verified by the same _speculative_sampling
     "transformers-gemma4-assistant": "hf-assisted",  # assistant="greedy": argmax drafts, their softmax passed as q
     "transformers-dflash": "hf-assisted",  # a block drafted from the processed logits it hands on as q
+    "transformers-usd": "hf-assisted",  # across vocabularies: drafts on the shared tokens; q permuted where it prunes
     "llamacpp-server": "llamacpp-server",
     "llamacpp-example": "llamacpp-example",
     "llamacpp-simple": "llamacpp-server",  # the same loop as the server's (common_sampler_sample_and_accept_n)
@@ -344,6 +350,9 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
                          "picklable recipe returning one (one of the two)")
     if engine == "python" and not callable(options.get("sample", options.get("sampler"))):
         raise ValueError("engine 'python': sample= (or sampler=) must be callable")
+    if engine == "transformers-usd" and set(options) & set(SAMPLING_OPTIONS):
+        raise ValueError("transformers-usd: the draft's own law is computed under the temperature alone (no top_k, "
+                         "top_p or repetition_penalty)")
     if engine == "transformers-lookup" and "prompt_lookup_num_tokens" not in options:
         raise ValueError("transformers-lookup needs prompt_lookup_num_tokens (e.g. 3)")
 
@@ -356,8 +365,9 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _verdict(engine: str, options: dict) -> str:
+def _verdict(engine: str, options: dict, run=None) -> str:
     lossy = options.get("assistant_ensemble_weight") is not None or options.get("synth_rates") is not None
+    lossy = lossy or getattr(run, "lossy", False)  # transformers-usd with a pruned head
     return "not exact" if lossy or engine in ("llamacpp-example", "transformers-gemma4-assistant") else "exact"
 
 
@@ -397,25 +407,27 @@ def draw_block(block: DrawBlock) -> list[tuple[int, ...]]:
         return [tuple(sequence) for sequence in run.draws(block.size)]
 
 
-def _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed):
+def _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed, tokenizers=()):
     if engine in ("llamacpp-example", "llamacpp-simple"):
         return LlamaSpeculativeRun(ids, eos, vocab, temperature, options, n_tokens, seed, simple=engine == "llamacpp-simple")
     if engine.startswith("llamacpp"):
         return LlamaCppRun(ids, eos, vocab, temperature, options, n_tokens, seed)
     if engine == "python":
         return PythonRun(target, ids, eos, temperature, options, n_tokens)
-    return TransformersRun(engine, target, draft, ids, eos, temperature, options, n_tokens)
+    return TransformersRun(engine, target, draft, ids, eos, temperature, options, n_tokens, tokenizers)
 
 
 def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, temperature: float = 1.0, seed: int = 0,
             min_expected: float = 5.0, target=None, draft=None, tokenizer=None, progress: bool = True,
-            executor=None, models=None, batch_size: int = 500, blocks_file=None, **options) -> ExecutionResult:
+            executor=None, models=None, batch_size: int = 500, blocks_file=None, assistant_tokenizer=None,
+            **options) -> ExecutionResult:
     """Run ``engine``'s own implementation ``num_samples`` times on ``prompt`` and test the law of its first
     ``n_tokens`` tokens (module docstring).
 
     Args:
         engine: a name of :data:`ENGINES`.
         prompt: a string (chat-templated as the user's turn) or token ids.
+        assistant_tokenizer: ``transformers-usd``'s draft's own tokenizer (``tokenizer`` then the target's).
         target, draft, tokenizer: transformers models (``PreTrainedModel``) and the tokenizer; default the embedded
             SmolLM2-135M-Instruct in float32 on the CPU and the shipped draft ``v8k-4l`` (same tokenizer). The
             llama.cpp engines load the embedded GGUF themselves and use ``target`` for its EOS and vocabulary only.
@@ -441,6 +453,9 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
     if executor is not None and models is None and target is not None:
         raise ValueError("an executor runs the generations in its workers: pass models=, a picklable recipe that "
                          "returns (target, draft, ...), with target=")
+    if engine == "transformers-usd" and (executor is not None or tokenizer is None or assistant_tokenizer is None):
+        raise ValueError("transformers-usd needs tokenizer= and assistant_tokenizer=, in this process (no executor: the "
+                         "q transformers verifies with follows the tokenizer's hash order, which each process draws anew)")
     if target is None and engine == "transformers-mtp":
         raise ValueError("transformers-mtp needs target=, a transformers model loaded from a checkpoint with MTP layers "
                          "(the embedded SmolLM2 has none)")
@@ -448,14 +463,15 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         target, loaded, tokenizer = default_pair()
         draft = draft if draft is not None else loaded
     if draft is None and engine in ("transformers-assisted", "transformers-sampling", "transformers-gemma4-assistant",
-                                    "transformers-dflash"):
+                                    "transformers-dflash", "transformers-usd"):
         raise ValueError(f"{engine} needs a draft model (the assistant)")
     if tokenizer is None and isinstance(prompt, str):
         raise ValueError("a string prompt needs the tokenizer (or pass token ids)")
     eos = target.generation_config.eos_token_id
     eos = int(eos if isinstance(eos, int) else eos[0])
     ids, vocab = _prompt_ids(prompt, tokenizer), target.config.vocab_size
-    run = _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed)
+    run = _make_run(engine, target, draft, ids, eos, vocab, temperature, options, n_tokens, seed,
+                    (tokenizer, assistant_tokenizer) if engine == "transformers-usd" else ())
     from tqdm.auto import tqdm
 
     with run, quiet_transformers():
@@ -495,7 +511,7 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
         others = {name: probs[:-1] for name, probs in others.items()}
     cells = law.cells + (OUTSIDE,) * (len(counts) - len(law.cells))
     return ExecutionResult(
-        engine, ENGINES[engine], _verdict(engine, options), {k: v for k, v in options.items() if k not in _CALLABLES},
+        engine, ENGINES[engine], _verdict(engine, options, run), {k: v for k, v in options.items() if k not in _CALLABLES},
         temperature, n_tokens, num_samples, seed,
         cells, tuple(counts), tuple(target_probs), tuple(predicted_probs),
         compare_counts(counts, target_probs, target_probs, seed), compare_counts(counts, predicted_probs, target_probs, seed + 1),
@@ -507,8 +523,8 @@ def execute(engine: str, *, prompt, n_tokens: int = 2, num_samples: int, tempera
 @dataclass(frozen=True)
 class TinyRun:
     """One configuration of :func:`record_tiny_runs`: ``engine`` on the models ``build()`` returns (``(target, draft,
-    row fields)``: a draft of None for the engines without one, fields such as a checkpoint's digest), named
-    ``model`` in the record."""
+    row fields)``: a draft of None for the engines without one, fields such as a checkpoint's digest; then, optionally,
+    :func:`execute`'s further keyword arguments, such as tokenizers), named ``model`` in the record."""
 
     model: str
     build: object  # () -> (target, draft, dict)
@@ -539,10 +555,10 @@ def record_tiny_runs(out, command: str, argv, runs, *, scale: float = 1.0, min_e
     for run in runs:
         if config_key(run.engine, run.n_tokens, run.temperature, run.options, [run.model, list(run.prompt)]) in done:
             continue
-        target, draft, fields = run.build()
+        target, draft, fields, *keywords = run.build()  # keywords: execute's further arguments (tokenizers)
         result = execute(run.engine, prompt=list(run.prompt), n_tokens=run.n_tokens, temperature=run.temperature,
                          num_samples=max(20, round(run.num_samples * scale)), target=target, draft=draft,
-                         min_expected=min_expected, **run.options)
+                         min_expected=min_expected, **(keywords[0] if keywords else {}), **run.options)
         print(result, flush=True)
         record["rows"].append({"model": run.model, **fields, "prompt": list(run.prompt), "commit": git_commit()}
                               | result.as_record())

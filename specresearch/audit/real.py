@@ -103,7 +103,11 @@ def _sglang(p, q, k, threshold_single=1.0, threshold_acc=1.0):
     return r, accept.sum(-1)
 
 
-def _hf_assisted(p, q, k, assistant="sampled", ensemble_weight=None):
+def _hf_assisted(p, q, k, assistant="sampled", ensemble_weight=None, drafted=None):
+    if drafted is not None:  # drafts sampled from another law than the q they are verified with
+        a = drafted * torch.where(q > 0, p / q.clamp_min(1e-300), torch.ones_like(p)).clamp(max=1.0)
+        kept = a.sum(-1, keepdim=True)
+        return a + (1 - kept) * _normalised((p - q).clamp(min=0), p), kept.squeeze(1)
     if ensemble_weight is not None:  # a sampled draft x accepted with min(1, 1 - w + w p/q), residual max(p - q, 0)
         w = float(ensemble_weight)
         accept = q * torch.clamp(1 - w + w * p / q.clamp_min(1e-300), max=1.0)

@@ -29,6 +29,7 @@ ENGINE_OPTIONS = {
     "transformers-mtp": (),
     "transformers-gemma4-assistant": ("num_assistant_tokens",),
     "transformers-dflash": (),
+    "transformers-usd": ("num_assistant_tokens",),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
@@ -98,7 +99,7 @@ class TransformersRun:
     """transformers' generate on the target (and the draft), one prompt, batch 1 as its assisted decoding needs."""
 
     def __init__(self, engine, target_model, draft_model, prompt: list[int], eos: int, temperature: float, options: dict,
-                 n_tokens: int):
+                 n_tokens: int, tokenizers: tuple = ()):
         import transformers
 
         self.engine, self.target, self.draft, self.prompt, self.eos = engine, target_model, draft_model, list(prompt), eos
@@ -115,10 +116,48 @@ class TransformersRun:
             self.extra["speculation_type"] = "dflash"
         if engine == "transformers-gemma4-assistant":  # its candidate generator reads the assistant's config only
             draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
-        if engine == "transformers-assisted":
+        self.lossy = False
+        if engine == "transformers-usd":  # the assistant speaks another vocabulary (UniversalSpeculativeDecodingGenerator)
+            self._usd_setup(draft_model, tokenizers)
+        if engine in ("transformers-assisted", "transformers-usd"):
             draft_model.generation_config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
             draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
             draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+
+    def _usd_setup(self, draft_model, tokenizers) -> None:
+        """The two tokenizers go to ``generate``; the shared tokens (by string, as transformers' translator matches
+        them) and an untouched copy of the assistant (transformers prunes its head and wraps its embeddings in place
+        on first use) are kept for the draft's own law (:meth:`_usd_drafted`). Where the assistant has tokens the
+        target lacks, transformers 5.25 prunes its head to the shared tokens in the order of ``get_vocab()`` (a hash
+        order) but writes the pruned logits to the target's ids in the order of the assistant's ids: the q it
+        verifies with is the draft's law permuted (predicted lossy)."""
+        import copy
+
+        if len(tokenizers) != 2:
+            raise ValueError("transformers-usd needs tokenizer= (the target's) and assistant_tokenizer=")
+        self.extra["tokenizer"], self.extra["assistant_tokenizer"] = tokenizers
+        target_vocab, assistant_vocab = (t.get_vocab() for t in tokenizers)
+        shared = sorted((target_vocab[word], index) for word, index in assistant_vocab.items() if word in target_vocab)
+        self.shared = torch.tensor(shared, dtype=torch.long).T  # [2, n]: target ids, assistant ids
+        self.lossy = len(shared) < len(assistant_vocab)
+        self.own_draft = copy.deepcopy(draft_model)
+
+    @torch.no_grad()
+    def _usd_drafted(self, prefixes) -> torch.Tensor:
+        """The law the assistant drafts its first token from after each prefix, on the target's ids ``[n, V]``: its
+        logits on its own tokens of the text (the target's decoded, re-encoded, as the candidate generator's first
+        call does), kept on the shared tokens, under the run's temperature."""
+        target_tokenizer, assistant_tokenizer = self.extra["tokenizer"], self.extra["assistant_tokenizer"]
+        rows = []
+        for prefix in prefixes:
+            text = target_tokenizer.decode(self.prompt + list(prefix), skip_special_tokens=True,
+                                           clean_up_tokenization_spaces=True)
+            ids = torch.tensor([assistant_tokenizer(text, add_special_tokens=False)["input_ids"]])
+            logits = self.own_draft(ids.to(self.own_draft.device)).logits[0, -1].double().cpu()
+            row = torch.zeros(self.vocab, dtype=torch.float64)
+            row[self.shared[0]] = (logits[self.shared[1]] / self.sampling["temperature"]).softmax(-1)
+            rows.append(row)
+        return torch.stack(rows)
 
     def __enter__(self):
         return self
@@ -156,6 +195,8 @@ class TransformersRun:
             q, p = self._rows_after_forced(live)
             r, _ = single_step("hf-assisted", p, q, num_drafts=1, assistant="greedy")
             return dict(law.rows) | dict(zip(live, r))
+        if self.engine == "transformers-usd":
+            return self._usd_rows(law)
         live = [s for s in law.rows if not s or s[-1] != self.eos] if self.weight is not None else [()]
         q, p = self.verified_rows(live)
         self.draft_tv = 0.5 * float((q[0] - self.rows(self.draft, [()])[0]).abs().sum())
@@ -166,6 +207,26 @@ class TransformersRun:
             return None
         r, _ = single_step("hf-assisted", p, q, num_drafts=1, ensemble_weight=self.weight)
         return dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
+
+    def _usd_rows(self, law) -> dict | None:
+        """Speculative sampling with the draft sampled from its own law d (:meth:`_usd_drafted`) and verified with the
+        q transformers hands on (captured), at every live prefix; None where the vocabularies need no pruning and the
+        captured q is d (checked at the prompt)."""
+        live = [s for s in law.rows if not s or s[-1] != self.eos] if self.lossy else [()]
+        q, p = self.verified_rows(live)
+        drafted = self._usd_drafted(live)
+        self.draft_tv = 0.5 * float((q[0] - drafted[0]).abs().sum())
+        if not self.lossy:
+            if self.draft_tv > 1e-6:
+                raise RuntimeError(f"the q transformers verifies with is {self.draft_tv:.3g} in TV from the draft's law "
+                                   "where nothing is pruned: the run's model of the path is wrong")
+            return None
+        self.notes.append(f"the assistant has {len(self.own_draft.get_output_embeddings().weight) - self.shared.shape[1]} "
+                          "tokens the target lacks: transformers prunes its head, and the q it verifies with is the "
+                          f"draft's law on other tokens' ids (TV {self.draft_tv:.3f} at the prompt; the order is the "
+                          "tokenizer's hash order, this process's)")
+        r, _ = single_step("hf-assisted", p, q, num_drafts=1, drafted=drafted)
+        return dict(law.rows) | dict(zip(live, r))
 
     @torch.no_grad()
     def _check_drafted(self, kind: str) -> None:
@@ -234,7 +295,7 @@ class TransformersRun:
             return
         ids = self._ids([()])
         assistant = self.draft if self.engine in ("transformers-assisted", "transformers-gemma4-assistant",
-                                                  "transformers-dflash") else None
+                                                  "transformers-dflash", "transformers-usd") else None
         for _ in range(num_samples):
             out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.n_tokens + 1,
                                        assistant_model=assistant, **self.sampling, **self.extra)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair",
-           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair"]
+           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair", "word_tokenizer", "tiny_usd_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -252,3 +252,40 @@ def tiny_dflash_pair(*, seed: int = 0, block_size: int = 3):
         torch.manual_seed(seed + 1)
         assistant = MuseGlimmerAssistantModel(config).eval()
     return target, assistant
+
+
+def word_tokenizer(words):
+    """A transformers tokenizer over whole words (``tokenizers``' WordLevel, split at whitespace): ids 0 ``[UNK]`` and
+    1 ``[EOS]`` (also the padding), then ``words`` in order; decoding joins words with spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(["[UNK]", "[EOS]", *words])}
+    if len(vocab) != len(words) + 2:
+        raise ValueError("words must be distinct and other than [UNK] and [EOS]")
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
+
+
+def tiny_usd_pair(*, seed: int = 0, assistant_only: int = 12, init_std: float = 0.3):
+    """``(target, assistant, target_tokenizer, assistant_tokenizer)`` for speculative decoding across vocabularies
+    (transformers' ``UniversalSpeculativeDecodingGenerator``): two tiny random-weight Llamas over word tokenizers
+    (:func:`word_tokenizer`). The target's 64 tokens: ``[UNK]``, ``[EOS]``, ``w0`` .. ``w61``. The assistant lacks
+    ``w0`` .. ``w7`` and has ``assistant_only`` words of its own (``a0`` ..), so its vocabulary is a subset of the
+    target's where ``assistant_only`` is 0 (transformers takes two models of one vocabulary size for one tokenizer:
+    ``assistant_only`` 8 is refused); float32 on the CPU, reproducible from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target_words = [f"w{i}" for i in range(_SIZES["vocab_size"] - 2)]
+    assistant_words = target_words[8:] + [f"a{i}" for i in range(assistant_only)]
+    tokenizers = word_tokenizer(target_words), word_tokenizer(assistant_words)
+    models = []
+    for i, tokenizer in enumerate(tokenizers):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + i)
+            config = LlamaConfig(**dict(_SIZES, vocab_size=len(tokenizer), bos_token_id=None,
+                                        initializer_range=init_std, tie_word_embeddings=False))
+            models.append(LlamaForCausalLM(config).eval())
+    return (*models, *tokenizers)
