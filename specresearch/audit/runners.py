@@ -125,39 +125,68 @@ class TransformersRun:
             draft_model.generation_config.num_assistant_tokens_schedule = "constant"
 
     def _usd_setup(self, draft_model, tokenizers) -> None:
-        """The two tokenizers go to ``generate``; the shared tokens (by string, as transformers' translator matches
-        them) and an untouched copy of the assistant (transformers prunes its head and wraps its embeddings in place
-        on first use) are kept for the draft's own law (:meth:`_usd_drafted`). Where the assistant has tokens the
-        target lacks, transformers 5.25 prunes its head to the shared tokens in the order of ``get_vocab()`` (a hash
-        order) but writes the pruned logits to the target's ids in the order of the assistant's ids: the q it
-        verifies with is the draft's law permuted (predicted lossy)."""
+        """The two tokenizers go to ``generate``. For the prediction: the shared tokens (matched by string, as
+        transformers' translator matches them) and an untouched copy of the draft (transformers prunes its head and
+        wraps its embeddings in place on first use). Where the draft has tokens the target lacks, transformers 5.25
+        prunes its head to the shared tokens in the order one call of the draft's ``get_vocab()`` lists them (a hash
+        order, new at each call; its translator, built once per tokenizer pair and process, keeps it) but writes the
+        pruned logits to the target's ids in the order of the draft's ids: the q it verifies with is the draft's law
+        permuted (predicted lossy)."""
         import copy
 
         if len(tokenizers) != 2:
             raise ValueError("transformers-usd needs tokenizer= (the target's) and assistant_tokenizer=")
         self.extra["tokenizer"], self.extra["assistant_tokenizer"] = tokenizers
         target_vocab, assistant_vocab = (t.get_vocab() for t in tokenizers)
-        shared = sorted((target_vocab[word], index) for word, index in assistant_vocab.items() if word in target_vocab)
-        self.shared = torch.tensor(shared, dtype=torch.long).T  # [2, n]: target ids, assistant ids
-        self.lossy = len(shared) < len(assistant_vocab)
+        self.to_assistant = {target_vocab[w]: i for w, i in assistant_vocab.items() if w in target_vocab}
+        self.lossy = len(self.to_assistant) < len(assistant_vocab)
         self.own_draft = copy.deepcopy(draft_model)
 
-    @torch.no_grad()
-    def _usd_drafted(self, prefixes) -> torch.Tensor:
-        """The law the assistant drafts its first token from after each prefix, on the target's ids ``[n, V]``: its
-        logits on its own tokens of the text (the target's decoded, re-encoded, as the candidate generator's first
-        call does), kept on the shared tokens, under the run's temperature."""
+    def _usd_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the target id of each column of the draft's pruned head, the target id transformers writes it to), read
+        from transformers' translator for the run's tokenizers (the columns' order is its draw); both the shared
+        tokens in the draft's id order where nothing is pruned."""
+        from transformers.generation.candidate_generator import AssistantVocabTranslatorCache
+
+        written = torch.tensor(sorted(self.to_assistant, key=self.to_assistant.get))
+        if not self.lossy:
+            return written, written
+        translator = AssistantVocabTranslatorCache._cache[self.extra["tokenizer"]][self.extra["assistant_tokenizer"]]
+        to_target = {index: token for token, index in self.to_assistant.items()}
+        return torch.tensor([to_target[int(a)] for a in translator.assistant_overlap_token_ids.tolist()]), written
+
+    def _usd_context(self, prefix) -> list[int]:
+        """The draft's own tokens after the prompt and ``prefix``, as the candidate generator builds them: the prompt's
+        text re-encoded (its first call), then each later token as its shared draft token, or its text re-encoded."""
         target_tokenizer, assistant_tokenizer = self.extra["tokenizer"], self.extra["assistant_tokenizer"]
-        rows = []
+
+        def encoded(ids):
+            text = target_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=True)
+            return assistant_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        context = encoded(self.prompt)
+        for token in prefix:
+            context += [self.to_assistant[token]] if token in self.to_assistant else encoded([token])
+        return context
+
+    @torch.no_grad()
+    def _usd_rows_of(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d, q) ``[n, V]`` on the target's ids after each prefix: d the law the draft drafts its next token from
+        (its logits on :meth:`_usd_context`, kept on the shared tokens, warped as transformers 5.25 warps its drafts:
+        by the temperature twice, softmax(z / T^2), as ``transformers-assisted``'s), q what transformers verifies
+        with (d's entries written to other tokens' ids where it prunes)."""
+        pruned, written = self._usd_columns()
+        d_rows, q_rows = [], []
         for prefix in prefixes:
-            text = target_tokenizer.decode(self.prompt + list(prefix), skip_special_tokens=True,
-                                           clean_up_tokenization_spaces=True)
-            ids = torch.tensor([assistant_tokenizer(text, add_special_tokens=False)["input_ids"]])
-            logits = self.own_draft(ids.to(self.own_draft.device)).logits[0, -1].double().cpu()
-            row = torch.zeros(self.vocab, dtype=torch.float64)
-            row[self.shared[0]] = (logits[self.shared[1]] / self.sampling["temperature"]).softmax(-1)
-            rows.append(row)
-        return torch.stack(rows)
+            ids = torch.tensor([self._usd_context(prefix)], device=self.own_draft.device)
+            logits = self.own_draft(ids).logits[0, -1].double().cpu()
+            columns = torch.tensor([self.to_assistant[t] for t in pruned.tolist()])
+            law = (logits[columns] / self.sampling["temperature"] ** 2).softmax(-1)  # the pruned head's columns
+            d, q = torch.zeros(self.vocab, dtype=torch.float64), torch.zeros(self.vocab, dtype=torch.float64)
+            d[pruned], q[written] = law, law
+            d_rows.append(d)
+            q_rows.append(q)
+        return torch.stack(d_rows), torch.stack(q_rows)
 
     def __enter__(self):
         return self
@@ -209,23 +238,27 @@ class TransformersRun:
         return dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
 
     def _usd_rows(self, law) -> dict | None:
-        """Speculative sampling with the draft sampled from its own law d (:meth:`_usd_drafted`) and verified with the
-        q transformers hands on (captured), at every live prefix; None where the vocabularies need no pruning and the
-        captured q is d (checked at the prompt)."""
+        """Speculative sampling with drafts from d, verified with q and the target's rows (:meth:`_usd_rows_of`), at
+        every live prefix; None where nothing is pruned (q is d). ``RuntimeError`` unless the q transformers verifies
+        with at the prompt (captured) is the one computed here."""
+        captured, _ = self.verified_rows([()])
         live = [s for s in law.rows if not s or s[-1] != self.eos] if self.lossy else [()]
-        q, p = self.verified_rows(live)
-        drafted = self._usd_drafted(live)
+        drafted, q = self._usd_rows_of(live)
+        if float((captured[0] - q[0]).abs().max()) > 1e-6:
+            raise RuntimeError("the q transformers verifies with at the prompt is not the one the run computes: its "
+                               "model of the path is wrong")
         self.draft_tv = 0.5 * float((q[0] - drafted[0]).abs().sum())
         if not self.lossy:
-            if self.draft_tv > 1e-6:
-                raise RuntimeError(f"the q transformers verifies with is {self.draft_tv:.3g} in TV from the draft's law "
-                                   "where nothing is pruned: the run's model of the path is wrong")
             return None
-        self.notes.append(f"the assistant has {len(self.own_draft.get_output_embeddings().weight) - self.shared.shape[1]} "
+        self.notes.append(f"the draft has {len(self.own_draft.get_output_embeddings().weight) - len(self.to_assistant)} "
                           "tokens the target lacks: transformers prunes its head, and the q it verifies with is the "
-                          f"draft's law on other tokens' ids (TV {self.draft_tv:.3f} at the prompt; the order is the "
-                          "tokenizer's hash order, this process's)")
-        r, _ = single_step("hf-assisted", p, q, num_drafts=1, drafted=drafted)
+                          f"draft's law on other tokens' ids (TV {self.draft_tv:.3f} at the prompt; the order is the one "
+                          "its translator drew in this process)")
+        by_length = {}  # the target's rows, a call per prefix length
+        for prefix in live:
+            by_length.setdefault(len(prefix), []).append(prefix)
+        p = {prefix: row for group in by_length.values() for prefix, row in zip(group, self.target_rows(group))}
+        r, _ = single_step("hf-assisted", torch.stack([p[prefix] for prefix in live]), q, num_drafts=1, drafted=drafted)
         return dict(law.rows) | dict(zip(live, r))
 
     @torch.no_grad()
