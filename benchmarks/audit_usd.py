@@ -33,7 +33,7 @@ def _run(n: int, temperature: float = 1.0, options: dict | None = None) -> TinyR
 
 
 # each row records the TV its N detects (cells of expected count >= 20)
-RUNS = [_run(8000), _run(6000, 0.7), _run(6000, options={"num_assistant_tokens": 1})]
+RUNS = [_run(8000), _run(6000, 0.7), _run(6000, options={"num_assistant_tokens": 3})]
 
 
 def main(argv=None) -> int:

@@ -151,6 +151,8 @@ def test_universal_speculative_decoding_fails_where_the_assistant_vocabulary_is_
         execute("transformers-usd", **common)
     with pytest.raises(ValueError, match="temperature alone"):
         execute("transformers-usd", assistant_tokenizer=assistant_tokenizer, top_k=20, **common)
+    with pytest.raises(ValueError, match="num_assistant_tokens must be >= n_tokens"):
+        execute("transformers-usd", assistant_tokenizer=assistant_tokenizer, num_assistant_tokens=1, **common)
 
 
 def test_the_assistant_verified_with_twice_warped_rows(pair):
@@ -216,6 +218,8 @@ def test_captured_rows_restores_the_function():
     (dict(engine="transformers-mtp", prompt_lookup_num_tokens=2), "takes options"),
     (dict(engine="transformers-gemma4-assistant", n_tokens=1), "n_tokens >= 2"),
     (dict(engine="transformers-dflash", n_tokens=1), "n_tokens >= 2"),
+    (dict(engine="transformers-assisted", assistant_ensemble_weight=0.5, num_assistant_tokens=1),
+     "num_assistant_tokens must be >= n_tokens"),
     (dict(engine="llamacpp-server", assistant_ensemble_weight=0.5), "takes options"),
     (dict(engine="llamacpp-example", n_tokens=3), "n_tokens=2"),
     (dict(engine="llamacpp-example", synth_rates=(0.5,)), "takes options"),

@@ -350,6 +350,11 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
                          "picklable recipe returning one (one of the two)")
     if engine == "python" and not callable(options.get("sample", options.get("sampler"))):
         raise ValueError("engine 'python': sample= (or sampler=) must be callable")
+    lossy = options.get("assistant_ensemble_weight") is not None or engine in ("transformers-gemma4-assistant",
+                                                                              "transformers-usd")
+    if lossy and options.get("num_assistant_tokens", n_tokens) < n_tokens:
+        raise ValueError(f"{engine}: num_assistant_tokens must be >= n_tokens where the prediction is not the target's "
+                         "law (it takes each measured token for a verified draft; a bonus token follows the target)")
     if engine == "transformers-usd" and set(options) & set(SAMPLING_OPTIONS):
         raise ValueError("transformers-usd: the draft's own law is computed under the temperature alone (no top_k, "
                          "top_p or repetition_penalty)")
