@@ -109,6 +109,26 @@ def test_transformers_dflash_drafting_keeps_the_target_law_and_a_verifier_accept
     assert execute("transformers-dflash", **common).target.p_value < 1e-3
 
 
+def test_transformers_early_exit_keeps_the_target_law_and_a_verifier_accepting_all_does_not(monkeypatch):
+    """transformers' early-exit self-speculation (``assistant_early_exit=1``: the first of the tiny Llama's two
+    layers, its norm and head draft; no draft model): the run verifies such drafts and keeps the target's law over
+    the first two tokens (400 runs); with the verification replaced by one accepting every draft, the same run rejects
+    it (both at level 1e-3, fixed seeds). The target's own generation config is as it was after the run."""
+    from transformers.generation import utils
+
+    target = tiny_family_model("llama", "sdpa", seed=0, init_std=0.5)
+    config = target.generation_config.to_dict()
+    common = dict(prompt=[5, 9, 3], n_tokens=2, num_samples=400, min_expected=10, target=target, progress=False,
+                  assistant_early_exit=1)
+    result = execute("transformers-early-exit", **common)
+    assert result.verdict == "exact" and result.target.p_value > 1e-3 and result.finding.startswith("agrees"), str(result)
+    assert "early-exit-drafted token" in result.notes[0] and target.generation_config.to_dict() == config
+    monkeypatch.setattr(utils, "_speculative_sampling", _accept_every_draft)
+    assert execute("transformers-early-exit", **common).target.p_value < 1e-3
+    with pytest.raises(ValueError, match="needs assistant_early_exit"):
+        execute("transformers-early-exit", prompt=[5, 9, 3], num_samples=20, target=target, progress=False)
+
+
 def test_the_gemma4_assistant_path_is_lossy_as_predicted():
     """transformers 5.25's Gemma 4 assistant path (``SinglePositionMultiTokenCandidateGenerator``) drafts the
     assistant's argmax and hands its logits to ``_speculative_sampling`` as q: on a tiny Gemma 4 pair
@@ -236,7 +256,8 @@ def test_bad_input_is_refused(pair, kwargs, message):
     with pytest.raises(ValueError, match=message):
         execute(prompt=PROMPT, target=pair[0], draft=pair[1], progress=False, **kwargs)
     assert set(ENGINES) == {"transformers-assisted", "transformers-lookup", "transformers-sampling", "transformers-mtp",
-                            "transformers-gemma4-assistant", "transformers-dflash", "transformers-usd", "llamacpp-server",
+                            "transformers-gemma4-assistant", "transformers-dflash", "transformers-usd",
+                            "transformers-early-exit", "llamacpp-server",
                             "llamacpp-example",
                             "llamacpp-simple", "python"}
 

@@ -55,6 +55,9 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
   tokens, rule ``hf-assisted``). Where the draft has tokens the target lacks, transformers prunes its head and hands
   on as q the draft's law on other tokens' ids (``runners.TransformersRun._usd_setup``): predicted lossy, the draft's
   own law computed from an untouched copy of it. One process only (the permutation is the tokenizer's hash order).
+* ``transformers-early-exit``: ``generate(assistant_early_exit=k, do_sample=True)``: transformers'
+  ``EarlyExitCandidateGenerator`` drafts with the target's first k layers, its final norm and head (LayerSkip's
+  self-speculation; no draft model), verified by ``_speculative_sampling`` (rule ``hf-assisted``, exact).
 * ``llamacpp-server``: llama.cpp's server (:mod:`specresearch.audit.llamacpp`; built once per machine by
   ``scripts/build_llamacpp.sh``) on the embedded GGUF, the draft a copy with its logits scaled; rule
   ``llamacpp-server`` (``synth_rates``: its synthetic acceptance, predicted lossy). The target's law is the
@@ -112,6 +115,7 @@ ENGINES = {
     "transformers-gemma4-assistant": "hf-assisted",  # assistant="greedy": argmax drafts, their softmax passed as q
     "transformers-dflash": "hf-assisted",  # a block drafted from the processed logits it hands on as q
     "transformers-usd": "hf-assisted",  # across vocabularies: drafts on the shared tokens; q permuted where it prunes
+    "transformers-early-exit": "hf-assisted",  # the target's first layers and its head draft (LayerSkip's self-drafting)
     "llamacpp-server": "llamacpp-server",
     "llamacpp-example": "llamacpp-example",
     "llamacpp-simple": "llamacpp-server",  # the same loop as the server's (common_sampler_sample_and_accept_n)
@@ -358,6 +362,8 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
     if engine == "transformers-usd" and set(options) & set(SAMPLING_OPTIONS):
         raise ValueError("transformers-usd: the draft's own law is computed under the temperature alone (no top_k, "
                          "top_p or repetition_penalty)")
+    if engine == "transformers-early-exit" and not isinstance(options.get("assistant_early_exit"), int):
+        raise ValueError("transformers-early-exit needs assistant_early_exit=k, the layers that draft (an int)")
     if engine == "transformers-lookup" and "prompt_lookup_num_tokens" not in options:
         raise ValueError("transformers-lookup needs prompt_lookup_num_tokens (e.g. 3)")
 
@@ -543,7 +549,7 @@ class TinyRun:
 
 def record_tiny_runs(out, command: str, argv, runs, *, scale: float = 1.0, min_expected: float = 20.0) -> dict:
     """The resumable record of execution runs on tiny random-weight models (``benchmarks/audit_mtp.py``,
-    ``audit_gemma4.py``, ``audit_dflash.py``: transformers' paths the embedded pair cannot run): ``runs``
+    ``audit_gemma4.py``, ``audit_dflash.py``, ``audit_usd.py``: transformers' paths the embedded pair cannot run): ``runs``
     (:class:`TinyRun`) already in the JSON record ``out`` (by model, engine, settings and prompt) are kept, the others
     run at ``num_samples * scale`` (at least 20) and are written one by one, each row naming its model and commit."""
     import json

@@ -12,6 +12,7 @@ rule is exact, the engine's own generations, and notes), and the helpers they sh
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -30,6 +31,7 @@ ENGINE_OPTIONS = {
     "transformers-gemma4-assistant": ("num_assistant_tokens",),
     "transformers-dflash": (),
     "transformers-usd": ("num_assistant_tokens",),
+    "transformers-early-exit": ("assistant_early_exit", "num_assistant_tokens"),
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
@@ -119,10 +121,15 @@ class TransformersRun:
         self.lossy = False
         if engine == "transformers-usd":  # the assistant speaks another vocabulary (UniversalSpeculativeDecodingGenerator)
             self._usd_setup(draft_model, tokenizers)
-        if engine in ("transformers-assisted", "transformers-usd"):
-            draft_model.generation_config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
-            draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
-            draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+        if engine == "transformers-early-exit":  # the target's first layers draft (EarlyExitCandidateGenerator)
+            self.draft = draft_model = None
+            self._early_config = target_model.generation_config  # its candidate generator reads the target's
+            target_model.generation_config = copy.deepcopy(target_model.generation_config)
+        if engine in ("transformers-assisted", "transformers-usd", "transformers-early-exit"):
+            config = (draft_model or target_model).generation_config
+            config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
+            config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
+            config.num_assistant_tokens_schedule = "constant"
 
     def _usd_setup(self, draft_model, tokenizers) -> None:
         """The two tokenizers go to ``generate``. For the prediction: the shared tokens (matched by string, as
@@ -132,8 +139,6 @@ class TransformersRun:
         order, new at each call; its translator, built once per tokenizer pair and process, keeps it) but writes the
         pruned logits to the target's ids in the order of the draft's ids: the q it verifies with is the draft's law
         permuted (predicted lossy)."""
-        import copy
-
         if len(tokenizers) != 2:
             raise ValueError("transformers-usd needs tokenizer= (the target's) and assistant_tokenizer=")
         self.extra["tokenizer"], self.extra["assistant_tokenizer"] = tokenizers
@@ -192,6 +197,8 @@ class TransformersRun:
         return self
 
     def __exit__(self, *exc):
+        if self.engine == "transformers-early-exit":  # the target's own generation config back as it was
+            self.target.generation_config = self._early_config
         return None
 
     def _ids(self, prefixes) -> torch.Tensor:
@@ -216,8 +223,8 @@ class TransformersRun:
         rows transformers verifies with; records how far its q is from the draft's own law."""
         if self.engine == "transformers-lookup":
             return None
-        if self.engine in ("transformers-mtp", "transformers-dflash"):
-            self._check_drafted("MTP" if self.engine == "transformers-mtp" else "DFlash")
+        if self.engine in ("transformers-mtp", "transformers-dflash", "transformers-early-exit"):
+            self._check_drafted({"transformers-mtp": "MTP", "transformers-dflash": "DFlash"}.get(self.engine, "early-exit"))
             return None
         if self.engine == "transformers-gemma4-assistant":  # the first token is the target's own
             live = [s for s in law.rows if s and s[-1] != self.eos]
