@@ -549,7 +549,7 @@ class TinyRun:
 
 def record_tiny_runs(out, command: str, argv, runs, *, scale: float = 1.0, min_expected: float = 20.0) -> dict:
     """The resumable record of execution runs on tiny random-weight models (``benchmarks/audit_mtp.py``,
-    ``audit_gemma4.py``, ``audit_dflash.py``, ``audit_usd.py``: transformers' paths the embedded pair cannot run): ``runs``
+    ``audit_gemma4.py``, ``audit_dflash.py``, ``audit_usd.py``, ``audit_early_exit.py``: transformers' paths the embedded pair cannot run): ``runs``
     (:class:`TinyRun`) already in the JSON record ``out`` (by model, engine, settings and prompt) are kept, the others
     run at ``num_samples * scale`` (at least 20) and are written one by one, each row naming its model and commit."""
     import json

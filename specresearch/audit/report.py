@@ -219,7 +219,8 @@ def _row(row) -> str:
     return "(" + ", ".join(str(v) for v in row) + ")"
 
 
-EXECUTED_RECORDS = ("audit_executed", "audit_libraries", "audit_mtp", "audit_gemma4", "audit_dflash", "audit_usd")  # benchmarks/records/<name>.json: the engines run
+EXECUTED_RECORDS = ("audit_executed", "audit_libraries", "audit_mtp", "audit_gemma4", "audit_dflash", "audit_usd",
+                    "audit_early_exit")  # benchmarks/records/<name>.json: the engines run
 
 
 def executed_table(rows) -> str:
