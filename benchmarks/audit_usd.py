@@ -1,7 +1,9 @@
 """Audit by execution of transformers' speculative decoding across vocabularies, the committed record:
 ``generate(assistant_model=draft, tokenizer=..., assistant_tokenizer=..., do_sample=True)`` (transformers' own
 ``UniversalSpeculativeDecodingGenerator`` and ``_speculative_sampling``) on a tiny Llama pair over word tokenizers whose
-assistant has 12 words the target lacks (``models.families.tiny_usd_pair``), the measured law of the first two tokens
+assistant has 12 words the target lacks (``models.families.tiny_usd_pair``), and on the embedded SmolLM2 with a draft
+of its first 4 layers whose tokenizer has one token added (every other token shared), the measured law of the first
+two tokens
 against the target's and against the law predicted from the draft's own law and the q transformers verifies with
 (``specresearch.audit.execute``, engine ``transformers-usd``).
 
@@ -22,6 +24,36 @@ SEED = 0  # the pair's weights
 PROMPT = (11, 14, 32)  # "w9 w12 w30" in the target's words
 
 
+def build_embedded(layers: int = 4):
+    """The embedded SmolLM2-135M-Instruct (float32, CPU) and a draft of its first ``layers`` layers, norm and head, the
+    draft's tokenizer SmolLM2's with one token added (and the draft's embeddings and head grown by one row): every
+    token but that one shared, the shape of a real pair of related vocabularies."""
+    import copy
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from specresearch.models.embedded import load_embedded
+
+    target_lm, tokenizer = load_embedded(device="cpu", skinny_linear=False, fuse_projections=False)
+    target = target_lm.model
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        draft = LlamaForCausalLM(config).eval()
+    draft.load_state_dict(target.state_dict(), strict=False)  # the first layers, the embeddings, the norm
+    assistant_tokenizer = copy.deepcopy(tokenizer)
+    assistant_tokenizer.add_tokens(["<draft-only>"])
+    draft.resize_token_embeddings(len(assistant_tokenizer))
+    return target, draft, {}, dict(tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
+
+
+# encode_chat(["Name a colour."]) with SmolLM2's tokenizer and chat template
+CHAT_PROMPT = (1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
+               2, 198, 1, 4093, 198, 5820, 253, 7302, 30, 2, 198, 1, 520, 9531, 198)
+
+
 def build():
     target, draft, target_tokenizer, assistant_tokenizer = tiny_usd_pair(seed=SEED)
     return target, draft, {}, dict(tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer)
@@ -33,7 +65,9 @@ def _run(n: int, temperature: float = 1.0, options: dict | None = None) -> TinyR
 
 
 # each row records the TV its N detects (cells of expected count >= 20)
-RUNS = [_run(8000), _run(6000, 0.7), _run(6000, options={"num_assistant_tokens": 3})]
+RUNS = [_run(8000), _run(6000, 0.7), _run(6000, options={"num_assistant_tokens": 3}),
+        TinyRun("embedded SmolLM2-135M-Instruct; draft: its first 4 layers and head, the draft's tokenizer with one "
+                "token added", build_embedded, "transformers-usd", 2, 800, prompt=CHAT_PROMPT)]
 
 
 def main(argv=None) -> int:

@@ -251,7 +251,7 @@ class TransformersRun:
         captured, _ = self.verified_rows([()])
         live = [s for s in law.rows if not s or s[-1] != self.eos] if self.lossy else [()]
         drafted, q = self._usd_rows_of(live)
-        if float((captured[0] - q[0]).abs().max()) > 1e-6:
+        if float((captured[0] - q[0]).abs().max()) > 1e-4:  # float32 logits of two forwards, not bit-equal
             raise RuntimeError("the q transformers verifies with at the prompt is not the one the run computes: its "
                                "model of the path is wrong")
         self.draft_tv = 0.5 * float((q[0] - drafted[0]).abs().sum())
