@@ -18,6 +18,7 @@ import torch
 
 from specresearch.audit.engines import engine_rule
 from specresearch.audit.real import single_step
+from specresearch.audit.vocabularies import CrossVocabularyDraft
 
 __all__ = ["TransformersRun", "LlamaCppRun", "LlamaSpeculativeRun", "PythonRun", "captured_rows", "quiet_transformers", "absorbing", "padded",
            "SAMPLING_OPTIONS", "ENGINE_OPTIONS"]
@@ -118,9 +119,11 @@ class TransformersRun:
             self.extra["speculation_type"] = "dflash"
         if engine == "transformers-gemma4-assistant":  # its candidate generator reads the assistant's config only
             draft_model.generation_config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
-        self.lossy = False
-        if engine == "transformers-usd":  # the assistant speaks another vocabulary (UniversalSpeculativeDecodingGenerator)
-            self._usd_setup(draft_model, tokenizers)
+        self.lossy, self.usd = False, None
+        if engine == "transformers-usd":  # the draft speaks another vocabulary (UniversalSpeculativeDecodingGenerator)
+            self.usd = CrossVocabularyDraft(draft_model, tokenizers, self.vocab, temperature)
+            self.extra["tokenizer"], self.extra["assistant_tokenizer"] = tokenizers
+            self.lossy = self.usd.lossy
         if engine == "transformers-early-exit":  # the target's first layers draft (EarlyExitCandidateGenerator)
             self.draft = draft_model = None
             self._early_config = target_model.generation_config  # its candidate generator reads the target's
@@ -130,68 +133,6 @@ class TransformersRun:
             config.assistant_confidence_threshold = self.extra.pop("assistant_confidence_threshold", 0.0)
             config.num_assistant_tokens = self.extra.pop("num_assistant_tokens", n_tokens)
             config.num_assistant_tokens_schedule = "constant"
-
-    def _usd_setup(self, draft_model, tokenizers) -> None:
-        """The two tokenizers go to ``generate``. For the prediction: the shared tokens (matched by string, as
-        transformers' translator matches them) and an untouched copy of the draft (transformers prunes its head and
-        wraps its embeddings in place on first use). Where the draft has tokens the target lacks, transformers 5.25
-        prunes its head to the shared tokens in the order one call of the draft's ``get_vocab()`` lists them (a hash
-        order, new at each call; its translator, built once per tokenizer pair and process, keeps it) but writes the
-        pruned logits to the target's ids in the order of the draft's ids: the q it verifies with is the draft's law
-        permuted (predicted lossy)."""
-        if len(tokenizers) != 2:
-            raise ValueError("transformers-usd needs tokenizer= (the target's) and assistant_tokenizer=")
-        self.extra["tokenizer"], self.extra["assistant_tokenizer"] = tokenizers
-        target_vocab, assistant_vocab = (t.get_vocab() for t in tokenizers)
-        self.to_assistant = {target_vocab[w]: i for w, i in assistant_vocab.items() if w in target_vocab}
-        self.lossy = len(self.to_assistant) < len(assistant_vocab)
-        self.own_draft = copy.deepcopy(draft_model)
-
-    def _usd_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the target id of each column of the draft's pruned head, the target id transformers writes it to), read
-        from transformers' translator for the run's tokenizers (the columns' order is its draw); both the shared
-        tokens in the draft's id order where nothing is pruned."""
-        from transformers.generation.candidate_generator import AssistantVocabTranslatorCache
-
-        written = torch.tensor(sorted(self.to_assistant, key=self.to_assistant.get))
-        if not self.lossy:
-            return written, written
-        translator = AssistantVocabTranslatorCache._cache[self.extra["tokenizer"]][self.extra["assistant_tokenizer"]]
-        to_target = {index: token for token, index in self.to_assistant.items()}
-        return torch.tensor([to_target[int(a)] for a in translator.assistant_overlap_token_ids.tolist()]), written
-
-    def _usd_context(self, prefix) -> list[int]:
-        """The draft's own tokens after the prompt and ``prefix``, as the candidate generator builds them: the prompt's
-        text re-encoded (its first call), then each later token as its shared draft token, or its text re-encoded."""
-        target_tokenizer, assistant_tokenizer = self.extra["tokenizer"], self.extra["assistant_tokenizer"]
-
-        def encoded(ids):
-            text = target_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=True)
-            return assistant_tokenizer(text, add_special_tokens=False)["input_ids"]
-
-        context = encoded(self.prompt)
-        for token in prefix:
-            context += [self.to_assistant[token]] if token in self.to_assistant else encoded([token])
-        return context
-
-    @torch.no_grad()
-    def _usd_rows_of(self, prefixes) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d, q) ``[n, V]`` on the target's ids after each prefix: d the law the draft drafts its next token from
-        (its logits on :meth:`_usd_context`, kept on the shared tokens, warped as transformers 5.25 warps its drafts:
-        by the temperature twice, softmax(z / T^2), as ``transformers-assisted``'s), q what transformers verifies
-        with (d's entries written to other tokens' ids where it prunes)."""
-        pruned, written = self._usd_columns()
-        d_rows, q_rows = [], []
-        for prefix in prefixes:
-            ids = torch.tensor([self._usd_context(prefix)], device=self.own_draft.device)
-            logits = self.own_draft(ids).logits[0, -1].double().cpu()
-            columns = torch.tensor([self.to_assistant[t] for t in pruned.tolist()])
-            law = (logits[columns] / self.sampling["temperature"] ** 2).softmax(-1)  # the pruned head's columns
-            d, q = torch.zeros(self.vocab, dtype=torch.float64), torch.zeros(self.vocab, dtype=torch.float64)
-            d[pruned], q[written] = law, law
-            d_rows.append(d)
-            q_rows.append(q)
-        return torch.stack(d_rows), torch.stack(q_rows)
 
     def __enter__(self):
         return self
@@ -245,19 +186,19 @@ class TransformersRun:
         return dict(law.rows) | dict(zip(live, r))  # after an EOS: the law's absorbing row
 
     def _usd_rows(self, law) -> dict | None:
-        """Speculative sampling with drafts from d, verified with q and the target's rows (:meth:`_usd_rows_of`), at
+        """Speculative sampling with drafts from d, verified with q and the target's rows (``usd.rows``), at
         every live prefix; None where nothing is pruned (q is d). ``RuntimeError`` unless the q transformers verifies
         with at the prompt (captured) is the one computed here."""
         captured, _ = self.verified_rows([()])
         live = [s for s in law.rows if not s or s[-1] != self.eos] if self.lossy else [()]
-        drafted, q = self._usd_rows_of(live)
+        drafted, q = self.usd.rows(self.prompt, live)
         if float((captured[0] - q[0]).abs().max()) > 1e-4:  # float32 logits of two forwards, not bit-equal
             raise RuntimeError("the q transformers verifies with at the prompt is not the one the run computes: its "
                                "model of the path is wrong")
         self.draft_tv = 0.5 * float((q[0] - drafted[0]).abs().sum())
         if not self.lossy:
             return None
-        self.notes.append(f"the draft has {len(self.own_draft.get_output_embeddings().weight) - len(self.to_assistant)} "
+        self.notes.append(f"the draft has {self.usd.own_only} "
                           "tokens the target lacks: transformers prunes its head, and the q it verifies with is the "
                           f"draft's law on other tokens' ids (TV {self.draft_tv:.3f} at the prompt; the order is the one "
                           "its translator drew in this process)")
