@@ -66,8 +66,8 @@ def _run(n: int, temperature: float = 1.0, options: dict | None = None) -> TinyR
 
 # each row records the TV its N detects (cells of expected count >= 20)
 RUNS = [_run(8000), _run(6000, 0.7), _run(6000, options={"num_assistant_tokens": 3}),
-        TinyRun("embedded SmolLM2-135M-Instruct; draft: its first 4 layers and head, the draft's tokenizer with one "
-                "token added", build_embedded, "transformers-usd", 2, 800, prompt=CHAT_PROMPT)]
+        TinyRun("SmolLM2 pair (the embedded SmolLM2-135M-Instruct; the draft its first 4 layers and head, its "
+                "tokenizer with one token added)", build_embedded, "transformers-usd", 2, 800, prompt=CHAT_PROMPT)]
 
 
 def main(argv=None) -> int:
