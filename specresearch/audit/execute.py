@@ -53,8 +53,8 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
 * ``transformers-usd``: ``generate(assistant_model=draft, tokenizer=..., assistant_tokenizer=..., do_sample=True)``,
   a draft of another vocabulary (transformers 5.25's ``UniversalSpeculativeDecodingGenerator``: drafts on the shared
   tokens, rule ``hf-assisted``). Where the draft has tokens the target lacks, transformers prunes its head and hands
-  on as q the draft's law on other tokens' ids (``runners.TransformersRun._usd_setup``): predicted lossy, the draft's
-  own law computed from an untouched copy of it. One process only (the permutation is the tokenizer's hash order).
+  on as q the draft's law on other tokens' ids (:mod:`specresearch.audit.vocabularies`): predicted lossy, the draft's
+  own law computed from an untouched copy of it. One process only (the permutation is a hash order drawn in it).
 * ``transformers-early-exit``: ``generate(assistant_early_exit=k, do_sample=True)``: transformers'
   ``EarlyExitCandidateGenerator`` drafts with the target's first k layers, its final norm and head (LayerSkip's
   self-speculation; no draft model), verified by ``_speculative_sampling`` (rule ``hf-assisted``, exact).
@@ -548,10 +548,11 @@ class TinyRun:
 
 
 def record_tiny_runs(out, command: str, argv, runs, *, scale: float = 1.0, min_expected: float = 20.0) -> dict:
-    """The resumable record of execution runs on tiny random-weight models (``benchmarks/audit_mtp.py``,
-    ``audit_gemma4.py``, ``audit_dflash.py``, ``audit_usd.py``, ``audit_early_exit.py``: transformers' paths the embedded pair cannot run): ``runs``
-    (:class:`TinyRun`) already in the JSON record ``out`` (by model, engine, settings and prompt) are kept, the others
-    run at ``num_samples * scale`` (at least 20) and are written one by one, each row naming its model and commit."""
+    """The resumable record of execution runs on models built for them (``benchmarks/audit_mtp.py``,
+    ``audit_gemma4.py``, ``audit_dflash.py``, ``audit_usd.py``, ``audit_early_exit.py``: transformers' paths the
+    embedded pair cannot run, mostly on tiny random-weight models): ``runs`` (:class:`TinyRun`) already in the JSON
+    record ``out`` (by model, engine, settings and prompt) are kept, the others run at ``num_samples * scale`` (at
+    least 20) and are written one by one, each row naming its model and commit."""
     import json
     from pathlib import Path
 
