@@ -175,6 +175,21 @@ def test_universal_speculative_decoding_fails_where_the_assistant_vocabulary_is_
         execute("transformers-usd", assistant_tokenizer=assistant_tokenizer, num_assistant_tokens=1, **common)
 
 
+@pytest.mark.parametrize("assistant_only", [12, 0])
+def test_greedy_decoding_across_vocabularies_gives_the_targets_greedy_tokens(assistant_only):
+    """Greedy (``do_sample=False``), transformers takes its other candidate generator across vocabularies
+    (``AssistedCandidateGeneratorDifferentTokenizers``: no pruned head, drafts matched to the target's tokens): on both
+    tiny pairs, with and without tokens only the draft has, it gives ``generate``'s greedy tokens, 12 of them after
+    three prompts. The permuted q above is the sampling path's alone."""
+    target, draft, target_tokenizer, assistant_tokenizer = tiny_usd_pair(assistant_only=assistant_only)
+    for text in ("w9 w12 w30", "w1 w2 w40 w41", "w20"):
+        ids = torch.tensor([target_tokenizer(text)["input_ids"]])
+        common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=1)
+        across = target.generate(ids, assistant_model=draft, tokenizer=target_tokenizer,
+                                 assistant_tokenizer=assistant_tokenizer, **common)
+        assert across.tolist() == target.generate(ids, **common).tolist(), text
+
+
 def test_the_assistant_verified_with_twice_warped_rows(pair):
     """transformers 5.24 passes the main logits processors (its warpers included) to the assistant's generate, which
     builds its own from the same config: at T != 1 the drafts come from softmax(z / T^2), and that is the q it verifies
