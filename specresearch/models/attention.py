@@ -101,7 +101,13 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     float32's for a wider dtype: ``eager`` takes its softmax in float32, where float64's lowest value is -inf, and a
     pad slot's query, which sees nothing, would turn its row into NaN (module docstring)."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, max(torch.finfo(dtype).min, torch.finfo(torch.float32).min))[:, None]
+    return mask.masked_fill_(~allowed, _lowest(dtype))[:, None]
+
+
+def _lowest(dtype: torch.dtype) -> float:
+    """The value a mask puts where a key is not seen: ``dtype``'s lowest, or float32's for a wider dtype (eager's
+    float32 softmax reads float64's as -inf, and a query that sees nothing turns NaN)."""
+    return max(torch.finfo(dtype).min, torch.finfo(torch.float32).min)
 
 
 def attention_layout(model) -> AttentionLayout:
@@ -180,7 +186,7 @@ def positions_from_masks(model) -> bool:
         elif hasattr(module, "use_alibi"):  # Falcon-RW's model: its layers add ALiBi
             module.use_alibi = False
         elif hasattr(module, "Wqkv"):  # one of MPT's attentions
-            build = next(m for m in model.modules() if hasattr(m, "build_mpt_alibi_tensor")).build_mpt_alibi_tensor
+            build = sys.modules[type(module).__module__].build_mpt_alibi_tensor  # as MPT's model calls it
             slopes = -build(module.n_heads, 2, device=next(module.parameters()).device)[:, 0, 0]  # bias at -1
             module.forward = partial(_mpt_attention, module, slopes=slopes)
         elif hasattr(module, "self_attention"):  # one of Falcon-RW's layers
@@ -248,7 +254,7 @@ def _falcon_alibi(module, args, kwargs, *, slopes: torch.Tensor, scale: float):
     # transformers' Falcon: bfloat16 slopes times positions, then the model's dtype, scaled, masked (float64's mask
     # value as additive_mask's, which eager's float32 softmax reads as finite)
     alibi = (slopes.to(mask.device).bfloat16()[None, :, None] * positions[:, None, :]).to(dtype)[:, :, None, :] / scale
-    mask = alibi.masked_fill(~visible, max(torch.finfo(dtype).min, torch.finfo(torch.float32).min))  # [B, H, q, L]
+    mask = alibi.masked_fill(~visible, _lowest(dtype))  # [B, H, q, L]
     return args, {**kwargs, "attention_mask": mask}
 
 
@@ -271,8 +277,7 @@ def _mpt_attention(module, hidden_states: torch.Tensor, position_bias=None, cach
     positions = _key_positions((~attention_mask[:, 0]).long())  # [B, L]
     relative = positions - positions.amax(-1, keepdim=True)  # MPT's slot - last slot, where slots are positions
     scores = scores + relative[:, None, None, :].to(torch.int32) * slopes.to(scores.device)[None, :, None, None]
-    dtype = query.dtype
-    scores = scores.masked_fill(attention_mask, max(torch.finfo(dtype).min, torch.finfo(torch.float32).min))
+    scores = scores.masked_fill(attention_mask, _lowest(query.dtype))
     weights = torch.nn.functional.softmax(scores.float(), dim=-1).to(value.dtype)
     weights = torch.nn.functional.dropout(weights, p=module.attn_dropout_p, training=module.training)
     context = torch.matmul(weights, value).permute(0, 2, 1, 3).contiguous().view(batch, length, -1)
@@ -287,7 +292,7 @@ def _windowed_mask(module, args, kwargs, *, window: int):
     after = seen.flip(-1).cumsum(-1).flip(-1) - seen  # the keys seen after each slot: how many positions back it lies
     outside = seen.bool() & (after >= window)
     if mask.is_floating_point():
-        mask = mask.masked_fill(outside, max(torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min))
+        mask = mask.masked_fill(outside, _lowest(mask.dtype))
     else:
         mask = mask & ~outside
     return args, {**kwargs, "attention_mask": mask}
