@@ -147,14 +147,21 @@ class TransformersRun:
 
     @torch.no_grad()
     def rows(self, model, prefixes) -> torch.Tensor:
-        """The law ``model`` samples its next token from after each prefix, under the run's settings. -> [n, V]."""
-        out = []
-        for start in range(0, len(prefixes), _ROW_BATCH):
-            ids = self._ids(prefixes[start:start + _ROW_BATCH])
-            scores = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, output_scores=True,
-                                    return_dict_in_generate=True, **self.sampling).scores[0]
-            out.append(scores.double().softmax(-1).cpu())
-        return torch.cat(out)
+        """The law ``model`` samples its next token from after each prefix, under the run's settings. -> [n, V]
+        (prefixes of one length share a call)."""
+        by_length: dict[int, list[int]] = {}
+        for i, prefix in enumerate(prefixes):
+            by_length.setdefault(len(prefix), []).append(i)
+        out = [None] * len(prefixes)
+        for indices in by_length.values():
+            for start in range(0, len(indices), _ROW_BATCH):
+                batch = indices[start:start + _ROW_BATCH]
+                ids = self._ids([prefixes[i] for i in batch])
+                scores = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, output_scores=True,
+                                        return_dict_in_generate=True, **self.sampling).scores[0]
+                for i, row in zip(batch, scores.double().softmax(-1).cpu()):
+                    out[i] = row
+        return torch.stack(out)
 
     def target_rows(self, prefixes) -> torch.Tensor:
         return self.rows(self.target, prefixes)
@@ -202,11 +209,7 @@ class TransformersRun:
                           "tokens the target lacks: transformers prunes its head, and the q it verifies with is the "
                           f"draft's law on other tokens' ids (TV {self.draft_tv:.3f} at the prompt; the order is the one "
                           "its translator drew in this process)")
-        by_length = {}  # the target's rows, a call per prefix length
-        for prefix in live:
-            by_length.setdefault(len(prefix), []).append(prefix)
-        p = {prefix: row for group in by_length.values() for prefix, row in zip(group, self.target_rows(group))}
-        r, _ = single_step("hf-assisted", torch.stack([p[prefix] for prefix in live]), q, num_drafts=1, drafted=drafted)
+        r, _ = single_step("hf-assisted", self.target_rows(live), q, num_drafts=1, drafted=drafted)
         return dict(law.rows) | dict(zip(live, r))
 
     @torch.no_grad()
