@@ -34,8 +34,9 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
+
+from specresearch.paths import pypi_wheel
 
 # name -> (PyPI distribution and version, import name, what runs)
 LIBRARIES = {
@@ -62,7 +63,7 @@ def library_sampler(name: str, temperature: float, gamma: int):
     """Library ``name``'s sampler on the embedded pair, its folder first on ``sys.path``: a recipe (``loaded``) for the
     workers of ``--executor ray``, which build it once each (a sampler holds the library's models and does not
     travel)."""
-    folder = str(unpacked(LIBRARIES[name][0]))
+    folder = str(pypi_wheel(LIBRARIES[name][0]))
     if folder not in sys.path:
         sys.path.insert(0, folder)
     from specresearch.experiments.executor import loaded
@@ -81,21 +82,6 @@ def blocks_path(name: str, args) -> Path:
 def done_key(row: dict) -> tuple:
     """A record row's library and, for a power run, its N."""
     return row["library"], row.get("power_n")
-
-
-def unpacked(spec: str) -> Path:
-    """The wheel of ``spec`` downloaded and unpacked under the cache (once)."""
-    from specresearch.paths import cache_dir
-
-    folder = cache_dir("pypi_libraries", spec.replace("==", "-"))
-    if not (folder / ".done").exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary", ":all:", spec,
-                        "-d", str(folder)], check=True, stdin=subprocess.DEVNULL)
-        (wheel,) = folder.glob("*.whl")
-        zipfile.ZipFile(wheel).extractall(folder / "site")
-        (folder / ".done").write_text(wheel.name)
-    return folder / "site"
 
 
 def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
@@ -213,7 +199,7 @@ def _eagle_llm(target, temperature: float):
 def worker(name: str, args) -> dict:
     """Run one library in this (fresh) process: its folder first on ``sys.path``."""
     spec, module, what = LIBRARIES[name]
-    sys.path.insert(0, str(unpacked(spec)))
+    sys.path.insert(0, str(pypi_wheel(spec)))
     import torch
 
     torch.set_num_threads(args.threads)
@@ -250,7 +236,7 @@ def smallest(name: str, args) -> dict:
     """The smallest input that shows a library's finding: a 64-token random pair (``models.families``' tiny Llama and
     a perturbed copy as its draft), one token, gamma 1 to 3 (``--samples`` each, seed 0)."""
     spec = LIBRARIES[name][0]
-    sys.path.insert(0, str(unpacked(spec)))
+    sys.path.insert(0, str(pypi_wheel(spec)))
     from specresearch.audit.execute import execute
     from specresearch.models.causal_lm import CausalLM
     from specresearch.models.families import perturbed_copy, tiny_family_model

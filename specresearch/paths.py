@@ -12,7 +12,7 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["repo_root", "data_dir", "cache_dir", "answers_file", "cpu_fields", "cpu_name", "cpu_key", "cached_answer", "keep_answer"]
+__all__ = ["repo_root", "data_dir", "cache_dir", "pypi_wheel", "answers_file", "cpu_fields", "cpu_name", "cpu_key", "cached_answer", "keep_answer"]
 
 
 def repo_root() -> Path:
@@ -30,6 +30,25 @@ def cache_dir(*parts: str) -> Path:
     checkpoints, per-machine choices. An empty ``SPECRESEARCH_CACHE`` means the default."""
     root = os.environ.get("SPECRESEARCH_CACHE") or Path.home() / ".cache" / "specresearch"
     return Path(root).joinpath(*parts)
+
+
+def pypi_wheel(spec: str) -> Path:
+    """The wheel of ``spec`` (``name==version``) downloaded from the package index as published (``pip download
+    --no-deps``) and unpacked under the cache, once: the folder to put first on ``sys.path`` to run that library's own
+    code without installing it into the project's environment."""
+    import subprocess
+    import sys
+    import zipfile
+
+    folder = cache_dir("pypi_libraries", spec.replace("==", "-"))
+    if not (folder / ".done").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary", ":all:", spec,
+                        "-d", str(folder)], check=True, stdin=subprocess.DEVNULL)
+        (wheel,) = folder.glob("*.whl")
+        zipfile.ZipFile(wheel).extractall(folder / "site")
+        (folder / ".done").write_text(wheel.name)
+    return folder / "site"
 
 
 def cpu_fields() -> dict[str, str]:

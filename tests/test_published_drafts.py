@@ -177,7 +177,7 @@ def test_eagle3_with_its_layer_saved_as_layers_0_loads_the_same(tmp_path):
 
 
 def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, layer=None, qk_norm=False,
-                            norm_before_fc=False):
+                            norm_before_fc=False, fc_norm=False, norm_output=False, extra=None):
     """A random EAGLE-3 head as vllm-project/speculators saves it: ``layers.0.*`` beside ``fc`` (with a bias, as its
     first releases), the layer's Llama config under ``transformer_layer_config``; returns its tensors (under the
     repository's names) and draft token ids."""
@@ -190,6 +190,8 @@ def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, lay
         tensors |= {f"midlayer.self_attn.{n}_norm.weight": 1 + 0.3 * torch.randn(H // HEADS, generator=g) for n in "qk"}
     if norm_before_fc:
         tensors["input_norm.weight"] = 1 + 0.3 * torch.randn(3 * H, generator=g)
+    if fc_norm:  # one norm per feature read
+        tensors |= {f"fc_norm.{i}.weight": 1 + 0.3 * torch.randn(H, generator=g) for i in range(3)}
     for i in range(1, int((layer or {}).get("num_hidden_layers", 1)) if not qk_norm else 1):  # further Llama layers
         d, at = H // HEADS, f"layers.{i}."
         for name, shape in (("self_attn.q_proj.weight", (HEADS * d, H)), ("self_attn.k_proj.weight", (KV * d, H)),
@@ -200,7 +202,8 @@ def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, lay
         for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             tensors[at + name] = 1 + 0.1 * torch.randn(H, generator=g)
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": DRAFT_VOCAB,
-              "norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "target_hidden_size": None,
+              "norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "fc_norm": fc_norm,
+              "norm_output": norm_output, "target_hidden_size": None, **(extra or {}),
               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "a tiny Llama"}},
               "transformer_layer_config": {"model_type": "llama", "hidden_size": H, "intermediate_size": INTER,
                                            "num_attention_heads": HEADS, "num_key_value_heads": KV,
@@ -289,11 +292,62 @@ def test_a_speculators_head_of_two_layers_runs_the_second_over_the_first(tmp_pat
         save_eagle3(draft.head, tmp_path / "out")
 
 
+def test_a_speculators_eagle3_1_head_norms_each_feature_and_drafts_from_its_normed_output(tmp_path):
+    """speculators' ``fc_norm`` (an RMS norm per feature read, before ``fc``) and ``norm_output`` (EAGLE 3.1: the output
+    is norm(h), which the logits read without a second norm and the next drafted slot reads): the definition at the
+    prompt and at two drafted slots; read with ``norm_output`` off (what a loader that drops the key computes), the
+    drafted slots differ and the prompt's does not."""
+    target = _target()
+    tensors, token_ids = _speculators_checkpoint(tmp_path / "head", fc_norm=True, norm_output=True)
+    draft = draft_from_name(str(tmp_path / "head"), target)
+    prompt = [5, 9, 3, 17, 22, 8, 41]
+    ids = torch.tensor([prompt])
+    _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)
+    before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
+    draft.observe(before)
+    got = [draft.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0]]
+    got += [draft.score(torch.tensor([[y]])).log_softmax(-1)[0, 0] for y in (30, 12)]
+    embedding = target.model.get_input_embeddings().weight.detach()
+    read = torch.cat([_rms(part, tensors[f"fc_norm.{i}.weight"]) for i, part in enumerate(features[0, :-1].chunk(3, -1))], -1)
+    inputs, tokens, want = read @ tensors["fc.weight"].T + tensors["fc.bias"], prompt[1:], []
+    for y in (None, 30, 12):
+        tokens = tokens + ([y] if y is not None else [])
+        h, _ = _reference(tensors, torch.tensor(tokens), inputs, embedding, token_ids, norm_before_residual=True)
+        out = _rms(h, tensors["norm.weight"])  # the output is normed once; logits and the next slot read it
+        logits = torch.full((len(tokens), VOCAB), float("-inf")).index_copy(1, token_ids, out @ tensors["lm_head.weight"].T)
+        want.append(logits.log_softmax(-1)[-1])
+        inputs = torch.cat([inputs, out[-1:]])
+    finite = want[0].isfinite()
+    for a, b in zip(got, want):
+        assert torch.allclose(a[finite], b[finite], atol=1e-4)
+    _speculators_checkpoint(tmp_path / "dropped", fc_norm=True, norm_output=False)
+    off = draft_from_name(str(tmp_path / "dropped"), target)
+    off.observe(before)
+    assert torch.allclose(off.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0][finite], want[0][finite], atol=1e-4)
+    assert not torch.allclose(off.score(torch.tensor([[30]])).log_softmax(-1)[0, 0][finite], want[1][finite], atol=1e-2)
+    save_eagle3(draft.head, tmp_path / "saved")  # saved again: the options and fc_norm's tensors travel
+    again = draft_from_name(str(tmp_path / "saved"), target)
+    again.observe(before)
+    assert torch.equal(again.prefill(ids, torch.ones_like(ids)).log_softmax(-1)[0], got[0])
+
+
 def test_speculators_heads_this_loader_does_not_build_are_refused_and_llama3_rope_is_applied(tmp_path):
     target = _target()
     for name, layer in (("mistral", {"model_type": "mistral"}), ("two", {"model_type": "qwen3", "num_hidden_layers": 2})):
         _speculators_checkpoint(tmp_path / name, layer=layer)
         with pytest.raises(ValueError, match="this loader builds llama layers or one qwen3 layer"):
+            draft_from_name(str(tmp_path / name), target)
+    refused = {  # a key this loader does not read, and layers it does not build: one line each, never dropped
+        "new_option": (dict(extra={"norm_every_layer": True}), r"keys \['norm_every_layer'\] are not read"),
+        "sliding": (dict(layer={"layer_types": ["sliding_attention"], "sliding_window": 4}), "sliding-window"),
+        "partial": (dict(layer={"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5}}), "partial rotary"),
+        "gelu": (dict(layer={"hidden_act": "gelu"}), "activation 'gelu'"),
+        "both_norms": (dict(fc_norm=True, norm_before_fc=True), "both fc_norm and norm_before_fc"),
+    }
+    for name, (options, message) in refused.items():
+        _speculators_checkpoint(tmp_path / name, **options)
+        with pytest.raises(ValueError, match=message):
             draft_from_name(str(tmp_path / name), target)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}

@@ -34,9 +34,10 @@ EAGLE-3 (``eagle/model/cnets.py``):
 
 EAGLE-3 as vllm-project/speculators saves it (the format vLLM reads): the same head, its config flattened by
 ``drafts.speculators``, with the options that layout adds: ``norm_before_residual`` (the layer's residual is
-``hidden_norm(g)`` instead of ``g``), ``norm_before_fc`` (an RMS norm over the features before ``fc``), a bias on ``fc``
-(its first releases), ``head_dim`` and biases, a qwen3 layer's per-head q/k norms, transformers' Llama RoPE (any
-``rope_type``), and further plain Llama layers after the first.
+``hidden_norm(g)`` instead of ``g``), ``norm_before_fc`` (an RMS norm over the features before ``fc``), ``fc_norm`` (one
+per feature read), ``norm_output`` (the output is ``norm(h)``), a bias on ``fc`` (its first releases), ``head_dim``
+and biases, a qwen3 layer's per-head q/k norms, transformers' Llama RoPE (any ``rope_type``), and further plain Llama
+layers after the first.
 
 EAGLE-1/2 (``eagle/model/cnets1.py``, the ``Model`` that ``ea_model.py`` l. 58-59 builds when ``use_eagle3`` is
 off):
@@ -83,9 +84,9 @@ from specresearch.drafts.feature_draft import (
 )
 from specresearch.drafts.speculators import (
     SPECULATORS_KEY,
-    further_layer_shapes,
     further_layers,
     speculators_eagle3_config,
+    speculators_shapes,
 )
 
 __all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
@@ -188,6 +189,10 @@ class Eagle3Head(torch.nn.Module):
         self.feature_size = len(self.feature_layers) * T
         eps = float(config["rms_norm_eps"])
         self.input_norm = RMSNorm(self.feature_size, eps) if config.get("norm_before_fc") else None  # speculators'
+        self.fc_norm = None  # speculators' fc_norm: a norm per feature read; norm_output: the output is norm(h)
+        if config.get("fc_norm"):
+            self.fc_norm = torch.nn.ModuleList(RMSNorm(T, eps) for _ in self.feature_layers)
+        self.norm_output = bool(config.get("norm_output"))
         self.fc = torch.nn.Linear(self.feature_size, H, bias=fc_bias)
         self.layers = torch.nn.ModuleList([_Eagle3Layer(
             H, heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"]), eps,
@@ -245,7 +250,11 @@ class Eagle3Head(torch.nn.Module):
         return ids - torch.arange(len(ids), device=ids.device)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's features ``[..., 3 T]`` -> ``g [..., H]`` (through ``input_norm`` first where it has one)."""
+        """The target's features ``[..., 3 T]`` -> ``g [..., H]`` (through ``input_norm`` or ``fc_norm`` first where it
+        has one)."""
+        if self.fc_norm is not None:
+            parts = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(features if self.input_norm is None else self.input_norm(features))
 
     def raw_input_layers(self) -> list[torch.nn.Module]:
@@ -258,11 +267,11 @@ class Eagle3Head(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's outputs ``h [..., H]`` -> logits over the target vocabulary ``[..., V]`` (lowest value off the
-        draft vocabulary)."""
-        return self.subset_head(self.norm(hidden)).float()
+        draft vocabulary); with ``norm_output`` the outputs are normed already."""
+        return self.subset_head(hidden if self.norm_output else self.norm(hidden)).float()
 
     def support_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.subset_head.subset_logits(self.norm(hidden)), self.subset_head.index_of
+        return self.subset_head.subset_logits(hidden if self.norm_output else self.norm(hidden)), self.subset_head.index_of
 
     def block(self, inputs, tokens, positions, past, allowed):
         """``FeatureHead.block``: ``inputs [B, k, H]`` (g), ``tokens [B, k]`` -> (``h [B, k, H]``, [(keys, values)])."""
@@ -275,7 +284,7 @@ class Eagle3Head(torch.nn.Module):
         for layer, layer_past in zip(self.layers[1:], past[1:]):  # speculators' further layers
             h, kv = layer(h, cos, sin, layer_past, allowed)
             new.append(kv)
-        return h, new
+        return (self.norm(h) if self.norm_output else h), new
 
     def state_dict_eagle3(self) -> dict[str, torch.Tensor]:
         """The tensors under the repository's names (``EAGLE3_TENSORS``, ``d2t``, ``t2d``, ``embed_tokens``)."""
@@ -289,6 +298,8 @@ class Eagle3Head(torch.nn.Module):
             tensors["fc.bias"] = self.fc.bias
         if self.input_norm is not None:
             tensors["input_norm.weight"] = self.input_norm.weight
+        for i, norm in enumerate(self.fc_norm or ()):
+            tensors[f"fc_norm.{i}.weight"] = norm.weight
         for name, value in layer.state_dict().items():
             tensors[f"midlayer.{name}"] = value
         if len(self.subset_head.token_ids) != self.vocab_size:
@@ -448,20 +459,18 @@ def _expected_shapes(config: dict, text_config, vocab: int) -> dict[str, tuple[i
     read, ``len(eagle3_feature_layers)`` of the target's hidden size)."""
     H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     d, kv = int(config.get("head_dim") or H // heads), int(config.get("num_key_value_heads") or heads)
-    T = int(config.get("target_hidden_size") or text_config.hidden_size)
-    sizes = {"H": H, "2H": 2 * H, "3T": len(eagle3_feature_layers(config, text_config.num_hidden_layers)) * T,
-             "Q": heads * d, "K": kv * d, "I": int(config["intermediate_size"]), "d": d,
-             "D": int(config.get("draft_vocab_size") or vocab), "V": vocab}
+    T, features = int(config.get("target_hidden_size") or text_config.hidden_size), len(eagle3_feature_layers(
+        config, text_config.num_hidden_layers))
+    sizes = {"H": H, "2H": 2 * H, "3T": features * T, "T": T, "Q": heads * d, "K": kv * d,
+             "I": int(config["intermediate_size"]), "d": d, "D": int(config.get("draft_vocab_size") or vocab), "V": vocab}
     shapes = {**EAGLE3_TENSORS, **_OPTIONAL, "fc.bias": ("H",)}  # fc's bias: speculators' first releases
-    if config.get("norm_before_fc"):
-        shapes["input_norm.weight"] = ("3T",)
     if config.get("attention_bias"):
         shapes |= {f"midlayer.self_attn.{n}_proj.bias": (r,) for n, r in (("q", "Q"), ("k", "K"), ("v", "K"), ("o", "H"))}
     if config.get("qk_norm"):
         shapes |= {f"midlayer.self_attn.{n}_norm.weight": ("d",) for n in ("q", "k")}
     if config.get("mlp_bias"):
         shapes |= {f"midlayer.mlp.{n}_proj.bias": (r,) for n, r in (("gate", "I"), ("up", "I"), ("down", "H"))}
-    shapes |= further_layer_shapes(config)
+    shapes |= speculators_shapes(config, features)
     return {name: tuple(sizes[s] for s in shape) for name, shape in shapes.items()}
 
 
@@ -494,6 +503,8 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
             head.fc.bias.copy_(tensors["fc.bias"].float())
         if head.input_norm is not None:
             head.input_norm.weight.copy_(tensors["input_norm.weight"].float())
+        for i, norm in enumerate(head.fc_norm or ()):
+            norm.weight.copy_(tensors[f"fc_norm.{i}.weight"].float())
         head.norm.weight.copy_(tensors["norm.weight"].float())
         head.subset_head.weight.copy_(tensors["lm_head.weight"].float())
         head.layers[0].load_state_dict({k[len("midlayer."):]: v.float() for k, v in tensors.items()

@@ -1,0 +1,219 @@
+"""EAGLE-3 heads written by vllm-project/speculators' own code, read by ``drafts.eagle``: their draft laws against
+speculators' own forward, option by option.
+
+speculators (the library that trains the EAGLE-3 heads vLLM serves) is downloaded from the package index as published
+(``specresearch.paths.pypi_wheel``, nothing installed into the project's environment) with the small packages its
+model code imports (loguru, pydantic-settings, python-dotenv); its training-only imports (openai, datasets,
+hs_connectors, aiohttp: its package ``__init__`` imports the trainer's data modules) are replaced by empty modules,
+which its model code never calls. For each configuration below, speculators' ``Eagle3DraftModel`` is built over a
+tiny random Llama target (8 layers, hidden 32, 64 tokens), its weights drawn at random (seeded), and saved with its
+own ``save_pretrained``; ``drafts.registry.draft_from_name`` reads the directory. speculators' ``forward`` (its
+training-time test, ``ttt_steps`` = 3, teacher-forced, eager attention) gives, at every slot j of a 12-token prompt,
+the draft logits of step 0 (token x_{j+1} with the target's features of slot j) and of steps 1 and 2 (a drafted slot
+reading the head's own previous output, with the next prompt token); ours gives the same numbers as the engine
+drafts them: prefill of the prompt's first j + 2 tokens, then one ``score`` per drafted token. The record holds the
+largest difference of the draft log-probabilities (draft vocabulary mapped to the target's by ``d2t``) per step,
+and, as a control that the comparison can fail, the difference when our reader drops the configuration's option.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/speculators_heads.py --out benchmarks/records/speculators_heads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+from specresearch.paths import pypi_wheel
+
+PACKAGES = ("speculators==0.9.0", "loguru==0.7.3", "pydantic-settings==2.16.3", "python-dotenv==1.2.4")
+TRAINING_ONLY = ("openai", "datasets", "hs_connectors", "aiohttp")
+HIDDEN, HEADS, KV, INTER, VOCAB, DRAFT_VOCAB, LAYERS = 32, 4, 2, 48, 64, 40, 8
+PROMPT = [5, 9, 3, 17, 22, 8, 41, 60, 2, 33, 12, 50]
+# name -> (Eagle3SpeculatorConfig options, layer config options, the option the control drops)
+CASES = {
+    "llama": ({}, {}, None),
+    "norm_before_residual": ({"norm_before_residual": True}, {}, "norm_before_residual"),
+    "norm_before_fc": ({"norm_before_fc": True}, {}, "norm_before_fc"),
+    "fc_norm": ({"fc_norm": True}, {}, "fc_norm"),
+    "norm_output": ({"norm_output": True}, {}, "norm_output"),
+    "eagle3.1": ({"fc_norm": True, "norm_output": True, "norm_before_residual": True}, {}, "norm_output"),
+    "two_layers": ({"norm_before_residual": True}, {"num_hidden_layers": 2}, None),
+    "qwen3": ({"norm_before_residual": True}, {"model_type": "qwen3"}, None),
+    "llama3_rope": ({}, {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 8}}, None),
+    "full_vocabulary": ({"draft_vocab_size": VOCAB}, {}, None),
+    "four_features": ({"eagle_aux_hidden_state_layer_ids": [1, 3, 5, 7], "fc_norm": True}, {}, "fc_norm"),
+}
+
+
+class _Empty(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+class _TrainingOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Empty modules for speculators' training-only imports (module docstring)."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in TRAINING_ONLY:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _Empty(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def speculators_head(name: str, directory: Path, seed: int):
+    """speculators' ``Eagle3DraftModel`` for case ``name``, random weights from ``seed``, saved to ``directory``."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig
+
+    options, layer_options, _ = CASES[name]
+    layer_options = {"model_type": "llama", **layer_options}
+    kind = layer_options.pop("model_type")
+    layer = AutoConfig.for_model(kind, **{**dict(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
+                                                 num_key_value_heads=KV, head_dim=HIDDEN // HEADS, num_hidden_layers=1,
+                                                 vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6),
+                                          **layer_options})
+    layer._attn_implementation = "eager"  # the same mask as its flex attention, without compiling on the CPU
+    verifier = VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])
+    config = Eagle3SpeculatorConfig(transformer_layer_config=layer, **{"draft_vocab_size": DRAFT_VOCAB, **options},
+                                    speculators_config=SpeculatorsConfig(
+                                        algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
+                                        default_proposal_method="greedy", verifier=verifier))
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=g)
+            parameter.copy_(1 + 0.2 * noise if "norm" in parameter_name else noise / parameter.shape[-1] ** 0.5)
+        if model.d2t is not None:
+            ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+            model.d2t.copy_(ids - torch.arange(DRAFT_VOCAB))
+            model.t2d.zero_().index_fill_(0, ids, True)
+    model.save_pretrained(directory)
+    return model
+
+
+def their_logits(model, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """speculators' forward over the prompt (slot j: token x_{j+1}, the target's features of slot j): the draft
+    vocabulary's log-probabilities of each training-time-test step, ``[n - 1, D]``, captured at its ``lm_head``."""
+    captured = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: captured.append(output[0].detach()))
+    ids = torch.tensor([PROMPT[1:]])
+    with torch.no_grad():
+        model(hidden_states=features[:, :-1], input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=steps)
+    hook.remove()
+    return [c.float().log_softmax(-1) for c in captured]
+
+
+def our_logits(target, directory: Path, steps: int) -> list[torch.Tensor]:
+    """The same numbers from ``drafts.eagle`` as the engine drafts: at slot j, prefill of the first j + 2 prompt tokens,
+    then one ``score`` per drafted token (the next prompt tokens, 0 past the prompt, as speculators pads)."""
+    from specresearch.drafts.registry import draft_from_name
+
+    out = [[] for _ in range(steps)]
+    for j in range(len(PROMPT) - 1):
+        draft = draft_from_name(str(directory), target)
+        ids = torch.tensor([PROMPT[: j + 2]])
+        _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)
+        draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1))
+        logits = [draft.prefill(ids, torch.ones_like(ids))[0]]
+        for s in range(1, steps):
+            token = PROMPT[j + 1 + s] if j + 1 + s < len(PROMPT) else 0
+            logits.append(draft.score(torch.tensor([[token]]))[0, 0])
+        for s, row in enumerate(logits):
+            out[s].append(row.float().log_softmax(-1))
+    return [torch.stack(rows) for rows in out]
+
+
+def compare(name: str, seed: int, steps: int = 3) -> dict:
+    from specresearch.models.toy import tiny_llama
+
+    target = tiny_llama(VOCAB, seed=0, init_std=0.5, num_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=INTER)
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder) / name
+        model = speculators_head(name, directory, seed)
+        _, features = target.prefill(torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long),
+                                     hidden_layers=tuple(_feature_layers(directory)))
+        theirs = their_logits(model, features, steps)
+        ours = our_logits(target, directory, steps)
+        ids = (torch.arange(model.draft_vocab_size) + model.d2t) if model.d2t is not None else torch.arange(VOCAB)
+        row = {"case": name, "seed": seed, "options": CASES[name][0], "layer": CASES[name][1],
+               "max_abs_logprob_difference": [float((o[:, ids] - t).abs().max()) for o, t in zip(ours, theirs)],
+               "off_support_mass": [float(o.exp().sum(-1).sub(o[:, ids].exp().sum(-1)).abs().max()) for o in ours]}
+        dropped = CASES[name][2]
+        if dropped is not None:  # the control: our reader without the option, against speculators' numbers
+            config = json.loads((directory / "config.json").read_text())
+            config[dropped] = False
+            (directory / "config.json").write_text(json.dumps(config))
+            prefix = {"fc_norm": "fc_norm.", "norm_before_fc": "input_norm."}.get(dropped)
+            if prefix:  # and the option's tensors
+                from safetensors.torch import load_file, save_file
+
+                tensors = load_file(directory / "model.safetensors")
+                save_file({k: v for k, v in tensors.items() if not k.startswith(prefix)}, directory / "model.safetensors")
+            off = our_logits(target, directory, steps)
+            row["control_dropped"] = dropped
+            row["control_max_abs_logprob_difference"] = [float((o[:, ids] - t).abs().max()) for o, t in zip(off, theirs)]
+    return row
+
+
+def _feature_layers(directory: Path) -> list[int]:
+    config = json.loads((directory / "config.json").read_text())
+    return config.get("eagle_aux_hidden_state_layer_ids") or [2, LAYERS // 2, LAYERS - 3]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/records/speculators_heads.json")
+    parser.add_argument("--seeds", type=int, default=2, help="random heads per configuration")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest log-probability difference that agrees")
+    args = parser.parse_args(argv)
+    for spec in PACKAGES:
+        sys.path.insert(0, str(pypi_wheel(spec)))
+    sys.meta_path.insert(0, _TrainingOnly())
+    from specresearch.experiments.records import record_header
+
+    rows = []
+    for name in CASES:
+        for seed in range(args.seeds):
+            row = compare(name, seed)
+            row["agrees"] = max(row["max_abs_logprob_difference"]) <= args.tolerance
+            rows.append(row)
+            control = row.get("control_max_abs_logprob_difference")
+            print(f"{name:22s} seed {seed}: max |diff| per step {[f'{d:.1e}' for d in row['max_abs_logprob_difference']]}"
+                  + (f"; without {row['control_dropped']}: {[f'{d:.2f}' for d in control]}" if control else ""))
+    header = record_header("benchmarks/speculators_heads.py", sys.argv[1:] if argv is None else argv, target=None,
+                           packages=list(PACKAGES),
+                           replaced_by_empty_modules=list(TRAINING_ONLY), tolerance=args.tolerance,
+                           target_model=f"tiny random Llama: {LAYERS} layers, hidden {HIDDEN}, {VOCAB} tokens",
+                           prompt=PROMPT)
+    record = {**header, "all_agree": all(r["agrees"] for r in rows), "rows": rows}
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{sum(r['agrees'] for r in rows)} of {len(rows)} heads agree within {args.tolerance}; record {args.out}")
+    return 0 if record["all_agree"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
