@@ -20,7 +20,7 @@ from specresearch.models.kernels import choose_kernel_rows, use_half_weights, us
 from specresearch.models.protocols import check_same_tokenizer
 
 __all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE3_SPECULATORS_FORMAT",
-           "EAGLE1_FORMAT", "MEDUSA_FORMAT", "MTP_FORMAT",
+           "EAGLE1_FORMAT", "MEDUSA_FORMAT", "DFLASH_FORMAT", "MTP_FORMAT",
            "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
            "INT8_PREFIX", "without_weight_prefix", "with_weight_storage", "load_pair", "weights_digests"]
 
@@ -69,7 +69,8 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     ``drafts.mtp``), the name of a shipped trained draft (:func:`shipped_drafts`, e.g.
     ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
     draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write), an EAGLE-1/2 or EAGLE-3
-    head or Medusa heads saved as their repositories save them (``drafts.eagle``, ``drafts.medusa``), or a model path
+    head, Medusa heads or a DFlash drafter saved as their repositories save them (``drafts.eagle``, ``drafts.medusa``,
+    ``drafts.dflash``), or a model path
     (:func:`draft_format` names the layout it finds);
     ``"fp16:<name>"``: draft ``<name>`` with float16 weights (:func:`half_weight_draft`); ``"int8:<name>"``: with
     int8 weights and a scale per output row (:func:`int8_weight_draft`).
@@ -102,6 +103,10 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         from specresearch.drafts.medusa import load_medusa
 
         return load_medusa(target, trained)
+    if layout == DFLASH_FORMAT:
+        from specresearch.drafts.dflash import load_dflash
+
+        return load_dflash(target, trained)
     if manifest_path(trained).exists():
         from specresearch.drafts.feature import (  # imports this module
             is_feature_draft_dir,
@@ -133,8 +138,10 @@ EAGLE3_SPECULATORS_FORMAT = ("EAGLE-3 head (the vllm-project/speculators layout:
 EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the target's head reads it)"
 MTP_FORMAT = "MTP layers in the target's own checkpoint (num_nextn_predict_layers; --draft mtp reads them)"
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
+DFLASH_FORMAT = ("DFlash block drafter (z-lab's layout: dflash_config, fc, hidden_norm, layers.*; or transformers' "
+                 "muse_glimmer_assistant)")
 _FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, EAGLE1_FORMAT,
-            MEDUSA_FORMAT,
+            MEDUSA_FORMAT, DFLASH_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
 
 
@@ -149,6 +156,10 @@ def draft_format(directory) -> str:
     if manifest_path(directory).exists():
         manifest = json.loads(manifest_path(directory).read_text())
         return "feature head this toolkit trained" if "feature_head_config" in manifest else "draft this toolkit trained"
+    from specresearch.drafts.dflash import is_dflash_dir  # before EAGLE: z-lab's fc and layers.* look like EAGLE-1's
+
+    if is_dflash_dir(directory):
+        return DFLASH_FORMAT
     from specresearch.drafts.eagle import eagle_format
     from specresearch.drafts.speculators import is_speculators_dir
 

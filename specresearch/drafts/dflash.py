@@ -1,0 +1,396 @@
+"""DFlash block drafters (z-lab, DFlash: Block Diffusion for Flash Speculative Decoding, arXiv 2602.06036) as z-lab
+publishes them and as transformers saves them, as a draft the engine verifies exactly.
+
+The formats (our code, their facts):
+
+* z-lab/dflash (``dflash/model.py`` at commit 1012959, ``DFlashDraftModel``): ``config.json`` a Qwen3 config with
+  ``dflash_config``: ``target_layer_ids`` (the target layers whose outputs are read: transformers'
+  ``hidden_states[i + 1]``, ``extract_context_feature``), ``mask_token_id``, ``block_size`` (there or at the top
+  level, default 16), optionally ``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping``;
+  ``model.safetensors`` with ``fc.weight [H, n H]``, ``hidden_norm.weight``, ``layers.{i}.*`` (Qwen3 decoder layers,
+  per-head q / k norms) and ``norm.weight``. A full-attention layer is bidirectional; a sliding one is causal with a
+  window ``q - k < w`` unless the config's ``is_causal`` says otherwise. ``DFlash2DraftModel`` (convolutions and a
+  candidate selector) is refused.
+* transformers 5.25 (``models/muse_glimmer_assistant``, what its ``speculation_type="dflash"`` runs): model type
+  ``muse_glimmer_assistant`` with ``target_layer_ids``, ``block_size`` and ``mask_token_id`` at the top level,
+  ``fc`` and ``hidden_norm`` saved as ``encoder.fc`` and ``encoder.output_norm_enc``; every layer bidirectional, a
+  sliding one within ``|q - k| <= w`` (its default layer type).
+
+One drafting call (the same in both): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
+which each layer reads through its own k / v projections (k normed per head, RoPE at the slot's position), without
+the layer's input norm; the block is the target's embedding (the raw table, times ``input_embedding_scale``) of
+``[anchor, mask x (B - 1)]`` at the anchor's position onwards, through the layers (attention over the context and
+the block), then ``norm``; the target's own output head on block position i >= 1 is the law of the token at the
+anchor's position + i (times ``output_multiplier``, softcapped where the config says).
+
+As a draft here: the anchor is the engine's pending token, whose queued feature is the last slot of the context; the
+d-th drafted token is drawn from block position d. The block does not read the drafted tokens, so the slot of the
+d-th drafted token returns block position d + 1 (a tree's siblings share it) and a step drafts at most B - 1 tokens
+(``plan_length``). Rows copy and select (``RowExpander``). q is the block's softmax; any verifier of the engine keeps
+the target's law.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate_half
+from specresearch.models.causal_lm import SlotMask
+
+__all__ = ["DFlashBlock", "DFlashDraft", "is_dflash_dir", "load_dflash"]
+
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_TRANSFORMERS_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+_REFUSED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # DFlash2's
+
+
+class _Layer(torch.nn.Module):
+    """A Qwen3 decoder layer whose attention reads the context's keys and values beside the block's own."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.self_attn = torch.nn.Module()
+        for name, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            setattr(self.self_attn, name, torch.nn.Linear(hidden, rows * head_dim, bias=bias))
+        self.self_attn.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.self_attn.q_norm, self.self_attn.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        self.mlp = MLP(hidden, intermediate, bias=False)
+
+    def _keys_values(self, x, cos, sin):
+        attn, (n, k, _) = self.self_attn, x.shape
+        keys = attn.k_norm(attn.k_proj(x).view(n, k, self.kv_heads, self.head_dim)).transpose(1, 2)
+        values = attn.v_proj(x).view(n, k, self.kv_heads, self.head_dim).transpose(1, 2)
+        return keys * cos[:, None] + rotate_half(keys) * sin[:, None], values
+
+    def context(self, context, cos, sin):
+        """The context's (keys, values) ``[N, kv, k, d]`` for ``context [N, k, H]`` at the rotations ``cos, sin``."""
+        return self._keys_values(context, cos, sin)
+
+    def forward(self, h, cos, sin, keys, values, allowed):
+        """The block ``h [N, m, H]`` over the context ``keys, values [N, kv, S, d]`` and itself; ``allowed [N, m, S +
+        m]``."""
+        attn, (n, m, _) = self.self_attn, h.shape
+        x = self.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(x).view(n, m, self.heads, self.head_dim)).transpose(1, 2)
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        own_keys, own_values = self._keys_values(x, cos, sin)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, torch.cat([keys, own_keys], 2), torch.cat([values, own_values], 2), attn_mask=allowed[:, None],
+            enable_gqa=self.heads != self.kv_heads)
+        h = h + attn.o_proj(out.transpose(1, 2).reshape(n, m, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashBlock(torch.nn.Module):
+    """A DFlash drafter's weights and settings (module docstring): ``fc``, ``hidden_norm``, ``layers``, ``norm``; each
+    layer's attention pattern ``kinds[i] = (causal, window, inclusive)``."""
+
+    def __init__(self, config: dict, kinds: list[tuple[bool, int | None, bool]]) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        d, kv = int(config.get("head_dim") or H // heads), int(config.get("num_key_value_heads") or heads)
+        eps, n = float(config.get("rms_norm_eps", 1e-6)), len(config["target_layer_ids"])
+        self.fc, self.hidden_norm = torch.nn.Linear(n * H, H, bias=False), RMSNorm(H, eps)
+        self.layers = torch.nn.ModuleList(_Layer(H, heads, kv, d, int(config["intermediate_size"]), eps,
+                                                 bool(config.get("attention_bias"))) for _ in kinds)
+        self.norm = RMSNorm(H, eps)
+        self.kinds = list(kinds)
+        self.block_size, self.mask_token_id = int(config["block_size"]), int(config["mask_token_id"])
+        self.embedding_scale = float(config.get("input_embedding_scale") or 1.0)
+        self.output_multiplier = float(config.get("output_multiplier") or 1.0)
+        self.softcap = float(config.get("final_logit_softcapping") or 0.0)
+        keys = set(LlamaConfig().to_dict()) | {"rope_theta", "rope_scaling"}
+        rope = {k: v for k, v in config.items() if k in keys and k not in ("layer_types", "sliding_window")}
+        self.rotary = LlamaRotaryEmbedding(LlamaConfig(**rope))
+
+    def rope(self, positions: torch.Tensor):
+        """(cos, sin) ``[N, k, d]`` at ``positions [N, k]``."""
+        return self.rotary(self.norm.weight, positions)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features))
+
+    def run(self, embeds, positions, keys, values, masks) -> torch.Tensor:
+        """The block ``embeds [N, m, H]`` at ``positions [N, m]`` over the context ``keys[i], values[i]`` -> normed
+        outputs ``[N, m, H]``; ``masks[kind] [N, m, S + m]`` per layer kind."""
+        cos, sin = self.rope(positions)
+        h = embeds
+        for layer, kind, k, v in zip(self.layers, self.kinds, keys, values):
+            h = layer(h, cos, sin, k, v, masks[kind])
+        return self.norm(h)
+
+
+def _mask(kind, query_positions, key_positions, key_valid) -> torch.Tensor:
+    """Which keys each query sees for a layer ``kind = (causal, window, inclusive)``: ``query_positions [N, m]``,
+    ``key_positions [N, S]``, ``key_valid [N, m, S]`` -> ``[N, m, S]``."""
+    causal, window, inclusive = kind
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # q - k
+    allowed = key_valid
+    if causal:
+        allowed = allowed & (distance >= 0)
+    if window is not None:
+        allowed = allowed & ((distance.abs() <= window) if inclusive else (distance < window) & (causal | (-distance < window)))
+    return allowed
+
+
+class DFlashDraft(FeatureQueue):
+    """A DFlash drafter behind the engine's ``LanguageModel`` interface, with ``FeatureReader``, ``PlansLength`` and
+    ``RowExpander`` (module docstring). Every slot fed has a column in each layer's context cache: the fused feature of
+    the slot before it (none for a row's first slot and for drafted slots); ``_depth`` counts the drafted slots since
+    the anchor; ``_block [B, B_size - 1, V]`` is the last anchor's block of logits."""
+
+    format = "DFlash"
+
+    def __init__(self, block: DFlashBlock, target_lm, feature_layers: tuple[int, ...], *, device=None) -> None:
+        self.device = torch.device(device or target_lm.device)
+        self.block = block.eval().to(self.device)
+        target = target_lm.model
+        self._frozen = {"embedding": target.get_input_embeddings(), "head": target.get_output_embeddings()}
+        self.vocab_size = int(target_lm.vocab_size)
+        self.feature_layers = tuple(feature_layers)
+        self.feature_size = block.fc.in_features
+        self._slots: SlotMask | None = None
+        self._queued: torch.Tensor | None = None
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._slots is None else self._slots.length
+
+    def reset(self, batch_size: int) -> None:
+        empty = lambda *size, dtype=torch.float32: torch.zeros(batch_size, *size, dtype=dtype, device=self.device)  # noqa: E731
+        self._slots = SlotMask(empty(0, dtype=torch.bool))
+        layer = self.block.layers[0]
+        self._keys = [empty(layer.kv_heads, 0, layer.head_dim) for _ in self.block.layers]
+        self._values = [empty(layer.kv_heads, 0, layer.head_dim) for _ in self.block.layers]
+        self._context, self._depth = empty(0, dtype=torch.bool), empty(0, dtype=torch.long)
+        self._block, self._queued = None, None
+
+    def plan_length(self, gamma: int) -> int:
+        """At most ``block_size - 1`` drafted tokens."""
+        return min(gamma, self.block.block_size - 1)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self._restart(input_ids, attention_mask)
+        return self._feed(input_ids.to(self.device), attention_mask.bool().to(self.device), self._take_queued(input_ids),
+                          every_column=False)[:, -1]
+
+    @torch.no_grad()
+    def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``tokens [B, k]``; logits ``[B, k, V]``: with queued features, block position 1 of each token as the
+        anchor; else (k = 1) the next position of the last anchor's block."""
+        if self._slots is None:
+            raise ValueError("score called before prefill/reset: start a batch first")
+        tokens = tokens.to(self.device)
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool().to(self.device)
+        queued = self._take_queued(tokens)
+        if queued is not None:
+            return self._feed(tokens, valid, queued, every_column=True)
+        if tokens.shape[1] != 1 or self._block is None:
+            raise ValueError("a DFlash draft needs the target's features (observe) before scoring these tokens")
+        last = self._slots.length - 1 - self._slots.mask.flip(-1).long().argmax(-1)  # [B] each row's last slot
+        rows = torch.arange(len(tokens), device=self.device)
+        depth = self._depth[rows, last] + 1
+        if int(depth.max()) >= self.block.block_size - 1:
+            raise ValueError(f"a DFlash block of {self.block.block_size} drafts at most {self.block.block_size - 1} "
+                             "tokens a step (gamma, or a tree's depth)")
+        self._append(valid, torch.zeros_like(valid), depth[:, None], None, None)
+        return self._block[rows, depth][:, None]
+
+    def _append(self, valid, context, depth, keys, values) -> torch.Tensor:
+        positions = self._slots.append(valid)
+        self._context, self._depth = torch.cat([self._context, context], 1), torch.cat([self._depth, depth], 1)
+        for i in range(len(self._keys)):
+            k = keys[i] if keys is not None else self._keys[i].new_zeros(*self._keys[i].shape[:2], valid.shape[1],
+                                                                          self._keys[i].shape[-1])
+            self._keys[i] = torch.cat([self._keys[i], k], 2)
+            self._values[i] = torch.cat([self._values[i], values[i] if values is not None else torch.zeros_like(k)], 2)
+        return positions
+
+    def _feed(self, tokens, valid, features, *, every_column: bool) -> torch.Tensor:
+        """Slots for ``tokens [B, k]`` reading the features of the slots before them; the blocks of every column (or of
+        the last) as anchor. -> logits ``[B, k, V]`` (block position 1 where computed)."""
+        if features is None:
+            raise ValueError("a DFlash draft needs the target's features (observe) before scoring these tokens")
+        (batch, k), start = tokens.shape, self._slots.length
+        positions = self._slots.counts()[:, None] + valid.long().cumsum(-1) - valid.long()
+        context = valid & (positions > 0)  # a row's first slot has no slot before it
+        fused = self.block.fuse(features.to(self.device).float())
+        cos, sin = self.block.rope((positions - 1).clamp(min=0))
+        pairs = [layer.context(fused, cos, sin) for layer in self.block.layers]
+        self._append(valid, context, torch.zeros_like(tokens), [p[0] for p in pairs], [p[1] for p in pairs])
+        columns = torch.arange(k if every_column else 1, device=self.device) + (0 if every_column else k - 1)
+        c, size = len(columns), self.block.block_size
+        anchors = positions[:, columns].reshape(-1)  # [B c]
+        ids = torch.full((batch * c, size), self.block.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = tokens[:, columns].reshape(-1)
+        table = self._frozen["embedding"].weight
+        embeds = torch.nn.functional.embedding(ids, table).float() * self.block.embedding_scale
+        query_positions = anchors[:, None] + torch.arange(size, device=self.device)
+        slots = torch.arange(self._slots.length, device=self.device)
+        seen = (self._context[:, None, :] & (slots[None, None, :] <= (start + columns)[None, :, None]))  # [B, c, S]
+        seen = seen.reshape(batch * c, 1, -1).expand(-1, size, -1)
+        key_positions = torch.cat([(self._slots.positions - 1).repeat_interleave(c, 0), query_positions], 1)
+        key_valid = torch.cat([seen, seen.new_ones(batch * c, size, size)], -1)
+        masks = {kind: _mask(kind, query_positions, key_positions, key_valid) for kind in set(self.block.kinds)}
+        keys = [x.repeat_interleave(c, 0) for x in self._keys]
+        values = [x.repeat_interleave(c, 0) for x in self._values]
+        out = self.block.run(embeds, query_positions, keys, values, masks)  # [B c, size, H]
+        logits = self._logits(out[:, 1:]).view(batch, c, size - 1, -1)
+        self._block = logits[:, -1]
+        result = torch.zeros(batch, k, self.vocab_size, device=self.device)
+        result[:, columns] = logits[:, :, 0]
+        return result
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self._frozen["head"]
+        logits = head(hidden.to(head.weight.dtype))[..., : self.vocab_size].float() * self.block.output_multiplier
+        if self.block.softcap > 0:
+            logits = torch.tanh(logits / self.block.softcap) * self.block.softcap
+        return logits
+
+    def rollback(self, n) -> None:
+        _, uneven = self._slots.rollback(n)
+        self._trim()
+        if uneven:
+            self._compact()
+
+    def _trim(self) -> None:
+        end = self._slots.length
+        self._context, self._depth = self._context[:, :end], self._depth[:, :end]
+        self._keys = [x[:, :, :end] for x in self._keys]
+        self._values = [x[:, :, :end] for x in self._values]
+
+    def repeat_rows(self, k: int) -> None:
+        self._slots.repeat_rows(k)
+        self._context, self._depth = self._context.repeat_interleave(k, 0), self._depth.repeat_interleave(k, 0)
+        self._keys = [x.repeat_interleave(k, 0) for x in self._keys]
+        self._values = [x.repeat_interleave(k, 0) for x in self._values]
+        self._block = None if self._block is None else self._block.repeat_interleave(k, 0)
+        self._queued = None if self._queued is None else self._queued.repeat_interleave(k, 0)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        index = index.to(self.device)
+        self._slots.select_rows(index)
+        self._context, self._depth = self._context[index], self._depth[index]
+        self._keys, self._values = [x[index] for x in self._keys], [x[index] for x in self._values]
+        self._block = None if self._block is None else self._block[index]
+        self._queued = None if self._queued is None else self._queued[index]
+        self._compact()
+
+    def _compact(self) -> None:
+        index = self._slots.compaction()
+        if index is not None:
+            self._context, self._depth = self._context.gather(1, index), self._depth.gather(1, index)
+            at = index[:, None, :, None]
+            self._keys = [x.gather(2, at.expand(-1, x.shape[1], -1, x.shape[-1])) for x in self._keys]
+            self._values = [x.gather(2, at.expand(-1, x.shape[1], -1, x.shape[-1])) for x in self._values]
+
+
+def _config(directory: Path) -> dict:
+    """The drafter's ``config.json`` with ``dflash_config``'s keys lifted to the top level (they win, as z-lab reads
+    them)."""
+    config = json.loads((directory / "config.json").read_text())
+    return {**config, **(config.get("dflash_config") or {})}
+
+
+def is_dflash_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a DFlash drafter in z-lab's layout (``dflash_config``) or transformers'
+    (``muse_glimmer_assistant``), with its weights."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file() or not any((directory / w).is_file() for w in _WEIGHTS):
+        return False
+    config = json.loads((directory / "config.json").read_text())
+    return "dflash_config" in config or config.get("model_type") == "muse_glimmer_assistant"
+
+
+def _kinds(config: dict, transformers_layout: bool) -> list[tuple[bool, int | None, bool]]:
+    count = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or ["full_attention"] * count
+    if len(types) != count or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"DFlash layer types {types} for {count} layers: this loader builds full and sliding attention")
+    kinds = []
+    for kind in types:
+        sliding = kind == "sliding_attention"
+        window = int(config["sliding_window"]) if sliding else None
+        if transformers_layout:
+            kinds.append((False, window, True))
+        else:
+            causal = sliding if config.get("is_causal") is None else bool(config["is_causal"])
+            kinds.append((causal, window, False))
+    return kinds
+
+
+def _expected(config: dict) -> dict[str, tuple[int, ...]]:
+    H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    d, kv, inter = int(config.get("head_dim") or H // heads), int(config.get("num_key_value_heads") or heads), int(
+        config["intermediate_size"])
+    shapes = {"fc.weight": (H, len(config["target_layer_ids"]) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(int(config["num_hidden_layers"])):
+        at = f"layers.{i}."
+        shapes |= {at + "input_layernorm.weight": (H,), at + "post_attention_layernorm.weight": (H,),
+                   at + "self_attn.q_proj.weight": (heads * d, H), at + "self_attn.k_proj.weight": (kv * d, H),
+                   at + "self_attn.v_proj.weight": (kv * d, H), at + "self_attn.o_proj.weight": (H, heads * d),
+                   at + "self_attn.q_norm.weight": (d,), at + "self_attn.k_norm.weight": (d,),
+                   at + "mlp.gate_proj.weight": (inter, H), at + "mlp.up_proj.weight": (inter, H),
+                   at + "mlp.down_proj.weight": (H, inter)}
+        if config.get("attention_bias"):
+            shapes |= {at + f"self_attn.{n}_proj.bias": (r,) for n, r in (("q", heads * d), ("k", kv * d),
+                                                                           ("v", kv * d), ("o", H))}
+    return shapes
+
+
+def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFlashDraft:
+    """A DFlash drafter saved in z-lab's or transformers' layout (module docstring) as a draft for ``target_lm`` (a
+    ``CausalLM``); a layout, setting or tensor this loader does not read is refused in one line, by name."""
+    directory = Path(directory)
+    if not is_dflash_dir(directory):
+        raise ValueError(f"{directory} holds no DFlash drafter: expected config.json with dflash_config (z-lab's "
+                         "layout) or model_type muse_glimmer_assistant (transformers'), and model.safetensors")
+    config = _config(directory)
+    transformers_layout = config.get("model_type") == "muse_glimmer_assistant"
+    refused = [k for k in _REFUSED_KEYS if config.get(k) is not None] + [
+        a for a in config.get("architectures") or () if a not in ("DFlashDraftModel", "MuseGlimmerAssistantModel")]
+    if refused:
+        raise ValueError(f"{directory}: {refused}: this loader reads DFlash drafters (DFlashDraftModel), not DFlash2's "
+                         "convolutions and candidate selector or other architectures")
+    config.setdefault("block_size", 16)
+    missing = [k for k in ("target_layer_ids", "mask_token_id") if config.get(k) is None]
+    if missing or config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{directory}: DFlash config without {missing} or with activation {config.get('hidden_act')!r}")
+    text = target_lm.model.config.get_text_config()
+    if int(config["hidden_size"]) != text.hidden_size:
+        raise ValueError(f"{directory}: a DFlash drafter of hidden size {config['hidden_size']} reads a target of the "
+                         f"same size, not {text.hidden_size}")
+    layers = tuple(int(i) + 1 for i in config["target_layer_ids"])
+    if not all(1 <= i <= text.num_hidden_layers for i in layers):
+        raise ValueError(f"{directory}: target_layer_ids {config['target_layer_ids']} outside the target's "
+                         f"{text.num_hidden_layers} layers")
+    weights = next(directory / w for w in _WEIGHTS if (directory / w).is_file())
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(weights)
+    else:
+        tensors = torch.load(weights, map_location="cpu", weights_only=True)
+    tensors = {_TRANSFORMERS_NAMES.get(k, k): v for k, v in tensors.items()}
+    expected = _expected(config)
+    missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    wrong = [f"{k} {tuple(v.shape)} (expected {expected[k]})" for k, v in tensors.items()
+             if k in expected and tuple(v.shape) != expected[k]]
+    if missing or unknown or wrong:
+        raise ValueError(f"{directory}: not the DFlash layout for this config: missing {missing[:6]}, unknown "
+                         f"{unknown[:6]}, misshapen {wrong[:4]}")
+    block = DFlashBlock(config, _kinds(config, transformers_layout))
+    block.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    return DFlashDraft(block, target_lm, layers, device=device)

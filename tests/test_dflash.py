@@ -1,0 +1,176 @@
+"""DFlash block drafters as a draft the engine verifies (``drafts.dflash``).
+
+* In transformers' layout (what ``MuseGlimmerAssistantModel.save_pretrained`` writes) the drafter's blocks equal
+  transformers' own forward of the drafter on the same context, at every block position, for one prompt and for a
+  left-padded batch, with full attention and with a sliding window that cuts the context; a drafted slot returns the
+  next position of its anchor's block.
+* In z-lab's layout (``dflash_config``, ``fc`` / ``hidden_norm``) the same weights give the same blocks; a z-lab
+  sliding layer is causal with ``q - k < w`` (transformers' forward run with that mask).
+* Through the engine: greedy chains, token chains, sampled trees and dynamic trees give the target's greedy tokens;
+  T = 1 keeps the target's law (exact Bonferroni test, false-positive rate <= 1e-6); a step drafts at most
+  ``block_size - 1`` tokens.
+* DFlash2, a missing mask token, a wrong tensor, another hidden size: refused in one line.
+"""
+
+import json
+
+import pytest
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.dflash import DFlashDraft, load_dflash
+from specresearch.drafts.registry import DFLASH_FORMAT, draft_format, draft_from_name
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.experiments.stats import lossless_test
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import tiny_dflash_pair
+
+BLOCK = 4
+
+
+def _pair(tmp_path, **config):
+    """The tiny target (wrapped), transformers' drafter (``config`` set on it before its weights are drawn) and the
+    directory it saved itself to."""
+    target, assistant = tiny_dflash_pair(block_size=BLOCK)
+    if config:
+        from transformers import MuseGlimmerAssistantConfig
+        from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import MuseGlimmerAssistantModel
+
+        settings = {**assistant.config.to_dict(), **config}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            assistant = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(**settings)).eval()
+    assistant.save_pretrained(tmp_path / "drafter")
+    return CausalLM(target), assistant, tmp_path / "drafter"
+
+
+def _theirs(target, assistant, prompt, mask=None):
+    """transformers' drafter on the context of ``prompt``'s tokens before the last (the anchor) -> the target's head
+    on block positions 1..B-1, ``[B - 1, V]``; ``mask``: the attention mask of each layer type, else its own."""
+    from transformers.cache_utils import DFlashCache
+
+    config, cache = assistant.config, DFlashCache(config=assistant.config)  # as its candidate generator calls it
+    cache.set_previous_accepted_tokens(len(prompt) - 1)
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        context = torch.cat([hidden[i + 1][:, :-1] for i in config.target_layer_ids], -1)
+        ids = torch.tensor([[prompt[-1]] + [config.mask_token_id] * (config.block_size - 1)])
+        out = assistant(noise_embeds=target.model.get_input_embeddings()(ids), context_hidden_states=context,
+                        position_ids=torch.arange(len(prompt) - 1 + config.block_size)[None],
+                        attention_mask=mask, cache=cache).last_hidden_state
+        return target.model.get_output_embeddings()(out[:, 1:])[0]
+
+
+def _ours(target, draft, prompts, drafted=(7, 19)):
+    """The blocks as the engine feeds the draft (``engine.generate``'s prefill for feature readers): the pending
+    token's logits, then one per drafted token. -> ``[B, 1 + len(drafted), V]``."""
+    from specresearch.engine.prompts import encode_prompts
+
+    ids, mask = encode_prompts(prompts, None)
+    _, features = target.prefill(ids[:, :-1], mask[:, :-1], hidden_layers=draft.feature_layers)
+    before = torch.cat([torch.zeros_like(features[:, :1]), features], 1)
+    before = before * torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], 1)[:, :, None]
+    draft.observe(before[:, :-1])
+    draft.prefill(ids[:, :-1], mask[:, :-1])
+    draft.observe(before[:, -1:])
+    rows = [draft.score(ids[:, -1:])[:, -1]]
+    rows += [draft.score(torch.full((len(prompts), 1), y))[:, -1] for y in drafted]
+    return torch.stack(rows, 1)
+
+
+PROMPTS = [[5, 9, 3, 17, 22, 8, 41, 30, 12, 2, 33], [7, 2, 11, 4]]
+
+
+@pytest.mark.parametrize("setting", [dict(), dict(layer_types=["full_attention"]), dict(sliding_window=3)])
+def test_dflash_blocks_equal_transformers_drafter(tmp_path, setting):
+    target, assistant, directory = _pair(tmp_path, **setting)
+    draft = draft_from_name(str(directory), target)
+    assert isinstance(draft, DFlashDraft) and draft_format(directory) == DFLASH_FORMAT
+    assert draft.feature_layers == (1, 2) and draft.plan_length(8) == BLOCK - 1
+    got = _ours(target, draft, PROMPTS)  # a left-padded batch: each row against its own run
+    for row, prompt in enumerate(PROMPTS):
+        want = _theirs(target, assistant, prompt)
+        assert torch.allclose(got[row], want, atol=1e-4), (got[row] - want).abs().max()
+    with pytest.raises(ValueError, match=f"drafts at most {BLOCK - 1} tokens"):
+        draft.score(torch.tensor([[1], [1]]))
+    if "sliding_window" in setting:  # the window cut the context: without it the first row's block differs
+        full = _theirs(target, assistant, PROMPTS[0], mask={"sliding_attention": None, "full_attention": None})
+        assert not torch.allclose(got[0], full, atol=1e-2)
+
+
+def _zlab(directory, source, **dflash):
+    """The drafter of transformers' layout in ``source`` rewritten in z-lab's (``dflash_config``, ``fc``,
+    ``hidden_norm``)."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    layer_ids, mask_id = config.pop("target_layer_ids"), config.pop("mask_token_id")
+    config.update(model_type="qwen3", architectures=["DFlashDraftModel"],
+                  dflash_config={"target_layer_ids": layer_ids, "mask_token_id": mask_id, **dflash})
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    names = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+    save_file({names.get(k, k): v for k, v in load_file(source / "model.safetensors").items()},
+              directory / "model.safetensors")
+    return directory
+
+
+def test_zlab_layout_reads_the_same_weights_and_its_sliding_layers_are_causal(tmp_path):
+    target, assistant, directory = _pair(tmp_path, layer_types=["full_attention"])
+    zlab = draft_from_name(str(_zlab(tmp_path / "zlab", directory)), target)
+    assert draft_format(tmp_path / "zlab") == DFLASH_FORMAT
+    assert torch.equal(_ours(target, zlab, PROMPTS), _ours(target, draft_from_name(str(directory), target), PROMPTS))
+    target, assistant, directory = _pair(tmp_path / "w", sliding_window=3)
+    zlab = load_dflash(target, _zlab(tmp_path / "zlab-sliding", directory))
+    got = _ours(target, zlab, [PROMPTS[0]])[0]
+    # z-lab's sliding mask (dflash/model.py, _attention_mask): over [context; block], key j visible to query i iff
+    # j <= i and i - j < w
+    n, size = len(PROMPTS[0]) - 1, BLOCK
+    q, k = torch.arange(n, n + size)[:, None], torch.arange(n + size)[None]
+    mask = ((k <= q) & (q - k < 3))[None, None]
+    assert torch.allclose(got, _theirs(target, assistant, PROMPTS[0], mask={"sliding_attention": mask}), atol=1e-4)
+
+
+def test_dflash_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):
+    target, _, directory = _pair(tmp_path)
+    draft = draft_from_name(str(directory), target)
+    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]], SamplingConfig(temperature=0.0)
+    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=greedy).tokens
+    for options in (dict(verifier="block", gamma=3), dict(verifier="token", gamma=6),
+                    dict(verifier="traversal", num_drafts=2, gamma=3),
+                    dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")):
+        result = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=greedy, **options)
+        assert result.tokens == want, options
+        assert max(step.gamma for step in result.steps) <= BLOCK - 1  # the plan caps a chain at the block
+    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
+                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+    with pytest.raises(ValueError, match="drafts at most 3 tokens"):
+        speculative_generate(target, draft, prompts, max_new_tokens=8, sampling=greedy, verifier="traversal",
+                             num_drafts=2, gamma=5)
+
+
+def test_dflash_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):
+    target, _, directory = _pair(tmp_path)
+    cases = {
+        "dflash2": (dict(architectures=["DFlash2DraftModel"], conv_kernel_size=3), "not DFlash2"),
+        "no_mask": (dict(mask_token_id=None), r"without \['mask_token_id'\]"),
+        "layers": (dict(target_layer_ids=[0, 7]), "outside the target's 2 layers"),
+        "width": (dict(hidden_size=48), "hidden size 48"),
+    }
+    for name, (change, message) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(
+            {**json.loads((directory / "config.json").read_text()), **change}))
+        (tmp_path / name / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+        with pytest.raises(ValueError, match=message):
+            load_dflash(target, tmp_path / name)
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "tensor").mkdir()
+    (tmp_path / "tensor" / "config.json").write_text((directory / "config.json").read_text())
+    tensors = load_file(directory / "model.safetensors")
+    tensors["layers.0.self_attn.q_norm.weight"] = tensors["layers.0.self_attn.q_norm.weight"][:-1].clone()
+    save_file(tensors, tmp_path / "tensor" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"misshapen \['layers.0.self_attn.q_norm.weight \(7,\)"):
+        load_dflash(target, tmp_path / "tensor")
