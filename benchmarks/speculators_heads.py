@@ -1,5 +1,5 @@
-"""EAGLE-3 heads written by vllm-project/speculators' own code, read by ``drafts.eagle``: their draft laws against
-speculators' own forward, option by option.
+"""EAGLE-3 heads and DFlash drafters written by vllm-project/speculators' own code, read by ``drafts.eagle`` and
+``drafts.dflash``: their draft laws against speculators' own forward, option by option.
 
 speculators (the library that trains the EAGLE-3 heads vLLM serves) is downloaded from the package index as published
 (``specresearch.paths.pypi_wheel``, nothing installed into the project's environment) with the small packages its
@@ -14,6 +14,14 @@ reading the head's own previous output, with the next prompt token); ours gives 
 drafts them: prefill of the prompt's first j + 2 tokens, then one ``score`` per drafted token. The record holds the
 largest difference of the draft log-probabilities (draft vocabulary mapped to the target's by ``d2t``) per step,
 and, as a control that the comparison can fail, the difference when our reader drops the configuration's option.
+
+DFlash (``DFLASH_CASES``): speculators' ``DFlashDraftModel`` (a Qwen3 layer over the target's hidden states
+``aux_hidden_state_layer_ids``, blocks of 4) with random weights, its embedding and (full vocabulary) head the
+target's, as its ``load_verifier_weights`` makes them; its training forward (``_backbone_forward``: one block per
+anchor, every valid prompt position an anchor, eager attention) gives each anchor's block logits; ours: prefill of the
+prompt before the anchor, then the anchor scored as the engine's pending token (its block), against positions 1 to 3
+of speculators' block for the same anchor. The control drops ``d2t`` (reads draft id i as target id i): the total
+variation distance of the two laws.
 
     PYTHONPATH=. .venv/bin/python benchmarks/speculators_heads.py --out benchmarks/records/speculators_heads.json
 """
@@ -159,7 +167,7 @@ def compare(name: str, seed: int, steps: int = 3) -> dict:
         theirs = their_logits(model, features, steps)
         ours = our_logits(target, directory, steps)
         ids = (torch.arange(model.draft_vocab_size) + model.d2t) if model.d2t is not None else torch.arange(VOCAB)
-        row = {"case": name, "seed": seed, "options": CASES[name][0], "layer": CASES[name][1],
+        row = {"case": name, "kind": "eagle3", "seed": seed, "options": CASES[name][0], "layer": CASES[name][1],
                "max_abs_logprob_difference": [float((o[:, ids] - t).abs().max()) for o, t in zip(ours, theirs)],
                "off_support_mass": [float(o.exp().sum(-1).sub(o[:, ids].exp().sum(-1)).abs().max()) for o in ours]}
         dropped = CASES[name][2]
@@ -179,6 +187,102 @@ def compare(name: str, seed: int, steps: int = 3) -> dict:
     return row
 
 
+# name -> (DFlashSpeculatorConfig options, layer config options)
+DFLASH_CASES = {
+    "dflash": ({}, {}),
+    "dflash_full_vocabulary": ({"draft_vocab_size": VOCAB}, {}),
+    "dflash_two_layers_three_features": ({"aux_hidden_state_layer_ids": [1, 4, 7]}, {"num_hidden_layers": 2}),
+}
+DFLASH_BLOCK = 4
+
+
+def dflash_compare(name: str, seed: int) -> dict:
+    """speculators' DFlash drafter for case ``name`` against ``drafts.dflash`` (module docstring)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash.config import DFlashSpeculatorConfig
+    from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig
+
+    from specresearch.drafts.registry import draft_from_name
+    from specresearch.models.toy import tiny_llama
+
+    target = tiny_llama(VOCAB, seed=0, init_std=0.5, num_layers=LAYERS, hidden_size=HIDDEN)
+    options, layer_options = DFLASH_CASES[name]
+    layer = AutoConfig.for_model("qwen3", **{**dict(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
+                                                    num_key_value_heads=KV, head_dim=HIDDEN // HEADS, num_hidden_layers=1,
+                                                    vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6),
+                                             **layer_options})
+    layer._attn_implementation = "eager"
+    verifier = VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])
+    config = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, **{"draft_vocab_size": DRAFT_VOCAB, "block_size": DFLASH_BLOCK,
+                                           "aux_hidden_state_layer_ids": [2, 5], "mask_token_id": VOCAB - 1, **options},
+        speculators_config=SpeculatorsConfig(algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig()],
+                                             default_proposal_method="greedy", verifier=verifier))
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=g)
+            parameter.copy_(1 + 0.2 * noise if "norm" in parameter_name else noise / parameter.shape[-1] ** 0.5)
+        model.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)  # the verifier's, as loaded
+        if model.d2t is not None:
+            ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+            model.d2t.copy_(ids - torch.arange(DRAFT_VOCAB))
+            model.t2d.zero_().index_fill_(0, ids, True)
+        else:
+            model.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
+    ids = (torch.arange(DRAFT_VOCAB) + model.d2t) if model.d2t is not None else torch.arange(VOCAB)
+    prompt = torch.tensor([PROMPT])
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder) / name
+        model.save_pretrained(directory)
+        aux = config.aux_hidden_state_layer_ids
+        with torch.no_grad():
+            hidden = target.model(prompt, output_hidden_states=True).hidden_states
+            features = torch.cat([hidden[i] for i in aux], -1)
+            _, logits, _, _, blocks = model._backbone_forward(
+                features, prompt, torch.ones_like(prompt), hidden[-1], torch.zeros_like(prompt), max_anchors=len(PROMPT))
+        theirs = logits[0].float().log_softmax(-1).view(-1, DFLASH_BLOCK, len(ids))
+        anchors = blocks.view(-1, DFLASH_BLOCK)[:, 0].tolist()
+        differences, control = [], []
+        for dropped in (False, True):
+            if dropped:  # the control: d2t dropped, draft id i read as target id i
+                if model.d2t is None:
+                    break
+                from safetensors.torch import load_file, save_file
+
+                tensors = load_file(directory / "model.safetensors")
+                tensors["d2t"] = torch.zeros_like(tensors["d2t"])
+                save_file(tensors, directory / "model.safetensors")
+            worst = 0.0
+            for block, anchor in enumerate(anchors):
+                if anchor < 1:
+                    continue  # the first token has no context; the engine never anchors there
+                draft = draft_from_name(str(directory), target)
+                before = prompt[:, :anchor]
+                _, ours_features = target.prefill(before, torch.ones_like(before), hidden_layers=draft.feature_layers)
+                shifted = torch.cat([torch.zeros_like(ours_features[:, :1]), ours_features], 1)
+                draft.observe(shifted[:, :-1])
+                draft.prefill(before, torch.ones_like(before))
+                draft.observe(shifted[:, -1:])
+                draft.score(prompt[:, anchor : anchor + 1])
+                ours = draft._block[0].float().log_softmax(-1)  # block positions 1 .. B - 1, the target's vocabulary
+                if dropped:  # total variation from speculators' law (ours puts its mass on other ids)
+                    law = torch.zeros_like(ours).index_copy_(1, ids, theirs[block, 1:].exp())
+                    worst = max(worst, float((ours.exp() - law).abs().sum(-1).max() / 2))
+                else:
+                    worst = max(worst, float((ours[:, ids] - theirs[block, 1:]).abs().max()))
+            (control if dropped else differences).append(worst)
+    row = {"case": name, "kind": "dflash", "seed": seed, "options": options, "layer": layer_options,
+           "anchors": len([a for a in anchors if a >= 1]), "max_abs_logprob_difference": differences}
+    if control:
+        row |= {"control_dropped": "d2t", "control_total_variation": control}
+    return row
+
+
 def _feature_layers(directory: Path) -> list[int]:
     config = json.loads((directory / "config.json").read_text())
     return config.get("eagle_aux_hidden_state_layer_ids") or [2, LAYERS // 2, LAYERS - 3]
@@ -189,6 +293,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/records/speculators_heads.json")
     parser.add_argument("--seeds", type=int, default=2, help="random heads per configuration")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest log-probability difference that agrees")
+    parser.add_argument("--only", choices=("eagle3", "dflash"), help="one kind of draft (default: both)")
     args = parser.parse_args(argv)
     for spec in PACKAGES:
         sys.path.insert(0, str(pypi_wheel(spec)))
@@ -196,19 +301,21 @@ def main(argv=None) -> int:
     from specresearch.experiments.records import record_header
 
     rows = []
-    for name in CASES:
+    cases = [(n, compare) for n in CASES if args.only != "dflash"] + [
+        (n, dflash_compare) for n in DFLASH_CASES if args.only != "eagle3"]
+    for name, run in cases:
         for seed in range(args.seeds):
-            row = compare(name, seed)
+            row = run(name, seed)
             row["agrees"] = max(row["max_abs_logprob_difference"]) <= args.tolerance
             rows.append(row)
-            control = row.get("control_max_abs_logprob_difference")
+            control = row.get("control_max_abs_logprob_difference", row.get("control_total_variation"))
             print(f"{name:22s} seed {seed}: max |diff| per step {[f'{d:.1e}' for d in row['max_abs_logprob_difference']]}"
                   + (f"; without {row['control_dropped']}: {[f'{d:.2f}' for d in control]}" if control else ""))
     header = record_header("benchmarks/speculators_heads.py", sys.argv[1:] if argv is None else argv, target=None,
                            packages=list(PACKAGES),
                            replaced_by_empty_modules=list(TRAINING_ONLY), tolerance=args.tolerance,
                            target_model=f"tiny random Llama: {LAYERS} layers, hidden {HIDDEN}, {VOCAB} tokens",
-                           prompt=PROMPT)
+                           prompt=PROMPT, dflash_block=DFLASH_BLOCK)
     record = {**header, "all_agree": all(r["agrees"] for r in rows), "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"{sum(r['agrees'] for r in rows)} of {len(rows)} heads agree within {args.tolerance}; record {args.out}")

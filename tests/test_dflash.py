@@ -6,10 +6,13 @@
   next position of its anchor's block.
 * In z-lab's layout (``dflash_config``, ``fc`` / ``hidden_norm``) the same weights give the same blocks; a z-lab
   sliding layer is causal with ``q - k < w`` (transformers' forward run with that mask).
+* In vllm-project/speculators' layout (``transformer_layer_config``, ``aux_hidden_state_layer_ids``) the same weights
+  give the same blocks; with a draft vocabulary the law lives on it and its logits are its own head's.
 * Through the engine: greedy chains, token chains, sampled trees and dynamic trees give the target's greedy tokens;
   T = 1 keeps the target's law (exact Bonferroni test, false-positive rate <= 1e-6); a step drafts at most
   ``block_size - 1`` tokens.
-* DFlash2, a missing mask token, a wrong tensor, another hidden size: refused in one line.
+* DFlash2, a missing mask token, a wrong tensor, another hidden size, speculators' sample_from_anchor, its
+  sliding layers and a key this loader does not read: refused in one line.
 """
 
 import json
@@ -44,9 +47,10 @@ def _pair(tmp_path, **config):
     return CausalLM(target), assistant, tmp_path / "drafter"
 
 
-def _theirs(target, assistant, prompt, mask=None):
+def _theirs(target, assistant, prompt, mask=None, head=None):
     """transformers' drafter on the context of ``prompt``'s tokens before the last (the anchor) -> the target's head
-    on block positions 1..B-1, ``[B - 1, V]``; ``mask``: the attention mask of each layer type, else its own."""
+    (or ``head``) on block positions 1..B-1, ``[B - 1, V]``; ``mask``: the attention mask of each layer type, else its
+    own."""
     from transformers.cache_utils import DFlashCache
 
     config, cache = assistant.config, DFlashCache(config=assistant.config)  # as its candidate generator calls it
@@ -58,7 +62,7 @@ def _theirs(target, assistant, prompt, mask=None):
         out = assistant(noise_embeds=target.model.get_input_embeddings()(ids), context_hidden_states=context,
                         position_ids=torch.arange(len(prompt) - 1 + config.block_size)[None],
                         attention_mask=mask, cache=cache).last_hidden_state
-        return target.model.get_output_embeddings()(out[:, 1:])[0]
+        return (head or target.model.get_output_embeddings())(out[:, 1:])[0]
 
 
 def _ours(target, draft, prompts, drafted=(7, 19)):
@@ -129,6 +133,61 @@ def test_zlab_layout_reads_the_same_weights_and_its_sliding_layers_are_causal(tm
     q, k = torch.arange(n, n + size)[:, None], torch.arange(n + size)[None]
     mask = ((k <= q) & (q - k < 3))[None, None]
     assert torch.allclose(got, _theirs(target, assistant, PROMPTS[0], mask={"sliding_attention": mask}), atol=1e-4)
+
+
+def _speculators(directory, source, draft_ids=None, **options):
+    """The drafter of transformers' layout in ``source`` rewritten as vllm-project/speculators saves a DFlash drafter:
+    the layer's config under ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` (z-lab's ids + 1), z-lab's
+    tensor names; with ``draft_ids``, a draft vocabulary: its own random ``lm_head`` and ``d2t`` / ``t2d``."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "num_hidden_layers", "rms_norm_eps", "max_position_embeddings",
+                                    "vocab_size", "rope_parameters", "layer_types")} | {"model_type": "qwen3"}
+    vocab = config["vocab_size"]
+    spec = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash", "speculators_version": "0.9.0",
+            "transformer_layer_config": layer, "block_size": config["block_size"], "mask_token_id": config["mask_token_id"],
+            "aux_hidden_state_layer_ids": [i + 1 for i in config["target_layer_ids"]], "target_hidden_size": None,
+            "draft_vocab_size": vocab if draft_ids is None else len(draft_ids), "sample_from_anchor": False,
+            "sliding_window_non_causal": False, **options}
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(spec))
+    names = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+    tensors = {names.get(k, k): v for k, v in load_file(source / "model.safetensors").items()}
+    if draft_ids is not None:
+        g = torch.Generator().manual_seed(3)
+        tensors |= {"lm_head.weight": torch.randn(len(draft_ids), layer["hidden_size"], generator=g),
+                    "d2t": draft_ids - torch.arange(len(draft_ids)),
+                    "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft_ids, True)}
+    save_file(tensors, directory / "model.safetensors")
+    return directory, tensors
+
+
+def test_speculators_layout_reads_aux_ids_and_its_draft_vocabulary(tmp_path):
+    """speculators' DFlash layout: the full-vocabulary drafter gives the blocks of the same weights in transformers'
+    layout; with a draft vocabulary of 40 tokens the block's law lives on them, its logits its own head's (d2t-mapped);
+    sample_from_anchor, sliding layers and an unknown key are refused."""
+    target, assistant, directory = _pair(tmp_path, layer_types=["full_attention"])
+    full, _ = _speculators(tmp_path / "full", directory)
+    assert draft_format(full) == DFLASH_FORMAT
+    same = _ours(target, draft_from_name(str(directory), target), PROMPTS)
+    assert torch.equal(_ours(target, draft_from_name(str(full), target), PROMPTS), same)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:40].sort().values
+    subset, tensors = _speculators(tmp_path / "subset", directory, draft_ids=ids, draft_vocab_size=40)
+    got = _ours(target, draft_from_name(str(subset), target), [PROMPTS[0]])[0]
+    off = torch.ones(64, dtype=torch.bool).index_fill_(0, ids, False)
+    assert torch.all(got.softmax(-1)[:, off] == 0)  # no mass off the draft vocabulary
+    head = lambda h: h @ tensors["lm_head.weight"].T  # noqa: E731
+    assert torch.allclose(got[:, ids], _theirs(target, assistant, PROMPTS[0], head=head), atol=1e-4)
+    refused = {"anchor": (dict(sample_from_anchor=True), "sample_from_anchor"),
+               "key": (dict(dspark_markov_rank=4), r"keys \['dspark_markov_rank'\]"),
+               "sliding": (dict(transformer_layer_config={"model_type": "qwen3", "layer_types": ["sliding_attention"]}),
+                           "sliding-window layers")}
+    for name, (options, message) in refused.items():
+        _speculators(tmp_path / name, directory, **options)
+        with pytest.raises(ValueError, match=message):
+            load_dflash(target, tmp_path / name)
 
 
 def test_dflash_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):

@@ -15,6 +15,13 @@ The formats (our code, their facts):
   ``muse_glimmer_assistant`` with ``target_layer_ids``, ``block_size`` and ``mask_token_id`` at the top level,
   ``fc`` and ``hidden_norm`` saved as ``encoder.fc`` and ``encoder.output_norm_enc``; every layer bidirectional, a
   sliding one within ``|q - k| <= w`` (its default layer type).
+* vllm-project/speculators 0.9.0 (``models/dflash``, what vLLM 0.34 serves): ``speculators_model_type: "dflash"``,
+  the Qwen3 layer config under ``transformer_layer_config``, ``block_size``, ``mask_token_id`` and
+  ``aux_hidden_state_layer_ids`` (transformers' ``hidden_states`` indices: z-lab's ids + 1, as vLLM converts them);
+  z-lab's tensor names, and where ``draft_vocab_size`` is below the vocabulary its own ``lm_head [D, H]`` with ``d2t``
+  (draft id i is target id i + d2t[i]) instead of the target's head. Every layer bidirectional; refused in one line:
+  ``sample_from_anchor`` (the anchor's own output drafts too), sliding layers (its window counts from the anchor), a
+  config key this loader does not read.
 
 One drafting call (the same in both): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
 which each layer reads through its own k / v projections (k normed per head, RoPE at the slot's position), without
@@ -38,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate_half
 from specresearch.models.causal_lm import SlotMask
 
@@ -46,6 +54,11 @@ __all__ = ["DFlashBlock", "DFlashDraft", "is_dflash_dir", "load_dflash"]
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _TRANSFORMERS_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 _REFUSED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # DFlash2's
+_SPECULATORS_KEYS = {"architectures", "auto_map", "dtype", "torch_dtype", "transformers_version", "tie_word_embeddings",
+                     "has_no_defaults_at_init", "_name_or_path", "speculators_config", "speculators_model_type",
+                     "speculators_version", "transformer_layer_config", "draft_vocab_size", "block_size",
+                     "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
+                     "sample_from_anchor"}
 
 
 class _Layer(torch.nn.Module):
@@ -109,6 +122,10 @@ class DFlashBlock(torch.nn.Module):
         self.embedding_scale = float(config.get("input_embedding_scale") or 1.0)
         self.output_multiplier = float(config.get("output_multiplier") or 1.0)
         self.softcap = float(config.get("final_logit_softcapping") or 0.0)
+        self.head = None  # speculators' own head over a draft vocabulary (SubsetHead), else the target's
+        if config.get("draft_token_ids") is not None:
+            ids = torch.as_tensor(config["draft_token_ids"])
+            self.head = SubsetHead(torch.zeros(len(ids), H), ids, int(config["vocab_size"]))
         keys = set(LlamaConfig().to_dict()) | {"rope_theta", "rope_scaling"}
         rope = {k: v for k, v in config.items() if k in keys and k not in ("layer_types", "sliding_window")}
         self.rotary = LlamaRotaryEmbedding(LlamaConfig(**rope))
@@ -253,7 +270,7 @@ class DFlashDraft(FeatureQueue):
         return result
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self._frozen["head"]
+        head = self.block.head if self.block.head is not None else self._frozen["head"]
         logits = head(hidden.to(head.weight.dtype))[..., : self.vocab_size].float() * self.block.output_multiplier
         if self.block.softcap > 0:
             logits = torch.tanh(logits / self.block.softcap) * self.block.softcap
@@ -299,9 +316,26 @@ class DFlashDraft(FeatureQueue):
 
 def _config(directory: Path) -> dict:
     """The drafter's ``config.json`` with ``dflash_config``'s keys lifted to the top level (they win, as z-lab reads
-    them)."""
+    them); a speculators config flattened (its layer's keys, ``target_layer_ids`` from ``aux_hidden_state_layer_ids``)
+    after the refusals of the module docstring."""
     config = json.loads((directory / "config.json").read_text())
-    return {**config, **(config.get("dflash_config") or {})}
+    if config.get("speculators_model_type") != "dflash":
+        return {**config, **(config.get("dflash_config") or {})}
+    layer, unknown = dict(config.get("transformer_layer_config") or {}), sorted(set(config) - _SPECULATORS_KEYS)
+    why = (f"config keys {unknown} this loader does not read" if unknown else
+           "sample_from_anchor" if config.get("sample_from_anchor") else
+           "sliding-window layers" if "sliding_attention" in (layer.get("layer_types") or ()) or layer.get(
+               "use_sliding_window") else
+           "no aux_hidden_state_layer_ids" if not config.get("aux_hidden_state_layer_ids") else
+           f"a layer of type {layer.get('model_type')!r}" if layer.get("model_type", "qwen3") != "qwen3" else None)
+    if why:
+        raise ValueError(f"{directory}: a speculators DFlash drafter with {why}: refused (module docstring)")
+    flat = {**layer, "architectures": ["DFlashDraftModel"], "block_size": config.get("block_size", 8),
+            "mask_token_id": config.get("mask_token_id"), "draft_vocab_size": config.get("draft_vocab_size"),
+            "target_layer_ids": [int(i) - 1 for i in config["aux_hidden_state_layer_ids"]]}
+    if config.get("target_hidden_size") not in (None, layer.get("hidden_size")):
+        flat["hidden_size_target"] = config["target_hidden_size"]
+    return flat
 
 
 def is_dflash_dir(directory: str | os.PathLike) -> bool:
@@ -311,7 +345,8 @@ def is_dflash_dir(directory: str | os.PathLike) -> bool:
     if not (directory / "config.json").is_file() or not any((directory / w).is_file() for w in _WEIGHTS):
         return False
     config = json.loads((directory / "config.json").read_text())
-    return "dflash_config" in config or config.get("model_type") == "muse_glimmer_assistant"
+    return ("dflash_config" in config or config.get("model_type") == "muse_glimmer_assistant"
+            or config.get("speculators_model_type") == "dflash")
 
 
 def _kinds(config: dict, transformers_layout: bool) -> list[tuple[bool, int | None, bool]]:
@@ -347,6 +382,9 @@ def _expected(config: dict) -> dict[str, tuple[int, ...]]:
         if config.get("attention_bias"):
             shapes |= {at + f"self_attn.{n}_proj.bias": (r,) for n, r in (("q", heads * d), ("k", kv * d),
                                                                            ("v", kv * d), ("o", H))}
+    draft = int(config.get("draft_vocab_size") or config["vocab_size"])
+    if draft != int(config["vocab_size"]):  # speculators' own head over a draft vocabulary
+        shapes |= {"lm_head.weight": (draft, H), "d2t": (draft,), "t2d": (int(config["vocab_size"]),)}
     return shapes
 
 
@@ -369,7 +407,7 @@ def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFla
     if missing or config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{directory}: DFlash config without {missing} or with activation {config.get('hidden_act')!r}")
     text = target_lm.model.config.get_text_config()
-    if int(config["hidden_size"]) != text.hidden_size:
+    if int(config["hidden_size"]) != text.hidden_size or config.get("hidden_size_target"):
         raise ValueError(f"{directory}: a DFlash drafter of hidden size {config['hidden_size']} reads a target of the "
                          f"same size, not {text.hidden_size}")
     layers = tuple(int(i) + 1 for i in config["target_layer_ids"])
@@ -391,6 +429,14 @@ def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFla
     if missing or unknown or wrong:
         raise ValueError(f"{directory}: not the DFlash layout for this config: missing {missing[:6]}, unknown "
                          f"{unknown[:6]}, misshapen {wrong[:4]}")
+    if "d2t" in tensors and int(config["vocab_size"]) != target_lm.vocab_size:
+        raise ValueError(f"{directory}: a draft vocabulary over {config['vocab_size']} tokens, the target has "
+                         f"{target_lm.vocab_size}")
+    if "d2t" in tensors:
+        config["draft_token_ids"] = torch.arange(len(tensors["d2t"])) + tensors.pop("d2t").long()
+        tensors.pop("t2d")
+        tensors["head.weight"] = tensors.pop("lm_head.weight")
+        tensors["head.token_ids"] = config["draft_token_ids"]
     block = DFlashBlock(config, _kinds(config, transformers_layout))
-    block.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    block.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True)
     return DFlashDraft(block, target_lm, layers, device=device)
