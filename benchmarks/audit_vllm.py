@@ -8,8 +8,8 @@ published (``specresearch.paths.pypi_wheel``: unpacked under the cache, nothing 
 environment); ``TRITON_INTERPRET=1`` makes Triton execute each kernel with NumPy on the CPU, program instance by
 program instance; ``VLLM_TARGET_DEVICE=cpu`` and an empty ``CUDA_VISIBLE_DEVICES`` (vLLM then keeps Triton enabled
 without a GPU driver, as on a Ray worker before CUDA starts). The packages vLLM's import chain names and the kernels
-never call (aiohttp, cachetools, pybase64, media libraries: :data:`NEVER_CALLED` lists those a run found missing) are
-empty modules; libdevice's ``log1p``, which the interpreter does not implement, is ``log(1 + x)`` (one call, in the
+never call (aiohttp, cachetools, pybase64, media libraries: :data:`NEVER_CALLED`) are empty modules where they are
+missing (``specresearch.paths.empty_modules``); libdevice's ``log1p``, which the interpreter does not implement, is ``log(1 + x)`` (one call, in the
 resampling kernel's residual: equal up to float rounding).
 
 Around it, ours: a tiny random Llama target and a perturbed copy of it as the draft (``models.families``; 64
@@ -32,9 +32,6 @@ costs about 35 ms of interpreted kernels per request and step.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
 import types
@@ -51,47 +48,15 @@ BATCH = 500  # requests per call of vLLM's kernels
 SEED, NOISE = 0, 0.1  # the target's weights; the draft is the target with its weights perturbed by NOISE
 
 
-class _Empty(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return type(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None,
-                               "__class_getitem__": classmethod(lambda cls, item: cls),
-                               "__init_subclass__": classmethod(lambda cls, **k: None)})
-
-
-class _NeverCalled(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules for :data:`NEVER_CALLED` where they are missing, imported by vLLM's modules only."""
-
-    def find_spec(self, name, path, target=None):
-        top = name.split(".")[0]
-        if top not in NEVER_CALLED:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            present = importlib.util.find_spec(top) is not None
-        finally:
-            sys.meta_path.insert(0, self)
-        return None if present else importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec):
-        module = _Empty(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 def vllm_kernels():
     """vLLM's ``rejection_sample``, ``DraftLogitsCache`` and ``apply_temperature``, imported to run in Triton's
     interpreter (module docstring); once a process."""
     if "vllm" not in sys.modules:
-        from specresearch.paths import pypi_wheel
+        from specresearch.paths import empty_modules, pypi_wheel
 
         os.environ.update(TRITON_INTERPRET="1", VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="")
         sys.path[:0] = [str(pypi_wheel(VLLM)), str(pypi_wheel(TRITON))]
-        sys.meta_path.insert(0, _NeverCalled())
+        empty_modules(NEVER_CALLED)
     import triton.language as tl
     import vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils as utils
     from vllm.v1.worker.gpu.sample.gumbel import apply_temperature

@@ -4,7 +4,7 @@
 speculators (the library that trains the EAGLE-3 heads vLLM serves) is downloaded from the package index as published
 (``specresearch.paths.pypi_wheel``, nothing installed into the project's environment) with the small packages its
 model code imports (loguru, pydantic-settings, python-dotenv); its training-only imports (openai, datasets,
-hs_connectors, aiohttp: its package ``__init__`` imports the trainer's data modules) are replaced by empty modules,
+hs_connectors, aiohttp: its package ``__init__`` imports the trainer's data modules) are empty modules where missing,
 which its model code never calls. For each configuration below, speculators' ``Eagle3DraftModel`` is built over a
 tiny random Llama target (8 layers, hidden 32, 64 tokens), its weights drawn at random (seeded), and saved with its
 own ``save_pretrained``; ``drafts.registry.draft_from_name`` reads the directory. speculators' ``forward`` (its
@@ -29,17 +29,14 @@ variation distance of the two laws.
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
 import json
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import torch
 
-from specresearch.paths import pypi_wheel
+from specresearch.paths import empty_modules, pypi_wheel
 
 PACKAGES = ("speculators==0.9.0", "loguru==0.7.3", "pydantic-settings==2.16.3", "python-dotenv==1.2.4")
 TRAINING_ONLY = ("openai", "datasets", "hs_connectors", "aiohttp")
@@ -63,28 +60,19 @@ CASES = {
 }
 
 
-class _Empty(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return type(name, (), {})
-
-
-class _TrainingOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules for speculators' training-only imports (module docstring)."""
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in TRAINING_ONLY:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _Empty(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
+def _randomised(model, seed: int):
+    """``model``'s parameters drawn at random from ``seed`` (norms near 1, the rest scaled by their fan-in) and, with a
+    draft vocabulary, ``d2t`` / ``t2d`` a random subset of the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=g)
+            parameter.copy_(1 + 0.2 * noise if "norm" in parameter_name else noise / parameter.shape[-1] ** 0.5)
+        if model.d2t is not None:
+            ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+            model.d2t.copy_(ids - torch.arange(DRAFT_VOCAB))
+            model.t2d.zero_().index_fill_(0, ids, True)
+    return model
 
 
 def speculators_head(name: str, directory: Path, seed: int):
@@ -109,16 +97,7 @@ def speculators_head(name: str, directory: Path, seed: int):
                                         algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
                                         default_proposal_method="greedy", verifier=verifier))
     torch.manual_seed(seed)
-    model = Eagle3DraftModel(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=g)
-            parameter.copy_(1 + 0.2 * noise if "norm" in parameter_name else noise / parameter.shape[-1] ** 0.5)
-        if model.d2t is not None:
-            ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
-            model.d2t.copy_(ids - torch.arange(DRAFT_VOCAB))
-            model.t2d.zero_().index_fill_(0, ids, True)
+    model = _randomised(Eagle3DraftModel(config).eval(), seed)
     model.save_pretrained(directory)
     return model
 
@@ -221,18 +200,10 @@ def dflash_compare(name: str, seed: int) -> dict:
         speculators_config=SpeculatorsConfig(algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig()],
                                              default_proposal_method="greedy", verifier=verifier))
     torch.manual_seed(seed)
-    model = DFlashDraftModel(config).eval()
-    g = torch.Generator().manual_seed(seed)
+    model = _randomised(DFlashDraftModel(config).eval(), seed)
     with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=g)
-            parameter.copy_(1 + 0.2 * noise if "norm" in parameter_name else noise / parameter.shape[-1] ** 0.5)
         model.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)  # the verifier's, as loaded
-        if model.d2t is not None:
-            ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
-            model.d2t.copy_(ids - torch.arange(DRAFT_VOCAB))
-            model.t2d.zero_().index_fill_(0, ids, True)
-        else:
+        if model.d2t is None:
             model.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
     ids = (torch.arange(DRAFT_VOCAB) + model.d2t) if model.d2t is not None else torch.arange(VOCAB)
     prompt = torch.tensor([PROMPT])
@@ -297,7 +268,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for spec in PACKAGES:
         sys.path.insert(0, str(pypi_wheel(spec)))
-    sys.meta_path.insert(0, _TrainingOnly())
+    empty_modules(TRAINING_ONLY)
     from specresearch.experiments.records import record_header
 
     rows = []

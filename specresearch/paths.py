@@ -12,7 +12,7 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["repo_root", "data_dir", "cache_dir", "pypi_wheel", "answers_file", "cpu_fields", "cpu_name", "cpu_key", "cached_answer", "keep_answer"]
+__all__ = ["repo_root", "data_dir", "cache_dir", "pypi_wheel", "empty_modules", "answers_file", "cpu_fields", "cpu_name", "cpu_key", "cached_answer", "keep_answer"]
 
 
 def repo_root() -> Path:
@@ -49,6 +49,44 @@ def pypi_wheel(spec: str) -> Path:
         zipfile.ZipFile(wheel).extractall(folder / "site")
         (folder / ".done").write_text(wheel.name)
     return folder / "site"
+
+
+def empty_modules(names) -> list[str]:
+    """Make the top-level packages ``names`` that are not installed importable as empty modules (any attribute is a
+    class that takes any arguments, subclassing and subscripting), for running a library's own code whose import chain
+    names packages that code never calls; returns the names made so. For benchmarks that run other projects' code,
+    never for the toolkit's own."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+
+    class Empty(types.ModuleType):
+        def __getattr__(self, attribute):
+            if attribute.startswith("__"):
+                raise AttributeError(attribute)
+            return type(attribute, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None,
+                                        "__class_getitem__": classmethod(lambda cls, item: cls),
+                                        "__init_subclass__": classmethod(lambda cls, **k: None)})
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] in missing else None
+
+        def create_module(self, spec):
+            module = Empty(spec.name)
+            module.__path__ = []
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    if missing:
+        sys.meta_path.insert(0, Finder())
+    return missing
 
 
 def cpu_fields() -> dict[str, str]:
