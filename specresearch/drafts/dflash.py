@@ -221,18 +221,17 @@ class DFlashDraft(FeatureQueue):
         if int(depth.max()) >= self.block.block_size - 1:
             raise ValueError(f"a DFlash block of {self.block.block_size} drafts at most {self.block.block_size - 1} "
                              "tokens a step (gamma, or a tree's depth)")
-        self._append(valid, torch.zeros_like(valid), depth[:, None], None, None)
+        self._slots.append(valid)
+        self._extend(torch.zeros_like(valid), depth[:, None])
         return self._block[rows, depth][:, None]
 
-    def _append(self, valid, context, depth, keys, values) -> torch.Tensor:
-        positions = self._slots.append(valid)
+    def _extend(self, context, depth, keys=None, values=None) -> None:
+        """The new slots' context flags, depths and (none: empty) context keys and values."""
         self._context, self._depth = torch.cat([self._context, context], 1), torch.cat([self._depth, depth], 1)
-        for i in range(len(self._keys)):
-            k = keys[i] if keys is not None else self._keys[i].new_zeros(*self._keys[i].shape[:2], valid.shape[1],
-                                                                          self._keys[i].shape[-1])
-            self._keys[i] = torch.cat([self._keys[i], k], 2)
+        for i, cached in enumerate(self._keys):
+            k = keys[i] if keys is not None else cached.new_zeros(*cached.shape[:2], context.shape[1], cached.shape[-1])
+            self._keys[i] = torch.cat([cached, k], 2)
             self._values[i] = torch.cat([self._values[i], values[i] if values is not None else torch.zeros_like(k)], 2)
-        return positions
 
     def _feed(self, tokens, valid, features, *, every_column: bool) -> torch.Tensor:
         """Slots for ``tokens [B, k]`` reading the features of the slots before them; the blocks of every column (or of
@@ -240,12 +239,12 @@ class DFlashDraft(FeatureQueue):
         if features is None:
             raise ValueError("a DFlash draft needs the target's features (observe) before scoring these tokens")
         (batch, k), start = tokens.shape, self._slots.length
-        positions = self._slots.counts()[:, None] + valid.long().cumsum(-1) - valid.long()
+        positions = self._slots.append(valid)
         context = valid & (positions > 0)  # a row's first slot has no slot before it
         fused = self.block.fuse(features.to(self.device).float())
         cos, sin = self.block.rope((positions - 1).clamp(min=0))
         pairs = [layer.context(fused, cos, sin) for layer in self.block.layers]
-        self._append(valid, context, torch.zeros_like(tokens), [p[0] for p in pairs], [p[1] for p in pairs])
+        self._extend(context, torch.zeros_like(tokens), [p[0] for p in pairs], [p[1] for p in pairs])
         columns = torch.arange(k if every_column else 1, device=self.device) + (0 if every_column else k - 1)
         c, size = len(columns), self.block.block_size
         anchors = positions[:, columns].reshape(-1)  # [B c]
