@@ -750,3 +750,29 @@ def test_the_libraries_power_runs_are_those_that_kept_the_law_and_their_status_r
     assert "0 of 4000 runs in 0 blocks" in lines[2] and "hours" not in lines[2]
     assert script.blocks_path("flashspec", args) != script.blocks_path("flashspec", argparse.Namespace(
         **vars(args) | {"power": 8000}))
+
+
+def test_empty_modules_stand_in_for_missing_packages_only():
+    """``paths.empty_modules`` (what the benchmarks that run speculators' and vLLM's code use for packages their import
+    chains name and the code run never calls): a missing package and its submodules import as empty modules whose
+    attributes subclass (with keywords), subscript and call; an installed package is left alone."""
+    import importlib
+    import json
+    import sys
+
+    from specresearch.paths import empty_modules
+
+    name, finders = "specresearch_no_such_package", list(sys.meta_path)
+    try:
+        assert empty_modules([name, "json"]) == [name]
+        stand_in = importlib.import_module(f"{name}.models").Anything
+
+        class Child(stand_in[int], flag=True):  # msgspec-style subclassing, typing-style subscripting
+            pass
+
+        assert Child(1, key=2) is not None and stand_in()() is None
+        assert json.dumps([1]) == "[1]" and sys.modules["json"].__file__  # the real one
+    finally:
+        sys.meta_path[:] = finders
+        for module in [m for m in sys.modules if m.startswith(name)]:
+            del sys.modules[module]
