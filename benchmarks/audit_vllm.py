@@ -143,7 +143,8 @@ def _run(n: int, temperature: float = 1.0, gamma: int = 2, method: str = "standa
 
 
 # each row records the TV its N detects (cells of expected count >= 20)
-RUNS = [_run(8000), _run(6000, 0.7), _run(6000, method="block"), _run(4000, gamma=3, method="block")]
+RUNS = [_run(8000), _run(6000, 0.7), _run(6000, method="block"), _run(4000, gamma=3, method="block"),
+        _run(20000, gamma=3)]  # the power run: detects TV 0.027
 CONTROLS = [_run(2000, handed="uniform"), _run(4000, method="fly")]
 
 
