@@ -131,10 +131,15 @@ def _pair():
 
 def _run(n: int, temperature: float = 1.0, gamma: int = 2, method: str = "standard", handed: str = "draft",
          fly_window: int = 1) -> TinyRun:
+    expected = ("the target's law rejected: the harness's control" if handed != "draft" else
+                "not the target's law: vLLM documents fly as lossy (the audit has no encoding of it)" if method == "fly"
+                else "the target's law (vLLM's claim)")
+
     def build():
         target, draft = _pair()
         sample = VllmSampler(target, draft, temperature, gamma, method, fly_window, handed)
-        return target, draft, {"gamma": gamma, "vllm_method": method, "handed": handed}, {"sample": sample}
+        return target, draft, {"gamma": gamma, "vllm_method": method, "handed": handed, "expected": expected}, {
+            "sample": sample}
 
     what = f"vLLM 0.34 rejection_sample, method {method!r}" + (f", window {fly_window}" if method == "fly" else "")
     control = "" if handed == "draft" else ", handed uniform draft logits (control)"
