@@ -220,7 +220,7 @@ def _row(row) -> str:
 
 
 EXECUTED_RECORDS = ("audit_executed", "audit_libraries", "audit_mtp", "audit_gemma4", "audit_dflash", "audit_usd",
-                    "audit_early_exit")  # benchmarks/records/<name>.json: the engines run
+                    "audit_early_exit", "audit_vllm")  # benchmarks/records/<name>.json: the engines run
 
 
 def executed_table(rows) -> str:
@@ -232,7 +232,7 @@ def executed_table(rows) -> str:
     lines = ["| engine (their code) | settings | N | audit | p vs target | p vs predicted | TV from target (floor) | "
              "detects TV | finding |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        name = row.get("engine") if row.get("engine") != "python" else row.get("library")
+        name = row.get("engine") if row.get("engine") != "python" else row.get("library") or row["options"].get("name")
         if row.get("model"):  # a run on another target than the embedded pair's (audit_mtp.json)
             name = f"{name} on a {row['model']}"
         if row.get("ran") is False:
