@@ -216,6 +216,7 @@ def test_dflash_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):
         "no_mask": (dict(mask_token_id=None), r"without \['mask_token_id'\]"),
         "layers": (dict(target_layer_ids=[0, 7]), "outside the target's 2 layers"),
         "width": (dict(hidden_size=48), "hidden size 48"),
+        "mask": (dict(mask_token_id=64), "mask_token_id 64 is not a token"),
     }
     for name, (change, message) in cases.items():
         (tmp_path / name).mkdir()

@@ -409,6 +409,10 @@ def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFla
     if int(config["hidden_size"]) != text.hidden_size or config.get("hidden_size_target"):
         raise ValueError(f"{directory}: a DFlash drafter of hidden size {config['hidden_size']} reads a target of the "
                          f"same size, not {text.hidden_size}")
+    rows = int(target_lm.model.get_input_embeddings().weight.shape[0])
+    if not 0 <= int(config["mask_token_id"]) < rows:
+        raise ValueError(f"{directory}: mask_token_id {config['mask_token_id']} is not a token of the target's "
+                         f"embedding ({rows} rows)")
     layers = tuple(int(i) + 1 for i in config["target_layer_ids"])
     if not all(1 <= i <= text.num_hidden_layers for i in layers):
         raise ValueError(f"{directory}: target_layer_ids {config['target_layer_ids']} outside the target's "
