@@ -232,5 +232,5 @@ def test_dflash_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):
     tensors = load_file(directory / "model.safetensors")
     tensors["layers.0.self_attn.q_norm.weight"] = tensors["layers.0.self_attn.q_norm.weight"][:-1].clone()
     save_file(tensors, tmp_path / "tensor" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"misshapen \['layers.0.self_attn.q_norm.weight \(7,\)"):
+    with pytest.raises(ValueError, match=r"tensor layers.0.self_attn.q_norm.weight has shape \(7,\), expected \(8,\)"):
         load_dflash(target, tmp_path / "tensor")

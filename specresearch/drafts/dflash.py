@@ -47,6 +47,7 @@ import torch
 
 from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate_half
+from specresearch.drafts.store import check_tensors, published_weights, read_tensors
 from specresearch.models.causal_lm import SlotMask
 
 __all__ = ["DFlashBlock", "DFlashDraft", "is_dflash_dir", "load_dflash"]
@@ -341,7 +342,7 @@ def is_dflash_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a DFlash drafter in z-lab's layout (``dflash_config``) or transformers'
     (``muse_glimmer_assistant``), with its weights."""
     directory = Path(directory)
-    if not (directory / "config.json").is_file() or not any((directory / w).is_file() for w in _WEIGHTS):
+    if not (directory / "config.json").is_file() or published_weights(directory, _WEIGHTS) is None:
         return False
     config = json.loads((directory / "config.json").read_text())
     return ("dflash_config" in config or config.get("model_type") == "muse_glimmer_assistant"
@@ -417,21 +418,8 @@ def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFla
     if not all(1 <= i <= text.num_hidden_layers for i in layers):
         raise ValueError(f"{directory}: target_layer_ids {config['target_layer_ids']} outside the target's "
                          f"{text.num_hidden_layers} layers")
-    weights = next(directory / w for w in _WEIGHTS if (directory / w).is_file())
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        tensors = load_file(weights)
-    else:
-        tensors = torch.load(weights, map_location="cpu", weights_only=True)
-    tensors = {_TRANSFORMERS_NAMES.get(k, k): v for k, v in tensors.items()}
-    expected = _expected(config)
-    missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    wrong = [f"{k} {tuple(v.shape)} (expected {expected[k]})" for k, v in tensors.items()
-             if k in expected and tuple(v.shape) != expected[k]]
-    if missing or unknown or wrong:
-        raise ValueError(f"{directory}: not the DFlash layout for this config: missing {missing[:6]}, unknown "
-                         f"{unknown[:6]}, misshapen {wrong[:4]}")
+    tensors = {_TRANSFORMERS_NAMES.get(k, k): v for k, v in read_tensors(published_weights(directory, _WEIGHTS)).items()}
+    check_tensors(directory, tensors, _expected(config), set(), "DFlash")
     if "d2t" in tensors and int(config["vocab_size"]) != target_lm.vocab_size:
         raise ValueError(f"{directory}: a draft vocabulary over {config['vocab_size']} tokens, the target has "
                          f"{target_lm.vocab_size}")

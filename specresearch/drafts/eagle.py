@@ -88,6 +88,7 @@ from specresearch.drafts.speculators import (
     speculators_eagle3_config,
     speculators_shapes,
 )
+from specresearch.drafts.store import check_tensors, published_weights, read_tensors
 
 __all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
            "load_eagle3", "save_eagle3", "eagle3_feature_layers"]
@@ -419,7 +420,7 @@ def eagle_format(directory: str | os.PathLike) -> str | None:
     ``config.json`` and a weights file whose tensors carry the head's names: ``midlayer.*``, or ``layers.*`` beside
     ``fc.weight``, with no ``model.`` prefix), else None."""
     directory = Path(directory)
-    weights = _weights_file(directory)
+    weights = published_weights(directory)
     if not (directory / "config.json").is_file() or weights is None:
         return None
     names = _tensor_names(weights)
@@ -439,19 +440,7 @@ def _tensor_names(path: Path) -> set[str]:
 
         with safe_open(path, framework="pt") as f:
             return set(f.keys())
-    return set(_read_tensors(path))
-
-
-def _weights_file(directory: Path) -> Path | None:
-    return next((p for p in (directory / "model.safetensors", directory / "pytorch_model.bin") if p.is_file()), None)
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return set(read_tensors(path))
 
 
 def _expected_shapes(config: dict, text_config, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -486,12 +475,12 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
         config = speculators_eagle3_config(config)
     target = target_lm.model
     text = target.config.get_text_config()
-    tensors = _read_tensors(_weights_file(directory))
+    tensors = read_tensors(published_weights(directory))
     if "layers.0.hidden_norm.weight" in tensors:  # the layer under the name vLLM's and speculators' loaders give it
         tensors = {(f"midlayer.{k[len('layers.0.'):]}" if k.startswith("layers.0.") else k): v
                    for k, v in tensors.items()}
     expected = _expected_shapes(config, text, int(target.get_output_embeddings().weight.shape[0]))
-    _check_tensors(directory, tensors, expected, set(_OPTIONAL) | {"fc.bias"}, "EAGLE-3")
+    check_tensors(directory, tensors, expected, set(_OPTIONAL) | {"fc.bias"}, "EAGLE-3")
     draft_vocab = expected["lm_head.weight"][0]
     token_ids = None
     if "d2t" in tensors and draft_vocab != expected["t2d"][0]:
@@ -536,18 +525,6 @@ def _eagle1_shapes(config: dict, vocab: int) -> tuple[dict[str, tuple[int, ...]]
     return shapes, {"embed_tokens.weight"}
 
 
-def _check_tensors(directory: Path, tensors: dict, expected: dict, optional: set[str], what: str) -> None:
-    """Refuse a missing, unknown or misshapen tensor by name."""
-    missing, unknown = sorted(set(expected) - optional - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or unknown:
-        raise ValueError(f"{directory}: not the {what} layout: missing {missing}, unknown {unknown} (expected "
-                         f"{len(expected) - len(optional)} tensors such as {sorted(set(expected) - optional)[:4]})")
-    for name, value in tensors.items():
-        if tuple(value.shape) != expected[name]:
-            raise ValueError(f"{directory}: tensor {name} has shape {tuple(value.shape)}, expected {expected[name]} "
-                             f"for this config and target")
-
-
 def load_eagle(target_lm, directory: str | os.PathLike, *, device=None) -> EagleDraft:
     """An EAGLE-1/2 or EAGLE-3 head in the repository's layout (:func:`eagle_format`) as a draft for ``target_lm``."""
     kind = eagle_format(directory)
@@ -562,9 +539,9 @@ def load_eagle(target_lm, directory: str | os.PathLike, *, device=None) -> Eagle
     if int(config["hidden_size"]) != target.config.get_text_config().hidden_size:
         raise ValueError(f"{directory}: an EAGLE-1/2 head of hidden size {config['hidden_size']} cannot read a target "
                          f"of hidden size {target.config.get_text_config().hidden_size}")
-    tensors = _read_tensors(_weights_file(directory))
+    tensors = read_tensors(published_weights(directory))
     expected, optional = _eagle1_shapes(config, int(target.get_output_embeddings().weight.shape[0]))
-    _check_tensors(directory, tensors, expected, optional, "EAGLE-1/2")
+    check_tensors(directory, tensors, expected, optional, "EAGLE-1/2")
     head = Eagle1Head(target, config, tensors.get("embed_tokens.weight"))
     head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)  # names checked above
     return EagleDraft(head, max_context=target_lm.max_context, device=device or target_lm.device)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from specresearch.drafts.feature_draft import FeatureQueue
+from specresearch.drafts.store import published_weights, read_tensors
 from specresearch.models.causal_lm import SlotMask
 
 __all__ = ["MedusaHeads", "MedusaDraft", "is_medusa_dir", "load_medusa"]
@@ -188,12 +189,5 @@ def load_medusa(target_lm, directory: str | os.PathLike, *, device=None) -> Medu
     text = target_lm.model.config.get_text_config()
     heads = MedusaHeads(text.hidden_size, target_lm.vocab_size, int(config["medusa_num_heads"]),
                         int(config.get("medusa_num_layers", 1)))
-    path = next(directory / w for w in _WEIGHTS if (directory / w).is_file())
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
-    else:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
-    heads.load_medusa_state(tensors, str(directory))
+    heads.load_medusa_state(read_tensors(published_weights(directory, _WEIGHTS)), str(directory))
     return MedusaDraft(heads, text.num_hidden_layers, device=device or target_lm.device)

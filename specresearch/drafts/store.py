@@ -20,7 +20,8 @@ import torch
 from specresearch.paths import cache_dir, data_dir
 
 __all__ = ["drafts_dir", "shipped_drafts", "embedding_fingerprint", "check_fingerprint", "manifest_path", "read_manifest",
-           "write_manifest", "weights_path", "pack_weights", "draft_digest"]
+           "write_manifest", "weights_path", "pack_weights", "draft_digest", "published_weights", "read_tensors",
+           "check_tensors"]
 
 _PACKED = ".xz"
 
@@ -122,3 +123,31 @@ def draft_digest(directory: str | os.PathLike) -> str:
         file = files[name]
         digest.update(weights_path(file.parent, name).read_bytes() if file.name.endswith(_PACKED) else file.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def published_weights(directory: str | os.PathLike, names=("model.safetensors", "pytorch_model.bin")) -> Path | None:
+    """The first of ``names`` present in a published draft's ``directory`` (its weights file), or None."""
+    return next((Path(directory) / n for n in names if (Path(directory) / n).is_file()), None)
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A published draft's tensors by name from a ``.safetensors`` file or a ``torch.save`` file (weights only)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def check_tensors(directory, tensors: dict, expected: dict, optional: set[str], what: str) -> None:
+    """Refuse in one line a tensor of a published draft that is missing, unknown or of another shape than
+    ``expected`` (name -> shape; those in ``optional`` may be absent), naming the layout ``what``."""
+    missing, unknown = sorted(set(expected) - optional - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"{directory}: not the {what} layout: missing {missing}, unknown {unknown} (expected "
+                         f"{len(expected) - len(optional)} tensors such as {sorted(set(expected) - optional)[:4]})")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(expected[name]):
+            raise ValueError(f"{directory}: tensor {name} has shape {tuple(value.shape)}, expected {expected[name]} "
+                             f"for this config and target")
