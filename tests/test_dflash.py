@@ -183,7 +183,7 @@ def test_speculators_layout_reads_aux_ids_and_its_draft_vocabulary(tmp_path):
     refused = {"anchor": (dict(sample_from_anchor=True), "sample_from_anchor"),
                "key": (dict(dspark_markov_rank=4), r"keys \['dspark_markov_rank'\]"),
                "sliding": (dict(transformer_layer_config={"model_type": "qwen3", "layer_types": ["sliding_attention"]}),
-                           "sliding-window layers")}
+                           "sliding-window")}
     for name, (options, message) in refused.items():
         _speculators(tmp_path / name, directory, **options)
         with pytest.raises(ValueError, match=message):

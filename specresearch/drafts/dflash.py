@@ -47,6 +47,7 @@ import torch
 
 from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate_half
+from specresearch.drafts.speculators import SPECULATORS_METADATA, refused_layer
 from specresearch.drafts.store import check_tensors, published_weights, read_tensors
 from specresearch.models.causal_lm import SlotMask
 
@@ -55,11 +56,8 @@ __all__ = ["DFlashBlock", "DFlashDraft", "is_dflash_dir", "load_dflash"]
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _TRANSFORMERS_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 _REFUSED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # DFlash2's
-_SPECULATORS_KEYS = {"architectures", "auto_map", "dtype", "torch_dtype", "transformers_version", "tie_word_embeddings",
-                     "has_no_defaults_at_init", "_name_or_path", "speculators_config", "speculators_model_type",
-                     "speculators_version", "transformer_layer_config", "draft_vocab_size", "block_size",
-                     "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
-                     "sample_from_anchor"}
+_SPECULATORS_KEYS = SPECULATORS_METADATA | {"block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
+                                           "mask_token_id", "sliding_window_non_causal", "sample_from_anchor"}
 
 
 class _Layer(torch.nn.Module):
@@ -323,11 +321,11 @@ def _config(directory: Path) -> dict:
         return {**config, **(config.get("dflash_config") or {})}
     layer, unknown = dict(config.get("transformer_layer_config") or {}), sorted(set(config) - _SPECULATORS_KEYS)
     why = (f"config keys {unknown} this loader does not read" if unknown else
-           "sample_from_anchor" if config.get("sample_from_anchor") else
-           "sliding-window layers" if "sliding_attention" in (layer.get("layer_types") or ()) or layer.get(
-               "use_sliding_window") else
-           "no aux_hidden_state_layer_ids" if not config.get("aux_hidden_state_layer_ids") else
-           f"a layer of type {layer.get('model_type')!r}" if layer.get("model_type", "qwen3") != "qwen3" else None)
+           "sample_from_anchor" if config.get("sample_from_anchor") else refused_layer(layer))
+    if why is None and not config.get("aux_hidden_state_layer_ids"):
+        why = "no aux_hidden_state_layer_ids"
+    if why is None and layer.get("model_type", "qwen3") != "qwen3":
+        why = f"a layer of type {layer.get('model_type')!r}"
     if why:
         raise ValueError(f"{directory}: a speculators DFlash drafter with {why}: refused (module docstring)")
     flat = {**layer, "architectures": ["DFlashDraftModel"], "block_size": config.get("block_size", 8),

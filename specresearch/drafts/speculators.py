@@ -27,19 +27,23 @@ from types import SimpleNamespace
 
 from specresearch.drafts.feature_draft import DecoderLayer
 
-__all__ = ["SPECULATORS_KEY", "speculators_eagle3_config", "is_speculators_dir", "further_layers",
-           "speculators_shapes"]
+__all__ = ["SPECULATORS_KEY", "SPECULATORS_METADATA", "speculators_eagle3_config", "is_speculators_dir",
+           "further_layers", "speculators_shapes", "refused_layer"]
 
 SPECULATORS_KEY = "speculators_model_type"  # a config read from the vllm-project/speculators layout keeps it
 _READ = ("target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc", "fc_norm",
          "norm_output")
-_METADATA = {"architectures", "auto_map", "draft_vocab_size", "dtype", "torch_dtype", "embed_requires_grad",
-             "has_no_defaults_at_init", "speculators_config", SPECULATORS_KEY, "speculators_version",
-             "tie_word_embeddings", "transformer_layer_config", "transformers_version", "_name_or_path", "model_type"}
+# the keys every speculators config carries that do not change what its model computes (or that its loaders read
+# themselves: the draft vocabulary, the layer's config)
+SPECULATORS_METADATA = {"architectures", "auto_map", "draft_vocab_size", "dtype", "torch_dtype", "has_no_defaults_at_init",
+                        "speculators_config", SPECULATORS_KEY, "speculators_version", "tie_word_embeddings",
+                        "transformer_layer_config", "transformers_version", "_name_or_path", "model_type"}
+_METADATA = SPECULATORS_METADATA | {"embed_requires_grad"}
 
 
-def _refuse_layer(layer: dict) -> str | None:
-    """Why this loader does not build the speculators layer config ``layer``, or None."""
+def refused_layer(layer: dict) -> str | None:
+    """Why the toolkit's loaders do not build the speculators layer config ``layer`` (sliding windows, RoPE per layer
+    type, partial RoPE, an activation other than SiLU), or None."""
     kinds = set(layer.get("layer_types") or ())
     rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
     if "sliding_attention" in kinds or layer.get("use_sliding_window"):
@@ -66,7 +70,7 @@ def speculators_eagle3_config(config: dict) -> dict:
     if unknown:
         raise ValueError(f"speculators EAGLE-3 config keys {unknown} are not read by this loader (it reads "
                          f"{list(_READ)}): a newer option would change the draft; refusing rather than dropping it")
-    why = _refuse_layer(layer)
+    why = refused_layer(layer)
     if why:
         raise ValueError(f"speculators EAGLE-3 head with {why}: this loader builds full-attention SiLU layers with "
                          "full RoPE")
