@@ -209,6 +209,8 @@ def _speculators_checkpoint(directory, *, seed=0, norm_before_residual=True, lay
                                            "num_attention_heads": HEADS, "num_key_value_heads": KV,
                                            "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                                            "vocab_size": VOCAB, "max_position_embeddings": 256, **(layer or {})}}
+    if norm_before_residual is None:  # a config written by hand without the key
+        del config["norm_before_residual"]
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, directory / "model.safetensors")
@@ -344,6 +346,8 @@ def test_speculators_heads_this_loader_does_not_build_are_refused_and_llama3_rop
                                                     "partial_rotary_factor": 0.5}}), "partial rotary"),
         "gelu": (dict(layer={"hidden_act": "gelu"}), "activation 'gelu'"),
         "both_norms": (dict(fc_norm=True, norm_before_fc=True), "both fc_norm and norm_before_fc"),
+        "no_residual_key": (dict(norm_before_residual=None), "without norm_before_residual: speculators 0.9.0 reads "
+                                                             "it as False, vLLM 0.34 as True"),
     }
     for name, (options, message) in refused.items():
         _speculators_checkpoint(tmp_path / name, **options)

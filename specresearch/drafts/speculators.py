@@ -7,8 +7,10 @@ their facts).
   (llama, or qwen3 with per-head q/k norms), beside ``draft_vocab_size``, ``norm_before_residual``,
   ``norm_before_fc``, ``fc_norm``, ``norm_output``, ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids``:
   :func:`speculators_eagle3_config` flattens it to the keys ``drafts.eagle.Eagle3Head`` reads, and refuses in one line
-  a key it does not know (a newer option would otherwise be dropped silently) and a layer it does not build (sliding
-  windows, partial RoPE, an activation other than SiLU);
+  a key it does not know (a newer option would otherwise be dropped silently), a config without
+  ``norm_before_residual`` (speculators writes it always; its own config reads a missing one as False, vLLM 0.34's
+  ``transformers_utils/configs/speculators/algos.py`` as True) and a layer it does not build (sliding windows, partial
+  RoPE, an activation other than SiLU);
 * ``fc_norm``: one RMS norm per feature read (``fc_norm.{i}.weight``, the target's hidden size) over its own slice of
   the features before ``fc`` (``concat(norm_a(h_a), norm_b(h_b), ...)``; exclusive with ``norm_before_fc``'s one norm
   over the concatenation); ``norm_output`` (EAGLE 3.1): the output is ``norm(h)``, both what the logits read (no
@@ -70,6 +72,9 @@ def speculators_eagle3_config(config: dict) -> dict:
     if unknown:
         raise ValueError(f"speculators EAGLE-3 config keys {unknown} are not read by this loader (it reads "
                          f"{list(_READ)}): a newer option would change the draft; refusing rather than dropping it")
+    if "norm_before_residual" not in config:  # speculators writes it always: a config written by hand may lack it
+        raise ValueError("speculators EAGLE-3 config without norm_before_residual: speculators 0.9.0 reads it as "
+                         "False, vLLM 0.34 as True (two different drafts); write the key")
     why = refused_layer(layer)
     if why:
         raise ValueError(f"speculators EAGLE-3 head with {why}: this loader builds full-attention SiLU layers with "
