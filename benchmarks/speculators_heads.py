@@ -15,13 +15,16 @@ drafts them: prefill of the prompt's first j + 2 tokens, then one ``score`` per 
 largest difference of the draft log-probabilities (draft vocabulary mapped to the target's by ``d2t``) per step,
 and, as a control that the comparison can fail, the difference when our reader drops the configuration's option.
 
-DFlash (``DFLASH_CASES``): speculators' ``DFlashDraftModel`` (a Qwen3 layer over the target's hidden states
-``aux_hidden_state_layer_ids``, blocks of 4) with random weights, its embedding and (full vocabulary) head the
-target's, as its ``load_verifier_weights`` makes them; its training forward (``_backbone_forward``: one block per
-anchor, every valid prompt position an anchor, eager attention) gives each anchor's block logits; ours: prefill of the
-prompt before the anchor, then the anchor scored as the engine's pending token (its block), against positions 1 to 3
-of speculators' block for the same anchor. The control drops ``d2t`` (reads draft id i as target id i): the total
-variation distance of the two laws.
+DFlash and DSpark (``DFLASH_CASES``): speculators' ``DFlashDraftModel`` / ``DSparkDraftModel`` (a Qwen3 layer over
+the target's hidden states ``aux_hidden_state_layer_ids``, blocks of 4; DSpark's Markov head of rank 8, vanilla or
+gated, and its confidence head) with random weights, its embedding and (full vocabulary) head the target's, as its
+``load_verifier_weights`` makes them; its training forward (one block per anchor, every valid prompt position an
+anchor, eager attention: DFlash's ``_backbone_forward``; DSpark's whole ``forward``, whose Markov bias reads each
+block's previous tokens, the logits caught where it hands them to its loss) gives each anchor's block logits; ours:
+prefill of the prompt before the anchor, the anchor scored as the engine's pending token, then the prompt's next
+tokens scored as drafted tokens, against the block positions that predict them (1 to 3; 0 to 3 with
+``sample_from_anchor``), for every block inside the prompt. The control drops the Markov head (DSpark), else ``d2t``
+(reads draft id i as target id i): the total variation distance of the two laws.
 
     PYTHONPATH=. .venv/bin/python benchmarks/speculators_heads.py --out benchmarks/records/speculators_heads.json
 """
@@ -167,91 +170,158 @@ def compare(name: str, seed: int, steps: int = 3) -> dict:
 
 
 # name -> (DFlashSpeculatorConfig options, layer config options)
+# name -> (speculators algorithm, its config options, layer config options); DSpark's Markov heads of rank 8
 DFLASH_CASES = {
-    "dflash": ({}, {}),
-    "dflash_full_vocabulary": ({"draft_vocab_size": VOCAB}, {}),
-    "dflash_two_layers_three_features": ({"aux_hidden_state_layer_ids": [1, 4, 7]}, {"num_hidden_layers": 2}),
+    "dflash": ("dflash", {}, {}),
+    "dflash_full_vocabulary": ("dflash", {"draft_vocab_size": VOCAB}, {}),
+    "dflash_two_layers_three_features": ("dflash", {"aux_hidden_state_layer_ids": [1, 4, 7]}, {"num_hidden_layers": 2}),
+    "dflash_sample_from_anchor": ("dflash", {"sample_from_anchor": True}, {}),
+    "dspark": ("dspark", {"markov_rank": 8}, {}),
+    "dspark_gated": ("dspark", {"markov_rank": 8, "markov_head_type": "gated"}, {}),
+    "dspark_bonus_anchor": ("dspark", {"markov_rank": 8, "sample_from_anchor": False}, {}),
+    "dspark_full_vocabulary_two_layers": ("dspark", {"markov_rank": 8, "draft_vocab_size": VOCAB},
+                                          {"num_hidden_layers": 2}),
+    "dspark_without_markov_head": ("dspark", {"markov_rank": 0, "enable_confidence_head": False}, {}),
 }
 DFLASH_BLOCK = 4
 
 
+def _their_block_logits(model, algorithm: str, features, prompt, last_hidden):
+    """speculators' drafter on ``prompt``: the logits of every anchor's block ``[anchors, B, draft vocabulary]`` and
+    each block's anchor. DFlash: its ``_backbone_forward``; DSpark: its whole training ``forward`` (the Markov bias
+    of each block's previous tokens added there), the logits caught where it hands them to its loss."""
+    import speculators.models.dspark.core as dspark_core
+
+    caught = {}
+    backbone = model._backbone_forward
+
+    def backbone_caught(*args, **kwargs):
+        caught["backbone"] = backbone(*args, **kwargs)
+        return caught["backbone"]
+
+    def metrics_caught(logits, *args, **kwargs):
+        caught["logits"] = logits
+        return torch.zeros(()), {}
+
+    model._backbone_forward, metrics = backbone_caught, dspark_core.compute_metrics
+    dspark_core.compute_metrics = metrics_caught
+    try:
+        with torch.no_grad():
+            arguments = (features, prompt, torch.ones_like(prompt), last_hidden, torch.zeros_like(prompt))
+            if algorithm == "dspark":
+                model(*arguments, max_anchors=len(PROMPT))
+            else:
+                backbone_caught(*arguments, max_anchors=len(PROMPT))
+                caught["logits"] = caught["backbone"][1]
+    finally:
+        dspark_core.compute_metrics = metrics
+        del model._backbone_forward
+    blocks = caught["backbone"][4].view(-1, DFLASH_BLOCK)
+    return caught["logits"][0].float().view(len(blocks), DFLASH_BLOCK, -1), blocks[:, 0].tolist()
+
+
+def _our_predictions(target, directory: Path, prompt, anchor: int, count: int) -> torch.Tensor:
+    """Ours as the engine drafts: prefill of the prompt before ``anchor``, the anchor scored as the pending token,
+    then the prompt's next ``count - 1`` tokens as drafted tokens -> ``[count, V]`` log-probabilities."""
+    from specresearch.drafts.registry import draft_from_name
+
+    draft = draft_from_name(str(directory), target)
+    before = prompt[:, :anchor]
+    _, features = target.prefill(before, torch.ones_like(before), hidden_layers=draft.feature_layers)
+    shifted = torch.cat([torch.zeros_like(features[:, :1]), features], 1)
+    draft.observe(shifted[:, :-1])
+    draft.prefill(before, torch.ones_like(before))
+    draft.observe(shifted[:, -1:])
+    rows = [draft.score(prompt[:, anchor + j : anchor + j + 1])[0, -1] for j in range(count)]
+    return torch.stack(rows).float().log_softmax(-1)
+
+
 def dflash_compare(name: str, seed: int) -> dict:
-    """speculators' DFlash drafter for case ``name`` against ``drafts.dflash`` (module docstring)."""
+    """speculators' DFlash or DSpark drafter for case ``name`` against ``drafts.dflash`` (module docstring)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash.config import DFlashSpeculatorConfig
     from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.models.dspark.config import DSparkSpeculatorConfig
+    from speculators.models.dspark.core import DSparkDraftModel
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import AutoConfig
 
-    from specresearch.drafts.registry import draft_from_name
     from specresearch.models.toy import tiny_llama
 
     target = tiny_llama(VOCAB, seed=0, init_std=0.5, num_layers=LAYERS, hidden_size=HIDDEN)
-    options, layer_options = DFLASH_CASES[name]
+    algorithm, options, layer_options = DFLASH_CASES[name]
     layer = AutoConfig.for_model("qwen3", **{**dict(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
                                                     num_key_value_heads=KV, head_dim=HIDDEN // HEADS, num_hidden_layers=1,
                                                     vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6),
                                              **layer_options})
     layer._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])
-    config = DFlashSpeculatorConfig(
+    config_class, model_class = ((DSparkSpeculatorConfig, DSparkDraftModel) if algorithm == "dspark" else
+                                 (DFlashSpeculatorConfig, DFlashDraftModel))
+    config = config_class(
         transformer_layer_config=layer, **{"draft_vocab_size": DRAFT_VOCAB, "block_size": DFLASH_BLOCK,
                                            "aux_hidden_state_layer_ids": [2, 5], "mask_token_id": VOCAB - 1, **options},
-        speculators_config=SpeculatorsConfig(algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig()],
+        speculators_config=SpeculatorsConfig(algorithm=algorithm, proposal_methods=[GreedyTokenProposalConfig()],
                                              default_proposal_method="greedy", verifier=verifier))
     torch.manual_seed(seed)
-    model = _randomised(DFlashDraftModel(config).eval(), seed)
+    model = _randomised(model_class(config).eval(), seed)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)  # the verifier's, as loaded
         if model.d2t is None:
             model.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
     ids = (torch.arange(DRAFT_VOCAB) + model.d2t) if model.d2t is not None else torch.arange(VOCAB)
     prompt = torch.tensor([PROMPT])
+    first = 0 if config.sample_from_anchor else 1  # the block position of the first drafted token
+    count = DFLASH_BLOCK - first
     with tempfile.TemporaryDirectory() as folder:
         directory = Path(folder) / name
         model.save_pretrained(directory)
-        aux = config.aux_hidden_state_layer_ids
         with torch.no_grad():
             hidden = target.model(prompt, output_hidden_states=True).hidden_states
-            features = torch.cat([hidden[i] for i in aux], -1)
-            _, logits, _, _, blocks = model._backbone_forward(
-                features, prompt, torch.ones_like(prompt), hidden[-1], torch.zeros_like(prompt), max_anchors=len(PROMPT))
-        theirs = logits[0].float().log_softmax(-1).view(-1, DFLASH_BLOCK, len(ids))
-        anchors = blocks.view(-1, DFLASH_BLOCK)[:, 0].tolist()
-        differences, control = [], []
+        features = torch.cat([hidden[i] for i in config.aux_hidden_state_layer_ids], -1)
+        theirs, anchors = _their_block_logits(model, algorithm, features, prompt, hidden[-1])
+        theirs = theirs.log_softmax(-1)
+        # the first token has no context (the engine never anchors there); a block must lie inside the prompt
+        compared = [(block, a) for block, a in enumerate(anchors) if 1 <= a and a + count <= len(PROMPT)]
+        control = "markov_head" if getattr(model, "markov_head", None) is not None else (
+            "d2t" if model.d2t is not None else None)
+        differences, distances = [], []
         for dropped in (False, True):
-            if dropped:  # the control: d2t dropped, draft id i read as target id i
-                if model.d2t is None:
+            if dropped:  # the control: the Markov head dropped (DSpark), else d2t (draft id i read as target id i)
+                if control is None:
                     break
-                from safetensors.torch import load_file, save_file
-
-                tensors = load_file(directory / "model.safetensors")
-                tensors["d2t"] = torch.zeros_like(tensors["d2t"])
-                save_file(tensors, directory / "model.safetensors")
+                _drop(directory, control)
             worst = 0.0
-            for block, anchor in enumerate(anchors):
-                if anchor < 1:
-                    continue  # the first token has no context; the engine never anchors there
-                draft = draft_from_name(str(directory), target)
-                before = prompt[:, :anchor]
-                _, ours_features = target.prefill(before, torch.ones_like(before), hidden_layers=draft.feature_layers)
-                shifted = torch.cat([torch.zeros_like(ours_features[:, :1]), ours_features], 1)
-                draft.observe(shifted[:, :-1])
-                draft.prefill(before, torch.ones_like(before))
-                draft.observe(shifted[:, -1:])
-                draft.score(prompt[:, anchor : anchor + 1])
-                ours = draft._block[0].float().log_softmax(-1)  # block positions 1 .. B - 1, the target's vocabulary
-                if dropped:  # total variation from speculators' law (ours puts its mass on other ids)
-                    law = torch.zeros_like(ours).index_copy_(1, ids, theirs[block, 1:].exp())
+            for block, anchor in compared:
+                ours = _our_predictions(target, directory, prompt, anchor, count)  # [count, V]
+                want = theirs[block, first:]
+                if dropped:  # total variation from speculators' law
+                    law = torch.zeros_like(ours).index_copy_(1, ids, want.exp())
                     worst = max(worst, float((ours.exp() - law).abs().sum(-1).max() / 2))
                 else:
-                    worst = max(worst, float((ours[:, ids] - theirs[block, 1:]).abs().max()))
-            (control if dropped else differences).append(worst)
-    row = {"case": name, "kind": "dflash", "seed": seed, "options": options, "layer": layer_options,
-           "anchors": len([a for a in anchors if a >= 1]), "max_abs_logprob_difference": differences}
-    if control:
-        row |= {"control_dropped": "d2t", "control_total_variation": control}
+                    worst = max(worst, float((ours[:, ids] - want).abs().max()))
+            (distances if dropped else differences).append(worst)
+    row = {"case": name, "kind": algorithm, "seed": seed, "options": options, "layer": layer_options,
+           "anchors": len(compared), "drafted_per_anchor": count, "max_abs_logprob_difference": differences}
+    if distances:
+        row |= {"control_dropped": control, "control_total_variation": distances}
     return row
+
+
+def _drop(directory: Path, what: str) -> None:
+    """The saved drafter in ``directory`` without its Markov head (``markov_head``: rank 0 in its config, the tensors
+    removed) or with ``d2t`` zeroed."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    if what == "d2t":
+        tensors["d2t"] = torch.zeros_like(tensors["d2t"])
+    else:
+        config = json.loads((directory / "config.json").read_text())
+        config |= {"markov_rank": 0, "enable_confidence_head": False}
+        (directory / "config.json").write_text(json.dumps(config))
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(("markov_head.", "confidence_head."))}
+    save_file(tensors, directory / "model.safetensors")
 
 
 def _feature_layers(directory: Path) -> list[int]:

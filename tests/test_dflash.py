@@ -47,10 +47,10 @@ def _pair(tmp_path, **config):
     return CausalLM(target), assistant, tmp_path / "drafter"
 
 
-def _theirs(target, assistant, prompt, mask=None, head=None):
+def _theirs(target, assistant, prompt, mask=None, head=None, first=1):
     """transformers' drafter on the context of ``prompt``'s tokens before the last (the anchor) -> the target's head
-    (or ``head``) on block positions 1..B-1, ``[B - 1, V]``; ``mask``: the attention mask of each layer type, else its
-    own."""
+    (or ``head``) on block positions ``first``..B-1, ``[B - first, V]``; ``mask``: the attention mask of each layer
+    type, else its own."""
     from transformers.cache_utils import DFlashCache
 
     config, cache = assistant.config, DFlashCache(config=assistant.config)  # as its candidate generator calls it
@@ -62,7 +62,7 @@ def _theirs(target, assistant, prompt, mask=None, head=None):
         out = assistant(noise_embeds=target.model.get_input_embeddings()(ids), context_hidden_states=context,
                         position_ids=torch.arange(len(prompt) - 1 + config.block_size)[None],
                         attention_mask=mask, cache=cache).last_hidden_state
-        return (head or target.model.get_output_embeddings())(out[:, 1:])[0]
+        return (head or target.model.get_output_embeddings())(out[:, first:])[0]
 
 
 def _ours(target, draft, prompts, drafted=(7, 19)):
@@ -167,7 +167,7 @@ def _speculators(directory, source, draft_ids=None, **options):
 def test_speculators_layout_reads_aux_ids_and_its_draft_vocabulary(tmp_path):
     """speculators' DFlash layout: the full-vocabulary drafter gives the blocks of the same weights in transformers'
     layout; with a draft vocabulary of 40 tokens the block's law lives on them, its logits its own head's (d2t-mapped);
-    sample_from_anchor, sliding layers and an unknown key are refused."""
+    sliding layers and an unknown key are refused."""
     target, assistant, directory = _pair(tmp_path, layer_types=["full_attention"])
     full, _ = _speculators(tmp_path / "full", directory)
     assert draft_format(full) == DFLASH_FORMAT
@@ -180,8 +180,7 @@ def test_speculators_layout_reads_aux_ids_and_its_draft_vocabulary(tmp_path):
     assert torch.all(got.softmax(-1)[:, off] == 0)  # no mass off the draft vocabulary
     head = lambda h: h @ tensors["lm_head.weight"].T  # noqa: E731
     assert torch.allclose(got[:, ids], _theirs(target, assistant, PROMPTS[0], head=head), atol=1e-4)
-    refused = {"anchor": (dict(sample_from_anchor=True), "sample_from_anchor"),
-               "key": (dict(dspark_markov_rank=4), r"keys \['dspark_markov_rank'\]"),
+    refused = {"key": (dict(dspark_markov_rank=4), r"keys \['dspark_markov_rank'\]"),
                "sliding": (dict(transformer_layer_config={"model_type": "qwen3", "layer_types": ["sliding_attention"]}),
                            "sliding-window")}
     for name, (options, message) in refused.items():
@@ -234,3 +233,95 @@ def test_dflash_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):
     save_file(tensors, tmp_path / "tensor" / "model.safetensors")
     with pytest.raises(ValueError, match=r"tensor layers.0.self_attn.q_norm.weight has shape \(7,\), expected \(8,\)"):
         load_dflash(target, tmp_path / "tensor")
+
+
+def _dspark(directory, source, *, anchor=True, rank=4, gated=False, draft_ids=None, **options):
+    """The drafter of transformers' layout in ``source`` as vllm-project/speculators saves a DSpark drafter
+    (``speculators_model_type: dspark``): ``sample_from_anchor``, a Markov head of ``rank`` (``gated``) and a
+    confidence head, their weights random. -> (directory, tensors)."""
+    from safetensors.torch import save_file
+
+    H, vocab = 32, 64
+    spec = dict(speculators_model_type="dspark", sample_from_anchor=anchor, markov_rank=rank,
+                markov_head_type="gated" if gated else "vanilla", enable_confidence_head=True,
+                confidence_head_with_markov=True, **options)
+    directory, tensors = _speculators(directory, source, draft_ids=draft_ids, **spec)
+    if draft_ids is not None:
+        spec["draft_vocab_size"] = len(draft_ids)
+    g = torch.Generator().manual_seed(5)
+    draft_vocab = vocab if draft_ids is None else len(draft_ids)
+    tensors |= {"markov_head.markov_w1.weight": torch.randn(vocab, rank, generator=g),
+                "markov_head.markov_w2.weight": torch.randn(draft_vocab, rank, generator=g),
+                "confidence_head.proj.weight": torch.randn(1, H + rank, generator=g),
+                "confidence_head.proj.bias": torch.randn(1, generator=g)}
+    if gated:
+        tensors |= {"markov_head.gate_proj.weight": torch.randn(rank, H + rank, generator=g),
+                    "markov_head.gate_proj.bias": torch.randn(rank, generator=g)}
+    save_file(tensors, directory / "model.safetensors")
+    return directory, tensors
+
+
+def _markov(tensors, previous, hidden):
+    """speculators' Markov bias by hand: ``w2 @ e``, ``e = w1[previous]``, gated by ``sigmoid(W [hidden; e] + b)``."""
+    e = tensors["markov_head.markov_w1.weight"][previous]
+    if "markov_head.gate_proj.weight" in tensors:
+        z = torch.cat([hidden, e], -1) @ tensors["markov_head.gate_proj.weight"].T + tensors["markov_head.gate_proj.bias"]
+        e = torch.sigmoid(z) * e
+    return e @ tensors["markov_head.markov_w2.weight"].T
+
+
+@pytest.mark.parametrize("anchor, gated, vocabulary", [(True, False, False), (False, True, True), (True, True, False)])
+def test_dspark_adds_the_markov_bias_of_the_previous_token_to_the_block(tmp_path, anchor, gated, vocabulary):
+    """speculators' DSpark layout: drafted position j's logits are the block's (position j with sample_from_anchor,
+    j + 1 without) plus the Markov bias of the token before it (the anchor, then the drafted tokens), on the draft
+    vocabulary's columns; without the bias the logits differ."""
+    target, assistant, directory = _pair(tmp_path, layer_types=["full_attention"])
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:40].sort().values if vocabulary else None
+    dspark, tensors = _dspark(tmp_path / "dspark", directory, anchor=anchor, gated=gated, draft_ids=ids)
+    draft = draft_from_name(str(dspark), target)
+    assert draft_format(dspark) == DFLASH_FORMAT and draft.plan_length(8) == (BLOCK if anchor else BLOCK - 1)
+    prompt, drafted = PROMPTS[0], (7, 19)
+    got = _ours(target, draft, [prompt], drafted)[0]
+    columns = ids if vocabulary else torch.arange(64)
+    head = (lambda h: h @ tensors["lm_head.weight"].T) if vocabulary else None  # noqa: E731
+    first = 0 if anchor else 1
+    base = _theirs(target, assistant, prompt, head=head, first=first)[: 1 + len(drafted)]
+    hidden = _theirs(target, assistant, prompt, head=lambda h: h, first=first)[: 1 + len(drafted)]
+    want = base + _markov(tensors, torch.tensor([prompt[-1], *drafted]), hidden)
+    assert torch.allclose(got[:, columns], want, atol=1e-4), (got[:, columns] - want).abs().max()
+    assert not torch.allclose(got[:, columns], base, atol=1e-2)  # the bias matters
+    if vocabulary:
+        off = torch.ones(64, dtype=torch.bool).index_fill_(0, ids, False)
+        assert torch.all(got.softmax(-1)[:, off] == 0)
+
+
+def test_dspark_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):
+    target, _, directory = _pair(tmp_path, layer_types=["full_attention"])
+    dspark, _ = _dspark(tmp_path / "dspark", directory, anchor=True, gated=True)
+    draft = draft_from_name(str(dspark), target)
+    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]], SamplingConfig(temperature=0.0)
+    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=greedy).tokens
+    for options in (dict(verifier="block", gamma=4), dict(verifier="traversal", num_drafts=2, gamma=3),
+                    dict(verifier="onehot", num_drafts=2, gamma=4, draft_law="dynamic")):
+        result = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=greedy, **options)
+        assert result.tokens == want, options
+        assert max(step.gamma for step in result.steps) <= BLOCK  # sampling from the anchor: B drafts a block
+    result = lossless_test(target, draft, "token", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=4, k=3,
+                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
+def test_dspark_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):
+    target, _, directory = _pair(tmp_path, layer_types=["full_attention"])
+    cases = {"no_anchor_key": (dict(), "no sample_from_anchor"), "rnn": (dict(markov_head_type="rnn"), "'rnn'")}
+    for name, (options, message) in cases.items():
+        dspark, _ = _dspark(tmp_path / name, directory)
+        config = json.loads((dspark / "config.json").read_text())
+        if name == "no_anchor_key":
+            del config["sample_from_anchor"]
+        (dspark / "config.json").write_text(json.dumps({**config, **options}))
+        with pytest.raises(ValueError, match=message):
+            load_dflash(target, dspark)
+    deepseek = _zlab(tmp_path / "deepseek", directory, markov_rank=4)
+    with pytest.raises(ValueError, match="DSpark drafter outside speculators' layout"):
+        load_dflash(target, deepseek)

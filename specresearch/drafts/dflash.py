@@ -19,22 +19,35 @@ The formats (our code, their facts):
   the Qwen3 layer config under ``transformer_layer_config``, ``block_size``, ``mask_token_id`` and
   ``aux_hidden_state_layer_ids`` (transformers' ``hidden_states`` indices: z-lab's ids + 1, as vLLM converts them);
   z-lab's tensor names, and where ``draft_vocab_size`` is below the vocabulary its own ``lm_head [D, H]`` with ``d2t``
-  (draft id i is target id i + d2t[i]) instead of the target's head. Every layer bidirectional; refused in one line:
-  ``sample_from_anchor`` (the anchor's own output drafts too), sliding layers (its window counts from the anchor), a
-  config key this loader does not read.
+  (draft id i is target id i + d2t[i]) instead of the target's head. Every layer bidirectional; ``sample_from_anchor``
+  (below); refused in one line: sliding layers (its window counts from the anchor), a config key this loader does
+  not read.
+* DSpark in speculators' layout (``speculators_model_type: "dspark"``, ``models/dspark``: the drafter of
+  deepseek-ai's DSpark checkpoints as speculators trains them and vLLM 0.34 serves them): the DFlash block plus a
+  Markov head: drafted position j's logits gain ``markov_w2(e)``, ``e = markov_w1[x]`` of the token x before the
+  predicted one (the anchor, then the drafted tokens; ``markov_head_type: gated`` multiplies e by
+  ``sigmoid(gate_proj([h_j; e]))``, h_j the block's normed output there), on the draft vocabulary's columns;
+  ``markov_rank`` 0 has none. Its confidence head (``confidence_head.proj``) is read and not used: it predicts
+  acceptance for vLLM's adaptive budget and leaves the draft's law alone. Refused in one line: a config without
+  ``sample_from_anchor`` (speculators' config reads it as True, vLLM 0.34's reader as False: two different
+  drafts), the ``rnn`` head (a state carried along the block), DSpark in DeepSeek's own layout (a config with
+  ``markov_rank`` outside speculators').
 
 One drafting call (the same in both): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
 which each layer reads through its own k / v projections (k normed per head, RoPE at the slot's position), without
 the layer's input norm; the block is the target's embedding (the raw table, times ``input_embedding_scale``) of
 ``[anchor, mask x (B - 1)]`` at the anchor's position onwards, through the layers (attention over the context and
 the block), then ``norm``; the target's own output head on block position i >= 1 is the law of the token at the
-anchor's position + i (times ``output_multiplier``, softcapped where the config says).
+anchor's position + i (times ``output_multiplier``, softcapped where the config says). With ``sample_from_anchor``
+(speculators: DSpark's default, DFlash's option) position i >= 0 is the law of the token at the anchor's position +
+i + 1: the anchor's own output drafts the first token.
 
 As a draft here: the anchor is the engine's pending token, whose queued feature is the last slot of the context; the
-d-th drafted token is drawn from block position d. The block does not read the drafted tokens, so the slot of the
-d-th drafted token returns block position d + 1 (a tree's siblings share it) and a step drafts at most B - 1 tokens
-(``plan_length``). Rows copy and select (``RowExpander``). q is the block's softmax; any verifier of the engine keeps
-the target's law.
+d-th drafted token is drawn from block position d (d - 1 sampling from the anchor). The block does not read the
+drafted tokens, so the slot of the d-th drafted token returns the block's next position (a tree's siblings share it;
+DSpark adds the Markov bias of the token the slot holds) and a step drafts at most B - 1 tokens (B sampling from the
+anchor; ``plan_length``). Rows copy and select (``RowExpander``). q is the softmax of those logits; any verifier of
+the engine keeps the target's law.
 """
 
 from __future__ import annotations
@@ -51,13 +64,15 @@ from specresearch.drafts.speculators import SPECULATORS_METADATA, refused_layer
 from specresearch.drafts.store import check_tensors, published_weights, read_tensors
 from specresearch.models.causal_lm import SlotMask
 
-__all__ = ["DFlashBlock", "DFlashDraft", "is_dflash_dir", "load_dflash"]
+__all__ = ["DFlashBlock", "DFlashDraft", "MarkovHead", "is_dflash_dir", "load_dflash"]
 
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _TRANSFORMERS_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 _REFUSED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # DFlash2's
 _SPECULATORS_KEYS = SPECULATORS_METADATA | {"block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
                                            "mask_token_id", "sliding_window_non_causal", "sample_from_anchor"}
+_DSPARK_KEYS = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
+_SPECULATORS_TYPES = ("dflash", "dspark")
 
 
 class _Layer(torch.nn.Module):
@@ -125,6 +140,12 @@ class DFlashBlock(torch.nn.Module):
         if config.get("draft_token_ids") is not None:
             ids = torch.as_tensor(config["draft_token_ids"])
             self.head = SubsetHead(torch.zeros(len(ids), H), ids, int(config["vocab_size"]))
+        self.from_anchor = bool(config.get("sample_from_anchor"))  # the anchor's own output drafts the first token
+        self.predictions = self.block_size - (0 if self.from_anchor else 1)  # drafted tokens a block gives
+        rank = int(config.get("markov_rank") or 0)
+        draft_vocab = int(config.get("draft_vocab_size") or config["vocab_size"])
+        self.markov_head = MarkovHead(int(config["vocab_size"]), draft_vocab, rank, H,
+                                      config.get("markov_head_type") == "gated") if rank else None
         keys = set(LlamaConfig().to_dict()) | {"rope_theta", "rope_scaling"}
         rope = {k: v for k, v in config.items() if k in keys and k not in ("layer_types", "sliding_window")}
         self.rotary = LlamaRotaryEmbedding(LlamaConfig(**rope))
@@ -144,6 +165,26 @@ class DFlashBlock(torch.nn.Module):
         for layer, kind, k, v in zip(self.layers, self.kinds, keys, values):
             h = layer(h, cos, sin, k, v, masks[kind])
         return self.norm(h)
+
+
+
+class MarkovHead(torch.nn.Module):
+    """DSpark's sequential logit bias over the draft vocabulary (speculators' ``MarkovHead``, ``vanilla`` or
+    ``gated``): ``markov_w2(e)`` with ``e = markov_w1[previous token]`` (the target's ids), gated by
+    ``sigmoid(gate_proj([hidden, e]))`` where ``gated``; ``hidden`` is the block's normed output at the slot."""
+
+    def __init__(self, vocab: int, draft_vocab: int, rank: int, hidden: int, gated: bool) -> None:
+        super().__init__()
+        self.markov_w1 = torch.nn.Embedding(vocab, rank)
+        self.markov_w2 = torch.nn.Linear(rank, draft_vocab, bias=False)
+        self.gate_proj = torch.nn.Linear(hidden + rank, rank) if gated else None
+
+    def forward(self, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``previous [...]`` token ids, ``hidden [..., H]`` -> the bias ``[..., draft vocabulary]``."""
+        embedding = self.markov_w1(previous)
+        if self.gate_proj is not None:
+            embedding = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedding], -1))) * embedding
+        return self.markov_w2(embedding)
 
 
 def _mask(kind, query_positions, key_positions, key_valid) -> torch.Tensor:
@@ -177,6 +218,7 @@ class DFlashDraft(FeatureQueue):
         self.feature_size = block.fc.in_features
         self._slots: SlotMask | None = None
         self._queued: torch.Tensor | None = None
+        self._hidden: torch.Tensor | None = None  # DSpark's gated head: the last anchor's block outputs
 
     @property
     def cache_length(self) -> int:
@@ -189,11 +231,11 @@ class DFlashDraft(FeatureQueue):
         self._keys = [empty(layer.kv_heads, 0, layer.head_dim) for _ in self.block.layers]
         self._values = [empty(layer.kv_heads, 0, layer.head_dim) for _ in self.block.layers]
         self._context, self._depth = empty(0, dtype=torch.bool), empty(0, dtype=torch.long)
-        self._block, self._queued = None, None
+        self._block, self._hidden, self._queued = None, None, None
 
     def plan_length(self, gamma: int) -> int:
-        """At most ``block_size - 1`` drafted tokens."""
-        return min(gamma, self.block.block_size - 1)
+        """At most ``block_size - 1`` drafted tokens (``block_size`` sampling from the anchor)."""
+        return min(gamma, self.block.predictions)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -217,12 +259,13 @@ class DFlashDraft(FeatureQueue):
         last = self._slots.length - 1 - self._slots.mask.flip(-1).long().argmax(-1)  # [B] each row's last slot
         rows = torch.arange(len(tokens), device=self.device)
         depth = self._depth[rows, last] + 1
-        if int(depth.max()) >= self.block.block_size - 1:
-            raise ValueError(f"a DFlash block of {self.block.block_size} drafts at most {self.block.block_size - 1} "
+        if int(depth.max()) >= self.block.predictions:
+            raise ValueError(f"a DFlash block of {self.block.block_size} drafts at most {self.block.predictions} "
                              "tokens a step (gamma, or a tree's depth)")
         self._slots.append(valid)
         self._extend(torch.zeros_like(valid), depth[:, None])
-        return self._block[rows, depth][:, None]
+        hidden = None if self._hidden is None else self._hidden[rows, depth]
+        return self._logits(self._block[rows, depth], tokens[:, 0], hidden)[:, None]
 
     def _extend(self, context, depth, keys=None, values=None) -> None:
         """The new slots' context flags, depths and (none: empty) context keys and values."""
@@ -261,15 +304,28 @@ class DFlashDraft(FeatureQueue):
         keys = [x.repeat_interleave(c, 0) for x in self._keys]
         values = [x.repeat_interleave(c, 0) for x in self._values]
         out = self.block.run(embeds, query_positions, keys, values, masks)  # [B c, size, H]
-        logits = self._logits(out[:, 1:]).view(batch, c, size - 1, -1)
-        self._block = logits[:, -1]
+        hidden = out[:, size - self.block.predictions:].reshape(batch, c, self.block.predictions, -1)
+        base = self._base(hidden)  # [B, c, P, V]
+        self._block = base[:, -1]
+        self._hidden = hidden[:, -1] if self.block.markov_head is not None else None
         result = torch.zeros(batch, k, self.vocab_size, device=self.device)
-        result[:, columns] = logits[:, :, 0]
+        result[:, columns] = self._logits(base[:, :, 0], tokens[:, columns], hidden[:, :, 0])
         return result
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _base(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head's logits over the target's vocabulary (the draft vocabulary's others the lowest float)."""
         head = self.block.head if self.block.head is not None else self._frozen["head"]
-        logits = head(hidden.to(head.weight.dtype))[..., : self.vocab_size].float() * self.block.output_multiplier
+        return head(hidden.to(head.weight.dtype))[..., : self.vocab_size].float()
+
+    def _logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """A drafted position's logits: ``base`` plus DSpark's Markov bias of the ``previous`` token (on the draft
+        vocabulary's columns), times ``output_multiplier``, softcapped where the config says."""
+        if self.block.markov_head is not None:
+            bias = self.block.markov_head(previous, hidden).float()
+            ids = self.block.head.token_ids if self.block.head is not None else torch.arange(
+                bias.shape[-1], device=bias.device)
+            base = base.index_add(-1, ids, bias)
+        logits = base * self.block.output_multiplier
         if self.block.softcap > 0:
             logits = torch.tanh(logits / self.block.softcap) * self.block.softcap
         return logits
@@ -292,6 +348,7 @@ class DFlashDraft(FeatureQueue):
         self._keys = [x.repeat_interleave(k, 0) for x in self._keys]
         self._values = [x.repeat_interleave(k, 0) for x in self._values]
         self._block = None if self._block is None else self._block.repeat_interleave(k, 0)
+        self._hidden = None if self._hidden is None else self._hidden.repeat_interleave(k, 0)
         self._queued = None if self._queued is None else self._queued.repeat_interleave(k, 0)
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -300,6 +357,7 @@ class DFlashDraft(FeatureQueue):
         self._context, self._depth = self._context[index], self._depth[index]
         self._keys, self._values = [x[index] for x in self._keys], [x[index] for x in self._values]
         self._block = None if self._block is None else self._block[index]
+        self._hidden = None if self._hidden is None else self._hidden[index]
         self._queued = None if self._queued is None else self._queued[index]
         self._compact()
 
@@ -317,34 +375,46 @@ def _config(directory: Path) -> dict:
     them); a speculators config flattened (its layer's keys, ``target_layer_ids`` from ``aux_hidden_state_layer_ids``)
     after the refusals of the module docstring."""
     config = json.loads((directory / "config.json").read_text())
-    if config.get("speculators_model_type") != "dflash":
+    kind = config.get("speculators_model_type")
+    if kind not in _SPECULATORS_TYPES:
+        if "markov_rank" in config or "markov_rank" in (config.get("dflash_config") or {}):
+            raise ValueError(f"{directory}: a DSpark drafter outside speculators' layout (DeepSeek's): not read; "
+                             "speculators' layout (speculators_model_type dspark) is")
         return {**config, **(config.get("dflash_config") or {})}
-    layer, unknown = dict(config.get("transformer_layer_config") or {}), sorted(set(config) - _SPECULATORS_KEYS)
-    why = (f"config keys {unknown} this loader does not read" if unknown else
-           "sample_from_anchor" if config.get("sample_from_anchor") else refused_layer(layer))
+    known = _SPECULATORS_KEYS | (_DSPARK_KEYS if kind == "dspark" else set())
+    layer, unknown = dict(config.get("transformer_layer_config") or {}), sorted(set(config) - known)
+    why = f"config keys {unknown} this loader does not read" if unknown else refused_layer(layer)
     if why is None and not config.get("aux_hidden_state_layer_ids"):
         why = "no aux_hidden_state_layer_ids"
     if why is None and layer.get("model_type", "qwen3") != "qwen3":
         why = f"a layer of type {layer.get('model_type')!r}"
+    if why is None and kind == "dspark" and "sample_from_anchor" not in config:
+        why = "no sample_from_anchor (speculators 0.9.0 reads it as True, vLLM 0.34 as False: two drafts)"
+    if why is None and kind == "dspark" and config.get("markov_head_type", "vanilla") not in ("vanilla", "gated"):
+        why = f"a Markov head of type {config['markov_head_type']!r} (this loader builds vanilla and gated)"
     if why:
-        raise ValueError(f"{directory}: a speculators DFlash drafter with {why}: refused (module docstring)")
+        raise ValueError(f"{directory}: a speculators {kind} drafter with {why}: refused (module docstring)")
     flat = {**layer, "architectures": ["DFlashDraftModel"], "block_size": config.get("block_size", 8),
             "mask_token_id": config.get("mask_token_id"), "draft_vocab_size": config.get("draft_vocab_size"),
-            "target_layer_ids": [int(i) - 1 for i in config["aux_hidden_state_layer_ids"]]}
+            "target_layer_ids": [int(i) - 1 for i in config["aux_hidden_state_layer_ids"]],
+            "sample_from_anchor": bool(config.get("sample_from_anchor"))}
+    if kind == "dspark":
+        flat |= {k: config.get(k) for k in _DSPARK_KEYS}
+        flat["markov_rank"] = int(config.get("markov_rank", 256))  # speculators' default
     if config.get("target_hidden_size") not in (None, layer.get("hidden_size")):
         flat["hidden_size_target"] = config["target_hidden_size"]
     return flat
 
 
 def is_dflash_dir(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a DFlash drafter in z-lab's layout (``dflash_config``) or transformers'
-    (``muse_glimmer_assistant``), with its weights."""
+    """Whether ``directory`` holds a DFlash drafter in z-lab's layout (``dflash_config``), transformers'
+    (``muse_glimmer_assistant``) or speculators' (also DSpark), with its weights."""
     directory = Path(directory)
     if not (directory / "config.json").is_file() or published_weights(directory, _WEIGHTS) is None:
         return False
     config = json.loads((directory / "config.json").read_text())
     return ("dflash_config" in config or config.get("model_type") == "muse_glimmer_assistant"
-            or config.get("speculators_model_type") == "dflash")
+            or config.get("speculators_model_type") in _SPECULATORS_TYPES)
 
 
 def _kinds(config: dict, transformers_layout: bool) -> list[tuple[bool, int | None, bool]]:
@@ -383,12 +453,22 @@ def _expected(config: dict) -> dict[str, tuple[int, ...]]:
     draft = int(config.get("draft_vocab_size") or config["vocab_size"])
     if draft != int(config["vocab_size"]):  # speculators' own head over a draft vocabulary
         shapes |= {"lm_head.weight": (draft, H), "d2t": (draft,), "t2d": (int(config["vocab_size"]),)}
+    rank = int(config.get("markov_rank") or 0)
+    if rank:  # DSpark's Markov head
+        shapes |= {"markov_head.markov_w1.weight": (int(config["vocab_size"]), rank),
+                   "markov_head.markov_w2.weight": (draft, rank)}
+        if config.get("markov_head_type") == "gated":
+            shapes |= {"markov_head.gate_proj.weight": (rank, H + rank), "markov_head.gate_proj.bias": (rank,)}
+    if config.get("enable_confidence_head"):  # read, not used: it predicts acceptance, the draft's law is without it
+        shapes |= {"confidence_head.proj.weight": (1, H + (rank if config.get("confidence_head_with_markov") else 0)),
+                   "confidence_head.proj.bias": (1,)}
     return shapes
 
 
 def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFlashDraft:
-    """A DFlash drafter saved in z-lab's or transformers' layout (module docstring) as a draft for ``target_lm`` (a
-    ``CausalLM``); a layout, setting or tensor this loader does not read is refused in one line, by name."""
+    """A DFlash drafter saved in z-lab's, transformers' or speculators' layout, or a DSpark drafter in speculators'
+    (module docstring), as a draft for ``target_lm`` (a ``CausalLM``); a layout, setting or tensor this loader does
+    not read is refused in one line, by name."""
     directory = Path(directory)
     if not is_dflash_dir(directory):
         raise ValueError(f"{directory} holds no DFlash drafter: expected config.json with dflash_config (z-lab's "
@@ -426,6 +506,8 @@ def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFla
         tensors.pop("t2d")
         tensors["head.weight"] = tensors.pop("lm_head.weight")
         tensors["head.token_ids"] = config["draft_token_ids"]
+    for name in [k for k in tensors if k.startswith("confidence_head.")]:
+        del tensors[name]
     block = DFlashBlock(config, _kinds(config, transformers_layout))
     block.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True)
     return DFlashDraft(block, target_lm, layers, device=device)

@@ -138,8 +138,8 @@ EAGLE3_SPECULATORS_FORMAT = ("EAGLE-3 head (the vllm-project/speculators layout:
 EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the target's head reads it)"
 MTP_FORMAT = "MTP layers in the target's own checkpoint (num_nextn_predict_layers; --draft mtp reads them)"
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
-DFLASH_FORMAT = ("DFlash block drafter (z-lab's layout: dflash_config, fc, hidden_norm, layers.*; or transformers' "
-                 "muse_glimmer_assistant)")
+DFLASH_FORMAT = ("DFlash block drafter (z-lab's layout: dflash_config, fc, hidden_norm, layers.*; transformers' "
+                 "muse_glimmer_assistant; or speculators' dflash / dspark, DSpark's Markov head included)")
 _FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, EAGLE1_FORMAT,
             MEDUSA_FORMAT, DFLASH_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
