@@ -31,9 +31,9 @@ The formats (our code, their facts):
   acceptance for vLLM's adaptive budget and leaves the draft's law alone. Refused in one line: a config without
   ``sample_from_anchor`` (speculators' config reads it as True, vLLM 0.34's reader as False: two different
   drafts), the ``rnn`` head (a state carried along the block), DSpark in DeepSeek's own layout (a config with
-  ``markov_rank`` outside speculators').
+  ``markov_rank`` outside speculators'). vLLM 0.34's Qwen3 DSpark model builds the vanilla head only.
 
-One drafting call (the same in both): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
+One drafting call (the same in every layout): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
 which each layer reads through its own k / v projections (k normed per head, RoPE at the slot's position), without
 the layer's input norm; the block is the target's embedding (the raw table, times ``input_embedding_scale``) of
 ``[anchor, mask x (B - 1)]`` at the anchor's position onwards, through the layers (attention over the context and
@@ -165,7 +165,6 @@ class DFlashBlock(torch.nn.Module):
         for layer, kind, k, v in zip(self.layers, self.kinds, keys, values):
             h = layer(h, cos, sin, k, v, masks[kind])
         return self.norm(h)
-
 
 
 class MarkovHead(torch.nn.Module):
