@@ -54,6 +54,7 @@ NEVER_CALLED = ("aiohttp", "cachetools", "pybase64", "av", "cv2", "runai_model_s
                 "flashinfer_cubin")
 BATCH = 500  # requests per call of vLLM's kernels
 SEED, NOISE = 0, 0.1  # the target's weights; the draft is the target with its weights perturbed by NOISE
+SALT = 1 << 30  # vLLM's _DRAFT_NOISE_SALT
 
 
 def vllm_kernels():
@@ -73,7 +74,6 @@ def vllm_kernels():
     utils.tldevice = types.SimpleNamespace(log1p=lambda x: tl.log(1.0 + x))  # the interpreter has no libdevice
     _boolean_store_masks()
     return utils.rejection_sample, DraftLogitsCache, apply_temperature, gumbel_sample
-
 
 
 def _boolean_store_masks() -> None:
@@ -118,7 +118,7 @@ class VllmSampler:
     draft-noise salt (:func:`set_draft_salt`; 0 in a control)."""
 
     def __init__(self, target, draft, temperature: float, gamma: int, method: str = "standard", fly_window: int = 1,
-                 handed: str = "draft", drafting: str = "torch", draft_salt: int = 1 << 30) -> None:
+                 handed: str = "draft", drafting: str = "torch", draft_salt: int = SALT) -> None:
         self.target, self.draft, self.temperature, self.gamma = target, draft, temperature, gamma
         self.method, self.fly_window, self.handed, self.drafting = method, fly_window, handed, drafting
         self.kernels, self._ready = vllm_kernels(), []
@@ -196,10 +196,9 @@ def _pair():
 
 
 def _run(n: int, temperature: float = 1.0, gamma: int = 2, method: str = "standard", handed: str = "draft",
-         fly_window: int = 1, drafting: str = "torch", draft_salt: int = 1 << 30) -> TinyRun:
-    control = handed != "draft" or draft_salt != 1 << 30
+         fly_window: int = 1, drafting: str = "torch", draft_salt: int = SALT) -> TinyRun:
     expected = ("the target's law rejected: the harness's control" if handed != "draft" else
-                "not the target's law: the draft's noise is the verification's (control)" if control else
+                "not the target's law: the draft's noise is the verification's (control)" if draft_salt != SALT else
                 "not the target's law: vLLM documents fly as lossy (the audit has no encoding of it)" if method == "fly"
                 else "the target's law (vLLM's claim)")
 
@@ -211,9 +210,8 @@ def _run(n: int, temperature: float = 1.0, gamma: int = 2, method: str = "standa
 
     what = ("vLLM 0.34 gumbel_sample drafting and rejection_sample" if drafting == "vllm" else
             "vLLM 0.34 rejection_sample") + f", method {method!r}" + (f", window {fly_window}" if method == "fly" else "")
-    what += "" if handed == "draft" else ", handed uniform draft logits (control)"
-    what += f", draft noise salt {draft_salt} (control)" if draft_salt != 1 << 30 else ""
     suffix = "" if handed == "draft" else ", handed uniform draft logits (control)"
+    what += suffix + (f", draft noise salt {draft_salt} (control)" if draft_salt != SALT else "")
     return TinyRun(f"tiny two-layer Llama (seed {SEED}) and its perturbed copy (noise {NOISE}), gamma {gamma}{suffix}",
                    build, "python", 2, n, temperature, {"name": what, "version": VLLM})
 

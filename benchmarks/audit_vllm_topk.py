@@ -111,11 +111,6 @@ def rows(family: str, vocab: int, count: int, generator: torch.Generator) -> tor
     return logits
 
 
-def settings() -> list[tuple]:
-    """Every (k, p) pair, None where off."""
-    return [(k, p) for k in KS for p in PS]
-
-
 def masked_law(logits: torch.Tensor) -> torch.Tensor:
     return logits.double().softmax(-1)
 
@@ -137,7 +132,7 @@ def compare(family: str, vocab: int, seed: int) -> dict:
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
     from vllm.v1.sample.ops.topk_topp_triton import _apply_topp_split, apply_top_k_top_p_triton
 
-    pairs = settings() * REPEAT  # more than 64 rows: on a GPU the monolithic kernel then takes every row
+    pairs = [(k, p) for k in KS for p in PS] * REPEAT  # more than 64 rows: on a GPU the monolithic kernel then takes every row
     logits = rows(family, vocab, len(pairs), torch.Generator().manual_seed(seed))
     k = torch.tensor([vocab if kk is None else kk for kk, _ in pairs], dtype=torch.int32)
     p = torch.tensor([1.0 if pp is None else pp for _, pp in pairs], dtype=torch.float32)
@@ -175,7 +170,7 @@ def main(argv=None) -> int:
     gpu_tiles()
     header = record_header("benchmarks/audit_vllm_topk.py", sys.argv[1:] if argv is None else argv, target=None,
                            library=VLLM, families=list(FAMILIES), vocabularies=list(VOCABS),
-                           top_k=[k for k in KS], top_p=[p for p in PS])
+                           top_k=list(KS), top_p=list(PS))
     record = {**header, "rows": []}
     for vocab in VOCABS:
         for family in FAMILIES:

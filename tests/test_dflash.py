@@ -246,8 +246,6 @@ def _dspark(directory, source, *, anchor=True, rank=4, gated=False, draft_ids=No
                 markov_head_type="gated" if gated else "vanilla", enable_confidence_head=True,
                 confidence_head_with_markov=True, **options)
     directory, tensors = _speculators(directory, source, draft_ids=draft_ids, **spec)
-    if draft_ids is not None:
-        spec["draft_vocab_size"] = len(draft_ids)
     g = torch.Generator().manual_seed(5)
     draft_vocab = vocab if draft_ids is None else len(draft_ids)
     tensors |= {"markov_head.markov_w1.weight": torch.randn(vocab, rank, generator=g),
