@@ -261,6 +261,7 @@ def test_captured_rows_restores_the_function():
     (dict(engine="python"), "needs sample="),
     (dict(engine="python", sample=None), "must be callable"),
     (dict(engine="python", sample=print, sampler=print), "one of the two"),
+    (dict(engine="python", sample=print, top_k=5), "need target_law="),
     (dict(engine="llamacpp-server", top_k=500), "llamacpp-server needs top_k in 1..200"),
     (dict(engine="llamacpp-example", top_k=0), "llamacpp-example needs top_k"),
     (dict(engine="llamacpp-simple", top_k=0), "llamacpp-simple needs top_k"),
@@ -606,6 +607,35 @@ def test_a_library_sampler_is_held_to_the_target_law(pair):
     accepts_all = execute("python", sample=from_model(draft), name="accept every draft", **common)
     assert accepts_all.target.p_value < 1e-3 and accepts_all.finding.startswith("FINDING"), str(accepts_all)
     assert "sample" not in accepts_all.options and accepts_all.options["name"] == "accept every draft"
+
+
+def test_a_library_with_sampling_settings_is_held_to_the_law_they_define(pair):
+    """engine 'python' with ``target_law``: a sampler drawing from the law its settings define (here a repetition
+    and a frequency penalty, audit.real.vllm_law) agrees with it; the same draws held to the plain law are a finding.
+    The settings are recorded, the law is not."""
+    from specresearch.audit.real import vllm_law
+
+    target, _ = pair
+    settings = {"repetition_penalty": 3.0, "frequency_penalty": 2.0}
+    generator = torch.Generator().manual_seed(7)
+
+    def law(ids, logits):
+        return vllm_law(logits, PROMPT, ids[len(PROMPT):], **settings)
+
+    def sample(prompt, n_tokens):
+        ids = list(prompt)
+        for _ in range(n_tokens):
+            with torch.no_grad():
+                logits = target(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            ids.append(int(torch.multinomial(law(ids, logits), 1, generator=generator)))
+        return ids[len(prompt):]
+
+    common = dict(prompt=PROMPT, n_tokens=2, num_samples=600, target=target, progress=False, min_expected=10)
+    held = execute("python", sample=sample, target_law=law, name="penalised sampling", **common, **settings)
+    assert held.target.p_value > 1e-3 and held.finding.startswith("agrees"), str(held)
+    assert held.options == {"name": "penalised sampling"} | settings
+    plain = execute("python", sample=sample, name="penalised sampling", **common)
+    assert plain.target.p_value < 1e-3 and plain.finding.startswith("FINDING"), str(plain)
 
 
 def test_a_finding_counts_the_generations_the_target_cannot_emit(pair):

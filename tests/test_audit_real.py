@@ -121,6 +121,39 @@ def test_llamacpps_sampler_chain_by_hand():
         llamacpp_chain(p, temperature=0.0)
 
 
+def test_vllms_sampling_law_by_hand():
+    """vllm_law: bad words on the output's end, the repetition penalty on prompt and output tokens (dividing positive
+    logits, multiplying the others), frequency and presence penalties on the output's counts, the temperature, then
+    top-k (ties kept) and top-p on the survivors (a token dropped where the ascending cumulative probability up to it
+    is <= 1 - p)."""
+    import math
+
+    from specresearch.audit.real import vllm_law
+
+    logits = torch.tensor([2.0, 1.0, -1.0, 0.5, 0.0], dtype=torch.float64)
+
+    def softmax(values):
+        weights = [math.exp(v) if v != -math.inf else 0.0 for v in values]
+        return [w / sum(weights) for w in weights]
+
+    assert vllm_law(logits, [4], []).tolist() == pytest.approx(softmax(logits.tolist()))  # 0 x 2 = 0
+    # prompt token 0 and output token 2 penalised by 2: 2 -> 1, -1 -> -2; output 2 twice: frequency 0.5 x 2, presence 0.25
+    law = vllm_law(logits, [0], [2, 2], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    assert law.tolist() == pytest.approx(softmax([1.0, 1.0, -2.0 - 1.0 - 0.25, 0.5, 0.0]))
+    # bad words: (3, 1) bans 1 after an output ending in 3; (4,) always bans 4; (2, 3) does not match the prompt
+    law = vllm_law(logits, [2], [0, 3], bad_words=[[3, 1], [4], [2, 3]])
+    assert law.tolist() == pytest.approx(softmax([2.0, -math.inf, -1.0, 0.5, -math.inf]))
+    assert vllm_law(logits, [2], [], bad_words=[[2, 3]])[3] > 0
+    # top-k 2 at T = 0.5, then top-p: logits 4, 2 -> probabilities 0.881, 0.119; p = 0.85 drops the second
+    assert vllm_law(logits, [], [], temperature=0.5, top_k=2).tolist() == pytest.approx(softmax([4.0, 2.0] + [-math.inf] * 3))
+    assert vllm_law(logits, [], [], temperature=0.5, top_k=2, top_p=0.85).tolist() == pytest.approx([1, 0, 0, 0, 0])
+    assert vllm_law(logits, [], [], temperature=0.5, top_k=2, top_p=0.9)[1] > 0
+    tied = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    assert (vllm_law(tied, [], [], top_k=2) > 0).tolist() == [True, True, True, False]
+    with pytest.raises(ValueError, match="temperature"):
+        vllm_law(logits, [], [], temperature=0.0)
+
+
 def test_llamacpp_example_tests_a_token_off_the_targets_list_with_the_p_read_before():
     """llama-speculative sets p_tgt only when the path's token is on the target's list and never resets it between
     paths (speculative.cpp l. 276, 299-304): with two paths, tokens 0 (q 3/5) and 2 (q 2/5, off the target's list

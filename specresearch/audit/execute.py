@@ -38,7 +38,7 @@ Engines (:data:`ENGINES`): transformers' (the installed version) and llama.cpp's
 * ``python``: any library's sampler, ``sample=callable(prompt_ids, n_tokens)``, against the target's plain law at
   temperature T (what a library claiming lossless speculative sampling promises); ``benchmarks/audit_libraries.py``
   runs the PyPI libraries through it. With a Ray executor give ``sampler=``, a picklable recipe that builds the
-  sampler in each worker, instead.
+  sampler in each worker, instead; a library run with sampling settings gives the law they define (``target_law=``).
 * ``transformers-gemma4-assistant``: ``generate(assistant_model=assistant, do_sample=True)`` with a Gemma 4 assistant
   (``Gemma4AssistantForCausalLM``; the target a Gemma 4 model, whose KV states it shares): transformers 5.25's
   ``SinglePositionMultiTokenCandidateGenerator`` drafts the assistant's argmax and hands its logits to
@@ -91,6 +91,7 @@ import torch
 from specresearch.audit.blocks import BlockStore, block_machine, block_notes
 from specresearch.audit.runners import (
     ENGINE_OPTIONS,
+    PYTHON_SETTINGS,
     SAMPLING_OPTIONS,
     LlamaCppRun,
     LlamaSpeculativeRun,
@@ -123,7 +124,7 @@ ENGINES = {
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
 _BOOTSTRAP = 400
-_CALLABLES = ("sample", "sampler")  # the python engine's sampler (or its recipe): neither is a setting of the run
+_CALLABLES = ("sample", "sampler", "target_law")  # the python engine's sampler (or its recipe) and law: not settings
 OUTSIDE = ("outside the target's support",)  # the cell of the sequences the target cannot emit
 
 
@@ -354,6 +355,8 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
                          "picklable recipe returning one (one of the two)")
     if engine == "python" and not callable(options.get("sample", options.get("sampler"))):
         raise ValueError("engine 'python': sample= (or sampler=) must be callable")
+    if engine == "python" and set(options) & set(PYTHON_SETTINGS) and not callable(options.get("target_law")):
+        raise ValueError("engine 'python': sampling settings need target_law=callable(ids, logits), the law they define")
     lossy = options.get("assistant_ensemble_weight") is not None or engine in ("transformers-gemma4-assistant",
                                                                               "transformers-usd")
     if lossy and options.get("num_assistant_tokens", n_tokens) < n_tokens:

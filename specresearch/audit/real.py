@@ -19,7 +19,8 @@ import torch
 
 from specresearch.exact.theory_multi import optimal_acceptance_iid, rrs_without_replacement_acceptance_mc
 
-__all__ = ["TREE_RULES", "StepPoint", "distances", "list_aligned", "llamacpp_chain", "next_token_rows", "one_hot_cost", "single_step", "summarise", "topk_tokens"]
+__all__ = ["TREE_RULES", "StepPoint", "distances", "list_aligned", "llamacpp_chain", "next_token_rows", "one_hot_cost", "single_step", "summarise", "topk_tokens",
+           "vllm_law"]
 
 TREE_RULES = ("eagle2", "eagle1", "medusa-typical", "medusa-nucleus", "sglang", "llamacpp-example")
 
@@ -144,6 +145,43 @@ def llamacpp_chain(probs: torch.Tensor, *, top_k: int = 40, top_p: float = 0.95,
         keep &= ranked >= min_p * ranked[:, :1]
     logits = torch.where(keep, ranked.clamp_min(1e-300).log() / temperature, float("-inf"))
     return torch.zeros_like(p).scatter_(1, order, logits.softmax(-1))
+
+
+def vllm_law(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], *, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+             presence_penalty: float = 0.0, bad_words: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+    """[V] float64: the law vLLM samples the next token from after ``prompt`` and ``output`` (token ids), given the
+    model's ``logits`` [V], as vLLM's sampling parameters define it (``SamplingParams``; the order of Model Runner V2's
+    ``Sampler.apply_sampling_params``): bad words, a token id list each, ban their last token where the output ends
+    with the rest (the output alone, not the prompt); the repetition penalty divides the positive logits and
+    multiplies the others of every token in the prompt or the output; the frequency penalty subtracts f x the
+    token's count in the output, the presence penalty p where it occurs there; then the temperature; top-k keeps every
+    token at least the k-th largest logit; top-p, on the survivors' softmax, drops each token whose ascending
+    cumulative probability is <= 1 - p (the likeliest always kept). ``top_k <= 0`` and ``top_p >= 1`` switch one off.
+    Written from those definitions, not from vLLM's kernels: the reference ``benchmarks/audit_vllm_params.py`` holds
+    vLLM's speculative decoding to."""
+    x = logits.double().clone()
+    if x.dim() != 1 or not temperature > 0 or repetition_penalty <= 0:
+        raise ValueError(f"logits must be [V], temperature and repetition_penalty > 0; got {list(x.shape)}, "
+                         f"{temperature!r}, {repetition_penalty!r}")
+    vocab, output = x.shape[0], [int(t) for t in output]
+    for word in bad_words:
+        word = [int(t) for t in word]
+        if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]:
+            x[word[-1]] = float("-inf")
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).double()[:vocab]
+    seen = counts > 0
+    seen[[int(t) for t in prompt]] = True
+    x = torch.where(seen, torch.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
+    x = (x - frequency_penalty * counts - presence_penalty * (counts > 0).double()) / temperature
+    if 0 < top_k < vocab:
+        x = torch.where(x >= x.topk(top_k).values[-1], x, float("-inf"))
+    if top_p < 1:
+        ascending, order = x.softmax(-1).sort()
+        drop = ascending.cumsum(-1) <= 1 - top_p
+        drop[-1] = False
+        x[order[drop]] = float("-inf")
+    return x.softmax(-1)
 
 
 def list_aligned(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

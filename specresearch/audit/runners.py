@@ -21,9 +21,11 @@ from specresearch.audit.real import single_step
 from specresearch.audit.vocabularies import CrossVocabularyDraft
 
 __all__ = ["TransformersRun", "LlamaCppRun", "LlamaSpeculativeRun", "PythonRun", "captured_rows", "quiet_transformers", "absorbing", "padded",
-           "SAMPLING_OPTIONS", "ENGINE_OPTIONS"]
+           "SAMPLING_OPTIONS", "ENGINE_OPTIONS", "PYTHON_SETTINGS"]
 
 SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty")  # transformers' generate arguments, applied to both laws
+# a library's sampling settings for the python engine: recorded, and the law they define given as target_law=
+PYTHON_SETTINGS = ("top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "bad_words")
 ENGINE_OPTIONS = {
     "transformers-assisted": ("num_assistant_tokens", "assistant_confidence_threshold", "assistant_ensemble_weight"),
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
@@ -36,7 +38,7 @@ ENGINE_OPTIONS = {
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
-    "python": ("sample", "sampler", "name", "version"),
+    "python": ("sample", "sampler", "name", "version", "target_law") + PYTHON_SETTINGS,
 }
 _ROW_BATCH = 32
 
@@ -512,13 +514,17 @@ class PythonRun:
 
     ``options["sampler"]`` instead of ``options["sample"]``: a recipe (``experiments.executor.loaded``) that builds the
     sampler, once a process, so that seed blocks can run in workers that did not build it (a library's sampler holds
-    its models and does not travel). Built here, before a block seeds its draws, as a given sampler was."""
+    its models and does not travel). Built here, before a block seeds its draws, as a given sampler was.
+    ``options["target_law"]``: ``callable(ids, logits) -> probabilities``, the law the library's sampling settings
+    (:data:`PYTHON_SETTINGS`, recorded) define after ``ids`` (the prompt and a prefix) from the model's float64
+    ``logits`` [V] at temperature 1, in place of softmax(logits / T)."""
 
     def __init__(self, target_model, prompt: list[int], eos: int, temperature: float, options: dict, n_tokens: int):
         from specresearch.experiments.executor import loaded
 
         self.target, self.prompt, self.eos, self.temperature, self.n_tokens = target_model, list(prompt), eos, temperature, n_tokens
         self.sample = options["sample"] if "sample" in options else loaded(options["sampler"])
+        self.law = options.get("target_law")
         self.version = options.get("version", getattr(self.sample, "__module__", "?"))
         self.notes, self.draft_tv = [f"library: {options.get('name', self.version)}"], None
 
@@ -534,8 +540,9 @@ class PythonRun:
         for start in range(0, len(prefixes), _ROW_BATCH):
             ids = torch.tensor([self.prompt + list(p) for p in prefixes[start:start + _ROW_BATCH]], dtype=torch.long,
                                device=self.target.device)
-            logits = self.target(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
-            out.append((logits.double() / self.temperature).softmax(-1).cpu())
+            logits = self.target(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1].double().cpu()
+            out.append((logits / self.temperature).softmax(-1) if self.law is None else
+                       torch.stack([self.law(row.tolist(), x) for row, x in zip(ids.cpu(), logits)]))
         return torch.cat(out)
 
     def predicted_rows(self, law) -> dict | None:
