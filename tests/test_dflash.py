@@ -311,7 +311,8 @@ def test_dspark_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path
 
 def test_dspark_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):
     target, _, directory = _pair(tmp_path, layer_types=["full_attention"])
-    cases = {"no_anchor_key": (dict(), "no sample_from_anchor"), "rnn": (dict(markov_head_type="rnn"), "'rnn'")}
+    cases = {"no_anchor_key": (dict(), "no sample_from_anchor"), "rnn": (dict(markov_head_type="rnn"), "'rnn'"),
+             "null_rank": (dict(markov_rank=None), "markov_rank None")}
     for name, (options, message) in cases.items():
         dspark, _ = _dspark(tmp_path / name, directory)
         config = json.loads((dspark / "config.json").read_text())

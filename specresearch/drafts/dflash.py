@@ -30,8 +30,8 @@ The formats (our code, their facts):
   ``markov_rank`` 0 has none. Its confidence head (``confidence_head.proj``) is read and not used: it predicts
   acceptance for vLLM's adaptive budget and leaves the draft's law alone. Refused in one line: a config without
   ``sample_from_anchor`` (speculators' config reads it as True, vLLM 0.34's reader as False: two different
-  drafts), the ``rnn`` head (a state carried along the block), DSpark in DeepSeek's own layout (a config with
-  ``markov_rank`` outside speculators'). vLLM 0.34's Qwen3 DSpark model builds the vanilla head only.
+  drafts), a ``markov_rank`` that is not an integer, the ``rnn`` head (a state carried along the block), DSpark in
+  DeepSeek's own layout (a config with ``markov_rank`` outside speculators'). vLLM 0.34's Qwen3 DSpark model builds the vanilla head only.
 
 One drafting call (the same in every layout): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
 which each layer reads through its own k / v projections (k normed per head, RoPE at the slot's position), without
@@ -389,6 +389,8 @@ def _config(directory: Path) -> dict:
         why = f"a layer of type {layer.get('model_type')!r}"
     if why is None and kind == "dspark" and "sample_from_anchor" not in config:
         why = "no sample_from_anchor (speculators 0.9.0 reads it as True, vLLM 0.34 as False: two drafts)"
+    if why is None and kind == "dspark" and type(config.get("markov_rank", 256)) is not int:
+        why = f"markov_rank {config['markov_rank']!r} (an integer; speculators' default 256)"
     if why is None and kind == "dspark" and config.get("markov_head_type", "vanilla") not in ("vanilla", "gated"):
         why = f"a Markov head of type {config['markov_head_type']!r} (this loader builds vanilla and gated)"
     if why:
