@@ -24,7 +24,9 @@ the first step drafts from the prompt (vLLM samples a request's first token from
 
 The model: ``audit_vllm.py``'s tiny Llama and its perturbed copy, on the prompt (39, 23, 46), after which the
 target repeats its first token with probability 0.84: the penalties and the bad word (20, 20) decide the second
-token (TV 0.30-0.78 from the law without them).
+token (TV 0.30-0.78 from the law without them). ``min_tokens`` (stop token 20, the first token 0.96 of the time
+without it) is decided by each row's position: a row that banned it on the second token too would move the law by
+TV 0.50.
 
     PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_params.py [--out benchmarks/records/audit_vllm_params.json]
     PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_params.py --controls
@@ -199,7 +201,10 @@ def _run(n: int, settings: dict, temperature: float = 1.0, gamma: int = 2, metho
 
 PENALTIES = {"repetition_penalty": 1.5, "frequency_penalty": 1.0, "presence_penalty": 0.5}
 FILTERED = {"top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3, "bad_words": [[20, 20], [49]]}
-RUNS = [_run(4000, PENALTIES), _run(3000, FILTERED, 0.8), _run(3000, PENALTIES, gamma=3, method="block")]
+MASKED = {"allowed_token_ids": [7, 17, 18, 20, 24, 31, 42, 49], "min_tokens": 1, "stop_token_ids": [20],
+          "presence_penalty": 0.5}  # the first token may not be 20 (0.96 without), the second may (0.50)
+RUNS = [_run(4000, PENALTIES), _run(3000, FILTERED, 0.8), _run(3000, PENALTIES, gamma=3, method="block"),
+        _run(3000, MASKED)]
 CONTROLS = [_run(1000, PENALTIES, control="plain"), _run(1000, PENALTIES, control="output"),
             _run(1000, FILTERED, 0.8, control="output")]
 

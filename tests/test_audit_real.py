@@ -148,6 +148,10 @@ def test_vllms_sampling_law_by_hand():
     assert vllm_law(logits, [], [], temperature=0.5, top_k=2).tolist() == pytest.approx(softmax([4.0, 2.0] + [-math.inf] * 3))
     assert vllm_law(logits, [], [], temperature=0.5, top_k=2, top_p=0.85).tolist() == pytest.approx([1, 0, 0, 0, 0])
     assert vllm_law(logits, [], [], temperature=0.5, top_k=2, top_p=0.9)[1] > 0
+    # allowed tokens keep their logits, the rest -inf; a stop token banned while the output is short of min_tokens
+    law = vllm_law(logits, [], [3], allowed_token_ids=[0, 1, 3], min_tokens=2, stop_token_ids=[1])
+    assert law.tolist() == pytest.approx(softmax([2.0, -math.inf, -math.inf, 0.5, -math.inf]))
+    assert vllm_law(logits, [], [3, 0], min_tokens=2, stop_token_ids=[1])[1] > 0
     tied = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
     assert (vllm_law(tied, [], [], top_k=2) > 0).tolist() == [True, True, True, False]
     with pytest.raises(ValueError, match="temperature"):

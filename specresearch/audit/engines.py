@@ -300,7 +300,10 @@ def vllm_greedy(num_drafts: int = 1, gamma: int = 2) -> Rule:
     from the target's own sampler. The one-hot rule on a greedy chain. p is the target after penalties, allowed and
     bad words, then temperature, top-k and top-p (``apply_sampling_constraints``): truncation is part of p, so top-k /
     top-p need no parameter here. ``min_p`` and ``logit_bias`` are refused with speculative decoding at request
-    validation (vLLM issue 42744: the rejection sampler would not apply them to verified positions)."""
+    validation (vLLM issue 42744: the rejection sampler would not apply them to verified positions; vLLM 0.34 still
+    refuses them, in ``SamplingParams._validate_spec_decode``). Its Model Runner V2 (vLLM 0.34) processes p the same
+    way, the drafted tokens before a position counted as output by the penalties and the bad words, and drafts at the
+    temperature alone (``benchmarks/audit_vllm_params.py`` runs it)."""
     return Rule("vllm-greedy", method_law("onehot"), "topk", num_drafts, gamma, {}, "exact", vllm_greedy.__doc__)
 
 

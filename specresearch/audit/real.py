@@ -149,11 +149,14 @@ def llamacpp_chain(probs: torch.Tensor, *, top_k: int = 40, top_p: float = 0.95,
 
 def vllm_law(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-             presence_penalty: float = 0.0, bad_words: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+             presence_penalty: float = 0.0, bad_words: Sequence[Sequence[int]] = (),
+             allowed_token_ids: Sequence[int] | None = None, min_tokens: int = 0,
+             stop_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """[V] float64: the law vLLM samples the next token from after ``prompt`` and ``output`` (token ids), given the
-    model's ``logits`` [V], as vLLM's sampling parameters define it (``SamplingParams``; the order of Model Runner V2's
-    ``Sampler.apply_sampling_params``): bad words, a token id list each, ban their last token where the output ends
-    with the rest (the output alone, not the prompt); the repetition penalty divides the positive logits and
+    model's ``logits`` [V], as vLLM's sampling parameters define it (``SamplingParams``, as Model Runner V2's
+    ``Sampler.apply_sampling_params`` applies them; its masks commute with the penalties): only ``allowed_token_ids`` (where given) keep their logits; the stop tokens
+    are banned while the output is shorter than ``min_tokens``; bad words, a token id list each, ban their last token
+    where the output ends with the rest (the output alone, not the prompt); the repetition penalty divides the positive logits and
     multiplies the others of every token in the prompt or the output; the frequency penalty subtracts f x the
     token's count in the output, the presence penalty p where it occurs there; then the temperature; top-k keeps every
     token at least the k-th largest logit; top-p, on the survivors' softmax, drops each token whose ascending
@@ -165,6 +168,12 @@ def vllm_law(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int],
         raise ValueError(f"logits must be [V], temperature and repetition_penalty > 0; got {list(x.shape)}, "
                          f"{temperature!r}, {repetition_penalty!r}")
     vocab, output = x.shape[0], [int(t) for t in output]
+    if allowed_token_ids:
+        kept = torch.full_like(x, float("-inf"))
+        kept[list(allowed_token_ids)] = x[list(allowed_token_ids)]
+        x = kept
+    if len(output) < min_tokens:
+        x[list(stop_token_ids)] = float("-inf")
     for word in bad_words:
         word = [int(t) for t in word]
         if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]:

@@ -25,7 +25,8 @@ __all__ = ["TransformersRun", "LlamaCppRun", "LlamaSpeculativeRun", "PythonRun",
 
 SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty")  # transformers' generate arguments, applied to both laws
 # a library's sampling settings for the python engine: recorded, and the law they define given as target_law=
-PYTHON_SETTINGS = ("top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "bad_words")
+PYTHON_SETTINGS = ("top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "bad_words",
+                   "allowed_token_ids", "min_tokens", "stop_token_ids")
 ENGINE_OPTIONS = {
     "transformers-assisted": ("num_assistant_tokens", "assistant_confidence_threshold", "assistant_ensemble_weight"),
     "transformers-lookup": ("prompt_lookup_num_tokens", "max_matching_ngram_size"),
