@@ -203,7 +203,7 @@ PENALTIES = {"repetition_penalty": 1.5, "frequency_penalty": 1.0, "presence_pena
 FILTERED = {"top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3, "bad_words": [[20, 20], [49]]}
 MASKED = {"allowed_token_ids": [7, 17, 18, 20, 24, 31, 42, 49], "min_tokens": 1, "stop_token_ids": [20],
           "presence_penalty": 0.5}  # the first token may not be 20 (0.96 without), the second may (0.50)
-RUNS = [_run(4000, PENALTIES), _run(3000, FILTERED, 0.8), _run(3000, PENALTIES, gamma=3, method="block"),
+RUNS = [_run(4000, PENALTIES), _run(3000, FILTERED, 0.8), _run(1000, PENALTIES, gamma=3, method="block"),
         _run(3000, MASKED)]
 CONTROLS = [_run(1000, PENALTIES, control="plain"), _run(1000, PENALTIES, control="output"),
             _run(1000, FILTERED, 0.8, control="output")]
