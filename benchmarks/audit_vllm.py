@@ -106,7 +106,19 @@ def set_draft_salt(salt: int) -> None:
     gumbel._DRAFT_NOISE_SALT = tl.constexpr(salt)
 
 
-class VllmSampler:
+class Batched:
+    """A ``sample(prompt, n_tokens)`` that draws a batch of generations at a time (its ``_generate``) and hands them
+    out one by one."""
+
+    _ready: list
+
+    def __call__(self, prompt, n_tokens: int) -> list[int]:
+        if not self._ready:
+            self._ready = self._generate(list(prompt), n_tokens)
+        return self._ready.pop()
+
+
+class VllmSampler(Batched):
     """``sample(prompt, n_tokens)`` for the ``python`` engine, drawing :data:`BATCH` generations at a time through
     vLLM's kernels (module docstring). ``method``: ``"standard"``, ``"block"`` or ``"fly"`` (``fly_window``);
     ``handed``: ``"draft"`` (the truth) or ``"uniform"`` (the control: vLLM is handed uniform draft logits);
@@ -123,11 +135,6 @@ class VllmSampler:
         self.method, self.fly_window, self.handed, self.drafting = method, fly_window, handed, drafting
         self.kernels, self._ready = vllm_kernels(), []
         set_draft_salt(draft_salt)
-
-    def __call__(self, prompt, n_tokens: int) -> list[int]:
-        if not self._ready:
-            self._ready = self._generate(list(prompt), n_tokens)
-        return self._ready.pop()
 
     @torch.no_grad()
     def _generate(self, prompt: list[int], n_tokens: int) -> list[list[int]]:
@@ -224,22 +231,29 @@ RUNS = [_run(8000), _run(6000, 0.7), _run(6000, method="block"), _run(4000, gamm
 CONTROLS = [_run(2000, handed="uniform"), _run(4000, method="fly"), _run(4000, drafting="vllm", draft_salt=0)]
 
 
-def main(argv=None) -> int:
+def runs_main(doc: str, name: str, runs, controls, argv=None) -> int:
+    """The command line of ``benchmarks/<name>.py`` (docstring ``doc``): its ``runs``, or with ``--controls`` its
+    ``controls``, into ``benchmarks/records/<name>.json`` (``<name>_controls.json``) or ``--out``, every N times
+    ``--scale``, on ``--threads`` (``audit.execute.record_tiny_runs``: resumable)."""
     import argparse
 
     from specresearch.audit.execute import record_tiny_runs
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--controls", action="store_true", help="the control runs (module docstring)")
-    parser.add_argument("--out", help="default benchmarks/records/audit_vllm.json (audit_vllm_controls.json)")
+    parser.add_argument("--out", help=f"default benchmarks/records/{name}.json ({name}_controls.json)")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    out = args.out or f"benchmarks/records/audit_vllm{'_controls' if args.controls else ''}.json"
-    record_tiny_runs(out, "benchmarks/audit_vllm.py", argv, CONTROLS if args.controls else RUNS, scale=args.scale)
+    out = args.out or f"benchmarks/records/{name}{'_controls' if args.controls else ''}.json"
+    record_tiny_runs(out, f"benchmarks/{name}.py", argv, controls if args.controls else runs, scale=args.scale)
     return 0
+
+
+def main(argv=None) -> int:
+    return runs_main(__doc__, "audit_vllm", RUNS, CONTROLS, argv)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from audit_vllm import SEED, VLLM, _pair, vllm_kernels  # noqa: E402
+from audit_vllm import SEED, VLLM, Batched, _pair, runs_main, vllm_kernels  # noqa: E402
 from audit_vllm_topk import tensor_ranges  # noqa: E402
 
 from specresearch.audit.execute import TinyRun  # noqa: E402
@@ -95,7 +95,7 @@ def sampling_params(temperature: float, settings: dict):
     return params
 
 
-class VllmParamsSampler:
+class VllmParamsSampler(Batched):
     """``sample(prompt, n_tokens)`` for the ``python`` engine: :data:`BATCH` generations at a time, each a vLLM
     request with ``settings`` at ``temperature``, verified by vLLM's ``RejectionSampler`` (``method``: ``"standard"``
     or ``"block"``) with drafts of ``gamma`` tokens from vLLM's drafting sampler (module docstring)."""
@@ -104,11 +104,6 @@ class VllmParamsSampler:
         self.target, self.draft, self.temperature, self.gamma = target, draft, temperature, gamma
         self.settings, self.method, self._ready = dict(settings), method, []
         self.parts = vllm_sampler_parts()
-
-    def __call__(self, prompt, n_tokens: int) -> list[int]:
-        if not self._ready:
-            self._ready = self._generate(list(prompt), n_tokens)
-        return self._ready.pop()
 
     @torch.no_grad()
     def _generate(self, prompt: list[int], n_tokens: int) -> list[list[int]]:
@@ -210,22 +205,7 @@ CONTROLS = [_run(1000, PENALTIES, control="plain"), _run(1000, PENALTIES, contro
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    from specresearch.audit.execute import record_tiny_runs
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--controls", action="store_true", help="the control runs (module docstring)")
-    parser.add_argument("--out", help="default benchmarks/records/audit_vllm_params.json (_controls.json)")
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    out = args.out or f"benchmarks/records/audit_vllm_params{'_controls' if args.controls else ''}.json"
-    record_tiny_runs(out, "benchmarks/audit_vllm_params.py", argv, CONTROLS if args.controls else RUNS,
-                     scale=args.scale)
-    return 0
+    return runs_main(__doc__, "audit_vllm_params", RUNS, CONTROLS, argv)
 
 
 if __name__ == "__main__":
