@@ -276,7 +276,9 @@ def test_float64_models_score_a_left_padded_row_as_they_score_it_alone(family, k
     (``CausalLM`` hands a float64 model its own masks, ``models.attention.additive_mask``). Mixtral's experts run
     torch's ``grouped_mm`` by default, which takes no float64 (``CausalLM`` switches them, ``experts_in_float64``).
     XGLM takes no float64 in transformers itself: its attention clamps the scores with a float32 tensor of float64's
-    lowest value (asserted on its own forward, so the test notices when transformers mends it)."""
+    lowest value (asserted on its own forward, so the test notices when transformers mends it). DeepSeek-V3's router
+    runs in float32 in transformers whatever the model's dtype (``DeepseekV3TopkRouter``), and a float32 product rounds
+    differently for a batch of two rows on some CPUs (AVX2 without AVX-512: 5e-7): float32's tolerance there."""
     try:
         models = [tiny_family_model(family, kernel) for _ in range(2)]
     except ValueError:
@@ -299,7 +301,8 @@ def test_float64_models_score_a_left_padded_row_as_they_score_it_alone(family, k
     want.append(alone.score_tree(torch.tensor([[13, 14, 15]]), depth, visible_from_parents(parents)))
     for g, w in zip(got, want):
         assert torch.isfinite(g).all(), family
-        torch.testing.assert_close(g[:1], w, rtol=1e-9, atol=1e-9)
+        tolerance = 1e-5 if family == "deepseek-v3" else 1e-9
+        torch.testing.assert_close(g[:1], w, rtol=tolerance, atol=tolerance)
 
 
 
