@@ -154,15 +154,15 @@ def vllm_law(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int],
              stop_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """[V] float64: the law vLLM samples the next token from after ``prompt`` and ``output`` (token ids), given the
     model's ``logits`` [V], as vLLM's sampling parameters define it (``SamplingParams``, as Model Runner V2's
-    ``Sampler.apply_sampling_params`` applies them; its masks commute with the penalties): only ``allowed_token_ids`` (where given) keep their logits; the stop tokens
-    are banned while the output is shorter than ``min_tokens``; bad words, a token id list each, ban their last token
-    where the output ends with the rest (the output alone, not the prompt); the repetition penalty divides the positive logits and
-    multiplies the others of every token in the prompt or the output; the frequency penalty subtracts f x the
-    token's count in the output, the presence penalty p where it occurs there; then the temperature; top-k keeps every
-    token at least the k-th largest logit; top-p, on the survivors' softmax, drops each token whose ascending
-    cumulative probability is <= 1 - p (the likeliest always kept). ``top_k <= 0`` and ``top_p >= 1`` switch one off.
-    Written from those definitions, not from vLLM's kernels: the reference ``benchmarks/audit_vllm_params.py`` holds
-    vLLM's speculative decoding to."""
+    ``Sampler.apply_sampling_params`` applies them; its masks commute with the penalties): only ``allowed_token_ids``
+    (where given) keep their logits; the stop tokens are banned while the output is shorter than ``min_tokens``; bad
+    words, a token id list each, ban their last token where the output ends with the rest (the output alone, not the
+    prompt); the repetition penalty divides the positive logits and multiplies the others of every token in the prompt
+    or the output; the frequency penalty subtracts f x the token's count in the output, the presence penalty p where it
+    occurs there; then the temperature; top-k keeps every token at least the k-th largest logit; top-p, on the
+    survivors' softmax, drops each token whose ascending cumulative probability is <= 1 - p (the likeliest always kept).
+    ``top_k <= 0`` and ``top_p >= 1`` switch one off. Written from those definitions, not from vLLM's kernels: the
+    reference ``benchmarks/audit_vllm_params.py`` holds vLLM's speculative decoding to."""
     x = logits.double().clone()
     if x.dim() != 1 or not temperature > 0 or repetition_penalty <= 0:
         raise ValueError(f"logits must be [V], temperature and repetition_penalty > 0; got {list(x.shape)}, "
