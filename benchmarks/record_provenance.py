@@ -136,7 +136,8 @@ def provenance() -> dict:
     out = {}
     for name, (machine, drafts) in RECORDS.items():
         path = repo_root() / name if "/" in name else records / name
-        written = _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo_root())))
+        # seven digits whatever the clone: git's own abbreviation lengthens with the object count of a clone
+        written = _git("log", "-1", "--format=%H", "--", str(path.relative_to(repo_root())))[:7]
         out[name] = {"last_written_in_commit": written, "machine": (_machine(path) if path.suffix == ".jsonl" else None) or machine,
                      "drafts": {draft: _weights(head, digests) for draft, head in drafts.items()}}
     return out
