@@ -12,8 +12,8 @@ program instance; ``VLLM_TARGET_DEVICE=cpu`` and an empty ``CUDA_VISIBLE_DEVICES
 without a GPU driver, as on a Ray worker before CUDA starts). The packages vLLM's import chain names and the kernels
 never call (aiohttp, cachetools, pybase64, media libraries: :data:`NEVER_CALLED`) are empty modules where they are
 missing (``specresearch.paths.empty_modules``). Two interpreter gaps stand in: libdevice's ``log1p`` is ``log(1 +
-x)`` (one call, in the resampling kernel's residual: equal up to float rounding), and a store whose mask the
-interpreter types as int32 (the draft-logits cache store) reads it as nonzero = store, as compiled code does.
+x)`` (one call, in the resampling kernel's residual: equal up to float rounding), and a load or store whose mask the
+interpreter types as int32 (the draft-logits cache store) reads it as nonzero = on, as compiled code does.
 
 Around it, ours: a tiny random Llama target and a perturbed copy of it as the draft (``models.families``; 64
 tokens); each step drafts gamma tokens, runs the target on the row and its drafts, puts the target's logits through
@@ -72,28 +72,34 @@ def vllm_kernels():
     from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache
 
     utils.tldevice = types.SimpleNamespace(log1p=lambda x: tl.log(1.0 + x))  # the interpreter has no libdevice
-    _boolean_store_masks()
+    _boolean_masks()
     return utils.rejection_sample, DraftLogitsCache, apply_temperature, gumbel_sample
 
 
-def _boolean_store_masks() -> None:
-    """Triton's interpreter types ``mask & (row >= 0)`` (the draft-logits cache store in ``gumbel_block_argmax``) as
-    int32, which its store refuses; a store's mask is read as nonzero = store, as the compiled kernel reads it."""
+def _boolean_masks() -> None:
+    """Triton's interpreter types some masks as int32 (``mask & (row >= 0)``, the draft-logits cache store in
+    ``gumbel_block_argmax``; the DFlash2 walk's ``mask & valid`` loads), which its loads and stores refuse; a mask is
+    read as nonzero = on, as the compiled kernel reads it."""
     import numpy as np
     import triton.language as tl
     import triton.runtime.interpreter as interpreter
 
-    store = interpreter.InterpreterBuilder.create_masked_store
-    if getattr(store, "boolean_masks", False):
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_masked_store, "boolean_masks", False):
         return
+    store, load = builder.create_masked_store, builder.create_masked_load
+
+    def boolean(mask):
+        return mask if mask.data.dtype == np.bool_ else interpreter.TensorHandle(mask.data != 0, tl.int1)
 
     def boolean_store(self, ptrs, value, mask, cache_policy):
-        if mask.data.dtype != np.bool_:
-            mask = interpreter.TensorHandle(mask.data != 0, tl.int1)
-        return store(self, ptrs, value, mask, cache_policy)
+        return store(self, ptrs, value, boolean(mask), cache_policy)
+
+    def boolean_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return load(self, ptrs, boolean(mask), other, cache_policy, is_volatile)
 
     boolean_store.boolean_masks = True
-    interpreter.InterpreterBuilder.create_masked_store = boolean_store
+    builder.create_masked_store, builder.create_masked_load = boolean_store, boolean_load
 
 
 def set_draft_salt(salt: int) -> None:
@@ -128,6 +134,8 @@ class VllmSampler(Batched):
     column; one seed per request for the whole generation, drawn as vLLM draws an unset seed, so that the draft's
     noise and the verification's meet across steps as they do when vLLM serves a request); ``draft_salt``: vLLM's
     draft-noise salt (:func:`set_draft_salt`; 0 in a control)."""
+
+    cache_fill = 0.0  # the draft-logits cache's value before the drafts write it (DraftLogitsCache's fill)
 
     def __init__(self, target, draft, temperature: float, gamma: int, method: str = "standard", fly_window: int = 1,
                  handed: str = "draft", drafting: str = "torch", draft_salt: int = SALT) -> None:
@@ -175,9 +183,9 @@ class VllmSampler(Batched):
         rejection_sample, DraftLogitsCache, apply_temperature, _ = self.kernels
         (R, L), g, T = ids.shape, self.gamma, self.temperature
         V = self.target.config.vocab_size
-        cache = DraftLogitsCache(R, g, V, dtype=torch.float32, fill=0.0, device="cpu")
+        cache = DraftLogitsCache(R, g, V, dtype=torch.float32, fill=self.cache_fill, device="cpu")
         seqs = self._drafts(ids, seeds, cache)
-        if self.handed != "draft":
+        if self.handed == "uniform":
             cache.values.zero_()
         if self.drafting == "torch":
             seeds = torch.randint(0, 2**31 - 1, (R,), dtype=torch.int64)

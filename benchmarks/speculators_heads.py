@@ -1,5 +1,5 @@
-"""EAGLE-3 heads and DFlash drafters written by vllm-project/speculators' own code, read by ``drafts.eagle`` and
-``drafts.dflash``: their draft laws against speculators' own forward, option by option.
+"""EAGLE-3 heads and DFlash / DSpark / DFlash2 drafters written by vllm-project/speculators' own code, read by
+``drafts.eagle`` and ``drafts.dflash``: their draft laws against speculators' own forward, option by option.
 
 speculators (the library that trains the EAGLE-3 heads vLLM serves) is downloaded from the package index as published
 (``specresearch.paths.pypi_wheel``, nothing installed into the project's environment) with the small packages its
@@ -25,6 +25,14 @@ prefill of the prompt before the anchor, the anchor scored as the engine's pendi
 tokens scored as drafted tokens, against the block positions that predict them (1 to 3; 0 to 3 with
 ``sample_from_anchor``), for every block inside the prompt. The control drops the Markov head (DSpark), else ``d2t``
 (reads draft id i as target id i): the total variation distance of the two laws.
+
+DFlash2 (the ``dflash2`` cases: speculators' ``DFlash2DraftModel``, full vocabulary as it requires, its grouped
+convolutions of 2 or 3 taps and its candidate selector of rank 8 over the top 8 or all 64 tokens): its whole training
+``forward``, the candidates' scores caught where it hands them to its loss. Its loss puts the verifier's token in the
+K-th place where the unary top K lacks it, so our logits at its candidate ids are compared with its scores on the
+other K - 1 there and on all K elsewhere, and our log-probabilities with the softmax of its scores where its
+candidates are the unary top K the drafter serves (``positions_with_serving_set``). The control zeroes the selector's
+predecessor codebook: the largest score difference.
 
     PYTHONPATH=. .venv/bin/python benchmarks/speculators_heads.py --out benchmarks/records/speculators_heads.json
 """
@@ -169,8 +177,8 @@ def compare(name: str, seed: int, steps: int = 3) -> dict:
     return row
 
 
-# name -> (DFlashSpeculatorConfig options, layer config options)
 # name -> (speculators algorithm, its config options, layer config options); DSpark's Markov heads of rank 8
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 8}
 DFLASH_CASES = {
     "dflash": ("dflash", {}, {}),
     "dflash_full_vocabulary": ("dflash", {"draft_vocab_size": VOCAB}, {}),
@@ -182,6 +190,11 @@ DFLASH_CASES = {
     "dspark_full_vocabulary_two_layers": ("dspark", {"markov_rank": 8, "draft_vocab_size": VOCAB},
                                           {"num_hidden_layers": 2}),
     "dspark_without_markov_head": ("dspark", {"markov_rank": 0, "enable_confidence_head": False}, {}),
+    "dflash2": ("dflash2", {**DFLASH2, "draft_vocab_size": VOCAB}, {}),
+    "dflash2_three_taps_sample_from_anchor": ("dflash2", {**DFLASH2, "draft_vocab_size": VOCAB, "conv_kernel_size": 3,
+                                                          "conv_group_size": 4, "sample_from_anchor": True}, {}),
+    "dflash2_two_layers_every_token": ("dflash2", {**DFLASH2, "draft_vocab_size": VOCAB, "selector_top_k": VOCAB},
+                                       {"num_hidden_layers": 2}),
 }
 DFLASH_BLOCK = 4
 
@@ -189,7 +202,10 @@ DFLASH_BLOCK = 4
 def _their_block_logits(model, algorithm: str, features, prompt, last_hidden):
     """speculators' drafter on ``prompt``: the logits of every anchor's block ``[anchors, B, draft vocabulary]`` and
     each block's anchor. DFlash: its ``_backbone_forward``; DSpark: its whole training ``forward`` (the Markov bias
-    of each block's previous tokens added there), the logits caught where it hands them to its loss."""
+    of each block's previous tokens added there), the logits caught where it hands them to its loss; DFlash2: its
+    whole ``forward``, the candidates' scores ``[anchors, B, K]`` caught there, with their ids and whether the
+    verifier's token was among the unary top K (else its loss put it in the K-th place)."""
+    import speculators.models.dflash2.core as dflash2_core
     import speculators.models.dspark.core as dspark_core
 
     caught = {}
@@ -203,26 +219,36 @@ def _their_block_logits(model, algorithm: str, features, prompt, last_hidden):
         caught["logits"] = logits
         return torch.zeros(()), {}
 
-    model._backbone_forward, metrics = backbone_caught, dspark_core.compute_metrics
-    dspark_core.compute_metrics = metrics_caught
+    def selector_caught(**kwargs):
+        caught["logits"] = kwargs["candidate_logits"]
+        caught["candidates"] = (kwargs["training_candidate_ids"], kwargs["contains_target"])
+        return torch.zeros(()), {}
+
+    model._backbone_forward, metrics = backbone_caught, (dspark_core.compute_metrics, dflash2_core.compute_metrics)
+    dspark_core.compute_metrics, dflash2_core.compute_metrics = metrics_caught, selector_caught
     try:
         with torch.no_grad():
             arguments = (features, prompt, torch.ones_like(prompt), last_hidden, torch.zeros_like(prompt))
-            if algorithm == "dspark":
+            if algorithm in ("dspark", "dflash2"):
                 model(*arguments, max_anchors=len(PROMPT))
             else:
                 backbone_caught(*arguments, max_anchors=len(PROMPT))
                 caught["logits"] = caught["backbone"][1]
     finally:
-        dspark_core.compute_metrics = metrics
+        dspark_core.compute_metrics, dflash2_core.compute_metrics = metrics
         del model._backbone_forward
     blocks = caught["backbone"][4].view(-1, DFLASH_BLOCK)
-    return caught["logits"][0].float().view(len(blocks), DFLASH_BLOCK, -1), blocks[:, 0].tolist()
+    logits = caught["logits"][0].float().view(len(blocks), DFLASH_BLOCK, -1)
+    if algorithm == "dflash2":
+        ids, contains = caught["candidates"]
+        logits = (logits, ids[0].view(logits.shape), contains[0].view(logits.shape[:2]))
+    return logits, blocks[:, 0].tolist()
 
 
-def _our_predictions(target, directory: Path, prompt, anchor: int, count: int) -> torch.Tensor:
+def _our_predictions(target, directory: Path, prompt, anchor: int, count: int, *, raw: bool = False) -> torch.Tensor:
     """Ours as the engine drafts: prefill of the prompt before ``anchor``, the anchor scored as the pending token,
-    then the prompt's next ``count - 1`` tokens as drafted tokens -> ``[count, V]`` log-probabilities."""
+    then the prompt's next ``count - 1`` tokens as drafted tokens -> ``[count, V]`` log-probabilities (``raw``:
+    the logits)."""
     from specresearch.drafts.registry import draft_from_name
 
     draft = draft_from_name(str(directory), target)
@@ -233,7 +259,7 @@ def _our_predictions(target, directory: Path, prompt, anchor: int, count: int) -
     draft.prefill(before, torch.ones_like(before))
     draft.observe(shifted[:, -1:])
     rows = [draft.score(prompt[:, anchor + j : anchor + j + 1])[0, -1] for j in range(count)]
-    return torch.stack(rows).float().log_softmax(-1)
+    return torch.stack(rows).float() if raw else torch.stack(rows).float().log_softmax(-1)
 
 
 def dflash_compare(name: str, seed: int) -> dict:
@@ -241,6 +267,8 @@ def dflash_compare(name: str, seed: int) -> dict:
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash.config import DFlashSpeculatorConfig
     from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.models.dflash2.config import DFlash2SpeculatorConfig
+    from speculators.models.dflash2.core import DFlash2DraftModel
     from speculators.models.dspark.config import DSparkSpeculatorConfig
     from speculators.models.dspark.core import DSparkDraftModel
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -256,8 +284,8 @@ def dflash_compare(name: str, seed: int) -> dict:
                                              **layer_options})
     layer._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])
-    config_class, model_class = ((DSparkSpeculatorConfig, DSparkDraftModel) if algorithm == "dspark" else
-                                 (DFlashSpeculatorConfig, DFlashDraftModel))
+    config_class, model_class = {"dspark": (DSparkSpeculatorConfig, DSparkDraftModel), "dflash": (
+        DFlashSpeculatorConfig, DFlashDraftModel), "dflash2": (DFlash2SpeculatorConfig, DFlash2DraftModel)}[algorithm]
     config = config_class(
         transformer_layer_config=layer, **{"draft_vocab_size": DRAFT_VOCAB, "block_size": DFLASH_BLOCK,
                                            "aux_hidden_state_layer_ids": [2, 5], "mask_token_id": VOCAB - 1, **options},
@@ -280,9 +308,13 @@ def dflash_compare(name: str, seed: int) -> dict:
             hidden = target.model(prompt, output_hidden_states=True).hidden_states
         features = torch.cat([hidden[i] for i in config.aux_hidden_state_layer_ids], -1)
         theirs, anchors = _their_block_logits(model, algorithm, features, prompt, hidden[-1])
-        theirs = theirs.log_softmax(-1)
         # the first token has no context (the engine never anchors there); a block must lie inside the prompt
         compared = [(block, a) for block, a in enumerate(anchors) if 1 <= a and a + count <= len(PROMPT)]
+        row = {"case": name, "kind": algorithm, "seed": seed, "options": options, "layer": layer_options,
+               "anchors": len(compared), "drafted_per_anchor": count}
+        if algorithm == "dflash2":
+            return row | _dflash2_compare(target, directory, prompt, theirs, compared, first, count)
+        theirs = theirs.log_softmax(-1)
         control = "markov_head" if getattr(model, "markov_head", None) is not None else (
             "d2t" if model.d2t is not None else None)
         differences, distances = [], []
@@ -301,21 +333,49 @@ def dflash_compare(name: str, seed: int) -> dict:
                 else:
                     worst = max(worst, float((ours[:, ids] - want).abs().max()))
             (distances if dropped else differences).append(worst)
-    row = {"case": name, "kind": algorithm, "seed": seed, "options": options, "layer": layer_options,
-           "anchors": len(compared), "drafted_per_anchor": count, "max_abs_logprob_difference": differences}
+    row["max_abs_logprob_difference"] = differences
     if distances:
         row |= {"control_dropped": control, "control_total_variation": distances}
     return row
 
 
+def _dflash2_compare(target, directory: Path, prompt, theirs, compared, first: int, count: int) -> dict:
+    """A DFlash2 drafter's candidates: our logits at speculators' candidate ids against its scores (where its loss put
+    the verifier's token in the K-th place, the other K - 1), our log-probabilities against the softmax of its scores
+    where its candidates are the unary top K the drafter serves; the control zeroes the selector's predecessor
+    codebook (the scores are then the head's logits)."""
+    scores, candidates, contains = theirs
+    found = {"max_abs_logprob_difference": [0.0], "max_abs_score_difference": [0.0], "control_dropped":
+             "candidate_selector", "control_max_abs_score_difference": [0.0], "positions_with_serving_set": 0}
+    for dropped in (False, True):
+        if dropped:
+            _drop(directory, "candidate_selector")
+        for block, anchor in compared:
+            ours = _our_predictions(target, directory, prompt, anchor, count, raw=True)  # [count, V]
+            want, ids, full = scores[block, first:], candidates[block, first:], contains[block, first:]
+            got = ours.gather(-1, ids)
+            kept = torch.ones_like(ids, dtype=torch.bool)
+            kept[~full, -1] = False
+            key = "control_max_abs_score_difference" if dropped else "max_abs_score_difference"
+            found[key][0] = max(found[key][0], float((got - want)[kept].abs().max()))
+            if not dropped and full.any():
+                difference = (got[full].log_softmax(-1) - want[full].log_softmax(-1)).abs().max()
+                found["max_abs_logprob_difference"][0] = max(found["max_abs_logprob_difference"][0], float(difference))
+                found["positions_with_serving_set"] += int(full.sum())
+    return found
+
+
 def _drop(directory: Path, what: str) -> None:
     """The saved drafter in ``directory`` without its Markov head (``markov_head``: rank 0 in its config, the tensors
-    removed) or with ``d2t`` zeroed."""
+    removed), with ``d2t`` zeroed or with the candidate selector's predecessor codebook zeroed."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(directory / "model.safetensors")
     if what == "d2t":
         tensors["d2t"] = torch.zeros_like(tensors["d2t"])
+    elif what == "candidate_selector":
+        name = "candidate_selector.predecessor_codebook"
+        tensors[name] = torch.zeros_like(tensors[name])
     else:
         config = json.loads((directory / "config.json").read_text())
         config |= {"markov_rank": 0, "enable_confidence_head": False}
@@ -347,9 +407,11 @@ def main(argv=None) -> int:
     for name, run in cases:
         for seed in range(args.seeds):
             row = run(name, seed)
-            row["agrees"] = max(row["max_abs_logprob_difference"]) <= args.tolerance
+            differences = row["max_abs_logprob_difference"] + row.get("max_abs_score_difference", [])
+            row["agrees"] = max(differences) <= args.tolerance
             rows.append(row)
-            control = row.get("control_max_abs_logprob_difference", row.get("control_total_variation"))
+            control = next((row[k] for k in ("control_max_abs_logprob_difference", "control_total_variation",
+                                             "control_max_abs_score_difference") if k in row), None)
             print(f"{name:22s} seed {seed}: max |diff| per step {[f'{d:.1e}' for d in row['max_abs_logprob_difference']]}"
                   + (f"; without {row['control_dropped']}: {[f'{d:.2f}' for d in control]}" if control else ""))
     header = record_header("benchmarks/speculators_heads.py", sys.argv[1:] if argv is None else argv, target=None,

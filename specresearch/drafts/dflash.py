@@ -9,8 +9,7 @@ The formats (our code, their facts):
   level, default 16), optionally ``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping``;
   ``model.safetensors`` with ``fc.weight [H, n H]``, ``hidden_norm.weight``, ``layers.{i}.*`` (Qwen3 decoder layers,
   per-head q / k norms) and ``norm.weight``. A full-attention layer is bidirectional; a sliding one is causal with a
-  window ``q - k < w`` unless the config's ``is_causal`` says otherwise. ``DFlash2DraftModel`` (convolutions and a
-  candidate selector) is refused.
+  window ``q - k < w`` unless the config's ``is_causal`` says otherwise. DFlash2 in this layout is refused.
 * transformers 5.25 (``models/muse_glimmer_assistant``, what its ``speculation_type="dflash"`` runs): model type
   ``muse_glimmer_assistant`` with ``target_layer_ids``, ``block_size`` and ``mask_token_id`` at the top level,
   ``fc`` and ``hidden_norm`` saved as ``encoder.fc`` and ``encoder.output_norm_enc``; every layer bidirectional, a
@@ -32,6 +31,12 @@ The formats (our code, their facts):
   ``sample_from_anchor`` (speculators' config reads it as True, vLLM 0.34's reader as False: two different
   drafts), a ``markov_rank`` that is not an integer, the ``rnn`` head (a state carried along the block), DSpark in
   DeepSeek's own layout (a config with ``markov_rank`` outside speculators'). vLLM 0.34's Qwen3 DSpark model builds the vanilla head only.
+* DFlash2 in speculators' layout (``speculators_model_type: "dflash2"``, ``models/dflash2``; vLLM 0.34's
+  ``DFlash2DraftModel``): the DFlash block with each layer's attention and MLP between two grouped convolutions along
+  the block, and a candidate selector that rescores the head's top ``selector_top_k`` tokens given the token before
+  the predicted one (:mod:`specresearch.drafts.dflash2`); the draft's law lives on those candidates. Refused in one
+  line: a config without ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` or ``selector_top_k``
+  (speculators defaults them, vLLM 0.34 does not), a draft vocabulary (speculators builds it on the full one).
 
 One drafting call (the same in every layout): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
 which each layer reads through its own k / v projections (k normed per head, RoPE at the slot's position), without
@@ -45,9 +50,9 @@ i + 1: the anchor's own output drafts the first token.
 As a draft here: the anchor is the engine's pending token, whose queued feature is the last slot of the context; the
 d-th drafted token is drawn from block position d (d - 1 sampling from the anchor). The block does not read the
 drafted tokens, so the slot of the d-th drafted token returns the block's next position (a tree's siblings share it;
-DSpark adds the Markov bias of the token the slot holds) and a step drafts at most B - 1 tokens (B sampling from the
-anchor; ``plan_length``). Rows copy and select (``RowExpander``). q is the softmax of those logits; any verifier of
-the engine keeps the target's law.
+DSpark adds the Markov bias of the token the slot holds, DFlash2 rescores its candidates given that token) and a
+step drafts at most B - 1 tokens (B sampling from the anchor; ``plan_length``). Rows copy and select
+(``RowExpander``). q is the softmax of those logits; any verifier of the engine keeps the target's law.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from specresearch.drafts.dflash2 import DFLASH2_KEYS, CandidateSelector, GroupedConv, dflash2_shapes
 from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate_half
 from specresearch.drafts.speculators import SPECULATORS_METADATA, refused_layer
@@ -72,14 +78,14 @@ _REFUSED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "select
 _SPECULATORS_KEYS = SPECULATORS_METADATA | {"block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
                                            "mask_token_id", "sliding_window_non_causal", "sample_from_anchor"}
 _DSPARK_KEYS = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
-_SPECULATORS_TYPES = ("dflash", "dspark")
+_SPECULATORS_TYPES = ("dflash", "dspark", "dflash2")
 
 
 class _Layer(torch.nn.Module):
     """A Qwen3 decoder layer whose attention reads the context's keys and values beside the block's own."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                 bias: bool) -> None:
+                 bias: bool, conv: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
@@ -89,6 +95,9 @@ class _Layer(torch.nn.Module):
         self.self_attn.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=bias)
         self.self_attn.q_norm, self.self_attn.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.mlp = MLP(hidden, intermediate, bias=False)
+        self.attention_conv = self.mlp_conv = None  # DFlash2's convolutions (taps, group size): drafts.dflash2
+        if conv is not None:
+            self.attention_conv, self.mlp_conv = GroupedConv(hidden, *conv), GroupedConv(hidden, *conv)
 
     def _keys_values(self, x, cos, sin):
         attn, (n, k, _) = self.self_attn, x.shape
@@ -105,14 +114,21 @@ class _Layer(torch.nn.Module):
         m]``."""
         attn, (n, m, _) = self.self_attn, h.shape
         x = self.input_layernorm(h)
+        if self.attention_conv is not None:
+            x, offsets = self.attention_conv.prepare(x)
         q = attn.q_norm(attn.q_proj(x).view(n, m, self.heads, self.head_dim)).transpose(1, 2)
         q = q * cos[:, None] + rotate_half(q) * sin[:, None]
         own_keys, own_values = self._keys_values(x, cos, sin)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, torch.cat([keys, own_keys], 2), torch.cat([values, own_values], 2), attn_mask=allowed[:, None],
             enable_gqa=self.heads != self.kv_heads)
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(n, m, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out = attn.o_proj(out.transpose(1, 2).reshape(n, m, -1))
+        h = h + (out if self.attention_conv is None else self.attention_conv.finish(out, offsets))
+        x = self.post_attention_layernorm(h)
+        if self.mlp_conv is None:
+            return h + self.mlp(x)
+        x, offsets = self.mlp_conv.prepare(x)
+        return h + self.mlp_conv.finish(self.mlp(x), offsets)
 
 
 class DFlashBlock(torch.nn.Module):
@@ -128,8 +144,12 @@ class DFlashBlock(torch.nn.Module):
         d, kv = int(config.get("head_dim") or H // heads), int(config.get("num_key_value_heads") or heads)
         eps, n = float(config.get("rms_norm_eps", 1e-6)), len(config["target_layer_ids"])
         self.fc, self.hidden_norm = torch.nn.Linear(n * H, H, bias=False), RMSNorm(H, eps)
+        dflash2 = config.get("dflash2")  # DFlash2's settings (speculators' layout), else None
+        conv = (int(dflash2["conv_kernel_size"]), int(dflash2["conv_group_size"])) if dflash2 else None
         self.layers = torch.nn.ModuleList(_Layer(H, heads, kv, d, int(config["intermediate_size"]), eps,
-                                                 bool(config.get("attention_bias"))) for _ in kinds)
+                                                 bool(config.get("attention_bias")), conv) for _ in kinds)
+        self.candidate_selector = CandidateSelector(int(config["vocab_size"]), H, int(dflash2["selector_rank"]), int(
+            dflash2["selector_top_k"])) if dflash2 else None
         self.norm = RMSNorm(H, eps)
         self.kinds = list(kinds)
         self.block_size, self.mask_token_id = int(config["block_size"]), int(config["mask_token_id"])
@@ -217,7 +237,8 @@ class DFlashDraft(FeatureQueue):
         self.feature_size = block.fc.in_features
         self._slots: SlotMask | None = None
         self._queued: torch.Tensor | None = None
-        self._hidden: torch.Tensor | None = None  # DSpark's gated head: the last anchor's block outputs
+        self._hidden: torch.Tensor | None = None  # DSpark's gated head, DFlash2's selector: the last block's outputs
+        self._reads_hidden = block.markov_head is not None or block.candidate_selector is not None
 
     @property
     def cache_length(self) -> int:
@@ -306,7 +327,7 @@ class DFlashDraft(FeatureQueue):
         hidden = out[:, size - self.block.predictions:].reshape(batch, c, self.block.predictions, -1)
         base = self._base(hidden)  # [B, c, P, V]
         self._block = base[:, -1]
-        self._hidden = hidden[:, -1] if self.block.markov_head is not None else None
+        self._hidden = hidden[:, -1] if self._reads_hidden else None
         result = torch.zeros(batch, k, self.vocab_size, device=self.device)
         result[:, columns] = self._logits(base[:, :, 0], tokens[:, columns], hidden[:, :, 0])
         return result
@@ -318,7 +339,8 @@ class DFlashDraft(FeatureQueue):
 
     def _logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         """A drafted position's logits: ``base`` plus DSpark's Markov bias of the ``previous`` token (on the draft
-        vocabulary's columns), times ``output_multiplier``, softcapped where the config says."""
+        vocabulary's columns), times ``output_multiplier``, softcapped where the config says; DFlash2's candidates
+        rescored given the ``previous`` token."""
         if self.block.markov_head is not None:
             bias = self.block.markov_head(previous, hidden).float()
             ids = self.block.head.token_ids if self.block.head is not None else torch.arange(
@@ -327,6 +349,8 @@ class DFlashDraft(FeatureQueue):
         logits = base * self.block.output_multiplier
         if self.block.softcap > 0:
             logits = torch.tanh(logits / self.block.softcap) * self.block.softcap
+        if self.block.candidate_selector is not None:
+            logits = self.block.candidate_selector(logits, previous, hidden)
         return logits
 
     def rollback(self, n) -> None:
@@ -380,7 +404,7 @@ def _config(directory: Path) -> dict:
             raise ValueError(f"{directory}: a DSpark drafter outside speculators' layout (DeepSeek's): not read; "
                              "speculators' layout (speculators_model_type dspark) is")
         return {**config, **(config.get("dflash_config") or {})}
-    known = _SPECULATORS_KEYS | (_DSPARK_KEYS if kind == "dspark" else set())
+    known = _SPECULATORS_KEYS | {"dspark": _DSPARK_KEYS, "dflash2": set(DFLASH2_KEYS)}.get(kind, set())
     layer, unknown = dict(config.get("transformer_layer_config") or {}), sorted(set(config) - known)
     why = f"config keys {unknown} this loader does not read" if unknown else refused_layer(layer)
     if why is None and not config.get("aux_hidden_state_layer_ids"):
@@ -393,6 +417,8 @@ def _config(directory: Path) -> dict:
         why = f"markov_rank {config['markov_rank']!r} (an integer; speculators' default 256)"
     if why is None and kind == "dspark" and config.get("markov_head_type", "vanilla") not in ("vanilla", "gated"):
         why = f"a Markov head of type {config['markov_head_type']!r} (this loader builds vanilla and gated)"
+    if why is None and kind == "dflash2":
+        why = _dflash2_refusal(config, layer)
     if why:
         raise ValueError(f"{directory}: a speculators {kind} drafter with {why}: refused (module docstring)")
     flat = {**layer, "architectures": ["DFlashDraftModel"], "block_size": config.get("block_size", 8),
@@ -402,14 +428,32 @@ def _config(directory: Path) -> dict:
     if kind == "dspark":
         flat |= {k: config.get(k) for k in _DSPARK_KEYS}
         flat["markov_rank"] = int(config.get("markov_rank", 256))  # speculators' default
+    if kind == "dflash2":
+        flat["dflash2"] = {k: int(config[k]) for k in DFLASH2_KEYS}
     if config.get("target_hidden_size") not in (None, layer.get("hidden_size")):
         flat["hidden_size_target"] = config["target_hidden_size"]
     return flat
 
 
+def _dflash2_refusal(config: dict, layer: dict) -> str | None:
+    """Why a speculators DFlash2 config is not read, or None."""
+    missing = [k for k in DFLASH2_KEYS if type(config.get(k)) is not int]
+    if missing:
+        return f"no integer {missing} (speculators 0.9.0 defaults them, vLLM 0.34 reads them without a default)"
+    vocab, hidden = layer.get("vocab_size"), layer.get("hidden_size")
+    if config.get("draft_vocab_size") not in (None, vocab):
+        return f"a draft vocabulary of {config['draft_vocab_size']} tokens (speculators builds DFlash2 on the full one)"
+    if hidden % config["conv_group_size"] or not 1 <= config["conv_kernel_size"] <= config.get("block_size", 8):
+        return (f"conv_group_size {config['conv_group_size']} / conv_kernel_size {config['conv_kernel_size']} "
+                f"(a divisor of hidden size {hidden} / at most the block)")
+    if not 1 <= config["selector_top_k"] <= vocab:
+        return f"selector_top_k {config['selector_top_k']} (between 1 and the vocabulary's {vocab})"
+    return None
+
+
 def is_dflash_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a DFlash drafter in z-lab's layout (``dflash_config``), transformers'
-    (``muse_glimmer_assistant``) or speculators' (also DSpark), with its weights."""
+    (``muse_glimmer_assistant``) or speculators' (also DSpark and DFlash2), with its weights."""
     directory = Path(directory)
     if not (directory / "config.json").is_file() or published_weights(directory, _WEIGHTS) is None:
         return False
@@ -460,6 +504,8 @@ def _expected(config: dict) -> dict[str, tuple[int, ...]]:
                    "markov_head.markov_w2.weight": (draft, rank)}
         if config.get("markov_head_type") == "gated":
             shapes |= {"markov_head.gate_proj.weight": (rank, H + rank), "markov_head.gate_proj.bias": (rank,)}
+    if config.get("dflash2"):
+        shapes |= dflash2_shapes(config["dflash2"], H, int(config["vocab_size"]), int(config["num_hidden_layers"]))
     if config.get("enable_confidence_head"):  # read, not used: it predicts acceptance, the draft's law is without it
         shapes |= {"confidence_head.proj.weight": (1, H + (rank if config.get("confidence_head_with_markov") else 0)),
                    "confidence_head.proj.bias": (1,)}
@@ -467,8 +513,8 @@ def _expected(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFlashDraft:
-    """A DFlash drafter saved in z-lab's, transformers' or speculators' layout, or a DSpark drafter in speculators'
-    (module docstring), as a draft for ``target_lm`` (a ``CausalLM``); a layout, setting or tensor this loader does
+    """A DFlash drafter saved in z-lab's, transformers' or speculators' layout, or a DSpark or DFlash2 drafter in
+    speculators' (module docstring), as a draft for ``target_lm`` (a ``CausalLM``); a layout, setting or tensor this loader does
     not read is refused in one line, by name."""
     directory = Path(directory)
     if not is_dflash_dir(directory):
@@ -479,8 +525,8 @@ def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFla
     refused = [k for k in _REFUSED_KEYS if config.get(k) is not None] + [
         a for a in config.get("architectures") or () if a not in ("DFlashDraftModel", "MuseGlimmerAssistantModel")]
     if refused:
-        raise ValueError(f"{directory}: {refused}: this loader reads DFlash drafters (DFlashDraftModel), not DFlash2's "
-                         "convolutions and candidate selector or other architectures")
+        raise ValueError(f"{directory}: {refused}: this loader reads DFlash drafters (DFlashDraftModel) and DFlash2 in "
+                         "speculators' layout, not DFlash2 in this layout or other architectures")
     config.setdefault("block_size", 16)
     missing = [k for k in ("target_layer_ids", "mask_token_id") if config.get(k) is None]
     if missing or config.get("hidden_act", "silu") != "silu":

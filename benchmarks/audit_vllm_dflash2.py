@@ -1,0 +1,126 @@
+"""Audit by execution of vLLM's DFlash2 drafting: vLLM 0.34's candidate walk (``v1/worker/gpu/spec_decode/dflash2/
+speculator.py``, ``CandidateSampler.sample``: its ``_selector_walk_kernel`` draws each drafted token from the
+candidates' scores given the token drawn before, Gumbel-max at the request's temperature with its drafting noise,
+and its ``_cache_draft_logits_kernel`` writes the realized scores, ``-inf`` elsewhere, to the draft-logits cache),
+the candidates' scores from vLLM's own edge kernel (``model_executor/models/qwen3_dflash2.py``,
+``dflash2_score_edges_impl``: unary logit plus the bilinear edge of the previous candidate, the anchor first) and its
+``rejection_sample`` deciding every step, all on the CPU in Triton's interpreter; the measured law of the first two
+tokens against the target's (``specresearch.audit.execute``, engine ``python``). The draft is DFlash2's law
+(``drafts.dflash2``) with vLLM computing every part of it that its serving code computes.
+
+How it runs: as ``benchmarks/audit_vllm.py`` (``vllm_kernels``, its harness :class:`VllmSampler` with one seed per
+request for the whole generation), plus the packages the DFlash2 modules' import chain names and these kernels
+never call (cbor2, llguidance, xgrammar, einops: :data:`NEVER_CALLED`) as empty modules. The drafter's network is
+not vLLM's to run here: the unary logits of drafted position s are the perturbed draft's logits at the anchor plus a
+fixed random vector of position s (a block drafter's positions differ from each other), their top
+:data:`TOP_K` the candidates (vLLM takes the top K of its head's logits); the selector's hidden projection is a fixed
+random map of the draft's last hidden state per position, its codebooks fixed random tables (seeded, rank
+:data:`RANK`). The law the draft draws from is a function of the row and the drafted tokens before, whatever those
+tables are; the claim tested is vLLM's: its walk, its cache and its verification keep the target's law.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_dflash2.py [--out benchmarks/records/audit_vllm_dflash2.json]
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_dflash2.py --controls
+
+``--controls``: the cache handed the candidates' unary logits instead of the walk's scores (the selector's edges
+left out of q, as a drafter caching its head's logits would): the measurement must reject the target's law; and
+the walk's drafting salt at 0 (the draft's noise is the residual's, ``audit_vllm.set_draft_salt``). Resumable
+(``audit.execute.record_tiny_runs``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from audit_vllm import SALT, SEED, VLLM, VllmSampler, _pair, runs_main, vllm_kernels  # noqa: E402
+
+from specresearch.audit.execute import TinyRun  # noqa: E402
+from specresearch.paths import empty_modules  # noqa: E402
+
+NEVER_CALLED = ("cbor2", "llguidance", "xgrammar", "einops")
+TOP_K, RANK, MAX_STEPS = 8, 8, 4
+
+
+def dflash2_parts():
+    """vLLM's ``CandidateSampler`` and ``dflash2_score_edges_impl``, to run in Triton's interpreter; once a process."""
+    vllm_kernels()
+    empty_modules(NEVER_CALLED)
+    from vllm.model_executor.models.qwen3_dflash2 import dflash2_score_edges_impl
+    from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import CandidateSampler
+
+    return CandidateSampler, dflash2_score_edges_impl
+
+
+class VllmDFlash2Sampler(VllmSampler):
+    """:class:`VllmSampler` drafting with vLLM's DFlash2 walk (module docstring). ``handed``: ``"draft"`` (the cache
+    as vLLM's walk writes it) or ``"unary"`` (the control: the candidates' unary logits)."""
+
+    cache_fill = float("-inf")  # DFlash2Speculator.draft_logits_spec
+
+    def __init__(self, target, draft, temperature: float, gamma: int, method: str = "standard", handed: str = "draft",
+                 draft_salt: int = SALT) -> None:
+        super().__init__(target, draft, temperature, gamma, method, handed=handed, drafting="vllm",
+                         draft_salt=draft_salt)
+        self.parts = dflash2_parts()
+        g = torch.Generator().manual_seed(SEED + 2)
+        V, H = target.config.vocab_size, draft.config.hidden_size
+        self.step_bias = torch.randn(MAX_STEPS, V, generator=g)
+        self.projection = torch.randn(MAX_STEPS, H, RANK, generator=g) / H**0.5
+        self.predecessor = 0.5 * torch.randn(V, RANK, generator=g)
+        self.successor = 0.5 * torch.randn(V, RANK, generator=g)
+
+    def _drafts(self, ids: torch.Tensor, seeds: torch.Tensor, cache) -> torch.Tensor:
+        CandidateSampler, score_edges = self.parts
+        (R, L), g = ids.shape, self.gamma
+        out = self.draft(ids, output_hidden_states=True)
+        unary = out.logits[:, -1, None].float() + self.step_bias[:g]  # [R, g, V]
+        values, candidates = unary.topk(TOP_K, -1)
+        hidden = torch.einsum("rh,shk->rsk", out.hidden_states[-1][:, -1].float(), self.projection[:g])
+        scores = score_edges(self.predecessor, self.successor, candidates.contiguous(), values.contiguous(),
+                             hidden.contiguous(), ids[:, -1].contiguous())  # [R, g, K, K]
+        tokens = torch.zeros(R * g, dtype=torch.int64)
+        positions = (L + torch.arange(g, dtype=torch.int64)).repeat(R)  # the predicted tokens' positions
+        requests = torch.arange(R, dtype=torch.int32).repeat_interleave(g)
+        walk = CandidateSampler(R, g, TOP_K, torch.device("cpu"))
+        walk.sample(candidates, scores, R, positions, requests, torch.full((R,), self.temperature), seeds, tokens,
+                    cache, use_fp64=False)
+        if self.handed == "unary":
+            cache.values.fill_(float("-inf")).scatter_(-1, candidates, values)
+        return torch.cat([ids, tokens.view(R, g)], 1)
+
+
+def _run(n: int, temperature: float = 1.0, gamma: int = 2, method: str = "standard", handed: str = "draft",
+         draft_salt: int = SALT) -> TinyRun:
+    if gamma > MAX_STEPS:
+        raise ValueError(f"gamma {gamma}: at most {MAX_STEPS} drafted positions")
+    expected = ("the target's law rejected: the harness's control" if handed != "draft" else
+                "not the target's law: the draft's noise is the verification's (control)" if draft_salt != SALT
+                else "the target's law (vLLM's claim)")
+
+    def build():
+        target, draft = _pair()
+        sample = VllmDFlash2Sampler(target, draft, temperature, gamma, method, handed, draft_salt)
+        return target, draft, {"gamma": gamma, "vllm_method": method, "handed": handed, "top_k": TOP_K, "rank": RANK,
+                               "expected": expected}, {"sample": sample}
+
+    what = f"vLLM 0.34 DFlash2 candidate walk, edge kernel and rejection_sample, method {method!r}"
+    suffix = "" if handed == "draft" else ", handed the unary logits (control)"
+    what += suffix + (f", draft noise salt {draft_salt} (control)" if draft_salt != SALT else "")
+    return TinyRun(f"tiny two-layer Llama (seed {SEED}) and its perturbed copy, DFlash2 scores over {TOP_K} candidates,"
+                   f" gamma {gamma}{suffix}", build, "python", 2, n, temperature, {"name": what, "version": VLLM})
+
+
+# about 0.33 s a generation at gamma 2, 0.47 s at gamma 3 (one core): an hour for the runs, 20 minutes the controls
+RUNS = [_run(4000), _run(3000, 0.7, gamma=3), _run(2000, gamma=3, method="block")]
+CONTROLS = [_run(2000, handed="unary"), _run(2000, draft_salt=0)]
+
+
+def main(argv=None) -> int:
+    return runs_main(__doc__, "audit_vllm_dflash2", RUNS, CONTROLS, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
