@@ -20,6 +20,13 @@ tables are; the claim tested is vLLM's: its walk, its cache and its verification
 
     PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_dflash2.py [--out benchmarks/records/audit_vllm_dflash2.json]
     PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_dflash2.py --controls
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_dflash2.py --parts [--out ...]
+
+``--parts``: vLLM's DFlash2 arithmetic against the loader's (``drafts.dflash2``) on random tensors: its grouped
+convolution (the Triton kernel of its CUDA path and its CPU path) and its candidate-score kernel (and CPU reference)
+give :class:`~specresearch.drafts.dflash2.GroupedConv`'s and :class:`~specresearch.drafts.dflash2.CandidateSelector`'s
+numbers (record ``audit_vllm_dflash2_parts.json``, seconds); the controls hand vLLM the other side's base kernel and
+another anchor.
 
 ``--controls``: the cache handed the candidates' unary logits instead of the walk's scores (the selector's edges
 left out of q, as a drafter caching its head's logits would): the measurement must reject the target's law; and
@@ -118,7 +125,83 @@ RUNS = [_run(4000), _run(3000, 0.7, gamma=3), _run(2000, gamma=3, method="block"
 CONTROLS = [_run(2000, handed="unary"), _run(2000, draft_salt=0)]
 
 
+def parts(seed: int = 0) -> list[dict]:
+    """vLLM's DFlash2 arithmetic against ``drafts.dflash2``'s on the same random tensors: its convolution (the Triton
+    kernel its CUDA path launches, ``dflash2_grouped_conv_impl``, and its CPU path ``_grouped_conv``) against
+    :class:`GroupedConv`, its edge kernel (``dflash2_score_edges_impl``) and its CPU reference against
+    :class:`CandidateSelector`'s scores of the same candidates (the top K of logits that put them first), for every
+    predecessor candidate of the step before (the anchor at step 0). Largest absolute differences."""
+    dflash2_parts()
+    from vllm.model_executor.models import qwen3_dflash2 as theirs
+
+    from specresearch.drafts.dflash2 import CandidateSelector, GroupedConv
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for hidden, taps, group, block in ((64, 2, 16, 4), (48, 3, 8, 5), (32, 4, 4, 8)):
+        conv = GroupedConv(hidden, taps, group)
+        with torch.no_grad():
+            conv.base_kernel.copy_(torch.randn(conv.base_kernel.shape, generator=g))
+            conv.kernel_projection.weight.copy_(torch.randn(conv.kernel_projection.weight.shape, generator=g) / 8)
+        x = torch.randn(6, block, hidden, generator=g)
+        offsets = conv.kernel_projection(x).view(6, block, 2, taps, -1).detach()
+        flat = x.reshape(-1, hidden)
+        for side in (0, 1):
+            ours = conv._convolve(x, offsets[:, :, side], side).detach().reshape(-1, hidden)
+            delta, base = offsets[:, :, side].reshape(-1, taps, hidden // group), conv.base_kernel[side].detach()
+            kernel = theirs.dflash2_grouped_conv_impl(flat, delta.contiguous(), base.contiguous(), block, group)
+            cpu = theirs._grouped_conv(flat, delta, base, block, hidden // group, group, taps)
+            other = theirs.dflash2_grouped_conv_impl(flat, delta.contiguous(), conv.base_kernel[1 - side].detach(),
+                                                     block, group)  # the control: the other side's base kernel
+            rows.append({"part": "grouped convolution", "hidden": hidden, "taps": taps, "group": group, "block": block,
+                         "side": side, "triton_kernel": float((kernel - ours).abs().max()),
+                         "cpu_path": float((cpu - ours).abs().max()),
+                         "control_other_base_kernel": float((other - ours).abs().max())})
+    vocab, rank, steps, top_k, requests = 64, 16, 3, 8, 5
+    selector = CandidateSelector(vocab, rank, rank, top_k)
+    with torch.no_grad():
+        for parameter in (selector.predecessor_codebook, selector.successor_codebook):
+            parameter.copy_(torch.randn(parameter.shape, generator=g))
+        selector.hidden_projection.weight.copy_(torch.eye(rank))  # vLLM's kernel takes the projected hidden state
+    candidates = torch.stack([torch.randperm(vocab, generator=g)[:top_k] for _ in range(requests * steps)])
+    candidates = candidates.view(requests, steps, top_k)
+    unary = torch.randn(requests, steps, top_k, generator=g)
+    hidden = torch.randn(requests, steps, rank, generator=g)
+    anchors = torch.randint(vocab, (requests,), generator=g)
+    tables = selector.predecessor_codebook.detach(), selector.successor_codebook.detach()
+    kernel = theirs.dflash2_score_edges_impl(*tables, candidates, unary, hidden, anchors)
+    cpu = theirs._score_edges_reference(*tables, candidates, unary, hidden, anchors, top_k)
+    logits = torch.full((requests, steps, vocab), -100.0).scatter(-1, candidates, unary + 50)  # the candidates first
+    ours = torch.empty(requests, steps, top_k, top_k)
+    for s in range(steps):
+        for p in range(top_k):
+            previous = anchors if s == 0 else candidates[:, s - 1, p]
+            with torch.no_grad():
+                scored = selector(logits[:, s], previous, hidden[:, s])
+            ours[:, s, p] = scored.gather(-1, candidates[:, s]) - 50
+    shifted = theirs.dflash2_score_edges_impl(*tables, candidates, unary, hidden, (anchors + 1) % vocab)  # control
+    rows.append({"part": "candidate scores", "vocabulary": vocab, "rank": rank, "top_k": top_k, "steps": steps,
+                 "requests": requests, "triton_kernel": float((kernel - ours).abs().max()),
+                 "cpu_path": float((cpu - ours).abs().max()),
+                 "control_other_anchor": float((shifted - ours)[:, 0].abs().max())})
+    return rows
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--parts"]:  # vLLM's DFlash2 arithmetic against the loader's (parts)
+        import json
+
+        from specresearch.experiments.records import record_header
+
+        out = argv[2] if argv[1:2] == ["--out"] else "benchmarks/records/audit_vllm_dflash2_parts.json"
+        rows = parts()
+        worst = max(max(r["triton_kernel"], r["cpu_path"]) for r in rows)
+        record = {**record_header("benchmarks/audit_vllm_dflash2.py", argv, target=None, vllm=VLLM), "rows": rows,
+                  "largest_difference": worst}
+        Path(out).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"{len(rows)} comparisons, largest difference {worst:.2e}; record {out}")
+        return 0 if worst < 1e-4 else 1
     return runs_main(__doc__, "audit_vllm_dflash2", RUNS, CONTROLS, argv)
 
 
