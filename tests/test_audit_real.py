@@ -193,3 +193,16 @@ def test_hf_assisted_with_drafts_from_another_law():
     # accepted: 0.5 x 1, 0.2 x 1, 0.3 x 0.4; rejected 0.18 goes to max(p - q, 0) = (0.3, 0, 0), all on token 0
     assert torch.allclose(law, torch.tensor([[0.5 + 0.18, 0.2, 0.12]], dtype=torch.float64))
     assert torch.allclose(kept, torch.tensor([0.82], dtype=torch.float64))
+
+
+def test_vllm_laws_settings_are_the_python_engines_recorded_settings():
+    """Every setting ``vllm_law`` reads (besides the temperature) is one the ``python`` engine records and refuses
+    without a ``target_law``, and the other way round: a rename on one side fails here, not in a run."""
+    import inspect
+
+    from specresearch.audit.real import vllm_law
+    from specresearch.audit.runners import PYTHON_SETTINGS
+
+    keywords = {name for name, parameter in inspect.signature(vllm_law).parameters.items()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords - {"temperature"} == set(PYTHON_SETTINGS)
