@@ -15,8 +15,10 @@ not vLLM's to run here: the unary logits of drafted position s are the perturbed
 fixed random vector of position s (a block drafter's positions differ from each other), their top
 :data:`TOP_K` the candidates (vLLM takes the top K of its head's logits); the selector's hidden projection is a fixed
 random map of the draft's last hidden state per position, its codebooks fixed random tables (seeded, rank
-:data:`RANK`). The law the draft draws from is a function of the row and the drafted tokens before, whatever those
-tables are; the claim tested is vLLM's: its walk, its cache and its verification keep the target's law.
+:data:`RANK`, std 0.5 or :data:`STRONG`: on the prompt the first drafted token's law moves by TV 0.06 with the
+selector at 0.5, by 0.68 at 1.0, where a walk that misread the token before would show). The law the draft draws
+from is a function of the row and the drafted tokens before, whatever those tables are; the claim tested is vLLM's:
+its walk, its cache and its verification keep the target's law.
 
     PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_dflash2.py [--out benchmarks/records/audit_vllm_dflash2.json]
     PYTHONPATH=. .venv/bin/python benchmarks/audit_vllm_dflash2.py --controls
@@ -29,9 +31,8 @@ numbers (record ``audit_vllm_dflash2_parts.json``, seconds); the controls hand v
 another anchor.
 
 ``--controls``: the cache handed the candidates' unary logits instead of the walk's scores (the selector's edges
-left out of q, as a drafter caching its head's logits would): the measurement must reject the target's law; and
-the walk's drafting salt at 0 (the draft's noise is the residual's, ``audit_vllm.set_draft_salt``). Resumable
-(``audit.execute.record_tiny_runs``).
+left out of q, as a drafter caching its head's logits would; the first token's law then moves by TV 0.34 at
+:data:`STRONG`): the measurement must reject the target's law. Resumable (``audit.execute.record_tiny_runs``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class VllmDFlash2Sampler(VllmSampler):
     cache_fill = float("-inf")  # DFlash2Speculator.draft_logits_spec
 
     def __init__(self, target, draft, temperature: float, gamma: int, method: str = "standard", handed: str = "draft",
-                 draft_salt: int = SALT) -> None:
+                 draft_salt: int = SALT, codebook_std: float = 0.5) -> None:
         super().__init__(target, draft, temperature, gamma, method, handed=handed, drafting="vllm",
                          draft_salt=draft_salt)
         self.parts = dflash2_parts()
@@ -76,8 +77,8 @@ class VllmDFlash2Sampler(VllmSampler):
         V, H = target.config.vocab_size, draft.config.hidden_size
         self.step_bias = torch.randn(MAX_STEPS, V, generator=g)
         self.projection = torch.randn(MAX_STEPS, H, RANK, generator=g) / H**0.5
-        self.predecessor = 0.5 * torch.randn(V, RANK, generator=g)
-        self.successor = 0.5 * torch.randn(V, RANK, generator=g)
+        self.predecessor = codebook_std * torch.randn(V, RANK, generator=g)
+        self.successor = codebook_std * torch.randn(V, RANK, generator=g)
 
     def _drafts(self, ids: torch.Tensor, seeds: torch.Tensor, cache) -> torch.Tensor:
         CandidateSampler, score_edges = self.parts
@@ -100,7 +101,7 @@ class VllmDFlash2Sampler(VllmSampler):
 
 
 def _run(n: int, temperature: float = 1.0, gamma: int = 2, method: str = "standard", handed: str = "draft",
-         draft_salt: int = SALT) -> TinyRun:
+         draft_salt: int = SALT, codebook_std: float = 0.5) -> TinyRun:
     if gamma > MAX_STEPS:
         raise ValueError(f"gamma {gamma}: at most {MAX_STEPS} drafted positions")
     expected = ("the target's law rejected: the harness's control" if handed != "draft" else
@@ -109,20 +110,24 @@ def _run(n: int, temperature: float = 1.0, gamma: int = 2, method: str = "standa
 
     def build():
         target, draft = _pair()
-        sample = VllmDFlash2Sampler(target, draft, temperature, gamma, method, handed, draft_salt)
+        sample = VllmDFlash2Sampler(target, draft, temperature, gamma, method, handed, draft_salt, codebook_std)
         return target, draft, {"gamma": gamma, "vllm_method": method, "handed": handed, "top_k": TOP_K, "rank": RANK,
                                "expected": expected}, {"sample": sample}
 
     what = f"vLLM 0.34 DFlash2 candidate walk, edge kernel and rejection_sample, method {method!r}"
     suffix = "" if handed == "draft" else ", handed the unary logits (control)"
     what += suffix + (f", draft noise salt {draft_salt} (control)" if draft_salt != SALT else "")
-    return TinyRun(f"tiny two-layer Llama (seed {SEED}) and its perturbed copy, DFlash2 scores over {TOP_K} candidates,"
-                   f" gamma {gamma}{suffix}", build, "python", 2, n, temperature, {"name": what, "version": VLLM})
+    strength = "" if codebook_std == 0.5 else f", codebooks of std {codebook_std}"
+    return TinyRun(f"tiny two-layer Llama (seed {SEED}) and its perturbed copy, DFlash2 scores over {TOP_K} candidates"
+                   f"{strength}, gamma {gamma}{suffix}", build, "python", 2, n, temperature,
+                   {"name": what, "version": VLLM})
 
 
-# about 0.33 s a generation at gamma 2, 0.47 s at gamma 3 (one core): an hour for the runs, 20 minutes the controls
-RUNS = [_run(4000), _run(3000, 0.7, gamma=3), _run(2000, gamma=3, method="block")]
-CONTROLS = [_run(2000, handed="unary"), _run(2000, draft_salt=0)]
+# about 0.33 s a generation at gamma 2, 0.47 s at gamma 3 (one core): 70 minutes for the runs, 6 the control
+STRONG = 1.0  # codebooks' std where the selector moves the draft's law (TV 0.68 on the first token; 0.06 at 0.5)
+RUNS = [_run(4000), _run(3000, 0.7, gamma=3), _run(2000, codebook_std=STRONG),
+        _run(1500, gamma=3, method="block", codebook_std=STRONG)]
+CONTROLS = [_run(1000, handed="unary", codebook_std=STRONG)]
 
 
 def parts(seed: int = 0) -> list[dict]:
