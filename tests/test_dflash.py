@@ -189,23 +189,33 @@ def test_speculators_layout_reads_aux_ids_and_its_draft_vocabulary(tmp_path):
             load_dflash(target, tmp_path / name)
 
 
+GREEDY_PROMPTS = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]]
+
+
+def greedy_runs_give_the_targets_tokens(target, draft, runs, cap: int) -> None:
+    """Greedy chains and trees (``runs``: ``speculative_generate``'s options) with ``draft`` give the target's own
+    greedy tokens, each step drafting at most ``cap`` tokens."""
+    greedy = SamplingConfig(temperature=0.0)
+    want = autoregressive_generate(target, GREEDY_PROMPTS, max_new_tokens=12, sampling=greedy).tokens
+    for options in runs:
+        result = speculative_generate(target, draft, GREEDY_PROMPTS, max_new_tokens=12, sampling=greedy, **options)
+        assert result.tokens == want, options
+        assert max(step.gamma for step in result.steps) <= cap, options
+
+
 def test_dflash_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):
     target, _, directory = _pair(tmp_path)
     draft = draft_from_name(str(directory), target)
-    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]], SamplingConfig(temperature=0.0)
-    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=greedy).tokens
-    for options in (dict(verifier="block", gamma=3), dict(verifier="token", gamma=6),
-                    dict(verifier="traversal", num_drafts=2, gamma=3),
-                    dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")):
-        result = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=greedy, **options)
-        assert result.tokens == want, options
-        assert max(step.gamma for step in result.steps) <= BLOCK - 1  # the plan caps a chain at the block
+    greedy_runs_give_the_targets_tokens(target, draft, (
+        dict(verifier="block", gamma=3), dict(verifier="token", gamma=6),
+        dict(verifier="traversal", num_drafts=2, gamma=3),
+        dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")), BLOCK - 1)  # the plan caps a chain
     result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
                            max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
     with pytest.raises(ValueError, match="drafts at most 3 tokens"):
-        speculative_generate(target, draft, prompts, max_new_tokens=8, sampling=greedy, verifier="traversal",
-                             num_drafts=2, gamma=5)
+        speculative_generate(target, draft, GREEDY_PROMPTS, max_new_tokens=8, sampling=SamplingConfig(temperature=0.0),
+                             verifier="traversal", num_drafts=2, gamma=5)
 
 
 def test_dflash_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):
@@ -297,13 +307,9 @@ def test_dspark_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path
     target, _, directory = _pair(tmp_path, layer_types=["full_attention"])
     dspark, _ = _dspark(tmp_path / "dspark", directory, anchor=True, gated=True)
     draft = draft_from_name(str(dspark), target)
-    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]], SamplingConfig(temperature=0.0)
-    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=greedy).tokens
-    for options in (dict(verifier="block", gamma=4), dict(verifier="traversal", num_drafts=2, gamma=3),
-                    dict(verifier="onehot", num_drafts=2, gamma=4, draft_law="dynamic")):
-        result = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=greedy, **options)
-        assert result.tokens == want, options
-        assert max(step.gamma for step in result.steps) <= BLOCK  # sampling from the anchor: B drafts a block
+    greedy_runs_give_the_targets_tokens(target, draft, (
+        dict(verifier="block", gamma=4), dict(verifier="traversal", num_drafts=2, gamma=3),
+        dict(verifier="onehot", num_drafts=2, gamma=4, draft_law="dynamic")), BLOCK)  # from the anchor: B a block
     result = lossless_test(target, draft, "token", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=4, k=3,
                            max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value

@@ -17,13 +17,12 @@ import json
 
 import pytest
 import torch
-from test_dflash import BLOCK, PROMPTS, _ours, _pair, _speculators, _theirs
+from test_dflash import BLOCK, PROMPTS, _ours, _pair, _speculators, _theirs, greedy_runs_give_the_targets_tokens
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.dflash import load_dflash
 from specresearch.drafts.dflash2 import GroupedConv
 from specresearch.drafts.registry import DFLASH_FORMAT, draft_format, draft_from_name
-from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.experiments.stats import lossless_test
 
 H, VOCAB, LAYERS = 32, 64, 2
@@ -102,12 +101,9 @@ def test_dflash2_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_pat
     target, _, directory = _pair(tmp_path, layer_types=["full_attention"] * LAYERS, num_hidden_layers=LAYERS)
     dflash2, _ = _dflash2(tmp_path / "dflash2", directory, top_k=3, identity=False)
     draft = draft_from_name(str(dflash2), target)
-    prompts, greedy = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12], [20, 21]], SamplingConfig(temperature=0.0)
-    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=greedy).tokens
-    for options in (dict(verifier="block", gamma=3), dict(verifier="traversal", num_drafts=2, gamma=3),
-                    dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")):
-        result = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=greedy, **options)
-        assert result.tokens == want, options
+    greedy_runs_give_the_targets_tokens(target, draft, (
+        dict(verifier="block", gamma=3), dict(verifier="traversal", num_drafts=2, gamma=3),
+        dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")), BLOCK - 1)
     result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
                            max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
