@@ -259,7 +259,8 @@ def _our_predictions(target, directory: Path, prompt, anchor: int, count: int, *
     draft.prefill(before, torch.ones_like(before))
     draft.observe(shifted[:, -1:])
     rows = [draft.score(prompt[:, anchor + j : anchor + j + 1])[0, -1] for j in range(count)]
-    return torch.stack(rows).float() if raw else torch.stack(rows).float().log_softmax(-1)
+    logits = torch.stack(rows).float()
+    return logits if raw else logits.log_softmax(-1)
 
 
 def dflash_compare(name: str, seed: int) -> dict:

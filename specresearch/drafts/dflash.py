@@ -74,7 +74,6 @@ __all__ = ["DFlashBlock", "DFlashDraft", "MarkovHead", "is_dflash_dir", "load_df
 
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _TRANSFORMERS_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
-_REFUSED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # DFlash2's
 _SPECULATORS_KEYS = SPECULATORS_METADATA | {"block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
                                            "mask_token_id", "sliding_window_non_causal", "sample_from_anchor"}
 _DSPARK_KEYS = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
@@ -522,7 +521,7 @@ def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFla
                          "layout) or model_type muse_glimmer_assistant (transformers'), and model.safetensors")
     config = _config(directory)
     transformers_layout = config.get("model_type") == "muse_glimmer_assistant"
-    refused = [k for k in _REFUSED_KEYS if config.get(k) is not None] + [
+    refused = [k for k in DFLASH2_KEYS if config.get(k) is not None] + [  # DFlash2 outside speculators' layout
         a for a in config.get("architectures") or () if a not in ("DFlashDraftModel", "MuseGlimmerAssistantModel")]
     if refused:
         raise ValueError(f"{directory}: {refused}: this loader reads DFlash drafters (DFlashDraftModel) and DFlash2 in "
