@@ -37,6 +37,11 @@ The formats (our code, their facts):
   the predicted one (:mod:`specresearch.drafts.dflash2`); the draft's law lives on those candidates. Refused in one
   line: a config without ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` or ``selector_top_k``
   (speculators defaults them, vLLM 0.34 does not), a draft vocabulary (speculators builds it on the full one).
+* XPress in speculators' layout (``speculators_model_type: "xpress"``, ``models/xpress``; vLLM 0.34's
+  ``XPressSpeculator``): the DFlash block plus a causal refiner whose bias at block position k reads the block's outputs
+  and the tokens before position k's predicted one, so the draft is autoregressive along the block
+  (:mod:`specresearch.drafts.xpress`). Refused in one line: ``xpress_rank`` or ``xpress_mlp_ratio`` not a positive
+  integer.
 
 One drafting call (the same in every layout): the context is ``hidden_norm(fc(features))`` of every slot before the anchor,
 which each layer reads through its own k / v projections (k normed per head, RoPE at the slot's position), without
@@ -50,7 +55,8 @@ i + 1: the anchor's own output drafts the first token.
 As a draft here: the anchor is the engine's pending token, whose queued feature is the last slot of the context; the
 d-th drafted token is drawn from block position d (d - 1 sampling from the anchor). The block does not read the
 drafted tokens, so the slot of the d-th drafted token returns the block's next position (a tree's siblings share it;
-DSpark adds the Markov bias of the token the slot holds, DFlash2 rescores its candidates given that token) and a
+DSpark adds the Markov bias of the token the slot holds, DFlash2 rescores its candidates given that token,
+XPress adds its refiner's bias given the tokens drafted so far) and a
 step drafts at most B - 1 tokens (B sampling from the anchor; ``plan_length``). Rows copy and select
 (``RowExpander``). q is the softmax of those logits; any verifier of the engine keeps the target's law.
 """
@@ -63,11 +69,12 @@ from pathlib import Path
 
 import torch
 
-from specresearch.drafts.dflash2 import DFLASH2_KEYS, CandidateSelector, GroupedConv, dflash2_shapes
+from specresearch.drafts.dflash2 import DFLASH2_KEYS, CandidateSelector, GroupedConv, dflash2_refusal, dflash2_shapes
 from specresearch.drafts.distilled import SubsetHead
 from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate_half
 from specresearch.drafts.speculators import SPECULATORS_METADATA, refused_layer
 from specresearch.drafts.store import check_tensors, published_weights, read_tensors
+from specresearch.drafts.xpress import XPRESS_KEYS, XPressRefiner, tokens_before, xpress_refusal, xpress_settings
 from specresearch.models.causal_lm import SlotMask
 
 __all__ = ["DFlashBlock", "DFlashDraft", "MarkovHead", "is_dflash_dir", "load_dflash"]
@@ -77,7 +84,7 @@ _TRANSFORMERS_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_en
 _SPECULATORS_KEYS = SPECULATORS_METADATA | {"block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
                                            "mask_token_id", "sliding_window_non_causal", "sample_from_anchor"}
 _DSPARK_KEYS = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
-_SPECULATORS_TYPES = ("dflash", "dspark", "dflash2")
+_SPECULATORS_TYPES = ("dflash", "dspark", "dflash2", "xpress")
 
 
 class _Layer(torch.nn.Module):
@@ -165,6 +172,9 @@ class DFlashBlock(torch.nn.Module):
         draft_vocab = int(config.get("draft_vocab_size") or config["vocab_size"])
         self.markov_head = MarkovHead(int(config["vocab_size"]), draft_vocab, rank, H,
                                       config.get("markov_head_type") == "gated") if rank else None
+        xpress = config.get("xpress")  # XPress's refiner (speculators' layout), else None
+        self.refiner_head = XPressRefiner(int(config["vocab_size"]), draft_vocab, H, self.block_size, xpress[
+            "xpress_rank"], xpress["xpress_mlp_ratio"]) if xpress else None
         keys = set(LlamaConfig().to_dict()) | {"rope_theta", "rope_scaling"}
         rope = {k: v for k, v in config.items() if k in keys and k not in ("layer_types", "sliding_window")}
         self.rotary = LlamaRotaryEmbedding(LlamaConfig(**rope))
@@ -250,7 +260,8 @@ class DFlashDraft(FeatureQueue):
         self._keys = [empty(layer.kv_heads, 0, layer.head_dim) for _ in self.block.layers]
         self._values = [empty(layer.kv_heads, 0, layer.head_dim) for _ in self.block.layers]
         self._context, self._depth = empty(0, dtype=torch.bool), empty(0, dtype=torch.long)
-        self._block, self._hidden, self._queued = None, None, None
+        self._tokens = empty(0, dtype=torch.long)  # each slot's token (XPress reads the one before the anchor)
+        self._block, self._hidden, self._queued, self._line, self._full = None, None, None, None, None
 
     def plan_length(self, gamma: int) -> int:
         """At most ``block_size - 1`` drafted tokens (``block_size`` sampling from the anchor)."""
@@ -282,13 +293,19 @@ class DFlashDraft(FeatureQueue):
             raise ValueError(f"a DFlash block of {self.block.block_size} drafts at most {self.block.predictions} "
                              "tokens a step (gamma, or a tree's depth)")
         self._slots.append(valid)
-        self._extend(torch.zeros_like(valid), depth[:, None])
+        self._extend(torch.zeros_like(valid), depth[:, None], tokens)
         hidden = None if self._hidden is None else self._hidden[rows, depth]
-        return self._logits(self._block[rows, depth], tokens[:, 0], hidden)[:, None]
+        bias = None
+        if self.block.refiner_head is not None:  # the drafted token is the one before block position `at`'s
+            at = depth + self.block.block_size - self.block.predictions
+            self._line[rows, at] = tokens[:, 0]
+            bias = self.block.refiner_head(self._full, self._line, at)
+        return self._logits(self._block[rows, depth], tokens[:, 0], hidden, bias)[:, None]
 
-    def _extend(self, context, depth, keys=None, values=None) -> None:
-        """The new slots' context flags, depths and (none: empty) context keys and values."""
+    def _extend(self, context, depth, tokens, keys=None, values=None) -> None:
+        """The new slots' context flags, depths, tokens and (none: empty) context keys and values."""
         self._context, self._depth = torch.cat([self._context, context], 1), torch.cat([self._depth, depth], 1)
+        self._tokens = torch.cat([self._tokens, tokens], 1)
         for i, cached in enumerate(self._keys):
             k = keys[i] if keys is not None else cached.new_zeros(*cached.shape[:2], context.shape[1], cached.shape[-1])
             self._keys[i] = torch.cat([cached, k], 2)
@@ -305,7 +322,7 @@ class DFlashDraft(FeatureQueue):
         fused = self.block.fuse(features.to(self.device).float())
         cos, sin = self.block.rope((positions - 1).clamp(min=0))
         pairs = [layer.context(fused, cos, sin) for layer in self.block.layers]
-        self._extend(context, torch.zeros_like(tokens), [p[0] for p in pairs], [p[1] for p in pairs])
+        self._extend(context, torch.zeros_like(tokens), tokens, [p[0] for p in pairs], [p[1] for p in pairs])
         columns = torch.arange(k if every_column else 1, device=self.device) + (0 if every_column else k - 1)
         c, size = len(columns), self.block.block_size
         anchors = positions[:, columns].reshape(-1)  # [B c]
@@ -328,20 +345,42 @@ class DFlashDraft(FeatureQueue):
         self._block = base[:, -1]
         self._hidden = hidden[:, -1] if self._reads_hidden else None
         result = torch.zeros(batch, k, self.vocab_size, device=self.device)
-        result[:, columns] = self._logits(base[:, :, 0], tokens[:, columns], hidden[:, :, 0])
+        bias = self._refine(out.view(batch, c, size, -1), tokens[:, columns], start + columns)
+        result[:, columns] = self._logits(base[:, :, 0], tokens[:, columns], hidden[:, :, 0], bias)
         return result
+
+    def _refine(self, out: torch.Tensor, anchors: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """XPress's bias of each column's first drafted position (``out [B, c, size, H]``, the anchors' tokens and
+        slots ``[B, c]``); keeps the last column's block and tokens before its positions for the drafted slots."""
+        if self.block.refiner_head is None:
+            return None
+        (batch, c), size = anchors.shape, self.block.block_size
+        line = anchors.new_zeros(batch, c, size)
+        first = size - self.block.predictions  # 1 in the fill-in layout: the token before the anchor comes first
+        if first:
+            before = tokens_before(self._slots.mask, self._tokens, slots.expand(batch, -1))
+            line[..., 0] = torch.where(before >= 0, before, anchors)  # the anchor where the row has none
+        line[..., first] = anchors
+        self._full, self._line = out[:, -1], line[:, -1]
+        at = torch.full((batch * c,), first, device=self.device)
+        return self.block.refiner_head(out.reshape(batch * c, size, -1), line.view(batch * c, size), at).view(
+            batch, c, -1)
 
     def _base(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head's logits over the target's vocabulary (the draft vocabulary's others the lowest float)."""
         head = self.block.head if self.block.head is not None else self._frozen["head"]
         return head(hidden.to(head.weight.dtype))[..., : self.vocab_size].float()
 
-    def _logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-        """A drafted position's logits: ``base`` plus DSpark's Markov bias of the ``previous`` token (on the draft
-        vocabulary's columns), times ``output_multiplier``, softcapped where the config says; DFlash2's candidates
-        rescored given the ``previous`` token."""
+    def _logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A drafted position's logits: ``base`` plus XPress's ``bias`` and DSpark's Markov bias of the ``previous``
+        token (on the draft vocabulary's columns), times ``output_multiplier``, softcapped where the config says;
+        DFlash2's candidates rescored given the ``previous`` token."""
         if self.block.markov_head is not None:
-            bias = self.block.markov_head(previous, hidden).float()
+            markov = self.block.markov_head(previous, hidden).float()
+            bias = markov if bias is None else bias + markov
+        if bias is not None:
+            bias = bias.float()
             ids = self.block.head.token_ids if self.block.head is not None else torch.arange(
                 bias.shape[-1], device=bias.device)
             base = base.index_add(-1, ids, bias)
@@ -360,13 +399,16 @@ class DFlashDraft(FeatureQueue):
 
     def _trim(self) -> None:
         end = self._slots.length
-        self._context, self._depth = self._context[:, :end], self._depth[:, :end]
+        self._context, self._depth, self._tokens = self._context[:, :end], self._depth[:, :end], self._tokens[:, :end]
         self._keys = [x[:, :, :end] for x in self._keys]
         self._values = [x[:, :, :end] for x in self._values]
 
     def repeat_rows(self, k: int) -> None:
         self._slots.repeat_rows(k)
         self._context, self._depth = self._context.repeat_interleave(k, 0), self._depth.repeat_interleave(k, 0)
+        self._tokens = self._tokens.repeat_interleave(k, 0)
+        self._line = None if self._line is None else self._line.repeat_interleave(k, 0)
+        self._full = None if self._full is None else self._full.repeat_interleave(k, 0)
         self._keys = [x.repeat_interleave(k, 0) for x in self._keys]
         self._values = [x.repeat_interleave(k, 0) for x in self._values]
         self._block = None if self._block is None else self._block.repeat_interleave(k, 0)
@@ -376,7 +418,9 @@ class DFlashDraft(FeatureQueue):
     def select_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.device)
         self._slots.select_rows(index)
-        self._context, self._depth = self._context[index], self._depth[index]
+        self._context, self._depth, self._tokens = self._context[index], self._depth[index], self._tokens[index]
+        self._line = None if self._line is None else self._line[index]
+        self._full = None if self._full is None else self._full[index]
         self._keys, self._values = [x[index] for x in self._keys], [x[index] for x in self._values]
         self._block = None if self._block is None else self._block[index]
         self._hidden = None if self._hidden is None else self._hidden[index]
@@ -387,6 +431,7 @@ class DFlashDraft(FeatureQueue):
         index = self._slots.compaction()
         if index is not None:
             self._context, self._depth = self._context.gather(1, index), self._depth.gather(1, index)
+            self._tokens = self._tokens.gather(1, index)
             at = index[:, None, :, None]
             self._keys = [x.gather(2, at.expand(-1, x.shape[1], -1, x.shape[-1])) for x in self._keys]
             self._values = [x.gather(2, at.expand(-1, x.shape[1], -1, x.shape[-1])) for x in self._values]
@@ -403,7 +448,8 @@ def _config(directory: Path) -> dict:
             raise ValueError(f"{directory}: a DSpark drafter outside speculators' layout (DeepSeek's): not read; "
                              "speculators' layout (speculators_model_type dspark) is")
         return {**config, **(config.get("dflash_config") or {})}
-    known = _SPECULATORS_KEYS | {"dspark": _DSPARK_KEYS, "dflash2": set(DFLASH2_KEYS)}.get(kind, set())
+    known = _SPECULATORS_KEYS | {"dspark": _DSPARK_KEYS, "dflash2": set(DFLASH2_KEYS), "xpress": set(XPRESS_KEYS)}.get(
+        kind, set())
     layer, unknown = dict(config.get("transformer_layer_config") or {}), sorted(set(config) - known)
     why = f"config keys {unknown} this loader does not read" if unknown else refused_layer(layer)
     if why is None and not config.get("aux_hidden_state_layer_ids"):
@@ -417,7 +463,9 @@ def _config(directory: Path) -> dict:
     if why is None and kind == "dspark" and config.get("markov_head_type", "vanilla") not in ("vanilla", "gated"):
         why = f"a Markov head of type {config['markov_head_type']!r} (this loader builds vanilla and gated)"
     if why is None and kind == "dflash2":
-        why = _dflash2_refusal(config, layer)
+        why = dflash2_refusal(config, layer)
+    if why is None and kind == "xpress":
+        why = xpress_refusal(config)
     if why:
         raise ValueError(f"{directory}: a speculators {kind} drafter with {why}: refused (module docstring)")
     flat = {**layer, "architectures": ["DFlashDraftModel"], "block_size": config.get("block_size", 8),
@@ -429,30 +477,16 @@ def _config(directory: Path) -> dict:
         flat["markov_rank"] = int(config.get("markov_rank", 256))  # speculators' default
     if kind == "dflash2":
         flat["dflash2"] = {k: int(config[k]) for k in DFLASH2_KEYS}
+    if kind == "xpress":
+        flat["xpress"] = xpress_settings(config)
     if config.get("target_hidden_size") not in (None, layer.get("hidden_size")):
         flat["hidden_size_target"] = config["target_hidden_size"]
     return flat
 
 
-def _dflash2_refusal(config: dict, layer: dict) -> str | None:
-    """Why a speculators DFlash2 config is not read, or None."""
-    missing = [k for k in DFLASH2_KEYS if type(config.get(k)) is not int]
-    if missing:
-        return f"no integer {missing} (speculators 0.9.0 defaults them, vLLM 0.34 reads them without a default)"
-    vocab, hidden = layer.get("vocab_size"), layer.get("hidden_size")
-    if config.get("draft_vocab_size") not in (None, vocab):
-        return f"a draft vocabulary of {config['draft_vocab_size']} tokens (speculators builds DFlash2 on the full one)"
-    if hidden % config["conv_group_size"] or not 1 <= config["conv_kernel_size"] <= config.get("block_size", 8):
-        return (f"conv_group_size {config['conv_group_size']} / conv_kernel_size {config['conv_kernel_size']} "
-                f"(a divisor of hidden size {hidden} / at most the block)")
-    if not 1 <= config["selector_top_k"] <= vocab:
-        return f"selector_top_k {config['selector_top_k']} (between 1 and the vocabulary's {vocab})"
-    return None
-
-
 def is_dflash_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a DFlash drafter in z-lab's layout (``dflash_config``), transformers'
-    (``muse_glimmer_assistant``) or speculators' (also DSpark and DFlash2), with its weights."""
+    (``muse_glimmer_assistant``) or speculators' (also DSpark, DFlash2 and XPress), with its weights."""
     directory = Path(directory)
     if not (directory / "config.json").is_file() or published_weights(directory, _WEIGHTS) is None:
         return False
@@ -505,6 +539,8 @@ def _expected(config: dict) -> dict[str, tuple[int, ...]]:
             shapes |= {"markov_head.gate_proj.weight": (rank, H + rank), "markov_head.gate_proj.bias": (rank,)}
     if config.get("dflash2"):
         shapes |= dflash2_shapes(config["dflash2"], H, int(config["vocab_size"]), int(config["num_hidden_layers"]))
+    if config.get("xpress"):
+        shapes |= XPressRefiner.shapes(config["xpress"], H, int(config["vocab_size"]), draft, int(config["block_size"]))
     if config.get("enable_confidence_head"):  # read, not used: it predicts acceptance, the draft's law is without it
         shapes |= {"confidence_head.proj.weight": (1, H + (rank if config.get("confidence_head_with_markov") else 0)),
                    "confidence_head.proj.bias": (1,)}
@@ -512,8 +548,8 @@ def _expected(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFlashDraft:
-    """A DFlash drafter saved in z-lab's, transformers' or speculators' layout, or a DSpark or DFlash2 drafter in
-    speculators' (module docstring), as a draft for ``target_lm`` (a ``CausalLM``); a layout, setting or tensor this loader does
+    """A DFlash drafter saved in z-lab's, transformers' or speculators' layout, or a DSpark, DFlash2 or XPress drafter
+    in speculators' (module docstring), as a draft for ``target_lm`` (a ``CausalLM``); a layout, setting or tensor this loader does
     not read is refused in one line, by name."""
     directory = Path(directory)
     if not is_dflash_dir(directory):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DFLASH2_KEYS", "CandidateSelector", "GroupedConv", "dflash2_shapes"]
+__all__ = ["DFLASH2_KEYS", "CandidateSelector", "GroupedConv", "dflash2_refusal", "dflash2_shapes"]
 
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -89,3 +89,19 @@ def dflash2_shapes(settings: dict, hidden: int, vocab: int, layers: int) -> dict
             shapes |= {f"layers.{i}.{conv}.base_kernel": (2, taps, hidden),
                        f"layers.{i}.{conv}.kernel_projection.weight": (2 * taps * groups, hidden)}
     return shapes
+
+
+def dflash2_refusal(config: dict, layer: dict) -> str | None:
+    """Why a speculators DFlash2 config is not read, or None."""
+    missing = [k for k in DFLASH2_KEYS if type(config.get(k)) is not int]
+    if missing:
+        return f"no integer {missing} (speculators 0.9.0 defaults them, vLLM 0.34 reads them without a default)"
+    vocab, hidden = layer.get("vocab_size"), layer.get("hidden_size")
+    if config.get("draft_vocab_size") not in (None, vocab):
+        return f"a draft vocabulary of {config['draft_vocab_size']} tokens (speculators builds DFlash2 on the full one)"
+    if hidden % config["conv_group_size"] or not 1 <= config["conv_kernel_size"] <= config.get("block_size", 8):
+        return (f"conv_group_size {config['conv_group_size']} / conv_kernel_size {config['conv_kernel_size']} "
+                f"(a divisor of hidden size {hidden} / at most the block)")
+    if not 1 <= config["selector_top_k"] <= vocab:
+        return f"selector_top_k {config['selector_top_k']} (between 1 and the vocabulary's {vocab})"
+    return None
