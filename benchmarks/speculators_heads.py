@@ -195,6 +195,10 @@ DFLASH_CASES = {
                                                           "conv_group_size": 4, "sample_from_anchor": True}, {}),
     "dflash2_two_layers_every_token": ("dflash2", {**DFLASH2, "draft_vocab_size": VOCAB, "selector_top_k": VOCAB},
                                        {"num_hidden_layers": 2}),
+    "xpress": ("xpress", {"xpress_rank": 8}, {}),
+    "xpress_full_vocabulary_sample_from_anchor": ("xpress", {"xpress_rank": 8, "draft_vocab_size": VOCAB,
+                                                             "sample_from_anchor": True}, {}),
+    "xpress_two_layers_mlp_ratio_4": ("xpress", {"xpress_rank": 8, "xpress_mlp_ratio": 4}, {"num_hidden_layers": 2}),
 }
 DFLASH_BLOCK = 4
 
@@ -207,6 +211,7 @@ def _their_block_logits(model, algorithm: str, features, prompt, last_hidden):
     verifier's token was among the unary top K (else its loss put it in the K-th place)."""
     import speculators.models.dflash2.core as dflash2_core
     import speculators.models.dspark.core as dspark_core
+    import speculators.models.xpress.core as xpress_core
 
     caught = {}
     backbone = model._backbone_forward
@@ -224,18 +229,20 @@ def _their_block_logits(model, algorithm: str, features, prompt, last_hidden):
         caught["candidates"] = (kwargs["training_candidate_ids"], kwargs["contains_target"])
         return torch.zeros(()), {}
 
-    model._backbone_forward, metrics = backbone_caught, (dspark_core.compute_metrics, dflash2_core.compute_metrics)
-    dspark_core.compute_metrics, dflash2_core.compute_metrics = metrics_caught, selector_caught
+    model._backbone_forward = backbone_caught
+    metrics = (dspark_core.compute_metrics, dflash2_core.compute_metrics, xpress_core.compute_metrics)
+    dspark_core.compute_metrics, dflash2_core.compute_metrics, xpress_core.compute_metrics = (
+        metrics_caught, selector_caught, metrics_caught)
     try:
         with torch.no_grad():
             arguments = (features, prompt, torch.ones_like(prompt), last_hidden, torch.zeros_like(prompt))
-            if algorithm in ("dspark", "dflash2"):
+            if algorithm in ("dspark", "dflash2", "xpress"):
                 model(*arguments, max_anchors=len(PROMPT))
             else:
                 backbone_caught(*arguments, max_anchors=len(PROMPT))
                 caught["logits"] = caught["backbone"][1]
     finally:
-        dspark_core.compute_metrics, dflash2_core.compute_metrics = metrics
+        dspark_core.compute_metrics, dflash2_core.compute_metrics, xpress_core.compute_metrics = metrics
         del model._backbone_forward
     blocks = caught["backbone"][4].view(-1, DFLASH_BLOCK)
     logits = caught["logits"][0].float().view(len(blocks), DFLASH_BLOCK, -1)
@@ -272,6 +279,8 @@ def dflash_compare(name: str, seed: int) -> dict:
     from speculators.models.dflash2.core import DFlash2DraftModel
     from speculators.models.dspark.config import DSparkSpeculatorConfig
     from speculators.models.dspark.core import DSparkDraftModel
+    from speculators.models.xpress.config import XPressSpeculatorConfig
+    from speculators.models.xpress.core import XPressDraftModel
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import AutoConfig
 
@@ -286,7 +295,8 @@ def dflash_compare(name: str, seed: int) -> dict:
     layer._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])
     config_class, model_class = {"dspark": (DSparkSpeculatorConfig, DSparkDraftModel), "dflash": (
-        DFlashSpeculatorConfig, DFlashDraftModel), "dflash2": (DFlash2SpeculatorConfig, DFlash2DraftModel)}[algorithm]
+        DFlashSpeculatorConfig, DFlashDraftModel), "dflash2": (DFlash2SpeculatorConfig, DFlash2DraftModel),
+        "xpress": (XPressSpeculatorConfig, XPressDraftModel)}[algorithm]
     config = config_class(
         transformer_layer_config=layer, **{"draft_vocab_size": DRAFT_VOCAB, "block_size": DFLASH_BLOCK,
                                            "aux_hidden_state_layer_ids": [2, 5], "mask_token_id": VOCAB - 1, **options},
@@ -317,10 +327,10 @@ def dflash_compare(name: str, seed: int) -> dict:
             return row | _dflash2_compare(target, directory, prompt, theirs, compared, first, count)
         theirs = theirs.log_softmax(-1)
         control = "markov_head" if getattr(model, "markov_head", None) is not None else (
-            "d2t" if model.d2t is not None else None)
+            "refiner_head.mix_l" if algorithm == "xpress" else "d2t" if model.d2t is not None else None)
         differences, distances = [], []
         for dropped in (False, True):
-            if dropped:  # the control: the Markov head dropped (DSpark), else d2t (draft id i read as target id i)
+            if dropped:  # the control: the Markov head dropped (DSpark), XPress's mixer zeroed, else d2t (id i as i)
                 if control is None:
                     break
                 _drop(directory, control)
@@ -374,8 +384,8 @@ def _drop(directory: Path, what: str) -> None:
     tensors = load_file(directory / "model.safetensors")
     if what == "d2t":
         tensors["d2t"] = torch.zeros_like(tensors["d2t"])
-    elif what == "candidate_selector":
-        name = "candidate_selector.predecessor_codebook"
+    elif what in ("candidate_selector", "refiner_head.mix_l"):
+        name = "candidate_selector.predecessor_codebook" if what == "candidate_selector" else what
         tensors[name] = torch.zeros_like(tensors[name])
     else:
         config = json.loads((directory / "config.json").read_text())
@@ -396,6 +406,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=2, help="random heads per configuration")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest log-probability difference that agrees")
     parser.add_argument("--only", choices=("eagle3", "dflash"), help="one kind of draft (default: both)")
+    parser.add_argument("--case", action="append", help="only these cases (names in CASES / DFLASH_CASES)")
     args = parser.parse_args(argv)
     for spec in PACKAGES:
         sys.path.insert(0, str(pypi_wheel(spec)))
@@ -405,6 +416,7 @@ def main(argv=None) -> int:
     rows = []
     cases = [(n, compare) for n in CASES if args.only != "dflash"] + [
         (n, dflash_compare) for n in DFLASH_CASES if args.only != "eagle3"]
+    cases = [(n, run) for n, run in cases if not args.case or n in args.case]
     for name, run in cases:
         for seed in range(args.seeds):
             row = run(name, seed)
