@@ -144,6 +144,10 @@ class VllmSampler(Batched):
         self.kernels, self._ready = vllm_kernels(), []
         set_draft_salt(draft_salt)
 
+    def _verified_cache(self, cache):
+        """The draft-logits cache ``rejection_sample`` reads (None: one-hot drafts), given the one drafting wrote."""
+        return cache
+
     @torch.no_grad()
     def _generate(self, prompt: list[int], n_tokens: int) -> list[list[int]]:
         rows = [list(prompt) for _ in range(BATCH)]
@@ -185,6 +189,7 @@ class VllmSampler(Batched):
         V = self.target.config.vocab_size
         cache = DraftLogitsCache(R, g, V, dtype=torch.float32, fill=self.cache_fill, device="cpu")
         seqs = self._drafts(ids, seeds, cache)
+        cache = self._verified_cache(cache)
         if self.handed == "uniform":
             cache.values.zero_()
         if self.drafting == "torch":

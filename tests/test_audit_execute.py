@@ -587,7 +587,8 @@ def test_a_superseded_power_row_leaves_the_table_and_keeps_its_blocks(tmp_path, 
 
 def test_a_library_sampler_is_held_to_the_target_law(pair):
     """engine 'python': a correct sampler (plain sampling from the target) keeps the target's law; one that returns
-    the draft's samples, as a verifier that accepts everything would, is a finding."""
+    the draft's samples, as a verifier that accepts everything would, is a finding, and with that composition's law
+    given as ``predicted_law`` it is lossy as predicted."""
     target, draft = pair
     generator = torch.Generator().manual_seed(5)
 
@@ -607,6 +608,20 @@ def test_a_library_sampler_is_held_to_the_target_law(pair):
     accepts_all = execute("python", sample=from_model(draft), name="accept every draft", **common)
     assert accepts_all.target.p_value < 1e-3 and accepts_all.finding.startswith("FINDING"), str(accepts_all)
     assert "sample" not in accepts_all.options and accepts_all.options["name"] == "accept every draft"
+    eos = target.generation_config.eos_token_id
+
+    def draft_law(law):  # the law that composition predicts: the draft's, token by token
+        rows = dict(law.rows)
+        for prefix in [x for x in law.rows if not x or x[-1] != eos]:
+            with torch.no_grad():
+                rows[prefix] = draft(input_ids=torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double().softmax(-1)
+        return rows
+
+    predicted = execute("python", sample=from_model(draft), predicted_law=draft_law, name="accept every draft", **common)
+    assert predicted.verdict == "not exact" and "predicted_law" not in predicted.options
+    assert predicted.finding.startswith("agrees: lossy as the audit predicts"), str(predicted)
+    with pytest.raises(ValueError, match="predicted_law= must be callable"):
+        execute("python", sample=from_model(draft), predicted_law=1, **common)
 
 
 def test_a_library_with_sampling_settings_is_held_to_the_law_they_define(pair):

@@ -124,7 +124,7 @@ ENGINES = {
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
 _BOOTSTRAP = 400
-_CALLABLES = ("sample", "sampler", "target_law")  # the python engine's sampler (or its recipe) and law: not settings
+_CALLABLES = ("sample", "sampler", "target_law", "predicted_law")  # the python engine's sampler (or its recipe) and law: not settings
 OUTSIDE = ("outside the target's support",)  # the cell of the sequences the target cannot emit
 
 
@@ -355,6 +355,8 @@ def check_arguments(engine: str, n_tokens: int, num_samples: int, temperature: f
                          "picklable recipe returning one (one of the two)")
     if engine == "python" and not callable(options.get("sample", options.get("sampler"))):
         raise ValueError("engine 'python': sample= (or sampler=) must be callable")
+    if engine == "python" and not callable(options.get("predicted_law", callable)):
+        raise ValueError("engine 'python': predicted_law= must be callable(law) -> the next-token rows it predicts")
     if engine == "python" and set(options) & set(PYTHON_SETTINGS) and not callable(options.get("target_law")):
         raise ValueError("engine 'python': sampling settings need target_law=callable(ids, logits), the law they define")
     lossy = options.get("assistant_ensemble_weight") is not None or engine in ("transformers-gemma4-assistant",

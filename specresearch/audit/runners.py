@@ -39,7 +39,7 @@ ENGINE_OPTIONS = {
     "llamacpp-server": ("top_k", "top_p", "min_p", "synth_rates", "draft_max", "draft_scale", "seeded"),
     "llamacpp-example": ("top_k", "top_p", "min_p", "n_parallel", "draft_max", "p_split", "draft_scale", "jobs"),
     "llamacpp-simple": ("top_k", "top_p", "min_p", "draft_max", "draft_scale", "jobs"),
-    "python": ("sample", "sampler", "name", "version", "target_law") + PYTHON_SETTINGS,
+    "python": ("sample", "sampler", "name", "version", "target_law", "predicted_law") + PYTHON_SETTINGS,
 }
 _ROW_BATCH = 32
 
@@ -518,14 +518,18 @@ class PythonRun:
     its models and does not travel). Built here, before a block seeds its draws, as a given sampler was.
     ``options["target_law"]``: ``callable(ids, logits) -> probabilities``, the law the library's sampling settings
     (:data:`PYTHON_SETTINGS`, recorded) define after ``ids`` (the prompt and a prefix) from the model's float64
-    ``logits`` [V] at temperature 1, in place of softmax(logits / T)."""
+    ``logits`` [V] at temperature 1, in place of softmax(logits / T). ``options["predicted_law"]``: ``callable(law) ->
+    rows``, an encoding of a composition the library does not claim lossless: its next-token law at every prefix the
+    target's ``law`` expanded (prefix -> [V] float64), held to the measured law as the audit's prediction (the
+    verdict is then "not exact")."""
 
     def __init__(self, target_model, prompt: list[int], eos: int, temperature: float, options: dict, n_tokens: int):
         from specresearch.experiments.executor import loaded
 
         self.target, self.prompt, self.eos, self.temperature, self.n_tokens = target_model, list(prompt), eos, temperature, n_tokens
         self.sample = options["sample"] if "sample" in options else loaded(options["sampler"])
-        self.law = options.get("target_law")
+        self.law, self.predict = options.get("target_law"), options.get("predicted_law")
+        self.lossy = self.predict is not None
         self.version = options.get("version", getattr(self.sample, "__module__", "?"))
         self.notes, self.draft_tv = [f"library: {options.get('name', self.version)}"], None
 
@@ -547,7 +551,7 @@ class PythonRun:
         return torch.cat(out)
 
     def predicted_rows(self, law) -> dict | None:
-        return None
+        return None if self.predict is None else self.predict(law)
 
     def draws(self, num_samples: int):
         for _ in range(num_samples):
