@@ -139,7 +139,7 @@ EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the t
 MTP_FORMAT = "MTP layers in the target's own checkpoint (num_nextn_predict_layers; --draft mtp reads them)"
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
 DFLASH_FORMAT = ("DFlash block drafter (z-lab's layout: dflash_config, fc, hidden_norm, layers.*; transformers' "
-                 "muse_glimmer_assistant; or speculators' dflash / dspark, DSpark's Markov head included)")
+                 "muse_glimmer_assistant; or speculators' dflash / dspark / dflash2 / xpress)")
 _FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, EAGLE1_FORMAT,
             MEDUSA_FORMAT, DFLASH_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
