@@ -221,7 +221,7 @@ def _row(row) -> str:
 
 EXECUTED_RECORDS = ("audit_executed", "audit_libraries", "audit_mtp", "audit_gemma4", "audit_dflash", "audit_usd",
                     "audit_early_exit", "audit_vllm", "audit_vllm_params",
-                    "audit_vllm_dflash2")  # benchmarks/records/<name>.json: the engines run
+                    "audit_vllm_dflash2", "audit_vllm_xpress")  # benchmarks/records/<name>.json: the engines run
 
 
 def executed_table(rows) -> str:
