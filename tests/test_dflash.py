@@ -203,6 +203,28 @@ def greedy_runs_give_the_targets_tokens(target, draft, runs, cap: int) -> None:
         assert max(step.gamma for step in result.steps) <= cap, options
 
 
+def exact_and_lossless(target, draft, cap: int, *, gamma: int = 3, rule: str = "block") -> None:
+    """Greedy block, traversal and dynamic one-hot runs give the target's tokens, each step drafting at most ``cap``
+    tokens; T = 1 keeps the target's law under ``rule`` (exact Bonferroni test, false-positive rate <= 1e-6)."""
+    greedy_runs_give_the_targets_tokens(target, draft, (
+        dict(verifier="block", gamma=gamma), dict(verifier="traversal", num_drafts=2, gamma=3),
+        dict(verifier="onehot", num_drafts=2, gamma=gamma, draft_law="dynamic")), cap)
+    result = lossless_test(target, draft, rule, [5, 9, 3, 17], sampling=SamplingConfig(), gamma=gamma, k=3,
+                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
+def refused_with_config(target, write, cases: dict) -> None:
+    """For each ``cases[name] = (config changes, message)``, the drafter ``write(name)`` saves (-> ``(directory,
+    tensors)``) with its config changed is refused by ``load_dflash`` with ``message``."""
+    for name, (changes, message) in cases.items():
+        directory, _ = write(name)
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(ValueError, match=message):
+            load_dflash(target, directory)
+
+
 def test_dflash_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):
     target, _, directory = _pair(tmp_path)
     draft = draft_from_name(str(directory), target)
@@ -306,13 +328,7 @@ def test_dspark_adds_the_markov_bias_of_the_previous_token_to_the_block(tmp_path
 def test_dspark_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):
     target, _, directory = _pair(tmp_path, layer_types=["full_attention"])
     dspark, _ = _dspark(tmp_path / "dspark", directory, anchor=True, gated=True)
-    draft = draft_from_name(str(dspark), target)
-    greedy_runs_give_the_targets_tokens(target, draft, (
-        dict(verifier="block", gamma=4), dict(verifier="traversal", num_drafts=2, gamma=3),
-        dict(verifier="onehot", num_drafts=2, gamma=4, draft_law="dynamic")), BLOCK)  # from the anchor: B a block
-    result = lossless_test(target, draft, "token", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=4, k=3,
-                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
-    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+    exact_and_lossless(target, draft_from_name(str(dspark), target), BLOCK, gamma=4, rule="token")  # B from the anchor
 
 
 def test_dspark_layouts_it_does_not_read_are_refused_in_one_line(tmp_path):

@@ -13,17 +13,12 @@
 speculators' own ``DFlash2DraftModel`` against the loader: ``benchmarks/speculators_heads.py``.
 """
 
-import json
-
 import pytest
 import torch
-from test_dflash import BLOCK, PROMPTS, _ours, _pair, _speculators, _theirs, greedy_runs_give_the_targets_tokens
+from test_dflash import BLOCK, PROMPTS, _ours, _pair, _speculators, _theirs, exact_and_lossless, refused_with_config
 
-from specresearch.config import SamplingConfig
-from specresearch.drafts.dflash import load_dflash
 from specresearch.drafts.dflash2 import GroupedConv
 from specresearch.drafts.registry import DFLASH_FORMAT, draft_format, draft_from_name
-from specresearch.experiments.stats import lossless_test
 
 H, VOCAB, LAYERS = 32, 64, 2
 
@@ -100,13 +95,7 @@ def test_dflash2_rescores_the_blocks_candidates_given_the_previous_token(tmp_pat
 def test_dflash2_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):
     target, _, directory = _pair(tmp_path, layer_types=["full_attention"] * LAYERS, num_hidden_layers=LAYERS)
     dflash2, _ = _dflash2(tmp_path / "dflash2", directory, top_k=3, identity=False)
-    draft = draft_from_name(str(dflash2), target)
-    greedy_runs_give_the_targets_tokens(target, draft, (
-        dict(verifier="block", gamma=3), dict(verifier="traversal", num_drafts=2, gamma=3),
-        dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")), BLOCK - 1)
-    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
-                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
-    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+    exact_and_lossless(target, draft_from_name(str(dflash2), target), BLOCK - 1)
 
 
 def test_dflash2_configs_it_does_not_read_are_refused_in_one_line(tmp_path):
@@ -116,9 +105,4 @@ def test_dflash2_configs_it_does_not_read_are_refused_in_one_line(tmp_path):
              "group": (dict(conv_group_size=5), "conv_group_size 5"),
              "taps": (dict(conv_kernel_size=BLOCK + 1), f"conv_kernel_size {BLOCK + 1}"),
              "top_k": (dict(selector_top_k=VOCAB + 1), f"selector_top_k {VOCAB + 1}")}
-    for name, (options, message) in cases.items():
-        dflash2, _ = _dflash2(tmp_path / name, directory)
-        config = json.loads((dflash2 / "config.json").read_text())
-        (dflash2 / "config.json").write_text(json.dumps({**config, **options}))
-        with pytest.raises(ValueError, match=message):
-            load_dflash(target, dflash2)
+    refused_with_config(target, lambda name: _dflash2(tmp_path / name, directory), cases)

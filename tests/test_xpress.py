@@ -14,17 +14,12 @@
 speculators' own ``XPressDraftModel`` against the loader: ``benchmarks/speculators_heads.py``.
 """
 
-import json
-
 import pytest
 import torch
-from test_dflash import BLOCK, PROMPTS, _ours, _pair, _speculators, _theirs, greedy_runs_give_the_targets_tokens
+from test_dflash import BLOCK, PROMPTS, _ours, _pair, _speculators, _theirs, exact_and_lossless, refused_with_config
 
-from specresearch.config import SamplingConfig
-from specresearch.drafts.dflash import load_dflash
 from specresearch.drafts.registry import DFLASH_FORMAT, draft_format, draft_from_name
 from specresearch.drafts.xpress import tokens_before
-from specresearch.experiments.stats import lossless_test
 
 H, VOCAB, LAYERS, RANK = 32, 64, 2, 4
 
@@ -105,22 +100,11 @@ def test_xpress_rows_of_a_padded_batch_are_their_own(tmp_path):
 def test_xpress_runs_chains_and_trees_exactly_and_keeps_the_targets_law(tmp_path):
     target, _, directory = _pair(tmp_path, layer_types=["full_attention"] * LAYERS, num_hidden_layers=LAYERS)
     xpress, _ = _xpress(tmp_path / "xpress", directory)
-    draft = draft_from_name(str(xpress), target)
-    greedy_runs_give_the_targets_tokens(target, draft, (
-        dict(verifier="block", gamma=3), dict(verifier="traversal", num_drafts=2, gamma=3),
-        dict(verifier="onehot", num_drafts=2, gamma=3, draft_law="dynamic")), BLOCK - 1)
-    result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
-                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000)
-    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+    exact_and_lossless(target, draft_from_name(str(xpress), target), BLOCK - 1)
 
 
 def test_xpress_configs_it_does_not_read_are_refused_in_one_line(tmp_path):
     target, _, directory = _pair(tmp_path, layer_types=["full_attention"] * LAYERS, num_hidden_layers=LAYERS)
     cases = {"rank": (dict(xpress_rank=0), "xpress_rank"), "ratio": (dict(xpress_mlp_ratio="2"), "xpress_mlp_ratio"),
              "unknown": (dict(xpress_topc=512), r"config keys \['xpress_topc'\]")}
-    for name, (options, message) in cases.items():
-        xpress, _ = _xpress(tmp_path / name, directory)
-        config = json.loads((xpress / "config.json").read_text())
-        (xpress / "config.json").write_text(json.dumps({**config, **options}))
-        with pytest.raises(ValueError, match=message):
-            load_dflash(target, xpress)
+    refused_with_config(target, lambda name: _xpress(tmp_path / name, directory), cases)
