@@ -37,9 +37,9 @@ The formats (our code, their facts):
   the predicted one (:mod:`specresearch.drafts.dflash2`); the draft's law lives on those candidates. Refused in one
   line: a config without ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` or ``selector_top_k``
   (speculators defaults them, vLLM 0.34 does not), a draft vocabulary (speculators builds it on the full one).
-* XPress in speculators' layout (``speculators_model_type: "xpress"``, ``models/xpress``; vLLM 0.34's
-  ``XPressSpeculator``): the DFlash block plus a causal refiner whose bias at block position k reads the block's outputs
-  and the tokens before position k's predicted one, so the draft is autoregressive along the block
+* XPress in speculators' layout (``speculators_model_type: "xpress"``, ``models/xpress``; vLLM 0.34 runs its refiner
+  as ``XPressSpeculator``): the DFlash block plus a causal refiner whose bias at block position k reads the block's
+  outputs and the tokens before position k's predicted one, so the draft is autoregressive along the block
   (:mod:`specresearch.drafts.xpress`). Refused in one line: ``xpress_rank`` or ``xpress_mlp_ratio`` not a positive
   integer.
 
@@ -549,8 +549,8 @@ def _expected(config: dict) -> dict[str, tuple[int, ...]]:
 
 def load_dflash(target_lm, directory: str | os.PathLike, *, device=None) -> DFlashDraft:
     """A DFlash drafter saved in z-lab's, transformers' or speculators' layout, or a DSpark, DFlash2 or XPress drafter
-    in speculators' (module docstring), as a draft for ``target_lm`` (a ``CausalLM``); a layout, setting or tensor this loader does
-    not read is refused in one line, by name."""
+    in speculators' (module docstring), as a draft for ``target_lm`` (a ``CausalLM``); a layout, setting or tensor
+    this loader does not read is refused in one line, by name."""
     directory = Path(directory)
     if not is_dflash_dir(directory):
         raise ValueError(f"{directory} holds no DFlash drafter: expected config.json with dflash_config (z-lab's "

@@ -1,5 +1,6 @@
-"""XPress's causal refiner on the DFlash block (vllm-project/speculators 0.9.0, ``models/xpress``: the drafter vLLM 0.34
-serves as ``XPressSpeculator``, ``qwen3_xpress.py``), read by :mod:`specresearch.drafts.dflash`. Our code, their facts:
+"""XPress's causal refiner on the DFlash block (vllm-project/speculators 0.9.0, ``models/xpress``; vLLM 0.34 runs the
+same refiner as ``XPressSpeculator``, ``qwen3_xpress.py``), read by :mod:`specresearch.drafts.dflash`. Our code,
+their facts:
 
 * **the refiner** (``refiner_head``, rank r = ``xpress_rank``): block position k's logits gain a bias built from the
   block's normed outputs h_0 .. h_{B-1} (all B positions, the anchor's included) and the token x_k before the token
@@ -20,7 +21,8 @@ serves as ``XPressSpeculator``, ``qwen3_xpress.py``), read by :mod:`specresearch
   one), scoring by default only the head's top ``xpress_topc`` = 512 tokens, and with the anchor's id standing in for
   the token before the anchor. ``num_jacobi_passes`` is read and not used here (its draft is a function of this law
   once the passes settle). It reads weights named ``xpress_head.w1`` / ``mix.L`` / ``mlp.*`` / ``w2`` and configs
-  with ``xpress_mlp_hidden``, not speculators' names; it refuses ``sample_from_anchor`` and a draft vocabulary.
+  with ``xpress_mlp_hidden``, not speculators' names, and its reader of speculators' configs refuses
+  ``speculators_model_type: xpress``; it refuses ``sample_from_anchor`` and a draft vocabulary.
 """
 
 from __future__ import annotations
