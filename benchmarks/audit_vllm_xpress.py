@@ -107,8 +107,7 @@ def stand_in(requests: int, gamma: int, vocab: int, head, base: torch.Tensor, hi
     allocated by the last where ``probabilistic``."""
     speculator, draft_model_speculator, _ = xpress_parts()
     block = gamma + 1
-    methods = {name: getattr(speculator, name) for name in ("_generate_draft", "_jacobi_refine", "draft_logits_spec",
-                                                            "supports_batch_sharded_draft_logits")}
+    methods = {name: getattr(speculator, name) for name in ("_generate_draft", "_jacobi_refine", "draft_logits_spec")}
     methods["_init_draft_logits"] = draft_model_speculator._init_draft_logits
     state = type("XPressStandIn", (), methods)()
     config = types.SimpleNamespace(

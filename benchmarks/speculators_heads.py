@@ -378,15 +378,14 @@ def _dflash2_compare(target, directory: Path, prompt, theirs, compared, first: i
 
 def _drop(directory: Path, what: str) -> None:
     """The saved drafter in ``directory`` without its Markov head (``markov_head``: rank 0 in its config, the tensors
-    removed), with ``d2t`` zeroed or with the candidate selector's predecessor codebook zeroed."""
+    removed), with ``d2t``, the candidate selector's predecessor codebook or XPress's mixer zeroed."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(directory / "model.safetensors")
-    if what == "d2t":
-        tensors["d2t"] = torch.zeros_like(tensors["d2t"])
-    elif what in ("candidate_selector", "refiner_head.mix_l"):
-        name = "candidate_selector.predecessor_codebook" if what == "candidate_selector" else what
-        tensors[name] = torch.zeros_like(tensors[name])
+    zeroed = {"d2t": "d2t", "candidate_selector": "candidate_selector.predecessor_codebook",
+              "refiner_head.mix_l": "refiner_head.mix_l"}.get(what)
+    if zeroed:
+        tensors[zeroed] = torch.zeros_like(tensors[zeroed])
     else:
         config = json.loads((directory / "config.json").read_text())
         config |= {"markov_rank": 0, "enable_confidence_head": False}

@@ -124,7 +124,7 @@ ENGINES = {
 }
 LEVEL = 1e-3  # the level the finding uses (false-positive rate of each chi-square test)
 _BOOTSTRAP = 400
-_CALLABLES = ("sample", "sampler", "target_law", "predicted_law")  # the python engine's sampler (or its recipe) and law: not settings
+_CALLABLES = ("sample", "sampler", "target_law", "predicted_law")  # the python engine's callables: not settings
 OUTSIDE = ("outside the target's support",)  # the cell of the sequences the target cannot emit
 
 
