@@ -394,6 +394,101 @@ def _drop(directory: Path, what: str) -> None:
     save_file(tensors, directory / "model.safetensors")
 
 
+# name -> (Eagle3SpeculatorConfig options, layer config options); depths K = PEAGLE_DEPTHS, mask token VOCAB - 1
+PEAGLE_CASES = {
+    "peagle": ({}, {}),
+    "peagle_eagle3.1": ({"fc_norm": True, "norm_output": True, "norm_before_residual": True}, {}),
+    "peagle_two_layers_full_vocabulary": ({"draft_vocab_size": VOCAB, "norm_before_fc": True}, {"num_hidden_layers": 2}),
+}
+PEAGLE_DEPTHS = 4
+
+
+def peagle_compare(name: str, seed: int) -> dict:
+    """speculators' ``PEagleDraftModel`` for case ``name`` against ``drafts.peagle``: its whole training ``forward``
+    with every slot at depth 0 and, from every anchor whose rollout fits the prompt, depths 1 to K - 1 (its COD
+    sampling replaced by that choice, the logits caught where it hands them to its loss); ours as the engine drafts:
+    prefill of the prompt up to the anchor's token, then K - 1 drafting calls. The control zeroes ``mask_hidden``:
+    the total variation distance of the two laws at depths >= 1."""
+    import speculators.models.peagle.core as peagle_core
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.peagle import PEagleSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig
+
+    from specresearch.drafts.registry import draft_from_name
+    from specresearch.models.toy import tiny_llama
+
+    options, layer_options = PEAGLE_CASES[name]
+    target = tiny_llama(VOCAB, seed=0, init_std=0.5, num_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=INTER)
+    layer = AutoConfig.for_model("llama", **{**dict(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
+                                                    num_key_value_heads=KV, head_dim=HIDDEN // HEADS, num_hidden_layers=1,
+                                                    vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6),
+                                             **layer_options})
+    layer._attn_implementation = "eager"
+    verifier = VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])
+    config = PEagleSpeculatorConfig(
+        transformer_layer_config=layer, mask_token_id=VOCAB - 1, **{"draft_vocab_size": DRAFT_VOCAB, **options},
+        speculators_config=SpeculatorsConfig(algorithm="peagle", proposal_methods=[GreedyTokenProposalConfig(
+            speculative_tokens=PEAGLE_DEPTHS)], default_proposal_method="greedy", verifier=verifier))
+    torch.manual_seed(seed)
+    model = _randomised(peagle_core.PEagleDraftModel(config).eval(), seed)
+    slots = len(PROMPT) - 1  # after speculators' shift: slot j holds x_{j+1} with the features of slot j
+    anchors = [j for j in range(slots) if j + PEAGLE_DEPTHS - 1 < slots]
+    anchor_pos = torch.tensor(list(range(slots)) + [j for j in anchors for _ in range(1, PEAGLE_DEPTHS)])
+    depth = torch.tensor([0] * slots + [d for _ in anchors for d in range(1, PEAGLE_DEPTHS)])
+    caught = {}
+
+    def metrics_caught(logits, *args, **kwargs):
+        caught["logits"] = logits[0].float().log_softmax(-1)
+        return torch.zeros(()), {}
+
+    prompt = torch.tensor([PROMPT])
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder) / name
+        model.save_pretrained(directory)
+        _, features = target.prefill(prompt, torch.ones_like(prompt), hidden_layers=tuple(_feature_layers(directory)))
+        saved = peagle_core.generate_cod_sample_indices, peagle_core.compute_metrics
+        peagle_core.generate_cod_sample_indices = lambda *args, **kwargs: (anchor_pos, depth)
+        peagle_core.compute_metrics = metrics_caught
+        try:
+            with torch.no_grad():
+                ids = prompt[:, 1:]
+                model(hidden_states=features[:, :-1], input_ids=ids, document_ids=torch.zeros_like(ids),
+                      verifier_last_hidden_states=torch.zeros(1, slots, HIDDEN), num_depths=PEAGLE_DEPTHS)
+        finally:
+            peagle_core.generate_cod_sample_indices, peagle_core.compute_metrics = saved
+        theirs = caught["logits"]  # [slots + anchors (K - 1), D]
+        token_ids = (torch.arange(model.draft_vocab_size) + model.d2t) if model.d2t is not None else torch.arange(VOCAB)
+        row = {"case": name, "kind": "peagle", "seed": seed, "options": options, "layer": layer_options,
+               "depths": PEAGLE_DEPTHS, "anchors": len(anchors)}
+        for dropped in (False, True):
+            if dropped:
+                from safetensors.torch import load_file, save_file
+
+                tensors = load_file(directory / "model.safetensors")
+                save_file(tensors | {"mask_hidden": torch.zeros_like(tensors["mask_hidden"])},
+                          directory / "model.safetensors")
+            worst = [0.0] * PEAGLE_DEPTHS
+            for a, j in enumerate(anchors):
+                draft = draft_from_name(str(directory), target)
+                before = prompt[:, : j + 2]
+                draft.observe(torch.cat([torch.zeros_like(features[:, :1]), features[:, : j + 1]], 1))
+                ours = [draft.prefill(before, torch.ones_like(before))[0]]
+                ours += [draft.score(prompt[:, j + 1 + d : j + 2 + d])[0, 0] for d in range(1, PEAGLE_DEPTHS)]
+                want = [theirs[j]] + [theirs[slots + a * (PEAGLE_DEPTHS - 1) + d - 1] for d in range(1, PEAGLE_DEPTHS)]
+                for d, (o, t) in enumerate(zip(ours, want)):
+                    o = o.float().log_softmax(-1)
+                    if dropped:
+                        law = torch.zeros_like(o).index_copy_(0, token_ids, t.exp())
+                        gap = float((o.exp() - law).abs().sum() / 2)
+                    else:
+                        gap = float((o[token_ids] - t).abs().max())
+                    worst[d] = max(worst[d], gap)
+            row["control_total_variation" if dropped else "max_abs_logprob_difference"] = worst
+        row["control_dropped"] = "mask_hidden (zeroed)"
+    return row
+
+
 def _feature_layers(directory: Path) -> list[int]:
     config = json.loads((directory / "config.json").read_text())
     return config.get("eagle_aux_hidden_state_layer_ids") or [2, LAYERS // 2, LAYERS - 3]
@@ -404,8 +499,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/records/speculators_heads.json")
     parser.add_argument("--seeds", type=int, default=2, help="random heads per configuration")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest log-probability difference that agrees")
-    parser.add_argument("--only", choices=("eagle3", "dflash"), help="one kind of draft (default: both)")
-    parser.add_argument("--case", action="append", help="only these cases (names in CASES / DFLASH_CASES)")
+    parser.add_argument("--only", choices=("eagle3", "dflash", "peagle"), help="one kind of draft (default: all)")
+    parser.add_argument("--case", action="append", help="only these cases (names in CASES / DFLASH_CASES / PEAGLE_CASES)")
     args = parser.parse_args(argv)
     for spec in PACKAGES:
         sys.path.insert(0, str(pypi_wheel(spec)))
@@ -413,8 +508,9 @@ def main(argv=None) -> int:
     from specresearch.experiments.records import record_header
 
     rows = []
-    cases = [(n, compare) for n in CASES if args.only != "dflash"] + [
-        (n, dflash_compare) for n in DFLASH_CASES if args.only != "eagle3"]
+    cases = [(n, compare) for n in CASES if args.only in (None, "eagle3")] + [
+        (n, dflash_compare) for n in DFLASH_CASES if args.only in (None, "dflash")] + [
+        (n, peagle_compare) for n in PEAGLE_CASES if args.only in (None, "peagle")]
     cases = [(n, run) for n, run in cases if not args.case or n in args.case]
     for name, run in cases:
         for seed in range(args.seeds):

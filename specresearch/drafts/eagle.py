@@ -91,7 +91,7 @@ from specresearch.drafts.speculators import (
 from specresearch.drafts.store import check_tensors, published_weights, read_tensors
 
 __all__ = ["EAGLE3_TENSORS", "Eagle3Head", "Eagle1Head", "EagleDraft", "eagle_format", "load_eagle",
-           "load_eagle3", "save_eagle3", "eagle3_feature_layers"]
+           "load_eagle3", "read_eagle3_head", "save_eagle3", "eagle3_feature_layers"]
 
 # tensor name -> (shape in terms of the config; H = hidden, T = target hidden, Q = heads * d, K = kv_heads * d,
 # I = intermediate, D = draft vocabulary, V = vocabulary)
@@ -443,15 +443,16 @@ def _tensor_names(path: Path) -> set[str]:
     return set(read_tensors(path))
 
 
-def _expected_shapes(config: dict, text_config, vocab: int) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: dict, text_config, vocab: int, extra: dict | None = None) -> dict[str, tuple[int, ...]]:
     """Every EAGLE-3 tensor's shape for ``config`` over a target of ``text_config`` and ``vocab`` ("3T": the features
-    read, ``len(eagle3_feature_layers)`` of the target's hidden size)."""
+    read, ``len(eagle3_feature_layers)`` of the target's hidden size), and those of ``extra``."""
     H, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     d, kv = int(config.get("head_dim") or H // heads), int(config.get("num_key_value_heads") or heads)
     T, features = int(config.get("target_hidden_size") or text_config.hidden_size), len(eagle3_feature_layers(
         config, text_config.num_hidden_layers))
     sizes = {"H": H, "2H": 2 * H, "3T": features * T, "T": T, "Q": heads * d, "K": kv * d,
-             "I": int(config["intermediate_size"]), "d": d, "D": int(config.get("draft_vocab_size") or vocab), "V": vocab}
+             "I": int(config["intermediate_size"]), "d": d, "D": int(config.get("draft_vocab_size") or vocab), "V": vocab,
+             "1": 1}
     shapes = {**EAGLE3_TENSORS, **_OPTIONAL, "fc.bias": ("H",)}  # fc's bias: speculators' first releases
     if config.get("attention_bias"):
         shapes |= {f"midlayer.self_attn.{n}_proj.bias": (r,) for n, r in (("q", "Q"), ("k", "K"), ("v", "K"), ("o", "H"))}
@@ -459,7 +460,7 @@ def _expected_shapes(config: dict, text_config, vocab: int) -> dict[str, tuple[i
         shapes |= {f"midlayer.self_attn.{n}_norm.weight": ("d",) for n in ("q", "k")}
     if config.get("mlp_bias"):
         shapes |= {f"midlayer.mlp.{n}_proj.bias": (r,) for n, r in (("gate", "I"), ("up", "I"), ("down", "H"))}
-    shapes |= speculators_shapes(config, features)
+    shapes |= speculators_shapes(config, features) | (extra or {})
     return {name: tuple(sizes[s] for s in shape) for name, shape in shapes.items()}
 
 
@@ -473,14 +474,23 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
     config = json.loads((directory / "config.json").read_text())
     if config.get(SPECULATORS_KEY) == "eagle3" and "transformer_layer_config" in config:
         config = speculators_eagle3_config(config)
+    head, _ = read_eagle3_head(target_lm, directory, config)
+    return EagleDraft(head, max_context=target_lm.max_context, device=device or target_lm.device)
+
+
+def read_eagle3_head(target_lm, directory: Path, config: dict, extra: dict[str, tuple] | None = None,
+                     what: str = "EAGLE-3") -> tuple[Eagle3Head, dict[str, torch.Tensor]]:
+    """The :class:`Eagle3Head` of ``directory`` for ``target_lm`` from its (flattened) ``config``, and every tensor
+    read; ``extra``: further tensors the layout ``what`` requires (name -> shape in this module's size
+    letters), checked with the rest and left to the caller."""
     target = target_lm.model
     text = target.config.get_text_config()
     tensors = read_tensors(published_weights(directory))
     if "layers.0.hidden_norm.weight" in tensors:  # the layer under the name vLLM's and speculators' loaders give it
         tensors = {(f"midlayer.{k[len('layers.0.'):]}" if k.startswith("layers.0.") else k): v
                    for k, v in tensors.items()}
-    expected = _expected_shapes(config, text, int(target.get_output_embeddings().weight.shape[0]))
-    check_tensors(directory, tensors, expected, set(_OPTIONAL) | {"fc.bias"}, "EAGLE-3")
+    expected = _expected_shapes(config, text, int(target.get_output_embeddings().weight.shape[0]), extra)
+    check_tensors(directory, tensors, expected, set(_OPTIONAL) | {"fc.bias"}, what)
     draft_vocab = expected["lm_head.weight"][0]
     token_ids = None
     if "d2t" in tensors and draft_vocab != expected["t2d"][0]:
@@ -501,7 +511,7 @@ def load_eagle3(target_lm, directory: str | os.PathLike, *, device=None) -> Eagl
         for i, layer in enumerate(head.layers[1:], start=1):
             at = f"layers.{i}."
             layer.load_state_dict({k[len(at):]: v.float() for k, v in tensors.items() if k.startswith(at)}, strict=True)
-    return EagleDraft(head, max_context=target_lm.max_context, device=device or target_lm.device)
+    return head, tensors
 
 
 def _eagle1_shapes(config: dict, vocab: int) -> tuple[dict[str, tuple[int, ...]], set[str]]:

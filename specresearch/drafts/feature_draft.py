@@ -285,6 +285,13 @@ class FeatureDraft(FeatureQueue):
             inputs = self._last[:, None]
         else:
             raise ValueError("a feature draft needs the target's features (observe) before scoring these tokens")
+        hidden = self._run(tokens, valid, inputs)
+        self._last = hidden[:, -1]
+        return hidden
+
+    def _run(self, tokens: torch.Tensor, valid: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor:
+        """New slots for ``tokens [B, k]`` reading ``inputs [B, k, H]``, causal over the cache -> their outputs."""
+        k = tokens.shape[1]
         valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if valid is None else valid.bool()
         old = self._slots.length
         positions = self._slots.append(valid)
@@ -295,7 +302,6 @@ class FeatureDraft(FeatureQueue):
         allowed[:, new, old + new] = True  # a masked slot sees itself (no empty softmax)
         past = self._cache or [None for _ in self.head.layers]
         hidden, self._cache = self.head.block(inputs, tokens, positions, past, allowed)
-        self._last = hidden[:, -1]
         return hidden
 
     def static_form(self) -> "StaticFeatureDraft":

@@ -20,7 +20,7 @@ from specresearch.models.kernels import choose_kernel_rows, use_half_weights, us
 from specresearch.models.protocols import check_same_tokenizer
 
 __all__ = ["truncated_draft", "draft_from_name", "draft_format", "EAGLE3_FORMAT", "EAGLE3_SPECULATORS_FORMAT",
-           "EAGLE1_FORMAT", "MEDUSA_FORMAT", "DFLASH_FORMAT", "MTP_FORMAT",
+           "EAGLE1_FORMAT", "MEDUSA_FORMAT", "DFLASH_FORMAT", "MTP_FORMAT", "PEAGLE_FORMAT",
            "combined_draft", "half_weight_draft", "int8_weight_draft", "HALF_PREFIX",
            "INT8_PREFIX", "without_weight_prefix", "with_weight_storage", "load_pair", "weights_digests"]
 
@@ -99,6 +99,10 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         from specresearch.drafts.eagle import load_eagle  # imports drafts.feature, which imports this module
 
         return load_eagle(target, trained)
+    if layout == PEAGLE_FORMAT:
+        from specresearch.drafts.peagle import load_peagle
+
+        return load_peagle(target, trained)
     if layout == MEDUSA_FORMAT:
         from specresearch.drafts.medusa import load_medusa
 
@@ -135,13 +139,15 @@ def _fuses(target) -> bool | None:
 EAGLE3_FORMAT = "EAGLE-3 head (the SafeAILab/EAGLE layout: fc, midlayer.*, norm, lm_head, d2t / t2d)"
 EAGLE3_SPECULATORS_FORMAT = ("EAGLE-3 head (the vllm-project/speculators layout: speculators_model_type eagle3, "
                              "transformer_layer_config, fc, layers.0.*, norm, lm_head, d2t / t2d)")
+PEAGLE_FORMAT = ("P-EAGLE head (the vllm-project/speculators layout: speculators_model_type peagle, mask_token_id, "
+                 "an EAGLE-3 head's tensors, mask_hidden, embed_tokens)")
 EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the target's head reads it)"
 MTP_FORMAT = "MTP layers in the target's own checkpoint (num_nextn_predict_layers; --draft mtp reads them)"
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
 DFLASH_FORMAT = ("DFlash block drafter (z-lab's layout: dflash_config, fc, hidden_norm, layers.*; transformers' "
                  "muse_glimmer_assistant; or speculators' dflash / dspark / dflash2 / xpress)")
-_FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, EAGLE1_FORMAT,
-            MEDUSA_FORMAT, DFLASH_FORMAT,
+_FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, PEAGLE_FORMAT,
+            EAGLE1_FORMAT, MEDUSA_FORMAT, DFLASH_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
 
 
@@ -165,6 +171,10 @@ def draft_format(directory) -> str:
 
     kind = eagle_format(directory)
     if kind is not None:
+        from specresearch.drafts.peagle import is_peagle_dir
+
+        if kind == "EAGLE-3" and is_peagle_dir(directory):
+            return PEAGLE_FORMAT
         if kind == "EAGLE-3":
             return EAGLE3_SPECULATORS_FORMAT if is_speculators_dir(directory) else EAGLE3_FORMAT
         return EAGLE1_FORMAT
