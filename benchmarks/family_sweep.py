@@ -1,5 +1,6 @@
 """Every causal-LM type transformers builds, tiny and random, through ``CausalLM``: does its cache score a draft tree
-as uncached forwards do, and does the wrapper take it or refuse it?
+(chains, for a model with recurrent layers: ``models.recurrent``) as uncached forwards do, and does the wrapper take
+it or refuse it?
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
 defaults made tiny (the sizes below, where the config has them; eager attention, float32, seeded), or "not built"
@@ -7,7 +8,9 @@ where that config does not build or run an uncached forward (a tiny size it reje
 
 * ``unprobed``: the model behind ``CausalLM(..., probe=False)``, two left-padded rows, 4 draft trees of 6 nodes
   (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
-  each node's logits against an uncached forward of its path: "exact" (max |difference| below 1e-3), "different"
+  each node's logits against an uncached forward of its path (a recurrent model: 4 calls of 4 tokens and 3 of one,
+  with rollbacks of different counts per row, each token's logits against an uncached forward of its history):
+  "exact" (max |difference| below 1e-3), "different"
   (the worst difference) or "fails" (the error);
 * ``wrapper``: what ``CausalLM(model)`` does with its defaults, the probe included (``models.probe``): "taken" or
   "refused" (the message).
@@ -88,6 +91,8 @@ def unprobed(kind: str) -> tuple[str, str]:
         lm = CausalLM(model, device="cpu", probe=False)
     except ValueError as error:
         return "refused", " ".join(str(error).split())[:300]
+    if lm.recurrent:
+        return _chains(lm, reference)
     parents = [-1, 0, 1, 0, 3, 2]
     visible = torch.eye(6, dtype=torch.bool)
     for i, parent in enumerate(parents):
@@ -111,6 +116,38 @@ def unprobed(kind: str) -> tuple[str, str]:
         out = lm.score(torch.tensor([[pending[0]], [pending[1]]]))
         for b in range(2):
             worst = max(worst, (out[b, -1] - _uncached(reference, histories[b] + [pending[b]])).abs().max().item())
+    except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
+        return "fails", " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
+
+
+def _chains(lm, reference) -> tuple[str, str]:
+    """A model with recurrent layers (which runs chains only): the two rows score 4 calls of 4 tokens, each followed by
+    rollbacks of different counts per row, then three one-token calls rolled back across them, and a token after."""
+    import torch
+
+    try:
+        lm.prefill(torch.tensor([[5, 9, 2, 33], [0, 0, 4, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
+        histories, worst = [[5, 9, 2, 33], [4, 8]], 0.0
+        for step, counts in enumerate(((1, 3), (4, 2), (0, 1), (2, 0))):
+            tokens = [10 + step, 20, 30 - step, 40]
+            logits = lm.score(torch.tensor([tokens, tokens]))
+            for b in range(2):
+                for i in range(4):
+                    want = _uncached(reference, histories[b] + tokens[: i + 1])
+                    worst = max(worst, (logits[b, i, :want.shape[-1]] - want).abs().max().item())
+            lm.rollback(list(counts))
+            histories = [h + tokens[: 4 - n] for h, n in zip(histories, counts)]
+        for i, token in enumerate((7, 11, 13)):
+            out = lm.score(torch.tensor([[token], [token]]))
+            for b in range(2):
+                want = _uncached(reference, histories[b] + [7, 11, 13][: i + 1])
+                worst = max(worst, (out[b, -1, :want.shape[-1]] - want).abs().max().item())
+        lm.rollback([3, 1])
+        histories = [histories[0], histories[1] + [7, 11]]
+        out = lm.score(torch.tensor([[12], [12]]))
+        for b in range(2):
+            worst = max(worst, (out[b, -1] - _uncached(reference, histories[b] + [12])).abs().max().item())
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
         return "fails", " ".join(f"{type(error).__name__}: {error}".split())[:300]
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")

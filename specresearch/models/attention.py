@@ -30,8 +30,9 @@ of the context in a full cache layer (transformers' sliding layers keep the last
 rolled back past them): a windowed layer's call reads the whole context, masked, instead of the window. That costs
 nothing while the context is shorter than the window (the figures of docs/engine_and_models.md), and memory and
 attention time linear in the context past it. Layer types are transformers' own
-(``cache_utils.get_layer_types_and_kwargs``); any other type than full and sliding attention (chunked attention,
-linear attention, KV sharing) is refused with one line. So is a model whose attention places a key by its slot in
+(``cache_utils.get_layer_types_and_kwargs``); recurrent ones (``linear_attention``, ``hybrid``) are
+``models.recurrent``'s, and any other type than full and sliding attention (chunked attention, KV sharing) is
+refused with one line. So is a model whose attention places a key by its slot in
 the cache rather than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong
 without an error. The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot;
 :func:`positions_from_masks` makes them read positions off the masks instead. (A model without a KV cache, GPT-1, is
@@ -62,6 +63,8 @@ from functools import partial
 
 import torch
 
+from specresearch.models.recurrent import RECURRENT_TYPES
+
 __all__ = ["AttentionLayout", "attention_layout", "exact_kernel", "additive_mask", "MASKED_KERNELS", "CPU_SDPA", "PACKED_SDPA",
            "cpu_sdpa_attention", "packed_sdpa_attention", "use_cpu_sdpa", "use_packed_sdpa", "additive_sdpa_mask",
            "positions_from_masks"]
@@ -79,6 +82,7 @@ class AttentionLayout:
 
     kernel: str
     windows: tuple[tuple[str, int | None], ...]  # ((layer type, window or None), ...) in order of first use
+    recurrent: bool = False  # some layers keep recurrent state (models.recurrent): chains only, the 2-D mask
 
     @property
     def windowed(self) -> bool:
@@ -127,7 +131,10 @@ def attention_layout(model) -> AttentionLayout:
     if not kinds:
         raise ValueError(f"{_name(model)}: transformers names no attention layer types for it")
     windows: dict[str, int | None] = {}
+    recurrent = any(kind in RECURRENT_TYPES for kind in kinds)
     for kind, option in zip(kinds, options):
+        if kind in RECURRENT_TYPES or (kind == "dummy" and getattr(config, "kv_sharing_modes", None) is None):
+            continue  # models.recurrent's; an MLP-only layer (transformers' "dummy" for "mlp" / "moe": no cache)
         if kind not in _LAYER_TYPES:
             raise ValueError(f"{_name(model)} has {kind!r} layers; CausalLM masks full and sliding-window attention "
                              f"only ({', '.join(_LAYER_TYPES)}): use a model of another family")
@@ -136,7 +143,11 @@ def attention_layout(model) -> AttentionLayout:
             raise ValueError(f"{_name(model)} has sliding-window layers without a window (sliding_window={window!r})")
         if windows.setdefault(kind, window) != window:
             raise ValueError(f"{_name(model)} has {kind!r} layers with different windows; CausalLM takes one per type")
-    return AttentionLayout(model.config._attn_implementation, tuple(windows.items()))
+    layout = AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent)
+    if recurrent and layout.windowed:
+        raise ValueError(f"{_name(model)} has recurrent layers beside sliding-window ones: CausalLM masks windows "
+                         "itself with a 4-D mask, and its recurrent layers read padding from the 2-D one")
+    return layout
 
 
 def _positions_from_slots(model, config) -> str | None:

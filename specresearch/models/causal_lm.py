@@ -26,6 +26,7 @@ import torch
 
 from specresearch.checks import check_int
 from specresearch.models import fused
+from specresearch.models import recurrent as states
 from specresearch.models.attention import (
     attention_layout,
     exact_kernel,
@@ -256,7 +257,8 @@ class CausalLM:
         switch_attention: a model whose attention kernel takes no 4-D mask (``flash_attention_2/3``) is switched to
             ``sdpa`` with a warning (:func:`~specresearch.models.attention.exact_kernel`); ``False``: refused instead
             (the caller's model stays as it is), as a float64 model's grouped experts are (:func:`experts_in_float64`).
-            A model with layers it cannot mask (chunked or linear attention) is refused either way.
+            A model with layers it cannot mask (chunked attention, KV sharing) is refused either way; one with
+            recurrent layers (:mod:`specresearch.models.recurrent`: linear attention, state spaces) runs chains.
         fuse_projections: compute each layer's query / key / value projections, and its MLP's gate / up pair, as one
             matrix product (:mod:`specresearch.models.fused`: fewer kernels a step on a GPU, fewer products and Python
             calls on the CPU, the same weights). ``None``: fused wherever the model is whole (not split). Fusing
@@ -305,6 +307,7 @@ class CausalLM:
         self._cache_argument = cache_argument(self.model)  # refuses a model that keeps no cache
         positions_from_masks(self.model)  # Bloom's ALiBi, GPT-Neo's local windows: from the masks, not the slots
         self._attention = attention_layout(self.model)
+        self.recurrent = self._attention.recurrent  # recurrent layers: chains only (models.recurrent)
         whole = self.placement is None
         if fuse_projections and not whole:
             raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "
@@ -361,7 +364,7 @@ class CausalLM:
     def reset(self, batch_size: int) -> None:
         if self.fuses:
             fused.keep_fused(self.model)
-        self._cache = _new_cache(self.model)
+        self._cache = states.recurrent_cache(self.model) if self.recurrent else _new_cache(self.model)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_layers: Sequence[int] | None = None):
@@ -381,12 +384,18 @@ class CausalLM:
             raise ValueError("score called before prefill/reset: start a batch first")
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
+        if self.recurrent:
+            states.trim(self._cache)
         positions = self._slots.append(valid.to(self.device))
         logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers)
         return logits if hidden_layers is None else (logits, hidden)
 
     def begin_tree(self) -> None:
         """Start scoring a tree: the slots of the following :meth:`score_tree` calls form one region."""
+        if self.recurrent:
+            raise ValueError(f"{type(self.model).__name__} has recurrent layers (models.recurrent), which read every "
+                             "earlier token in order, and a draft tree's nodes are no sequence: draft chains "
+                             "(num_drafts=1, an iid or chain draft law)")
         self._slots.begin_tree()
 
     def score_tree(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, hidden_layers: Sequence[int] | None = None):
@@ -411,34 +420,59 @@ class CausalLM:
         index = self._slots.compaction()
         if index is not None:
             for layer in self._cache.layers:  # each on its layer's device under a device_map
+                if getattr(layer, "keys", None) is None:  # a recurrent layer: no slots
+                    continue
                 slots = index.to(layer.keys.device)
                 # keys and values may differ in heads and width (DeepSeek-V2/V3's latent attention: 16 and 4 wide here)
                 layer.keys, layer.values = _gather_slots(layer.keys, slots), _gather_slots(layer.values, slots)
+            if self.recurrent:
+                states.set_length(self._cache, self._slots.length)
         assert self._cache.get_seq_length() == self._slots.length
 
     def repeat_rows(self, k: int) -> None:
         """Each row becomes ``k`` consecutive rows with the same cache (drafting k paths per row)."""
-        self._cache.batch_repeat_interleave(k)
+        for layer in self._cache.layers:
+            if getattr(layer, "keys", None) is not None:
+                layer.batch_repeat_interleave(k)
+        if self.recurrent:
+            states.repeat_rows(self._cache, k)
         self._slots.repeat_rows(k)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index [B']`` of the cache, in that order (the paths the verifier accepted, or the rows still
         generating); packs the cache when the rows left behind dead slots."""
         for layer in self._cache.layers:  # each on its layer's device under a device_map
-            if layer.keys is not None:
+            if getattr(layer, "keys", None) is not None:
                 layer.batch_select_indices(index.to(layer.keys.device))
+        if self.recurrent:
+            states.select_rows(self._cache, index)
         self._slots.select_rows(index.to(self.device))
         self._compact()
 
     def static_form(self) -> StaticCausalLM:
         """This model over a static KV cache (:class:`~specresearch.models.static_lm.StaticCausalLM`): the same
         weights, kernels and masks, for the engine's captured steps."""
+        if self.recurrent:
+            raise ValueError(f"{type(self.model).__name__} has recurrent layers (models.recurrent), which a static KV "
+                             "cache does not hold: run the growing loop (compile='off')")
         return StaticCausalLM(self)
 
     def rollback(self, n) -> None:
-        """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest."""
+        """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest; recurrent
+        layers restore each row's state (:func:`~specresearch.models.recurrent.rollback_rows`)."""
+        if self.recurrent:
+            counts = rollback_counts(n, self._slots.mask.shape[0], self.device)
+            most = max(_host_counts(n, len(counts)) or counts.tolist(), default=0)
         common, uneven = self._slots.rollback(n)
-        if common:
+        if self.recurrent:
+            from transformers.cache_utils import DynamicLayer
+
+            for layer in self._cache.layers:  # the attention part of each layer, if any
+                if getattr(layer, "keys", None) is not None and common:
+                    DynamicLayer.crop(layer, -common)
+            states.rollback_rows(self._cache, counts, most)
+            states.set_length(self._cache, self._slots.length)
+        elif common:
             self._cache.crop(-common)
         if uneven:  # rows dropped different counts: dead slots may have piled up
             self._compact()
@@ -446,6 +480,7 @@ class CausalLM:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int, hidden_layers=None, visible=None):
         """-> (logits float32, the requested hidden states concatenated float32 or None). ``visible [B, k, L]``: the
         slots each new one sees, for tree calls; by default a chain's (``SlotMask.visible_to_last``)."""
+        kept = states.before_call(self._cache) if self.recurrent else None
         with torch.no_grad():
             out = self.model(
                 input_ids=readable(tokens.to(self.device), self),
@@ -456,6 +491,8 @@ class CausalLM:
                 logits_to_keep=logits_to_keep,
                 output_hidden_states=hidden_layers is not None,
             )
+        if kept is not None:
+            states.after_call(kept)
         assert self._cache.get_seq_length() == self._slots.length
         logits = fit_width(out.logits.float(), self.logits_width)
         if hidden_layers is None:
@@ -469,8 +506,8 @@ class CausalLM:
         layout's additive masks (float64: transformers fills its mask with float64's lowest value, which ``eager``'s
         float32 softmax reads as -inf, so a left-padded row's pad slots turned the row into NaN;
         ``models.attention.additive_mask``)."""
-        if visible is None and not self._attention.windowed and self.model.dtype != torch.float64:
-            return self._slots.mask.long()
+        if visible is None and not self._attention.windowed and (self.model.dtype != torch.float64 or self.recurrent):
+            return self._slots.mask.long()  # recurrent layers read a call's padding from it (models.recurrent)
         if visible is None:
             visible = self._slots.visible_to_last(positions.shape[1])
         return self._attention.masks(visible, positions, self._slots.positions, self.model.dtype)

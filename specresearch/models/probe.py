@@ -16,7 +16,10 @@ forward of the same tokens through the same model. A model that differs by more 
 is refused in one line. The prompt is 3 tokens, and as long again as a sliding window its config names (up to
 ``MAX_WINDOW``), so that a window the model applies itself, over slots rather than positions, beside the masks'
 (Moshi's) shows. It costs 4 cached calls and 28 uncached forwards of the prompt and up to 8 more tokens, once per
-``CausalLM``; ``probe=False`` skips it.
+``CausalLM``; ``probe=False`` skips it. A model with recurrent layers (``models.recurrent``), which runs chains only,
+is probed with chains instead: two calls of 4 tokens, each followed by rollbacks of different counts per row (the
+second undoing one row's whole call), three calls of one token rolled back across them (a draft's pattern), then
+the token after them.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def check_cached_tree(lm) -> None:
         padded = torch.tensor([histories[0], [0, 0, *histories[1]]], device=device)
         logits = lm.prefill(padded, torch.tensor([[1] * length, [0, 0] + [1] * (length - 2)], device=device))
         calls += [("the prompt", logits[row], histories[row]) for row in range(2)]
-        for step in range(2):
+        for step in range(2 if not lm.recurrent else 0):
             nodes = [[ids[length + 6 * step + i] for i in range(6)]] * 2
             lm.begin_tree()
             tree = lm.score_tree(torch.tensor(nodes, device=device), torch.tensor([TREE_DEPTHS] * 2),
@@ -67,6 +70,8 @@ def check_cached_tree(lm) -> None:
             lm.end_tree(torch.tensor(KEPT))  # each row keeps another path: dead slots inside the cache
             for row in range(2):
                 histories[row] = histories[row] + [t for t, kept in zip(nodes[row], KEPT[row]) if kept]
+        if lm.recurrent:  # chains: rows roll back different counts, within a call and across calls
+            calls += _chain_calls(lm, ids[length:], histories)
         after = lm.score(torch.tensor([[ids[0]], [ids[1]]], device=device))
         calls += [("a token after dead slots", after[row, -1], histories[row] + [ids[row]]) for row in range(2)]
         worst, where = 0.0, ""
@@ -79,7 +84,8 @@ def check_cached_tree(lm) -> None:
                 worst, where = gap, what
     except Exception as error:  # noqa: BLE001 -- a family's own failure, reported in one line
         detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-        raise ValueError(f"{name} fails CausalLM's probe of a cached draft tree ({detail}): a family the matrices "
+        what = "cached chains" if lm.recurrent else "a cached draft tree"
+        raise ValueError(f"{name} fails CausalLM's probe of {what} ({detail}): a family the matrices "
                          "do not check (models.probe); use a model of another family") from error
     tolerance = TOLERANCE.get(model.dtype, LOW_PRECISION_TOLERANCE)
     if not worst <= tolerance:
@@ -110,3 +116,29 @@ def _path(tokens: list[int], i: int) -> list[int]:
         path.append(tokens[i])
         i = TREE_PARENTS[i]
     return path[::-1]
+
+
+CHAIN_ROLLBACKS = ((1, 3), (4, 2))  # per row, after the chain probe's two calls of 4 tokens
+CALLS_ROLLBACK = (3, 1)  # per row, after three calls of one token (a draft's pattern: a rollback across calls)
+
+
+def _chain_calls(lm, ids: list[int], histories: list[list[int]]) -> list:
+    """A model with recurrent layers (``models.recurrent``): two calls of 4 tokens, each followed by rollbacks of
+    different counts per row (the second undoing one row's whole call). -> the probe's calls."""
+    calls = []
+    for step, counts in enumerate(CHAIN_ROLLBACKS):
+        tokens = [ids[4 * step : 4 * step + 4]] * 2
+        scored = lm.score(torch.tensor(tokens, device=lm.device))
+        for row in range(2):
+            calls += [(f"a chain's token {i + 1}", scored[row, i], histories[row] + tokens[row][: i + 1])
+                      for i in range(4)]
+        lm.rollback(list(counts))
+        for row in range(2):
+            histories[row] = (histories[row] + tokens[row])[: len(histories[row]) + 4 - counts[row]]
+    for i, token in enumerate(ids[8:11]):
+        scored = lm.score(torch.tensor([[token], [token]], device=lm.device))
+        calls += [(f"a drafted token {i + 1}", scored[row, 0], histories[row] + ids[8 : 9 + i]) for row in range(2)]
+    lm.rollback(list(CALLS_ROLLBACK))
+    for row in range(2):
+        histories[row] = histories[row] + ids[8 : 11 - CALLS_ROLLBACK[row]]
+    return calls

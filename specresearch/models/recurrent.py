@@ -1,0 +1,138 @@
+"""Recurrent layers in a transformers model's cache (linear attention, Mamba's state spaces, short convolutions): the
+per-row rollback, row selection and bounded memory :class:`~specresearch.models.causal_lm.CausalLM` needs of them.
+
+transformers 5.25 gives each layer of type ``linear_attention`` (Qwen3.5 and Qwen3-Next's Gated DeltaNet, Mamba,
+Mamba-2, Jamba, Bamba, Granite-4 hybrids, Nemotron-H, OLMo-hybrid, Kimi Linear, ...) or ``hybrid`` (Falcon-H1,
+Zamba2: attention and a state space in one layer) a ``LinearAttentionLayer`` in a ``DynamicCache(config=...)``: a
+convolution state (the last ``kernel`` inputs of the layer's causal convolution) and a recurrent state (a matrix per
+head), rewritten in place by each call. Nothing of a token survives in a slot of its own, so the attention cache's
+rollback (crop, or mask a row's slots) cannot undo it. transformers' own assisted generation turns on
+``activate_past_recording``: the layer then keeps every convolution input since the last ``crop`` and, per token, the
+recurrent state before it (its kernels run the last ``recurrent_states_to_keep`` tokens of a call one at a time to
+produce them), and ``crop(-n)`` restores the state before the last n tokens, the same n for every row.
+
+Here the same records give each row its own count (:func:`rollback_rows`): row b takes the recurrent state recorded
+``n_b`` tokens back and the ``kernel`` convolution inputs ending there (zeros before a row's first input, as the
+layer's own initial state). The records span the calls since the last rollback, which the engine makes after every
+verification (the draft's ``gamma - 1`` one-token calls and the target's scoring call alike), and are cut to the last
+:data:`KEEP` tokens before each call (:func:`trim`), so a loop that never rolls back holds a bounded history.
+:func:`select_rows` / :func:`repeat_rows` carry the records with the rows.
+
+What this does not give: a draft tree's nodes are not one sequence, and a recurrent layer reads every earlier token
+in order, so ``CausalLM`` refuses tree calls on such a model (chains only), its static form (the captured steps'
+static caches hold no recurrent state), and recurrent layers beside sliding-window ones (``models.attention``).
+Padding reaches a recurrent layer as the 2-D mask of the call's tokens, which zeroes a left-padded prompt's pad
+inputs (transformers' ``apply_mask_to_padding_states``), so a row's state starts at zero where its tokens start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["RECURRENT_TYPES", "KEEP", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
+           "trim", "select_rows", "repeat_rows", "set_length"]
+
+RECURRENT_TYPES = ("linear_attention", "hybrid", "conv")  # transformers' layer types whose cache holds recurrent state
+KEEP = 64  # tokens of records kept: the most one rollback may undo
+
+
+def recurrent_cache(model, keep: int = KEEP):
+    """``DynamicCache(config=...)`` of ``model`` with every recurrent layer recording its past (``keep`` tokens of
+    intermediate recurrent states per call)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for layer in recurrent_layers(cache):
+        layer.activate_past_recording(recurrent_states_to_keep=keep)
+        layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}  # one list per state
+    return cache
+
+
+def recurrent_layers(cache) -> list:
+    """The layers of ``cache`` that hold recurrent state (transformers' ``LinearAttentionCacheLayerMixin``)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def _states(layer):
+    """(state index, has a recurrent state, has a convolution state) of each state ``layer`` keeps."""
+    return [(i, layer.is_recurrent_states_initialized[i], layer.is_conv_states_initialized[i])
+            for i in range(layer.number_of_states)]
+
+
+def rollback_rows(cache, counts: torch.Tensor, most: int) -> None:
+    """Undo the last ``counts[b]`` tokens of row b in every recurrent layer (``counts [B]`` int64 on the states'
+    device; ``most``: their largest, known on the host); the records start afresh."""
+    for layer in recurrent_layers(cache):
+        for i, recurrent, conv in _states(layer):
+            if recurrent:
+                history = layer.recurrent_states_history[i]
+                if most > len(history):
+                    raise ValueError(f"a recurrent layer can undo the {len(history)} tokens since its last rollback "
+                                     f"(at most {KEEP}), not {most}")
+                state = layer.recurrent_states[i]
+                n = counts.to(state.device)
+                stacked = torch.stack([*history, state])  # [T + 1, B, ...]: the state before each token, and now
+                layer.recurrent_states[i] = stacked[len(history) - n, torch.arange(len(n), device=state.device)]
+                layer.recurrent_states_history[i] = []
+            if conv:
+                inputs, kernel = layer.conv_states[i], layer.conv_kernel_size[i]  # [B, C, T]
+                n = counts.to(inputs.device)
+                padded = F.pad(inputs, (kernel, 0))  # input j at kernel + j; zeros before the first
+                at = inputs.shape[-1] - n[:, None] + torch.arange(kernel, device=inputs.device)  # [B, kernel]
+                layer.conv_states[i] = padded.gather(-1, at[:, None, :].expand(-1, inputs.shape[1], -1))
+
+
+def before_call(cache) -> list:
+    """A copy of each recurrent state before a call, and where the call's records will start: hand it to
+    :func:`after_call` (Jamba's scan updates the cached state in place before transformers records it, so the
+    record it makes of the state before a call is the state after the call's first token)."""
+    return [(layer, i, layer.recurrent_states[i].clone(), len(layer.recurrent_states_history[i]))
+            for layer in recurrent_layers(cache) for i, recurrent, _ in _states(layer) if recurrent]
+
+
+def after_call(kept: list) -> None:
+    """Each call's first record replaced by the copy :func:`before_call` made (a layer not yet started has none)."""
+    for layer, i, state, start in kept:
+        history = layer.recurrent_states_history[i]
+        if len(history) > start:
+            history[start] = state
+
+
+def trim(cache, keep: int = KEEP) -> None:
+    """Keep the records of the last ``keep`` tokens only (before a call: what a rollback may undo)."""
+    for layer in recurrent_layers(cache):
+        for i, recurrent, conv in _states(layer):
+            history = layer.recurrent_states_history[i]
+            if recurrent and len(history) > keep:
+                del history[:-keep]
+            if conv and layer.conv_states[i].shape[-1] > keep + layer.conv_kernel_size[i]:
+                layer.conv_states[i] = layer.conv_states[i][..., -(keep + layer.conv_kernel_size[i]):]
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep rows ``index`` of every recurrent layer's states and records."""
+    _rows(cache, lambda t: t.index_select(0, index.to(t.device)))
+
+
+def repeat_rows(cache, k: int) -> None:
+    """Each row of every recurrent layer's states and records becomes ``k`` consecutive rows."""
+    _rows(cache, lambda t: t.repeat_interleave(k, 0))
+
+
+def _rows(cache, change) -> None:
+    for layer in recurrent_layers(cache):
+        for i, recurrent, conv in _states(layer):
+            if recurrent:
+                layer.recurrent_states[i] = change(layer.recurrent_states[i])
+                layer.recurrent_states_history[i] = [change(h) for h in layer.recurrent_states_history[i]]
+            if conv:
+                layer.conv_states[i] = change(layer.conv_states[i])
+
+
+def set_length(cache, length: int) -> None:
+    """The recurrent layers' token count (what the cache reports as its length) set to ``length`` slots."""
+    for layer in recurrent_layers(cache):
+        layer.cumulative_length_linear = torch.full_like(torch.as_tensor(layer.cumulative_length_linear), length)

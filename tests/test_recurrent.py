@@ -1,0 +1,149 @@
+"""Targets and drafts with recurrent layers (``models.recurrent``): linear attention, state spaces, short convolutions.
+
+* Families (tiny, random weights): Qwen3.5 (Gated DeltaNet beside gated attention), Qwen3-Next, Mamba-2, Jamba (whose
+  scan overwrites the cached state before transformers records it), Bamba, Falcon-H1 (attention and a state space in
+  one layer), Granite-4 hybrid, Nemotron-H (MLP-only layers), OLMo-hybrid, LFM2 (short convolutions): ``CausalLM``'s
+  chain probe passes at construction (uneven per-row rollbacks within a call and across one-token calls, each call's
+  logits against an uncached forward), greedy speculative decoding gives the autoregressive tokens, and those are
+  transformers' own ``generate``'s.
+* Refused in one line: Mamba (v1) and Kimi Linear (their mixers multiply the whole 2-D mask into a call's tokens),
+  Zamba2 (its cached calls differ from its forward), draft trees and the static form of a recurrent target.
+* T = 1: a Qwen3.5 target with a Llama draft, and a Llama target with a Qwen3.5 draft, keep the target's law (exact
+  Bonferroni test, false-positive rate <= 1e-6 each).
+* Rows: after ``select_rows`` / ``repeat_rows`` each row's next logits are an uncached forward's; the records stay
+  bounded on a long run without rollbacks.
+"""
+
+import pytest
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import draft_from_name
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.static import static_available
+from specresearch.experiments.stats import lossless_test
+from specresearch.models import recurrent
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.toy import tiny_llama
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+FAMILIES = {
+    "qwen3_5_text": dict(**SMALL, **LINEAR, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"]),
+    "qwen3_next": dict(**SMALL, **LINEAR, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    "mamba2": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, state_size=8, n_groups=1,
+                   expand=2, conv_kernel=4),
+    "jamba": dict(**SMALL, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4),
+    "bamba": dict(**SMALL, **MAMBA, num_hidden_layers=4, attn_layer_indices=[1, 3]),
+    "falcon_h1": dict(**SMALL, **MAMBA, num_hidden_layers=2, mamba_d_ssm=64),
+    "granitemoehybrid": dict(**SMALL, **MAMBA, num_hidden_layers=4, layer_types=["mamba", "attention"] * 2,
+                             num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=16),
+    "nemotron_h": dict(**SMALL, num_hidden_layers=4, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                       mamba_num_heads=8, mamba_head_dim=8, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2),
+    "olmo_hybrid": dict(**SMALL, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "lfm2": dict(**SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+}
+REFUSED = {
+    "mamba": (dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
+              "fails CausalLM's probe of cached chains"),
+    "kimi_linear": (dict(**SMALL, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         layer_types=["linear_attention", "full_attention"] * 2, linear_head_dim=8, linear_num_heads=4,
+                         mlp_layer_types=["dense"] * 4), "fails CausalLM's probe of cached chains"),
+    "zamba2": (dict(**SMALL, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2, mamba_headdim=8,
+                    mamba_ngroups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, hybrid_layer_ids=[1, 3],
+                    num_mem_blocks=1, attention_hidden_size=64, attention_head_dim=16),
+               "otherwise than an uncached forward"),
+}
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[5, 9, 3, 17, 22, 8], [7, 2, 11]]
+
+
+def _model(model_type: str, options: dict, seed: int = 0):
+    """A transformers model of ``model_type`` from ``options``, its matrices drawn N(0, 0.5^2) (seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **options)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.5)
+    return model
+
+
+def _uncached(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_recurrent_family_passes_the_chain_probe_and_decodes_greedily_as_itself_and_transformers(family):
+    model = _model(family, FAMILIES[family])
+    target = CausalLM(model)  # the probe runs here: it raises on any call that differs from an uncached forward
+    assert target.recurrent
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
+    theirs = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=10, do_sample=False)[0, len(PROMPTS[0]):]
+    assert list(want[0])[: len(theirs)] == theirs.tolist() and len(theirs) >= 5
+    draft = draft_from_name("ngram", target)
+    for gamma in (1, 3):
+        assert speculative_generate(target, draft, PROMPTS, max_new_tokens=10, sampling=GREEDY, gamma=gamma).tokens == want
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_recurrent_families_transformers_does_not_cache_exactly_are_refused_in_one_line(family):
+    options, message = REFUSED[family]
+    with pytest.raises(ValueError, match=message):
+        CausalLM(_model(family, options))
+
+
+def test_trees_and_static_caches_are_refused_for_a_recurrent_target_and_its_draft_may_be_recurrent():
+    target = CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]))
+    llama = tiny_llama(64, seed=1, init_std=0.5)
+    with pytest.raises(ValueError, match="a draft tree's nodes are no sequence"):
+        speculative_generate(target, llama, PROMPTS, max_new_tokens=6, sampling=GREEDY, num_drafts=2, gamma=2,
+                             verifier="traversal")
+    assert "recurrent layers" in static_available(target, llama)
+    with pytest.raises(ValueError, match="static KV cache"):
+        target.static_form()
+    want = autoregressive_generate(llama, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
+    for options in (dict(gamma=4), dict(num_drafts=2, gamma=3, verifier="traversal"),
+                    dict(num_drafts=2, gamma=3, verifier="onehot", draft_law="dynamic")):  # the draft runs chains
+        assert speculative_generate(llama, target, PROMPTS, max_new_tokens=10, sampling=GREEDY, **options).tokens == want
+
+
+def test_a_recurrent_target_and_a_recurrent_draft_keep_the_targets_law():
+    qwen = CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]))
+    llama = tiny_llama(64, seed=1, init_std=0.5)
+    for target, draft in ((qwen, llama), (llama, qwen)):
+        result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
+                               max_new_tokens=4, num_samples=4_000, seed=0, batch_size=2_000)
+        assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, (type(target.model).__name__, result.p_value)
+
+
+def test_rows_selected_and_repeated_keep_their_states_and_records_stay_bounded():
+    model = _model("qwen3_5_text", FAMILIES["qwen3_5_text"])
+    lm = CausalLM(model)
+    prompts = [[5, 9, 3, 17], [0, 0, 7, 2], [0, 11, 4, 8]]
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]])
+    lm.prefill(torch.tensor(prompts), mask)
+    histories = [[t for t, m in zip(p, row) if m] for p, row in zip(prompts, mask.tolist())]
+    lm.score(torch.tensor([[30, 31, 32]] * 3))
+    lm.rollback([0, 2, 1])
+    histories = [h + [30, 31, 32][: 3 - n] for h, n in zip(histories, [0, 2, 1])]
+    lm.select_rows(torch.tensor([2, 0]))
+    lm.repeat_rows(2)  # rows 2, 2, 0, 0
+    rows = [histories[2], histories[2], histories[0], histories[0]]
+    after = lm.score(torch.tensor([[40], [41], [42], [43]]))[:, 0]
+    for i, (row, token) in enumerate(zip(rows, [40, 41, 42, 43])):
+        assert torch.allclose(after[i], _uncached(model, row + [token]), atol=1e-4), i
+    lm.prefill(torch.tensor([[5, 9]]), torch.ones(1, 2, dtype=torch.long))
+    for token in range(100):
+        lm.score(torch.tensor([[token % 60]]))
+    for layer in recurrent.recurrent_layers(lm._cache):
+        assert len(layer.recurrent_states_history[0]) <= recurrent.KEEP + 1
+        assert layer.conv_states[0].shape[-1] <= recurrent.KEEP + 1 + layer.conv_kernel_size[0]
+    with pytest.raises(ValueError, match="can undo the"):
+        lm.rollback(recurrent.KEEP + 2)
