@@ -40,6 +40,7 @@ predecessor codebook: the largest score difference.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -489,6 +490,64 @@ def peagle_compare(name: str, seed: int) -> dict:
     return row
 
 
+QWEN_MTP_CASES = ("qwen3_5_text", "qwen3_next")  # a dense Qwen3.5 and a Qwen3-Next with experts (models.families)
+
+
+def qwen_mtp_compare(model_type: str, seed: int) -> dict:
+    """A Qwen3.5 / Qwen3-Next checkpoint with one MTP layer (``models.families.tiny_qwen_mtp_checkpoint``, experts one
+    per tensor) read by speculators' ``MTPConverter`` (its own renaming and expert fusion) into its ``MTPDraftModel``,
+    whose training forward's first step at every slot (token x_{t+1} with the target's last state of slot t, the one
+    vLLM serves) against ``drafts.qwen_mtp`` as the engine drafts (prefill of the prompt up to x_{t+1}), both reading
+    the target's states of one prefill of the prompt. Its later steps attend to earlier slots' step outputs (teacher forcing), which drafting never computes:
+    not compared. The control swaps the checkpoint's two input norms: the total variation distance of the two laws."""
+    from safetensors.torch import load_file, save_file
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.convert.mtp.converter import MTPConverter
+    from speculators.models.mtp import MTPDraftModel, MTPSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    from specresearch.drafts.registry import draft_from_name
+    from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.families import tiny_qwen_mtp_checkpoint
+
+    prompt = torch.tensor([PROMPT])
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder) / model_type
+        tiny_qwen_mtp_checkpoint(directory, model_type, seed=seed)
+        target = CausalLM(str(directory), device="cpu", dtype=torch.float32)
+        model = target.model
+        verifier = VerifierConfig(name_or_path=str(directory), architectures=[type(model).__name__])
+        config = MTPSpeculatorConfig(transformer_layer_config=copy.deepcopy(model.config.get_text_config()),
+                                     speculators_config=SpeculatorsConfig(
+                                         algorithm="mtp", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=1)],
+                                         default_proposal_method="greedy", verifier=verifier))
+        theirs = MTPDraftModel(config).eval()
+        missing, _ = theirs.load_state_dict(MTPConverter().convert_to_state_dict(directory), strict=False)
+        with torch.no_grad():
+            theirs.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+            theirs.lm_head.weight.copy_(model.get_output_embeddings().weight)
+            _, states = target.prefill(prompt, torch.ones_like(prompt), hidden_layers=(model.config.num_hidden_layers,))
+            want = theirs(input_ids=prompt, hidden_states=states)[0][0][0].float().log_softmax(-1)  # step 0 [n - 2, V]
+        row = {"case": f"mtp_{model_type}", "kind": "qwen_mtp", "seed": seed, "slots": len(want),
+               "speculators_missing": sorted(k for k in missing if not k.startswith(("embed_tokens", "lm_head")))}
+        for control in (False, True):
+            if control:
+                tensors = load_file(directory / "model.safetensors")
+                a, b = "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"
+                tensors[a], tensors[b] = tensors[b], tensors[a]
+                save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+            draft, worst = draft_from_name("mtp", target), 0.0
+            for t in range(len(want)):  # both read the same target states (the target's own prefill)
+                ids = prompt[:, : t + 2]
+                draft.observe(torch.cat([torch.zeros_like(states[:, :1]), states[:, : t + 1]], 1))
+                ours = draft.prefill(ids, torch.ones_like(ids))[0].float().log_softmax(-1)
+                gap = (ours.exp() - want[t].exp()).abs().sum() / 2 if control else (ours - want[t]).abs().max()
+                worst = max(worst, float(gap))
+            row["control_total_variation" if control else "max_abs_logprob_difference"] = [worst]
+        row["control_dropped"] = "the two input norms swapped"
+    return row
+
+
 def _feature_layers(directory: Path) -> list[int]:
     config = json.loads((directory / "config.json").read_text())
     return config.get("eagle_aux_hidden_state_layer_ids") or [2, LAYERS // 2, LAYERS - 3]
@@ -499,8 +558,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/records/speculators_heads.json")
     parser.add_argument("--seeds", type=int, default=2, help="random heads per configuration")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest log-probability difference that agrees")
-    parser.add_argument("--only", choices=("eagle3", "dflash", "peagle"), help="one kind of draft (default: all)")
-    parser.add_argument("--case", action="append", help="only these cases (names in CASES / DFLASH_CASES / PEAGLE_CASES)")
+    parser.add_argument("--only", choices=("eagle3", "dflash", "peagle", "qwen_mtp"), help="one kind (default: all)")
+    parser.add_argument("--case", action="append", help="only these cases (names in CASES / DFLASH_CASES / PEAGLE_CASES / "
+                        "QWEN_MTP_CASES)")
     args = parser.parse_args(argv)
     for spec in PACKAGES:
         sys.path.insert(0, str(pypi_wheel(spec)))
@@ -510,7 +570,8 @@ def main(argv=None) -> int:
     rows = []
     cases = [(n, compare) for n in CASES if args.only in (None, "eagle3")] + [
         (n, dflash_compare) for n in DFLASH_CASES if args.only in (None, "dflash")] + [
-        (n, peagle_compare) for n in PEAGLE_CASES if args.only in (None, "peagle")]
+        (n, peagle_compare) for n in PEAGLE_CASES if args.only in (None, "peagle")] + [
+        (n, qwen_mtp_compare) for n in QWEN_MTP_CASES if args.only in (None, "qwen_mtp")]
     cases = [(n, run) for n, run in cases if not args.case or n in args.case]
     for name, run in cases:
         for seed in range(args.seeds):

@@ -108,6 +108,8 @@ def test_trees_and_static_caches_are_refused_for_a_recurrent_target_and_its_draf
     assert "recurrent layers" in static_available(target, llama)
     with pytest.raises(ValueError, match="static KV cache"):
         target.static_form()
+    # transformers' recurrent kernels compute in float32: a float64 model is probed at float32's tolerance, and taken
+    assert CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]).double()).recurrent
     want = autoregressive_generate(llama, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
     for options in (dict(gamma=4), dict(num_drafts=2, gamma=3, verifier="traversal"),
                     dict(num_drafts=2, gamma=3, verifier="onehot", draft_law="dynamic")):  # the draft runs chains

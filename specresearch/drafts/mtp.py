@@ -74,8 +74,9 @@ class MtpHead(torch.nn.Module):
 
     format = "MTP"
 
-    def __init__(self, target, mtp_model) -> None:
+    def __init__(self, target, mtp_model, *, layer_count: int | None = None, format: str = "MTP") -> None:
         super().__init__()
+        self.format = format
         text = target.config.get_text_config()
         self.layers = torch.nn.ModuleList([mtp_model.layers[0]])
         self.shared_post_norm = mtp_model.shared_post_norm if mtp_model.use_shared_post_norm else None
@@ -83,7 +84,7 @@ class MtpHead(torch.nn.Module):
         self.hidden_size = self.feature_size = int(text.hidden_size)
         self.feature_layers = (int(text.num_hidden_layers),)
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
-        self.layer_count = len(mtp_model.layers)
+        self.layer_count = layer_count or len(mtp_model.layers)
         kind = (getattr(self.config, "layer_types", None) or ["full_attention"])[0]
         if kind not in ("full_attention", "sliding_attention"):
             raise ValueError(f"{type(target).__name__}'s MTP layer is of type {kind!r}: only attention layers "
@@ -105,7 +106,8 @@ class MtpHead(torch.nn.Module):
         return features
 
     def raw_input_layers(self) -> list[torch.nn.Module]:
-        return [self.layers[0].eh_proj]
+        layer = self.layers[0]
+        return [layer.eh_proj if hasattr(layer, "eh_proj") else layer.fc]  # transformers' MtpLayer, QwenMtpLayer
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's outputs ``[..., H]`` -> the target's head on them ``[..., V]`` float32 (``MtpModel``'s scaling
@@ -157,15 +159,21 @@ def load_mtp(target_lm, directory: str | os.PathLike | None = None, *, device=No
     """
     from transformers.modeling_layers import MtpModel
 
+    from specresearch.drafts.qwen_mtp import load_qwen_mtp, qwen_mtp_layer_count
+
     model = target_lm.model
-    if mtp_layer_count(model) == 0:
+    if mtp_layer_count(model) == 0 and qwen_mtp_layer_count(model) == 0:
         raise ValueError(f"{type(model).__name__} has no MTP layers: its config sets no num_nextn_predict_layers "
-                         "(num_mtp_layers)")
+                         "(num_mtp_layers) or, for Qwen3.5 / Qwen3-Next, mtp_num_hidden_layers")
     source = str(directory) if directory is not None else str(model.config.name_or_path or "")
     if not source or (directory is not None and not Path(source).is_dir()):
         raise ValueError(f"MTP layers are read from the target's checkpoint, and {source!r} is no checkpoint directory: "
                          "load the target from its directory (or hub id) or pass directory=")
     device = torch.device(device if device is not None else target_lm.device)
+    if qwen_mtp_layer_count(model):  # Qwen3.5 / Qwen3-Next: mtp.* beside the model's tensors, no transformers model
+        layer = load_qwen_mtp(target_lm, source)
+        head = MtpHead(model, layer, layer_count=layer.count, format="Qwen MTP")
+        return MtpDraft(head, max_context=target_lm.max_context, device=device)
     saved, model.config.name_or_path = model.config.name_or_path, source
     try:
         mtp_model = MtpModel.from_pretrained(model, device_map={"": device})

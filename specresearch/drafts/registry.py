@@ -142,7 +142,8 @@ EAGLE3_SPECULATORS_FORMAT = ("EAGLE-3 head (the vllm-project/speculators layout:
 PEAGLE_FORMAT = ("P-EAGLE head (the vllm-project/speculators layout: speculators_model_type peagle, mask_token_id, "
                  "an EAGLE-3 head's tensors, mask_hidden, embed_tokens)")
 EAGLE1_FORMAT = "EAGLE-1/2 head (the SafeAILab/EAGLE layout: fc, layers.*; the target's head reads it)"
-MTP_FORMAT = "MTP layers in the target's own checkpoint (num_nextn_predict_layers; --draft mtp reads them)"
+MTP_FORMAT = ("MTP layers in the target's own checkpoint (num_nextn_predict_layers, or Qwen3.5 / Qwen3-Next's "
+              "mtp_num_hidden_layers and mtp.*; --draft mtp reads them)")
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
 DFLASH_FORMAT = ("DFlash block drafter (z-lab's layout: dflash_config, fc, hidden_norm, layers.*; transformers' "
                  "muse_glimmer_assistant; or speculators' dflash / dspark / dflash2 / xpress)")

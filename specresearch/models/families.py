@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair",
-           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair", "word_tokenizer", "tiny_usd_pair"]
+           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "QWEN_MTP_CONFIGS", "tiny_qwen_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair", "word_tokenizer", "tiny_usd_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -210,6 +210,52 @@ def tiny_mtp_checkpoint(directory, layout: str, *, seed: int = 0) -> None:
         if key in config:
             config[key] = config[key][:L]
     (directory / "config.json").write_text(json.dumps(config))
+
+
+_LINEAR = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               mtp_num_hidden_layers=1)
+# model_type -> config settings of a tiny Qwen3.5 (dense) / Qwen3-Next (experts) with one MTP layer (drafts.qwen_mtp)
+QWEN_MTP_CONFIGS = {"qwen3_5_text": _LINEAR,
+                    "qwen3_next": dict(_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=16)}
+
+
+def tiny_qwen_mtp_checkpoint(directory, model_type: str, *, seed: int = 0) -> dict:
+    """Write to ``directory`` a random-weight Qwen3.5 / Qwen3-Next checkpoint (``QWEN_MTP_CONFIGS``) with one MTP layer
+    as their checkpoints carry it (``drafts.qwen_mtp``: ``mtp.fc``, its norms and ``mtp.layers.0.*``, experts one per
+    tensor); returns the ``mtp.*`` tensors. Reproducible from ``seed``."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **QWEN_MTP_CONFIGS[model_type]))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    g = torch.Generator().manual_seed(seed + 1)
+    draw = lambda *shape: 0.3 * torch.randn(shape, generator=g)  # noqa: E731
+    H, extras = model.config.hidden_size, {}
+    for name, value in model.model.layers[3].state_dict().items():  # a full-attention layer's shapes
+        if name == "mlp.experts.gate_up_proj":  # saved one per expert, gate and up apart
+            for e in range(value.shape[0]):
+                for part in ("gate", "up"):
+                    extras[f"mtp.layers.0.mlp.experts.{e}.{part}_proj.weight"] = draw(value.shape[1] // 2, H)
+        elif name == "mlp.experts.down_proj":
+            for e in range(value.shape[0]):
+                extras[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = draw(*value.shape[1:])
+        else:
+            extras[f"mtp.layers.0.{name}"] = draw(*value.shape)
+    extras |= {"mtp.fc.weight": draw(H, 2 * H), "mtp.norm.weight": draw(H), "mtp.pre_fc_norm_embedding.weight": draw(H),
+               "mtp.pre_fc_norm_hidden.weight": draw(H)}
+    save_file(load_file(directory / "model.safetensors") | extras, directory / "model.safetensors", metadata={"format": "pt"})
+    return extras
 
 
 def tiny_gemma4_pair(*, seed: int = 0, init_std: float = 0.3, num_assistant_tokens: int = 2):
