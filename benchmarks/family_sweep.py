@@ -1,6 +1,6 @@
 """Every causal-LM type transformers builds, tiny and random, through ``CausalLM``: does its cache score a draft tree
-(chains, for a model with recurrent layers: ``models.recurrent``) as uncached forwards do, and does the wrapper take
-it or refuse it?
+(and chains, for a model with recurrent layers: ``models.recurrent``) as uncached forwards do, and does the wrapper
+take it or refuse it?
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
 defaults made tiny (the sizes below, where the config has them; eager attention, float32, seeded), or "not built"
@@ -8,8 +8,8 @@ where that config does not build or run an uncached forward (a tiny size it reje
 
 * ``unprobed``: the model behind ``CausalLM(..., probe=False)``, two left-padded rows, 4 draft trees of 6 nodes
   (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
-  each node's logits against an uncached forward of its path (a recurrent model: 4 calls of 4 tokens and 3 of one,
-  with rollbacks of different counts per row, each token's logits against an uncached forward of its history):
+  each node's logits against an uncached forward of its path (a recurrent model first: 4 calls of 4 tokens and 3 of
+  one, with rollbacks of different counts per row, each token's logits against an uncached forward of its history):
   "exact" (max |difference| below 1e-3), "different"
   (the worst difference) or "fails" (the error);
 * ``wrapper``: what ``CausalLM(model)`` does with its defaults, the probe included (``models.probe``): "taken" or
@@ -91,8 +91,10 @@ def unprobed(kind: str) -> tuple[str, str]:
         lm = CausalLM(model, device="cpu", probe=False)
     except ValueError as error:
         return "refused", " ".join(str(error).split())[:300]
-    if lm.recurrent:
-        return _chains(lm, reference)
+    if lm.recurrent:  # its trees are scored path by path (models.recurrent): chains first, then the trees below
+        status, detail = _chains(lm, reference)
+        if status != "exact":
+            return status, detail
     parents = [-1, 0, 1, 0, 3, 2]
     visible = torch.eye(6, dtype=torch.bool)
     for i, parent in enumerate(parents):

@@ -7,9 +7,10 @@
   logits against an uncached forward), greedy speculative decoding gives the autoregressive tokens, and those are
   transformers' own ``generate``'s.
 * Refused in one line: Mamba (v1) and Kimi Linear (their mixers multiply the whole 2-D mask into a call's tokens),
-  Zamba2 (its cached calls differ from its forward), draft trees and the static form of a recurrent target.
-* T = 1: a Qwen3.5 target with a Llama draft, and a Llama target with a Qwen3.5 draft, keep the target's law (exact
-  Bonferroni test, false-positive rate <= 1e-6 each).
+  Zamba2 (its cached calls differ from its forward), the static form of a recurrent target. Its draft trees run one
+  row per path, giving its greedy tokens (sampled and dynamic trees).
+* T = 1: a Qwen3.5 target with a Llama draft (chains and K = 2 traversal trees), and a Llama target with a Qwen3.5
+  draft, keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6 each).
 * Rows: after ``select_rows`` / ``repeat_rows`` each row's next logits are an uncached forward's; the records stay
   bounded on a long run without rollbacks.
 """
@@ -48,10 +49,10 @@ FAMILIES = {
 }
 REFUSED = {
     "mamba": (dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
-              "fails CausalLM's probe of cached chains"),
+              "fails CausalLM's probe of a cached draft tree and chains"),
     "kimi_linear": (dict(**SMALL, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                          layer_types=["linear_attention", "full_attention"] * 2, linear_head_dim=8, linear_num_heads=4,
-                         mlp_layer_types=["dense"] * 4), "fails CausalLM's probe of cached chains"),
+                         mlp_layer_types=["dense"] * 4), "fails CausalLM's probe of a cached draft tree and chains"),
     "zamba2": (dict(**SMALL, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2, mamba_headdim=8,
                     mamba_ngroups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, hybrid_layer_ids=[1, 3],
                     num_mem_blocks=1, attention_hidden_size=64, attention_head_dim=16),
@@ -99,12 +100,13 @@ def test_recurrent_families_transformers_does_not_cache_exactly_are_refused_in_o
         CausalLM(_model(family, options))
 
 
-def test_trees_and_static_caches_are_refused_for_a_recurrent_target_and_its_draft_may_be_recurrent():
+def test_trees_run_path_by_path_static_caches_are_refused_and_a_draft_may_be_recurrent():
     target = CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]))
     llama = tiny_llama(64, seed=1, init_std=0.5)
-    with pytest.raises(ValueError, match="a draft tree's nodes are no sequence"):
-        speculative_generate(target, llama, PROMPTS, max_new_tokens=6, sampling=GREEDY, num_drafts=2, gamma=2,
-                             verifier="traversal")
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
+    for options in (dict(num_drafts=3, gamma=3, verifier="traversal"),
+                    dict(num_drafts=2, gamma=3, verifier="onehot", draft_law="dynamic")):  # the target: one row a path
+        assert speculative_generate(target, llama, PROMPTS, max_new_tokens=10, sampling=GREEDY, **options).tokens == want
     assert "recurrent layers" in static_available(target, llama)
     with pytest.raises(ValueError, match="static KV cache"):
         target.static_form()
@@ -119,9 +121,9 @@ def test_trees_and_static_caches_are_refused_for_a_recurrent_target_and_its_draf
 def test_a_recurrent_target_and_a_recurrent_draft_keep_the_targets_law():
     qwen = CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]))
     llama = tiny_llama(64, seed=1, init_std=0.5)
-    for target, draft in ((qwen, llama), (llama, qwen)):
-        result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
-                               max_new_tokens=4, num_samples=4_000, seed=0, batch_size=2_000)
+    for target, draft, rule, trees in ((qwen, llama, "block", 1), (llama, qwen, "block", 1), (qwen, llama, "traversal", 2)):
+        result = lossless_test(target, draft, rule, [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
+                               max_new_tokens=4, num_samples=4_000, seed=0, batch_size=2_000, num_drafts=trees)
         assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, (type(target.model).__name__, result.p_value)
 
 

@@ -392,10 +392,9 @@ class CausalLM:
 
     def begin_tree(self) -> None:
         """Start scoring a tree: the slots of the following :meth:`score_tree` calls form one region."""
-        if self.recurrent:
-            raise ValueError(f"{type(self.model).__name__} has recurrent layers (models.recurrent), which read every "
-                             "earlier token in order, and a draft tree's nodes are no sequence: draft chains "
-                             "(num_drafts=1, an iid or chain draft law)")
+        if self.recurrent:  # each path scored as a chain (models.recurrent.score_tree_as_paths)
+            self.tree_paths = None
+            return
         self._slots.begin_tree()
 
     def score_tree(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, hidden_layers: Sequence[int] | None = None):
@@ -403,6 +402,8 @@ class CausalLM:
         + ``depth[b, i]`` and attends to every valid slot before the tree and to the region slots and new nodes
         marked in ``visible [B, k, r + k]`` (its ancestors and itself). Returns logits ``[B, k, V]`` (and hidden
         states with ``hidden_layers``), each equal to an uncached forward of the node's path (tests/test_tree.py)."""
+        if self.recurrent:
+            return states.score_tree_as_paths(self, tokens, depth, visible, hidden_layers)
         positions, mask = self._slots.append_tree(visible.to(self.device), depth.to(self.device))
         logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers, visible=mask)
         return logits if hidden_layers is None else (logits, hidden)
@@ -410,6 +411,9 @@ class CausalLM:
     def end_tree(self, kept: torch.Tensor) -> None:
         """Keep the tree slots where ``kept [B, r]`` (the accepted path); crop the slots no row keeps, and pack the
         cache when dead slots make up a quarter of it (``SlotMask.compaction``)."""
+        if self.recurrent:
+            states.end_tree_as_paths(self, kept)
+            return
         dropped = self._slots.end_tree(kept.to(self.device))
         if dropped:
             self._cache.crop(-dropped)

@@ -17,9 +17,9 @@ is refused in one line. The prompt is 3 tokens, and as long again as a sliding w
 ``MAX_WINDOW``), so that a window the model applies itself, over slots rather than positions, beside the masks'
 (Moshi's) shows. It costs 4 cached calls and 28 uncached forwards of the prompt and up to 8 more tokens, once per
 ``CausalLM``; ``probe=False`` skips it. A model with recurrent layers (``models.recurrent``), which runs chains only,
-is probed with chains instead: two calls of 4 tokens, each followed by rollbacks of different counts per row (the
-second undoing one row's whole call), three calls of one token rolled back across them (a draft's pattern), then
-the token after them, at float32's tolerance whatever its dtype: transformers' recurrent kernels compute in float32,
+is probed with chains as well (its trees are scored path by path): after the trees, two calls of 4 tokens, each
+followed by rollbacks of different counts per row (the second undoing one row's whole call), three calls of one token
+rolled back across them (a draft's pattern), then the token after them, at float32's tolerance whatever its dtype: transformers' recurrent kernels compute in float32,
 and an uncached forward runs a chunked form of the recurrence that a float64 Qwen3.5 put 1.7e-4 away from its own
 one-token decoding, which the wrapper's calls match to 1e-6.
 """
@@ -62,7 +62,7 @@ def check_cached_tree(lm) -> None:
         padded = torch.tensor([histories[0], [0, 0, *histories[1]]], device=device)
         logits = lm.prefill(padded, torch.tensor([[1] * length, [0, 0] + [1] * (length - 2)], device=device))
         calls += [("the prompt", logits[row], histories[row]) for row in range(2)]
-        for step in range(2 if not lm.recurrent else 0):
+        for step in range(2):
             nodes = [[ids[length + 6 * step + i] for i in range(6)]] * 2
             lm.begin_tree()
             tree = lm.score_tree(torch.tensor(nodes, device=device), torch.tensor([TREE_DEPTHS] * 2),
@@ -86,7 +86,7 @@ def check_cached_tree(lm) -> None:
                 worst, where = gap, what
     except Exception as error:  # noqa: BLE001 -- a family's own failure, reported in one line
         detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-        what = "cached chains" if lm.recurrent else "a cached draft tree"
+        what = "a cached draft tree and chains" if lm.recurrent else "a cached draft tree"
         raise ValueError(f"{name} fails CausalLM's probe of {what} ({detail}): a family the matrices "
                          "do not check (models.probe); use a model of another family") from error
     tolerance = TOLERANCE.get(model.dtype, LOW_PRECISION_TOLERANCE)

@@ -18,9 +18,12 @@ verification (the draft's ``gamma - 1`` one-token calls and the target's scoring
 :data:`KEEP` tokens before each call (:func:`trim`), so a loop that never rolls back holds a bounded history.
 :func:`select_rows` / :func:`repeat_rows` carry the records with the rows.
 
-What this does not give: a draft tree's nodes are not one sequence, and a recurrent layer reads every earlier token
-in order, so ``CausalLM`` refuses tree calls on such a model (chains only), its static form (the captured steps'
-static caches hold no recurrent state), and recurrent layers beside sliding-window ones (``models.attention``).
+A draft tree's nodes are not one sequence, and a recurrent layer reads every earlier token in order, so a tree call
+on such a model (:func:`score_tree_as_paths`) scores each root-to-leaf path as a chain, one row per path (the cache
+repeated: memory and compute times the number of paths), each node's logits read off a path through it, and the
+tree's end (:func:`end_tree_as_paths`) keeps a path holding the accepted nodes and rolls the rest back. ``CausalLM``
+refuses its static form (the captured steps' static caches hold no recurrent state) and recurrent layers beside
+sliding-window ones (``models.attention``).
 Padding reaches a recurrent layer as the 2-D mask of the call's tokens, which zeroes a left-padded prompt's pad
 inputs (transformers' ``apply_mask_to_padding_states``), so a row's state starts at zero where its tokens start.
 """
@@ -31,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["RECURRENT_TYPES", "KEEP", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
-           "trim", "select_rows", "repeat_rows", "set_length"]
+           "trim", "select_rows", "repeat_rows", "set_length", "tree_paths", "score_tree_as_paths", "end_tree_as_paths"]
 
 RECURRENT_TYPES = ("linear_attention", "hybrid", "conv")  # transformers' layer types whose cache holds recurrent state
 KEEP = 64  # tokens of records kept: the most one rollback may undo
@@ -136,3 +139,59 @@ def set_length(cache, length: int) -> None:
     """The recurrent layers' token count (what the cache reports as its length) set to ``length`` slots."""
     for layer in recurrent_layers(cache):
         layer.cumulative_length_linear = torch.full_like(torch.as_tensor(layer.cumulative_length_linear), length)
+
+
+def tree_paths(depth: torch.Tensor, visible: torch.Tensor) -> list[list[list[int]]]:
+    """Each row's root-to-leaf paths of a tree call (``visible [B, 1+n, 1+n]``: each call row sees itself and its
+    ancestors; ``depth [B, 1+n]``), as call-row indices in depth order: a leaf is a row no other row sees."""
+    visible, depth = visible.cpu(), depth.cpu().tolist()
+    paths = []
+    for b, seen in enumerate(visible):
+        leaves = (seen.sum(0) == 1).nonzero().flatten().tolist()  # seen by itself only
+        paths.append([sorted(seen[i].nonzero().flatten().tolist(), key=lambda j: depth[b][j]) for i in leaves])
+    return paths
+
+
+def score_tree_as_paths(lm, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, hidden_layers=None):
+    """A tree call of a model with recurrent layers (``lm``: a ``CausalLM``): each row becomes one row per root-to-leaf
+    path (``lm.repeat_rows``), each path scored as a chain (shorter paths padded at their end), and each node's logits
+    (and hidden states) read off a path through it. The rows stay expanded until :func:`end_tree_as_paths`."""
+    paths = tree_paths(depth, visible)
+    count, length = max(map(len, paths)), max(len(p) for row in paths for p in row)
+    paths = [row + [row[0]] * (count - len(row)) for row in paths]  # a row with fewer paths repeats its first
+    rows = [p for row in paths for p in row]
+    index = torch.tensor([p + [0] * (length - len(p)) for p in rows], device=tokens.device)  # [B P, L]
+    valid = torch.tensor([[True] * len(p) + [False] * (length - len(p)) for p in rows], device=lm.device)
+    lm.repeat_rows(count)
+    out = lm.score(tokens.repeat_interleave(count, 0).gather(1, index), valid, hidden_layers=hidden_layers)
+    logits, hidden = out if hidden_layers is not None else (out, None)
+    where = []  # each node's (expanded row, place on its path)
+    for b, row in enumerate(paths):
+        first = {}
+        for p, path in enumerate(row):
+            for place, node in enumerate(path):
+                first.setdefault(node, (b * count + p, place))
+        where.append([first.get(i, first[0]) for i in range(tokens.shape[1])])
+    at = torch.tensor(where, device=logits.device)  # [B, 1+n, 2]
+    lm.tree_paths = (paths, count, length)
+    pick = lambda x: x[at[..., 0], at[..., 1]]  # noqa: E731
+    return pick(logits) if hidden is None else (pick(logits), pick(hidden.to(logits.device)))
+
+
+def end_tree_as_paths(lm, kept: torch.Tensor) -> None:
+    """Keep, for each row, a path holding the nodes ``kept [B, 1+n]`` marks (the accepted path's prefix from the root)
+    and its first ``len(kept nodes)`` slots: ``lm.select_rows`` then a rollback of the rest."""
+    if getattr(lm, "tree_paths", None) is None:
+        raise ValueError("end_tree called without a tree call (score_tree) before it")
+    paths, count, length = lm.tree_paths
+    lm.tree_paths = None
+    chosen, drops = [], []
+    for b, marks in enumerate(kept.cpu().tolist()):
+        nodes = {i for i, mark in enumerate(marks) if mark}
+        p = next((p for p, path in enumerate(paths[b]) if nodes <= set(path)), None)
+        if p is None or set(paths[b][p][: len(nodes)]) != nodes:
+            raise ValueError(f"row {b} keeps tree nodes {sorted(nodes)}, which are not a path from the root")
+        chosen.append(b * count + p)
+        drops.append(length - len(nodes))
+    lm.select_rows(torch.tensor(chosen, device=lm.device))
+    lm.rollback(drops)
