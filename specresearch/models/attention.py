@@ -82,7 +82,7 @@ class AttentionLayout:
 
     kernel: str
     windows: tuple[tuple[str, int | None], ...]  # ((layer type, window or None), ...) in order of first use
-    recurrent: bool = False  # some layers keep recurrent state (models.recurrent): chains only, the 2-D mask
+    recurrent: bool = False  # some layers keep recurrent state (models.recurrent): they read the 2-D mask
 
     @property
     def windowed(self) -> bool:

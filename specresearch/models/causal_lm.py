@@ -258,7 +258,8 @@ class CausalLM:
             ``sdpa`` with a warning (:func:`~specresearch.models.attention.exact_kernel`); ``False``: refused instead
             (the caller's model stays as it is), as a float64 model's grouped experts are (:func:`experts_in_float64`).
             A model with layers it cannot mask (chunked attention, KV sharing) is refused either way; one with
-            recurrent layers (:mod:`specresearch.models.recurrent`: linear attention, state spaces) runs chains.
+            recurrent layers (:mod:`specresearch.models.recurrent`: linear attention, state spaces) rolls them back
+            per row and scores a draft tree path by path.
         fuse_projections: compute each layer's query / key / value projections, and its MLP's gate / up pair, as one
             matrix product (:mod:`specresearch.models.fused`: fewer kernels a step on a GPU, fewer products and Python
             calls on the CPU, the same weights). ``None``: fused wherever the model is whole (not split). Fusing
@@ -307,7 +308,7 @@ class CausalLM:
         self._cache_argument = cache_argument(self.model)  # refuses a model that keeps no cache
         positions_from_masks(self.model)  # Bloom's ALiBi, GPT-Neo's local windows: from the masks, not the slots
         self._attention = attention_layout(self.model)
-        self.recurrent = self._attention.recurrent  # recurrent layers: chains only (models.recurrent)
+        self.recurrent = self._attention.recurrent  # recurrent layers (models.recurrent): trees path by path
         whole = self.placement is None
         if fuse_projections and not whole:
             raise ValueError(f"fuse_projections=True lays weights end to end, which a split model ({self.placement}) "

@@ -16,12 +16,12 @@ forward of the same tokens through the same model. A model that differs by more 
 is refused in one line. The prompt is 3 tokens, and as long again as a sliding window its config names (up to
 ``MAX_WINDOW``), so that a window the model applies itself, over slots rather than positions, beside the masks'
 (Moshi's) shows. It costs 4 cached calls and 28 uncached forwards of the prompt and up to 8 more tokens, once per
-``CausalLM``; ``probe=False`` skips it. A model with recurrent layers (``models.recurrent``), which runs chains only,
-is probed with chains as well (its trees are scored path by path): after the trees, two calls of 4 tokens, each
-followed by rollbacks of different counts per row (the second undoing one row's whole call), three calls of one token
-rolled back across them (a draft's pattern), then the token after them, at float32's tolerance whatever its dtype: transformers' recurrent kernels compute in float32,
-and an uncached forward runs a chunked form of the recurrence that a float64 Qwen3.5 put 1.7e-4 away from its own
-one-token decoding, which the wrapper's calls match to 1e-6.
+``CausalLM``; ``probe=False`` skips it. A model with recurrent layers (``models.recurrent``), whose trees are scored
+path by path, is probed with chains as well: after the trees, two calls of 4 tokens, each followed by rollbacks of
+different counts per row (the second undoing one row's whole call), three calls of one token rolled back across them
+(a draft's pattern), then the token after them, at float32's tolerance whatever its dtype: transformers' recurrent
+kernels compute in float32, and an uncached forward runs a chunked form of the recurrence that a float64 Qwen3.5 put
+1.7e-4 away from its own one-token decoding, which the wrapper's calls match to 1e-6.
 """
 
 from __future__ import annotations
