@@ -25,28 +25,10 @@ from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
 from specresearch.models import recurrent
 from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import RECURRENT_FAMILIES, tiny_recurrent_model
 from specresearch.models.toy import tiny_llama
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
-MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
-FAMILIES = {
-    "qwen3_5_text": dict(**SMALL, **LINEAR, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"]),
-    "qwen3_next": dict(**SMALL, **LINEAR, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
-    "mamba2": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, state_size=8, n_groups=1,
-                   expand=2, conv_kernel=4),
-    "jamba": dict(**SMALL, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                  expert_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4),
-    "bamba": dict(**SMALL, **MAMBA, num_hidden_layers=4, attn_layer_indices=[1, 3]),
-    "falcon_h1": dict(**SMALL, **MAMBA, num_hidden_layers=2, mamba_d_ssm=64),
-    "granitemoehybrid": dict(**SMALL, **MAMBA, num_hidden_layers=4, layer_types=["mamba", "attention"] * 2,
-                             num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=16),
-    "nemotron_h": dict(**SMALL, num_hidden_layers=4, layers_block_type=["mamba", "attention", "mamba", "mlp"],
-                       mamba_num_heads=8, mamba_head_dim=8, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2),
-    "olmo_hybrid": dict(**SMALL, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "lfm2": dict(**SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
-}
 REFUSED = {
     "mamba": (dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
               "fails CausalLM's probe of a cached draft tree and chains"),
@@ -62,27 +44,14 @@ GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[5, 9, 3, 17, 22, 8], [7, 2, 11]]
 
 
-def _model(model_type: str, options: dict, seed: int = 0):
-    """A transformers model of ``model_type`` from ``options``, its matrices drawn N(0, 0.5^2) (seeded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **options)).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0, 0.5)
-    return model
-
-
 def _uncached(model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 def test_a_recurrent_family_passes_the_chain_probe_and_decodes_greedily_as_itself_and_transformers(family):
-    model = _model(family, FAMILIES[family])
+    model = tiny_recurrent_model(family)
     target = CausalLM(model)  # the probe runs here: it raises on any call that differs from an uncached forward
     assert target.recurrent
     want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
@@ -97,11 +66,11 @@ def test_a_recurrent_family_passes_the_chain_probe_and_decodes_greedily_as_itsel
 def test_recurrent_families_transformers_does_not_cache_exactly_are_refused_in_one_line(family):
     options, message = REFUSED[family]
     with pytest.raises(ValueError, match=message):
-        CausalLM(_model(family, options))
+        CausalLM(tiny_recurrent_model(family, options))
 
 
 def test_trees_run_path_by_path_static_caches_are_refused_and_a_draft_may_be_recurrent():
-    target = CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]))
+    target = CausalLM(tiny_recurrent_model("qwen3_5_text"))
     llama = tiny_llama(64, seed=1, init_std=0.5)
     want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
     for options in (dict(num_drafts=3, gamma=3, verifier="traversal"),
@@ -111,7 +80,7 @@ def test_trees_run_path_by_path_static_caches_are_refused_and_a_draft_may_be_rec
     with pytest.raises(ValueError, match="static KV cache"):
         target.static_form()
     # transformers' recurrent kernels compute in float32: a float64 model is probed at float32's tolerance, and taken
-    assert CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]).double()).recurrent
+    assert CausalLM(tiny_recurrent_model("qwen3_5_text").double()).recurrent
     want = autoregressive_generate(llama, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
     for options in (dict(gamma=4), dict(num_drafts=2, gamma=3, verifier="traversal"),
                     dict(num_drafts=2, gamma=3, verifier="onehot", draft_law="dynamic")):  # the draft runs chains
@@ -119,7 +88,7 @@ def test_trees_run_path_by_path_static_caches_are_refused_and_a_draft_may_be_rec
 
 
 def test_a_recurrent_target_and_a_recurrent_draft_keep_the_targets_law():
-    qwen = CausalLM(_model("qwen3_5_text", FAMILIES["qwen3_5_text"]))
+    qwen = CausalLM(tiny_recurrent_model("qwen3_5_text"))
     llama = tiny_llama(64, seed=1, init_std=0.5)
     for target, draft, rule, trees in ((qwen, llama, "block", 1), (llama, qwen, "block", 1), (qwen, llama, "traversal", 2)):
         result = lossless_test(target, draft, rule, [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
@@ -128,7 +97,7 @@ def test_a_recurrent_target_and_a_recurrent_draft_keep_the_targets_law():
 
 
 def test_rows_selected_and_repeated_keep_their_states_and_records_stay_bounded():
-    model = _model("qwen3_5_text", FAMILIES["qwen3_5_text"])
+    model = tiny_recurrent_model("qwen3_5_text")
     lm = CausalLM(model)
     prompts = [[5, 9, 3, 17], [0, 0, 7, 2], [0, 11, 4, 8]]
     mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]])

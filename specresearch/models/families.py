@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair",
-           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "QWEN_MTP_CONFIGS", "tiny_qwen_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair", "word_tokenizer", "tiny_usd_pair"]
+           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "RECURRENT_FAMILIES", "tiny_recurrent_model", "QWEN_MTP_CONFIGS",
+           "tiny_qwen_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair", "word_tokenizer", "tiny_usd_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
 _SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -212,14 +213,46 @@ def tiny_mtp_checkpoint(directory, layout: str, *, seed: int = 0) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
-_LINEAR = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=8, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-               mtp_num_hidden_layers=1)
+_RECURRENT_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8)
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+# transformers model_type -> config settings of a tiny model with recurrent layers (models.recurrent; tests/test_recurrent.py)
+RECURRENT_FAMILIES = {
+    "qwen3_5_text": dict(**_RECURRENT_SMALL, **_LINEAR),
+    "qwen3_next": dict(**_RECURRENT_SMALL, **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16),
+    "mamba2": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, state_size=8, n_groups=1,
+                   expand=2, conv_kernel=4),
+    "jamba": dict(**_RECURRENT_SMALL, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4),
+    "bamba": dict(**_RECURRENT_SMALL, **_MAMBA, num_hidden_layers=4, attn_layer_indices=[1, 3]),
+    "falcon_h1": dict(**_RECURRENT_SMALL, **_MAMBA, num_hidden_layers=2, mamba_d_ssm=64),
+    "granitemoehybrid": dict(**_RECURRENT_SMALL, **_MAMBA, num_hidden_layers=4, layer_types=["mamba", "attention"] * 2,
+                             num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=16),
+    "nemotron_h": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                       mamba_num_heads=8, mamba_head_dim=8, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2),
+    "olmo_hybrid": dict(**_RECURRENT_SMALL, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "lfm2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+}
 # model_type -> config settings of a tiny Qwen3.5 (dense) / Qwen3-Next (experts) with one MTP layer (drafts.qwen_mtp)
-QWEN_MTP_CONFIGS = {"qwen3_5_text": _LINEAR,
-                    "qwen3_next": dict(_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                       shared_expert_intermediate_size=16)}
+QWEN_MTP_CONFIGS = {kind: dict(RECURRENT_FAMILIES[kind], mtp_num_hidden_layers=1) for kind in ("qwen3_5_text", "qwen3_next")}
+
+
+def tiny_recurrent_model(model_type: str, options: dict | None = None, *, seed: int = 0):
+    """A transformers model of ``model_type`` from ``options`` (default ``RECURRENT_FAMILIES[model_type]``), float32 on
+    the CPU, its matrices drawn N(0, 0.5^2) (reproducible from ``seed``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **(RECURRENT_FAMILIES[model_type] if options is None else options))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.5)
+    return model
 
 
 def tiny_qwen_mtp_checkpoint(directory, model_type: str, *, seed: int = 0) -> dict:
@@ -229,15 +262,9 @@ def tiny_qwen_mtp_checkpoint(directory, model_type: str, *, seed: int = 0) -> di
     from pathlib import Path
 
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **QWEN_MTP_CONFIGS[model_type]))
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0, 0.5)
+    model = tiny_recurrent_model(model_type, QWEN_MTP_CONFIGS[model_type], seed=seed)
     model.save_pretrained(directory)
     g = torch.Generator().manual_seed(seed + 1)
     draw = lambda *shape: 0.3 * torch.randn(shape, generator=g)  # noqa: E731
