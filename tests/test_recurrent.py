@@ -1,14 +1,16 @@
 """Targets and drafts with recurrent layers (``models.recurrent``): linear attention, state spaces, short convolutions.
 
-* Families (tiny, random weights): Qwen3.5 (Gated DeltaNet beside gated attention), Qwen3-Next, Mamba-2, Jamba (whose
-  scan overwrites the cached state before transformers records it), Bamba, Falcon-H1 (attention and a state space in
-  one layer), Granite-4 hybrid, Nemotron-H (MLP-only layers), OLMo-hybrid, LFM2 (short convolutions): ``CausalLM``'s
-  chain probe passes at construction (uneven per-row rollbacks within a call and across one-token calls, each call's
-  logits against an uncached forward), greedy speculative decoding gives the autoregressive tokens, and those are
-  transformers' own ``generate``'s.
-* Refused in one line: Mamba (v1) and Kimi Linear (their mixers multiply the whole 2-D mask into a call's tokens),
-  Zamba2 (its cached calls differ from its forward), the static form of a recurrent target. Its draft trees run one
-  row per path, giving its greedy tokens (sampled and dynamic trees).
+* Families (tiny, random weights): Qwen3.5 (Gated DeltaNet beside gated attention), Qwen3-Next, Mamba and
+  Falcon-Mamba (no attention layer: they take the call's columns of the 2-D mask), Mamba-2, Jamba (whose scan
+  overwrites the cached state before transformers records it), Bamba, Falcon-H1 (attention and a state space in
+  one layer), Granite-4 hybrid, Nemotron-H (MLP-only layers), OLMo-hybrid, Kimi Linear (latent attention beside
+  Kimi Delta Attention), LFM2 (short convolutions): ``CausalLM``'s chain probe passes at construction (uneven per-row
+  rollbacks within a call and across one-token calls, each call's logits against an uncached forward), greedy
+  speculative decoding gives the autoregressive tokens, and those are transformers' own ``generate``'s.
+* A call of more than KEEP tokens after a cached state goes in pieces: Mamba's and Jamba's kernels scan the rest of a
+  longer call from a zero state.
+* Refused in one line: Zamba2 (its cached calls differ from its forward), the static form of a recurrent target.
+* Its draft trees run one row per path, giving its greedy tokens (sampled and dynamic trees).
 * T = 1: a Qwen3.5 target with a Llama draft (chains and K = 2 traversal trees), and a Llama target with a Qwen3.5
   draft, keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6 each).
 * Rows: after ``select_rows`` / ``repeat_rows`` each row's next logits are an uncached forward's; the records stay
@@ -30,11 +32,6 @@ from specresearch.models.toy import tiny_llama
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 REFUSED = {
-    "mamba": (dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
-              "fails CausalLM's probe of a cached draft tree and chains"),
-    "kimi_linear": (dict(**SMALL, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                         layer_types=["linear_attention", "full_attention"] * 2, linear_head_dim=8, linear_num_heads=4,
-                         mlp_layer_types=["dense"] * 4), "fails CausalLM's probe of a cached draft tree and chains"),
     "zamba2": (dict(**SMALL, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2, mamba_headdim=8,
                     mamba_ngroups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, hybrid_layer_ids=[1, 3],
                     num_mem_blocks=1, attention_hidden_size=64, attention_head_dim=16),
@@ -120,3 +117,20 @@ def test_rows_selected_and_repeated_keep_their_states_and_records_stay_bounded()
         assert layer.conv_states[0].shape[-1] <= recurrent.KEEP + 1 + layer.conv_kernel_size[0]
     with pytest.raises(ValueError, match="can undo the"):
         lm.rollback(recurrent.KEEP + 2)
+
+
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_a_long_call_after_a_cached_state_goes_in_pieces_and_matches_the_forward(family):
+    # Mamba v1's and Jamba's kernels scan all but a call's last KEEP tokens from a zero state: one 150-token call after
+    # the prompt was 11 off the logits' forward; CausalLM scores it KEEP tokens at a time
+    model = tiny_recurrent_model(family)
+    lm = CausalLM(model)
+    tokens = torch.randint(3, 64, (2, 220), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 70, dtype=torch.long)
+    mask[1, :9] = 0  # a left-padded row
+    lm.prefill(tokens[:, :70], mask)
+    got = lm.score(tokens[:, 70:])
+    for row, start in enumerate([0, 9]):
+        with torch.no_grad():
+            want = model(input_ids=tokens[row:row + 1, start:]).logits[0, 70 - start:].float()
+        assert torch.allclose(got[row], want, atol=1e-4), (row, (got[row] - want).abs().max())

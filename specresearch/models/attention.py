@@ -83,6 +83,7 @@ class AttentionLayout:
     kernel: str
     windows: tuple[tuple[str, int | None], ...]  # ((layer type, window or None), ...) in order of first use
     recurrent: bool = False  # some layers keep recurrent state (models.recurrent): they read the 2-D mask
+    attends: bool = True  # some layer attends over the cache's slots (False: Mamba, Mamba-2: recurrent layers only)
 
     @property
     def windowed(self) -> bool:
@@ -143,7 +144,8 @@ def attention_layout(model) -> AttentionLayout:
             raise ValueError(f"{_name(model)} has sliding-window layers without a window (sliding_window={window!r})")
         if windows.setdefault(kind, window) != window:
             raise ValueError(f"{_name(model)} has {kind!r} layers with different windows; CausalLM takes one per type")
-    layout = AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent)
+    attends = any(kind not in ("linear_attention", "conv", "dummy") for kind in kinds)  # "hybrid" attends too
+    layout = AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent, attends)
     if recurrent and layout.windowed:
         raise ValueError(f"{_name(model)} has recurrent layers beside sliding-window ones: CausalLM masks windows "
                          "itself with a 4-D mask, and its recurrent layers read padding from the 2-D one")

@@ -385,11 +385,24 @@ class CausalLM:
             raise ValueError("score called before prefill/reset: start a batch first")
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
+        if self.recurrent and self._slots.length and tokens.shape[1] > states.KEEP:
+            return states.score_in_pieces(self, tokens, valid, hidden_layers)
         if self.recurrent:
             states.trim(self._cache)
         positions = self._slots.append(valid.to(self.device))
         logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers)
         return logits if hidden_layers is None else (logits, hidden)
+
+    def _score_in_pieces(self, tokens: torch.Tensor, valid: torch.Tensor, hidden_layers):
+        """:meth:`score` of more than ``KEEP`` tokens after a recurrent layer's state: a cached call runs its last
+        ``KEEP`` tokens one at a time from the cached state (the records) and the rest by a scan, which Mamba v1's and
+        Jamba's kernels start from a zero state (11 off the logits of their forward), so it goes in pieces."""
+        step = states.KEEP
+        pieces = [self.score(tokens[:, i:i + step], valid[:, i:i + step], hidden_layers)
+                  for i in range(0, tokens.shape[1], step)]
+        if hidden_layers is None:
+            return torch.cat(pieces, dim=1)
+        return torch.cat([logits for logits, _ in pieces], dim=1), torch.cat([hidden for _, hidden in pieces], dim=1)
 
     def begin_tree(self) -> None:
         """Start scoring a tree: the slots of the following :meth:`score_tree` calls form one region."""
@@ -512,6 +525,8 @@ class CausalLM:
         float32 softmax reads as -inf, so a left-padded row's pad slots turned the row into NaN;
         ``models.attention.additive_mask``)."""
         if visible is None and not self._attention.windowed and (self.model.dtype != torch.float64 or self.recurrent):
+            if not self._attention.attends:  # no attention layer: the call's own columns (Mamba v1 multiplies the
+                return self._slots.mask[:, -positions.shape[1]:].long()  # mask it is given into the call's tokens)
             return self._slots.mask.long()  # recurrent layers read a call's padding from it (models.recurrent)
         if visible is None:
             visible = self._slots.visible_to_last(positions.shape[1])

@@ -223,6 +223,8 @@ RECURRENT_FAMILIES = {
     "qwen3_5_text": dict(**_RECURRENT_SMALL, **_LINEAR),
     "qwen3_next": dict(**_RECURRENT_SMALL, **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16),
+    "mamba": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
+    "falcon_mamba": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
     "mamba2": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, state_size=8, n_groups=1,
                    expand=2, conv_kernel=4),
     "jamba": dict(**_RECURRENT_SMALL, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -234,6 +236,10 @@ RECURRENT_FAMILIES = {
     "nemotron_h": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layers_block_type=["mamba", "attention", "mamba", "mlp"],
                        mamba_num_heads=8, mamba_head_dim=8, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2),
     "olmo_hybrid": dict(**_RECURRENT_SMALL, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "kimi_linear": dict(**{**_RECURRENT_SMALL, "num_key_value_heads": 4}, num_hidden_layers=4, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2, layer_types=["linear_attention", "full_attention"] * 2,
+                        linear_head_dim=8, linear_num_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+                        qk_nope_head_dim=8, v_head_dim=8, mlp_layer_types=["dense"] * 4),  # latent attention: no GQA
     "lfm2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
 }
 # model_type -> config settings of a tiny Qwen3.5 (dense) / Qwen3-Next (experts) with one MTP layer (drafts.qwen_mtp)

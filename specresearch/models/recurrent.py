@@ -2,7 +2,7 @@
 per-row rollback, row selection and bounded memory :class:`~specresearch.models.causal_lm.CausalLM` needs of them.
 
 transformers 5.25 gives each layer of type ``linear_attention`` (Qwen3.5 and Qwen3-Next's Gated DeltaNet, Mamba,
-Mamba-2, Jamba, Bamba, Granite-4 hybrids, Nemotron-H, OLMo-hybrid, Kimi Linear, ...) or ``hybrid`` (Falcon-H1,
+Falcon-Mamba, Mamba-2, Jamba, Bamba, Granite-4 hybrids, Nemotron-H, OLMo-hybrid, Kimi Linear, ...) or ``hybrid`` (Falcon-H1,
 Zamba2: attention and a state space in one layer) a ``LinearAttentionLayer`` in a ``DynamicCache(config=...)``: a
 convolution state (the last ``kernel`` inputs of the layer's causal convolution) and a recurrent state (a matrix per
 head), rewritten in place by each call. Nothing of a token survives in a slot of its own, so the attention cache's
@@ -25,7 +25,10 @@ tree's end (:func:`end_tree_as_paths`) keeps a path holding the accepted nodes a
 refuses its static form (the captured steps' static caches hold no recurrent state) and recurrent layers beside
 sliding-window ones (``models.attention``).
 Padding reaches a recurrent layer as the 2-D mask of the call's tokens, which zeroes a left-padded prompt's pad
-inputs (transformers' ``apply_mask_to_padding_states``), so a row's state starts at zero where its tokens start.
+inputs (transformers' ``apply_mask_to_padding_states``), so a row's state starts at zero where its tokens start; a
+model with no attention layer (Mamba, Falcon-Mamba) gets only the call's columns. A cached call runs its last
+:data:`KEEP` tokens one at a time from the records and the rest by a scan, which Mamba's and Jamba's kernels start from
+a zero state, so ``CausalLM.score`` runs a longer call after a cached state :data:`KEEP` tokens at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["RECURRENT_TYPES", "KEEP", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
-           "trim", "select_rows", "repeat_rows", "set_length", "tree_paths", "score_tree_as_paths", "end_tree_as_paths"]
+           "trim", "select_rows", "repeat_rows", "set_length", "score_in_pieces", "tree_paths", "score_tree_as_paths",
+           "end_tree_as_paths"]
 
 RECURRENT_TYPES = ("linear_attention", "hybrid", "conv")  # transformers' layer types whose cache holds recurrent state
 KEEP = 64  # tokens of records kept: the most one rollback may undo
@@ -139,6 +143,17 @@ def set_length(cache, length: int) -> None:
     """The recurrent layers' token count (what the cache reports as its length) set to ``length`` slots."""
     for layer in recurrent_layers(cache):
         layer.cumulative_length_linear = torch.full_like(torch.as_tensor(layer.cumulative_length_linear), length)
+
+
+def score_in_pieces(lm, tokens: torch.Tensor, valid: torch.Tensor, hidden_layers=None):
+    """``lm.score`` of more than :data:`KEEP` tokens after a cached state, :data:`KEEP` tokens at a time: a cached call
+    runs its last :data:`KEEP` tokens one at a time from the state and the rest by a scan, which Mamba's and Jamba's
+    kernels start from a zero state (a 150-token call after a prompt came out 11 off the logits' scale)."""
+    pieces = [lm.score(tokens[:, i:i + KEEP], valid[:, i:i + KEEP], hidden_layers)
+              for i in range(0, tokens.shape[1], KEEP)]
+    if hidden_layers is None:
+        return torch.cat(pieces, dim=1)
+    return torch.cat([logits for logits, _ in pieces], dim=1), torch.cat([hidden for _, hidden in pieces], dim=1)
 
 
 def tree_paths(depth: torch.Tensor, visible: torch.Tensor) -> list[list[list[int]]]:
