@@ -31,11 +31,14 @@ rolled back past them): a windowed layer's call reads the whole context, masked,
 nothing while the context is shorter than the window (the figures of docs/engine_and_models.md), and memory and
 attention time linear in the context past it. Layer types are transformers' own
 (``cache_utils.get_layer_types_and_kwargs``); recurrent ones (``linear_attention``, ``hybrid``) are
-``models.recurrent``'s, and any other type than full and sliding attention (chunked attention, KV sharing) is
-refused with one line. So is a model whose attention places a key by its slot in
+``models.recurrent``'s. Llama 4's chunked layers see the keys of the query's own chunk of positions (``q // chunk ==
+k // chunk``: transformers' ``chunked_overlay`` counted from a row's first token), applied here from positions like a
+window, over a full cache layer; a model of another family whose config names chunked layers is refused, as is any
+other type (KV sharing, compressed or indexed attention), with one line. So is a model whose attention places a key by its slot in
 the cache rather than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong
-without an error. The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot;
-:func:`positions_from_masks` makes them read positions off the masks instead. (A model without a KV cache, GPT-1, is
+without an error. The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot, and
+Llama 4's layers without RoPE scale their queries by the slot count (its temperature tuning);
+:func:`positions_from_masks` makes them read positions off the masks (Llama 4: off the position ids) instead. (A model without a KV cache, GPT-1, is
 refused by ``causal_lm.cache_argument``.)
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
@@ -74,6 +77,7 @@ MASKED_KERNELS = ("eager", "sdpa", "specresearch_cpu_sdpa", "specresearch_packed
 _WHY = {"flex_attention": "whose compiled kernel fails on batched masked calls on the CPU (torch 2.13) and is not "
                           "tested with a tree mask on CUDA"}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+CHUNKED_FAMILIES = ("llama4_text",)  # model types whose forward masks "chunked_attention" layers by chunk (Llama 4)
 
 
 @dataclass(frozen=True)
@@ -81,13 +85,14 @@ class AttentionLayout:
     """The attention of one model: its kernel and, per transformers layer type, the sliding window (None: full)."""
 
     kernel: str
-    windows: tuple[tuple[str, int | None], ...]  # ((layer type, window or None), ...) in order of first use
+    # ((layer type, window or None), ...) in order of first use; a "chunked_attention" type's number is its chunk
+    windows: tuple[tuple[str, int | None], ...]
     recurrent: bool = False  # some layers keep recurrent state (models.recurrent): they read the 2-D mask
     attends: bool = True  # some layer attends over the cache's slots (False: Mamba, Mamba-2: recurrent layers only)
 
     @property
     def windowed(self) -> bool:
-        """Whether any layer has a sliding window (then every call gets a mask built here)."""
+        """Whether any layer has a sliding window or chunks (then every call gets a mask built here)."""
         return any(window is not None for _, window in self.windows)
 
     def masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -96,8 +101,15 @@ class AttentionLayout:
         positions ``[B, q]`` and every slot's ``[B, L]`` -> an additive ``[B, 1, q, L]`` mask in ``dtype``, or the
         mapping {layer type: mask} for a model with several layer types."""
         distance = query_positions[:, :, None] - key_positions[:, None, :]  # [B, q, L]
-        made = {kind: additive_mask(allowed if window is None else allowed & (distance < window), dtype)
-                for kind, window in self.windows}
+
+        def reach(kind: str, window: int | None) -> torch.Tensor:
+            if window is None:
+                return allowed
+            if kind == "chunked_attention":  # Llama 4: the keys of the query's own chunk of positions
+                return allowed & (query_positions[:, :, None] // window == key_positions[:, None, :] // window)
+            return allowed & (distance < window)
+
+        made = {kind: additive_mask(reach(kind, window), dtype) for kind, window in self.windows}
         return next(iter(made.values())) if len(made) == 1 else made
 
 
@@ -136,9 +148,14 @@ def attention_layout(model) -> AttentionLayout:
     for kind, option in zip(kinds, options):
         if kind in RECURRENT_TYPES or (kind == "dummy" and getattr(config, "kv_sharing_modes", None) is None):
             continue  # models.recurrent's; an MLP-only layer (transformers' "dummy" for "mlp" / "moe": no cache)
+        if kind == "chunked_attention" and config.model_type in CHUNKED_FAMILIES:
+            window = option.get("sliding_window")  # transformers' cache kwargs carry the chunk as sliding_window
+            if windows.setdefault(kind, window) != window or not window:
+                raise ValueError(f"{_name(model)} has chunked layers of chunks {window!r} and {windows[kind]!r}")
+            continue
         if kind not in _LAYER_TYPES:
             raise ValueError(f"{_name(model)} has {kind!r} layers; CausalLM masks full and sliding-window attention "
-                             f"only ({', '.join(_LAYER_TYPES)}): use a model of another family")
+                             f"only ({', '.join(_LAYER_TYPES)}; Llama 4's chunked_attention): use a model of another family")
         window = option.get("sliding_window") if kind == "sliding_attention" else None
         if kind == "sliding_attention" and not window:
             raise ValueError(f"{_name(model)} has sliding-window layers without a window (sliding_window={window!r})")
@@ -155,9 +172,12 @@ def attention_layout(model) -> AttentionLayout:
 def _positions_from_slots(model, config) -> str | None:
     """What a model's attention takes token positions from where it is not the position ids and additive mask the
     wrapper hands it, or None: the ALiBi of Bloom, Falcon-RW (Falcon with ``alibi``) and MPT and GPT-Neo's local
-    layers place a key by its slot until :func:`positions_from_masks` has mended them."""
+    layers place a key by its slot until :func:`positions_from_masks` has mended them, Llama 4's NoPE layers scale
+    their queries by it."""
     kind = getattr(config, "model_type", "")
     if any(not getattr(module, _MENDED, False) for module in _slot_placed(model)):
+        if kind == "llama4_text":
+            return "scales the queries of its layers without RoPE by each token's slot in the cache"
         if kind == "gpt_neo":
             return "windows its local layers over cache slots (its attention's own causal buffer)"
         if kind == "mpt":
@@ -187,8 +207,11 @@ def positions_from_masks(model) -> bool:
     where slots are positions, and a softmax ignores a constant per row in any case); each of GPT-Neo's local
     attentions takes the global layers' buffer (causal over slots, which the wrapper's masks make exact) and a
     pre-hook that narrows its mask to the window. Where transformers builds the mask itself nothing changes but MPT's
-    masked value in float64 (float32's lowest, as :func:`additive_mask`). A model of another family is left as it
-    is."""
+    masked value in float64 (float32's lowest, as :func:`additive_mask`). Llama 4's attentions without RoPE scale
+    their queries by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` with ``p`` the cache's slot count plus
+    the token's index in the call; each gets the scale from the position ids its decoder layer is handed instead (a
+    pre-hook on the layer keeps them, a hook on ``q_proj`` scales its output). A model of another family is left as
+    it is."""
     modules = _slot_placed(model)
     for module in modules:
         if getattr(module, _MENDED, False):
@@ -208,6 +231,11 @@ def positions_from_masks(model) -> bool:
             module.register_forward_pre_hook(partial(_falcon_alibi, slopes=_slopes(build, module, module.num_heads),
                                                      scale=math.sqrt(config.hidden_size // config.num_attention_heads)),
                                              with_kwargs=True)
+        elif hasattr(module, "floor_scale"):  # one of Llama 4's NoPE attentions: its query scale from positions
+            module.attn_temperature_tuning = False
+            layer = next(layer for layer in model.modules() if getattr(layer, "self_attn", None) is module)
+            layer.register_forward_pre_hook(partial(_llama4_positions, attention=module), with_kwargs=True)
+            module.q_proj.register_forward_hook(partial(_llama4_query_scale, attention=module))
         else:  # one of GPT-Neo's local attentions
             module.bias = torch.tril(torch.ones_like(module.bias))
             module.register_forward_pre_hook(partial(_windowed_mask, window=model.config.window_size),
@@ -227,6 +255,9 @@ def _slot_placed(model) -> list:
     if kind == "gpt_neo":
         return [module for module in model.modules()
                 if getattr(module, "attention_type", None) == "local" and hasattr(module, "bias")]
+    if kind == "llama4_text":
+        return [module for module in model.modules() if type(module).__name__ == "Llama4TextAttention"
+                and getattr(module, "attn_temperature_tuning", False) and not module.use_rope]
     return []
 
 
@@ -295,6 +326,19 @@ def _mpt_attention(module, hidden_states: torch.Tensor, position_bias=None, cach
     weights = torch.nn.functional.dropout(weights, p=module.attn_dropout_p, training=module.training)
     context = torch.matmul(weights, value).permute(0, 2, 1, 3).contiguous().view(batch, length, -1)
     return module.out_proj(context), weights
+
+
+def _llama4_positions(layer, args, kwargs, *, attention):
+    """Keep the positions a Llama 4 decoder layer is handed for its NoPE attention's query scale."""
+    attention.specresearch_positions = kwargs["position_ids"]
+
+
+def _llama4_query_scale(q_proj, args, output, *, attention):
+    """transformers' Llama 4 temperature tuning (``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` on a NoPE
+    layer's queries) with ``p`` each token's position; transformers takes the cache's slot count."""
+    positions = attention.specresearch_positions.float()
+    scales = torch.log1p(torch.floor((positions + 1.0) / attention.floor_scale)) * attention.attn_scale + 1.0
+    return (output * scales[..., None]).to(output.dtype)
 
 
 def _windowed_mask(module, args, kwargs, *, window: int):
