@@ -99,10 +99,9 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     """Why a run has no captured form (a sentence to show the user), or None when it has one."""
     if not isinstance(target, HasStaticForm):
         return f"target {type(target).__name__} has no static form (a models.causal_lm.CausalLM has)"
-    if getattr(target, "recurrent", False):
-        return f"target {type(target.model).__name__} has recurrent layers, which a static KV cache does not hold"
-    if getattr(draft, "recurrent", False):
-        return f"draft {type(draft.model).__name__} has recurrent layers, which a static KV cache does not hold"
+    for role, lm in (("target", target), ("draft", draft)):
+        if getattr(lm, "static_refusal", None):  # recurrent layers, DeepSeek Sparse Attention (CausalLM)
+            return f"{role} {lm.static_refusal}"
     if getattr(target, "placement", None) is not None:
         return f"the target is split ({target.placement}): a static cache needs it on one device"
     if draft is None:

@@ -33,8 +33,10 @@ attention time linear in the context past it. Layer types are transformers' own
 (``cache_utils.get_layer_types_and_kwargs``); recurrent ones (``linear_attention``, ``hybrid``) are
 ``models.recurrent``'s. Llama 4's chunked layers see the keys of the query's own chunk of positions (``q // chunk ==
 k // chunk``: transformers' ``chunked_overlay`` counted from a row's first token), applied here from positions like a
-window, over a full cache layer; a model of another family whose config names chunked layers is refused, as is any
-other type (KV sharing, compressed or indexed attention), with one line. So is a model whose attention places a key by its slot in
+window, over a full cache layer. DeepSeek Sparse Attention's ``indexed_attention`` layers (DeepSeek-V3.2, GLM-5) are
+masked as full attention: transformers' indexer adds the mask to its scores before it keeps each query's top-k keys,
+and the cache keeps its keys (``DynamicIndexedLayer``). A model of another family whose config names chunked or
+indexed layers is refused, as is any other type (KV sharing, compressed attention), with one line. So is a model whose attention places a key by its slot in
 the cache rather than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong
 without an error. The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot, and
 Llama 4's layers without RoPE scale their queries by the slot count (its temperature tuning);
@@ -78,6 +80,8 @@ _WHY = {"flex_attention": "whose compiled kernel fails on batched masked calls o
                           "tested with a tree mask on CUDA"}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 CHUNKED_FAMILIES = ("llama4_text",)  # model types whose forward masks "chunked_attention" layers by chunk (Llama 4)
+# model types whose "indexed_attention" layers (DeepSeek Sparse Attention) pick keys by an indexer that reads the mask
+INDEXED_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class AttentionLayout:
     windows: tuple[tuple[str, int | None], ...]
     recurrent: bool = False  # some layers keep recurrent state (models.recurrent): they read the 2-D mask
     attends: bool = True  # some layer attends over the cache's slots (False: Mamba, Mamba-2: recurrent layers only)
+    indexed: bool = False  # DeepSeek Sparse Attention: its cache layers keep the indexer's keys beside K and V
 
     @property
     def windowed(self) -> bool:
@@ -148,6 +153,9 @@ def attention_layout(model) -> AttentionLayout:
     for kind, option in zip(kinds, options):
         if kind in RECURRENT_TYPES or (kind == "dummy" and getattr(config, "kv_sharing_modes", None) is None):
             continue  # models.recurrent's; an MLP-only layer (transformers' "dummy" for "mlp" / "moe": no cache)
+        if kind == "indexed_attention" and config.model_type in INDEXED_FAMILIES:  # masked as full attention:
+            windows.setdefault(kind, None)  # the indexer adds the mask to its scores before its top-k
+            continue
         if kind == "chunked_attention" and config.model_type in CHUNKED_FAMILIES:
             window = option.get("sliding_window")  # transformers' cache kwargs carry the chunk as sliding_window
             if windows.setdefault(kind, window) != window or not window:
@@ -162,7 +170,8 @@ def attention_layout(model) -> AttentionLayout:
         if windows.setdefault(kind, window) != window:
             raise ValueError(f"{_name(model)} has {kind!r} layers with different windows; CausalLM takes one per type")
     attends = any(kind not in ("linear_attention", "conv", "dummy") for kind in kinds)  # "hybrid" attends too
-    layout = AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent, attends)
+    layout = AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent, attends,
+                             "indexed_attention" in windows)
     if recurrent and layout.windowed:
         raise ValueError(f"{_name(model)} has recurrent layers beside sliding-window ones: CausalLM masks windows "
                          "itself with a 4-D mask, and its recurrent layers read padding from the 2-D one")
@@ -480,6 +489,8 @@ def _use_attention(model, name: str, function, mask=None) -> bool:
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
+    if getattr(model.config, "model_type", "") in INDEXED_FAMILIES:  # DeepSeek Sparse Attention masks its top-k
+        return False  # keys under transformers' eager and sdpa only; other functions get indices they do not read
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, mask or sdpa_mask)
     model.set_attn_implementation(name)

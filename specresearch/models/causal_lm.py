@@ -365,7 +365,7 @@ class CausalLM:
     def reset(self, batch_size: int) -> None:
         if self.fuses:
             fused.keep_fused(self.model)
-        self._cache = states.recurrent_cache(self.model) if self.recurrent else _new_cache(self.model)
+        self._cache = states.recurrent_cache(self.model) if self.recurrent else _new_cache(self.model, self._attention)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_layers: Sequence[int] | None = None):
@@ -443,6 +443,8 @@ class CausalLM:
                 slots = index.to(layer.keys.device)
                 # keys and values may differ in heads and width (DeepSeek-V2/V3's latent attention: 16 and 4 wide here)
                 layer.keys, layer.values = _gather_slots(layer.keys, slots), _gather_slots(layer.values, slots)
+                if getattr(layer, "indexer_keys", None) is not None:  # DeepSeek Sparse Attention's [B, L, D]
+                    layer.indexer_keys = _gather_slots(layer.indexer_keys[:, None], slots)[:, 0]
             if self.recurrent:
                 states.set_length(self._cache, self._slots.length)
         assert self._cache.get_seq_length() == self._slots.length
@@ -467,12 +469,21 @@ class CausalLM:
         self._slots.select_rows(index.to(self.device))
         self._compact()
 
+    @property
+    def static_refusal(self) -> str | None:
+        """Why this model has no static form (a sentence naming it), or None."""
+        name = type(self.model).__name__
+        if self.recurrent:
+            return f"{name} has recurrent layers (models.recurrent), which a static KV cache does not hold"
+        if self._attention.indexed:
+            return f"{name} has DeepSeek Sparse Attention layers, whose indexer keys a static KV cache does not hold"
+        return None
+
     def static_form(self) -> StaticCausalLM:
         """This model over a static KV cache (:class:`~specresearch.models.static_lm.StaticCausalLM`): the same
         weights, kernels and masks, for the engine's captured steps."""
-        if self.recurrent:
-            raise ValueError(f"{type(self.model).__name__} has recurrent layers (models.recurrent), which a static KV "
-                             "cache does not hold: run the growing loop (compile='off')")
+        if self.static_refusal:
+            raise ValueError(f"{self.static_refusal}: run the growing loop (compile='off')")
         return StaticCausalLM(self)
 
     def rollback(self, n) -> None:
@@ -566,11 +577,12 @@ def placement(model) -> str | None:
     return None
 
 
-def _new_cache(model):
-    """Full layers for every layer, sliding-window ones included (windows are masked: models.attention)."""
+def _new_cache(model, layout):
+    """Full layers for every layer, sliding-window ones included (windows are masked: models.attention); DeepSeek
+    Sparse Attention's layers keep their indexer's keys too (transformers' ``DynamicIndexedLayer``)."""
     from transformers import DynamicCache
 
-    return DynamicCache()
+    return DynamicCache(config=model.config) if layout.indexed else DynamicCache()
 
 
 def _from_pretrained(name_or_path, dtype, device_map):

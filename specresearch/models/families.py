@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "MORE_FAMILIES", "REFUSED_FAMILIES", "WINDOW", "tiny_family_config", "tiny_family_model", "perturbed_copy", "tiny_family_pair",
-           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "RECURRENT_FAMILIES", "tiny_recurrent_model", "QWEN_MTP_CONFIGS",
+           "MTP_LAYOUTS", "tiny_mtp_checkpoint", "RECURRENT_FAMILIES", "tiny_recurrent_model", "SPARSE_FAMILIES",
+           "tiny_sparse_model", "QWEN_MTP_CONFIGS",
            "tiny_qwen_mtp_checkpoint", "tiny_gemma4_pair", "tiny_dflash_pair", "word_tokenizer", "tiny_usd_pair"]
 
 WINDOW = 6  # sliding window of the windowed families: shorter than the tests' prompts plus generations
@@ -247,6 +248,34 @@ RECURRENT_FAMILIES = {
 }
 # model_type -> config settings of a tiny Qwen3.5 (dense) / Qwen3-Next (experts) with one MTP layer (drafts.qwen_mtp)
 QWEN_MTP_CONFIGS = {kind: dict(RECURRENT_FAMILIES[kind], mtp_num_hidden_layers=1) for kind in ("qwen3_5_text", "qwen3_next")}
+
+
+# model_type -> config settings of a tiny model with DeepSeek Sparse Attention (models.attention.INDEXED_FAMILIES;
+# tests/test_sparse_attention.py): latent attention (no grouped keys), its indexer keeping 4 keys a query out of up to 15
+SPARSE_FAMILIES = {
+    kind: dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+               qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+               n_group=1, topk_group=1, index_n_heads=8, index_head_dim=8, index_topk=4, max_position_embeddings=256,
+               bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    for kind in ("deepseek_v32", "glm_moe_dsa")}
+
+
+def tiny_sparse_model(model_type: str, kernel: str = "eager", *, seed: int = 0, **overrides):
+    """A float32 random-weight model of ``model_type`` (a key of ``SPARSE_FAMILIES``) with attention ``kernel``, its
+    matrices and embeddings (the padding token's too: a zero embedding scores every key 0 in the indexer, a tie its
+    top-k breaks as the call's shape happens to) drawn N(0, 0.5^2), reproducible from ``seed``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**SPARSE_FAMILIES[model_type], **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=kernel, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() > 1:
+                    parameter.normal_(0, 0.5)
+    return model
 
 
 def tiny_recurrent_model(model_type: str, options: dict | None = None, *, seed: int = 0):
