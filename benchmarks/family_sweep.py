@@ -3,8 +3,10 @@
 take it or refuse it?
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
-defaults made tiny (the sizes below, where the config has them; eager attention, float32, seeded), or "not built"
-where that config does not build or run an uncached forward (a tiny size it rejects, a library it needs). Then
+defaults made tiny (the sizes below, where the config has them; eager attention, float32, seeded; where that does not
+build or run an uncached forward, once more with as many key-value heads as query heads, which latent attention as in
+Kimi Linear, DeepSeek-V3.2 and GLM-5 requires: the row's ``kv_heads``), or "not built" where neither does (a tiny size
+it rejects, a library it needs). Then
 
 * ``unprobed``: the model behind ``CausalLM(..., probe=False)``, two left-padded rows, 4 draft trees of 6 nodes
   (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
@@ -45,12 +47,15 @@ MEMORY = 8 * 2**30
 SECONDS = 240
 
 
-def tiny_model(kind: str):
+UNGROUPED = dict(num_key_value_heads=4)  # the second try: no grouped-query heads (latent attention takes none)
+
+
+def tiny_model(kind: str, options: dict | None = None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     defaults = AutoConfig.for_model(kind)
-    sizes = {key: value for key, value in SIZES.items() if hasattr(defaults, key)}
+    sizes = {key: value for key, value in {**SIZES, **(options or {})}.items() if hasattr(defaults, key)}
     try:
         config = AutoConfig.for_model(kind, **sizes, is_decoder=True)
     except Exception:  # noqa: BLE001 -- a config that takes its sizes otherwise: set what it allows
@@ -80,13 +85,13 @@ def _path(tokens: list[int], parents: list[int], i: int) -> list[int]:
     return path[::-1]
 
 
-def unprobed(kind: str) -> tuple[str, str]:
+def unprobed(kind: str, options: dict | None = None) -> tuple[str, str]:
     """The cached-tree comparison of the module docstring, on the wrapper with ``probe=False``."""
     import torch
 
     from specresearch.models.causal_lm import CausalLM
 
-    model, reference = tiny_model(kind), tiny_model(kind)
+    model, reference = tiny_model(kind, options), tiny_model(kind, options)
     try:
         lm = CausalLM(model, device="cpu", probe=False)
     except ValueError as error:
@@ -163,12 +168,17 @@ def one(kind: str) -> dict:
     row = dict(model_type=kind)
     try:
         _uncached(tiny_model(kind), [5, 9, 2, 33])
+        options = None
     except Exception as error:  # noqa: BLE001 -- a tiny config it rejects, or a library it needs
-        return {**row, "built": False, "detail": " ".join(f"{type(error).__name__}: {error}".split())[:200]}
+        try:
+            _uncached(tiny_model(kind, UNGROUPED), [5, 9, 2, 33])
+            options, row["kv_heads"] = UNGROUPED, UNGROUPED["num_key_value_heads"]
+        except Exception:  # noqa: BLE001
+            return {**row, "built": False, "detail": " ".join(f"{type(error).__name__}: {error}".split())[:200]}
     row["built"] = True
-    row["unprobed"], row["unprobed_detail"] = unprobed(kind)
+    row["unprobed"], row["unprobed_detail"] = unprobed(kind, options)
     try:
-        CausalLM(tiny_model(kind), device="cpu")
+        CausalLM(tiny_model(kind, options), device="cpu")
         row["wrapper"], row["wrapper_detail"] = "taken", ""
     except ValueError as error:
         row["wrapper"], row["wrapper_detail"] = "refused", " ".join(str(error).split())[:400]
