@@ -35,8 +35,10 @@ attention time linear in the context past it. Layer types are transformers' own
 k // chunk``: transformers' ``chunked_overlay`` counted from a row's first token), applied here from positions like a
 window, over a full cache layer. DeepSeek Sparse Attention's ``indexed_attention`` layers (DeepSeek-V3.2, GLM-5) are
 masked as full attention: transformers' indexer adds the mask to its scores before it keeps each query's top-k keys,
-and the cache keeps its keys (``DynamicIndexedLayer``). A model of another family whose config names chunked or
-indexed layers is refused, as is any other type (KV sharing, compressed attention), with one line. So is a model whose attention places a key by its slot in
+and the cache keeps its keys (``DynamicIndexedLayer``). A layer that reuses an earlier layer's K and V (Gemma 3n,
+Gemma 4: transformers' "dummy" type) needs nothing: it is handed the storing layer's whole K and V and its own type's
+mask. A model of another family whose config names chunked or indexed layers is refused, as is any other type
+(compressed attention, hybrid windowed layers), with one line. So is a model whose attention places a key by its slot in
 the cache rather than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong
 without an error. The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot, and
 Llama 4's layers without RoPE scale their queries by the slot count (its temperature tuning);
@@ -151,8 +153,8 @@ def attention_layout(model) -> AttentionLayout:
     windows: dict[str, int | None] = {}
     recurrent = any(kind in RECURRENT_TYPES for kind in kinds)
     for kind, option in zip(kinds, options):
-        if kind in RECURRENT_TYPES or (kind == "dummy" and getattr(config, "kv_sharing_modes", None) is None):
-            continue  # models.recurrent's; an MLP-only layer (transformers' "dummy" for "mlp" / "moe": no cache)
+        if kind in RECURRENT_TYPES or kind == "dummy":  # models.recurrent's; an MLP-only layer ("mlp" / "moe"), or
+            continue  # one reading the K / V its type's storing layer keeps (KV sharing: Gemma 3n, Gemma 4), masked by its type
         if kind == "indexed_attention" and config.model_type in INDEXED_FAMILIES:  # masked as full attention:
             windows.setdefault(kind, None)  # the indexer adds the mask to its scores before its top-k
             continue

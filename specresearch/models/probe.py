@@ -40,7 +40,7 @@ MAX_WINDOW = 4096  # a config's sliding window the probe's prompt spans, at most
 # which are not probed (tests/test_probe.py holds the two lists equal)
 CHECKED_TYPES = frozenset({
     "biogpt", "bloom", "codegen", "cohere", "cohere2", "deepseek_v3", "exaone4", "falcon", "gemma", "gemma2",
-    "gemma3_text", "glm4", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "llama",
+    "gemma3_text", "gemma3n_text", "gemma4_text", "glm4", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "llama",
     "llama4_text",
     "ministral", "mistral", "mixtral", "mpt", "olmo2", "opt", "phi", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3",
     "stablelm", "starcoder2", "xglm"})
