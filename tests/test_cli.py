@@ -193,11 +193,15 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     """``generate`` without --draft uses GENERATE_DRAFT (its greedy text equals --autoregressive's), and
     --method contrastive uses CONTRASTIVE_AMATEUR as the amateur."""
     import specresearch.drafts.registry as drafts
+    import specresearch.engine.cost as cost
     from specresearch.cli import CONTRASTIVE_AMATEUR, GENERATE_DRAFT
 
     names, made, real = [], [], drafts.draft_from_name
     monkeypatch.setattr(drafts, "draft_from_name", lambda name, *a, **k: names.append(name) or made.append(
         real(name, *a, **k)) or made[-1])
+    measure = cost.measure_cost_curve  # the machine's costs timed for real, briefly (51 s of this test at its defaults)
+    monkeypatch.setattr(cost, "measure_cost_curve", lambda *a, **k: measure(*a, **{**k, "repeats": 3, "new_tokens": 16,
+                                                                                      "rounds": 1}))
     texts = []
     for extra in ([], ["--autoregressive"]):
         assert main(["generate", "Name three rivers.", "--max-new-tokens", "12", "--temperature", "0", *extra]) == 0
@@ -206,8 +210,6 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     assert main(["generate", "Name three rivers.", "--max-new-tokens", "3", "--method", "contrastive"]) == 0
     assert names[0] == GENERATE_DRAFT and names[-1] == CONTRASTIVE_AMATEUR  # (the combined draft loads its head in between)
     # a tree this machine's costs would pick runs as such (greedy: the same text), trees weighed for the default draft only
-    import specresearch.engine.cost as cost
-
     asked, real_resolve = [], cost.resolve_config
     capsys.readouterr()
     monkeypatch.setattr(cost, "resolve_config", lambda gamma, target, draft, **kwargs: asked.append(kwargs["trees"]) or
