@@ -28,7 +28,7 @@ from specresearch.config import SamplingConfig
 from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, more_cases, reference_tokens, run_case
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.attention import AttentionLayout, attention_layout, positions_from_masks
-from specresearch.models.causal_lm import CausalLM, experts_in_float64
+from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import (
     FAMILIES,
     MORE_FAMILIES,
@@ -37,6 +37,7 @@ from specresearch.models.families import (
     tiny_family_config,
     tiny_family_model,
 )
+from specresearch.models.kernels import experts_in_float64
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = json.loads((ROOT / "benchmarks" / "records" / "family_matrix.json").read_text())

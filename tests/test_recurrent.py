@@ -9,7 +9,11 @@
   speculative decoding gives the autoregressive tokens, and those are transformers' own ``generate``'s.
 * A call of more than KEEP tokens after a cached state goes in pieces: Mamba's and Jamba's kernels scan the rest of a
   longer call from a zero state.
-* Refused in one line: Zamba2 (its cached calls differ from its forward), the static form of a recurrent target.
+* Windows beside recurrent layers (Lara mini): the cache keeps full attention layers where the config names sliding
+  ones, and the recurrent layers take the call's columns of the 2-D mask in the mapping of masks.
+* Refused in one line: Zamba2 (its cached calls differ from its forward), Inkling (relative positions and log scaling
+  from the cache's slot count), RecurrentGemma (its blocks keep their own state), the static form of a recurrent
+  target.
 * Its draft trees run one row per path, giving its greedy tokens (sampled and dynamic trees).
 * T = 1: a Qwen3.5 target with a Llama draft (chains and K = 2 traversal trees), and a Llama target with a Qwen3.5
   draft, keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6 each).
@@ -32,6 +36,13 @@ from specresearch.models.toy import tiny_llama
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 REFUSED = {
+    # its attention adds a relative-position bias and a log scaling computed from the cache's slot count
+    "inkling_text": (dict(SMALL, num_hidden_layers=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=16, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                     "otherwise than an uncached forward"),
+    # its recurrent blocks keep their state on themselves, and a cached call of several tokens restarts it
+    "recurrent_gemma": (dict(SMALL, num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2), "fails CausalLM's probe"),
     "zamba2": (dict(**SMALL, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2, mamba_headdim=8,
                     mamba_ngroups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, hybrid_layer_ids=[1, 3],
                     num_mem_blocks=1, attention_hidden_size=64, attention_head_dim=16),

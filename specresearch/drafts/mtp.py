@@ -41,7 +41,7 @@ import torch
 from specresearch.drafts.eagle import EagleDraft
 from specresearch.drafts.feature_draft import extend_past, frozen_logits
 from specresearch.models.attention import additive_mask
-from specresearch.models.causal_lm import experts_in_float64
+from specresearch.models.kernels import experts_in_float64
 
 __all__ = ["MtpHead", "MtpDraft", "load_mtp", "mtp_layer_count"]
 

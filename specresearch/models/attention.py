@@ -153,7 +153,11 @@ def attention_layout(model) -> AttentionLayout:
     windows: dict[str, int | None] = {}
     recurrent = any(kind in RECURRENT_TYPES for kind in kinds)
     for kind, option in zip(kinds, options):
-        if kind in RECURRENT_TYPES or kind == "dummy":  # models.recurrent's; an MLP-only layer ("mlp" / "moe"), or
+        if kind == "hybrid_sliding":  # a recurrent state and windowed attention in one layer (Inkling): the
+            kind = "sliding_attention"  # attention's mask is the model's "sliding_attention" one
+        elif kind == "hybrid" and any(k == "hybrid_sliding" for k in kinds):
+            kind = "full_attention"  # beside windowed hybrids, the others' mask is the model's "full_attention" one
+        elif kind in RECURRENT_TYPES or kind == "dummy":  # models.recurrent's; an MLP-only layer ("mlp" / "moe"), or
             continue  # one reading the K / V its type's storing layer keeps (KV sharing: Gemma 3n, Gemma 4), masked by its type
         if kind == "indexed_attention" and config.model_type in INDEXED_FAMILIES:  # masked as full attention:
             windows.setdefault(kind, None)  # the indexer adds the mask to its scores before its top-k
@@ -172,12 +176,8 @@ def attention_layout(model) -> AttentionLayout:
         if windows.setdefault(kind, window) != window:
             raise ValueError(f"{_name(model)} has {kind!r} layers with different windows; CausalLM takes one per type")
     attends = any(kind not in ("linear_attention", "conv", "dummy") for kind in kinds)  # "hybrid" attends too
-    layout = AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent, attends,
-                             "indexed_attention" in windows)
-    if recurrent and layout.windowed:
-        raise ValueError(f"{_name(model)} has recurrent layers beside sliding-window ones: CausalLM masks windows "
-                         "itself with a 4-D mask, and its recurrent layers read padding from the 2-D one")
-    return layout
+    return AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent, attends,
+                           "indexed_attention" in windows)
 
 
 def _positions_from_slots(model, config) -> str | None:

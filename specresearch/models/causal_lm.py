@@ -38,6 +38,7 @@ from specresearch.models.kernels import (
     SKINNY_ROWS,
     choose_kernel_rows,
     choose_skinny_rows,
+    experts_in_float64,
     use_kernel_rows,
     use_skinny_linears,
 )
@@ -46,7 +47,7 @@ from specresearch.models.static_lm import StaticCausalLM
 from specresearch.models.widths import fit_width, output_rows, readable
 
 __all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
-           "placement", "experts_in_float64"]
+           "placement"]
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -541,28 +542,12 @@ class CausalLM:
             return self._slots.mask.long()  # recurrent layers read a call's padding from it (models.recurrent)
         if visible is None:
             visible = self._slots.visible_to_last(positions.shape[1])
-        return self._attention.masks(visible, positions, self._slots.positions, self.model.dtype)
-
-
-FLOAT64_EXPERTS = ("eager", "batched_mm")  # transformers' experts implementations that torch computes in float64
-
-
-def experts_in_float64(model, *, may_switch: bool = True) -> dict[str, str]:
-    """A float64 mixture-of-experts model (Mixtral) whose experts run torch's ``grouped_mm`` (transformers' default),
-    which takes no float64, is switched to ``"eager"`` (transformers' loop over the experts: the same function), or,
-    with ``may_switch=False`` (the caller's model must stay as it is), refused with one line saying what to load.
-    Any other model is left as it is. Returns the implementations switched from, by sub-config (``""``: the
-    model's own)."""
-    if model.dtype != torch.float64 or not hasattr(model, "get_experts_implementation"):
-        return {}
-    switched = {key: kind for key, kind in model.get_experts_implementation().items()
-                if kind is not None and kind not in FLOAT64_EXPERTS}
-    if switched and not may_switch:
-        raise ValueError(f"{type(model).__name__} is float64 and its experts run {sorted(set(switched.values()))}, "
-                         "which takes no float64: load it with experts_implementation='eager'")
-    if switched:
-        model.set_experts_implementation({key: "eager" for key in switched})
-    return switched
+        masks = self._attention.masks(visible, positions, self._slots.positions, self.model.dtype)
+        if not self.recurrent:
+            return masks
+        # windows beside recurrent layers (Lara, Inkling): the mapping, the recurrent layers' 2-D mask of the call
+        masks = masks if isinstance(masks, dict) else {self._attention.windows[0][0]: masks}
+        return {**masks, "linear_attention": self._slots.mask[:, -positions.shape[1]:].long()}
 
 
 def placement(model) -> str | None:

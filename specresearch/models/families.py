@@ -252,6 +252,10 @@ RECURRENT_FAMILIES = {
                         bos_token_id=1, eos_token_id=2, layer_types=["linear_attention", "full_attention"] * 2,
                         linear_head_dim=8, linear_num_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
                         qk_nope_head_dim=8, v_head_dim=8, mlp_layer_types=["dense"] * 4),  # latent attention: no GQA
+    "lara_mini": dict(**_RECURRENT_SMALL, **{**_LINEAR, "layer_types": ["linear_attention", "sliding_attention",
+                                                                           "linear_attention", "full_attention"]},
+                      sliding_window=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16, tie_word_embeddings=False),  # windows beside recurrent layers
     "lfm2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
 }
 # model_type -> config settings of a tiny Qwen3.5 (dense) / Qwen3-Next (experts) with one MTP layer (drafts.qwen_mtp)

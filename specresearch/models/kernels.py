@@ -1,4 +1,5 @@
-"""Kernels for small models: skinny linear products and half-precision weights on CPU, grouped-query attention.
+"""Kernels for small models: skinny linear products and half-precision weights on CPU, grouped-query attention; and
+the experts a float64 mixture-of-experts model can run (:func:`experts_in_float64`).
 
 Speed on CPUs: a speculative step scores gamma + 1 tokens in one call, so the target's linear layers
 multiply 2-9 rows by each weight, and autoregressive decoding 1. A forward of a small model is bound by
@@ -51,7 +52,8 @@ from specresearch.models.native import (
     skinny_kernel,
 )
 
-__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "use_int8_weights", "int8_rows"]
+__all__ = ["SkinnyLinear", "skinny_linear", "use_skinny_linears", "choose_skinny_rows", "use_kernel_rows", "choose_kernel_rows", "use_half_weights", "half_input_limit", "use_int8_weights", "int8_rows",
+           "FLOAT64_EXPERTS", "experts_in_float64"]
 
 
 SKINNY_ROWS = range(1, 9)  # row counts :func:`skinny_linear` computes as (W @ x^T)^T on CPU
@@ -521,3 +523,24 @@ def half_input_limit(weight: torch.Tensor) -> float:
     """The largest ``max|x|`` of an input row whose product with the half ``weight [out, in]`` stays below half of
     float16's largest value, partial sums included (module docstring)."""
     return float(torch.finfo(torch.float16).max / 2 / weight.float().abs().sum(-1).max().clamp(min=1e-30))
+
+
+FLOAT64_EXPERTS = ("eager", "batched_mm")  # transformers' experts implementations that torch computes in float64
+
+
+def experts_in_float64(model, *, may_switch: bool = True) -> dict[str, str]:
+    """A float64 mixture-of-experts model (Mixtral) whose experts run torch's ``grouped_mm`` (transformers' default),
+    which takes no float64, is switched to ``"eager"`` (transformers' loop over the experts: the same function), or,
+    with ``may_switch=False`` (the caller's model must stay as it is), refused with one line saying what to load.
+    Any other model is left as it is. Returns the implementations switched from, by sub-config (``""``: the
+    model's own)."""
+    if model.dtype != torch.float64 or not hasattr(model, "get_experts_implementation"):
+        return {}
+    switched = {key: kind for key, kind in model.get_experts_implementation().items()
+                if kind is not None and kind not in FLOAT64_EXPERTS}
+    if switched and not may_switch:
+        raise ValueError(f"{type(model).__name__} is float64 and its experts run {sorted(set(switched.values()))}, "
+                         "which takes no float64: load it with experts_implementation='eager'")
+    if switched:
+        model.set_experts_implementation({key: "eager" for key in switched})
+    return switched

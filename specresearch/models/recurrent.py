@@ -22,8 +22,9 @@ A draft tree's nodes are not one sequence, and a recurrent layer reads every ear
 on such a model (:func:`score_tree_as_paths`) scores each root-to-leaf path as a chain, one row per path (the cache
 repeated: memory and compute times the number of paths), each node's logits read off a path through it, and the
 tree's end (:func:`end_tree_as_paths`) keeps a path holding the accepted nodes and rolls the rest back. ``CausalLM``
-refuses its static form (the captured steps' static caches hold no recurrent state) and recurrent layers beside
-sliding-window ones (``models.attention``).
+refuses its static form (the captured steps' static caches hold no recurrent state). Sliding windows beside recurrent
+layers (Lara mini) are masked by the wrapper, over the full attention layers :func:`recurrent_cache` puts where the
+config names sliding ones.
 Padding reaches a recurrent layer as the 2-D mask of the call's tokens, which zeroes a left-padded prompt's pad
 inputs (transformers' ``apply_mask_to_padding_states``), so a row's state starts at zero where its tokens start; a
 model with no attention layer (Mamba, Falcon-Mamba) gets only the call's columns. A cached call runs its last
@@ -40,16 +41,29 @@ __all__ = ["RECURRENT_TYPES", "KEEP", "recurrent_cache", "recurrent_layers", "ro
            "trim", "select_rows", "repeat_rows", "set_length", "score_in_pieces", "tree_paths", "score_tree_as_paths",
            "end_tree_as_paths"]
 
-RECURRENT_TYPES = ("linear_attention", "hybrid", "conv")  # transformers' layer types whose cache holds recurrent state
+RECURRENT_TYPES = ("linear_attention", "hybrid", "hybrid_sliding", "conv")  # transformers' layer types whose cache
+# holds recurrent state ("hybrid": attention and a recurrent state in one layer; "hybrid_sliding": its attention windowed)
 KEEP = 64  # tokens of records kept: the most one rollback may undo
 
 
 def recurrent_cache(model, keep: int = KEEP):
     """``DynamicCache(config=...)`` of ``model`` with every recurrent layer recording its past (``keep`` tokens of
-    intermediate recurrent states per call)."""
+    intermediate recurrent states per call), and full attention layers where the config names sliding ones (the
+    wrapper masks windows itself: ``models.attention``)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import (
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
+    )
 
     cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
+            cache.layers[i] = LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            cache.layers[i] = DynamicLayer()
     for layer in recurrent_layers(cache):
         layer.activate_past_recording(recurrent_states_to_keep=keep)
         layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}  # one list per state
