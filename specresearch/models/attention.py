@@ -37,13 +37,14 @@ window, over a full cache layer. DeepSeek Sparse Attention's ``indexed_attention
 masked as full attention: transformers' indexer adds the mask to its scores before it keeps each query's top-k keys,
 and the cache keeps its keys (``DynamicIndexedLayer``). A layer that reuses an earlier layer's K and V (Gemma 3n,
 Gemma 4: transformers' "dummy" type) needs nothing: it is handed the storing layer's whole K and V and its own type's
+mask; a ``hybrid_sliding`` layer (a recurrent state and windowed attention: Inkling) takes the ``sliding_attention``
 mask. A model of another family whose config names chunked or indexed layers is refused, as is any other type
-(compressed attention, hybrid windowed layers), with one line. So is a model whose attention places a key by its slot in
-the cache rather than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong
-without an error. The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot, and
-Llama 4's layers without RoPE scale their queries by the slot count (its temperature tuning);
-:func:`positions_from_masks` makes them read positions off the masks (Llama 4: off the position ids) instead. (A model without a KV cache, GPT-1, is
-refused by ``causal_lm.cache_argument``.)
+(compressed attention), with one line. So is a model whose attention places a key by its slot in the cache rather
+than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong without an error.
+The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot, and Llama 4's layers
+without RoPE scale their queries by the slot count (its temperature tuning); :func:`positions_from_masks` makes them
+read positions off the masks (Llama 4: off the position ids) instead. (A model without a KV cache, GPT-1, is refused
+by ``causal_lm.cache_argument``.)
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
 mask transformers' ``"sdpa"`` attention copies K and V once per query group of a grouped-query model
@@ -164,8 +165,9 @@ def attention_layout(model) -> AttentionLayout:
             continue
         if kind == "chunked_attention" and config.model_type in CHUNKED_FAMILIES:
             window = option.get("sliding_window")  # transformers' cache kwargs carry the chunk as sliding_window
-            if windows.setdefault(kind, window) != window or not window:
-                raise ValueError(f"{_name(model)} has chunked layers of chunks {window!r} and {windows[kind]!r}")
+            if not window or windows.setdefault(kind, window) != window:
+                raise ValueError(f"{_name(model)} has chunked layers of chunk sizes {window!r} and "
+                                 f"{windows.get(kind)!r}: CausalLM takes one")
             continue
         if kind not in _LAYER_TYPES:
             raise ValueError(f"{_name(model)} has {kind!r} layers; CausalLM masks full and sliding-window attention "
