@@ -12,7 +12,9 @@ it rejects, a library it needs). Then
   (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
   each node's logits against an uncached forward of its path (a recurrent model first: 4 calls of 4 tokens and 3 of
   one, with rollbacks of different counts per row, each token's logits against an uncached forward of its history):
-  "exact" (max |difference| below 1e-3), "different"
+  "exact" (max |difference| below 1e-3 of the logits' scale, ``1 + max |logit|``, as the probe measures: a random
+  model's logits can reach the hundreds, where float32's rounding between the wrapper's kernels and the reference's
+  passes 1e-3), "different"
   (the worst difference) or "fails" (the error);
 * ``wrapper``: what ``CausalLM(model)`` does with its defaults, the probe included (``models.probe``): "taken" or
   "refused" (the message).
@@ -77,6 +79,11 @@ def _uncached(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
+def _gap(cached, want) -> float:
+    """max |cached - want| over the logits' scale, ``1 + max |want|`` (``models.probe``'s measure)."""
+    return (cached - want).abs().max().item() / (1.0 + want.abs().max().item())
+
+
 def _path(tokens: list[int], parents: list[int], i: int) -> list[int]:
     path = []
     while i >= 0:
@@ -115,14 +122,14 @@ def unprobed(kind: str, options: dict | None = None) -> tuple[str, str]:
             for b in range(2):
                 for i in range(6):
                     want = _uncached(reference, histories[b] + _path(rows[b], parents, i))
-                    worst = max(worst, (logits[b, i, :want.shape[-1]] - want).abs().max().item())
+                    worst = max(worst, _gap(logits[b, i, :want.shape[-1]], want))
             lm.end_tree(torch.tensor([[True, True, True, False, False, True], [True, False, False, True, True, False]]))
             histories[0] += [pending[0], 10 + step, 20, 12]
             histories[1] += [pending[1], 30 - step, 40]
             pending = [7, 9]
         out = lm.score(torch.tensor([[pending[0]], [pending[1]]]))
         for b in range(2):
-            worst = max(worst, (out[b, -1] - _uncached(reference, histories[b] + [pending[b]])).abs().max().item())
+            worst = max(worst, _gap(out[b, -1], _uncached(reference, histories[b] + [pending[b]])))
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
         return "fails", " ".join(f"{type(error).__name__}: {error}".split())[:300]
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
@@ -142,19 +149,19 @@ def _chains(lm, reference) -> tuple[str, str]:
             for b in range(2):
                 for i in range(4):
                     want = _uncached(reference, histories[b] + tokens[: i + 1])
-                    worst = max(worst, (logits[b, i, :want.shape[-1]] - want).abs().max().item())
+                    worst = max(worst, _gap(logits[b, i, :want.shape[-1]], want))
             lm.rollback(list(counts))
             histories = [h + tokens[: 4 - n] for h, n in zip(histories, counts)]
         for i, token in enumerate((7, 11, 13)):
             out = lm.score(torch.tensor([[token], [token]]))
             for b in range(2):
                 want = _uncached(reference, histories[b] + [7, 11, 13][: i + 1])
-                worst = max(worst, (out[b, -1, :want.shape[-1]] - want).abs().max().item())
+                worst = max(worst, _gap(out[b, -1, :want.shape[-1]], want))
         lm.rollback([3, 1])
         histories = [histories[0], histories[1] + [7, 11]]
         out = lm.score(torch.tensor([[12], [12]]))
         for b in range(2):
-            worst = max(worst, (out[b, -1] - _uncached(reference, histories[b] + [12])).abs().max().item())
+            worst = max(worst, _gap(out[b, -1], _uncached(reference, histories[b] + [12])))
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
         return "fails", " ".join(f"{type(error).__name__}: {error}".split())[:300]
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
