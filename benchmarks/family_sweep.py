@@ -80,8 +80,9 @@ def _uncached(model, ids):
 
 
 def _gap(cached, want) -> float:
-    """max |cached - want| over the logits' scale, ``1 + max |want|`` (``models.probe``'s measure)."""
-    return (cached - want).abs().max().item() / (1.0 + want.abs().max().item())
+    from specresearch.models.probe import logit_gap  # the probe's own measure
+
+    return logit_gap(cached, want)
 
 
 def _path(tokens: list[int], parents: list[int], i: int) -> list[int]:

@@ -27,3 +27,14 @@ def _torch_threads():
     except ImportError:  # pragma: no cover - torch is a hard dependency
         return
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def brief_cost_timing(monkeypatch):
+    """The machine's step costs (``engine.cost.measure_cost_curve``) timed for real, but briefly: 3 repeats, 16 tokens,
+    one round (the default configuration's own timing takes a minute of a test)."""
+    import specresearch.engine.cost as cost
+
+    measure = cost.measure_cost_curve
+    monkeypatch.setattr(cost, "measure_cost_curve",
+                        lambda *a, **k: measure(*a, **{**k, "repeats": 3, "new_tokens": 16, "rounds": 1}))

@@ -189,7 +189,7 @@ def test_a_checkpoint_without_its_tokenizer_or_with_another_targets_draft_is_nam
     assert main(["generate", "hi", "--model", str(tmp_path), "--draft", "ngram", "--max-new-tokens", "3"]) == 0
 
 @pytest.mark.slow
-def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch):
+def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch, brief_cost_timing):
     """``generate`` without --draft uses GENERATE_DRAFT (its greedy text equals --autoregressive's), and
     --method contrastive uses CONTRASTIVE_AMATEUR as the amateur."""
     import specresearch.drafts.registry as drafts
@@ -199,9 +199,6 @@ def test_generate_drafts_with_the_combined_draft_by_default(capsys, monkeypatch)
     names, made, real = [], [], drafts.draft_from_name
     monkeypatch.setattr(drafts, "draft_from_name", lambda name, *a, **k: names.append(name) or made.append(
         real(name, *a, **k)) or made[-1])
-    measure = cost.measure_cost_curve  # the machine's costs timed for real, briefly (51 s of this test at its defaults)
-    monkeypatch.setattr(cost, "measure_cost_curve", lambda *a, **k: measure(*a, **{**k, "repeats": 3, "new_tokens": 16,
-                                                                                      "rounds": 1}))
     texts = []
     for extra in ([], ["--autoregressive"]):
         assert main(["generate", "Name three rivers.", "--max-new-tokens", "12", "--temperature", "0", *extra]) == 0

@@ -22,12 +22,7 @@ def test_readme_is_short():
 
 
 @pytest.mark.slow
-def test_readme_python_tour_runs(capsys, monkeypatch):
-    import specresearch.engine.cost as cost
-
-    measure = cost.measure_cost_curve  # gamma="auto" times the machine's costs for real, briefly (a minute at its defaults)
-    monkeypatch.setattr(cost, "measure_cost_curve", lambda *a, **k: measure(*a, **{**k, "repeats": 3, "new_tokens": 16,
-                                                                                      "rounds": 1}))
+def test_readme_python_tour_runs(capsys, brief_cost_timing):  # gamma="auto" times the machine's costs
     tour = _python_blocks(README.read_text())[0]
     exec(compile(tour, "README.md", "exec"), {"__name__": "readme_tour"})
     out = capsys.readouterr().out.splitlines()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHECKED_TYPES", "check_cached_tree"]
+__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree"]
 
 # a model's max |cached - uncached| logit difference allowed, relative to its logits' scale, by its weights' dtype
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -44,6 +44,11 @@ CHECKED_TYPES = frozenset({
     "llama4_text",
     "ministral", "mistral", "mixtral", "mpt", "olmo2", "opt", "phi", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3",
     "stablelm", "starcoder2", "xglm"})
+
+
+def logit_gap(cached: torch.Tensor, want: torch.Tensor) -> float:
+    """max |cached - want| over the logits' scale, ``1 + max |want|``: the measure :data:`TOLERANCE` bounds."""
+    return (cached - want).abs().max().item() / (1.0 + want.abs().max().item())
 
 
 def check_cached_tree(lm) -> None:
@@ -82,7 +87,7 @@ def check_cached_tree(lm) -> None:
             with torch.no_grad():
                 want = model(input_ids=torch.tensor([tokens], device=device)).logits[0, -1].float()
             width = min(want.shape[-1], cached.shape[-1])
-            gap = (cached[:width].to(want.device) - want[:width]).abs().max().item() / (1.0 + want.abs().max().item())
+            gap = logit_gap(cached[:width].to(want.device), want[:width])
             if not gap <= worst:  # NaN included
                 worst, where = gap, what
     except Exception as error:  # noqa: BLE001 -- a family's own failure, reported in one line
