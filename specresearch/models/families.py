@@ -282,11 +282,8 @@ def tiny_sparse_model(model_type: str, kernel: str = "eager", *, seed: int = 0, 
     config = AutoConfig.for_model(model_type, **{**SPARSE_FAMILIES[model_type], **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=kernel, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                if parameter.dim() > 1:
-                    parameter.normal_(0, 0.5)
+        model = _draw_matrices(AutoModelForCausalLM.from_config(config, attn_implementation=kernel,
+                                                                dtype=torch.float32).eval())
     return model
 
 
@@ -297,11 +294,15 @@ def tiny_recurrent_model(model_type: str, options: dict | None = None, *, seed: 
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **(RECURRENT_FAMILIES[model_type] if options is None else options))
-    model = AutoModelForCausalLM.from_config(config).eval()
+    return _draw_matrices(AutoModelForCausalLM.from_config(config).eval())
+
+
+def _draw_matrices(model, std: float = 0.5):
+    """``model`` with every matrix (embeddings included) drawn N(0, std^2) from torch's generator; norms kept."""
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
-                parameter.normal_(0, 0.5)
+                parameter.normal_(0, std)
     return model
 
 
