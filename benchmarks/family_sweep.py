@@ -4,9 +4,10 @@ take it or refuse it?
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
 defaults made tiny (the sizes below, where the config has them; eager attention, float32, seeded; where that does not
-build or run an uncached forward, once more with as many key-value heads as query heads, which latent attention as in
-Kimi Linear, DeepSeek-V3.2 and GLM-5 requires: the row's ``kv_heads``), or "not built" where neither does (a tiny size
-it rejects, a library it needs). Then
+build or run an uncached forward, again with as many key-value heads as query heads (latent attention as in Kimi
+Linear, DeepSeek-V3.2 and GLM-5 takes no grouped heads), with 8 layers (a hybrid whose pattern puts its first attention
+layer past two, which transformers' own forward refuses), and with both: the row's ``options``), or "not built" where
+none does (a tiny size it rejects, a library it needs). Then
 
 * ``unprobed``: the model behind ``CausalLM(..., probe=False)``, two left-padded rows, 4 draft trees of 6 nodes
   (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
@@ -20,7 +21,8 @@ it rejects, a library it needs). Then
   "refused" (the message).
 
 A type whose unprobed status is not "exact" must be refused: ``tests/test_probe.py`` checks the record for that.
-Each type runs in a process of its own (8 GB at most, 240 s), two at a time:
+Each type runs in a process of its own (8 GB at most, 600 s; Kimi Linear's 8 layers of reference kernels take 4 minutes),
+two at a time, with the cores shared between them (one thread each on two cores):
 
     PYTHONPATH=. .venv/bin/python benchmarks/family_sweep.py --out benchmarks/records/family_sweep.json
 """
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
@@ -44,12 +48,15 @@ SIZES = dict(hidden_size=32, n_embd=32, d_model=32, n_embed=32, num_hidden_layer
              max_position_embeddings=256, n_positions=256, moe_intermediate_size=16, shared_expert_intermediate_size=16,
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, initializer_range=0.5,
              sliding_window=6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-             decoder_start_token_id=1)
+             decoder_start_token_id=1, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16,
+             q_lora_rank=16, rotary_dim=4, n_group=1, topk_group=1, n_input_layers=1, n_output_layers=1)
 MEMORY = 8 * 2**30
-SECONDS = 240
+SECONDS = 600
 
 
-UNGROUPED = dict(num_key_value_heads=4)  # the second try: no grouped-query heads (latent attention takes none)
+UNGROUPED = dict(num_key_value_heads=4)  # no grouped-query heads (latent attention takes none)
+DEEPER = dict(num_hidden_layers=8, num_layers=8)  # a hybrid whose pattern puts its first attention layer past two
+TRIES = ({}, UNGROUPED, DEEPER, {**UNGROUPED, **DEEPER})
 
 
 def tiny_model(kind: str, options: dict | None = None):
@@ -173,16 +180,17 @@ def one(kind: str) -> dict:
     from specresearch.models.causal_lm import CausalLM
 
     warnings.simplefilter("ignore")
-    row = dict(model_type=kind)
-    try:
-        _uncached(tiny_model(kind), [5, 9, 2, 33])
-        options = None
-    except Exception as error:  # noqa: BLE001 -- a tiny config it rejects, or a library it needs
+    row, first = dict(model_type=kind), None
+    for options in TRIES:
         try:
-            _uncached(tiny_model(kind, UNGROUPED), [5, 9, 2, 33])
-            options, row["kv_heads"] = UNGROUPED, UNGROUPED["num_key_value_heads"]
-        except Exception:  # noqa: BLE001
-            return {**row, "built": False, "detail": " ".join(f"{type(error).__name__}: {error}".split())[:200]}
+            _uncached(tiny_model(kind, options), [5, 9, 2, 33])
+            break
+        except Exception as error:  # noqa: BLE001 -- a tiny config it rejects, or a library it needs
+            first = first or " ".join(f"{type(error).__name__}: {error}".split())[:200]
+    else:
+        return {**row, "built": False, "detail": first}
+    if options:
+        row["options"] = options
     row["built"] = True
     row["unprobed"], row["unprobed_detail"] = unprobed(kind, options)
     try:
@@ -197,10 +205,11 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
 
 
-def _run(kind: str) -> dict:
+def _run(kind: str, threads: int) -> dict:
     command = [sys.executable, __file__, "--one", kind]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS, preexec_fn=_limits)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS, preexec_fn=_limits,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if lines:
             return json.loads(lines[-1])
@@ -226,7 +235,8 @@ def main(argv: list[str]) -> int:
 
     kinds = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(tqdm(pool.map(_run, kinds), total=len(kinds), desc="model types"))
+        threads = max(1, (os.cpu_count() or 1) // args.jobs)  # two processes of two threads on two cores thrash
+        rows = list(tqdm(pool.map(partial(_run, threads=threads), kinds), total=len(kinds), desc="model types"))
     built = [row for row in rows if row["built"]]
     summary = {"types": len(rows), "built": len(built),
                **{f"unprobed {status}": sum(row["unprobed"] == status for row in built)
