@@ -45,7 +45,8 @@ LIBRARIES = {
     "seqspecdecod.naive_hsd": ("sequential-speculative-decoding==0.1.1", "seqspecdecod", "naive_hsd_step (hierarchical SD)"),
     "seqspecdecod.capped_hsd": ("sequential-speculative-decoding==0.1.1", "seqspecdecod", "capped_hsd_step (hierarchical SD)"),
     "flashspec": ("flashspec==0.3.1", "flashspec", "SpeculativeEngine.generate, its default strategy"),
-    "eagle-llm": ("eagle-llm==1.2.1", "eagle", "EaModel (EAGLE-1/2)"),
+    "eagle-llm": ("eagle-llm==1.2.1", "eagle", "EaModel.eagenerate (EAGLE-1/2), as shipped"),
+    "eagle-llm.rope_theta": ("eagle-llm==1.2.1", "eagle", "EaModel.eagenerate (EAGLE-1/2), its RoPE given the config's base"),
     "economize": ("economize==0.3.2", "economize", "economize.generate with a speculative technique"),
 }
 BLOCKS = Path("benchmarks/records/blocks")
@@ -68,8 +69,8 @@ def library_sampler(name: str, temperature: float, gamma: int):
         sys.path.insert(0, folder)
     from specresearch.experiments.executor import loaded
 
-    target, draft, _ = loaded(pair)
-    return sampler(name, target, draft, temperature, gamma)
+    target, draft, tokenizer = loaded(pair)
+    return sampler(name, target, draft, temperature, gamma, tokenizer)
 
 
 def blocks_path(name: str, args) -> Path:
@@ -84,9 +85,10 @@ def done_key(row: dict) -> tuple:
     return row["library"], row.get("power_n")
 
 
-def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
+def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int, tokenizer=None):
     """``sample(prompt_ids, n_tokens) -> token ids`` running library ``name``'s own code (``target_lm`` / ``draft_lm``:
-    the toolkit's wrappers; the libraries get the transformers models inside)."""
+    the toolkit's wrappers; the libraries get the transformers models inside; ``tokenizer``: the target's, for a
+    library that loads one from the model's folder)."""
     import torch
 
     target, draft = target_lm.model, draft_lm.model
@@ -138,8 +140,8 @@ def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
             result = engine.generate(torch.tensor([prompt]), max_new_tokens=n_tokens + 1)
             return [t for t in result.output_ids[0].tolist() if t >= 0]
         return sample
-    if name == "eagle-llm":
-        return _eagle_llm(target, temperature)
+    if name.startswith("eagle-llm"):
+        return _eagle_llm(target, temperature, tokenizer, rope_theta=name.endswith(".rope_theta"))
     if name == "economize":
         import copy
         import tempfile
@@ -166,29 +168,57 @@ def sampler(name: str, target_lm, draft_lm, temperature: float, gamma: int):
     raise ValueError(f"unknown library {name!r}")
 
 
-def _eagle_llm(target, temperature: float):
+def _eagle_llm(target, temperature: float, tokenizer, rope_theta: bool):
     """eagle-llm's EaModel on the embedded target with a randomly initialised EAGLE-1 head in its own format (the
-    head's quality changes the speed, not the law its verification promises)."""
+    head's quality changes the speed, not the law its verification promises), its tokenizer beside the base's weights
+    (EaModel loads it for the end-of-sequence id).
+
+    eagle-llm 1.2.1 was written for transformers 4.x; four shims let it run on 5.x without touching what it computes:
+    its tied head named as a 4.x list (``["lm_head.weight"]``) is named as 5.x's map to the embedding, transformers 5's
+    configs report plain RoPE as ``rope_scaling = {"rope_type": "default", ...}`` where 4.x had
+    ``None`` (its ``_init_rope`` reads ``["type"]``: set to ``None`` there), 5.x's loading leaves the rotary
+    embeddings' non-persistent buffers unset (NaN logits: they are rebuilt, ``_init_rope`` again, after loading),
+    and the model is put in eval mode as its README does (its head runs the training branch otherwise, which returns
+    no cache). Its own Llama (``modeling_llama_kv``, and the head's ``cnets``) builds RoPE with base 10,000 whatever
+    the config's ``rope_theta`` (SmolLM2's is 100,000): ``rope_theta=True`` (library ``eagle-llm.rope_theta``)
+    gives its rotary embeddings the config's base, to test its verification apart from that."""
     import tempfile
 
     import torch
+    from eagle.model import cnets, modeling_llama_kv
     from eagle.model.cnets import Model
     from eagle.model.configs import EConfig
     from eagle.model.ea_model import EaModel
 
+    def plain_rope(init_rope):
+        def init(self):
+            scaling = self.config.rope_scaling
+            if isinstance(scaling, dict) and scaling.get("rope_type") == "default":
+                self.config.rope_scaling = None
+            init_rope(self)
+        init.shimmed = True
+        return init
+
+    modeling_llama_kv.LlamaForCausalLM._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    for module in (cnets, modeling_llama_kv):
+        if not getattr(module.LlamaAttention._init_rope, "shimmed", False):
+            module.LlamaAttention._init_rope = plain_rope(module.LlamaAttention._init_rope)
     base = Path(tempfile.mkdtemp(prefix="eagle-base-"))
     target.save_pretrained(base)
+    tokenizer.save_pretrained(base)
     head = Path(tempfile.mkdtemp(prefix="eagle-head-"))
     (head / "config.json").write_text((base / "config.json").read_text())
     torch.manual_seed(0)
-    try:
-        layer = Model(EConfig.from_pretrained(head / "config.json"), load_emb=False)
-    except KeyError as error:
-        raise RuntimeError(f"eagle-llm's own modelling (eagle/model/cnets.py, _init_rope) reads config.rope_scaling[{error}], "
-                           "which transformers 5.x configs no longer carry; it was written for transformers 4.x (its pins: "
-                           "accelerate 0.21, fschat 0.2.31)") from None
-    torch.save(layer.state_dict(), head / "pytorch_model.bin")
+    torch.save(Model(EConfig.from_pretrained(head / "config.json"), load_emb=False).state_dict(),
+               head / "pytorch_model.bin")
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), torch_dtype=torch.float32)
+    for module in model.modules():
+        if hasattr(module, "rotary_emb"):
+            module._init_rope()  # the buffers 5.x's loading left unset
+            if rope_theta:
+                module.rotary_emb = type(module.rotary_emb)(module.head_dim, module.max_position_embeddings,
+                                                            base=target.config.rope_parameters["rope_theta"])
+    model.eval()
 
     def sample(prompt, n_tokens):
         ids = torch.tensor([prompt])
@@ -220,7 +250,7 @@ def worker(name: str, args) -> dict:
         if power and executor.name != "local":
             library = dict(sampler=functools.partial(this.library_sampler, name, args.temperature, args.gamma))
         else:
-            library = dict(sample=sampler(name, target, draft, args.temperature, args.gamma))
+            library = dict(sample=sampler(name, target, draft, args.temperature, args.gamma, tokenizer))
         result = execute("python", prompt=args.prompt, n_tokens=args.n_tokens, **({"num_samples": args.samples} | power),
                          temperature=args.temperature, target=target.model, tokenizer=tokenizer, **library,
                          name=name, version=spec, progress=False)
