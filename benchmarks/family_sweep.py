@@ -105,6 +105,7 @@ def unprobed(kind: str, options: dict | None = None) -> tuple[str, str]:
     import torch
 
     from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.probe import error_line
 
     model, reference = tiny_model(kind, options), tiny_model(kind, options)
     try:
@@ -139,7 +140,7 @@ def unprobed(kind: str, options: dict | None = None) -> tuple[str, str]:
         for b in range(2):
             worst = max(worst, _gap(out[b, -1], _uncached(reference, histories[b] + [pending[b]])))
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
-        return "fails", " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        return "fails", error_line(error)
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
 
 
@@ -147,6 +148,8 @@ def _chains(lm, reference) -> tuple[str, str]:
     """A model with recurrent layers (which runs chains only): the two rows score 4 calls of 4 tokens, each followed by
     rollbacks of different counts per row, then three one-token calls rolled back across them, and a token after."""
     import torch
+
+    from specresearch.models.probe import error_line
 
     try:
         lm.prefill(torch.tensor([[5, 9, 2, 33], [0, 0, 4, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
@@ -171,13 +174,14 @@ def _chains(lm, reference) -> tuple[str, str]:
         for b in range(2):
             worst = max(worst, _gap(out[b, -1], _uncached(reference, histories[b] + [12])))
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
-        return "fails", " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        return "fails", error_line(error)
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
 
 
 def one(kind: str) -> dict:
     """One type's row of the record."""
     from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.probe import error_line
 
     warnings.simplefilter("ignore")
     row, first = dict(model_type=kind), None
@@ -186,7 +190,7 @@ def one(kind: str) -> dict:
             _uncached(tiny_model(kind, options), [5, 9, 2, 33])
             break
         except Exception as error:  # noqa: BLE001 -- a tiny config it rejects, or a library it needs
-            first = first or " ".join(f"{type(error).__name__}: {error}".split())[:200]
+            first = first or error_line(error, 200)
     else:
         return {**row, "built": False, "detail": first}
     if options:

@@ -122,3 +122,19 @@ def test_the_sweeps_record_takes_no_type_whose_cache_scores_otherwise():
     assert not [row["model_type"] for row in built if row["unprobed"] != "exact" and row["wrapper"] == "taken"]
     assert not [row["model_type"] for row in built if row["unprobed"] == "exact" and "probe" in row["wrapper_detail"]]
     assert record["summary"]["taken but not exact"] == 0
+
+
+def test_an_error_without_a_message_is_named_by_where_it_was_raised():
+    """A model's bare ``assert`` (XLM's mask check) reaches the probe's refusal with no text: ``error_line`` names the
+    file, line and code that raised it instead, and keeps a message where there is one."""
+    from specresearch.models.probe import error_line
+
+    def bare():  # as an ``assert`` raises outside pytest's rewriting of this file
+        raise AssertionError
+
+    try:
+        bare()
+    except AssertionError as error:
+        line = error_line(error)
+    assert line.startswith("AssertionError: raised at tests/test_probe.py:") and line.endswith(": raise AssertionError")
+    assert error_line(ValueError("two\n  lines"), limit=9) == "ValueError: two lines"[:9]

@@ -448,7 +448,7 @@ class CausalLM:
                     layer.indexer_keys = _gather_slots(layer.indexer_keys[:, None], slots)[:, 0]
             if self.recurrent:
                 states.set_length(self._cache, self._slots.length)
-        assert self._cache.get_seq_length() == self._slots.length
+        self._check_length()
 
     def repeat_rows(self, k: int) -> None:
         """Each row becomes ``k`` consecutive rows with the same cache (drafting k paths per row)."""
@@ -523,12 +523,18 @@ class CausalLM:
             )
         if kept is not None:
             states.after_call(kept)
-        assert self._cache.get_seq_length() == self._slots.length
+        self._check_length()
         logits = fit_width(out.logits.float(), self.logits_width)
         if hidden_layers is None:
             return logits, None
         hidden = torch.cat([out.hidden_states[i].to(self.device) for i in hidden_layers], dim=-1)  # layers' devices
         return logits, hidden.float()
+
+    def _check_length(self) -> None:
+        held = self._cache.get_seq_length()
+        if held != self._slots.length:  # a model whose layers keep no slot per token (RecurrentGemma, CPM-Ant)
+            raise RuntimeError(f"{type(self.model).__name__}'s cache holds {held} tokens where CausalLM placed "
+                               f"{self._slots.length}: its layers do not keep one cache slot per token")
 
     def _mask(self, positions: torch.Tensor, visible: torch.Tensor | None):
         """The attention mask of a call appending slots at ``positions [B, k]``: the 2-D slot mask where transformers

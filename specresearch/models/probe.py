@@ -26,9 +26,11 @@ kernels compute in float32, and an uncached forward runs a chunked form of the r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree"]
+__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree", "error_line"]
 
 # a model's max |cached - uncached| logit difference allowed, relative to its logits' scale, by its weights' dtype
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -91,7 +93,7 @@ def check_cached_tree(lm) -> None:
             if not gap <= worst:  # NaN included
                 worst, where = gap, what
     except Exception as error:  # noqa: BLE001 -- a family's own failure, reported in one line
-        detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        detail = error_line(error)
         what = "a cached draft tree and chains" if lm.recurrent else "a cached draft tree"
         raise ValueError(f"{name} fails CausalLM's probe of {what} ({detail}): a family the matrices "
                          "do not check (models.probe); use a model of another family") from error
@@ -152,3 +154,23 @@ def _chain_calls(lm, ids: list[int], histories: list[list[int]]) -> list:
     for row in range(2):
         histories[row] = histories[row] + ids[8 : 11 - CALLS_ROLLBACK[row]]
     return calls
+
+
+def error_line(error: BaseException, limit: int = 300) -> str:
+    """``error`` in one line of at most ``limit`` characters: its type and message, or, for an error with no message
+    of its own (a bare ``assert``), where it was raised (``file:line: code``, the file from its package down)."""
+    return " ".join(f"{type(error).__name__}: {str(error) or _raised_at(error)}".split())[:limit]
+
+
+def _raised_at(error: BaseException) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "no message"
+    frame = frames[-1]
+    path = Path(frame.filename).parts
+    root = (path.index("site-packages") + 1 if "site-packages" in path
+            else len(path) - 1 - path[::-1].index("specresearch") if "specresearch" in path else len(path) - 2)
+    short = "/".join(path[root:])
+    return f"raised at {short}:{frame.lineno}: {frame.line}" if frame.line else f"raised at {short}:{frame.lineno}"
