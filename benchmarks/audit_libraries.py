@@ -182,6 +182,8 @@ def _eagle_llm(target, temperature: float, tokenizer, rope_theta: bool):
     no cache). Its own Llama (``modeling_llama_kv``, and the head's ``cnets``) builds RoPE with base 10,000 whatever
     the config's ``rope_theta`` (SmolLM2's is 100,000): ``rope_theta=True`` (library ``eagle-llm.rope_theta``)
     gives its rotary embeddings the config's base, to test its verification apart from that."""
+    if tokenizer is None:
+        raise ValueError("eagle-llm's EaModel loads a tokenizer from the base model's folder: pass the target's")
     import tempfile
 
     import torch
