@@ -25,6 +25,7 @@ Each type runs in a process of its own (8 GB at most, 600 s; Kimi Linear's 8 lay
 two at a time, with the cores shared between them (one thread each on two cores):
 
     PYTHONPATH=. .venv/bin/python benchmarks/family_sweep.py --out benchmarks/records/family_sweep.json
+    PYTHONPATH=. .venv/bin/python benchmarks/family_sweep.py --types inkling_text --update   # one type again, in place
 """
 
 from __future__ import annotations
@@ -228,6 +229,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", help="the record (default benchmarks/records/family_sweep.json)")
     parser.add_argument("--jobs", type=int, default=2, help="types run at once (default 2)")
     parser.add_argument("--types", nargs="*", help="these model types only (default: every one)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --types: rerun those types in the record and keep its other rows, each row naming "
+                             "the commit it was made at")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
@@ -241,13 +245,23 @@ def main(argv: list[str]) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)  # two processes of two threads on two cores thrash
         rows = list(tqdm(pool.map(partial(_run, threads=threads), kinds), total=len(kinds), desc="model types"))
+    out = Path(args.out or Path(__file__).resolve().parent / "records" / "family_sweep.json")
+    if args.update:
+        if not args.types or not out.exists():
+            parser.error("--update reruns the --types given in an existing record")
+        from specresearch.experiments.records import git_commit
+
+        old = json.loads(out.read_text())
+        commit = git_commit()
+        fresh = {row["model_type"]: {**row, "commit": commit} for row in rows}
+        rows = [fresh.pop(row["model_type"], None) or {"commit": old["commit"], **row} for row in old["rows"]]
+        rows = sorted(rows + list(fresh.values()), key=lambda row: row["model_type"])
     built = [row for row in rows if row["built"]]
     summary = {"types": len(rows), "built": len(built),
                **{f"unprobed {status}": sum(row["unprobed"] == status for row in built)
                   for status in ("exact", "different", "fails", "refused")},
                "taken": sum(row["wrapper"] == "taken" for row in built),
                "taken but not exact": sum(row["wrapper"] == "taken" and row["unprobed"] != "exact" for row in built)}
-    out = Path(args.out or Path(__file__).resolve().parent / "records" / "family_sweep.json")
     import transformers
 
     write_json_record(out, {**record_header("benchmarks/family_sweep.py", argv, target=None,

@@ -4,16 +4,19 @@
   Falcon-Mamba (no attention layer: they take the call's columns of the 2-D mask), Mamba-2, Jamba (whose scan
   overwrites the cached state before transformers records it), Bamba, Falcon-H1 (attention and a state space in
   one layer), Granite-4 hybrid, Nemotron-H (MLP-only layers), OLMo-hybrid, Kimi Linear (latent attention beside
-  Kimi Delta Attention), LFM2 (short convolutions): ``CausalLM``'s chain probe passes at construction (uneven per-row
-  rollbacks within a call and across one-token calls, each call's logits against an uncached forward), greedy
-  speculative decoding gives the autoregressive tokens, and those are transformers' own ``generate``'s.
+  Kimi Delta Attention), LFM2 (short convolutions), Inkling's three variants: ``CausalLM``'s chain probe passes at
+  construction (uneven per-row rollbacks within a call and across one-token calls, each call's logits against an
+  uncached forward), greedy speculative decoding gives the autoregressive tokens, and those are transformers' own
+  ``generate``'s.
 * A call of more than KEEP tokens after a cached state goes in pieces: Mamba's and Jamba's kernels scan the rest of a
   longer call from a zero state.
 * Windows beside recurrent layers (Lara mini): the cache keeps full attention layers where the config names sliding
   ones, and the recurrent layers take the call's columns of the 2-D mask in the mapping of masks.
-* Refused in one line: Zamba2 (its cached calls differ from its forward), Inkling (relative positions and log scaling
-  from the cache's slot count), RecurrentGemma (its blocks keep their own state), the static form of a recurrent
-  target.
+* Refused in one line: Zamba2 (its cached calls differ from its forward), RecurrentGemma (its blocks keep their own
+  state), the static form of a recurrent target.
+* Inkling 1, 2 and 2-loop (short convolutions, a relative bias and log scaling that transformers counts in cache
+  slots): mended to read positions off the masks, a chain, uneven rollbacks, a tree and a token after it match an
+  uncached forward; unmended (the control) they do not, and the probe refuses them.
 * Its draft trees run one row per path, giving its greedy tokens (sampled and dynamic trees).
 * T = 1: a Qwen3.5 target with a Llama draft (chains and K = 2 traversal trees), and a Llama target with a Qwen3.5
   draft, keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6 each).
@@ -23,6 +26,7 @@
 
 import pytest
 import torch
+from helpers import tree_path, visible_from_parents
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name
@@ -32,14 +36,11 @@ from specresearch.experiments.stats import lossless_test
 from specresearch.models import recurrent
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import RECURRENT_FAMILIES, tiny_recurrent_model
+from specresearch.models.probe import logit_gap
 from specresearch.models.toy import tiny_llama
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 REFUSED = {
-    # its attention adds a relative-position bias and a log scaling computed from the cache's slot count
-    "inkling_text": (dict(SMALL, num_hidden_layers=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=16, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-                     "otherwise than an uncached forward"),
     # its recurrent blocks keep their state on themselves, and a cached call of several tokens restarts it; its cache's
     # length is not the wrapper's slot count, which the wrapper checks after every call
     "recurrent_gemma": (dict(SMALL, num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False, pad_token_id=0,
@@ -147,3 +148,67 @@ def test_a_long_call_after_a_cached_state_goes_in_pieces_and_matches_the_forward
         with torch.no_grad():
             want = model(input_ids=tokens[row:row + 1, start:]).logits[0, 70 - start:].float()
         assert torch.allclose(got[row], want, atol=1e-4), (row, (got[row] - want).abs().max())
+
+
+INKLING = ["inkling_text", "inkling2_text", "inkling2_loop_text"]
+
+
+def _inkling_gap(lm: CausalLM, model) -> float:
+    """Two rows (one left-padded) through a chain call, uneven rollbacks, a draft tree (path by path) and a token
+    after it: the largest difference of ``lm``'s logits from an uncached forward of each node's history, as the
+    probe measures it (a fraction of the logits' scale)."""
+    parents, depth = [-1, 0, 1, 0, 3, 2], torch.tensor([[0, 1, 2, 1, 2, 3]] * 2)
+    lm.prefill(torch.tensor([[5, 9, 3, 17, 22, 8], [0, 0, 0, 7, 2, 11]]), torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]]))
+    histories, worst = [[5, 9, 3, 17, 22, 8], [7, 2, 11]], 0.0
+    chain = [30, 31, 32, 33]
+    logits = lm.score(torch.tensor([chain, chain]))
+    for b in range(2):
+        worst = max(worst, max(logit_gap(logits[b, i], _uncached(model, histories[b] + chain[:i + 1]))
+                               for i in range(4)))
+    lm.rollback([1, 3])
+    histories = [histories[0] + chain[:3], histories[1] + chain[:1]]
+    rows = torch.tensor([[12, 40, 41, 42, 43, 44], [13, 45, 46, 47, 48, 49]])
+    lm.begin_tree()
+    logits = lm.score_tree(rows, depth, visible_from_parents(parents).expand(2, -1, -1))
+    for b in range(2):
+        worst = max(worst, max(logit_gap(logits[b, i], _uncached(model, histories[b] + tree_path(rows[b], parents, i)))
+                               for i in range(6)))
+    lm.end_tree(torch.tensor([[True, True, True, False, False, True], [True, False, False, True, True, False]]))
+    histories = [histories[0] + [12, 40, 41, 44], histories[1] + [13, 47, 48]]
+    logits = lm.score(torch.tensor([[50], [51]]))
+    for b, token in enumerate((50, 51)):
+        worst = max(worst, logit_gap(logits[b, 0], _uncached(model, histories[b] + [token])))
+    return worst
+
+
+@pytest.mark.parametrize("family", INKLING)
+def test_inkling_places_its_relative_bias_and_log_scale_by_position(family, monkeypatch):
+    """Inkling's attention gathers a relative bias at (query slot - key slot) and log-scales its full layers' queries
+    and bias by the query's slot count (Inkling 2: by the position ids it is handed); after uneven rollbacks and in
+    a tree's paths a slot is not a position. ``positions_from_masks`` takes both from the masks: a chain, uneven
+    rollbacks, a tree and a token after it give an uncached forward's logits (windows of 6, a bias extent of 8 and the
+    log scaling from position 2 all reached), on each kernel the family offers. The controls: unmended, its logits
+    are off and the probe refuses it; Inkling 1 with the bias mended but its scale left by slot is off too."""
+    for kernel in ("eager", "sdpa") if family == "inkling_text" else ("eager",):  # Inkling 2 offers eager only
+        model = tiny_recurrent_model(family)
+        model.set_attn_implementation(kernel)
+        assert _inkling_gap(CausalLM(model), model) < 1e-4, kernel
+    import specresearch.models.attention as attention
+    import specresearch.models.causal_lm as causal_lm
+
+    unmended = tiny_recurrent_model(family)
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "_positions_from_slots", lambda model, config: None)
+        patch.setattr(causal_lm, "positions_from_masks", lambda model: False)
+        assert _inkling_gap(CausalLM(unmended, probe=False), unmended) > 1e-2
+        with pytest.raises(ValueError, match="otherwise than an uncached forward"):
+            CausalLM(unmended)
+    with pytest.raises(ValueError, match="takes its relative position bias"):
+        attention.attention_layout(unmended)
+    if family == "inkling_text":
+        lm = CausalLM(tiny_recurrent_model(family), probe=False)
+        for module in lm.model.modules():
+            if getattr(module, "specresearch_tau", None):  # the full layer: its scale by slot again
+                module.config, module.specresearch_tau = lm.model.config, None
+                module.q_norm._forward_hooks.clear()
+        assert _inkling_gap(lm, model) > 1e-2

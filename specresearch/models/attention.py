@@ -41,9 +41,10 @@ mask; a ``hybrid_sliding`` layer (a recurrent state and windowed attention: Inkl
 mask. A model of another family whose config names chunked or indexed layers is refused, as is any other type
 (compressed attention), with one line. So is a model whose attention places a key by its slot in the cache rather
 than by the position ids the wrapper passes: in a tree or after a rollback its logits would be wrong without an error.
-The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot, and Llama 4's layers
-without RoPE scale their queries by the slot count (its temperature tuning); :func:`positions_from_masks` makes them
-read positions off the masks (Llama 4: off the position ids) instead. (A model without a KV cache, GPT-1, is refused
+The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's windowed local layers place keys by slot, Llama 4's layers
+without RoPE scale their queries by the slot count (its temperature tuning), and Inkling's relative bias (and Inkling
+1's log scaling) counts slots; :func:`positions_from_masks` makes them read positions off the masks (Llama 4: off the
+position ids) instead. (A model without a KV cache, GPT-1, is refused
 by ``causal_lm.cache_argument``.)
 
 Attention of such calls: every call that scores 2 or more cached tokens carries a mask, and under a
@@ -63,6 +64,7 @@ a 2-D mask.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import warnings
@@ -195,6 +197,8 @@ def _positions_from_slots(model, config) -> str | None:
             return "windows its local layers over cache slots (its attention's own causal buffer)"
         if kind == "mpt":
             return "computes ALiBi from each key's slot in the cache"
+        if kind.startswith("inkling"):
+            return "takes its relative position bias (and log-scaled queries) from each key's and query's slot"
         return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
     return None
 
@@ -223,7 +227,10 @@ def positions_from_masks(model) -> bool:
     masked value in float64 (float32's lowest, as :func:`additive_mask`). Llama 4's attentions without RoPE scale
     their queries by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` with ``p`` the cache's slot count plus
     the token's index in the call; each gets the scale from the position ids its decoder layer is handed instead (a
-    pre-hook on the layer keeps them, a hook on ``q_proj`` scales its output). A model of another family is left as
+    pre-hook on the layer keeps them, a hook on ``q_proj`` scales its output). Inkling's attentions gather a relative
+    bias at ``query slot - key slot`` (Inkling 2: the model's one ``relative_distance`` for every row) and Inkling 1's
+    full layers scale queries and bias by ``tau`` of the query's slot count (:func:`_mend_inkling`); each takes the
+    distances (and ``p + 1``, the keys a full layer's query sees) from its mask. A model of another family is left as
     it is."""
     modules = _slot_placed(model)
     for module in modules:
@@ -244,6 +251,10 @@ def positions_from_masks(model) -> bool:
             module.register_forward_pre_hook(partial(_falcon_alibi, slopes=_slopes(build, module, module.num_heads),
                                                      scale=math.sqrt(config.hidden_size // config.num_attention_heads)),
                                              with_kwargs=True)
+        elif hasattr(module, "relative_position_bias"):  # one of Inkling 2's attentions: distances from its mask
+            module.register_forward_pre_hook(_inkling2_distances, with_kwargs=True)
+        elif hasattr(module, "rel_logits_proj"):  # one of Inkling's attentions: distances and log scale from its mask
+            _mend_inkling(module)
         elif hasattr(module, "floor_scale"):  # one of Llama 4's NoPE attentions: its query scale from positions
             module.attn_temperature_tuning = False
             layer = next(layer for layer in model.modules() if getattr(layer, "self_attn", None) is module)
@@ -268,6 +279,10 @@ def _slot_placed(model) -> list:
     if kind == "gpt_neo":
         return [module for module in model.modules()
                 if getattr(module, "attention_type", None) == "local" and hasattr(module, "bias")]
+    if kind in ("inkling", "inkling_text"):
+        return [module for module in model.modules() if type(module).__name__ == "InklingAttention"]
+    if kind.startswith("inkling2"):
+        return [module for module in model.modules() if hasattr(module, "relative_position_bias")]
     if kind == "llama4_text":
         return [module for module in model.modules() if type(module).__name__ == "Llama4TextAttention"
                 and getattr(module, "attn_temperature_tuning", False) and not module.use_rope]
@@ -352,6 +367,74 @@ def _llama4_query_scale(q_proj, args, output, *, attention):
     positions = attention.specresearch_positions.float()
     scales = torch.log1p(torch.floor((positions + 1.0) / attention.floor_scale)) * attention.attn_scale + 1.0
     return (output * scales[..., None]).to(output.dtype)
+
+
+def _distances(mask: torch.Tensor) -> torch.Tensor:
+    """A 4-D mask -> ``[B, 1, q, L]``: how many positions back each key a query sees lies (the keys it sees after
+    it), -1 where it sees none."""
+    seen = _visible(mask)[:, :1].long()
+    return (seen.flip(-1).cumsum(-1).flip(-1) - 1).masked_fill(seen == 0, -1)
+
+
+def _inkling2_distances(module, args, kwargs):
+    """Inkling 2's attentions take ``relative_distance`` (query slot minus key slot, one ``[q, L]`` for every row) from
+    the model; each gets the distances its own mask gives instead, per row (the bias broadcasts over heads)."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.ndim != 4:
+        return None  # transformers' own causal mask over a row's slots: slots are positions
+    return args, {**kwargs, "relative_distance": _distances(mask)}
+
+
+def _mend_inkling(module) -> None:
+    """Inkling's attention measures its relative bias's distances, and the position its full layers' log scaling
+    (``tau = 1 + alpha * log(max((p + 1) / n_floor, 1))`` on queries and bias) reads, in cache slots; a pre-hook keeps
+    each call's distances and positions from its mask, ``rel_logits_proj`` gathers the bias at those distances and
+    scales it, a hook on ``q_norm`` scales the queries, and the module reads a copy of the config without the scaling."""
+    config = module.config
+    scaled = not module.is_sliding and config.log_scaling_n_floor is not None
+    if scaled:
+        module.config = copy.copy(config)
+        module.config.log_scaling_n_floor = None
+        module.q_norm.register_forward_hook(partial(_inkling_query_scale, attention=module))
+    module.specresearch_tau = (config.log_scaling_alpha, config.log_scaling_n_floor) if scaled else None
+    module.register_forward_pre_hook(_inkling_positions, with_kwargs=True)
+    own = module.rel_logits_proj
+    own.forward = partial(_inkling_bias, own, own.forward, attention=module)
+
+
+def _inkling_positions(module, args, kwargs):
+    mask, cache = kwargs.get("attention_mask"), kwargs.get("cache")
+    hidden = args[0] if args else kwargs["hidden_states"]
+    if mask is not None and mask.ndim == 4:
+        distances = _distances(mask)
+        module.specresearch_inkling = distances, (distances >= 0).sum(-1)  # [B, 1, q, L]; each query's position + 1
+    else:  # transformers' own causal mask over a row's slots: the slots are the positions, as Inkling counts them
+        offset = cache.get_query_offset(module.layer_idx) if cache is not None else 0
+        module.specresearch_inkling = None, torch.arange(1, hidden.shape[1] + 1, device=hidden.device)[None, None] + offset
+
+
+def _inkling_tau(attention, counts: torch.Tensor) -> torch.Tensor:
+    alpha, floor = attention.specresearch_tau
+    return 1.0 + alpha * torch.log((counts.float() / floor).clamp(min=1.0))  # [B, 1, q]
+
+
+def _inkling_bias(proj, own, relative_states, query_positions, key_positions, *, attention):
+    distances, counts = attention.specresearch_inkling
+    if distances is None:
+        bias = own(relative_states, query_positions, key_positions)
+    else:
+        logits = (relative_states @ proj.proj).transpose(1, 2)  # [B, H, q, extent]
+        index = distances.clamp(0, proj.rel_extent - 1).expand(*logits.shape[:2], -1, -1)
+        bias = logits.gather(-1, index).masked_fill((distances < 0) | (distances >= proj.rel_extent), 0.0)
+    if attention.specresearch_tau is None:
+        return bias
+    return (bias.float() * _inkling_tau(attention, counts)[..., None]).to(bias.dtype)
+
+
+def _inkling_query_scale(q_norm, args, output, *, attention):
+    """``q_norm``'s output ``[B, q, H, D]`` times each query's ``tau``."""
+    tau = _inkling_tau(attention, attention.specresearch_inkling[1])  # [B, 1, q]
+    return (output.float() * tau.transpose(1, 2)[..., None]).to(output.dtype)
 
 
 def _windowed_mask(module, args, kwargs, *, window: int):

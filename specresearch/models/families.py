@@ -230,6 +230,10 @@ _RECURRENT_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num
 _LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+_INKLING = dict(**_RECURRENT_SMALL, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4,
+                num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=WINDOW, rel_extent=8,
+                log_scaling_n_floor=2, log_scaling_alpha=0.5, n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # transformers model_type -> config settings of a tiny model with recurrent layers (models.recurrent; tests/test_recurrent.py)
 RECURRENT_FAMILIES = {
     "qwen3_5_text": dict(**_RECURRENT_SMALL, **_LINEAR),
@@ -257,6 +261,14 @@ RECURRENT_FAMILIES = {
                       sliding_window=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       shared_expert_intermediate_size=16, tie_word_embeddings=False),  # windows beside recurrent layers
     "lfm2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+    # Inkling: short convolutions in every layer, a relative bias (zero past rel_extent) and log-scaled full layers;
+    # Inkling 2: attention residuals across blocks; its loop variant runs its middle layer twice
+    "inkling_text": dict(**_INKLING, mlp_layer_types=["sparse"] * 2, n_shared_experts=1),
+    "inkling2_text": dict(**_INKLING, n_layers_per_attn_res_block=1, unpadded_vocab_size=64),
+    "inkling2_loop_text": dict(**{**_INKLING, "num_hidden_layers": 3,
+                                  "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"]},
+                               n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2,
+                               loop_num_passes=2, loop_gate_rank=4, unpadded_vocab_size=64),
 }
 # model_type -> config settings of a tiny Qwen3.5 (dense) / Qwen3-Next (experts) with one MTP layer (drafts.qwen_mtp)
 QWEN_MTP_CONFIGS = {kind: dict(RECURRENT_FAMILIES[kind], mtp_num_hidden_layers=1) for kind in ("qwen3_5_text", "qwen3_next")}
