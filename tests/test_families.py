@@ -27,7 +27,7 @@ from helpers import explain_static_calls, tree_path, visible_from_parents
 from specresearch.config import SamplingConfig
 from specresearch.experiments.families import NEW_TOKENS, PROMPTS, all_cases, more_cases, reference_tokens, run_case
 from specresearch.experiments.stats import lossless_test
-from specresearch.models.attention import AttentionLayout, attention_layout, positions_from_masks
+from specresearch.models.attention import AttentionLayout, attention_layout
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import (
     FAMILIES,
@@ -38,6 +38,7 @@ from specresearch.models.families import (
     tiny_family_model,
 )
 from specresearch.models.kernels import experts_in_float64
+from specresearch.models.positions import positions_from_masks
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = json.loads((ROOT / "benchmarks" / "records" / "family_matrix.json").read_text())
@@ -95,10 +96,10 @@ def test_without_the_refusal_a_slot_placed_family_goes_wrong(family, monkeypatch
     """Negative control: let MPT, Bloom, Falcon-RW and GPT-Neo through without ``positions_from_masks`` (the check
     names no problem, and no probe), and its cached tree logits differ from an uncached forward of each path (MPT,
     GPT-Neo: wrong without an error), or its tree call fails (Bloom, Falcon-RW, whose ALiBi takes a 2-D mask only)."""
-    import specresearch.models.attention as attention
     import specresearch.models.causal_lm as causal_lm
+    import specresearch.models.positions as positions
 
-    monkeypatch.setattr(attention, "_positions_from_slots", lambda model, config: None)
+    monkeypatch.setattr(positions, "slot_placement", lambda model, config: None)
     monkeypatch.setattr(causal_lm, "positions_from_masks", lambda model: False)
     reference = tiny_family_model(family, "eager")
     lm = CausalLM(tiny_family_model(family, "eager"), device="cpu", probe=False)

@@ -34,6 +34,7 @@ from specresearch.engine.generate import autoregressive_generate, speculative_ge
 from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
 from specresearch.models import recurrent
+from specresearch.models.attention import attention_layout
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import RECURRENT_FAMILIES, tiny_recurrent_model
 from specresearch.models.probe import logit_gap
@@ -193,18 +194,18 @@ def test_inkling_places_its_relative_bias_and_log_scale_by_position(family, monk
         model = tiny_recurrent_model(family)
         model.set_attn_implementation(kernel)
         assert _inkling_gap(CausalLM(model), model) < 1e-4, kernel
-    import specresearch.models.attention as attention
     import specresearch.models.causal_lm as causal_lm
+    import specresearch.models.positions as positions
 
     unmended = tiny_recurrent_model(family)
     with monkeypatch.context() as patch:
-        patch.setattr(attention, "_positions_from_slots", lambda model, config: None)
+        patch.setattr(positions, "slot_placement", lambda model, config: None)
         patch.setattr(causal_lm, "positions_from_masks", lambda model: False)
         assert _inkling_gap(CausalLM(unmended, probe=False), unmended) > 1e-2
         with pytest.raises(ValueError, match="otherwise than an uncached forward"):
             CausalLM(unmended)
     with pytest.raises(ValueError, match="takes its relative position bias"):
-        attention.attention_layout(unmended)
+        attention_layout(unmended)
     if family == "inkling_text":
         lm = CausalLM(tiny_recurrent_model(family), probe=False)
         for module in lm.model.modules():

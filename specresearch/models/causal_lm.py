@@ -30,7 +30,6 @@ from specresearch.models import recurrent as states
 from specresearch.models.attention import (
     attention_layout,
     exact_kernel,
-    positions_from_masks,
     use_cpu_sdpa,
     use_packed_sdpa,
 )
@@ -42,6 +41,7 @@ from specresearch.models.kernels import (
     use_kernel_rows,
     use_skinny_linears,
 )
+from specresearch.models.positions import positions_from_masks
 from specresearch.models.probe import CHECKED_TYPES, check_cached_tree
 from specresearch.models.static_lm import StaticCausalLM
 from specresearch.models.widths import fit_width, output_rows, readable
