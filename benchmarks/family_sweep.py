@@ -3,11 +3,11 @@
 take it or refuse it?
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
-defaults made tiny (the sizes below, where the config has them; eager attention, float32, seeded; where that does not
-build or run an uncached forward, again with as many key-value heads as query heads (latent attention as in Kimi
-Linear, DeepSeek-V3.2 and GLM-5 takes no grouped heads), with 8 layers (a hybrid whose pattern puts its first attention
-layer past two, which transformers' own forward refuses), and with both: the row's ``options``), or "not built" where
-none does (a tiny size it rejects, a library it needs). Then
+defaults made tiny (the sizes below, where the config has them, and a few types' own: ``TYPE_SIZES``; eager
+attention, float32, seeded; where that does not build or run an uncached forward, again with as many key-value heads
+as query heads (latent attention as in Kimi Linear, DeepSeek-V3.2 and GLM-5 takes no grouped heads), with 8 layers (a
+hybrid whose pattern puts its first attention layer past two, which transformers' own forward refuses), and with both:
+the row's ``options``), or "not built" where none does (a tiny size it rejects, a library it needs). Then
 
 * ``unprobed``: the model behind ``CausalLM(..., probe=False)``, two left-padded rows, 4 draft trees of 6 nodes
   (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
@@ -50,7 +50,19 @@ SIZES = dict(hidden_size=32, n_embd=32, d_model=32, n_embed=32, num_hidden_layer
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, initializer_range=0.5,
              sliding_window=6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              decoder_start_token_id=1, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16,
-             q_lora_rank=16, rotary_dim=4, n_group=1, topk_group=1, n_input_layers=1, n_output_layers=1)
+             q_lora_rank=16, rotary_dim=4, n_group=1, topk_group=1, n_input_layers=1, n_output_layers=1,
+             decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=2,
+             encoder_attention_heads=4, encoder_ffn_dim=64)
+# Types whose defaults leave a size unset, nested or inconsistent with the sizes above: their own settings
+TYPE_SIZES = {
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
+    "dots1": dict(n_shared_experts=1),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "mamba2": dict(num_heads=8, head_dim=8, state_size=8, n_groups=1, expand=2, conv_kernel=4),
+    "reformer": dict(axial_pos_embds_dim=[16, 16], axial_pos_shape=[16, 16], attention_head_size=8,
+                     feed_forward_size=64),
+}
 MEMORY = 8 * 2**30
 SECONDS = 600
 
@@ -65,7 +77,8 @@ def tiny_model(kind: str, options: dict | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     defaults = AutoConfig.for_model(kind)
-    sizes = {key: value for key, value in {**SIZES, **(options or {})}.items() if hasattr(defaults, key)}
+    sizes = {key: value for key, value in {**SIZES, **TYPE_SIZES.get(kind, {}), **(options or {})}.items()
+             if hasattr(defaults, key)}
     try:
         config = AutoConfig.for_model(kind, **sizes, is_decoder=True)
     except Exception:  # noqa: BLE001 -- a config that takes its sizes otherwise: set what it allows
