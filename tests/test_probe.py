@@ -10,7 +10,7 @@ from helpers import tree_path, visible_from_parents
 
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import FAMILIES, MORE_FAMILIES
-from specresearch.models.positions import ROBERTA_KIN
+from specresearch.models.positions import CACHE_COUNTED, ROBERTA_KIN
 from specresearch.models.probe import CHECKED_TYPES, check_cached_tree, logit_gap
 
 SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -27,8 +27,6 @@ def tiny(name: str, **settings):
 
 
 WRONG = {  # family: (config class, its settings)
-    "blenderbot-small": ("BlenderbotSmallConfig", dict(d_model=32, decoder_layers=2, decoder_attention_heads=4,
-                                                       decoder_ffn_dim=64, is_decoder=True)),  # positions: cache length
     "roformer": ("RoFormerConfig", dict(is_decoder=True, embedding_size=32)),  # positions from the cache's length
     "moshi": ("MoshiConfig", dict(num_key_value_heads=4, sliding_window=6, audio_vocab_size=16, num_codebooks=2)),
 }
@@ -36,8 +34,8 @@ WRONG = {  # family: (config class, its settings)
 
 @pytest.mark.parametrize("family", WRONG)
 def test_a_family_whose_cache_scores_otherwise_is_refused_and_wrong_unprobed(family):
-    """Blenderbot-Small and RoFormer as decoders count positions from the cache's length, Moshi windows its
-    attention over slots: each is refused in one line naming the call that differs most; with ``probe=False`` the same
+    """RoFormer as a decoder counts its rotary positions from the cache's length, Moshi windows its attention over
+    slots: each is refused in one line naming the call that differs most; with ``probe=False`` the same
     model is taken and its cached tree logits differ from an uncached forward of each path (the probe's negative
     control)."""
     name, settings = WRONG[family]
@@ -57,32 +55,44 @@ def test_a_family_whose_cache_scores_otherwise_is_refused_and_wrong_unprobed(fam
     assert worst > 1e-2, (family, worst)
 
 
-@pytest.mark.parametrize("kind", ROBERTA_KIN)
-def test_roberta_and_its_kin_number_positions_from_the_padding_id_and_are_taken(kind, monkeypatch):
+DECODER_SIZES = dict(decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, d_model=32)
+
+
+@pytest.mark.parametrize("kind", ROBERTA_KIN + CACHE_COUNTED)
+def test_absolute_positions_numbered_otherwise_are_taken_from_the_masks(kind, monkeypatch):
     """RoBERTa's embeddings as a decoder's (CamemBERT's, XLM-R's, XLM-R-XL's, Data2Vec-Text's, RoBERTa-PreLN's) number
-    a row's tokens from the padding id + 1 where they number them themselves: ``positions_from_masks`` offsets the
-    position ids the wrapper passes so, and the model is probed and taken; a cached tree after two prompts (one
-    left-padded) equals an uncached forward of each path. Unmended (the control), the same tree differs."""
+    a row's tokens from the padding id + 1; the decoders of BART's kin (mBART, MVP, PLBart, Blenderbot,
+    Blenderbot-Small, BigBird-Pegasus, Marian, Pegasus, TrOCR) embed the cache's slot count plus the token's index.
+    ``positions_from_masks`` hands them positions (RoBERTa: the wrapper's position ids offset; BART's kin: read off
+    the masks), and the model is probed and taken: a cached tree after two prompts (one left-padded), then a chain
+    after the kept path, equal an uncached forward of each history. Unmended (the control), the same calls differ."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import specresearch.models.causal_lm as causal_lm
     import specresearch.models.positions as positions
 
     def model():
-        config = AutoConfig.for_model(kind, **{**SIZES, "is_decoder": True, "pad_token_id": 1})
+        config = AutoConfig.for_model(kind, **{**SIZES, **DECODER_SIZES, "is_decoder": True, "pad_token_id": 1})
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
 
     def gap(lm, reference) -> float:
+        def forward(tokens):
+            with torch.no_grad():
+                return reference(input_ids=torch.tensor([tokens])).logits[0, -1]
+
         prompts, mask = torch.tensor([[5, 9, 2, 33, 7], [1, 1, 4, 8, 11]]), torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
         lm.prefill(prompts, mask)
         parents, tokens = [-1, 0, 0, 2], torch.tensor([[10, 20, 30, 40]] * 2)
         lm.begin_tree()
         logits = lm.score_tree(tokens, torch.tensor([[0, 1, 1, 2]] * 2), visible_from_parents(parents).expand(2, -1, -1))
         histories = [[5, 9, 2, 33, 7], [4, 8, 11]]
-        with torch.no_grad():
-            return max(logit_gap(logits[b, i], reference(input_ids=torch.tensor(
-                [histories[b] + tree_path(tokens[b], parents, i)])).logits[0, -1]) for b in range(2) for i in range(4))
+        worst = max(logit_gap(logits[b, i], forward(histories[b] + tree_path(tokens[b], parents, i)))
+                    for b in range(2) for i in range(4))
+        lm.end_tree(torch.tensor([[True, False, True, True]] * 2))  # b dropped: c and d sit a slot past their positions
+        logits = lm.score(torch.tensor([[50, 51]] * 2))
+        return max(worst, *(logit_gap(logits[b, i], forward(histories[b] + [10, 30, 40, 50, 51][:4 + i]))
+                            for b in range(2) for i in range(2)))
 
     assert gap(CausalLM(model(), device="cpu"), model()) < 1e-4
     monkeypatch.setattr(positions, "slot_placement", lambda model, config: None)

@@ -1,13 +1,15 @@
-"""Attention that places keys and queries by cache slot, mended to read positions off the masks ``CausalLM`` passes.
+"""Models that place tokens by cache slot, mended to read positions off the masks ``CausalLM`` passes.
 
-A family's attention may take a token's position from its slot in the cache rather than from the position ids and
+A family's attention (or embedding) may take a token's position from its slot in the cache rather than from the
+position ids and
 the additive mask the wrapper hands it; in a draft tree, after a row's rollback or in a static cache a slot is not a
 position, and its logits would be wrong without an error (``models.attention``'s module docstring). Every mask the
 wrapper (or transformers, from a 2-D padding mask) builds lets a query see exactly one key at each position from 0 to
 its own, in slot order, so the mask itself gives each key's position (the keys a query sees before it) and its
 distance back from the query (the keys it sees after it). :func:`positions_from_masks` mends the families that need it
 (Bloom's, Falcon-RW's and MPT's ALiBi, GPT-Neo's local windows, Llama 4's query scale, Inkling's relative bias and log
-scaling); :func:`slot_placement` says what an unmended one does, for ``attention_layout``'s refusal.
+scaling, the absolute positions BART's kin count from the cache's length and RoBERTa's kin from the padding id);
+:func:`slot_placement` says what an unmended one does, for ``attention_layout``'s refusal.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from functools import partial
 
 import torch
 
-__all__ = ["positions_from_masks", "slot_placement", "masked_value", "ROBERTA_KIN"]
+__all__ = ["positions_from_masks", "slot_placement", "masked_value", "ROBERTA_KIN", "CACHE_COUNTED"]
 
 
 def masked_value(dtype: torch.dtype) -> float:
@@ -45,11 +47,16 @@ def slot_placement(model, config) -> str | None:
             return "takes its relative position bias (and log-scaled queries) from each key's and query's slot"
         if kind in ROBERTA_KIN:
             return "numbers its positions from its padding id + 1 past the cache's slots"
+        if kind in CACHE_COUNTED:
+            return "embeds each token's position as the cache's slot count plus its index in the call"
         return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
     return None
 
 
 _MENDED = "specresearch_positions_from_masks"  # set on each module positions_from_masks has mended
+# decoders of encoder-decoder families as causal LMs: absolute positions counted from the cache's length
+CACHE_COUNTED = ("bart", "mbart", "mvp", "plbart", "blenderbot", "blenderbot-small", "bigbird_pegasus", "marian",
+                 "pegasus", "trocr")
 # RoBERTa and its kin as decoders: absolute positions numbered from the padding id + 1
 ROBERTA_KIN = ("roberta", "roberta-prelayernorm", "camembert", "xlm-roberta", "xlm-roberta-xl", "data2vec-text")
 
@@ -78,7 +85,11 @@ def positions_from_masks(model) -> bool:
     pre-hook on the layer keeps them, a hook on ``q_proj`` scales its output). Inkling's attentions gather a relative
     bias at ``query slot - key slot`` (Inkling 2: the model's one ``relative_distance`` for every row) and Inkling 1's
     full layers scale queries and bias by ``tau`` of the query's slot count (:func:`_mend_inkling`); each takes the
-    distances (and ``p + 1``, the keys a full layer's query sees) from its mask. A model of another family is left as
+    distances (and ``p + 1``, the keys a full layer's query sees) from its mask. The decoders of BART's kin
+    (:data:`CACHE_COUNTED`) embed ``cache length + index in the call`` as each token's position: a pre-hook keeps the
+    positions its mask gives (:func:`_call_positions`) and its ``embed_positions`` embeds those. RoBERTa's kin
+    (:data:`ROBERTA_KIN`) number a row's tokens from the padding id + 1 where they number them themselves: a pre-hook
+    on the embeddings offsets the wrapper's position ids so. A model of another family is left as
     it is."""
     modules = _slot_placed(model)
     for module in modules:
@@ -103,6 +114,10 @@ def positions_from_masks(model) -> bool:
             module.register_forward_pre_hook(_inkling2_distances, with_kwargs=True)
         elif hasattr(module, "rel_logits_proj"):  # one of Inkling's attentions: distances and log scale from its mask
             _mend_inkling(module)
+        elif hasattr(module, "embed_positions"):  # a decoder of BART's kin: positions from its masks
+            module.register_forward_pre_hook(_call_positions, with_kwargs=True)
+            embed = module.embed_positions
+            embed.forward = partial(_embed_positions, embed, embed.forward, decoder=module)
         elif hasattr(module, "position_embeddings"):  # RoBERTa's embeddings: position ids numbered as its own
             module.register_forward_pre_hook(_from_padding_id, with_kwargs=True)
         elif hasattr(module, "floor_scale"):  # one of Llama 4's NoPE attentions: its query scale from positions
@@ -133,6 +148,9 @@ def _slot_placed(model) -> list:
         return [module for module in model.modules() if type(module).__name__ == "InklingAttention"]
     if kind.startswith("inkling2"):
         return [module for module in model.modules() if hasattr(module, "relative_position_bias")]
+    if kind in CACHE_COUNTED:
+        return [module for module in model.modules() if type(module).__name__.endswith("Decoder")
+                and isinstance(getattr(module, "embed_positions", None), torch.nn.Embedding)]
     if kind in ROBERTA_KIN:
         return [module for module in model.modules() if type(module).__name__.endswith("Embeddings")
                 and hasattr(module, "padding_idx") and hasattr(module, "position_embeddings")]
@@ -288,6 +306,28 @@ def _inkling_query_scale(q_norm, args, output, *, attention):
     """``q_norm``'s output ``[B, q, H, D]`` times each query's ``tau``."""
     tau = _inkling_tau(attention, attention.specresearch_inkling[1])  # [B, 1, q]
     return (output.float() * tau.transpose(1, 2)[..., None]).to(output.dtype)
+
+
+def _call_positions(decoder, args, kwargs):
+    """Keep each token's position in a call to a decoder of BART's kin, from its mask: the keys a query sees, less one
+    (a 4-D mask), or the row's unmasked slots up to the token's own, less one (a 2-D one); None without a mask."""
+    mask = kwargs.get("attention_mask")
+    tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if mask is None or tokens is None:
+        decoder.specresearch_positions = None
+    elif mask.ndim == 4:
+        decoder.specresearch_positions = (_visible(mask)[:, 0].sum(-1) - 1).clamp(min=0)
+    else:
+        decoder.specresearch_positions = (mask.long().cumsum(-1) - 1)[:, -tokens.shape[1]:].clamp(min=0)
+
+
+def _embed_positions(embed, own, *args, decoder, **kwargs):
+    """BART's kin embed ``cache length + index`` (BART, mBART, TrOCR: plus their offset of 2), learned or sinusoidal;
+    the positions :func:`_call_positions` kept instead, ``[B, q, hidden]``."""
+    positions = decoder.specresearch_positions
+    if positions is None:
+        return own(*args, **kwargs)
+    return torch.nn.Embedding.forward(embed, positions + getattr(embed, "offset", 0))
 
 
 def _from_padding_id(module, args, kwargs):
