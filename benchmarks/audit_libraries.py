@@ -13,6 +13,7 @@ will not run gets one line saying why.
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --only specdec   # beside another library
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --only economize --executor ray --workers 2
     PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --power 22000 --status
+    PYTHONPATH=. .venv/bin/python benchmarks/audit_libraries.py --base-law eagle-llm   # its own model's law, exactly
 
 Resumable: libraries already in the record are kept. ``--smallest NAME`` adds, for a library with a finding, the
 smallest input that shows it (a 64-token random pair, gamma 1 to 3) under ``smallest_inputs``. ``--power N`` runs
@@ -22,7 +23,8 @@ the libraries at N (22,000 at T = 1 detects TV 0.030 on cells of expected count 
 ``--only`` run two libraries side by side and share the record; ``--executor ray`` runs one library's blocks as Ray
 tasks (``--workers`` CPUs here, or ``--address`` a cluster), each worker building the library's sampler once
 (``library_sampler``): the blocks, and so the counts, are those a local run draws; ``--status`` prints each library's
-blocks so far.
+blocks so far. ``--base-law NAME`` computes, for a library that samples a base model of its own build (eagle-llm's
+Llama), that model's law on the prompt against the target's exactly, with its own forward, under ``base_models``.
 """
 
 from __future__ import annotations
@@ -225,6 +227,7 @@ def _eagle_llm(target, temperature: float, tokenizer, rope_theta: bool):
     def sample(prompt, n_tokens):
         ids = torch.tensor([prompt])
         return model.eagenerate(ids, temperature=temperature, max_new_tokens=n_tokens + 1)[0, len(prompt):].tolist()
+    sample.model = model  # base_law reads its base model
     return sample
 
 
@@ -291,6 +294,46 @@ def smallest(name: str, args) -> dict:
             "prompt [5, 9, 17, 3, 5, 9]; the first token, T = 1", "num_samples": args.samples, "by_gamma": rows}
 
 
+def base_law(name: str, args) -> dict:
+    """For a library that samples from a base model of its own build (eagle-llm's Llama): that model's law on
+    ``--prompt`` against the target's, exactly (its own forward, no sampling): TV of the first token, and of the first
+    two over the first tokens the target gives probability > 1e-5 (with the mass they cover)."""
+    spec = LIBRARIES[name][0]
+    sys.path.insert(0, str(pypi_wheel(spec)))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from benchmarks import audit_libraries as this
+    from specresearch.engine.prompts import encode_chat
+    from specresearch.experiments.executor import loaded
+
+    target, _, tokenizer = loaded(this.pair)
+    if not name.startswith("eagle-llm"):
+        raise ValueError(f"{name} samples from the target it is given: no base model of its own")
+    model = _eagle_llm(target.model, args.temperature, tokenizer, rope_theta=name.endswith(".rope_theta")).model
+    ids = encode_chat([args.prompt], tokenizer)[0].tolist()  # as execute() templates a string prompt
+
+    def laws(forward):
+        with torch.no_grad():
+            first = (forward(torch.tensor([ids]))[0, -1].float() / args.temperature).softmax(-1)
+            second = (forward(torch.tensor([ids + [int(t)] for t in top]))[:, -1].float() / args.temperature).softmax(-1)
+        return first, first[top, None] * second
+
+    with torch.no_grad():
+        want = target.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = torch.nonzero((want / args.temperature).softmax(-1) > 1e-5).flatten()
+    own_first, own_two = laws(lambda x: _logits(model.base_model(input_ids=x)))
+    want_first, want_two = laws(lambda x: target.model(input_ids=x).logits)
+    return {"library": name, "prompt": args.prompt, "temperature": args.temperature,
+            "first_token_tv": 0.5 * (own_first - want_first).abs().sum().item(),
+            "two_token_tv": 0.5 * (own_two - want_two).abs().sum().item(),
+            "first_tokens": len(top), "mass_covered": want_first[top].sum().item()}
+
+
+def _logits(output):
+    return output[0] if isinstance(output, tuple) else output.logits
+
+
 def _in_worker(worker: str, flags: list[str]) -> tuple[dict | None, str]:
     """Run ``--worker worker`` in a fresh process of this script. -> (its result, or None and why it gave none)."""
     done = subprocess.run([sys.executable, __file__, f"--worker={worker}", *flags], capture_output=True, text=True,
@@ -312,6 +355,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", default="Name a colour.")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smallest", help="a library with a finding: the smallest input that shows it, into the record")
+    parser.add_argument("--base-law", help="a library with a base model of its own (eagle-llm): that model's law "
+                                           "against the target's, exactly, into the record")
     parser.add_argument("--power", type=int, help="run at this N in stored seed blocks (module docstring)")
     parser.add_argument("--batch-size", type=int, default=500, help="generations per seed block (--power)")
     parser.add_argument("--min-expected", type=float, default=50.0, help="a cell's least expected count (--power)")
@@ -326,10 +371,11 @@ def main(argv=None) -> int:
     if args.status and args.power is None:
         parser.error("--status reads the blocks of a power run: pass --power N too")
     if args.worker:
-        run = smallest if args.worker.startswith("smallest:") else worker
-        print("RESULT " + json.dumps(run(args.worker.removeprefix("smallest:"), args)), flush=True)
+        kind, _, name = args.worker.rpartition(":")
+        run = {"smallest": smallest, "base": base_law, "": worker}[kind]
+        print("RESULT " + json.dumps(run(name, args)), flush=True)
         return 0
-    from specresearch.experiments.records import record_header, write_json_record
+    from specresearch.experiments.records import git_commit, record_header, write_json_record
 
     out = Path(args.out)
     command = sys.argv[1:] if argv is None else list(argv)
@@ -341,6 +387,15 @@ def main(argv=None) -> int:
             raise RuntimeError(why)
         record.setdefault("smallest_inputs", {})[args.smallest] = result
         write_json_record(out, record)
+        return 0
+    if args.base_law:
+        result, why = _in_worker(f"base:{args.base_law}", [f"--prompt={args.prompt}",
+                                                           f"--temperature={args.temperature}"])
+        if result is None:
+            raise RuntimeError(why)
+        record.setdefault("base_models", {})[args.base_law] = result | {"commit": git_commit()}
+        write_json_record(out, record)
+        print(json.dumps(result))
         return 0
     if args.status:
         print("\n".join(status(args, record)))
