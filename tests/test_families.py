@@ -430,3 +430,27 @@ def test_every_familys_captured_steps_trace_as_one_graph(family, kernel):
         lm = CausalLM(model, device="cpu").static_form()
     explained = explain_static_calls(lm)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_a_row_may_part_from_generates_only_at_a_float_tie():
+    """The matrix's comparison (``experiments.families._within_ties``): a row equal to ``generate``'s passes; one that
+    parts where two tokens' logits are equal (a tiny Llama whose output rows for both are one row) and then goes on
+    as ``generate`` does from its own choice passes; one that parts anywhere else, or that goes on otherwise after a
+    tie, does not."""
+    from specresearch.experiments.families import NEW_TOKENS, _within_ties, reference_tokens
+
+    model = tiny_family_model("llama", "eager")
+    prompt = [5, 9, 3]
+    expected = reference_tokens(model, [prompt])[0]
+    other = max(t for t in range(model.config.vocab_size) if t not in expected)
+    with torch.no_grad():
+        model.lm_head.weight[other] = model.lm_head.weight[expected[3]]  # an exact tie at the 4th token
+    expected = reference_tokens(model, [prompt])[0]
+    assert expected[3] < other  # generate's argmax takes the first of tied logits
+    branch = expected[:3] + [other]
+    got = branch + reference_tokens(model, [prompt + branch], NEW_TOKENS - 4)[0]
+    eos = model.config.vocab_size  # no token ends a row here
+    assert _within_ties(model, prompt, expected, expected, eos)
+    assert _within_ties(model, prompt, got, expected, eos)
+    assert not _within_ties(model, prompt, got[:-1] + [(got[-1] + 1) % other], expected, eos)
+    assert not _within_ties(model, prompt, [expected[0] ^ 1] + expected[1:], expected, eos)
