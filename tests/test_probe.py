@@ -27,17 +27,15 @@ def tiny(name: str, **settings):
 
 
 WRONG = {  # family: (config class, its settings)
-    "roformer": ("RoFormerConfig", dict(is_decoder=True, embedding_size=32)),  # positions from the cache's length
     "moshi": ("MoshiConfig", dict(num_key_value_heads=4, sliding_window=6, audio_vocab_size=16, num_codebooks=2)),
 }
 
 
 @pytest.mark.parametrize("family", WRONG)
 def test_a_family_whose_cache_scores_otherwise_is_refused_and_wrong_unprobed(family):
-    """RoFormer as a decoder counts its rotary positions from the cache's length, Moshi windows its attention over
-    slots: each is refused in one line naming the call that differs most; with ``probe=False`` the same
-    model is taken and its cached tree logits differ from an uncached forward of each path (the probe's negative
-    control)."""
+    """Moshi windows its attention over slots beside the masks (its uncached forward attends to every token): it is
+    refused in one line naming the call that differs most; with ``probe=False`` the same model is taken and its cached
+    tree logits differ from an uncached forward of each path (the probe's negative control)."""
     name, settings = WRONG[family]
     with pytest.raises(ValueError, match="scores (the prompt|a tree's .*|a token after dead slots) otherwise than an "
                        "uncached forward") as refused:
@@ -58,13 +56,13 @@ def test_a_family_whose_cache_scores_otherwise_is_refused_and_wrong_unprobed(fam
 DECODER_SIZES = dict(decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, d_model=32)
 
 
-@pytest.mark.parametrize("kind", ROBERTA_KIN + CACHE_COUNTED)
+@pytest.mark.parametrize("kind", ROBERTA_KIN + CACHE_COUNTED + ("roformer",))
 def test_absolute_positions_numbered_otherwise_are_taken_from_the_masks(kind, monkeypatch):
     """RoBERTa's embeddings as a decoder's (CamemBERT's, XLM-R's, XLM-R-XL's, Data2Vec-Text's, RoBERTa-PreLN's) number
     a row's tokens from the padding id + 1; the decoders of BART's kin (mBART, MVP, PLBart, Blenderbot,
-    Blenderbot-Small, BigBird-Pegasus, Marian, Pegasus, TrOCR) embed the cache's slot count plus the token's index.
-    ``positions_from_masks`` hands them positions (RoBERTa: the wrapper's position ids offset; BART's kin: read off
-    the masks), and the model is probed and taken: a cached tree after two prompts (one left-padded), then a chain
+    Blenderbot-Small, BigBird-Pegasus, Marian, Pegasus, TrOCR) embed the cache's slot count plus the token's index, and
+    RoFormer's rotates by it. ``positions_from_masks`` hands them positions (RoBERTa: the wrapper's position ids
+    offset; BART's kin and RoFormer: read off the masks), and the model is probed and taken: a cached tree after two prompts (one left-padded), then a chain
     after the kept path, equal an uncached forward of each history. Unmended (the control), the same calls differ."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -8,7 +8,8 @@ wrapper (or transformers, from a 2-D padding mask) builds lets a query see exact
 its own, in slot order, so the mask itself gives each key's position (the keys a query sees before it) and its
 distance back from the query (the keys it sees after it). :func:`positions_from_masks` mends the families that need it
 (Bloom's, Falcon-RW's and MPT's ALiBi, GPT-Neo's local windows, Llama 4's query scale, Inkling's relative bias and log
-scaling, the absolute positions BART's kin count from the cache's length and RoBERTa's kin from the padding id);
+scaling, the absolute positions BART's kin (and RoFormer's rotation) count from the cache's length and RoBERTa's kin
+from the padding id);
 :func:`slot_placement` says what an unmended one does, for ``attention_layout``'s refusal.
 """
 
@@ -49,6 +50,8 @@ def slot_placement(model, config) -> str | None:
             return "numbers its positions from its padding id + 1 past the cache's slots"
         if kind in CACHE_COUNTED:
             return "embeds each token's position as the cache's slot count plus its index in the call"
+        if kind == "roformer":
+            return "rotates queries and keys by the cache's slot count plus each token's index in the call"
         return "places each key by counting the unmasked slots before it (ALiBi from a 2-D padding mask)"
     return None
 
@@ -89,7 +92,9 @@ def positions_from_masks(model) -> bool:
     (:data:`CACHE_COUNTED`) embed ``cache length + index in the call`` as each token's position: a pre-hook keeps the
     positions its mask gives (:func:`_call_positions`) and its ``embed_positions`` embeds those. RoBERTa's kin
     (:data:`ROBERTA_KIN`) number a row's tokens from the padding id + 1 where they number them themselves: a pre-hook
-    on the embeddings offsets the wrapper's position ids so. A model of another family is left as
+    on the embeddings offsets the wrapper's position ids so. RoFormer's encoder hands every attention one rotation for
+    ``cache length + index``; each gets its rows' own from its mask (:func:`_roformer_positions`). A model of another
+    family is left as
     it is."""
     modules = _slot_placed(model)
     for module in modules:
@@ -114,6 +119,9 @@ def positions_from_masks(model) -> bool:
             module.register_forward_pre_hook(_inkling2_distances, with_kwargs=True)
         elif hasattr(module, "rel_logits_proj"):  # one of Inkling's attentions: distances and log scale from its mask
             _mend_inkling(module)
+        elif type(module).__name__ == "RoFormerAttention":  # one of RoFormer's attentions: its rotary positions from its mask
+            table = next(m.embed_positions for m in model.modules() if hasattr(m, "embed_positions"))
+            module.register_forward_pre_hook(partial(_roformer_positions, table=table), with_kwargs=True)
         elif hasattr(module, "embed_positions"):  # a decoder of BART's kin: positions from its masks
             module.register_forward_pre_hook(_call_positions, with_kwargs=True)
             embed = module.embed_positions
@@ -148,6 +156,8 @@ def _slot_placed(model) -> list:
         return [module for module in model.modules() if type(module).__name__ == "InklingAttention"]
     if kind.startswith("inkling2"):
         return [module for module in model.modules() if hasattr(module, "relative_position_bias")]
+    if kind == "roformer":
+        return [module for module in model.modules() if type(module).__name__ == "RoFormerAttention"]
     if kind in CACHE_COUNTED:
         return [module for module in model.modules() if type(module).__name__.endswith("Decoder")
                 and isinstance(getattr(module, "embed_positions", None), torch.nn.Embedding)]
@@ -328,6 +338,18 @@ def _embed_positions(embed, own, *args, decoder, **kwargs):
     if positions is None:
         return own(*args, **kwargs)
     return torch.nn.Embedding.forward(embed, positions + getattr(embed, "offset", 0))
+
+
+def _roformer_positions(module, args, kwargs, *, table):
+    """RoFormer's encoder hands every attention one ``[1, 1, q, d]`` rotation for the slots ``cache length + index``;
+    each attention gets its rows' own, ``[B, 1, q, d]``, from the sinusoids ``table`` at the positions its mask gives
+    (the keys a query sees, less one)."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.ndim != 4 or kwargs.get("sinusoidal_pos") is None:
+        return None
+    positions = (_visible(mask)[:, 0].sum(-1) - 1).clamp(min=0)  # [B, q]
+    rotation = torch.nn.Embedding.forward(table, positions)[:, None].to(kwargs["sinusoidal_pos"].dtype)
+    return args, {**kwargs, "sinusoidal_pos": rotation}
 
 
 def _from_padding_id(module, args, kwargs):
