@@ -386,24 +386,13 @@ class CausalLM:
             raise ValueError("score called before prefill/reset: start a batch first")
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
-        if self.recurrent and self._slots.length and tokens.shape[1] > states.KEEP:
-            return states.score_in_pieces(self, tokens, valid, hidden_layers)
+        if self.recurrent and self._slots.length and tokens.shape[1] > states.piece_size(self.model):
+            return states.score_in_pieces(self, tokens, valid, hidden_layers, states.piece_size(self.model))
         if self.recurrent:
             states.trim(self._cache)
         positions = self._slots.append(valid.to(self.device))
         logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers)
         return logits if hidden_layers is None else (logits, hidden)
-
-    def _score_in_pieces(self, tokens: torch.Tensor, valid: torch.Tensor, hidden_layers):
-        """:meth:`score` of more than ``KEEP`` tokens after a recurrent layer's state: a cached call runs its last
-        ``KEEP`` tokens one at a time from the cached state (the records) and the rest by a scan, which Mamba v1's and
-        Jamba's kernels start from a zero state (11 off the logits of their forward), so it goes in pieces."""
-        step = states.KEEP
-        pieces = [self.score(tokens[:, i:i + step], valid[:, i:i + step], hidden_layers)
-                  for i in range(0, tokens.shape[1], step)]
-        if hidden_layers is None:
-            return torch.cat(pieces, dim=1)
-        return torch.cat([logits for logits, _ in pieces], dim=1), torch.cat([hidden for _, hidden in pieces], dim=1)
 
     def begin_tree(self) -> None:
         """Start scoring a tree: the slots of the following :meth:`score_tree` calls form one region."""

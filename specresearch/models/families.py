@@ -261,6 +261,10 @@ RECURRENT_FAMILIES = {
                       sliding_window=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       shared_expert_intermediate_size=16, tie_word_embeddings=False),  # windows beside recurrent layers
     "lfm2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+    # Zaya: its layers record their state once a call (models.recurrent.ONE_TOKEN_CALLS)
+    "zaya": dict(**_RECURRENT_SMALL, num_hidden_layers=2, sliding_window=WINDOW, num_experts=4, num_experts_per_tok=1,
+                 moe_intermediate_size=16, router_hidden_size=16, tie_word_embeddings=False, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2),
     # Inkling: short convolutions in every layer, a relative bias (zero past rel_extent) and log-scaled full layers;
     # Inkling 2: attention residuals across blocks; its loop variant runs its middle layer twice
     "inkling_text": dict(**_INKLING, mlp_layer_types=["sparse"] * 2, n_shared_experts=1),

@@ -29,7 +29,8 @@ Padding reaches a recurrent layer as the 2-D mask of the call's tokens, which ze
 inputs (transformers' ``apply_mask_to_padding_states``), so a row's state starts at zero where its tokens start; a
 model with no attention layer (Mamba, Falcon-Mamba) gets only the call's columns. A cached call runs its last
 :data:`KEEP` tokens one at a time from the records and the rest by a scan, which Mamba's and Jamba's kernels start from
-a zero state, so ``CausalLM.score`` runs a longer call after a cached state :data:`KEEP` tokens at a time.
+a zero state, so ``CausalLM.score`` runs a longer call after a cached state :data:`KEEP` tokens at a time; a model
+whose layers record their state once a call (Zaya: :data:`ONE_TOKEN_CALLS`), one token at a time.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RECURRENT_TYPES", "KEEP", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
+__all__ = ["RECURRENT_TYPES", "KEEP", "ONE_TOKEN_CALLS", "piece_size", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
            "trim", "select_rows", "repeat_rows", "set_length", "score_in_pieces", "tree_paths", "score_tree_as_paths",
            "end_tree_as_paths"]
 
 RECURRENT_TYPES = ("linear_attention", "hybrid", "hybrid_sliding", "conv")  # transformers' layer types whose cache
 # holds recurrent state ("hybrid": attention and a recurrent state in one layer; "hybrid_sliding": its attention windowed)
 KEEP = 64  # tokens of records kept: the most one rollback may undo
+ONE_TOKEN_CALLS = ("zaya",)  # model types whose recurrent layers record a call's state once, not once a token
 
 
 def recurrent_cache(model, keep: int = KEEP):
@@ -159,12 +161,20 @@ def set_length(cache, length: int) -> None:
         layer.cumulative_length_linear = torch.full_like(torch.as_tensor(layer.cumulative_length_linear), length)
 
 
-def score_in_pieces(lm, tokens: torch.Tensor, valid: torch.Tensor, hidden_layers=None):
-    """``lm.score`` of more than :data:`KEEP` tokens after a cached state, :data:`KEEP` tokens at a time: a cached call
-    runs its last :data:`KEEP` tokens one at a time from the state and the rest by a scan, which Mamba's and Jamba's
-    kernels start from a zero state (a 150-token call after a prompt came out 11 off the logits' scale)."""
-    pieces = [lm.score(tokens[:, i:i + KEEP], valid[:, i:i + KEEP], hidden_layers)
-              for i in range(0, tokens.shape[1], KEEP)]
+def piece_size(model) -> int:
+    """The most tokens a cached call of ``model`` (with recurrent layers) scores at once: :data:`KEEP`, or 1 for a
+    type of :data:`ONE_TOKEN_CALLS` (Zaya's layers record their state once a call, so a call's tokens could not be
+    rolled back one by one)."""
+    return 1 if getattr(model.config, "model_type", "") in ONE_TOKEN_CALLS else KEEP
+
+
+def score_in_pieces(lm, tokens: torch.Tensor, valid: torch.Tensor, hidden_layers=None, size: int = KEEP):
+    """``lm.score`` of more than ``size`` tokens after a cached state, ``size`` tokens at a time: a cached call runs
+    its last :data:`KEEP` tokens one at a time from the state and the rest by a scan, which Mamba's and Jamba's kernels
+    start from a zero state (a 150-token call after a prompt came out 11 off the logits' scale); a model of
+    :data:`ONE_TOKEN_CALLS` goes one token at a time (:func:`piece_size`)."""
+    pieces = [lm.score(tokens[:, i:i + size], valid[:, i:i + size], hidden_layers)
+              for i in range(0, tokens.shape[1], size)]
     if hidden_layers is None:
         return torch.cat(pieces, dim=1)
     return torch.cat([logits for logits, _ in pieces], dim=1), torch.cat([hidden for _, hidden in pieces], dim=1)
