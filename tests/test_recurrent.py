@@ -4,8 +4,8 @@
   Falcon-Mamba (no attention layer: they take the call's columns of the 2-D mask), Mamba-2, Jamba (whose scan
   overwrites the cached state before transformers records it), Bamba, Falcon-H1 (attention and a state space in
   one layer), Granite-4 hybrid, Nemotron-H (MLP-only layers), OLMo-hybrid, Kimi Linear (latent attention beside
-  Kimi Delta Attention), LFM2 (short convolutions), Inkling's three variants, Zaya (scored one token at a time: its
-  layers record their state once a call; the control scores calls whole): ``CausalLM``'s chain probe passes at
+  Kimi Delta Attention), LFM2 (short convolutions), Inkling's three variants, Zaya and Zamba (scored one token at a
+  time: their layers record their state once a call; the control scores calls whole): ``CausalLM``'s chain probe passes at
   construction (uneven per-row rollbacks within a call and across one-token calls, each call's logits against an
   uncached forward), greedy speculative decoding gives the autoregressive tokens, and those are transformers' own
   ``generate``'s.
@@ -216,12 +216,21 @@ def test_inkling_places_its_relative_bias_and_log_scale_by_position(family, monk
         assert _inkling_gap(lm, model) > 1e-2
 
 
-def test_zaya_records_its_state_once_a_call_so_its_cached_calls_go_one_token_at_a_time(monkeypatch):
-    """Zaya's layers record their state once a call, not once a token, so a call's tokens could not be rolled back one
-    by one: ``CausalLM`` scores a cached call of Zaya one token at a time (``recurrent.ONE_TOKEN_CALLS``), and it passes
-    the probe (the family test above). Scoring calls whole (the control), the probe's uneven rollbacks fail."""
-    model = tiny_recurrent_model("zaya")
+@pytest.mark.parametrize("family", ["zaya", "zamba"])
+def test_a_family_recording_its_state_once_a_call_has_its_cached_calls_go_one_token_at_a_time(family, monkeypatch):
+    """Zaya's and Zamba's layers record their state once a call, not once a token (Zamba's one-token scan none: it
+    updates the state in place, and the wrapper records its copy of the state before the call), so a call's tokens
+    could not be rolled back one by one: ``CausalLM`` scores their cached calls one token at a time
+    (``recurrent.ONE_TOKEN_CALLS``), and they pass the probe (the family test above). Scoring calls whole (the
+    control), the probe's uneven rollbacks fail; so do Zamba's without the wrapper's record of a one-token call."""
+    model = tiny_recurrent_model(family)
     assert recurrent.piece_size(model) == 1 and recurrent.piece_size(tiny_recurrent_model("qwen3_5_text")) == recurrent.KEEP
-    monkeypatch.setattr(recurrent, "ONE_TOKEN_CALLS", ())
-    with pytest.raises(ValueError, match="can undo the"):
-        CausalLM(model)
+    with monkeypatch.context() as patch:
+        patch.setattr(recurrent, "ONE_TOKEN_CALLS", ())
+        with pytest.raises(ValueError, match="can undo the"):
+            CausalLM(model)
+    if family == "zamba":
+        own = recurrent.after_call
+        monkeypatch.setattr(recurrent, "after_call", lambda kept, tokens: own(kept, 0))
+        with pytest.raises(ValueError, match="can undo the"):
+            CausalLM(tiny_recurrent_model(family))

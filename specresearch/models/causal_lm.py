@@ -511,7 +511,7 @@ class CausalLM:
                 output_hidden_states=hidden_layers is not None,
             )
         if kept is not None:
-            states.after_call(kept)
+            states.after_call(kept, tokens.shape[1])
         self._check_length()
         logits = fit_width(out.logits.float(), self.logits_width)
         if hidden_layers is None:

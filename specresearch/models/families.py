@@ -261,7 +261,12 @@ RECURRENT_FAMILIES = {
                       sliding_window=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       shared_expert_intermediate_size=16, tie_word_embeddings=False),  # windows beside recurrent layers
     "lfm2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
-    # Zaya: its layers record their state once a call (models.recurrent.ONE_TOKEN_CALLS)
+    # Zamba (a shared attention block every few Mamba layers) and Zaya: their layers record their state once a call
+    # (models.recurrent.ONE_TOKEN_CALLS)
+    "zamba": dict(**{**_RECURRENT_SMALL, "num_key_value_heads": 4}, num_hidden_layers=4, attention_head_dim=16,
+                  n_mamba_heads=2, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=4, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2),
     "zaya": dict(**_RECURRENT_SMALL, num_hidden_layers=2, sliding_window=WINDOW, num_experts=4, num_experts_per_tok=1,
                  moe_intermediate_size=16, router_hidden_size=16, tie_word_embeddings=False, pad_token_id=0,
                  bos_token_id=1, eos_token_id=2),

@@ -45,7 +45,7 @@ __all__ = ["RECURRENT_TYPES", "KEEP", "ONE_TOKEN_CALLS", "piece_size", "recurren
 RECURRENT_TYPES = ("linear_attention", "hybrid", "hybrid_sliding", "conv")  # transformers' layer types whose cache
 # holds recurrent state ("hybrid": attention and a recurrent state in one layer; "hybrid_sliding": its attention windowed)
 KEEP = 64  # tokens of records kept: the most one rollback may undo
-ONE_TOKEN_CALLS = ("zaya",)  # model types whose recurrent layers record a call's state once, not once a token
+ONE_TOKEN_CALLS = ("zaya", "zamba")  # model types whose recurrent layers record a call's state once, not once a token
 
 
 def recurrent_cache(model, keep: int = KEEP):
@@ -116,12 +116,16 @@ def before_call(cache) -> list:
             for layer in recurrent_layers(cache) for i, recurrent, _ in _states(layer) if recurrent]
 
 
-def after_call(kept: list) -> None:
-    """Each call's first record replaced by the copy :func:`before_call` made (a layer not yet started has none)."""
+def after_call(kept: list, tokens: int) -> None:
+    """Each call's first record replaced by the copy :func:`before_call` made (a layer not yet started has none); a
+    one-token call that recorded nothing (Zamba's one-token scan updates its state in place and records none) gets
+    that copy as its record."""
     for layer, i, state, start in kept:
         history = layer.recurrent_states_history[i]
         if len(history) > start:
             history[start] = state
+        elif tokens == 1:
+            history.append(state)
 
 
 def trim(cache, keep: int = KEEP) -> None:
