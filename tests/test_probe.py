@@ -181,3 +181,33 @@ def test_an_error_without_a_message_is_named_by_where_it_was_raised():
         line = error_line(error)
     assert line.startswith("AssertionError: raised at tests/test_probe.py:") and line.endswith(": raise AssertionError")
     assert error_line(ValueError("two\n  lines"), limit=9) == "ValueError: two lines"[:9]
+
+
+def test_git_gets_four_d_masks_since_it_widens_a_two_d_one_by_image_tokens(monkeypatch):
+    """GIT widens a 2-D padding mask after a cached call by the image's patch tokens it assumes cached, which a
+    text-only call has none of: the wrapper hands it 4-D masks only (``attention.WIDENS_2D``), the probe takes it, and
+    a chain after uneven rollbacks equals an uncached forward. Handed 2-D masks (the control), the probe refuses it."""
+    import specresearch.models.attention as attention
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def model():
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32,
+                      patch_size=16)
+        config = AutoConfig.for_model("git", **{**SIZES, "vision_config": vision})
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+    lm, reference = CausalLM(model(), device="cpu"), model()
+    assert lm._attention.four_d
+    lm.prefill(torch.tensor([[5, 9, 2, 33, 7], [0, 0, 4, 8, 11]]), torch.tensor([[1] * 5, [0, 0, 1, 1, 1]]))
+    lm.score(torch.tensor([[20, 21, 22]] * 2))
+    lm.rollback([1, 2])
+    logits = lm.score(torch.tensor([[30, 31]] * 2))
+    histories = [[5, 9, 2, 33, 7, 20, 21], [4, 8, 11, 20]]
+    with torch.no_grad():
+        worst = max(logit_gap(logits[b, i], reference(input_ids=torch.tensor([histories[b] + [30, 31][:i + 1]]))
+                              .logits[0, -1]) for b in range(2) for i in range(2))
+    assert worst < 1e-4
+    monkeypatch.setattr(attention, "WIDENS_2D", ())
+    with pytest.raises(ValueError, match="otherwise than an uncached forward"):
+        CausalLM(model(), device="cpu")

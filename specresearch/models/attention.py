@@ -74,7 +74,8 @@ from specresearch.models.positions import masked_value
 from specresearch.models.recurrent import RECURRENT_TYPES
 
 __all__ = ["AttentionLayout", "attention_layout", "exact_kernel", "additive_mask", "MASKED_KERNELS", "CPU_SDPA", "PACKED_SDPA",
-           "cpu_sdpa_attention", "packed_sdpa_attention", "use_cpu_sdpa", "use_packed_sdpa", "additive_sdpa_mask"]
+           "cpu_sdpa_attention", "packed_sdpa_attention", "use_cpu_sdpa", "use_packed_sdpa", "additive_sdpa_mask",
+           "WIDENS_2D"]
 
 # Kernels that apply a 4-D additive mask as given (transformers' own and the two CausalLM registers on CPU / CUDA).
 MASKED_KERNELS = ("eager", "sdpa", "specresearch_cpu_sdpa", "specresearch_packed_sdpa")
@@ -84,6 +85,9 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 CHUNKED_FAMILIES = ("llama4_text",)  # model types whose forward masks "chunked_attention" layers by chunk (Llama 4)
 # model types whose "indexed_attention" layers (DeepSeek Sparse Attention) pick keys by an indexer that reads the mask
 INDEXED_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+# model types that widen a 2-D padding mask after a cached call by tokens they assume cached (GIT: an image's patch
+# tokens, which a text-only model has none of): every call of theirs gets a 4-D mask built here
+WIDENS_2D = ("git",)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class AttentionLayout:
     recurrent: bool = False  # some layers keep recurrent state (models.recurrent): they read the 2-D mask
     attends: bool = True  # some layer attends over the cache's slots (False: Mamba, Mamba-2: recurrent layers only)
     indexed: bool = False  # DeepSeek Sparse Attention: its cache layers keep the indexer's keys beside K and V
+    four_d: bool = False  # it misreads a 2-D mask after a cached call (GIT: :data:`WIDENS_2D`): masks built here always
 
     @property
     def windowed(self) -> bool:
@@ -172,7 +177,7 @@ def attention_layout(model) -> AttentionLayout:
             raise ValueError(f"{_name(model)} has {kind!r} layers with different windows; CausalLM takes one per type")
     attends = any(kind not in ("linear_attention", "conv", "dummy") for kind in kinds)  # "hybrid" attends too
     return AttentionLayout(model.config._attn_implementation, tuple(windows.items()), recurrent, attends,
-                           "indexed_attention" in windows)
+                           "indexed_attention" in windows, config.model_type in WIDENS_2D)
 
 
 def exact_kernel(model, *, may_switch: bool = True) -> str | None:

@@ -527,11 +527,14 @@ class CausalLM:
 
     def _mask(self, positions: torch.Tensor, visible: torch.Tensor | None):
         """The attention mask of a call appending slots at ``positions [B, k]``: the 2-D slot mask where transformers
-        makes the right 4-D one of it (a chain call, no sliding window, weights no wider than float32), else the
+        makes the right 4-D one of it (a chain call, no sliding window, weights no wider than float32, a model that
+        reads a 2-D mask as it is: not GIT), else the
         layout's additive masks (float64: transformers fills its mask with float64's lowest value, which ``eager``'s
         float32 softmax reads as -inf, so a left-padded row's pad slots turned the row into NaN;
         ``models.attention.additive_mask``)."""
-        if visible is None and not self._attention.windowed and (self.model.dtype != torch.float64 or self.recurrent):
+        layout = self._attention
+        if visible is None and not (layout.windowed or layout.four_d) and (self.model.dtype != torch.float64
+                                                                            or self.recurrent):
             if not self._attention.attends:  # no attention layer: the call's own columns (Mamba v1 multiplies the
                 return self._slots.mask[:, -positions.shape[1]:].long()  # mask it is given into the call's tokens)
             return self._slots.mask.long()  # recurrent layers read a call's padding from it (models.recurrent)
