@@ -312,6 +312,9 @@ def base_law(name: str, args) -> dict:
         raise ValueError(f"{name} samples from the target it is given: no base model of its own")
     model = _eagle_llm(target.model, args.temperature, tokenizer, rope_theta=name.endswith(".rope_theta")).model
     ids = encode_chat([args.prompt], tokenizer)[0].tolist()  # as execute() templates a string prompt
+    with torch.no_grad():
+        want = target.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = torch.nonzero((want / args.temperature).softmax(-1) > 1e-5).flatten()  # the first tokens the two-token law sums
 
     def laws(forward):
         with torch.no_grad():
@@ -319,9 +322,6 @@ def base_law(name: str, args) -> dict:
             second = (forward(torch.tensor([ids + [int(t)] for t in top]))[:, -1].float() / args.temperature).softmax(-1)
         return first, first[top, None] * second
 
-    with torch.no_grad():
-        want = target.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-    top = torch.nonzero((want / args.temperature).softmax(-1) > 1e-5).flatten()
     own_first, own_two = laws(lambda x: _logits(model.base_model(input_ids=x)))
     want_first, want_two = laws(lambda x: target.model(input_ids=x).logits)
     return {"library": name, "prompt": args.prompt, "temperature": args.temperature,

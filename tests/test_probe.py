@@ -187,8 +187,9 @@ def test_git_gets_four_d_masks_since_it_widens_a_two_d_one_by_image_tokens(monke
     """GIT widens a 2-D padding mask after a cached call by the image's patch tokens it assumes cached, which a
     text-only call has none of: the wrapper hands it 4-D masks only (``attention.WIDENS_2D``), the probe takes it, and
     a chain after uneven rollbacks equals an uncached forward. Handed 2-D masks (the control), the probe refuses it."""
-    import specresearch.models.attention as attention
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    import specresearch.models.attention as attention
 
     def model():
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32,

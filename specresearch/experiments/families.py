@@ -160,10 +160,7 @@ def run_case(family: str, kernel: str, step: str, device: str = "cpu",
                           f"{type(error).__name__}: {error}")
     got = [list(row) for row in result.tokens]
     ran = target.model.config._attn_implementation
-    if got != expected:  # the reference's own model (the wrapper has changed the one it wraps)
-        fresh = tiny_family_model(family, key[1]).to(device)
-        ties = all(_within_ties(fresh, prompt, mine, theirs, eos) for prompt, mine, theirs in zip(PROMPTS, got, expected))
-    if got != expected and not ties:
+    if got != expected and not _ties_only(tiny_family_model(family, key[1]).to(device), got, expected, eos):
         return CaseResult(family, kernel, step, "DIFFERENT", ran, f"engine {got} != generate {expected}",
                           result.block_efficiency)
     return CaseResult(family, kernel, step, "switched" if switched else "exact", ran,
@@ -171,6 +168,12 @@ def run_case(family: str, kernel: str, step: str, device: str = "cpu",
 
 
 TIE = 1e-5  # two logits this close (over the logits' scale, 1 + max |logit|) are a tie float32's rounding may break
+
+
+def _ties_only(model, got: list[list[int]], expected: list[list[int]], eos: int) -> bool:
+    """Whether every row of the engine's tokens is ``generate``'s up to float ties (:func:`_within_ties`); ``model``:
+    the reference's own, a fresh one (the wrapper has changed the one it wraps)."""
+    return all(_within_ties(model, prompt, mine, theirs, eos) for prompt, mine, theirs in zip(PROMPTS, got, expected))
 
 
 def _within_ties(model, prompt: list[int], got: list[int], expected: list[int], eos: int) -> bool:

@@ -386,8 +386,9 @@ class CausalLM:
             raise ValueError("score called before prefill/reset: start a batch first")
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
-        if self.recurrent and self._slots.length and tokens.shape[1] > states.piece_size(self.model):
-            return states.score_in_pieces(self, tokens, valid, hidden_layers, states.piece_size(self.model))
+        piece = states.piece_size(self.model) if self.recurrent else None
+        if piece and self._slots.length and tokens.shape[1] > piece:
+            return states.score_in_pieces(self, tokens, valid, hidden_layers, piece)
         if self.recurrent:
             states.trim(self._cache)
         positions = self._slots.append(valid.to(self.device))

@@ -33,9 +33,10 @@ def masked_value(dtype: torch.dtype) -> float:
 
 def slot_placement(model, config) -> str | None:
     """What a model's attention takes token positions from where it is not the position ids and additive mask the
-    wrapper hands it, or None: the ALiBi of Bloom, Falcon-RW (Falcon with ``alibi``) and MPT and GPT-Neo's local
-    layers place a key by its slot until :func:`positions_from_masks` has mended them, Llama 4's NoPE layers scale
-    their queries by it."""
+    wrapper hands it, or None once :func:`positions_from_masks` has mended it (or it needs no mend): the ALiBi of
+    Bloom, Falcon-RW (Falcon with ``alibi``) and MPT and GPT-Neo's local layers place a key by its slot, Llama 4's NoPE
+    layers and Inkling scale their queries by it, Inkling's bias reads distances in slots, BART's kin and RoFormer
+    count positions from the cache's length, RoBERTa's kin from the padding id."""
     kind = getattr(config, "model_type", "")
     if any(not getattr(module, _MENDED, False) for module in _slot_placed(model)):
         if kind == "llama4_text":
@@ -65,37 +66,36 @@ ROBERTA_KIN = ("roberta", "roberta-prelayernorm", "camembert", "xlm-roberta", "x
 
 
 def positions_from_masks(model) -> bool:
-    """Make the ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's local windows place each key by its position; whether
+    """Make the families that place tokens by cache slot (:func:`_slot_placed`) place them by position; whether
     ``model`` needed it.
 
-    All four read a key's position off its slot: Bloom and Falcon-RW build ALiBi (``slope * key position``) from a
-    2-D padding mask (a tree's 4-D mask fails with "too many values to unpack"), MPT's attention adds
-    ``slope * (slot - last slot)`` (one ``[heads, 1, slots]`` bias for every row, which no batch axis can correct),
-    GPT-Neo's local layers apply their window (``q - k < window_size``) from a causal buffer of their own over the
-    cache's slots; in a tree, after a row's rollback or in a static cache a slot is not a position. Every mask the
-    wrapper (or transformers, from a 2-D padding mask) builds lets a query see exactly one key at each position from
-    0 to its own, in slot order, so the mask itself gives each key's position: the number of keys a query sees before
-    it, and ``q - k`` the number it sees after. So Bloom's model builds its ALiBi from a 4-D mask that way (a 2-D one
-    as before); Falcon-RW's model leaves ALiBi out and each of its layers adds it to the mask it is handed (a forward
-    pre-hook, with transformers' slopes, rounding and scale); each of MPT's attentions runs :func:`_mpt_attention`,
-    transformers' computation with the bias ``slope * (position - the row's last position)`` (equal to MPT's own
-    where slots are positions, and a softmax ignores a constant per row in any case); each of GPT-Neo's local
-    attentions takes the global layers' buffer (causal over slots, which the wrapper's masks make exact) and a
-    pre-hook that narrows its mask to the window. Where transformers builds the mask itself nothing changes but MPT's
-    masked value in float64 (float32's lowest, as :func:`additive_mask`). Llama 4's attentions without RoPE scale
-    their queries by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` with ``p`` the cache's slot count plus
-    the token's index in the call; each gets the scale from the position ids its decoder layer is handed instead (a
-    pre-hook on the layer keeps them, a hook on ``q_proj`` scales its output). Inkling's attentions gather a relative
-    bias at ``query slot - key slot`` (Inkling 2: the model's one ``relative_distance`` for every row) and Inkling 1's
-    full layers scale queries and bias by ``tau`` of the query's slot count (:func:`_mend_inkling`); each takes the
-    distances (and ``p + 1``, the keys a full layer's query sees) from its mask. The decoders of BART's kin
-    (:data:`CACHE_COUNTED`) embed ``cache length + index in the call`` as each token's position: a pre-hook keeps the
-    positions its mask gives (:func:`_call_positions`) and its ``embed_positions`` embeds those. RoBERTa's kin
-    (:data:`ROBERTA_KIN`) number a row's tokens from the padding id + 1 where they number them themselves: a pre-hook
-    on the embeddings offsets the wrapper's position ids so. RoFormer's encoder hands every attention one rotation for
-    ``cache length + index``; each gets its rows' own from its mask (:func:`_roformer_positions`). A model of another
-    family is left as
-    it is."""
+    The ALiBi of Bloom, Falcon-RW and MPT and GPT-Neo's local windows read a key's position off its slot: Bloom and
+    Falcon-RW build ALiBi (``slope * key position``) from a 2-D padding mask (a tree's 4-D mask fails with "too many
+    values to unpack"), MPT's attention adds ``slope * (slot - last slot)`` (one ``[heads, 1, slots]`` bias for
+    every row, which no batch axis can correct), GPT-Neo's local layers apply their window (``q - k < window_size``)
+    from a causal buffer of their own over the cache's slots; in a tree, after a row's rollback or in a static cache
+    a slot is not a position. Every mask the wrapper (or transformers, from a 2-D padding mask) builds lets a query
+    see exactly one key at each position from 0 to its own, in slot order, so the mask itself gives each key's
+    position: the number of keys a query sees before it, and ``q - k`` the number it sees after. So Bloom's model
+    builds its ALiBi from a 4-D mask that way (a 2-D one as before); Falcon-RW's model leaves ALiBi out and each of
+    its layers adds it to the mask it is handed (a forward pre-hook, with transformers' slopes, rounding and scale);
+    each of MPT's attentions runs :func:`_mpt_attention`, transformers' computation with the bias ``slope *
+    (position - the row's last position)`` (equal to MPT's own where slots are positions, and a softmax ignores a
+    constant per row in any case); each of GPT-Neo's local attentions takes the global layers' buffer (causal over
+    slots, which the wrapper's masks make exact) and a pre-hook that narrows its mask to the window. Where
+    transformers builds the mask itself nothing changes but MPT's masked value in float64 (float32's lowest, as
+    ``models.attention.additive_mask``). Llama 4's attentions without RoPE scale their queries by ``log1p(floor((p +
+    1) / floor_scale)) * attn_scale + 1`` with ``p`` the cache's slot count plus the token's index in the call; each
+    gets the scale from the position ids its decoder layer is handed instead (a pre-hook on the layer keeps them, a
+    hook on ``q_proj`` scales its output). Inkling's attentions gather a relative bias at ``query slot - key slot``
+    (Inkling 2: the model's one ``relative_distance`` for every row) and Inkling 1's full layers scale queries and
+    bias by ``tau`` of the query's slot count (:func:`_mend_inkling`); each takes the distances (and ``p + 1``, the
+    keys a full layer's query sees) from its mask. The decoders of BART's kin (:data:`CACHE_COUNTED`) embed ``cache
+    length + index in the call`` as each token's position: a pre-hook keeps the positions its mask gives
+    (:func:`_call_positions`) and its ``embed_positions`` embeds those. RoBERTa's kin (:data:`ROBERTA_KIN`) number a
+    row's tokens from the padding id + 1 where they number them themselves: a pre-hook on the embeddings offsets the
+    wrapper's position ids so. RoFormer's encoder hands every attention one rotation for ``cache length + index``;
+    each gets its rows' own from its mask (:func:`_roformer_positions`). A model of another family is left as it is."""
     modules = _slot_placed(model)
     for module in modules:
         if getattr(module, _MENDED, False):
@@ -119,7 +119,7 @@ def positions_from_masks(model) -> bool:
             module.register_forward_pre_hook(_inkling2_distances, with_kwargs=True)
         elif hasattr(module, "rel_logits_proj"):  # one of Inkling's attentions: distances and log scale from its mask
             _mend_inkling(module)
-        elif type(module).__name__ == "RoFormerAttention":  # one of RoFormer's attentions: its rotary positions from its mask
+        elif type(module).__name__ == "RoFormerAttention":  # one of RoFormer's attentions: rotation from its mask
             table = next(m.embed_positions for m in model.modules() if hasattr(m, "embed_positions"))
             module.register_forward_pre_hook(partial(_roformer_positions, table=table), with_kwargs=True)
         elif hasattr(module, "embed_positions"):  # a decoder of BART's kin: positions from its masks
@@ -250,6 +250,11 @@ def _llama4_query_scale(q_proj, args, output, *, attention):
     return (output * scales[..., None]).to(output.dtype)
 
 
+def _query_positions(mask: torch.Tensor) -> torch.Tensor:
+    """A 4-D mask -> each query's position ``[B, q]``: the keys it sees, less one (0 for a query that sees none)."""
+    return (_visible(mask)[:, 0].sum(-1) - 1).clamp(min=0)
+
+
 def _distances(mask: torch.Tensor) -> torch.Tensor:
     """A 4-D mask -> ``[B, 1, q, L]``: how many positions back each key a query sees lies (the keys it sees after
     it), -1 where it sees none."""
@@ -326,7 +331,7 @@ def _call_positions(decoder, args, kwargs):
     if mask is None or tokens is None:
         decoder.specresearch_positions = None
     elif mask.ndim == 4:
-        decoder.specresearch_positions = (_visible(mask)[:, 0].sum(-1) - 1).clamp(min=0)
+        decoder.specresearch_positions = _query_positions(mask)
     else:
         decoder.specresearch_positions = (mask.long().cumsum(-1) - 1)[:, -tokens.shape[1]:].clamp(min=0)
 
@@ -347,8 +352,7 @@ def _roformer_positions(module, args, kwargs, *, table):
     mask = kwargs.get("attention_mask")
     if mask is None or mask.ndim != 4 or kwargs.get("sinusoidal_pos") is None:
         return None
-    positions = (_visible(mask)[:, 0].sum(-1) - 1).clamp(min=0)  # [B, q]
-    rotation = torch.nn.Embedding.forward(table, positions)[:, None].to(kwargs["sinusoidal_pos"].dtype)
+    rotation = torch.nn.Embedding.forward(table, _query_positions(mask))[:, None].to(kwargs["sinusoidal_pos"].dtype)
     return args, {**kwargs, "sinusoidal_pos": rotation}
 
 
