@@ -355,8 +355,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", default="Name a colour.")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smallest", help="a library with a finding: the smallest input that shows it, into the record")
-    parser.add_argument("--base-law", help="a library with a base model of its own (eagle-llm): that model's law "
-                                           "against the target's, exactly, into the record")
+    parser.add_argument("--base-law", choices=[name for name in LIBRARIES if name.startswith("eagle-llm")],
+                        help="a library with a base model of its own (eagle-llm): that model's law against the "
+                             "target's, exactly, into the record")
     parser.add_argument("--power", type=int, help="run at this N in stored seed blocks (module docstring)")
     parser.add_argument("--batch-size", type=int, default=500, help="generations per seed block (--power)")
     parser.add_argument("--min-expected", type=float, default=50.0, help="a cell's least expected count (--power)")

@@ -250,6 +250,9 @@ def main(argv: list[str]) -> int:
     if args.one:
         print(json.dumps(one(args.one)), flush=True)
         return 0
+    out = Path(args.out or Path(__file__).resolve().parent / "records" / "family_sweep.json")
+    if args.update and (not args.types or not out.exists()):  # before hours of types, not after
+        parser.error(f"--update reruns the --types given in an existing record ({out}): name the types")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from specresearch.experiments.records import record_header, write_json_record
@@ -258,10 +261,7 @@ def main(argv: list[str]) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)  # two processes of two threads on two cores thrash
         rows = list(tqdm(pool.map(partial(_run, threads=threads), kinds), total=len(kinds), desc="model types"))
-    out = Path(args.out or Path(__file__).resolve().parent / "records" / "family_sweep.json")
     if args.update:
-        if not args.types or not out.exists():
-            parser.error("--update reruns the --types given in an existing record")
         from specresearch.experiments.records import git_commit
 
         old = json.loads(out.read_text())
