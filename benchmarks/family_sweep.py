@@ -3,7 +3,8 @@
 take it or refuse it?
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
-defaults made tiny (the sizes below, where the config has them, and a few types' own: ``TYPE_SIZES``; eager
+defaults made tiny (the sizes below, where the config or a config nested in it has them: a multimodal wrapper's
+text, vision and audio configs too; and a few types' own: ``TYPE_SIZES``; eager
 attention, float32, seeded; where that does not build or run an uncached forward, again with as many key-value heads
 as query heads (latent attention as in Kimi Linear, DeepSeek-V3.2 and GLM-5 takes no grouped heads), with 8 layers (a
 hybrid whose pattern puts its first attention layer past two, which transformers' own forward refuses), and with both:
@@ -58,6 +59,8 @@ TYPE_SIZES = {
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     "dots1": dict(n_shared_experts=1),
+    "gemma4": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),  # per-layer inputs, 262k rows
+    "gemma4_text": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "mamba2": dict(num_heads=8, head_dim=8, state_size=8, n_groups=1, expand=2, conv_kernel=4),
     "reformer": dict(axial_pos_embds_dim=[16, 16], axial_pos_shape=[16, 16], attention_head_size=8,
@@ -72,22 +75,47 @@ DEEPER = dict(num_hidden_layers=8, num_layers=8)  # a hybrid whose pattern puts 
 TRIES = ({}, UNGROUPED, DEEPER, {**UNGROUPED, **DEEPER})
 
 
-def tiny_model(kind: str, options: dict | None = None):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    defaults = AutoConfig.for_model(kind)
-    sizes = {key: value for key, value in {**SIZES, **TYPE_SIZES.get(kind, {}), **(options or {})}.items()
-             if hasattr(defaults, key)}
+def _has(config, key: str) -> bool:
+    """``hasattr`` that a per-layer attribute's refusal (Gemma 4's ``head_dim``) answers "no" to."""
     try:
-        config = AutoConfig.for_model(kind, **sizes, is_decoder=True)
+        return hasattr(config, key)
+    except Exception:  # noqa: BLE001 -- AmbiguousGlobalPerLayerAttributeError and kin
+        return False
+
+
+def _sized(config_class, defaults, sizes: dict, **extra):
+    """``config_class`` built with the ``sizes`` its ``defaults`` have, or ``defaults`` with those it lets be set."""
+    sizes = {key: value for key, value in sizes.items() if _has(defaults, key)}
+    try:
+        return config_class(**sizes, **extra)
     except Exception:  # noqa: BLE001 -- a config that takes its sizes otherwise: set what it allows
-        config = defaults
         for key, value in sizes.items():
             try:
-                setattr(config, key, value)
+                setattr(defaults, key, value)
             except Exception:  # noqa: BLE001
                 pass
+        return defaults
+
+
+def tiny_config(kind: str, options: dict | None = None):
+    """``kind``'s config made tiny: the sizes on it and on each config nested in it (a multimodal wrapper's text,
+    vision and audio configs, whose defaults are full-sized: Gemma 3's 262k-token vocabulary)."""
+    from transformers import AutoConfig
+
+    sizes = {**SIZES, **TYPE_SIZES.get(kind, {}), **(options or {})}
+    defaults = AutoConfig.for_model(kind)
+    config = _sized(partial(AutoConfig.for_model, kind), defaults, sizes, is_decoder=True)
+    for name, nested in list(vars(config).items()):
+        if name.endswith("_config") and name not in sizes and hasattr(nested, "to_dict"):  # not set above
+            setattr(config, name, _sized(type(nested), nested, sizes))
+    return config
+
+
+def tiny_model(kind: str, options: dict | None = None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(kind, options)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
