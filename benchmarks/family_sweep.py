@@ -59,6 +59,8 @@ TYPE_SIZES = {
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     "dots1": dict(n_shared_experts=1),
+    "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, laurel_rank=8, hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=128, activation_sparsity_pattern=[0.0] * 4),  # 15 of 2 layers shared
     "gemma4": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),  # per-layer inputs, 262k rows
     "gemma4_text": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
