@@ -161,7 +161,7 @@ def test_the_sweeps_record_takes_no_type_whose_cache_scores_otherwise():
     record = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "records" / "family_sweep.json")
                         .read_text())
     built = [row for row in record["rows"] if row["built"]]
-    assert len(record["rows"]) >= 190 and len(built) >= 165
+    assert len(record["rows"]) >= 190 and len(built) >= 180
     assert not [row["model_type"] for row in built if row["unprobed"] != "exact" and row["wrapper"] == "taken"]
     assert not [row["model_type"] for row in built if row["unprobed"] == "exact" and "probe" in row["wrapper_detail"]]
     assert record["summary"]["taken but not exact"] == 0
