@@ -3,12 +3,12 @@
 take it or refuse it?
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a model built from the config's
-defaults made tiny (the sizes below, where the config or a config nested in it has them: a multimodal wrapper's
-text, vision and audio configs too; and a few types' own: ``TYPE_SIZES``; eager
-attention, float32, seeded; where that does not build or run an uncached forward, again with as many key-value heads
-as query heads (latent attention as in Kimi Linear, DeepSeek-V3.2 and GLM-5 takes no grouped heads), with 8 layers (a
-hybrid whose pattern puts its first attention layer past two, which transformers' own forward refuses), and with both:
-the row's ``options``), or "not built" where none does (a tiny size it rejects, a library it needs). Then
+defaults made tiny (the sizes below, where the config or a config nested in it has them: a multimodal wrapper's text,
+vision and audio configs too; and a few types' own: ``TYPE_SIZES``; eager attention, float32, seeded; where that does
+not build or run an uncached forward, again with as many key-value heads as query heads (latent attention as in Kimi
+Linear, DeepSeek-V3.2 and GLM-5 takes no grouped heads), with 8 layers (a hybrid whose pattern puts its first
+attention layer past two, which transformers' own forward refuses), and with both: the row's ``options``), or "not
+built" where none does (a tiny size it rejects, a library it needs). Then
 
 * ``unprobed``: the model behind ``CausalLM(..., probe=False)``, two left-padded rows, 4 draft trees of 6 nodes
   (contexts past the window of 6 where the config has one; dead slots packed on the way) and a token after them,
@@ -19,11 +19,16 @@ the row's ``options``), or "not built" where none does (a tiny size it rejects, 
   passes 1e-3), "different"
   (the worst difference) or "fails" (the error);
 * ``wrapper``: what ``CausalLM(model)`` does with its defaults, the probe included (``models.probe``): "taken" or
-  "refused" (the message).
+  "refused" (the message);
+* ``static`` (a type taken): its static form (``CausalLM.static_form``, the cache of the captured steps that a GPU
+  run takes by default) scoring a chain, a tree, the tree's kept path and a token after against uncached forwards:
+  "exact", "different", "fails" as above, or "refused" (``static_refusal``: the growing cache runs it).
 
-A type whose unprobed status is not "exact" must be refused: ``tests/test_probe.py`` checks the record for that.
-Each type runs in a process of its own (8 GB at most, 600 s; Kimi Linear's 8 layers of reference kernels take 4 minutes),
-two at a time, with the cores shared between them (one thread each on two cores):
+Then the same columns under ``sdpa`` (the kernel ``from_pretrained`` picks by default), in the row's ``sdpa``, where
+the type has it. A type whose unprobed status is not "exact" must be refused, and a taken type's static form exact or
+refused, on either kernel: ``tests/test_probe.py`` checks the record for that. Each type runs in a process of its own
+(8 GB at most, 1,200 s for both kernels; Kimi Linear's 8 layers of reference kernels take 4 minutes a kernel), two at
+a time, with the cores shared between them (one thread each on two cores):
 
     PYTHONPATH=. .venv/bin/python benchmarks/family_sweep.py --out benchmarks/records/family_sweep.json
     PYTHONPATH=. .venv/bin/python benchmarks/family_sweep.py --types inkling_text --update   # one type again, in place
@@ -69,7 +74,7 @@ TYPE_SIZES = {
                      feed_forward_size=64),
 }
 MEMORY = 8 * 2**30
-SECONDS = 600
+SECONDS = 1200
 
 
 UNGROUPED = dict(num_key_value_heads=4)  # no grouped-query heads (latent attention takes none)
@@ -113,14 +118,14 @@ def tiny_config(kind: str, options: dict | None = None):
     return config
 
 
-def tiny_model(kind: str, options: dict | None = None):
+def tiny_model(kind: str, options: dict | None = None, kernel: str = "eager"):
     import torch
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(kind, options)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_config(config, attn_implementation=kernel, dtype=torch.float32).eval()
 
 
 def _uncached(model, ids):
@@ -144,14 +149,14 @@ def _path(tokens: list[int], parents: list[int], i: int) -> list[int]:
     return path[::-1]
 
 
-def unprobed(kind: str, options: dict | None = None) -> tuple[str, str]:
+def unprobed(kind: str, options: dict | None = None, kernel: str = "eager") -> tuple[str, str]:
     """The cached-tree comparison of the module docstring, on the wrapper with ``probe=False``."""
     import torch
 
     from specresearch.models.causal_lm import CausalLM
     from specresearch.models.probe import error_line
 
-    model, reference = tiny_model(kind, options), tiny_model(kind, options)
+    model, reference = tiny_model(kind, options, kernel), tiny_model(kind, options, kernel)
     try:
         lm = CausalLM(model, device="cpu", probe=False)
     except ValueError as error:
@@ -161,10 +166,7 @@ def unprobed(kind: str, options: dict | None = None) -> tuple[str, str]:
         if status != "exact":
             return status, detail
     parents = [-1, 0, 1, 0, 3, 2]
-    visible = torch.eye(6, dtype=torch.bool)
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            visible[i] |= visible[parent]
+    visible = _visible(parents)
     try:
         lm.prefill(torch.tensor([[5, 9, 2, 33], [0, 0, 4, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
         histories, pending, worst = [[5, 9, 2, 33], [4, 8]], [7, 11], 0.0
@@ -183,6 +185,66 @@ def unprobed(kind: str, options: dict | None = None) -> tuple[str, str]:
         out = lm.score(torch.tensor([[pending[0]], [pending[1]]]))
         for b in range(2):
             worst = max(worst, _gap(out[b, -1], _uncached(reference, histories[b] + [pending[b]])))
+    except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
+        return "fails", error_line(error)
+    return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
+
+
+def _visible(parents: list[int]):
+    """A tree's ``visible [n, n]``: each node sees itself and its ancestors."""
+    import torch
+
+    visible = torch.eye(len(parents), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            visible[i] |= visible[parent]
+    return visible
+
+
+def static(kind: str, options: dict | None = None, kernel: str = "eager") -> tuple[str, str]:
+    """The wrapper's static form (``CausalLM.static_form``: the captured steps' cache, on a GPU the default) against
+    uncached forwards: two left-padded rows of 9 and 4 tokens (past a window of 6), a chain of two whose second token
+    is dropped, a tree of five nodes in two branches, its path kept to 3 and 2 nodes, a token after."""
+    import torch
+
+    from specresearch.engine.prompts import encode_prompts
+    from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.probe import error_line
+
+    model, reference = tiny_model(kind, options, kernel), tiny_model(kind, options, kernel)
+    lm = CausalLM(model, device="cpu", probe=False)
+    if lm.static_refusal:
+        return "refused", lm.static_refusal
+    worst = 0.0
+
+    def compare(logits, sequence):
+        nonlocal worst
+        want = _uncached(reference, sequence)
+        worst = max(worst, _gap(logits[: want.shape[-1]], want))
+
+    try:
+        form = lm.static_form()
+        rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
+        form.allocate(2, 64)
+        form.prefill(*encode_prompts(rows))
+        chain = [[20, 21], [22, 23]]
+        logits, _ = form.forward(torch.tensor(chain))
+        for b, row in enumerate(rows):
+            compare(logits[b, 1], row + chain[b])
+        form.commit(1)
+        rows = [row + [links[0]] for row, links in zip(rows, chain)]
+        parents = [-1, 0, 1, 0, 3]
+        tokens = [[30, 31, 32, 33, 34], [35, 36, 37, 38, 39]]
+        logits, _ = form.forward(torch.tensor(tokens), depth=torch.tensor([[0, 1, 2, 1, 2]] * 2),
+                                 visible=_visible(parents).expand(2, -1, -1))
+        for b, row in enumerate(rows):
+            for i in range(5):
+                compare(logits[b, i], row + _path(tokens[b], parents, i))
+        form.keep_path(torch.tensor([[0, 3, 4], [0, 3, 4]]), torch.tensor([3, 2]))  # rows keep 3 and 2 of the path
+        rows = [rows[0] + [30, 33, 34], rows[1] + [35, 38]]
+        logits, _ = form.forward(torch.tensor([[40], [41]]))
+        for b, row in enumerate(rows):
+            compare(logits[b, 0], row + [40 + b])
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
         return "fails", error_line(error)
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
@@ -223,8 +285,8 @@ def _chains(lm, reference) -> tuple[str, str]:
 
 
 def one(kind: str) -> dict:
-    """One type's row of the record."""
-    from specresearch.models.causal_lm import CausalLM
+    """One type's row of the record: eager attention, and under ``sdpa`` the same columns again where the model
+    has that kernel."""
     from specresearch.models.probe import error_line
 
     warnings.simplefilter("ignore")
@@ -239,14 +301,27 @@ def one(kind: str) -> dict:
         return {**row, "built": False, "detail": first}
     if options:
         row["options"] = options
-    row["built"] = True
-    row["unprobed"], row["unprobed_detail"] = unprobed(kind, options)
+    row.update(built=True, **_columns(kind, options, "eager"))
     try:
-        CausalLM(tiny_model(kind, options), device="cpu")
-        row["wrapper"], row["wrapper_detail"] = "taken", ""
-    except ValueError as error:
-        row["wrapper"], row["wrapper_detail"] = "refused", " ".join(str(error).split())[:400]
+        _uncached(tiny_model(kind, options, "sdpa"), [5, 9, 2, 33])
+    except Exception as error:  # noqa: BLE001 -- no sdpa kernel for this class
+        row["sdpa"] = dict(built=False, detail=error_line(error, 200))
+    else:
+        row["sdpa"] = dict(built=True, **_columns(kind, options, "sdpa"))
     return row
+
+
+def _columns(kind: str, options: dict | None, kernel: str) -> dict:
+    """``unprobed``, ``wrapper`` and, for a type taken, ``static`` (module docstring) on ``kernel``."""
+    from specresearch.models.causal_lm import CausalLM
+
+    columns = dict(zip(("unprobed", "unprobed_detail"), unprobed(kind, options, kernel)))
+    try:
+        CausalLM(tiny_model(kind, options, kernel), device="cpu")
+    except ValueError as error:
+        return {**columns, "wrapper": "refused", "wrapper_detail": " ".join(str(error).split())[:400]}
+    return {**columns, "wrapper": "taken", "wrapper_detail": "",
+            **dict(zip(("static", "static_detail"), static(kind, options, kernel)))}
 
 
 def _limits() -> None:
@@ -265,6 +340,20 @@ def _run(kind: str, threads: int) -> dict:
     except subprocess.TimeoutExpired:
         reason = f"over {SECONDS} s"
     return dict(model_type=kind, built=False, detail=f"its process ended without a row ({reason})")
+
+
+def _summary(columns: list[dict]) -> dict:
+    """Counts of one kernel's columns: built, each status, taken, and the two that must be zero."""
+    built = [column for column in columns if column.get("built")]
+    counts = {"built": len(built), **{f"unprobed {status}": sum(column["unprobed"] == status for column in built)
+                                      for status in ("exact", "different", "fails", "refused")},
+              "taken": sum(column["wrapper"] == "taken" for column in built),
+              **{f"static {status}": sum(column.get("static") == status for column in built)
+                 for status in ("exact", "different", "fails", "refused")}}
+    counts["taken but not exact"] = sum(column["wrapper"] == "taken" and column["unprobed"] != "exact"
+                                        for column in built)
+    counts["static taken but not exact"] = counts["static different"] + counts["static fails"]
+    return counts
 
 
 def main(argv: list[str]) -> int:
@@ -299,12 +388,7 @@ def main(argv: list[str]) -> int:
         fresh = {row["model_type"]: {**row, "commit": commit} for row in rows}
         rows = [fresh.pop(row["model_type"], None) or {"commit": old["commit"], **row} for row in old["rows"]]
         rows = sorted(rows + list(fresh.values()), key=lambda row: row["model_type"])
-    built = [row for row in rows if row["built"]]
-    summary = {"types": len(rows), "built": len(built),
-               **{f"unprobed {status}": sum(row["unprobed"] == status for row in built)
-                  for status in ("exact", "different", "fails", "refused")},
-               "taken": sum(row["wrapper"] == "taken" for row in built),
-               "taken but not exact": sum(row["wrapper"] == "taken" and row["unprobed"] != "exact" for row in built)}
+    summary = {"types": len(rows), **_summary(rows), "sdpa": _summary([row.get("sdpa", {}) for row in rows])}
     import transformers
 
     write_json_record(out, {**record_header("benchmarks/family_sweep.py", argv, target=None,

@@ -152,19 +152,26 @@ def test_the_matrices_families_are_not_probed(monkeypatch):
 
 
 def test_the_sweeps_record_takes_no_type_whose_cache_scores_otherwise():
-    """``benchmarks/family_sweep.py``'s record: of every causal-LM type transformers builds tiny, none whose cached
-    tree differs from uncached forwards (or fails) is taken, and the probe refuses none that scores alike unless the
-    wrapper refuses its layers anyway (no false refusal)."""
+    """``benchmarks/family_sweep.py``'s record: of every causal-LM type transformers builds tiny, on eager attention and
+    on sdpa, none whose cached tree differs from uncached forwards (or fails) is taken, the probe refuses none that
+    scores alike unless the wrapper refuses its layers anyway (no false refusal), and every taken type's static form
+    (the captured steps' cache) scores alike or is refused."""
     import json
     from pathlib import Path
 
     record = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "records" / "family_sweep.json")
                         .read_text())
     built = [row for row in record["rows"] if row["built"]]
-    assert len(record["rows"]) >= 190 and len(built) >= 180
-    assert not [row["model_type"] for row in built if row["unprobed"] != "exact" and row["wrapper"] == "taken"]
-    assert not [row["model_type"] for row in built if row["unprobed"] == "exact" and "probe" in row["wrapper_detail"]]
-    assert record["summary"]["taken but not exact"] == 0
+    on_sdpa = [row["sdpa"] for row in built if row["sdpa"]["built"]]
+    assert len(record["rows"]) >= 190 and len(built) >= 180 and len(on_sdpa) >= 150
+    for kernel, columns in (("eager", built), ("sdpa", on_sdpa)):
+        assert not [column for column in columns if column["unprobed"] != "exact" and column["wrapper"] == "taken"]
+        assert not [column for column in columns if column["unprobed"] == "exact" and "probe" in column["wrapper_detail"]]
+        taken = [column for column in columns if column["wrapper"] == "taken"]
+        assert taken and all(column["static"] in ("exact", "refused") for column in taken), kernel
+        assert sum(column["static"] == "exact" for column in taken) >= 0.8 * len(taken), kernel
+    for summary in (record["summary"], record["summary"]["sdpa"]):
+        assert summary["taken but not exact"] == 0 and summary["static taken but not exact"] == 0
 
 
 def test_an_error_without_a_message_is_named_by_where_it_was_raised():
