@@ -56,6 +56,28 @@ def test_a_family_whose_cache_scores_otherwise_is_refused_and_wrong_unprobed(fam
 DECODER_SIZES = dict(decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, d_model=32)
 
 
+def gap(lm, reference) -> float:
+    """The largest logit gap of ``lm`` (a ``CausalLM``) against ``reference``'s uncached forwards: a cached tree after
+    two prompts (one left-padded), then a chain after the kept path, whose dropped node leaves the path's last two
+    nodes a slot past their positions."""
+    def forward(tokens):
+        with torch.no_grad():
+            return reference(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+    prompts, mask = torch.tensor([[5, 9, 2, 33, 7], [1, 1, 4, 8, 11]]), torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    lm.prefill(prompts, mask)
+    parents, tokens = [-1, 0, 0, 2], torch.tensor([[10, 20, 30, 40]] * 2)
+    lm.begin_tree()
+    logits = lm.score_tree(tokens, torch.tensor([[0, 1, 1, 2]] * 2), visible_from_parents(parents).expand(2, -1, -1))
+    histories = [[5, 9, 2, 33, 7], [4, 8, 11]]
+    worst = max(logit_gap(logits[b, i], forward(histories[b] + tree_path(tokens[b], parents, i)))
+                for b in range(2) for i in range(4))
+    lm.end_tree(torch.tensor([[True, False, True, True]] * 2))  # b dropped: c and d sit a slot past their positions
+    logits = lm.score(torch.tensor([[50, 51]] * 2))
+    return max(worst, *(logit_gap(logits[b, i], forward(histories[b] + [10, 30, 40, 50, 51][:4 + i]))
+                        for b in range(2) for i in range(2)))
+
+
 @pytest.mark.parametrize("kind", ROBERTA_KIN + CACHE_COUNTED + ("roformer",))
 def test_absolute_positions_numbered_otherwise_are_taken_from_the_masks(kind, monkeypatch):
     """RoBERTa's embeddings as a decoder's (CamemBERT's, XLM-R's, XLM-R-XL's, Data2Vec-Text's, RoBERTa-PreLN's) number
@@ -73,24 +95,6 @@ def test_absolute_positions_numbered_otherwise_are_taken_from_the_masks(kind, mo
         config = AutoConfig.for_model(kind, **{**SIZES, **DECODER_SIZES, "is_decoder": True, "pad_token_id": 1})
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
-
-    def gap(lm, reference) -> float:
-        def forward(tokens):
-            with torch.no_grad():
-                return reference(input_ids=torch.tensor([tokens])).logits[0, -1]
-
-        prompts, mask = torch.tensor([[5, 9, 2, 33, 7], [1, 1, 4, 8, 11]]), torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
-        lm.prefill(prompts, mask)
-        parents, tokens = [-1, 0, 0, 2], torch.tensor([[10, 20, 30, 40]] * 2)
-        lm.begin_tree()
-        logits = lm.score_tree(tokens, torch.tensor([[0, 1, 1, 2]] * 2), visible_from_parents(parents).expand(2, -1, -1))
-        histories = [[5, 9, 2, 33, 7], [4, 8, 11]]
-        worst = max(logit_gap(logits[b, i], forward(histories[b] + tree_path(tokens[b], parents, i)))
-                    for b in range(2) for i in range(4))
-        lm.end_tree(torch.tensor([[True, False, True, True]] * 2))  # b dropped: c and d sit a slot past their positions
-        logits = lm.score(torch.tensor([[50, 51]] * 2))
-        return max(worst, *(logit_gap(logits[b, i], forward(histories[b] + [10, 30, 40, 50, 51][:4 + i]))
-                            for b in range(2) for i in range(2)))
 
     assert gap(CausalLM(model(), device="cpu"), model()) < 1e-4
     monkeypatch.setattr(positions, "slot_placement", lambda model, config: None)
@@ -172,6 +176,61 @@ def test_the_sweeps_record_takes_no_type_whose_cache_scores_otherwise():
         assert sum(column["static"] == "exact" for column in taken) >= 0.8 * len(taken), kernel
     for summary in (record["summary"], record["summary"]["sdpa"]):
         assert summary["taken but not exact"] == 0 and summary["static taken but not exact"] == 0
+
+
+MULTIMODAL_TEXT = dict(SIZES, head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+MULTIMODAL = {  # the multimodal configs whose AutoModelForCausalLM is the multimodal wrapper (...ForConditionalGeneration)
+    "gemma3": ("Gemma3Config", dict(text_config=MULTIMODAL_TEXT, mm_tokens_per_image=4,
+                                    vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                       intermediate_size=64, image_size=28, patch_size=14))),
+    "gemma4": ("Gemma4Config", dict(text_config=dict(MULTIMODAL_TEXT, global_head_dim=8, hidden_size_per_layer_input=0,
+                                                     vocab_size_per_layer_input=0))),
+}
+
+
+@pytest.mark.parametrize("kind", MULTIMODAL)
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_a_multimodal_wrapper_scores_text_as_its_uncached_forward_on_both_caches(kind, kernel):
+    """Gemma 3's and Gemma 4's checkpoints load as their multimodal wrappers (``Gemma3ForConditionalGeneration``, the
+    language model inside it): the wrapper takes them, and a cached tree and chain (windows of 6 passed) and the static
+    form's chain, tree, kept path and token after give the logits of uncached forwards of the same text."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from specresearch.engine.prompts import encode_prompts
+
+    name, settings = MULTIMODAL[kind]
+
+    def model():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(getattr(transformers, name)(**settings), attn_implementation=kernel,
+                                                dtype=torch.float32).eval()
+
+    reference = model()
+    assert type(reference).__name__.endswith("ForConditionalGeneration")
+    assert gap(CausalLM(model(), device="cpu"), reference) < 1e-4
+
+    def forward(tokens):
+        with torch.no_grad():
+            return reference(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+    form = CausalLM(model(), device="cpu").static_form()
+    rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
+    form.allocate(2, 32)
+    form.prefill(*encode_prompts(rows))
+    logits, _ = form.forward(torch.tensor([[20, 21], [22, 23]]))
+    worst = max(logit_gap(logits[b, 1], forward(row + [[20, 21], [22, 23]][b])) for b, row in enumerate(rows))
+    form.commit(1)  # the chain's second token rolled back
+    rows = [rows[0] + [20], rows[1] + [22]]
+    parents, tokens = [-1, 0, 1, 0, 3], torch.tensor([[30, 31, 32, 33, 34]] * 2)
+    logits, _ = form.forward(tokens, depth=torch.tensor([[0, 1, 2, 1, 2]] * 2),
+                             visible=visible_from_parents(parents).expand(2, -1, -1))
+    worst = max(worst, *(logit_gap(logits[b, i], forward(row + tree_path(tokens[b], parents, i)))
+                         for b, row in enumerate(rows) for i in range(5)))
+    form.keep_path(torch.tensor([[0, 3, 4]] * 2), torch.tensor([3, 2]))
+    logits, _ = form.forward(torch.tensor([[40], [40]]))
+    kept = [rows[0] + [30, 33, 34, 40], rows[1] + [30, 33, 40]]
+    assert max(worst, *(logit_gap(logits[b, 0], forward(kept[b])) for b in range(2))) < 1e-4
 
 
 def test_an_error_without_a_message_is_named_by_where_it_was_raised():
