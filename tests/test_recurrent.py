@@ -216,11 +216,11 @@ def test_inkling_places_its_relative_bias_and_log_scale_by_position(family, monk
         assert _inkling_gap(lm, model) > 1e-2
 
 
-@pytest.mark.parametrize("family", ["zaya", "zamba"])
+@pytest.mark.parametrize("family", ["zaya", "zamba", "minimax"])
 def test_a_family_recording_its_state_once_a_call_has_its_cached_calls_go_one_token_at_a_time(family, monkeypatch):
-    """Zaya's and Zamba's layers record their state once a call, not once a token (Zamba's one-token scan none: it
-    updates the state in place, and the wrapper records its copy of the state before the call), so a call's tokens
-    could not be rolled back one by one: ``CausalLM`` scores their cached calls one token at a time
+    """Zaya's, Zamba's and MiniMax's layers record their state once a call, not once a token (Zamba's one-token scan
+    none: it updates the state in place, and the wrapper records its copy of the state before the call), so a call's
+    tokens could not be rolled back one by one: ``CausalLM`` scores their cached calls one token at a time
     (``recurrent.ONE_TOKEN_CALLS``), and they pass the probe (the family test above). Scoring calls whole (the
     control), the probe's uneven rollbacks fail; so do Zamba's without the wrapper's record of a one-token call."""
     model = tiny_recurrent_model(family)
@@ -234,3 +234,30 @@ def test_a_family_recording_its_state_once_a_call_has_its_cached_calls_go_one_to
         monkeypatch.setattr(recurrent, "after_call", lambda kept, tokens: own(kept, 0))
         with pytest.raises(ValueError, match="can undo the"):
             CausalLM(tiny_recurrent_model(family))
+
+
+def test_minimax_runs_in_its_own_cache_class_and_windows_its_full_layers():
+    """MiniMax's forward takes its own cache class only: the wrapper's is that class over transformers' layers, its
+    lightning attention's state in a recorded layer (``recurrent._minimax_cache``; the family test above runs it:
+    probe, greedy = ``generate``). With ``sliding_window`` set its full layers window although transformers' cache
+    names them full (``attention.WINDOWS_FULL``): the probe takes it past the window of 6, and greedy decoding gives
+    the tokens of its uncached forward's argmax, one token at a time. Unwindowed (the control), the probe refuses it.
+    (transformers' own ``generate`` gives other tokens there: its cache's length is read off the first layer, a
+    lightning layer, which counts none.)"""
+    from specresearch.models import attention
+
+    windowed = {**RECURRENT_FAMILIES["minimax"], "sliding_window": 6}
+    model = tiny_recurrent_model("minimax", windowed)
+    lm = CausalLM(model)
+    assert dict(lm._attention.windows)["full_attention"] == 6
+    tokens = autoregressive_generate(lm, PROMPTS, max_new_tokens=8, sampling=GREEDY).tokens
+    for prompt, row in zip(PROMPTS, tokens):
+        sequence = list(prompt)
+        for _ in range(8):
+            sequence.append(int(_uncached(model, sequence).argmax()))
+        assert list(row) == sequence[len(prompt):]
+    assert type(lm._cache).__name__ == "RecordedMiniMaxCache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "WINDOWS_FULL", ())
+        with pytest.raises(ValueError, match="probe"):
+            CausalLM(tiny_recurrent_model("minimax", windowed))

@@ -75,7 +75,7 @@ from specresearch.models.recurrent import RECURRENT_TYPES
 
 __all__ = ["AttentionLayout", "attention_layout", "exact_kernel", "additive_mask", "MASKED_KERNELS", "CPU_SDPA", "PACKED_SDPA",
            "cpu_sdpa_attention", "packed_sdpa_attention", "use_cpu_sdpa", "use_packed_sdpa", "additive_sdpa_mask",
-           "WIDENS_2D"]
+           "WIDENS_2D", "WINDOWS_FULL"]
 
 # Kernels that apply a 4-D additive mask as given (transformers' own and the two CausalLM registers on CPU / CUDA).
 MASKED_KERNELS = ("eager", "sdpa", "specresearch_cpu_sdpa", "specresearch_packed_sdpa")
@@ -88,6 +88,9 @@ INDEXED_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 # model types that widen a 2-D padding mask after a cached call by tokens they assume cached (GIT: an image's patch
 # tokens, which a text-only model has none of): every call of theirs gets a 4-D mask built here
 WIDENS_2D = ("git",)
+# model types whose "full_attention" layers window by config.sliding_window when it is set (MiniMax; transformers'
+# cache names those layers full all the same)
+WINDOWS_FULL = ("minimax",)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,8 @@ def attention_layout(model) -> AttentionLayout:
             raise ValueError(f"{_name(model)} has {kind!r} layers; CausalLM masks full and sliding-window attention "
                              f"only ({', '.join(_LAYER_TYPES)}; Llama 4's chunked_attention): use a model of another family")
         window = option.get("sliding_window") if kind == "sliding_attention" else None
+        if kind == "full_attention" and config.model_type in WINDOWS_FULL:  # its cache names the layers full
+            window = getattr(config, "sliding_window", None)
         if kind == "sliding_attention" and not window:
             raise ValueError(f"{_name(model)} has sliding-window layers without a window (sliding_window={window!r})")
         if windows.setdefault(kind, window) != window:

@@ -270,6 +270,11 @@ RECURRENT_FAMILIES = {
     "zaya": dict(**_RECURRENT_SMALL, num_hidden_layers=2, sliding_window=WINDOW, num_experts=4, num_experts_per_tok=1,
                  moe_intermediate_size=16, router_hidden_size=16, tie_word_embeddings=False, pad_token_id=0,
                  bos_token_id=1, eos_token_id=2),
+    # MiniMax: lightning attention (a decayed K^T V state, recorded once a call, in a cache class of its own) first,
+    # as in MiniMax-Text-01, beside full layers; blocks of 4 in a prompt's scan
+    "minimax": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                    block_size=4, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2),
     # Inkling: short convolutions in every layer, a relative bias (zero past rel_extent) and log-scaled full layers;
     # Inkling 2: attention residuals across blocks; its loop variant runs its middle layer twice
     "inkling_text": dict(**_INKLING, mlp_layer_types=["sparse"] * 2, n_shared_experts=1),

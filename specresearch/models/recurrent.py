@@ -30,10 +30,14 @@ inputs (transformers' ``apply_mask_to_padding_states``), so a row's state starts
 model with no attention layer (Mamba, Falcon-Mamba) gets only the call's columns. A cached call runs its last
 :data:`KEEP` tokens one at a time from the records and the rest by a scan, which Mamba's and Jamba's kernels start from
 a zero state, so ``CausalLM.score`` runs a longer call after a cached state :data:`KEEP` tokens at a time; a model
-whose layers record their state once a call (Zaya: :data:`ONE_TOKEN_CALLS`), one token at a time.
+whose layers record their state once a call (Zaya, Zamba, MiniMax: :data:`ONE_TOKEN_CALLS`), one token at a time.
+MiniMax keeps its lightning attention's state in a cache class of its own, which its forward insists on: the
+wrapper's is that class over transformers' layers (:func:`recurrent_cache`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +49,8 @@ __all__ = ["RECURRENT_TYPES", "KEEP", "ONE_TOKEN_CALLS", "piece_size", "recurren
 RECURRENT_TYPES = ("linear_attention", "hybrid", "hybrid_sliding", "conv")  # transformers' layer types whose cache
 # holds recurrent state ("hybrid": attention and a recurrent state in one layer; "hybrid_sliding": its attention windowed)
 KEEP = 64  # tokens of records kept: the most one rollback may undo
-ONE_TOKEN_CALLS = ("zaya", "zamba")  # model types whose recurrent layers record a call's state once, not once a token
+ONE_TOKEN_CALLS = ("zaya", "zamba", "minimax")  # model types whose recurrent layers record a call's state once, not
+# once a token
 
 
 def recurrent_cache(model, keep: int = KEEP):
@@ -60,7 +65,8 @@ def recurrent_cache(model, keep: int = KEEP):
         LinearAttentionAndSlidingWindowAttentionLayer,
     )
 
-    cache = DynamicCache(config=model.config)
+    own = model.config.model_type == "minimax"  # MiniMax refuses any cache but its own class
+    cache = _minimax_cache()(model.config) if own else DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
             cache.layers[i] = LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
@@ -70,6 +76,37 @@ def recurrent_cache(model, keep: int = KEEP):
         layer.activate_past_recording(recurrent_states_to_keep=keep)
         layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}  # one list per state
     return cache
+
+
+@functools.cache
+def _minimax_cache():
+    """MiniMax's cache class (its forward takes no other) over transformers' layers of its config: each lightning
+    attention layer's state (``K^T V``, decayed per token) in a ``LinearAttentionLayer`` instead of the class's own list,
+    so that it is recorded, rolled back and carried with the rows as the other recurrent layers' are."""
+    from transformers import DynamicCache
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    class RecordedMiniMaxCache(MiniMaxCache):
+        def __init__(self, config):
+            DynamicCache.__init__(self, config=config)
+            self.linear_cache = []
+
+        def get_linear_cache(self, layer_idx: int):
+            layer = self.layers[layer_idx]
+            return layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
+
+        def set_linear_cache(self, layer_idx: int, linear_cache) -> None:
+            self.layers[layer_idx].update_recurrent_state(linear_cache)  # records the state before the call
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:  # an attention layer's: the lightning layers count none
+            return next((layer.get_seq_length() for layer in self.layers if layer not in recurrent_layers(self)), 0)
+
+        __len__ = DynamicCache.__len__
+        crop = DynamicCache.crop
+        batch_select_indices = DynamicCache.batch_select_indices
+        batch_repeat_interleave = DynamicCache.batch_repeat_interleave
+
+    return RecordedMiniMaxCache
 
 
 def recurrent_layers(cache) -> list:
@@ -167,8 +204,8 @@ def set_length(cache, length: int) -> None:
 
 def piece_size(model) -> int:
     """The most tokens a cached call of ``model`` (with recurrent layers) scores at once: :data:`KEEP`, or 1 for a
-    type of :data:`ONE_TOKEN_CALLS` (Zaya's layers record their state once a call, so a call's tokens could not be
-    rolled back one by one)."""
+    type of :data:`ONE_TOKEN_CALLS` (Zaya's, Zamba's and MiniMax's layers record their state once a call, so a call's
+    tokens could not be rolled back one by one)."""
     return 1 if getattr(model.config, "model_type", "") in ONE_TOKEN_CALLS else KEEP
 
 
