@@ -22,7 +22,10 @@ built" where none does (a tiny size it rejects, a library it needs). Then
   "refused" (the message);
 * ``static`` (a type taken): its static form (``CausalLM.static_form``, the cache of the captured steps that a GPU
   run takes by default) scoring a chain, a tree, the tree's kept path and a token after against uncached forwards:
-  "exact", "different", "fails" as above, or "refused" (``static_refusal``: the growing cache runs it).
+  "exact", "different", "fails" as above, or "refused" (``static_refusal``: the growing cache runs it);
+* ``captured`` (a static form that is exact): a captured tree step (the model as its own draft) traced as
+  ``torch.compile(fullgraph=True)`` traces it: "one graph" (what a CUDA graph captures on a GPU, no host read
+  inside), "breaks" or "fails".
 
 Then the same columns under ``sdpa`` (the kernel ``from_pretrained`` picks by default), in the row's ``sdpa``, where
 the type has it. A type whose unprobed status is not "exact" must be refused, and a taken type's static form exact or
@@ -250,6 +253,35 @@ def static(kind: str, options: dict | None = None, kernel: str = "eager") -> tup
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
 
 
+def captured(kind: str, options: dict | None = None, kernel: str = "eager") -> tuple[str, str]:
+    """A captured step of a taken type whose static form scores exactly: a static tree (K = 2, gamma 4, 6 nodes,
+    T = 0) with the model as its own draft, traced as ``torch.compile(fullgraph=True)`` traces it
+    (``torch._dynamo.explain``): "one graph" (what a CUDA graph captures, no host read inside), "breaks" (the count
+    and the first reasons) or "fails" (the error)."""
+    import torch
+
+    from specresearch.config import SamplingConfig
+    from specresearch.engine.prompts import encode_prompts
+    from specresearch.engine.static import StaticPlan, start_run
+    from specresearch.models.causal_lm import CausalLM
+    from specresearch.models.probe import error_line
+
+    lm = CausalLM(tiny_model(kind, options, kernel), device="cpu", probe=False)
+    try:
+        run = start_run(lm, lm, *encode_prompts([[5, 9, 3, 7, 2], [12, 13, 14]]), max_new_tokens=10, eos={2},
+                        plan=StaticPlan("tree", "onehot", 4, 2, 6, law="static"),
+                        sampling=SamplingConfig(temperature=0.0))
+        explained = torch._dynamo.explain(run.step)()
+    except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
+        return "fails", error_line(error)
+    finally:
+        torch._dynamo.reset()
+    if (explained.graph_count, explained.graph_break_count) == (1, 0):
+        return "one graph", ""
+    reasons = "; ".join(str(reason.reason)[:120] for reason in explained.break_reasons[:3])
+    return "breaks", f"{explained.graph_count} graphs, {explained.graph_break_count} breaks: {reasons}"
+
+
 def _chains(lm, reference) -> tuple[str, str]:
     """A model with recurrent layers (which runs chains only): the two rows score 4 calls of 4 tokens, each followed by
     rollbacks of different counts per row, then three one-token calls rolled back across them, and a token after."""
@@ -312,7 +344,7 @@ def one(kind: str) -> dict:
 
 
 def _columns(kind: str, options: dict | None, kernel: str) -> dict:
-    """``unprobed``, ``wrapper`` and, for a type taken, ``static`` (module docstring) on ``kernel``."""
+    """``unprobed``, ``wrapper`` and, for a type taken, ``static`` and ``captured`` (module docstring) on ``kernel``."""
     from specresearch.models.causal_lm import CausalLM
 
     columns = dict(zip(("unprobed", "unprobed_detail"), unprobed(kind, options, kernel)))
@@ -320,8 +352,11 @@ def _columns(kind: str, options: dict | None, kernel: str) -> dict:
         CausalLM(tiny_model(kind, options, kernel), device="cpu")
     except ValueError as error:
         return {**columns, "wrapper": "refused", "wrapper_detail": " ".join(str(error).split())[:400]}
-    return {**columns, "wrapper": "taken", "wrapper_detail": "",
-            **dict(zip(("static", "static_detail"), static(kind, options, kernel)))}
+    columns.update(wrapper="taken", wrapper_detail="", **dict(zip(("static", "static_detail"),
+                                                                   static(kind, options, kernel))))
+    if columns["static"] == "exact":
+        columns.update(zip(("captured", "captured_detail"), captured(kind, options, kernel)))
+    return columns
 
 
 def _limits() -> None:
@@ -349,7 +384,9 @@ def _summary(columns: list[dict]) -> dict:
                                       for status in ("exact", "different", "fails", "refused")},
               "taken": sum(column["wrapper"] == "taken" for column in built),
               **{f"static {status}": sum(column.get("static") == status for column in built)
-                 for status in ("exact", "different", "fails", "refused")}}
+                 for status in ("exact", "different", "fails", "refused")},
+              **{f"captured {status}": sum(column.get("captured") == status for column in built)
+                 for status in ("one graph", "breaks", "fails")}}
     counts["taken but not exact"] = sum(column["wrapper"] == "taken" and column["unprobed"] != "exact"
                                         for column in built)
     counts["static taken but not exact"] = counts["static different"] + counts["static fails"]

@@ -51,6 +51,7 @@ batch of one row, and a planning draft's row differs alone and batched.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -70,7 +71,7 @@ from specresearch.engine.results import (
     check_context,
     eos_ids,
 )
-from specresearch.engine.static import plan_for, runner_mode, static_available, static_generate
+from specresearch.engine.static import capture_refusal, plan_for, runner_mode, static_available, static_generate
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
 from specresearch.engine.timing import clock, step_clock
 from specresearch.engine.topk_tree import dynamic_tree_step
@@ -304,7 +305,7 @@ def speculative_generate(
     check_same_vocab(target, draft)
     why_not = static_available(target, draft, verifier=verifier, num_drafts=num_drafts, draft_law=draft_law,
                                stop_below=stop_below, expectations=expectations)
-    mode = runner_mode(compile, target.device, why_not)
+    mode = runner_mode(compile, target.device, why_not, partial(capture_refusal, target, draft))
     if mode is not None:
         return static_generate(target, draft, prompts, plan=plan_for(verifier, gamma, num_drafts, draft_law, tree_nodes),
                                max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer,
@@ -429,7 +430,7 @@ def autoregressive_generate(
     """
     _check_generation_args(max_new_tokens)
     check_language_model(target, "target", ("prefill", "score"))
-    mode = runner_mode(compile, target.device, static_available(target))
+    mode = runner_mode(compile, target.device, static_available(target), partial(capture_refusal, target, None))
     if mode is not None:
         return static_generate(target, None, prompts, plan=plan_for("", 0, autoregressive=True),
                                max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer,

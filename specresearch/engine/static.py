@@ -54,7 +54,7 @@ from specresearch.engine.timing import clock
 from specresearch.models.protocols import HasStaticForm, StaticFeatureModel
 
 __all__ = ["CAPACITY_STEP", "SESSIONS_KEPT", "StaticPlan", "static_available", "static_generate", "build_run", "start_run",
-           "cache_capacity", "runner_mode", "plan_for"]
+           "cache_capacity", "runner_mode", "capture_refusal", "plan_for"]
 
 
 _RAW = SamplingConfig()  # a tree ranks its candidates by the draft's own softmax (engine.topk_tree)
@@ -121,10 +121,21 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     return f"verifier {verifier!r} has no captured step"
 
 
-def runner_mode(compile: str, device, why_not: str | None) -> str | None:
+def capture_refusal(target, draft, mode: str) -> str | None:
+    """Why the run's models cannot run their steps as ``mode`` (``CausalLM.capture_refusal``: a forward that reads the
+    host, or that torch.compile cannot trace whole), or None."""
+    for role, lm in (("target", target), ("draft", draft)):
+        why = getattr(lm, "capture_refusal", None)
+        if why is not None and why(mode):
+            return f"the {role} {why(mode)}"
+    return None
+
+
+def runner_mode(compile: str, device, why_not: str | None, refusal=None) -> str | None:
     """The :class:`~specresearch.engine.captured.StepRunner` mode ``compile`` asks for on ``device``, or None for the
     growing loop; ``why_not``: :func:`static_available`'s answer for the run (``auto`` then takes the growing loop,
-    any other choice but ``off`` raises it)."""
+    any other choice but ``off`` raises it); ``refusal(mode)``: why the models cannot run as that mode
+    (:func:`capture_refusal`; ``auto`` then takes the growing loop, ``on`` and the modes named raise it)."""
     if compile not in COMPILE_CHOICES:
         raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {compile!r}")
     cuda = torch.device(device).type == "cuda"
@@ -136,9 +147,14 @@ def runner_mode(compile: str, device, why_not: str | None) -> str | None:
         return None
     if why_not is not None:
         raise ValueError(f"compile={compile!r} runs captured steps, but {why_not} (compile='off' runs it)")
-    if compile in ("auto", "on"):
-        return "cudagraph" if cuda else "inductor"
-    return {"static": "eager"}.get(compile, compile)
+    mode = ("cudagraph" if cuda else "inductor") if compile in ("auto", "on") else {"static": "eager"}.get(compile, compile)
+    why = refusal(mode) if refusal is not None else None
+    if why is None:
+        return mode
+    if compile == "auto":
+        return None
+    raise ValueError(f"compile={compile!r} runs the captured steps as {mode!r}, but {why}: compile='static' runs them "
+                     "eagerly, 'off' the growing loop")
 
 
 def plan_for(verifier: str, gamma: int, num_drafts: int = 1, draft_law: str = "iid", tree_nodes: int | None = None,

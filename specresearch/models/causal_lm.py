@@ -44,6 +44,7 @@ from specresearch.models.kernels import (
 from specresearch.models.positions import positions_from_masks
 from specresearch.models.probe import CHECKED_TYPES, check_cached_tree
 from specresearch.models.static_lm import StaticCausalLM
+from specresearch.models.static_lm import capture_refusal as model_capture_refusal
 from specresearch.models.widths import fit_width, output_rows, readable
 
 __all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
@@ -469,6 +470,10 @@ class CausalLM:
         if self._attention.indexed:
             return f"{name} has DeepSeek Sparse Attention layers, whose indexer keys a static KV cache does not hold"
         return None
+
+    def capture_refusal(self, mode: str) -> str | None:
+        """Why this model's static steps cannot run as ``mode`` (``models.static_lm.capture_refusal``), or None."""
+        return model_capture_refusal(self.model, mode)
 
     def static_form(self) -> StaticCausalLM:
         """This model over a static KV cache (:class:`~specresearch.models.static_lm.StaticCausalLM`): the same

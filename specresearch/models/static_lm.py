@@ -23,7 +23,24 @@ from specresearch.models import fused
 from specresearch.models.static_cache import StaticRows, keep_path, static_kv_cache
 from specresearch.models.widths import fit_width, readable
 
-__all__ = ["StaticCausalLM"]
+__all__ = ["StaticCausalLM", "HOST_READS", "GRAPH_BREAKS", "capture_refusal"]
+
+# model types whose forward reads the host inside a step (data-dependent shapes): no mode captures it whole
+HOST_READS = {"dbrx": "its experts' loop asks the host which experts the tokens chose (nonzero)"}
+# model types whose forward torch.compile's tracer cannot hold in one graph, though it reads nothing from the host: a
+# CUDA graph captures its eager step, torch.compile's modes do not
+GRAPH_BREAKS = {"ctrl": "its forward re-registers its position table as a buffer at every call"}
+COMPILED_MODES = ("inductor", "reduce-overhead")  # the engine.captured modes that run torch.compile
+
+
+def capture_refusal(model, mode: str) -> str | None:
+    """Why a step of ``model`` (a transformers model) cannot run as ``mode`` (``engine.captured``'s: ``"eager"``,
+    ``"inductor"``, ``"reduce-overhead"``, ``"cudagraph"``), a sentence naming it, or None. From
+    ``benchmarks/family_sweep.py``'s record: every type it takes traces as one graph but these."""
+    kind = getattr(model.config, "model_type", "")
+    why = HOST_READS.get(kind) if mode != "eager" else None
+    why = why or (GRAPH_BREAKS.get(kind) if mode in COMPILED_MODES else None)
+    return f"{type(model).__name__}: {why}" if why else None
 
 
 class StaticCausalLM:
