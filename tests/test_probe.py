@@ -12,6 +12,7 @@ from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import FAMILIES, MORE_FAMILIES
 from specresearch.models.positions import CACHE_COUNTED, ROBERTA_KIN
 from specresearch.models.probe import CHECKED_TYPES, check_cached_tree, logit_gap
+from specresearch.models.static_lm import GRAPH_BREAKS, HOST_READS
 
 SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64, max_position_embeddings=256, initializer_range=0.5)
@@ -158,8 +159,9 @@ def test_the_matrices_families_are_not_probed(monkeypatch):
 def test_the_sweeps_record_takes_no_type_whose_cache_scores_otherwise():
     """``benchmarks/family_sweep.py``'s record: of every causal-LM type transformers builds tiny, on eager attention and
     on sdpa, none whose cached tree differs from uncached forwards (or fails) is taken, the probe refuses none that
-    scores alike unless the wrapper refuses its layers anyway (no false refusal), and every taken type's static form
-    (the captured steps' cache) scores alike or is refused."""
+    scores alike unless the wrapper refuses its layers anyway (no false refusal), every taken type's static form
+    (the captured steps' cache) scores alike or is refused, and its captured step traces as one graph unless the
+    captured modes refuse its family."""
     import json
     from pathlib import Path
 
@@ -176,6 +178,13 @@ def test_the_sweeps_record_takes_no_type_whose_cache_scores_otherwise():
         assert sum(column["static"] == "exact" for column in taken) >= 0.8 * len(taken), kernel
     for summary in (record["summary"], record["summary"]["sdpa"]):
         assert summary["taken but not exact"] == 0 and summary["static taken but not exact"] == 0
+    # a captured step traced as one graph, but for the types the captured modes refuse (models.static_lm), and those
+    # only: no family is captured that cannot be, none refused that can
+    captured = {(row["model_type"], kernel): column["captured"] for row in built
+                for kernel, column in (("eager", row), ("sdpa", row["sdpa"])) if column.get("static") == "exact"}
+    assert len(captured) >= 200 and set(captured.values()) <= {"one graph", "breaks", "fails"}
+    apart = {kind for (kind, _), status in captured.items() if status != "one graph"}
+    assert apart == set(HOST_READS) | set(GRAPH_BREAKS), apart
 
 
 MULTIMODAL_TEXT = dict(SIZES, head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"])

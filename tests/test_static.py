@@ -4,6 +4,7 @@ target's greedy tokens and keeps its law at T = 1, reads the host once a step, c
 and computes compiled what it computes eagerly. The family x kernel matrix holds the captured steps against
 transformers' ``generate`` too (``tests/test_families.py``)."""
 
+import functools
 import math
 
 import pytest
@@ -393,6 +394,46 @@ def test_compile_choices_are_checked_and_explained(target, drafts):
     # auto on the CPU: the growing loop (whose steps are timed on the CPU), and no error for a host-side draft
     auto = speculative_generate(target, NGramDraft(VOCAB), PROMPTS, max_new_tokens=4, compile="auto")
     assert all(not math.isnan(s.target_seconds) for s in auto.steps)
+
+
+def _host_reading_pair():
+    """A tiny DBRX (its experts' loop asks the host which experts the tokens chose) and a tiny CTRL (its forward
+    re-registers a buffer), each wrapped."""
+    from transformers import AutoModelForCausalLM, CTRLConfig, DbrxConfig
+
+    configs = (DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=VOCAB,
+                          attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4,
+                                                                          moe_top_k=2)),
+               CTRLConfig(n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=256, vocab_size=VOCAB))
+    torch.manual_seed(0)
+    return [CausalLM(AutoModelForCausalLM.from_config(config).eval(), device="cpu", probe=False) for config in configs]
+
+
+def test_a_family_whose_forward_reads_the_host_is_not_captured():
+    """DBRX's forward reads the host inside a step (nonzero over its experts), so no captured mode holds it: on CUDA
+    ``auto`` takes the growing loop, ``on`` and the named modes refuse it naming the model, and ``static`` runs its
+    static steps eagerly, with the growing loop's greedy tokens. CTRL's re-registers a buffer at every call: a CUDA
+    graph takes it (``auto`` on CUDA captures it), torch.compile's modes refuse it. Controls: a refusal left out of
+    ``runner_mode`` hands DBRX to ``cudagraph``; that the tracer breaks both steps and holds every other taken type's
+    in one graph is ``benchmarks/family_sweep.py``'s record (``tests/test_probe.py`` checks the tables against it)."""
+    dbrx, ctrl = _host_reading_pair()
+    refusal = functools.partial(static.capture_refusal, dbrx, dbrx)
+    assert static.runner_mode("auto", "cuda", None) == "cudagraph"  # the control: no refusal, captured
+    assert static.runner_mode("auto", "cuda", None, refusal) is None
+    assert static.runner_mode("static", "cuda", None, refusal) == "eager"
+    for choice in ("on", "cudagraph", "inductor"):
+        with pytest.raises(ValueError, match="DbrxForCausalLM: its experts' loop asks the host"):
+            static.runner_mode(choice, "cuda", None, refusal)
+    with pytest.raises(ValueError, match="compile='on' runs the captured steps as 'inductor'.*DbrxForCausalLM"):
+        speculative_generate(dbrx, dbrx, PROMPTS, max_new_tokens=4, compile="on")
+    refusal = functools.partial(static.capture_refusal, ctrl, ctrl)
+    assert static.runner_mode("auto", "cuda", None, refusal) == "cudagraph"
+    with pytest.raises(ValueError, match="CTRLLMHeadModel: its forward re-registers"):
+        static.runner_mode("reduce-overhead", "cuda", None, refusal)
+    for lm in (dbrx, ctrl):
+        want = autoregressive_generate(lm, PROMPTS, max_new_tokens=8, sampling=GREEDY).tokens
+        assert speculative_generate(lm, lm, PROMPTS, max_new_tokens=8, sampling=GREEDY, compile="static",
+                                    **OPTIONS["chain block g3"]).tokens == want
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it)")
