@@ -54,9 +54,9 @@ ONE_TOKEN_CALLS = ("zaya", "zamba", "minimax")  # model types whose recurrent la
 
 
 def recurrent_cache(model, keep: int = KEEP):
-    """``DynamicCache(config=...)`` of ``model`` with every recurrent layer recording its past (``keep`` tokens of
-    intermediate recurrent states per call), and full attention layers where the config names sliding ones (the
-    wrapper masks windows itself: ``models.attention``)."""
+    """``DynamicCache(config=...)`` of ``model`` (MiniMax: its own cache class over the same layers) with every
+    recurrent layer recording its past (``keep`` tokens of intermediate recurrent states per call), and full attention
+    layers where the config names sliding ones (the wrapper masks windows itself: ``models.attention``)."""
     from transformers import DynamicCache
     from transformers.cache_utils import (
         DynamicLayer,
