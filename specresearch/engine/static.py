@@ -125,9 +125,9 @@ def capture_refusal(target, draft, mode: str) -> str | None:
     """Why the run's models cannot run their steps as ``mode`` (``CausalLM.capture_refusal``: a forward that reads the
     host, or that torch.compile cannot trace whole), or None."""
     for role, lm in (("target", target), ("draft", draft)):
-        why = getattr(lm, "capture_refusal", None)
-        if why is not None and why(mode):
-            return f"the {role} {why(mode)}"
+        why = lm.capture_refusal(mode) if hasattr(lm, "capture_refusal") else None
+        if why:
+            return f"the {role} {why}"
     return None
 
 
