@@ -26,7 +26,8 @@ from specresearch.models.widths import fit_width, readable
 __all__ = ["StaticCausalLM", "HOST_READS", "GRAPH_BREAKS", "capture_refusal"]
 
 # model types whose forward reads the host inside a step (data-dependent shapes): no mode captures it whole
-HOST_READS = {"dbrx": "its experts' loop asks the host which experts the tokens chose (nonzero)"}
+HOST_READS = {"dbrx": "its experts' loop asks the host which experts the tokens chose (nonzero)",
+              "jetmoe": "its experts' gating reads each expert's token count on the host (tolist)"}
 # model types whose forward torch.compile's tracer cannot hold in one graph, though it reads nothing from the host: a
 # CUDA graph captures its eager step, torch.compile's modes do not
 GRAPH_BREAKS = {"ctrl": "its forward re-registers its position table as a buffer at every call"}
