@@ -28,8 +28,9 @@ built" where none does (a tiny size it rejects, a library it needs). Then
   inside), "breaks" or "fails".
 
 Then the same columns under ``sdpa`` (the kernel ``from_pretrained`` picks by default), in the row's ``sdpa``, where
-the type has it. A type whose unprobed status is not "exact" must be refused, and a taken type's static form exact or
-refused, on either kernel: ``tests/test_probe.py`` checks the record for that. Each type runs in a process of its own
+the type has it. A type whose unprobed status is not "exact" must be refused, a taken type's static form exact or
+refused, and its captured step one graph unless ``models.static_lm``'s tables refuse the captured modes for its family,
+on either kernel: ``tests/test_probe.py`` checks the record for that. Each type runs in a process of its own
 (8 GB at most, 1,200 s for both kernels; Kimi Linear's 8 layers of reference kernels take 4 minutes a kernel), two at
 a time, with the cores shared between them (one thread each on two cores):
 
