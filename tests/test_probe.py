@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tree_path, visible_from_parents
+from helpers import static_form_calls, tree_path, visible_from_parents
 
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import FAMILIES, MORE_FAMILIES
@@ -206,8 +206,6 @@ def test_a_multimodal_wrapper_scores_text_as_its_uncached_forward_on_both_caches
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from specresearch.engine.prompts import encode_prompts
-
     name, settings = MULTIMODAL[kind]
 
     def model():
@@ -219,27 +217,10 @@ def test_a_multimodal_wrapper_scores_text_as_its_uncached_forward_on_both_caches
     assert type(reference).__name__.endswith("ForConditionalGeneration")
     assert gap(CausalLM(model(), device="cpu"), reference) < 1e-4
 
-    def forward(tokens):
-        with torch.no_grad():
-            return reference(input_ids=torch.tensor([tokens])).logits[0, -1]
-
-    form = CausalLM(model(), device="cpu").static_form()
-    rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
-    form.allocate(2, 32)
-    form.prefill(*encode_prompts(rows))
-    logits, _ = form.forward(torch.tensor([[20, 21], [22, 23]]))
-    worst = max(logit_gap(logits[b, 1], forward(row + [[20, 21], [22, 23]][b])) for b, row in enumerate(rows))
-    form.commit(1)  # the chain's second token rolled back
-    rows = [rows[0] + [20], rows[1] + [22]]
-    parents, tokens = [-1, 0, 1, 0, 3], torch.tensor([[30, 31, 32, 33, 34]] * 2)
-    logits, _ = form.forward(tokens, depth=torch.tensor([[0, 1, 2, 1, 2]] * 2),
-                             visible=visible_from_parents(parents).expand(2, -1, -1))
-    worst = max(worst, *(logit_gap(logits[b, i], forward(row + tree_path(tokens[b], parents, i)))
-                         for b, row in enumerate(rows) for i in range(5)))
-    form.keep_path(torch.tensor([[0, 3, 4]] * 2), torch.tensor([3, 2]))
-    logits, _ = form.forward(torch.tensor([[40], [40]]))
-    kept = [rows[0] + [30, 33, 34, 40], rows[1] + [30, 33, 40]]
-    assert max(worst, *(logit_gap(logits[b, 0], forward(kept[b])) for b in range(2))) < 1e-4
+    with torch.no_grad():
+        worst = max(logit_gap(logits, reference(input_ids=torch.tensor([sequence])).logits[0, -1])
+                    for logits, sequence in static_form_calls(CausalLM(model(), device="cpu").static_form()))
+    assert worst < 1e-4
 
 
 def test_an_error_without_a_message_is_named_by_where_it_was_raised():

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import close_draft, feature_head, reads_per_step, visible_from_parents
+from helpers import close_draft, feature_head, reads_per_step, static_form_calls, visible_from_parents
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.eagle import Eagle3Head, EagleDraft
@@ -81,32 +81,8 @@ def test_a_static_cache_scores_chains_and_trees_as_an_uncached_forward(family, k
         model = tiny_family_model(family, kernel)
     except (ValueError, ImportError):
         pytest.skip(f"transformers has no {kernel} {family}")
-    lm = CausalLM(model, device="cpu", skinny_linear=False).static_form()
-    rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
-    ids, mask = encode_prompts(rows)
-    lm.allocate(2, 64)
-    lm.prefill(ids, mask)
-    logits, _ = lm.forward(torch.tensor([[20, 21], [22, 23]]))
-    for b, row in enumerate(rows):
-        torch.testing.assert_close(logits[b, 1], _uncached(model, row + [[20, 21], [22, 23]][b]), atol=1e-4, rtol=0)
-    lm.commit(1)  # keep the first chain token; the second is rolled back
-    rows = [row + [t] for row, t in zip(rows, (20, 22))]
-    parents = [-1, 0, 1, 0, 3]  # root, then two branches of two nodes
-    tokens = torch.tensor([[30, 31, 32, 33, 34], [35, 36, 37, 38, 39]])
-    depth = torch.tensor([[0, 1, 2, 1, 2]] * 2)
-    logits, _ = lm.forward(tokens, depth=depth, visible=visible_from_parents(parents).expand(2, -1, -1))
-    for b, row in enumerate(rows):
-        for i in range(5):
-            path, j = [], i
-            while j >= 0:
-                path.insert(0, int(tokens[b, j]))
-                j = parents[j]
-            torch.testing.assert_close(logits[b, i], _uncached(model, row + path), atol=1e-4, rtol=0)
-    lm.keep_path(torch.tensor([[0, 3, 4], [0, 3, 4]]), torch.tensor([3, 2]))  # rows keep 3 and 2 of the path
-    kept = [rows[0] + [30, 33, 34], rows[1] + [35, 38]]
-    logits, _ = lm.forward(torch.tensor([[40], [41]]))
-    for b, row in enumerate(kept):
-        torch.testing.assert_close(logits[b, 0], _uncached(model, row + [[40], [41]][b]), atol=1e-4, rtol=0)
+    for logits, sequence in static_form_calls(CausalLM(model, device="cpu", skinny_linear=False).static_form()):
+        torch.testing.assert_close(logits, _uncached(model, sequence), atol=1e-4, rtol=0)
 
 
 def test_a_kept_path_is_copied_in_the_same_kernels_for_every_layer_count():
@@ -402,8 +378,8 @@ def _host_reading_pair():
     from transformers import AutoModelForCausalLM, CTRLConfig, DbrxConfig
 
     configs = (DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=VOCAB,
-                          attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4,
-                                                                          moe_top_k=2)),
+                          attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                          ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
                CTRLConfig(n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=256, vocab_size=VOCAB))
     torch.manual_seed(0)
     return [CausalLM(AutoModelForCausalLM.from_config(config).eval(), device="cpu", probe=False) for config in configs]
