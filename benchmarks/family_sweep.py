@@ -64,7 +64,23 @@ SIZES = dict(hidden_size=32, n_embd=32, d_model=32, n_embed=32, num_hidden_layer
              decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=2,
              encoder_attention_heads=4, encoder_ffn_dim=64)
 # Types whose defaults leave a size unset, nested or inconsistent with the sizes above: their own settings
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])  # sums to head_dim / 2
 TYPE_SIZES = {
+    # hybrids whose default pattern (none, or one of 32-54 layers) has no attention layer among 2: a Mamba layer, then
+    # attention, as their checkpoints interleave them
+    "bamba": dict(**MAMBA, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(**MAMBA, layer_types=["linear_attention", "full_attention"]),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], attention_hidden_size=64,
+                   attention_head_dim=16, mamba_headdim=8, mamba_d_state=8, adapter_rank=8, kv_channels=8,
+                   chunk_size=8),
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=1,
+                           linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                           linear_num_value_heads=4),
+    # rotary settings per layer type, which its defaults leave empty (North's checkpoints window 3 layers in 4)
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={"sliding_attention": MROPE, "full_attention": MROPE}),
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     "dots1": dict(n_shared_experts=1),
@@ -110,7 +126,8 @@ def _sized(config_class, defaults, sizes: dict, **extra):
 
 def tiny_config(kind: str, options: dict | None = None):
     """``kind``'s config made tiny: the sizes on it and on each config nested in it (a multimodal wrapper's text,
-    vision and audio configs, whose defaults are full-sized: Gemma 3's 262k-token vocabulary)."""
+    vision and audio configs, whose defaults are full-sized: Gemma 3's 262k-token vocabulary), a nested config's
+    type's own ``TYPE_SIZES`` under the wrapper's."""
     from transformers import AutoConfig
 
     sizes = {**SIZES, **TYPE_SIZES.get(kind, {}), **(options or {})}
@@ -118,7 +135,8 @@ def tiny_config(kind: str, options: dict | None = None):
     config = _sized(partial(AutoConfig.for_model, kind), defaults, sizes, is_decoder=True)
     for name, nested in list(vars(config).items()):
         if name.endswith("_config") and name not in sizes and hasattr(nested, "to_dict"):  # not set above
-            setattr(config, name, _sized(type(nested), nested, sizes))
+            own = TYPE_SIZES.get(getattr(nested, "model_type", None), {})  # a text config's pattern (Qwen4-exp)
+            setattr(config, name, _sized(type(nested), nested, {**own, **sizes}))
     return config
 
 
