@@ -4,7 +4,7 @@
   Falcon-Mamba (no attention layer: they take the call's columns of the 2-D mask), Mamba-2, Jamba (whose scan
   overwrites the cached state before transformers records it), Bamba, Falcon-H1 (attention and a state space in
   one layer), Granite-4 hybrid, Nemotron-H (MLP-only layers), OLMo-hybrid, Kimi Linear (latent attention beside
-  Kimi Delta Attention), LFM2 (short convolutions), Inkling's three variants, Zaya and Zamba (scored one token at a
+  Kimi Delta Attention), Zamba2, LFM2 (short convolutions), Inkling's three variants, Zaya and Zamba (scored one token at a
   time: their layers record their state once a call; the control scores calls whole): ``CausalLM``'s chain probe passes at
   construction (uneven per-row rollbacks within a call and across one-token calls, each call's logits against an
   uncached forward), greedy speculative decoding gives the autoregressive tokens, and those are transformers' own
@@ -13,8 +13,11 @@
   longer call from a zero state.
 * Windows beside recurrent layers (Lara mini): the cache keeps full attention layers where the config names sliding
   ones, and the recurrent layers take the call's columns of the 2-D mask in the mapping of masks.
-* Refused in one line: Zamba2 (its cached calls differ from its forward), RecurrentGemma (its blocks keep their own
-  state), the static form of a recurrent target.
+* Mamba-2 mixers (Mamba-2, Bamba, Granite-4 hybrid, Falcon-H1, Nemotron-H, Zamba2) with a bounded time step: transformers
+  bounds it in their scans only; mended (``recurrent.clamp_time_steps``), their forward moves by a rounding, the probe
+  takes them and greedy decoding is transformers' ``generate``'s and speculative decoding's; unmended (the control), the
+  probe refuses them. Zamba2, which bounds its own, is among the families above.
+* Refused in one line: RecurrentGemma (its blocks keep their own state), the static form of a recurrent target.
 * Inkling 1, 2 and 2-loop (short convolutions, a relative bias and log scaling that transformers counts in cache
   slots): mended to read positions off the masks, a chain, uneven rollbacks, a tree and a token after it match an
   uncached forward; unmended (the control) they do not, and the probe refuses them.
@@ -48,10 +51,6 @@ REFUSED = {
     "recurrent_gemma": (dict(SMALL, num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False, pad_token_id=0,
                              bos_token_id=1, eos_token_id=2),
                         r"fails CausalLM.s probe .*RuntimeError: RecurrentGemmaForCausalLM.s cache holds \d+ tokens where"),
-    "zamba2": (dict(**SMALL, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2, mamba_headdim=8,
-                    mamba_ngroups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, hybrid_layer_ids=[1, 3],
-                    num_mem_blocks=1, attention_hidden_size=64, attention_head_dim=16),
-               "otherwise than an uncached forward"),
 }
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[5, 9, 3, 17, 22, 8], [7, 2, 11]]
@@ -73,6 +72,38 @@ def test_a_recurrent_family_passes_the_chain_probe_and_decodes_greedily_as_itsel
     draft = draft_from_name("ngram", target)
     for gamma in (1, 3):
         assert speculative_generate(target, draft, PROMPTS, max_new_tokens=10, sampling=GREEDY, gamma=gamma).tokens == want
+
+
+BOUNDED = ["mamba2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2"]  # Mamba-2 mixers
+
+
+@pytest.mark.parametrize("family", BOUNDED)
+def test_a_mamba2_mixer_bounds_its_time_step_in_cached_steps_as_in_its_scan(family, monkeypatch):
+    # Zamba2 bounds it itself (below, by time_step_min); the others as a checkpoint may (Nemotron 3: [1e-4, 0.1])
+    options = RECURRENT_FAMILIES[family] if family == "zamba2" else {**RECURRENT_FAMILIES[family],
+                                                                     "time_step_limit": (0.05, 0.5)}
+    reference = tiny_recurrent_model(family, options)
+    tokens = [5, 9, 3, 17, 22, 8, 4, 7, 30, 31]
+    with torch.no_grad():
+        before = reference(input_ids=torch.tensor([tokens])).logits
+    assert recurrent.clamp_time_steps(reference) == len(recurrent_mixers(reference)) > 0
+    assert recurrent.clamp_time_steps(reference) == 0  # once
+    with torch.no_grad():  # the forward (the scan) moves by a rounding at the limit only
+        assert logit_gap(reference(input_ids=torch.tensor([tokens])).logits, before) < 1e-5
+    model = tiny_recurrent_model(family, options)
+    target = CausalLM(model)  # the probe: each cached call against an uncached forward
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
+    theirs = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=10, do_sample=False)[0, len(PROMPTS[0]):]
+    assert list(want[0])[: len(theirs)] == theirs.tolist() and len(theirs) >= 5
+    assert speculative_generate(target, draft_from_name("ngram", target), PROMPTS, max_new_tokens=10,
+                                sampling=GREEDY, gamma=3).tokens == want
+    monkeypatch.setattr(recurrent, "clamp_time_steps", lambda model: 0)  # the control: steps unbounded
+    with pytest.raises(ValueError, match="otherwise than an uncached forward"):
+        CausalLM(tiny_recurrent_model(family, options))
+
+
+def recurrent_mixers(model) -> list:
+    return [module for module in model.modules() if hasattr(module, "time_step_limit")]
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

@@ -309,6 +309,7 @@ class CausalLM:
         experts_in_float64(self.model, may_switch=switch_attention)
         self._cache_argument = cache_argument(self.model)  # refuses a model that keeps no cache
         positions_from_masks(self.model)  # Bloom's ALiBi, GPT-Neo's local windows: from the masks, not the slots
+        states.clamp_time_steps(self.model)  # Mamba-2 mixers' time step bounded in their cached steps as in their scans
         self._attention = attention_layout(self.model)
         self.recurrent = self._attention.recurrent  # recurrent layers (models.recurrent): trees path by path
         whole = self.placement is None

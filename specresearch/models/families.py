@@ -261,6 +261,11 @@ RECURRENT_FAMILIES = {
                       sliding_window=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       shared_expert_intermediate_size=16, tie_word_embeddings=False),  # windows beside recurrent layers
     "lfm2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+    # Zamba2: Mamba-2 layers and hybrid layers (a shared attention block beside a Mamba-2 mixer); its time step is
+    # bounded below by time_step_min, in its cached steps by the wrapper (models.recurrent.clamp_time_steps)
+    "zamba2": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2, mamba_headdim=8,
+                   mamba_ngroups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, hybrid_layer_ids=[1, 3],
+                   num_mem_blocks=1, attention_hidden_size=64, attention_head_dim=16),
     # Zamba (a shared attention block every few Mamba layers) and Zaya: their layers record their state once a call
     # (models.recurrent.ONE_TOKEN_CALLS)
     "zamba": dict(**{**_RECURRENT_SMALL, "num_key_value_heads": 4}, num_hidden_layers=4, attention_head_dim=16,

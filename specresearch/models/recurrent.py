@@ -38,11 +38,12 @@ wrapper's is that class over transformers' layers (:func:`recurrent_cache`).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RECURRENT_TYPES", "KEEP", "ONE_TOKEN_CALLS", "piece_size", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
+__all__ = ["RECURRENT_TYPES", "KEEP", "ONE_TOKEN_CALLS", "piece_size", "clamp_time_steps", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
            "trim", "select_rows", "repeat_rows", "set_length", "score_in_pieces", "tree_paths", "score_tree_as_paths",
            "end_tree_as_paths"]
 
@@ -107,6 +108,53 @@ def _minimax_cache():
         batch_repeat_interleave = DynamicCache.batch_repeat_interleave
 
     return RecordedMiniMaxCache
+
+
+def clamp_time_steps(model) -> int:
+    """Make each Mamba-2 mixer of ``model`` whose ``time_step_limit`` bounds its time step bound it in every call;
+    returns how many it mended.
+
+    transformers' Mamba-2 mixers (Mamba-2, Bamba, Granite-4 hybrids, Falcon-H1, Nemotron-H, Zamba2) clamp the time step
+    ``softplus(dt + dt_bias)`` to ``time_step_limit`` in their scan (a prompt, an uncached forward) but not in their
+    one-token step (cached decoding, and the last tokens of a cached call, which run one at a time to record their
+    states), so a cached call scores otherwise than a forward wherever a step passes the limit. Zamba2 sets the limit
+    ``(time_step_min, inf)`` itself, some checkpoints of the others bound it (Nemotron 3: ``[1e-4, 0.1]``); the default
+    ``(0, inf)`` bounds nothing. A hook on the mixer's ``in_proj`` clamps the ``dt`` columns of its output (the last
+    ``num_heads``; Falcon-H1's are scaled by its ``mup_vector`` after) to where the softplus lands inside the limit, and
+    leaves every other value as it is: the scan's own clamp then changes nothing (to a rounding at the limit), and the
+    step computes what the forward does."""
+    mended = 0
+    for module in model.modules():
+        low, high = getattr(module, "time_step_limit", None) or (0.0, float("inf"))
+        if low <= 0 and high == float("inf") or not hasattr(module, "dt_bias") or getattr(module, _CLAMPED, False):
+            continue
+        module.in_proj.register_forward_hook(functools.partial(_clamp_dt, mixer=module, low=low, high=high))
+        setattr(module, _CLAMPED, True)
+        mended += 1
+    return mended
+
+
+_CLAMPED = "specresearch_time_step_clamped"
+
+
+def _softplus_inverse(value: float) -> float:
+    return value if value > 20 else math.log(math.expm1(value))  # torch's softplus is the identity past 20
+
+
+def _clamp_dt(in_proj, inputs, output, *, mixer, low: float, high: float):
+    heads = mixer.num_heads
+    dt = output[..., -heads:]
+    scale = mixer.mup_vector[..., -heads:].to(dt.dtype) if hasattr(mixer, "mup_vector") else None  # Falcon-H1
+    scaled = dt * scale if scale is not None else dt
+    bias = mixer.dt_bias.to(dt.dtype)
+    bounded = scaled
+    if low > 0:
+        bounded = torch.maximum(bounded, _softplus_inverse(low) - bias)
+    if high < float("inf"):
+        bounded = torch.minimum(bounded, _softplus_inverse(high) - bias)
+    moved = bounded != scaled
+    output[..., -heads:] = torch.where(moved, bounded / scale if scale is not None else bounded, dt)
+    return output
 
 
 def recurrent_layers(cache) -> list:
