@@ -70,6 +70,7 @@ from specresearch.engine.results import (
     _untimed,
     check_context,
     eos_ids,
+    plan_context,
 )
 from specresearch.engine.static import capture_refusal, plan_for, runner_mode, static_available, static_generate
 from specresearch.engine.steps import StepChecks, StepRecord, _draft_pending, _refeed, _sample, read_step
@@ -314,6 +315,8 @@ def speculative_generate(
     ids, mask = encode_prompts(prompts, tokenizer)
     check_context(target, ids, max_new_tokens, gamma)
     check_context(draft, ids, max_new_tokens, gamma)
+    plan_context(target, ids, max_new_tokens)
+    plan_context(draft, ids, max_new_tokens)
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, eos_ids(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids), stop_when)
@@ -437,6 +440,7 @@ def autoregressive_generate(
                                eos_token_id=eos_token_id, on_step=on_step, mode=mode)
     ids, mask = encode_prompts(prompts, tokenizer)
     check_context(target, ids, max_new_tokens)
+    plan_context(target, ids, max_new_tokens)
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, eos_ids(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids))

@@ -75,6 +75,7 @@ from specresearch.engine.generate import GenerationResult, speculative_generate
 from specresearch.engine.tree import TREE_VERIFIERS
 from specresearch.models.causal_lm import CausalLM, check_prompt, rollback_counts
 from specresearch.models.protocols import LanguageModel, TreeScorer
+from specresearch.models.rotary import unfix_rotaries
 
 __all__ = [
     "speculative",
@@ -202,13 +203,17 @@ class SpeculativeGenerate:
             draft = _Processed(draft, processors, input_ids, mask)
         if own_streamer:
             streamer.put(input_ids.cpu())  # generate puts the prompt only into a streamer it was given itself
-        result = speculative_generate(
-            target, draft, [row[m.bool()].tolist() for row, m in zip(input_ids, mask)], verifier=self.verifier,
-            gamma=self.gamma, num_drafts=self.num_drafts, draft_law=self.draft_law, tree_nodes=self.tree_nodes,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling, seed=_seed(seed, generator),
-            eos_token_id=eos, on_step=None if streamer is None else _streaming(streamer),
-            stop_when=None if not criteria else _stopper(criteria, input_ids))
+        try:
+            result = speculative_generate(
+                target, draft, [row[m.bool()].tolist() for row, m in zip(input_ids, mask)], verifier=self.verifier,
+                gamma=self.gamma, num_drafts=self.num_drafts, draft_law=self.draft_law, tree_nodes=self.tree_nodes,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling, seed=_seed(seed, generator),
+                eos_token_id=eos, on_step=None if streamer is None else _streaming(streamer),
+                stop_when=None if not criteria else _stopper(criteria, input_ids))
+        finally:  # the caller's target rotates as transformers built it again (models.rotary)
+            if not isinstance(model, LanguageModel):
+                unfix_rotaries(model)
         if streamer is not None:
             streamer.end()
         sequences = _sequences(input_ids, result, generation_config)
@@ -399,8 +404,8 @@ class _Processed:
 
     The optional interfaces pass through: a target's ``hidden_layers`` (features are returned as the model
     computes them, only the logits are processed), a draft's feature channel (``feature_layers``,
-    ``feature_size``, ``observe``), its length plan (``plan_length``), row copies (``repeat_rows`` /
-    ``select_rows``) and a target's tree scoring (``begin_tree`` / ``score_tree`` / ``end_tree``: each node
+    ``feature_size``, ``observe``), its length plan (``plan_length``), a model's context plan (``plan_context``),
+    row copies (``repeat_rows`` / ``select_rows``) and a target's tree scoring (``begin_tree`` / ``score_tree`` / ``end_tree``: each node
     processed with its own path as prefix). They are instance attributes, set only when the wrapped model has
     them, so the engine's interface checks see the wrapped model's.
     """
@@ -409,7 +414,7 @@ class _Processed:
         self.model, self.processors = model, processors
         self.vocab_size = model.vocab_size
         self.returns_hidden_states = getattr(model, "returns_hidden_states", False)
-        for name in ("feature_layers", "feature_size", "observe", "plan_length"):
+        for name in ("feature_layers", "feature_size", "observe", "plan_length", "plan_context"):
             if hasattr(model, name):
                 setattr(self, name, getattr(model, name))
         if hasattr(model, "select_rows") and hasattr(model, "repeat_rows"):  # rows leave the batch / draft trees

@@ -12,6 +12,7 @@ import torch
 
 from specresearch.engine.steps import StepRecord
 from specresearch.engine.timing import clock
+from specresearch.models.protocols import PlansContext
 
 __all__ = ["eos_ids", "GenerationResult", "check_context"]
 
@@ -123,6 +124,14 @@ def check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int 
             f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + gamma lookahead {lookahead} "
             f"needs {need} positions but the model's context is {limit}: shorten the prompt or lower max_new_tokens"
         )
+
+
+def plan_context(model, ids: torch.Tensor, max_new_tokens: int) -> None:
+    """Tell ``model`` the run's context where its calls depend on it (``PlansContext``): the longest prompt plus
+    ``max_new_tokens``, the positions a token may be emitted at, so that a run emits the same tokens whatever its
+    steps' lookahead (gamma, a tree's depth) and batch."""
+    if isinstance(model, PlansContext):
+        model.plan_context(ids.shape[1] + max_new_tokens)
 
 
 def _generators(seed, batch: int, device) -> torch.Generator | list[torch.Generator]:

@@ -47,7 +47,15 @@ from specresearch.core.draws import inverse_cdf, uniforms
 from specresearch.core.verify import block_verify, greedy_verify, token_verify
 from specresearch.engine.captured import StepRunner
 from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.results import GenerationResult, _generators, _result, _Rows, check_context, eos_ids
+from specresearch.engine.results import (
+    GenerationResult,
+    _generators,
+    _result,
+    _Rows,
+    check_context,
+    eos_ids,
+    plan_context,
+)
 from specresearch.engine.static_trees import CAPTURED_TREE_RULES, draft_tree, tree_uniforms, verify_tree
 from specresearch.engine.steps import StepChecks, StepRecord
 from specresearch.engine.timing import clock
@@ -345,8 +353,10 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
     ids, mask = encode_prompts(prompts, tokenizer)
     batch, device = ids.shape[0], target.device
     check_context(target, ids, max_new_tokens, plan.width)
+    plan_context(target, ids, max_new_tokens)
     if draft is not None:
         check_context(draft, ids, max_new_tokens, plan.draft_width())
+        plan_context(draft, ids, max_new_tokens)
     eos = eos_ids(eos_token_id, tokenizer, target)
     generators = _generators(seed, batch, device)
     run, runner = _session(target, draft, plan, sampling, batch, cache_capacity(ids.shape[1] + max_new_tokens, plan), eos,

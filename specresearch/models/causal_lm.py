@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from specresearch.checks import check_int
-from specresearch.models import fused
+from specresearch.models import fused, rotary
 from specresearch.models import recurrent as states
 from specresearch.models.attention import (
     attention_layout,
@@ -310,6 +310,7 @@ class CausalLM:
         self._cache_argument = cache_argument(self.model)  # refuses a model that keeps no cache
         positions_from_masks(self.model)  # Bloom's ALiBi, GPT-Neo's local windows: from the masks, not the slots
         states.clamp_time_steps(self.model)  # Mamba-2 mixers' time step bounded in their cached steps as in their scans
+        rotary.fix_rotaries(self.model)  # longrope's / dynamic NTK's frequencies: one set a run, not one a call
         self._attention = attention_layout(self.model)
         self.recurrent = self._attention.recurrent  # recurrent layers (models.recurrent): trees path by path
         whole = self.placement is None
@@ -355,6 +356,11 @@ class CausalLM:
     def max_context(self) -> int | None:
         """Positions the model supports (config ``max_position_embeddings``); None if the config does not say."""
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    def plan_context(self, positions: int) -> None:
+        """Rotate every call by the frequencies of a sequence of ``positions`` where they follow its length (longrope,
+        dynamic NTK: ``models.rotary``); the engine gives the longest prompt plus ``max_new_tokens`` before a run."""
+        rotary.plan_rotaries(self.model, positions)
 
     @property
     def cache_length(self) -> int:

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["LanguageModel", "PlansLength", "check_language_model", "check_same_vocab", "check_same_tokenizer",
+__all__ = ["LanguageModel", "PlansLength", "PlansContext", "check_language_model", "check_same_vocab", "check_same_tokenizer",
            "FeatureReader", "TreeScorer", "RowExpander", "StaticModel", "StaticFeatureModel", "HasStaticForm"]
 
 
@@ -94,6 +94,15 @@ class PlansLength(Protocol):
     """
 
     def plan_length(self, gamma: int) -> int: ...
+
+
+@runtime_checkable
+class PlansContext(Protocol):
+    """A model whose calls depend on the run's length (the engine checks for this interface): ``plan_context(n)``
+    is told, before a run, the positions its tokens may reach (``CausalLM``: rotary frequencies that transformers
+    picks per call, fixed for the run, ``models.rotary``)."""
+
+    def plan_context(self, positions: int) -> None: ...
 
 
 @runtime_checkable

@@ -1,0 +1,131 @@
+"""Rotary embeddings whose frequencies transformers picks per call, fixed for a run instead.
+
+Two of transformers' rotary types choose their frequencies from the longest position of the call they are handed:
+``"longrope"`` (Phi-3's 128k models, Phi-3.5, Phi-4-mini: the long factors once a call reaches past
+``original_max_position_embeddings``, the short ones otherwise) and ``"dynamic"`` (NTK scaling by the longest position
+seen, reset below the original length). A cached sequence then holds keys rotated by whichever set its calls had: a
+speculative call reaching past the limit rotates its first tokens by the long set where autoregressive decoding rotated
+them by the short one, a batch's longest row decides for every row, and an uncached forward rotates all of them by the
+set of its length. Greedy speculative decoding of a tiny Phi-3 with long factors then emitted other tokens than
+autoregressive decoding, itself other than transformers' ``generate`` (``tests/test_rotary.py``'s control).
+
+So ``CausalLM`` fixes them (:func:`fix_rotaries`): each such rotary embedding runs transformers' undecorated forward with
+the set of one sequence length, the run's context (:func:`plan_rotaries`: the engine gives the longest prompt plus
+``max_new_tokens``, the positions a token may be emitted at), as llama.cpp picks Phi-3's factors from its context
+size. Every call, cached or not, of any row and any width then rotates a position alike, and the uncached forward of
+any prefix is what the cache computes. Before a run plans one, the original set rotates, and a call reaching past the
+original length raises (naming :func:`plan_rotaries`) rather than choosing: that check reads the call's largest
+position on the host, a planned run does not.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+__all__ = ["CALL_DEPENDENT", "fix_rotaries", "plan_rotaries", "planned_context", "unfix_rotaries"]
+
+CALL_DEPENDENT = ("longrope", "dynamic")  # transformers' rope types whose frequencies follow a call's positions
+_OWN = "specresearch_rotary_context"  # on each rotary embedding fix_rotaries mended: the planned length, or None
+_SAVED = "specresearch_rotary_saved"  # and its frequencies and scalings as transformers left them (unfix_rotaries)
+
+
+def _types(module) -> dict:
+    """``{layer type or None: rope type}`` of a rotary embedding's call-dependent sets."""
+    kinds = getattr(module, "rope_type", None)
+    if isinstance(kinds, str):
+        return {None: kinds} if kinds in CALL_DEPENDENT else {}
+    if isinstance(kinds, dict):
+        return {layer: kind for layer, kind in kinds.items() if kind in CALL_DEPENDENT}
+    return {}
+
+
+def _rotaries(model) -> list:
+    return [module for module in model.modules()
+            if _types(module) and hasattr(type(module).forward, "__wrapped__")]  # transformers' dynamic_rope_update
+
+
+def _prefix(layer) -> str:
+    return "" if layer is None else f"{layer}_"
+
+
+def _original_length(module, layer) -> int:
+    """The length past which transformers would change ``layer``'s set."""
+    if _types(module)[layer] == "longrope":
+        params = module.config.rope_parameters if layer is None else module.config.rope_parameters[layer]
+        return int(params["original_max_position_embeddings"])
+    return int(module.original_max_seq_len)
+
+
+def fix_rotaries(model) -> int:
+    """Make every rotary embedding of ``model`` whose frequencies follow its calls (``CALL_DEPENDENT``) keep one set:
+    the original until :func:`plan_rotaries` plans a run (module docstring); returns how many it mended."""
+    mended = 0
+    for module in _rotaries(model):
+        if hasattr(module, _OWN):
+            continue
+        saved = {}
+        for layer in _types(module):
+            prefix = _prefix(layer)
+            saved[prefix] = (getattr(module, f"{prefix}inv_freq").clone(), getattr(module, f"{prefix}attention_scaling"))
+            getattr(module, f"{prefix}inv_freq").copy_(getattr(module, f"{prefix}original_inv_freq"))
+        setattr(module, _SAVED, saved)
+        setattr(module, _OWN, None)
+        module.forward = partial(_fixed_forward, module, own=type(module).forward.__wrapped__)
+        mended += 1
+    return mended
+
+
+def unfix_rotaries(model) -> None:
+    """Undo :func:`fix_rotaries` on ``model``: transformers' forward, frequencies and scalings as they were (for a
+    caller's model that a run borrowed: ``engine.hf``)."""
+    for module in _rotaries(model):
+        if not hasattr(module, _OWN):
+            continue
+        for prefix, (frequencies, scaling) in getattr(module, _SAVED).items():
+            getattr(module, f"{prefix}inv_freq").copy_(frequencies)
+            setattr(module, f"{prefix}attention_scaling", scaling)
+        for name in ("forward", _OWN, _SAVED):
+            delattr(module, name)
+
+
+def plan_rotaries(model, context: int) -> None:
+    """Rotate every call of ``model``'s mended rotary embeddings (:func:`fix_rotaries`) by the set transformers gives a
+    sequence of ``context`` positions: the long factors (longrope) or the NTK scale (dynamic) past the original
+    length, the original set within it. Call it before a run, outside any captured step (it writes the buffers the
+    steps read)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for module in _rotaries(model):
+        if not hasattr(module, _OWN):
+            continue
+        for layer, kind in _types(module).items():
+            prefix, limit = _prefix(layer), _original_length(module, layer)
+            frequencies = getattr(module, f"{prefix}inv_freq")
+            options = {} if layer is None else {"layer_type": layer}
+            if context > limit:  # longrope's long set is the one of any length past the limit
+                new, scaling = ROPE_INIT_FUNCTIONS[kind](module.config, frequencies.device,
+                                                         seq_len=limit + 1 if kind == "longrope" else context, **options)
+                if kind != "longrope":  # longrope's scaling is its attention factor whatever the set
+                    setattr(module, f"{prefix}attention_scaling", scaling)
+            else:
+                new = getattr(module, f"{prefix}original_inv_freq")
+            frequencies.copy_(new.to(frequencies))
+        setattr(module, _OWN, int(context))
+
+
+def planned_context(model) -> int | None:
+    """The context :func:`plan_rotaries` last planned for ``model`` (None: none yet, or no rotary needs one)."""
+    return next((getattr(module, _OWN) for module in _rotaries(model) if hasattr(module, _OWN)), None)
+
+
+def _fixed_forward(module, x, position_ids, layer_type=None, *, own):
+    if getattr(module, _OWN) is None:
+        limits = [_original_length(module, layer) for layer in _types(module) if layer == layer_type]
+        reach = int(position_ids.max()) + 1
+        if limits and reach > limits[0]:
+            raise ValueError(
+                f"{type(module).__name__} ({_types(module)[layer_type]}) chooses its rotary frequencies by the length "
+                f"of each call; this call reaches position {reach} past its original {limits[0]}, so a cached "
+                "sequence would mix two sets: plan the run's context first (CausalLM.plan_context(n), which "
+                "speculative_generate and autoregressive_generate do from the prompt and max_new_tokens)")
+    return own(module, x, position_ids, **({} if layer_type is None else {"layer_type": layer_type}))

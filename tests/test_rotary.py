@@ -1,0 +1,131 @@
+"""Rotary embeddings whose frequencies transformers picks per call (``models.rotary``): Phi-3's ``longrope`` (long
+factors once a call reaches past ``original_max_position_embeddings``) and dynamic NTK scaling.
+
+* A tiny Phi-3 with long factors, its original length 16, runs of 31 positions: greedy speculative decoding (chains
+  of gamma 1, 3, 5, a traversal tree, the static cache with a draft of the same kind) gives autoregressive decoding's tokens, which are transformers'
+  ``generate``'s and its uncached forward's argmax on the same (mended) model; two rows of different lengths decode
+  as each alone; a run within the original length is what transformers decodes unmended.
+* Unplanned, a call past the original length raises, naming the plan.
+* The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
+* Inside transformers' ``generate`` (``engine.hf``): the run is planned, and the caller's target rotates as
+  transformers built it afterwards.
+* Dynamic NTK (a Llama whose rotary's original length is lowered to 16, which transformers sets to the config's
+  ``max_position_embeddings``, so that the engine reaches past it): the same.
+"""
+
+import pytest
+import torch
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.registry import draft_from_name
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.models import rotary
+from specresearch.models.causal_lm import CausalLM
+
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPT = [5, 9, 3, 17, 22, 8, 4, 7, 30, 31, 3]  # 11 tokens: 20 more pass the original length of 16
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _drawn(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.5)
+    return model
+
+
+def long_phi3():
+    from transformers import AutoConfig
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4, long_factor=[4.0, 3.0, 2.0, 8.0],
+                original_max_position_embeddings=16)
+    return _drawn(AutoConfig.for_model("phi3", **SMALL, max_position_embeddings=128,
+                                       original_max_position_embeddings=16, rope_parameters=rope))
+
+
+def dynamic_llama():
+    from transformers import AutoConfig
+
+    model = _drawn(AutoConfig.for_model("llama", **SMALL, max_position_embeddings=64,
+                                        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)))
+    model.model.rotary_emb.original_max_seq_len = 16
+    return model
+
+
+MODELS = {"longrope": long_phi3, "dynamic": dynamic_llama}
+
+
+def _decodings(target, prompts, new):
+    want = autoregressive_generate(target, prompts, max_new_tokens=new, sampling=GREEDY).tokens
+    draft = draft_from_name("ngram", target)
+    runs = [speculative_generate(target, draft, prompts, max_new_tokens=new, sampling=GREEDY, gamma=gamma).tokens
+            for gamma in (1, 3, 5)]
+    return want, runs
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_call_dependent_rotary_decodes_speculatively_as_autoregressively_past_its_original_length(kind):
+    model = MODELS[kind]()
+    target = CausalLM(model)
+    assert rotary.planned_context(model) is None
+    want, runs = _decodings(target, [PROMPT], 20)
+    assert rotary.planned_context(model) == len(PROMPT) + 20
+    assert all(run == want for run in runs)
+    tree = speculative_generate(target, draft_from_name("ngram", target), [PROMPT], max_new_tokens=20, sampling=GREEDY,
+                                gamma=3, num_drafts=2, verifier="traversal").tokens
+    assert tree == want
+    if kind == "longrope":  # a static form (the captured steps' cache), run eagerly; a draft of the same kind
+        draft = CausalLM(long_phi3())
+        assert speculative_generate(target, draft, [PROMPT], max_new_tokens=20, sampling=GREEDY, gamma=3,
+                                    compile="static").tokens == want
+        assert rotary.planned_context(draft.model) == len(PROMPT) + 20
+    theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert theirs[0, len(PROMPT):].tolist() == list(want[0])
+    with torch.no_grad():  # the uncached forward of the whole run: its argmax at each emitted position
+        logits = model(input_ids=theirs).logits[0, len(PROMPT) - 1:-1]
+    assert logits.argmax(-1).tolist() == list(want[0])
+    short = PROMPT[:7]
+    both, _ = _decodings(target, [PROMPT, short], 20)
+    assert list(both[0]) == list(want[0]) and list(both[1]) == list(_decodings(target, [short], 20)[0][0])
+
+
+def test_a_run_within_the_original_length_is_what_transformers_decodes_unmended():
+    target = CausalLM(long_phi3())
+    want = autoregressive_generate(target, [PROMPT], max_new_tokens=5, sampling=GREEDY).tokens  # 16 positions
+    theirs = long_phi3().generate(torch.tensor([PROMPT]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert theirs[0, len(PROMPT):].tolist() == list(want[0])
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_an_unplanned_call_past_the_original_length_raises(kind):
+    target = CausalLM(MODELS[kind]())
+    target.prefill(torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long))
+    with pytest.raises(ValueError, match=r"reaches position 17 past its original 16.*plan_context"):
+        target.score(torch.tensor([[5] * 6]))
+
+
+def test_unmended_speculative_decoding_emits_other_tokens_than_autoregressive(monkeypatch):
+    monkeypatch.setattr(rotary, "fix_rotaries", lambda model: 0)  # the control: frequencies chosen per call
+    target = CausalLM(long_phi3())
+    want, runs = _decodings(target, [PROMPT], 20)
+    assert all(run != want for run in runs)
+
+
+def test_inside_transformers_generate_the_run_is_planned_and_the_callers_target_left_as_built():
+    from specresearch.engine import hf
+
+    model = long_phi3()
+    want = autoregressive_generate(CausalLM(long_phi3()), [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens
+    out = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+                         custom_generate=hf.speculative(long_phi3(), gamma=3))
+    assert out[0, len(PROMPT):].tolist() == list(want[0])
+    rotary_emb = model.model.rotary_emb
+    assert "forward" not in vars(rotary_emb) and rotary.planned_context(model) is None
+    assert torch.equal(rotary_emb.inv_freq, long_phi3().model.rotary_emb.inv_freq)
+
