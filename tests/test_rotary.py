@@ -4,7 +4,9 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
 * A tiny Phi-3 with long factors, its original length 16, runs of 31 positions: greedy speculative decoding (chains
   of gamma 1, 3, 5, a traversal tree, the static cache with a draft of the same kind) gives autoregressive decoding's tokens, which are transformers'
   ``generate``'s and its uncached forward's argmax on the same (mended) model; two rows of different lengths decode
-  as each alone; a run within the original length is what transformers decodes unmended.
+  as each alone; a run within the original length, or past it from its prompt on, is what transformers decodes
+  unmended (a run whose prompt is within it and its tokens pass it is not: transformers recomputes Phi-3's cache
+  with the long set once the sequence passes the original length, so its first tokens came from the short set).
 * Unplanned, a call past the original length raises, naming the plan.
 * The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
 * Inside transformers' ``generate`` (``engine.hf``): the run is planned, and the caller's target rotates as
@@ -95,11 +97,12 @@ def test_a_call_dependent_rotary_decodes_speculatively_as_autoregressively_past_
     assert list(both[0]) == list(want[0]) and list(both[1]) == list(_decodings(target, [short], 20)[0][0])
 
 
-def test_a_run_within_the_original_length_is_what_transformers_decodes_unmended():
+@pytest.mark.parametrize("prompt, new", [(PROMPT, 5), (PROMPT * 2, 10)])  # 16 positions; a prompt of 22
+def test_a_run_within_the_original_length_or_past_it_from_the_prompt_is_what_transformers_decodes_unmended(prompt, new):
     target = CausalLM(long_phi3())
-    want = autoregressive_generate(target, [PROMPT], max_new_tokens=5, sampling=GREEDY).tokens  # 16 positions
-    theirs = long_phi3().generate(torch.tensor([PROMPT]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert theirs[0, len(PROMPT):].tolist() == list(want[0])
+    want = autoregressive_generate(target, [prompt], max_new_tokens=new, sampling=GREEDY).tokens
+    theirs = long_phi3().generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    assert theirs[0, len(prompt):].tolist() == list(want[0])
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
