@@ -11,6 +11,8 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
 * The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
 * Inside transformers' ``generate`` (``engine.hf``): the run is planned, and the caller's target rotates as
   transformers built it afterwards.
+* PhiMoE (its forward scales cos and sin by ``long_mscale`` past the original length, ``short_mscale`` within it, per
+  call): the same.
 * Dynamic NTK (a Llama whose rotary's original length is lowered to 16, which transformers sets to the config's
   ``max_position_embeddings``, so that the engine reaches past it): the same.
 """
@@ -27,7 +29,7 @@ from specresearch.models.causal_lm import CausalLM
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPT = [5, 9, 3, 17, 22, 8, 4, 7, 30, 31, 3]  # 11 tokens: 20 more pass the original length of 16
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=None)  # every run its full length
 
 
 def _drawn(config):
@@ -51,6 +53,15 @@ def long_phi3():
                                        original_max_position_embeddings=16, rope_parameters=rope))
 
 
+def long_phimoe():
+    from transformers import AutoConfig
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4, long_factor=[4.0, 3.0, 2.0, 8.0],
+                original_max_position_embeddings=16, short_mscale=1.0, long_mscale=1.8)
+    return _drawn(AutoConfig.for_model("phimoe", **SMALL, max_position_embeddings=128, num_local_experts=4,
+                                       num_experts_per_tok=2, rope_parameters=rope))
+
+
 def dynamic_llama():
     from transformers import AutoConfig
 
@@ -60,7 +71,7 @@ def dynamic_llama():
     return model
 
 
-MODELS = {"longrope": long_phi3, "dynamic": dynamic_llama}
+MODELS = {"longrope": long_phi3, "longrope-moe": long_phimoe, "dynamic": dynamic_llama}
 
 
 def _decodings(target, prompts, new):
@@ -87,7 +98,7 @@ def test_a_call_dependent_rotary_decodes_speculatively_as_autoregressively_past_
         assert speculative_generate(target, draft, [PROMPT], max_new_tokens=20, sampling=GREEDY, gamma=3,
                                     compile="static").tokens == want
         assert rotary.planned_context(draft.model) == len(PROMPT) + 20
-    theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)
     assert theirs[0, len(PROMPT):].tolist() == list(want[0])
     with torch.no_grad():  # the uncached forward of the whole run: its argmax at each emitted position
         logits = model(input_ids=theirs).logits[0, len(PROMPT) - 1:-1]
@@ -101,7 +112,7 @@ def test_a_call_dependent_rotary_decodes_speculatively_as_autoregressively_past_
 def test_a_run_within_the_original_length_or_past_it_from_the_prompt_is_what_transformers_decodes_unmended(prompt, new):
     target = CausalLM(long_phi3())
     want = autoregressive_generate(target, [prompt], max_new_tokens=new, sampling=GREEDY).tokens
-    theirs = long_phi3().generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    theirs = long_phi3().generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
     assert theirs[0, len(prompt):].tolist() == list(want[0])
 
 
@@ -113,9 +124,10 @@ def test_an_unplanned_call_past_the_original_length_raises(kind):
         target.score(torch.tensor([[5] * 6]))
 
 
-def test_unmended_speculative_decoding_emits_other_tokens_than_autoregressive(monkeypatch):
+@pytest.mark.parametrize("kind", ["longrope", "longrope-moe"])
+def test_unmended_speculative_decoding_emits_other_tokens_than_autoregressive(kind, monkeypatch):
     monkeypatch.setattr(rotary, "fix_rotaries", lambda model: 0)  # the control: frequencies chosen per call
-    target = CausalLM(long_phi3())
+    target = CausalLM(MODELS[kind]())
     want, runs = _decodings(target, [PROMPT], 20)
     assert all(run != want for run in runs)
 
@@ -125,7 +137,7 @@ def test_inside_transformers_generate_the_run_is_planned_and_the_callers_target_
 
     model = long_phi3()
     want = autoregressive_generate(CausalLM(long_phi3()), [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens
-    out = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+    out = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=20,
                          custom_generate=hf.speculative(long_phi3(), gamma=3))
     assert out[0, len(PROMPT):].tolist() == list(want[0])
     rotary_emb = model.model.rotary_emb

@@ -2,15 +2,16 @@
 
 Two of transformers' rotary types choose their frequencies from the longest position of the call they are handed:
 ``"longrope"`` (Phi-3's 128k models, Phi-3.5, Phi-4-mini: the long factors once a call reaches past
-``original_max_position_embeddings``, the short ones otherwise) and ``"dynamic"`` (NTK scaling by the longest position
-seen, reset below the original length). A cached sequence then holds keys rotated by whichever set its calls had: a
-speculative call reaching past the limit rotates its first tokens by the long set where autoregressive decoding rotated
-them by the short one, a batch's longest row decides for every row, and an uncached forward rotates all of them by the
-set of its length. Greedy speculative decoding of a tiny Phi-3 with long factors then emitted other tokens than
-autoregressive decoding, itself other than transformers' ``generate`` (``tests/test_rotary.py``'s control).
+``original_max_position_embeddings``, the short ones otherwise; PhiMoE's forward scales cos and sin by ``long_mscale``
+or ``short_mscale`` so too) and ``"dynamic"`` (NTK scaling by the longest position seen, reset below the original
+length). A cached sequence then holds keys rotated by whichever set its calls had: a speculative call reaching past
+the limit rotates its first tokens by the long set where autoregressive decoding rotated them by the short one, a
+batch's longest row decides for every row, and an uncached forward rotates all of them by the set of its length.
+Greedy speculative decoding of a tiny Phi-3 with long factors then emitted other tokens than autoregressive decoding,
+itself other than transformers' ``generate`` (``tests/test_rotary.py``'s control).
 
 So ``CausalLM`` fixes them (:func:`fix_rotaries`): each such rotary embedding runs transformers' undecorated forward with
-the set of one sequence length, the run's context (:func:`plan_rotaries`: the engine gives the longest prompt plus
+the set (and PhiMoE's scale) of one sequence length, the run's context (:func:`plan_rotaries`: the engine gives the longest prompt plus
 ``max_new_tokens``, the positions a token may be emitted at), as llama.cpp picks Phi-3's factors from its context
 size. Every call, cached or not, of any row and any width then rotates a position alike, and the uncached forward of
 any prefix is what the cache computes. Before a run plans one, the original set rotates, and a call reaching past the
@@ -21,6 +22,8 @@ position on the host, a planned run does not.
 from __future__ import annotations
 
 from functools import partial
+
+import torch
 
 __all__ = ["CALL_DEPENDENT", "fix_rotaries", "plan_rotaries", "planned_context", "unfix_rotaries"]
 
@@ -128,4 +131,11 @@ def _fixed_forward(module, x, position_ids, layer_type=None, *, own):
                 f"of each call; this call reaches position {reach} past its original {limits[0]}, so a cached "
                 "sequence would mix two sets: plan the run's context first (CausalLM.plan_context(n), which "
                 "speculative_generate and autoregressive_generate do from the prompt and max_new_tokens)")
-    return own(module, x, position_ids, **({} if layer_type is None else {"layer_type": layer_type}))
+    out = own(module, x, position_ids, **({} if layer_type is None else {"layer_type": layer_type}))
+    params = module.config.rope_parameters
+    if layer_type is None and "long_mscale" in params:  # PhiMoE's forward scales cos and sin by the call's length too
+        limit, long, short = params["original_max_position_embeddings"], params["long_mscale"], params["short_mscale"]
+        planned = long if (getattr(module, _OWN) or 0) > limit else short
+        ratio = torch.where(position_ids.max() + 1 > limit, planned / long, planned / short)  # 1 where they agree
+        out = tuple(part * ratio.to(part.dtype) for part in out)
+    return out
