@@ -13,6 +13,8 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
   transformers built it afterwards.
 * PhiMoE (its forward scales cos and sin by ``long_mscale`` past the original length, ``short_mscale`` within it, per
   call): the same.
+* Every rope type transformers offers (linear, dynamic, YaRN, longrope, Llama 3, proportional) on a Llama, a run
+  past the original length: speculative decoding = autoregressive = the uncached forward's argmax.
 * Dynamic NTK (a Llama whose rotary's original length is lowered to 16, which transformers sets to the config's
   ``max_position_embeddings``, so that the engine reaches past it): the same.
 """
@@ -143,4 +145,36 @@ def test_inside_transformers_generate_the_run_is_planned_and_the_callers_target_
     rotary_emb = model.model.rotary_emb
     assert "forward" not in vars(rotary_emb) and rotary.planned_context(model) is None
     assert torch.equal(rotary_emb.inv_freq, long_phi3().model.rotary_emb.inv_freq)
+
+
+# every rope type transformers offers, on a Llama whose original length (16) a run of 31 positions passes
+ROPE_TYPES = {
+    "linear": dict(factor=2.0),
+    "dynamic": dict(factor=4.0),
+    "yarn": dict(factor=4.0, original_max_position_embeddings=16),
+    "longrope": dict(short_factor=[1.0] * 4, long_factor=[4.0, 3.0, 2.0, 8.0], original_max_position_embeddings=16),
+    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
+    "proportional": dict(factor=2.0, partial_rotary_factor=0.5),
+}
+
+
+def test_every_rope_type_transformers_offers_has_settings_here():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    assert set(ROPE_INIT_FUNCTIONS) == set(ROPE_TYPES)  # a new type: give it settings above
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_TYPES))
+def test_a_run_past_the_original_length_decodes_alike_whatever_the_rope_type(kind):
+    from transformers import AutoConfig
+
+    rope = dict(rope_type=kind, rope_theta=10000.0, **ROPE_TYPES[kind])
+    model = _drawn(AutoConfig.for_model("llama", **SMALL, max_position_embeddings=64, rope_parameters=rope))
+    model.model.rotary_emb.original_max_seq_len = 16  # dynamic NTK's (transformers: max_position_embeddings)
+    target = CausalLM(model)
+    want, runs = _decodings(target, [PROMPT], 20)
+    assert all(run == want for run in runs)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT + list(want[0])])).logits[0, len(PROMPT) - 1:-1]
+    assert logits.argmax(-1).tolist() == list(want[0])
 
