@@ -15,6 +15,7 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
   call): the same.
 * Every rope type transformers offers (linear, dynamic, YaRN, longrope, Llama 3, proportional) on a Llama, a run
   past the original length: speculative decoding = autoregressive = the uncached forward's argmax.
+* Gemma 3 with long factors on its full layers only (rotary settings per layer type): the same.
 * Dynamic NTK (a Llama whose rotary's original length is lowered to 16, which transformers sets to the config's
   ``max_position_embeddings``, so that the engine reaches past it): the same.
 """
@@ -64,6 +65,17 @@ def long_phimoe():
                                        num_experts_per_tok=2, rope_parameters=rope))
 
 
+def gemma3_long_full_layers():
+    from transformers import AutoConfig
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4, long_factor=[4.0, 3.0, 2.0, 8.0],
+                original_max_position_embeddings=16)
+    return _drawn(AutoConfig.for_model("gemma3_text", **SMALL, head_dim=8, max_position_embeddings=128, sliding_window=6,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4),
+                                                        "full_attention": rope}))
+
+
 def dynamic_llama():
     from transformers import AutoConfig
 
@@ -73,7 +85,8 @@ def dynamic_llama():
     return model
 
 
-MODELS = {"longrope": long_phi3, "longrope-moe": long_phimoe, "dynamic": dynamic_llama}
+MODELS = {"longrope": long_phi3, "longrope-moe": long_phimoe, "longrope-per-layer-type": gemma3_long_full_layers,
+          "dynamic": dynamic_llama}
 
 
 def _decodings(target, prompts, new):

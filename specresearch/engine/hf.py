@@ -405,8 +405,8 @@ class _Processed:
     The optional interfaces pass through: a target's ``hidden_layers`` (features are returned as the model
     computes them, only the logits are processed), a draft's feature channel (``feature_layers``,
     ``feature_size``, ``observe``), its length plan (``plan_length``), a model's context plan (``plan_context``),
-    row copies (``repeat_rows`` / ``select_rows``) and a target's tree scoring (``begin_tree`` / ``score_tree`` / ``end_tree``: each node
-    processed with its own path as prefix). They are instance attributes, set only when the wrapped model has
+    row copies (``repeat_rows`` / ``select_rows``) and a target's tree scoring (``begin_tree`` / ``score_tree`` /
+    ``end_tree``: each node processed with its own path as prefix). They are instance attributes, set only when the wrapped model has
     them, so the engine's interface checks see the wrapped model's.
     """
 

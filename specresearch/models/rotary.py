@@ -11,9 +11,9 @@ Greedy speculative decoding of a tiny Phi-3 with long factors then emitted other
 itself other than transformers' ``generate`` (``tests/test_rotary.py``'s control).
 
 So ``CausalLM`` fixes them (:func:`fix_rotaries`): each such rotary embedding runs transformers' undecorated forward with
-the set (and PhiMoE's scale) of one sequence length, the run's context (:func:`plan_rotaries`: the engine gives the longest prompt plus
-``max_new_tokens``, the positions a token may be emitted at), as llama.cpp picks Phi-3's factors from its context
-size. Every call, cached or not, of any row and any width then rotates a position alike, and the uncached forward of
+the set (and PhiMoE's scale) of one sequence length, the run's context (:func:`plan_rotaries`: the engine gives the
+longest prompt plus ``max_new_tokens``, the positions a token may be emitted at), as llama.cpp picks Phi-3's factors
+from its context size. Every call, cached or not, of any row and any width then rotates a position alike, and the uncached forward of
 any prefix is what the cache computes. Before a run plans one, the original set rotates, and a call reaching past the
 original length raises (naming :func:`plan_rotaries`) rather than choosing: that check reads the call's largest
 position on the host, a planned run does not.
@@ -69,7 +69,8 @@ def fix_rotaries(model) -> int:
         saved = {}
         for layer in _types(module):
             prefix = _prefix(layer)
-            saved[prefix] = (getattr(module, f"{prefix}inv_freq").clone(), getattr(module, f"{prefix}attention_scaling"))
+            saved[prefix] = (getattr(module, f"{prefix}inv_freq").clone(),
+                             getattr(module, f"{prefix}attention_scaling", None))
             getattr(module, f"{prefix}inv_freq").copy_(getattr(module, f"{prefix}original_inv_freq"))
         setattr(module, _SAVED, saved)
         setattr(module, _OWN, None)
@@ -86,7 +87,8 @@ def unfix_rotaries(model) -> None:
             continue
         for prefix, (frequencies, scaling) in getattr(module, _SAVED).items():
             getattr(module, f"{prefix}inv_freq").copy_(frequencies)
-            setattr(module, f"{prefix}attention_scaling", scaling)
+            if scaling is not None:
+                setattr(module, f"{prefix}attention_scaling", scaling)
         for name in ("forward", _OWN, _SAVED):
             delattr(module, name)
 
