@@ -7,6 +7,7 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
   as each alone; a run within the original length, or past it from its prompt on, is what transformers decodes
   unmended (a run whose prompt is within it and its tokens pass it is not: transformers recomputes Phi-3's cache
   with the long set once the sequence passes the original length, so its first tokens came from the short set).
+* Planned, the static form's calls of a captured step trace as one graph (no host read), both sets.
 * Unplanned, a call past the original length raises, naming the plan.
 * The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
 * Inside transformers' ``generate`` (``engine.hf``): the run is planned, and the caller's target rotates as
@@ -20,8 +21,11 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
   ``max_position_embeddings``, so that the engine reaches past it): the same.
 """
 
+import warnings
+
 import pytest
 import torch
+from helpers import explain_static_calls
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name
@@ -123,11 +127,24 @@ def test_a_call_dependent_rotary_decodes_speculatively_as_autoregressively_past_
     assert list(both[0]) == list(want[0]) and list(both[1]) == list(_decodings(target, [short], 20)[0][0])
 
 
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("context", [8, 31])  # the original set, the long one
+def test_a_planned_rotary_traces_in_a_captured_step_as_one_graph(kind, context):
+    target = CausalLM(MODELS[kind]())
+    target.plan_context(context)  # no host read left in its forward: what torch.compile and a CUDA graph need
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explained = explain_static_calls(target.static_form())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("kind", ["longrope", "longrope-moe"])
 @pytest.mark.parametrize("prompt, new", [(PROMPT, 5), (PROMPT * 2, 10)])  # 16 positions; a prompt of 22
-def test_a_run_within_the_original_length_or_past_it_from_the_prompt_is_what_transformers_decodes_unmended(prompt, new):
-    target = CausalLM(long_phi3())
+def test_a_run_within_the_original_length_or_past_it_from_the_prompt_is_what_transformers_decodes_unmended(kind, prompt,
+                                                                                                          new):
+    target = CausalLM(MODELS[kind]())
     want = autoregressive_generate(target, [prompt], max_new_tokens=new, sampling=GREEDY).tokens
-    theirs = long_phi3().generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    theirs = MODELS[kind]().generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
     assert theirs[0, len(prompt):].tolist() == list(want[0])
 
 

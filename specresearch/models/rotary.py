@@ -30,6 +30,8 @@ __all__ = ["CALL_DEPENDENT", "fix_rotaries", "plan_rotaries", "planned_context",
 CALL_DEPENDENT = ("longrope", "dynamic")  # transformers' rope types whose frequencies follow a call's positions
 _OWN = "specresearch_rotary_context"  # on each rotary embedding fix_rotaries mended: the planned length, or None
 _SAVED = "specresearch_rotary_saved"  # and its frequencies and scalings as transformers left them (unfix_rotaries)
+_PLANNED, _LONG = "specresearch_rotary_planned", "specresearch_rotary_long"  # what its forward reads: two booleans (a
+# compiled step specializes on them, not on the context's length)
 
 
 def _types(module) -> dict:
@@ -74,7 +76,10 @@ def fix_rotaries(model) -> int:
             getattr(module, f"{prefix}inv_freq").copy_(getattr(module, f"{prefix}original_inv_freq"))
         setattr(module, _SAVED, saved)
         setattr(module, _OWN, None)
-        module.forward = partial(_fixed_forward, module, own=type(module).forward.__wrapped__)
+        setattr(module, _PLANNED, False)
+        setattr(module, _LONG, False)
+        own = None if "long_mscale" in module.config.rope_parameters else type(module).forward.__wrapped__  # PhiMoE
+        module.forward = partial(_fixed_forward, module, own=own)
         mended += 1
     return mended
 
@@ -89,7 +94,7 @@ def unfix_rotaries(model) -> None:
             getattr(module, f"{prefix}inv_freq").copy_(frequencies)
             if scaling is not None:
                 setattr(module, f"{prefix}attention_scaling", scaling)
-        for name in ("forward", _OWN, _SAVED):
+        for name in ("forward", _OWN, _SAVED, _PLANNED, _LONG):
             delattr(module, name)
 
 
@@ -116,6 +121,8 @@ def plan_rotaries(model, context: int) -> None:
                 new = getattr(module, f"{prefix}original_inv_freq")
             frequencies.copy_(new.to(frequencies))
         setattr(module, _OWN, int(context))
+        setattr(module, _PLANNED, True)
+        setattr(module, _LONG, None in _types(module) and context > _original_length(module, None))
 
 
 def planned_context(model) -> int | None:
@@ -124,7 +131,7 @@ def planned_context(model) -> int | None:
 
 
 def _fixed_forward(module, x, position_ids, layer_type=None, *, own):
-    if getattr(module, _OWN) is None:
+    if not getattr(module, _PLANNED):
         limits = [_original_length(module, layer) for layer in _types(module) if layer == layer_type]
         reach = int(position_ids.max()) + 1
         if limits and reach > limits[0]:
@@ -133,11 +140,17 @@ def _fixed_forward(module, x, position_ids, layer_type=None, *, own):
                 f"of each call; this call reaches position {reach} past its original {limits[0]}, so a cached "
                 "sequence would mix two sets: plan the run's context first (CausalLM.plan_context(n), which "
                 "speculative_generate and autoregressive_generate do from the prompt and max_new_tokens)")
-    out = own(module, x, position_ids, **({} if layer_type is None else {"layer_type": layer_type}))
+    if own is None:
+        return _phimoe_rotation(module, x, position_ids)
+    return own(module, x, position_ids, **({} if layer_type is None else {"layer_type": layer_type}))
+
+
+def _phimoe_rotation(module, x, position_ids):
+    """PhiMoE's rotary forward with its planned scale: the frequencies of its config (its forward recomputes them each
+    call; they are the ones it keeps as ``original_inv_freq``), cos and sin scaled by ``long_mscale`` or
+    ``short_mscale`` as the plan passes the original length or not (its forward: as the call does, a host read)."""
     params = module.config.rope_parameters
-    if layer_type is None and "long_mscale" in params:  # PhiMoE's forward scales cos and sin by the call's length too
-        limit, long, short = params["original_max_position_embeddings"], params["long_mscale"], params["short_mscale"]
-        planned = long if (getattr(module, _OWN) or 0) > limit else short
-        ratio = torch.where(position_ids.max() + 1 > limit, planned / long, planned / short)  # 1 where they agree
-        out = tuple(part * ratio.to(part.dtype) for part in out)
-    return out
+    scale = params["long_mscale"] if getattr(module, _LONG) else params["short_mscale"]
+    freqs = position_ids[..., None].float() * module.original_inv_freq.to(device=x.device, dtype=torch.float)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scale).to(x.dtype), (angles.sin() * scale).to(x.dtype)
