@@ -8,6 +8,9 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
   unmended (a run whose prompt is within it and its tokens pass it is not: transformers recomputes Phi-3's cache
   with the long set once the sequence passes the original length, so its first tokens came from the short set).
 * Planned, the static form's calls of a captured step trace as one graph (no host read), both sets.
+* The decoding methods (``engine.decoding``) plan each call's length, rebuilding the cache where the set changes:
+  greedy decoding draws each token from its prefix's set, transformers' ``generate`` on Phi-3 (which recomputes its
+  cache at the crossing), unlike the engine's run, which rotates the whole run by one set.
 * Unplanned, a call past the original length raises, naming the plan.
 * The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
 * Inside transformers' ``generate`` (``engine.hf``): the run is planned, and the caller's target rotates as
@@ -146,6 +149,17 @@ def test_a_run_within_the_original_length_or_past_it_from_the_prompt_is_what_tra
     want = autoregressive_generate(target, [prompt], max_new_tokens=new, sampling=GREEDY).tokens
     theirs = MODELS[kind]().generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
     assert theirs[0, len(prompt):].tolist() == list(want[0])
+
+
+def test_the_decoding_methods_draw_each_token_from_its_prefix_as_transformers_phi3_does():
+    from specresearch.engine.decoding import greedy, lm_logits_fn
+
+    ids = torch.tensor([PROMPT])  # 11 tokens and 20 more: the set changes at the crossing, the cache is rebuilt
+    ours = greedy(lm_logits_fn(CausalLM(long_phi3())), ids, 20).sequences
+    theirs = long_phi3().generate(ids, max_new_tokens=20, do_sample=False)  # recomputes its cache at the crossing
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours[0, len(PROMPT):], torch.tensor(autoregressive_generate(
+        CausalLM(long_phi3()), [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens[0]))  # one set for the run
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))

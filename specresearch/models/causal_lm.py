@@ -357,10 +357,11 @@ class CausalLM:
         """Positions the model supports (config ``max_position_embeddings``); None if the config does not say."""
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def plan_context(self, positions: int) -> None:
+    def plan_context(self, positions: int) -> bool:
         """Rotate every call by the frequencies of a sequence of ``positions`` where they follow its length (longrope,
-        dynamic NTK: ``models.rotary``); the engine gives the longest prompt plus ``max_new_tokens`` before a run."""
-        rotary.plan_rotaries(self.model, positions)
+        dynamic NTK: ``models.rotary``); the engine gives the longest prompt plus ``max_new_tokens`` before a run.
+        Returns whether a rotation changed (the cache then holds keys of the former)."""
+        return rotary.plan_rotaries(self.model, positions)
 
     @property
     def cache_length(self) -> int:

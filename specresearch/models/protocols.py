@@ -100,9 +100,9 @@ class PlansLength(Protocol):
 class PlansContext(Protocol):
     """A model whose calls depend on the run's length (the engine checks for this interface): ``plan_context(n)``
     is told, before a run, the positions its tokens may reach (``CausalLM``: rotary frequencies that transformers
-    picks per call, fixed for the run, ``models.rotary``)."""
+    picks per call, fixed for the run, ``models.rotary``), and returns whether its rotations changed."""
 
-    def plan_context(self, positions: int) -> None: ...
+    def plan_context(self, positions: int) -> bool: ...
 
 
 @runtime_checkable

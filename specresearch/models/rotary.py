@@ -98,13 +98,14 @@ def unfix_rotaries(model) -> None:
             delattr(module, name)
 
 
-def plan_rotaries(model, context: int) -> None:
+def plan_rotaries(model, context: int) -> bool:
     """Rotate every call of ``model``'s mended rotary embeddings (:func:`fix_rotaries`) by the set transformers gives a
     sequence of ``context`` positions: the long factors (longrope) or the NTK scale (dynamic) past the original
     length, the original set within it. Call it before a run, outside any captured step (it writes the buffers the
-    steps read)."""
+    steps read). Returns whether a rotation changed (a cache built before then rotates otherwise)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    changed = False
     for module in _rotaries(model):
         if not hasattr(module, _OWN):
             continue
@@ -119,10 +120,15 @@ def plan_rotaries(model, context: int) -> None:
                     setattr(module, f"{prefix}attention_scaling", scaling)
             else:
                 new = getattr(module, f"{prefix}original_inv_freq")
-            frequencies.copy_(new.to(frequencies))
+            new = new.to(frequencies)
+            changed = changed or not torch.equal(new, frequencies)
+            frequencies.copy_(new)
+        long = None in _types(module) and context > _original_length(module, None)
+        changed = changed or long != getattr(module, _LONG)  # PhiMoE's scale
         setattr(module, _OWN, int(context))
         setattr(module, _PLANNED, True)
-        setattr(module, _LONG, None in _types(module) and context > _original_length(module, None))
+        setattr(module, _LONG, long)
+    return changed
 
 
 def planned_context(model) -> int | None:
