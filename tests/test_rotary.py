@@ -13,6 +13,7 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
   cache at the crossing), unlike the engine's run, which rotates the whole run by one set.
 * Unplanned, a call past the original length raises, naming the plan.
 * The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
+* A draft that wraps models of such a kind (prompt lookup or the model; the dial's mixture) plans them.
 * Inside transformers' ``generate`` (``engine.hf``): the run is planned, and the caller's target rotates as
   transformers built it afterwards.
 * PhiMoE (its forward scales cos and sin by ``long_mscale`` past the original length, ``short_mscale`` within it, per
@@ -176,6 +177,19 @@ def test_unmended_speculative_decoding_emits_other_tokens_than_autoregressive(ki
     target = CausalLM(MODELS[kind]())
     want, runs = _decodings(target, [PROMPT], 20)
     assert all(run != want for run in runs)
+
+
+@pytest.mark.parametrize("wrapper", ["lookup-or-draft", "dial"])
+def test_a_draft_that_wraps_a_model_plans_it(wrapper):
+    from specresearch.drafts.combined import LookupOrDraft
+    from specresearch.drafts.dial import DialDraft
+
+    target, inner, other = CausalLM(long_phi3()), CausalLM(long_phi3()), CausalLM(long_phi3())
+    want = autoregressive_generate(target, [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens
+    draft = LookupOrDraft(inner) if wrapper == "lookup-or-draft" else DialDraft(inner, "mix", 0.5, other)
+    assert speculative_generate(target, draft, [PROMPT], max_new_tokens=20, sampling=GREEDY, gamma=3).tokens == want
+    planned = [inner] if wrapper == "lookup-or-draft" else [inner, other]
+    assert all(rotary.planned_context(lm.model) == len(PROMPT) + 20 for lm in planned)
 
 
 def test_inside_transformers_generate_the_run_is_planned_and_the_callers_target_left_as_built():

@@ -86,6 +86,11 @@ class LookupOrDraft:
         self._next_match = matches
         return self._choose(looked, self.draft.prefill(input_ids, attention_mask), matches)
 
+    def plan_context(self, positions: int) -> bool:
+        """The wrapped draft's plan of the run's context (``models.protocols.PlansContext``), where it has one."""
+        plan = getattr(self.draft, "plan_context", None)
+        return bool(plan(positions)) if plan is not None else False
+
     def plan_length(self, gamma: int) -> int:
         """``gamma`` if some row's context ends in a match of ``plan_match`` tokens or more (or ``draft_gamma``
         is None), else ``min(gamma, draft_gamma)``."""
