@@ -21,6 +21,7 @@ position on the host, a planned run does not.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -78,7 +79,7 @@ def fix_rotaries(model) -> int:
         setattr(module, _OWN, None)
         setattr(module, _PLANNED, False)
         setattr(module, _LONG, False)
-        own = None if "long_mscale" in module.config.rope_parameters else type(module).forward.__wrapped__  # PhiMoE
+        own = None if "long_mscale" in module.config.rope_parameters else inspect.unwrap(type(module).forward)  # PhiMoE
         module.forward = partial(_fixed_forward, module, own=own)
         mended += 1
     return mended
