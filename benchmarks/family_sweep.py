@@ -227,46 +227,18 @@ def static(kind: str, options: dict | None = None, kernel: str = "eager") -> tup
     """The wrapper's static form (``CausalLM.static_form``: the captured steps' cache, on a GPU the default) against
     uncached forwards: two left-padded rows of 9 and 4 tokens (past a window of 6), a chain of two whose second token
     is dropped, a tree of five nodes in two branches, its path kept to 3 and 2 nodes, a token after."""
-    import torch
-
-    from specresearch.engine.prompts import encode_prompts
     from specresearch.models.causal_lm import CausalLM
-    from specresearch.models.probe import error_line
+    from specresearch.models.probe import error_line, static_form_calls
 
     model, reference = tiny_model(kind, options, kernel), tiny_model(kind, options, kernel)
     lm = CausalLM(model, device="cpu", probe=False)
     if lm.static_refusal:
         return "refused", lm.static_refusal
     worst = 0.0
-
-    def compare(logits, sequence):
-        nonlocal worst
-        want = _uncached(reference, sequence)
-        worst = max(worst, _gap(logits[: want.shape[-1]], want))
-
     try:
-        form = lm.static_form()
-        rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
-        form.allocate(2, 64)
-        form.prefill(*encode_prompts(rows))
-        chain = [[20, 21], [22, 23]]
-        logits, _ = form.forward(torch.tensor(chain))
-        for b, row in enumerate(rows):
-            compare(logits[b, 1], row + chain[b])
-        form.commit(1)
-        rows = [row + [links[0]] for row, links in zip(rows, chain)]
-        parents = [-1, 0, 1, 0, 3]
-        tokens = [[30, 31, 32, 33, 34], [35, 36, 37, 38, 39]]
-        logits, _ = form.forward(torch.tensor(tokens), depth=torch.tensor([[0, 1, 2, 1, 2]] * 2),
-                                 visible=_visible(parents).expand(2, -1, -1))
-        for b, row in enumerate(rows):
-            for i in range(5):
-                compare(logits[b, i], row + _path(tokens[b], parents, i))
-        form.keep_path(torch.tensor([[0, 3, 4], [0, 3, 4]]), torch.tensor([3, 2]))  # rows keep 3 and 2 of the path
-        rows = [rows[0] + [30, 33, 34], rows[1] + [35, 38]]
-        logits, _ = form.forward(torch.tensor([[40], [41]]))
-        for b, row in enumerate(rows):
-            compare(logits[b, 0], row + [40 + b])
+        for logits, sequence in static_form_calls(lm.static_form()):
+            want = _uncached(reference, sequence)
+            worst = max(worst, _gap(logits[: want.shape[-1]], want))
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
         return "fails", error_line(error)
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")

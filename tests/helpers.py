@@ -108,33 +108,3 @@ def explain_static_calls(lm):
 
     return torch._dynamo.explain(calls)()
 
-
-def static_form_calls(form):
-    """Calls of a static form (``CausalLM.static_form()``) and what each logit row must equal: yields ``(logits [V],
-    sequence)`` for an uncached forward of ``sequence``. Two left-padded rows of 9 and 4 tokens (past a 6-slot window),
-    a chain call whose last token is dropped, a tree call of five nodes (two branches), the tree's path kept to 3 and 2
-    nodes, a token after."""
-    from specresearch.engine.prompts import encode_prompts
-
-    rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
-    form.allocate(2, 64)
-    form.prefill(*encode_prompts(rows))
-    chain = [[20, 21], [22, 23]]
-    logits, _ = form.forward(torch.tensor(chain))
-    for b, row in enumerate(rows):
-        yield logits[b, 1], row + chain[b]
-    form.commit(1)  # keep the first chain token; the second is rolled back
-    rows = [row + [links[0]] for row, links in zip(rows, chain)]
-    parents = [-1, 0, 1, 0, 3]  # root, then two branches of two nodes
-    tokens = torch.tensor([[30, 31, 32, 33, 34], [35, 36, 37, 38, 39]])
-    logits, _ = form.forward(tokens, depth=torch.tensor([[0, 1, 2, 1, 2]] * 2),
-                             visible=visible_from_parents(parents).expand(2, -1, -1))
-    for b, row in enumerate(rows):
-        for i in range(5):
-            yield logits[b, i], row + tree_path(tokens[b], parents, i)
-    form.keep_path(torch.tensor([[0, 3, 4], [0, 3, 4]]), torch.tensor([3, 2]))  # rows keep 3 and 2 of the path
-    kept = [rows[0] + [30, 33, 34], rows[1] + [35, 38]]
-    logits, _ = form.forward(torch.tensor([[40], [41]]))
-    for b, row in enumerate(kept):
-        yield logits[b, 0], row + [40 + b]
-

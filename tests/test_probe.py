@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import static_form_calls, tree_path, visible_from_parents
+from helpers import tree_path, visible_from_parents
 
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import FAMILIES, MORE_FAMILIES
 from specresearch.models.positions import CACHE_COUNTED, ROBERTA_KIN
-from specresearch.models.probe import CHECKED_TYPES, check_cached_tree, logit_gap
+from specresearch.models.probe import CHECKED_TYPES, check_cached_tree, logit_gap, static_form_calls
 from specresearch.models.static_lm import GRAPH_BREAKS, HOST_READS
 
 SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import close_draft, feature_head, reads_per_step, static_form_calls, visible_from_parents
+from helpers import close_draft, feature_head, reads_per_step, visible_from_parents
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.eagle import Eagle3Head, EagleDraft
@@ -23,6 +23,7 @@ from specresearch.engine.static import StaticPlan, start_run
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import tiny_family_model
+from specresearch.models.probe import static_form_calls
 from specresearch.models.toy import tiny_llama
 
 VOCAB = 48

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree", "error_line"]
+__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree", "static_form_calls", "error_line"]
 
 # a model's max |cached - uncached| logit difference allowed, relative to its logits' scale, by its weights' dtype
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -122,12 +122,41 @@ def _tree_visibility(parents) -> torch.Tensor:
     return visible[None]
 
 
-def _path(tokens: list[int], i: int) -> list[int]:
+def _path(tokens: list[int], i: int, parents=TREE_PARENTS) -> list[int]:
     path = []
     while i >= 0:
         path.append(tokens[i])
-        i = TREE_PARENTS[i]
+        i = parents[i]
     return path[::-1]
+
+
+def static_form_calls(form):
+    """Calls of a static form (``CausalLM.static_form()``, the captured steps' cache) and what each logit row must
+    equal: yields ``(logits [V], sequence)`` for an uncached forward of ``sequence``. Two left-padded rows of 9 and 4
+    tokens (past a 6-slot window), a chain call whose last token is dropped, a tree call of five nodes (two branches),
+    the tree's path kept to 3 and 2 nodes, a token after (``tests/test_static.py``, ``tests/test_probe.py`` and
+    ``benchmarks/family_sweep.py`` compare them)."""
+    rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
+    form.allocate(2, 64)
+    form.prefill(torch.tensor([rows[0], [0] * 5 + rows[1]]), torch.tensor([[1] * 9, [0] * 5 + [1] * 4]))  # left-padded
+    chain = [[20, 21], [22, 23]]
+    logits, _ = form.forward(torch.tensor(chain))
+    for b, row in enumerate(rows):
+        yield logits[b, 1], row + chain[b]
+    form.commit(1)  # keep the first chain token; the second is rolled back
+    rows = [row + [links[0]] for row, links in zip(rows, chain)]
+    parents = [-1, 0, 1, 0, 3]  # root, then two branches of two nodes
+    tokens = [[30, 31, 32, 33, 34], [35, 36, 37, 38, 39]]
+    logits, _ = form.forward(torch.tensor(tokens), depth=torch.tensor([[0, 1, 2, 1, 2]] * 2),
+                             visible=_tree_visibility(parents).expand(2, -1, -1))
+    for b, row in enumerate(rows):
+        for i in range(5):
+            yield logits[b, i], row + _path(tokens[b], i, parents)
+    form.keep_path(torch.tensor([[0, 3, 4], [0, 3, 4]]), torch.tensor([3, 2]))  # rows keep 3 and 2 of the path
+    kept = [rows[0] + [30, 33, 34], rows[1] + [35, 38]]
+    logits, _ = form.forward(torch.tensor([[40], [41]]))
+    for b, row in enumerate(kept):
+        yield logits[b, 0], row + [40 + b]
 
 
 CHAIN_ROLLBACKS = ((1, 3), (4, 2))  # per row, after the chain probe's two calls of 4 tokens
