@@ -1,16 +1,22 @@
 """Rotary embeddings whose frequencies transformers picks per call (``models.rotary``): Phi-3's ``longrope`` (long
 factors once a call reaches past ``original_max_position_embeddings``) and dynamic NTK scaling.
 
-* A tiny Phi-3 with long factors, its original length 16, runs of 31 positions: greedy speculative decoding (chains
-  of gamma 1, 3, 5, a traversal tree, the static cache with a draft of the same kind) gives autoregressive decoding's tokens, which are transformers'
-  ``generate``'s and its uncached forward's argmax on the same (mended) model; two rows of different lengths decode
-  as each alone; a run within the original length, or past it from its prompt on, is what transformers decodes
-  unmended (a run whose prompt is within it and its tokens pass it is not: transformers recomputes Phi-3's cache
-  with the long set once the sequence passes the original length, so its first tokens came from the short set).
+* A tiny Phi-3 with long factors, its original length 16, a prompt of 11 and 20 tokens, which pass it: greedy
+  speculative decoding (chains of gamma 1, 3, 5, a traversal tree) gives autoregressive decoding's tokens, each the
+  argmax of its prefix's uncached forward on the model as transformers built it (the short set up to 16 positions,
+  the long one past them: ``models.prefix_sets``), which is transformers' ``generate`` (it recomputes Phi-3's cache
+  at the crossing); two rows of different lengths decode as each alone; a run within the original length, or past
+  it from its prompt on, is what transformers decodes; the static cache with a draft of the same kind decodes a run
+  past it from its prompt as the growing loop, and refuses one that crosses it (``static_available`` says why,
+  ``compile='auto'`` runs the growing loop).
+* The cached calls of a run that crosses the length (a prompt, a chain call straddling it, a tree), two left-padded
+  rows: each slot's logits and hidden states are its prefix's uncached forward's; once every row is past the length
+  one forward a call is left.
+* The control: with the run's set only (the prefix sets left out), the tokens before the crossing are not the
+  model's.
 * Planned, the static form's calls of a captured step trace as one graph (no host read), both sets.
 * The decoding methods (``engine.decoding``) plan each call's length, rebuilding the cache where the set changes:
-  greedy decoding draws each token from its prefix's set, transformers' ``generate`` on Phi-3 (which recomputes its
-  cache at the crossing), unlike the engine's run, which rotates the whole run by one set.
+  greedy decoding draws each token from its prefix's set, as transformers' ``generate`` and the engine's run do.
 * Unplanned, a call past the original length raises, naming the plan.
 * The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
 * A draft that wraps models of such a kind (prompt lookup or the model; the dial's mixture) plans them.
@@ -97,6 +103,15 @@ MODELS = {"longrope": long_phi3, "longrope-moe": long_phimoe, "longrope-per-laye
           "dynamic": dynamic_llama}
 
 
+def _prefix_argmax(make, prompt, new):
+    """Greedy decoding by each prefix's uncached forward on the model as transformers builds it."""
+    model, sequence = make(), list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            sequence.append(int(model(input_ids=torch.tensor([sequence])).logits[0, -1].argmax()))
+    return sequence[len(prompt):]
+
+
 def _decodings(target, prompts, new):
     want = autoregressive_generate(target, prompts, max_new_tokens=new, sampling=GREEDY).tokens
     draft = draft_from_name("ngram", target)
@@ -116,16 +131,17 @@ def test_a_call_dependent_rotary_decodes_speculatively_as_autoregressively_past_
     tree = speculative_generate(target, draft_from_name("ngram", target), [PROMPT], max_new_tokens=20, sampling=GREEDY,
                                 gamma=3, num_drafts=2, verifier="traversal").tokens
     assert tree == want
-    if kind == "longrope":  # a static form (the captured steps' cache), run eagerly; a draft of the same kind
-        draft = CausalLM(long_phi3())
-        assert speculative_generate(target, draft, [PROMPT], max_new_tokens=20, sampling=GREEDY, gamma=3,
-                                    compile="static").tokens == want
-        assert rotary.planned_context(draft.model) == len(PROMPT) + 20
-    theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)
-    assert theirs[0, len(PROMPT):].tolist() == list(want[0])
-    with torch.no_grad():  # the uncached forward of the whole run: its argmax at each emitted position
-        logits = model(input_ids=theirs).logits[0, len(PROMPT) - 1:-1]
-    assert logits.argmax(-1).tolist() == list(want[0])
+    if kind == "dynamic":  # its set changes at every length past the original (rotary.set_change): one set a run,
+        theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)  # on the mended model
+        assert theirs[0, len(PROMPT):].tolist() == list(want[0])
+        with torch.no_grad():  # the uncached forward of the whole run: its argmax at each emitted position
+            logits = model(input_ids=theirs).logits[0, len(PROMPT) - 1:-1]
+        assert logits.argmax(-1).tolist() == list(want[0])
+    else:  # each token from its prefix's set, as transformers built the model
+        assert list(want[0]) == _prefix_argmax(MODELS[kind], PROMPT, 20)
+        if kind != "longrope-per-layer-type":  # Phi-3's and PhiMoE's generate recompute the cache at the crossing
+            theirs = MODELS[kind]().generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)
+            assert theirs[0, len(PROMPT):].tolist() == list(want[0])
     short = PROMPT[:7]
     both, _ = _decodings(target, [PROMPT, short], 20)
     assert list(both[0]) == list(want[0]) and list(both[1]) == list(_decodings(target, [short], 20)[0][0])
@@ -135,7 +151,7 @@ def test_a_call_dependent_rotary_decodes_speculatively_as_autoregressively_past_
 @pytest.mark.parametrize("context", [8, 31])  # the original set, the long one
 def test_a_planned_rotary_traces_in_a_captured_step_as_one_graph(kind, context):
     target = CausalLM(MODELS[kind]())
-    target.plan_context(context)  # no host read left in its forward: what torch.compile and a CUDA graph need
+    target.plan_context(context, context)  # prompts past the change: one set; no host read left in its forward: what torch.compile and a CUDA graph need
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         explained = explain_static_calls(target.static_form())
@@ -159,8 +175,76 @@ def test_the_decoding_methods_draw_each_token_from_its_prefix_as_transformers_ph
     ours = greedy(lm_logits_fn(CausalLM(long_phi3())), ids, 20).sequences
     theirs = long_phi3().generate(ids, max_new_tokens=20, do_sample=False)  # recomputes its cache at the crossing
     assert torch.equal(ours, theirs)
-    assert not torch.equal(ours[0, len(PROMPT):], torch.tensor(autoregressive_generate(
-        CausalLM(long_phi3()), [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens[0]))  # one set for the run
+    assert ours[0, len(PROMPT):].tolist() == list(autoregressive_generate(
+        CausalLM(long_phi3()), [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens[0])
+
+
+@pytest.mark.parametrize("kind", ["longrope", "longrope-moe", "longrope-per-layer-type"])
+def test_the_cached_calls_of_a_run_that_crosses_the_original_length_are_each_prefixs_uncached_forward(kind):
+    reference, target = MODELS[kind](), CausalLM(MODELS[kind]())
+    forwards = []
+    target.model.register_forward_hook(lambda *_: forwards.append(1))
+    rows = [PROMPT, PROMPT[:7]]  # 11 and 7 tokens, left-padded: the first row crosses 16 in the chain call below
+    target.plan_context(len(PROMPT) + 20, 7)
+    ids = torch.tensor([rows[0], [0] * 4 + rows[1]])
+    mask = torch.tensor([[1] * 11, [0] * 4 + [1] * 7])
+    sequences = [list(rows[0]), list(rows[1])]
+
+    def expect(b, prefix):  # logits and layer-1 hidden state of row b's prefix of that length, uncached
+        with torch.no_grad():
+            out = reference(input_ids=torch.tensor([sequences[b][:prefix]]), output_hidden_states=True)
+        return out.logits[0, -1], out.hidden_states[1][0, -1]
+
+    logits, hidden = target.prefill(ids, mask, hidden_layers=[1])
+    for b in range(2):
+        assert torch.allclose(logits[b], expect(b, len(rows[b]))[0], atol=1e-4)
+    chain = torch.tensor([[3, 8, 2, 9, 4, 11, 6, 5], [7, 1, 9, 2, 8, 3, 4, 6]])  # row 0: prefixes 12..19
+    logits, hidden = target.score(chain, hidden_layers=[1])
+    for b in range(2):
+        sequences[b] += chain[b].tolist()
+        for j in range(8):
+            want_logits, want_hidden = expect(b, len(rows[b]) + j + 1)
+            assert torch.allclose(logits[b, j], want_logits, atol=1e-4), (b, j)
+            assert torch.allclose(hidden[b, j], want_hidden, atol=1e-4), (b, j)
+    target.rollback([6, 2])  # kept: row 0 at 13 tokens (within 16), row 1 at 13
+    sequences = [sequences[0][:13], sequences[1][:13]]
+    target.begin_tree()  # a root at depth 0 and two children; then a grandchild: prefixes 14..16 and 17
+    depth = torch.tensor([[0, 1, 1, 2, 3], [0, 1, 1, 2, 3]])
+    visible = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]],
+                           dtype=torch.bool).expand(2, 5, 5)
+    nodes = torch.tensor([[4, 12, 13, 14, 15], [21, 22, 23, 24, 25]])
+    logits = target.score_tree(nodes, depth, visible)
+    for b in range(2):
+        for i, path in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4]]):
+            tokens = sequences[b] + nodes[b, path].tolist()
+            with torch.no_grad():
+                want = reference(input_ids=torch.tensor([tokens])).logits[0, -1]
+            assert torch.allclose(logits[b, i], want, atol=1e-4), (b, i)
+    target.end_tree(torch.tensor([[1, 1, 0, 1, 1], [1, 1, 0, 1, 1]]))  # both rows at 17 tokens: past 16
+    before = len(forwards)
+    target.score(torch.tensor([[5], [6]]))
+    assert len(forwards) - before == 1  # the short cache is no longer kept
+
+
+@pytest.mark.parametrize("kind", ["longrope", "longrope-moe"])
+def test_with_the_runs_set_only_the_tokens_before_the_crossing_are_not_the_models(kind, monkeypatch):
+    monkeypatch.setattr(rotary, "set_change", lambda model, context: None)  # the control: no prefix sets
+    want = autoregressive_generate(CausalLM(MODELS[kind]()), [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens[0]
+    assert list(want) != _prefix_argmax(MODELS[kind], PROMPT, 20)
+
+
+def test_a_static_cache_decodes_a_run_past_the_length_from_its_prompt_and_refuses_one_that_crosses_it():
+    from specresearch.engine.static import static_available
+
+    target, draft = CausalLM(long_phi3()), CausalLM(long_phi3())
+    prompt = PROMPT * 2  # 22 tokens: past 16 from the prompt on, one set
+    want = autoregressive_generate(target, [prompt], max_new_tokens=10, sampling=GREEDY).tokens
+    assert speculative_generate(target, draft, [prompt], max_new_tokens=10, sampling=GREEDY, gamma=3,
+                                compile="static").tokens == want
+    assert rotary.planned_context(draft.model) == len(prompt) + 10
+    with pytest.raises(ValueError, match=r"changes its rotary set past position 16.*compile='off'"):
+        speculative_generate(target, draft, [PROMPT], max_new_tokens=20, sampling=GREEDY, gamma=3, compile="static")
+    assert "prefix's set" in static_available(target, draft)  # planned by the run: compile='auto' takes the loop
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -226,13 +310,20 @@ def test_every_rope_type_transformers_offers_has_settings_here():
 def test_a_run_past_the_original_length_decodes_alike_whatever_the_rope_type(kind):
     from transformers import AutoConfig
 
-    rope = dict(rope_type=kind, rope_theta=10000.0, **ROPE_TYPES[kind])
-    model = _drawn(AutoConfig.for_model("llama", **SMALL, max_position_embeddings=64, rope_parameters=rope))
-    model.model.rotary_emb.original_max_seq_len = 16  # dynamic NTK's (transformers: max_position_embeddings)
+    def make():
+        rope = dict(rope_type=kind, rope_theta=10000.0, **ROPE_TYPES[kind])
+        model = _drawn(AutoConfig.for_model("llama", **SMALL, max_position_embeddings=64, rope_parameters=rope))
+        model.model.rotary_emb.original_max_seq_len = 16  # dynamic NTK's (transformers: max_position_embeddings)
+        return model
+
+    model = make()
     target = CausalLM(model)
     want, runs = _decodings(target, [PROMPT], 20)
     assert all(run == want for run in runs)
-    with torch.no_grad():
+    if kind == "longrope":  # its set changes at 16: each token from its prefix's
+        assert list(want[0]) == _prefix_argmax(make, PROMPT, 20)
+        return
+    with torch.no_grad():  # one set (dynamic NTK: the run's, rotary.set_change), the whole run's uncached forward
         logits = model(input_ids=torch.tensor([PROMPT + list(want[0])])).logits[0, len(PROMPT) - 1:-1]
     assert logits.argmax(-1).tolist() == list(want[0])
 

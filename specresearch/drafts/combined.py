@@ -7,7 +7,7 @@ import torch
 
 from specresearch.checks import check_int
 from specresearch.drafts.ngram import NGramDraft
-from specresearch.models.causal_lm import SlotMask, rollback_counts
+from specresearch.models.slots import SlotMask, rollback_counts
 
 __all__ = ["LookupOrDraft"]
 
@@ -86,10 +86,10 @@ class LookupOrDraft:
         self._next_match = matches
         return self._choose(looked, self.draft.prefill(input_ids, attention_mask), matches)
 
-    def plan_context(self, positions: int) -> bool:
+    def plan_context(self, positions: int, shortest: int | None = None) -> bool:
         """The wrapped draft's plan of the run's context (``models.protocols.PlansContext``), where it has one."""
         plan = getattr(self.draft, "plan_context", None)
-        return bool(plan(positions)) if plan is not None else False
+        return bool(plan(positions, shortest)) if plan is not None else False
 
     def plan_length(self, gamma: int) -> int:
         """``gamma`` if some row's context ends in a match of ``plan_match`` tokens or more (or ``draft_gamma``

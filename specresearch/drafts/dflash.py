@@ -75,7 +75,7 @@ from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate
 from specresearch.drafts.speculators import SPECULATORS_METADATA, refused_layer
 from specresearch.drafts.store import check_tensors, published_weights, read_tensors
 from specresearch.drafts.xpress import XPRESS_KEYS, XPressRefiner, tokens_before, xpress_refusal, xpress_settings
-from specresearch.models.causal_lm import SlotMask
+from specresearch.models.slots import SlotMask
 
 __all__ = ["DFlashBlock", "DFlashDraft", "MarkovHead", "is_dflash_dir", "load_dflash"]
 

@@ -78,9 +78,10 @@ class DialDraft:
         """Append ``tokens [B, k]`` to both models; the perturbed logits ``[B, k, V]``."""
         return self._combine(*(m.score(tokens, valid) for m in self._models()))
 
-    def plan_context(self, positions: int) -> bool:
+    def plan_context(self, positions: int, shortest: int | None = None) -> bool:
         """Both models' plans of the run's context (``models.protocols.PlansContext``), where they have one."""
-        return any([bool(model.plan_context(positions)) for model in self._models() if hasattr(model, "plan_context")])
+        return any([bool(model.plan_context(positions, shortest)) for model in self._models()
+                    if hasattr(model, "plan_context")])
 
     def rollback(self, n) -> None:
         for model in self._models():

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specresearch.models import fused
-from specresearch.models.causal_lm import SlotMask, check_prompt
+from specresearch.models.causal_lm import check_prompt
 from specresearch.models.kernels import (
     SKINNY_ROWS,
     choose_kernel_rows,
@@ -24,6 +24,7 @@ from specresearch.models.kernels import (
     use_kernel_rows,
     use_skinny_linears,
 )
+from specresearch.models.slots import SlotMask
 from specresearch.models.static_cache import StaticPast, StaticRows, keep_path
 
 __all__ = ["FeatureDraft", "StaticFeatureDraft", "FeatureQueue", "rollout", "RMSNorm", "Attention", "MLP", "DecoderLayer",

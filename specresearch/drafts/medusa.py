@@ -31,7 +31,7 @@ import torch
 
 from specresearch.drafts.feature_draft import FeatureQueue
 from specresearch.drafts.store import published_weights, read_tensors
-from specresearch.models.causal_lm import SlotMask
+from specresearch.models.slots import SlotMask
 
 __all__ = ["MedusaHeads", "MedusaDraft", "is_medusa_dir", "load_medusa"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from specresearch.models.causal_lm import SlotMask, check_prompt
+from specresearch.models.causal_lm import check_prompt
+from specresearch.models.slots import SlotMask
 
 __all__ = ["NGramDraft", "ngram_probs", "ngram_match_length"]
 

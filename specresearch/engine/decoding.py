@@ -239,7 +239,8 @@ class _CachedLogitsFn:
         prev = self._ids
         grew = (prev is not None and input_ids.shape[0] == prev.shape[0] and input_ids.shape[1] == prev.shape[1] + 1
                 and torch.equal(input_ids[:, :-1], prev) and bool(attention_mask[:, -1].all()))
-        if isinstance(self.model, PlansContext) and self.model.plan_context(input_ids.shape[1]):
+        shortest = int(attention_mask.sum(-1).min())
+        if isinstance(self.model, PlansContext) and self.model.plan_context(input_ids.shape[1], shortest):
             grew = False  # rotations that follow the sequence's length (models.rotary) changed: the cache is stale
         if grew:
             logits = self.model.score(input_ids[:, -1:])[:, -1]

@@ -304,6 +304,9 @@ def speculative_generate(
         raise ValueError(f"expectations must be a sequence of {sorted(VERIFIERS)} (on draft trees: of "
                          f"{TREE_EXPECTATIONS}), got {expectations!r}")
     check_same_vocab(target, draft)
+    ids, mask = encode_prompts(prompts, tokenizer)
+    plan_context(target, ids, mask, max_new_tokens)  # before the choice of steps: a run that changes a rotary set has no
+    plan_context(draft, ids, mask, max_new_tokens)  # static form (models.prefix_sets)
     why_not = static_available(target, draft, verifier=verifier, num_drafts=num_drafts, draft_law=draft_law,
                                stop_below=stop_below, expectations=expectations)
     mode = runner_mode(compile, target.device, why_not, partial(capture_refusal, target, draft))
@@ -312,11 +315,8 @@ def speculative_generate(
                                max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer,
                                eos_token_id=eos_token_id, on_step=on_step, stop_when=stop_when, mode=mode)
     verify = verifier if callable(verifier) or tree else VERIFIERS[verifier]
-    ids, mask = encode_prompts(prompts, tokenizer)
     check_context(target, ids, max_new_tokens, gamma)
     check_context(draft, ids, max_new_tokens, gamma)
-    plan_context(target, ids, max_new_tokens)
-    plan_context(draft, ids, max_new_tokens)
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, eos_ids(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids), stop_when)
@@ -433,14 +433,14 @@ def autoregressive_generate(
     """
     _check_generation_args(max_new_tokens)
     check_language_model(target, "target", ("prefill", "score"))
+    ids, mask = encode_prompts(prompts, tokenizer)
+    plan_context(target, ids, mask, max_new_tokens)  # before the choice of steps, as speculative_generate's
     mode = runner_mode(compile, target.device, static_available(target), partial(capture_refusal, target, None))
     if mode is not None:
         return static_generate(target, None, prompts, plan=plan_for("", 0, autoregressive=True),
                                max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, tokenizer=tokenizer,
                                eos_token_id=eos_token_id, on_step=on_step, mode=mode)
-    ids, mask = encode_prompts(prompts, tokenizer)
     check_context(target, ids, max_new_tokens)
-    plan_context(target, ids, max_new_tokens)
     device = target.device
     generators = _generators(seed, len(ids), device)
     rows = _Rows(max_new_tokens, eos_ids(eos_token_id, tokenizer, target), [[] for _ in ids], [False] * len(ids))

@@ -73,9 +73,10 @@ from specresearch.config import SamplingConfig
 from specresearch.core.verify import VERIFIERS
 from specresearch.engine.generate import GenerationResult, speculative_generate
 from specresearch.engine.tree import TREE_VERIFIERS
-from specresearch.models.causal_lm import CausalLM, check_prompt, rollback_counts
+from specresearch.models.causal_lm import CausalLM, check_prompt
 from specresearch.models.protocols import LanguageModel, TreeScorer
 from specresearch.models.rotary import unfix_rotaries
+from specresearch.models.slots import rollback_counts
 
 __all__ = [
     "speculative",

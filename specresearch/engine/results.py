@@ -126,12 +126,13 @@ def check_context(model, ids: torch.Tensor, max_new_tokens: int, lookahead: int 
         )
 
 
-def plan_context(model, ids: torch.Tensor, max_new_tokens: int) -> None:
+def plan_context(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> None:
     """Tell ``model`` the run's context where its calls depend on it (``PlansContext``): the longest prompt plus
     ``max_new_tokens``, the positions a token may be emitted at, so that a run emits the same tokens whatever its
-    steps' lookahead (gamma, a tree's depth) and batch."""
+    steps' lookahead (gamma, a tree's depth) and batch; and its shortest prompt (``mask [B, L]``: a run whose prompts
+    all pass Phi-3's original length keeps one set)."""
     if isinstance(model, PlansContext):
-        model.plan_context(ids.shape[1] + max_new_tokens)
+        model.plan_context(ids.shape[1] + max_new_tokens, int(mask.sum(-1).min()))
 
 
 def _generators(seed, batch: int, device) -> torch.Generator | list[torch.Generator]:

@@ -353,10 +353,13 @@ def static_generate(target, draft, prompts, *, plan: StaticPlan, max_new_tokens:
     ids, mask = encode_prompts(prompts, tokenizer)
     batch, device = ids.shape[0], target.device
     check_context(target, ids, max_new_tokens, plan.width)
-    plan_context(target, ids, max_new_tokens)
+    plan_context(target, ids, mask, max_new_tokens)
     if draft is not None:
         check_context(draft, ids, max_new_tokens, plan.draft_width())
-        plan_context(draft, ids, max_new_tokens)
+        plan_context(draft, ids, mask, max_new_tokens)
+    for role, lm in (("target", target), ("draft", draft)):  # planned: a run that changes a rotary set (prefix_sets)
+        if getattr(lm, "static_refusal", None):
+            raise ValueError(f"{role} {lm.static_refusal}: run the growing loop (compile='off')")
     eos = eos_ids(eos_token_id, tokenizer, target)
     generators = _generators(seed, batch, device)
     run, runner = _session(target, draft, plan, sampling, batch, cache_capacity(ids.shape[1] + max_new_tokens, plan), eos,

@@ -42,13 +42,14 @@ from specresearch.models.kernels import (
     use_skinny_linears,
 )
 from specresearch.models.positions import positions_from_masks
+from specresearch.models.prefix_sets import PrefixSets, both_sets
 from specresearch.models.probe import CHECKED_TYPES, check_cached_tree
+from specresearch.models.slots import SlotMask, host_counts, rollback_counts
 from specresearch.models.static_lm import StaticCausalLM
 from specresearch.models.static_lm import capture_refusal as model_capture_refusal
 from specresearch.models.widths import fit_width, output_rows, readable
 
-__all__ = ["CausalLM", "cache_argument", "output_cache", "SlotMask", "rollback_counts", "check_prompt", "resolve_device",
-           "placement"]
+__all__ = ["CausalLM", "cache_argument", "output_cache", "check_prompt", "resolve_device", "placement"]
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -75,132 +76,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 def _mps_available() -> bool:
     return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-
-
-class SlotMask:
-    """Validity mask over the physical cache slots: the one place the cache length is tracked (for
-    implementers of ``LanguageModel``: ``CausalLM``, ``ToyLM`` and ``drafts.ngram.NGramDraft`` share it)."""
-
-    def __init__(self, mask: torch.Tensor):
-        self.mask = mask.bool()  # [B, L]
-        self.positions = self.prompt_positions()  # [B, L] each slot's position id (meaningless where not valid)
-        self.tree_start: int | None = None  # first slot of the tree being scored (begin_tree .. end_tree)
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
-
-    def counts(self) -> torch.Tensor:
-        """Valid slots per row. -> [B] int64."""
-        return self.mask.sum(-1)
-
-    def prompt_positions(self) -> torch.Tensor:
-        """Position ids of a left-padded prompt: valid slots count 0, 1, ...; pads get 0. -> [B, L]."""
-        return (self.mask.long().cumsum(-1) - 1).clamp(min=0)
-
-    def append(self, valid: torch.Tensor) -> torch.Tensor:
-        """Append slots ``valid [B, k]``; return their position ids ``[B, k]`` (valid slots before each)."""
-        valid = valid.bool()
-        before = self.counts()[:, None] + valid.long().cumsum(-1) - valid.long()  # [B, k]
-        self.mask = torch.cat([self.mask, valid], dim=1)
-        self.positions = torch.cat([self.positions, before], dim=1)
-        return before
-
-    def visible_to_last(self, k: int) -> torch.Tensor:
-        """The slots each of the last ``k`` slots sees in a chain call: every valid slot up to itself. -> [B, k, L]."""
-        columns = torch.arange(self.length, device=self.mask.device)
-        return self.mask[:, None, :] & (columns[None, None, :] <= columns[self.length - k :, None])
-
-    def begin_tree(self) -> None:
-        """Start a tree region at the current end: slots appended with :meth:`append_tree` until :meth:`end_tree`."""
-        self.tree_start = self.length
-
-    def append_tree(self, visible: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``k`` tree slots (all valid) seen through ``visible [B, k, r + k]`` (which of the region's ``r``
-        earlier slots and of the ``k`` new ones each new slot attends to, itself included; ``depth [B, k]`` its
-        offset from the region's first slot). Returns (position ids ``[B, k]``, the slots each new one sees
-        ``[B, k, length]``: every valid slot before the region, then ``visible``)."""
-        start, (batch, k) = self.tree_start, depth.shape
-        positions = self.mask[:, :start].sum(-1, keepdim=True) + depth
-        before = self.mask[:, :start][:, None, :].expand(batch, k, start)
-        region = visible & torch.cat([self.mask[:, start:], torch.ones(batch, k, dtype=torch.bool, device=self.mask.device)], 1)[:, None, :]
-        self.mask = torch.cat([self.mask, torch.ones(batch, k, dtype=torch.bool, device=self.mask.device)], 1)
-        self.positions = torch.cat([self.positions, positions], 1)
-        return positions, torch.cat([before, region], -1)
-
-    def end_tree(self, kept: torch.Tensor) -> int:
-        """Keep the region's slots where ``kept [B, r]`` (the accepted path); drop the trailing columns no row keeps.
-        Returns how many trailing slots were dropped."""
-        start = self.tree_start
-        self.mask = torch.cat([self.mask[:, :start], self.mask[:, start:] & kept.bool()], 1)
-        self.tree_start = None
-        alive = self.mask.any(0).nonzero()
-        end = int(alive[-1]) + 1 if len(alive) else 0
-        dropped = self.length - end
-        self.mask, self.positions = self.mask[:, :end], self.positions[:, :end]
-        return dropped
-
-    def compaction(self) -> torch.Tensor | None:
-        """Index ``[B, L']`` that packs each row's valid slots to the right (left padding), L' = the most valid
-        slots of any row; None when fewer than a quarter of the slots are dead (packing is not worth a copy).
-        Updates the mask to the packed layout: the caller gathers its cache with the index."""
-        counts = self.counts()
-        width = int(counts.max()) if len(counts) else 0
-        if self.length - width <= max(4, self.length // 4):
-            return None
-        order = torch.sort(self.mask.long(), dim=1, stable=True).indices  # invalid slots first, valid ones in order
-        index = order[:, self.length - width :]
-        self.positions = self.positions.gather(1, index)
-        self.mask = torch.arange(width, device=self.mask.device)[None] >= (width - counts)[:, None]
-        return index
-
-    def repeat_rows(self, k: int) -> None:
-        """Each row becomes ``k`` consecutive copies (``[B, L]`` -> ``[B*k, L]``)."""
-        self.mask, self.positions = self.mask.repeat_interleave(k, 0), self.positions.repeat_interleave(k, 0)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep rows ``index [B']`` (in that order)."""
-        self.mask, self.positions = self.mask[index], self.positions[index]
-
-    def rollback(self, n) -> tuple[int, bool]:
-        """Forget the last ``n`` slots (``int``, a sequence of per-row ints, or a ``[B]`` tensor). Returns (trailing
-        slots every row lost, whether rows dropped different counts, so that dead slots may want packing). Counts given
-        as Python ints are validated on the host: nothing is read back from the device."""
-        batch = self.mask.shape[0]
-        host = _host_counts(n, batch)
-        common = self.drop(rollback_counts(n, batch, self.mask.device), host)
-        return common, host is None or min(host) != max(host)
-
-    def drop(self, n: torch.Tensor, host: list[int] | None = None) -> int:
-        """Forget the last ``n[b]`` slots of row b; return how many trailing slots every row lost. ``host``: the same
-        counts as Python ints, when the caller has them (then nothing is read back from the device)."""
-        if host is None:
-            host = n.tolist() if n.shape == (self.mask.shape[0],) else None
-        if host is None or len(host) != self.mask.shape[0] or min(host) < 0 or max(host) > self.length:
-            raise ValueError(
-                f"n must be between 0 and cache_length={self.length} for each of the {self.mask.shape[0]} rows, "
-                f"got {host if host is not None else n.tolist()}"
-            )
-        common = min(host)
-        if common != max(host):  # rows drop different counts: mask each row's extra slots
-            columns = torch.arange(self.length, device=self.mask.device)
-            self.mask = self.mask & (columns[None, :] < self.length - n[:, None])
-        end = self.length - common
-        self.mask, self.positions = self.mask[:, :end], self.positions[:, :end]
-        return common
-
-
-def rollback_counts(n, batch: int, device) -> torch.Tensor:
-    """``int`` or ``[B]`` tensor/sequence of rollback counts -> ``[B]`` int64."""
-    counts = torch.as_tensor(n, dtype=torch.long, device=device)
-    return counts.expand(batch).clone() if counts.ndim == 0 else counts
-
-
-def _host_counts(n, batch: int) -> list[int] | None:
-    """Rollback counts the caller gave as Python ints (``int`` or a sequence) -> ``[B]`` list; a tensor -> None."""
-    if isinstance(n, torch.Tensor):
-        return None
-    return [int(n)] * batch if isinstance(n, int) else [int(c) for c in n]
 
 
 def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
@@ -330,6 +205,7 @@ class CausalLM:
             use_packed_sdpa(self.model)  # a masked call of a grouped-query layer without transformers' K / V copies
         self._cache = None
         self._slots: SlotMask | None = None
+        self._sets: PrefixSets | None = None  # a second cache where the run changes its rotary set (plan_context)
         self.logits_width = vocab_size if vocab_size != self.own_vocab_size else None  # the logits' width, when not own
         if probe if probe is not None else self.model.config.model_type not in CHECKED_TYPES:
             try:
@@ -357,11 +233,18 @@ class CausalLM:
         """Positions the model supports (config ``max_position_embeddings``); None if the config does not say."""
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def plan_context(self, positions: int) -> bool:
+    def plan_context(self, positions: int, shortest: int | None = None) -> bool:
         """Rotate every call by the frequencies of a sequence of ``positions`` where they follow its length (longrope,
         dynamic NTK: ``models.rotary``); the engine gives the longest prompt plus ``max_new_tokens`` before a run.
-        Returns whether a rotation changed (the cache then holds keys of the former)."""
-        return rotary.plan_rotaries(self.model, positions)
+        Where a longrope set changes within the run and the ``shortest`` prompt (None: any) is within the change,
+        each token comes from its prefix's set (:mod:`~specresearch.models.prefix_sets`: two caches from the next
+        run's start until every row is past it). Returns whether a rotation changed (the cache then holds keys of
+        the former)."""
+        changed = rotary.plan_rotaries(self.model, positions)
+        limit = rotary.set_change(self.model, positions)
+        crosses = limit is not None and (shortest is None or shortest <= limit)
+        self._sets = PrefixSets(self, limit, positions) if crosses else None
+        return changed
 
     @property
     def cache_length(self) -> int:
@@ -372,12 +255,14 @@ class CausalLM:
         """Number of valid (unmasked) tokens in the context of each row. -> [B]."""
         return self._slots.counts()
 
+    @both_sets()
     def reset(self, batch_size: int) -> None:
         if self.fuses:
             fused.keep_fused(self.model)
         self._cache = states.recurrent_cache(self.model) if self.recurrent else _new_cache(self.model, self._attention)
         self._slots = SlotMask(torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device))
 
+    @both_sets("prompt")
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_layers: Sequence[int] | None = None):
         """Run the left-padded prompt ``[B, L]`` through the model; return the last next-token logits ``[B, V]``
         (and, with ``hidden_layers``, the hidden states ``[B, L, n * H]``)."""
@@ -388,6 +273,7 @@ class CausalLM:
         logits, hidden = self._forward(input_ids, positions, logits_to_keep=1, hidden_layers=hidden_layers)
         return logits[:, -1] if hidden_layers is None else (logits[:, -1], hidden)
 
+    @both_sets("chain")
     def score(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, hidden_layers: Sequence[int] | None = None):
         """Append ``tokens [B, k]`` (slots with ``valid = False`` masked out); return logits ``[B, k, V]``
         (and, with ``hidden_layers``, the hidden states ``[B, k, n * H]``)."""
@@ -404,6 +290,7 @@ class CausalLM:
         logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers)
         return logits if hidden_layers is None else (logits, hidden)
 
+    @both_sets()
     def begin_tree(self) -> None:
         """Start scoring a tree: the slots of the following :meth:`score_tree` calls form one region."""
         if self.recurrent:  # each path scored as a chain (models.recurrent.score_tree_as_paths)
@@ -411,6 +298,7 @@ class CausalLM:
             return
         self._slots.begin_tree()
 
+    @both_sets("tree")
     def score_tree(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, hidden_layers: Sequence[int] | None = None):
         """Score ``tokens [B, k]`` as tree nodes in one call: node i sits at position (valid slots before the tree)
         + ``depth[b, i]`` and attends to every valid slot before the tree and to the region slots and new nodes
@@ -422,6 +310,7 @@ class CausalLM:
         logits, hidden = self._forward(tokens, positions, logits_to_keep=0, hidden_layers=hidden_layers, visible=mask)
         return logits if hidden_layers is None else (logits, hidden)
 
+    @both_sets()
     def end_tree(self, kept: torch.Tensor) -> None:
         """Keep the tree slots where ``kept [B, r]`` (the accepted path); crop the slots no row keeps, and pack the
         cache when dead slots make up a quarter of it (``SlotMask.compaction``)."""
@@ -449,6 +338,7 @@ class CausalLM:
                 states.set_length(self._cache, self._slots.length)
         self._check_length()
 
+    @both_sets()
     def repeat_rows(self, k: int) -> None:
         """Each row becomes ``k`` consecutive rows with the same cache (drafting k paths per row)."""
         for layer in self._cache.layers:
@@ -458,6 +348,7 @@ class CausalLM:
             states.repeat_rows(self._cache, k)
         self._slots.repeat_rows(k)
 
+    @both_sets()
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index [B']`` of the cache, in that order (the paths the verifier accepted, or the rows still
         generating); packs the cache when the rows left behind dead slots."""
@@ -477,6 +368,9 @@ class CausalLM:
             return f"{name} has recurrent layers (models.recurrent), which a static KV cache does not hold"
         if self._attention.indexed:
             return f"{name} has DeepSeek Sparse Attention layers, whose indexer keys a static KV cache does not hold"
+        if self._sets is not None:
+            return (f"{name} changes its rotary set past position {self._sets.limit} within the planned run, each token"
+                    " drawn from its prefix's set (models.prefix_sets: two caches), which a static KV cache does not hold")
         return None
 
     def capture_refusal(self, mode: str) -> str | None:
@@ -490,12 +384,13 @@ class CausalLM:
             raise ValueError(f"{self.static_refusal}: run the growing loop (compile='off')")
         return StaticCausalLM(self)
 
+    @both_sets()
     def rollback(self, n) -> None:
         """Forget the last ``n`` slots (``int`` or per-row ``[B]``): crop what all rows drop, mask the rest; recurrent
         layers restore each row's state (:func:`~specresearch.models.recurrent.rollback_rows`)."""
         if self.recurrent:
             counts = rollback_counts(n, self._slots.mask.shape[0], self.device)
-            most = max(_host_counts(n, len(counts)) or counts.tolist(), default=0)
+            most = max(host_counts(n, len(counts)) or counts.tolist(), default=0)
         common, uneven = self._slots.rollback(n)
         if self.recurrent:
             from transformers.cache_utils import DynamicLayer

@@ -98,11 +98,12 @@ class PlansLength(Protocol):
 
 @runtime_checkable
 class PlansContext(Protocol):
-    """A model whose calls depend on the run's length (the engine checks for this interface): ``plan_context(n)``
-    is told, before a run, the positions its tokens may reach (``CausalLM``: rotary frequencies that transformers
-    picks per call, fixed for the run, ``models.rotary``), and returns whether its rotations changed."""
+    """A model whose calls depend on the run's length (the engine checks for this interface): ``plan_context(n,
+    shortest)`` is told, before a run, the positions its tokens may reach and its shortest prompt (``CausalLM``: rotary
+    frequencies that transformers picks per call, fixed for the run, ``models.rotary``, or one set per prefix where
+    the run passes Phi-3's original length, ``models.prefix_sets``), and returns whether its rotations changed."""
 
-    def plan_context(self, positions: int) -> bool: ...
+    def plan_context(self, positions: int, shortest: int | None = None) -> bool: ...
 
 
 @runtime_checkable

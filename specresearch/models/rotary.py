@@ -10,13 +10,16 @@ batch's longest row decides for every row, and an uncached forward rotates all o
 Greedy speculative decoding of a tiny Phi-3 with long factors then emitted other tokens than autoregressive decoding,
 itself other than transformers' ``generate`` (``tests/test_rotary.py``'s control).
 
-So ``CausalLM`` fixes them (:func:`fix_rotaries`): each such rotary embedding runs transformers' undecorated forward with
-the set (and PhiMoE's scale) of one sequence length, the run's context (:func:`plan_rotaries`: the engine gives the
-longest prompt plus ``max_new_tokens``, the positions a token may be emitted at), as llama.cpp picks Phi-3's factors
-from its context size. Every call, cached or not, of any row and any width then rotates a position alike, and the uncached forward of
-any prefix is what the cache computes. Before a run plans one, the original set rotates, and a call reaching past the
-original length raises (naming :func:`plan_rotaries`) rather than choosing: that check reads the call's largest
-position on the host, a planned run does not.
+So ``CausalLM`` fixes them (:func:`fix_rotaries`): each such rotary embedding runs transformers' undecorated forward
+with the set (and PhiMoE's scale) of one sequence length, the run's context (:func:`plan_rotaries`: the engine gives
+the longest prompt plus ``max_new_tokens``, the positions a token may be emitted at), as llama.cpp picks Phi-3's
+factors from its context size. Every call, cached or not, of any row and any width then rotates a position alike,
+and the uncached forward of any prefix within the original length, or past it from the prompt on, is what the cache
+computes; where a run's prompt is within it and its tokens pass it, the model keeps a cache of each set
+(:func:`set_change`, :mod:`~specresearch.models.prefix_sets`), each token drawn from its prefix's. Before a run
+plans one, the original set rotates, and a call reaching past the original length raises (naming
+:func:`plan_rotaries`) rather than choosing: that check reads the call's largest position on the host, a planned run
+does not.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from functools import partial
 
 import torch
 
-__all__ = ["CALL_DEPENDENT", "fix_rotaries", "plan_rotaries", "planned_context", "unfix_rotaries"]
+__all__ = ["CALL_DEPENDENT", "fix_rotaries", "plan_rotaries", "planned_context", "set_change", "unfix_rotaries"]
 
 CALL_DEPENDENT = ("longrope", "dynamic")  # transformers' rope types whose frequencies follow a call's positions
 _OWN = "specresearch_rotary_context"  # on each rotary embedding fix_rotaries mended: the planned length, or None
@@ -135,6 +138,21 @@ def plan_rotaries(model, context: int) -> bool:
 def planned_context(model) -> int | None:
     """The context :func:`plan_rotaries` last planned for ``model`` (None: none yet, or no rotary needs one)."""
     return next((getattr(module, _OWN) for module in _rotaries(model) if hasattr(module, _OWN)), None)
+
+
+def set_change(model, context: int) -> int | None:
+    """The length past which a run of ``context`` positions changes the set of ``model``'s mended longrope rotaries:
+    a prefix up to it is rotated by the original set, a longer one by the long set (each prefix's uncached forward;
+    :mod:`~specresearch.models.prefix_sets` keeps a cache of each). None where no set changes within the run.
+    Dynamic NTK changes at every length past its original one, ``max_position_embeddings``, which no run passes
+    (``engine.results.check_context``): it keeps the run's set."""
+    limits = {_original_length(module, layer) for module in _rotaries(model) if hasattr(module, _OWN)
+              for layer, kind in _types(module).items() if kind == "longrope"}
+    limits = sorted(limit for limit in limits if limit < context)
+    if len(limits) > 1:
+        raise ValueError(f"{type(model).__name__}'s longrope layers change their sets at {limits} within a run of "
+                         f"{context} positions: one change a run is supported; keep the run within {limits[1]}")
+    return limits[0] if limits else None
 
 
 def _fixed_forward(module, x, position_ids, layer_type=None, *, own):

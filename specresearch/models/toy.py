@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from specresearch.models.causal_lm import (
-    CausalLM,
-    SlotMask,
-    check_prompt,
-)
+from specresearch.models.causal_lm import CausalLM, check_prompt
+from specresearch.models.slots import SlotMask
 
 __all__ = ["ToyLM", "tiny_llama_config", "tiny_llama"]
 
