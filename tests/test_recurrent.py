@@ -4,8 +4,9 @@
   Falcon-Mamba (no attention layer: they take the call's columns of the 2-D mask), Mamba-2, Jamba (whose scan
   overwrites the cached state before transformers records it), Bamba, Falcon-H1 (attention and a state space in
   one layer), Granite-4 hybrid, Nemotron-H (MLP-only layers), OLMo-hybrid, Kimi Linear (latent attention beside
-  Kimi Delta Attention), Zamba2, LFM2 (short convolutions), Inkling's three variants, Zaya and Zamba (scored one token at a
-  time: their layers record their state once a call; the control scores calls whole): ``CausalLM``'s chain probe passes at
+  Kimi Delta Attention), Zamba2, LFM2 (short convolutions), RecurrentGemma, Inkling's three variants, Zaya and Zamba
+  (scored one token at a time: their layers record their state once a call; the control scores calls whole):
+  ``CausalLM``'s chain probe passes at
   construction (uneven per-row rollbacks within a call and across one-token calls, each call's logits against an
   uncached forward), greedy speculative decoding gives the autoregressive tokens, and those are transformers' own
   ``generate``'s.
@@ -17,7 +18,10 @@
   bounds it in their scans only; mended (``recurrent.clamp_time_steps``), their forward moves by a rounding, the probe
   takes them and greedy decoding is transformers' ``generate``'s and speculative decoding's; unmended (the control), the
   probe refuses them. Zamba2, which bounds its own, is among the families above.
-* Refused in one line: RecurrentGemma (its blocks keep their own state), the static form of a recurrent target.
+* RecurrentGemma, whose recurrent blocks keep their states on themselves in transformers (``models.griffin`` moves
+  them into the cache): the mended forward is transformers' uncached forward (its recurrence wider than the model too);
+  a left-padded row decodes as alone; unmended (the control), the probe refuses it in one line.
+* Refused in one line: the static form of a recurrent target.
 * Inkling 1, 2 and 2-loop (short convolutions, a relative bias and log scaling that transformers counts in cache
   slots): mended to read positions off the masks, a chain, uneven rollbacks, a tree and a token after it match an
   uncached forward; unmended (the control) they do not, and the probe refuses them.
@@ -37,21 +41,13 @@ from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
-from specresearch.models import recurrent
+from specresearch.models import griffin, recurrent
 from specresearch.models.attention import attention_layout
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import RECURRENT_FAMILIES, tiny_recurrent_model
 from specresearch.models.probe import logit_gap
 from specresearch.models.toy import tiny_llama
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-REFUSED = {
-    # its recurrent blocks keep their state on themselves, and a cached call of several tokens restarts it; its cache's
-    # length is not the wrapper's slot count, which the wrapper checks after every call
-    "recurrent_gemma": (dict(SMALL, num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False, pad_token_id=0,
-                             bos_token_id=1, eos_token_id=2),
-                        r"fails CausalLM.s probe .*RuntimeError: RecurrentGemmaForCausalLM.s cache holds \d+ tokens where"),
-}
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[5, 9, 3, 17, 22, 8], [7, 2, 11]]
 
@@ -106,11 +102,22 @@ def recurrent_mixers(model) -> list:
     return [module for module in model.modules() if hasattr(module, "time_step_limit")]
 
 
-@pytest.mark.parametrize("family", sorted(REFUSED))
-def test_recurrent_families_transformers_does_not_cache_exactly_are_refused_in_one_line(family):
-    options, message = REFUSED[family]
-    with pytest.raises(ValueError, match=message):
-        CausalLM(tiny_recurrent_model(family, options))
+@pytest.mark.parametrize("lru_width", [32, 48])  # the model's width, and wider (transformers sizes a state by the former)
+def test_recurrent_gemma_keeps_its_blocks_states_in_the_cache_and_decodes_a_padded_row_as_alone(lru_width, monkeypatch):
+    options = {**RECURRENT_FAMILIES["recurrent_gemma"], "lru_width": lru_width}
+    reference, model = tiny_recurrent_model("recurrent_gemma", options), tiny_recurrent_model("recurrent_gemma", options)
+    tokens = torch.tensor([[5, 9, 3, 17, 22, 8, 4, 7, 30, 31]])
+    assert griffin.keep_states_in_cache(model) == 3 and griffin.keep_states_in_cache(model) == 0  # each block, once
+    with torch.no_grad():  # the same arithmetic as transformers' blocks on a whole sequence
+        assert logit_gap(model(input_ids=tokens).logits, reference(input_ids=tokens, use_cache=False).logits) < 1e-6
+    target = CausalLM(model)  # the probe: chains, uneven rollbacks, each call against an uncached forward
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
+    assert want[1] == autoregressive_generate(target, PROMPTS[1:], max_new_tokens=10, sampling=GREEDY).tokens[0]
+    theirs = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=10, do_sample=False)[0, len(PROMPTS[0]):]
+    assert list(want[0]) == theirs.tolist()
+    monkeypatch.setattr(griffin, "keep_states_in_cache", lambda model: 0)  # the control: states on the blocks
+    with pytest.raises(ValueError, match=r"fails CausalLM.s probe .*RecurrentGemmaForCausalLM.s cache holds \d+ tokens"):
+        CausalLM(tiny_recurrent_model("recurrent_gemma", options))
 
 
 def test_trees_run_path_by_path_static_caches_are_refused_and_a_draft_may_be_recurrent():

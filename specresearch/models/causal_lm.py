@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from specresearch.checks import check_int
-from specresearch.models import fused, rotary
+from specresearch.models import fused, griffin, rotary
 from specresearch.models import recurrent as states
 from specresearch.models.attention import (
     attention_layout,
@@ -185,6 +185,7 @@ class CausalLM:
         self._cache_argument = cache_argument(self.model)  # refuses a model that keeps no cache
         positions_from_masks(self.model)  # Bloom's ALiBi, GPT-Neo's local windows: from the masks, not the slots
         states.clamp_time_steps(self.model)  # Mamba-2 mixers' time step bounded in their cached steps as in their scans
+        griffin.keep_states_in_cache(self.model)  # RecurrentGemma's recurrent blocks: their states in the cache
         rotary.fix_rotaries(self.model)  # longrope's / dynamic NTK's frequencies: one set a run, not one a call
         self._attention = attention_layout(self.model)
         self.recurrent = self._attention.recurrent  # recurrent layers (models.recurrent): trees path by path

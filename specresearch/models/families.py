@@ -280,6 +280,10 @@ RECURRENT_FAMILIES = {
     "minimax": dict(**_RECURRENT_SMALL, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                     block_size=4, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
                     eos_token_id=2),
+    # RecurrentGemma (Griffin): two recurrent blocks (a causal convolution, the RG-LRU) to a windowed attention layer,
+    # the recurrence wider than the model; its blocks' states moved into the cache by the wrapper (models.griffin)
+    "recurrent_gemma": dict(**_RECURRENT_SMALL, num_hidden_layers=4, lru_width=48, sliding_window=WINDOW,
+                            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Inkling: short convolutions in every layer, a relative bias (zero past rel_extent) and log-scaled full layers;
     # Inkling 2: attention residuals across blocks; its loop variant runs its middle layer twice
     "inkling_text": dict(**_INKLING, mlp_layer_types=["sparse"] * 2, n_shared_experts=1),
