@@ -70,7 +70,7 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
     ``"v8k-4l"``; a shipped feature head gives a ``feature_drafts.FeatureDraft``), the directory of a trained
     draft or feature head (what ``specresearch distill`` / ``feature-distill --out`` write), an EAGLE-1/2 or EAGLE-3
     head, Medusa heads or a DFlash drafter saved as their repositories save them (``drafts.eagle``, ``drafts.medusa``,
-    ``drafts.dflash``), or a model path
+    ``drafts.dflash``), a Gemma 4 assistant as transformers saves it (``drafts.gemma4``), or a model path
     (:func:`draft_format` names the layout it finds);
     ``"fp16:<name>"``: draft ``<name>`` with float16 weights (:func:`half_weight_draft`); ``"int8:<name>"``: with
     int8 weights and a scale per output row (:func:`int8_weight_draft`).
@@ -111,6 +111,10 @@ def draft_from_name(name: str, target: CausalLM, tokenizer=None):
         from specresearch.drafts.dflash import load_dflash
 
         return load_dflash(target, trained)
+    if layout == GEMMA4_ASSISTANT_FORMAT:
+        from specresearch.drafts.gemma4 import load_gemma4_assistant
+
+        return load_gemma4_assistant(target, trained)
     if manifest_path(trained).exists():
         from specresearch.drafts.feature import (  # imports this module
             is_feature_draft_dir,
@@ -147,8 +151,10 @@ MTP_FORMAT = ("MTP layers in the target's own checkpoint (num_nextn_predict_laye
 MEDUSA_FORMAT = "Medusa heads (the FasterDecoding/Medusa layout: config.json with medusa_num_heads, medusa_lm_head.pt)"
 DFLASH_FORMAT = ("DFlash block drafter (z-lab's layout: dflash_config, fc, hidden_norm, layers.*; transformers' "
                  "muse_glimmer_assistant; or speculators' dflash / dspark / dflash2 / xpress)")
+GEMMA4_ASSISTANT_FORMAT = ("Gemma 4 assistant (transformers' layout: config.json with model_type gemma4_assistant; it "
+                           "drafts from its Gemma 4 target's shared keys)")
 _FORMATS = ("a draft this toolkit trained (manifest.json)", EAGLE3_FORMAT, EAGLE3_SPECULATORS_FORMAT, PEAGLE_FORMAT,
-            EAGLE1_FORMAT, MEDUSA_FORMAT, DFLASH_FORMAT,
+            EAGLE1_FORMAT, MEDUSA_FORMAT, DFLASH_FORMAT, GEMMA4_ASSISTANT_FORMAT,
             "a transformers causal LM (config.json with model_type, and its weights)")
 
 
@@ -167,6 +173,10 @@ def draft_format(directory) -> str:
 
     if is_dflash_dir(directory):
         return DFLASH_FORMAT
+    from specresearch.drafts.gemma4 import is_gemma4_assistant_dir
+
+    if is_gemma4_assistant_dir(directory):  # before a transformers causal LM: it has a model_type and weights too
+        return GEMMA4_ASSISTANT_FORMAT
     from specresearch.drafts.eagle import eagle_format
     from specresearch.drafts.speculators import is_speculators_dir
 

@@ -251,6 +251,12 @@ class CausalLM:
     def cache_length(self) -> int:
         return 0 if self._slots is None else self._slots.length
 
+    def cached_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys and values ``[B, H, S, D]`` attention layer ``layer`` holds, with each slot's validity and position
+        ``[B, S]`` (for a draft that attends to the target's keys: ``drafts.gemma4``)."""
+        held = self._cache.layers[layer]
+        return held.keys, held.values, self._slots.mask, self._slots.positions
+
     @property
     def valid_lengths(self) -> torch.Tensor:
         """Number of valid (unmasked) tokens in the context of each row. -> [B]."""
