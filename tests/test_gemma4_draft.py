@@ -9,7 +9,8 @@ tiny_gemma4_pair``: a windowed layer then a global one, both storing their keys 
   them left-padded, gives autoregressive decoding's tokens, and each row's as alone; at T = 1 chains and K = 2
   traversal trees keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6 each).
 * Its published layout: a directory transformers saved it to is read by ``draft_from_name`` (``draft_format`` names
-  it), in the target's dtype; a target that stores no keys for sharing (a Llama) is refused in one line.
+  it), in the target's dtype, Gemma 4 unified's assistant class too; a target that stores no keys for sharing (a
+  Llama) is refused in one line.
 """
 
 import pytest
@@ -108,13 +109,22 @@ def test_at_temperature_one_it_keeps_the_targets_law(rule, trees):
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
 
 
-def test_its_published_layout_is_read_and_a_target_without_shared_keys_refused(tmp_path):
+@pytest.mark.parametrize("unified", [False, True])
+def test_its_published_layout_is_read_and_a_target_without_shared_keys_refused(tmp_path, unified):
     target_model, assistant = tiny_gemma4_pair(seed=0)
+    if unified:  # Gemma 4 unified's assistant: the same architecture under its own model type
+        from transformers import Gemma4UnifiedAssistantConfig, Gemma4UnifiedAssistantForCausalLM
+
+        config = Gemma4UnifiedAssistantConfig(text_config=assistant.config.get_text_config().to_dict(),
+                                              backbone_hidden_size=assistant.config.backbone_hidden_size)
+        twin = Gemma4UnifiedAssistantForCausalLM(config).eval()
+        twin.load_state_dict(assistant.state_dict())
+        assistant = twin
     assistant.save_pretrained(tmp_path)
     assert "Gemma 4 assistant" in draft_format(tmp_path)
     target = CausalLM(target_model)
     draft = draft_from_name(str(tmp_path), target)
-    assert isinstance(draft, Gemma4AssistantDraft)
+    assert isinstance(draft, Gemma4AssistantDraft) and type(draft.assistant) is type(assistant)
     token = torch.tensor([[33]])
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(_ours(draft, target, PROMPT, token),
                                                                 _theirs(target_model, assistant, PROMPT, token)))

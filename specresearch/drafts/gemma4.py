@@ -1,4 +1,5 @@
-"""Gemma 4's assistants (``Gemma4AssistantForCausalLM``: google/gemma-4-*-assistant), as a draft for their target.
+"""Gemma 4's assistants (``Gemma4AssistantForCausalLM``: google/gemma-4-*-assistant; ``Gemma4UnifiedAssistantForCausalLM``
+for Gemma 4 unified, the same code), as a draft for their target.
 
 The facts are read from transformers 5.25, which runs these assistants itself (its ``modeling_gemma4_assistant.py`` and
 ``SinglePositionMultiTokenCandidateGenerator``; our code, their facts), and checked against it
@@ -39,24 +40,27 @@ from specresearch.models.causal_lm import check_prompt
 
 __all__ = ["Gemma4AssistantDraft", "is_gemma4_assistant_dir", "load_gemma4_assistant"]
 
-ASSISTANT_TYPE = "gemma4_assistant"
+ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")  # transformers' model types, the same architecture
 
 
 def is_gemma4_assistant_dir(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a Gemma 4 assistant as transformers saves it (``model_type`` "gemma4_assistant")."""
+    """Whether ``directory`` holds a Gemma 4 assistant as transformers saves it (``model_type`` "gemma4_assistant" or
+    "gemma4_unified_assistant")."""
     import json
     from pathlib import Path
 
     config = Path(directory) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == ASSISTANT_TYPE
+    return config.is_file() and json.loads(config.read_text()).get("model_type") in ASSISTANT_TYPES
 
 
 def load_gemma4_assistant(target, directory: str | os.PathLike) -> Gemma4AssistantDraft:
     """The Gemma 4 assistant saved in ``directory`` as a draft for ``target`` (a ``CausalLM`` over its Gemma 4 model),
     in the target's dtype."""
-    from transformers import Gemma4AssistantForCausalLM
+    from transformers import AutoConfig, Gemma4AssistantForCausalLM, Gemma4UnifiedAssistantForCausalLM
 
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(directory, dtype=target.model.dtype)
+    unified = AutoConfig.from_pretrained(directory).model_type == "gemma4_unified_assistant"
+    kind = Gemma4UnifiedAssistantForCausalLM if unified else Gemma4AssistantForCausalLM
+    assistant = kind.from_pretrained(directory, dtype=target.model.dtype)
     return Gemma4AssistantDraft(assistant, target)
 
 
