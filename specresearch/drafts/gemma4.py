@@ -89,6 +89,7 @@ class Gemma4AssistantDraft(FeatureQueue):
         self.assistant = assistant.eval().to(target.device)
         if self.assistant.config.get_text_config()._attn_implementation not in ("eager", "sdpa"):
             self.assistant.set_attn_implementation("sdpa")  # it is handed additive masks
+        self.reads_cache_of = target  # the engine checks that a run's target is this one
         self.target = target
         self.feature_layers = (int(text.num_hidden_layers),)
         self.feature_size = int(text.hidden_size)

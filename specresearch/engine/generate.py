@@ -205,6 +205,9 @@ def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None
     before (zeros where that slot is padding or absent)."""
     if not getattr(target, "returns_hidden_states", False):
         raise ValueError("draft reads the target's hidden states: target must return them (a models.causal_lm.CausalLM)")
+    if getattr(draft, "reads_cache_of", target) is not target:  # drafts.gemma4: keys read from one target's cache
+        raise ValueError(f"{type(draft).__name__} reads the cache of the target it was built for, not this run's: "
+                         "build it for this target")
     if ids.shape[1] == 1:
         target.reset(len(ids))
         draft.reset(len(ids))
