@@ -355,17 +355,17 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
 
 
-def _run(kind: str, threads: int) -> dict:
+def _run(kind: str, threads: int, seconds: int = SECONDS) -> dict:
     command = [sys.executable, __file__, "--one", kind]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS, preexec_fn=_limits,
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds, preexec_fn=_limits,
                               env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if lines:
             return json.loads(lines[-1])
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
     except subprocess.TimeoutExpired:
-        reason = f"over {SECONDS} s"
+        reason = f"over {seconds} s"
     return dict(model_type=kind, built=False, detail=f"its process ended without a row ({reason})")
 
 
@@ -393,6 +393,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--update", action="store_true",
                         help="with --types: rerun those types in the record and keep its other rows, each row naming "
                              "the commit it was made at")
+    parser.add_argument("--seconds", type=int, default=SECONDS,
+                        help=f"each type's process may run this long (default {SECONDS}; Kimi Linear's reference kernels "
+                             "take longer)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
@@ -408,7 +411,8 @@ def main(argv: list[str]) -> int:
     kinds = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     with ThreadPoolExecutor(args.jobs) as pool:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)  # two processes of two threads on two cores thrash
-        rows = list(tqdm(pool.map(partial(_run, threads=threads), kinds), total=len(kinds), desc="model types"))
+        rows = list(tqdm(pool.map(partial(_run, threads=threads, seconds=args.seconds), kinds), total=len(kinds),
+                         desc="model types"))
     if args.update:
         from specresearch.experiments.records import git_commit
 
