@@ -16,7 +16,8 @@ factors once a call reaches past ``original_max_position_embeddings``) and dynam
   model's.
 * Planned, the static form's calls of a captured step trace as one graph (no host read), both sets.
 * The decoding methods (``engine.decoding``) plan each call's length, rebuilding the cache where the set changes:
-  greedy decoding draws each token from its prefix's set, as transformers' ``generate`` and the engine's run do.
+  greedy decoding draws each token from its prefix's set, as transformers' ``generate`` and the engine's run do, each
+  row of a left-padded batch too.
 * Unplanned, a call past the original length raises, naming the plan.
 * The control: unmended, speculative decoding emits other tokens than autoregressive decoding.
 * A draft that wraps models of such a kind (prompt lookup or the model; the dial's mixture) plans them.
@@ -177,6 +178,10 @@ def test_the_decoding_methods_draw_each_token_from_its_prefix_as_transformers_ph
     assert torch.equal(ours, theirs)
     assert ours[0, len(PROMPT):].tolist() == list(autoregressive_generate(
         CausalLM(long_phi3()), [PROMPT], max_new_tokens=20, sampling=GREEDY).tokens[0])
+    short = PROMPT[:7]  # a batch: a row within the length while the other passes it keeps its prefix's set
+    ids, mask = torch.tensor([PROMPT, [0] * 4 + short]), torch.tensor([[1] * 11, [0] * 4 + [1] * 7])
+    both = greedy(lm_logits_fn(CausalLM(long_phi3())), ids, 20, attention_mask=mask).sequences
+    assert both[1, 11:].tolist() == _prefix_argmax(long_phi3, short, 20) and torch.equal(both[0], ours[0])
 
 
 @pytest.mark.parametrize("kind", ["longrope", "longrope-moe", "longrope-per-layer-type"])

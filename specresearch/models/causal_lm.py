@@ -244,7 +244,10 @@ class CausalLM:
         changed = rotary.plan_rotaries(self.model, positions)
         limit = rotary.set_change(self.model, positions)
         crosses = limit is not None and (shortest is None or shortest <= limit)
-        self._sets = PrefixSets(self, limit, positions) if crosses else None
+        if crosses and self._sets is not None and self._sets.limit == limit:  # a plan within a run: its caches kept
+            self._sets.context = positions
+        else:
+            self._sets = PrefixSets(self, limit, positions) if crosses else None
         return changed
 
     @property
