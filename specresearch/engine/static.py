@@ -115,8 +115,9 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     if draft is None:
         return None
     if not isinstance(draft, HasStaticForm):
-        return (f"draft {type(draft).__name__} decides on the host (prompt lookup, a length plan, Medusa heads, a "
-                "DFlash or P-EAGLE block) and has no static form: use a whole-model draft or an EAGLE-1/2/3 or toolkit feature head")
+        return (f"draft {type(draft).__name__} has no static form (prompt lookup, a length plan, Medusa heads, a DFlash "
+                "or P-EAGLE block decide on the host; a Gemma 4 assistant reads the target's growing cache): use a "
+                "whole-model draft or an EAGLE-1/2/3 or toolkit feature head")
     if stop_below is not None or expectations:
         return "adaptive chains (stop_below) and expectations= are the growing loop's"
     tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
