@@ -6,8 +6,9 @@ tiny_gemma4_pair``: a windowed layer then a global one, both storing their keys 
   its head over centroid-picked tokens too; the controls: a window one position shorter, or the state of the slot
   itself in place of the slot before, move them.
 * In the engine: greedy speculative decoding (chains of gamma 1 and 3, a sampled tree, a dynamic tree), two rows one of
-  them left-padded, gives autoregressive decoding's tokens, and each row's as alone; a run with another target is
-  refused (the draft reads its own target's cache); at T = 1 chains and K = 2
+  them left-padded, gives autoregressive decoding's tokens, and each row's as alone; a run with another target binds
+  the draft to it (it reads the run's target's cache), and so does transformers' ``generate`` through ``engine.hf``
+  with an unbound assistant; at T = 1 chains and K = 2
   traversal trees keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6 each).
 * Its published layout: a directory transformers saved it to is read by ``draft_from_name`` (``draft_format`` names
   it), in the target's dtype, Gemma 4 unified's assistant class too; a target that stores no keys for sharing (a
@@ -98,8 +99,20 @@ def test_in_the_engine_its_greedy_drafts_give_the_targets_tokens_and_rows_decode
         assert speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=GREEDY, **options).tokens == want
     alone = speculative_generate(target, draft, prompts[1:], max_new_tokens=12, sampling=GREEDY, gamma=3).tokens
     assert alone[0] == want[1]
-    with pytest.raises(ValueError, match="reads the cache of the target it was built for"):  # another target
-        speculative_generate(CausalLM(target_model), draft, prompts, max_new_tokens=4, sampling=GREEDY)
+    other = CausalLM(target_model)  # another run's target: the draft is bound to it and reads its cache
+    assert speculative_generate(other, draft, prompts, max_new_tokens=12, sampling=GREEDY, gamma=3).tokens == want
+    assert draft.target is other
+
+
+def test_inside_transformers_generate_an_unbound_assistant_drafts_for_the_model_generate_runs():
+    from specresearch.engine import hf
+
+    target_model, assistant = tiny_gemma4_pair(seed=0)
+    ids = torch.tensor([PROMPT])
+    want = target_model.generate(ids, max_new_tokens=10, do_sample=False)
+    draft = Gemma4AssistantDraft(assistant)  # bound by engine.hf to the wrapper it puts around target_model
+    out = target_model.generate(ids, max_new_tokens=10, do_sample=False, custom_generate=hf.speculative(draft, gamma=3))
+    assert torch.equal(out, want) and draft.target.model is target_model
 
 
 @pytest.mark.parametrize("rule, trees", [("block", 1), ("token", 1), ("traversal", 2)])

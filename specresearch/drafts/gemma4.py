@@ -68,12 +68,34 @@ class Gemma4AssistantDraft(FeatureQueue):
     """A Gemma 4 assistant drafting for its target (module docstring).
 
     Args:
-        assistant: transformers' ``Gemma4AssistantForCausalLM``.
+        assistant: transformers' ``Gemma4AssistantForCausalLM`` (or ``Gemma4UnifiedAssistantForCausalLM``).
         target: the ``models.causal_lm.CausalLM`` it drafts for (a Gemma 4 model whose layers store their keys for
-            sharing); the draft reads its cache, so it drafts for this target only.
+            sharing), or None: it reads the target's cache, and the engine binds it to each run's target
+            (``models.protocols.BindsTarget``; ``engine.hf`` to the one it wraps around transformers' model).
     """
 
-    def __init__(self, assistant, target) -> None:
+    def __init__(self, assistant, target=None) -> None:
+        self.assistant = assistant.eval()
+        if self.assistant.config.get_text_config()._attn_implementation not in ("eager", "sdpa"):
+            self.assistant.set_attn_implementation("sdpa")  # it is handed additive masks
+        self.window = getattr(self.assistant.config.get_text_config(), "sliding_window", None)
+        self.target, self.max_context = None, None
+        self.vocab_size = int(self.assistant.config.get_text_config().vocab_size)  # the target's, once bound
+        self.device = self.assistant.pre_projection.weight.device
+        self._queued: torch.Tensor | None = None  # [B, k, F] the target's features for the next k slots
+        self._last: torch.Tensor | None = None  # [B, F] the assistant's own projected state of its last draft
+        if target is not None:
+            self.bind(target)
+
+    def bind(self, target) -> None:
+        """Draft for ``target`` from now on (its keys, states and device); ``ValueError`` in one line where it cannot:
+        a model that stores no keys for sharing, or states of another width."""
+        if target is self.target:
+            return
+        assistant = self.assistant
+        if not hasattr(target, "cached_layer"):
+            raise ValueError(f"a Gemma 4 assistant reads its target's cache: the target must be a "
+                             f"models.causal_lm.CausalLM, got {type(target).__name__}")
         text = target.model.config.get_text_config()
         modes = list(getattr(text, "kv_sharing_modes", None) or [])
         kinds = list(getattr(text, "layer_types", None) or [])
@@ -86,19 +108,13 @@ class Gemma4AssistantDraft(FeatureQueue):
         if int(assistant.config.backbone_hidden_size) != int(text.hidden_size):
             raise ValueError(f"the assistant reads states of width {assistant.config.backbone_hidden_size}; "
                              f"{type(target.model).__name__}'s are {text.hidden_size} wide")
-        self.assistant = assistant.eval().to(target.device)
-        if self.assistant.config.get_text_config()._attn_implementation not in ("eager", "sdpa"):
-            self.assistant.set_attn_implementation("sdpa")  # it is handed additive masks
-        self.reads_cache_of = target  # the engine checks that a run's target is this one
+        self.assistant = assistant.to(target.device)
         self.target = target
         self.feature_layers = (int(text.num_hidden_layers),)
         self.feature_size = int(text.hidden_size)
         self.vocab_size = target.vocab_size
         self.max_context = target.max_context
         self.device = target.device
-        self.window = getattr(self.assistant.config.get_text_config(), "sliding_window", None)
-        self._queued: torch.Tensor | None = None  # [B, k, F] the target's features for the next k slots
-        self._last: torch.Tensor | None = None  # [B, F] the assistant's own projected state of its last draft
 
     def reset(self, batch_size: int) -> None:
         self._queued, self._last = None, None

@@ -78,6 +78,7 @@ from specresearch.engine.timing import clock, step_clock
 from specresearch.engine.topk_tree import dynamic_tree_step
 from specresearch.engine.tree import TOPK_LAWS, TREE_VERIFIERS, check_tree_args, tree_randomness, tree_step
 from specresearch.models.protocols import (
+    BindsTarget,
     FeatureReader,
     PlansLength,
     RowExpander,
@@ -205,9 +206,6 @@ def _start_reading(target, draft, ids: torch.Tensor, mask: torch.Tensor) -> None
     before (zeros where that slot is padding or absent)."""
     if not getattr(target, "returns_hidden_states", False):
         raise ValueError("draft reads the target's hidden states: target must return them (a models.causal_lm.CausalLM)")
-    if getattr(draft, "reads_cache_of", target) is not target:  # drafts.gemma4: keys read from one target's cache
-        raise ValueError(f"{type(draft).__name__} reads the cache of the target it was built for, not this run's: "
-                         "build it for this target")
     if ids.shape[1] == 1:
         target.reset(len(ids))
         draft.reset(len(ids))
@@ -289,6 +287,8 @@ def speculative_generate(
     """
     check_language_model(target, "target")
     check_language_model(draft, "draft")
+    if isinstance(draft, BindsTarget):  # a draft that reads its target's cache (drafts.gemma4): this run's
+        draft.bind(target)
     tree = num_drafts != 1 or draft_law != "iid" or (isinstance(verifier, str) and verifier in TREE_VERIFIERS)
     check_int("num_drafts", num_drafts, meaning="draft paths per step")
     if stop_below is not None and (isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0 <= stop_below <= 1):

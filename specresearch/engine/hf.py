@@ -74,7 +74,7 @@ from specresearch.core.verify import VERIFIERS
 from specresearch.engine.generate import GenerationResult, speculative_generate
 from specresearch.engine.tree import TREE_VERIFIERS
 from specresearch.models.causal_lm import CausalLM, check_prompt
-from specresearch.models.protocols import LanguageModel, TreeScorer
+from specresearch.models.protocols import BindsTarget, LanguageModel, TreeScorer
 from specresearch.models.rotary import unfix_rotaries
 from specresearch.models.slots import rollback_counts
 
@@ -199,6 +199,8 @@ class SpeculativeGenerate:
             raise ValueError(f"streamer takes one row, got a batch of {input_ids.shape[0]}: drop the streamer or "
                              "generate one prompt at a time")
         target, draft = _as_language_model(model, "the target model"), self.draft
+        if isinstance(draft, BindsTarget):  # a draft that reads its target's cache (drafts.gemma4): this one's
+            draft.bind(target)
         if processors:
             target = _Processed(target, processors, input_ids, mask)
             draft = _Processed(draft, processors, input_ids, mask)

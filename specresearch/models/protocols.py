@@ -122,6 +122,14 @@ class FeatureReader(Protocol):
 
 
 @runtime_checkable
+class BindsTarget(Protocol):
+    """A draft that reads its target's cache (``drafts.gemma4``): the engine binds it to each run's target before the
+    run (``bind(target)``, raising where it cannot draft for that target)."""
+
+    def bind(self, target) -> None: ...
+
+
+@runtime_checkable
 class TreeScorer(Protocol):
     """A model that scores a draft tree in one call (the engine's target for ``num_drafts > 1``).
 
