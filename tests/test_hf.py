@@ -90,6 +90,41 @@ def test_the_callers_models_are_left_as_transformers_built_them():
     assert target.training and not draft.training
 
 
+def _mended_state(model) -> list:
+    """What a mend leaves on a model: hooks, forwards set on instances, attributes the toolkit names."""
+    return [(name, kind) for name, module in model.named_modules()
+            for kind in ("hooks", "forward", "marks")
+            if (kind == "hooks" and (module._forward_hooks or module._forward_pre_hooks))
+            or (kind == "forward" and "forward" in vars(module))
+            or (kind == "marks" and any(key.startswith("specresearch") for key in vars(module)))]
+
+
+@pytest.mark.parametrize("family", ["bloom", "gpt-neo", "zamba2", "recurrent_gemma"])
+def test_a_target_the_wrapper_mends_is_handed_back_as_transformers_built_it(family):
+    """A family whose cached calls the wrapper mends in place (ALiBi from masks, GPT-Neo's windows, a Mamba-2 mixer's
+    bounded time step, RecurrentGemma's states in the cache: ``models.mends``): ``generate`` gives the engine's greedy
+    tokens and leaves no hook, replaced forward or mark on the caller's model; its forward is as before."""
+    from specresearch.models.families import RECURRENT_FAMILIES, tiny_family_model, tiny_recurrent_model
+    from specresearch.models.mends import undo_mends
+
+    build = (lambda: tiny_recurrent_model(family)) if family in RECURRENT_FAMILIES else (
+        lambda: tiny_family_model(family, "eager", seed=0))
+    target, ids = build(), torch.tensor([[5, 9, 3, 17, 22, 8, 4, 7]])
+    with torch.no_grad():
+        before = target(input_ids=ids).logits
+    assert _mended_state(target) == []
+    want = speculative_generate(CausalLM(build()), tiny_llama(64, seed=1), [ids[0].tolist()], max_new_tokens=8,
+                                sampling=SamplingConfig(temperature=0.0), gamma=3).tokens[0]
+    out = target.generate(ids, do_sample=False, max_new_tokens=8, custom_generate=hf.speculative(tiny_llama(64, seed=1),
+                                                                                                 gamma=3))
+    assert out[0, ids.shape[1]:].tolist() == list(want)
+    assert _mended_state(target) == [] and undo_mends(target) == 0
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=ids).logits, before)
+    CausalLM(target)  # mended again after the undo: its marks were undone too
+    assert _mended_state(target) != []
+
+
 @pytest.mark.parametrize("options", [dict(verifier="traversal", num_drafts=2),
                                      dict(verifier="onehot", num_drafts=3, draft_law="dynamic", tree_nodes=5)])
 def test_greedy_trees_equal_transformers_greedy(models, options):

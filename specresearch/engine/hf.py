@@ -74,6 +74,7 @@ from specresearch.core.verify import VERIFIERS
 from specresearch.engine.generate import GenerationResult, speculative_generate
 from specresearch.engine.tree import TREE_VERIFIERS
 from specresearch.models.causal_lm import CausalLM, check_prompt
+from specresearch.models.mends import undo_mends
 from specresearch.models.protocols import BindsTarget, LanguageModel, TreeScorer
 from specresearch.models.rotary import unfix_rotaries
 from specresearch.models.slots import rollback_counts
@@ -214,9 +215,10 @@ class SpeculativeGenerate:
                 sampling=sampling, seed=_seed(seed, generator),
                 eos_token_id=eos, on_step=None if streamer is None else _streaming(streamer),
                 stop_when=None if not criteria else _stopper(criteria, input_ids))
-        finally:  # the caller's target rotates as transformers built it again (models.rotary)
+        finally:  # the caller's target as transformers built it again (models.rotary, models.mends)
             if not isinstance(model, LanguageModel):
                 unfix_rotaries(model)
+                undo_mends(model)
         if streamer is not None:
             streamer.end()
         sequences = _sequences(input_ids, result, generation_config)

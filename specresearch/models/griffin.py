@@ -20,6 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from specresearch.models.mends import set_attribute
+
 __all__ = ["keep_states_in_cache"]
 
 _BLOCK = "RecurrentGemmaRecurrentBlock"
@@ -38,8 +40,8 @@ def keep_states_in_cache(model) -> int:
             block = getattr(layer, "temporal_block", None)
             if type(block).__name__ != _BLOCK or getattr(block, _MENDED, False):
                 continue
-            block.forward = functools.partial(_forward, block, index=index)
-            setattr(block, _MENDED, True)
+            set_attribute(model, block, "forward", functools.partial(_forward, block, index=index))  # logged
+            set_attribute(model, block, _MENDED, True)  # (models.mends: engine.hf undoes them)
             mended += 1
     return mended
 

@@ -22,6 +22,8 @@ from functools import partial
 
 import torch
 
+from specresearch.models.mends import keep_hook, set_attribute
+
 __all__ = ["positions_from_masks", "slot_placement", "masked_value", "ROBERTA_KIN", "CACHE_COUNTED"]
 
 
@@ -100,45 +102,49 @@ def positions_from_masks(model) -> bool:
     for module in modules:
         if getattr(module, _MENDED, False):
             continue
+        change, hook = partial(set_attribute, model), partial(_hook, model)  # logged: engine.hf undoes them
         if hasattr(module, "build_alibi_tensor"):  # Bloom's model
             own = module.build_alibi_tensor
-            module.build_alibi_tensor = partial(_alibi_from_mask, own, _slopes(own, module, module.num_heads))
+            change(module, "build_alibi_tensor", partial(_alibi_from_mask, own, _slopes(own, module, module.num_heads)))
         elif hasattr(module, "use_alibi"):  # Falcon-RW's model: its layers add ALiBi
-            module.use_alibi = False
+            change(module, "use_alibi", False)
         elif hasattr(module, "Wqkv"):  # one of MPT's attentions
             build = sys.modules[type(module).__module__].build_mpt_alibi_tensor  # as MPT's model calls it
             slopes = -build(module.n_heads, 2, device=next(module.parameters()).device)[:, 0, 0]  # bias at -1
-            module.forward = partial(_mpt_attention, module, slopes=slopes)
+            change(module, "forward", partial(_mpt_attention, module, slopes=slopes))
         elif hasattr(module, "self_attention"):  # one of Falcon-RW's layers
             config = model.config
             build = sys.modules[type(module).__module__].build_alibi_tensor
-            module.register_forward_pre_hook(partial(_falcon_alibi, slopes=_slopes(build, module, module.num_heads),
-                                                     scale=math.sqrt(config.hidden_size // config.num_attention_heads)),
-                                             with_kwargs=True)
+            hook(module, partial(_falcon_alibi, slopes=_slopes(build, module, module.num_heads),
+                                 scale=math.sqrt(config.hidden_size // config.num_attention_heads)))
         elif hasattr(module, "relative_position_bias"):  # one of Inkling 2's attentions: distances from its mask
-            module.register_forward_pre_hook(_inkling2_distances, with_kwargs=True)
+            hook(module, _inkling2_distances)
         elif hasattr(module, "rel_logits_proj"):  # one of Inkling's attentions: distances and log scale from its mask
-            _mend_inkling(module)
+            _mend_inkling(model, module)
         elif type(module).__name__ == "RoFormerAttention":  # one of RoFormer's attentions: rotation from its mask
             table = next(m.embed_positions for m in model.modules() if hasattr(m, "embed_positions"))
-            module.register_forward_pre_hook(partial(_roformer_positions, table=table), with_kwargs=True)
+            hook(module, partial(_roformer_positions, table=table))
         elif hasattr(module, "embed_positions"):  # a decoder of BART's kin: positions from its masks
-            module.register_forward_pre_hook(_call_positions, with_kwargs=True)
+            hook(module, _call_positions)
             embed = module.embed_positions
-            embed.forward = partial(_embed_positions, embed, embed.forward, decoder=module)
+            change(embed, "forward", partial(_embed_positions, embed, embed.forward, decoder=module))
         elif hasattr(module, "position_embeddings"):  # RoBERTa's embeddings: position ids numbered as its own
-            module.register_forward_pre_hook(_from_padding_id, with_kwargs=True)
+            hook(module, _from_padding_id)
         elif hasattr(module, "floor_scale"):  # one of Llama 4's NoPE attentions: its query scale from positions
-            module.attn_temperature_tuning = False
+            change(module, "attn_temperature_tuning", False)
             layer = next(layer for layer in model.modules() if getattr(layer, "self_attn", None) is module)
-            layer.register_forward_pre_hook(partial(_llama4_positions, attention=module), with_kwargs=True)
-            module.q_proj.register_forward_hook(partial(_llama4_query_scale, attention=module))
+            hook(layer, partial(_llama4_positions, attention=module))
+            keep_hook(model, module.q_proj.register_forward_hook(partial(_llama4_query_scale, attention=module)))
         else:  # one of GPT-Neo's local attentions
-            module.bias = torch.tril(torch.ones_like(module.bias))
-            module.register_forward_pre_hook(partial(_windowed_mask, window=model.config.window_size),
-                                             with_kwargs=True)
-        setattr(module, _MENDED, True)
+            change(module, "bias", torch.tril(torch.ones_like(module.bias)))
+            hook(module, partial(_windowed_mask, window=model.config.window_size))
+        change(module, _MENDED, True)
     return bool(modules)
+
+
+def _hook(model, module, function) -> None:
+    """A forward pre-hook with keyword arguments on ``module``, logged on ``model`` (``models.mends``)."""
+    keep_hook(model, module.register_forward_pre_hook(function, with_kwargs=True))
 
 
 def _slot_placed(model) -> list:
@@ -271,7 +277,7 @@ def _inkling2_distances(module, args, kwargs):
     return args, {**kwargs, "relative_distance": _distances(mask)}
 
 
-def _mend_inkling(module) -> None:
+def _mend_inkling(model, module) -> None:
     """Inkling's attention measures its relative bias's distances, and the position its full layers' log scaling
     (``tau = 1 + alpha * log(max((p + 1) / n_floor, 1))`` on queries and bias) reads, in cache slots; a pre-hook keeps
     each call's distances and positions from its mask, ``rel_logits_proj`` gathers the bias at those distances and
@@ -279,13 +285,15 @@ def _mend_inkling(module) -> None:
     config = module.config
     scaled = not module.is_sliding and config.log_scaling_n_floor is not None
     if scaled:
-        module.config = copy.copy(config)
-        module.config.log_scaling_n_floor = None
-        module.q_norm.register_forward_hook(partial(_inkling_query_scale, attention=module))
-    module.specresearch_tau = (config.log_scaling_alpha, config.log_scaling_n_floor) if scaled else None
-    module.register_forward_pre_hook(_inkling_positions, with_kwargs=True)
+        unscaled = copy.copy(config)
+        unscaled.log_scaling_n_floor = None
+        set_attribute(model, module, "config", unscaled)
+        keep_hook(model, module.q_norm.register_forward_hook(partial(_inkling_query_scale, attention=module)))
+    set_attribute(model, module, "specresearch_tau",
+                  (config.log_scaling_alpha, config.log_scaling_n_floor) if scaled else None)
+    _hook(model, module, _inkling_positions)
     own = module.rel_logits_proj
-    own.forward = partial(_inkling_bias, own, own.forward, attention=module)
+    set_attribute(model, own, "forward", partial(_inkling_bias, own, own.forward, attention=module))
 
 
 def _inkling_positions(module, args, kwargs):

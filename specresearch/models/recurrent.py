@@ -43,6 +43,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from specresearch.models.mends import keep_hook, set_attribute
+
 __all__ = ["RECURRENT_TYPES", "KEEP", "ONE_TOKEN_CALLS", "piece_size", "clamp_time_steps", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
            "trim", "select_rows", "repeat_rows", "set_length", "score_in_pieces", "tree_paths", "score_tree_as_paths",
            "end_tree_as_paths"]
@@ -128,8 +130,9 @@ def clamp_time_steps(model) -> int:
         low, high = getattr(module, "time_step_limit", None) or (0.0, float("inf"))
         if low <= 0 and high == float("inf") or not hasattr(module, "dt_bias") or getattr(module, _CLAMPED, False):
             continue
-        module.in_proj.register_forward_hook(functools.partial(_clamp_dt, mixer=module, low=low, high=high))
-        setattr(module, _CLAMPED, True)
+        keep_hook(model, module.in_proj.register_forward_hook(functools.partial(_clamp_dt, mixer=module, low=low,
+                                                                                high=high)))
+        set_attribute(model, module, _CLAMPED, True)  # both logged (models.mends): engine.hf undoes them
         mended += 1
     return mended
 
