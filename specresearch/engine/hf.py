@@ -76,7 +76,6 @@ from specresearch.engine.tree import TREE_VERIFIERS
 from specresearch.models.causal_lm import CausalLM, check_prompt
 from specresearch.models.mends import undo_mends
 from specresearch.models.protocols import BindsTarget, LanguageModel, TreeScorer
-from specresearch.models.rotary import unfix_rotaries
 from specresearch.models.slots import rollback_counts
 
 __all__ = [
@@ -217,7 +216,6 @@ class SpeculativeGenerate:
                 stop_when=None if not criteria else _stopper(criteria, input_ids))
         finally:  # the caller's target as transformers built it again (models.rotary, models.mends)
             if not isinstance(model, LanguageModel):
-                unfix_rotaries(model)
                 undo_mends(model)
         if streamer is not None:
             streamer.end()

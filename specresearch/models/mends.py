@@ -1,17 +1,17 @@
 """A record of what ``CausalLM``'s mends change on a model, so that a caller's model can be handed back as it was built.
 
 The mends that make a family's cached calls exact (``models.positions``, ``models.recurrent.clamp_time_steps``,
-``models.griffin``) work on the model in place: an attribute set, a forward replaced, a hook registered. Each goes
-through :func:`set_attribute` or :func:`keep_hook`, which log how to undo it on the model; :func:`undo_mends` undoes
-them, last first (``engine.hf``, which borrows transformers' model for one ``generate`` call and must leave it as it
-was; ``models.rotary`` keeps its own, :func:`~specresearch.models.rotary.unfix_rotaries`).
+``models.griffin``, ``models.rotary``) work on the model in place: an attribute set, a forward replaced, a hook
+registered, a buffer rewritten. Each goes through :func:`set_attribute`, :func:`keep_hook` or :func:`keep_undo`, which
+log how to undo it on the model; :func:`undo_mends` undoes them, last first (``engine.hf``, which borrows
+transformers' model for one ``generate`` call and must leave it as it was).
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-__all__ = ["set_attribute", "keep_hook", "undo_mends"]
+__all__ = ["set_attribute", "keep_hook", "keep_undo", "undo_mends"]
 
 _LOG = "specresearch_mends"  # on the model: the undo steps, in the order the mends ran
 
@@ -35,7 +35,12 @@ def set_attribute(model, owner, name: str, value) -> None:
 
 def keep_hook(model, handle) -> None:
     """Log a hook's ``handle`` (``register_forward_hook`` / ``register_forward_pre_hook``) on ``model``."""
-    _log(model).append(handle.remove)
+    keep_undo(model, handle.remove)
+
+
+def keep_undo(model, undo) -> None:
+    """Log ``undo()`` on ``model`` (a buffer's values copied back, say)."""
+    _log(model).append(undo)
 
 
 def undo_mends(model) -> int:

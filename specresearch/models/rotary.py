@@ -29,11 +29,12 @@ from functools import partial
 
 import torch
 
-__all__ = ["CALL_DEPENDENT", "fix_rotaries", "plan_rotaries", "planned_context", "set_change", "unfix_rotaries"]
+from specresearch.models.mends import keep_undo, set_attribute
+
+__all__ = ["CALL_DEPENDENT", "fix_rotaries", "plan_rotaries", "planned_context", "set_change"]
 
 CALL_DEPENDENT = ("longrope", "dynamic")  # transformers' rope types whose frequencies follow a call's positions
 _OWN = "specresearch_rotary_context"  # on each rotary embedding fix_rotaries mended: the planned length, or None
-_SAVED = "specresearch_rotary_saved"  # and its frequencies and scalings as transformers left them (unfix_rotaries)
 _PLANNED, _LONG = "specresearch_rotary_planned", "specresearch_rotary_long"  # what its forward reads: two booleans (a
 # compiled step specializes on them, not on the context's length)
 
@@ -67,39 +68,26 @@ def _original_length(module, layer) -> int:
 
 def fix_rotaries(model) -> int:
     """Make every rotary embedding of ``model`` whose frequencies follow its calls (``CALL_DEPENDENT``) keep one set:
-    the original until :func:`plan_rotaries` plans a run (module docstring); returns how many it mended."""
+    the original until :func:`plan_rotaries` plans a run (module docstring); returns how many it mended.
+    Every change is logged (``models.mends``: ``engine.hf`` hands the caller's model back with transformers' forward,
+    frequencies and scalings, whatever the plans since)."""
     mended = 0
     for module in _rotaries(model):
         if hasattr(module, _OWN):
             continue
-        saved = {}
         for layer in _types(module):
             prefix = _prefix(layer)
-            saved[prefix] = (getattr(module, f"{prefix}inv_freq").clone(),
-                             getattr(module, f"{prefix}attention_scaling", None))
-            getattr(module, f"{prefix}inv_freq").copy_(getattr(module, f"{prefix}original_inv_freq"))
-        setattr(module, _SAVED, saved)
-        setattr(module, _OWN, None)
-        setattr(module, _PLANNED, False)
-        setattr(module, _LONG, False)
+            frequencies = getattr(module, f"{prefix}inv_freq")
+            keep_undo(model, partial(frequencies.copy_, frequencies.clone()))
+            if hasattr(module, f"{prefix}attention_scaling"):  # logged as it is now: plan_rotaries sets it later
+                set_attribute(model, module, f"{prefix}attention_scaling", getattr(module, f"{prefix}attention_scaling"))
+            frequencies.copy_(getattr(module, f"{prefix}original_inv_freq"))
+        for name, value in ((_OWN, None), (_PLANNED, False), (_LONG, False)):
+            set_attribute(model, module, name, value)
         own = None if "long_mscale" in module.config.rope_parameters else inspect.unwrap(type(module).forward)  # PhiMoE
-        module.forward = partial(_fixed_forward, module, own=own)
+        set_attribute(model, module, "forward", partial(_fixed_forward, module, own=own))
         mended += 1
     return mended
-
-
-def unfix_rotaries(model) -> None:
-    """Undo :func:`fix_rotaries` on ``model``: transformers' forward, frequencies and scalings as they were (for a
-    caller's model that a run borrowed: ``engine.hf``)."""
-    for module in _rotaries(model):
-        if not hasattr(module, _OWN):
-            continue
-        for prefix, (frequencies, scaling) in getattr(module, _SAVED).items():
-            getattr(module, f"{prefix}inv_freq").copy_(frequencies)
-            if scaling is not None:
-                setattr(module, f"{prefix}attention_scaling", scaling)
-        for name in ("forward", _OWN, _SAVED, _PLANNED, _LONG):
-            delattr(module, name)
 
 
 def plan_rotaries(model, context: int) -> bool:
