@@ -163,20 +163,12 @@ def _gap(cached, want) -> float:
     return logit_gap(cached, want)
 
 
-def _path(tokens: list[int], parents: list[int], i: int) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(tokens[i])
-        i = parents[i]
-    return path[::-1]
-
-
 def unprobed(kind: str, options: dict | None = None, kernel: str = "eager") -> tuple[str, str]:
     """The cached-tree comparison of the module docstring, on the wrapper with ``probe=False``."""
     import torch
 
     from specresearch.models.causal_lm import CausalLM
-    from specresearch.models.probe import error_line
+    from specresearch.models.probe import error_line, tree_path, tree_visibility
 
     model, reference = tiny_model(kind, options, kernel), tiny_model(kind, options, kernel)
     try:
@@ -188,7 +180,7 @@ def unprobed(kind: str, options: dict | None = None, kernel: str = "eager") -> t
         if status != "exact":
             return status, detail
     parents = [-1, 0, 1, 0, 3, 2]
-    visible = _visible(parents)
+    visible = tree_visibility(parents)[0]
     try:
         lm.prefill(torch.tensor([[5, 9, 2, 33], [0, 0, 4, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
         histories, pending, worst = [[5, 9, 2, 33], [4, 8]], [7, 11], 0.0
@@ -198,7 +190,7 @@ def unprobed(kind: str, options: dict | None = None, kernel: str = "eager") -> t
             logits = lm.score_tree(torch.tensor(rows), torch.tensor([[0, 1, 2, 1, 2, 3]] * 2), visible.expand(2, -1, -1))
             for b in range(2):
                 for i in range(6):
-                    want = _uncached(reference, histories[b] + _path(rows[b], parents, i))
+                    want = _uncached(reference, histories[b] + tree_path(rows[b], i, parents))
                     worst = max(worst, _gap(logits[b, i, :want.shape[-1]], want))
             lm.end_tree(torch.tensor([[True, True, True, False, False, True], [True, False, False, True, True, False]]))
             histories[0] += [pending[0], 10 + step, 20, 12]
@@ -210,17 +202,6 @@ def unprobed(kind: str, options: dict | None = None, kernel: str = "eager") -> t
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
         return "fails", error_line(error)
     return ("exact", f"{worst:.2e}") if worst < 1e-3 else ("different", f"{worst:.3g}")
-
-
-def _visible(parents: list[int]):
-    """A tree's ``visible [n, n]``: each node sees itself and its ancestors."""
-    import torch
-
-    visible = torch.eye(len(parents), dtype=torch.bool)
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            visible[i] |= visible[parent]
-    return visible
 
 
 def static(kind: str, options: dict | None = None, kernel: str = "eager") -> tuple[str, str]:

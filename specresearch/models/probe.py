@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree", "static_form_calls", "error_line"]
+__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree", "static_form_calls", "tree_visibility", "tree_path",
+           "error_line"]
 
 # a model's max |cached - uncached| logit difference allowed, relative to its logits' scale, by its weights' dtype
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -74,9 +75,9 @@ def check_cached_tree(lm) -> None:
             nodes = [[ids[length + 6 * step + i] for i in range(6)]] * 2
             lm.begin_tree()
             tree = lm.score_tree(torch.tensor(nodes, device=device), torch.tensor([TREE_DEPTHS] * 2),
-                                 _tree_visibility(TREE_PARENTS).expand(2, -1, -1))
+                                 tree_visibility(TREE_PARENTS).expand(2, -1, -1))
             for row in range(2):
-                calls += [(_NODE_NAMES[i], tree[row, i], histories[row] + _path(nodes[row], i)) for i in range(6)]
+                calls += [(_NODE_NAMES[i], tree[row, i], histories[row] + tree_path(nodes[row], i)) for i in range(6)]
             lm.end_tree(torch.tensor(KEPT))  # each row keeps another path: dead slots inside the cache
             for row in range(2):
                 histories[row] = histories[row] + [t for t, kept in zip(nodes[row], KEPT[row]) if kept]
@@ -114,7 +115,9 @@ _NODE_NAMES = ("a tree's root", "a tree's node", "a tree's node", "a tree's node
                "a tree's node past a sibling's slots", "a tree's node")
 
 
-def _tree_visibility(parents) -> torch.Tensor:
+def tree_visibility(parents) -> torch.Tensor:
+    """A tree's ``visible [1, n, n]`` from each node's parent index (-1: the root): each node sees itself and its
+    ancestors."""
     visible = torch.eye(len(parents), dtype=torch.bool)
     for i, parent in enumerate(parents):
         if parent >= 0:
@@ -122,7 +125,8 @@ def _tree_visibility(parents) -> torch.Tensor:
     return visible[None]
 
 
-def _path(tokens: list[int], i: int, parents=TREE_PARENTS) -> list[int]:
+def tree_path(tokens: list[int], i: int, parents=TREE_PARENTS) -> list[int]:
+    """The tokens of node ``i``'s path from the root, root first."""
     path = []
     while i >= 0:
         path.append(tokens[i])
@@ -148,10 +152,10 @@ def static_form_calls(form):
     parents = [-1, 0, 1, 0, 3]  # root, then two branches of two nodes
     tokens = [[30, 31, 32, 33, 34], [35, 36, 37, 38, 39]]
     logits, _ = form.forward(torch.tensor(tokens), depth=torch.tensor([[0, 1, 2, 1, 2]] * 2),
-                             visible=_tree_visibility(parents).expand(2, -1, -1))
+                             visible=tree_visibility(parents).expand(2, -1, -1))
     for b, row in enumerate(rows):
         for i in range(5):
-            yield logits[b, i], row + _path(tokens[b], i, parents)
+            yield logits[b, i], row + tree_path(tokens[b], i, parents)
     form.keep_path(torch.tensor([[0, 3, 4], [0, 3, 4]]), torch.tensor([3, 2]))  # rows keep 3 and 2 of the path
     kept = [rows[0] + [30, 33, 34], rows[1] + [35, 38]]
     logits, _ = form.forward(torch.tensor([[40], [41]]))
