@@ -55,20 +55,16 @@ class ToyChatTokenizer:
 
 def visible_from_parents(parents):
     """A tree's ``visible [1, n, n]`` (each node sees itself and its ancestors) from parent indices (-1: none)."""
-    v = torch.eye(len(parents), dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            v[i] |= v[p]
-    return v[None]
+    from specresearch.models.probe import tree_visibility
+
+    return tree_visibility(parents)
 
 
 def tree_path(tokens, parents, i) -> list[int]:
     """The tokens from the root to node ``i`` of a tree (``tokens`` one row, ``parents`` indices, -1: none)."""
-    path = []
-    while i >= 0:
-        path.insert(0, int(tokens[i]))
-        i = parents[i]
-    return path
+    from specresearch.models.probe import tree_path as path
+
+    return [int(token) for token in path(list(tokens), i, parents)]
 
 
 def reads_per_step(run, lengths=(12, 36)) -> dict[str, float]:
