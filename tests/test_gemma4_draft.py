@@ -10,6 +10,13 @@ tiny_gemma4_pair``: a windowed layer then a global one, both storing their keys 
   the draft to it (it reads the run's target's cache), and so does transformers' ``generate`` through ``engine.hf``
   with an unbound assistant; at T = 1 chains and K = 2
   traversal trees keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6 each).
+* Its static form (``drafts.gemma4.StaticGemma4Assistant``, the engine's captured steps): over the keys of the
+  target's static cache, a re-feed of three slots gives each slot transformers' assistant's logits after its own
+  prefix, and the chained draft after the last its second; after a tree step, the draft after the next token is
+  transformers' on the kept path (1e-5); controls: a drafted token at its own slot's position (not the next token's),
+  or the unkept nodes' keys seen, move them. ``compile="static"`` decodes chains and trees greedily as
+  autoregressive decoding does, a step traces as one graph, compiled it computes the eager step's log at T = 1, and at
+  T = 1 chains and traversal trees keep the law (exact Bonferroni, false-positive rate <= 1e-6 each).
 * Its published layout: a directory transformers saved it to is read by ``draft_from_name`` (``draft_format`` names
   it), in the target's dtype, Gemma 4 unified's assistant class too; a target that stores no keys for sharing (a
   Llama) is refused in one line.
@@ -22,6 +29,8 @@ from specresearch.config import SamplingConfig
 from specresearch.drafts.gemma4 import Gemma4AssistantDraft
 from specresearch.drafts.registry import draft_format, draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_prompts
+from specresearch.engine.static import plan_for, start_run
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import tiny_family_model, tiny_gemma4_pair
@@ -122,6 +131,112 @@ def test_at_temperature_one_it_keeps_the_targets_law(rule, trees):
     result = lossless_test(target, Gemma4AssistantDraft(assistant, target), rule, [5, 9, 3, 17],
                            sampling=SamplingConfig(), gamma=3, k=3, max_new_tokens=4, num_samples=4_000, seed=0,
                            batch_size=2_000, num_drafts=trees)
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
+def _static_pair(target_model, assistant, prompt, refed: int):
+    """The static forms: the target keeps ``prompt``; the assistant's rows stand ``refed - 1`` slots before the
+    target's end (as after the captured loop's re-feed of ``refed`` slots whose last is the next token)."""
+    draft = Gemma4AssistantDraft(assistant, CausalLM(target_model))
+    target, static = draft.target.static_form(), draft.static_form()
+    static.bind(target)
+    ids = torch.tensor([prompt])
+    target.allocate(1, 64)
+    static.allocate(1, 64)
+    _, features = target.prefill(ids, torch.ones_like(ids), hidden_layers=draft.feature_layers)
+    static.prefill(ids, torch.ones_like(ids), leave=refed - 1)
+    return target, static, features
+
+
+def test_its_static_form_drafts_each_refed_slot_after_its_own_prefix():
+    target_model, assistant = tiny_gemma4_pair(seed=0)
+    token = torch.tensor([[33]])
+    prompt = PROMPT + [33]  # the target keeps PROMPT; 33 is the next token
+    target, static, features = _static_pair(target_model, assistant, PROMPT, 3)
+    refed, inputs = torch.tensor([prompt[-3:]]), static.fuse(features[:, -3:])  # each slot's state of the slot before
+    logits, predictions = static.forward(refed, inputs=inputs)
+    for j, length in enumerate((len(prompt) - 2, len(prompt) - 1)):  # the re-fed slots before the next token
+        theirs = _theirs(target_model, assistant, prompt[: length - 1], torch.tensor([[prompt[length - 1]]]))
+        assert torch.allclose(logits[:, j], theirs[0], atol=1e-5)
+    theirs = _theirs(target_model, assistant, PROMPT, token)
+    second, _ = static.forward(logits[:, -1].argmax(-1)[:, None], inputs=predictions[:, -1:], offset=3)
+    assert torch.allclose(logits[:, -1], theirs[0], atol=1e-5) and torch.allclose(second[:, 0], theirs[1], atol=1e-5)
+    from specresearch.drafts.gemma4 import assistant_call  # the control: the second draft at its own slot's position
+
+    uncapped, _ = assistant_call(static, target, logits[:, -1].argmax(-1)[:, None], predictions[:, -1:],
+                                 torch.tensor([[len(prompt)]]))
+    assert not torch.allclose(uncapped[:, 0], theirs[1], atol=1e-3)
+
+
+def test_its_static_form_after_a_tree_step_sees_the_kept_path_only():
+    """The target scores a tree [33; 41, 44; 47 under 44] and keeps [33, 41]: the unkept nodes stay in its buffers at
+    positions before the next token's, and the draft after the next token is still transformers' on the kept prefix."""
+    target_model, assistant = tiny_gemma4_pair(seed=0)
+    target, static, _ = _static_pair(target_model, assistant, PROMPT, 1)
+    tokens, depth = torch.tensor([[33, 41, 44, 47]]), torch.tensor([[0, 1, 1, 2]])
+    visible = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]], dtype=torch.bool)
+    _, hidden = target.forward(tokens, depth=depth, visible=visible, hidden_layers=static.feature_layers)
+    target.keep_path(torch.tensor([[0, 1]]), torch.tensor([2]))
+    static.commit(torch.tensor([2]))  # the re-feed of [33, 41] kept; 52 drafts from 41's state
+    logits, _ = static.forward(torch.tensor([[52]]), inputs=static.fuse(hidden[:, 1:2]))
+    theirs = _theirs(target_model, assistant, PROMPT + [33, 41], torch.tensor([[52]]))
+    assert torch.allclose(logits[:, 0], theirs[0], atol=1e-5)
+    target.rows.length.add_(2)  # the control: the unkept nodes' slots taken as kept (44's position is before 52's)
+    static.rows.length.sub_(2)
+    seen, _ = static.forward(torch.tensor([[52]]), inputs=static.fuse(hidden[:, 1:2]), offset=2)
+    assert not torch.allclose(seen[:, 0], theirs[0], atol=1e-3)
+
+
+STATIC_RUNS = [dict(gamma=1), dict(gamma=3), dict(gamma=3, num_drafts=2, verifier="traversal"),
+               dict(gamma=3, num_drafts=2, verifier="onehot", draft_law="dynamic", tree_nodes=5)]
+
+
+def test_in_the_captured_steps_its_greedy_drafts_give_the_targets_tokens():
+    target_model, assistant = tiny_gemma4_pair(seed=0)
+    target = CausalLM(target_model)
+    draft = Gemma4AssistantDraft(assistant, target)
+    prompts = [PROMPT, PROMPT[:5]]
+    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=GREEDY).tokens
+    for options in STATIC_RUNS:
+        out = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=GREEDY, compile="static",
+                                   **options)
+        assert out.tokens == want and all(record.target_seconds != record.target_seconds for record in out.steps)
+
+
+@pytest.mark.parametrize("options", [STATIC_RUNS[1], STATIC_RUNS[3]], ids=["chain", "dynamic tree"])
+def test_its_captured_step_traces_as_one_graph_and_compiled_computes_the_eager_step(options):
+    target_model, assistant = tiny_gemma4_pair(seed=0)
+    target = CausalLM(target_model)
+    draft = Gemma4AssistantDraft(assistant, target)
+    ids, mask = encode_prompts([PROMPT, PROMPT[:5]])
+    plan = plan_for(options.get("verifier", "block"), options["gamma"], options.get("num_drafts", 1),
+                    options.get("draft_law", "iid"), options.get("tree_nodes"))
+
+    def run(sampling):
+        return start_run(target, draft, ids, mask, plan=plan, sampling=sampling, max_new_tokens=10, steps_per_read=3)
+
+    def logs(compiled=False):
+        started = run(SamplingConfig())
+        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
+                                                    dtype=torch.float64))
+            step()
+        return started.state.log.clone()
+
+    explained = torch._dynamo.explain(run(GREEDY).step)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert torch.equal(logs(), logs(compiled=True))
+
+
+@pytest.mark.parametrize("rule, trees", [("block", 1), ("traversal", 2)])
+def test_in_the_captured_steps_at_temperature_one_it_keeps_the_targets_law(rule, trees):
+    target_model, assistant = tiny_gemma4_pair(seed=0)
+    target = CausalLM(target_model)
+    result = lossless_test(target, Gemma4AssistantDraft(assistant, target), rule, [5, 9, 3, 17],
+                           sampling=SamplingConfig(), gamma=3, k=3, max_new_tokens=4, num_samples=4_000, seed=0,
+                           batch_size=2_000, num_drafts=trees, compile="static")
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
 
 

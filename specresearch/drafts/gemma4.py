@@ -25,7 +25,8 @@ The facts are read from transformers 5.25, which runs these assistants itself (i
 :class:`Gemma4AssistantDraft` is a feature-reading draft (``models.protocols.FeatureReader``): the engine hands it the
 target's last hidden state of the slots it is fed, chains and draft trees alike (a tree's rows map onto the target's
 in order: ``repeat_rows`` and ``select_rows`` keep each copy beside its target row). It reads the target's keys from
-its cache (``CausalLM.cached_layer``), dead slots and windows masked by position.
+its cache (``CausalLM.cached_layer``), dead slots and windows masked by position. Its static form
+(:class:`StaticGemma4Assistant`) runs in the engine's captured steps, reading the keys of the target's static cache.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ import torch
 from specresearch.drafts.feature_draft import FeatureQueue
 from specresearch.models.attention import additive_mask
 from specresearch.models.causal_lm import check_prompt
+from specresearch.models.static_cache import StaticRows, keep_path
 
-__all__ = ["Gemma4AssistantDraft", "is_gemma4_assistant_dir", "load_gemma4_assistant"]
+__all__ = ["Gemma4AssistantDraft", "StaticGemma4Assistant", "assistant_call", "is_gemma4_assistant_dir",
+           "load_gemma4_assistant"]
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")  # transformers' model types, the same architecture
 
@@ -172,38 +175,119 @@ class Gemma4AssistantDraft(FeatureQueue):
     def _draft(self, tokens: torch.Tensor, features: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """One assistant call: the last seen ``tokens [B]`` at ``position [B]`` with ``features [B, F]`` -> logits
         ``[B, V]`` float32; keeps its projected state for the next draft."""
-        assistant = self.assistant
-        dtype = assistant.pre_projection.weight.dtype
         rows = self._target_rows(tokens.shape[0])
-        embedding = self.target.model.get_input_embeddings()(tokens.to(self.device))  # Gemma's scaled embedding
-        inputs = assistant.pre_projection(torch.cat([embedding.to(dtype), features.to(dtype)], -1)[:, None])
-        shared, masks = {}, {}
-        for kind, layer in self._store.items():
-            keys, values, valid, positions = self.target.cached_layer(layer)
-            valid, positions = valid[rows], positions[rows]
-            allowed = valid & (positions < position[:, None])
-            if kind == "sliding_attention" and self.window is not None:
-                allowed = allowed & (positions >= position[:, None] - 1 - int(self.window))
-            shared[kind] = (keys[rows].to(dtype), values[rows].to(dtype))
-            masks[kind] = additive_mask(allowed[:, None, :], dtype)
-        out = assistant.model(inputs_embeds=inputs, attention_mask=masks, position_ids=position[:, None],
-                              shared_kv_states=shared, use_cache=False)
-        hidden = out.last_hidden_state  # [B, 1, H]
-        self._last = assistant.post_projection(hidden)[:, 0].float()
-        return self._head(hidden)[:, 0].float()
+        logits, last = assistant_call(self, self.target, tokens[:, None].to(self.device), features[:, None],
+                                      position[:, None], rows)
+        self._last = last[:, 0]
+        return logits[:, 0]
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The assistant's logits ``[B, 1, V]``: its head, over the tokens of the clusters its centroids pick where it
-        orders its embeddings (module docstring: the rest at the row's lowest picked logit less 1)."""
-        assistant = self.assistant
-        weight = assistant.lm_head.weight
-        if not assistant.config.use_ordered_embeddings:
-            return assistant.lm_head(hidden)
-        embedder = assistant.masked_embedding
-        picked = embedder.centroids(hidden).topk(embedder.centroid_intermediate_top_k, dim=-1).indices  # [B, 1, c]
-        clusters = embedder.token_ordering.long().view(embedder.num_centroids, embedder.vocab_size_per_centroid)
-        chosen = clusters[picked].reshape(*hidden.shape[:2], -1)  # [B, 1, c * K] token ids
-        logits = (hidden[:, :, None, :] @ weight[chosen].transpose(-1, -2))[:, :, 0]  # [B, 1, c * K]
-        fill = logits.amin(-1, keepdim=True) - 1.0
-        full = fill.expand(*hidden.shape[:2], weight.shape[0]).clone()
-        return full.scatter_(-1, chosen, logits)
+    def static_form(self) -> "StaticGemma4Assistant":
+        """This assistant for the engine's captured steps (:class:`StaticGemma4Assistant`), bound there to the static
+        form of the target it is bound to now."""
+        if self.target is None:
+            raise ValueError("a Gemma 4 assistant's static form reads its target's static cache: bind it to a target "
+                             "first (the engine does, for each run)")
+        return StaticGemma4Assistant(self)
+
+
+class StaticGemma4Assistant:
+    """A Gemma 4 assistant in the engine's captured steps (``models.protocols.StaticFeatureModel``): it reads the keys
+    of the target's static cache (``models.static_lm.StaticCausalLM.cached_layer``, the run's static target, bound by
+    the engine) and keeps no cache of its own, only each row's extent (``StaticRows``), which tells a slot's position.
+
+    The captured loop feeds it as it feeds a feature head: each step re-feeds the last step's accepted tokens and next
+    token ``[x_1..x_n, next]`` with the target's states of the slots before them (``inputs``, true features), then each
+    drafted token with its own projected state of the token before (its prediction, ``forward``'s extra). Re-fed slot
+    j sits at its own position, every slot the target has kept is before it, and the next token's position is where the
+    target's cache ends; every drafted token sits at that same position (module docstring). So a slot's position is
+    its own, capped at the end of the target's kept context: the re-fed slots' are below it, the drafted ones' past it.
+    Nothing reads the host but ``allocate`` and ``prefill``, which writes nothing (no cache) and keeps the prompt's
+    slots."""
+
+    def __init__(self, draft: Gemma4AssistantDraft):
+        self.assistant, self.window, self._store = draft.assistant, draft.window, draft._store
+        self.vocab_size, self.device, self.max_context = draft.vocab_size, draft.device, draft.max_context
+        self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
+        self.target = None
+        self.rows: StaticRows | None = None
+
+    def bind(self, target) -> None:
+        """Read ``target``'s static cache (the run's static target: ``cached_layer`` and ``rows``)."""
+        if not (hasattr(target, "cached_layer") and hasattr(target, "rows")):
+            raise ValueError(f"a Gemma 4 assistant's static form reads a static target's cache "
+                             f"(models.static_lm.StaticCausalLM), got {type(target).__name__}")
+        self.target = target
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.rows = StaticRows(batch, capacity, self.device)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's states ``[B, k, F]`` are the assistant's inputs as they are."""
+        return features.float().to(self.device)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0, inputs=None):
+        """Start a batch: keep the prompt's first ``L - leave`` slots (nothing to write: it drafts from the target's
+        keys, not its own). -> (None, None): the first step's re-feed drafts from the prompt's last token."""
+        if self.target is None:
+            raise ValueError("bind the static assistant to the run's static target before prefill")
+        self.rows.begin(attention_mask.to(self.device))
+        self.rows.advance(input_ids.shape[1] - leave)
+        return None, None
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, *, inputs: torch.Tensor, offset: int = 0, depth=None, visible=None):
+        """Draft after each of ``tokens [B, k]``, fed ``inputs [B, k, F]``, at ``length + offset`` of its rows (a tree's
+        nodes too: their drafts sit at the same capped position, over the same keys; ``depth`` and ``visible`` change
+        nothing). -> (logits ``[B, k, V]`` float32, its projected states ``[B, k, F]``)."""
+        rows, target = self.rows, self.target.rows
+        slots = rows.length[:, None] + offset + torch.arange(tokens.shape[1], device=tokens.device)
+        positions = torch.minimum(slots - rows.start[:, None], (target.length - target.start)[:, None])
+        return assistant_call(self, self.target, tokens, inputs, positions)
+
+    def commit(self, n) -> None:
+        self.rows.advance(n)
+
+    def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
+        keep_path([], self.rows, source, n)
+
+
+def assistant_call(draft, target, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of ``draft``'s assistant (its ``assistant``, ``window`` and ``_store``): after ``tokens [B, k]``, fed
+    ``features [B, k, F]``, each at ``positions [B, k]`` over ``target``'s kept keys before it (``cached_layer``; the
+    target's row ``rows [B]`` of each, None: the same). Each slot is a query of its own (the assistant attends to no
+    slot of its own). -> (logits ``[B, k, V]`` float32, projected states ``[B, k, F]`` float32)."""
+    assistant = draft.assistant
+    dtype = assistant.pre_projection.weight.dtype
+    embedding = target.model.get_input_embeddings()(tokens)  # Gemma's scaled embedding
+    inputs = assistant.pre_projection(torch.cat([embedding.to(dtype), features.to(dtype)], -1))
+    shared, masks = {}, {}
+    for kind, layer in draft._store.items():
+        keys, values, valid, key_positions = target.cached_layer(layer)
+        if rows is not None:
+            keys, values, valid, key_positions = keys[rows], values[rows], valid[rows], key_positions[rows]
+        allowed = valid[:, None, :] & (key_positions[:, None, :] < positions[:, :, None])  # [B, k, S]
+        if kind == "sliding_attention" and draft.window is not None:
+            allowed = allowed & (key_positions[:, None, :] >= positions[:, :, None] - 1 - int(draft.window))
+        shared[kind] = (keys.to(dtype), values.to(dtype))
+        masks[kind] = additive_mask(allowed, dtype)
+    out = assistant.model(inputs_embeds=inputs, attention_mask=masks, position_ids=positions, shared_kv_states=shared,
+                          use_cache=False)
+    hidden = out.last_hidden_state  # [B, k, H]
+    return _head(assistant, hidden).float(), assistant.post_projection(hidden).float()
+
+
+def _head(assistant, hidden: torch.Tensor) -> torch.Tensor:
+    """The assistant's logits ``[B, k, V]``: its head, over the tokens of the clusters its centroids pick where it
+    orders its embeddings (module docstring: the rest at the slot's lowest picked logit less 1)."""
+    weight = assistant.lm_head.weight
+    if not assistant.config.use_ordered_embeddings:
+        return assistant.lm_head(hidden)
+    embedder = assistant.masked_embedding
+    picked = embedder.centroids(hidden).topk(embedder.centroid_intermediate_top_k, dim=-1).indices  # [B, k, c]
+    clusters = embedder.token_ordering.long().view(embedder.num_centroids, embedder.vocab_size_per_centroid)
+    chosen = clusters[picked].reshape(*hidden.shape[:2], -1)  # [B, k, c * K] token ids
+    logits = (hidden[:, :, None, :] @ weight[chosen].transpose(-1, -2))[:, :, 0]  # [B, k, c * K]
+    fill = logits.amin(-1, keepdim=True) - 1.0
+    full = fill.expand(*hidden.shape[:2], weight.shape[0]).clone()
+    return full.scatter_(-1, chosen, logits)

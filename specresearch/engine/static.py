@@ -59,7 +59,7 @@ from specresearch.engine.results import (
 from specresearch.engine.static_trees import CAPTURED_TREE_RULES, draft_tree, tree_uniforms, verify_tree
 from specresearch.engine.steps import StepChecks, StepRecord
 from specresearch.engine.timing import clock
-from specresearch.models.protocols import HasStaticForm, StaticFeatureModel
+from specresearch.models.protocols import BindsTarget, HasStaticForm, StaticFeatureModel
 
 __all__ = ["CAPACITY_STEP", "SESSIONS_KEPT", "StaticPlan", "static_available", "static_generate", "build_run", "start_run",
            "cache_capacity", "runner_mode", "capture_refusal", "plan_for"]
@@ -116,8 +116,8 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
         return None
     if not isinstance(draft, HasStaticForm):
         return (f"draft {type(draft).__name__} has no static form (prompt lookup, a length plan, Medusa heads, a DFlash "
-                "or P-EAGLE block decide on the host; a Gemma 4 assistant reads the target's growing cache): use a "
-                "whole-model draft or an EAGLE-1/2/3 or toolkit feature head")
+                "or P-EAGLE block decide on the host): use a whole-model draft, an EAGLE-1/2/3 or toolkit feature head "
+                "or a Gemma 4 assistant")
     if stop_below is not None or expectations:
         return "adaptive chains (stop_below) and expectations= are the growing loop's"
     tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
@@ -437,6 +437,8 @@ def build_run(target, draft, *, plan: StaticPlan, sampling: SamplingConfig, batc
     device = target.device
     static_target = target.static_form()
     static_draft = None if draft is None else draft.static_form()
+    if isinstance(static_draft, BindsTarget):  # a draft that reads its target's cache (drafts.gemma4): the static one's
+        static_draft.bind(static_target)
     reads = isinstance(static_draft, StaticFeatureModel)
     state = _State(plan, batch, device, static_draft.feature_size if reads else 0, steps_per_read,
                    torch.tensor(sorted(eos), dtype=torch.long))

@@ -109,6 +109,15 @@ class StaticCausalLM:
             return logits, None
         return logits, torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1).float()
 
+    def cached_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s key and value buffers ``[B, H, capacity, D]``, with each slot's validity (inside its row's
+        kept context) and position ``[B, capacity]``: ``CausalLM.cached_layer``'s answer, for a draft that attends to
+        the target's keys in a captured step (``drafts.gemma4``). Read on the device, no host value."""
+        kv = self._cache.layers[layer].kv
+        columns = self.rows.columns[None]
+        valid = (columns >= self.rows.start[:, None]) & (columns < self.rows.length[:, None])
+        return kv.keys, kv.values, valid, self.rows.positions
+
     def commit(self, n: torch.Tensor | int) -> None:
         """Keep the first ``n [B]`` slots the last calls wrote past each row's length."""
         self.rows.advance(n)
