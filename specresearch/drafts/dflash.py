@@ -70,14 +70,16 @@ from pathlib import Path
 import torch
 
 from specresearch.drafts.dflash2 import DFLASH2_KEYS, CandidateSelector, GroupedConv, dflash2_refusal, dflash2_shapes
+from specresearch.drafts.dflash_static import StaticDFlashDraft, block_mask
 from specresearch.drafts.distilled import SubsetHead
+from specresearch.drafts.dspark import MarkovHead
 from specresearch.drafts.feature_draft import MLP, FeatureQueue, RMSNorm, rotate_half
 from specresearch.drafts.speculators import SPECULATORS_METADATA, refused_layer
 from specresearch.drafts.store import check_tensors, published_weights, read_tensors
 from specresearch.drafts.xpress import XPRESS_KEYS, XPressRefiner, tokens_before, xpress_refusal, xpress_settings
 from specresearch.models.slots import SlotMask
 
-__all__ = ["DFlashBlock", "DFlashDraft", "MarkovHead", "is_dflash_dir", "load_dflash"]
+__all__ = ["DFlashBlock", "DFlashDraft", "is_dflash_dir", "load_dflash"]
 
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _TRANSFORMERS_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
@@ -196,38 +198,6 @@ class DFlashBlock(torch.nn.Module):
         return self.norm(h)
 
 
-class MarkovHead(torch.nn.Module):
-    """DSpark's sequential logit bias over the draft vocabulary (speculators' ``MarkovHead``, ``vanilla`` or
-    ``gated``): ``markov_w2(e)`` with ``e = markov_w1[previous token]`` (the target's ids), gated by
-    ``sigmoid(gate_proj([hidden, e]))`` where ``gated``; ``hidden`` is the block's normed output at the slot."""
-
-    def __init__(self, vocab: int, draft_vocab: int, rank: int, hidden: int, gated: bool) -> None:
-        super().__init__()
-        self.markov_w1 = torch.nn.Embedding(vocab, rank)
-        self.markov_w2 = torch.nn.Linear(rank, draft_vocab, bias=False)
-        self.gate_proj = torch.nn.Linear(hidden + rank, rank) if gated else None
-
-    def forward(self, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """``previous [...]`` token ids, ``hidden [..., H]`` -> the bias ``[..., draft vocabulary]``."""
-        embedding = self.markov_w1(previous)
-        if self.gate_proj is not None:
-            embedding = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedding], -1))) * embedding
-        return self.markov_w2(embedding)
-
-
-def _mask(kind, query_positions, key_positions, key_valid) -> torch.Tensor:
-    """Which keys each query sees for a layer ``kind = (causal, window, inclusive)``: ``query_positions [N, m]``,
-    ``key_positions [N, S]``, ``key_valid [N, m, S]`` -> ``[N, m, S]``."""
-    causal, window, inclusive = kind
-    distance = query_positions[:, :, None] - key_positions[:, None, :]  # q - k
-    allowed = key_valid
-    if causal:
-        allowed = allowed & (distance >= 0)
-    if window is not None:
-        allowed = allowed & ((distance.abs() <= window) if inclusive else (distance < window) & (causal | (-distance < window)))
-    return allowed
-
-
 class DFlashDraft(FeatureQueue):
     """A DFlash drafter behind the engine's ``LanguageModel`` interface, with ``FeatureReader``, ``PlansLength`` and
     ``RowExpander`` (module docstring). Every slot fed has a column in each layer's context cache: the fused feature of
@@ -300,7 +270,7 @@ class DFlashDraft(FeatureQueue):
             at = depth + self.block.block_size - self.block.predictions
             self._line[rows, at] = tokens[:, 0]
             bias = self.block.refiner_head(self._full, self._line, at)
-        return self._logits(self._block[rows, depth], tokens[:, 0], hidden, bias)[:, None]
+        return self.position_logits(self._block[rows, depth], tokens[:, 0], hidden, bias)[:, None]
 
     def _extend(self, context, depth, tokens, keys=None, values=None) -> None:
         """The new slots' context flags, depths, tokens and (none: empty) context keys and values."""
@@ -326,28 +296,44 @@ class DFlashDraft(FeatureQueue):
         columns = torch.arange(k if every_column else 1, device=self.device) + (0 if every_column else k - 1)
         c, size = len(columns), self.block.block_size
         anchors = positions[:, columns].reshape(-1)  # [B c]
-        ids = torch.full((batch * c, size), self.block.mask_token_id, dtype=torch.long, device=self.device)
-        ids[:, 0] = tokens[:, columns].reshape(-1)
-        table = self._frozen["embedding"].weight
-        embeds = torch.nn.functional.embedding(ids, table).float() * self.block.embedding_scale
+        embeds = self.embed_block(tokens[:, columns].reshape(-1))
         query_positions = anchors[:, None] + torch.arange(size, device=self.device)
         slots = torch.arange(self._slots.length, device=self.device)
         seen = (self._context[:, None, :] & (slots[None, None, :] <= (start + columns)[None, :, None]))  # [B, c, S]
         seen = seen.reshape(batch * c, 1, -1).expand(-1, size, -1)
         key_positions = torch.cat([(self._slots.positions - 1).repeat_interleave(c, 0), query_positions], 1)
         key_valid = torch.cat([seen, seen.new_ones(batch * c, size, size)], -1)
-        masks = {kind: _mask(kind, query_positions, key_positions, key_valid) for kind in set(self.block.kinds)}
+        masks = {kind: block_mask(kind, query_positions, key_positions, key_valid) for kind in set(self.block.kinds)}
         keys = [x.repeat_interleave(c, 0) for x in self._keys]
         values = [x.repeat_interleave(c, 0) for x in self._values]
         out = self.block.run(embeds, query_positions, keys, values, masks)  # [B c, size, H]
         hidden = out[:, size - self.block.predictions:].reshape(batch, c, self.block.predictions, -1)
-        base = self._base(hidden)  # [B, c, P, V]
+        base = self.base_logits(hidden)  # [B, c, P, V]
         self._block = base[:, -1]
         self._hidden = hidden[:, -1] if self._reads_hidden else None
         result = torch.zeros(batch, k, self.vocab_size, device=self.device)
         bias = self._refine(out.view(batch, c, size, -1), tokens[:, columns], start + columns)
-        result[:, columns] = self._logits(base[:, :, 0], tokens[:, columns], hidden[:, :, 0], bias)
+        result[:, columns] = self.position_logits(base[:, :, 0], tokens[:, columns], hidden[:, :, 0], bias)
         return result
+
+    def embed_block(self, anchors: torch.Tensor) -> torch.Tensor:
+        """The blocks ``[anchor, mask x (B - 1)]`` of ``anchors [N]`` as the layers read them ``[N, B, H]``: the
+        target's raw embedding table, times ``input_embedding_scale``."""
+        ids = anchors.new_full((len(anchors), self.block.block_size), self.block.mask_token_id)
+        ids[:, 0] = anchors
+        return torch.nn.functional.embedding(ids, self._frozen["embedding"].weight).float() * self.block.embedding_scale
+
+    @property
+    def static_refusal(self) -> str | None:
+        """Why this drafter has no static form (XPress: its refiner reads the tokens drafted so far), or None."""
+        return None if self.block.refiner_head is None else (
+            "XPress's refiner reads the tokens drafted so far along the block: it has no static form")
+
+    def static_form(self) -> StaticDFlashDraft:
+        """This drafter in the engine's captured steps (``drafts.dflash_static.StaticDFlashDraft``)."""
+        if self.static_refusal:
+            raise ValueError(f"{self.static_refusal}: run the growing loop (compile='off')")
+        return StaticDFlashDraft(self)
 
     def _refine(self, out: torch.Tensor, anchors: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
         """XPress's bias of each column's first drafted position (``out [B, c, size, H]``, the anchors' tokens and
@@ -366,12 +352,12 @@ class DFlashDraft(FeatureQueue):
         return self.block.refiner_head(out.reshape(batch * c, size, -1), line.view(batch * c, size), at).view(
             batch, c, -1)
 
-    def _base(self, hidden: torch.Tensor) -> torch.Tensor:
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head's logits over the target's vocabulary (the draft vocabulary's others the lowest float)."""
         head = self.block.head if self.block.head is not None else self._frozen["head"]
         return head(hidden.to(head.weight.dtype))[..., : self.vocab_size].float()
 
-    def _logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor | None,
+    def position_logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """A drafted position's logits: ``base`` plus XPress's ``bias`` and DSpark's Markov bias of the ``previous``
         token (on the draft vocabulary's columns), times ``output_multiplier``, softcapped where the config says;

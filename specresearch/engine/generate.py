@@ -281,7 +281,8 @@ def speculative_generate(
             is still exact (one wait at the end) and the per-step split is NaN.
         compile: ``"off"`` this loop; ``"on"`` / ``"auto"`` / ``"static"`` / a runner mode: captured steps over
             static caches (:mod:`specresearch.engine.static`, ``COMPILE_CHOICES``: chains and dynamic / static trees
-            with a whole-model draft or a feature head); ``"auto"`` takes them on CUDA where the run has them.
+            with a whole-model draft, a feature head, a DFlash block or a Gemma 4 assistant); ``"auto"`` takes them on
+            CUDA where the run has them.
     Returns:
         ``GenerationResult`` with tokens ``[B][<= max_new_tokens]`` and one ``StepRecord`` per step.
     """
@@ -311,7 +312,7 @@ def speculative_generate(
     plan_context(target, ids, mask, max_new_tokens)  # before the choice of steps: a run that changes a rotary set has no
     plan_context(draft, ids, mask, max_new_tokens)  # static form (models.prefix_sets)
     why_not = static_available(target, draft, verifier=verifier, num_drafts=num_drafts, draft_law=draft_law,
-                               stop_below=stop_below, expectations=expectations)
+                               stop_below=stop_below, expectations=expectations, gamma=gamma)
     mode = runner_mode(compile, target.device, why_not, partial(capture_refusal, target, draft))
     if mode is not None:
         return static_generate(target, draft, prompts, plan=plan_for(verifier, gamma, num_drafts, draft_law, tree_nodes),

@@ -59,7 +59,7 @@ from specresearch.engine.results import (
 from specresearch.engine.static_trees import CAPTURED_TREE_RULES, draft_tree, tree_uniforms, verify_tree
 from specresearch.engine.steps import StepChecks, StepRecord
 from specresearch.engine.timing import clock
-from specresearch.models.protocols import BindsTarget, HasStaticForm, StaticFeatureModel
+from specresearch.models.protocols import BindsTarget, HasStaticForm, PlansLength, StaticFeatureModel
 
 __all__ = ["CAPACITY_STEP", "SESSIONS_KEPT", "StaticPlan", "static_available", "static_generate", "build_run", "start_run",
            "cache_capacity", "runner_mode", "capture_refusal", "plan_for"]
@@ -103,8 +103,9 @@ class StaticPlan:
 
 
 def static_available(target, draft=None, *, verifier: str = "block", num_drafts: int = 1, draft_law: str = "iid",
-                     stop_below=None, expectations=()) -> str | None:
-    """Why a run has no captured form (a sentence to show the user), or None when it has one."""
+                     stop_below=None, expectations=(), gamma: int | None = None) -> str | None:
+    """Why a run has no captured form (a sentence to show the user), or None when it has one; ``gamma``: the drafted
+    tokens a step (a tree's depth), which a draft that plans fewer (``PlansLength``) cannot draft there."""
     if not isinstance(target, HasStaticForm):
         return f"target {type(target).__name__} has no static form (a models.causal_lm.CausalLM has)"
     for role, lm in (("target", target), ("draft", draft)):
@@ -115,9 +116,13 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     if draft is None:
         return None
     if not isinstance(draft, HasStaticForm):
-        return (f"draft {type(draft).__name__} has no static form (prompt lookup, a length plan, Medusa heads, a DFlash "
-                "or P-EAGLE block decide on the host): use a whole-model draft, an EAGLE-1/2/3 or toolkit feature head "
+        return (f"draft {type(draft).__name__} has no static form (prompt lookup, Medusa heads, a P-EAGLE block decide on "
+                "the host): use a whole-model draft, an EAGLE-1/2/3 or toolkit feature head, a DFlash or DSpark block "
                 "or a Gemma 4 assistant")
+    planned = draft.plan_length(gamma) if gamma is not None and isinstance(draft, PlansLength) else gamma
+    if planned is not None and planned < gamma:
+        return (f"draft {type(draft).__name__} drafts at most {planned} tokens a step and captured steps draft all "
+                f"gamma = {gamma} (or a tree's depth): use gamma <= {planned}")
     if stop_below is not None or expectations:
         return "adaptive chains (stop_below) and expectations= are the growing loop's"
     tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
@@ -258,10 +263,12 @@ class _Run:
 
     def _refeed(self):
         """Re-feed the last step's accepted tokens and next token; -> the draft's logits ``[B, V]`` and prediction
-        ``[B, H]`` (or None) at the pending token, the slot the step drafts from."""
+        ``[B, H]`` (or None) at the pending token, the slot the step drafts from. A draft with a ``refeed`` of its own
+        (a block drafter, which runs its block there: ``drafts.dflash_static``) is re-fed through it."""
         s = self.state
         inputs = self.draft.fuse(s.refeed_features) if self.reads else None
-        logits, hidden = self._draft_call(s.refeed_tokens, inputs)
+        refeed = getattr(self.draft, "refeed", None)
+        logits, hidden = refeed(s.refeed_tokens, inputs=inputs) if refeed else self._draft_call(s.refeed_tokens, inputs)
         last = (s.refeed_count - 1)[:, None]  # [B, 1]
         self.draft.commit(s.refeed_count * s.active)
         logits = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))[:, 0]
