@@ -140,8 +140,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
     p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
                    help="captured steps over static caches (engine.static): auto = on CUDA where the run has them "
-                        "(a whole-model draft, a feature head: --draft eagle3-v8k, a DFlash block, a Gemma 4 assistant), "
-                        "else the growing loop; on; off")
+                        "(a whole-model draft, a feature head: --draft eagle3-v8k, Medusa heads, a DFlash block, a "
+                        "Gemma 4 assistant), else the growing loop; on; off")
     _add_decoding_arguments(p)
     p.set_defaults(func=_run_generate)
 

@@ -18,7 +18,8 @@ As a draft here: the engine's pending token is ``x_{t+1}`` (sampled from the tar
 token ``x_{t+2}`` comes from head 0 on the feature of slot t, the d-th from head d - 1 on the same feature. The draft
 reads ``hidden_states[L]`` through ``FeatureReader`` and plans at most ``medusa_num_heads`` drafted tokens a step
 (``PlansLength``). q is each head's softmax: Medusa's own acceptance (typical / nucleus) is audited in
-``audit.engines``; here any verifier of the engine keeps the target's law.
+``audit.engines``; here any verifier of the engine keeps the target's law. Its static form
+(:class:`StaticMedusaDraft`) runs in the engine's captured steps.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 from specresearch.drafts.feature_draft import FeatureQueue
 from specresearch.drafts.store import published_weights, read_tensors
 from specresearch.models.slots import SlotMask
+from specresearch.models.static_cache import StaticRows, keep_path
 
-__all__ = ["MedusaHeads", "MedusaDraft", "is_medusa_dir", "load_medusa"]
+__all__ = ["MedusaHeads", "MedusaDraft", "StaticMedusaDraft", "is_medusa_dir", "load_medusa"]
 
 _WEIGHTS = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")
 
@@ -144,6 +146,10 @@ class MedusaDraft(FeatureQueue):
             logits[at] = self.heads(anchor[at], d)
         return logits
 
+    def static_form(self) -> "StaticMedusaDraft":
+        """These heads in the engine's captured steps (:class:`StaticMedusaDraft`)."""
+        return StaticMedusaDraft(self)
+
     def rollback(self, n) -> None:
         common, uneven = self._slots.rollback(n)
         end = self._slots.length
@@ -168,6 +174,53 @@ class MedusaDraft(FeatureQueue):
         if index is not None:
             self._anchor = self._anchor.gather(1, index[:, :, None].expand(-1, -1, self._anchor.shape[-1]))
             self._depth = self._depth.gather(1, index)
+
+
+class StaticMedusaDraft:
+    """Medusa heads in the engine's captured steps (``models.protocols.StaticFeatureModel``). They keep no cache, only
+    each row's extent. The step's re-feed (:meth:`refeed`: the accepted tokens and the next token, each with the
+    target's feature of the slot before it) gives head 0 on each slot's feature, and that feature as the slot's
+    prediction, which the engine gathers at the next token's slot and hands to the drafting calls; a drafting call at
+    depth d of the step (a chain's ``offset = d - 1``, a tree's ``(d - 1) K``: d = ``offset // k + 1``) gives head d on
+    it (a tree's siblings share it). Nothing reads the host but ``allocate`` and ``prefill``."""
+
+    def __init__(self, draft: MedusaDraft) -> None:
+        self.heads, self.vocab_size, self.device = draft.heads, draft.vocab_size, draft.device
+        self.feature_layers, self.feature_size = draft.feature_layers, draft.feature_size
+        self.rows: StaticRows | None = None
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.rows = StaticRows(batch, capacity, self.device)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features ``[B, k, H]`` are the heads' inputs as they are."""
+        return features.float().to(self.device)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0, inputs=None):
+        """Start a batch (nothing to write). -> (None, None): the first drafted token comes from the first re-feed."""
+        self.rows.begin(attention_mask.to(self.device))
+        self.rows.advance(input_ids.shape[1] - leave)
+        return None, None
+
+    @torch.no_grad()
+    def refeed(self, tokens: torch.Tensor, *, inputs: torch.Tensor):
+        """-> (head 0 on each slot's feature ``[B, k, V]``, the features ``[B, k, H]``)."""
+        return self.heads(inputs, 0), inputs
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, *, inputs: torch.Tensor, offset: int = 0, depth=None, visible=None):
+        """A drafting call: head ``offset // k + 1`` on ``inputs [B, k, H]`` (the anchor's feature). -> (logits, it)."""
+        head = offset // tokens.shape[1] + 1
+        if head >= self.heads.num_heads:
+            raise ValueError(f"Medusa has {self.heads.num_heads} heads: it drafts at most {self.heads.num_heads} tokens "
+                             "a step (gamma, or a tree's depth)")
+        return self.heads(inputs, head), inputs
+
+    def commit(self, n) -> None:
+        self.rows.advance(n)
+
+    def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
+        keep_path([], self.rows, source, n)
 
 
 def is_medusa_dir(directory: str | os.PathLike) -> bool:
