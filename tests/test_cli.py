@@ -89,14 +89,19 @@ def test_cuda_graph_modes_off_cuda_are_refused_before_a_model_loads(capsys, monk
 
 @pytest.mark.slow
 def test_compile_on_names_what_has_no_captured_step_and_a_captured_run_prints_its_figures(capsys):
-    """``--compile on`` with generate's default draft (prompt lookup decides on the host): one line, before any model
-    loads, saying why and what runs it; with the feature head, captured steps (eager here: ``--compile static``) print
-    the usual figures."""
-    _user_error(capsys, ["generate", "hi", "--compile", "on", "--max-new-tokens", "2"], "--compile on runs captured steps",
-                "prompt lookup decides on the host", "--draft eagle3-v8k", "--compile off")
-    assert main(["generate", "hi", "--draft", "fp16:eagle3-v8k", "--gamma", "2", "--compile", "static",
-                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
-    assert "gamma 2, block efficiency" in capsys.readouterr().out
+    """``--compile on`` with prompt lookup alone, in a tree, or with a named lookup draft's length plan below gamma
+    (decided per step on the host): one line, before any model loads, saying why and what runs it; generate's default
+    draft and the feature head run captured steps (eager here: ``--compile static``) and print the usual figures."""
+    _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "ngram"], "--compile on runs captured steps",
+                "prompt lookup alone decides on the host", "--draft eagle3-v8k", "--compile off")
+    _user_error(capsys, ["generate", "hi", "--compile", "on", "--num-drafts", "2", "--verifier", "traversal"],
+                "prompt lookup drafts chains there, not trees")
+    _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "ngram+eagle3-v8k", "--gamma", "3"],
+                "length plan (@draft-gamma=1", "ngram+eagle3-v8k@draft-gamma=none")
+    for draft in ("fp16:eagle3-v8k", "ngram+fp16:eagle3-v8k"):
+        assert main(["generate", "hi", "--draft", draft, "--gamma", "2", "--compile", "static", "--max-new-tokens", "6",
+                     "--temperature", "0"]) == 0
+        assert "gamma 2, block efficiency" in capsys.readouterr().out
 
 
 def test_audit_engine_errors_and_a_run_with_its_record(capsys, tmp_path):

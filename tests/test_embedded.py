@@ -175,17 +175,22 @@ def test_greedy_trees_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_re
     assert out.block_efficiency > 1.2
 
 
-@pytest.mark.parametrize("options", [dict(verifier="block", gamma=2), dict(verifier="traversal", num_drafts=2, gamma=2),
-                                     dict(verifier="onehot", num_drafts=4, gamma=4, tree_nodes=10, draft_law="dynamic")],
-                         ids=["chain", "sampled tree", "dynamic tree"])
-def test_captured_steps_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_reference, options):
-    """The shipped head (float16 weights, the CPU's kernels) in captured steps gives the target's greedy tokens
-    token for token, with the growing loop's accepted counts but for the last block (cut there, not shortened)."""
+@pytest.mark.parametrize("name, options", [
+    ("fp16:eagle3-v8k", dict(verifier="block", gamma=2)),
+    ("fp16:eagle3-v8k", dict(verifier="traversal", num_drafts=2, gamma=2)),
+    ("fp16:eagle3-v8k", dict(verifier="onehot", num_drafts=4, gamma=4, tree_nodes=10, draft_law="dynamic")),
+    ("ngram+fp16:eagle3-v8k", dict(verifier="block", gamma=1)),
+    ("ngram+fp16:eagle3-v8k@draft-gamma=none", dict(verifier="block", gamma=3))],
+    ids=["chain", "sampled tree", "dynamic tree", "generate's default", "lookup or head, gamma 3"])
+def test_captured_steps_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_reference, name, options):
+    """The shipped head (float16 weights, the CPU's kernels), alone and behind prompt lookup (``specresearch
+    generate``'s default draft), in captured steps gives the target's greedy tokens token for token, with the growing
+    loop's accepted counts but for the last block (cut there, not shortened)."""
     from specresearch.drafts.registry import draft_from_name
 
     lm, tokenizer = smollm
     prompts, reference = greedy_reference
-    draft = draft_from_name("fp16:eagle3-v8k", lm, tokenizer)
+    draft = draft_from_name(name, lm, tokenizer)
     out = speculative_generate(lm, draft, prompts, tokenizer=tokenizer, max_new_tokens=32, sampling=GREEDY,
                                compile="static", **options)
     grown = speculative_generate(lm, draft, prompts, tokenizer=tokenizer, max_new_tokens=32, sampling=GREEDY, **options)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from specresearch.checks import check_int
-from specresearch.drafts.ngram import NGramDraft
+from specresearch.drafts.ngram import NGramDraft, lookup_at_slots
 from specresearch.models.slots import SlotMask, rollback_counts
+from specresearch.models.static_cache import StaticRows, mark_static
 
-__all__ = ["LookupOrDraft"]
+__all__ = ["LookupOrDraft", "StaticLookupOrDraft"]
 
 
 class LookupOrDraft:
@@ -90,6 +91,26 @@ class LookupOrDraft:
         """The wrapped draft's plan of the run's context (``models.protocols.PlansContext``), where it has one."""
         plan = getattr(self.draft, "plan_context", None)
         return bool(plan(positions, shortest)) if plan is not None else False
+
+    captures_trees = False  # captured steps: chains only (a tree node's lookup context is its own path)
+
+    @property
+    def static_refusal(self) -> str | None:
+        """Why this draft has no static form (the wrapped draft has none), or None."""
+        if not hasattr(self.draft, "static_form"):
+            return f"prompt lookup over {type(self.draft).__name__}, which has no static form"
+        return getattr(self.draft, "static_refusal", None)
+
+    def static_form(self) -> "StaticLookupOrDraft":
+        """Prompt lookup and the wrapped draft's static form in the engine's captured steps (:class:`StaticLookupOrDraft`)."""
+        if self.static_refusal:
+            raise ValueError(f"{self.static_refusal}: run the growing loop (compile='off')")
+        return StaticLookupOrDraft(self)
+
+    def fixed_length(self, gamma: int) -> int | None:
+        """The tokens every step drafts (``models.protocols.PlansLength``): ``gamma``, or None where the length plan
+        (``draft_gamma`` below ``gamma``) decides it per step on the host."""
+        return gamma if self.draft_gamma is None or self.draft_gamma >= gamma else None
 
     def plan_length(self, gamma: int) -> int:
         """``gamma`` if some row's context ends in a match of ``plan_match`` tokens or more (or ``draft_gamma``
@@ -173,6 +194,74 @@ class LookupOrDraft:
         """Lookup's logits where ``matches`` (``[B]`` or ``[B, k]``) reach ``min_match``, else the wrapped draft's."""
         use = (matches >= self.min_match).to(drafted.device)[..., None]
         return torch.where(use, looked.to(drafted.device, drafted.dtype), drafted)
+
+
+class StaticLookupOrDraft:
+    """:class:`LookupOrDraft` in the engine's captured steps (chains): each slot's logits are prompt lookup's ``log q``
+    where its context's suffix of ``min_match`` or more tokens occurred earlier in it, else the wrapped draft's static
+    form's, whose state and predictions it passes on. The lookup runs on the device over a static buffer of each
+    slot's token (:func:`~specresearch.drafts.ngram.lookup_at_slots`), so nothing reads the host but ``allocate`` and
+    ``prefill``; the wrapped draft runs every call (laziness is a host decision: on a GPU its calls cost a step's
+    launches, not its weights). A feature draft wrapped keeps the feature channel."""
+
+    def __init__(self, draft: LookupOrDraft) -> None:
+        self.inner = draft.draft.static_form()
+        self.lookup, self.min_match = draft.lookup, draft.min_match
+        self.vocab_size, self.device = draft.vocab_size, draft.device
+        self.max_context = draft.max_context
+        if draft._reads:  # a feature draft wrapped: forward its channel (models.protocols.StaticFeatureModel)
+            self.feature_layers, self.feature_size = self.inner.feature_layers, self.inner.feature_size
+        if hasattr(self.inner, "refeed"):  # a block drafter's own re-feed (engine.static re-feeds through it)
+            self.refeed = self._refeed
+        self.rows: StaticRows | None = None
+        self._tokens: torch.Tensor | None = None  # [B, capacity] each slot's token
+
+    def bind(self, target) -> None:  # a wrapped draft that reads its target's cache (models.protocols.BindsTarget)
+        if hasattr(self.inner, "bind"):
+            self.inner.bind(target)
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.inner.allocate(batch, capacity)
+        self.rows = StaticRows(batch, capacity, self.device)
+        self._tokens = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
+        mark_static(self._tokens)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self.inner.fuse(features)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0, **inputs):
+        """Start a batch: the wrapped draft's prefill, and the prompt's first ``L - leave`` tokens kept."""
+        self.rows.begin(attention_mask.to(self.device))
+        fed = input_ids.shape[1] - leave
+        if fed > 0:
+            self._tokens[:, :fed] = input_ids[:, :fed].to(self.device)
+            self.rows.advance(fed)
+        return self.inner.prefill(input_ids, attention_mask, leave=leave, **inputs)
+
+    def _look(self, tokens: torch.Tensor, offset: int, logits: torch.Tensor) -> torch.Tensor:
+        """Write ``tokens [B, k]`` at ``length + offset`` and choose, slot by slot, lookup's logits or ``logits``."""
+        slots = self.rows.length[:, None] + offset + torch.arange(tokens.shape[1], device=self.device)
+        self._tokens.scatter_(1, slots, tokens)
+        looked, matches = lookup_at_slots(self._tokens, self.rows.start, slots, self.vocab_size, self.lookup.max_ngram,
+                                          self.lookup.floor)
+        return torch.where((matches >= self.min_match)[:, :, None], looked, logits)
+
+    def _refeed(self, tokens: torch.Tensor, **inputs):
+        logits, extra = self.inner.refeed(tokens, **inputs)
+        return self._look(tokens, 0, logits), extra
+
+    def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None, **inputs):
+        if depth is not None:
+            raise ValueError("prompt lookup in captured steps drafts chains: a tree node's context is its own path")
+        logits, extra = self.inner.forward(tokens, offset=offset, **inputs)
+        return self._look(tokens, offset, logits), extra
+
+    def commit(self, n) -> None:
+        self.inner.commit(n)
+        self.rows.advance(n)
+
+    def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
+        raise ValueError("prompt lookup in captured steps drafts chains, not trees")
 
 
 class _Backlog:

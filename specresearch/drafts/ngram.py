@@ -8,7 +8,7 @@ import torch
 from specresearch.models.causal_lm import check_prompt
 from specresearch.models.slots import SlotMask
 
-__all__ = ["NGramDraft", "ngram_probs", "ngram_match_length"]
+__all__ = ["NGramDraft", "ngram_probs", "ngram_match_length", "lookup_at_slots"]
 
 
 def ngram_probs(context: torch.Tensor, vocab_size: int, max_ngram: int = 3, floor: float = 0.02) -> torch.Tensor:
@@ -131,3 +131,37 @@ def ngram_match_length(context: torch.Tensor, max_ngram: int = 3) -> int:
         if bool((context[:-1].unfold(0, n, 1) == context[-n:]).all(-1).any()):
             return n
     return 0
+
+
+def lookup_at_slots(tokens: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, vocab_size: int, max_ngram: int = 3,
+                    floor: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ngram_probs` and :func:`ngram_match_length` of many contexts at once, on the device and without a host
+    read (the captured steps' prompt lookup): row b's context for query j is ``tokens[b, start[b] .. slots[b, j]]``
+    (``tokens [B, C]`` a static buffer of each slot's token, ``start [B]``, ``slots [B, k]``). -> (log q ``[B, k,
+    V]`` float32, match lengths ``[B, k]``). A window ending at slot c (c < the query's slot) matches n tokens where
+    ``tokens[c - j] == tokens[s - j]`` for j < n, both inside the context; the longest n found picks the windows whose
+    following tokens are counted, else the context's unigram counts."""
+    batch, capacity = tokens.shape
+    columns = torch.arange(capacity, device=tokens.device)
+    inside = columns[None] >= start[:, None]  # [B, C]
+    before = inside[:, None, :] & (columns[None, None, :] < slots[:, :, None])  # [B, k, C]: window ends
+    run = torch.zeros(batch, slots.shape[1], capacity, dtype=torch.long, device=tokens.device)
+    matching = before
+    for j in range(max_ngram):  # matching: the window's last j + 1 tokens equal the context's last j + 1
+        shifted = torch.cat([tokens.new_full((batch, j), -1), tokens[:, : capacity - j]], 1)
+        shifted = torch.where(torch.cat([inside.new_zeros(batch, j), inside[:, : capacity - j]], 1), shifted, -1)
+        query = slots - j
+        suffix = torch.where(query >= start[:, None], tokens.gather(1, query.clamp(min=0)), -2)  # [B, k]
+        matching = matching & (shifted[:, None, :] == suffix[:, :, None])
+        run = run + matching.long()
+    longest = run.amax(-1)  # [B, k]
+    following = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)[:, None, :].expand(-1, slots.shape[1], -1)
+    hits = (run >= longest[:, :, None]) & (longest[:, :, None] > 0) & before
+    seen = inside[:, None, :] & (columns[None, None, :] <= slots[:, :, None])
+    counts = torch.zeros(batch, slots.shape[1], vocab_size, device=tokens.device)
+    counts.scatter_add_(2, following.clamp(0, vocab_size - 1), hits.float())
+    unigram = torch.zeros_like(counts).scatter_add_(2, tokens[:, None, :].expand_as(following).clamp(0, vocab_size - 1),
+                                                   seen.float())
+    counts = torch.where((longest > 0)[:, :, None], counts, unigram)
+    q = (1 - floor) * counts / counts.sum(-1, keepdim=True).clamp(min=1e-30) + floor / vocab_size
+    return q.log(), longest

@@ -117,10 +117,15 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     if draft is None:
         return None
     if not isinstance(draft, HasStaticForm):
-        return (f"draft {type(draft).__name__} has no static form (prompt lookup, a P-EAGLE block decide on the host): "
-                "use a whole-model draft, an EAGLE-1/2/3 or toolkit feature head, Medusa heads, a DFlash or DSpark "
-                "block or a Gemma 4 assistant")
-    planned = draft.plan_length(gamma) if gamma is not None and isinstance(draft, PlansLength) else gamma
+        return (f"draft {type(draft).__name__} has no static form (prompt lookup alone, a P-EAGLE block decide on the "
+                "host): use a whole-model draft, an EAGLE-1/2/3 or toolkit feature head, Medusa heads, a DFlash or "
+                "DSpark block, a Gemma 4 assistant, or prompt lookup over one of them")
+    planned = gamma
+    if gamma is not None and isinstance(draft, PlansLength):
+        planned = draft.fixed_length(gamma) if hasattr(draft, "fixed_length") else draft.plan_length(gamma)
+        if planned is None:
+            return (f"draft {type(draft).__name__} plans each step's length on the host (a length plan below gamma = "
+                    f"{gamma}): captured steps draft gamma every step; use a gamma it drafts every step, or no plan")
     if planned is not None and planned < gamma:
         return (f"draft {type(draft).__name__} drafts at most {planned} tokens a step and captured steps draft all "
                 f"gamma = {gamma} (or a tree's depth): use gamma <= {planned}")
@@ -129,6 +134,8 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
     if not tree:
         return None
+    if not getattr(draft, "captures_trees", True):
+        return f"draft {type(draft).__name__} drafts chains in captured steps, not trees (prompt lookup reads each path)"
     if draft_law in ("dynamic", "static") or verifier in CAPTURED_TREE_RULES:
         return None
     if verifier == "gbv":

@@ -90,7 +90,8 @@ class PlansLength(Protocol):
     ``plan_length(gamma)`` is asked once per step, after the draft has scored its pending block and
     before any token of the step is sampled; it returns the step's draft length in ``1..gamma``. Since it
     is a function of the context (never of the step's own drafts), every verifier stays lossless: given
-    the context, the step is an ordinary step with that length.
+    the context, the step is an ordinary step with that length. Optional ``fixed_length(gamma)``: the length every
+    step drafts, or None where the plan decides it per step (captured steps, which cannot ask, refuse that).
     """
 
     def plan_length(self, gamma: int) -> int: ...
@@ -188,6 +189,7 @@ class StaticFeatureModel(StaticModel, Protocol):
 
 @runtime_checkable
 class HasStaticForm(Protocol):
-    """A model with a static form sharing its weights (``static_form()`` -> a ``StaticModel``)."""
+    """A model with a static form sharing its weights (``static_form()`` -> a ``StaticModel``); ``captures_trees =
+    False`` where that form drafts chains only (``drafts.combined``'s prompt lookup)."""
 
     def static_form(self): ...

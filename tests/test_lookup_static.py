@@ -1,0 +1,130 @@
+"""Prompt lookup in the engine's captured steps (``drafts.combined.StaticLookupOrDraft``, ``drafts.ngram.
+lookup_at_slots``), on a tiny random Llama and a feature head over it.
+
+* The device lookup is :func:`ngram_probs` / :func:`ngram_match_length` of every context: 300 random batches of 3 rows
+  and 4 queries each (left padding, contexts of 1 to 24 tokens over 4 symbols, so matches of every length), equal
+  within 1e-6.
+* A step's logits, slot by slot, are the growing ``LookupOrDraft``'s (every slot fed, ``@every-slot``): a re-feed,
+  then two drafting calls, for a row that ends in a repeated bigram (lookup) and one that does not (the head), drafted
+  tokens that extend, break and make a match (1e-4: the head in calls of other widths).
+* Through the engine (``compile="static"``): greedy chains give the target's tokens; a chain step traces as one graph
+  and compiled (``aot_eager``) gives the eager step's log at T = 1; T = 1 keeps the target's law (exact Bonferroni
+  test, false-positive rate <= 1e-6).
+* Refused in one line: trees (a node's lookup context is its own path), a length plan below gamma (``draft_gamma``,
+  decided per step on the host), prompt lookup over a draft without a static form. ``compile="auto"`` then runs the
+  growing loop.
+"""
+
+import pytest
+import torch
+from helpers import feature_head
+
+from specresearch.config import SamplingConfig
+from specresearch.drafts.combined import LookupOrDraft
+from specresearch.drafts.feature import FeatureDraft
+from specresearch.drafts.ngram import NGramDraft, _lookup, lookup_at_slots
+from specresearch.engine.generate import autoregressive_generate, speculative_generate
+from specresearch.engine.prompts import encode_prompts
+from specresearch.engine.static import plan_for, start_run, static_available
+from specresearch.experiments.stats import lossless_test
+from specresearch.models.toy import tiny_llama
+
+VOCAB = 48
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[5, 9, 2, 33, 7, 5, 9], [4, 8, 16, 23]]  # row 0 ends in a repeated bigram, row 1 has no repeat
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, init_std=0.6, num_layers=3)
+
+
+def test_the_device_lookup_is_the_lookup_of_every_context():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        tokens, start = torch.randint(0, 4, (3, 24), generator=g), torch.randint(0, 6, (3,), generator=g)
+        slots = torch.stack([torch.randint(int(s), 24, (4,), generator=g).sort().values for s in start])
+        looked, matches = lookup_at_slots(tokens, start, slots, 7, 3, 0.02)
+        for b in range(3):
+            for j in range(4):
+                q, n = _lookup(tokens[b, int(start[b]) : int(slots[b, j]) + 1], 7, 3, 0.02)
+                assert n == int(matches[b, j]) and torch.allclose(q.log(), looked[b, j], atol=1e-6)
+
+
+def test_a_steps_logits_are_the_growing_drafts_slot_by_slot(target):
+    head = FeatureDraft(feature_head(target.model))
+    growing = LookupOrDraft(head, min_match=2, lazy=False)
+    ids, mask = encode_prompts(PROMPTS)
+    _, features = target.prefill(ids, mask, hidden_layers=head.feature_layers)
+    previous = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], 1)  # a slot reads the one before (zeros: none)
+    before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1) * previous[:, :, None]
+    growing.observe(before)
+    want = [growing.prefill(ids, mask)]
+    drafted = [torch.tensor([[2], [4]]), torch.tensor([[30], [8]])]  # row 0 extends its match, then breaks it; row 1
+    # makes one: 4 8 repeats its first two tokens (a second drafted token written elsewhere would not)
+    want += [growing.score(token)[:, 0] for token in drafted]
+    static = growing.static_form()
+    static.allocate(2, 64)
+    static.prefill(ids, mask, leave=1, inputs=static.fuse(before[:, :-1]))
+    logits, carry = static.forward(ids[:, -1:], inputs=static.fuse(before[:, -1:]))
+    static.commit(torch.ones(2, dtype=torch.long))  # the re-fed next token kept: the drafted tokens follow it
+    got = [logits[:, 0]]
+    for i, token in enumerate(drafted):
+        logits, carry = static.forward(token, inputs=carry[:, -1:], offset=i)
+        got.append(logits[:, 0])
+    for w, s in zip(want, got):
+        torch.testing.assert_close(s, w, rtol=1e-4, atol=1e-4)  # the head: float rounding of other row counts
+    lookup = NGramDraft(VOCAB)  # the control: row 0 drafts by lookup there, row 1 by the head
+    torch.testing.assert_close(got[0][0], lookup.prefill(ids[:1], mask[:1])[0])
+    assert not torch.allclose(got[0][1], lookup.prefill(ids[1:, 3:], mask[1:, 3:])[0], atol=1e-2)
+
+
+def test_in_the_captured_steps_greedy_chains_give_the_targets_tokens_and_keep_the_law(target):
+    draft = LookupOrDraft(FeatureDraft(feature_head(target.model)), min_match=2, draft_gamma=None)
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=15, sampling=GREEDY).tokens
+    for gamma in (1, 4):
+        out = speculative_generate(target, draft, PROMPTS, verifier="block", gamma=gamma, max_new_tokens=15,
+                                   sampling=GREEDY, compile="static")
+        assert out.tokens == want and all(r.target_seconds != r.target_seconds for r in out.steps)
+    result = lossless_test(target, draft, "block", [5, 9, 5, 9], sampling=SamplingConfig(), gamma=3, k=3,
+                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000, compile="static")
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
+def test_a_captured_chain_step_traces_as_one_graph_and_compiled_computes_the_eager_step(target):
+    draft = LookupOrDraft(FeatureDraft(feature_head(target.model)), min_match=2, draft_gamma=None)
+    ids, mask = encode_prompts(PROMPTS)
+
+    def run(sampling):
+        return start_run(target, draft, ids, mask, plan=plan_for("block", 3), sampling=sampling, max_new_tokens=10,
+                         steps_per_read=3)
+
+    def logs(compiled=False):
+        started = run(SamplingConfig())
+        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
+                                                    dtype=torch.float64))
+            step()
+        return started.state.log.clone()
+
+    explained = torch._dynamo.explain(run(GREEDY).step)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert torch.equal(logs(), logs(compiled=True))
+
+
+def test_trees_a_length_plan_and_a_draft_without_a_static_form_are_refused(target):
+    head = FeatureDraft(feature_head(target.model))
+    chains = LookupOrDraft(head, draft_gamma=None)
+    assert static_available(target, chains, gamma=4) is None
+    assert "chains in captured steps, not trees" in static_available(target, chains, verifier="traversal",
+                                                                     num_drafts=2, gamma=2)
+    planned = LookupOrDraft(head, draft_gamma=1)
+    assert static_available(target, planned, gamma=1) is None  # one token a step: the plan changes nothing
+    assert "plans each step's length on the host" in static_available(target, planned, gamma=4)
+    with pytest.raises(ValueError, match="plans each step's length"):
+        speculative_generate(target, planned, PROMPTS, gamma=4, max_new_tokens=4, sampling=GREEDY, compile="static")
+    assert "which has no static form" in static_available(target, LookupOrDraft(NGramDraft(VOCAB)), gamma=1)
+    out = speculative_generate(target, planned, PROMPTS, gamma=4, max_new_tokens=8, sampling=GREEDY)  # auto: the loop
+    assert out.tokens == autoregressive_generate(target, PROMPTS, max_new_tokens=8, sampling=GREEDY).tokens
