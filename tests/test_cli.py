@@ -89,16 +89,16 @@ def test_cuda_graph_modes_off_cuda_are_refused_before_a_model_loads(capsys, monk
 
 @pytest.mark.slow
 def test_compile_on_names_what_has_no_captured_step_and_a_captured_run_prints_its_figures(capsys):
-    """``--compile on`` with prompt lookup alone, in a tree, or with a named lookup draft's length plan below gamma
-    (decided per step on the host): one line, before any model loads, saying why and what runs it; generate's default
-    draft and the feature head run captured steps (eager here: ``--compile static``) and print the usual figures."""
-    _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "ngram"], "--compile on runs captured steps",
-                "prompt lookup alone decides on the host", "--draft eagle3-v8k", "--compile off")
-    _user_error(capsys, ["generate", "hi", "--compile", "on", "--num-drafts", "2", "--verifier", "traversal"],
-                "prompt lookup drafts chains there, not trees")
+    """``--compile on`` with prompt lookup in a tree, or with a named lookup draft's length plan below gamma (decided
+    per step on the host): one line, before any model loads, saying why and what runs it; generate's default draft and
+    the feature head run captured steps (eager here: ``--compile static``) and print the usual figures."""
+    for draft in ("ngram", "ngram+fp16:eagle3-v8k"):
+        _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", draft, "--num-drafts", "2", "--verifier",
+                             "traversal"], "--compile on runs captured steps", "prompt lookup drafts chains there, not "
+                    "trees", "--draft eagle3-v8k", "--compile off")
     _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "ngram+eagle3-v8k", "--gamma", "3"],
                 "length plan (@draft-gamma=1", "ngram+eagle3-v8k@draft-gamma=none")
-    for draft in ("fp16:eagle3-v8k", "ngram+fp16:eagle3-v8k"):
+    for draft in ("fp16:eagle3-v8k", "ngram+fp16:eagle3-v8k", "ngram"):
         assert main(["generate", "hi", "--draft", draft, "--gamma", "2", "--compile", "static", "--max-new-tokens", "6",
                      "--temperature", "0"]) == 0
         assert "gamma 2, block efficiency" in capsys.readouterr().out

@@ -10,6 +10,8 @@ lookup_at_slots``), on a tiny random Llama and a feature head over it.
 * Through the engine (``compile="static"``): greedy chains give the target's tokens; a chain step traces as one graph
   and compiled (``aot_eager``) gives the eager step's log at T = 1; T = 1 keeps the target's law (exact Bonferroni
   test, false-positive rate <= 1e-6).
+* Prompt lookup alone (``NGramDraft.static_form()``): its logits slot by slot, greedy chains with the growing loop's
+  accepted counts, T = 1 the target's law.
 * Refused in one line: trees (a node's lookup context is its own path), a length plan below gamma (``draft_gamma``,
   decided per step on the host), prompt lookup over a draft without a static form. ``compile="auto"`` then runs the
   growing loop.
@@ -114,6 +116,41 @@ def test_a_captured_chain_step_traces_as_one_graph_and_compiled_computes_the_eag
     assert torch.equal(logs(), logs(compiled=True))
 
 
+class _HostDraft:
+    """A draft with no static form (what a dial draft is)."""
+
+    vocab_size, device = VOCAB, torch.device("cpu")
+
+
+def test_prompt_lookup_alone_in_the_captured_steps_is_the_growing_lookup(target):
+    """``NGramDraft``'s static form: a re-feed and two drafting calls give its logits slot by slot (exactly: the same
+    counts), greedy chains the target's tokens with the growing loop's accepted counts (but the last block), T = 1
+    the target's law."""
+    ids, mask = encode_prompts(PROMPTS)
+    growing = NGramDraft(VOCAB)
+    want = [growing.prefill(ids, mask)] + [growing.score(t)[:, 0] for t in (torch.tensor([[2], [4]]),
+                                                                            torch.tensor([[30], [8]]))]
+    static = growing.static_form()
+    static.allocate(2, 64)
+    static.prefill(ids, mask, leave=1)
+    got = [static.forward(ids[:, -1:])[0][:, 0]]
+    static.commit(torch.ones(2, dtype=torch.long))
+    got += [static.forward(t, offset=i)[0][:, 0] for i, t in enumerate((torch.tensor([[2], [4]]),
+                                                                        torch.tensor([[30], [8]])))]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w)
+    prompts = [[5, 9, 2, 5, 9, 2, 5, 9], [4, 8, 4, 8, 16]]
+    out = speculative_generate(target, NGramDraft(VOCAB), prompts, gamma=3, max_new_tokens=24, sampling=GREEDY,
+                               compile="static")
+    grown = speculative_generate(target, NGramDraft(VOCAB), prompts, gamma=3, max_new_tokens=24, sampling=GREEDY)
+    assert out.tokens == grown.tokens == autoregressive_generate(target, prompts, max_new_tokens=24,
+                                                                 sampling=GREEDY).tokens
+    assert [s.num_accepted for s in out.steps][:-1] == [s.num_accepted for s in grown.steps][: len(out.steps) - 1]
+    result = lossless_test(target, NGramDraft(VOCAB), "block", [5, 9, 5, 9], sampling=SamplingConfig(), gamma=3, k=3,
+                           max_new_tokens=4, num_samples=6_000, seed=0, batch_size=3_000, compile="static")
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
+
+
 def test_trees_a_length_plan_and_a_draft_without_a_static_form_are_refused(target):
     head = FeatureDraft(feature_head(target.model))
     chains = LookupOrDraft(head, draft_gamma=None)
@@ -125,6 +162,8 @@ def test_trees_a_length_plan_and_a_draft_without_a_static_form_are_refused(targe
     assert "plans each step's length on the host" in static_available(target, planned, gamma=4)
     with pytest.raises(ValueError, match="plans each step's length"):
         speculative_generate(target, planned, PROMPTS, gamma=4, max_new_tokens=4, sampling=GREEDY, compile="static")
-    assert "which has no static form" in static_available(target, LookupOrDraft(NGramDraft(VOCAB)), gamma=1)
+    assert "which has no static form" in static_available(target, LookupOrDraft(_HostDraft()), gamma=1)
+    assert "chains in captured steps, not trees" in static_available(target, NGramDraft(VOCAB), verifier="traversal",
+                                                                     num_drafts=2, gamma=2)
     out = speculative_generate(target, planned, PROMPTS, gamma=4, max_new_tokens=8, sampling=GREEDY)  # auto: the loop
     assert out.tokens == autoregressive_generate(target, PROMPTS, max_new_tokens=8, sampling=GREEDY).tokens

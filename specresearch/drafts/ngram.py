@@ -1,4 +1,5 @@
-"""N-gram prompt lookup as a draft with a proper distribution (:class:`NGramDraft`).
+"""N-gram prompt lookup as a draft with a proper distribution (:class:`NGramDraft`), and in the engine's captured
+steps (:class:`StaticNGramDraft`, the lookup on the device: :func:`lookup_at_slots`).
 """
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ import torch
 
 from specresearch.models.causal_lm import check_prompt
 from specresearch.models.slots import SlotMask
+from specresearch.models.static_cache import StaticRows, mark_static
 
-__all__ = ["NGramDraft", "ngram_probs", "ngram_match_length", "lookup_at_slots"]
+__all__ = ["NGramDraft", "StaticNGramDraft", "ngram_probs", "ngram_match_length", "lookup_at_slots"]
 
 
 def ngram_probs(context: torch.Tensor, vocab_size: int, max_ngram: int = 3, floor: float = 0.02) -> torch.Tensor:
@@ -118,11 +120,58 @@ class NGramDraft:
         self._matches = torch.tensor([n for _, n in looked], dtype=torch.long)
         return torch.stack([q for q, _ in looked]).log().to(self.device)
 
+    captures_trees = False  # captured steps: chains only (a tree node's lookup context is its own path)
+
+    def static_form(self) -> "StaticNGramDraft":
+        """Prompt lookup in the engine's captured steps (:class:`StaticNGramDraft`, chains)."""
+        return StaticNGramDraft(self)
+
     def match_lengths(self) -> torch.Tensor:
         """Longest suffix (<= ``max_ngram`` tokens) of each row's context that occurred earlier in it. -> [B] int64."""
         if self._matches is None:
             self._matches = torch.tensor([ngram_match_length(r, self.max_ngram) for r in self._rows()], dtype=torch.long)
         return self._matches
+
+
+class StaticNGramDraft:
+    """Prompt lookup in the engine's captured steps (chains; ``models.protocols.StaticModel``): a static buffer of each
+    slot's token, and each call's slots looked up on the device (:func:`lookup_at_slots`), so nothing reads the host but
+    ``allocate`` and ``prefill``. Its logits are :class:`NGramDraft`'s, slot for slot."""
+
+    def __init__(self, draft: NGramDraft) -> None:
+        self.vocab_size, self.device = draft.vocab_size, draft.device
+        self.max_ngram, self.floor = draft.max_ngram, draft.floor
+        self.rows: StaticRows | None = None
+        self._tokens: torch.Tensor | None = None  # [B, capacity] each slot's token
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.rows = StaticRows(batch, capacity, self.device)
+        self._tokens = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
+        mark_static(self._tokens)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0):
+        """Keep the prompt's first ``L - leave`` tokens. -> (None, None): the first step's re-feed looks up after it."""
+        self.rows.begin(attention_mask.to(self.device))
+        fed = input_ids.shape[1] - leave
+        if fed > 0:
+            self._tokens[:, :fed] = input_ids[:, :fed].to(self.device)
+            self.rows.advance(fed)
+        return None, None
+
+    def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None):
+        """Write ``tokens [B, k]`` at ``length + offset``; -> (lookup's log q after each ``[B, k, V]``, None)."""
+        if depth is not None:
+            raise ValueError("prompt lookup in captured steps drafts chains: a tree node's context is its own path")
+        slots = self.rows.length[:, None] + offset + torch.arange(tokens.shape[1], device=self.device)
+        self._tokens.scatter_(1, slots, tokens.to(self.device))
+        looked, _ = lookup_at_slots(self._tokens, self.rows.start, slots, self.vocab_size, self.max_ngram, self.floor)
+        return looked, None
+
+    def commit(self, n) -> None:
+        self.rows.advance(n)
+
+    def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
+        raise ValueError("prompt lookup in captured steps drafts chains, not trees")
 
 
 def ngram_match_length(context: torch.Tensor, max_ngram: int = 3) -> int:

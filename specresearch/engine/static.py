@@ -117,9 +117,9 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     if draft is None:
         return None
     if not isinstance(draft, HasStaticForm):
-        return (f"draft {type(draft).__name__} has no static form (prompt lookup alone, a P-EAGLE block decide on the "
-                "host): use a whole-model draft, an EAGLE-1/2/3 or toolkit feature head, Medusa heads, a DFlash or "
-                "DSpark block, a Gemma 4 assistant, or prompt lookup over one of them")
+        return (f"draft {type(draft).__name__} has no static form (a P-EAGLE block decides on the host): use a "
+                "whole-model draft, an EAGLE-1/2/3 or toolkit feature head, Medusa heads, a DFlash or DSpark block, a "
+                "Gemma 4 assistant, or prompt lookup (alone or over one of them)")
     planned = gamma
     if gamma is not None and isinstance(draft, PlansLength):
         planned = draft.fixed_length(gamma) if hasattr(draft, "fixed_length") else draft.plan_length(gamma)
