@@ -323,16 +323,8 @@ class DFlashDraft(FeatureQueue):
         ids[:, 0] = anchors
         return torch.nn.functional.embedding(ids, self._frozen["embedding"].weight).float() * self.block.embedding_scale
 
-    @property
-    def static_refusal(self) -> str | None:
-        """Why this drafter has no static form (XPress: its refiner reads the tokens drafted so far), or None."""
-        return None if self.block.refiner_head is None else (
-            "XPress's refiner reads the tokens drafted so far along the block: it has no static form")
-
     def static_form(self) -> StaticDFlashDraft:
         """This drafter in the engine's captured steps (``drafts.dflash_static.StaticDFlashDraft``)."""
-        if self.static_refusal:
-            raise ValueError(f"{self.static_refusal}: run the growing loop (compile='off')")
         return StaticDFlashDraft(self)
 
     def _refine(self, out: torch.Tensor, anchors: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
