@@ -380,7 +380,8 @@ class StaticFeatureDraft:
         fed = input_ids.shape[1] - leave
         if fed <= 0:
             return None, None
-        logits, hidden = self.forward(input_ids[:, :fed].to(self.device), inputs=inputs[:, :fed])
+        # the head's own call, whatever a subclass's drafting calls do (drafts.peagle's read their re-feed's)
+        logits, hidden = StaticFeatureDraft.forward(self, input_ids[:, :fed].to(self.device), inputs=inputs[:, :fed])
         self.rows.advance(fed)
         return logits[:, -1], hidden
 

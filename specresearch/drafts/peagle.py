@@ -23,8 +23,8 @@ context). :class:`PEagleDraft` runs the mask slots in the call that feeds the ta
 block after each verification) and keeps their logits; the engine's drafting calls then read them one depth at a
 time, each adding an empty slot so the engine's rollback counts hold (it drops them all before it re-feeds the
 accepted tokens). At most K tokens a step (``plan_length``; a tree deeper than K is refused). vLLM 0.34 refuses this
-layout (``transformers_utils/configs/speculators/algos.py``: "P-EAGLE ... is not supported"); the captured steps
-(``engine.static``) do not run it (the growing loop does).
+layout (``transformers_utils/configs/speculators/algos.py``: "P-EAGLE ... is not supported"). In the captured steps
+(``engine.static``) :class:`StaticPEagleDraft` runs the mask slots of every re-fed column in the re-feed's call.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from pathlib import Path
 import torch
 
 from specresearch.drafts.eagle import EagleDraft, read_eagle3_head
-from specresearch.drafts.feature_draft import FeatureDraft
+from specresearch.drafts.feature_draft import FeatureDraft, StaticFeatureDraft, windowed
 from specresearch.drafts.speculators import SPECULATORS_KEY, speculators_eagle3_config
+from specresearch.models.static_cache import StaticPast
 
-__all__ = ["PEagleDraft", "load_peagle", "speculators_peagle_config", "is_peagle_dir", "PEAGLE_TENSORS"]
+__all__ = ["PEagleDraft", "StaticPEagleDraft", "load_peagle", "speculators_peagle_config", "is_peagle_dir", "PEAGLE_TENSORS"]
 
 PEAGLE_TENSORS = {"mask_hidden": ("1", "1", "3T")}  # beside EAGLE-3's, in drafts.eagle's size letters
 
@@ -70,8 +71,6 @@ def is_peagle_dir(directory: str | os.PathLike) -> bool:
 class PEagleDraft(EagleDraft):
     """A P-EAGLE head behind the engine's interface (module docstring): an :class:`EagleDraft` whose feeding call also
     runs ``depths - 1`` mask slots and whose drafting calls read their logits (``[B, depths - 1, V]``, ``_block``)."""
-
-    static_form = None  # the captured steps feed each drafted slot's own input: not this head's
 
     def __init__(self, head, mask_token_id: int, mask_hidden: torch.Tensor, depths: int, **options) -> None:
         super().__init__(head, **options)
@@ -144,6 +143,82 @@ class PEagleDraft(EagleDraft):
     def _rows(self, change) -> None:
         super()._rows(change)
         self._block = None if self._block is None else change(self._block)
+
+    def static_form(self) -> "StaticPEagleDraft":
+        """This head in the engine's captured steps (:class:`StaticPEagleDraft`)."""
+        return StaticPEagleDraft(self)
+
+
+class _MaskSlotsPast(StaticPast):
+    """A layer's static keys and values whose call writes only its first ``kept`` slots (the re-fed tokens'); the mask
+    slots' keys and values follow the buffers' as extra columns, seen in this call only."""
+
+    kept: int | None = None  # None: every slot of the call (the prompt's)
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = keys.shape[2] if self.kept is None else self.kept
+        buffers = super().extend(keys[:, :, :k], values[:, :, :k])
+        return torch.cat([buffers[0], keys[:, :, k:]], 2), torch.cat([buffers[1], values[:, :, k:]], 2)
+
+
+class StaticPEagleDraft(StaticFeatureDraft):
+    """A P-EAGLE head in the engine's captured steps: the EAGLE-3 head's static form (``drafts.feature_draft.
+    StaticFeatureDraft``) whose re-feed (:meth:`refeed`) also runs, for every re-fed column as the anchor, the ``depths
+    - 1`` mask slots after it in the same head call: each sees the kept context up to its column and its own column's
+    mask slots up to itself, at positions after the column's, and writes nothing to the cache (their keys are extra
+    columns of that call). Each column's mask slots' outputs are its prediction, which the engine gathers at the next
+    token's column; a drafting call at depth d (a chain's ``offset = d - 1``, a tree's ``(d - 1) K``) gives the head's
+    logits of mask slot d. The growing draft runs the mask slots after the last column only (it re-feeds exactly the
+    accepted tokens); here the re-feed's width is fixed and the column kept is known after the call."""
+
+    def __init__(self, draft: PEagleDraft):
+        super().__init__(draft)
+        self.mask_token_id, self.depths, self.mask_hidden = draft.mask_token_id, draft.depths, draft.mask_hidden
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        super().allocate(batch, capacity)
+        self._pasts = [_MaskSlotsPast(batch, capacity) for _ in self.head.layers]
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0,
+                inputs: torch.Tensor | None = None):
+        """The EAGLE-3 head's prefill (its prompt slots written as its static form writes them)."""
+        for past in self._pasts:
+            past.kept = None
+        return super().prefill(input_ids, attention_mask, leave=leave, inputs=inputs)
+
+    @torch.no_grad()
+    def refeed(self, tokens: torch.Tensor, *, inputs: torch.Tensor):
+        """Write ``tokens [B, k]`` read with ``inputs [B, k, H]`` and run every column's mask slots; keeps nothing. ->
+        (logits ``[B, k, V]``, each column's mask slots' outputs ``[B, k, (depths - 1) H]``)."""
+        (batch, k), width, rows = tokens.shape, self.depths - 1, self.rows
+        call = rows.call(k)
+        masked = call.positions[:, :, None] + torch.arange(1, width + 1, device=self.device)  # [B, k, W]
+        positions = torch.cat([call.positions, masked.reshape(batch, -1)], 1)
+        ids = torch.cat([tokens, tokens.new_full((batch, k * width), self.mask_token_id)], 1)
+        fill = self.head.fuse_features(self.mask_hidden.to(inputs.device).expand(batch, k * width, -1))
+        seen = (rows.columns[None, None] >= rows.start[:, None, None]) & (
+            rows.columns[None, None] <= call.slots[:, :, None])  # [B, k, C]: the context up to each column
+        own = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        group = torch.block_diag(*[own] * k)  # [kW, kW]: a column's mask slots up to themselves
+        allowed = torch.cat([
+            torch.cat([call.allowed, seen.new_zeros(batch, k, k * width)], 2),
+            torch.cat([seen.repeat_interleave(width, 1), group[None].expand(batch, -1, -1)], 2)], 1)
+        keys_at = torch.cat([call.key_positions, masked.reshape(batch, -1)], 1)
+        allowed = windowed(allowed, getattr(self.head, "window", None), positions, keys_at)
+        for past in self._pasts:
+            past.slots, past.kept = call.slots, k
+        hidden, _ = self.head.block(torch.cat([inputs, fill.to(inputs.dtype)], 1), ids, positions, self._pasts, allowed)
+        return self.head.logits(hidden[:, :k]), hidden[:, k:].reshape(batch, k, -1)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, *, inputs: torch.Tensor, offset: int = 0, depth=None, visible=None):
+        """A drafting call at depth ``offset // k + 1``: mask slot d's logits from its column's ``inputs`` (the
+        re-feed's prediction). -> (logits ``[B, k, V]``, ``inputs``)."""
+        (batch, k), d = tokens.shape, offset // tokens.shape[1] + 1
+        if d >= self.depths:
+            raise ValueError(f"a P-EAGLE head trained on {self.depths} depths drafts at most {self.depths} tokens a "
+                             "step (gamma, or a tree's depth)")
+        return self.head.logits(inputs.view(batch, k, self.depths - 1, -1)[:, :, d - 1]), inputs
 
 
 def load_peagle(target_lm, directory: str | os.PathLike, *, device=None) -> PEagleDraft:
