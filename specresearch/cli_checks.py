@@ -169,17 +169,17 @@ def check_compile_flags(args) -> None:
     draft = args.draft or GENERATE_DRAFT
     lookup = draft.startswith("ngram+")  # generate's default draft plans the length chosen (engine.cost.fit_default_draft)
     planned = next((o.partition("=")[2] for o in draft.split("@")[1:] if o.startswith("draft-gamma=")), "1")
-    why = ("prompt lookup drafts chains there, not trees" if draft.startswith("ngram") and (args.num_drafts > 1 or
-                                                                                           args.draft_law != "iid")
-           else f"prompt lookup's length plan (@draft-gamma={planned}: tokens a step without a match) is decided per "
-                f"step on the host; --gamma {planned}, or {draft.split('@')[0]}@draft-gamma=none, drafts every step"
-           if lookup and planned != "none" and args.gamma > int(planned) and args.draft not in (None, GENERATE_DRAFT)
+    tree = args.num_drafts > 1 or args.draft_law != "iid"
+    why = (f"prompt lookup's length plan (@draft-gamma={planned}: tokens a step without a match) is decided per "
+           f"step on the host; --gamma {planned}, or {draft.split('@')[0]}@draft-gamma=none, drafts every step"
+           if lookup and not tree and planned != "none" and args.gamma > int(planned)
+           and args.draft not in (None, GENERATE_DRAFT)
            else "a dial draft runs the target on the host's schedule" if draft.startswith("dial-")
            else "adaptive chains (--stop-below) decide on the host" if args.stop_below is not None
            else "GBV's verifier reads the host" if args.verifier == "gbv" else None)
     if why:
         raise ValueError(f"--compile {args.compile} runs captured steps, but {why} (draft {draft}): use --draft "
-                         "eagle3-v8k (a feature head) or another whole-model draft, a chain, or --compile off")
+                         "eagle3-v8k (a feature head) or another whole-model draft, or --compile off")
 
 
 def check_tree_flags(args) -> None:

@@ -89,13 +89,11 @@ def test_cuda_graph_modes_off_cuda_are_refused_before_a_model_loads(capsys, monk
 
 @pytest.mark.slow
 def test_compile_on_names_what_has_no_captured_step_and_a_captured_run_prints_its_figures(capsys):
-    """``--compile on`` with prompt lookup in a tree, or with a named lookup draft's length plan below gamma (decided
-    per step on the host): one line, before any model loads, saying why and what runs it; generate's default draft and
+    """``--compile on`` with a named lookup draft's length plan below gamma (decided per step on the host) or a dial
+    draft: one line, before any model loads, saying why and what runs it; generate's default draft, prompt lookup and
     the feature head run captured steps (eager here: ``--compile static``) and print the usual figures."""
-    for draft in ("ngram", "ngram+fp16:eagle3-v8k"):
-        _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", draft, "--num-drafts", "2", "--verifier",
-                             "traversal"], "--compile on runs captured steps", "prompt lookup drafts chains there, not "
-                    "trees", "--draft eagle3-v8k", "--compile off")
+    _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "dial-mix:0.5"], "--compile on runs captured "
+                "steps", "a dial draft runs the target", "--draft eagle3-v8k", "--compile off")
     _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "ngram+eagle3-v8k", "--gamma", "3"],
                 "length plan (@draft-gamma=1", "ngram+eagle3-v8k@draft-gamma=none")
     for draft in ("fp16:eagle3-v8k", "ngram+fp16:eagle3-v8k", "ngram"):

@@ -181,8 +181,11 @@ def test_greedy_trees_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_re
     ("fp16:eagle3-v8k", dict(verifier="onehot", num_drafts=4, gamma=4, tree_nodes=10, draft_law="dynamic")),
     ("ngram+fp16:eagle3-v8k", dict(verifier="block", gamma=1)),
     ("ngram+fp16:eagle3-v8k@draft-gamma=none", dict(verifier="block", gamma=3)),
-    ("ngram", dict(verifier="block", gamma=3))],
-    ids=["chain", "sampled tree", "dynamic tree", "generate's default", "lookup or head, gamma 3", "lookup alone"])
+    ("ngram", dict(verifier="block", gamma=3)),
+    ("ngram+fp16:eagle3-v8k", dict(verifier="traversal", num_drafts=2, gamma=2)),
+    ("ngram+fp16:eagle3-v8k", dict(verifier="onehot", num_drafts=4, gamma=4, tree_nodes=10, draft_law="dynamic"))],
+    ids=["chain", "sampled tree", "dynamic tree", "generate's default", "lookup or head, gamma 3", "lookup alone",
+         "lookup or head, sampled tree", "lookup or head, dynamic tree"])
 def test_captured_steps_on_the_embedded_pair_are_greedy_decoding(smollm, greedy_reference, name, options):
     """The shipped head (float16 weights, the CPU's kernels), alone and behind prompt lookup (``specresearch
     generate``'s default draft), and prompt lookup alone, in captured steps give the target's greedy tokens token for

@@ -53,6 +53,35 @@ def test_the_device_lookup_is_the_lookup_of_every_context():
                 assert n == int(matches[b, j]) and torch.allclose(q.log(), looked[b, j], atol=1e-6)
 
 
+def test_a_tree_nodes_lookup_is_the_lookup_of_its_own_path():
+    """``lookup_call`` on draft-tree calls: each node's context is the kept slots, then the region slots it sees in
+    order; 200 random trees (kept contexts of 2 to 12 tokens over 4 symbols after left padding, calls of 3 nodes at
+    region offsets 0 to 6, random ancestor sets) against ``_lookup`` of that context (1e-6)."""
+    from specresearch.drafts.ngram import lookup_call
+    from specresearch.models.static_cache import StaticRows
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        rows = StaticRows(2, 32, "cpu")
+        pads = torch.randint(0, 3, (2,), generator=g)
+        rows.begin(torch.arange(16)[None] >= pads[:, None])
+        rows.advance(torch.randint(4, 15, (2,), generator=g))
+        buffer = torch.randint(0, 4, (2, 32), generator=g)
+        offset, k = int(torch.randint(0, 7, (1,), generator=g)), 3
+        earlier = torch.rand(2, k, offset, generator=g) < 0.5  # each node's ancestors among the region's earlier slots
+        visible = torch.cat([earlier, torch.eye(k, dtype=torch.bool).expand(2, -1, -1)], 2)
+        tokens = torch.randint(0, 4, (2, k), generator=g)
+        expected = buffer.clone()
+        expected.scatter_(1, rows.length[:, None] + offset + torch.arange(k), tokens)
+        looked, matches = lookup_call(buffer, rows, tokens, offset, visible, 7, 3, 0.02)
+        for b in range(2):
+            kept = expected[b, int(rows.start[b]) : int(rows.length[b])]
+            region = expected[b, int(rows.length[b]) : int(rows.length[b]) + offset + k]
+            for i in range(k):
+                q, n = _lookup(torch.cat([kept, region[visible[b, i]]]), 7, 3, 0.02)
+                assert n == int(matches[b, i]) and torch.allclose(q.log(), looked[b, i], atol=1e-6)
+
+
 def test_a_steps_logits_are_the_growing_drafts_slot_by_slot(target):
     head = FeatureDraft(feature_head(target.model))
     growing = LookupOrDraft(head, min_match=2, lazy=False)
@@ -151,19 +180,17 @@ def test_prompt_lookup_alone_in_the_captured_steps_is_the_growing_lookup(target)
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
 
 
-def test_trees_a_length_plan_and_a_draft_without_a_static_form_are_refused(target):
+def test_a_length_plan_and_a_draft_without_a_static_form_are_refused(target):
     head = FeatureDraft(feature_head(target.model))
     chains = LookupOrDraft(head, draft_gamma=None)
     assert static_available(target, chains, gamma=4) is None
-    assert "chains in captured steps, not trees" in static_available(target, chains, verifier="traversal",
-                                                                     num_drafts=2, gamma=2)
+    assert static_available(target, chains, verifier="traversal", num_drafts=2, gamma=2) is None
     planned = LookupOrDraft(head, draft_gamma=1)
     assert static_available(target, planned, gamma=1) is None  # one token a step: the plan changes nothing
     assert "plans each step's length on the host" in static_available(target, planned, gamma=4)
     with pytest.raises(ValueError, match="plans each step's length"):
         speculative_generate(target, planned, PROMPTS, gamma=4, max_new_tokens=4, sampling=GREEDY, compile="static")
     assert "which has no static form" in static_available(target, LookupOrDraft(_HostDraft()), gamma=1)
-    assert "chains in captured steps, not trees" in static_available(target, NGramDraft(VOCAB), verifier="traversal",
-                                                                     num_drafts=2, gamma=2)
+    assert static_available(target, NGramDraft(VOCAB), verifier="traversal", num_drafts=2, gamma=2) is None
     out = speculative_generate(target, planned, PROMPTS, gamma=4, max_new_tokens=8, sampling=GREEDY)  # auto: the loop
     assert out.tokens == autoregressive_generate(target, PROMPTS, max_new_tokens=8, sampling=GREEDY).tokens

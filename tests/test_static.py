@@ -15,6 +15,7 @@ from specresearch.config import SamplingConfig
 from specresearch.drafts.eagle import Eagle3Head, EagleDraft
 from specresearch.drafts.feature import FeatureDraft, FeatureHeadConfig
 from specresearch.drafts.ngram import NGramDraft
+from specresearch.drafts.registry import draft_from_name
 from specresearch.engine import static
 from specresearch.engine.captured import StepRunner, warm_up
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
@@ -354,9 +355,9 @@ def test_a_session_is_kept_and_replayed(target, drafts):
 def test_compile_choices_are_checked_and_explained(target, drafts):
     with pytest.raises(ValueError, match="compile must be one of"):
         speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="fast")
-    with pytest.raises(ValueError, match="not trees \\(prompt lookup.*compile='off'"):  # its chains are captured
-        speculative_generate(target, NGramDraft(VOCAB), PROMPTS, max_new_tokens=4, compile="on", verifier="traversal",
-                             num_drafts=2, gamma=2)
+    with pytest.raises(ValueError, match="has no static form \\(a dial draft.*compile='off'"):
+        speculative_generate(target, draft_from_name("dial-uniform:0.5", target), PROMPTS, max_new_tokens=4,
+                             compile="on")
     with pytest.raises(ValueError, match="GBV's verifier reads the host"):
         speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="static", verifier="gbv",
                              num_drafts=2, gamma=2)

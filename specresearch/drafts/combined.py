@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from specresearch.checks import check_int
-from specresearch.drafts.ngram import NGramDraft, lookup_at_slots
+from specresearch.drafts.ngram import NGramDraft, lookup_call
 from specresearch.models.slots import SlotMask, rollback_counts
-from specresearch.models.static_cache import StaticRows, mark_static
+from specresearch.models.static_cache import StaticRows, keep_path, mark_static
 
 __all__ = ["LookupOrDraft", "StaticLookupOrDraft"]
 
@@ -91,8 +91,6 @@ class LookupOrDraft:
         """The wrapped draft's plan of the run's context (``models.protocols.PlansContext``), where it has one."""
         plan = getattr(self.draft, "plan_context", None)
         return bool(plan(positions, shortest)) if plan is not None else False
-
-    captures_trees = False  # captured steps: chains only (a tree node's lookup context is its own path)
 
     @property
     def static_refusal(self) -> str | None:
@@ -197,12 +195,13 @@ class LookupOrDraft:
 
 
 class StaticLookupOrDraft:
-    """:class:`LookupOrDraft` in the engine's captured steps (chains): each slot's logits are prompt lookup's ``log q``
-    where its context's suffix of ``min_match`` or more tokens occurred earlier in it, else the wrapped draft's static
-    form's, whose state and predictions it passes on. The lookup runs on the device over a static buffer of each
-    slot's token (:func:`~specresearch.drafts.ngram.lookup_at_slots`), so nothing reads the host but ``allocate`` and
-    ``prefill``; the wrapped draft runs every call (laziness is a host decision: on a GPU its calls cost a step's
-    launches, not its weights). A feature draft wrapped keeps the feature channel."""
+    """:class:`LookupOrDraft` in the engine's captured steps (chains and draft trees): each slot's logits are prompt
+    lookup's ``log q`` where its context's suffix of ``min_match`` or more tokens occurred earlier in it (a tree node's
+    context: the kept one, then its own path), else the wrapped draft's static form's, whose state and predictions it
+    passes on. The lookup runs on the device over a static buffer of each slot's token
+    (:func:`~specresearch.drafts.ngram.lookup_call`), so nothing reads the host but ``allocate`` and ``prefill``; the
+    wrapped draft runs every call (laziness is a host decision: on a GPU its calls cost a step's launches, not its
+    weights). A feature draft wrapped keeps the feature channel."""
 
     def __init__(self, draft: LookupOrDraft) -> None:
         self.inner = draft.draft.static_form()
@@ -238,30 +237,28 @@ class StaticLookupOrDraft:
             self.rows.advance(fed)
         return self.inner.prefill(input_ids, attention_mask, leave=leave, **inputs)
 
-    def _look(self, tokens: torch.Tensor, offset: int, logits: torch.Tensor) -> torch.Tensor:
-        """Write ``tokens [B, k]`` at ``length + offset`` and choose, slot by slot, lookup's logits or ``logits``."""
-        slots = self.rows.length[:, None] + offset + torch.arange(tokens.shape[1], device=self.device)
-        self._tokens.scatter_(1, slots, tokens)
-        looked, matches = lookup_at_slots(self._tokens, self.rows.start, slots, self.vocab_size, self.lookup.max_ngram,
-                                          self.lookup.floor)
+    def _look(self, tokens: torch.Tensor, offset: int, visible, logits: torch.Tensor) -> torch.Tensor:
+        """Write ``tokens [B, k]`` at ``length + offset`` and choose, slot by slot, lookup's logits (a tree node's over
+        its own path: :func:`~specresearch.drafts.ngram.lookup_call`) or ``logits``."""
+        looked, matches = lookup_call(self._tokens, self.rows, tokens.to(self.device), offset, visible, self.vocab_size,
+                                      self.lookup.max_ngram, self.lookup.floor)
         return torch.where((matches >= self.min_match)[:, :, None], looked, logits)
 
     def _refeed(self, tokens: torch.Tensor, **inputs):
         logits, extra = self.inner.refeed(tokens, **inputs)
-        return self._look(tokens, 0, logits), extra
+        return self._look(tokens, 0, None, logits), extra
 
     def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None, **inputs):
-        if depth is not None:
-            raise ValueError("prompt lookup in captured steps drafts chains: a tree node's context is its own path")
-        logits, extra = self.inner.forward(tokens, offset=offset, **inputs)
-        return self._look(tokens, offset, logits), extra
+        logits, extra = self.inner.forward(tokens, offset=offset, depth=depth, visible=visible, **inputs)
+        return self._look(tokens, offset, visible, logits), extra
 
     def commit(self, n) -> None:
         self.inner.commit(n)
         self.rows.advance(n)
 
     def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
-        raise ValueError("prompt lookup in captured steps drafts chains, not trees")
+        self.inner.keep_path(source, n)
+        keep_path([], self.rows, source, n)
 
 
 class _Backlog:

@@ -8,9 +8,9 @@ import torch
 
 from specresearch.models.causal_lm import check_prompt
 from specresearch.models.slots import SlotMask
-from specresearch.models.static_cache import StaticRows, mark_static
+from specresearch.models.static_cache import StaticRows, keep_path, mark_static
 
-__all__ = ["NGramDraft", "StaticNGramDraft", "ngram_probs", "ngram_match_length", "lookup_at_slots"]
+__all__ = ["NGramDraft", "StaticNGramDraft", "ngram_probs", "ngram_match_length", "lookup_at_slots", "lookup_call"]
 
 
 def ngram_probs(context: torch.Tensor, vocab_size: int, max_ngram: int = 3, floor: float = 0.02) -> torch.Tensor:
@@ -120,10 +120,8 @@ class NGramDraft:
         self._matches = torch.tensor([n for _, n in looked], dtype=torch.long)
         return torch.stack([q for q, _ in looked]).log().to(self.device)
 
-    captures_trees = False  # captured steps: chains only (a tree node's lookup context is its own path)
-
     def static_form(self) -> "StaticNGramDraft":
-        """Prompt lookup in the engine's captured steps (:class:`StaticNGramDraft`, chains)."""
+        """Prompt lookup in the engine's captured steps (:class:`StaticNGramDraft`)."""
         return StaticNGramDraft(self)
 
     def match_lengths(self) -> torch.Tensor:
@@ -134,9 +132,10 @@ class NGramDraft:
 
 
 class StaticNGramDraft:
-    """Prompt lookup in the engine's captured steps (chains; ``models.protocols.StaticModel``): a static buffer of each
-    slot's token, and each call's slots looked up on the device (:func:`lookup_at_slots`), so nothing reads the host but
-    ``allocate`` and ``prefill``. Its logits are :class:`NGramDraft`'s, slot for slot."""
+    """Prompt lookup in the engine's captured steps (``models.protocols.StaticModel``): a static buffer of each slot's
+    token, and each call's slots looked up on the device (:func:`lookup_call`), chains and draft trees, so nothing
+    reads the host but ``allocate`` and ``prefill``. Its logits are :class:`NGramDraft`'s, slot for slot (a tree node's
+    over its own path)."""
 
     def __init__(self, draft: NGramDraft) -> None:
         self.vocab_size, self.device = draft.vocab_size, draft.device
@@ -159,19 +158,41 @@ class StaticNGramDraft:
         return None, None
 
     def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None):
-        """Write ``tokens [B, k]`` at ``length + offset``; -> (lookup's log q after each ``[B, k, V]``, None)."""
-        if depth is not None:
-            raise ValueError("prompt lookup in captured steps drafts chains: a tree node's context is its own path")
-        slots = self.rows.length[:, None] + offset + torch.arange(tokens.shape[1], device=self.device)
-        self._tokens.scatter_(1, slots, tokens.to(self.device))
-        looked, _ = lookup_at_slots(self._tokens, self.rows.start, slots, self.vocab_size, self.max_ngram, self.floor)
+        """Write ``tokens [B, k]`` at ``length + offset`` (a chain, or tree nodes seeing ``visible [B, k, offset +
+        k]``); -> (lookup's log q after each ``[B, k, V]``, None)."""
+        looked, _ = lookup_call(self._tokens, self.rows, tokens.to(self.device), offset, visible, self.vocab_size,
+                                self.max_ngram, self.floor)
         return looked, None
 
     def commit(self, n) -> None:
         self.rows.advance(n)
 
     def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
-        raise ValueError("prompt lookup in captured steps drafts chains, not trees")
+        keep_path([], self.rows, source, n)  # its tokens are re-fed by the next step's re-feed
+
+
+def lookup_call(buffer: torch.Tensor, rows, tokens: torch.Tensor, offset: int, visible: torch.Tensor | None,
+                vocab_size: int, max_ngram: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A captured call's prompt lookup: write ``tokens [B, k]`` into ``buffer [B, C]`` (each slot's token) at
+    ``rows.length + offset``, then look up each slot's context (:func:`lookup_at_slots`): a chain's, the kept slots and
+    the call's up to it; a tree node's (``visible [B, k, offset + k]`` over the region since ``rows.length``), the
+    kept slots then its own path (the region slots it sees, in order), laid out for it in a copy of the buffer. ->
+    (log q ``[B, k, V]``, match lengths ``[B, k]``)."""
+    (batch, k), device = tokens.shape, tokens.device
+    slots = rows.length[:, None] + offset + torch.arange(k, device=device)
+    buffer.scatter_(1, slots, tokens)
+    if visible is None:
+        return lookup_at_slots(buffer, rows.start, slots, vocab_size, max_ngram, floor)
+    width = visible.shape[-1]
+    region = buffer.gather(1, rows.length[:, None] + torch.arange(width, device=device))  # [B, W]
+    order = (~visible).long().argsort(dim=-1, stable=True)  # each node's path first, in slot order
+    path = region[:, None, :].expand(-1, k, -1).gather(2, order)  # [B, k, W]
+    own = buffer[:, None, :].repeat(1, k, 1)  # [B, k, C]: each node's context laid out
+    own.scatter_(2, (rows.length[:, None, None] + torch.arange(width, device=device)).expand(-1, k, -1), path)
+    ends = rows.length[:, None] + visible.sum(-1) - 1  # [B, k]: the node's own slot in its layout
+    looked, matches = lookup_at_slots(own.reshape(batch * k, -1), rows.start.repeat_interleave(k),
+                                      ends.reshape(-1, 1), vocab_size, max_ngram, floor)
+    return looked.view(batch, k, -1), matches.view(batch, k)
 
 
 def ngram_match_length(context: torch.Tensor, max_ngram: int = 3) -> int:

@@ -119,9 +119,11 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
         return (f"draft {type(draft).__name__} has no static form (a dial draft runs the target on the host's "
                 "schedule): use a whole-model draft, an EAGLE-1/2/3, P-EAGLE or toolkit feature head, Medusa heads, a "
                 "DFlash-family block, a Gemma 4 assistant, or prompt lookup (alone or over one of them)")
+    tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
     planned = gamma
     if gamma is not None and isinstance(draft, PlansLength):
-        planned = draft.fixed_length(gamma) if hasattr(draft, "fixed_length") else draft.plan_length(gamma)
+        fixed = getattr(draft, "fixed_length", None)  # a per-step plan (a chain's): drafts.combined's
+        planned = draft.plan_length(gamma) if fixed is None else gamma if tree else fixed(gamma)
         if planned is None:
             return (f"draft {type(draft).__name__} plans each step's length on the host (a length plan below gamma = "
                     f"{gamma}): captured steps draft gamma every step; use a gamma it drafts every step, or no plan")
@@ -130,11 +132,8 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
                 f"gamma = {gamma} (or a tree's depth): use gamma <= {planned}")
     if stop_below is not None or expectations:
         return "adaptive chains (stop_below) and expectations= are the growing loop's"
-    tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
     if not tree:
         return None
-    if not getattr(draft, "captures_trees", True):
-        return f"draft {type(draft).__name__} drafts chains in captured steps, not trees (prompt lookup reads each path)"
     if draft_law in ("dynamic", "static") or verifier in CAPTURED_TREE_RULES:
         return None
     if verifier == "gbv":

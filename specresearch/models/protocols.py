@@ -189,7 +189,6 @@ class StaticFeatureModel(StaticModel, Protocol):
 
 @runtime_checkable
 class HasStaticForm(Protocol):
-    """A model with a static form sharing its weights (``static_form()`` -> a ``StaticModel``); ``captures_trees =
-    False`` where that form drafts chains only (``drafts.combined``'s prompt lookup)."""
+    """A model with a static form sharing its weights (``static_form()`` -> a ``StaticModel``)."""
 
     def static_form(self): ...
