@@ -174,7 +174,6 @@ def check_compile_flags(args) -> None:
            f"step on the host; --gamma {planned}, or {draft.split('@')[0]}@draft-gamma=none, drafts every step"
            if lookup and not tree and planned != "none" and args.gamma > int(planned)
            and args.draft not in (None, GENERATE_DRAFT)
-           else "a dial draft runs the target on the host's schedule" if draft.startswith("dial-")
            else "adaptive chains (--stop-below) decide on the host" if args.stop_below is not None
            else "GBV's verifier reads the host" if args.verifier == "gbv" else None)
     if why:

@@ -89,11 +89,11 @@ def test_cuda_graph_modes_off_cuda_are_refused_before_a_model_loads(capsys, monk
 
 @pytest.mark.slow
 def test_compile_on_names_what_has_no_captured_step_and_a_captured_run_prints_its_figures(capsys):
-    """``--compile on`` with a named lookup draft's length plan below gamma (decided per step on the host) or a dial
-    draft: one line, before any model loads, saying why and what runs it; generate's default draft, prompt lookup and
+    """``--compile on`` with a named lookup draft's length plan below gamma (decided per step on the host) or adaptive
+    chains: one line, before any model loads, saying why and what runs it; generate's default draft, prompt lookup and
     the feature head run captured steps (eager here: ``--compile static``) and print the usual figures."""
-    _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "dial-mix:0.5"], "--compile on runs captured "
-                "steps", "a dial draft runs the target", "--draft eagle3-v8k", "--compile off")
+    _user_error(capsys, ["generate", "hi", "--compile", "on", "--stop-below", "0.5"], "--compile on runs captured "
+                "steps", "adaptive chains (--stop-below) decide on the host", "--draft eagle3-v8k", "--compile off")
     _user_error(capsys, ["generate", "hi", "--compile", "on", "--draft", "ngram+eagle3-v8k", "--gamma", "3"],
                 "length plan (@draft-gamma=1", "ngram+eagle3-v8k@draft-gamma=none")
     for draft in ("fp16:eagle3-v8k", "ngram+fp16:eagle3-v8k", "ngram"):

@@ -110,3 +110,35 @@ def test_names_and_bad_input(pair):
         DialDraft(CausalLM(target.model, device="cpu"), "noise", 0.5)
     with pytest.raises(ValueError, match="vocab_size"):
         DialDraft(CausalLM(target.model, device="cpu"), "mix", 0.5, tiny_llama(VOCAB + 1, seed=2))
+
+
+@pytest.mark.parametrize(("kind", "amount"), [("mix", 0.7), ("uniform", 0.8), ("temperature", 1.5)])
+def test_in_the_captured_steps_a_dial_draft_drafts_what_it_drafts_growing(pair, kind, amount):
+    """Its static form (the target's and the mixed-in model's static forms, combined alike): greedy chains and a
+    traversal tree give the target's tokens with the growing loop's accepted counts step for step but the last (cut
+    there, not shortened; its drafts are accepted often, so the counts say something), and T = 1 keeps the target's
+    law (false-positive rate < 1e-7). A dial mix with a feature head has none (refused in one line)."""
+    target, other = pair
+    draft = _dial(target, other, kind, amount)
+    prompts, greedy = [[3, 1, 4, 1, 5], [2, 7]], SamplingConfig(temperature=0.0)
+    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=greedy).tokens
+    for options in (dict(gamma=3), dict(gamma=2, num_drafts=2, verifier="traversal")):
+        out = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=greedy, compile="static",
+                                   **options)
+        grown = speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=greedy, **options)
+        assert out.tokens == want and sum(map(sum, (s.num_accepted for s in out.steps))) > 6
+        assert [s.num_accepted for s in out.steps][:-1] == [s.num_accepted for s in grown.steps][: len(out.steps) - 1]
+    result = lossless_test(target, draft, "block", [3, 1, 4], sampling=SamplingConfig(), gamma=3, k=3,
+                           max_new_tokens=4, num_samples=4_000, seed=0, batch_size=2_000, compile="static")
+    assert result.impossible == 0 and result.bonferroni_p_value > 1e-7, result.p_value
+
+
+def test_a_dial_mix_with_a_feature_head_has_no_static_form(pair):
+    from helpers import feature_head
+
+    from specresearch.drafts.feature import FeatureDraft
+    from specresearch.engine.static import static_available
+
+    target, _ = pair
+    mixed = DialDraft(CausalLM(target.model, device="cpu"), "mix", 0.5, FeatureDraft(feature_head(target.model)))
+    assert "a dial mix with FeatureDraft, which has no whole-model static form" in static_available(target, mixed)

@@ -15,7 +15,6 @@ from specresearch.config import SamplingConfig
 from specresearch.drafts.eagle import Eagle3Head, EagleDraft
 from specresearch.drafts.feature import FeatureDraft, FeatureHeadConfig
 from specresearch.drafts.ngram import NGramDraft
-from specresearch.drafts.registry import draft_from_name
 from specresearch.engine import static
 from specresearch.engine.captured import StepRunner, warm_up
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
@@ -25,7 +24,7 @@ from specresearch.experiments.stats import lossless_test
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import tiny_family_model
 from specresearch.models.probe import static_form_calls
-from specresearch.models.toy import tiny_llama
+from specresearch.models.toy import ToyLM, tiny_llama
 
 VOCAB = 48
 GREEDY, SAMPLED = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
@@ -355,9 +354,9 @@ def test_a_session_is_kept_and_replayed(target, drafts):
 def test_compile_choices_are_checked_and_explained(target, drafts):
     with pytest.raises(ValueError, match="compile must be one of"):
         speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="fast")
-    with pytest.raises(ValueError, match="has no static form \\(a dial draft.*compile='off'"):
-        speculative_generate(target, draft_from_name("dial-uniform:0.5", target), PROMPTS, max_new_tokens=4,
-                             compile="on")
+    with pytest.raises(ValueError, match="ToyLM has no static form.*compile='off'"):  # a draft of one's own
+        speculative_generate(target, ToyLM.random(VOCAB, generator=torch.Generator().manual_seed(0)), PROMPTS,
+                             max_new_tokens=4, compile="on")
     with pytest.raises(ValueError, match="GBV's verifier reads the host"):
         speculative_generate(target, drafts["model"], PROMPTS, max_new_tokens=4, compile="static", verifier="gbv",
                              num_drafts=2, gamma=2)

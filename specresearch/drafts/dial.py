@@ -29,7 +29,7 @@ import torch
 
 from specresearch.models.causal_lm import CausalLM
 
-__all__ = ["COSTS_TARGET_FORWARD", "DIAL_KINDS", "DialDraft", "dial_draft_from_name", "is_dial_name"]
+__all__ = ["COSTS_TARGET_FORWARD", "DIAL_KINDS", "DialDraft", "StaticDialDraft", "dial_draft_from_name", "is_dial_name"]
 
 COSTS_TARGET_FORWARD = "draft runs the target (only BE is meaningful, not wall-clock)"
 DIAL_KINDS = ("mix", "uniform", "temperature")
@@ -98,6 +98,20 @@ class DialDraft:
     def _models(self) -> list:
         return [self.base] if self.other is None else [self.base, self.other]
 
+    @property
+    def static_refusal(self) -> str | None:
+        """Why this draft has no static form (a model mixed in that has none, or reads the target's features), or
+        None."""
+        if self.other is not None and (not hasattr(self.other, "static_form") or hasattr(self.other, "feature_layers")):
+            return f"a dial mix with {type(self.other).__name__}, which has no whole-model static form"
+        return getattr(self.base, "static_refusal", None) or getattr(self.other, "static_refusal", None)
+
+    def static_form(self) -> "StaticDialDraft":
+        """This draft in the engine's captured steps (:class:`StaticDialDraft`)."""
+        if self.static_refusal:
+            raise ValueError(f"{self.static_refusal}: run the growing loop (compile='off')")
+        return StaticDialDraft(self)
+
     def _combine(self, base_logits: torch.Tensor, other_logits: torch.Tensor | None = None) -> torch.Tensor:
         """log r from the target's logits (and the mixed-in model's), ``[..., V]`` -> ``[..., V]`` float32."""
         base_logits = base_logits.float()
@@ -109,6 +123,39 @@ class DialDraft:
             other = torch.log_softmax(other_logits.float().to(base_logits.device), -1)
         return torch.logaddexp(_log_weight(self.amount) + torch.log_softmax(base_logits, -1),
                                _log_weight(1 - self.amount) + other)
+
+
+class StaticDialDraft:
+    """A :class:`DialDraft` in the engine's captured steps: the static forms of its target model and of the model mixed
+    in, fed alike, their logits combined as the draft combines them (``models.protocols.StaticModel``)."""
+
+    def __init__(self, draft: DialDraft) -> None:
+        self.draft = draft
+        self.models = [model.static_form() for model in draft._models()]
+        self.vocab_size, self.device, self.max_context = draft.vocab_size, draft.device, draft.max_context
+
+    @property
+    def rows(self):
+        return self.models[0].rows
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        for model in self.models:
+            model.allocate(batch, capacity)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0):
+        outs = [model.prefill(input_ids, attention_mask, leave=leave)[0] for model in self.models]
+        return (None if outs[0] is None else self.draft._combine(*outs)), None
+
+    def forward(self, tokens: torch.Tensor, **where):
+        return self.draft._combine(*(model.forward(tokens, **where)[0] for model in self.models)), None
+
+    def commit(self, n) -> None:
+        for model in self.models:
+            model.commit(n)
+
+    def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
+        for model in self.models:
+            model.keep_path(source, n)
 
 
 def _log_weight(weight: float) -> float:

@@ -29,7 +29,7 @@ Stopping runs on the device as well: a row that has emitted ``max_new_tokens`` o
 later tokens are discarded), so the host need not answer before the next step. Compared to the growing loop: gamma
 is never shortened near the end (the block past ``max_new_tokens`` is cut, as at an EOS), finished rows stay in the
 batch, a draft is re-fed gamma + 1 slots a step instead of n + 1, and drafts that decide on the host (prompt lookup,
-a length plan, an early stop, a dial draft) have no static form: :func:`static_available` says why.
+a length plan, an early stop) have no static form: :func:`static_available` says why.
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
     if draft is None:
         return None
     if not isinstance(draft, HasStaticForm):
-        return (f"draft {type(draft).__name__} has no static form (a dial draft runs the target on the host's "
-                "schedule): use a whole-model draft, an EAGLE-1/2/3, P-EAGLE or toolkit feature head, Medusa heads, a "
-                "DFlash-family block, a Gemma 4 assistant, or prompt lookup (alone or over one of them)")
+        return (f"draft {type(draft).__name__} has no static form (static_form(): models.protocols.StaticModel): "
+                "every draft the toolkit builds has one (whole models, EAGLE-1/2/3, P-EAGLE and toolkit heads, Medusa, "
+                "DFlash-family blocks, Gemma 4 assistants, prompt lookup, dial drafts)")
     tree = num_drafts != 1 or draft_law != "iid" or verifier not in _CHAIN_VERIFIERS
     planned = gamma
     if gamma is not None and isinstance(draft, PlansLength):
