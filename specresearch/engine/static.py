@@ -28,8 +28,8 @@ at T > 0 a seed gives other (equally distributed) tokens there; at T = 0 both gi
 Stopping runs on the device as well: a row that has emitted ``max_new_tokens`` or an EOS stops keeping slots (its
 later tokens are discarded), so the host need not answer before the next step. Compared to the growing loop: gamma
 is never shortened near the end (the block past ``max_new_tokens`` is cut, as at an EOS), finished rows stay in the
-batch, a draft is re-fed gamma + 1 slots a step instead of n + 1, and drafts that decide on the host (prompt lookup,
-a length plan, an early stop) have no static form: :func:`static_available` says why.
+batch, a draft is re-fed gamma + 1 slots a step instead of n + 1, and what decides on the host (a length plan below
+gamma, an early stop, GBV) has no captured step: :func:`static_available` says why.
 """
 
 from __future__ import annotations

@@ -163,6 +163,8 @@ class StaticModel(Protocol):
     ``forward(tokens [B, k], *, offset=0, depth=None, visible=None)`` writes ``tokens`` past each row's length
     (a chain, or a tree: ``models.static_cache.StaticRows.call``) and returns (logits ``[B, k, V]``, extra);
     ``commit(n [B])`` keeps the first ``n`` slots written; ``keep_path(source [B, m], n [B])`` keeps a tree's path.
+    A draft may define ``refeed(tokens, *, inputs)``: the engine re-feeds it the step's accepted tokens and next token
+    through it (a block drafter runs its block there), its drafting calls then at ``offset = (d - 1) k`` for depth d.
     """
 
     vocab_size: int
