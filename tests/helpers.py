@@ -104,3 +104,54 @@ def explain_static_calls(lm):
 
     return torch._dynamo.explain(calls)()
 
+
+
+def check_captured_step(target, draft, prompts, options: dict, steps: int = 3) -> None:
+    """The captured step of ``speculative_generate(target, draft, prompts, **options)`` (``engine.static``): at T = 0
+    ``torch._dynamo.explain`` finds one graph and no break (what ``torch.compile(fullgraph=True)`` and a CUDA graph
+    need: no host read inside), and at T = 1 the step compiled (``fullgraph=True``, the ``aot_eager`` backend:
+    dynamo's graph and its functionalised in-place updates) writes the eager step's log over ``steps`` steps from the
+    same uniforms."""
+    from specresearch.config import SamplingConfig
+    from specresearch.engine.prompts import encode_prompts
+    from specresearch.engine.static import plan_for, start_run
+
+    ids, mask = encode_prompts(prompts)
+    plan = plan_for(options.get("verifier", "block"), options["gamma"], options.get("num_drafts", 1),
+                    options.get("draft_law", "iid"), options.get("tree_nodes"))
+
+    def run(sampling):
+        return start_run(target, draft, ids, mask, plan=plan, sampling=sampling, max_new_tokens=10,
+                         steps_per_read=steps)
+
+    def log(compiled: bool) -> torch.Tensor:
+        started = run(SamplingConfig())
+        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
+                                                    dtype=torch.float64))
+            step()
+        return started.state.log.clone()
+
+    explained = torch._dynamo.explain(run(SamplingConfig(temperature=0.0)).step)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert torch.equal(log(False), log(True))
+
+
+def refed_static_form(target, draft, prompts, refed: int):
+    """``draft``'s static form (a feature reader with its own ``refeed``: a block drafter, P-EAGLE) after the
+    left-padded ``prompts`` whose last ``refed`` tokens are re-fed as one call, each with the target's features of the
+    slot before it, as the captured loop's re-feed reads them. -> (the static form, the re-feed's logits ``[B, refed,
+    V]``, its predictions)."""
+    from specresearch.engine.prompts import encode_prompts
+
+    ids, mask = encode_prompts(prompts)
+    _, features = target.prefill(ids, mask, hidden_layers=draft.feature_layers)
+    before = torch.zeros(*ids.shape, draft.feature_size)
+    before[:, 1:] = features[:, :-1] * mask[:, :-1, None]
+    static = draft.static_form()
+    static.allocate(len(prompts), 64)
+    static.prefill(ids, mask, leave=refed, inputs=static.fuse(before[:, :-refed]))
+    logits, predictions = static.refeed(ids[:, -refed:], inputs=static.fuse(before[:, -refed:]))
+    return static, logits, predictions

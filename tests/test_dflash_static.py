@@ -17,6 +17,7 @@
 
 import pytest
 import torch
+from helpers import check_captured_step, refed_static_form
 from test_dflash import BLOCK, PROMPTS, _dspark, _ours, _pair, _theirs
 from test_dflash2 import _dflash2
 from test_xpress import _xpress
@@ -24,33 +25,17 @@ from test_xpress import _xpress
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.static import plan_for, start_run, static_available
+from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
 
 GREEDY = SamplingConfig(temperature=0.0)
-
-
-def _static(target, draft, prompts, refed: int):
-    """The draft's static form after a prompt whose last ``refed`` tokens are re-fed as one call (the target's
-    features of the slots before them, as the captured loop's re-feed reads them). -> (static draft, the re-feed's
-    logits ``[B, refed, V]``, its blocks)."""
-    ids, mask = encode_prompts(prompts, None)
-    _, features = target.prefill(ids, mask, hidden_layers=draft.feature_layers)
-    before = torch.zeros(*ids.shape, draft.feature_size)
-    before[:, 1:] = features[:, :-1] * mask[:, :-1, None]
-    static = draft.static_form()
-    static.allocate(len(prompts), 64)
-    static.prefill(ids, mask, leave=refed, inputs=static.fuse(before[:, :-refed]))
-    logits, blocks = static.refeed(ids[:, -refed:], inputs=static.fuse(before[:, -refed:]))
-    return static, logits, blocks
 
 
 @pytest.mark.parametrize("setting", [dict(), dict(sliding_window=3)])
 def test_the_refeed_runs_every_columns_block_on_its_own_prefix(tmp_path, setting):
     target, assistant, directory = _pair(tmp_path, **setting)
     draft = draft_from_name(str(directory), target)
-    static, logits, blocks = _static(target, draft, PROMPTS, 3)
+    static, logits, blocks = refed_static_form(target, draft, PROMPTS, 3)
     for row, prompt in enumerate(PROMPTS):
         for column in range(3):
             want = _theirs(target, assistant, prompt[: len(prompt) - 2 + column])  # positions 1..B-1
@@ -72,7 +57,7 @@ def _growing_and_static(target, draft):
     """``_ours`` (the growing draft: the pending token's logits, then one per drafted token 7, 19) and the same from
     the static form."""
     want = _ours(target, draft, PROMPTS)
-    static, logits, blocks = _static(target, draft, PROMPTS, 1)
+    static, logits, blocks = refed_static_form(target, draft, PROMPTS, 1)
     rows = [logits[:, 0]]
     for i, token in enumerate((7, 19)):  # each call hands its block on to the next (XPress: with its token written)
         out, blocks = static.forward(torch.full((2, 1), token), inputs=blocks, offset=i)
@@ -123,27 +108,7 @@ def test_in_the_captured_steps_greedy_runs_give_the_targets_tokens(tmp_path):
                                            ("xpress", RUNS[2])])
 def test_a_captured_step_traces_as_one_graph_and_compiled_computes_the_eager_step(tmp_path, name, options):
     target, drafts = _drafts(tmp_path)
-    ids, mask = encode_prompts([[5, 9, 3, 17, 22, 8], [7, 2, 11]])
-    plan = plan_for(options.get("verifier", "block"), options["gamma"], options.get("num_drafts", 1),
-                    options.get("draft_law", "iid"), options.get("tree_nodes"))
-
-    def run(sampling):
-        return start_run(target, drafts[name], ids, mask, plan=plan, sampling=sampling, max_new_tokens=10,
-                         steps_per_read=3)
-
-    def logs(compiled=False):
-        started = run(SamplingConfig())
-        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
-                                                    dtype=torch.float64))
-            step()
-        return started.state.log.clone()
-
-    explained = torch._dynamo.explain(run(GREEDY).step)()
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    assert torch.equal(logs(), logs(compiled=True))
+    check_captured_step(target, drafts[name], [[5, 9, 3, 17, 22, 8], [7, 2, 11]], options)
 
 
 @pytest.mark.parametrize("name, rule, trees", [("dflash", "block", 1), ("dspark", "token", 1),

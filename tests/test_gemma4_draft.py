@@ -24,13 +24,12 @@ tiny_gemma4_pair``: a windowed layer then a global one, both storing their keys 
 
 import pytest
 import torch
+from helpers import check_captured_step
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.gemma4 import Gemma4AssistantDraft
 from specresearch.drafts.registry import draft_format, draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.static import plan_for, start_run
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import tiny_family_model, tiny_gemma4_pair
@@ -207,27 +206,7 @@ def test_in_the_captured_steps_its_greedy_drafts_give_the_targets_tokens():
 def test_its_captured_step_traces_as_one_graph_and_compiled_computes_the_eager_step(options):
     target_model, assistant = tiny_gemma4_pair(seed=0)
     target = CausalLM(target_model)
-    draft = Gemma4AssistantDraft(assistant, target)
-    ids, mask = encode_prompts([PROMPT, PROMPT[:5]])
-    plan = plan_for(options.get("verifier", "block"), options["gamma"], options.get("num_drafts", 1),
-                    options.get("draft_law", "iid"), options.get("tree_nodes"))
-
-    def run(sampling):
-        return start_run(target, draft, ids, mask, plan=plan, sampling=sampling, max_new_tokens=10, steps_per_read=3)
-
-    def logs(compiled=False):
-        started = run(SamplingConfig())
-        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
-                                                    dtype=torch.float64))
-            step()
-        return started.state.log.clone()
-
-    explained = torch._dynamo.explain(run(GREEDY).step)()
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    assert torch.equal(logs(), logs(compiled=True))
+    check_captured_step(target, Gemma4AssistantDraft(assistant, target), [PROMPT, PROMPT[:5]], options)
 
 
 @pytest.mark.parametrize("rule, trees", [("block", 1), ("traversal", 2)])

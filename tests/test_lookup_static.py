@@ -19,7 +19,7 @@ lookup_at_slots``), on a tiny random Llama and a feature head over it.
 
 import pytest
 import torch
-from helpers import feature_head
+from helpers import check_captured_step, feature_head
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.combined import LookupOrDraft
@@ -27,7 +27,7 @@ from specresearch.drafts.feature import FeatureDraft
 from specresearch.drafts.ngram import NGramDraft, _lookup, lookup_at_slots
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.static import plan_for, start_run, static_available
+from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.toy import tiny_llama
 
@@ -124,25 +124,7 @@ def test_in_the_captured_steps_greedy_chains_give_the_targets_tokens_and_keep_th
 
 def test_a_captured_chain_step_traces_as_one_graph_and_compiled_computes_the_eager_step(target):
     draft = LookupOrDraft(FeatureDraft(feature_head(target.model)), min_match=2, draft_gamma=None)
-    ids, mask = encode_prompts(PROMPTS)
-
-    def run(sampling):
-        return start_run(target, draft, ids, mask, plan=plan_for("block", 3), sampling=sampling, max_new_tokens=10,
-                         steps_per_read=3)
-
-    def logs(compiled=False):
-        started = run(SamplingConfig())
-        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
-                                                    dtype=torch.float64))
-            step()
-        return started.state.log.clone()
-
-    explained = torch._dynamo.explain(run(GREEDY).step)()
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    assert torch.equal(logs(), logs(compiled=True))
+    check_captured_step(target, draft, PROMPTS, dict(gamma=3))
 
 
 class _HostDraft:

@@ -12,13 +12,13 @@
 
 import pytest
 import torch
+from helpers import check_captured_step
 from test_published_drafts import MEDUSA_HEADS, _medusa_checkpoint, _medusa_reference, _target
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.static import plan_for, start_run, static_available
+from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -71,26 +71,7 @@ def test_in_the_captured_steps_greedy_runs_give_the_targets_tokens(pair):
 @pytest.mark.parametrize("options", [RUNS[0], RUNS[2]], ids=["chain", "dynamic tree"])
 def test_a_captured_step_traces_as_one_graph_and_compiled_computes_the_eager_step(pair, options):
     target, draft, _ = pair
-    ids, mask = encode_prompts(PROMPTS)
-    plan = plan_for(options.get("verifier", "block"), options["gamma"], options.get("num_drafts", 1),
-                    options.get("draft_law", "iid"), options.get("tree_nodes"))
-
-    def run(sampling):
-        return start_run(target, draft, ids, mask, plan=plan, sampling=sampling, max_new_tokens=10, steps_per_read=3)
-
-    def logs(compiled=False):
-        started = run(SamplingConfig())
-        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
-                                                    dtype=torch.float64))
-            step()
-        return started.state.log.clone()
-
-    explained = torch._dynamo.explain(run(GREEDY).step)()
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    assert torch.equal(logs(), logs(compiled=True))
+    check_captured_step(target, draft, PROMPTS, options)
 
 
 @pytest.mark.parametrize("rule, trees", [("block", 1), ("traversal", 2)])

@@ -13,14 +13,14 @@
 
 import pytest
 import torch
+from helpers import check_captured_step, refed_static_form
 from test_peagle import DEPTHS, _definition, _peagle
 from test_published_drafts import _target
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
-from specresearch.engine.prompts import encode_prompts
-from specresearch.engine.static import plan_for, start_run, static_available
+from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -35,21 +35,9 @@ def head(tmp_path_factory):
     return target, draft_from_name(str(directory), target), tensors, token_ids
 
 
-def _refed(target, draft, prompts, refed: int):
-    ids, mask = encode_prompts(prompts)
-    _, features = target.prefill(ids, mask, hidden_layers=draft.feature_layers)
-    before = torch.zeros(*ids.shape, draft.feature_size)
-    before[:, 1:] = features[:, :-1] * mask[:, :-1, None]
-    static = draft.static_form()
-    static.allocate(len(prompts), 64)
-    static.prefill(ids, mask, leave=refed, inputs=static.fuse(before[:, :-refed]))
-    logits, masks = static.refeed(ids[:, -refed:], inputs=static.fuse(before[:, -refed:]))
-    return static, logits, masks
-
-
 def test_the_refeed_runs_every_columns_mask_slots_on_its_own_prefix(head):
     target, draft, tensors, token_ids = head
-    static, logits, masks = _refed(target, draft, PROMPTS, 3)
+    static, logits, masks = refed_static_form(target, draft, PROMPTS, 3)
     for row, prompt in enumerate(PROMPTS):
         for column in range(3):
             prefix = prompt[: len(prompt) - 2 + column]
@@ -89,26 +77,7 @@ def test_in_the_captured_steps_greedy_runs_give_the_targets_tokens(head):
 @pytest.mark.parametrize("options", [RUNS[0], RUNS[2]], ids=["chain", "dynamic tree"])
 def test_a_captured_step_traces_as_one_graph_and_compiled_computes_the_eager_step(head, options):
     target, draft, _, _ = head
-    ids, mask = encode_prompts(PROMPTS)
-    plan = plan_for(options.get("verifier", "block"), options["gamma"], options.get("num_drafts", 1),
-                    options.get("draft_law", "iid"), options.get("tree_nodes"))
-
-    def run(sampling):
-        return start_run(target, draft, ids, mask, plan=plan, sampling=sampling, max_new_tokens=10, steps_per_read=3)
-
-    def logs(compiled=False):
-        started = run(SamplingConfig())
-        step = torch.compile(started.step, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else started.step
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            started.state.uniforms.copy_(torch.rand(started.state.uniforms.shape, generator=generator,
-                                                    dtype=torch.float64))
-            step()
-        return started.state.log.clone()
-
-    explained = torch._dynamo.explain(run(GREEDY).step)()
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    assert torch.equal(logs(), logs(compiled=True))
+    check_captured_step(target, draft, PROMPTS, options)
 
 
 @pytest.mark.parametrize("rule, trees", [("block", 1), ("traversal", 2)])
