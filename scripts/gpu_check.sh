@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check: what only a CUDA machine can check, results under RESULTS_DIR. Each run has its own limit:
-# the tests part takes at most 3.5 minutes, timing 2, real 7.5, sampled 3 (so a short lease can run them in calls).
+# the tests part takes at most 4 minutes, timing 2, real 7.5, sampled 3 (so a short lease can run them in calls).
 #
 #   bash scripts/gpu_check.sh RESULTS_DIR [tests] [timing] [real] [sampled] [speed]   (no part named: the first three)
 #
@@ -8,7 +8,9 @@
 # Runs from a copy of the repository's code and tests (specresearch/, tests/, scripts/, benchmarks/, data/; the package
 # is put on PYTHONPATH, nothing is installed). PYTHON picks the interpreter (default python3). The parts:
 #   tests:  the tests marked `cuda` (tests/test_devices.py: greedy equality and the statistical losslessness test on
-#           CUDA for every draft kind built from a config, a CPU generator with GPU probabilities; tests/test_families.py:
+#           CUDA for every draft kind built from a config, a CPU generator with GPU probabilities; tests/test_static.py:
+#           captured steps as CUDA graphs against eager ones, the feature head's and prompt lookup's, a dial draft's
+#           and Medusa heads' static forms among them; tests/test_families.py:
 #           the family x kernel matrix on CUDA, flash-attn's kernel included where installed), and the engine's
 #           tests on the CPU of that machine (tests/test_rows_end_early.py, tests/test_host_reads.py);
 #   timing: scripts/gpu_bench.py: verifier timings at B = 32, the engine's overhead and host reads per step, the
@@ -88,7 +90,7 @@ has_model() {
 for part in $PARTS; do
     case "$part" in
     tests)
-        run cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_static.py tests/test_fused.py --junitxml "$OUT/cuda_tests.xml"
+        run cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_static.py tests/test_fused.py --junitxml "$OUT/cuda_tests.xml"
         run family_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_families.py --junitxml "$OUT/family_tests.xml"
         run engine_tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_rows_end_early.py tests/test_host_reads.py ;;
     timing)

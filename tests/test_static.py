@@ -435,3 +435,50 @@ def test_cuda_captured_steps_replay_what_eager_steps_compute(mode, plan):
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     # the first run of a session compiles or captures before its first step, timed apart; the next replays
     assert got.compile_seconds > 0 and runs[1].compile_seconds > 0 and runs[2].compile_seconds == 0
+
+
+def _cuda_draft(kind: str, target, directory):
+    """A draft of ``kind`` on ``target``'s CUDA device: prompt lookup with a head, prompt lookup alone, a dial draft,
+    a DFlash block (tests/test_dflash.py's drafter, saved to ``directory``), Medusa heads."""
+    from specresearch.drafts.combined import LookupOrDraft
+    from specresearch.drafts.dial import DialDraft
+    from specresearch.drafts.registry import draft_from_name
+
+    if kind == "lookup or head":
+        return LookupOrDraft(FeatureDraft(feature_head(target.model), device="cuda"), draft_gamma=None)
+    if kind == "lookup":
+        return NGramDraft(VOCAB, device="cuda")
+    if kind == "dial":
+        return DialDraft(CausalLM(target.model, device="cuda"), "uniform", 0.8)
+    import math
+
+    g = torch.Generator().manual_seed(0)
+    hidden = target.model.config.hidden_size
+    tensors = {}
+    for k in range(3):  # Medusa heads in their repository's layout: one ResBlock a head, repeated once
+        weight, bias = torch.randn(hidden, hidden, generator=g) / math.sqrt(hidden), 0.1 * torch.randn(hidden, generator=g)
+        tensors |= {f"{k}.0.linear.weight": weight, f"{k}.0.linear.bias": bias,
+                    f"{k}.1.weight": torch.randn(VOCAB, hidden, generator=g) / math.sqrt(hidden)}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
+    torch.save(tensors, directory / "medusa_lm_head.pt")
+    return draft_from_name(str(directory), target)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("kind", ["lookup or head", "lookup", "dial", "medusa"])
+def test_cuda_captured_steps_of_other_drafts_replay_what_eager_steps_compute(kind, tmp_path):
+    """On CUDA, the static forms of prompt lookup (with a head, alone), a dial draft and Medusa heads as CUDA graphs:
+    greedy chains and a traversal tree give greedy autoregressive decoding's tokens; at T = 1 a captured chain's tokens
+    equal the eager static run's from the same seed, twice."""
+    cuda_target = CausalLM(tiny_llama(VOCAB, seed=0, init_std=0.6, num_layers=3).model, device="cuda")
+    draft = _cuda_draft(kind, cuda_target, tmp_path / "medusa")
+    want = autoregressive_generate(cuda_target, PROMPTS, max_new_tokens=12, sampling=GREEDY)
+    for options in (dict(gamma=3), dict(gamma=2, num_drafts=2, verifier="traversal")):
+        got = speculative_generate(cuda_target, draft, PROMPTS, max_new_tokens=12, sampling=GREEDY,
+                                   compile="cudagraph", **options)
+        assert got.tokens == want.tokens, options
+    runs = [speculative_generate(cuda_target, draft, PROMPTS, max_new_tokens=12, sampling=SAMPLED, seed=7, compile=m,
+                                 gamma=3) for m in ("static", "cudagraph", "cudagraph")]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
