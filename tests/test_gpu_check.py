@@ -63,15 +63,20 @@ def test_the_speed_parts_scripts_run_on_a_cpu(tmp_path):
     refused = subprocess.run([*bench, "--cells", "autoregressive (int4):off", "--validate-only", "--out",
                               str(tmp_path / "x")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert refused.returncode != 0 and "unknown cells ['autoregressive (int4):off']" in refused.stderr
+    refused = subprocess.run([*bench, "--cells", "chain block g1 [eagle9]:off", "--validate-only", "--out",
+                              str(tmp_path / "x")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode != 0 and "unknown cells ['chain block g1 [eagle9]:off']" in refused.stderr
     # bfloat16 is slow here; a cudagraph cell cannot run on a CPU: left out, its error kept, the others measured
-    cpu_cells = ["autoregressive:off", "chain block g1:static", "dynamic K4 g4 n10:static", "chain block g2:cudagraph"]
+    cpu_cells = ["autoregressive:off", "chain block g1:static", "dynamic K4 g4 n10:static", "chain block g2:cudagraph",
+                 "chain block g1 [ngram+fp16:eagle3-v8k]:static"]
     subprocess.run([*bench, "--draft", "fp16:eagle3-v8k", "--prompts", "2", "--max-new-tokens", "4", "--peer",
                     "--cells", *cpu_cells, "--out", str(tmp_path / "speed")], check=True, capture_output=True,
                    timeout=900, cwd=ROOT)
     record = json.loads((tmp_path / "speed.json").read_text())
     assert record["complete"] and list(record["failed_cells"]) == ["chain block g2:cudagraph"]
     assert "captures CUDA graphs" in record["failed_cells"]["chain block g2:cudagraph"]
-    assert set(record["warm_up_seconds"]) == {*cpu_cells[:3], "transformers static:transformers"}
+    assert set(record["warm_up_seconds"]) == {*cpu_cells[:3], cpu_cells[4], "transformers static:transformers"}
     summary = record["summary"]
     assert {"ar_tokens_per_s", "peer_tokens_per_s", "best_speedup_t0", "best_speedup_t1", "best_config_t0"} <= set(summary)
-    assert {c["label"] for c in summary["cells"]} >= {"dynamic K4 g4 n10 / static", "transformers static / transformers"}
+    assert {c["label"] for c in summary["cells"]} >= {"dynamic K4 g4 n10 / static", "transformers static / transformers",
+                                                      "chain block g1 [ngram+fp16:eagle3-v8k] / static"}
