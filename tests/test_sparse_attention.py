@@ -7,13 +7,15 @@ key, each query attends to its top ``index_topk`` (``models.attention.INDEXED_FA
   gives those tokens. Control: the same weights keeping every key decode other tokens, so the selection is in play.
 * sdpa stays transformers' own: the indexer's selection is a mask only there and under eager (another attention
   function is handed indices it does not read; the wrapper's CPU sdpa dropped the selection without an error).
-* Rows rolled back unevenly, packed, selected and repeated keep their indexer keys; the static form is refused.
+* Rows rolled back unevenly, packed, selected and repeated keep their indexer keys; so does the static form (the
+  captured steps' cache), whose every probe row is the uncached forward's and whose captured steps decode greedily.
 * T = 1: a DeepSeek-V3.2 target with a Llama draft keeps the target's law (chains and K = 2 traversal trees; exact
   Bonferroni test, false-positive rate <= 1e-6 each).
 """
 
 import pytest
 import torch
+from helpers import check_captured_step
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.registry import draft_from_name
@@ -22,6 +24,7 @@ from specresearch.engine.static import static_available
 from specresearch.experiments.stats import lossless_test
 from specresearch.models.causal_lm import CausalLM
 from specresearch.models.families import SPARSE_FAMILIES, tiny_sparse_model
+from specresearch.models.probe import static_form_calls
 from specresearch.models.toy import tiny_llama
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -55,7 +58,31 @@ def test_a_sparse_attention_target_decodes_as_uncached_forwards_in_chains_and_tr
         assert got == want, options
 
 
-def test_rows_keep_their_indexer_keys_and_the_static_form_is_refused():
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", sorted(SPARSE_FAMILIES))
+def test_the_static_form_keeps_the_indexer_keys_and_scores_as_uncached_forwards(family, kernel):
+    """The captured steps' cache (``models.static_cache``: the indexer's keys in a buffer of their own, written at the
+    call's slots and copied with a kept path): every logit row of ``models.probe.static_form_calls`` (two left-padded
+    rows, a chain, a tree of two branches, paths kept to 3 and 2 nodes, a token after) is the uncached forward's
+    (1e-4); greedy chains and trees in captured steps give the uncached tokens; a step traces as one graph."""
+    model = tiny_sparse_model(family, kernel)
+    target = CausalLM(model)
+    assert static_available(target) is None
+    for logits, sequence in static_form_calls(target.static_form()):
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([sequence])).logits[0, -1]
+        assert torch.allclose(logits, want, atol=1e-4), (sequence, float((logits - want).abs().max()))
+    want = [_uncached_greedy(model, p, NEW) for p in PROMPTS]
+    draft = tiny_llama(64, seed=1, init_std=0.5)
+    for options in (dict(gamma=3), dict(num_drafts=2, gamma=3, verifier="traversal"),
+                    dict(num_drafts=2, gamma=3, verifier="onehot", draft_law="dynamic")):
+        got = speculative_generate(target, draft, PROMPTS, max_new_tokens=NEW, sampling=GREEDY, compile="static",
+                                   **options).tokens
+        assert [list(row) for row in got] == want, options
+    check_captured_step(target, draft, PROMPTS, dict(gamma=3))
+
+
+def test_rows_keep_their_indexer_keys():
     model = tiny_sparse_model("deepseek_v32")
     lm = CausalLM(model)
     prompts = [[5, 9, 3, 17, 40, 41], [0, 0, 7, 2, 12, 13], [0, 11, 4, 8, 50, 51]]
@@ -75,9 +102,6 @@ def test_rows_keep_their_indexer_keys_and_the_static_form_is_refused():
         with torch.no_grad():
             alone = model(input_ids=torch.tensor([row + [token]])).logits[0, -1]
         assert torch.allclose(after[i], alone, atol=1e-4), i
-    assert "DeepSeek Sparse Attention" in static_available(lm)
-    with pytest.raises(ValueError, match="indexer keys a static KV cache does not hold"):
-        lm.static_form()
 
 
 def test_a_sparse_attention_target_keeps_its_law_at_t1():

@@ -376,8 +376,6 @@ class CausalLM:
         name = type(self.model).__name__
         if self.recurrent:
             return f"{name} has recurrent layers (models.recurrent), which a static KV cache does not hold"
-        if self._attention.indexed:
-            return f"{name} has DeepSeek Sparse Attention layers, whose indexer keys a static KV cache does not hold"
         if self._sets is not None:
             return (f"{name} changes its rotary set past position {self._sets.limit} within the planned run, each token"
                     " drawn from its prefix's set (models.prefix_sets: two caches), which a static KV cache does not hold")

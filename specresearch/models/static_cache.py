@@ -12,6 +12,10 @@ and the next call overwrites them. :meth:`StaticRows.advance` (a chain: keep the
 drafts) and :func:`keep_path` (a tree: copy the accepted path's slots to the front of the tree region first) are the
 only ways a length changes, both device operations.
 
+DeepSeek Sparse Attention's layers keep their indexer's keys beside K and V (``update_indexer``: a buffer of their own,
+written at the same slots, copied with a kept path); its top-k runs over every slot, the masked ones at the mask's
+lowest value, so it keeps the valid keys a growing cache would (a masked key it picks is masked in attention too).
+
 Masks. Each call's mask is built from ``start``, ``length`` and the slot index (:meth:`StaticRows.call`): a chain
 query at slot s sees slots ``start .. s``; a tree node sees the context before the tree and its ancestors in the
 call (``visible``). Sliding windows are applied from positions (``models.attention.AttentionLayout.masks``), as the
@@ -252,6 +256,18 @@ def static_kv_cache(num_layers: int, batch: int, capacity: int):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             return self.kv.write(writes.slots, key_states, value_states)
+
+        indexer: StaticKV | None = None  # DeepSeek Sparse Attention: the indexer's keys [B, 1, capacity, D]
+
+        def update_indexer(self, indexer_key_states):
+            """The indexer's keys ``[B, k, D]`` written at the call's slots; -> all of them ``[B, capacity, D]``
+            (unwritten and dead slots are masked in its scores, as for attention). Kept paths copy them too."""
+            if self.indexer is None:
+                buffer = indexer_key_states.new_zeros(batch, 1, capacity, indexer_key_states.shape[-1])
+                self.indexer = StaticKV(buffer, buffer)  # one buffer: its keys are its values
+                kvs.append(self.indexer)
+            keys = indexer_key_states[:, None]
+            return self.indexer.write(writes.slots, keys, keys)[0][:, 0]
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             return capacity, 0
