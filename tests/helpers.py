@@ -155,3 +155,29 @@ def refed_static_form(target, draft, prompts, refed: int):
     static.prefill(ids, mask, leave=refed, inputs=static.fuse(before[:, :-refed]))
     logits, predictions = static.refeed(ids[:, -refed:], inputs=static.fuse(before[:, -refed:]))
     return static, logits, predictions
+
+
+def check_warm_up_gives_back(target, draft, prompts, options: dict, steps: int = 3) -> None:
+    """A captured step's warm-up (``engine.captured.warm_up``: what the CUDA graph and inductor runners do before they
+    capture or compile) gives back every extent the step changes (``_Run.small_state``, nested drafts' ``held_rows``
+    too): after it, ``steps`` eager steps at T = 1 write the log a run without it writes."""
+    from specresearch.config import SamplingConfig
+    from specresearch.engine.captured import warm_up
+    from specresearch.engine.prompts import encode_prompts
+    from specresearch.engine.static import plan_for, start_run
+
+    ids, mask = encode_prompts(prompts)
+    plan = plan_for(options.get("verifier", "block"), options["gamma"], options.get("num_drafts", 1),
+                    options.get("draft_law", "iid"), options.get("tree_nodes"))
+    logs = []
+    for warmed in (False, True):
+        run = start_run(target, draft, ids, mask, plan=plan, sampling=SamplingConfig(), max_new_tokens=10,
+                        steps_per_read=steps)
+        if warmed:
+            warm_up(run.step, run.small_state())
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            run.state.uniforms.copy_(torch.rand(run.state.uniforms.shape, generator=generator, dtype=torch.float64))
+            run.step()
+        logs.append(run.state.log.clone())
+    assert torch.equal(*logs)

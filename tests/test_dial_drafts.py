@@ -7,6 +7,7 @@ p-value of ``stats.lossless_test`` must exceed 1e-7, so a correct engine fails w
 
 import pytest
 import torch
+from helpers import check_warm_up_gives_back
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.dial import DialDraft, dial_draft_from_name, is_dial_name
@@ -116,8 +117,8 @@ def test_names_and_bad_input(pair):
 def test_in_the_captured_steps_a_dial_draft_drafts_what_it_drafts_growing(pair, kind, amount):
     """Its static form (the target's and the mixed-in model's static forms, combined alike): greedy chains and a
     traversal tree give the target's tokens with the growing loop's accepted counts step for step but the last (cut
-    there, not shortened; its drafts are accepted often, so the counts say something), and T = 1 keeps the target's
-    law (false-positive rate < 1e-7). A dial mix with a feature head has none (refused in one line)."""
+    there, not shortened; its drafts are accepted often, so the counts say something), T = 1 keeps the target's law
+    (false-positive rate < 1e-7), and a warm-up gives back both models' extents. A dial mix with a feature head has none (refused in one line)."""
     target, other = pair
     draft = _dial(target, other, kind, amount)
     prompts, greedy = [[3, 1, 4, 1, 5], [2, 7]], SamplingConfig(temperature=0.0)
@@ -131,6 +132,7 @@ def test_in_the_captured_steps_a_dial_draft_drafts_what_it_drafts_growing(pair, 
     result = lossless_test(target, draft, "block", [3, 1, 4], sampling=SamplingConfig(), gamma=3, k=3,
                            max_new_tokens=4, num_samples=4_000, seed=0, batch_size=2_000, compile="static")
     assert result.impossible == 0 and result.bonferroni_p_value > 1e-7, result.p_value
+    check_warm_up_gives_back(target, draft, prompts, dict(gamma=3))  # both models' extents (held_rows)
 
 
 def test_a_dial_mix_with_a_feature_head_has_no_static_form(pair):

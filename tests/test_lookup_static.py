@@ -8,7 +8,8 @@ lookup_at_slots``), on a tiny random Llama and a feature head over it.
   then two drafting calls, for a row that ends in a repeated bigram (lookup) and one that does not (the head), drafted
   tokens that extend, break and make a match (1e-4: the head in calls of other widths).
 * Through the engine (``compile="static"``): greedy chains give the target's tokens; a chain step traces as one graph
-  and compiled (``aot_eager``) gives the eager step's log at T = 1; T = 1 keeps the target's law (exact Bonferroni
+  and compiled (``aot_eager``) gives the eager step's log at T = 1, and a warm-up (as a CUDA graph's or inductor's
+  runner makes) gives back the head's extents as well as the lookup's; T = 1 keeps the target's law (exact Bonferroni
   test, false-positive rate <= 1e-6).
 * Prompt lookup alone (``NGramDraft.static_form()``): its logits slot by slot, greedy chains with the growing loop's
   accepted counts, T = 1 the target's law.
@@ -19,7 +20,7 @@ lookup_at_slots``), on a tiny random Llama and a feature head over it.
 
 import pytest
 import torch
-from helpers import check_captured_step, feature_head
+from helpers import check_captured_step, check_warm_up_gives_back, feature_head
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.combined import LookupOrDraft
@@ -125,6 +126,7 @@ def test_in_the_captured_steps_greedy_chains_give_the_targets_tokens_and_keep_th
 def test_a_captured_chain_step_traces_as_one_graph_and_compiled_computes_the_eager_step(target):
     draft = LookupOrDraft(FeatureDraft(feature_head(target.model)), min_match=2, draft_gamma=None)
     check_captured_step(target, draft, PROMPTS, dict(gamma=3))
+    check_warm_up_gives_back(target, draft, PROMPTS, dict(gamma=3))  # the head's extents too (held_rows)
 
 
 class _HostDraft:

@@ -215,6 +215,11 @@ class StaticLookupOrDraft:
         self.rows: StaticRows | None = None
         self._tokens: torch.Tensor | None = None  # [B, capacity] each slot's token
 
+    @property
+    def held_rows(self) -> list[StaticRows]:
+        """Its rows and the wrapped draft's: every extent a step changes (``engine.static``'s small state)."""
+        return [self.rows, *getattr(self.inner, "held_rows", [self.inner.rows])]
+
     def bind(self, target) -> None:  # a wrapped draft that reads its target's cache (models.protocols.BindsTarget)
         if hasattr(self.inner, "bind"):
             self.inner.bind(target)

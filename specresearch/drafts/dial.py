@@ -138,6 +138,11 @@ class StaticDialDraft:
     def rows(self):
         return self.models[0].rows
 
+    @property
+    def held_rows(self) -> list:
+        """Each model's rows: every extent a step changes (``engine.static``'s small state)."""
+        return [r for model in self.models for r in getattr(model, "held_rows", [model.rows])]
+
     def allocate(self, batch: int, capacity: int) -> None:
         for model in self.models:
             model.allocate(batch, capacity)

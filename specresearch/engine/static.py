@@ -238,9 +238,11 @@ class _Run:
         _prefill(self.target, self.draft, ids.to(device), mask.to(device), s)
 
     def small_state(self) -> list[torch.Tensor]:
-        """Every tensor a step changes but the caches' buffers: the run's state and the models' row extents."""
+        """Every tensor a step changes but the caches' buffers: the run's state and the models' row extents (a
+        model's ``held_rows`` where it wraps others, each with its own: ``drafts.combined``, ``drafts.dial``)."""
         models = [m for m in (self.target, self.draft) if m is not None]
-        return self.state.small() + [t for m in models for t in (m.rows.length, m.rows.positions)]
+        rows = [r for m in models for r in getattr(m, "held_rows", [m.rows])]
+        return self.state.small() + [t for r in rows for t in (r.length, r.positions)]
 
     stages: list[str] = []  # the step's logits checks, by stage (the same every step), for the host's error
 

@@ -165,6 +165,8 @@ class StaticModel(Protocol):
     ``commit(n [B])`` keeps the first ``n`` slots written; ``keep_path(source [B, m], n [B])`` keeps a tree's path.
     A draft may define ``refeed(tokens, *, inputs)``: the engine re-feeds it the step's accepted tokens and next token
     through it (a block drafter runs its block there), its drafting calls then at ``offset = (d - 1) k`` for depth d.
+    ``rows`` (``models.static_cache.StaticRows``): its extents, which a captured step's warm-up gives back; a model that
+    wraps others lists every one it changes as ``held_rows``.
     """
 
     vocab_size: int
