@@ -111,7 +111,7 @@ def check_captured_step(target, draft, prompts, options: dict, steps: int = 3) -
     ``torch._dynamo.explain`` finds one graph and no break (what ``torch.compile(fullgraph=True)`` and a CUDA graph
     need: no host read inside), and at T = 1 the step compiled (``fullgraph=True``, the ``aot_eager`` backend:
     dynamo's graph and its functionalised in-place updates) writes the eager step's log over ``steps`` steps from the
-    same uniforms."""
+    same uniforms; a warm-up gives back what the step changes (:func:`check_warm_up_gives_back`)."""
     from specresearch.config import SamplingConfig
     from specresearch.engine.prompts import encode_prompts
     from specresearch.engine.static import plan_for, start_run
@@ -137,6 +137,7 @@ def check_captured_step(target, draft, prompts, options: dict, steps: int = 3) -
     explained = torch._dynamo.explain(run(SamplingConfig(temperature=0.0)).step)()
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     assert torch.equal(log(False), log(True))
+    check_warm_up_gives_back(target, draft, prompts, options, steps)
 
 
 def refed_static_form(target, draft, prompts, refed: int):
