@@ -172,7 +172,7 @@ def check_compile_flags(args) -> None:
     tree = args.num_drafts > 1 or args.draft_law != "iid"
     why = (f"prompt lookup's length plan (@draft-gamma={planned}: tokens a step without a match) is decided per "
            f"step on the host; --gamma {planned}, or {draft.split('@')[0]}@draft-gamma=none, drafts every step"
-           if lookup and not tree and planned != "none" and args.gamma > int(planned)
+           if lookup and not tree and planned.isdigit() and args.gamma > int(planned)
            and args.draft not in (None, GENERATE_DRAFT)
            else "adaptive chains (--stop-below) decide on the host" if args.stop_below is not None
            else "GBV's verifier reads the host" if args.verifier == "gbv" else None)

@@ -26,7 +26,7 @@ comes from a static buffer of each slot's token.
 
 So the block is computed once a step, in the re-feed, and nothing reads the host but ``allocate`` and ``prefill``.
 Its first drafted token comes from the re-feed's gathered column, as the growing loop drafts it, so both give the
-same q (``tests/test_dflash.py``).
+same q (``tests/test_dflash_static.py``).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ class StaticPEagleDraft(StaticFeatureDraft):
         for past in self._pasts:
             past.slots, past.kept = call.slots, k
         hidden, _ = self.head.block(torch.cat([inputs, fill.to(inputs.dtype)], 1), ids, positions, self._pasts, allowed)
-        return self.head.logits(hidden[:, :k]), hidden[:, k:].reshape(batch, k, -1)
+        return self.head.logits(hidden[:, :k]), hidden[:, k:].reshape(batch, k, width * hidden.shape[-1])
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, *, inputs: torch.Tensor, offset: int = 0, depth=None, visible=None):
