@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from specresearch.checks import check_int
-from specresearch.drafts.ngram import NGramDraft, lookup_call
+from specresearch.drafts.ngram import NGramDraft
 from specresearch.models.slots import SlotMask, rollback_counts
-from specresearch.models.static_cache import StaticRows, keep_path, mark_static
+from specresearch.models.static_cache import StaticRows
 
 __all__ = ["LookupOrDraft", "StaticLookupOrDraft"]
 
@@ -198,27 +198,30 @@ class StaticLookupOrDraft:
     """:class:`LookupOrDraft` in the engine's captured steps (chains and draft trees): each slot's logits are prompt
     lookup's ``log q`` where its context's suffix of ``min_match`` or more tokens occurred earlier in it (a tree node's
     context: the kept one, then its own path), else the wrapped draft's static form's, whose state and predictions it
-    passes on. The lookup runs on the device over a static buffer of each slot's token
-    (:func:`~specresearch.drafts.ngram.lookup_call`), so nothing reads the host but ``allocate`` and ``prefill``; the
+    passes on. The lookup is its own static form (``drafts.ngram.StaticNGramDraft``: a static buffer of each slot's
+    token, looked up on the device), so nothing reads the host but ``allocate`` and ``prefill``; the
     wrapped draft runs every call (laziness is a host decision: on a GPU its calls cost a step's launches, not its
     weights). A feature draft wrapped keeps the feature channel."""
 
     def __init__(self, draft: LookupOrDraft) -> None:
         self.inner = draft.draft.static_form()
-        self.lookup, self.min_match = draft.lookup, draft.min_match
+        self.looker = draft.lookup.static_form()  # prompt lookup's own static form: its token buffer and rows
+        self.min_match = draft.min_match
         self.vocab_size, self.device = draft.vocab_size, draft.device
         self.max_context = draft.max_context
         if draft._reads:  # a feature draft wrapped: forward its channel (models.protocols.StaticFeatureModel)
             self.feature_layers, self.feature_size = self.inner.feature_layers, self.inner.feature_size
         if hasattr(self.inner, "refeed"):  # a block drafter's own re-feed (engine.static re-feeds through it)
             self.refeed = self._refeed
-        self.rows: StaticRows | None = None
-        self._tokens: torch.Tensor | None = None  # [B, capacity] each slot's token
+
+    @property
+    def rows(self) -> StaticRows:
+        return self.looker.rows
 
     @property
     def held_rows(self) -> list[StaticRows]:
-        """Its rows and the wrapped draft's: every extent a step changes (``engine.static``'s small state)."""
-        return [self.rows, *getattr(self.inner, "held_rows", [self.inner.rows])]
+        """The lookup's rows and the wrapped draft's: every extent a step changes (``engine.static``'s small state)."""
+        return [self.looker.rows, *getattr(self.inner, "held_rows", [self.inner.rows])]
 
     def bind(self, target) -> None:  # a wrapped draft that reads its target's cache (models.protocols.BindsTarget)
         if hasattr(self.inner, "bind"):
@@ -226,44 +229,37 @@ class StaticLookupOrDraft:
 
     def allocate(self, batch: int, capacity: int) -> None:
         self.inner.allocate(batch, capacity)
-        self.rows = StaticRows(batch, capacity, self.device)
-        self._tokens = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
-        mark_static(self._tokens)
+        self.looker.allocate(batch, capacity)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return self.inner.fuse(features)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0, **inputs):
-        """Start a batch: the wrapped draft's prefill, and the prompt's first ``L - leave`` tokens kept."""
-        self.rows.begin(attention_mask.to(self.device))
-        fed = input_ids.shape[1] - leave
-        if fed > 0:
-            self._tokens[:, :fed] = input_ids[:, :fed].to(self.device)
-            self.rows.advance(fed)
+        """Start a batch: the wrapped draft's prefill, and the lookup's (the prompt's first ``L - leave`` tokens)."""
+        self.looker.prefill(input_ids, attention_mask, leave=leave)
         return self.inner.prefill(input_ids, attention_mask, leave=leave, **inputs)
 
-    def _look(self, tokens: torch.Tensor, offset: int, visible, logits: torch.Tensor) -> torch.Tensor:
-        """Write ``tokens [B, k]`` at ``length + offset`` and choose, slot by slot, lookup's logits (a tree node's over
-        its own path: :func:`~specresearch.drafts.ngram.lookup_call`) or ``logits``."""
-        looked, matches = lookup_call(self._tokens, self.rows, tokens.to(self.device), offset, visible, self.vocab_size,
-                                      self.lookup.max_ngram, self.lookup.floor)
+    def _choose(self, tokens: torch.Tensor, offset: int, visible, logits: torch.Tensor) -> torch.Tensor:
+        """Lookup's logits (:meth:`~specresearch.drafts.ngram.StaticNGramDraft.look`) where its match reaches
+        ``min_match``, else ``logits``, slot by slot."""
+        looked, matches = self.looker.look(tokens, offset, visible)
         return torch.where((matches >= self.min_match)[:, :, None], looked, logits)
 
     def _refeed(self, tokens: torch.Tensor, **inputs):
         logits, extra = self.inner.refeed(tokens, **inputs)
-        return self._look(tokens, 0, None, logits), extra
+        return self._choose(tokens, 0, None, logits), extra
 
     def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None, **inputs):
         logits, extra = self.inner.forward(tokens, offset=offset, depth=depth, visible=visible, **inputs)
-        return self._look(tokens, offset, visible, logits), extra
+        return self._choose(tokens, offset, visible, logits), extra
 
     def commit(self, n) -> None:
         self.inner.commit(n)
-        self.rows.advance(n)
+        self.looker.commit(n)
 
     def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
         self.inner.keep_path(source, n)
-        keep_path([], self.rows, source, n)
+        self.looker.keep_path(source, n)
 
 
 class _Backlog:

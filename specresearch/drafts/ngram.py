@@ -157,12 +157,15 @@ class StaticNGramDraft:
             self.rows.advance(fed)
         return None, None
 
-    def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None):
+    def look(self, tokens: torch.Tensor, offset: int = 0, visible: torch.Tensor | None = None):
         """Write ``tokens [B, k]`` at ``length + offset`` (a chain, or tree nodes seeing ``visible [B, k, offset +
-        k]``); -> (lookup's log q after each ``[B, k, V]``, None)."""
-        looked, _ = lookup_call(self._tokens, self.rows, tokens.to(self.device), offset, visible, self.vocab_size,
-                                self.max_ngram, self.floor)
-        return looked, None
+        k]``); -> (lookup's log q after each ``[B, k, V]``, match lengths ``[B, k]``)."""
+        return lookup_call(self._tokens, self.rows, tokens.to(self.device), offset, visible, self.vocab_size,
+                           self.max_ngram, self.floor)
+
+    def forward(self, tokens: torch.Tensor, *, offset: int = 0, depth=None, visible=None):
+        """:meth:`look`'s log q ``[B, k, V]``, and None."""
+        return self.look(tokens, offset, visible)[0], None
 
     def commit(self, n) -> None:
         self.rows.advance(n)
