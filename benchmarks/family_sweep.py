@@ -21,9 +21,11 @@ built" where none does (a tiny size it rejects, a library it needs). Then
 * ``wrapper``: what ``CausalLM(model)`` does with its defaults, the probe included (``models.probe``): "taken" or
   "refused" (the message);
 * ``static`` (a type taken): its static form (``CausalLM.static_form``, the cache of the captured steps that a GPU
-  run takes by default) scoring a chain, a tree, the tree's kept path and a token after against uncached forwards:
+  run takes by default) scoring a chain, a tree, the tree's kept path and a token after against uncached forwards
+  (a model with recurrent layers, whose static form scores chains: ``models.probe.static_chain_calls``):
   "exact", "different", "fails" as above, or "refused" (``static_refusal``: the growing cache runs it);
-* ``captured`` (a static form that is exact): a captured tree step (the model as its own draft) traced as
+* ``captured`` (a static form that is exact): a captured tree step (a chain of 3, greedy, for a model with
+  recurrent layers; the model as its own draft) traced as
   ``torch.compile(fullgraph=True)`` traces it: "one graph" (what a CUDA graph captures on a GPU, no host read
   inside), "breaks" or "fails".
 
@@ -209,15 +211,16 @@ def static(kind: str, options: dict | None = None, kernel: str = "eager") -> tup
     uncached forwards: two left-padded rows of 9 and 4 tokens (past a window of 6), a chain of two whose second token
     is dropped, a tree of five nodes in two branches, its path kept to 3 and 2 nodes, a token after."""
     from specresearch.models.causal_lm import CausalLM
-    from specresearch.models.probe import error_line, static_form_calls
+    from specresearch.models.probe import error_line, static_chain_calls, static_form_calls
 
     model, reference = tiny_model(kind, options, kernel), tiny_model(kind, options, kernel)
     lm = CausalLM(model, device="cpu", probe=False)
     if lm.static_refusal:
         return "refused", lm.static_refusal
     worst = 0.0
+    calls = static_chain_calls if lm.recurrent else static_form_calls  # recurrent layers: chains only
     try:
-        for logits, sequence in static_form_calls(lm.static_form()):
+        for logits, sequence in calls(lm.static_form()):
             want = _uncached(reference, sequence)
             worst = max(worst, _gap(logits[: want.shape[-1]], want))
     except Exception as error:  # noqa: BLE001 -- a family's failure is what the record reports
@@ -241,7 +244,8 @@ def captured(kind: str, options: dict | None = None, kernel: str = "eager") -> t
     lm = CausalLM(tiny_model(kind, options, kernel), device="cpu", probe=False)
     try:
         run = start_run(lm, lm, *encode_prompts([[5, 9, 3, 7, 2], [12, 13, 14]]), max_new_tokens=10, eos={2},
-                        plan=StaticPlan("tree", "onehot", 4, 2, 6, law="static"),
+                        plan=StaticPlan("chain", "greedy", 3) if lm.recurrent else StaticPlan("tree", "onehot", 4, 2, 6,
+                                                                                           law="static"),
                         sampling=SamplingConfig(temperature=0.0))
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # as compile(dynamic=False) traces it
             explained = torch._dynamo.explain(run.step)()

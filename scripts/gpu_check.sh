@@ -10,7 +10,8 @@
 #   tests:  the tests marked `cuda` (tests/test_devices.py: greedy equality and the statistical losslessness test on
 #           CUDA for every draft kind built from a config, a CPU generator with GPU probabilities; tests/test_static.py:
 #           captured steps as CUDA graphs against eager ones, the feature head's and prompt lookup's, a dial draft's
-#           and Medusa heads' static forms among them; tests/test_families.py:
+#           and Medusa heads' static forms among them; tests/test_static_states.py: recurrent targets' captured
+#           chains; tests/test_families.py:
 #           the family x kernel matrix on CUDA, flash-attn's kernel included where installed), and the engine's
 #           tests on the CPU of that machine (tests/test_rows_end_early.py, tests/test_host_reads.py);
 #   timing: scripts/gpu_bench.py: verifier timings at B = 32, the engine's overhead and host reads per step, the
@@ -91,7 +92,7 @@ has_model() {
 for part in $PARTS; do
     case "$part" in
     tests)
-        run cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_static.py tests/test_fused.py --junitxml "$OUT/cuda_tests.xml"
+        run cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_static.py tests/test_static_states.py tests/test_fused.py --junitxml "$OUT/cuda_tests.xml"
         run family_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_families.py --junitxml "$OUT/family_tests.xml"
         run engine_tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_rows_end_early.py tests/test_host_reads.py ;;
     timing)

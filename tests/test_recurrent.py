@@ -21,7 +21,7 @@
 * RecurrentGemma, whose recurrent blocks keep their states on themselves in transformers (``models.griffin`` moves
   them into the cache): the mended forward is transformers' uncached forward (its recurrence wider than the model too);
   a left-padded row decodes as alone; unmended (the control), the probe refuses it in one line.
-* Refused in one line: the static form of a recurrent target.
+* Refused in one line: captured steps of a recurrent target's trees (its chains have them: ``tests/test_static_states.py``).
 * Inkling 1, 2 and 2-loop (short convolutions, a relative bias and log scaling that transformers counts in cache
   slots): mended to read positions off the masks, a chain, uneven rollbacks, a tree and a token after it match an
   uncached forward; unmended (the control) they do not, and the probe refuses them.
@@ -120,16 +120,15 @@ def test_recurrent_gemma_keeps_its_blocks_states_in_the_cache_and_decodes_a_padd
         CausalLM(tiny_recurrent_model("recurrent_gemma", options))
 
 
-def test_trees_run_path_by_path_static_caches_are_refused_and_a_draft_may_be_recurrent():
+def test_trees_run_path_by_path_captured_trees_are_refused_and_a_draft_may_be_recurrent():
     target = CausalLM(tiny_recurrent_model("qwen3_5_text"))
     llama = tiny_llama(64, seed=1, init_std=0.5)
     want = autoregressive_generate(target, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens
     for options in (dict(num_drafts=3, gamma=3, verifier="traversal"),
                     dict(num_drafts=2, gamma=3, verifier="onehot", draft_law="dynamic")):  # the target: one row a path
         assert speculative_generate(target, llama, PROMPTS, max_new_tokens=10, sampling=GREEDY, **options).tokens == want
-    assert "recurrent layers" in static_available(target, llama)
-    with pytest.raises(ValueError, match="static KV cache"):
-        target.static_form()
+    assert static_available(target, llama) is None  # chains have captured steps (tests/test_static_states.py)
+    assert "recurrent layers" in static_available(target, llama, num_drafts=3, verifier="traversal")
     # transformers' recurrent kernels compute in float32: a float64 model is probed at float32's tolerance, and taken
     assert CausalLM(tiny_recurrent_model("qwen3_5_text").double()).recurrent
     want = autoregressive_generate(llama, PROMPTS, max_new_tokens=10, sampling=GREEDY).tokens

@@ -97,6 +97,8 @@ class LookupOrDraft:
         """Why this draft has no static form (the wrapped draft has none), or None."""
         if not hasattr(self.draft, "static_form"):
             return f"prompt lookup over {type(self.draft).__name__}, which has no static form"
+        if getattr(self.draft, "recurrent", False):  # its kept states would need the wrapper's span and warm-up
+            return f"prompt lookup over {type(self.draft.model).__name__}, which has recurrent layers"
         return getattr(self.draft, "static_refusal", None)
 
     def static_form(self) -> "StaticLookupOrDraft":

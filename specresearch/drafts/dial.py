@@ -104,6 +104,8 @@ class DialDraft:
         None."""
         if self.other is not None and (not hasattr(self.other, "static_form") or hasattr(self.other, "feature_layers")):
             return f"a dial mix with {type(self.other).__name__}, which has no whole-model static form"
+        if any(getattr(model, "recurrent", False) for model in self._models()):  # their kept states: not held here
+            return "a dial draft over a model with recurrent layers"
         return getattr(self.base, "static_refusal", None) or getattr(self.other, "static_refusal", None)
 
     def static_form(self) -> "StaticDialDraft":

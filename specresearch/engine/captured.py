@@ -56,16 +56,19 @@ def warm_up(step: Callable[[], None], state: Sequence[torch.Tensor], times: int 
 
 class StepRunner:
     """Calls ``step`` as ``mode`` says (module docstring); ``state``: the tensors the step changes but the caches'
-    buffers; ``device``: where they live."""
+    buffers (or a function giving them, asked when the step is prepared: buffers that appear with a run's prefill,
+    such as recurrent layers' kept states, ``models.static_states``); ``device``: where they live."""
 
-    def __init__(self, step: Callable[[], None], mode: str, state: Sequence[torch.Tensor], device):
+    def __init__(self, step: Callable[[], None], mode: str,
+                 state: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], device):
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {RUNNER_MODES}, got {mode!r}")
         device = torch.device(device)
         if mode in CUDA_GRAPH_MODES and device.type != "cuda":
             raise ValueError(f"mode {mode!r} captures CUDA graphs: it needs a CUDA device, the models are on {device} "
                              "(use 'inductor' or 'eager')")
-        self.step, self.mode, self.state, self.device = step, mode, list(state), device
+        self.step, self.mode, self.device = step, mode, device
+        self._state = state if callable(state) else list(state)
         mark_static(*self.state)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._call = step
@@ -76,6 +79,10 @@ class StepRunner:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             options = {"mode": "reduce-overhead"} if mode == "reduce-overhead" else {}
             self._call = torch.compile(step, fullgraph=True, dynamic=False, **options)
+
+    @property
+    def state(self) -> list[torch.Tensor]:
+        return list(self._state()) if callable(self._state) else self._state
 
     def prepare(self) -> None:
         """Compile or capture the step now, if not yet done (eager: nothing), so that no call pays for it: the

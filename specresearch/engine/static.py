@@ -134,6 +134,10 @@ def static_available(target, draft=None, *, verifier: str = "block", num_drafts:
         return "adaptive chains (stop_below) and expectations= are the growing loop's"
     if not tree:
         return None
+    for role, lm in (("target", target), ("draft", draft)):
+        if getattr(lm, "recurrent", False):  # models.static_states: the static form of recurrent layers scores chains
+            return (f"the {role} {type(getattr(lm, 'model', lm)).__name__} has recurrent layers, whose captured steps "
+                    "score chains: its trees run path by path in the growing loop")
     if draft_law in ("dynamic", "static") or verifier in CAPTURED_TREE_RULES:
         return None
     if verifier == "gbv":
@@ -242,7 +246,8 @@ class _Run:
         model's ``held_rows`` where it wraps others, each with its own: ``drafts.combined``, ``drafts.dial``)."""
         models = [m for m in (self.target, self.draft) if m is not None]
         rows = [r for m in models for r in getattr(m, "held_rows", [m.rows])]
-        return self.state.small() + [t for r in rows for t in (r.length, r.positions)]
+        kept = [t for m in models for t in getattr(m, "held_states", [])]  # recurrent layers' kept states
+        return self.state.small() + [t for r in rows for t in (r.length, r.positions)] + kept
 
     stages: list[str] = []  # the step's logits checks, by stage (the same every step), for the host's error
 
@@ -439,7 +444,7 @@ def _session(target, draft, plan, sampling, batch, capacity, eos, steps_per_read
         return kept[key][1:]
     run = build_run(target, draft, plan=plan, sampling=sampling, batch=batch, capacity=capacity, eos=eos,
                     steps_per_read=steps_per_read)
-    kept[key] = (draft, run, StepRunner(run.step, mode, run.small_state(), target.device))  # draft: kept alive (id)
+    kept[key] = (draft, run, StepRunner(run.step, mode, run.small_state, target.device))  # draft: kept alive (id)
     while len(kept) > SESSIONS_KEPT:
         kept.popitem(last=False)
     return kept[key][1:]
@@ -457,9 +462,11 @@ def build_run(target, draft, *, plan: StaticPlan, sampling: SamplingConfig, batc
     reads = isinstance(static_draft, StaticFeatureModel)
     state = _State(plan, batch, device, static_draft.feature_size if reads else 0, steps_per_read,
                    torch.tensor(sorted(eos), dtype=torch.long))
-    static_target.allocate(batch, capacity[0])
-    if static_draft is not None:
-        static_draft.allocate(batch, capacity[1])
+    for form, slots in ((static_target, capacity[0]), (static_draft, capacity[1])):
+        if getattr(form, "recurrent", False):  # recurrent layers record the tokens written between two commits
+            form.allocate(batch, slots, span=max(plan.width, plan.refeed))
+        elif form is not None:
+            form.allocate(batch, slots)
     return _Run(plan, sampling, static_target, static_draft, state)
 
 

@@ -254,6 +254,11 @@ class CausalLM:
     def cache_length(self) -> int:
         return 0 if self._slots is None else self._slots.length
 
+    def cache_layers(self) -> list:
+        """The growing cache's layers (transformers'), in order: what a prefill left there, for a static form that
+        starts from it (``models.static_lm``: models with recurrent layers)."""
+        return list(self._cache.layers)
+
     def cached_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The keys and values ``[B, H, S, D]`` attention layer ``layer`` holds, with each slot's validity and position
         ``[B, S]`` (for a draft that attends to the target's keys: ``drafts.gemma4``)."""
@@ -374,8 +379,6 @@ class CausalLM:
     def static_refusal(self) -> str | None:
         """Why this model has no static form (a sentence naming it), or None."""
         name = type(self.model).__name__
-        if self.recurrent:
-            return f"{name} has recurrent layers (models.recurrent), which a static KV cache does not hold"
         if self._sets is not None:
             return (f"{name} changes its rotary set past position {self._sets.limit} within the planned run, each token"
                     " drawn from its prefix's set (models.prefix_sets: two caches), which a static KV cache does not hold")

@@ -50,8 +50,9 @@ def _forward(block, input_states: torch.Tensor, position_ids: torch.Tensor, atte
              cache=None, *, index: int, **kwargs):
     length = input_states.shape[1]
     gate = block.act_fn(block.linear_y(input_states))
-    inputs = block.linear_x(input_states) * _valid(attention_mask, input_states)[..., None]  # [B, T, W]
     layer = cache.layers[index] if cache is not None and use_cache else None
+    valid = _valid(None if getattr(layer, "steps_only", False) else attention_mask, input_states)  # a static form's
+    inputs = block.linear_x(input_states) * valid[..., None]  # [B, T, W]          step: every token real
     width = block.conv1d_width
     inputs = inputs.transpose(1, 2)  # [B, W, T]
     if layer is not None:  # the cached inputs (the last width - 1, or all since the last rollback) and these

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree", "static_form_calls", "tree_visibility", "tree_path",
+__all__ = ["CHECKED_TYPES", "logit_gap", "check_cached_tree", "static_form_calls", "static_chain_calls", "tree_visibility", "tree_path",
            "error_line"]
 
 # a model's max |cached - uncached| logit difference allowed, relative to its logits' scale, by its weights' dtype
@@ -161,6 +161,34 @@ def static_form_calls(form):
     logits, _ = form.forward(torch.tensor([[40], [41]]))
     for b, row in enumerate(kept):
         yield logits[b, 0], row + [40 + b]
+
+
+def static_chain_calls(form):
+    """Calls of the static form of a model with recurrent layers (chains only: ``models.static_states``) and what each
+    logit row must equal, as :func:`static_form_calls`: two left-padded rows of 9 and 4 tokens, a chain of four kept
+    to 1 and 3 tokens, a draft's three one-token calls kept to 2 and 0 across them, then a chain of two."""
+    rows = [[5, 9, 3, 7, 2, 11, 4, 8, 6], [12, 13, 14, 15]]
+    form.allocate(2, 64, span=8)
+    form.prefill(torch.tensor([rows[0], [0] * 5 + rows[1]]), torch.tensor([[1] * 9, [0] * 5 + [1] * 4]))
+    chain = [[20, 21, 22, 23], [24, 25, 26, 27]]
+    logits, _ = form.forward(torch.tensor(chain))
+    for b, row in enumerate(rows):
+        for i in range(4):
+            yield logits[b, i], row + chain[b][: i + 1]
+    form.commit(torch.tensor([1, 3]))
+    rows = [rows[0] + chain[0][:1], rows[1] + chain[1][:3]]
+    drafted = [[30, 31], [32, 33], [34, 35]]  # per call, a token per row
+    for offset, tokens in enumerate(drafted):
+        logits, _ = form.forward(torch.tensor(tokens)[:, None], offset=offset)
+        for b, row in enumerate(rows):
+            yield logits[b, 0], row + [call[b] for call in drafted[: offset + 1]]
+    form.commit(torch.tensor([2, 0]))
+    rows = [rows[0] + [30, 32], rows[1]]
+    last = [[40, 41], [42, 43]]
+    logits, _ = form.forward(torch.tensor(last))
+    for b, row in enumerate(rows):
+        for i in range(2):
+            yield logits[b, i], row + last[b][: i + 1]
 
 
 CHAIN_ROLLBACKS = ((1, 3), (4, 2))  # per row, after the chain probe's two calls of 4 tokens

@@ -47,7 +47,7 @@ from specresearch.models.mends import keep_hook, set_attribute
 
 __all__ = ["RECURRENT_TYPES", "KEEP", "ONE_TOKEN_CALLS", "piece_size", "clamp_time_steps", "recurrent_cache", "recurrent_layers", "rollback_rows", "before_call", "after_call",
            "trim", "select_rows", "repeat_rows", "set_length", "score_in_pieces", "tree_paths", "score_tree_as_paths",
-           "end_tree_as_paths"]
+           "end_tree_as_paths", "recurrent_kinds", "static_cache_base"]
 
 RECURRENT_TYPES = ("linear_attention", "hybrid", "hybrid_sliding", "conv")  # transformers' layer types whose cache
 # holds recurrent state ("hybrid": attention and a recurrent state in one layer; "hybrid_sliding": its attention windowed)
@@ -326,3 +326,53 @@ def end_tree_as_paths(lm, kept: torch.Tensor) -> None:
         drops.append(length - len(nodes))
     lm.select_rows(torch.tensor(chosen, device=lm.device))
     lm.rollback(drops)
+
+
+def recurrent_kinds(model) -> list[tuple[str, int]]:
+    """Each layer of ``model``'s cache as ``models.static_cache.static_kv_cache`` builds its static form:
+    ``("attention", 0)``, ``("states", m)`` (m recurrent states) or ``("both", m)`` (attention beside them); a model
+    that runs some layers several times (Inkling 2's loop: ``loop_num_passes``) has a cache layer for each pass after
+    the first, after the others (its forward appends them to a cache of one layer a layer)."""
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+    kinds = []
+    for layer in recurrent_cache(model).layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            kinds.append(("both" if isinstance(layer, CacheLayerMixin) else "states", layer.number_of_states))
+        else:
+            kinds.append(("attention", 0))
+    config = model.config.get_text_config(decoder=True)
+    passes = getattr(config, "loop_num_passes", 1) or 1
+    if passes > 1:
+        kinds += kinds[config.loop_layer_index_start: config.loop_layer_index_end] * (passes - 1)
+    return kinds
+
+
+
+def static_cache_base(model):
+    """A cache class the static form's cache of ``model`` must also be, or None: MiniMax's forward takes its own
+    class only (:func:`recurrent_cache`), whose lightning layers read and write their state through
+    ``get_linear_cache`` / ``set_linear_cache``: here the static layers' (``models.static_states``)."""
+    return _minimax_static_cache() if model.config.model_type == "minimax" else None
+
+
+@functools.cache
+def _minimax_static_cache():
+    from transformers.cache_utils import Cache
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    class StaticMiniMaxCache(MiniMaxCache):
+        def __init__(self, layers):
+            Cache.__init__(self, layers=layers)
+            self.linear_cache = []
+
+        def get_linear_cache(self, layer_idx: int):
+            layer = self.layers[layer_idx]
+            return layer.recurrent_states[0] if layer.has_previous_state[0] else None
+
+        def set_linear_cache(self, layer_idx: int, linear_cache) -> None:
+            self.layers[layer_idx].update_recurrent_state(linear_cache)
+
+        __len__ = Cache.__len__
+
+    return StaticMiniMaxCache

@@ -31,16 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specresearch.models.static_states import SPAN, StateCall, StaticStateLayer, mark_static, state_layer_class
+
 __all__ = ["StaticRows", "StaticCall", "StaticKV", "StackedKV", "KVStack", "StaticPast", "static_kv_cache", "keep_path",
            "mark_static"]
-
-
-def mark_static(*tensors: torch.Tensor) -> None:
-    """Tell dynamo these tensors keep their address across calls (cache buffers mutated in place), so a compiled or
-    CUDA-graph step reads them where they are instead of copying them in."""
-    if not torch.compiler.is_compiling():
-        for tensor in tensors:
-            torch._dynamo.mark_static_address(tensor)
 
 
 @dataclass(frozen=True)
@@ -230,14 +224,18 @@ class _Writes:
     slots: torch.Tensor | None = None
 
 
-def static_kv_cache(num_layers: int, batch: int, capacity: int):
+def static_kv_cache(num_layers: int, batch: int, capacity: int, kinds=None, span: int = SPAN, base=None):
     """A transformers ``Cache`` whose layers write at the slots set in ``cache.writes.slots`` and return whole
     buffers, allocated on the first call from its keys' heads, size, dtype and device: every layer's in one
     :class:`KVStack` (a layer whose shapes differ from the first layer's: a :class:`StaticKV` of its own).
+    ``kinds``: per layer ``("attention", 0)``, or ``("states", m)`` / ``("both", m)`` for a layer with ``m`` recurrent
+    states (:mod:`specresearch.models.static_states`, ``span`` tokens between commits), without or with attention;
+    by default every layer attends; ``base``: a cache class the cache must also be (MiniMax's: ``models.recurrent``).
     -> (cache, its layers' ``StaticKV`` list, filled as they allocate)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     writes, kvs, stacks = _Writes(), [], []
+    writes.call = StateCall()
 
     class _Layer(CacheLayerMixin):
         is_compileable = True
@@ -278,6 +276,26 @@ def static_kv_cache(num_layers: int, batch: int, capacity: int):
         def get_max_length(self) -> int:
             return capacity
 
-    cache = Cache(layers=[_Layer() for _ in range(num_layers)])
+    linear = state_layer_class()
+
+    class _States(StaticStateLayer, linear):
+        def __init__(self, states: int):
+            self.setup(states, batch, span, writes.call)
+
+    class _Both(StaticStateLayer, _Layer, linear):  # a recurrent state and attention in one layer (Falcon-H1, Zamba2)
+        def __init__(self, states: int):
+            _Layer.__init__(self)
+            self.setup(states, batch, span, writes.call)
+
+        def get_max_length(self) -> int:
+            return capacity
+
+    made = {"attention": lambda states: _Layer(), "states": _States, "both": _Both}
+    kinds = kinds or [("attention", 0)] * num_layers
+    class _Static(base or Cache):
+        def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+            return capacity, 0  # every layer's, recurrent ones too (a model of recurrent layers only asks them)
+
+    cache = _Static(layers=[made[kind](states) for kind, states in kinds])
     cache.writes = writes
     return cache, kvs

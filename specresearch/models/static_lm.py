@@ -20,7 +20,10 @@ from typing import Sequence
 import torch
 
 from specresearch.models import fused
+from specresearch.models.attention import additive_mask
+from specresearch.models.recurrent import piece_size, recurrent_kinds, static_cache_base
 from specresearch.models.static_cache import StaticRows, keep_path, static_kv_cache
+from specresearch.models.static_states import SPAN, StaticStateLayer
 from specresearch.models.widths import fit_width, readable
 
 __all__ = ["StaticCausalLM", "HOST_READS", "GRAPH_BREAKS", "capture_refusal"]
@@ -67,11 +70,19 @@ class StaticCausalLM:
     def device(self) -> torch.device:
         return self.lm.device
 
-    def allocate(self, batch: int, capacity: int) -> None:
-        """Preallocate ``capacity`` slots for ``batch`` rows (the buffers appear with the first call, the prefill)."""
-        layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers keep recurrent state (:mod:`specresearch.models.static_states`: chains only)."""
+        return self.lm.recurrent
+
+    def allocate(self, batch: int, capacity: int, span: int | None = None) -> None:
+        """Preallocate ``capacity`` slots for ``batch`` rows (the buffers appear with the first call, the prefill);
+        ``span``: the most tokens written between two commits, for recurrent layers (default ``static_states.SPAN``)."""
+        kinds = recurrent_kinds(self.model) if self.recurrent else None
+        layers = len(kinds) if kinds else self.model.config.get_text_config(decoder=True).num_hidden_layers
         self.rows = StaticRows(batch, capacity, self.device)
-        self._cache, self._kvs = static_kv_cache(layers, batch, capacity)
+        base = static_cache_base(self.model) if self.recurrent else None
+        self._cache, self._kvs = static_kv_cache(layers, batch, capacity, kinds, span or SPAN, base)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0,
                 hidden_layers: Sequence[int] | None = None):
@@ -85,6 +96,8 @@ class StaticCausalLM:
             fused.keep_fused(self.model)
         self.rows.begin(attention_mask.to(self.device))
         fed = input_ids.shape[1] - leave
+        if self.recurrent:
+            return self._prefill_states(input_ids, attention_mask, fed, hidden_layers)
         if fed <= 0:
             return None, None
         logits, hidden = self.forward(input_ids[:, :fed].to(self.device), hidden_layers=hidden_layers, logits_to_keep=1)
@@ -97,13 +110,32 @@ class StaticCausalLM:
         """Write ``tokens [B, k]`` at each row's ``length + offset`` (a chain, or a tree given ``depth [B, k]`` and
         ``visible [B, k, offset + k]``: :meth:`StaticRows.call`); keeps nothing. -> (logits ``[B, k, V]`` float32, the
         hidden states ``[B, k, n * H]`` float32 of ``hidden_layers`` or None)."""
+        if self.recurrent:
+            if depth is not None:
+                raise ValueError(f"{type(self.model).__name__} has recurrent layers: its static form scores chains, "
+                                 "not trees (trees run path by path in the growing loop, compile='off')")
+            if tokens.shape[1] > 1 and piece_size(self.model) == 1:  # layers that record one state a call
+                outs = [self.forward(tokens[:, i:i + 1], offset=offset + i, hidden_layers=hidden_layers,
+                                     logits_to_keep=logits_to_keep) for i in range(tokens.shape[1])]
+                return (torch.cat([o[0] for o in outs], 1),
+                        None if hidden_layers is None else torch.cat([o[1] for o in outs], 1))
+            self._cache.writes.call.offset, self._cache.writes.call.width = offset, tokens.shape[1]
+            for layer in self._cache.layers:
+                if isinstance(layer, StaticStateLayer):
+                    layer.begin_call()
         call = self.rows.call(tokens.shape[1], offset, depth, visible)
         self._cache.writes.slots = call.slots
         mask = self._attention.masks(call.allowed, call.positions, call.key_positions, self.model.dtype)
+        if self.recurrent:
+            mask = _step_mask(self._attention, mask, call.allowed, self.model.dtype)
         with torch.no_grad():
             out = self.model(input_ids=readable(tokens, self.lm), attention_mask=mask, position_ids=call.positions,
                              use_cache=True, **{self._cache_argument: self._cache}, logits_to_keep=logits_to_keep,
                              output_hidden_states=hidden_layers is not None)
+        if self.recurrent:
+            for layer in self._cache.layers:
+                if isinstance(layer, StaticStateLayer):
+                    layer.end_call()
         logits = fit_width(out.logits.float(), self.lm.logits_width)
         if hidden_layers is None:
             return logits, None
@@ -118,10 +150,61 @@ class StaticCausalLM:
         valid = (columns >= self.rows.start[:, None]) & (columns < self.rows.length[:, None])
         return kv.keys, kv.values, valid, self.rows.positions
 
+    @property
+    def held_states(self) -> list[torch.Tensor]:
+        """The kept states of recurrent layers (each state after the kept tokens, each convolution's window): what a
+        commit changes besides ``rows`` (a captured step's warm-up gives them back: ``engine.static``)."""
+        layers = [layer for layer in self._cache.layers if isinstance(layer, StaticStateLayer)] if self._cache else []
+        return [t for layer in layers for t in layer.kept()]
+
     def commit(self, n: torch.Tensor | int) -> None:
         """Keep the first ``n [B]`` slots the last calls wrote past each row's length."""
+        if self.recurrent:
+            kept = torch.as_tensor(n, device=self.device).expand(self.rows.batch)
+            for layer in self._cache.layers:
+                if isinstance(layer, StaticStateLayer):
+                    layer.commit(kept)
         self.rows.advance(n)
+
+    def _prefill_states(self, input_ids, attention_mask, fed: int, hidden_layers):
+        """A prompt of a model with recurrent layers: run through the growing cache (``CausalLM.prefill``, with its
+        per-family padding rules), its keys, values and states loaded into the static buffers."""
+        if fed <= 0:
+            raise ValueError(f"{type(self.model).__name__} has recurrent layers: its static form starts from a prefill "
+                             f"of at least one token, and a prompt of {input_ids.shape[1]} leaves none before the first "
+                             "step: give a longer prompt, or run the growing loop (compile='off')")
+        out = self.lm.prefill(input_ids[:, :fed].to(self.device), attention_mask[:, :fed].to(self.device),
+                              hidden_layers=hidden_layers)
+        logits, hidden = out if hidden_layers is not None else (out, None)
+        slots = self.rows.columns[None, :fed].expand(self.rows.batch, -1)
+        grown_layers = self.lm.cache_layers()
+        if len(grown_layers) != len(self._cache.layers):
+            raise RuntimeError(f"{type(self.model).__name__}'s growing cache holds {len(grown_layers)} layers after a "
+                               f"prefill, its static form {len(self._cache.layers)} (models.recurrent.recurrent_kinds)")
+        for layer, grown in zip(self._cache.layers, grown_layers):
+            if getattr(grown, "keys", None) is not None:
+                if not layer.is_initialized:
+                    layer.lazy_initialization(grown.keys, grown.values)
+                layer.kv.write(slots, grown.keys, grown.values)
+            if isinstance(layer, StaticStateLayer):
+                layer.load(grown)
+        self.lm.reset(input_ids.shape[0])  # its growing cache's copy of the prompt is not needed past here
+        self.rows.advance(fed)
+        return logits, hidden
 
     def keep_path(self, source: torch.Tensor, n: torch.Tensor) -> None:
         """Keep a tree call's path: ``source [B, m]`` its call indices in order, the first ``n [B]`` kept."""
         keep_path(self._kvs, self.rows, source, n)
+
+
+def _step_mask(layout, masks, allowed: torch.Tensor, dtype: torch.dtype):
+    """The attention mask of a static call of a model with recurrent layers, from the layout's ``masks`` (an additive
+    mask, or a mapping by layer type) and the call's ``allowed [B, q, L]``: none where no layer attends (Mamba), the
+    additive mask of ``allowed`` where only layers with a recurrent state attend (Falcon-H1's and Zamba2's "hybrid"
+    layers, which the layout lists under no attention type), and no padding mask for the recurrent layers (a step's
+    tokens are never padding; transformers' ``create_recurrent_attention_mask`` gives a 4-D mask none)."""
+    if not layout.attends:
+        return None
+    if isinstance(masks, dict):
+        return {**masks, "linear_attention": None} if masks else additive_mask(allowed, dtype)
+    return masks
