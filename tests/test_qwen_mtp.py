@@ -5,8 +5,10 @@
   definition written out uncached (``fc`` over the normed embedding and the target's last state, the model's own
   decoder layer, ``mtp.norm``, the target's head; a drafted slot reading the layer's normed output) at the prompt's
   last slot and at two drafted slots.
-* Both targets (recurrent: chains) give their greedy tokens with the draft; at T = 1 the dense pair keeps the
-  target's law (exact Bonferroni test, false-positive rate <= 1e-6).
+* Both targets (recurrent: chains) give their greedy tokens with the draft, in the growing loop and in captured steps
+  (``compile="static"``: the target's static recurrent states, ``models.static_states``; the draft's static form, its
+  captured step one graph, compiled = eager); at T = 1 the dense pair keeps the target's law (exact Bonferroni test,
+  false-positive rate <= 1e-6).
 * Refused in one line: a checkpoint missing an ``mtp.*`` tensor (named), one of another shape, a config announcing no
   MTP layer.
 
@@ -19,6 +21,7 @@ import json
 
 import pytest
 import torch
+from helpers import check_captured_step
 from safetensors.torch import load_file, save_file
 
 from specresearch.config import SamplingConfig
@@ -87,8 +90,11 @@ def test_the_draft_decodes_its_targets_greedy_tokens_and_keeps_the_law(tmp_path,
     prompts = [[5, 9, 3], [7, 2, 11, 4, 8, 6, 12]]
     want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=GREEDY).tokens
     for gamma in (1, 3):
-        assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=GREEDY, gamma=gamma).tokens == want
+        for compile in ("off", "static"):  # the growing loop, and captured steps (models.static_states) run eagerly
+            assert speculative_generate(target, draft, prompts, max_new_tokens=10, sampling=GREEDY, gamma=gamma,
+                                        compile=compile).tokens == want, (gamma, compile)
     if model_type == "qwen3_5_text":
+        check_captured_step(target, draft, prompts, dict(gamma=3))
         result = lossless_test(target, draft, "block", [5, 9, 3, 17], sampling=SamplingConfig(), gamma=3, k=3,
                                max_new_tokens=4, num_samples=4_000, seed=3, batch_size=2_000)
         assert result.impossible == 0 and result.bonferroni_p_value > 1e-6, result.p_value
