@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -156,6 +157,8 @@ def test_the_default_configuration_weighs_trees_at_the_temperature_asked(monkeyp
     assert cost.default_config(None, head, 1.0) == {"gamma": GENERATE_GAMMA}
     assert cost.default_config(None, head, 0.0, trees=False) == {"gamma": 1} and seen[-1] == ()
     assert seen[0] == tuple(GENERATE_TREES)
+    recurrent = SimpleNamespace(recurrent=True)  # trees a row per path, never captured: chains only
+    assert cost.default_config(recurrent, head, 0.0) == {"gamma": 1} and seen[-1] == ()
 
 
 def test_a_planning_draft_is_timed_on_the_draft_it_wraps_at_every_gamma(monkeypatch):

@@ -338,7 +338,9 @@ def default_config(target, draft, temperature: float = 1.0, *, trees: bool = Tru
     """The options of ``specresearch generate`` and ``specresearch.generate`` with the default draft and verifier:
     :func:`best_config` over the head's chains (``config.GENERATE_TAU_GREEDY`` at T = 0, else ``GENERATE_TAU``) and,
     with ``trees``, its dynamic trees (``config.GENERATE_TREES``; those the curve timed), each at that temperature,
-    against this machine's cached :func:`cost_curve`. On the reference CPU: gamma 1."""
+    against this machine's cached :func:`cost_curve`. On the reference CPU: gamma 1. A target with recurrent layers
+    (``models.recurrent``) weighs chains only: its trees run a row per path, in the growing loop (no captured steps)."""
+    trees = trees and not getattr(target, "recurrent", False)
     column = 0 if temperature == 0 else 1
     expected = dict(GENERATE_TAU_GREEDY if column == 0 else GENERATE_TAU)
     shapes = {shape: taus[column] for shape, taus in GENERATE_TREES.items()} if trees else {}
