@@ -91,6 +91,10 @@ TYPE_SIZES = {
     "gemma4": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),  # per-layer inputs, 262k rows
     "gemma4_text": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # Inkling 2: its output's width (unpadded_vocab_size, 200,058 by default) past the tiny embedding's rows would let a
+    # decoded token index past the embedding
+    "inkling2_text": dict(unpadded_vocab_size=128),
+    "inkling2_loop_text": dict(unpadded_vocab_size=128),
     "mamba2": dict(num_heads=8, head_dim=8, state_size=8, n_groups=1, expand=2, conv_kernel=4),
     "reformer": dict(axial_pos_embds_dim=[16, 16], axial_pos_shape=[16, 16], attention_head_size=8,
                      feed_forward_size=64),
