@@ -6,7 +6,9 @@ assistant models.
   the format's definition (``drafts.eagle``'s docstring: fc over the target's hidden states 2, L // 2, L - 3, a
   midlayer over [input_layernorm(embedding), hidden_norm(g)], lm_head(norm(h)) mapped by d2t), at the prompt and at
   a drafted slot that reads the head's own output.
-* It runs chains and trees through the engine (greedy = the target's greedy) and is lossless at T = 1.
+* It runs chains and trees through the engine (greedy = the target's greedy) and is lossless at T = 1; on targets
+  with recurrent layers (Qwen3.5, Mamba, Falcon-H1: the same hidden size and vocabulary) its greedy chains give the
+  target's tokens in the growing loop and in captured steps (``models.static_states``).
 * The same for an EAGLE-1/2 head (two layers, fc with a bias, the target's head on the output).
 * A wrong tensor name or shape is refused with the name; an unknown directory layout in one line.
 * Saved again in the layout, it loads to the same logits.
@@ -29,6 +31,8 @@ from specresearch.drafts.registry import (
 )
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.experiments.stats import lossless_test
+from specresearch.models.causal_lm import CausalLM
+from specresearch.models.families import tiny_recurrent_model
 from specresearch.models.toy import tiny_llama
 
 H, HEADS, KV, INTER, VOCAB, DRAFT_VOCAB, LAYERS = 32, 4, 2, 48, 64, 40, 8
@@ -608,3 +612,15 @@ def test_published_drafts_refuse_a_prompt_that_is_not_left_padded(tmp_path):
         draft.observe(torch.zeros(1, 3, draft.feature_size))
         with pytest.raises(ValueError, match="attention_mask must be left-padded"):
             draft.prefill(ids, right_padded)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "mamba", "falcon_h1"])
+def test_an_eagle3_head_drafts_for_a_recurrent_target_in_both_loops(tmp_path, family):
+    _checkpoint(tmp_path / "head")
+    target = CausalLM(tiny_recurrent_model(family))
+    draft = load_eagle3(target, tmp_path / "head")
+    prompts = [[5, 9, 3, 17, 22, 8], [7, 2, 11]]
+    want = autoregressive_generate(target, prompts, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0)).tokens
+    for compile in ("off", "static"):
+        assert speculative_generate(target, draft, prompts, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0),
+                                    gamma=3, compile=compile).tokens == want, compile
