@@ -14,16 +14,20 @@ attention, state spaces and short convolutions, which keep no slot per token.
   as are wrappers over a recurrent draft. The captured step is one graph, compiled (``aot_eager``) = eager at T = 1, and
   a warm-up gives back the kept states (``held_states``; left out, the check fails); a runner asks for its state when
   it prepares the step, after the prefill has made the recurrent buffers.
+* The toolkit's feature head over a recurrent target (``drafts.feature.head_layer_config``: Qwen3.5's MLP and norms
+  copied from its last layer, not its gated attention; Mamba without attention heads gets one of 32 here): greedy
+  chains give the target's tokens in the growing loop and in captured steps.
 * T = 1: captured chains keep the target's law (exact Bonferroni test, false-positive rate <= 1e-6), a Qwen3.5 target
   with a Llama draft and the reverse; seeded runs repeat.
 """
 
 import pytest
 import torch
-from helpers import check_captured_step, check_warm_up_gives_back
+from helpers import check_captured_step, check_warm_up_gives_back, feature_head
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.combined import LookupOrDraft
+from specresearch.drafts.feature import FeatureDraft, head_layer_config
 from specresearch.engine.captured import StepRunner
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
 from specresearch.engine.prompts import encode_prompts
@@ -146,6 +150,25 @@ def test_a_runner_asks_for_the_state_after_the_prefill_made_the_recurrent_buffer
     kept = {t.data_ptr() for t in run.target.held_states}
     assert kept and kept <= {t.data_ptr() for t in runner.state}
     assert not kept & {t.data_ptr() for t in early}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "mamba", "zamba"])
+def test_the_toolkits_feature_head_drafts_for_a_recurrent_target_in_both_loops(family):
+    target = CausalLM(tiny_recurrent_model(family))
+    sizes = head_layer_config(target.model.config)
+    head = feature_head(target.model)
+    if family == "mamba":  # no attention heads: one head as wide as the model (64 wide heads, at least one)
+        assert (sizes.num_attention_heads, sizes.head_dim, sizes.rms_norm_eps) == (1, 32, target.model.config.layer_norm_epsilon)
+    if family == "qwen3_5_text":  # its last layer's MLP copied (before the noise feature_head adds), not its attention
+        last = target.model.model.layers[-1]
+        copied = type(head)(target.model, head.config, seed=1).layers[0]
+        assert torch.equal(copied.mlp.down_proj.weight, last.mlp.down_proj.weight.float())
+        assert copied.self_attn.q_proj.weight.shape != last.self_attn.q_proj.weight.shape  # gated: twice as wide
+    draft = FeatureDraft(head)
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=12, sampling=GREEDY).tokens
+    for compile in ("off", "static"):
+        assert speculative_generate(target, draft, PROMPTS, max_new_tokens=12, sampling=GREEDY, gamma=3,
+                                    compile=compile).tokens == want, compile
 
 
 def test_captured_chains_on_recurrent_models_keep_the_targets_law_and_repeat_with_a_seed():

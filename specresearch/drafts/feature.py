@@ -31,6 +31,7 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ __all__ = [
     "FeatureHeadConfig",
     "FEATURE_PRESETS",
     "FeatureHead",
+    "head_layer_config",
     "build_feature_head",
     "rollout",
     "FeatureDraft",
@@ -140,6 +142,23 @@ FEATURE_PRESETS = {
 # The head
 
 
+def head_layer_config(text):
+    """The sizes of a head's Llama-style layer (``feature_draft.DecoderLayer``) for a target's text config: the
+    target's own attention sizes, or for a target without attention heads (Mamba, Falcon-Mamba: state spaces only)
+    heads of 64 wide (one head below 64), an MLP of the config's ``intermediate_size`` (4 H without one) and its norm's
+    epsilon (``layer_norm_epsilon`` where it has no ``rms_norm_eps``)."""
+    hidden = text.hidden_size
+    heads = getattr(text, "num_attention_heads", None) or max(1, hidden // 64)
+    return SimpleNamespace(
+        hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or hidden // heads,
+        intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
+        rms_norm_eps=getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_epsilon", None) or 1e-6,
+        attention_bias=bool(getattr(text, "attention_bias", False)), mlp_bias=bool(getattr(text, "mlp_bias", False)),
+        rope_theta=rope_base(text))
+
+
 class FeatureHead(torch.nn.Module):
     """The trained part of a feature draft over a frozen transformers target (module docstring).
 
@@ -162,7 +181,8 @@ class FeatureHead(torch.nn.Module):
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         self.feature_layers = tuple(i % self.num_hidden_states for i in config.feature_layers)
         self.feature_size = len(self.feature_layers) * H
-        head_dim = getattr(text, "head_dim", None) or H // text.num_attention_heads
+        text = head_layer_config(text)
+        head_dim = text.head_dim
         self.register_buffer("inv_freq", 1.0 / rope_base(text) ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
         self._frozen = {"embedding": target.get_input_embeddings(), "head": target.get_output_embeddings()}
         with torch.random.fork_rng(devices=[]):
@@ -180,7 +200,9 @@ class FeatureHead(torch.nn.Module):
 
     @torch.no_grad()
     def _init_from_target(self, target) -> None:
-        """fc starts as ``g + embedding``; layers as a copy of the target's ``init_layer``; the norm as the target's."""
+        """fc starts as ``g + embedding``; layers as a copy of the target's ``init_layer`` (its tensors of the head
+        layer's names and shapes: all of a Llama-style layer, the MLP and norms of Qwen3.5's gated attention, none of
+        a Mamba mixer's); the norm as the target's."""
         H = self.hidden_size
         self.fc.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1))
         self.fc.bias.zero_()
@@ -190,8 +212,10 @@ class FeatureHead(torch.nn.Module):
         decoder = target.get_decoder()
         if self.config.init_layer is not None and hasattr(decoder, "layers"):
             source = decoder.layers[self.config.init_layer].state_dict()
-            for layer in self.layers:
-                layer.load_state_dict({k: v.float() for k, v in source.items()}, strict=True)
+            for layer in self.layers:  # every tensor of the same name and shape (all of a Llama-style layer's)
+                own = layer.state_dict()
+                layer.load_state_dict({k: v.float() for k, v in source.items()
+                                       if k in own and own[k].shape == v.shape}, strict=False)
         norm = getattr(decoder, "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == self.norm.weight.shape:
             self.norm.weight.copy_(norm.weight.float())
