@@ -13,7 +13,8 @@ attention, state spaces and short convolutions, which keep no slot per token.
   autoregressive decoding give the growing loop's tokens (eight families); trees are refused (``static_available``),
   as are wrappers over a recurrent draft. The captured step is one graph, compiled (``aot_eager``) = eager at T = 1, and
   a warm-up gives back the kept states (``held_states``; left out, the check fails); a runner asks for its state when
-  it prepares the step, after the prefill has made the recurrent buffers.
+  it prepares the step, after the prefill has made the recurrent buffers; inductor's compiled steps (Qwen3.5) decode
+  as the eager ones, their first run included.
 * The toolkit's feature head over a recurrent target (``drafts.feature.head_layer_config``: Qwen3.5's MLP and norms
   copied from its last layer, not its gated attention; Mamba without attention heads gets one of 32 here): greedy
   chains give the target's tokens in the growing loop and in captured steps.
@@ -129,6 +130,19 @@ def test_a_captured_recurrent_step_is_one_graph_compiled_as_eager_and_its_warm_u
     llama = tiny_llama(64, seed=1, init_std=0.5)
     check_captured_step(target, llama, PROMPTS, dict(gamma=3))  # the target recurrent
     check_captured_step(llama, target, PROMPTS, dict(gamma=2))  # the draft recurrent
+
+
+def test_inductor_compiles_recurrent_steps_that_decode_as_the_eager_ones():
+    """``compile="inductor"`` (the CPU's compiled mode): its first run, which warms the step up, gives the greedy
+    tokens (the runner asked for its state before the prefill decoded others), and at T = 1 the eager static run's."""
+    llama = tiny_llama(64, seed=1, init_std=0.5)
+    target = CausalLM(tiny_recurrent_model("qwen3_5_text"))
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=12, sampling=GREEDY).tokens
+    assert speculative_generate(target, llama, PROMPTS, max_new_tokens=12, sampling=GREEDY, gamma=3,
+                                compile="inductor").tokens == want
+    runs = [speculative_generate(target, llama, PROMPTS, max_new_tokens=12, seed=7, gamma=3, compile=mode).tokens
+            for mode in ("static", "inductor")]
+    assert runs[0] == runs[1]
 
 
 def test_control_a_warm_up_that_leaves_the_kept_states_out_changes_the_run(monkeypatch):
