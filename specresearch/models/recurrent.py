@@ -358,21 +358,12 @@ def static_cache_base(model):
 
 @functools.cache
 def _minimax_static_cache():
+    """:func:`_minimax_cache`'s class over given layers (the static form's) instead of its config's."""
     from transformers.cache_utils import Cache
-    from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
-    class StaticMiniMaxCache(MiniMaxCache):
+    class StaticMiniMaxCache(_minimax_cache()):
         def __init__(self, layers):
             Cache.__init__(self, layers=layers)
             self.linear_cache = []
-
-        def get_linear_cache(self, layer_idx: int):
-            layer = self.layers[layer_idx]
-            return layer.recurrent_states[0] if layer.has_previous_state[0] else None
-
-        def set_linear_cache(self, layer_idx: int, linear_cache) -> None:
-            self.layers[layer_idx].update_recurrent_state(linear_cache)
-
-        __len__ = Cache.__len__
 
     return StaticMiniMaxCache
