@@ -292,6 +292,7 @@ def static_kv_cache(num_layers: int, batch: int, capacity: int, kinds=None, span
 
     made = {"attention": lambda states: _Layer(), "states": _States, "both": _Both}
     kinds = kinds or [("attention", 0)] * num_layers
+
     class _Static(base or Cache):
         def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
             return capacity, 0  # every layer's, recurrent ones too (a model of recurrent layers only asks them)

@@ -15,11 +15,12 @@ then those written since. :meth:`StaticStateLayer.commit` keeps ``n [B]`` of the
 (a chain's gamma + 1); a call past it is refused.
 
 A call hands its layers a copy of the state it starts from (``work``), since some scans update the state they are
-given in place (Zamba's one-token scan does). Models whose layers record one state a call (:data:`~specresearch.models.recurrent.ONE_TOKEN_CALLS`)
-are fed one token a call by :class:`~specresearch.models.static_lm.StaticCausalLM`. The prompt runs through the
-growing cache (:class:`~specresearch.models.causal_lm.CausalLM`, whose per-family masks and padding rules it keeps)
-and its states are loaded here (:meth:`StaticStateLayer.load`). A draft tree's nodes are not one sequence: the static
-form scores chains only (trees stay the growing loop's, path by path).
+given in place (Zamba's one-token scan does). Models whose layers record one state a call
+(:data:`~specresearch.models.recurrent.ONE_TOKEN_CALLS`) are fed one token a call by
+:class:`~specresearch.models.static_lm.StaticCausalLM`. The prompt runs through the growing cache
+(:class:`~specresearch.models.causal_lm.CausalLM`, whose per-family masks and padding rules it keeps) and its states
+are loaded here (:meth:`StaticStateLayer.load`). A draft tree's nodes are not one sequence: the static form scores
+chains only (trees stay the growing loop's, path by path).
 """
 
 from __future__ import annotations
