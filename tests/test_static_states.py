@@ -11,7 +11,8 @@ attention, state spaces and short convolutions, which keep no slot per token.
   block reading validity off the static mask.
 * Through the engine (``compile="static"``): greedy chains with a Llama draft, with the model as its own draft, and
   autoregressive decoding give the growing loop's tokens (eight families); trees are refused (``static_available``),
-  as are wrappers over a recurrent draft. The captured step is one graph, compiled (``aot_eager``) = eager at T = 1, and
+  with a recurrent model behind prompt lookup or a dial draft too, whose chains run captured (one graph, compiled =
+  eager, the warm-up giving back the wrapped model's states). The captured step is one graph, compiled (``aot_eager``) = eager at T = 1, and
   a warm-up gives back the kept states (``held_states``; left out, the check fails); a runner asks for its state when
   it prepares the step, after the prefill has made the recurrent buffers; inductor's compiled steps (Qwen3.5) decode
   as the eager ones, their first run included.
@@ -28,6 +29,7 @@ from helpers import check_captured_step, check_warm_up_gives_back, feature_head
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.combined import LookupOrDraft
+from specresearch.drafts.dial import DialDraft
 from specresearch.drafts.feature import FeatureDraft, head_layer_config
 from specresearch.engine.captured import StepRunner
 from specresearch.engine.generate import autoregressive_generate, speculative_generate
@@ -122,7 +124,27 @@ def test_trees_and_wrappers_over_a_recurrent_model_are_refused():
     with pytest.raises(ValueError, match="scores chains, not trees"):
         static_generate(target, llama, PROMPTS, plan=StaticPlan("tree", "onehot", 2, 2, 4, "dynamic"), max_new_tokens=4,
                         sampling=GREEDY)
-    assert "recurrent layers" in LookupOrDraft(target).static_refusal
+    for wrapper in (LookupOrDraft(target), DialDraft(target, "temperature", 1.5)):  # chains captured, trees refused
+        assert wrapper.static_refusal is None and static_available(llama, wrapper) is None
+        assert "recurrent layers" in static_available(llama, wrapper, num_drafts=2, verifier="traversal")
+
+
+@pytest.mark.parametrize("wrap", ["lookup", "dial mix", "dial temperature"])
+def test_prompt_lookup_and_dial_drafts_over_recurrent_models_run_captured_chains(wrap):
+    """The wrappers hand their recurrent models the run's span and their kept states to the warm-up: greedy chains
+    give the target's tokens, the step is one graph, compiled = eager, its warm-up gives back what it changes."""
+    qwen = CausalLM(tiny_recurrent_model("qwen3_5_text"))
+    llama = tiny_llama(64, seed=1, init_std=0.5)
+    if wrap == "lookup":  # a recurrent draft behind prompt lookup, for a Llama target
+        target, draft = llama, LookupOrDraft(qwen, draft_gamma=None)
+    elif wrap == "dial mix":  # the recurrent target mixed with a Llama
+        target, draft = qwen, DialDraft(CausalLM(qwen.model, device="cpu"), "mix", 0.5, llama)
+    else:
+        target, draft = qwen, DialDraft(CausalLM(qwen.model, device="cpu"), "temperature", 1.5)
+    want = autoregressive_generate(target, PROMPTS, max_new_tokens=12, sampling=GREEDY).tokens
+    assert speculative_generate(target, draft, PROMPTS, max_new_tokens=12, sampling=GREEDY, gamma=3,
+                                compile="static").tokens == want
+    check_captured_step(target, draft, PROMPTS, dict(gamma=3))
 
 
 def test_a_captured_recurrent_step_is_one_graph_compiled_as_eager_and_its_warm_up_gives_back_the_states():

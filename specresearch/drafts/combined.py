@@ -97,9 +97,12 @@ class LookupOrDraft:
         """Why this draft has no static form (the wrapped draft has none), or None."""
         if not hasattr(self.draft, "static_form"):
             return f"prompt lookup over {type(self.draft).__name__}, which has no static form"
-        if getattr(self.draft, "recurrent", False):  # its kept states would need the wrapper's span and warm-up
-            return f"prompt lookup over {type(self.draft.model).__name__}, which has recurrent layers"
         return getattr(self.draft, "static_refusal", None)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the wrapped draft has recurrent layers (its captured steps then draft chains only)."""
+        return bool(getattr(self.draft, "recurrent", False))
 
     def static_form(self) -> "StaticLookupOrDraft":
         """Prompt lookup and the wrapped draft's static form in the engine's captured steps (:class:`StaticLookupOrDraft`)."""
@@ -229,8 +232,21 @@ class StaticLookupOrDraft:
         if hasattr(self.inner, "bind"):
             self.inner.bind(target)
 
-    def allocate(self, batch: int, capacity: int) -> None:
-        self.inner.allocate(batch, capacity)
+    @property
+    def recurrent(self) -> bool:
+        return bool(getattr(self.inner, "recurrent", False))
+
+    @property
+    def held_states(self) -> list[torch.Tensor]:
+        """The wrapped draft's kept recurrent states (``models.static_lm.StaticCausalLM.held_states``), if any."""
+        return list(getattr(self.inner, "held_states", []))
+
+    def allocate(self, batch: int, capacity: int, span: int | None = None) -> None:
+        """``span``: for a wrapped draft with recurrent layers, the most tokens written between two commits."""
+        if self.recurrent:
+            self.inner.allocate(batch, capacity, span=span)
+        else:
+            self.inner.allocate(batch, capacity)
         self.looker.allocate(batch, capacity)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

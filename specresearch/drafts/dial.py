@@ -104,9 +104,12 @@ class DialDraft:
         None."""
         if self.other is not None and (not hasattr(self.other, "static_form") or hasattr(self.other, "feature_layers")):
             return f"a dial mix with {type(self.other).__name__}, which has no whole-model static form"
-        if any(getattr(model, "recurrent", False) for model in self._models()):  # their kept states: not held here
-            return "a dial draft over a model with recurrent layers"
         return getattr(self.base, "static_refusal", None) or getattr(self.other, "static_refusal", None)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether a model it mixes has recurrent layers (its captured steps then draft chains only)."""
+        return any(getattr(model, "recurrent", False) for model in self._models())
 
     def static_form(self) -> "StaticDialDraft":
         """This draft in the engine's captured steps (:class:`StaticDialDraft`)."""
@@ -145,9 +148,22 @@ class StaticDialDraft:
         """Each model's rows: every extent a step changes (``engine.static``'s small state)."""
         return [r for model in self.models for r in getattr(model, "held_rows", [model.rows])]
 
-    def allocate(self, batch: int, capacity: int) -> None:
+    @property
+    def recurrent(self) -> bool:
+        return any(getattr(model, "recurrent", False) for model in self.models)
+
+    @property
+    def held_states(self) -> list[torch.Tensor]:
+        """Each model's kept recurrent states (``models.static_lm.StaticCausalLM.held_states``), if any."""
+        return [t for model in self.models for t in getattr(model, "held_states", [])]
+
+    def allocate(self, batch: int, capacity: int, span: int | None = None) -> None:
+        """``span``: for models with recurrent layers, the most tokens written between two commits."""
         for model in self.models:
-            model.allocate(batch, capacity)
+            if getattr(model, "recurrent", False):
+                model.allocate(batch, capacity, span=span)
+            else:
+                model.allocate(batch, capacity)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0):
         outs = [model.prefill(input_ids, attention_mask, leave=leave)[0] for model in self.models]
