@@ -6,6 +6,8 @@ attention, state spaces and short convolutions, which keep no slot per token.
   LFM2, Zamba2, Zamba, Zaya, MiniMax (its own cache class), RecurrentGemma, Inkling 1 / 2 / 2-loop) scores
   ``models.probe.static_chain_calls`` as uncached forwards do (two left-padded rows, a chain kept to different counts
   per row, a draft's one-token calls kept across them, a chain after), within the probe's tolerance.
+* A prompt of one token (nothing before the first step) starts from cleared states (the control keeps the first
+  token's and decodes otherwise).
 * Controls, each a mutation that must fail: a call handed the kept state itself (Zamba's one-token scan updates it in
   place), one count kept for every row (Qwen3.5, Mamba), Zamba's unrecorded one-token state left out, RecurrentGemma's
   block reading validity off the static mask.
@@ -109,6 +111,20 @@ def test_captured_greedy_chains_on_a_recurrent_target_give_its_tokens(family):
     want = autoregressive_generate(llama, PROMPTS, max_new_tokens=12, sampling=GREEDY).tokens
     assert speculative_generate(llama, target, PROMPTS, max_new_tokens=12, sampling=GREEDY, gamma=4,
                                 compile="static").tokens == want
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "mamba", "zamba", "recurrent_gemma"])
+def test_one_token_prompts_start_from_cleared_states(family, monkeypatch):
+    """A prompt of one token leaves nothing before the first step: the buffers are made from it and cleared."""
+    target = CausalLM(tiny_recurrent_model(family))
+    prompts = [[5], [9]]
+    want = autoregressive_generate(target, prompts, max_new_tokens=10, sampling=GREEDY).tokens
+    assert autoregressive_generate(target, prompts, max_new_tokens=10, sampling=GREEDY, compile="static").tokens == want
+    load = StaticStateLayer.load
+    monkeypatch.setattr(StaticStateLayer, "load", lambda layer, grown, clear=False: load(layer, grown))
+    if family == "qwen3_5_text":  # the control: the first token's states kept, and fed again by the first step
+        assert autoregressive_generate(target, prompts, max_new_tokens=10, sampling=GREEDY,
+                                       compile="static").tokens != want
 
 
 def test_trees_and_wrappers_over_a_recurrent_model_are_refused():

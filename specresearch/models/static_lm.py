@@ -168,13 +168,12 @@ class StaticCausalLM:
 
     def _prefill_states(self, input_ids, attention_mask, fed: int, hidden_layers):
         """A prompt of a model with recurrent layers: run through the growing cache (``CausalLM.prefill``, with its
-        per-family padding rules), its keys, values and states loaded into the static buffers."""
-        if fed <= 0:
-            raise ValueError(f"{type(self.model).__name__} has recurrent layers: its static form starts from a prefill "
-                             f"of at least one token, and a prompt of {input_ids.shape[1]} leaves none before the first "
-                             "step: give a longer prompt, or run the growing loop (compile='off')")
-        out = self.lm.prefill(input_ids[:, :fed].to(self.device), attention_mask[:, :fed].to(self.device),
-                              hidden_layers=hidden_layers)
+        per-family padding rules), its keys, values and states loaded into the static buffers (a prompt that leaves
+        nothing before the first step: buffers made from its first token, states cleared, nothing kept)."""
+        fed_ids, fed_mask = input_ids[:, :max(fed, 1)].to(self.device), attention_mask[:, :max(fed, 1)].to(self.device)
+        if fed <= 0:  # nothing before the first step: the buffers made from a prefill of the first token, then cleared
+            fed_mask = torch.ones_like(fed_mask)
+        out = self.lm.prefill(fed_ids, fed_mask, hidden_layers=hidden_layers)
         logits, hidden = out if hidden_layers is not None else (out, None)
         slots = self.rows.columns[None, :fed].expand(self.rows.batch, -1)
         grown_layers = self.lm.cache_layers()
@@ -187,8 +186,10 @@ class StaticCausalLM:
                     layer.lazy_initialization(grown.keys, grown.values)
                 layer.kv.write(slots, grown.keys, grown.values)
             if isinstance(layer, StaticStateLayer):
-                layer.load(grown)
+                layer.load(grown, clear=fed <= 0)  # no token kept: every state its initial zeros
         self.lm.reset(input_ids.shape[0])  # its growing cache's copy of the prompt is not needed past here
+        if fed <= 0:
+            return None, None
         self.rows.advance(fed)
         return logits, hidden
 

@@ -67,8 +67,9 @@ class StaticStateLayer:
         self.work: dict[int, torch.Tensor] = {}
         self.inputs: dict[int, torch.Tensor] = {}
 
-    def load(self, grown) -> None:
-        """The states a growing cache's layer ``grown`` (transformers', after a prefill) holds, as the kept ones."""
+    def load(self, grown, clear: bool = False) -> None:
+        """The states a growing cache's layer ``grown`` (transformers', after a prefill) holds, as the kept ones
+        (``clear``: buffers of their shapes, the kept states zeros, as before any token)."""
         for i in range(self.number_of_states):
             if grown.is_recurrent_states_initialized[i]:
                 state = grown.recurrent_states[i]
@@ -77,6 +78,8 @@ class StaticStateLayer:
                     self.work[i] = torch.zeros_like(state)
                     mark_static(self.held[i], self.work[i])
                 self.held[i][0].copy_(state)
+                if clear:
+                    self.held[i][0].zero_()
                 self.recurrent_states[i] = self.work[i]
                 self.is_recurrent_states_initialized[i] = True
             if grown.is_conv_states_initialized[i]:
@@ -86,7 +89,8 @@ class StaticStateLayer:
                     mark_static(self.inputs[i])
                 window = conv[..., -kernel:]
                 self.inputs[i].zero_()
-                self.inputs[i][..., kernel - window.shape[-1]: kernel].copy_(window)  # zeros before a short prompt
+                if not clear:
+                    self.inputs[i][..., kernel - window.shape[-1]: kernel].copy_(window)  # zeros before a short prompt
                 self.conv_kernel_size[i] = kernel
                 self.conv_states[i] = self.inputs[i][..., :kernel]
                 self.is_conv_states_initialized[i] = True
