@@ -166,7 +166,9 @@ class StaticModel(Protocol):
     A draft may define ``refeed(tokens, *, inputs)``: the engine re-feeds it the step's accepted tokens and next token
     through it (a block drafter runs its block there), its drafting calls then at ``offset = (d - 1) k`` for depth d.
     ``rows`` (``models.static_cache.StaticRows``): its extents, which a captured step's warm-up gives back; a model that
-    wraps others lists every one it changes as ``held_rows``.
+    wraps others lists every one it changes as ``held_rows``. A model with recurrent layers (``models.static_states``)
+    says ``recurrent`` (True: chains only, ``allocate(batch, capacity, span=)`` with the most tokens written between
+    two commits) and lists its kept states as ``held_states``, which the warm-up gives back too.
     """
 
     vocab_size: int

@@ -21,8 +21,9 @@ verification (the draft's ``gamma - 1`` one-token calls and the target's scoring
 A draft tree's nodes are not one sequence, and a recurrent layer reads every earlier token in order, so a tree call
 on such a model (:func:`score_tree_as_paths`) scores each root-to-leaf path as a chain, one row per path (the cache
 repeated: memory and compute times the number of paths), each node's logits read off a path through it, and the
-tree's end (:func:`end_tree_as_paths`) keeps a path holding the accepted nodes and rolls the rest back. ``CausalLM``
-refuses its static form (the captured steps' static caches hold no recurrent state). Sliding windows beside recurrent
+tree's end (:func:`end_tree_as_paths`) keeps a path holding the accepted nodes and rolls the rest back. The captured
+steps' static form keeps these states in fixed buffers, for chains (:mod:`specresearch.models.static_states`:
+:func:`recurrent_kinds`, :func:`static_cache_base`). Sliding windows beside recurrent
 layers (Lara mini) are masked by the wrapper, over the full attention layers :func:`recurrent_cache` puts where the
 config names sliding ones.
 Padding reaches a recurrent layer as the 2-D mask of the call's tokens, which zeroes a left-padded prompt's pad
