@@ -14,10 +14,11 @@ attention, state spaces and short convolutions, which keep no slot per token.
 * Through the engine (``compile="static"``): greedy chains with a Llama draft, with the model as its own draft, and
   autoregressive decoding give the growing loop's tokens (eight families); trees are refused (``static_available``),
   with a recurrent model behind prompt lookup or a dial draft too, whose chains run captured (one graph, compiled =
-  eager, the warm-up giving back the wrapped model's states). The captured step is one graph, compiled (``aot_eager``) = eager at T = 1, and
-  a warm-up gives back the kept states (``held_states``; left out, the check fails); a runner asks for its state when
-  it prepares the step, after the prefill has made the recurrent buffers; inductor's compiled steps (Qwen3.5) decode
-  as the eager ones, their first run included.
+  eager, the warm-up giving back the wrapped model's states). The captured step is one graph, compiled
+  (``aot_eager``) = eager at T = 1, and a warm-up gives back the kept states (``held_states``; left out, the check
+  fails); a step reads the host once (the target or the draft recurrent, one row or two); a runner asks for its state
+  when it prepares the step, after the prefill has made the recurrent buffers; inductor's compiled steps (Qwen3.5)
+  decode as the eager ones, their first run included.
 * The toolkit's feature head over a recurrent target (``drafts.feature.head_layer_config``: Qwen3.5's MLP and norms
   copied from its last layer, not its gated attention; Mamba without attention heads gets one of 32 here): greedy
   chains give the target's tokens in the growing loop and in captured steps.
@@ -27,7 +28,7 @@ attention, state spaces and short convolutions, which keep no slot per token.
 
 import pytest
 import torch
-from helpers import check_captured_step, check_warm_up_gives_back, feature_head
+from helpers import check_captured_step, check_warm_up_gives_back, feature_head, reads_per_step
 
 from specresearch.config import SamplingConfig
 from specresearch.drafts.combined import LookupOrDraft
@@ -182,6 +183,18 @@ def test_inductor_compiles_recurrent_steps_that_decode_as_the_eager_ones():
     runs = [speculative_generate(target, llama, PROMPTS, max_new_tokens=12, seed=7, gamma=3, compile=mode).tokens
             for mode in ("static", "inductor")]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_captured_recurrent_step_reads_the_host_once(rows):
+    """Every read a step makes (``engine.timing.HostReads``, long minus short run): one, the target recurrent and the
+    draft recurrent, at T = 1, rows ending at different steps."""
+    qwen = CausalLM(tiny_recurrent_model("qwen3_5_text"))
+    llama = tiny_llama(64, seed=1, init_std=0.5)
+    for target, draft in ((qwen, llama), (llama, qwen)):
+        def run(n, target=target, draft=draft):
+            return speculative_generate(target, draft, PROMPTS[:rows], max_new_tokens=n, gamma=3, compile="static")
+        assert reads_per_step(run, (8, 24))["all"] == 1.0
 
 
 def test_control_a_warm_up_that_leaves_the_kept_states_out_changes_the_run(monkeypatch):
