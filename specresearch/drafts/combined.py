@@ -9,6 +9,7 @@ from specresearch.checks import check_int
 from specresearch.drafts.ngram import NGramDraft
 from specresearch.models.slots import SlotMask, rollback_counts
 from specresearch.models.static_cache import StaticRows
+from specresearch.models.static_states import allocate_form
 
 __all__ = ["LookupOrDraft", "StaticLookupOrDraft"]
 
@@ -243,10 +244,7 @@ class StaticLookupOrDraft:
 
     def allocate(self, batch: int, capacity: int, span: int | None = None) -> None:
         """``span``: for a wrapped draft with recurrent layers, the most tokens written between two commits."""
-        if self.recurrent:
-            self.inner.allocate(batch, capacity, span=span)
-        else:
-            self.inner.allocate(batch, capacity)
+        allocate_form(self.inner, batch, capacity, span)
         self.looker.allocate(batch, capacity)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

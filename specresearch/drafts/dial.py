@@ -28,6 +28,7 @@ import math
 import torch
 
 from specresearch.models.causal_lm import CausalLM
+from specresearch.models.static_states import allocate_form
 
 __all__ = ["COSTS_TARGET_FORWARD", "DIAL_KINDS", "DialDraft", "StaticDialDraft", "dial_draft_from_name", "is_dial_name"]
 
@@ -160,10 +161,7 @@ class StaticDialDraft:
     def allocate(self, batch: int, capacity: int, span: int | None = None) -> None:
         """``span``: for models with recurrent layers, the most tokens written between two commits."""
         for model in self.models:
-            if getattr(model, "recurrent", False):
-                model.allocate(batch, capacity, span=span)
-            else:
-                model.allocate(batch, capacity)
+            allocate_form(model, batch, capacity, span)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, leave: int = 0):
         outs = [model.prefill(input_ids, attention_mask, leave=leave)[0] for model in self.models]

@@ -60,6 +60,7 @@ from specresearch.engine.static_trees import CAPTURED_TREE_RULES, draft_tree, tr
 from specresearch.engine.steps import StepChecks, StepRecord
 from specresearch.engine.timing import clock
 from specresearch.models.protocols import BindsTarget, HasStaticForm, PlansLength, StaticFeatureModel
+from specresearch.models.static_states import allocate_form
 
 __all__ = ["CAPACITY_STEP", "SESSIONS_KEPT", "StaticPlan", "static_available", "static_generate", "build_run", "start_run",
            "cache_capacity", "runner_mode", "capture_refusal", "plan_for"]
@@ -463,10 +464,8 @@ def build_run(target, draft, *, plan: StaticPlan, sampling: SamplingConfig, batc
     state = _State(plan, batch, device, static_draft.feature_size if reads else 0, steps_per_read,
                    torch.tensor(sorted(eos), dtype=torch.long))
     for form, slots in ((static_target, capacity[0]), (static_draft, capacity[1])):
-        if getattr(form, "recurrent", False):  # recurrent layers record the tokens written between two commits
-            form.allocate(batch, slots, span=max(plan.width, plan.refeed))
-        elif form is not None:
-            form.allocate(batch, slots)
+        if form is not None:  # recurrent layers record the tokens written between two commits: span
+            allocate_form(form, batch, slots, span=max(plan.width, plan.refeed))
     return _Run(plan, sampling, static_target, static_draft, state)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SPAN", "StateCall", "StaticStateLayer", "mark_static", "state_layer_class"]
+__all__ = ["SPAN", "StateCall", "StaticStateLayer", "mark_static", "state_layer_class", "allocate_form"]
 
 SPAN = 16  # tokens written between two commits, by default (a chain of gamma <= 15)
 
@@ -38,6 +38,15 @@ def mark_static(*tensors: torch.Tensor) -> None:
     if not torch.compiler.is_compiling():
         for tensor in tensors:
             torch._dynamo.mark_static_address(tensor)
+
+
+def allocate_form(form, batch: int, capacity: int, span: int | None) -> None:
+    """``form.allocate(batch, capacity)`` for a static form (``models.protocols.StaticModel``), with ``span`` where the
+    form is ``recurrent`` (the most tokens written between two commits: its states' records)."""
+    if getattr(form, "recurrent", False):
+        form.allocate(batch, capacity, span=span)
+    else:
+        form.allocate(batch, capacity)
 
 
 class StateCall:
